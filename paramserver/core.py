@@ -1,0 +1,646 @@
+"""The shard's state machine, with no I/O: every consistency rule lives here once.
+
+``ShardCore`` holds one shard's parameter slices as torch tensors and a
+torch.optim optimizer over them, the shard's ``version`` (optimizer steps
+applied), every worker's ``clock`` (pushes completed) and liveness, and the
+rules of the three modes:
+
+* ``sync`` (BSP): a round at version v closes when every live worker has
+  pushed a gradient read at v (or all but ``backup_workers``); one optimizer
+  step with the sample-weighted mean ``sum(n_i w_i g_i) / sum(n_i)``. A pull by
+  a worker that contributed to the open round waits for the round to close.
+* ``async`` (ASP): every accepted push is its own optimizer step.
+* ``ssp``: as async, plus a pull by a worker at clock c is answered only when
+  ``c - min(clock of live workers) <= staleness_bound``.
+
+Time is an argument (``now``, seconds), never read from a clock, so the same
+core runs under the socket server, in unit tests and in a virtual-time
+simulator. Waiting is expressed as parked pull *tokens*; after any event the
+driver calls :meth:`ShardCore.ready_pulls` and answers what it returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import Counter
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from .dtypes import FLOAT_DTYPES
+from .errors import ConfigError, ErrorCode, ProtocolError
+from .optim import build_optimizer, build_scheduler
+from .staleness import Decision, NoPolicy, StalenessPolicy, UpdateInfo
+
+__all__ = [
+    "MODES",
+    "CoreConfig",
+    "ModeSpec",
+    "PullReply",
+    "PushOutcome",
+    "ShardCore",
+    "SliceSpec",
+    "WorkerState",
+]
+
+log = logging.getLogger(__name__)
+
+Mode = Literal["sync", "async", "ssp"]
+MODES: tuple[str, ...] = ("sync", "async", "ssp")
+
+DTYPES = FLOAT_DTYPES
+
+
+@dataclass(frozen=True)
+class ModeSpec:
+    """Which consistency model a shard enforces."""
+
+    mode: str = "async"
+    staleness_bound: int = 0  # ssp: s
+    backup_workers: int = 0  # sync: b, the slowest b gradients of a round are dropped
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"mode must be one of {', '.join(MODES)}; got {self.mode!r}")
+        if self.staleness_bound < 0:
+            raise ConfigError(f"staleness bound must be >= 0, got {self.staleness_bound}")
+        if self.backup_workers < 0:
+            raise ConfigError(f"backup workers must be >= 0, got {self.backup_workers}")
+        if self.backup_workers and self.mode != "sync":
+            raise ConfigError("backup workers only apply to sync mode")
+
+    def describe(self) -> str:
+        if self.mode == "ssp":
+            return f"ssp(s={self.staleness_bound})"
+        if self.mode == "sync" and self.backup_workers:
+            return f"sync(b={self.backup_workers})"
+        return self.mode
+
+
+@dataclass(frozen=True)
+class SliceSpec:
+    """What the core needs to know of one slice it owns (see sharding.Slice)."""
+
+    key: str
+    numel: int
+    dtype: str
+
+
+@dataclass(frozen=True)
+class CoreConfig:
+    shard: int = 0
+    mode: ModeSpec = field(default_factory=ModeSpec)
+    optimizer: str = "sgd"
+    optimizer_args: Mapping[str, Any] = field(default_factory=lambda: {"lr": 0.1})
+    scheduler: str | None = None
+    scheduler_args: Mapping[str, Any] = field(default_factory=dict)
+    expected_workers: int = 1  # training starts when this many workers have registered
+    heartbeat_timeout: float = 10.0  # seconds without a sign of life before a worker is dead
+    check_finite: bool = True
+
+    def __post_init__(self) -> None:
+        if self.expected_workers < 1:
+            raise ConfigError(f"expected workers must be >= 1, got {self.expected_workers}")
+        if not self.heartbeat_timeout > 0:
+            raise ConfigError(f"heartbeat timeout must be > 0, got {self.heartbeat_timeout}")
+        if self.mode.backup_workers >= self.expected_workers:
+            raise ConfigError(
+                f"backup workers ({self.mode.backup_workers}) must be fewer than the "
+                f"expected workers ({self.expected_workers})"
+            )
+
+
+@dataclass
+class WorkerState:
+    """What one shard knows of one worker."""
+
+    worker: int
+    incarnation: str
+    last_seen: float
+    clock: int = 0
+    live: bool = True
+    finished: bool = False
+    pushes: int = 0  # pushes decided (duplicates excluded)
+    applied: int = 0
+    rejected: Counter[str] = field(default_factory=Counter)
+    downweighted: int = 0
+    weight_sum: float = 0.0
+    staleness: Counter[int] = field(default_factory=Counter)
+    last_push_id: int = -1
+    last_outcome: PushOutcome | None = None
+    pulls: int = 0
+    deferred_pulls: int = 0
+    wait_seconds: float = 0.0
+    deaths: int = 0
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "worker": self.worker,
+            "clock": self.clock,
+            "live": self.live,
+            "finished": self.finished,
+            "pushes": self.pushes,
+            "applied": self.applied,
+            "rejected": dict(self.rejected),
+            "downweighted": self.downweighted,
+            "mean_weight": self.weight_sum / self.applied if self.applied else 0.0,
+            "staleness": {str(k): v for k, v in sorted(self.staleness.items())},
+            "pulls": self.pulls,
+            "deferred_pulls": self.deferred_pulls,
+            "wait_seconds": self.wait_seconds,
+            "deaths": self.deaths,
+        }
+
+
+@dataclass(frozen=True)
+class PushOutcome:
+    """The core's answer to one push; sent back to the worker."""
+
+    accepted: bool
+    weight: float
+    reason: str
+    staleness: int
+    version: int  # the shard version after handling the push
+    applied: bool  # an optimizer step happened because of this push
+    duplicate: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "accepted": self.accepted,
+            "weight": self.weight,
+            "reason": self.reason,
+            "staleness": self.staleness,
+            "version": self.version,
+            "applied": self.applied,
+            "duplicate": self.duplicate,
+        }
+
+
+@dataclass(frozen=True)
+class PullReply:
+    worker: int
+    token: Hashable
+    version: int
+    clock: int
+    waited: float
+
+
+@dataclass
+class _PendingPull:
+    worker: int
+    clock: int
+    token: Hashable
+    since: float
+    observer: bool = False
+
+
+class ShardCore:
+    """One shard's parameters, optimizer and consistency rules. No sockets, no msgpack."""
+
+    def __init__(
+        self,
+        slices: Sequence[SliceSpec],
+        config: CoreConfig | None = None,
+        policy: StalenessPolicy | None = None,
+    ) -> None:
+        self.config = config or CoreConfig()
+        self.mode = self.config.mode
+        self.policy = policy or NoPolicy()
+        self.specs: dict[str, SliceSpec] = {}
+        for spec in slices:
+            if spec.dtype not in DTYPES:
+                raise ConfigError(f"slice {spec.key!r}: dtype {spec.dtype!r} not in {list(DTYPES)}")
+            if spec.key in self.specs:
+                raise ConfigError(f"duplicate slice key {spec.key!r}")
+            self.specs[spec.key] = spec
+        self.params: dict[str, torch.Tensor] = {
+            s.key: torch.zeros(s.numel, dtype=DTYPES[s.dtype]) for s in self.specs.values()
+        }
+        self.optimizer = build_optimizer(
+            self.config.optimizer, list(self.params.values()), self.config.optimizer_args
+        )
+        self.scheduler = build_scheduler(
+            self.config.scheduler, self.optimizer, self.config.scheduler_args
+        )
+        self.version = 0
+        self.initialized = False
+        self.started = False  # the start barrier: expected_workers registered once
+        self.workers: dict[int, WorkerState] = {}
+        self._pending: list[_PendingPull] = []
+        # sync round state: contributors of the open round and the running sums
+        self._round: set[int] = set()
+        self._round_samples = 0
+        self._agg: dict[str, torch.Tensor] = {}
+        self._read_weights: dict[int, dict[str, torch.Tensor]] = {}
+        self.max_answered_gap = 0  # largest clock gap at which a pull was answered
+        self.rounds_dropped = 0  # sync rounds closed with nothing to apply
+
+    # ------------------------------------------------------------------ membership
+
+    def register(self, worker: int, incarnation: str, now: float) -> WorkerState:
+        """A worker says HELLO. Returns its state (its ``clock`` is where it resumes).
+
+        A new incarnation of a live worker is refused while the old one still
+        shows signs of life (two processes with one id); once it has gone
+        quiet the newcomer takes over, at the current minimum live clock.
+        """
+        if worker < 0:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"worker id must be >= 0, got {worker}")
+        state = self.workers.get(worker)
+        if state is None:
+            state = WorkerState(worker, incarnation, now, clock=self._rejoin_clock(0))
+            self.workers[worker] = state
+        elif state.incarnation != incarnation:
+            quiet_for = now - state.last_seen
+            if state.live and not state.finished and quiet_for <= self.config.heartbeat_timeout:
+                raise ProtocolError(
+                    ErrorCode.DUPLICATE_WORKER,
+                    f"worker {worker} is already registered by another process, last heard "
+                    f"{quiet_for:.1f}s ago; retry after the heartbeat timeout "
+                    f"({self.config.heartbeat_timeout:g}s) or use another worker id",
+                )
+            self._drop_pending(worker)
+            state.incarnation = incarnation
+            state.last_push_id = -1
+            state.last_outcome = None
+            state.live, state.finished = True, False
+            state.last_seen = now
+            state.clock = self._rejoin_clock(state.clock, exclude=worker)
+            log.info("worker %d rejoined at clock %d", worker, state.clock)
+        else:
+            state.last_seen = now
+            if not state.live or state.finished:
+                state.live, state.finished = True, False
+                state.clock = self._rejoin_clock(state.clock, exclude=worker)
+        if not self.started and len(self.workers) >= self.config.expected_workers:
+            self.started = True
+        return state
+
+    def _rejoin_clock(self, own: int, exclude: int | None = None) -> int:
+        clocks = [w.clock for w in self._live() if w.worker != exclude]
+        return max(own, min(clocks)) if clocks else own
+
+    def heartbeat(self, worker: int, now: float) -> None:
+        state = self._known(worker)
+        state.last_seen = now
+        if not state.live and not state.finished:
+            # a worker declared dead spoke again: it is back, at the minimum clock
+            state.live = True
+            state.clock = self._rejoin_clock(state.clock, exclude=worker)
+
+    def leave(self, worker: int, now: float) -> None:
+        """A worker finished its work: it no longer holds anyone back."""
+        state = self._known(worker)
+        state.last_seen = now
+        state.finished = True
+        state.live = False
+        self._drop_pending(worker)
+        self._maybe_close_round()
+
+    def expire(self, now: float) -> list[int]:
+        """Declare workers silent for longer than the heartbeat timeout dead; return them."""
+        dead = []
+        for state in self._live():
+            if now - state.last_seen > self.config.heartbeat_timeout:
+                state.live = False
+                state.deaths += 1
+                dead.append(state.worker)
+                self._drop_pending(state.worker)
+                log.warning(
+                    "worker %d missed heartbeats for %.1fs (timeout %gs): removed from the live set",
+                    state.worker, now - state.last_seen, self.config.heartbeat_timeout,
+                )
+        if dead:
+            self._maybe_close_round()
+        return dead
+
+    def _live(self) -> list[WorkerState]:
+        return [w for w in self.workers.values() if w.live and not w.finished]
+
+    def _known(self, worker: int) -> WorkerState:
+        state = self.workers.get(worker)
+        if state is None:
+            raise ProtocolError(ErrorCode.NOT_REGISTERED, f"worker {worker} has not said HELLO")
+        return state
+
+    def min_clock(self) -> int:
+        live = self._live()
+        return min(w.clock for w in live) if live else 0
+
+    def clock_gap(self) -> int:
+        live = self._live()
+        return max(w.clock for w in live) - min(w.clock for w in live) if live else 0
+
+    # ------------------------------------------------------------------ weights
+
+    def initialize(self, tensors: Mapping[str, torch.Tensor]) -> bool:
+        """Seed the weights (first INIT wins). Returns False if already initialized."""
+        if self.initialized:
+            return False
+        self._check_tensors(tensors, "INIT")
+        with torch.no_grad():
+            for key, value in tensors.items():
+                self.params[key].copy_(value)
+        self.initialized = True
+        return True
+
+    def copy_on_write(self) -> None:
+        """Move the parameters to fresh storage, leaving the old for its readers.
+
+        The optimizer keeps working on the same tensor objects; only their
+        storage changes, so anything still reading the old memory (a zero-copy
+        send in flight) sees a consistent snapshot.
+        """
+        with torch.no_grad():
+            for p in self.params.values():
+                p.data = p.data.clone()
+
+    def _check_tensors(self, tensors: Mapping[str, torch.Tensor], what: str) -> None:
+        missing = self.specs.keys() - tensors.keys()
+        unknown = tensors.keys() - self.specs.keys()
+        if unknown:
+            raise ProtocolError(
+                ErrorCode.UNKNOWN_KEY, f"{what}: keys not on this shard: {sorted(unknown)[:5]}"
+            )
+        if missing:
+            raise ProtocolError(
+                ErrorCode.BAD_TENSOR, f"{what}: missing keys: {sorted(missing)[:5]}"
+            )
+        for key, value in tensors.items():
+            spec = self.specs[key]
+            if value.dtype != DTYPES[spec.dtype] or value.numel() != spec.numel:
+                raise ProtocolError(
+                    ErrorCode.BAD_TENSOR,
+                    f"{what}: {key!r} is {value.dtype} x {value.numel()}, "
+                    f"expected {spec.dtype} x {spec.numel}",
+                )
+
+    # ------------------------------------------------------------------ pulls
+
+    def request_pull(
+        self, worker: int, clock: int, token: Hashable, now: float, observer: bool = False
+    ) -> None:
+        """Park a pull; it is answered through :meth:`ready_pulls` when its gate opens.
+
+        Observers (evaluators, status tools) are never gated and have no clock.
+        """
+        if not self.initialized:
+            raise ProtocolError(
+                ErrorCode.NOT_INITIALIZED, "no weights yet: the first worker must send INIT"
+            )
+        if not observer:
+            state = self._known(worker)
+            state.last_seen = now
+            if not state.live:
+                raise ProtocolError(
+                    ErrorCode.NOT_REGISTERED,
+                    f"worker {worker} is not in the live set (finished or timed out); say HELLO",
+                )
+            if clock < 0:
+                raise ProtocolError(ErrorCode.BAD_FIELD, f"clock must be >= 0, got {clock}")
+            state.clock = max(state.clock, clock)
+            state.pulls += 1
+        self._pending.append(_PendingPull(worker, clock, token, now, observer))
+
+    def _gate_open(self, pull: _PendingPull) -> bool:
+        if pull.observer:
+            return True
+        if not self.started:
+            return False
+        if self.mode.mode == "sync":
+            return pull.worker not in self._round
+        if self.mode.mode == "ssp":
+            state = self.workers[pull.worker]
+            return state.clock - self.min_clock() <= self.mode.staleness_bound
+        return True
+
+    def ready_pulls(self, now: float) -> list[PullReply]:
+        """Pop every parked pull whose gate is open now, oldest first."""
+        ready: list[PullReply] = []
+        keep: list[_PendingPull] = []
+        for pull in self._pending:
+            if not self._gate_open(pull):
+                keep.append(pull)
+                continue
+            waited = now - pull.since
+            clock = pull.clock
+            if not pull.observer:
+                state = self.workers[pull.worker]
+                clock = state.clock
+                gap = state.clock - self.min_clock()
+                self.max_answered_gap = max(self.max_answered_gap, gap)
+                if waited > 0:
+                    state.deferred_pulls += 1
+                    state.wait_seconds += waited
+                if self.policy.needs_read_weights:
+                    self._read_weights[pull.worker] = {
+                        k: p.detach().clone() for k, p in self.params.items()
+                    }
+            ready.append(PullReply(pull.worker, pull.token, self.version, clock, waited))
+        self._pending = keep
+        return ready
+
+    def pending_pulls(self) -> int:
+        return len(self._pending)
+
+    def _drop_pending(self, worker: int) -> None:
+        self._pending = [p for p in self._pending if p.observer or p.worker != worker]
+
+    # ------------------------------------------------------------------ pushes
+
+    def push(
+        self,
+        worker: int,
+        push_id: int,
+        clock: int,
+        read_version: int,
+        num_samples: int,
+        grads: Mapping[str, torch.Tensor],
+        now: float,
+    ) -> PushOutcome:
+        """Decide on one gradient push and apply it (async/ssp) or buffer it (sync).
+
+        A push whose ``push_id`` was seen already is answered with the first
+        outcome and not applied again (exactly-once under retries). Invalid
+        input raises :class:`ProtocolError` before any state changes.
+        """
+        state = self._known(worker)
+        if not self.initialized:
+            raise ProtocolError(ErrorCode.NOT_INITIALIZED, "push before INIT")
+        if push_id <= state.last_push_id:
+            prior = state.last_outcome if push_id == state.last_push_id else None
+            base = prior or PushOutcome(False, 0.0, "duplicate", 0, self.version, False)
+            return PushOutcome(**{**base.as_dict(), "duplicate": True})
+        if read_version > self.version:
+            raise ProtocolError(
+                ErrorCode.FUTURE_VERSION,
+                f"read_version {read_version} is ahead of the shard's version {self.version}",
+            )
+        if read_version < 0 or clock < 0 or num_samples < 1:
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD,
+                f"need read_version >= 0, clock >= 0, num_samples >= 1; got "
+                f"{read_version}, {clock}, {num_samples}",
+            )
+        self._check_tensors(grads, "PUSH")
+        if self.config.check_finite:
+            for key, g in grads.items():
+                if not bool(torch.isfinite(g).all()):
+                    raise ProtocolError(
+                        ErrorCode.NONFINITE, f"gradient {key!r} holds NaN or Inf; not applied"
+                    )
+        if state.finished:
+            raise ProtocolError(
+                ErrorCode.NOT_REGISTERED, f"worker {worker} said BYE; say HELLO to push again"
+            )
+        if not state.live:
+            # a push is a sign of life, as a heartbeat is
+            self.heartbeat(worker, now)
+        state.last_seen = now
+        state.clock = max(state.clock, clock + 1)
+        state.pushes += 1
+        tau = self.version - read_version
+        state.staleness[tau] += 1
+        info = UpdateInfo(
+            worker=worker, shard=self.config.shard, staleness=tau, read_version=read_version,
+            version=self.version, clock=clock, min_clock=self.min_clock(),
+            num_samples=num_samples,
+        )
+        if self.mode.mode == "sync":
+            outcome = self._push_sync(state, info, grads)
+        else:
+            outcome = self._push_async(state, info, grads)
+        state.last_push_id = push_id
+        state.last_outcome = outcome
+        return outcome
+
+    def _decide(self, state: WorkerState, info: UpdateInfo) -> Decision:
+        decision = self.policy.decide(info)
+        if not isinstance(decision, Decision):
+            raise ConfigError(f"policy {self.policy.name!r} returned {decision!r}, not a Decision")
+        if decision.accept and decision.weight == 0.0:
+            decision = Decision(False, 0.0, decision.reason or "weight 0")
+        if not decision.accept:
+            state.rejected[decision.reason] += 1
+        else:
+            state.applied += 1
+            state.weight_sum += decision.weight
+            if decision.weight < 1.0:
+                state.downweighted += 1
+        return decision
+
+    def _rewrite(
+        self, info: UpdateInfo, grads: Mapping[str, torch.Tensor]
+    ) -> Mapping[str, torch.Tensor]:
+        if type(self.policy).rewrite_gradient is StalenessPolicy.rewrite_gradient:
+            return grads
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        read = self._read_weights.get(info.worker)
+        return self.policy.rewrite_gradient(info, grads, self.params, read, lr)
+
+    def _push_async(
+        self, state: WorkerState, info: UpdateInfo, grads: Mapping[str, torch.Tensor]
+    ) -> PushOutcome:
+        decision = self._decide(state, info)
+        if not decision.accept:
+            return PushOutcome(False, 0.0, decision.reason, info.staleness, self.version, False)
+        grads = self._rewrite(info, grads)
+        for key, p in self.params.items():
+            p.grad = grads[key]
+        self._step(decision.weight)
+        return PushOutcome(True, decision.weight, decision.reason, info.staleness,
+                           self.version, True)
+
+    def _push_sync(
+        self, state: WorkerState, info: UpdateInfo, grads: Mapping[str, torch.Tensor]
+    ) -> PushOutcome:
+        if info.staleness > 0:
+            # a gradient for a round that already closed (a backup worker's or a
+            # rejoining worker's): dropped, and the worker moves on
+            state.rejected["late"] += 1
+            return PushOutcome(False, 0.0, "late", info.staleness, self.version, False)
+        if state.worker in self._round:
+            state.rejected["duplicate_in_round"] += 1
+            return PushOutcome(
+                False, 0.0, "duplicate_in_round", 0, self.version, False
+            )
+        decision = self._decide(state, info)
+        self._round.add(state.worker)
+        if decision.accept:
+            grads = self._rewrite(info, grads)
+            if not self._agg:
+                self._agg = {k: torch.zeros_like(p) for k, p in self.params.items()}
+            alpha = info.num_samples * decision.weight
+            for key, buf in self._agg.items():
+                buf.add_(grads[key], alpha=alpha)
+            self._round_samples += info.num_samples
+        stepped = self._maybe_close_round()
+        return PushOutcome(decision.accept, decision.weight if decision.accept else 0.0,
+                           decision.reason, 0, self.version, stepped)
+
+    def _maybe_close_round(self) -> bool:
+        """Close the open sync round when at most ``backup_workers`` live ones are missing."""
+        if self.mode.mode != "sync" or not self._round:
+            return False
+        missing = [w for w in self._live() if w.worker not in self._round]
+        if len(missing) > self.mode.backup_workers:
+            return False
+        stepped = False
+        if self._round_samples > 0:
+            for key, p in self.params.items():
+                p.grad = self._agg[key].div_(self._round_samples)
+            self._step(1.0)
+            for buf in self._agg.values():
+                buf.zero_()
+            stepped = True
+        else:
+            self.rounds_dropped += 1
+        self._round.clear()
+        self._round_samples = 0
+        return stepped
+
+    def _step(self, weight: float) -> None:
+        groups = self.optimizer.param_groups
+        saved = [g["lr"] for g in groups]
+        if weight != 1.0:
+            for g in groups:
+                g["lr"] = g["lr"] * weight
+        self.optimizer.step()
+        for g, lr in zip(groups, saved, strict=True):
+            g["lr"] = lr
+        for p in self.params.values():
+            p.grad = None
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.version += 1
+
+    # ------------------------------------------------------------------ reporting
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def stats(self) -> dict[str, Any]:
+        live = self._live()
+        return {
+            "shard": self.config.shard,
+            "mode": self.mode.describe(),
+            "policy": self.policy.describe(),
+            "version": self.version,
+            "initialized": self.initialized,
+            "started": self.started,
+            "lr": self.lr,
+            "live_workers": sorted(w.worker for w in live),
+            "min_clock": self.min_clock(),
+            "clock_gap": self.clock_gap(),
+            "max_answered_gap": self.max_answered_gap,
+            "pending_pulls": len(self._pending),
+            "rounds_dropped": self.rounds_dropped,
+            "weight_norm": math.sqrt(
+                sum(float(p.double().pow(2).sum()) for p in self.params.values())
+            ),
+            "workers": {str(w.worker): w.summary() for w in self.workers.values()},
+        }

@@ -1,0 +1,60 @@
+"""JSONL event logs: one JSON object per line, one file per process.
+
+Every record has ``t`` (wall-clock seconds since the epoch), ``event`` (its
+kind) and the fields of that kind; see docs/events.md for the schema.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import IO, Any
+
+__all__ = ["EventLog", "read_events"]
+
+
+class EventLog:
+    """Append-only JSONL writer; a no-op when ``path`` is None."""
+
+    def __init__(self, path: str | Path | None, *, flush_every: float = 0.5) -> None:
+        self.path = Path(path) if path else None
+        self._fh: IO[str] | None = None
+        self._flush_every = flush_every
+        self._last_flush = 0.0
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fh = self.path.open("a", encoding="utf-8")
+
+    def write(self, event: str, **fields: Any) -> None:
+        if self._fh is None:
+            return
+        now = time.time()
+        self._fh.write(json.dumps({"t": now, "event": event, **fields}, separators=(",", ":")))
+        self._fh.write("\n")
+        if now - self._last_flush >= self._flush_every:
+            self._fh.flush()
+            self._last_flush = now
+
+    def flush(self) -> None:
+        if self._fh is not None:
+            self._fh.flush()
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+
+def read_events(path: str | Path, event: str | None = None) -> list[dict[str, Any]]:
+    """All records of a JSONL log (optionally only one kind); a torn last line is skipped."""
+    out = []
+    with Path(path).open(encoding="utf-8") as fh:
+        for line in fh:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if event is None or rec.get("event") == event:
+                out.append(rec)
+    return out

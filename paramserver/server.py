@@ -1,0 +1,379 @@
+"""ShardServer: the socket loop around one :class:`~paramserver.core.ShardCore`.
+
+One process per shard, one ROUTER socket, one event loop. The server decodes
+and validates messages, hands them to the pure core, sends replies (pull
+replies possibly much later, when the core's gates open) and writes the JSONL
+event log. It never lets one bad message stop it: every failure becomes an
+ERROR reply with a code, and the core's state is untouched.
+
+Weights go out zero-copy. Because zmq may still be reading a tensor's memory
+after ``send`` returns, the server tracks those sends; if one is in flight when
+the optimizer is about to write, the core's parameters move to fresh storage
+first (copy-on-write), so no reader ever sees a half-updated tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from .core import CoreConfig, ModeSpec, ShardCore, SliceSpec
+from .errors import ConfigError, ErrorCode, ProtocolError
+from .events import EventLog
+from .protocol import PROTOCOL_VERSION, Message, Op, decode, error_reply, reply
+from .sharding import ShardPlan
+from .staleness import create_policy
+from .transport import CurveKeys, RouterSocket
+
+__all__ = ["READY_PREFIX", "ServerConfig", "ShardServer", "run_server"]
+
+log = logging.getLogger(__name__)
+
+READY_PREFIX = "PARAMSERVER_READY"
+
+
+@dataclass
+class ServerConfig:
+    """Everything one shard server needs; validated on construction."""
+
+    shard: int = 0
+    num_shards: int = 1
+    bind: str = "tcp://127.0.0.1:0"
+    mode: str = "async"
+    staleness_bound: int = 0
+    backup_workers: int = 0
+    policy: str = "none"
+    policy_args: dict[str, Any] = field(default_factory=dict)
+    optimizer: str = "sgd"
+    optimizer_args: dict[str, Any] = field(default_factory=lambda: {"lr": 0.1})
+    scheduler: str | None = None
+    scheduler_args: dict[str, Any] = field(default_factory=dict)
+    expected_workers: int = 1
+    heartbeat_timeout: float = 10.0
+    check_finite: bool = True
+    event_log: str | None = None
+    curve_secret_key: str | None = None
+    plan: dict[str, Any] | None = None  # None: adopt the first worker's plan
+
+    def __post_init__(self) -> None:
+        if self.num_shards < 1:
+            raise ConfigError(f"num_shards must be >= 1, got {self.num_shards}")
+        if not 0 <= self.shard < self.num_shards:
+            raise ConfigError(f"shard must be in [0, {self.num_shards}), got {self.shard}")
+        self.mode_spec()  # validates mode, bound, backups
+        self.core_config()
+
+    def mode_spec(self) -> ModeSpec:
+        return ModeSpec(self.mode, self.staleness_bound, self.backup_workers)
+
+    def core_config(self) -> CoreConfig:
+        return CoreConfig(
+            shard=self.shard,
+            mode=self.mode_spec(),
+            optimizer=self.optimizer,
+            optimizer_args=dict(self.optimizer_args),
+            scheduler=self.scheduler,
+            scheduler_args=dict(self.scheduler_args),
+            expected_workers=self.expected_workers,
+            heartbeat_timeout=self.heartbeat_timeout,
+            check_finite=self.check_finite,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ServerConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ConfigError(f"unknown server option(s): {', '.join(sorted(unknown))}")
+        return cls(**data)
+
+
+class ShardServer:
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        curve = CurveKeys.load(config.curve_secret_key) if config.curve_secret_key else None
+        self.policy = create_policy(config.policy, config.policy_args)
+        self.socket = RouterSocket(config.bind, curve=curve)
+        self.address = self.socket.address
+        self.events = EventLog(config.event_log)
+        self.plan: ShardPlan | None = None
+        self.core: ShardCore | None = None
+        if config.plan is not None:
+            self._adopt_plan(ShardPlan.from_description(config.plan))
+        self._inflight: list[zmq.MessageTracker] = []
+        self._running = False
+        self.counters: Counter[str] = Counter()
+        self.started_at = time.time()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def serve_forever(self, on_ready: Callable[[str], None] | None = None,
+                      tick: float = 0.05) -> None:
+        self._running = True
+        self.events.write("server_start", shard=self.config.shard, address=self.address,
+                          config=self.config.to_dict())
+        log.info("shard %d/%d serving at %s (%s, policy %s)", self.config.shard,
+                 self.config.num_shards, self.address, self.config.mode_spec().describe(),
+                 self.policy.describe())
+        if on_ready is not None:
+            on_ready(self.address)
+        last_expire = 0.0
+        try:
+            while self._running:
+                got = self.socket.recv(int(tick * 1000))
+                while got is not None:
+                    self._handle(*got)
+                    if not self._running:
+                        break
+                    got = self.socket.recv_nowait()
+                now = time.monotonic()
+                if self.core is not None and now - last_expire >= tick:
+                    last_expire = now
+                    self._before_mutation()
+                    for worker in self.core.expire(now):
+                        self.events.write("worker_dead", shard=self.config.shard, worker=worker)
+                    self._answer_pulls(now)
+        finally:
+            self.events.write("server_stop", shard=self.config.shard,
+                              version=self.core.version if self.core else 0)
+            self.events.close()
+            self.socket.close()
+
+    def stop(self) -> None:
+        self._running = False
+
+    # ------------------------------------------------------------------ dispatch
+
+    def _handle(self, identity: bytes, frames: list[zmq.Frame]) -> None:
+        seq = 0
+        try:
+            msg = decode(frames, self.socket.limits)
+            seq = msg.seq
+            self.counters["messages"] += 1
+            self.counters["bytes_in"] += sum(len(f) for f in frames)
+            handler = self._handlers.get(msg.op)
+            if handler is None:
+                raise ProtocolError(ErrorCode.UNKNOWN_OP, f"a server does not accept {msg.op.value}")
+            answer = handler(self, msg, identity)
+        except ProtocolError as exc:
+            self.counters[f"error_{exc.code}"] += 1
+            log.debug("refused a message: %s", exc)
+            answer = error_reply(seq, exc.code, exc.reason)
+        except ConfigError as exc:  # e.g. a plug-in policy misbehaving
+            self.counters["error_internal"] += 1
+            log.error("request failed: %s", exc)
+            answer = error_reply(seq, ErrorCode.INTERNAL, str(exc))
+        except Exception as exc:  # never let one message take the server down
+            self.counters["error_internal"] += 1
+            log.exception("internal error while handling a message")
+            answer = error_reply(seq, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+        if answer is not None:
+            self._send(identity, answer)
+        if self.core is not None:
+            self._answer_pulls(time.monotonic())
+
+    def _send(self, identity: bytes, msg: Message) -> None:
+        if msg.tensors:
+            tracker = self.socket.send(identity, msg, track=True)
+            if tracker is not None and not tracker.done:
+                self._inflight.append(tracker)
+        else:
+            self.socket.send(identity, msg)
+        self.counters["bytes_out"] += msg.nbytes
+
+    def _before_mutation(self) -> None:
+        """Copy-on-write: parameters still being sent must not be written in place."""
+        if not self._inflight:
+            return
+        self._inflight = [t for t in self._inflight if not t.done]
+        if self._inflight and self.core is not None:
+            self.core.copy_on_write()
+            self.counters["copy_on_write"] += 1
+            self._inflight.clear()
+
+    def _answer_pulls(self, now: float) -> None:
+        assert self.core is not None
+        for ready in self.core.ready_pulls(now):
+            identity, seq = ready.token  # type: ignore[misc]
+            msg = Message(Op.REPLY, seq, {"re": Op.PULL.value, "version": ready.version,
+                                          "clock": ready.clock, "waited": ready.waited},
+                          self.core.params)
+            self._send(identity, msg)
+
+    def _require_core(self) -> ShardCore:
+        if self.core is None:
+            raise ProtocolError(ErrorCode.NOT_REGISTERED, "no worker has said HELLO yet")
+        return self.core
+
+    # ------------------------------------------------------------------ ops
+
+    def _adopt_plan(self, plan: ShardPlan) -> None:
+        if plan.num_shards != self.config.num_shards:
+            raise ProtocolError(
+                ErrorCode.PLAN_MISMATCH,
+                f"the worker's plan has {plan.num_shards} shards; this server is shard "
+                f"{self.config.shard} of {self.config.num_shards}",
+            )
+        slices = [SliceSpec(s.key, s.numel, s.dtype) for s in plan.shard_slices(self.config.shard)]
+        self.core = ShardCore(slices, self.config.core_config(), self.policy)
+        self.plan = plan
+        log.info("shard %d holds %d slices, %d bytes", self.config.shard, len(slices),
+                 plan.shard_bytes(self.config.shard))
+
+    def _on_hello(self, msg: Message, identity: bytes) -> Message:
+        if msg["protocol"] != PROTOCOL_VERSION:
+            raise ProtocolError(ErrorCode.PROTOCOL_VERSION,
+                                f"peer speaks protocol {msg['protocol']}, server {PROTOCOL_VERSION}")
+        role = msg["role"]
+        if role not in ("worker", "observer"):
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"role must be worker or observer, not {role!r}")
+        if self.plan is None:
+            if role == "observer" or msg.get("plan") is None:
+                raise ProtocolError(ErrorCode.NOT_REGISTERED,
+                                    "no plan yet: a worker must say HELLO with its plan first")
+            try:
+                plan = ShardPlan.from_description(msg["plan"])
+            except (ConfigError, KeyError, TypeError, ValueError) as exc:
+                raise ProtocolError(ErrorCode.BAD_FIELD, f"invalid plan: {exc}") from exc
+            self._adopt_plan(plan)
+        assert self.plan is not None and self.core is not None
+        if msg["plan_hash"] != self.plan.hash:
+            theirs = msg.get("plan")
+            what = self.plan.diff(theirs) if isinstance(theirs, dict) else "plan hash differs"
+            raise ProtocolError(
+                ErrorCode.PLAN_MISMATCH,
+                f"worker {msg['worker']}'s model or shard layout differs from the server's: {what}",
+            )
+        clock = 0
+        if role == "worker":
+            state = self.core.register(msg["worker"], msg["incarnation"], time.monotonic())
+            clock = state.clock
+            self.events.write("worker_hello", shard=self.config.shard, worker=msg["worker"],
+                              clock=clock)
+        return reply(msg, shard=self.config.shard, num_shards=self.config.num_shards,
+                     version=self.core.version, clock=clock, initialized=self.core.initialized,
+                     mode=self.core.mode.describe(), policy=self.policy.describe())
+
+    def _on_init(self, msg: Message, identity: bytes) -> Message:
+        core = self._require_core()
+        self._before_mutation()
+        seeded = core.initialize(msg.tensors)
+        if seeded:
+            self.events.write("init", shard=self.config.shard, worker=msg["worker"])
+        return reply(msg, seeded=seeded, version=core.version)
+
+    def _on_pull(self, msg: Message, identity: bytes) -> None:
+        core = self._require_core()
+        core.request_pull(msg["worker"], msg["clock"], (identity, msg.seq), time.monotonic(),
+                          observer=bool(msg.get("observer", False)))
+        return None  # answered by _answer_pulls, now or when the gate opens
+
+    def _on_push(self, msg: Message, identity: bytes) -> Message:
+        core = self._require_core()
+        self._before_mutation()
+        read_version = msg["read_version"]
+        out = core.push(msg["worker"], msg["push_id"], msg["clock"], read_version,
+                        msg["num_samples"], msg.tensors, time.monotonic())
+        if not out.duplicate:
+            self.events.write(
+                "push", shard=self.config.shard, worker=msg["worker"], clock=msg["clock"],
+                read_version=read_version, version=out.version, staleness=out.staleness,
+                accepted=out.accepted, weight=out.weight, reason=out.reason,
+                num_samples=msg["num_samples"],
+            )
+        return reply(msg, **out.as_dict())
+
+    def _on_heartbeat(self, msg: Message, identity: bytes) -> Message:
+        if self.core is not None and msg["worker"] in self.core.workers:
+            self.core.heartbeat(msg["worker"], time.monotonic())
+        return reply(msg, version=self.core.version if self.core else 0)
+
+    def _on_bye(self, msg: Message, identity: bytes) -> Message:
+        core = self._require_core()
+        self._before_mutation()
+        core.leave(msg["worker"], time.monotonic())
+        self.events.write("worker_bye", shard=self.config.shard, worker=msg["worker"])
+        return reply(msg)
+
+    def _on_stats(self, msg: Message, identity: bytes) -> Message:
+        return reply(msg, **self.stats())
+
+    def _on_shutdown(self, msg: Message, identity: bytes) -> Message:
+        log.info("shard %d: shutdown requested", self.config.shard)
+        self._running = False
+        return reply(msg)
+
+    _handlers: dict[Op, Callable[[ShardServer, Message, bytes], Message | None]] = {
+        Op.HELLO: _on_hello,
+        Op.INIT: _on_init,
+        Op.PULL: _on_pull,
+        Op.PUSH: _on_push,
+        Op.HEARTBEAT: _on_heartbeat,
+        Op.BYE: _on_bye,
+        Op.STATS: _on_stats,
+        Op.SHUTDOWN: _on_shutdown,
+    }
+
+    def stats(self) -> dict[str, Any]:
+        base: dict[str, Any] = {
+            "shard": self.config.shard,
+            "num_shards": self.config.num_shards,
+            "address": self.address,
+            "uptime": time.time() - self.started_at,
+            "counters": dict(self.counters),
+        }
+        if self.core is not None:
+            base.update(self.core.stats())
+        else:
+            base.update(mode=self.config.mode_spec().describe(), version=0, workers={},
+                        initialized=False, policy=self.policy.describe())
+        return base
+
+
+def run_server(config: ServerConfig, on_ready: Callable[[str], None] | None = None) -> None:
+    """Run one shard until SHUTDOWN, SIGTERM or SIGINT."""
+    server = ShardServer(config)
+
+    def _stop(signum: int, frame: Any) -> None:
+        log.info("shard %d: signal %d, stopping", config.shard, signum)
+        server.stop()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    server.serve_forever(on_ready)
+
+
+def announce_ready(address: str) -> None:
+    """Tell a parent process where we listen: one line on stdout."""
+    sys.stdout.write(f"{READY_PREFIX} {address} pid={os.getpid()}\n")
+    sys.stdout.flush()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m paramserver.server CONFIG.json``: the launcher's way to start a shard."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        raise SystemExit("usage: python -m paramserver.server CONFIG.json")
+    config = ServerConfig.from_dict(json.loads(Path(args[0]).read_text()))
+    logging.basicConfig(level=os.environ.get("PARAMSERVER_LOG_LEVEL", "INFO"),
+                        format=f"%(asctime)s shard{config.shard} %(levelname)s %(name)s: %(message)s")
+    run_server(config, announce_ready)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,319 @@
+"""Staleness policies: the interface, the built-ins and the registry.
+
+A policy is pure: no I/O, no locks, no sockets. The shard core asks it about
+every push before applying it (:meth:`StalenessPolicy.decide`). The returned
+weight multiplies that step's learning rate, so it means the same for SGD and
+Adam. Policies that rewrite the gradient (DC-ASGD, Gap-Aware) set
+``needs_read_weights`` and override :meth:`StalenessPolicy.rewrite_gradient`.
+
+Custom policies are found by ``module:Class`` or by entry point in the group
+``paramserver.staleness_policies``; see :func:`create_policy`.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import importlib
+import inspect
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from typing import Any, ClassVar
+
+import torch
+
+from .errors import ConfigError, RegistryError
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "Decision",
+    "ExponentialPolicy",
+    "InversePolicy",
+    "NoPolicy",
+    "RejectPolicy",
+    "StalenessPolicy",
+    "UpdateInfo",
+    "available_policies",
+    "create_policy",
+    "parse_policy_args",
+    "policy_parameters",
+    "register_policy",
+    "resolve_policy",
+]
+
+ENTRY_POINT_GROUP = "paramserver.staleness_policies"
+
+
+@dataclass(frozen=True)
+class UpdateInfo:
+    """What the core knows about one push when it decides on it."""
+
+    worker: int
+    shard: int
+    staleness: int  # tau = version - read_version, at decision time
+    read_version: int
+    version: int
+    clock: int  # the pushing worker's clock (pushes it completed before this one)
+    min_clock: int  # the smallest clock among live workers
+    num_samples: int
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Apply (``accept``) with this learning-rate ``weight``, or reject for ``reason``."""
+
+    accept: bool
+    weight: float = 1.0
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.weight) or self.weight < 0:
+            raise ConfigError(f"Decision.weight must be finite and >= 0, got {self.weight!r}")
+        if not self.accept and not self.reason:
+            object.__setattr__(self, "reason", "rejected")
+
+
+ACCEPT = Decision(True)
+
+
+class StalenessPolicy(abc.ABC):
+    """Decide whether a (possibly stale) update is applied, and with what weight.
+
+    Subclasses set ``name`` and implement :meth:`decide`. Constructor keyword
+    arguments are the policy's parameters (``--policy-arg key=value``); give
+    them type annotations so command-line strings are converted.
+    """
+
+    name: ClassVar[str] = ""
+    #: set to True to receive the weights each worker read in rewrite_gradient
+    needs_read_weights: ClassVar[bool] = False
+
+    @abc.abstractmethod
+    def decide(self, update: UpdateInfo) -> Decision:
+        """Return the decision for this update. Must not raise for valid input."""
+
+    def rewrite_gradient(
+        self,
+        update: UpdateInfo,
+        grad: Mapping[str, torch.Tensor],
+        weights: Mapping[str, torch.Tensor],
+        read_weights: Mapping[str, torch.Tensor] | None,
+        lr: float,
+    ) -> Mapping[str, torch.Tensor]:
+        """Return the gradient to apply (default: unchanged).
+
+        ``grad``, ``weights`` and ``read_weights`` are keyed by slice key; do
+        not modify ``weights`` or ``read_weights``. ``lr`` is the current base
+        learning rate of the shard's optimizer.
+        """
+        return grad
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable state saved in checkpoints (default: none)."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+
+    def describe(self) -> str:
+        params = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
+        return f"{self.name}({params})"
+
+
+class NoPolicy(StalenessPolicy):
+    """Apply every update at full weight, however stale."""
+
+    name = "none"
+
+    def decide(self, update: UpdateInfo) -> Decision:
+        return ACCEPT
+
+
+class RejectPolicy(StalenessPolicy):
+    """Reject updates staler than ``max_staleness``; apply the rest at full weight."""
+
+    name = "reject"
+
+    def __init__(self, max_staleness: int = 4) -> None:
+        if max_staleness < 0:
+            raise ConfigError(f"reject: max_staleness must be >= 0, got {max_staleness}")
+        self.max_staleness = int(max_staleness)
+
+    def decide(self, update: UpdateInfo) -> Decision:
+        if update.staleness > self.max_staleness:
+            return Decision(False, 0.0, f"staleness {update.staleness} > {self.max_staleness}")
+        return ACCEPT
+
+
+class InversePolicy(StalenessPolicy):
+    """Staleness-aware ASGD: learning-rate weight 1 / max(1, tau)."""
+
+    name = "inverse"
+
+    def decide(self, update: UpdateInfo) -> Decision:
+        return Decision(True, 1.0 / max(1, update.staleness))
+
+
+class ExponentialPolicy(StalenessPolicy):
+    """Learning-rate weight ``decay ** tau``."""
+
+    name = "exponential"
+
+    def __init__(self, decay: float = 0.5) -> None:
+        if not 0.0 < decay <= 1.0:
+            raise ConfigError(f"exponential: decay must be in (0, 1], got {decay}")
+        self.decay = float(decay)
+
+    def decide(self, update: UpdateInfo) -> Decision:
+        return Decision(True, self.decay ** update.staleness)
+
+
+_REGISTRY: dict[str, type[StalenessPolicy]] = {}
+
+
+def register_policy(cls: type[StalenessPolicy]) -> type[StalenessPolicy]:
+    """Register a policy class under ``cls.name``; refuses duplicates. Usable as a decorator."""
+    if not (isinstance(cls, type) and issubclass(cls, StalenessPolicy)):
+        raise RegistryError(f"{cls!r} is not a StalenessPolicy subclass")
+    if not cls.name:
+        raise RegistryError(f"{cls.__qualname__} has no `name`")
+    existing = _REGISTRY.get(cls.name)
+    if existing is not None and existing is not cls:
+        raise RegistryError(
+            f"staleness policy name {cls.name!r} is already registered by "
+            f"{existing.__module__}.{existing.__qualname__}"
+        )
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+for _builtin in (NoPolicy, RejectPolicy, InversePolicy, ExponentialPolicy):
+    register_policy(_builtin)
+
+_entry_points_loaded = False
+
+
+def _load_entry_points() -> None:
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            cls = ep.load()
+        except Exception as exc:  # a broken plug-in must not hide the others
+            raise RegistryError(f"entry point {ep.name!r} ({ep.value}) failed to load: {exc}") from exc
+        if getattr(cls, "name", "") != ep.name:
+            cls = type(cls.__name__, (cls,), {"name": ep.name}) if isinstance(cls, type) else cls
+        register_policy(cls)
+
+
+def available_policies() -> dict[str, type[StalenessPolicy]]:
+    """Built-in and installed policies by name."""
+    _load_entry_points()
+    return dict(sorted(_REGISTRY.items()))
+
+
+def _import_object(spec: str) -> Any:
+    module_name, _, attr = spec.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise RegistryError(f"cannot import module {module_name!r} from {spec!r}: {exc}") from exc
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError as exc:
+            raise RegistryError(f"module {module_name!r} has no attribute {attr!r}") from exc
+    return obj
+
+
+def resolve_policy(name: str) -> type[StalenessPolicy]:
+    """Find a policy class by registered name or ``module:Class``."""
+    if ":" in name:
+        cls = _import_object(name)
+        if not (isinstance(cls, type) and issubclass(cls, StalenessPolicy)):
+            raise RegistryError(f"{name!r} is not a StalenessPolicy subclass")
+        return cls
+    known = available_policies()
+    if name not in known:
+        raise RegistryError(
+            f"unknown staleness policy {name!r}; known: {', '.join(known)} "
+            f"(or give module:Class)"
+        )
+    return known[name]
+
+
+def policy_parameters(cls: type[StalenessPolicy]) -> dict[str, inspect.Parameter]:
+    """The constructor parameters of a policy class (its ``--policy-arg`` keys)."""
+    sig = inspect.signature(cls.__init__)
+    return {k: p for k, p in sig.parameters.items() if k != "self" and p.kind is p.KEYWORD_ONLY
+            or (k != "self" and p.kind is p.POSITIONAL_OR_KEYWORD)}
+
+
+def _coerce(value: Any, annotation: Any, key: str) -> Any:
+    if not isinstance(value, str):
+        return value
+    kind = annotation if isinstance(annotation, type) else {
+        "int": int, "float": float, "bool": bool, "str": str
+    }.get(str(annotation), None)
+    try:
+        if kind is bool:
+            low = value.lower()
+            if low not in {"1", "0", "true", "false", "yes", "no"}:
+                raise ValueError(value)
+            return low in {"1", "true", "yes"}
+        if kind in (int, float):
+            return kind(value)
+    except ValueError as exc:
+        raise ConfigError(f"policy argument {key}={value!r} is not a valid {kind.__name__}") from exc
+    # no usable annotation: best effort number parsing
+    for conv in (int, float):
+        try:
+            return conv(value)
+        except ValueError:
+            pass
+    return value
+
+
+def parse_policy_args(items: list[str] | tuple[str, ...]) -> dict[str, str]:
+    """Parse ``key=value`` strings into a dict (values stay strings)."""
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"policy argument {item!r} must look like key=value")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def create_policy(name: str, args: Mapping[str, Any] | None = None) -> StalenessPolicy:
+    """Instantiate a policy by name (or ``module:Class``) with keyword arguments.
+
+    String values are converted using the constructor's annotations. Unknown
+    keys raise :class:`ConfigError` listing the accepted ones.
+    """
+    cls = resolve_policy(name)
+    params = policy_parameters(cls)
+    kwargs: dict[str, Any] = {}
+    for key, value in (args or {}).items():
+        if key not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            accepted = ", ".join(params) or "none"
+            raise ConfigError(f"policy {name!r} has no parameter {key!r}; accepted: {accepted}")
+        annotation = params[key].annotation if key in params else inspect.Parameter.empty
+        kwargs[key] = _coerce(value, annotation, key)
+    try:
+        policy = cls(**kwargs)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"cannot create policy {name!r} with {kwargs}: {exc}") from exc
+    if not isinstance(policy, StalenessPolicy):
+        raise RegistryError(f"{name!r} did not produce a StalenessPolicy")
+    return policy
+
+
+
+PolicyFactory = Callable[[], StalenessPolicy]

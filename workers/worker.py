@@ -1,0 +1,266 @@
+"""The training loop of one worker: pull, compute, (inject slowness), push, repeat.
+
+One iteration = one push. With ``push_every = k`` the worker accumulates the
+gradients of k local mini-batches (their sample-weighted mean) before pushing
+them as one update covering all their samples. The worker's clock counts its
+pushes; a (re)joining worker resumes at the clock its shards give it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from paramserver.errors import ConfigError
+from paramserver.events import EventLog
+from paramserver.sharding import ShardPlan
+from paramserver.transport import CurveKeys
+
+from .client import PSClient
+from .stragglers import Straggler, StragglerSpec
+from .tasks import Task, create_task, evaluate, task_parameters, resolve_task
+
+__all__ = ["WorkerConfig", "resolve_device", "run_worker"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerConfig:
+    """Everything one worker needs; validated on construction."""
+
+    rank: int = 0
+    world_size: int = 1
+    servers: list[str] = field(default_factory=list)
+    task: str = "digits-mlp"
+    task_args: dict[str, Any] = field(default_factory=dict)
+    device: str = "auto"
+    steps: int | None = 100
+    epochs: float | None = None
+    batch_size: int | None = None  # passed to the task if it takes batch_size
+    seed: int = 0  # passed to the task if it takes seed; also seeds straggler draws
+    push_every: int = 1
+    straggler: StragglerSpec = field(default_factory=StragglerSpec)
+    eval_every: int = 0  # rank 0 evaluates held-out data every N clocks (0: only at the end)
+    chunk_bytes: int = ShardPlan.DEFAULT_CHUNK_BYTES
+    timeout: float = 60.0
+    heartbeat_interval: float = 1.0
+    event_log: str | None = None
+    result_file: str | None = None
+    curve_key: str | None = None
+    curve_server_key: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.straggler, Mapping):
+            self.straggler = StragglerSpec(**self.straggler)
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"rank must be in [0, {self.world_size}), got {self.rank}")
+        if not self.servers:
+            raise ConfigError("a worker needs at least one server address")
+        if self.steps is None and self.epochs is None:
+            raise ConfigError("give steps or epochs")
+        if self.steps is not None and self.steps < 1:
+            raise ConfigError(f"steps must be >= 1, got {self.steps}")
+        if self.epochs is not None and not self.epochs > 0:
+            raise ConfigError(f"epochs must be > 0, got {self.epochs}")
+        if self.push_every < 1:
+            raise ConfigError(f"push_every must be >= 1, got {self.push_every}")
+        if self.timeout <= 0:
+            raise ConfigError(f"timeout must be > 0, got {self.timeout}")
+        resolve_device(self.device)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> WorkerConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ConfigError(f"unknown worker option(s): {', '.join(sorted(unknown))}")
+        return cls(**data)
+
+
+def resolve_device(spec: str) -> torch.device:
+    """``auto`` (CUDA if present, else CPU), ``cpu`` or ``cuda[:N]``."""
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(spec)
+    except RuntimeError as exc:
+        raise ConfigError(f"device must be auto, cpu or cuda:N; got {spec!r}") from exc
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device must be auto, cpu or cuda:N; got {spec!r}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device {spec!r} asked for, but CUDA is not available here")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(
+                f"device {spec!r}: only {torch.cuda.device_count()} CUDA device(s) here"
+            )
+    return device
+
+
+def build_task(config: WorkerConfig) -> Task:
+    """The task for this worker, with batch_size and seed passed where accepted."""
+    args = dict(config.task_args)
+    accepted = task_parameters(resolve_task(config.task))
+    if config.batch_size is not None and "batch_size" in accepted:
+        args.setdefault("batch_size", config.batch_size)
+    if "seed" in accepted:
+        args.setdefault("seed", config.seed)
+    return create_task(config.task, config.rank, config.world_size, args)
+
+
+def _forever(task: Task) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    epoch = 0
+    while True:
+        empty = True
+        for batch in task.batches:
+            empty = False
+            yield batch
+        if empty:
+            raise ConfigError("the task's batches are empty")
+        epoch += 1
+        set_epoch = getattr(task.batches, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
+
+
+def _num_steps(config: WorkerConfig, task: Task) -> int:
+    if config.steps is not None:
+        return config.steps
+    assert config.epochs is not None
+    try:
+        per_epoch = len(task.batches)  # type: ignore[arg-type]
+    except TypeError as exc:
+        raise ConfigError("epochs need a task whose batches have a length; give steps") from exc
+    return max(1, math.ceil(config.epochs * per_epoch / config.push_every))
+
+
+def run_worker(config: WorkerConfig) -> dict[str, Any]:
+    """Train until ``steps`` pushes are done; return (and write) the worker's result."""
+    device = resolve_device(config.device)
+    task = build_task(config)
+    model = task.model.to(device)
+    params = dict(model.named_parameters())
+    plan = ShardPlan.from_module(model, len(config.servers), config.chunk_bytes)
+    curve = (CurveKeys.load(config.curve_key, config.curve_server_key)
+             if config.curve_key else None)
+    straggler = Straggler(config.straggler, seed=(config.seed, config.rank))
+    events = EventLog(config.event_log)
+    steps = _num_steps(config, task)
+    batches = _forever(task)
+    counts = {"pushes": 0, "accepted": 0, "rejected": 0}
+    losses: list[float] = []
+    t_start = time.time()
+    waited = 0.0
+    with PSClient(config.servers, plan, config.rank, timeout=config.timeout,
+                  heartbeat_interval=config.heartbeat_interval, curve=curve) as client:
+        clock = client.connect()
+        seeded = client.initialize(params)
+        events.write("worker_start", worker=config.rank, clock=clock, seeded=seeded,
+                     device=str(device), steps=steps, plan_hash=plan.hash)
+        log.info("worker %d: %d steps on %s from clock %d", config.rank, steps, device, clock)
+        while clock < steps:  # the clock counts pushes; a rejoining worker resumes
+            pulled = client.pull(params, clock)
+            clock = max(clock, pulled.clock)
+            waited += pulled.waited
+            if config.rank == 0 and config.eval_every and clock % config.eval_every == 0:
+                _log_eval(events, task, model, config.rank, clock, pulled.versions)
+            t0 = time.perf_counter()
+            model.train()
+            model.zero_grad(set_to_none=True)
+            total, loss_sum = 0, 0.0
+            for _ in range(config.push_every):
+                inputs, targets = next(batches)
+                inputs, targets = inputs.to(device), targets.to(device)
+                n = int(targets.shape[0])
+                loss = task.loss_fn(model(inputs), targets)
+                (loss * n).backward()  # sum of per-batch means x n = sum over samples
+                total += n
+                loss_sum += float(loss.detach()) * n
+            grads = {}
+            for name, p in params.items():
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grads[name] = p.grad.div_(total)
+            compute = time.perf_counter() - t0
+            slept = straggler.inject(compute)
+            pushed = client.push(grads, pulled.versions, total, clock)
+            clock += 1
+            counts["pushes"] += 1
+            counts["accepted" if pushed.accepted else "rejected"] += 1
+            loss_value = loss_sum / total
+            losses.append(loss_value)
+            events.write(
+                "step", worker=config.rank, clock=clock, read_versions=list(pulled.versions),
+                staleness=pushed.staleness, accepted=pushed.accepted, reasons=pushed.reasons,
+                weight=min((o["weight"] for o in pushed.outcomes), default=1.0),
+                loss=loss_value, num_samples=total, compute_s=compute, sleep_s=slept,
+                pull_s=pulled.seconds, push_s=pushed.seconds, wait_s=pulled.waited,
+                bytes=pulled.nbytes + pushed.nbytes,
+            )
+        final = client.pull(params, clock)
+        client.bye()
+    elapsed = time.time() - t_start
+    result: dict[str, Any] = {
+        "worker": config.rank,
+        "steps": counts["pushes"],
+        "clock": clock,
+        **counts,
+        "final_train_loss": sum(losses[-10:]) / max(1, len(losses[-10:])),
+        "seconds": elapsed,
+        "wait_seconds": waited,
+        "final_versions": list(final.versions),
+    }
+    if config.rank == 0:
+        result["eval"] = _log_eval(events, task, model, config.rank, clock, final.versions)
+    events.write("worker_end", **result)
+    events.close()
+    if config.result_file:
+        _write_json(config.result_file, result)
+    return result
+
+
+def _log_eval(events: EventLog, task: Task, model: torch.nn.Module, rank: int, clock: int,
+              versions: tuple[int, ...]) -> dict[str, float]:
+    metrics = evaluate(task, model)
+    if metrics:
+        events.write("eval", worker=rank, clock=clock, versions=list(versions), **metrics)
+    return metrics
+
+
+def _write_json(path: str | os.PathLike[str], data: Any) -> None:
+    """Write atomically: a reader never sees half a file."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(target.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    os.replace(tmp, target)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m workers.worker CONFIG.json``: the launcher's way to start a worker."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        raise SystemExit("usage: python -m workers.worker CONFIG.json")
+    config = WorkerConfig.from_dict(json.loads(Path(args[0]).read_text()))
+    logging.basicConfig(level=os.environ.get("PARAMSERVER_LOG_LEVEL", "INFO"),
+                        format=f"%(asctime)s worker{config.rank} %(levelname)s %(name)s: %(message)s")
+    run_worker(config)
+
+
+if __name__ == "__main__":
+    main()
