@@ -1,0 +1,40 @@
+# Every target installs what it needs into $(VENV) first, from nothing.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+# The CPU build of torch; an unpinned torch would pull a multi-GB CUDA build.
+TORCH_PIN ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: install test lint demo bench clean help
+
+help:
+	@echo "make demo    compare sync / async / ssp on digits-mlp (about 3 min on 2 cores)"
+	@echo "make test    run the test suite"
+	@echo "make lint    ruff + mypy"
+	@echo "make bench   side-by-side benchmarks (raw zmq, torch RPC, gloo)"
+	@echo "make install create $(VENV) with everything installed"
+
+install: $(STAMP)
+
+$(STAMP): setup.cfg pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH_PIN)"
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[dev]"
+	touch $(STAMP)
+
+test: install
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check paramserver workers cli benchmarks tests
+	$(VENV)/bin/mypy
+
+demo: install
+	$(VENV)/bin/paramserver experiment --preset demo --out runs/demo
+
+bench: install
+	$(VENV)/bin/paramserver bench --out runs/bench
+
+clean:
+	rm -rf $(VENV) runs build *.egg-info .pytest_cache .mypy_cache .ruff_cache

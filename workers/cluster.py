@@ -1,0 +1,336 @@
+"""Run a whole local cluster (S shard processes + N worker processes) to completion.
+
+This is the Python API behind ``paramserver launch`` and the tests::
+
+    spec = ClusterSpec(num_servers=2, num_workers=3,
+                       server=ServerConfig(mode="sync"), worker=WorkerConfig(steps=200))
+    result = run_cluster(spec, out_dir="runs/demo")
+
+Every process is a real OS process talking over loopback TCP. Servers bind
+port 0 and announce the port they got on stdout, so there are no port races.
+Each process logs to ``out_dir/logs/<name>.log`` and writes a JSONL event log
+to ``out_dir/events/<name>.jsonl``. When the workers are done the launcher
+evaluates the final weights (as an observer, so nothing is gated), collects
+every shard's statistics and writes ``out_dir/result.json``. Whatever
+happens, :meth:`LocalCluster.stop` leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from paramserver.errors import ParamServerError, TimeoutError
+from paramserver.server import READY_PREFIX, ServerConfig
+
+from .stragglers import StragglerSpec
+from .worker import WorkerConfig, _write_json
+
+__all__ = ["ClusterError", "ClusterSpec", "LocalCluster", "Progress", "run_cluster"]
+
+log = logging.getLogger(__name__)
+
+
+class ClusterError(ParamServerError):
+    """A process of the cluster failed; the message names it and shows its log's tail."""
+
+
+@dataclass
+class ClusterSpec:
+    """A local run: templates for every server and worker, plus per-worker stragglers."""
+
+    num_servers: int = 2
+    num_workers: int = 2
+    server: ServerConfig = field(default_factory=ServerConfig)
+    worker: WorkerConfig = field(default_factory=lambda: WorkerConfig(servers=["unset"]))
+    stragglers: dict[int, StragglerSpec] = field(default_factory=dict)  # rank -> spec
+    startup_timeout: float = 120.0
+    run_timeout: float | None = None
+    evaluate: bool = True
+
+    def server_config(self, shard: int, out: Path) -> ServerConfig:
+        return dataclasses.replace(
+            self.server, shard=shard, num_shards=self.num_servers,
+            expected_workers=self.num_workers,
+            event_log=str(out / "events" / f"server{shard}.jsonl"),
+        )
+
+    def worker_config(self, rank: int, servers: list[str], out: Path) -> WorkerConfig:
+        return dataclasses.replace(
+            self.worker, rank=rank, world_size=self.num_workers, servers=servers,
+            straggler=self.stragglers.get(rank, self.worker.straggler),
+            event_log=str(out / "events" / f"worker{rank}.jsonl"),
+            result_file=str(out / "results" / f"worker{rank}.json"),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["stragglers"] = {str(k): dataclasses.asdict(v) for k, v in self.stragglers.items()}
+        return data
+
+
+@dataclass
+class Progress:
+    """What the launcher knows while workers run (read from their event logs)."""
+
+    steps: dict[int, int]
+    total_steps: int
+    last_loss: dict[int, float]
+    applied: int
+    elapsed: float
+
+    @property
+    def done_steps(self) -> int:
+        return sum(self.steps.values())
+
+
+@dataclass
+class _Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    # children import what this process imports (tests' task modules included)
+    paths = [p for p in sys.path if p] + [env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    # many small processes on few cores: one intra-op thread each avoids thrashing
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("MKL_NUM_THREADS", "1")
+    return env
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no log)"
+    return "\n".join(text[-lines:])
+
+
+class LocalCluster:
+    """Start, watch and stop the processes of one local run."""
+
+    def __init__(self, spec: ClusterSpec, out_dir: str | Path) -> None:
+        self.spec = spec
+        self.out = Path(out_dir)
+        for sub in ("logs", "events", "results", "configs"):
+            (self.out / sub).mkdir(parents=True, exist_ok=True)
+        self.servers: list[_Proc] = []
+        self.workers: list[_Proc] = []
+        self.addresses: list[str] = []
+        self._env = _child_env()
+        self._log_offsets: dict[int, int] = {}
+        self._progress_steps: dict[int, int] = {}
+        self._progress_loss: dict[int, float] = {}
+        self._t0 = time.time()
+
+    # ------------------------------------------------------------------ processes
+
+    def _spawn(self, name: str, module: str, config: dict[str, Any], *,
+               ready_pipe: bool) -> _Proc:
+        """Start ``python -m module config.json``; output goes to the log file, except
+        stdout of a server, which announces its address on it."""
+        cfg_path = self.out / "configs" / f"{name}.json"
+        cfg_path.write_text(json.dumps(config, indent=2))
+        log_path = self.out / "logs" / f"{name}.log"
+        log_file = log_path.open("wb")
+        popen = subprocess.Popen(
+            [sys.executable, "-m", module, str(cfg_path)],
+            stdout=subprocess.PIPE if ready_pipe else log_file,
+            stderr=log_file if ready_pipe else subprocess.STDOUT,
+            env=self._env,
+        )
+        log_file.close()
+        return _Proc(name, popen, log_path)
+
+    def start_servers(self) -> list[str]:
+        for shard in range(self.spec.num_servers):
+            cfg = self.spec.server_config(shard, self.out)
+            self.servers.append(self._spawn(f"server{shard}", "paramserver.server",
+                                            cfg.to_dict(), ready_pipe=True))
+        deadline = time.monotonic() + self.spec.startup_timeout
+        self.addresses = [self._await_ready(p, deadline) for p in self.servers]
+        return self.addresses
+
+    def _await_ready(self, proc: _Proc, deadline: float) -> str:
+        assert proc.popen.stdout is not None
+        sel = selectors.DefaultSelector()
+        sel.register(proc.popen.stdout, selectors.EVENT_READ)
+        buf = b""
+        try:
+            while b"\n" not in buf:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(
+                        f"{proc.name} did not report ready within {self.spec.startup_timeout:g}s;"
+                        f" log tail:\n{_tail(proc.log_path)}"
+                    )
+                if sel.select(remaining):
+                    chunk = os.read(proc.popen.stdout.fileno(), 4096)
+                    if not chunk:
+                        proc.popen.wait()
+                        raise ClusterError(
+                            f"{proc.name} exited with code {proc.popen.returncode} before it "
+                            f"was ready; log tail:\n{_tail(proc.log_path)}"
+                        )
+                    buf += chunk
+        finally:
+            sel.close()
+        line = buf.decode().splitlines()[0]
+        if not line.startswith(READY_PREFIX):
+            raise ClusterError(f"{proc.name} printed {line!r} instead of its address")
+        return line.split()[1]
+
+    def start_workers(self) -> None:
+        for rank in range(self.spec.num_workers):
+            cfg = self.spec.worker_config(rank, self.addresses, self.out)
+            self.workers.append(self._spawn(f"worker{rank}", "workers.worker", cfg.to_dict(),
+                                            ready_pipe=False))
+
+    def wait_workers(self, on_progress: Callable[[Progress], None] | None = None,
+                     poll: float = 0.5) -> None:
+        """Block until every worker exits; raise ClusterError on the first failure."""
+        deadline = (time.monotonic() + self.spec.run_timeout) if self.spec.run_timeout else None
+        pending = list(self.workers)
+        while pending:
+            head = pending[0]
+            try:
+                head.popen.wait(timeout=poll)
+            except subprocess.TimeoutExpired:
+                pass
+            for proc in list(pending):
+                code = proc.popen.poll()
+                if code is None:
+                    continue
+                pending.remove(proc)
+                if code != 0:
+                    raise ClusterError(
+                        f"{proc.name} failed with exit code {code}; log tail "
+                        f"({proc.log_path}):\n{_tail(proc.log_path)}"
+                    )
+            for proc in self.servers:
+                if proc.popen.poll() is not None:
+                    raise ClusterError(
+                        f"{proc.name} exited early with code {proc.popen.returncode}; log tail "
+                        f"({proc.log_path}):\n{_tail(proc.log_path)}"
+                    )
+            if on_progress is not None:
+                on_progress(self.progress())
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"workers still running after {self.spec.run_timeout:g}s: "
+                                   + ", ".join(p.name for p in pending))
+
+    def progress(self) -> Progress:
+        """Steps and last loss per worker, read incrementally from the event logs."""
+        for rank in range(self.spec.num_workers):
+            path = self.out / "events" / f"worker{rank}.jsonl"
+            try:
+                with path.open("rb") as fh:
+                    fh.seek(self._log_offsets.get(rank, 0))
+                    data = fh.read()
+            except OSError:
+                continue
+            end = data.rfind(b"\n") + 1  # leave a torn last line for next time
+            self._log_offsets[rank] = self._log_offsets.get(rank, 0) + end
+            for line in data[:end].splitlines():
+                if b'"event":"step"' not in line:
+                    continue
+                rec = json.loads(line)
+                self._progress_steps[rank] = self._progress_steps.get(rank, 0) + 1
+                self._progress_loss[rank] = rec["loss"]
+        steps = self.spec.worker.steps or 0
+        return Progress(dict(self._progress_steps), steps * self.spec.num_workers,
+                        dict(self._progress_loss), 0, time.time() - self._t0)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop every process: ask politely (SIGTERM), then insist (SIGKILL)."""
+        procs = self.workers + self.servers
+        for p in procs:
+            if p.popen.poll() is None:
+                p.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            try:
+                p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s ignored SIGTERM; killing it", p.name)
+                p.popen.kill()
+                p.popen.wait()
+            if p.popen.stdout is not None:
+                p.popen.stdout.close()
+
+    def pids(self) -> list[int]:
+        return [p.popen.pid for p in self.workers + self.servers]
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _final_eval(spec: ClusterSpec, addresses: list[str]) -> dict[str, float]:
+    """Pull the final weights as an observer and evaluate them on held-out data."""
+    from paramserver.sharding import ShardPlan
+
+    from .client import PSClient
+    from .tasks import evaluate
+    from .worker import build_task
+
+    cfg = dataclasses.replace(spec.worker, rank=0, world_size=spec.num_workers,
+                              servers=addresses)
+    task = build_task(cfg)
+    plan = ShardPlan.from_module(task.model, len(addresses), cfg.chunk_bytes)
+    with PSClient(addresses, plan, worker=0, role="observer", heartbeat_interval=0,
+                  timeout=cfg.timeout) as client:
+        client.connect()
+        client.pull(dict(task.model.named_parameters()))
+    return evaluate(task)
+
+
+def run_cluster(spec: ClusterSpec, out_dir: str | Path,
+                on_progress: Callable[[Progress], None] | None = None) -> dict[str, Any]:
+    """Start, run to completion, evaluate, stop. Returns (and writes) ``result.json``."""
+    from .client import server_stats, shutdown_servers
+
+    out = Path(out_dir)
+    t0 = time.time()
+    with LocalCluster(spec, out) as cluster:
+        addresses = cluster.start_servers()
+        cluster.start_workers()
+        cluster.wait_workers(on_progress)
+        train_seconds = time.time() - t0
+        stats = server_stats(addresses)
+        final = _final_eval(spec, addresses) if spec.evaluate else {}
+        shutdown_servers(addresses)
+    workers = []
+    for rank in range(spec.num_workers):
+        path = out / "results" / f"worker{rank}.json"
+        workers.append(json.loads(path.read_text()))
+    applied = sum(w["applied"] for w in stats[0]["workers"].values()) if stats else 0
+    result: dict[str, Any] = {
+        "spec": spec.to_dict(),
+        "addresses": addresses,
+        "seconds": train_seconds,
+        "eval": final,
+        "workers": workers,
+        "servers": stats,
+        "updates_applied": [s["version"] for s in stats],
+        "pushes_applied_shard0": applied,
+    }
+    _write_json(out / "result.json", result)
+    return result
