@@ -219,8 +219,11 @@ class ShardCore:
         self.params: dict[str, torch.Tensor] = {
             s.key: torch.zeros(s.numel, dtype=DTYPES[s.dtype]) for s in self.specs.values()
         }
+        # a shard may own no slices (more shards than chunks): it still keeps clocks
+        # and versions, but torch refuses an optimizer over nothing, so use a placeholder
+        opt_params = list(self.params.values()) or [torch.zeros(1)]
         self.optimizer = build_optimizer(
-            self.config.optimizer, list(self.params.values()), self.config.optimizer_args
+            self.config.optimizer, opt_params, self.config.optimizer_args
         )
         self.scheduler = build_scheduler(
             self.config.scheduler, self.optimizer, self.config.scheduler_args

@@ -283,8 +283,11 @@ class LocalCluster:
         self.stop()
 
 
-def _final_eval(spec: ClusterSpec, addresses: list[str]) -> dict[str, float]:
-    """Pull the final weights as an observer and evaluate them on held-out data."""
+def _final_eval(spec: ClusterSpec, addresses: list[str], out: Path) -> dict[str, float]:
+    """Pull the final weights as an observer, save them as ``final_model.safetensors``
+    (a state_dict for ``load_state_dict``) and evaluate them on held-out data."""
+    from safetensors.torch import save_file
+
     from paramserver.sharding import ShardPlan
 
     from .client import PSClient
@@ -299,6 +302,8 @@ def _final_eval(spec: ClusterSpec, addresses: list[str]) -> dict[str, float]:
                   timeout=cfg.timeout) as client:
         client.connect()
         client.pull(dict(task.model.named_parameters()))
+    state = {k: v.detach().contiguous() for k, v in task.model.state_dict().items()}
+    save_file(state, str(out / "final_model.safetensors"))
     return evaluate(task)
 
 
@@ -315,7 +320,7 @@ def run_cluster(spec: ClusterSpec, out_dir: str | Path,
         cluster.wait_workers(on_progress)
         train_seconds = time.time() - t0
         stats = server_stats(addresses)
-        final = _final_eval(spec, addresses) if spec.evaluate else {}
+        final = _final_eval(spec, addresses, out) if spec.evaluate else {}
         shutdown_servers(addresses)
     workers = []
     for rank in range(spec.num_workers):
