@@ -1,0 +1,132 @@
+"""Wire protocol: round trips of every op, and refusal of each kind of malformed input."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+import torch
+
+from paramserver.errors import ErrorCode, ProtocolError
+from paramserver.protocol import (
+    PROTOCOL_VERSION,
+    Limits,
+    Message,
+    Op,
+    decode,
+    encode,
+    error_reply,
+    reply,
+)
+
+FIELDS = {
+    Op.HELLO: {"worker": 1, "role": "worker", "protocol": PROTOCOL_VERSION, "plan_hash": "ab",
+               "plan": {"num_shards": 2}, "incarnation": "x"},
+    Op.INIT: {"worker": 0},
+    Op.PULL: {"worker": 2, "clock": 5, "observer": False},
+    Op.PUSH: {"worker": 3, "push_id": 9, "clock": 4, "read_version": 17, "num_samples": 32},
+    Op.HEARTBEAT: {"worker": 0},
+    Op.BYE: {"worker": 0},
+    Op.STATS: {},
+    Op.CHECKPOINT: {"path": "/tmp/x"},
+    Op.SHUTDOWN: {},
+    Op.REPLY: {"re": "pull", "version": 3},
+    Op.ERROR: {"code": "bad_field", "reason": "why"},
+}
+
+
+def roundtrip(msg: Message) -> Message:
+    return decode([bytes(f) for f in encode(msg)])
+
+
+@pytest.mark.parametrize("op", list(Op))
+def test_every_op_round_trips(op):
+    tensors = {"a": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+               "b[0:4]": torch.tensor([1.5, -2.0, 3.25, 0.0], dtype=torch.float64)}
+    msg = Message(op, 42, dict(FIELDS[op]), tensors if op in (Op.INIT, Op.PUSH, Op.REPLY) else {})
+    got = roundtrip(msg)
+    assert got.op is op and got.seq == 42 and got.fields == msg.fields
+    assert list(got.tensors) == list(msg.tensors)
+    for k, t in msg.tensors.items():
+        assert got.tensors[k].dtype == t.dtype and torch.equal(got.tensors[k], t)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64,
+                                   torch.int64, torch.uint8])
+def test_dtypes_bit_exact(dtype):
+    t = (torch.randn(33) * 100).to(dtype)
+    got = roundtrip(Message(Op.INIT, 1, {"worker": 0}, {"t": t})).tensors["t"]
+    assert got.dtype == dtype and torch.equal(got, t)
+
+
+def test_frames_share_tensor_memory():
+    t = torch.zeros(1024)
+    frames = encode(Message(Op.INIT, 1, {"worker": 0}, {"t": t}))
+    t[0] = 7.0  # encode made no copy: the frame sees the change
+    assert decode(frames).tensors["t"][0] == 7.0
+
+
+def test_reply_helpers():
+    req = Message(Op.PULL, 5, FIELDS[Op.PULL])
+    rep = reply(req, version=3)
+    assert rep.seq == 5 and rep["re"] == "pull" and rep["version"] == 3
+    err = roundtrip(error_reply(5, ErrorCode.BAD_FIELD, "x" * 5000))
+    assert err.op is Op.ERROR and len(err["reason"]) == 2000
+
+
+def _frames(header: dict, *data: bytes) -> list[bytes]:
+    return [msgpack.packb(header), *data]
+
+
+GOOD = {"v": PROTOCOL_VERSION, "op": "push", "seq": 1, "f": FIELDS[Op.PUSH],
+        "t": [["g", "float32", [2]]]}
+DATA = torch.ones(2).numpy().tobytes()
+
+
+@pytest.mark.parametrize(("frames", "code"), [
+    ([], ErrorCode.BAD_MESSAGE),
+    ([b"\xc1garbage"], ErrorCode.BAD_HEADER),
+    ([msgpack.packb([1, 2])], ErrorCode.BAD_HEADER),
+    (_frames({**GOOD, "v": 99}, DATA), ErrorCode.PROTOCOL_VERSION),
+    (_frames({**GOOD, "op": "explode"}, DATA), ErrorCode.UNKNOWN_OP),
+    (_frames({**GOOD, "seq": -1}, DATA), ErrorCode.BAD_HEADER),
+    (_frames({**GOOD, "f": {**FIELDS[Op.PUSH], "worker": "one"}}, DATA), ErrorCode.BAD_FIELD),
+    (_frames({**GOOD, "f": {**FIELDS[Op.PUSH], "clock": True}}, DATA), ErrorCode.BAD_FIELD),
+    (_frames({**GOOD, "f": {"worker": 1}}, DATA), ErrorCode.BAD_FIELD),
+    (_frames({**GOOD, "f": {**FIELDS[Op.PUSH], "clock": 1 << 63}}, DATA), ErrorCode.BAD_FIELD),
+    (_frames(GOOD), ErrorCode.BAD_MESSAGE),  # descriptor without its frame
+    (_frames(GOOD, DATA, DATA), ErrorCode.BAD_MESSAGE),
+    (_frames(GOOD, DATA[:-1]), ErrorCode.BAD_TENSOR),  # truncated frame
+    (_frames({**GOOD, "t": [["g", "object", [2]]]}, DATA), ErrorCode.BAD_TENSOR),
+    (_frames({**GOOD, "t": [["g", "float32", [-2]]]}, DATA), ErrorCode.BAD_TENSOR),
+    (_frames({**GOOD, "t": [["", "float32", [2]]]}, DATA), ErrorCode.BAD_TENSOR),
+    (_frames({**GOOD, "t": [["g", "float32"]]}, DATA), ErrorCode.BAD_TENSOR),
+    (_frames({**GOOD, "t": [["g", "float32", [2]], ["g", "float32", [2]]]}, DATA, DATA),
+     ErrorCode.BAD_TENSOR),
+    (_frames({**GOOD, "t": "nope"}, DATA), ErrorCode.BAD_HEADER),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_malformed_messages_are_refused_with_a_code(frames, code):
+    with pytest.raises(ProtocolError) as err:
+        decode(frames)
+    assert err.value.code == code
+
+
+def test_size_limits():
+    limits = Limits(max_header_bytes=64, max_tensor_bytes=4, max_tensors=1)
+    with pytest.raises(ProtocolError) as err:
+        decode([b"\x80" * 100], limits)
+    assert err.value.code == ErrorCode.TOO_LARGE
+    with pytest.raises(ProtocolError) as err:
+        decode(_frames(GOOD, DATA), Limits(max_tensor_bytes=4))
+    assert err.value.code == ErrorCode.TOO_LARGE
+    two = {**GOOD, "t": [["a", "float32", [2]], ["b", "float32", [2]]]}
+    with pytest.raises(ProtocolError) as err:
+        decode(_frames(two, DATA, DATA), Limits(max_tensors=1))
+    assert err.value.code == ErrorCode.TOO_LARGE
+
+
+def test_never_pickles():
+    import pickle
+
+    payload = pickle.dumps({"op": "push"})
+    with pytest.raises(ProtocolError):
+        decode([payload])
