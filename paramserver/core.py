@@ -54,6 +54,18 @@ MODES: tuple[str, ...] = ("sync", "async", "ssp")
 DTYPES = FLOAT_DTYPES
 
 
+def _all_finite(t: torch.Tensor) -> bool:
+    """Whether every element is finite, in one reduction pass without temporaries.
+
+    A NaN or Inf anywhere makes the sum NaN or Inf; only a non-finite sum
+    (which a huge but finite gradient can also produce) needs the exact check,
+    which costs several passes and a boolean tensor as large as the input.
+    """
+    if bool(torch.isfinite(t.sum())):
+        return True
+    return bool(torch.isfinite(t).all())
+
+
 @dataclass(frozen=True)
 class ModeSpec:
     """Which consistency model a shard enforces."""
@@ -406,6 +418,12 @@ class ShardCore:
                 raise ProtocolError(ErrorCode.BAD_FIELD, f"clock must be >= 0, got {clock}")
             state.clock = max(state.clock, clock)
             state.pulls += 1
+            # a retried pull replaces the parked one (one reply per worker), keeping
+            # its start time so waiting is measured from the first attempt
+            for i, old in enumerate(self._pending):
+                if not old.observer and old.worker == worker:
+                    self._pending[i] = _PendingPull(worker, clock, token, old.since)
+                    return
         self._pending.append(_PendingPull(worker, clock, token, now, observer))
 
     def _gate_open(self, pull: _PendingPull) -> bool:
@@ -491,7 +509,7 @@ class ShardCore:
         self._check_tensors(grads, "PUSH")
         if self.config.check_finite:
             for key, g in grads.items():
-                if not bool(torch.isfinite(g).all()):
+                if not _all_finite(g):
                     raise ProtocolError(
                         ErrorCode.NONFINITE, f"gradient {key!r} holds NaN or Inf; not applied"
                     )
@@ -575,10 +593,13 @@ class ShardCore:
         if decision.accept:
             grads = self._rewrite(info, grads)
             if not self._agg:
-                self._agg = {k: torch.zeros_like(p) for k, p in self.params.items()}
+                self._agg = {k: torch.empty_like(p) for k, p in self.params.items()}
             alpha = info.num_samples * decision.weight
             for key, buf in self._agg.items():
-                buf.add_(grads[key], alpha=alpha)
+                if self._round_samples == 0:  # the round's first gradient overwrites:
+                    torch.mul(grads[key], alpha, out=buf)  # no zeroing pass per round
+                else:
+                    buf.add_(grads[key], alpha=alpha)
             self._round_samples += info.num_samples
         stepped = self._maybe_close_round()
         return PushOutcome(decision.accept, decision.weight if decision.accept else 0.0,
@@ -596,8 +617,6 @@ class ShardCore:
             for key, p in self.params.items():
                 p.grad = self._agg[key].div_(self._round_samples)
             self._step(1.0)
-            for buf in self._agg.values():
-                buf.zero_()
             stepped = True
         else:
             self.rounds_dropped += 1
@@ -619,6 +638,110 @@ class ShardCore:
         if self.scheduler is not None:
             self.scheduler.step()
         self.version += 1
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Everything needed to resume this shard: (tensors, JSON-able metadata).
+
+        Tensors: weights (``param/<key>``), optimizer state
+        (``optim/<index>/<name>``), an open sync round's sums (``agg/<key>``) and
+        the weights each worker read, for policies that need them
+        (``read/<worker>/<key>``). Metadata: versions, clocks, counters, the
+        optimizer's and scheduler's non-tensor state and the policy's state.
+        """
+        tensors = {f"param/{k}": p.detach() for k, p in self.params.items()}
+        opt = self.optimizer.state_dict()
+        opt_meta: dict[str, Any] = {"param_groups": opt["param_groups"], "state": {}}
+        for index, entries in opt["state"].items():
+            opt_meta["state"][str(index)] = {}
+            for name, value in entries.items():
+                if isinstance(value, torch.Tensor):
+                    tensors[f"optim/{index}/{name}"] = value
+                else:
+                    opt_meta["state"][str(index)][name] = value
+        for key, buf in self._agg.items():
+            tensors[f"agg/{key}"] = buf
+        for worker, snap in self._read_weights.items():
+            for key, t in snap.items():
+                tensors[f"read/{worker}/{key}"] = t
+        workers = {}
+        for w in self.workers.values():
+            workers[str(w.worker)] = {
+                "incarnation": w.incarnation, "clock": w.clock, "live": w.live,
+                "finished": w.finished, "pushes": w.pushes, "applied": w.applied,
+                "rejected": dict(w.rejected), "downweighted": w.downweighted,
+                "weight_sum": w.weight_sum, "staleness": {str(k): v for k, v in w.staleness.items()},
+                "last_push_id": w.last_push_id, "pulls": w.pulls,
+                "deferred_pulls": w.deferred_pulls, "wait_seconds": w.wait_seconds,
+                "deaths": w.deaths,
+            }
+        meta = {
+            "shard": self.config.shard,
+            "version": self.version,
+            "initialized": self.initialized,
+            "started": self.started,
+            "mode": self.mode.describe(),
+            "workers": workers,
+            "round": sorted(self._round),
+            "round_samples": self._round_samples,
+            "max_answered_gap": self.max_answered_gap,
+            "rounds_dropped": self.rounds_dropped,
+            "optimizer": opt_meta,
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "policy": {"name": self.policy.name, "state": self.policy.state_dict()},
+        }
+        return tensors, meta
+
+    def load_state_dict(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any],
+                        now: float) -> None:
+        """Restore :meth:`state_dict`'s output. Workers get a fresh heartbeat
+        grace period (``now``) to reconnect."""
+        self._check_tensors({k[len("param/"):]: v for k, v in tensors.items()
+                             if k.startswith("param/")}, "checkpoint")
+        with torch.no_grad():
+            for key, p in self.params.items():
+                p.copy_(tensors[f"param/{key}"])
+        opt_state: dict[int, dict[str, Any]] = {}
+        for index, entries in meta["optimizer"]["state"].items():
+            opt_state[int(index)] = dict(entries)
+        for name, value in tensors.items():
+            if name.startswith("optim/"):
+                _, index, field_name = name.split("/", 2)
+                opt_state.setdefault(int(index), {})[field_name] = value.clone()
+        self.optimizer.load_state_dict(
+            {"state": opt_state, "param_groups": meta["optimizer"]["param_groups"]}
+        )
+        if self.scheduler is not None and meta.get("scheduler") is not None:
+            self.scheduler.load_state_dict(meta["scheduler"])
+        self.policy.load_state_dict(meta.get("policy", {}).get("state", {}))
+        self.version = int(meta["version"])
+        self.initialized = bool(meta["initialized"])
+        self.started = bool(meta["started"])
+        self.max_answered_gap = int(meta.get("max_answered_gap", 0))
+        self.rounds_dropped = int(meta.get("rounds_dropped", 0))
+        self.workers = {}
+        for wid, w in meta["workers"].items():
+            state = WorkerState(int(wid), w["incarnation"], now, clock=w["clock"])
+            state.live, state.finished = w["live"], w["finished"]
+            state.pushes, state.applied = w["pushes"], w["applied"]
+            state.rejected = Counter(w["rejected"])
+            state.downweighted, state.weight_sum = w["downweighted"], w["weight_sum"]
+            state.staleness = Counter({int(k): v for k, v in w["staleness"].items()})
+            state.last_push_id, state.pulls = w["last_push_id"], w["pulls"]
+            state.deferred_pulls, state.wait_seconds = w["deferred_pulls"], w["wait_seconds"]
+            state.deaths = w["deaths"]
+            self.workers[state.worker] = state
+        self._round = set(meta.get("round", []))
+        self._round_samples = int(meta.get("round_samples", 0))
+        self._agg = {k[len("agg/"):]: v.clone() for k, v in tensors.items()
+                     if k.startswith("agg/")}
+        self._read_weights = {}
+        for name, value in tensors.items():
+            if name.startswith("read/"):
+                _, worker, key = name.split("/", 2)
+                self._read_weights.setdefault(int(worker), {})[key] = value.clone()
+        self._pending = []
 
     # ------------------------------------------------------------------ reporting
 

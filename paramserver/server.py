@@ -29,6 +29,7 @@ from typing import Any
 
 import zmq
 
+from .checkpoint import CheckpointError, load_shard, save_shard
 from .core import CoreConfig, ModeSpec, ShardCore, SliceSpec
 from .errors import ConfigError, ErrorCode, ProtocolError
 from .events import EventLog
@@ -66,6 +67,11 @@ class ServerConfig:
     event_log: str | None = None
     curve_secret_key: str | None = None
     plan: dict[str, Any] | None = None  # None: adopt the first worker's plan
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0  # versions between checkpoints (0: off)
+    checkpoint_seconds: float = 0.0  # seconds between checkpoints (0: off)
+    checkpoint_keep: int = 2
+    resume: str | None = None  # a checkpoint directory to restore this shard from
 
     def __post_init__(self) -> None:
         if self.num_shards < 1:
@@ -74,6 +80,10 @@ class ServerConfig:
             raise ConfigError(f"shard must be in [0, {self.num_shards}), got {self.shard}")
         self.mode_spec()  # validates mode, bound, backups
         self.core_config()
+        if self.checkpoint_every < 0 or self.checkpoint_seconds < 0:
+            raise ConfigError("checkpoint_every and checkpoint_seconds must be >= 0")
+        if (self.checkpoint_every or self.checkpoint_seconds) and not self.checkpoint_dir:
+            raise ConfigError("periodic checkpoints need a checkpoint directory")
 
     def mode_spec(self) -> ModeSpec:
         return ModeSpec(self.mode, self.staleness_bound, self.backup_workers)
@@ -119,6 +129,9 @@ class ShardServer:
         self._running = False
         self.counters: Counter[str] = Counter()
         self.started_at = time.time()
+        self._last_checkpoint = (time.monotonic(), -1)  # (when, version)
+        if config.resume:
+            self._restore(config.resume)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -144,10 +157,14 @@ class ShardServer:
                 now = time.monotonic()
                 if self.core is not None and now - last_expire >= tick:
                     last_expire = now
-                    self._before_mutation()
+                    if self._expiry_due(now):  # a death may close a sync round
+                        self._before_mutation()
                     for worker in self.core.expire(now):
                         self.events.write("worker_dead", shard=self.config.shard, worker=worker)
                     self._answer_pulls(now)
+                    self._maybe_checkpoint()
+            if self.config.checkpoint_dir:
+                self.save_checkpoint()
         finally:
             self.events.write("server_stop", shard=self.config.shard,
                               version=self.core.version if self.core else 0)
@@ -156,6 +173,50 @@ class ShardServer:
 
     def stop(self) -> None:
         self._running = False
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self, directory: str | None = None) -> str | None:
+        """Write this shard's checkpoint now; returns the manifest path (None: nothing to save)."""
+        target = directory or self.config.checkpoint_dir
+        if target is None:
+            raise ConfigError("no checkpoint directory configured")
+        if self.core is None or self.plan is None:
+            return None
+        tensors, meta = self.core.state_dict()
+        meta.update(plan=self.plan.describe(), plan_hash=self.plan.hash,
+                    optimizer_name=self.config.optimizer, server=self.config.to_dict())
+        path = save_shard(target, self.config.shard, tensors, meta,
+                          keep=self.config.checkpoint_keep)
+        self._last_checkpoint = (time.monotonic(), self.core.version)
+        self.events.write("checkpoint", shard=self.config.shard, version=self.core.version,
+                          path=str(path))
+        return str(path)
+
+    def _maybe_checkpoint(self) -> None:
+        if self.core is None or not self.config.checkpoint_dir:
+            return
+        when, version = self._last_checkpoint
+        if version == self.core.version:
+            return
+        every, seconds = self.config.checkpoint_every, self.config.checkpoint_seconds
+        due = (every and self.core.version % every == 0) or (
+            seconds and time.monotonic() - when >= seconds)
+        if due:
+            self.save_checkpoint()
+
+    def _restore(self, directory: str) -> None:
+        tensors, meta = load_shard(directory, self.config.shard)
+        plan = ShardPlan.from_description(meta["plan"])
+        if self.plan is not None and plan.hash != self.plan.hash:
+            raise CheckpointError(f"checkpoint in {directory} has another plan: "
+                                  f"{self.plan.diff(meta['plan'])}")
+        self._adopt_plan(plan)
+        assert self.core is not None
+        self.core.load_state_dict(tensors, meta, time.monotonic())
+        self._last_checkpoint = (time.monotonic(), self.core.version)
+        log.info("shard %d resumed from %s at version %d", self.config.shard, directory,
+                 self.core.version)
 
     # ------------------------------------------------------------------ dispatch
 
@@ -197,14 +258,35 @@ class ShardServer:
         self.counters["bytes_out"] += msg.nbytes
 
     def _before_mutation(self) -> None:
-        """Copy-on-write: parameters still being sent must not be written in place."""
+        """Copy-on-write: parameters still being sent must not be written in place.
+
+        pyzmq marks a send done from its garbage-collector thread, which usually
+        has not run yet when the worker that read the reply already pushes
+        again; so wait for pending sends up to about the time copying the shard
+        would take (4 GB/s) before copying it.
+        """
         if not self._inflight:
             return
-        self._inflight = [t for t in self._inflight if not t.done]
-        if self._inflight and self.core is not None:
+        pending = [t for t in self._inflight if not t.done]
+        if pending and self.core is not None:
+            nbytes = sum(p.numel() * p.element_size() for p in self.core.params.values())
+            deadline = time.monotonic() + min(0.05, nbytes / 4e9)
+            for tracker in pending:
+                try:
+                    tracker.wait(max(0.0, deadline - time.monotonic()))
+                except zmq.NotDone:
+                    break
+            pending = [t for t in pending if not t.done]
+        if pending and self.core is not None:
             self.core.copy_on_write()
             self.counters["copy_on_write"] += 1
-            self._inflight.clear()
+        self._inflight = []
+
+    def _expiry_due(self, now: float) -> bool:
+        assert self.core is not None
+        timeout = self.core.config.heartbeat_timeout
+        return any(w.live and not w.finished and now - w.last_seen > timeout
+                   for w in self.core.workers.values())
 
     def _answer_pulls(self, now: float) -> None:
         assert self.core is not None
@@ -296,6 +378,8 @@ class ShardServer:
                 accepted=out.accepted, weight=out.weight, reason=out.reason,
                 num_samples=msg["num_samples"],
             )
+        if out.applied and self.config.checkpoint_every:
+            self._maybe_checkpoint()
         return reply(msg, **out.as_dict())
 
     def _on_heartbeat(self, msg: Message, identity: bytes) -> Message:
@@ -313,6 +397,10 @@ class ShardServer:
     def _on_stats(self, msg: Message, identity: bytes) -> Message:
         return reply(msg, **self.stats())
 
+    def _on_checkpoint(self, msg: Message, identity: bytes) -> Message:
+        path = self.save_checkpoint(msg.get("path"))
+        return reply(msg, path=path, version=self.core.version if self.core else 0)
+
     def _on_shutdown(self, msg: Message, identity: bytes) -> Message:
         log.info("shard %d: shutdown requested", self.config.shard)
         self._running = False
@@ -327,6 +415,7 @@ class ShardServer:
         Op.BYE: _on_bye,
         Op.STATS: _on_stats,
         Op.SHUTDOWN: _on_shutdown,
+        Op.CHECKPOINT: _on_checkpoint,
     }
 
     def stats(self) -> dict[str, Any]:

@@ -1,0 +1,201 @@
+"""Atomic per-shard checkpoints: safetensors for tensors, a JSON manifest for the rest.
+
+Layout of a checkpoint directory::
+
+    DIR/shard0/v0000000120.safetensors   weights, optimizer tensors, open sync round
+    DIR/shard0/v0000000120.json          manifest: version, clocks, counters, optimizer
+                                         and scheduler metadata, policy state, plan
+    DIR/shard0/LATEST                    {"name": "v0000000120", ...}
+    DIR/shard1/...
+
+Each file is written to a temporary name, fsynced and renamed; LATEST moves
+last. A process killed at any point leaves the previous checkpoint whole and
+LATEST pointing at it. Nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .errors import ConfigError, ParamServerError
+from .sharding import ShardPlan
+
+__all__ = [
+    "CHECKPOINT_FORMAT",
+    "CheckpointError",
+    "export_model",
+    "inspect_checkpoint",
+    "load_shard",
+    "save_shard",
+]
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_FORMAT = 1
+
+
+class CheckpointError(ParamServerError):
+    """A checkpoint is missing, incomplete or does not match this run."""
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, write: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    write(tmp)
+    with tmp.open("rb+") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def _write_json_atomic(path: Path, data: Any) -> None:
+    _write_atomic(path, lambda tmp: tmp.write_text(json.dumps(data, indent=1, sort_keys=True)))
+
+
+def save_shard(directory: str | Path, shard: int, tensors: Mapping[str, torch.Tensor],
+               meta: Mapping[str, Any], *, keep: int = 2) -> Path:
+    """Write one shard's checkpoint atomically and return the manifest's path."""
+    folder = Path(directory) / f"shard{shard}"
+    folder.mkdir(parents=True, exist_ok=True)
+    version = int(meta["version"])
+    name = f"v{version:010d}"
+    contiguous = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    tensor_path = folder / f"{name}.safetensors"
+    _write_atomic(tensor_path, lambda tmp: save_file(contiguous, str(tmp)))
+    manifest = {
+        **meta,
+        "format": CHECKPOINT_FORMAT,
+        "created": time.time(),
+        "tensors_file": tensor_path.name,
+        "tensors_bytes": tensor_path.stat().st_size,
+    }
+    manifest_path = folder / f"{name}.json"
+    _write_json_atomic(manifest_path, manifest)
+    _write_json_atomic(folder / "LATEST", {"name": name, "version": version,
+                                           "created": manifest["created"]})
+    _fsync_dir(folder)
+    _prune(folder, keep)
+    log.info("shard %d: checkpoint at version %d in %s", shard, version, folder)
+    return manifest_path
+
+
+def _prune(folder: Path, keep: int) -> None:
+    names = sorted(p.stem for p in folder.glob("v*.json"))
+    for stale in names[:-keep] if keep > 0 else []:
+        for suffix in (".json", ".safetensors"):
+            (folder / f"{stale}{suffix}").unlink(missing_ok=True)
+
+
+def _latest(folder: Path) -> dict[str, Any]:
+    try:
+        return dict(json.loads((folder / "LATEST").read_text()))
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"no checkpoint in {folder} (LATEST is missing)") from exc
+    except (json.JSONDecodeError, OSError) as exc:
+        raise CheckpointError(f"cannot read {folder / 'LATEST'}: {exc}") from exc
+
+
+def load_shard(directory: str | Path, shard: int
+               ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The latest complete checkpoint of one shard: (tensors, manifest)."""
+    folder = Path(directory) / f"shard{shard}"
+    name = _latest(folder)["name"]
+    try:
+        meta = json.loads((folder / f"{name}.json").read_text())
+        tensors = load_file(str(folder / f"{name}.safetensors"))
+    except Exception as exc:  # safetensors and json raise assorted types
+        raise CheckpointError(f"checkpoint {folder / name} is unreadable: {exc}") from exc
+    if meta.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"{folder / name}: format {meta.get('format')!r}, "
+                              f"this version reads {CHECKPOINT_FORMAT}")
+    return tensors, meta
+
+
+def _shards(directory: Path) -> list[int]:
+    shards = sorted(int(p.name[5:]) for p in directory.glob("shard*")
+                    if p.name[5:].isdigit() and (p / "LATEST").exists())
+    if not shards:
+        raise CheckpointError(f"{directory} holds no shard checkpoints (shard*/LATEST)")
+    return shards
+
+
+def inspect_checkpoint(directory: str | Path) -> dict[str, Any]:
+    """A summary of every shard's latest checkpoint, and whether they form a whole."""
+    root = Path(directory)
+    shards = []
+    plan_hashes = set()
+    num_shards = None
+    for shard in _shards(root):
+        folder = root / f"shard{shard}"
+        name = _latest(folder)["name"]
+        meta = json.loads((folder / f"{name}.json").read_text())
+        plan_hashes.add(meta.get("plan_hash"))
+        num_shards = meta.get("plan", {}).get("num_shards", num_shards)
+        shards.append({
+            "shard": shard,
+            "name": name,
+            "version": meta["version"],
+            "mode": meta.get("mode"),
+            "created": meta.get("created"),
+            "bytes": meta.get("tensors_bytes"),
+            "plan_hash": meta.get("plan_hash"),
+            "workers": {w: {"clock": s["clock"], "applied": s["applied"],
+                            "rejected": sum(s["rejected"].values())}
+                        for w, s in meta.get("workers", {}).items()},
+            "optimizer": meta.get("optimizer_name"),
+            "policy": meta.get("policy", {}).get("name"),
+        })
+    present = {s["shard"] for s in shards}
+    missing = sorted(set(range(num_shards or 0)) - present)
+    return {
+        "directory": str(root),
+        "num_shards": num_shards,
+        "shards": shards,
+        "missing_shards": missing,
+        "complete": not missing and len(plan_hashes) == 1,
+        "versions": [s["version"] for s in shards],
+    }
+
+
+def export_model(directory: str | Path, out: str | Path) -> dict[str, Any]:
+    """Assemble every shard's latest weights into one state_dict file (safetensors).
+
+    Load it with ``model.load_state_dict(safetensors.torch.load_file(out))``.
+    Only parameters live on the servers; a model's buffers (e.g. batch-norm
+    statistics) are not part of it.
+    """
+    info = inspect_checkpoint(directory)
+    if info["missing_shards"]:
+        raise CheckpointError(f"cannot export: shard(s) {info['missing_shards']} have no "
+                              f"checkpoint in {directory}")
+    if not info["complete"]:
+        raise CheckpointError("cannot export: the shards' checkpoints come from different plans")
+    first = load_shard(directory, info["shards"][0]["shard"])[1]
+    try:
+        plan = ShardPlan.from_description(first["plan"])
+    except (ConfigError, KeyError) as exc:
+        raise CheckpointError(f"checkpoint manifest holds no usable plan: {exc}") from exc
+    full = {p.name: torch.zeros(p.shape, dtype=p.torch_dtype) for p in plan.params}
+    for s in info["shards"]:
+        tensors, _ = load_shard(directory, s["shard"])
+        plan.assemble_into(full, {k[len("param/"):]: v for k, v in tensors.items()
+                                  if k.startswith("param/")})
+    target = Path(out)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    _write_atomic(target, lambda tmp: save_file(full, str(tmp)))
+    return {"path": str(target), "parameters": len(full), "versions": info["versions"]}
