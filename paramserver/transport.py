@@ -196,6 +196,7 @@ def request_all(
     what: str | None = None,
     *,
     retries: int = 0,
+    raise_errors: bool = True,
 ) -> list[Message]:
     """Send one request per channel, then wait for every reply (concurrently).
 
@@ -203,7 +204,8 @@ def request_all(
     requests are discarded. After ``timeout`` seconds the missing requests are
     sent again (same message, so a retried push keeps its push id) up to
     ``retries`` times; then :class:`TimeoutError` names who did not answer.
-    An ERROR reply raises :class:`RemoteError` naming the peer.
+    An ERROR reply raises :class:`RemoteError` naming the peer, or with
+    ``raise_errors=False`` is returned in its place for the caller to handle.
     """
     if len(channels) != len(messages):
         raise ValueError("one message per channel")
@@ -232,7 +234,9 @@ def request_all(
                 deadline = time.monotonic() + timeout
                 continue
             who = ", ".join(f"{channels[i].peer} at {channels[i].address}" for i in missing)
-            raise TimeoutError(f"{label}: no reply within {timeout:g}s from {who}")
+            waited = timeout * (attempts + 1)
+            raise TimeoutError(f"{label}: no reply within {waited:g}s from {who} (is it "
+                               f"running and reachable?)")
         for sock, _ in poller.poll(max(1, int(remaining * 1000))):
             i = index[sock]
             ch = channels[i]
@@ -242,7 +246,7 @@ def request_all(
                     break
                 if rep.seq != messages[i].seq or replies[i] is not None:
                     continue  # an answer to an older request we gave up on
-                if rep.op is Op.ERROR:
+                if rep.op is Op.ERROR and raise_errors:
                     raise RemoteError(f"{ch.peer} at {ch.address}", rep["code"], rep["reason"])
                 replies[i] = rep
     return [r for r in replies if r is not None]

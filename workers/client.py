@@ -10,6 +10,7 @@ sockets keeps the worker in the live set while it computes or waits.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 import uuid
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 import zmq
 
-from paramserver.errors import RemoteError, TransportError
+from paramserver.errors import ErrorCode, RemoteError, TransportError
 from paramserver.protocol import PROTOCOL_VERSION, Message, Op
 from paramserver.sharding import ShardPlan
 from paramserver.transport import Channel, CurveKeys, request_all
@@ -100,7 +101,7 @@ class PSClient:
         *,
         role: str = "worker",
         timeout: float = 60.0,
-        retries: int = 2,
+        attempt_timeout: float = 5.0,
         heartbeat_interval: float = 1.0,
         curve: CurveKeys | None = None,
     ) -> None:
@@ -112,8 +113,13 @@ class PSClient:
         self.plan = plan
         self.worker = worker
         self.role = role
+        # a request is re-sent every attempt_timeout (a restarted server lost it;
+        # duplicates are harmless: pushes carry ids, pulls replace each other)
+        # until `timeout` has passed in all
         self.timeout = timeout
-        self.retries = retries
+        self.attempt_timeout = min(attempt_timeout, timeout)
+        self.retries = max(0, math.ceil(timeout / self.attempt_timeout) - 1)
+        self._params: Mapping[str, torch.Tensor] | None = None
         self.incarnation = uuid.uuid4().hex
         self.channels = [Channel(a, peer=f"shard {i}", curve=curve)
                          for i, a in enumerate(addresses)]
@@ -127,15 +133,53 @@ class PSClient:
 
     # ------------------------------------------------------------------ session
 
-    def connect(self, timeout: float | None = None) -> int:
-        """HELLO to every shard. Returns the clock to resume at (0 for a new worker)."""
-        msgs = [Message(Op.HELLO, 0, {
+    def _hello(self) -> Message:
+        return Message(Op.HELLO, 0, {
             "worker": self.worker, "role": self.role, "protocol": PROTOCOL_VERSION,
             "plan_hash": self.plan.hash, "plan": self.plan.describe(),
             "incarnation": self.incarnation,
-        }) for _ in self.channels]
-        replies = request_all(self.channels, msgs, timeout or self.timeout, "HELLO",
-                              retries=self.retries)
+        })
+
+    def _init(self, shard: int) -> Message:
+        assert self._params is not None
+        host = {k: v.detach().cpu() for k, v in self._params.items()}
+        part = self.plan.split_tensors(host).get(shard, {})
+        return Message(Op.INIT, 0, {"worker": self.worker}, part)
+
+    def _call(self, msgs: list[Message], what: str, shards: list[int] | None = None,
+              recover: bool = True) -> list[Message]:
+        """Send one message per shard and collect the replies.
+
+        A shard that answers "not registered" (it restarted without our state,
+        or timed us out) gets a fresh HELLO, and INIT from our current weights
+        if it lost its own; then the request is repeated. Other errors raise.
+        """
+        shards = list(range(len(self.channels))) if shards is None else shards
+        chans = [self.channels[s] for s in shards]
+        replies = request_all(chans, msgs, self.attempt_timeout, what, retries=self.retries,
+                              raise_errors=False)
+        for i, rep in enumerate(replies):
+            if rep.op is not Op.ERROR:
+                continue
+            peer = f"{chans[i].peer} at {chans[i].address}"
+            if recover and rep["code"] in (ErrorCode.NOT_REGISTERED, ErrorCode.NOT_INITIALIZED):
+                log.warning("%s: %s; registering again", peer, rep["reason"])
+                self._rejoin(shards[i])
+                retry = Message(msgs[i].op, 0, dict(msgs[i].fields), msgs[i].tensors)
+                replies[i] = self._call([retry], what, [shards[i]], recover=False)[0]
+            else:
+                raise RemoteError(peer, rep["code"], rep["reason"])
+        return replies
+
+    def _rejoin(self, shard: int) -> None:
+        hello = self._call([self._hello()], "HELLO", [shard], recover=False)[0]
+        if not hello["initialized"] and self._params is not None and self.role == "worker":
+            log.warning("shard %d lost its weights; seeding it from this worker's copy", shard)
+            self._call([self._init(shard)], "INIT", [shard], recover=False)
+
+    def connect(self) -> int:
+        """HELLO to every shard. Returns the clock to resume at (0 for a new worker)."""
+        replies = self._call([self._hello() for _ in self.channels], "HELLO", recover=False)
         if self._heartbeat is not None and not self._heartbeat.is_alive():
             self._heartbeat.start()
         return max(r["clock"] for r in replies)
@@ -145,10 +189,8 @@ class PSClient:
 
         Returns True if this worker seeded at least one shard.
         """
-        parts = self.plan.split_tensors({k: v.detach().cpu() for k, v in params.items()})
-        msgs = [Message(Op.INIT, 0, {"worker": self.worker}, parts.get(s, {}))
-                for s in range(len(self.channels))]
-        replies = request_all(self.channels, msgs, self.timeout, "INIT", retries=self.retries)
+        self._params = params
+        replies = self._call([self._init(s) for s in range(len(self.channels))], "INIT")
         return any(r["seeded"] for r in replies)
 
     def close(self) -> None:
@@ -160,8 +202,8 @@ class PSClient:
             ch.close()
 
     def bye(self) -> None:
-        msgs = [Message(Op.BYE, 0, {"worker": self.worker}) for _ in self.channels]
-        request_all(self.channels, msgs, self.timeout, "BYE")
+        self._call([Message(Op.BYE, 0, {"worker": self.worker}) for _ in self.channels], "BYE",
+                   recover=False)
 
     def __enter__(self) -> PSClient:
         return self
@@ -171,15 +213,15 @@ class PSClient:
 
     # ------------------------------------------------------------------ data
 
-    def pull(self, params: Mapping[str, torch.Tensor], clock: int = 0,
-             timeout: float | None = None) -> PullResult:
+    def pull(self, params: Mapping[str, torch.Tensor], clock: int = 0) -> PullResult:
         """Fetch every shard's slices into ``params`` (in place, any device)."""
         t0 = time.perf_counter()
         observer = self.role != "worker"
         msgs = [Message(Op.PULL, 0, {"worker": self.worker, "clock": clock, "observer": observer})
                 for _ in self.channels]
-        replies = request_all(self.channels, msgs, timeout or self.timeout, "PULL",
-                              retries=self.retries)
+        if not observer:
+            self._params = params
+        replies = self._call(msgs, "PULL", recover=not observer)
         nbytes = 0
         with torch.no_grad():
             for rep in replies:
@@ -219,7 +261,7 @@ class PSClient:
             "worker": self.worker, "push_id": self._push_id, "clock": clock,
             "read_version": read_versions[s], "num_samples": num_samples,
         }, parts.get(s, {})) for s in range(len(self.channels))]
-        replies = request_all(self.channels, msgs, self.timeout, "PUSH", retries=self.retries)
+        replies = self._call(msgs, "PUSH")
         return PushResult(
             outcomes=tuple(r.fields for r in replies),
             seconds=time.perf_counter() - t0,
@@ -227,8 +269,7 @@ class PSClient:
         )
 
     def stats(self) -> list[dict[str, Any]]:
-        replies = request_all(self.channels, [Message(Op.STATS) for _ in self.channels],
-                              self.timeout, "STATS")
+        replies = self._call([Message(Op.STATS) for _ in self.channels], "STATS", recover=False)
         return [r.fields for r in replies]
 
 
