@@ -70,7 +70,7 @@ class _Heartbeat(threading.Thread):
         self.last_reply: dict[int, float] = {}
 
     def run(self) -> None:
-        ctx = zmq.Context.instance()
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         chans = [Channel(a, peer=f"shard {i}", curve=self.curve, context=ctx)
                  for i, a in enumerate(self.addresses)]
         try:

@@ -17,6 +17,7 @@ happens, :meth:`LocalCluster.stop` leaves no process behind.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -31,15 +32,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from paramserver.errors import ParamServerError, TimeoutError
+from paramserver.errors import ConfigError, ParamServerError, TimeoutError
 from paramserver.server import READY_PREFIX, ServerConfig
 
 from .stragglers import StragglerSpec
 from .worker import WorkerConfig, _write_json
 
-__all__ = ["ClusterError", "ClusterSpec", "LocalCluster", "Progress", "run_cluster"]
+__all__ = [
+    "FAILURE_POLICIES",
+    "ClusterError",
+    "ClusterSpec",
+    "LocalCluster",
+    "Progress",
+    "run_cluster",
+]
 
 log = logging.getLogger(__name__)
+
+
+FAILURE_POLICIES = ("fail", "tolerate", "restart")
 
 
 class ClusterError(ParamServerError):
@@ -58,6 +69,20 @@ class ClusterSpec:
     startup_timeout: float = 120.0
     run_timeout: float | None = None
     evaluate: bool = True
+    #: what a worker's failure does: "fail" the run, "tolerate" it (the others go
+    #: on; the server drops it from the live set after the heartbeat timeout) or
+    #: "restart" the worker (it registers again and resumes at the minimum clock)
+    on_worker_failure: str = "fail"
+    #: restart a shard that dies, at the same address, from its latest checkpoint
+    restart_servers: bool = False
+    max_restarts: int = 3  # per process
+
+    def __post_init__(self) -> None:
+        if self.on_worker_failure not in FAILURE_POLICIES:
+            raise ConfigError(f"on_worker_failure must be one of {', '.join(FAILURE_POLICIES)}; "
+                              f"got {self.on_worker_failure!r}")
+        if self.num_servers < 1 or self.num_workers < 1:
+            raise ConfigError("a cluster needs at least one server and one worker")
 
     def server_config(self, shard: int, out: Path) -> ServerConfig:
         return dataclasses.replace(
@@ -137,17 +162,19 @@ class LocalCluster:
         self._progress_steps: dict[int, int] = {}
         self._progress_loss: dict[int, float] = {}
         self._t0 = time.time()
+        self.failures: list[dict[str, Any]] = []
+        self.restarts: list[dict[str, Any]] = []
 
     # ------------------------------------------------------------------ processes
 
     def _spawn(self, name: str, module: str, config: dict[str, Any], *,
-               ready_pipe: bool) -> _Proc:
+               ready_pipe: bool, append: bool = False) -> _Proc:
         """Start ``python -m module config.json``; output goes to the log file, except
         stdout of a server, which announces its address on it."""
         cfg_path = self.out / "configs" / f"{name}.json"
         cfg_path.write_text(json.dumps(config, indent=2))
         log_path = self.out / "logs" / f"{name}.log"
-        log_file = log_path.open("wb")
+        log_file = log_path.open("ab" if append else "wb")  # a restart keeps the history
         popen = subprocess.Popen(
             [sys.executable, "-m", module, str(cfg_path)],
             stdout=subprocess.PIPE if ready_pipe else log_file,
@@ -203,36 +230,89 @@ class LocalCluster:
 
     def wait_workers(self, on_progress: Callable[[Progress], None] | None = None,
                      poll: float = 0.5) -> None:
-        """Block until every worker exits; raise ClusterError on the first failure."""
+        """Block until every worker exits, handling failures as the spec says.
+
+        Raises ClusterError naming the failed process (with its log's tail) when
+        a failure is not to be tolerated or restarted.
+        """
         deadline = (time.monotonic() + self.spec.run_timeout) if self.spec.run_timeout else None
-        pending = list(self.workers)
+        pending = set(range(len(self.workers)))
         while pending:
-            head = pending[0]
-            try:
-                head.popen.wait(timeout=poll)
-            except subprocess.TimeoutExpired:
-                pass
-            for proc in list(pending):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.workers[min(pending)].popen.wait(timeout=poll)
+            for rank in sorted(pending):
+                proc = self.workers[rank]
                 code = proc.popen.poll()
                 if code is None:
                     continue
-                pending.remove(proc)
-                if code != 0:
+                if code == 0:
+                    pending.discard(rank)
+                    continue
+                self.failures.append({"process": proc.name, "exit_code": code,
+                                      "t": time.time()})
+                policy = self.spec.on_worker_failure
+                if policy == "restart" and self._restarts(proc.name) < self.spec.max_restarts:
+                    log.warning("%s died (exit code %d); restarting it", proc.name, code)
+                    self._restart_worker(rank)
+                elif policy == "tolerate":
+                    log.warning("%s died (exit code %d); the others go on", proc.name, code)
+                    pending.discard(rank)
+                else:
                     raise ClusterError(
                         f"{proc.name} failed with exit code {code}; log tail "
                         f"({proc.log_path}):\n{_tail(proc.log_path)}"
                     )
-            for proc in self.servers:
-                if proc.popen.poll() is not None:
-                    raise ClusterError(
-                        f"{proc.name} exited early with code {proc.popen.returncode}; log tail "
-                        f"({proc.log_path}):\n{_tail(proc.log_path)}"
-                    )
+            for shard, proc in enumerate(self.servers):
+                code = proc.popen.poll()
+                if code is None:
+                    continue
+                self.failures.append({"process": proc.name, "exit_code": code,
+                                      "t": time.time()})
+                if self.spec.restart_servers and (
+                        self._restarts(proc.name) < self.spec.max_restarts):
+                    log.warning("%s died (exit code %d); restarting it", proc.name, code)
+                    self._restart_server(shard)
+                    continue
+                raise ClusterError(
+                    f"{proc.name} exited early with code {code}; log tail "
+                    f"({proc.log_path}):\n{_tail(proc.log_path)}"
+                )
             if on_progress is not None:
                 on_progress(self.progress())
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"workers still running after {self.spec.run_timeout:g}s: "
-                                   + ", ".join(p.name for p in pending))
+                                   + ", ".join(self.workers[r].name for r in sorted(pending)))
+
+    def _restarts(self, name: str) -> int:
+        return sum(1 for r in self.restarts if r["process"] == name)
+
+    def _restart_worker(self, rank: int) -> None:
+        cfg = self.spec.worker_config(rank, self.addresses, self.out)
+        self.workers[rank] = self._spawn(f"worker{rank}", "workers.worker", cfg.to_dict(),
+                                         ready_pipe=False, append=True)
+        self.restarts.append({"process": f"worker{rank}", "t": time.time()})
+
+    def _restart_server(self, shard: int) -> None:
+        """Same shard, same address, state from its latest checkpoint (if any)."""
+        from paramserver.checkpoint import CheckpointError, load_shard
+
+        cfg = self.spec.server_config(shard, self.out)
+        cfg.bind = self.addresses[shard]
+        if cfg.checkpoint_dir:
+            try:
+                load_shard(cfg.checkpoint_dir, shard)
+                cfg.resume = cfg.checkpoint_dir
+            except CheckpointError as exc:
+                log.warning("server%d restarts empty: %s", shard, exc)
+        old = self.servers[shard]
+        if old.popen.stdout is not None:
+            old.popen.stdout.close()
+        proc = self._spawn(f"server{shard}", "paramserver.server", cfg.to_dict(),
+                           ready_pipe=True, append=True)
+        self.servers[shard] = proc
+        self._await_ready(proc, time.monotonic() + self.spec.startup_timeout)
+        self.restarts.append({"process": f"server{shard}", "t": time.time(),
+                              "resumed": cfg.resume is not None})
 
     def progress(self) -> Progress:
         """Steps and last loss per worker, read incrementally from the event logs."""
@@ -325,7 +405,10 @@ def run_cluster(spec: ClusterSpec, out_dir: str | Path,
     workers = []
     for rank in range(spec.num_workers):
         path = out / "results" / f"worker{rank}.json"
-        workers.append(json.loads(path.read_text()))
+        if path.exists():
+            workers.append(json.loads(path.read_text()))
+        else:  # a tolerated failure
+            workers.append({"worker": rank, "failed": True})
     applied = sum(w["applied"] for w in stats[0]["workers"].values()) if stats else 0
     result: dict[str, Any] = {
         "spec": spec.to_dict(),
@@ -336,6 +419,8 @@ def run_cluster(spec: ClusterSpec, out_dir: str | Path,
         "servers": stats,
         "updates_applied": [s["version"] for s in stats],
         "pushes_applied_shard0": applied,
+        "failures": cluster.failures,
+        "restarts": cluster.restarts,
     }
     _write_json(out / "result.json", result)
     return result
