@@ -371,7 +371,9 @@ class ShardServer:
         read_version = msg["read_version"]
         out = core.push(msg["worker"], msg["push_id"], msg["clock"], read_version,
                         msg["num_samples"], msg.tensors, time.monotonic())
-        if not out.duplicate:
+        if out.duplicate:
+            self.counters["duplicate_pushes"] += 1
+        else:
             self.events.write(
                 "push", shard=self.config.shard, worker=msg["worker"], clock=msg["clock"],
                 read_version=read_version, version=out.version, staleness=out.staleness,

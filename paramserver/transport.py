@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -144,10 +145,17 @@ class Channel:
         curve: CurveKeys | None = None,
         limits: Limits = DEFAULT_LIMITS,
         context: zmq.Context[Any] | None = None,
+        drop_rate: float = 0.0,
+        seed: int = 0,
     ) -> None:
         self.address = address if "://" in address else f"tcp://{address}"
         self.peer = peer
         self.limits = limits
+        # chaos testing: lose this fraction of requests and of replies, as a
+        # flaky network would; retries and push ids must make up for it
+        self.drop_rate = drop_rate
+        self.dropped = 0
+        self._rng = random.Random(seed)
         self._seq = 0
         self.socket = (context or _context()).socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
@@ -169,7 +177,15 @@ class Channel:
         self._seq += 1
         return self._seq
 
+    def _drop(self) -> bool:
+        if self.drop_rate and self._rng.random() < self.drop_rate:
+            self.dropped += 1
+            return True
+        return False
+
     def send(self, msg: Message) -> None:
+        if self._drop():
+            return
         try:
             self.socket.send_multipart(encode(msg), copy=False)
         except zmq.ZMQError as exc:
@@ -180,6 +196,8 @@ class Channel:
             frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return None
+        if self._drop():
+            return self.recv_nowait()
         return decode(frames, self.limits)
 
     def request(self, msg: Message, timeout: float, what: str | None = None) -> Message:

@@ -104,6 +104,7 @@ class PSClient:
         attempt_timeout: float = 5.0,
         heartbeat_interval: float = 1.0,
         curve: CurveKeys | None = None,
+        drop_rate: float = 0.0,
     ) -> None:
         if len(addresses) != plan.num_shards:
             raise TransportError(
@@ -121,7 +122,8 @@ class PSClient:
         self.retries = max(0, math.ceil(timeout / self.attempt_timeout) - 1)
         self._params: Mapping[str, torch.Tensor] | None = None
         self.incarnation = uuid.uuid4().hex
-        self.channels = [Channel(a, peer=f"shard {i}", curve=curve)
+        self.channels = [Channel(a, peer=f"shard {i}", curve=curve, drop_rate=drop_rate,
+                                 seed=worker * 1000 + i)
                          for i, a in enumerate(addresses)]
         self._push_id = 0
         self._heartbeat = (
@@ -147,26 +149,28 @@ class PSClient:
         return Message(Op.INIT, 0, {"worker": self.worker}, part)
 
     def _call(self, msgs: list[Message], what: str, shards: list[int] | None = None,
-              recover: bool = True) -> list[Message]:
+              recover: bool = True, soft: tuple[str, ...] = ()) -> list[Message]:
         """Send one message per shard and collect the replies.
 
         A shard that answers "not registered" (it restarted without our state,
         or timed us out) gets a fresh HELLO, and INIT from our current weights
-        if it lost its own; then the request is repeated. Other errors raise.
+        if it lost its own; then the request is repeated. Errors with a code in
+        ``soft`` are returned for the caller; others raise RemoteError.
         """
         shards = list(range(len(self.channels))) if shards is None else shards
         chans = [self.channels[s] for s in shards]
         replies = request_all(chans, msgs, self.attempt_timeout, what, retries=self.retries,
                               raise_errors=False)
         for i, rep in enumerate(replies):
-            if rep.op is not Op.ERROR:
+            if rep.op is not Op.ERROR or rep["code"] in soft:
                 continue
             peer = f"{chans[i].peer} at {chans[i].address}"
             if recover and rep["code"] in (ErrorCode.NOT_REGISTERED, ErrorCode.NOT_INITIALIZED):
                 log.warning("%s: %s; registering again", peer, rep["reason"])
                 self._rejoin(shards[i])
                 retry = Message(msgs[i].op, 0, dict(msgs[i].fields), msgs[i].tensors)
-                replies[i] = self._call([retry], what, [shards[i]], recover=False)[0]
+                replies[i] = self._call([retry], what, [shards[i]], recover=False,
+                                        soft=soft)[0]
             else:
                 raise RemoteError(peer, rep["code"], rep["reason"])
         return replies
@@ -261,9 +265,17 @@ class PSClient:
             "worker": self.worker, "push_id": self._push_id, "clock": clock,
             "read_version": read_versions[s], "num_samples": num_samples,
         }, parts.get(s, {})) for s in range(len(self.channels))]
-        replies = self._call(msgs, "PUSH")
+        # a shard that restarted from an older checkpoint no longer has the
+        # version our gradient was read at: that push is lost, not fatal
+        replies = self._call(msgs, "PUSH", soft=(ErrorCode.FUTURE_VERSION,))
+        outcomes = tuple(
+            {"accepted": False, "weight": 0.0, "reason": "server rewound", "staleness": 0,
+             "version": -1, "applied": False, "duplicate": False}
+            if r.op is Op.ERROR else r.fields
+            for r in replies
+        )
         return PushResult(
-            outcomes=tuple(r.fields for r in replies),
+            outcomes=outcomes,
             seconds=time.perf_counter() - t0,
             nbytes=sum(m.nbytes for m in msgs),
         )

@@ -54,8 +54,10 @@ class WorkerConfig:
     straggler: StragglerSpec = field(default_factory=StragglerSpec)
     eval_every: int = 0  # rank 0 evaluates held-out data every N clocks (0: only at the end)
     chunk_bytes: int = ShardPlan.DEFAULT_CHUNK_BYTES
-    timeout: float = 60.0
+    timeout: float = 60.0  # total wait for a reply before giving up, naming the shard
+    request_timeout: float = 5.0  # a request unanswered this long is sent again
     heartbeat_interval: float = 1.0
+    drop_rate: float = 0.0  # chaos testing: fraction of requests and replies lost
     event_log: str | None = None
     result_file: str | None = None
     curve_key: str | None = None
@@ -76,8 +78,10 @@ class WorkerConfig:
             raise ConfigError(f"epochs must be > 0, got {self.epochs}")
         if self.push_every < 1:
             raise ConfigError(f"push_every must be >= 1, got {self.push_every}")
-        if self.timeout <= 0:
-            raise ConfigError(f"timeout must be > 0, got {self.timeout}")
+        if self.timeout <= 0 or self.request_timeout <= 0:
+            raise ConfigError("timeout and request_timeout must be > 0")
+        if not 0.0 <= self.drop_rate < 1.0:
+            raise ConfigError(f"drop_rate must be in [0, 1), got {self.drop_rate}")
         resolve_device(self.device)
 
     def to_dict(self) -> dict[str, Any]:
@@ -167,7 +171,9 @@ def run_worker(config: WorkerConfig) -> dict[str, Any]:
     t_start = time.time()
     waited = 0.0
     with PSClient(config.servers, plan, config.rank, timeout=config.timeout,
-                  heartbeat_interval=config.heartbeat_interval, curve=curve) as client:
+                  attempt_timeout=config.request_timeout,
+                  heartbeat_interval=config.heartbeat_interval, curve=curve,
+                  drop_rate=config.drop_rate) as client:
         clock = client.connect()
         seeded = client.initialize(params)
         events.write("worker_start", worker=config.rank, clock=clock, seeded=seeded,
