@@ -182,8 +182,26 @@ class PSClient:
             self._call([self._init(shard)], "INIT", [shard], recover=False)
 
     def connect(self) -> int:
-        """HELLO to every shard. Returns the clock to resume at (0 for a new worker)."""
-        replies = self._call([self._hello() for _ in self.channels], "HELLO", recover=False)
+        """HELLO to every shard. Returns the clock to resume at (0 for a new worker).
+
+        A restarted worker may find its previous incarnation still registered;
+        the shards take it over once that one misses its heartbeats, so the
+        HELLO is repeated with backoff until then (within ``timeout``).
+        """
+        deadline = time.monotonic() + self.timeout
+        backoff = 0.1
+        while True:
+            replies = self._call([self._hello() for _ in self.channels], "HELLO",
+                                 recover=False, soft=(ErrorCode.DUPLICATE_WORKER,))
+            refused = [r for r in replies if r.op is Op.ERROR]
+            if not refused:
+                break
+            if time.monotonic() + backoff > deadline:
+                raise RemoteError("shards", refused[0]["code"], refused[0]["reason"])
+            log.info("worker %d still registered by its previous process; retrying in %.1fs",
+                     self.worker, backoff)
+            time.sleep(backoff)  # backoff before a retry, not synchronisation
+            backoff = min(2.0, backoff * 2)
         if self._heartbeat is not None and not self._heartbeat.is_alive():
             self._heartbeat.start()
         return max(r["clock"] for r in replies)
@@ -285,11 +303,12 @@ class PSClient:
         return [r.fields for r in replies]
 
 
-def shutdown_servers(addresses: Sequence[str], timeout: float = 10.0) -> list[str]:
+def shutdown_servers(addresses: Sequence[str], timeout: float = 10.0,
+                     curve: CurveKeys | None = None) -> list[str]:
     """Ask each server to stop; returns the addresses that did not answer."""
     failed = []
     for i, addr in enumerate(addresses):
-        ch = Channel(addr, peer=f"shard {i}")
+        ch = Channel(addr, peer=f"shard {i}", curve=curve)
         try:
             ch.request(Message(Op.SHUTDOWN), timeout)
         except (TransportError, RemoteError) as exc:
@@ -300,9 +319,10 @@ def shutdown_servers(addresses: Sequence[str], timeout: float = 10.0) -> list[st
     return failed
 
 
-def server_stats(addresses: Sequence[str], timeout: float = 10.0) -> list[dict[str, Any]]:
+def server_stats(addresses: Sequence[str], timeout: float = 10.0,
+                 curve: CurveKeys | None = None) -> list[dict[str, Any]]:
     """STATS from each server, without registering (for status tools)."""
-    chans = [Channel(a, peer=f"shard {i}") for i, a in enumerate(addresses)]
+    chans = [Channel(a, peer=f"shard {i}", curve=curve) for i, a in enumerate(addresses)]
     try:
         replies = request_all(chans, [Message(Op.STATS) for _ in chans], timeout, "STATS")
         return [r.fields for r in replies]

@@ -1,0 +1,116 @@
+"""Worker and shard failures, and a lossy network, over real processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from paramserver.events import read_events
+from paramserver.server import ServerConfig
+from workers.cluster import ClusterSpec, LocalCluster, run_cluster
+from workers.stragglers import StragglerSpec
+from workers.worker import WorkerConfig
+
+pytestmark = pytest.mark.integration
+
+HEARTBEAT_TIMEOUT = 2.0
+
+
+def spec(mode, workers=3, steps=60, **kw):
+    server = kw.pop("server", {})
+    worker = kw.pop("worker", {})
+    return ClusterSpec(
+        num_servers=2, num_workers=workers,
+        server=ServerConfig(mode=mode, staleness_bound=2, heartbeat_timeout=HEARTBEAT_TIMEOUT,
+                            **server),
+        worker=WorkerConfig(servers=["unset"], task="digits-mlp", steps=steps,
+                            request_timeout=1.0, heartbeat_interval=0.25,
+                            straggler=StragglerSpec(min_step_time=0.01), **worker),
+        **kw,
+    )
+
+
+def kill_when(cluster, proc_of, at_steps):
+    """An on_progress callback that SIGKILLs one process once, after `at_steps` steps."""
+    state = {"killed": None}
+
+    def cb(progress):
+        if state["killed"] is None and progress.done_steps >= at_steps:
+            proc = proc_of(cluster)
+            os.kill(proc.popen.pid, signal.SIGKILL)
+            state["killed"] = proc.name
+    return cb, state
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "ssp"])
+def test_worker_killed_mid_run_the_others_finish(tmp_path, mode):
+    s = spec(mode, on_worker_failure="tolerate")
+    with LocalCluster(s, tmp_path) as cluster:
+        cluster.start_servers()
+        cluster.start_workers()
+        cb, state = kill_when(cluster, lambda c: c.workers[2], at_steps=45)
+        cluster.wait_workers(cb, poll=0.05)
+        assert state["killed"] == "worker2"
+        assert [f["process"] for f in cluster.failures] == ["worker2"]
+    for rank in (0, 1):
+        end = read_events(tmp_path / "events" / f"worker{rank}.jsonl", "worker_end")
+        assert end and end[0]["steps"] == 60
+    dead = read_events(tmp_path / "events" / "server0.jsonl", "worker_dead")
+    assert [d["worker"] for d in dead] == [2]
+    if mode == "sync":
+        # the longest time between two sync steps: at most the heartbeat timeout plus a step
+        times = [p["t"] for p in read_events(tmp_path / "events" / "server0.jsonl", "push")
+                 if p["accepted"]]
+        stall = max(b - a for a, b in zip(times, times[1:], strict=False))
+        assert stall <= HEARTBEAT_TIMEOUT + 1.0, stall
+
+
+def test_restarted_worker_rejoins_and_completes(tmp_path):
+    s = spec("ssp", on_worker_failure="restart")
+    with LocalCluster(s, tmp_path) as cluster:
+        cluster.start_servers()
+        cluster.start_workers()
+        cb, state = kill_when(cluster, lambda c: c.workers[1], at_steps=30)
+        cluster.wait_workers(cb, poll=0.05)
+        assert [r["process"] for r in cluster.restarts] == ["worker1"]
+    hellos = read_events(tmp_path / "events" / "server0.jsonl", "worker_hello")
+    rejoin = [h for h in hellos if h["worker"] == 1][-1]
+    assert rejoin["clock"] > 0  # resumed where the live workers were, not from 0
+    end = read_events(tmp_path / "events" / "worker1.jsonl", "worker_end")[-1]
+    assert end["clock"] == 60
+
+
+def test_shard_killed_and_restarted_from_checkpoint(tmp_path):
+    base = spec("sync", steps=80)
+    reference = run_cluster(base, tmp_path / "reference")
+    s = spec("sync", steps=80, restart_servers=True,
+             server={"checkpoint_dir": str(tmp_path / "ckpt"), "checkpoint_every": 10})
+    with LocalCluster(s, tmp_path / "run") as cluster:
+        cluster.start_servers()
+        cluster.start_workers()
+        cb, state = kill_when(cluster, lambda c: c.servers[1], at_steps=120)
+        cluster.wait_workers(cb, poll=0.05)
+        assert state["killed"] == "server1"
+        assert cluster.restarts and cluster.restarts[0]["resumed"]
+        from workers.cluster import _final_eval
+        final = _final_eval(s, cluster.addresses, tmp_path / "run")
+        from workers.client import shutdown_servers
+        shutdown_servers(cluster.addresses)
+    want = reference["eval"]["loss"]
+    assert abs(final["loss"] - want) <= 0.1 * want, (final, reference["eval"])
+
+
+def test_lossy_network_every_push_applied_once(tmp_path):
+    s = spec("async", workers=2, steps=40, worker={"drop_rate": 0.1})
+    result = run_cluster(s, tmp_path)
+    for shard in result["servers"]:
+        for w in shard["workers"].values():
+            rejected = sum(w["rejected"].values())
+            assert w["pushes"] == 40 == w["applied"] + rejected
+        assert shard["version"] == 80  # no push applied twice, none lost
+        assert shard["counters"].get("duplicate_pushes", 0) > 0  # retries did happen
+    for rank in (0, 1):
+        steps = read_events(tmp_path / "events" / f"worker{rank}.jsonl", "step")
+        assert len(steps) == 40
