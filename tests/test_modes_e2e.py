@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 import zmq
 
 from paramserver.errors import RemoteError
@@ -80,7 +81,6 @@ def test_server_refuses_bad_peers_and_keeps_serving(tmp_path):
         reply = raw.recv_multipart()
         raw.close(0)
         assert b"bad_header" in reply[0]
-        import torch
 
         wrong = ShardPlan.from_module(torch.nn.Linear(3, 2), num_shards=3)
         ch = Channel(addresses[0], peer="shard 0")
@@ -94,5 +94,17 @@ def test_server_refuses_bad_peers_and_keeps_serving(tmp_path):
             ch.close()
         cluster.start_workers()
         cluster.wait_workers()
+        # the server now holds digits-mlp's plan: another model is refused, saying why
+        other = ShardPlan.from_module(torch.nn.Sequential(torch.nn.Linear(64, 32),
+                                                          torch.nn.Linear(32, 10)), 2)
+        ch = Channel(addresses[1], peer="shard 1")
+        try:
+            hello = Message(Op.HELLO, 0, {"worker": 5, "role": "worker", "protocol": 1,
+                                          "plan_hash": other.hash, "plan": other.describe(),
+                                          "incarnation": "y"})
+            with pytest.raises(RemoteError, match="model or shard layout differs.*shape"):
+                ch.request(hello, 10)
+        finally:
+            ch.close()
     worker = read_events(tmp_path / "events" / "worker0.jsonl", "worker_end")[0]
     assert worker["steps"] == 5
