@@ -8,13 +8,13 @@ boundary with ``raise ... from exc`` so callers need catch only these.
 from __future__ import annotations
 
 __all__ = [
-    "ErrorCode",
     "ConfigError",
+    "ErrorCode",
     "IncompatiblePlanError",
     "ParamServerError",
     "ProtocolError",
-    "RemoteError",
     "RegistryError",
+    "RemoteError",
     "TimeoutError",
     "TransportError",
 ]
@@ -63,7 +63,7 @@ class TransportError(ParamServerError):
     """A socket could not be bound, connected or used."""
 
 
-class TimeoutError(TransportError):  # noqa: A001 - deliberate: ours, not the builtin
+class TimeoutError(TransportError):
     """A blocking call waited longer than its timeout; the message names the peer."""
 
 

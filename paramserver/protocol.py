@@ -22,7 +22,7 @@ import math
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 import msgpack
@@ -54,7 +54,7 @@ DTYPES = WIRE_DTYPES
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
-class Op(str, Enum):
+class Op(StrEnum):
     HELLO = "hello"
     INIT = "init"
     PULL = "pull"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 
@@ -63,7 +64,7 @@ def test_worker_killed_mid_run_the_others_finish(tmp_path, mode):
         # the longest time between two sync steps: at most the heartbeat timeout plus a step
         times = [p["t"] for p in read_events(tmp_path / "events" / "server0.jsonl", "push")
                  if p["accepted"]]
-        stall = max(b - a for a, b in zip(times, times[1:], strict=False))
+        stall = max(b - a for a, b in itertools.pairwise(times))
         assert stall <= HEARTBEAT_TIMEOUT + 1.0, stall
 
 
@@ -72,7 +73,7 @@ def test_restarted_worker_rejoins_and_completes(tmp_path):
     with LocalCluster(s, tmp_path) as cluster:
         cluster.start_servers()
         cluster.start_workers()
-        cb, state = kill_when(cluster, lambda c: c.workers[1], at_steps=30)
+        cb, _ = kill_when(cluster, lambda c: c.workers[1], at_steps=30)
         cluster.wait_workers(cb, poll=0.05)
         assert [r["process"] for r in cluster.restarts] == ["worker1"]
     hellos = read_events(tmp_path / "events" / "server0.jsonl", "worker_hello")

@@ -102,7 +102,7 @@ def test_server_refuses_bad_peers_and_keeps_serving(tmp_path):
             hello = Message(Op.HELLO, 0, {"worker": 5, "role": "worker", "protocol": 1,
                                           "plan_hash": other.hash, "plan": other.describe(),
                                           "incarnation": "y"})
-            with pytest.raises(RemoteError, match="model or shard layout differs.*shape"):
+            with pytest.raises(RemoteError, match=r"model or shard layout differs.*shape"):
                 ch.request(hello, 10)
         finally:
             ch.close()

@@ -37,7 +37,7 @@ def test_builtin_policies(name, args, tau, accept, weight):
 
 def test_registry_lists_and_explains():
     assert {"none", "reject", "inverse", "exponential"} <= set(S.available_policies())
-    with pytest.raises(RegistryError, match="known: .*exponential.*inverse"):
+    with pytest.raises(RegistryError, match=r"known: .*exponential.*inverse"):
         S.resolve_policy("nope")
     with pytest.raises(RegistryError, match="already registered"):
         S.register_policy(type("Dup", (S.NoPolicy,), {"name": "none"}))
