@@ -66,6 +66,8 @@ class ServerConfig:
     check_finite: bool = True
     event_log: str | None = None
     curve_secret_key: str | None = None
+    #: a directory of client public keys (*.key); with it, only those clients get in
+    curve_clients_dir: str | None = None
     plan: dict[str, Any] | None = None  # None: adopt the first worker's plan
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0  # versions between checkpoints (0: off)
@@ -84,6 +86,8 @@ class ServerConfig:
             raise ConfigError("checkpoint_every and checkpoint_seconds must be >= 0")
         if (self.checkpoint_every or self.checkpoint_seconds) and not self.checkpoint_dir:
             raise ConfigError("periodic checkpoints need a checkpoint directory")
+        if self.curve_clients_dir and not self.curve_secret_key:
+            raise ConfigError("curve_clients_dir needs curve_secret_key (the server's key pair)")
 
     def mode_spec(self) -> ModeSpec:
         return ModeSpec(self.mode, self.staleness_bound, self.backup_workers)
@@ -118,7 +122,8 @@ class ShardServer:
         self.config = config
         curve = CurveKeys.load(config.curve_secret_key) if config.curve_secret_key else None
         self.policy = create_policy(config.policy, config.policy_args)
-        self.socket = RouterSocket(config.bind, curve=curve)
+        self.socket = RouterSocket(config.bind, curve=curve,
+                                   allowed_clients=config.curve_clients_dir)
         self.address = self.socket.address
         self.events = EventLog(config.event_log)
         self.plan: ShardPlan | None = None
@@ -229,7 +234,8 @@ class ShardServer:
             self.counters["bytes_in"] += sum(len(f) for f in frames)
             handler = self._handlers.get(msg.op)
             if handler is None:
-                raise ProtocolError(ErrorCode.UNKNOWN_OP, f"a server does not accept {msg.op.value}")
+                raise ProtocolError(ErrorCode.UNKNOWN_OP,
+                                    f"a server does not accept {msg.op.value}")
             answer = handler(self, msg, identity)
         except ProtocolError as exc:
             self.counters[f"error_{exc.code}"] += 1
@@ -319,11 +325,14 @@ class ShardServer:
 
     def _on_hello(self, msg: Message, identity: bytes) -> Message:
         if msg["protocol"] != PROTOCOL_VERSION:
-            raise ProtocolError(ErrorCode.PROTOCOL_VERSION,
-                                f"peer speaks protocol {msg['protocol']}, server {PROTOCOL_VERSION}")
+            raise ProtocolError(
+                ErrorCode.PROTOCOL_VERSION,
+                f"peer speaks protocol {msg['protocol']}, server {PROTOCOL_VERSION}",
+            )
         role = msg["role"]
         if role not in ("worker", "observer"):
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"role must be worker or observer, not {role!r}")
+            raise ProtocolError(ErrorCode.BAD_FIELD,
+                                f"role must be worker or observer, not {role!r}")
         if self.plan is None:
             if role == "observer" or msg.get("plan") is None:
                 raise ProtocolError(ErrorCode.NOT_REGISTERED,
@@ -461,8 +470,10 @@ def main(argv: list[str] | None = None) -> None:
     if len(args) != 1:
         raise SystemExit("usage: python -m paramserver.server CONFIG.json")
     config = ServerConfig.from_dict(json.loads(Path(args[0]).read_text()))
-    logging.basicConfig(level=os.environ.get("PARAMSERVER_LOG_LEVEL", "INFO"),
-                        format=f"%(asctime)s shard{config.shard} %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("PARAMSERVER_LOG_LEVEL", "INFO"),
+        format=f"%(asctime)s shard{config.shard} %(levelname)s %(name)s: %(message)s",
+    )
     run_server(config, announce_ready)
 
 

@@ -19,14 +19,18 @@ from typing import Any
 
 import zmq
 import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
 
 from .errors import RemoteError, TimeoutError, TransportError
 from .protocol import DEFAULT_LIMITS, Limits, Message, Op, decode, encode
 
 __all__ = [
+    "AUTHORIZED_CLIENTS_DIR",
     "Channel",
+    "CurveKeyFiles",
     "CurveKeys",
     "RouterSocket",
+    "generate_curve_keys",
     "request_all",
 ]
 
@@ -54,7 +58,75 @@ class CurveKeys:
             raise TransportError(f"cannot read CURVE key file: {exc}") from exc
         if secret is None:
             raise TransportError(f"{key_file} holds no secret key (use the .key_secret file)")
+        if not zmq.has("curve"):
+            raise TransportError("this libzmq was built without CURVE support")
         return cls(public, secret, server_public)
+
+
+AUTHORIZED_CLIENTS_DIR = "authorized_clients"
+
+
+@dataclass(frozen=True)
+class CurveKeyFiles:
+    """Where :func:`generate_curve_keys` put the keys (paths)."""
+
+    server_public: Path
+    server_secret: Path
+    clients: dict[str, tuple[Path, Path]]  # name -> (public, secret)
+    authorized_dir: Path
+
+
+def generate_curve_keys(directory: str | Path, clients: Sequence[str] = ("client",), *,
+                        force: bool = False) -> CurveKeyFiles:
+    """Write a server key pair, a key pair per client and a directory of the clients'
+    public keys (for the server's ``curve_clients_dir``), in zmq's Z85 text format.
+
+    Refuses to overwrite existing keys unless ``force``. Secret files are made
+    readable by their owner only.
+    """
+    folder = Path(directory)
+    names = list(clients)
+    for name in names:
+        if not name or name == "server" or not all(c.isalnum() or c in "-_" for c in name):
+            raise TransportError(f"client name {name!r}: use letters, digits, - and _, "
+                                 f"and not 'server'")
+    if len(set(names)) != len(names):
+        raise TransportError(f"client names repeat: {names}")
+    authorized = folder / AUTHORIZED_CLIENTS_DIR
+    targets = [folder / f"{n}.{ext}" for n in ["server", *names] for ext in ("key", "key_secret")]
+    existing = [str(p) for p in targets if p.exists()]
+    if existing and not force:
+        raise TransportError(f"keys exist already ({', '.join(existing)}); refusing to "
+                             f"overwrite them (force to replace)")
+    try:
+        authorized.mkdir(parents=True, exist_ok=True)
+        server_public, server_secret = zmq.auth.create_certificates(str(folder), "server")
+        made: dict[str, tuple[Path, Path]] = {}
+        for name in names:
+            public, secret = zmq.auth.create_certificates(str(folder), name)
+            made[name] = (Path(public), Path(secret))
+            (authorized / f"{name}.key").write_bytes(Path(public).read_bytes())
+        for path in [Path(server_secret), *(s for _, s in made.values())]:
+            path.chmod(0o600)
+    except OSError as exc:
+        raise TransportError(f"cannot write keys into {folder}: {exc}") from exc
+    return CurveKeyFiles(Path(server_public), Path(server_secret), made, authorized)
+
+
+def _start_authenticator(context: zmq.Context[Any], directory: str | Path) -> ThreadAuthenticator:
+    """A ZAP handler that admits only the CURVE client keys found in ``directory``."""
+    folder = Path(directory)
+    keys = sorted(folder.glob("*.key")) if folder.is_dir() else []
+    if not keys:
+        raise TransportError(
+            f"{directory}: no client public keys (*.key files) to authorise; put the clients' "
+            f".key files there (paramserver keys generate writes one)"
+        )
+    auth = ThreadAuthenticator(context, log=logging.getLogger(f"{__name__}.auth"))
+    auth.start()
+    auth.configure_curve(domain="*", location=str(folder))
+    log.info("CURVE: admitting %d client key(s) from %s", len(keys), folder)
+    return auth
 
 
 def _context() -> zmq.Context[Any]:
@@ -70,17 +142,38 @@ def _normalise_bind(address: str) -> str:
 
 
 class RouterSocket:
-    """The server side: one ROUTER socket, bound once."""
+    """The server side: one ROUTER socket, bound once.
+
+    With ``curve`` the socket is a CURVE server: traffic is encrypted and only
+    peers that know its public key can connect. With ``allowed_clients`` (a
+    directory of client public ``.key`` files) a ZAP handler also refuses every
+    client key not found there; the socket then gets a context of its own,
+    since a context holds one ZAP handler.
+    """
 
     def __init__(
         self,
         address: str,
         *,
         curve: CurveKeys | None = None,
+        allowed_clients: str | Path | None = None,
         limits: Limits = DEFAULT_LIMITS,
         context: zmq.Context[Any] | None = None,
     ) -> None:
         self.limits = limits
+        self._auth: ThreadAuthenticator | None = None
+        self._own_context: zmq.Context[Any] | None = None
+        if allowed_clients is not None:
+            if curve is None:
+                raise TransportError("authorising client keys needs CURVE: give the server "
+                                     "its secret key as well")
+            if context is None:
+                context = self._own_context = zmq.Context()
+            try:
+                self._auth = _start_authenticator(context, allowed_clients)
+            except BaseException:
+                self._terminate()
+                raise
         self.socket = (context or _context()).socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         # a peer sending a frame over this size is disconnected by zmq before we allocate it
@@ -95,6 +188,7 @@ class RouterSocket:
             self.socket.bind(target)
         except zmq.ZMQError as exc:
             self.socket.close(0)
+            self._terminate()
             if exc.errno == errno.EADDRINUSE:
                 raise TransportError(
                     f"cannot bind {address}: the port is already in use (choose another "
@@ -132,6 +226,15 @@ class RouterSocket:
 
     def close(self) -> None:
         self.socket.close(0)
+        self._terminate()
+
+    def _terminate(self) -> None:
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+        if self._own_context is not None:
+            self._own_context.term()
+            self._own_context = None
 
 
 class Channel:

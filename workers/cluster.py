@@ -34,6 +34,7 @@ from typing import Any
 
 from paramserver.errors import ConfigError, ParamServerError, TimeoutError
 from paramserver.server import READY_PREFIX, ServerConfig
+from paramserver.transport import CurveKeys
 
 from .stragglers import StragglerSpec
 from .worker import WorkerConfig, _write_json
@@ -83,6 +84,15 @@ class ClusterSpec:
                               f"got {self.on_worker_failure!r}")
         if self.num_servers < 1 or self.num_workers < 1:
             raise ConfigError("a cluster needs at least one server and one worker")
+        if bool(self.server.curve_secret_key) != bool(self.worker.curve_key):
+            raise ConfigError("CURVE is on for one side only: give the servers curve_secret_key "
+                              "and the workers curve_key + curve_server_key, or neither")
+
+    def client_curve(self) -> CurveKeys | None:
+        """The workers' CURVE keys, for the launcher's own connections (stats, eval, stop)."""
+        if not self.worker.curve_key:
+            return None
+        return CurveKeys.load(self.worker.curve_key, self.worker.curve_server_key)
 
     def server_config(self, shard: int, out: Path) -> ServerConfig:
         return dataclasses.replace(
@@ -379,7 +389,7 @@ def _final_eval(spec: ClusterSpec, addresses: list[str], out: Path) -> dict[str,
     task = build_task(cfg)
     plan = ShardPlan.from_module(task.model, len(addresses), cfg.chunk_bytes)
     with PSClient(addresses, plan, worker=0, role="observer", heartbeat_interval=0,
-                  timeout=cfg.timeout) as client:
+                  timeout=cfg.timeout, curve=spec.client_curve()) as client:
         client.connect()
         client.pull(dict(task.model.named_parameters()))
     state = {k: v.detach().contiguous() for k, v in task.model.state_dict().items()}
@@ -399,9 +409,10 @@ def run_cluster(spec: ClusterSpec, out_dir: str | Path,
         cluster.start_workers()
         cluster.wait_workers(on_progress)
         train_seconds = time.time() - t0
-        stats = server_stats(addresses)
+        curve = spec.client_curve()
+        stats = server_stats(addresses, curve=curve)
         final = _final_eval(spec, addresses, out) if spec.evaluate else {}
-        shutdown_servers(addresses)
+        shutdown_servers(addresses, curve=curve)
     workers = []
     for rank in range(spec.num_workers):
         path = out / "results" / f"worker{rank}.json"

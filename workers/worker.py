@@ -29,7 +29,7 @@ from paramserver.transport import CurveKeys
 
 from .client import PSClient
 from .stragglers import Straggler, StragglerSpec
-from .tasks import Task, create_task, evaluate, task_parameters, resolve_task
+from .tasks import Task, create_task, evaluate, resolve_task, task_parameters
 
 __all__ = ["WorkerConfig", "resolve_device", "run_worker"]
 
@@ -78,6 +78,9 @@ class WorkerConfig:
             raise ConfigError(f"epochs must be > 0, got {self.epochs}")
         if self.push_every < 1:
             raise ConfigError(f"push_every must be >= 1, got {self.push_every}")
+        if bool(self.curve_key) != bool(self.curve_server_key):
+            raise ConfigError("CURVE needs both curve_key (this client's .key_secret file) and "
+                              "curve_server_key (the server's public .key file)")
         if self.timeout <= 0 or self.request_timeout <= 0:
             raise ConfigError("timeout and request_timeout must be > 0")
         if not 0.0 <= self.drop_rate < 1.0:
@@ -263,8 +266,10 @@ def main(argv: list[str] | None = None) -> None:
     if len(args) != 1:
         raise SystemExit("usage: python -m workers.worker CONFIG.json")
     config = WorkerConfig.from_dict(json.loads(Path(args[0]).read_text()))
-    logging.basicConfig(level=os.environ.get("PARAMSERVER_LOG_LEVEL", "INFO"),
-                        format=f"%(asctime)s worker{config.rank} %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("PARAMSERVER_LOG_LEVEL", "INFO"),
+        format=f"%(asctime)s worker{config.rank} %(levelname)s %(name)s: %(message)s",
+    )
     run_worker(config)
 
 

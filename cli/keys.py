@@ -1,0 +1,61 @@
+"""``paramserver keys generate DIR``: CURVE key pairs for encrypted, authenticated runs.
+
+Only argument handling and display live here; the keys are made by
+:func:`paramserver.transport.generate_curve_keys`.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from paramserver.errors import ParamServerError
+from paramserver.transport import generate_curve_keys
+
+__all__ = ["keys"]
+
+log = logging.getLogger(__name__)
+
+
+@click.group()
+def keys() -> None:
+    """CURVE keys: encryption and authentication between workers and servers."""
+
+
+@keys.command()
+@click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--client", "clients", multiple=True, metavar="NAME",
+              help="Name of a client key pair to make (repeatable; default: one named 'client').")
+@click.option("--force", is_flag=True, help="Replace keys that exist already.")
+def generate(directory: Path, clients: tuple[str, ...], force: bool) -> None:
+    """Write a server key pair and client key pairs into DIRECTORY.
+
+    The server gets server.key_secret (and, with --curve-clients-dir, the
+    authorized_clients folder); each worker gets its NAME.key_secret and the
+    server's public server.key. Secret files are readable by their owner only.
+    """
+    try:
+        made = generate_curve_keys(directory, clients or ("client",), force=force)
+    except ParamServerError as exc:
+        raise click.ClickException(str(exc)) from exc
+    console = Console()
+    table = Table(title=f"CURVE keys in {directory}")
+    table.add_column("who")
+    table.add_column("public key (share)")
+    table.add_column("secret key (keep private)")
+    table.add_row("server", str(made.server_public), str(made.server_secret))
+    for name, (public, secret) in made.clients.items():
+        table.add_row(name, str(public), str(secret))
+    console.print(table)
+    first = next(iter(made.clients.values()))[1]
+    console.print(
+        "Servers: [bold]--curve-secret-key[/] " f"{made.server_secret}"
+        " [bold]--curve-clients-dir[/] " f"{made.authorized_dir}\n"
+        "Workers: [bold]--curve-key[/] " f"{first}"
+        " [bold]--curve-server-key[/] " f"{made.server_public}",
+        highlight=False,
+    )
