@@ -11,7 +11,9 @@ rules of the three modes:
   a worker that contributed to the open round waits for the round to close.
 * ``async`` (ASP): every accepted push is its own optimizer step.
 * ``ssp``: as async, plus a pull by a worker at clock c is answered only when
-  ``c - min(clock of live workers) <= staleness_bound``.
+  ``c - min(clock of live workers) <= s``, where s is ``staleness_bound`` or,
+  if the policy overrides :meth:`StalenessPolicy.staleness_bound`, the bound
+  it returns from the shard's measured waiting and staleness (adaptive SSP).
 
 Time is an argument (``now``, seconds), never read from a clock, so the same
 core runs under the socket server, in unit tests and in a virtual-time
@@ -33,7 +35,7 @@ import torch
 from .dtypes import FLOAT_DTYPES
 from .errors import ConfigError, ErrorCode, ProtocolError
 from .optim import build_optimizer, build_scheduler
-from .staleness import Decision, NoPolicy, StalenessPolicy, UpdateInfo
+from .staleness import BoundStats, Decision, NoPolicy, StalenessPolicy, UpdateInfo
 
 __all__ = [
     "MODES",
@@ -252,6 +254,21 @@ class ShardCore:
         self._read_weights: dict[int, dict[str, torch.Tensor]] = {}
         self.max_answered_gap = 0  # largest clock gap at which a pull was answered
         self.rounds_dropped = 0  # sync rounds closed with nothing to apply
+        # ssp: the bound in force; a policy overriding staleness_bound() moves it
+        self.bound = self.mode.staleness_bound
+        self.max_bound = self.bound  # the largest bound ever in force
+        self._bound_hook = (
+            type(self.policy).staleness_bound is not StalenessPolicy.staleness_bound
+        )
+        if self._bound_hook and self.mode.mode != "ssp":
+            log.warning("policy %s sets the SSP bound, but the mode is %s: it has no effect",
+                        self.policy.name, self.mode.mode)
+            self._bound_hook = False
+        # cumulative measurements handed to that policy (BoundStats)
+        self._pushes_total = 0
+        self._staleness_total = 0
+        self._pulls_answered = 0
+        self._wait_total = 0.0
 
     # ------------------------------------------------------------------ membership
 
@@ -426,7 +443,7 @@ class ShardCore:
                     return
         self._pending.append(_PendingPull(worker, clock, token, now, observer))
 
-    def _gate_open(self, pull: _PendingPull) -> bool:
+    def _gate_open(self, pull: _PendingPull, min_clock: int) -> bool:
         if pull.observer:
             return True
         if not self.started:
@@ -435,15 +452,41 @@ class ShardCore:
             return pull.worker not in self._round
         if self.mode.mode == "ssp":
             state = self.workers[pull.worker]
-            return state.clock - self.min_clock() <= self.mode.staleness_bound
+            return state.clock - min_clock <= self.bound
         return True
+
+    def _update_bound(self, now: float) -> None:
+        """Ask the policy for the SSP bound, from what this shard measured so far."""
+        live = self._live()
+        clocks = [w.clock for w in live] or [0]
+        stats = BoundStats(
+            now=now, configured=self.mode.staleness_bound, current=self.bound,
+            live_workers=len(live), min_clock=min(clocks), max_clock=max(clocks),
+            pushes=self._pushes_total, staleness_sum=self._staleness_total,
+            pulls=self._pulls_answered, wait_seconds=self._wait_total,
+            blocked_pulls=sum(1 for p in self._pending if not p.observer),
+        )
+        bound = self.policy.staleness_bound(stats)
+        if bound is None:
+            bound = self.mode.staleness_bound
+        if isinstance(bound, bool) or not isinstance(bound, int) or bound < 0:
+            raise ConfigError(
+                f"policy {self.policy.name!r} returned SSP bound {bound!r}; need an int >= 0"
+            )
+        if bound != self.bound:
+            log.debug("shard %d: SSP bound %d -> %d", self.config.shard, self.bound, bound)
+            self.bound = bound
+            self.max_bound = max(self.max_bound, bound)
 
     def ready_pulls(self, now: float) -> list[PullReply]:
         """Pop every parked pull whose gate is open now, oldest first."""
+        if self._bound_hook:
+            self._update_bound(now)
         ready: list[PullReply] = []
         keep: list[_PendingPull] = []
+        min_clock = self.min_clock()  # no clock moves while pulls are answered
         for pull in self._pending:
-            if not self._gate_open(pull):
+            if not self._gate_open(pull, min_clock):
                 keep.append(pull)
                 continue
             waited = now - pull.since
@@ -451,8 +494,10 @@ class ShardCore:
             if not pull.observer:
                 state = self.workers[pull.worker]
                 clock = state.clock
-                gap = state.clock - self.min_clock()
+                gap = state.clock - min_clock
                 self.max_answered_gap = max(self.max_answered_gap, gap)
+                self._pulls_answered += 1
+                self._wait_total += waited
                 if waited > 0:
                     state.deferred_pulls += 1
                     state.wait_seconds += waited
@@ -525,6 +570,8 @@ class ShardCore:
         state.pushes += 1
         tau = self.version - read_version
         state.staleness[tau] += 1
+        self._pushes_total += 1
+        self._staleness_total += tau
         info = UpdateInfo(
             worker=worker, shard=self.config.shard, staleness=tau, read_version=read_version,
             version=self.version, clock=clock, min_clock=self.min_clock(),
@@ -763,6 +810,8 @@ class ShardCore:
             "min_clock": self.min_clock(),
             "clock_gap": self.clock_gap(),
             "max_answered_gap": self.max_answered_gap,
+            "staleness_bound": self.bound if self.mode.mode == "ssp" else None,
+            "staleness_bound_max": self.max_bound if self.mode.mode == "ssp" else None,
             "pending_pulls": len(self._pending),
             "rounds_dropped": self.rounds_dropped,
             "weight_norm": math.sqrt(

@@ -5,6 +5,8 @@ every push before applying it (:meth:`StalenessPolicy.decide`). The returned
 weight multiplies that step's learning rate, so it means the same for SGD and
 Adam. Policies that rewrite the gradient (DC-ASGD, Gap-Aware) set
 ``needs_read_weights`` and override :meth:`StalenessPolicy.rewrite_gradient`.
+Policies that steer the SSP bound (``ssp-adaptive``) override
+:meth:`StalenessPolicy.staleness_bound`, which the core consults in ssp mode.
 
 Custom policies are found by ``module:Class`` or by entry point in the group
 ``paramserver.staleness_policies``; see :func:`create_policy`.
@@ -28,6 +30,7 @@ from .errors import ConfigError, RegistryError
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "BoundStats",
     "Decision",
     "ExponentialPolicy",
     "InversePolicy",
@@ -78,6 +81,27 @@ class Decision:
 ACCEPT = Decision(True)
 
 
+@dataclass(frozen=True)
+class BoundStats:
+    """What one shard has measured so far, for policies that set the SSP bound.
+
+    Counters are cumulative since the shard started; a rule that works on
+    windows keeps the previous values and takes differences.
+    """
+
+    now: float  # the core's time argument of this call, seconds
+    configured: int  # the bound the shard was started with (ModeSpec.staleness_bound)
+    current: int  # the bound in force before this call
+    live_workers: int
+    min_clock: int
+    max_clock: int
+    pushes: int  # pushes decided (duplicates excluded)
+    staleness_sum: int  # sum of tau over those pushes
+    pulls: int  # worker pulls answered (observers excluded)
+    wait_seconds: float  # total time those pulls were held by the gate
+    blocked_pulls: int  # worker pulls held by the gate right now
+
+
 class StalenessPolicy(abc.ABC):
     """Decide whether a (possibly stale) update is applied, and with what weight.
 
@@ -109,6 +133,15 @@ class StalenessPolicy(abc.ABC):
         learning rate of the shard's optimizer.
         """
         return grad
+
+    def staleness_bound(self, stats: BoundStats) -> int | None:
+        """In ssp mode, the bound s to enforce from now on; None keeps the configured one.
+
+        Called by the core before it checks the SSP gate (at most once per
+        :meth:`~paramserver.core.ShardCore.ready_pulls`), never in other modes.
+        Return an int >= 0. Default: None.
+        """
+        return None
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable state saved in checkpoints (default: none)."""
@@ -317,3 +350,8 @@ def create_policy(name: str, args: Mapping[str, Any] | None = None) -> Staleness
 
 
 PolicyFactory = Callable[[], StalenessPolicy]
+
+
+# The research policies (DC-ASGD, Gap-Aware, the adaptive SSP bound) register
+# themselves like the built-ins; imported last because they subclass the above.
+from . import policies as _policies  # noqa: E402, F401
