@@ -8,9 +8,16 @@ Layout of a checkpoint directory::
     DIR/shard0/LATEST                    {"name": "v0000000120", ...}
     DIR/shard1/...
 
-Each file is written to a temporary name, fsynced and renamed; LATEST moves
-last. A process killed at any point leaves the previous checkpoint whole and
-LATEST pointing at it. Nothing is pickled.
+Each file is written to a temporary name, fsynced and renamed; the directory
+is fsynced; LATEST moves last, the same way. A process killed at any point
+leaves the previous checkpoint whole and LATEST pointing at it. A checkpoint
+never overwrites the files LATEST names: a second save at the same version gets
+a new name (``v0000000120-1``). Pruning keeps the checkpoint LATEST names and
+removes leftovers of a write that never reached LATEST. Nothing is pickled.
+
+The write goes through the named steps of :data:`WRITE_STEPS`; a callable set
+with :func:`set_write_hook` is told of each as it completes, which lets tests
+kill the writer between any two of them.
 """
 
 from __future__ import annotations
@@ -18,8 +25,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +39,13 @@ from .sharding import ShardPlan
 
 __all__ = [
     "CHECKPOINT_FORMAT",
+    "WRITE_STEPS",
     "CheckpointError",
     "export_model",
     "inspect_checkpoint",
     "load_shard",
     "save_shard",
+    "set_write_hook",
 ]
 
 log = logging.getLogger(__name__)
@@ -47,6 +57,33 @@ class CheckpointError(ParamServerError):
     """A checkpoint is missing, incomplete or does not match this run."""
 
 
+#: the steps of :func:`save_shard`, in the order they complete
+WRITE_STEPS = (
+    "tensors_written", "tensors_synced", "tensors_renamed",
+    "manifest_written", "manifest_synced", "manifest_renamed",
+    "dir_synced",
+    "latest_written", "latest_synced", "latest_renamed",
+    "latest_dir_synced",
+    "pruned",
+)
+WriteHook = Callable[[str, Path], None]
+_write_hook: WriteHook | None = None
+_NAME = re.compile(r"^v(\d{10})(?:-(\d+))?$")
+
+
+def set_write_hook(hook: WriteHook | None) -> WriteHook | None:
+    """Call ``hook(step, path)`` after each step of a checkpoint write; returns the
+    previous hook. For fault injection and tracing; None removes it."""
+    global _write_hook
+    previous, _write_hook = _write_hook, hook
+    return previous
+
+
+def _step(name: str, path: Path) -> None:
+    if _write_hook is not None:
+        _write_hook(name, path)
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -55,16 +92,37 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_atomic(path: Path, write: Any) -> None:
+def _write_atomic(path: Path, write: Any, label: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     write(tmp)
+    _step(f"{label}_written", tmp)
     with tmp.open("rb+") as fh:
         os.fsync(fh.fileno())
+    _step(f"{label}_synced", tmp)
     os.replace(tmp, path)
+    _step(f"{label}_renamed", path)
 
 
-def _write_json_atomic(path: Path, data: Any) -> None:
-    _write_atomic(path, lambda tmp: tmp.write_text(json.dumps(data, indent=1, sort_keys=True)))
+def _write_json_atomic(path: Path, data: Any, label: str) -> None:
+    _write_atomic(path, lambda tmp: tmp.write_text(json.dumps(data, indent=1, sort_keys=True)),
+                  label)
+
+
+def _order(name: str) -> tuple[int, int]:
+    """Sort key of a checkpoint name: (version, how many saves at that version before)."""
+    m = _NAME.match(name)
+    return (int(m.group(1)), int(m.group(2) or 0)) if m else (-1, -1)
+
+
+def _free_name(folder: Path, version: int) -> str:
+    """``v<version>``, or with a suffix when that name is taken (never overwrite a checkpoint
+    LATEST may name)."""
+    base = f"v{version:010d}"
+    name, n = base, 0
+    while (folder / f"{name}.json").exists() or (folder / f"{name}.safetensors").exists():
+        n += 1
+        name = f"{base}-{n}"
+    return name
 
 
 def save_shard(directory: str | Path, shard: int, tensors: Mapping[str, torch.Tensor],
@@ -73,10 +131,10 @@ def save_shard(directory: str | Path, shard: int, tensors: Mapping[str, torch.Te
     folder = Path(directory) / f"shard{shard}"
     folder.mkdir(parents=True, exist_ok=True)
     version = int(meta["version"])
-    name = f"v{version:010d}"
+    name = _free_name(folder, version)
     contiguous = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     tensor_path = folder / f"{name}.safetensors"
-    _write_atomic(tensor_path, lambda tmp: save_file(contiguous, str(tmp)))
+    _write_atomic(tensor_path, lambda tmp: save_file(contiguous, str(tmp)), "tensors")
     manifest = {
         **meta,
         "format": CHECKPOINT_FORMAT,
@@ -85,20 +143,33 @@ def save_shard(directory: str | Path, shard: int, tensors: Mapping[str, torch.Te
         "tensors_bytes": tensor_path.stat().st_size,
     }
     manifest_path = folder / f"{name}.json"
-    _write_json_atomic(manifest_path, manifest)
+    _write_json_atomic(manifest_path, manifest, "manifest")
+    _fsync_dir(folder)  # both renames are durable before LATEST can name them
+    _step("dir_synced", folder)
     _write_json_atomic(folder / "LATEST", {"name": name, "version": version,
-                                           "created": manifest["created"]})
+                                           "created": manifest["created"]}, "latest")
     _fsync_dir(folder)
-    _prune(folder, keep)
+    _step("latest_dir_synced", folder)
+    _prune(folder, name, keep)
+    _step("pruned", folder)
     log.info("shard %d: checkpoint at version %d in %s", shard, version, folder)
     return manifest_path
 
 
-def _prune(folder: Path, keep: int) -> None:
-    names = sorted(p.stem for p in folder.glob("v*.json"))
-    for stale in names[:-keep] if keep > 0 else []:
+def _prune(folder: Path, latest: str, keep: int) -> None:
+    """Keep ``latest`` and the ``keep - 1`` complete checkpoints before it (all of them if
+    ``keep <= 0``); remove the rest, files of writes killed before they reached LATEST,
+    and their temporary files."""
+    names = {p.name.split(".", 1)[0] for p in folder.glob("v*.*")}
+    complete = sorted((n for n in names if _order(n) < _order(latest)
+                       and (folder / f"{n}.json").exists()
+                       and (folder / f"{n}.safetensors").exists()), key=_order)
+    kept = {latest, *(complete[-(keep - 1):] if keep > 1 else complete if keep <= 0 else [])}
+    for stale in names - kept:
         for suffix in (".json", ".safetensors"):
             (folder / f"{stale}{suffix}").unlink(missing_ok=True)
+    for tmp in folder.glob(".*.tmp"):
+        tmp.unlink(missing_ok=True)
 
 
 def _latest(folder: Path) -> dict[str, Any]:
@@ -197,5 +268,5 @@ def export_model(directory: str | Path, out: str | Path) -> dict[str, Any]:
                                   if k.startswith("param/")})
     target = Path(out)
     target.parent.mkdir(parents=True, exist_ok=True)
-    _write_atomic(target, lambda tmp: save_file(full, str(tmp)))
+    _write_atomic(target, lambda tmp: save_file(full, str(tmp)), "export")
     return {"path": str(target), "parameters": len(full), "versions": info["versions"]}

@@ -1,0 +1,107 @@
+"""``paramserver checkpoint inspect DIR`` and ``paramserver checkpoint export DIR OUT``.
+
+Only argument handling and display live here; the work is done by
+:mod:`paramserver.checkpoint`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from paramserver.checkpoint import export_model, inspect_checkpoint
+from paramserver.errors import ParamServerError
+
+__all__ = ["checkpoint"]
+
+log = logging.getLogger(__name__)
+
+_SHOWN_WORKERS = 8  # clocks listed per shard; the rest are summarised
+
+
+def _size(nbytes: int | None) -> str:
+    if nbytes is None:
+        return "?"
+    size = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GiB"
+
+
+def _when(created: float | None) -> str:
+    if created is None:
+        return "?"
+    return datetime.datetime.fromtimestamp(created).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _clocks(workers: dict[str, dict[str, Any]]) -> str:
+    items = sorted(workers.items(), key=lambda kv: int(kv[0]))
+    text = " ".join(f"w{w}={s['clock']}" for w, s in items[:_SHOWN_WORKERS])
+    if len(items) > _SHOWN_WORKERS:
+        rest = [s["clock"] for _, s in items[_SHOWN_WORKERS:]]
+        text += f" (+{len(rest)}: {min(rest)}..{max(rest)})"
+    return text or "-"
+
+
+@click.group()
+def checkpoint() -> None:
+    """Look into checkpoints and turn them into a model file."""
+
+
+@checkpoint.command()
+@click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def inspect(directory: Path, as_json: bool) -> None:
+    """Show each shard's latest checkpoint in DIRECTORY and whether they form a whole."""
+    try:
+        info = inspect_checkpoint(directory)
+    except (ParamServerError, OSError, ValueError, KeyError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    if as_json:
+        click.echo(json.dumps(info, indent=2, sort_keys=True))
+        return
+    console = Console()
+    table = Table(title=f"checkpoint {directory}")
+    for column in ("shard", "version", "mode", "size", "created", "workers' clocks"):
+        table.add_column(column, justify="right" if column in ("shard", "version", "size")
+                         else "left")
+    for s in info["shards"]:
+        table.add_row(str(s["shard"]), str(s["version"]), str(s["mode"]), _size(s["bytes"]),
+                      _when(s["created"]), _clocks(s["workers"]))
+    console.print(table)
+    hashes = {s["plan_hash"] for s in info["shards"]}
+    if info["complete"]:
+        console.print(f"[green]complete[/]: {len(info['shards'])} shard(s), plan "
+                      f"{next(iter(hashes)) or '?'}"[:120], highlight=False)
+    else:
+        why = []
+        if info["missing_shards"]:
+            why.append(f"no checkpoint for shard(s) {info['missing_shards']}")
+        if len(hashes) > 1:
+            why.append("shards come from different plans")
+        console.print(f"[red]incomplete[/]: {'; '.join(why)}", highlight=False)
+
+
+@checkpoint.command()
+@click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
+def export(directory: Path, out: Path) -> None:
+    """Assemble every shard's weights in DIRECTORY into one state_dict file OUT.
+
+    Load it with ``model.load_state_dict(safetensors.torch.load_file(OUT))``.
+    """
+    try:
+        result = export_model(directory, out)
+    except (ParamServerError, OSError, ValueError, KeyError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    Console().print(f"wrote {result['path']}: {result['parameters']} parameter tensors from "
+                    f"shard versions {result['versions']}", highlight=False)
