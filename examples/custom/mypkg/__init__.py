@@ -1,0 +1,1 @@
+"""An example plug-in package: a custom task and a custom staleness policy."""

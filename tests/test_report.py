@@ -1,0 +1,281 @@
+"""The report on recorded logs: per-run metrics, aggregation over seeds, literature checks,
+report.md / report.html / PNGs. Synthetic logs with known answers; no processes."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from workers.report import (
+    ClaimCheck,
+    Stat,
+    aggregate,
+    check_literature,
+    load_run,
+    run_metrics,
+    summarize,
+    write_report,
+)
+from workers.report import _clock_gaps as clock_gaps
+from workers.report_render import summary_rows
+
+T0 = 1_000.0
+
+
+def _write(path: Path, records: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def fake_run(run: Path, *, mode: str = "async", workers: int = 2, steps: int = 6,
+             dt: float = 0.1, loss0: float = 2.0, slope: float = 0.1, wait: float = 0.01,
+             reject_every: int = 0, final: dict | None = None, max_gap: int = 0,
+             shards: int = 2) -> None:
+    """Workers take turns, one push every ``dt`` s starting at T0 + dt.
+
+    async: push i reads version i - min(i, workers - 1) and (if accepted) is update i + 1.
+    sync: a round of ``workers`` pushes is one update. Worker 0 evaluates before each of
+    its steps with held-out loss ``loss0 - slope * version``.
+    """
+    worker_events: dict[int, list[dict]] = {
+        r: [{"t": T0 - 0.05 * (workers - 1 - r), "event": "worker_start", "worker": r}]
+        for r in range(workers)}
+    pushes: list[dict] = []
+    version = 0
+    for k in range(steps):
+        for r in range(workers):
+            i = k * workers + r
+            t = T0 + (i + 1) * dt
+            if r == 0:
+                worker_events[0].append({"t": t - dt / 2, "event": "eval", "worker": 0,
+                                         "clock": k, "versions": [version] * shards,
+                                         "loss": loss0 - slope * version, "accuracy": 0.5})
+            if mode == "sync":
+                read, stale = k, 0
+            else:
+                read = max(0, version - min(i, workers - 1))
+                stale = version - read
+            accepted = not (reject_every and (i + 1) % reject_every == 0)
+            if mode == "sync":
+                version = k + 1 if r == workers - 1 else k
+            elif accepted:
+                version += 1
+            for shard in range(shards):
+                pushes.append({"t": t, "event": "push", "shard": shard, "worker": r, "clock": k,
+                               "read_version": read, "version": version, "staleness": stale,
+                               "accepted": accepted, "weight": 1.0 if accepted else 0.0,
+                               "reason": "" if accepted else "too stale", "num_samples": 32})
+            worker_events[r].append({
+                "t": t + 0.001, "event": "step", "worker": r, "clock": k + 1,
+                "read_versions": [read] * shards, "staleness": stale, "accepted": accepted,
+                "reasons": [] if accepted else ["too stale"], "weight": 1.0, "loss": 1.0,
+                "num_samples": 32, "compute_s": 0.001, "sleep_s": 0.0, "pull_s": 0.001,
+                "push_s": 0.001, "wait_s": wait, "bytes": 100})
+    for r, records in worker_events.items():
+        _write(run / "events" / f"worker{r}.jsonl", records)
+    for shard in range(shards):
+        _write(run / "events" / f"server{shard}.jsonl",
+               [{"t": T0 - 1, "event": "server_start", "shard": shard}]
+               + [p for p in pushes if p["shard"] == shard])
+    result = {"eval": final if final is not None else {}, "servers": [
+        {"shard": s, "version": version, "max_answered_gap": max_gap} for s in range(shards)]}
+    (run / "result.json").write_text(json.dumps(result))
+
+
+def test_async_run_metrics_are_exact(tmp_path):
+    fake_run(tmp_path, mode="async", workers=2, steps=6, dt=0.1, reject_every=4,
+             final={"loss": 1.0, "accuracy": 0.75})
+    m = run_metrics(load_run(tmp_path), seed=3, target_loss=1.65)
+    # 12 pushes, every 4th rejected -> 9 updates; training from T0 to the last step
+    assert m.seed == 3 and m.updates == 9
+    assert m.train_seconds == pytest.approx(1.2 + 0.001)
+    assert m.updates_per_s == pytest.approx(9 / 1.201)
+    assert m.pct_rejected == pytest.approx(100 * 3 / 12)
+    assert (m.final_loss, m.final_accuracy) == (1.0, 0.75)
+    assert m.wait_s == pytest.approx(6 * 0.01)
+    # staleness: the first push 0, then 1 for the accepted flow (read = version - 1)
+    assert m.staleness_hist == {0: 1, 1: 11}
+    assert (m.staleness_p50, m.staleness_p95, m.staleness_max) == (1, 1, 1)
+    # loss = 2 - 0.1 * version: 1.65 is reached at version 3.5, interpolated in time too
+    assert m.updates_to_target == pytest.approx(3.5)
+    evals = [(t, u) for t, u, _ in m.curve]
+    (t_a, u_a), (t_b, u_b) = next((a, b) for a, b in itertools.pairwise(evals)
+                                  if a[1] <= 3.5 <= b[1])
+    assert m.time_to_target == pytest.approx(t_a + (3.5 - u_a) / (u_b - u_a) * (t_b - t_a))
+    # the final evaluation closes the curve at the end of training
+    assert m.curve[-1] == pytest.approx((1.201, 9.0, 1.0))
+    assert sorted(m.clocks) == [0, 1] and m.clocks[1][-1][1] == 6
+    assert m.max_clock_gap == 0  # in turns, nobody computes ahead of the slowest worker
+
+
+def test_sync_run_has_one_update_per_round_and_no_staleness(tmp_path):
+    fake_run(tmp_path, mode="sync", workers=3, steps=4)
+    m = run_metrics(load_run(tmp_path), seed=0, target_loss=0.1)
+    assert m.updates == 4 and m.staleness_max == 0 and m.pct_rejected == 0
+    assert m.max_clock_gap == 0
+    assert m.time_to_target is None and m.updates_to_target is None
+    # no final evaluation recorded: the last held-out evaluation stands in
+    assert m.final_loss == pytest.approx(2.0 - 0.1 * 3)
+
+
+@pytest.mark.parametrize(("clocks", "expected"), [
+    ([(0, 0), (1, 0), (0, 1), (1, 1)], [0, 0, 0, 0]),  # lockstep
+    ([(0, 0), (0, 1), (0, 2), (1, 0), (0, 3)], [0, 1, 2, 0, 2]),  # worker 0 runs ahead
+])
+def test_clock_gap_is_the_lead_over_the_slowest_worker(clocks, expected):
+    pushes = [{"worker": w, "clock": c} for w, c in clocks]
+    assert clock_gaps(pushes, [0, 1]) == expected
+
+
+def test_stat_counts_missing_values_as_infinite():
+    assert Stat.of([3.0, 1.0, 2.0]) == Stat(2.0, 1.0, 3.0, 3, 0)
+    assert Stat.of([1.0, None, 5.0]) == Stat(5.0, 1.0, 5.0, 2, 1)
+    assert math.isinf(Stat.of([1.0, None, None]).median)
+    empty = Stat.of([None, None])
+    assert empty.n == 0 and empty.missing == 2 and math.isnan(empty.median)
+
+
+def test_aggregate_takes_median_min_max_over_seeds(tmp_path):
+    runs = []
+    for seed, dt in enumerate([0.1, 0.2, 0.4]):
+        fake_run(tmp_path / f"s{seed}", dt=dt)
+        runs.append(run_metrics(load_run(tmp_path / f"s{seed}"), seed, 1.5))
+    summary = aggregate({"label": "async", "scenario": "none"}, runs)
+    ups = sorted(r.updates_per_s for r in runs)
+    assert summary.stats["updates_per_s"] == Stat(ups[1], ups[0], ups[2], 3, 0)
+    assert summary.stats["updates"].median == 12
+
+
+# --------------------------------------------------------------------------- experiments
+
+CONFIGS = [("sync", 0), ("ssp", 1), ("ssp", 3), ("async", 0)]
+
+
+def fake_experiment(out: Path, *, dts: dict[tuple[str, str, int], float],
+                    scenarios=("none", "transient"), seeds=(0, 1, 2), gap: int = 0,
+                    failed: tuple[str, int] | None = None) -> None:
+    configs, runs = [], []
+    for scenario in scenarios:
+        for mode, bound in CONFIGS:
+            label = f"ssp s={bound}" if mode == "ssp" else mode
+            cid = f"{scenario}-{mode}{bound if mode == 'ssp' else ''}-none-w2"
+            configs.append({"id": cid, "scenario": scenario, "label": label, "mode": mode,
+                            "bound": bound, "policy": "none", "policy_args": {}, "workers": 2})
+            for seed in seeds:
+                path = f"runs/{cid}/seed{seed}"
+                ok = failed != (cid, seed)
+                runs.append({"config": cid, "seed": seed, "path": path, "ok": ok,
+                             "seconds": 1.0, "error": "" if ok else "worker1 failed"})
+                if ok:
+                    fake_run(out / path, mode="sync" if mode == "sync" else "async",
+                             dt=dts[(scenario, mode, bound)] * (1 + 0.01 * seed),
+                             final={"loss": 0.4, "accuracy": 0.9}, max_gap=gap)
+    exp = {"name": "fake", "task": "digits-mlp", "task_args": {}, "steps": 6, "servers": 2,
+           "seeds": list(seeds), "target_loss": 1.65, "eval_every": 1, "min_step_time": 0.01,
+           "optimizer": "sgd", "optimizer_args": {"lr": 0.1}, "batch_size": None,
+           "scenarios": {s: {"description": f"scenario {s}", "all": {"min_step_time": 0.01},
+                             "ranks": {}} for s in scenarios},
+           "configurations": configs, "runs": runs, "started": T0, "finished": T0 + 60}
+    (out / "experiment.json").write_text(json.dumps(exp))
+    (out / "environment.json").write_text(json.dumps(
+        {"python": "3.11", "packages": {"torch": "2.13"}, "git_commit": "abc123", "cpus": 2}))
+
+
+GOOD = {("transient", "sync", 0): 0.4, ("transient", "ssp", 1): 0.2,
+        ("transient", "ssp", 3): 0.1, ("transient", "async", 0): 0.1,
+        ("none", "sync", 0): 0.1, ("none", "ssp", 1): 0.1, ("none", "ssp", 3): 0.1,
+        ("none", "async", 0): 0.1}
+
+
+def _claims(out: Path) -> dict[str, ClaimCheck]:
+    summaries = summarize(out)
+    keys = ("throughput", "progress", "gap")
+    return dict(zip(keys, check_literature(summaries, 1.65), strict=True))
+
+
+def test_literature_checks_pass_on_good_results(tmp_path):
+    fake_experiment(tmp_path, dts=GOOD, gap=1)
+    claims = _claims(tmp_path)
+    assert [c.status for c in claims.values()] == ["pass", "pass", "pass"], claims
+
+
+def test_literature_checks_fail_with_a_reason(tmp_path):
+    slow_ssp3 = dict(GOOD)
+    slow_ssp3[("transient", "ssp", 3)] = 0.3  # slower than ssp s=1
+    fake_experiment(tmp_path, dts=slow_ssp3, gap=2)  # servers report a gap of 2 > s=1
+    claims = _claims(tmp_path)
+    assert claims["throughput"].status == "fail"
+    assert "ssp s=3" in claims["throughput"].detail
+    assert claims["gap"].status == "fail" and "gap 2 > 1" in claims["gap"].detail
+
+
+def test_progress_claim_fails_when_a_mode_needs_more_updates(tmp_path):
+    fake_experiment(tmp_path / "a", dts=GOOD, scenarios=("none",))
+    summaries = summarize(tmp_path / "a")
+    for run in summaries[3].runs:  # async needs 20% more updates to reach the target
+        run.updates_to_target = (run.updates_to_target or 0) * 1.2
+    summaries[3] = aggregate(summaries[3].config, summaries[3].runs)
+    claim = check_literature(summaries, 1.65)[1]
+    assert claim.status == "fail" and "spread 20%" in claim.detail
+
+
+def test_checks_are_skipped_without_their_configurations(tmp_path):
+    fake_experiment(tmp_path, dts=GOOD, scenarios=("transient",))
+    claims = _claims(tmp_path)
+    assert claims["progress"].status == "skipped"
+    assert claims["throughput"].status == "pass"
+
+
+def test_report_files_tables_and_plots(tmp_path):
+    fake_experiment(tmp_path, dts=GOOD, gap=1, failed=("transient-async-none-w2", 2))
+    files = write_report(tmp_path)
+    md = files.markdown.read_text()
+    html = files.html.read_text()
+    assert files.markdown == tmp_path / "report.md" and files.html == tmp_path / "report.html"
+    # header: the emulated step time and the environment are stated
+    assert "at least 10 ms" in md and "abc123" in md
+    # one table per scenario with every configuration, and a note on the failed run
+    assert md.count("| configuration | time to target (s)") == 2
+    assert "runs/transient-async-none-w2/seed2: worker1 failed" in md
+    assert "| async (1 failed) |" in md
+    # figures of the table match the synthetic logs: sync in 'transient' did one update
+    # per round: 6 updates in 12 pushes * 0.4 s (+1 ms), median over seeds dt * 1.01
+    transient = md.split("## Scenario 'transient'")[1]
+    row = next(line for line in transient.splitlines() if line.startswith("| sync |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    expected = sorted(6 / (12 * 0.4 * (1 + 0.01 * s) + 0.001) for s in range(3))
+    assert cells[5] == f"{expected[1]:.1f}"  # the seeds differ by less than the precision
+    trains = sorted(12 * 0.4 * (1 + 0.01 * s) + 0.001 for s in range(3))
+    assert cells[10] == f"{trains[1]:.1f} [{trains[0]:.1f}-{trains[2]:.1f}]"
+    assert cells[3] == "0.400" and cells[4] == "90.0"
+    assert cells[7] == "0 / 0 / 0" and cells[6] == "0.0"
+    # images: loss and staleness per scenario, clocks per ssp configuration
+    names = sorted(p.name for p in files.images)
+    assert names == sorted(["none-loss.png", "none-staleness.png", "transient-loss.png",
+                            "transient-staleness.png", "none-ssp1-none-w2-clocks.png",
+                            "none-ssp3-none-w2-clocks.png", "transient-ssp1-none-w2-clocks.png",
+                            "transient-ssp3-none-w2-clocks.png"])
+    for path in files.images:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"](images/{path.name})" in md
+    # the HTML page is self-contained: every image inlined, none linked
+    assert html.count("data:image/png;base64,") == len(files.images)
+    assert "images/" not in re.sub(r"alt='[^']*'", "", html)
+    assert "<table>" in html and "Literature checks" in html
+    head, rows = summary_rows(files.summaries)
+    assert len(rows) == 8 and head[1] == "configuration"
+
+
+def test_time_to_target_not_reached_is_reported(tmp_path):
+    fake_experiment(tmp_path, dts=GOOD, scenarios=("none",), seeds=(0,))
+    exp_path = tmp_path / "experiment.json"
+    exp = json.loads(exp_path.read_text())
+    exp["target_loss"] = 0.01
+    exp_path.write_text(json.dumps(exp))
+    md = write_report(tmp_path).markdown.read_text()
+    assert "| sync | not reached | not reached |" in md

@@ -1,0 +1,678 @@
+"""Experiments: a grid of local runs on one task, with identical seeds and data.
+
+An :class:`ExperimentSpec` names a task and the axes of a grid: straggler
+scenarios x modes x staleness policies x worker counts, each repeated for
+every seed. :func:`run_experiment` runs every point of the grid with
+:func:`workers.cluster.run_cluster` into ``out/runs/<config>/seed<k>/`` and
+then writes the report (:mod:`workers.report`)::
+
+    spec = ExperimentSpec(modes=["sync", "async", "ssp:3"], scenarios=["transient"])
+    result = run_experiment(spec, "runs/demo")
+
+Fairness: every configuration of one seed trains the same model from the same
+initial weights on the same data partition with the same straggler draws
+(seeded by ``(seed, rank)``), and every worker runs the same number of steps.
+Runs go seed by seed, so a slow phase of the machine hits every configuration
+alike. The run directory holds the resolved spec (``spec.toml``, which
+``--spec`` accepts back), ``environment.json`` (versions, git commit,
+platform) and ``experiment.json`` (the index the report is built from).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from paramserver.errors import ConfigError, ParamServerError
+from paramserver.events import read_events
+from paramserver.optim import build_optimizer
+from paramserver.server import ServerConfig
+from paramserver.staleness import create_policy, parse_policy_args
+
+from .cluster import ClusterSpec, Progress, run_cluster
+from .report import ReportFiles, write_report
+from .stragglers import StragglerSpec
+from .tasks import resolve_task, task_parameters
+from .worker import WorkerConfig
+
+__all__ = [
+    "PRESETS",
+    "SCENARIOS",
+    "Configuration",
+    "ExperimentObserver",
+    "ExperimentResult",
+    "ExperimentSpec",
+    "ModeChoice",
+    "PolicyChoice",
+    "RunOutcome",
+    "RunPlan",
+    "Scenario",
+    "builtin_scenario",
+    "dump_spec",
+    "environment_info",
+    "load_spec",
+    "preset",
+    "run_experiment",
+]
+
+log = logging.getLogger(__name__)
+
+#: built-in straggler scenarios; each also applies the spec's ``min_step_time`` to every worker
+SCENARIOS: dict[str, str] = {
+    "none": "no stragglers: every step takes the emulated compute time",
+    "persistent": "worker 0 is persistently 4x slower than the others",
+    "transient": "every step of every worker is 5x slower with probability 10%",
+    "heavy-tail": "every step gets an extra Pareto(alpha=1.5) delay: usually small, sometimes huge",
+}
+_STRAGGLER_FIELDS = {f.name for f in dataclasses.fields(StragglerSpec)}
+
+
+# --------------------------------------------------------------------------- grid axes
+
+
+@dataclass(frozen=True)
+class ModeChoice:
+    """A consistency mode: ``sync``, ``async`` or ``ssp:S`` (S = staleness bound)."""
+
+    mode: str
+    bound: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("sync", "async", "ssp"):
+            raise ConfigError(f"mode must be sync, async or ssp:S; got {self.mode!r}")
+        if isinstance(self.bound, bool) or not isinstance(self.bound, int) or self.bound < 0:
+            raise ConfigError(f"the ssp staleness bound must be an int >= 0, got {self.bound!r}")
+        if self.mode != "ssp" and self.bound:
+            raise ConfigError(f"only ssp takes a staleness bound; got {self.mode}:{self.bound}")
+
+    @classmethod
+    def parse(cls, text: str | ModeChoice) -> ModeChoice:
+        """``"sync"``, ``"async"``, ``"ssp:3"`` or ``"ssp:s=3"``."""
+        if isinstance(text, ModeChoice):
+            return text
+        if not isinstance(text, str):
+            raise ConfigError(f"a mode must be a string like sync, async or ssp:3; got {text!r}")
+        name, sep, arg = text.strip().lower().partition(":")
+        if name != "ssp":
+            if sep:
+                raise ConfigError(f"mode {text!r}: only ssp takes an argument (ssp:3)")
+            return cls(name)
+        arg = arg.removeprefix("s=").strip()
+        if not arg.isdigit():
+            raise ConfigError(f"mode {text!r}: ssp needs its staleness bound, e.g. ssp:3")
+        return cls("ssp", int(arg))
+
+    def __str__(self) -> str:
+        return f"ssp:{self.bound}" if self.mode == "ssp" else self.mode
+
+    @property
+    def label(self) -> str:
+        return f"ssp s={self.bound}" if self.mode == "ssp" else self.mode
+
+    @property
+    def slug(self) -> str:
+        return f"ssp{self.bound}" if self.mode == "ssp" else self.mode
+
+    @property
+    def rank(self) -> float:
+        """Order by how much staleness is allowed: sync < ssp:0 < ssp:1 < ... < async."""
+        return {"sync": -1.0, "async": math.inf}.get(self.mode, float(self.bound))
+
+
+@dataclass(frozen=True)
+class PolicyChoice:
+    """A staleness policy with its arguments; validated by building it once."""
+
+    name: str = "none"
+    args: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError(f"a policy needs a name, got {self.name!r}")
+        create_policy(self.name, dict(self.args))  # unknown name or bad args: say so now
+
+    @classmethod
+    def parse(cls, value: str | Mapping[str, Any] | PolicyChoice) -> PolicyChoice:
+        """``"none"``, ``"reject:max_staleness=4"``, ``"mypkg.policies:MyPolicy:factor=0.5"``
+        or a table ``{name = "...", args = {...}}``."""
+        if isinstance(value, PolicyChoice):
+            return value
+        if isinstance(value, Mapping):
+            extra = set(value) - {"name", "args"}
+            if extra or "name" not in value:
+                raise ConfigError(f"a policy table has keys name and args; got {dict(value)}")
+            args = value.get("args", {})
+            if not isinstance(args, Mapping):
+                raise ConfigError(f"policy args must be a table, got {args!r}")
+            return cls(str(value["name"]), tuple(sorted(args.items())))
+        if not isinstance(value, str):
+            raise ConfigError(f"a policy must be NAME[:key=value,...]; got {value!r}")
+        head, sep, tail = value.strip().rpartition(":")
+        if sep and "=" in tail:  # the last ':'-part holds the arguments
+            args = parse_policy_args([a for a in tail.split(",") if a.strip()])
+            return cls(head, tuple(sorted(args.items())))
+        return cls(value.strip())
+
+    def __str__(self) -> str:
+        if not self.args:
+            return self.name
+        return self.name + ":" + ",".join(f"{k}={v}" for k, v in self.args)
+
+    @property
+    def label(self) -> str:
+        short = self.name.rpartition(":")[2] if ":" in self.name else self.name
+        if not self.args:
+            return short
+        return f"{short}({', '.join(f'{k}={v}' for k, v in self.args)})"
+
+    @property
+    def slug(self) -> str:
+        return _slug(self.label)
+
+    def to_toml(self) -> dict[str, Any]:
+        return {"name": self.name, "args": dict(self.args)}
+
+
+def _slug(text: str) -> str:
+    keep = "".join(c if c.isalnum() or c in "._" else "-" for c in text.lower())
+    return "-".join(part for part in keep.split("-") if part)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """Stragglers for every worker (``all``) with per-rank overrides (``ranks``)."""
+
+    name: str
+    description: str = ""
+    all: StragglerSpec = field(default_factory=StragglerSpec)
+    ranks: tuple[tuple[int, StragglerSpec], ...] = ()
+
+    def stragglers(self, num_workers: int) -> dict[int, StragglerSpec]:
+        return {r: spec for r, spec in self.ranks if r < num_workers}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "description": self.description,
+            "all": dataclasses.asdict(self.all),
+            "ranks": {str(r): dataclasses.asdict(s) for r, s in self.ranks},
+        }
+
+    @classmethod
+    def from_table(cls, name: str, table: Mapping[str, Any], min_step_time: float) -> Scenario:
+        """A ``[custom_scenarios.NAME]`` table: ``description``, ``all`` and ``ranks``."""
+        extra = set(table) - {"description", "all", "ranks"}
+        if extra:
+            raise ConfigError(f"scenario {name!r}: unknown key(s) {sorted(extra)}; "
+                              "allowed: description, all, ranks")
+        base = {"min_step_time": min_step_time, **_straggler_fields(name, table.get("all", {}))}
+        ranks = []
+        for key, override in dict(table.get("ranks", {})).items():
+            if not str(key).isdigit():
+                raise ConfigError(f"scenario {name!r}: ranks keys are worker ranks, got {key!r}")
+            ranks.append((int(key), StragglerSpec(**{**base,
+                                                     **_straggler_fields(name, override)})))
+        return cls(name, str(table.get("description", "")), StragglerSpec(**base),
+                   tuple(sorted(ranks)))
+
+
+def _straggler_fields(scenario: str, value: Any) -> dict[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"scenario {scenario!r}: straggler settings must be a table")
+    unknown = set(value) - _STRAGGLER_FIELDS
+    if unknown:
+        raise ConfigError(f"scenario {scenario!r}: unknown straggler field(s) {sorted(unknown)};"
+                          f" allowed: {', '.join(sorted(_STRAGGLER_FIELDS))}")
+    return dict(value)
+
+
+def builtin_scenario(name: str, min_step_time: float) -> Scenario:
+    """One of :data:`SCENARIOS`, with every step taking at least ``min_step_time`` seconds."""
+    m = min_step_time
+    base = StragglerSpec(min_step_time=m)
+    if name == "none":
+        return Scenario(name, SCENARIOS[name], base)
+    if name == "persistent":
+        return Scenario(name, SCENARIOS[name], base,
+                        ((0, StragglerSpec(min_step_time=m, slowdown=4.0)),))
+    if name == "transient":
+        return Scenario(name, SCENARIOS[name],
+                        StragglerSpec(min_step_time=m, slow_prob=0.1, slow_factor=5.0))
+    if name == "heavy-tail":
+        # type I Pareto, alpha 1.5 (infinite variance), scale m/4: mean 0.75 m, p99 ~5 m
+        scale = max(m, 0.004) / 4
+        return Scenario(name, SCENARIOS[name],
+                        StragglerSpec(min_step_time=m, delay=f"pareto:1.5,{scale:.6g}"))
+    raise ConfigError(f"unknown scenario {name!r}; built-in: {', '.join(SCENARIOS)} "
+                      "(or define it under [custom_scenarios.NAME] in the spec)")
+
+
+# --------------------------------------------------------------------------- the spec
+
+
+@dataclass(frozen=True)
+class Configuration:
+    """One point of the grid (every seed of it shares this)."""
+
+    scenario: str
+    mode: ModeChoice
+    policy: PolicyChoice
+    workers: int
+    label: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.scenario}-{self.mode.slug}-{self.policy.slug}-w{self.workers}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "scenario": self.scenario, "label": self.label,
+                "mode": self.mode.mode, "bound": self.mode.bound, "mode_spec": str(self.mode),
+                "policy": self.policy.name, "policy_args": dict(self.policy.args),
+                "workers": self.workers}
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """One run: a configuration and a seed, in its own directory."""
+
+    config: Configuration
+    seed: int
+    path: str  # relative to the experiment directory
+
+    @property
+    def name(self) -> str:
+        return f"{self.config.scenario} · {self.config.label} · seed {self.seed}"
+
+
+_SPEC_KEYS = ("name", "task", "task_args", "steps", "batch_size", "seeds", "servers", "workers",
+              "modes", "policies", "scenarios", "custom_scenarios", "optimizer",
+              "optimizer_args", "target_loss", "eval_every", "min_step_time", "device",
+              "run_timeout")
+
+
+@dataclass
+class ExperimentSpec:
+    """The whole grid; validated (and strings parsed) on construction.
+
+    The defaults are the demo: sync, async and ssp s=3 with 4 workers and 2
+    servers on ``digits-mlp`` under transient stragglers, 3 seeds.
+    """
+
+    name: str = "experiment"
+    task: str = "digits-mlp"
+    task_args: dict[str, Any] = field(default_factory=dict)
+    steps: int = 300  # per worker, the same for every worker and configuration
+    batch_size: int | None = None  # None: the task's default
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    servers: int = 2
+    workers: list[int] = field(default_factory=lambda: [4])
+    modes: list[ModeChoice] = field(
+        default_factory=lambda: [ModeChoice("sync"), ModeChoice("async"), ModeChoice("ssp", 3)])
+    policies: list[PolicyChoice] = field(default_factory=lambda: [PolicyChoice()])
+    scenarios: list[str] = field(default_factory=lambda: ["transient"])
+    custom_scenarios: dict[str, Scenario] = field(default_factory=dict)
+    optimizer: str = "sgd"
+    optimizer_args: dict[str, Any] = field(default_factory=lambda: {"lr": 0.1})
+    target_loss: float = 0.5  # held-out loss for "time to target"
+    eval_every: int = 5  # worker 0 evaluates held-out data every N of its steps
+    min_step_time: float = 0.015  # s; emulates a model heavier than the task's
+    device: str = "cpu"
+    run_timeout: float | None = 900.0  # s per run; 0 or None: no limit
+
+    def __post_init__(self) -> None:
+        self.modes = [ModeChoice.parse(m) for m in _as_list(self.modes, "modes")]
+        self.policies = [PolicyChoice.parse(p) for p in _as_list(self.policies, "policies")]
+        self.workers = [_int(w, "workers", 1) for w in _as_list(self.workers, "workers")]
+        self.scenarios = [str(s) for s in _as_list(self.scenarios, "scenarios")]
+        if isinstance(self.seeds, int) and not isinstance(self.seeds, bool):
+            self.seeds = list(range(_int(self.seeds, "seeds (a count)", 1)))
+        self.seeds = [_int(s, "seeds", 0) for s in _as_list(self.seeds, "seeds")]
+        for axis in ("modes", "policies", "workers", "scenarios", "seeds"):
+            values = [str(v) for v in getattr(self, axis)]
+            dupes = sorted({v for v in values if values.count(v) > 1})
+            if dupes:
+                raise ConfigError(f"{axis} lists {', '.join(dupes)} more than once")
+        _int(self.steps, "steps", 1)
+        _int(self.servers, "servers", 1)
+        _int(self.eval_every, "eval_every", 1)
+        if self.batch_size is not None:
+            _int(self.batch_size, "batch_size", 1)
+        if not (isinstance(self.target_loss, int | float) and self.target_loss > 0):
+            raise ConfigError(f"target_loss must be a number > 0, got {self.target_loss!r}")
+        if not (isinstance(self.min_step_time, int | float) and self.min_step_time >= 0):
+            raise ConfigError(f"min_step_time must be >= 0 seconds, got {self.min_step_time!r}")
+        if self.run_timeout is not None and not self.run_timeout >= 0:
+            raise ConfigError(f"run_timeout must be >= 0 seconds (0: none), "
+                              f"got {self.run_timeout!r}")
+        self.run_timeout = self.run_timeout or None  # TOML has no null: 0 means no limit
+        if not isinstance(self.name, str) or not _slug(self.name):
+            raise ConfigError(f"name must be a non-empty string, got {self.name!r}")
+        self.custom_scenarios = {
+            k: v if isinstance(v, Scenario) else Scenario.from_table(k, v, self.min_step_time)
+            for k, v in dict(self.custom_scenarios).items()
+        }
+        for name in self.scenarios:
+            self.scenario(name)
+        self._check_task()
+        build_optimizer(self.optimizer, [torch.zeros(1, requires_grad=True)],
+                        dict(self.optimizer_args))
+
+    def _check_task(self) -> None:
+        accepted = task_parameters(resolve_task(self.task))
+        unknown = set(self.task_args) - set(accepted)
+        if unknown and accepted:
+            raise ConfigError(f"task {self.task!r} has no argument(s) {sorted(unknown)}; "
+                              f"accepted: {', '.join(accepted)}")
+
+    def scenario(self, name: str) -> Scenario:
+        if name in self.custom_scenarios:
+            return self.custom_scenarios[name]
+        return builtin_scenario(name, self.min_step_time)
+
+    def configurations(self) -> list[Configuration]:
+        """Every grid point, scenario-major; labels name only the axes that vary."""
+        out = []
+        for scenario in self.scenarios:
+            for mode in self.modes:
+                for policy in self.policies:
+                    for workers in self.workers:
+                        label = mode.label
+                        if len(self.policies) > 1 or policy.name != "none":
+                            label += f" + {policy.label}"
+                        if len(self.workers) > 1:
+                            label += f", {workers} workers"
+                        out.append(Configuration(scenario, mode, policy, workers, label))
+        return out
+
+    def runs(self) -> list[RunPlan]:
+        """Seed-major order: a drift of the machine's speed hits every configuration alike."""
+        return [RunPlan(c, seed, f"runs/{c.id}/seed{seed}")
+                for seed in self.seeds for c in self.configurations()]
+
+    def cluster_spec(self, config: Configuration, seed: int) -> ClusterSpec:
+        scenario = self.scenario(config.scenario)
+        server = ServerConfig(
+            mode=config.mode.mode, staleness_bound=config.mode.bound,
+            policy=config.policy.name, policy_args=dict(config.policy.args),
+            optimizer=self.optimizer, optimizer_args=dict(self.optimizer_args),
+        )
+        worker = WorkerConfig(
+            servers=["unset"], task=self.task, task_args=dict(self.task_args),
+            device=self.device, steps=self.steps, batch_size=self.batch_size, seed=seed,
+            eval_every=self.eval_every, straggler=scenario.all,
+        )
+        return ClusterSpec(num_servers=self.servers, num_workers=config.workers, server=server,
+                           worker=worker, stragglers=scenario.stragglers(config.workers),
+                           run_timeout=self.run_timeout)
+
+    def to_toml_dict(self) -> dict[str, Any]:
+        used = {k: v for k, v in self.custom_scenarios.items() if k in self.scenarios}
+        data: dict[str, Any] = {
+            "name": self.name, "task": self.task, "steps": self.steps,
+            "batch_size": self.batch_size, "seeds": list(self.seeds), "servers": self.servers,
+            "workers": list(self.workers), "modes": [str(m) for m in self.modes],
+            "policies": [p.to_toml() for p in self.policies], "scenarios": list(self.scenarios),
+            "optimizer": self.optimizer, "target_loss": self.target_loss,
+            "eval_every": self.eval_every, "min_step_time": self.min_step_time,
+            "device": self.device, "run_timeout": self.run_timeout or 0,
+            "task_args": dict(self.task_args), "optimizer_args": dict(self.optimizer_args),
+            "custom_scenarios": {k: _scenario_table(v) for k, v in used.items()},
+        }
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ExperimentSpec:
+        unknown = set(data) - set(_SPEC_KEYS)
+        if unknown:
+            raise ConfigError(f"unknown experiment key(s) {sorted(unknown)}; "
+                              f"allowed: {', '.join(_SPEC_KEYS)}")
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise ConfigError(f"invalid experiment spec: {exc}") from exc
+
+
+def _scenario_table(s: Scenario) -> dict[str, Any]:
+    base = dataclasses.asdict(s.all)
+    return {"description": s.description, "all": base,
+            "ranks": {str(r): {k: v for k, v in dataclasses.asdict(o).items() if base[k] != v}
+                      for r, o in s.ranks}}
+
+
+def _as_list(value: Any, what: str) -> list[Any]:
+    items = [value] if isinstance(value, str | int | Mapping) else value
+    if not isinstance(items, Sequence) or isinstance(items, str) or not items:
+        raise ConfigError(f"{what} must be a non-empty list, got {value!r}")
+    return list(items)
+
+
+def _int(value: Any, what: str, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"{what} must be an int >= {low}, got {value!r}")
+    return value
+
+
+#: named specs; ``demo`` is ``make demo``, ``literature`` checks the published claims
+PRESETS: dict[str, dict[str, Any]] = {
+    "demo": {"name": "demo"},
+    "literature": {"name": "literature", "modes": ["sync", "ssp:1", "ssp:3", "async"],
+                   "scenarios": ["none", "transient"], "steps": 200},
+    "scenarios": {"name": "scenarios", "scenarios": list(SCENARIOS)},
+}
+
+
+def preset(name: str, **overrides: Any) -> ExperimentSpec:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
+    return ExperimentSpec.from_dict({**PRESETS[name], **overrides})
+
+
+# --------------------------------------------------------------------------- TOML
+
+
+def load_spec(path: str | os.PathLike[str], **overrides: Any) -> ExperimentSpec:
+    """Read a TOML spec (see docs/experiments.md); ``overrides`` replace its keys."""
+    try:
+        data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"cannot read spec {path}: {exc}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"spec {path} is not valid TOML: {exc}") from exc
+    return ExperimentSpec.from_dict({**data, **overrides})
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value) if math.isfinite(value) else ("nan" if value != value else
+                                                        ("inf" if value > 0 else "-inf"))
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, Mapping):
+        items = [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items() if v is not None]
+        return "{ " + ", ".join(items) + " }" if items else "{}"
+    if isinstance(value, Sequence):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise ConfigError(f"cannot write {value!r} ({type(value).__name__}) to TOML")
+
+
+def _toml_key(key: str) -> str:
+    bare = key and all((c.isalnum() and c.isascii()) or c in "-_" for c in key)
+    return key if bare else json.dumps(key)
+
+
+def dump_spec(spec: ExperimentSpec) -> str:
+    """The resolved spec as TOML that :func:`load_spec` reads back to an equal spec."""
+    data = spec.to_toml_dict()
+    lines = ["# resolved experiment spec: paramserver experiment --spec THIS_FILE reruns it"]
+    tables = {k: data.pop(k) for k in ("task_args", "optimizer_args", "custom_scenarios")}
+    lines += [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in data.items() if v is not None]
+    for key in ("task_args", "optimizer_args"):
+        lines += ["", f"[{key}]"]
+        lines += [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in tables[key].items()]
+    for name, table in tables["custom_scenarios"].items():
+        lines += ["", f"[custom_scenarios.{_toml_key(name)}]"]
+        lines += [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in table.items()]
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- running
+
+
+def environment_info() -> dict[str, Any]:
+    """What it takes to reproduce a result: versions, git commit, platform, command."""
+    packages: dict[str, str | None] = {}
+    for dist in ("paramserver", "torch", "pyzmq", "numpy", "msgpack", "scikit-learn",
+                 "matplotlib", "safetensors", "click", "rich"):
+        try:
+            packages[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            packages[dist] = None
+    repo = Path(__file__).resolve().parents[1]
+    commit, dirty = None, None
+    try:
+        commit = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], check=True,
+                                capture_output=True, text=True, timeout=10).stdout.strip()
+        status = subprocess.run(["git", "-C", str(repo), "status", "--porcelain"], check=True,
+                                capture_output=True, text=True, timeout=10).stdout
+        dirty = bool(status.strip())
+    except (OSError, subprocess.SubprocessError):
+        pass  # not a git checkout (an installed wheel): versions must do
+    return {
+        "python": sys.version.split()[0], "implementation": platform.python_implementation(),
+        "platform": platform.platform(), "machine": platform.machine(),
+        "cpus": os.cpu_count(), "packages": packages, "git_commit": commit, "git_dirty": dirty,
+        "argv": list(sys.argv), "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.is_available(),
+    }
+
+
+@dataclass
+class RunOutcome:
+    plan: RunPlan
+    ok: bool
+    seconds: float
+    error: str = ""
+
+
+@dataclass
+class ExperimentResult:
+    out_dir: Path
+    outcomes: list[RunOutcome]
+    report: ReportFiles | None = None  # None when run with report=False
+
+    @property
+    def failed(self) -> list[RunOutcome]:
+        return [o for o in self.outcomes if not o.ok]
+
+
+class ExperimentObserver:
+    """Hooks for a progress display; every method is optional (no-op here)."""
+
+    def run_started(self, index: int, total: int, plan: RunPlan, steps: int) -> None:
+        """Run ``index`` (0-based) of ``total`` starts; it will do ``steps`` worker steps."""
+
+    def run_progress(self, plan: RunPlan, progress: Progress) -> None:
+        """Called about twice a second while the run's workers train."""
+
+    def run_finished(self, outcome: RunOutcome) -> None:
+        """A run ended (``outcome.ok`` False: it failed, the grid goes on)."""
+
+
+def _prepare_dir(out: Path) -> None:
+    if out.exists() and any(out.iterdir()):
+        if not ((out / "experiment.json").exists() or (out / "spec.toml").exists()):
+            raise ConfigError(f"{out} exists and does not hold an earlier experiment; "
+                              "give an empty or new --out directory")
+        log.info("replacing the earlier experiment in %s", out)
+        for name in ("runs", "images"):
+            shutil.rmtree(out / name, ignore_errors=True)
+        for name in ("report.md", "report.html", "experiment.json", "spec.toml",
+                     "environment.json"):
+            (out / name).unlink(missing_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def _merge_steps(run_dir: Path, workers: int) -> None:
+    """``steps.jsonl``: every step and held-out evaluation of every worker, in time order."""
+    records = []
+    for rank in range(workers):
+        path = run_dir / "events" / f"worker{rank}.jsonl"
+        if path.exists():
+            records += [r for r in read_events(path) if r.get("event") in ("step", "eval")]
+    records.sort(key=lambda r: r["t"])
+    with (run_dir / "steps.jsonl").open("w", encoding="utf-8") as fh:
+        for rec in records:
+            fh.write(json.dumps(rec, separators=(",", ":")) + "\n")
+
+
+def _index(spec: ExperimentSpec, outcomes: Sequence[RunOutcome], started: float,
+           finished: bool) -> dict[str, Any]:
+    return {
+        "name": spec.name, "task": spec.task, "task_args": spec.task_args, "steps": spec.steps,
+        "servers": spec.servers, "seeds": spec.seeds, "target_loss": spec.target_loss,
+        "eval_every": spec.eval_every, "min_step_time": spec.min_step_time,
+        "optimizer": spec.optimizer, "optimizer_args": spec.optimizer_args,
+        "batch_size": spec.batch_size,
+        "scenarios": {n: spec.scenario(n).to_dict() for n in spec.scenarios},
+        "configurations": [c.to_dict() for c in spec.configurations()],
+        "runs": [{"config": o.plan.config.id, "seed": o.plan.seed, "path": o.plan.path,
+                  "ok": o.ok, "seconds": round(o.seconds, 3), "error": o.error}
+                 for o in outcomes],
+        "started": started, "finished": time.time() if finished else None,
+    }
+
+
+def run_experiment(spec: ExperimentSpec, out_dir: str | os.PathLike[str],
+                   observer: ExperimentObserver | None = None,
+                   report: bool = True) -> ExperimentResult:
+    """Run every configuration x seed, then write the report. A failed run is recorded
+    (``experiment.json``, the report) and the grid goes on; Ctrl-C stops everything."""
+    obs = observer or ExperimentObserver()
+    out = Path(out_dir)
+    _prepare_dir(out)
+    (out / "spec.toml").write_text(dump_spec(spec), encoding="utf-8")
+    (out / "environment.json").write_text(json.dumps(environment_info(), indent=2))
+    plans = spec.runs()
+    outcomes: list[RunOutcome] = []
+    started = time.time()
+    (out / "experiment.json").write_text(
+        json.dumps(_index(spec, outcomes, started, finished=False), indent=2))
+    for i, plan in enumerate(plans):
+        obs.run_started(i, len(plans), plan, spec.steps * plan.config.workers)
+        run_dir = out / plan.path
+        t0 = time.monotonic()
+        def progress(p: Progress, plan: RunPlan = plan) -> None:
+            obs.run_progress(plan, p)
+
+        try:
+            run_cluster(spec.cluster_spec(plan.config, plan.seed), run_dir, on_progress=progress)
+            _merge_steps(run_dir, plan.config.workers)
+            outcome = RunOutcome(plan, True, time.monotonic() - t0)
+        except ParamServerError as exc:
+            log.error("run %s failed: %s", plan.name, exc)
+            (run_dir / "error.txt").write_text(str(exc))
+            outcome = RunOutcome(plan, False, time.monotonic() - t0, str(exc).splitlines()[0])
+        outcomes.append(outcome)
+        obs.run_finished(outcome)
+        (out / "experiment.json").write_text(
+            json.dumps(_index(spec, outcomes, started, finished=False), indent=2))
+    (out / "experiment.json").write_text(
+        json.dumps(_index(spec, outcomes, started, finished=True), indent=2))
+    return ExperimentResult(out, outcomes, write_report(out) if report else None)

@@ -1,0 +1,411 @@
+"""Experiment reports from recorded logs: metrics per run, aggregation over seeds,
+tables, plots, ``report.md`` and ``report.html``.
+
+Pure post-processing: it reads an experiment directory written by
+:func:`workers.experiment.run_experiment` (``experiment.json`` and every run's
+``events/*.jsonl`` and ``result.json``) and starts no process, so a report can
+be rebuilt, or tested, from recorded logs alone::
+
+    files = write_report("runs/demo")      # -> runs/demo/report.md, report.html, images/
+
+Definitions (docs/experiments.md explains them for users):
+
+* training starts when the last worker has joined (its ``worker_start``) and
+  ends at the last step of any worker;
+* *updates* are optimizer steps applied: shard 0's version (a sync round is
+  one update however many workers it averages);
+* staleness and the clock gap come from the servers' push events, which are
+  totally ordered per shard; a push's *clock gap* is how many clocks the
+  pushing worker was ahead of the slowest worker when it computed the update
+  (SSP bounds it by s);
+* time and updates to the target loss are interpolated linearly between the
+  two held-out evaluations around the first crossing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import math
+import statistics
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from paramserver.errors import ConfigError
+from paramserver.events import read_events
+
+__all__ = [
+    "ClaimCheck",
+    "ConfigSummary",
+    "ReportFiles",
+    "RunLogs",
+    "RunMetrics",
+    "Stat",
+    "aggregate",
+    "check_literature",
+    "load_experiment",
+    "load_run",
+    "run_metrics",
+    "summarize",
+    "write_report",
+]
+
+log = logging.getLogger(__name__)
+
+#: relative slack for "ssp (largest s) <= async" in updates/s: the two are the same thing
+#: once the bound is never reached, and then only noise separates them
+ASYNC_TOLERANCE = 0.05
+#: "within about 10% of each other" in updates applied to reach the target
+UPDATES_TOLERANCE = 0.10
+
+
+# --------------------------------------------------------------------------- loading
+
+
+@dataclass
+class RunLogs:
+    """The recorded events of one run."""
+
+    path: Path
+    steps: dict[int, list[dict[str, Any]]]  # rank -> step events in order
+    evals: list[dict[str, Any]]  # rank 0's held-out evaluations
+    starts: dict[int, float]  # rank -> worker_start time
+    pushes: dict[int, list[dict[str, Any]]]  # shard -> push events in order
+    result: dict[str, Any] | None  # result.json (None if the run did not finish)
+
+
+def load_run(path: str | Path) -> RunLogs:
+    """Read ``events/worker*.jsonl``, ``events/server*.jsonl`` and ``result.json``."""
+    run = Path(path)
+    events = run / "events"
+    if not events.is_dir():
+        raise ConfigError(f"{run} has no events/ directory: not a run of an experiment")
+    steps: dict[int, list[dict[str, Any]]] = {}
+    evals: list[dict[str, Any]] = []
+    starts: dict[int, float] = {}
+    pushes: dict[int, list[dict[str, Any]]] = {}
+    for file in sorted(events.glob("worker*.jsonl")):
+        rank = int(file.stem.removeprefix("worker"))
+        records = read_events(file)
+        steps[rank] = [r for r in records if r["event"] == "step"]
+        for r in records:
+            if r["event"] == "worker_start":
+                starts[rank] = r["t"]
+        if rank == 0:
+            evals = [r for r in records if r["event"] == "eval"]
+    for file in sorted(events.glob("server*.jsonl")):
+        shard = int(file.stem.removeprefix("server"))
+        pushes[shard] = read_events(file, "push")
+    result_path = run / "result.json"
+    result = json.loads(result_path.read_text()) if result_path.exists() else None
+    return RunLogs(run, steps, evals, starts, pushes, result)
+
+
+# --------------------------------------------------------------------------- per run
+
+
+@dataclass
+class RunMetrics:
+    """The figures of one run (None where the logs cannot give one)."""
+
+    seed: int
+    train_seconds: float
+    updates: int
+    updates_per_s: float
+    pct_rejected: float
+    staleness_p50: float
+    staleness_p95: float
+    staleness_max: int
+    max_clock_gap: int
+    server_max_gap: int | None  # the servers' own count (largest gap a pull was answered at)
+    wait_s: float  # mean over workers of the time held at a sync barrier / SSP gate
+    time_to_target: float | None  # None: never reached
+    updates_to_target: float | None
+    final_loss: float | None
+    final_accuracy: float | None
+    curve: list[tuple[float, float, float]] = field(default_factory=list)  # (s, updates, loss)
+    staleness_hist: dict[int, int] = field(default_factory=dict)
+    clocks: dict[int, list[tuple[float, int]]] = field(default_factory=dict)  # rank -> (s, clock)
+    gaps: list[tuple[float, int]] = field(default_factory=list)  # (s, gap) per push, shard 0
+
+
+def _quantile(values: Sequence[int], q: float) -> float:
+    return float(np.quantile(np.asarray(values), q, method="inverted_cdf")) if values else 0.0
+
+
+def _clock_gaps(pushes: Sequence[dict[str, Any]], ranks: Iterable[int]) -> list[int]:
+    """For each push in the shard's order: its clock minus the slowest worker's clock.
+
+    A worker's clock is the number of its pushes the shard has decided on; that
+    is what the SSP gate compares when it answers a pull, so for every push of
+    a run with bound s the result is <= s.
+    """
+    done = dict.fromkeys(ranks, 0)
+    gaps = []
+    for p in pushes:
+        gaps.append(p["clock"] - min(done.values()))
+        done[p["worker"]] = max(done.get(p["worker"], 0), p["clock"] + 1)
+    return gaps
+
+
+def _crossing(curve: Sequence[tuple[float, float, float]], target: float
+              ) -> tuple[float | None, float | None]:
+    """(time, updates) at which the held-out loss first reaches ``target``, interpolated."""
+    for i, (t, u, loss) in enumerate(curve):
+        if loss <= target:
+            if i == 0:
+                return t, u
+            t0, u0, l0 = curve[i - 1]
+            frac = (l0 - target) / (l0 - loss) if l0 != loss else 1.0
+            return t0 + frac * (t - t0), u0 + frac * (u - u0)
+    return None, None
+
+
+def run_metrics(logs: RunLogs, seed: int, target_loss: float) -> RunMetrics:
+    """Compute one run's figures from its logs (see the module docstring)."""
+    all_steps = [s for steps in logs.steps.values() for s in steps]
+    if not all_steps:
+        raise ConfigError(f"{logs.path}: no step events; the run did not train")
+    t0 = max(logs.starts.values()) if logs.starts else min(s["t"] for s in all_steps)
+    t_end = max(s["t"] for s in all_steps)
+    train = max(t_end - t0, 1e-9)
+    first = logs.pushes.get(0) or next(iter(logs.pushes.values()), [])
+    updates = max((p["version"] for p in first), default=0)
+    every_push = [p for shard in logs.pushes.values() for p in shard]
+    rejected = sum(1 for p in every_push if not p["accepted"])
+    staleness = [int(p["staleness"]) for p in first]
+    gaps = _clock_gaps(first, logs.steps)
+    max_gap = max((max(_clock_gaps(shard, logs.steps), default=0)
+                   for shard in logs.pushes.values()), default=0)
+    curve = [(max(0.0, e["t"] - t0), float(e["versions"][0]), float(e["loss"]))
+             for e in logs.evals if "loss" in e]
+    final_loss = final_acc = None
+    final = (logs.result or {}).get("eval") or {}
+    if "loss" in final:
+        final_loss, final_acc = float(final["loss"]), final.get("accuracy")
+        curve.append((train, float(updates), final_loss))
+    elif logs.evals:
+        final_loss, final_acc = logs.evals[-1].get("loss"), logs.evals[-1].get("accuracy")
+    curve.sort(key=lambda c: c[0])
+    time_to, updates_to = _crossing(curve, target_loss)
+    servers = (logs.result or {}).get("servers") or []
+    return RunMetrics(
+        seed=seed, train_seconds=train, updates=updates, updates_per_s=updates / train,
+        pct_rejected=100.0 * rejected / len(every_push) if every_push else 0.0,
+        staleness_p50=_quantile(staleness, 0.5), staleness_p95=_quantile(staleness, 0.95),
+        staleness_max=max(staleness, default=0), max_clock_gap=max_gap,
+        server_max_gap=max((s.get("max_answered_gap", 0) for s in servers), default=None),
+        wait_s=statistics.fmean(sum(s["wait_s"] for s in steps)
+                                for steps in logs.steps.values()),
+        time_to_target=time_to, updates_to_target=updates_to,
+        final_loss=final_loss, final_accuracy=final_acc, curve=curve,
+        staleness_hist=dict(sorted(Counter(staleness).items())),
+        clocks={r: [(s["t"] - t0, int(s["clock"])) for s in steps]
+                for r, steps in sorted(logs.steps.items())},
+        gaps=[(p["t"] - t0, g) for p, g in zip(first, gaps, strict=False)],
+    )
+
+
+# --------------------------------------------------------------------------- over seeds
+
+
+@dataclass(frozen=True)
+class Stat:
+    """Median, min and max over seeds; ``missing`` seeds gave no value (e.g. never
+    reached the target) and count as +infinity in the median."""
+
+    median: float
+    low: float
+    high: float
+    n: int
+    missing: int = 0
+
+    @classmethod
+    def of(cls, values: Iterable[float | None]) -> Stat:
+        vals = list(values)
+        present = [float(v) for v in vals if v is not None]
+        missing = len(vals) - len(present)
+        if not present:
+            return cls(math.nan, math.nan, math.nan, 0, missing)
+        med = float(np.median(present + [math.inf] * missing))
+        return cls(med, min(present), max(present), len(present), missing)
+
+
+_STAT_FIELDS = ("train_seconds", "updates", "updates_per_s", "pct_rejected", "staleness_p50",
+                "staleness_p95", "staleness_max", "max_clock_gap", "wait_s", "time_to_target",
+                "updates_to_target", "final_loss", "final_accuracy")
+
+
+@dataclass
+class ConfigSummary:
+    """One configuration of the grid over all its seeds."""
+
+    config: dict[str, Any]  # experiment.json's configuration entry
+    runs: list[RunMetrics]
+    failed: list[int]  # seeds whose run failed or left no usable logs
+    stats: dict[str, Stat]
+
+    @property
+    def label(self) -> str:
+        return str(self.config["label"])
+
+    @property
+    def scenario(self) -> str:
+        return str(self.config["scenario"])
+
+
+def aggregate(config: dict[str, Any], runs: Sequence[RunMetrics],
+              failed: Sequence[int] = ()) -> ConfigSummary:
+    """Median, min and max over seeds of every figure of :class:`RunMetrics`."""
+    stats = {name: Stat.of(getattr(r, name) for r in runs) for name in _STAT_FIELDS}
+    return ConfigSummary(dict(config), list(runs), list(failed), stats)
+
+
+def load_experiment(out_dir: str | Path) -> dict[str, Any]:
+    path = Path(out_dir) / "experiment.json"
+    if not path.exists():
+        raise ConfigError(f"{out_dir} holds no experiment.json: not an experiment directory")
+    data: dict[str, Any] = json.loads(path.read_text())
+    return data
+
+
+def summarize(out_dir: str | Path) -> list[ConfigSummary]:
+    """Load every run of an experiment directory and aggregate each configuration."""
+    exp = load_experiment(out_dir)
+    summaries = []
+    for config in exp["configurations"]:
+        runs, failed = [], []
+        for run in (r for r in exp["runs"] if r["config"] == config["id"]):
+            if not run["ok"]:
+                failed.append(run["seed"])
+                continue
+            try:
+                logs = load_run(Path(out_dir) / run["path"])
+                runs.append(run_metrics(logs, run["seed"], exp["target_loss"]))
+            except (ConfigError, OSError, KeyError, ValueError) as exc:
+                log.warning("run %s: unusable logs: %s", run["path"], exc)
+                failed.append(run["seed"])
+        summaries.append(aggregate(config, runs, failed))
+    return summaries
+
+
+# --------------------------------------------------------------------------- claims
+
+
+@dataclass(frozen=True)
+class ClaimCheck:
+    claim: str
+    status: str  # "pass", "fail" or "skipped"
+    detail: str
+
+
+def _by_group(summaries: Sequence[ConfigSummary], scenario: str
+              ) -> dict[tuple[str, int], list[ConfigSummary]]:
+    groups: dict[tuple[str, int], list[ConfigSummary]] = {}
+    for s in summaries:
+        if s.scenario == scenario and s.config["policy"] == "none" and s.runs:
+            groups.setdefault(("none", s.config["workers"]), []).append(s)
+    return groups
+
+
+def _mode_rank(config: dict[str, Any]) -> float:
+    return {"sync": -1.0, "async": math.inf}.get(config["mode"], float(config["bound"]))
+
+
+def _claim_throughput(summaries: Sequence[ConfigSummary]) -> ClaimCheck:
+    claim = ("with transient stragglers, updates/s grow with the staleness bound: "
+             "sync < ssp s=1 < ssp s=3 <= async (medians over seeds)")
+    checked, bad = [], []
+    for (_, workers), group in _by_group(summaries, "transient").items():
+        group = sorted(group, key=lambda s: _mode_rank(s.config))
+        modes = {s.config["mode"] for s in group}
+        if "sync" not in modes or "ssp" not in modes:
+            continue
+        chain = " < ".join(f"{s.label} {s.stats['updates_per_s'].median:.1f}" for s in group)
+        checked.append(f"{workers} workers: {chain}")
+        for lo, hi in itertools.pairwise(group):
+            a, b = lo.stats["updates_per_s"].median, hi.stats["updates_per_s"].median
+            ok = (b >= a * (1 - ASYNC_TOLERANCE)) if hi.config["mode"] == "async" else b > a
+            if not ok:
+                bad.append(f"{hi.label} ({b:.1f}/s) is not above {lo.label} ({a:.1f}/s)"
+                           f" with {workers} workers")
+    if not checked:
+        return ClaimCheck(claim, "skipped", "needs scenario transient with sync and ssp modes")
+    return ClaimCheck(claim, "fail" if bad else "pass", "; ".join(bad or checked))
+
+
+def _claim_progress(summaries: Sequence[ConfigSummary], target: float) -> ClaimCheck:
+    claim = (f"without stragglers, every mode reaches the target loss {target:g} within "
+             f"{UPDATES_TOLERANCE:.0%} of the others in updates applied (medians over seeds)")
+    checked, bad = [], []
+    for (_, workers), group in _by_group(summaries, "none").items():
+        if len(group) < 2:
+            continue
+        needed = {s.label: s.stats["updates_to_target"].median for s in group}
+        checked.append(f"{workers} workers: " + ", ".join(f"{k} {v:.0f}"
+                                                        for k, v in needed.items()))
+        never = [k for k, v in needed.items() if not math.isfinite(v)]
+        if never:
+            bad.append(f"{', '.join(never)} did not reach it ({workers} workers)")
+            continue
+        spread = max(needed.values()) / min(needed.values()) - 1
+        if spread > UPDATES_TOLERANCE:
+            bad.append(f"spread {spread:.0%} > {UPDATES_TOLERANCE:.0%} with {workers} workers "
+                       f"({checked[-1]})")
+    if not checked:
+        return ClaimCheck(claim, "skipped", "needs scenario none with two or more modes")
+    return ClaimCheck(claim, "fail" if bad else "pass", "; ".join(bad or checked))
+
+
+def _claim_gap(summaries: Sequence[ConfigSummary]) -> ClaimCheck:
+    claim = "under ssp the largest observed clock gap never exceeds s"
+    checked, bad = [], []
+    for s in summaries:
+        if s.config["mode"] != "ssp":
+            continue
+        bound = s.config["bound"]
+        for r in s.runs:
+            worst = max(r.max_clock_gap, r.server_max_gap or 0)
+            checked.append(worst)
+            if worst > bound:
+                bad.append(f"{s.scenario} {s.label} seed {r.seed}: gap {worst} > {bound}")
+    if not checked:
+        return ClaimCheck(claim, "skipped", "needs an ssp configuration")
+    return ClaimCheck(claim, "fail" if bad else "pass",
+                      "; ".join(bad) or f"{len(checked)} ssp runs, largest gap {max(checked)}")
+
+
+def check_literature(summaries: Sequence[ConfigSummary], target_loss: float) -> list[ClaimCheck]:
+    """What Ho et al. (2013) and Cui et al. (2014) report, checked on these results."""
+    return [_claim_throughput(summaries), _claim_progress(summaries, target_loss),
+            _claim_gap(summaries)]
+
+
+# --------------------------------------------------------------------------- writing
+
+
+@dataclass
+class ReportFiles:
+    markdown: Path
+    html: Path
+    images: list[Path]
+    summaries: list[ConfigSummary]
+    claims: list[ClaimCheck]
+
+
+def write_report(out_dir: str | Path) -> ReportFiles:
+    """Write ``report.md``, ``report.html`` (images inlined) and ``images/*.png``."""
+    from .report_render import render_report
+
+    out = Path(out_dir)
+    exp = load_experiment(out)
+    summaries = summarize(out)
+    claims = check_literature(summaries, exp["target_loss"])
+    md, html, images = render_report(out, exp, summaries, claims)
+    return ReportFiles(md, html, images, summaries, claims)

@@ -1,0 +1,365 @@
+"""Rendering of an experiment report: tables, matplotlib figures, Markdown and HTML.
+
+Called by :func:`workers.report.write_report`; it only formats what
+:mod:`workers.report` computed. Figures use matplotlib's object API with the
+Agg canvas, so no global pyplot state or display is involved.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import html
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+if TYPE_CHECKING:
+    from .report import ClaimCheck, ConfigSummary, Stat
+
+__all__ = ["TABLE_COLUMNS", "render_report", "summary_rows", "table_rows"]
+
+#: ("h1"|"h2"|"h3"|"p"|"ul"|"code", text) | ("table", head, rows) | ("img", path, alt)
+Block = tuple[Any, ...]
+
+#: (column title, stat name, format) of the per-scenario tables; see docs/experiments.md
+TABLE_COLUMNS: list[tuple[str, str, str]] = [
+    ("time to target (s)", "time_to_target", "{:.1f}"),
+    ("updates to target", "updates_to_target", "{:.0f}"),
+    ("final held-out loss", "final_loss", "{:.3f}"),
+    ("final accuracy (%)", "final_accuracy", "pct"),
+    ("updates/s", "updates_per_s", "{:.1f}"),
+    ("rejected (%)", "pct_rejected", "{:.1f}"),
+    ("staleness p50/p95/max", "staleness", ""),
+    ("max clock gap", "max_clock_gap", "{:.0f}"),
+    ("waiting (s/worker)", "wait_s", "{:.2f}"),
+    ("training (s)", "train_seconds", "{:.1f}"),
+]
+
+
+def _fmt(stat: Stat, pattern: str, spread: bool = True) -> str:
+    if stat.n == 0:
+        return "not reached" if stat.missing else "—"
+    scale = 100.0 if pattern == "pct" else 1.0
+    pattern = "{:.1f}" if pattern == "pct" else pattern
+    text = "not reached" if math.isinf(stat.median) else pattern.format(stat.median * scale)
+    low, high = pattern.format(stat.low * scale), pattern.format(stat.high * scale)
+    if spread and stat.n + stat.missing > 1 and low != high:
+        text += f" [{low}-{high}]"
+    if stat.missing:
+        text += f" ({stat.n}/{stat.n + stat.missing} reached)"
+    return text
+
+
+def _staleness(s: ConfigSummary) -> str:
+    p50, p95, mx = (s.stats[k] for k in ("staleness_p50", "staleness_p95", "staleness_max"))
+    if p50.n == 0:
+        return "—"
+    return f"{p50.median:g} / {p95.median:g} / {mx.median:g}"
+
+
+def table_rows(summaries: Sequence[ConfigSummary], spread: bool = True) -> list[list[str]]:
+    rows = []
+    for s in summaries:
+        row = [s.label + (f" ({len(s.failed)} failed)" if s.failed else "")]
+        for _, name, pattern in TABLE_COLUMNS:
+            row.append(_staleness(s) if name == "staleness"
+                       else _fmt(s.stats[name], pattern, spread))
+        rows.append(row)
+    return rows
+
+
+def summary_rows(summaries: Sequence[ConfigSummary]) -> tuple[list[str], list[list[str]]]:
+    """A short table for the terminal: medians only."""
+    head = ["scenario", "configuration", "time to target (s)", "final acc. (%)", "updates/s",
+            "rejected (%)", "staleness p95", "max gap", "wait (s/worker)"]
+    rows = []
+    for s in summaries:
+        st = s.stats
+        rows.append([s.scenario, s.label + (f" ({len(s.failed)} failed)" if s.failed else ""),
+                     _fmt(st["time_to_target"], "{:.1f}", False),
+                     _fmt(st["final_accuracy"], "pct", False),
+                     _fmt(st["updates_per_s"], "{:.1f}", False),
+                     _fmt(st["pct_rejected"], "{:.1f}", False),
+                     _fmt(st["staleness_p95"], "{:g}", False),
+                     _fmt(st["max_clock_gap"], "{:.0f}", False),
+                     _fmt(st["wait_s"], "{:.2f}", False)])
+    return head, rows
+
+
+# --------------------------------------------------------------------------- figures
+
+
+def _save(fig: Figure, path: Path) -> Path:
+    FigureCanvasAgg(fig)
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def _band(curves: Sequence[Sequence[tuple[float, float]]], points: int = 160
+          ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    """Median and min/max over seeds on a common x grid (up to the shortest curve)."""
+    curves = [c for c in curves if c]
+    if not curves:
+        return None
+    end = min(c[-1][0] for c in curves)
+    grid = np.linspace(0.0, end, points) if end > 0 else np.zeros(1)
+    ys = np.array([np.interp(grid, [p[0] for p in c], [p[1] for p in c]) for c in curves])
+    return grid, np.median(ys, axis=0), ys.min(axis=0), ys.max(axis=0)
+
+
+def _colors(summaries: Sequence[ConfigSummary]) -> dict[str, Any]:
+    from matplotlib import colormaps
+
+    labels = list(dict.fromkeys(s.label for s in summaries))
+    cmap = colormaps["tab10"]
+    return {label: cmap(i % 10) for i, label in enumerate(labels)}
+
+
+def plot_loss(scenario: str, group: Sequence[ConfigSummary], colors: dict[str, Any],
+              target: float, path: Path) -> Path:
+    fig = Figure(figsize=(12.5, 4.8), layout="constrained")
+    axes = fig.subplots(1, 2, sharey=True)
+    for ax, index, xlabel, title in (
+        (axes[0], 0, "wall-clock time since training started (s)", "against wall-clock time"),
+        (axes[1], 1, "updates applied (optimizer steps on the servers)", "against updates applied"),
+    ):
+        for s in group:
+            band = _band([[(p[index], p[2]) for p in r.curve] for r in s.runs])
+            if band is None:
+                continue
+            x, med, lo, hi = band
+            ax.plot(x, med, color=colors[s.label], lw=1.8, label=f"{s.label} (median)")
+            ax.fill_between(x, lo, hi, color=colors[s.label], alpha=0.18, lw=0)
+        ax.axhline(target, color="0.3", ls="--", lw=1, label=f"target loss {target:g}")
+        ax.set_yscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_title(f"Held-out loss {title}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize="small")
+    axes[0].set_ylabel("held-out loss (log scale)")
+    seeds = max((len(s.runs) for s in group), default=0)
+    fig.suptitle(f"Scenario '{scenario}': median over {seeds} seed(s), shaded band = min-max")
+    return _save(fig, path)
+
+
+def plot_staleness(scenario: str, group: Sequence[ConfigSummary], colors: dict[str, Any],
+                   path: Path) -> Path:
+    from matplotlib.ticker import MaxNLocator
+
+    fig = Figure(figsize=(max(4.0, 3.6 * len(group)), 3.8), layout="constrained")
+    axes = np.atleast_1d(fig.subplots(1, len(group), squeeze=False)[0])
+    hists: list[dict[int, int]] = []
+    for s in group:
+        hist: dict[int, int] = {}
+        for r in s.runs:
+            for tau, n in r.staleness_hist.items():
+                hist[int(tau)] = hist.get(int(tau), 0) + n
+        hists.append(hist)
+    widest = max((max(h, default=0) for h in hists), default=0)
+    for ax, s, hist in zip(axes, group, hists, strict=True):
+        total = sum(hist.values()) or 1
+        taus = sorted(hist)
+        ax.bar(taus, [100.0 * hist[t] / total for t in taus], color=colors[s.label],
+               width=0.8, label=f"{total} pushes")
+        ax.set_title(s.label)
+        ax.set_xlim(-0.6, max(widest, 3) + 0.6)  # one scale for every panel
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("staleness τ (updates behind)")
+        ax.set_ylabel("share of pushes (%)")
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.suptitle(f"Scenario '{scenario}': staleness of pushes at shard 0, all seeds")
+    return _save(fig, path)
+
+
+def plot_clocks(s: ConfigSummary, path: Path) -> Path | None:
+    if not s.runs:
+        return None
+    run = s.runs[0]
+    fig = Figure(figsize=(10.5, 6.2), layout="constrained")
+    top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=[2, 1])
+    for rank, points in run.clocks.items():
+        if points:
+            xs, ys = zip(*[(0.0, 0), *points], strict=True)
+            top.step(xs, ys, where="post", lw=1.2, label=f"worker {rank}")
+    top.set_ylabel("clock (steps completed)")
+    top.set_title("Worker clocks over time")
+    top.grid(True, alpha=0.3)
+    top.legend(fontsize="small", ncol=4)
+    if run.gaps:
+        xs, gaps = zip(*run.gaps, strict=True)
+        bottom.scatter(xs, gaps, s=5, color="tab:blue", label="gap of each push")
+    bound = s.config.get("bound", 0)
+    bottom.axhline(bound, color="tab:red", ls="--", lw=1, label=f"bound s = {bound}")
+    bottom.set_xlabel("wall-clock time since training started (s)")
+    bottom.set_ylabel("clock gap (clocks)")
+    bottom.set_title("Clocks the pushing worker was ahead of the slowest one")
+    bottom.grid(True, alpha=0.3)
+    bottom.legend(fontsize="small")
+    fig.suptitle(f"Scenario '{s.scenario}', {s.label}: seed {run.seed}")
+    return _save(fig, path)
+
+
+# --------------------------------------------------------------------------- documents
+
+
+def _md(blocks: Sequence[Block]) -> str:
+    out: list[str] = []
+    for block in blocks:
+        kind = block[0]
+        if kind in ("h1", "h2", "h3"):
+            out.append("#" * int(kind[1]) + " " + block[1])
+        elif kind == "p":
+            out.append(block[1])
+        elif kind == "ul":
+            out.append("\n".join(f"- {item}" for item in block[1]))
+        elif kind == "code":
+            out.append("```\n" + block[1] + "\n```")
+        elif kind == "table":
+            head, rows = block[1], block[2]
+            lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+            lines += ["| " + " | ".join(c.replace("|", "\\|") for c in r) + " |" for r in rows]
+            out.append("\n".join(lines))
+        elif kind == "img":
+            out.append(f"![{block[2]}]({block[1]})")
+    return "\n\n".join(out) + "\n"
+
+
+_CSS = """body{font-family:system-ui,sans-serif;max-width:1300px;margin:2em auto;padding:0 1em;
+color:#222}table{border-collapse:collapse;font-size:.9em;margin:1em 0}th,td{border:1px solid
+#ccc;padding:.3em .6em;text-align:right}th:first-child,td:first-child{text-align:left}
+th{background:#f3f3f3}img{max-width:100%;border:1px solid #eee}code,pre{background:#f6f6f6}
+pre{padding:.6em;overflow-x:auto}"""
+
+
+def _html(blocks: Sequence[Block], out_dir: Path, title: str) -> str:
+    esc = html.escape
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{esc(title)}</title>"
+             f"<style>{_CSS}</style></head><body>"]
+    for block in blocks:
+        kind = block[0]
+        if kind in ("h1", "h2", "h3", "p"):
+            parts.append(f"<{kind}>{esc(block[1])}</{kind}>")
+        elif kind == "ul":
+            parts.append("<ul>" + "".join(f"<li>{esc(i)}</li>" for i in block[1]) + "</ul>")
+        elif kind == "code":
+            parts.append(f"<pre><code>{esc(block[1])}</code></pre>")
+        elif kind == "table":
+            head = "".join(f"<th>{esc(h)}</th>" for h in block[1])
+            body = "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in r) + "</tr>"
+                           for r in block[2])
+            parts.append(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
+        elif kind == "img":
+            data = base64.b64encode((out_dir / block[1]).read_bytes()).decode()
+            parts.append(f"<figure><img alt='{esc(block[2])}' src='data:image/png;base64,"
+                         f"{data}'></figure>")
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+_DEFINITIONS = [
+    "time to target: wall-clock seconds from the start of training until the held-out loss "
+    "(evaluated by worker 0 every few steps) first reaches the target; interpolated between "
+    "evaluations",
+    "updates to target: optimizer steps applied by the servers until then (a sync round is "
+    "one update, however many workers it averages)",
+    "final held-out loss / accuracy: of the final weights, after every worker finished",
+    "updates/s: optimizer steps applied per second of training (shard 0's version / time)",
+    "rejected: share of pushes the staleness policy (or sync, for late gradients) refused",
+    "staleness: updates applied between a worker's pull and its push, over all pushes at "
+    "shard 0",
+    "max clock gap: the most clocks a worker was ahead of the slowest worker when it "
+    "computed an update (SSP bounds it by s)",
+    "waiting: seconds per worker held at a sync barrier or an SSP gate",
+    "cells: median over seeds [min-max]",
+]
+
+
+def render_report(out_dir: Path, exp: dict[str, Any], summaries: Sequence[ConfigSummary],
+                  claims: Sequence[ClaimCheck]) -> tuple[Path, Path, list[Path]]:
+    """Write the figures, report.md and report.html; return their paths."""
+    images_dir = out_dir / "images"
+    images_dir.mkdir(exist_ok=True)
+    env_path = out_dir / "environment.json"
+    env = json.loads(env_path.read_text()) if env_path.exists() else {}
+    colors = _colors(summaries)
+    target = float(exp["target_loss"])
+    step_ms = 1000 * float(exp.get("min_step_time", 0.0))
+    blocks: list[Block] = [("h1", f"Experiment '{exp['name']}'")]
+    finished = exp.get("finished") or exp.get("started") or 0
+    blocks.append(("p", (
+        f"Task {exp['task']}, {exp['steps']} steps per worker, {exp['servers']} server(s), "
+        f"seeds {', '.join(map(str, exp['seeds']))}, optimizer {exp['optimizer']} "
+        f"{exp.get('optimizer_args', {})}, target held-out loss {target:g}, evaluation every "
+        f"{exp['eval_every']} steps of worker 0. Finished "
+        f"{dt.datetime.fromtimestamp(finished).isoformat(timespec='seconds')}.")))
+    if step_ms > 0:
+        blocks.append(("p", (
+            f"Every step takes at least {step_ms:g} ms (StragglerSpec.min_step_time): this "
+            f"emulates a model heavier than the task's own (about 1 ms a step on "
+            f"digits-mlp), so that straggler effects stand out above process noise. Straggler "
+            f"slowdowns multiply this time.")))
+    pkgs = env.get("packages", {})
+    blocks.append(("p", (
+        f"Environment: Python {env.get('python', '?')}, torch {pkgs.get('torch', '?')}, pyzmq "
+        f"{pkgs.get('pyzmq', '?')}, {env.get('cpus', '?')} CPUs, git commit "
+        f"{env.get('git_commit') or 'unknown'}{' (modified)' if env.get('git_dirty') else ''}. "
+        f"Rerun with: paramserver experiment --spec spec.toml")))
+    failed = [r for r in exp["runs"] if not r["ok"]]
+    if failed:
+        blocks.append(("h2", "Failed runs"))
+        blocks.append(("ul", [f"{r['path']}: {r['error']}" for r in failed]))
+    blocks += [("h2", "Columns"), ("ul", _DEFINITIONS)]
+    images: list[Path] = []
+    head = ["configuration"] + [c[0] for c in TABLE_COLUMNS]
+    for scenario, info in exp["scenarios"].items():
+        group = [s for s in summaries if s.scenario == scenario]
+        if not group:
+            continue
+        blocks += [("h2", f"Scenario '{scenario}'"), ("p", info.get("description") or "")]
+        overrides = info.get("ranks") or {}
+        if overrides:
+            blocks.append(("p", "Per-worker settings: " + "; ".join(
+                f"worker {r}: {_straggler_text(o)}" for r, o in overrides.items())))
+        blocks.append(("p", f"Every worker: {_straggler_text(info.get('all', {}))}."))
+        blocks.append(("table", head, table_rows(group)))
+        if any(s.runs for s in group):
+            loss = plot_loss(scenario, group, colors, target, images_dir / f"{scenario}-loss.png")
+            stale = plot_staleness(scenario, group, colors,
+                                   images_dir / f"{scenario}-staleness.png")
+            for path, alt in ((loss, "held-out loss"), (stale, "staleness histograms")):
+                images.append(path)
+                blocks.append(("img", f"images/{path.name}", f"{scenario}: {alt}"))
+        for s in group:
+            if s.config["mode"] == "ssp":
+                clocks = plot_clocks(s, images_dir / f"{s.config['id']}-clocks.png")
+                if clocks is not None:
+                    images.append(clocks)
+                    blocks.append(("img", f"images/{clocks.name}", f"{s.label}: clocks"))
+    blocks.append(("h2", "Literature checks (Ho et al. 2013; Cui et al. 2014)"))
+    blocks.append(("ul", [f"{c.status.upper()}: {c.claim}. {c.detail}" for c in claims]))
+    md_path, html_path = out_dir / "report.md", out_dir / "report.html"
+    md_path.write_text(_md(blocks), encoding="utf-8")
+    html_path.write_text(_html(blocks, out_dir, f"Experiment {exp['name']}"), encoding="utf-8")
+    return md_path, html_path, images
+
+
+def _straggler_text(spec: dict[str, Any]) -> str:
+    parts = []
+    if spec.get("slowdown", 1.0) != 1.0:
+        parts.append(f"{spec['slowdown']:g}x slower")
+    if spec.get("slow_prob", 0.0) and spec.get("slow_factor", 1.0) != 1.0:
+        parts.append(f"{spec['slow_factor']:g}x slow steps with probability "
+                     f"{spec['slow_prob']:g}")
+    if spec.get("delay"):
+        parts.append(f"extra delay {spec['delay']} s")
+    if spec.get("min_step_time"):
+        parts.append(f"steps of at least {1000 * spec['min_step_time']:g} ms")
+    return ", ".join(parts) or "no injected slowness"
