@@ -1,0 +1,344 @@
+"""Soak test: many async workers against real shards for minutes; watch for deadlock,
+memory growth and counters that do not add up.
+
+Run (not part of the test suite)::
+
+    .venv/bin/python -m benchmarks.soak --workers 16 --duration 180 --out runs/soak
+
+Every ``--sample`` seconds it reads each server's resident memory (``VmRSS`` in
+``/proc/<pid>/status``), the shards' versions (STATS) and every worker's step
+count (its event log). At the end it stops the workers (SIGINT), lets the
+shards settle and checks:
+
+* progress: every shard's version grew in every ``--window`` seconds, and every
+  worker made steps in the second half of the run (no deadlock, no starvation);
+* memory: the servers' median RSS in the second half is within ``--max-growth``
+  of the first half (after a warm-up), and the RSS trend of the second half is
+  under ``--max-slope`` MiB per minute;
+* counters: per shard and worker, pushes = applied + rejected; the shard's
+  version = the sum of applied pushes (async: one step per push); and the
+  server saw each worker's pushes that the worker logged, plus at most the one
+  in flight when it was stopped.
+
+It writes ``soak.json`` (samples and verdicts) and ``soak.png`` in ``--out``
+and exits non-zero if a check fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from paramserver.errors import ConfigError
+from paramserver.events import read_events
+from paramserver.server import ServerConfig
+from workers.client import server_stats
+from workers.cluster import ClusterSpec, LocalCluster
+from workers.stragglers import StragglerSpec
+from workers.worker import WorkerConfig
+
+__all__ = ["SoakConfig", "main", "rss_of", "run_soak"]
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+
+
+@dataclass
+class SoakConfig:
+    workers: int = 16
+    servers: int = 2
+    duration: float = 180.0  # seconds of training measured
+    mode: str = "async"
+    task: str = "digits-mlp"
+    sample: float = 1.0  # seconds between samples
+    window: float = 10.0  # every shard must advance within each window this long
+    warmup: float = 0.1  # fraction of the run left out of the memory comparison
+    max_growth: float = 0.05  # allowed growth of the median RSS, second half vs first
+    max_slope: float = 2.0  # allowed RSS trend in the second half, MiB per minute
+    out: str = "runs/soak"
+
+    def __post_init__(self) -> None:
+        if self.workers < 1 or self.servers < 1:
+            raise ConfigError("a soak needs at least one worker and one server")
+        if self.duration < 4 * self.window or self.sample <= 0:
+            raise ConfigError(f"duration must be >= 4 x window ({4 * self.window:g}s) and "
+                              f"sample > 0")
+
+
+def rss_of(pid: int) -> int:
+    """Resident set size of process ``pid`` in bytes (Linux /proc)."""
+    with open(f"/proc/{pid}/status", encoding="ascii") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"VmRSS not in /proc/{pid}/status")
+
+
+def _slope(ts: list[float], ys: list[float]) -> float:
+    """Least-squares slope of ys over ts."""
+    if len(ts) < 2:
+        return 0.0
+    mt, my = statistics.fmean(ts), statistics.fmean(ys)
+    den = sum((t - mt) ** 2 for t in ts)
+    return sum((t - mt) * (y - my) for t, y in zip(ts, ys, strict=True)) / den if den else 0.0
+
+
+def _spec(cfg: SoakConfig) -> ClusterSpec:
+    return ClusterSpec(
+        num_servers=cfg.servers, num_workers=cfg.workers,
+        server=ServerConfig(mode=cfg.mode, heartbeat_timeout=30.0),
+        # more steps than the run can take: the soak stops the workers itself
+        worker=WorkerConfig(servers=["unset"], task=cfg.task, steps=10**9,
+                            straggler=StragglerSpec(), timeout=120.0),
+        startup_timeout=300.0, evaluate=False,
+    )
+
+
+def run_soak(cfg: SoakConfig, on_sample: Any = None) -> dict[str, Any]:
+    """Run the soak; returns the samples and the verdict of every check."""
+    out = Path(cfg.out)
+    spec = _spec(cfg)
+    samples: list[dict[str, Any]] = []
+    with LocalCluster(spec, out) as cluster:
+        addresses = cluster.start_servers()
+        server_pids = [p.popen.pid for p in cluster.servers]
+        cluster.start_workers()
+        # the clock starts when every worker has made a step (imports take a while)
+        deadline = time.monotonic() + spec.startup_timeout
+        while len(cluster.progress().steps) < cfg.workers:
+            _check_alive(cluster)
+            if time.monotonic() > deadline:
+                raise TimeoutError("workers did not all start within the startup timeout")
+            time.sleep(0.5)
+        t0 = time.monotonic()
+        while (now := time.monotonic()) - t0 < cfg.duration:
+            _check_alive(cluster)
+            stats = server_stats(addresses, timeout=30.0)
+            progress = cluster.progress()
+            sample = {
+                "t": now - t0,
+                "server_rss": [rss_of(pid) for pid in server_pids],
+                "worker_rss": [rss_of(p.popen.pid) for p in cluster.workers],
+                "versions": [s["version"] for s in stats],
+                "steps": {str(r): n for r, n in sorted(progress.steps.items())},
+            }
+            samples.append(sample)
+            if on_sample is not None:
+                on_sample(sample)
+            time.sleep(max(0.0, cfg.sample - (time.monotonic() - now)))  # sampling period
+        # SIGINT: a worker stops where it is, and its event log is flushed at exit
+        for proc in cluster.workers:
+            proc.popen.send_signal(signal.SIGINT)
+        for proc in cluster.workers:
+            try:
+                proc.popen.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.popen.kill()
+                proc.popen.wait()
+        # STATS is answered after every message that arrived before it, on each connection
+        # of its own; give pushes already in the sockets a moment to be handled
+        final = _settled_stats(addresses)
+    logged = {r: len(read_events(out / "events" / f"worker{r}.jsonl", "step"))
+              for r in range(cfg.workers)}
+    result = {"config": dataclasses.asdict(cfg), "samples": samples, "final": final,
+              "worker_steps_logged": logged}
+    result["checks"] = _checks(cfg, samples, final, logged)
+    (out / "soak.json").write_text(json.dumps(result, indent=1))
+    _plot(samples, out / "soak.png")
+    return result
+
+
+def _check_alive(cluster: LocalCluster) -> None:
+    for proc in cluster.workers + cluster.servers:
+        code = proc.popen.poll()
+        if code is not None:
+            raise RuntimeError(f"{proc.name} exited with code {code} during the soak; "
+                               f"see {proc.log_path}")
+
+
+def _settled_stats(addresses: list[str]) -> list[dict[str, Any]]:
+    """Server STATS once two readings a second apart agree (nothing left in flight)."""
+    previous = server_stats(addresses, timeout=30.0)
+    for _ in range(30):
+        time.sleep(1.0)  # a reading interval, not a synchronisation
+        current = server_stats(addresses, timeout=30.0)
+        if [s["version"] for s in current] == [s["version"] for s in previous] and all(
+                {w: v["pushes"] for w, v in c["workers"].items()}
+                == {w: v["pushes"] for w, v in p["workers"].items()}
+                for c, p in zip(current, previous, strict=True)):
+            return current
+        previous = current
+    return previous
+
+
+def _checks(cfg: SoakConfig, samples: list[dict[str, Any]], final: list[dict[str, Any]],
+            logged: dict[int, int]) -> dict[str, Any]:
+    checks: dict[str, Any] = {}
+    # ---- progress: every shard advanced in every window; every worker in the second half
+    per_window = [min(b - a for a, b in zip(samples[j]["versions"], samples[i]["versions"],
+                                             strict=True))
+                  for j, i in _windows(samples, cfg.window)]
+    stalls = sum(1 for n in per_window if n <= 0)
+    half = samples[len(samples) // 2]
+    idle = [r for r in map(str, range(cfg.workers))
+            if samples[-1]["steps"].get(r, 0) <= half["steps"].get(r, 0)]
+    checks["progress"] = {
+        "ok": bool(per_window) and not stalls and not idle,
+        "windows": len(per_window),
+        "stalled_windows": stalls,
+        "idle_workers_second_half": idle,
+        "min_versions_per_window": min(per_window, default=0),
+        "updates_per_second": (samples[-1]["versions"][0] - samples[0]["versions"][0])
+        / max(1e-9, samples[-1]["t"] - samples[0]["t"]),
+    }
+    # ---- memory
+    body = [s for s in samples if s["t"] >= cfg.warmup * cfg.duration]
+    mid = len(body) // 2
+    memory = []
+    for shard in range(cfg.servers):
+        first = statistics.median(s["server_rss"][shard] for s in body[:mid])
+        second = statistics.median(s["server_rss"][shard] for s in body[mid:])
+        slope = _slope([s["t"] / 60 for s in body[mid:]],
+                       [s["server_rss"][shard] / MiB for s in body[mid:]])
+        memory.append({"shard": shard, "first_half_mib": first / MiB,
+                       "second_half_mib": second / MiB, "growth": second / first - 1,
+                       "slope_mib_per_min": slope,
+                       "ok": second / first - 1 <= cfg.max_growth and slope <= cfg.max_slope})
+    wfirst = statistics.median(sum(s["worker_rss"]) for s in body[:mid])
+    wsecond = statistics.median(sum(s["worker_rss"]) for s in body[mid:])
+    checks["memory"] = {"ok": all(m["ok"] for m in memory), "servers": memory,
+                        "workers_total_first_half_mib": wfirst / MiB,
+                        "workers_total_second_half_mib": wsecond / MiB}
+    # ---- counters
+    problems = []
+    for shard, st in enumerate(final):
+        applied = 0
+        for w, ws in st["workers"].items():
+            rejected = sum(ws["rejected"].values())
+            applied += ws["applied"]
+            if ws["pushes"] != ws["applied"] + rejected:
+                problems.append(f"shard {shard} worker {w}: pushes {ws['pushes']} != applied "
+                                f"{ws['applied']} + rejected {rejected}")
+            # a worker is stopped between two steps or with one push in flight
+            seen = ws["pushes"] - logged[int(w)]
+            if not 0 <= seen <= 1:
+                problems.append(f"shard {shard} worker {w}: server saw {ws['pushes']} pushes, "
+                                f"the worker logged {logged[int(w)]}")
+        if cfg.mode == "async" and st["version"] != applied:
+            problems.append(f"shard {shard}: version {st['version']} != applied {applied}")
+    checks["counters"] = {
+        "ok": not problems, "problems": problems,
+        "pushes": [sum(w["pushes"] for w in st["workers"].values()) for st in final],
+        "applied": [sum(w["applied"] for w in st["workers"].values()) for st in final],
+        "rejected": [sum(sum(w["rejected"].values()) for w in st["workers"].values())
+                     for st in final],
+        "versions": [st["version"] for st in final],
+        "worker_steps_logged": sum(logged.values()),
+    }
+    checks["ok"] = all(checks[k]["ok"] for k in ("progress", "memory", "counters"))
+    return checks
+
+
+def _windows(samples: list[dict[str, Any]], window: float) -> list[tuple[int, int]]:
+    """Index pairs (start, end) of consecutive non-overlapping windows."""
+    out, start = [], 0
+    for i, s in enumerate(samples):
+        if s["t"] - samples[start]["t"] >= window:
+            out.append((start, i))
+            start = i
+    return out
+
+
+def _plot(samples: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = [s["t"] for s in samples]
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    for shard in range(len(samples[0]["server_rss"])):
+        ax1.plot(t, [s["server_rss"][shard] / MiB for s in samples], label=f"shard {shard}")
+        ax2.plot(t, [s["versions"][shard] for s in samples], label=f"shard {shard}")
+    ax1.set_ylabel("server RSS (MiB)")
+    ax2.set_ylabel("version (updates applied)")
+    ax2.set_xlabel("seconds")
+    ax1.legend()
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _report(result: dict[str, Any], console: Console) -> None:
+    c = result["checks"]
+    table = Table(title="soak")
+    table.add_column("check")
+    table.add_column("ok")
+    table.add_column("figures")
+    p = c["progress"]
+    table.add_row("no deadlock", str(p["ok"]),
+                  f"{p['updates_per_second']:.0f} updates/s per shard; fewest updates in a "
+                  f"{result['config']['window']:g}s window: {p['min_versions_per_window']}; "
+                  f"stalled windows: {p['stalled_windows']}")
+    for m in c["memory"]["servers"]:
+        table.add_row(f"memory shard {m['shard']}", str(m["ok"]),
+                      f"{m['first_half_mib']:.1f} -> {m['second_half_mib']:.1f} MiB "
+                      f"({m['growth'] * 100:+.2f}%), trend {m['slope_mib_per_min']:+.2f} MiB/min")
+    k = c["counters"]
+    table.add_row("counters reconcile", str(k["ok"]),
+                  f"pushes {k['pushes']} = applied {k['applied']} + rejected {k['rejected']}; "
+                  f"versions {k['versions']}; worker steps logged {k['worker_steps_logged']}")
+    console.print(table)
+    for problem in k["problems"][:20]:
+        console.print(f"[red]{problem}[/]", highlight=False)
+
+
+@click.command()
+@click.option("--workers", default=16, show_default=True)
+@click.option("--servers", default=2, show_default=True)
+@click.option("--duration", default=180.0, show_default=True, help="Seconds measured.")
+@click.option("--mode", default="async", show_default=True,
+              type=click.Choice(["async", "ssp", "sync"]))
+@click.option("--task", default="digits-mlp", show_default=True)
+@click.option("--sample", default=1.0, show_default=True, help="Seconds between samples.")
+@click.option("--window", default=10.0, show_default=True,
+              help="Every shard must advance within each window of this many seconds.")
+@click.option("--max-growth", default=0.05, show_default=True,
+              help="Allowed growth of the servers' median RSS, second half vs first.")
+@click.option("--max-slope", default=2.0, show_default=True,
+              help="Allowed RSS trend in the second half, MiB per minute.")
+@click.option("--out", default="runs/soak", show_default=True)
+def main(**options: Any) -> None:
+    """Soak: many async workers for minutes; deadlock, memory growth and counter checks."""
+    logging.basicConfig(level=logging.WARNING)
+    cfg = SoakConfig(**options)
+    console = Console()
+    with console.status("soaking") as status:
+        def show(sample: dict[str, Any]) -> None:
+            status.update(f"{sample['t']:.0f}/{cfg.duration:g}s  versions {sample['versions']}"
+                          f"  server RSS {[round(r / MiB, 1) for r in sample['server_rss']]}"
+                          " MiB")
+        result = run_soak(cfg, show)
+    _report(result, console)
+    console.print(f"samples and verdicts: {Path(cfg.out) / 'soak.json'}, plot: "
+                  f"{Path(cfg.out) / 'soak.png'}", highlight=False)
+    sys.exit(0 if result["checks"]["ok"] else 1)
+
+
+if __name__ == "__main__":
+    main()
