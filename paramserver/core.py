@@ -330,6 +330,7 @@ class ShardCore:
         state.finished = True
         state.live = False
         self._drop_pending(worker)
+        self._read_weights.pop(worker, None)  # it will pull again before it pushes again
         self._maybe_close_round()
 
     def expire(self, now: float) -> list[int]:

@@ -88,10 +88,12 @@ _STRAGGLER_FIELDS = {f.name for f in dataclasses.fields(StragglerSpec)}
 
 @dataclass(frozen=True)
 class ModeChoice:
-    """A consistency mode: ``sync``, ``async`` or ``ssp:S`` (S = staleness bound)."""
+    """A consistency mode: ``sync``, ``sync:b=B`` (B backup workers), ``async`` or ``ssp:S``
+    (S = staleness bound)."""
 
     mode: str
     bound: int = 0
+    backups: int = 0  # sync: a round closes without the slowest `backups` workers
 
     def __post_init__(self) -> None:
         if self.mode not in ("sync", "async", "ssp"):
@@ -100,18 +102,27 @@ class ModeChoice:
             raise ConfigError(f"the ssp staleness bound must be an int >= 0, got {self.bound!r}")
         if self.mode != "ssp" and self.bound:
             raise ConfigError(f"only ssp takes a staleness bound; got {self.mode}:{self.bound}")
+        if isinstance(self.backups, bool) or not isinstance(self.backups, int) \
+                or self.backups < 0 or (self.backups and self.mode != "sync"):
+            raise ConfigError(f"backup workers (sync:b=B) need sync and an int B >= 0; "
+                              f"got {self.mode} with {self.backups!r}")
 
     @classmethod
     def parse(cls, text: str | ModeChoice) -> ModeChoice:
-        """``"sync"``, ``"async"``, ``"ssp:3"`` or ``"ssp:s=3"``."""
+        """``"sync"``, ``"sync:b=1"``, ``"async"``, ``"ssp:3"`` or ``"ssp:s=3"``."""
         if isinstance(text, ModeChoice):
             return text
         if not isinstance(text, str):
             raise ConfigError(f"a mode must be a string like sync, async or ssp:3; got {text!r}")
         name, sep, arg = text.strip().lower().partition(":")
+        if name == "sync" and arg.startswith("b="):
+            count = arg.removeprefix("b=").strip()
+            if not count.isdigit():
+                raise ConfigError(f"mode {text!r}: backup workers must be a count, e.g. sync:b=1")
+            return cls("sync", backups=int(count))
         if name != "ssp":
             if sep:
-                raise ConfigError(f"mode {text!r}: only ssp takes an argument (ssp:3)")
+                raise ConfigError(f"mode {text!r}: only ssp:S and sync:b=B take an argument")
             return cls(name)
         arg = arg.removeprefix("s=").strip()
         if not arg.isdigit():
@@ -119,14 +130,20 @@ class ModeChoice:
         return cls("ssp", int(arg))
 
     def __str__(self) -> str:
+        if self.backups:
+            return f"sync:b={self.backups}"
         return f"ssp:{self.bound}" if self.mode == "ssp" else self.mode
 
     @property
     def label(self) -> str:
+        if self.backups:
+            return f"sync b={self.backups}"
         return f"ssp s={self.bound}" if self.mode == "ssp" else self.mode
 
     @property
     def slug(self) -> str:
+        if self.backups:
+            return f"sync-b{self.backups}"
         return f"ssp{self.bound}" if self.mode == "ssp" else self.mode
 
     @property
@@ -282,6 +299,7 @@ class Configuration:
     def to_dict(self) -> dict[str, Any]:
         return {"id": self.id, "scenario": self.scenario, "label": self.label,
                 "mode": self.mode.mode, "bound": self.mode.bound, "mode_spec": str(self.mode),
+                "backups": self.mode.backups,
                 "policy": self.policy.name, "policy_args": dict(self.policy.args),
                 "workers": self.workers}
 
@@ -347,6 +365,10 @@ class ExperimentSpec:
             dupes = sorted({v for v in values if values.count(v) > 1})
             if dupes:
                 raise ConfigError(f"{axis} lists {', '.join(dupes)} more than once")
+        for mode in self.modes:
+            if mode.backups >= min(self.workers):
+                raise ConfigError(f"{mode}: backup workers must be fewer than the workers "
+                                  f"({min(self.workers)})")
         _int(self.steps, "steps", 1)
         _int(self.servers, "servers", 1)
         _int(self.eval_every, "eval_every", 1)
@@ -408,6 +430,7 @@ class ExperimentSpec:
         scenario = self.scenario(config.scenario)
         server = ServerConfig(
             mode=config.mode.mode, staleness_bound=config.mode.bound,
+            backup_workers=config.mode.backups, expected_workers=config.workers,
             policy=config.policy.name, policy_args=dict(config.policy.args),
             optimizer=self.optimizer, optimizer_args=dict(self.optimizer_args),
         )

@@ -133,6 +133,7 @@ class RunMetrics:
     staleness_hist: dict[int, int] = field(default_factory=dict)
     clocks: dict[int, list[tuple[float, int]]] = field(default_factory=dict)  # rank -> (s, clock)
     gaps: list[tuple[float, int]] = field(default_factory=list)  # (s, gap) per push, shard 0
+    bound_max: int | None = None  # the largest SSP bound in force (an adaptive one moves)
 
 
 def _quantile(values: Sequence[int], q: float) -> float:
@@ -209,6 +210,8 @@ def run_metrics(logs: RunLogs, seed: int, target_loss: float) -> RunMetrics:
         clocks={r: [(s["t"] - t0, int(s["clock"])) for s in steps]
                 for r, steps in sorted(logs.steps.items())},
         gaps=[(p["t"] - t0, g) for p, g in zip(first, gaps, strict=False)],
+        bound_max=max((s["staleness_bound_max"] for s in servers
+                       if s.get("staleness_bound_max") is not None), default=None),
     )
 
 
@@ -309,7 +312,8 @@ def _by_group(summaries: Sequence[ConfigSummary], scenario: str
               ) -> dict[tuple[str, int], list[ConfigSummary]]:
     groups: dict[tuple[str, int], list[ConfigSummary]] = {}
     for s in summaries:
-        if s.scenario == scenario and s.config["policy"] == "none" and s.runs:
+        if s.scenario == scenario and s.config["policy"] == "none" and s.runs \
+                and not s.config.get("backups"):
             groups.setdefault(("none", s.config["workers"]), []).append(s)
     return groups
 
@@ -369,8 +373,8 @@ def _claim_gap(summaries: Sequence[ConfigSummary]) -> ClaimCheck:
     for s in summaries:
         if s.config["mode"] != "ssp":
             continue
-        bound = s.config["bound"]
         for r in s.runs:
+            bound = max(s.config["bound"], r.bound_max or 0)  # ssp-adaptive moves it
             worst = max(r.max_clock_gap, r.server_max_gap or 0)
             checked.append(worst)
             if worst > bound:

@@ -312,6 +312,13 @@ def render_report(out_dir: Path, exp: dict[str, Any], summaries: Sequence[Config
         f"{pkgs.get('pyzmq', '?')}, {env.get('cpus', '?')} CPUs, git commit "
         f"{env.get('git_commit') or 'unknown'}{' (modified)' if env.get('git_dirty') else ''}. "
         f"Rerun with: paramserver experiment --spec spec.toml")))
+    if exp.get("simulated"):
+        sim = exp["simulated"]
+        blocks.append(("p", (
+            f"Simulated in virtual time (paramserver simulate, docs/research.md): every time "
+            f"here, wall-clock included, is virtual seconds. Rerun with: paramserver simulate "
+            f"--spec spec.toml --compute-time {sim.get('compute_time')} --latency "
+            f"{sim.get('latency')}")))
     failed = [r for r in exp["runs"] if not r["ok"]]
     if failed:
         blocks.append(("h2", "Failed runs"))

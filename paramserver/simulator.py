@@ -1,0 +1,566 @@
+"""Virtual-time simulator: many workers, one process, the real shard core.
+
+``run_simulation(spec, out_dir)`` runs the configuration a
+:class:`~workers.cluster.ClusterSpec` describes, as :func:`~workers.cluster.run_cluster`
+would, but with no sockets and no processes: one :class:`~paramserver.core.ShardCore`
+per shard (split by the same :class:`~paramserver.sharding.ShardPlan`), the same
+torch optimizer, staleness policy and task, and M *virtual* workers whose
+steps take virtual time. So 64 or 256 workers fit on a laptop, and a run is
+exactly reproducible from its seed.
+
+The model of time (all in virtual seconds):
+
+* a worker's step takes ``Straggler(spec, seed=(seed, rank)).step_time(compute_time)``:
+  the same :class:`~workers.stragglers.StragglerSpec` and seeding a real worker
+  uses, applied to a fixed bare compute time. That gives the distributions
+  an experiment needs: constant (no straggler), persistent stragglers
+  (``slowdown``), transient slow steps (``slow_prob``/``slow_factor``) and a
+  shifted exponential or other heavy tail (``delay="exp:MEAN"``, ``pareto:...``).
+* every message (pull, push, reply, bye) takes ``latency`` one way; shards
+  answer instantly (no queueing at a shard).
+* the gradient itself is computed for real, on the weights the worker read,
+  at the moment its pull completes; it is pushed when the step's time is up.
+
+Events are processed in time order; ties in the order they were scheduled, so
+a run is deterministic. The run directory has the layout of a real run
+(``events/server<k>.jsonl``, ``events/worker<r>.jsonl``, ``results/worker<r>.json``,
+``result.json``, ``final_model.safetensors``) with the same event kinds and
+fields; ``t`` is virtual time, starting at 0. Report tools read either.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import heapq
+import itertools
+import json
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+import torch
+
+from workers.cluster import ClusterSpec, Progress
+from workers.stragglers import Straggler
+from workers.tasks import Task, evaluate
+from workers.worker import WorkerConfig, _forever, _num_steps, _write_json, build_task
+
+from .core import ShardCore, SliceSpec
+from .errors import ConfigError, ParamServerError, ProtocolError
+from .sharding import ShardPlan
+from .staleness import create_policy
+
+if TYPE_CHECKING:
+    from workers.experiment import ExperimentObserver, ExperimentResult, ExperimentSpec
+
+__all__ = [
+    "SimSpec",
+    "SimulationError",
+    "Simulator",
+    "VirtualEventLog",
+    "run_simulation",
+    "simulate_experiment",
+]
+
+log = logging.getLogger(__name__)
+
+SIM_ADDRESS = "sim://shard{}"
+
+
+class SimulationError(ParamServerError):
+    """The simulated run could not finish (e.g. every worker is blocked forever)."""
+
+
+@dataclass(frozen=True)
+class SimSpec:
+    """How virtual time passes; the rest of a run is the ClusterSpec's."""
+
+    compute_time: float = 0.01  # bare compute of one step, before straggler effects, seconds
+    latency: float = 0.0  # one-way message time, seconds
+    threads: int = 1  # torch intra-op threads while simulating (tiny models: 1 is fastest)
+    progress_every: int = 200  # steps between on_progress calls
+
+    def __post_init__(self) -> None:
+        if not self.compute_time >= 0:
+            raise ConfigError(f"compute_time must be >= 0 seconds, got {self.compute_time}")
+        if not self.latency >= 0:
+            raise ConfigError(f"latency must be >= 0 seconds, got {self.latency}")
+        if self.threads < 1:
+            raise ConfigError(f"threads must be >= 1, got {self.threads}")
+        if self.progress_every < 1:
+            raise ConfigError(f"progress_every must be >= 1, got {self.progress_every}")
+
+
+@contextlib.contextmanager
+def _torch_threads(n: int) -> Iterator[None]:
+    saved = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
+class VirtualEventLog:
+    """JSONL event log like :class:`~paramserver.events.EventLog`, stamped with virtual time."""
+
+    def __init__(self, path: str | Path | None, clock: Callable[[], float]) -> None:
+        self.path = Path(path) if path else None
+        self._clock = clock
+        self._fh: IO[str] | None = None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fh = self.path.open("w", encoding="utf-8")
+
+    def write(self, event: str, **fields: Any) -> None:
+        if self._fh is None:
+            return
+        record = {"t": self._clock(), "event": event, **fields}
+        self._fh.write(json.dumps(record, separators=(",", ":")))
+        self._fh.write("\n")
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+
+@dataclass
+class _VWorker:
+    """One virtual worker: what a real worker process keeps between messages."""
+
+    rank: int
+    steps: int
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]]
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    straggler: Straggler
+    events: VirtualEventLog
+    clock: int = 0
+    push_id: int = 0
+    final: bool = False  # the pull in flight is the one after the last step
+    # the pull in flight
+    pull_started: float = 0.0
+    replies: dict[int, tuple[int, int, float, dict[str, torch.Tensor]]] = field(
+        default_factory=dict)  # shard -> (version, clock, waited, weights)
+    read_versions: list[int] = field(default_factory=list)
+    pull_s: float = 0.0
+    wait_s: float = 0.0
+    # the step in flight
+    grads: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    loss: float = 0.0
+    num_samples: int = 0
+    compute_s: float = 0.0
+    sleep_s: float = 0.0
+    push_started: float = 0.0
+    outcomes: dict[int, dict[str, Any]] = field(default_factory=dict)
+    # totals for the result file
+    pushes: int = 0
+    accepted: int = 0
+    rejected: int = 0
+    waited: float = 0.0
+    losses: list[float] = field(default_factory=list)
+    started: float = 0.0
+    result: dict[str, Any] | None = None
+
+
+class Simulator:
+    """Runs one ClusterSpec in virtual time. Use :func:`run_simulation` unless you
+    need the live objects (``cores``, ``workers``, ``model``) afterwards."""
+
+    def __init__(self, spec: ClusterSpec, sim: SimSpec | None = None,
+                 out_dir: str | Path | None = None) -> None:
+        self.spec = spec
+        self.sim = sim or SimSpec()
+        self.out = Path(out_dir) if out_dir is not None else None
+        self.now = 0.0
+        self._queue: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
+        self._seq = itertools.count()
+        self._steps_done = 0
+        self._end = 0.0  # when the last worker finished
+        self._last_loss: dict[int, float] = {}
+        self._on_progress: Callable[[Progress], None] | None = None
+        with _torch_threads(self.sim.threads):
+            self._build()
+
+    def _build(self) -> None:
+        spec = self.spec
+        # the task: rank 0's model computes every worker's gradient (all ranks start
+        # from the same weights, by the task contract); each rank keeps its own data
+        config0 = self._worker_config(0)
+        self.task: Task = build_task(config0)
+        self.model = self.task.model.cpu()
+        self.params = dict(self.model.named_parameters())
+        self.plan = ShardPlan.from_module(self.model, spec.num_servers, config0.chunk_bytes)
+        self._nbytes = self.plan.shard_bytes  # per shard, for the step events' byte counts
+
+        self.server_events = [self._log(f"server{k}") for k in range(spec.num_servers)]
+        self.cores: list[ShardCore] = []
+        for k in range(spec.num_servers):
+            server = dataclasses.replace(spec.server, shard=k, num_shards=spec.num_servers,
+                                         expected_workers=spec.num_workers)
+            slices = [SliceSpec(s.key, s.numel, s.dtype) for s in self.plan.shard_slices(k)]
+            policy = create_policy(server.policy, server.policy_args)  # one per shard
+            self.cores.append(ShardCore(slices, server.core_config(), policy))
+            described = server.to_dict()
+            described["event_log"] = str(self._path(f"server{k}")) if self.out else None
+            self.server_events[k].write("server_start", shard=k, address=SIM_ADDRESS.format(k),
+                                        config=described)
+
+        self.workers: list[_VWorker] = []
+        for rank in range(spec.num_workers):
+            config = self._worker_config(rank)
+            # other ranks' models are dropped: only their data and loss are used
+            task = self.task if rank == 0 else build_task(config)
+            straggler = Straggler(config.straggler, seed=(config.seed, rank))
+            self.workers.append(_VWorker(
+                rank=rank, steps=_num_steps(config, task), batches=_forever(task),
+                loss_fn=task.loss_fn, straggler=straggler, events=self._log(f"worker{rank}"),
+            ))
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _worker_config(self, rank: int) -> WorkerConfig:
+        return dataclasses.replace(
+            self.spec.worker, rank=rank, world_size=self.spec.num_workers,
+            servers=[SIM_ADDRESS.format(k) for k in range(self.spec.num_servers)],
+            straggler=self.spec.stragglers.get(rank, self.spec.worker.straggler),
+            device="cpu", event_log=None, result_file=None,
+        )
+
+    def _path(self, name: str) -> Path:
+        assert self.out is not None
+        return self.out / "events" / f"{name}.jsonl"
+
+    def _log(self, name: str) -> VirtualEventLog:
+        return VirtualEventLog(self._path(name) if self.out else None, lambda: self.now)
+
+    def _at(self, delay: float, fn: Callable[..., None], *args: Any) -> None:
+        heapq.heappush(self._queue, (self.now + delay, next(self._seq), fn, args))
+
+    # ------------------------------------------------------------------ running
+
+    def run(self, on_progress: Callable[[Progress], None] | None = None) -> dict[str, Any]:
+        """Simulate to the end; returns (and, with an out_dir, writes) the result."""
+        self._on_progress = on_progress
+        wall0 = time.perf_counter()
+        try:
+            with _torch_threads(self.sim.threads):
+                self.model.train()
+                self.model.zero_grad(set_to_none=True)
+                self._start()
+                while self._queue:
+                    self.now, _, fn, args = heapq.heappop(self._queue)
+                    fn(*args)
+                unfinished = [w.rank for w in self.workers if w.result is None]
+                if unfinished:
+                    raise SimulationError(
+                        f"no event left at virtual time {self.now:.3f}s but workers "
+                        f"{unfinished[:10]} have not finished: each waits on a gate that "
+                        f"nothing will open"
+                    )
+                return self._finish(time.perf_counter() - wall0)
+        finally:
+            for events in self.server_events:
+                events.close()
+            for w in self.workers:
+                w.events.close()
+
+    def _start(self) -> None:
+        init = self.plan.split_tensors({k: p.detach() for k, p in self.params.items()})
+        for k, core in enumerate(self.cores):
+            for w in self.workers:
+                state = core.register(w.rank, f"sim-{w.rank}", self.now)
+                self.server_events[k].write("worker_hello", shard=k, worker=w.rank,
+                                            clock=state.clock)
+            if core.initialize({key: t.clone() for key, t in init[k].items()}):
+                self.server_events[k].write("init", shard=k, worker=0)
+        for w in self.workers:
+            w.started = self.now
+            w.events.write("worker_start", worker=w.rank, clock=w.clock, seeded=w.rank == 0,
+                           device="sim", steps=w.steps, plan_hash=self.plan.hash)
+            self._start_pull(w)
+
+    def _start_pull(self, w: _VWorker) -> None:
+        w.pull_started = self.now
+        w.replies = {}
+        for k in range(len(self.cores)):
+            self._at(self.sim.latency, self._pull_arrives, w, k)
+
+    def _pull_arrives(self, w: _VWorker, shard: int) -> None:
+        self.cores[shard].request_pull(w.rank, w.clock, w.rank, self.now)
+        self._answer(shard)
+
+    def _answer(self, shard: int) -> None:
+        """Send every pull this shard can answer now, with the weights of this moment."""
+        core = self.cores[shard]
+        for reply in core.ready_pulls(self.now):
+            weights = {key: p.detach().clone() for key, p in core.params.items()}
+            self._at(self.sim.latency, self._pull_reply, self.workers[reply.worker], shard,
+                     (reply.version, reply.clock, reply.waited, weights))
+
+    def _pull_reply(self, w: _VWorker, shard: int,
+                    reply: tuple[int, int, float, dict[str, torch.Tensor]]) -> None:
+        w.replies[shard] = reply
+        if len(w.replies) < len(self.cores):
+            return
+        shards = range(len(self.cores))
+        w.read_versions = [w.replies[k][0] for k in shards]
+        w.clock = max([w.clock] + [w.replies[k][1] for k in shards])
+        w.wait_s = max(w.replies[k][2] for k in shards)
+        w.waited += w.wait_s
+        w.pull_s = self.now - w.pull_started
+        merged: dict[str, torch.Tensor] = {}
+        for k in shards:
+            merged.update(w.replies[k][3])
+        self.plan.assemble_into(self.params, merged)
+        w.replies = {}
+        if w.final:
+            self._finish_worker(w)
+            return
+        config = self.spec.worker
+        if w.rank == 0 and config.eval_every and w.clock % config.eval_every == 0:
+            self._eval(w)
+        self._compute(w)
+        step_time = w.straggler.step_time(self.sim.compute_time)
+        w.compute_s = self.sim.compute_time
+        w.sleep_s = step_time - self.sim.compute_time
+        self._at(step_time, self._push, w)
+
+    def _compute(self, w: _VWorker) -> None:
+        """The worker's gradient on the weights it read, exactly as a real worker computes it."""
+        model = self.model  # in train mode; evaluate() restores it; grads are None
+        total, loss_sum = 0, 0.0
+        for _ in range(self.spec.worker.push_every):
+            inputs, targets = next(w.batches)
+            n = int(targets.shape[0])
+            loss = w.loss_fn(model(inputs), targets)
+            (loss * n).backward()
+            total += n
+            loss_sum += float(loss.detach()) * n
+        grads = {}
+        for name, p in self.params.items():
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            grads[name] = g.div_(total)
+        model.zero_grad(set_to_none=True)  # the tensors now belong to this step's push
+        w.grads = self.plan.split_tensors(grads)
+        w.loss = loss_sum / total
+        w.num_samples = total
+
+    def _eval(self, w: _VWorker) -> dict[str, float]:
+        metrics = evaluate(self.task, self.model)
+        if metrics:
+            w.events.write("eval", worker=w.rank, clock=w.clock, versions=list(w.read_versions),
+                           **metrics)
+        return metrics
+
+    def _push(self, w: _VWorker) -> None:
+        w.push_started = self.now
+        w.push_id += 1
+        w.outcomes = {}
+        for k in range(len(self.cores)):
+            self._at(self.sim.latency, self._push_arrives, w, k)
+
+    def _push_arrives(self, w: _VWorker, shard: int) -> None:
+        core = self.cores[shard]
+        read_version = w.read_versions[shard]
+        try:
+            out = core.push(w.rank, w.push_id, w.clock, read_version, w.num_samples,
+                            w.grads[shard], self.now)
+        except ProtocolError as exc:  # a real worker stops on this error reply too
+            raise SimulationError(
+                f"shard {shard} refused worker {w.rank}'s push at clock {w.clock}, virtual "
+                f"time {self.now:.3f}s: {exc}"
+            ) from exc
+        if not out.duplicate:
+            self.server_events[shard].write(
+                "push", shard=shard, worker=w.rank, clock=w.clock, read_version=read_version,
+                version=out.version, staleness=out.staleness, accepted=out.accepted,
+                weight=out.weight, reason=out.reason, num_samples=w.num_samples,
+            )
+        self._at(self.sim.latency, self._push_reply, w, shard, out.as_dict())
+        self._answer(shard)
+
+    def _push_reply(self, w: _VWorker, shard: int, outcome: dict[str, Any]) -> None:
+        w.outcomes[shard] = outcome
+        if len(w.outcomes) < len(self.cores):
+            return
+        outcomes = [w.outcomes[k] for k in range(len(self.cores))]
+        accepted = all(o["accepted"] for o in outcomes)
+        w.clock += 1
+        w.pushes += 1
+        w.accepted += accepted
+        w.rejected += not accepted
+        w.losses.append(w.loss)
+        w.events.write(
+            "step", worker=w.rank, clock=w.clock, read_versions=list(w.read_versions),
+            staleness=max(o["staleness"] for o in outcomes), accepted=accepted,
+            reasons=sorted({o["reason"] for o in outcomes if not o["accepted"]}),
+            weight=min(o["weight"] for o in outcomes), loss=w.loss, num_samples=w.num_samples,
+            compute_s=w.compute_s, sleep_s=w.sleep_s, pull_s=w.pull_s,
+            push_s=self.now - w.push_started, wait_s=w.wait_s,
+            bytes=2 * sum(self._nbytes(k) for k in range(len(self.cores))),
+        )
+        w.grads = {}
+        self._steps_done += 1
+        self._last_loss[w.rank] = w.loss
+        if self._on_progress is not None and self._steps_done % self.sim.progress_every == 0:
+            self._on_progress(self._progress())
+        if w.clock >= w.steps:
+            w.final = True
+        self._start_pull(w)
+
+    def _finish_worker(self, w: _VWorker) -> None:
+        """After the final pull: say BYE, evaluate on rank 0, write the result."""
+        for k in range(len(self.cores)):
+            self._at(self.sim.latency, self._bye_arrives, w, k)
+        result: dict[str, Any] = {
+            "worker": w.rank,
+            "steps": w.pushes,
+            "clock": w.clock,
+            "pushes": w.pushes,
+            "accepted": w.accepted,
+            "rejected": w.rejected,
+            "final_train_loss": sum(w.losses[-10:]) / max(1, len(w.losses[-10:])),
+            "seconds": self.now - w.started,
+            "wait_seconds": w.waited,
+            "final_versions": list(w.read_versions),
+        }
+        if w.rank == 0:
+            result["eval"] = self._eval(w)
+        w.result = result
+        self._end = max(self._end, self.now)
+        w.events.write("worker_end", **result)
+        if self.out is not None:
+            _write_json(self.out / "results" / f"worker{w.rank}.json", result)
+
+    def _bye_arrives(self, w: _VWorker, shard: int) -> None:
+        self.cores[shard].leave(w.rank, self.now)
+        self.server_events[shard].write("worker_bye", shard=shard, worker=w.rank)
+        self._answer(shard)
+
+    def _progress(self) -> Progress:
+        steps = {w.rank: w.pushes for w in self.workers}
+        applied = sum(sum(s.applied for s in core.workers.values()) for core in self.cores[:1])
+        return Progress(steps, sum(w.steps for w in self.workers), dict(self._last_loss),
+                        applied, self.now)
+
+    # ------------------------------------------------------------------ the end
+
+    def _server_stats(self) -> list[dict[str, Any]]:
+        stats = []
+        for k, core in enumerate(self.cores):
+            stats.append({
+                "shard": k, "num_shards": len(self.cores), "address": SIM_ADDRESS.format(k),
+                "uptime": self.now, "counters": {}, **core.stats(),
+            })
+        return stats
+
+    def _finish(self, wall_seconds: float) -> dict[str, Any]:
+        for k, core in enumerate(self.cores):
+            self.server_events[k].write("server_stop", shard=k, version=core.version)
+        final: dict[str, float] = {}
+        merged: dict[str, torch.Tensor] = {}
+        for core in self.cores:
+            merged.update({key: p.detach() for key, p in core.params.items()})
+        self.plan.assemble_into(self.params, merged)
+        if self.spec.evaluate:
+            final = evaluate(self.task, self.model)
+        stats = self._server_stats()
+        result: dict[str, Any] = {
+            "spec": self.spec.to_dict(),
+            "addresses": [SIM_ADDRESS.format(k) for k in range(len(self.cores))],
+            "seconds": self._end,
+            "eval": final,
+            "workers": [w.result for w in self.workers],
+            "servers": stats,
+            "updates_applied": [s["version"] for s in stats],
+            "pushes_applied_shard0": sum(w["applied"] for w in stats[0]["workers"].values()),
+            "failures": [],
+            "restarts": [],
+            "simulated": True,
+            "sim": {**dataclasses.asdict(self.sim), "wall_seconds": wall_seconds,
+                    "steps": self._steps_done},
+        }
+        if self.out is not None:
+            from safetensors.torch import save_file
+
+            state = {k: v.detach().contiguous() for k, v in self.model.state_dict().items()}
+            save_file(state, str(self.out / "final_model.safetensors"))
+            _write_json(self.out / "result.json", result)
+        log.info("simulated %d steps of %d workers: %.2fs virtual in %.2fs", self._steps_done,
+                 len(self.workers), self.now, wall_seconds)
+        return result
+
+
+def run_simulation(spec: ClusterSpec, out_dir: str | Path | None = None,
+                   sim: SimSpec | None = None,
+                   on_progress: Callable[[Progress], None] | None = None) -> dict[str, Any]:
+    """Run ``spec`` in virtual time; like :func:`~workers.cluster.run_cluster`, it returns
+    the result and, given ``out_dir``, writes the same run directory (``seconds`` and
+    every ``t`` are virtual)."""
+    if out_dir is not None:
+        out = Path(out_dir)
+        for sub in ("events", "results", "configs"):
+            (out / sub).mkdir(parents=True, exist_ok=True)
+        _write_json(out / "configs" / "simulation.json",
+                    {"spec": spec.to_dict(), "sim": dataclasses.asdict(sim or SimSpec())})
+    return Simulator(spec, sim, out_dir).run(on_progress)
+
+
+def simulate_experiment(spec: ExperimentSpec, out_dir: str | Path, sim: SimSpec | None = None,
+                        observer: ExperimentObserver | None = None,
+                        report: bool = True) -> ExperimentResult:
+    """:func:`workers.experiment.run_experiment` in virtual time.
+
+    The same grid, the same directory layout (``spec.toml``, ``environment.json``,
+    ``experiment.json``, ``runs/<config>/seed<k>/``) and the same report, with every
+    run simulated; ``simulation.json`` records the time model. Every time in the
+    report is virtual seconds.
+    """
+    from workers import experiment as exp  # the experiment layer builds on us, not vice versa
+    from workers.report import write_report
+
+    sim = sim or SimSpec()
+    obs = observer or exp.ExperimentObserver()
+    out = Path(out_dir)
+    exp._prepare_dir(out)
+    (out / "spec.toml").write_text(exp.dump_spec(spec), encoding="utf-8")
+    (out / "environment.json").write_text(json.dumps(exp.environment_info(), indent=2))
+    (out / "simulation.json").write_text(json.dumps(dataclasses.asdict(sim), indent=2))
+    plans = spec.runs()
+    outcomes: list[exp.RunOutcome] = []
+    started = time.time()
+
+    def index(finished: bool) -> None:
+        data = exp._index(spec, outcomes, started, finished=finished)
+        data["simulated"] = dataclasses.asdict(sim)
+        (out / "experiment.json").write_text(json.dumps(data, indent=2))
+
+    index(False)
+    for i, plan in enumerate(plans):
+        obs.run_started(i, len(plans), plan, spec.steps * plan.config.workers)
+        run_dir = out / plan.path
+        t0 = time.monotonic()
+
+        def progress(p: Progress, plan: exp.RunPlan = plan) -> None:
+            obs.run_progress(plan, p)
+
+        try:
+            run_simulation(spec.cluster_spec(plan.config, plan.seed), run_dir, sim, progress)
+            exp._merge_steps(run_dir, plan.config.workers)
+            outcome = exp.RunOutcome(plan, True, time.monotonic() - t0)
+        except ParamServerError as exc:
+            log.error("run %s failed: %s", plan.name, exc)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "error.txt").write_text(str(exc))
+            outcome = exp.RunOutcome(plan, False, time.monotonic() - t0,
+                                     str(exc).splitlines()[0])
+        outcomes.append(outcome)
+        obs.run_finished(outcome)
+        index(False)
+    index(True)
+    return exp.ExperimentResult(out, outcomes, write_report(out) if report else None)
