@@ -228,6 +228,7 @@ def save_killed_at(directory: Path, t: dict[str, torch.Tensor], m: dict[str, Any
 COMMITTED_AT = WRITE_STEPS.index("latest_renamed")  # from this step on, the new one is live
 
 
+@pytest.mark.integration  # forks a writer process per case
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 @pytest.mark.parametrize("step", WRITE_STEPS)
 @pytest.mark.parametrize("case", ["next version", "same version", "resumed below the orphan"])
