@@ -8,7 +8,6 @@ which names and parameters exist.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import logging
 import re
@@ -19,6 +18,7 @@ import torch
 from torch.optim.lr_scheduler import LRScheduler
 
 from .errors import ConfigError, RegistryError
+from .plugins import import_object
 
 __all__ = [
     "OPTIMIZERS",
@@ -80,22 +80,6 @@ class _Required:
 REQUIRED: Any = _Required()
 
 
-def _import_class(spec: str) -> Any:
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise RegistryError(f"{spec!r} must look like module:Class")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise RegistryError(f"cannot import module {module_name!r} from {spec!r}: {exc}") from exc
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError as exc:
-            raise RegistryError(f"module {module_name!r} has no attribute {attr!r}") from exc
-    return obj
-
-
 def _subclasses_in(module: Any, base: type) -> dict[str, type]:
     return {
         name: obj
@@ -119,7 +103,7 @@ def resolve_optimizer(name: str) -> type[torch.optim.Optimizer]:
     name = name.strip()
     cls: type[torch.optim.Optimizer]
     if ":" in name:
-        cls = _import_class(name)
+        cls = import_object(name)
         if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
             raise RegistryError(f"{name!r} is not a torch.optim.Optimizer subclass")
     else:
@@ -150,7 +134,7 @@ def resolve_scheduler(name: str) -> type[LRScheduler]:
     name = name.strip()
     cls: type[LRScheduler]
     if ":" in name:
-        cls = _import_class(name)
+        cls = import_object(name)
         if not (isinstance(cls, type) and issubclass(cls, LRScheduler)):
             raise RegistryError(f"{name!r} is not a torch.optim.lr_scheduler.LRScheduler subclass")
     else:

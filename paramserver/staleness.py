@@ -15,9 +15,8 @@ Custom policies are found by ``module:Class`` or by entry point in the group
 from __future__ import annotations
 
 import abc
-import dataclasses
-import importlib
 import inspect
+import logging
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from typing import Any, ClassVar
 import torch
 
 from .errors import ConfigError, RegistryError
+from .plugins import import_object
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -47,6 +47,8 @@ __all__ = [
 ]
 
 ENTRY_POINT_GROUP = "paramserver.staleness_policies"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -147,7 +149,7 @@ class StalenessPolicy(abc.ABC):
         """JSON-serialisable state saved in checkpoints (default: none)."""
         return {}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:  # noqa: B027 - optional hook
         """Restore what :meth:`state_dict` returned."""
 
     def describe(self) -> str:
@@ -237,7 +239,9 @@ def _load_entry_points() -> None:
         try:
             cls = ep.load()
         except Exception as exc:  # a broken plug-in must not hide the others
-            raise RegistryError(f"entry point {ep.name!r} ({ep.value}) failed to load: {exc}") from exc
+            log.warning("staleness policy entry point %r (%s) failed to load: %s",
+                        ep.name, ep.value, exc)
+            continue
         if getattr(cls, "name", "") != ep.name:
             cls = type(cls.__name__, (cls,), {"name": ep.name}) if isinstance(cls, type) else cls
         register_policy(cls)
@@ -249,24 +253,10 @@ def available_policies() -> dict[str, type[StalenessPolicy]]:
     return dict(sorted(_REGISTRY.items()))
 
 
-def _import_object(spec: str) -> Any:
-    module_name, _, attr = spec.partition(":")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise RegistryError(f"cannot import module {module_name!r} from {spec!r}: {exc}") from exc
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError as exc:
-            raise RegistryError(f"module {module_name!r} has no attribute {attr!r}") from exc
-    return obj
-
-
 def resolve_policy(name: str) -> type[StalenessPolicy]:
     """Find a policy class by registered name or ``module:Class``."""
     if ":" in name:
-        cls = _import_object(name)
+        cls = import_object(name)
         if not (isinstance(cls, type) and issubclass(cls, StalenessPolicy)):
             raise RegistryError(f"{name!r} is not a StalenessPolicy subclass")
         return cls
@@ -282,7 +272,7 @@ def resolve_policy(name: str) -> type[StalenessPolicy]:
 def policy_parameters(cls: type[StalenessPolicy]) -> dict[str, inspect.Parameter]:
     """The constructor parameters of a policy class (its ``--policy-arg`` keys)."""
     sig = inspect.signature(cls.__init__)
-    return {k: p for k, p in sig.parameters.items() if k != "self" and p.kind is p.KEYWORD_ONLY
+    return {k: p for k, p in sig.parameters.items() if (k != "self" and p.kind is p.KEYWORD_ONLY)
             or (k != "self" and p.kind is p.POSITIONAL_OR_KEYWORD)}
 
 
@@ -291,7 +281,7 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
         return value
     kind = annotation if isinstance(annotation, type) else {
         "int": int, "float": float, "bool": bool, "str": str
-    }.get(str(annotation), None)
+    }.get(str(annotation))
     try:
         if kind is bool:
             low = value.lower()
@@ -301,7 +291,8 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
         if kind in (int, float):
             return kind(value)
     except ValueError as exc:
-        raise ConfigError(f"policy argument {key}={value!r} is not a valid {kind.__name__}") from exc
+        kind_name = getattr(kind, "__name__", "value")
+        raise ConfigError(f"policy argument {key}={value!r} is not a valid {kind_name}") from exc
     # no usable annotation: best effort number parsing
     for conv in (int, float):
         try:
