@@ -98,18 +98,19 @@ def build_spec(*, spec_file: str | None, preset_name: str | None,
 
 
 def _print_summary(console: Console, files: ReportFiles) -> None:
-    head, rows = summary_rows(files.summaries)
-    table = Table(title="Medians over seeds (the report has min-max and plots)")
-    for i, name in enumerate(head):
-        table.add_column(name, justify="left" if i < 2 else "right")
-    for row in rows:
-        table.add_row(*row)
-    console.print(table)
+    scenarios = list(dict.fromkeys(s.scenario for s in files.summaries))
+    for scenario in scenarios:
+        head, rows = summary_rows([s for s in files.summaries if s.scenario == scenario])
+        table = Table(title=f"Scenario '{scenario}': medians over seeds", title_justify="left")
+        for i, name in enumerate(head):
+            table.add_column(name, justify="left" if i == 0 else "right", no_wrap=i == 0)
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
     for claim in files.claims:
         color = {"pass": "green", "fail": "red"}.get(claim.status, "yellow")
         console.print(f"[{color}]{claim.status.upper()}[/{color}] {claim.claim}")
-        if claim.status != "pass":
-            console.print(f"    {claim.detail}")
+        console.print(f"    {claim.detail}", style="dim")
 
 
 @click.command("experiment")
@@ -126,7 +127,7 @@ def _print_summary(console: Console, files: ReportFiles) -> None:
               help=f"Straggler scenario (repeatable): {', '.join(SCENARIOS)}, or one defined "
                    "in the --spec file. Default: transient.")
 @click.option("--seeds", help="How many seeds (3: seeds 0, 1, 2) or a list (0,5,7).")
-@click.option("--steps", type=click.IntRange(min=1), help="Steps per worker (default 300).")
+@click.option("--steps", type=click.IntRange(min=1), help="Steps per worker (default 250).")
 @click.option("--task", help="Task name or module:function (default digits-mlp).")
 @click.option("--task-arg", "task_args", multiple=True, metavar="KEY=VALUE",
               help="Task argument (repeatable).")

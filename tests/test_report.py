@@ -268,7 +268,7 @@ def test_report_files_tables_and_plots(tmp_path):
     assert "images/" not in re.sub(r"alt='[^']*'", "", html)
     assert "<table>" in html and "Literature checks" in html
     head, rows = summary_rows(files.summaries)
-    assert len(rows) == 8 and head[1] == "configuration"
+    assert len(rows) == 8 and head[0] == "configuration" and len(rows[0]) == len(head)
 
 
 def test_time_to_target_not_reached_is_reported(tmp_path):

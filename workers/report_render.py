@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter
 
 if TYPE_CHECKING:
     from .report import ClaimCheck, ConfigSummary, Stat
@@ -76,13 +77,13 @@ def table_rows(summaries: Sequence[ConfigSummary], spread: bool = True) -> list[
 
 
 def summary_rows(summaries: Sequence[ConfigSummary]) -> tuple[list[str], list[list[str]]]:
-    """A short table for the terminal: medians only."""
-    head = ["scenario", "configuration", "time to target (s)", "final acc. (%)", "updates/s",
-            "rejected (%)", "staleness p95", "max gap", "wait (s/worker)"]
+    """A short table for the terminal, one scenario's configurations: medians only."""
+    head = ["configuration", "to target (s)", "acc. (%)", "upd/s", "rej. (%)", "stale p95",
+            "max gap", "wait (s)"]
     rows = []
     for s in summaries:
         st = s.stats
-        rows.append([s.scenario, s.label + (f" ({len(s.failed)} failed)" if s.failed else ""),
+        rows.append([s.label + (f" ({len(s.failed)} failed)" if s.failed else ""),
                      _fmt(st["time_to_target"], "{:.1f}", False),
                      _fmt(st["final_accuracy"], "pct", False),
                      _fmt(st["updates_per_s"], "{:.1f}", False),
@@ -139,6 +140,8 @@ def plot_loss(scenario: str, group: Sequence[ConfigSummary], colors: dict[str, A
             ax.fill_between(x, lo, hi, color=colors[s.label], alpha=0.18, lw=0)
         ax.axhline(target, color="0.3", ls="--", lw=1, label=f"target loss {target:g}")
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+        ax.yaxis.set_minor_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
         ax.set_xlabel(xlabel)
         ax.set_title(f"Held-out loss {title}")
         ax.grid(True, which="both", alpha=0.3)
