@@ -115,7 +115,8 @@ def _print_summary(console: Console, files: ReportFiles) -> None:
 
 @click.command("experiment")
 @click.option("--mode", "modes", multiple=True, metavar="MODE",
-              help="sync, async or ssp:S (repeatable). Default: sync, async, ssp:3.")
+              help="sync, sync:b=B (B backup workers), async or ssp:S (repeatable). "
+                   "Default: sync, async, ssp:3.")
 @click.option("--policy", "policies", multiple=True, metavar="NAME[:k=v,...]",
               help="Staleness policy with arguments, e.g. reject:max_staleness=4 or "
                    "mypkg.policies:MyPolicy:factor=0.5 (repeatable). Default: none.")
