@@ -11,6 +11,7 @@ import os
 import click
 
 from .experiment import experiment
+from .simulate import simulate
 
 __all__ = ["main"]
 
@@ -24,6 +25,7 @@ def main() -> None:
 
 
 main.add_command(experiment)
+main.add_command(simulate)
 
 if __name__ == "__main__":
     main()

@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 
 @click.command("simulate")
 @click.option("--mode", "modes", multiple=True, metavar="MODE",
-              help="sync, async or ssp:S (repeatable). Default: sync, async, ssp:3.")
+              help="sync, sync:b=B (B backup workers), async or ssp:S (repeatable). "
+                   "Default: sync, async, ssp:3.")
 @click.option("--policy", "policies", multiple=True, metavar="NAME[:k=v,...]",
               help="Staleness policy with arguments, e.g. gap-aware, dc-asgd:lam=0.1, "
                    "ssp-adaptive:s_min=1,s_max=8 (repeatable). Default: none.")
@@ -47,7 +48,8 @@ log = logging.getLogger(__name__)
               help=f"Straggler scenario (repeatable): {', '.join(SCENARIOS)}, or one defined "
                    "in the --spec file. Default: transient.")
 @click.option("--seeds", help="How many seeds (3: seeds 0, 1, 2) or a list (0,5,7).")
-@click.option("--steps", type=click.IntRange(min=1), help="Steps per worker (default 300).")
+@click.option("--steps", type=click.IntRange(min=1),
+              help="Steps per worker (default: as paramserver experiment).")
 @click.option("--task", help="Task name or module:function (default digits-mlp).")
 @click.option("--task-arg", "task_args", multiple=True, metavar="KEY=VALUE",
               help="Task argument (repeatable).")
