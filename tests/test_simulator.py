@@ -171,7 +171,7 @@ def test_adaptive_bound_loosens_under_transient_stragglers_within_its_range():
 CLAIM_UPDATES = 960
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def final_loss(workers: int, policy: str, seed: int) -> float:
     spec = make_spec(workers=workers, steps=CLAIM_UPDATES // workers, policy=policy, seed=seed)
     return float(Simulator(spec).run()["eval"]["loss"])
