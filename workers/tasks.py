@@ -25,6 +25,7 @@ import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from importlib.metadata import entry_points
 from typing import Any
 
 import numpy as np
@@ -35,6 +36,7 @@ from torch import nn
 from paramserver.errors import ConfigError, RegistryError
 
 __all__ = [
+    "ENTRY_POINT_GROUP",
     "EpochBatches",
     "Task",
     "TaskFactory",
@@ -173,8 +175,28 @@ def _first_doc_line(obj: object) -> str:
     return doc.strip().splitlines()[0] if doc.strip() else ""
 
 
+#: installed packages register tasks as entry points in this group (name = factory)
+ENTRY_POINT_GROUP = "paramserver.tasks"
+_entry_points_loaded = False
+
+
+def _load_entry_points() -> None:
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            factory = ep.load()
+        except Exception as exc:  # a broken plug-in must say which one it is
+            raise RegistryError(f"task entry point {ep.name!r} ({ep.value}) failed to load: "
+                                f"{exc}") from exc
+        register_task(ep.name)(factory)
+
+
 def available_tasks() -> dict[str, TaskFactory]:
-    """Registered task factories by name, sorted by name."""
+    """Built-in and installed (entry point) task factories by name, sorted by name."""
+    _load_entry_points()
     return dict(sorted(_REGISTRY.items()))
 
 
@@ -204,6 +226,8 @@ def resolve_task(name: str) -> TaskFactory:
         if not callable(obj):
             raise RegistryError(f"task factory {name!r} is not callable")
         return obj
+    if name not in _REGISTRY:
+        _load_entry_points()
     if name not in _REGISTRY:
         known = ", ".join(available_tasks()) or "none"
         raise RegistryError(
