@@ -1,31 +1,83 @@
-"""The ``paramserver`` command line: a click group; each command lives in its own module.
+"""The ``paramserver`` command: a click group whose commands live one module each.
 
-Minimal entry point: register a command with one line, ``main.add_command(command)``.
+The commands only build configs and call the library (paramserver/, workers/);
+nothing here speaks ZeroMQ.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 
 import click
 
-from .experiment import experiment
-from .simulate import simulate
+# Command modules, tried in this order. Each module names its click commands in
+# __all__; adding the module's name here, one line, registers them. A module
+# that does not exist is skipped, so a command still being written (bench, say)
+# appears as soon as its file lands; a module that exists but fails to import
+# is an error, never silently hidden.
+COMMAND_MODULES = [
+    "cli.server",
+    "cli.worker",
+    "cli.launch",
+    "cli.status",
+    "cli.listing",
+    "cli.distributed",
+    "cli.experiment",
+    "cli.bench",
+    "cli.checkpoint",
+    "cli.keys",
+    "cli.simulate",
+]
 
-__all__ = ["main"]
+EPILOG = """\b
+Start here:
+  paramserver launch -s 2 -n 3 --mode sync      a whole cluster on this machine
+  paramserver server / paramserver worker       one process each, e.g. per terminal
+  paramserver run --num-servers 2               under torchrun or srun, across hosts
+  paramserver status --servers HOST:PORT,...    what each shard is doing
+  paramserver policies / paramserver tasks      what can be named in --policy / --task
+
+\b
+Every option of server, worker, launch and run can also come from a TOML
+file (--config FILE) or an environment variable PARAMSERVER_<OPTION>; flags
+win over the environment, which wins over the file. See docs/cli.md.
+"""
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="paramserver")
-def main() -> None:
-    """Sharded parameter servers for data-parallel deep learning."""
-    logging.basicConfig(level=os.environ.get("PARAMSERVER_LOG_LEVEL", "WARNING"),
-                        format="%(levelname)s %(name)s: %(message)s")
+@click.group("paramserver", epilog=EPILOG,
+             context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="paramserver", prog_name="paramserver")
+@click.option("--log-level", type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"],
+                                               case_sensitive=False),
+              default=None, envvar="PARAMSERVER_LOG_LEVEL", show_envvar=True,
+              help="Log level of this process and of the processes it starts [default: "
+                   "WARNING here, INFO in the logs of started processes].")
+def main(log_level: str | None) -> None:
+    """Sharded parameter servers: sync, async and bounded-staleness training."""
+    if log_level is not None:
+        os.environ["PARAMSERVER_LOG_LEVEL"] = log_level.upper()  # `launch`'s processes inherit it
+    logging.basicConfig(level=(log_level or "WARNING").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-main.add_command(experiment)
-main.add_command(simulate)
+def register_commands(group: click.Group, modules: list[str]) -> None:
+    """Add the click commands each module names in ``__all__``; skip modules not written yet."""
+    for name in modules:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name == name:
+                continue
+            raise
+        for attr in getattr(module, "__all__", ()):
+            command = getattr(module, attr)
+            if isinstance(command, click.Command):
+                group.add_command(command)
+
+
+register_commands(main, COMMAND_MODULES)
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,117 @@
+"""``paramserver run``: one rank of a run started by torchrun or Slurm.
+
+Start the same command on every rank; the launcher's environment says which
+rank this is. The role mapping and the rendezvous live in
+:mod:`workers.rendezvous`; this module only turns options into configs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import click
+
+from paramserver.errors import ConfigError, ParamServerError, RemoteError, TransportError
+from workers.rendezvous import (
+    Rendezvous,
+    RendezvousError,
+    assign_role,
+    default_host,
+    launch_env,
+    run_server_rank,
+    run_worker_rank,
+)
+
+from . import options
+from .server import ready_printer
+from .worker import fail, summary
+
+__all__ = ["run"]
+
+EPILOG = """\b
+torchrun, one node, 2 servers + 2 workers:
+  torchrun --nnodes 1 --nproc-per-node 4 -m cli run --num-servers 2 \\
+      --mode sync --steps 150
+(or, with the console script: torchrun ... --no-python paramserver run ...)
+
+\b
+torchrun, two nodes (run on each; node 0 is 10.0.0.5):
+  torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d \\
+      --rdzv-endpoint 10.0.0.5:29400 --rdzv-id job42 \\
+      --no-python paramserver run --num-servers 2 --port 5600
+
+\b
+Slurm, 8 tasks on 2 nodes (2 servers, 6 workers):
+  srun --nodes 2 --ntasks 8 --kill-on-bad-exit=1 \\
+      paramserver run --num-servers 2 --mode ssp --staleness-bound 2
+
+\b
+Ranks 0..S-1 are servers (shard = rank), the others workers. Servers publish
+their addresses in torch.distributed's TCPStore at MASTER_ADDR:MASTER_PORT
+(Slurm: on the first node); workers wait for them (--rendezvous-timeout) and
+say which server ranks are missing. When the last worker is done, every
+server stops, so the launcher sees all ranks exit. See docs/multihost.md.
+"""
+
+
+@click.command("run", epilog=EPILOG,
+               short_help="One rank of a torchrun or Slurm job.")
+@options.apply_groups("run")
+@click.pass_context
+def run(ctx: click.Context, **opts: Any) -> None:
+    """Run this rank of a multi-host job as a server or a worker (torchrun or Slurm)."""
+    out = Path(opts["out"]) if opts["out"] else None
+    # every option is checked before the launcher's environment is even read
+    server_template = options.server_config(opts, bind="tcp://127.0.0.1:0")
+    worker_template = options.worker_config(ctx, opts, servers=["rendezvous"])
+    options.maybe_print_config(ctx, opts)
+    with options.user_errors():
+        env = launch_env(launcher=opts["launcher"], store_host=opts["store_host"],
+                         store_port=opts["store_port"])
+        role = assign_role(env.rank, env.world_size, opts["num_servers"])
+    click.echo(f"paramserver run: rank {env.rank} of {env.world_size} ({env.launcher}) is "
+               f"{role.describe()}; rendezvous at {env.store}", err=True)
+    if role.kind == "server":
+        with options.user_errors("--host"):
+            host = opts["host"] or default_host(env)
+        with options.user_errors():
+            config = dataclasses.replace(
+                server_template, shard=role.index, num_shards=role.num_servers,
+                bind=options.bind_address(host, opts["port"] + role.index if opts["port"] else 0),
+                expected_workers=role.num_workers,
+                event_log=str(out / "events" / f"server{role.index}.jsonl") if out else None,
+            )
+    else:
+        device = worker_template.device
+        if device == "auto":  # one GPU per local rank, where there are GPUs
+            import torch
+
+            if torch.cuda.is_available():
+                device = f"cuda:{env.local_rank % torch.cuda.device_count()}"
+        with options.user_errors():
+            wconfig = dataclasses.replace(
+                worker_template, rank=role.index, world_size=role.num_workers, device=device,
+                event_log=str(out / "events" / f"worker{role.index}.jsonl") if out else None,
+                result_file=str(out / "results" / f"worker{role.index}.json") if out else None,
+            )
+    try:
+        rdzv = Rendezvous(env, opts["rendezvous_timeout"])
+        if role.kind == "server":
+            run_server_rank(config, rdzv, ready_printer(config))
+            click.echo(f"paramserver: shard {role.index} stopped", err=True)
+        else:
+            result = run_worker_rank(wconfig, rdzv, role.num_servers)
+            click.echo(summary(result))
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from exc
+    except RendezvousError as exc:
+        raise click.ClickException(f"rank {env.rank}: {exc}") from exc
+    except (TransportError, RemoteError) as exc:
+        if role.kind == "worker":
+            raise fail(f"worker {role.index} (rank {env.rank})", exc) from exc
+        raise click.ClickException(f"rank {env.rank}: {exc}") from exc
+    except ParamServerError as exc:
+        raise click.ClickException(f"rank {env.rank}: {exc}") from exc
+

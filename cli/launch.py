@@ -1,0 +1,184 @@
+"""``paramserver launch``: a whole local cluster for one run."""
+
+from __future__ import annotations
+
+import collections
+import signal
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+from paramserver.errors import ParamServerError
+from workers.cluster import ClusterSpec, run_cluster
+from workers.cluster import Progress as ClusterProgress
+
+from . import options
+
+__all__ = ["launch"]
+
+EPILOG = """\b
+Examples:
+  # 2 shards, 3 workers, synchronous training of digits-mlp
+  paramserver launch -s 2 -n 3 --mode sync --steps 150 --out runs/sync
+\b
+  # bounded staleness with a 4x slower worker 2, stale updates down-weighted
+  paramserver launch -n 4 --mode ssp --staleness-bound 3 --policy inverse \\
+      --straggler 2:slowdown=4 --out runs/ssp
+\b
+  # everything from a file, one option overridden; show what would run
+  paramserver launch --config run.toml --mode async --print-config
+
+\b
+Each process logs to DIR/logs/<name>.log and writes JSONL events to
+DIR/events/; DIR/result.json holds the final loss and accuracy, every
+worker's counts and timings and every shard's statistics. Ctrl-C or SIGTERM
+stops every process. Exit codes: 0 done, 1 a process failed (the message
+names it and shows its log's tail), 2 bad options, 130/143 interrupted.
+"""
+
+
+class _Stop(KeyboardInterrupt):
+    """Raised in the main thread by SIGINT or SIGTERM; the cluster stops on the way out."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+class _Signals:
+    """SIGINT and SIGTERM raise :class:`_Stop` once; repeats are ignored, so the
+    clean-up they start cannot itself be interrupted half-way."""
+
+    def __init__(self) -> None:
+        self.fired: int | None = None
+        self._old: dict[int, Any] = {}
+
+    def _handler(self, signum: int, frame: FrameType | None) -> None:
+        if self.fired is None:
+            self.fired = signum
+            raise _Stop(signum)
+
+    def __enter__(self) -> _Signals:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._old[sig] = signal.signal(sig, self._handler)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+class _ProgressView:
+    """Feeds the cluster's progress reports into a rich progress bar."""
+
+    def __init__(self, progress: Progress, description: str, total: int | None) -> None:
+        self.progress = progress
+        self.task = progress.add_task(description, total=total or None, loss="-", rate="-")
+        self.window: collections.deque[tuple[float, int]] = collections.deque()
+
+    def __call__(self, report: ClusterProgress) -> None:
+        now = time.monotonic()
+        done = report.done_steps
+        self.window.append((now, done))
+        while len(self.window) > 2 and now - self.window[0][0] > 5.0:
+            self.window.popleft()
+        t0, d0 = self.window[0]
+        rate = f"{(done - d0) / (now - t0):.1f}" if now > t0 and done > d0 else "-"
+        losses = list(report.last_loss.values())
+        loss = f"{sum(losses) / len(losses):.4f}" if losses else "-"
+        self.progress.update(self.task, completed=done, loss=loss, rate=rate)
+
+
+def _summary(spec: ClusterSpec, result: dict[str, Any], out: Path) -> str:
+    workers = result["workers"]
+    pushes = sum(w["pushes"] for w in workers)
+    accepted = sum(w["accepted"] for w in workers)
+    rejected = sum(w["rejected"] for w in workers)
+    seconds = result["seconds"]
+    lines = [f"finished in {seconds:.1f}s: {spec.server.mode_spec().describe()}, "
+             f"{spec.num_servers} server(s) x {spec.num_workers} worker(s), {spec.worker.task}"]
+    if result["eval"]:
+        lines.append("held-out " + ", ".join(f"{k} {v:.4f}" for k, v in result["eval"].items()))
+    lines.append(f"pushes {pushes} ({accepted} accepted, {rejected} rejected), "
+                 f"{pushes / seconds if seconds else 0:.1f}/s; shard versions "
+                 f"{', '.join(str(v) for v in result['updates_applied'])}")
+    lines.append(f"result: {out / 'result.json'} (logs in {out / 'logs'})")
+    return "\n".join(lines)
+
+
+def _out_dir(value: str | None) -> Path:
+    out = Path(value) if value else Path("runs") / time.strftime("launch-%Y%m%d-%H%M%S")
+    if (out / "result.json").exists() or (out / "events").exists():
+        raise click.BadParameter(f"{out} holds an earlier run; choose another directory or "
+                                 "delete it", param_hint="--out")
+    return out
+
+
+@click.command("launch", epilog=EPILOG,
+               short_help="A whole cluster on this machine, start to finish.")
+@options.apply_groups("launch")
+@click.pass_context
+def launch(ctx: click.Context, **opts: Any) -> None:
+    """Run a whole cluster on this machine: S servers and N workers, one process each.
+
+    Takes every option of `paramserver server` that sets how shards train
+    and every option of `paramserver worker` that sets how workers train;
+    addresses, ranks and shard ids are assigned here.
+    """
+    num_servers, num_workers = opts["num_servers"], opts["num_workers"]
+    stragglers = options.straggler_overrides(opts)
+    if stragglers and max(stragglers) >= num_workers:
+        raise click.BadParameter(f"worker {max(stragglers)} does not exist: ranks are 0 .. "
+                                 f"{num_workers - 1}", param_hint="--straggler")
+    with options.user_errors():
+        spec = ClusterSpec(
+            num_servers=num_servers,
+            num_workers=num_workers,
+            server=options.server_config(opts, num_shards=num_servers,
+                                         expected_workers=num_workers),
+            worker=options.worker_config(ctx, opts, servers=["unset"], world_size=num_workers),
+            stragglers=stragglers,
+            startup_timeout=opts["startup_timeout"],
+            run_timeout=opts["run_timeout"],
+            evaluate=opts["eval"],
+            on_worker_failure=opts["on_worker_failure"],
+            restart_servers=opts["restart_servers"],
+            max_restarts=opts["max_restarts"],
+        )
+    options.maybe_print_config(ctx, opts)
+    out = _out_dir(opts["out"])
+    steps = spec.worker.steps
+    console = Console(stderr=True)
+    bar = Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[rate]} updates/s"),
+        TimeElapsedColumn(), TimeRemainingColumn(), console=console, disable=opts["quiet"],
+    )
+    description = (f"{spec.server.mode_spec().describe()} {num_servers}x{num_workers} "
+                   f"{spec.worker.task}")
+    with _Signals():
+        try:
+            with bar:
+                view = _ProgressView(bar, description, steps * num_workers if steps else None)
+                result = run_cluster(spec, out, on_progress=view)
+        except _Stop as stop:
+            name = signal.Signals(stop.signum).name
+            console.print(f"paramserver launch: {name}: every process stopped; logs in "
+                          f"{out / 'logs'}")
+            ctx.exit(128 + stop.signum)
+        except ParamServerError as exc:
+            raise click.ClickException(f"{exc}\n(all logs in {out / 'logs'})") from exc
+    click.echo(_summary(spec, result, out))
+

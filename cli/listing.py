@@ -1,0 +1,130 @@
+"""``paramserver policies`` and ``paramserver tasks``: what can be named on the command line."""
+
+from __future__ import annotations
+
+import inspect
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from paramserver.errors import RegistryError
+from paramserver.staleness import ENTRY_POINT_GROUP as POLICY_GROUP
+from paramserver.staleness import available_policies, policy_parameters, resolve_policy
+from workers.tasks import ENTRY_POINT_GROUP as TASK_GROUP
+from workers.tasks import available_tasks, resolve_task, task_description, task_parameters
+
+__all__ = ["policies", "tasks"]
+
+_BUILTIN = ("paramserver.", "workers.")
+
+
+def _annotation(annotation: Any) -> str:
+    if annotation is inspect.Parameter.empty:
+        return ""
+    return annotation if isinstance(annotation, str) else getattr(annotation, "__name__",
+                                                                   str(annotation))
+
+
+def _param_text(name: str, annotation: Any, default: Any) -> str:
+    kind = _annotation(annotation)
+    text = f"{name}: {kind}" if kind else name
+    return text + ("" if default is inspect.Parameter.empty else f" = {default!r}")
+
+
+def _source(obj: Any) -> str:
+    module = getattr(obj, "__module__", "") or ""
+    return "built-in" if module.startswith(_BUILTIN) else module
+
+
+def _first_line(obj: Any) -> str:
+    doc = inspect.getdoc(obj) or ""
+    return doc.splitlines()[0] if doc else ""
+
+
+def _print(rows: list[dict[str, Any]], title: str, footer: str, as_json: bool) -> None:
+    if as_json:
+        click.echo(json.dumps(rows, indent=2, default=repr))
+        return
+    table = Table(title=title, show_lines=False)
+    for column in ("name", "parameters", "from", "description"):
+        table.add_column(column, overflow="fold")
+    for row in rows:
+        params = "\n".join(_param_text(k, p["type"], p.get("default", inspect.Parameter.empty))
+                           for k, p in row["parameters"].items()) or "-"
+        table.add_row(row["name"], params, row["from"], row["description"])
+    console = Console()
+    console.print(table)
+    console.print(footer, highlight=False)
+
+
+def _parameters(params: Mapping[str, inspect.Parameter]) -> dict[str, dict[str, Any]]:
+    out = {}
+    for name, p in params.items():
+        entry: dict[str, Any] = {"type": _annotation(p.annotation)}
+        if p.default is not p.empty:
+            entry["default"] = p.default
+        out[name] = entry
+    return out
+
+
+def _resolve_all(names: tuple[str, ...], known: Mapping[str, Any], resolve: Any) -> dict[str, Any]:
+    if not names:
+        return dict(known)
+    try:
+        return {name: resolve(name) for name in names}
+    except RegistryError as exc:
+        raise click.UsageError(str(exc)) from exc
+
+
+@click.command("policies", short_help="Staleness policies and their parameters.", epilog=f"""\b
+Examples:
+  paramserver policies
+  paramserver policies reject mypkg.policies:MyPolicy --json
+  paramserver launch --policy reject --policy-arg max_staleness=4
+
+\b
+A policy of your own: subclass paramserver.staleness.StalenessPolicy and name
+it as module:Class, or register it as an entry point in the group
+{POLICY_GROUP} to list it here by name.""")
+@click.argument("names", nargs=-1, metavar="[NAME|module:Class]...")
+@click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
+def policies(names: tuple[str, ...], as_json: bool) -> None:
+    """List the staleness policies (built-in and installed) and their parameters."""
+    classes = _resolve_all(names, available_policies(), resolve_policy)
+    rows = []
+    for name, cls in classes.items():
+        params = policy_parameters(cls)
+        rows.append({"name": name, "parameters": _parameters(params), "from": _source(cls),
+                     "description": _first_line(cls)})
+    _print(rows, "staleness policies", "Use: --policy NAME --policy-arg KEY=VALUE", as_json)
+
+
+@click.command("tasks", short_help="Tasks and their parameters.", epilog=f"""\b
+Examples:
+  paramserver tasks
+  paramserver tasks digits-mlp tests.tasks_fixture:make_task --json
+  paramserver launch --task synthetic-mlp --task-arg params_mb=16
+
+\b
+A task of your own: a factory called as f(rank=..., world_size=..., **args)
+returning model, batches and loss_fn (see workers/tasks.py); name it as
+module:function, or register it as an entry point in the group {TASK_GROUP}
+to list it here by name.""")
+@click.argument("names", nargs=-1, metavar="[NAME|module:function]...")
+@click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
+def tasks(names: tuple[str, ...], as_json: bool) -> None:
+    """List the tasks (built-in and installed) and their parameters."""
+    factories = _resolve_all(names, available_tasks(), resolve_task)
+    rows = []
+    for name, factory in factories.items():
+        sig = inspect.signature(factory)
+        params = {k: sig.parameters[k] for k in task_parameters(factory) if k in sig.parameters}
+        rows.append({"name": name, "parameters": _parameters(params), "from": _source(factory),
+                     "description": task_description(name)})
+    _print(rows, "tasks", "Use: --task NAME --task-arg KEY=VALUE (rank and world_size are "
+           "given by the launcher)", as_json)
+

@@ -1,0 +1,71 @@
+"""``paramserver server``: one shard server, in the foreground."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from paramserver.errors import TransportError
+from paramserver.server import ServerConfig, announce_ready, run_server
+
+from . import options
+
+__all__ = ["server"]
+
+EPILOG = """\b
+Examples:
+  # two shards on this machine, fixed ports, sync training for 3 workers
+  paramserver server --shard 0 --num-shards 2 --bind 127.0.0.1:5600 \\
+      --mode sync --expected-workers 3
+  paramserver server --shard 1 --num-shards 2 --bind 127.0.0.1:5601 \\
+      --mode sync --expected-workers 3
+
+\b
+  # accept workers from other hosts; bounded staleness; down-weight late updates
+  paramserver server --bind 0.0.0.0:5600 --mode ssp --staleness-bound 2 \\
+      --policy inverse --optimizer adam --lr 0.001
+
+\b
+The server prints one line on stdout when it listens,
+  PARAMSERVER_READY tcp://HOST:PORT pid=PID
+for scripts, and a sentence on stderr for you. It serves until Ctrl-C
+(SIGINT) or SIGTERM, then exits with code 0. Workers connect with
+`paramserver worker --servers ADDR0,ADDR1,...` (addresses in shard order).
+"""
+
+
+def ready_printer(config: ServerConfig) -> Any:
+    """on_ready callback: the machine-readable line on stdout, a sentence on stderr."""
+
+    def on_ready(address: str) -> None:
+        announce_ready(address)
+        click.echo(
+            f"paramserver: shard {config.shard} of {config.num_shards} listening on {address} "
+            f"({config.mode_spec().describe()}, policy {config.policy}, optimizer "
+            f"{config.optimizer}); waiting for {config.expected_workers} worker(s). "
+            "Stop with Ctrl-C.",
+            err=True,
+        )
+
+    return on_ready
+
+
+@click.command("server", epilog=EPILOG,
+               short_help="One shard server (holds a slice of the weights).")
+@options.apply_groups("server")
+@click.pass_context
+def server(ctx: click.Context, **opts: Any) -> None:
+    """Run one shard server: it holds a slice of the weights and their optimizer.
+
+    Start one per shard (--shard 0 .. --num-shards - 1); every worker talks to
+    all of them. It binds 127.0.0.1 unless --bind says otherwise.
+    """
+    config = options.server_config(opts)
+    options.maybe_print_config(ctx, opts)
+    try:
+        run_server(config, ready_printer(config))
+    except TransportError as exc:  # e.g. the port is in use
+        raise click.ClickException(f"shard {config.shard}: {exc}") from exc
+    click.echo(f"paramserver: shard {config.shard} stopped", err=True)
+
