@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import Counter
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -40,11 +40,13 @@ from .staleness import BoundStats, Decision, NoPolicy, StalenessPolicy, UpdateIn
 __all__ = [
     "MODES",
     "CoreConfig",
+    "GradStats",
     "ModeSpec",
     "PullReply",
     "PushOutcome",
     "ShardCore",
     "SliceSpec",
+    "StepStats",
     "WorkerState",
 ]
 
@@ -194,6 +196,25 @@ class PushOutcome:
 
 
 @dataclass(frozen=True)
+class GradStats:
+    """One push's gradient on this shard, for metrics and the watchdog."""
+
+    worker: int
+    norm: float  # L2 norm over the shard's slices (NaN/Inf if the gradient is not finite)
+    cosine: float | None  # to the running mean of earlier pushes (None: no mean yet)
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """One optimizer step, for metrics and the watchdog."""
+
+    version: int  # after the step
+    update_norm: float  # L2 norm of the change to the weights
+    weight_norm: float  # L2 norm of the weights after the step
+    lr: float  # the learning rate applied (policy weight included)
+
+
+@dataclass(frozen=True)
 class PullReply:
     worker: int
     token: Hashable
@@ -269,6 +290,15 @@ class ShardCore:
         self._staleness_total = 0
         self._pulls_answered = 0
         self._wait_total = 0.0
+        # observability, off until a driver calls observe(): costs two copies of the slices
+        self._observer: Callable[[GradStats | StepStats], None] | None = None
+        self._observe_every = 1
+        self._observed = 0  # pushes seen by the observer hook (sampling counter)
+        self._measure_step = False
+        self._ema_decay: float | None = None
+        self._grad_ema: dict[str, torch.Tensor] = {}
+        self._ema_sq = 0.0  # |running mean|^2, kept by recurrence (saves a pass per push)
+        self._before: dict[str, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ membership
 
@@ -573,6 +603,12 @@ class ShardCore:
         state.staleness[tau] += 1
         self._pushes_total += 1
         self._staleness_total += tau
+        if self._observer is not None:
+            self._observed += 1
+            sampled = self._observed % self._observe_every == 0
+            self._measure_step = sampled
+            if sampled:
+                self._observer(self._grad_stats(worker, grads))
         info = UpdateInfo(
             worker=worker, shard=self.config.shard, staleness=tau, read_version=read_version,
             version=self.version, clock=clock, min_clock=self.min_clock(),
@@ -678,6 +714,21 @@ class ShardCore:
         if weight != 1.0:
             for g in groups:
                 g["lr"] = g["lr"] * weight
+        measure = self._observer is not None and (
+            self._measure_step or self.mode.mode == "sync" or self._observe_every == 1)
+        # plain SGD moves the weights by exactly lr * |grad|: no copy needed to measure it
+        plain_sgd = type(self.optimizer) is torch.optim.SGD and all(
+            not g.get("momentum") and not g.get("weight_decay") for g in groups)
+        grad_sq = 0.0
+        if measure and plain_sgd:
+            grad_sq = sum(float(torch.linalg.vector_norm(p.grad, dtype=torch.float32)) ** 2
+                          for p in self.params.values() if p.grad is not None)
+        elif measure:
+            for key, p in self.params.items():
+                if key not in self._before:
+                    self._before[key] = torch.empty_like(p)
+                self._before[key].copy_(p.detach())
+        applied_lr = float(groups[0]["lr"])
         self.optimizer.step()
         for g, lr in zip(groups, saved, strict=True):
             g["lr"] = lr
@@ -686,6 +737,57 @@ class ShardCore:
         if self.scheduler is not None:
             self.scheduler.step()
         self.version += 1
+        if measure:
+            assert self._observer is not None
+            update, weights = applied_lr * applied_lr * grad_sq, 0.0
+            for key, p in self.params.items():
+                if not plain_sgd:
+                    delta = self._before[key].sub_(p.detach())
+                    update += float(torch.linalg.vector_norm(delta, dtype=torch.float32)) ** 2
+                weights += float(torch.linalg.vector_norm(p.detach(), dtype=torch.float32)) ** 2
+            self._observer(StepStats(self.version, math.sqrt(update), math.sqrt(weights),
+                                     applied_lr))
+
+    # ------------------------------------------------------------------ observability
+
+    def observe(self, observer: Callable[[GradStats | StepStats], None] | None, *,
+                cosine_decay: float | None = 0.97, every: int = 1) -> None:
+        """Report pushes' :class:`GradStats` and optimizer steps' :class:`StepStats`.
+
+        ``every``: measure one push in ``every`` (and the step it causes; sync
+        rounds are always measured), for shards too large to measure each time.
+        ``cosine_decay``: decay of the running mean gradient the cosine is taken
+        against (None: no cosine, and no memory for the mean).
+        """
+        if cosine_decay is not None and not 0.0 < cosine_decay < 1.0:
+            raise ConfigError(f"cosine_decay must be in (0, 1), got {cosine_decay}")
+        if every < 1:
+            raise ConfigError(f"observe every must be >= 1, got {every}")
+        self._observer = observer
+        self._observe_every = every
+        self._ema_decay = cosine_decay
+        self._grad_ema.clear()
+        self._ema_sq = 0.0
+        self._before.clear()
+
+    def _grad_stats(self, worker: int, grads: Mapping[str, torch.Tensor]) -> GradStats:
+        flat = {k: g.reshape(-1).float() for k, g in grads.items()}
+        norm = math.sqrt(sum(float(torch.linalg.vector_norm(g)) ** 2 for g in flat.values()))
+        decay = self._ema_decay
+        if decay is None or not math.isfinite(norm):
+            return GradStats(worker, norm, None)
+        if not self._grad_ema:
+            # from zero, not from the first push: that would weigh it ~1/(1 - decay) times more
+            self._grad_ema = {k: torch.zeros_like(g) for k, g in flat.items()}
+            self._ema_sq = 0.0
+        dot = sum(float(torch.dot(g, self._grad_ema[k])) for k, g in flat.items())
+        mean_sq = self._ema_sq
+        cosine = dot / (norm * math.sqrt(mean_sq)) if norm > 0 and mean_sq > 0 else None
+        for key, g in flat.items():
+            self._grad_ema[key].lerp_(g, 1.0 - decay)  # decay * mean + (1 - decay) * g
+        self._ema_sq = max(0.0, decay * decay * mean_sq + 2 * decay * (1 - decay) * dot
+                           + (1 - decay) ** 2 * norm * norm)
+        return GradStats(worker, norm, cosine)
 
     # ------------------------------------------------------------------ checkpoints
 

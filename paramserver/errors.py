@@ -84,6 +84,7 @@ class ErrorCode:
     UNKNOWN_KEY = "unknown_key"
     FUTURE_VERSION = "future_version"
     NONFINITE = "nonfinite"
+    STOPPED = "stopped"  # the divergence watchdog stopped training on this shard
     INTERNAL = "internal"
 
     ALL = frozenset(

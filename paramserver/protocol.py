@@ -93,6 +93,7 @@ _SCHEMA: dict[Op, dict[str, tuple[tuple[type, ...], bool]]] = {
         "clock": (_INT, True),
         "read_version": (_INT, True),
         "num_samples": (_INT, True),
+        "loss": (_NUM, False),  # the worker's training loss on this push's samples
     },
     Op.HEARTBEAT: {"worker": (_INT, True)},
     Op.BYE: {"worker": (_INT, True)},

@@ -25,7 +25,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import zmq
 
@@ -33,16 +33,20 @@ from .checkpoint import CheckpointError, load_shard, save_shard
 from .core import CoreConfig, ModeSpec, ShardCore, SliceSpec
 from .errors import ConfigError, ErrorCode, ProtocolError
 from .events import EventLog
+from .metrics import MetricsExporter, TensorBoardWriter
+from .observe import ShardObserver
 from .protocol import PROTOCOL_VERSION, Message, Op, decode, error_reply, reply
 from .sharding import ShardPlan
 from .staleness import create_policy
 from .transport import CurveKeys, RouterSocket
+from .watchdog import ACTIONS, Alarm, Watchdog, WatchdogConfig
 
-__all__ = ["READY_PREFIX", "ServerConfig", "ShardServer", "run_server"]
+__all__ = ["DIVERGED_EXIT_CODE", "READY_PREFIX", "ServerConfig", "ShardServer", "run_server"]
 
 log = logging.getLogger(__name__)
 
 READY_PREFIX = "PARAMSERVER_READY"
+DIVERGED_EXIT_CODE = 3  # the watchdog stopped training (--on-divergence stop/checkpoint-and-stop)
 
 
 @dataclass
@@ -74,6 +78,11 @@ class ServerConfig:
     checkpoint_seconds: float = 0.0  # seconds between checkpoints (0: off)
     checkpoint_keep: int = 2
     resume: str | None = None  # a checkpoint directory to restore this shard from
+    metrics_port: int | None = None  # Prometheus endpoint (0: any free port; None: none)
+    metrics_interval: float = 10.0  # seconds between "metrics" events (and TensorBoard points)
+    tensorboard: str | None = None  # TensorBoard log directory (this shard writes shard<i>/)
+    on_divergence: str = "warn"  # what a watchdog alarm does: warn, checkpoint-and-stop, stop
+    watchdog: dict[str, Any] = field(default_factory=dict)  # WatchdogConfig overrides
 
     def __post_init__(self) -> None:
         if self.num_shards < 1:
@@ -88,6 +97,20 @@ class ServerConfig:
             raise ConfigError("periodic checkpoints need a checkpoint directory")
         if self.curve_clients_dir and not self.curve_secret_key:
             raise ConfigError("curve_clients_dir needs curve_secret_key (the server's key pair)")
+        if self.on_divergence not in ACTIONS:
+            raise ConfigError(f"on_divergence must be one of {', '.join(ACTIONS)}; "
+                              f"got {self.on_divergence!r}")
+        if self.on_divergence == "checkpoint-and-stop" and not self.checkpoint_dir:
+            raise ConfigError("--on-divergence checkpoint-and-stop needs a checkpoint directory")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"metrics_port must be in 0..65535 (0: any free port), "
+                              f"got {self.metrics_port}")
+        if not self.metrics_interval > 0:
+            raise ConfigError(f"metrics_interval must be > 0, got {self.metrics_interval}")
+        self.watchdog_config()
+
+    def watchdog_config(self) -> WatchdogConfig:
+        return WatchdogConfig.from_dict(self.watchdog)
 
     def mode_spec(self) -> ModeSpec:
         return ModeSpec(self.mode, self.staleness_bound, self.backup_workers)
@@ -128,13 +151,28 @@ class ShardServer:
         self.events = EventLog(config.event_log)
         self.plan: ShardPlan | None = None
         self.core: ShardCore | None = None
-        if config.plan is not None:
-            self._adopt_plan(ShardPlan.from_description(config.plan))
         self._inflight: list[zmq.MessageTracker] = []
         self._running = False
         self.counters: Counter[str] = Counter()
         self.started_at = time.time()
         self._last_checkpoint = (time.monotonic(), -1)  # (when, version)
+        self.watchdog = Watchdog(config.shard, config.watchdog_config(),
+                                 bounded_lag=config.mode != "async")
+        self.observer = ShardObserver(
+            config.shard, self.events, self.watchdog, interval=config.metrics_interval,
+            tensorboard=(TensorBoardWriter(Path(config.tensorboard) / f"shard{config.shard}")
+                         if config.tensorboard else None),
+        )
+        self.exporter = MetricsExporter.for_bind(self.observer.registry, config.metrics_port,
+                                                 self.address)
+        self.metrics_port = self.exporter.start()
+        self._observer_pulls: set[Any] = set()  # tokens of observer pulls (no worker metrics)
+        self.diverged: Alarm | None = None
+        self._stop_at: float | None = None  # diverged: refuse requests until then, then exit
+        self._told: set[int] = set()  # workers refused since the watchdog stopped training
+        self.exit_code = 0
+        if config.plan is not None:
+            self._adopt_plan(ShardPlan.from_description(config.plan))
         if config.resume:
             self._restore(config.resume)
 
@@ -144,7 +182,7 @@ class ShardServer:
                       tick: float = 0.05) -> None:
         self._running = True
         self.events.write("server_start", shard=self.config.shard, address=self.address,
-                          config=self.config.to_dict())
+                          metrics_port=self.metrics_port, config=self.config.to_dict())
         log.info("shard %d/%d serving at %s (%s, policy %s)", self.config.shard,
                  self.config.num_shards, self.address, self.config.mode_spec().describe(),
                  self.policy.describe())
@@ -166,11 +204,19 @@ class ShardServer:
                         self._before_mutation()
                     for worker in self.core.expire(now):
                         self.events.write("worker_dead", shard=self.config.shard, worker=worker)
+                        self.observer.left(self.core, worker)
                     self._answer_pulls(now)
                     self._maybe_checkpoint()
-            if self.config.checkpoint_dir:
+                self._act_on_alarms()  # a death may have closed a sync round
+                self.observer.tick(now)
+                if self._stop_at is not None and (now >= self._stop_at or self._all_told()):
+                    self._running = False
+            # a diverged shard must not overwrite good checkpoints with its state
+            if self.config.checkpoint_dir and self.diverged is None:
                 self.save_checkpoint()
         finally:
+            self.observer.close()
+            self.exporter.close()
             self.events.write("server_stop", shard=self.config.shard,
                               version=self.core.version if self.core else 0)
             self.events.close()
@@ -236,9 +282,12 @@ class ShardServer:
             if handler is None:
                 raise ProtocolError(ErrorCode.UNKNOWN_OP,
                                     f"a server does not accept {msg.op.value}")
+            if self.diverged is not None and msg.op not in (Op.STATS, Op.SHUTDOWN):
+                self._refuse_diverged(msg)
             answer = handler(self, msg, identity)
         except ProtocolError as exc:
             self.counters[f"error_{exc.code}"] += 1
+            self.observer.error(exc.code)
             log.debug("refused a message: %s", exc)
             answer = error_reply(seq, exc.code, exc.reason)
         except ConfigError as exc:  # e.g. a plug-in policy misbehaving
@@ -249,6 +298,7 @@ class ShardServer:
             self.counters["error_internal"] += 1
             log.exception("internal error while handling a message")
             answer = error_reply(seq, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+        self._act_on_alarms()  # before replying: the launcher learns of a stop first
         if answer is not None:
             self._send(identity, answer)
         if self.core is not None:
@@ -297,11 +347,60 @@ class ShardServer:
     def _answer_pulls(self, now: float) -> None:
         assert self.core is not None
         for ready in self.core.ready_pulls(now):
-            identity, seq = ready.token  # type: ignore[misc]
+            identity, seq = cast("tuple[bytes, int]", ready.token)
             msg = Message(Op.REPLY, seq, {"re": Op.PULL.value, "version": ready.version,
                                           "clock": ready.clock, "waited": ready.waited},
                           self.core.params)
             self._send(identity, msg)
+            if ready.token in self._observer_pulls:
+                self._observer_pulls.discard(ready.token)
+            else:
+                self.observer.pull(ready.worker, ready.waited + time.monotonic() - now,
+                                   ready.waited, msg.nbytes)
+
+    # ------------------------------------------------------------------ watchdog
+
+    def _observe_core(self) -> None:
+        assert self.core is not None
+        cfg = self.watchdog.config
+        cosine = cfg.enabled and "gradient_disagrees" not in cfg.disable
+        self.core.observe(self.observer.on_core, cosine_decay=0.97 if cosine else None,
+                          every=cfg.observe_every)
+
+    def _act_on_alarms(self) -> None:
+        """Carry out --on-divergence for alarms raised while handling a message."""
+        alarms = self.observer.take_alarms()
+        action = self.config.on_divergence
+        if not alarms or action == "warn" or self.diverged is not None:
+            return
+        first = self.diverged = alarms[0]
+        log.error("the divergence watchdog stops training (--on-divergence %s): %s", action,
+                  first.message)
+        path = None
+        if action == "checkpoint-and-stop":
+            assert self.config.checkpoint_dir is not None
+            path = self.save_checkpoint(str(Path(self.config.checkpoint_dir) / "diverged"))
+        self.events.write("diverged", shard=self.config.shard, action=action,
+                          signal=first.signal, worker=first.worker, message=first.message,
+                          version=self.core.version if self.core else 0, checkpoint=path)
+        self.events.flush()
+        self.exit_code = DIVERGED_EXIT_CODE
+        # linger a little, refusing every request, so workers learn why and stop
+        self._stop_at = time.monotonic() + min(10.0, self.config.heartbeat_timeout)
+
+    def _refuse_diverged(self, msg: Message) -> None:
+        assert self.diverged is not None
+        worker = msg.get("worker")
+        if isinstance(worker, int) and msg.op is not Op.HEARTBEAT:
+            self._told.add(worker)
+        raise ProtocolError(ErrorCode.STOPPED,
+                            f"the divergence watchdog stopped training: {self.diverged.message}")
+
+    def _all_told(self) -> bool:
+        if self.core is None:
+            return True
+        return all(w.worker in self._told for w in self.core.workers.values()
+                   if w.live and not w.finished)
 
     def _require_core(self) -> ShardCore:
         if self.core is None:
@@ -319,6 +418,7 @@ class ShardServer:
             )
         slices = [SliceSpec(s.key, s.numel, s.dtype) for s in plan.shard_slices(self.config.shard)]
         self.core = ShardCore(slices, self.config.core_config(), self.policy)
+        self._observe_core()
         self.plan = plan
         log.info("shard %d holds %d slices, %d bytes", self.config.shard, len(slices),
                  plan.shard_bytes(self.config.shard))
@@ -370,24 +470,38 @@ class ShardServer:
 
     def _on_pull(self, msg: Message, identity: bytes) -> None:
         core = self._require_core()
+        observer = bool(msg.get("observer", False))
         core.request_pull(msg["worker"], msg["clock"], (identity, msg.seq), time.monotonic(),
-                          observer=bool(msg.get("observer", False)))
+                          observer=observer)
+        if observer:
+            self._observer_pulls.add((identity, msg.seq))
         return None  # answered by _answer_pulls, now or when the gate opens
 
     def _on_push(self, msg: Message, identity: bytes) -> Message:
         core = self._require_core()
         self._before_mutation()
         read_version = msg["read_version"]
-        out = core.push(msg["worker"], msg["push_id"], msg["clock"], read_version,
-                        msg["num_samples"], msg.tensors, time.monotonic())
+        loss = msg.get("loss")
+        loss = None if loss is None else float(loss)
+        t0 = time.perf_counter()
+        try:
+            out = core.push(msg["worker"], msg["push_id"], msg["clock"], read_version,
+                            msg["num_samples"], msg.tensors, time.monotonic())
+        except ProtocolError as exc:
+            if exc.code == ErrorCode.NONFINITE:
+                self.observer.nonfinite(msg["worker"], loss)
+            raise
         if out.duplicate:
             self.counters["duplicate_pushes"] += 1
         else:
+            grad = self.observer.push(core, msg["worker"], out.as_dict(), loss=loss,
+                                      seconds=time.perf_counter() - t0, nbytes=msg.nbytes)
             self.events.write(
                 "push", shard=self.config.shard, worker=msg["worker"], clock=msg["clock"],
                 read_version=read_version, version=out.version, staleness=out.staleness,
                 accepted=out.accepted, weight=out.weight, reason=out.reason,
-                num_samples=msg["num_samples"],
+                num_samples=msg["num_samples"], loss=loss,
+                grad_norm=grad.norm if grad else None, cosine=grad.cosine if grad else None,
             )
         if out.applied and self.config.checkpoint_every:
             self._maybe_checkpoint()
@@ -403,6 +517,7 @@ class ShardServer:
         self._before_mutation()
         core.leave(msg["worker"], time.monotonic())
         self.events.write("worker_bye", shard=self.config.shard, worker=msg["worker"])
+        self.observer.left(core, msg["worker"])
         return reply(msg)
 
     def _on_stats(self, msg: Message, identity: bytes) -> Message:
@@ -436,6 +551,8 @@ class ShardServer:
             "address": self.address,
             "uptime": time.time() - self.started_at,
             "counters": dict(self.counters),
+            "metrics_port": self.metrics_port,
+            "observed": self.observer.summary(),
         }
         if self.core is not None:
             base.update(self.core.stats())
@@ -445,22 +562,31 @@ class ShardServer:
         return base
 
 
-def run_server(config: ServerConfig, on_ready: Callable[[str], None] | None = None) -> None:
-    """Run one shard until SHUTDOWN, SIGTERM or SIGINT."""
-    server = ShardServer(config)
-
+def _stop_on_signals(server: ShardServer) -> None:
     def _stop(signum: int, frame: Any) -> None:
-        log.info("shard %d: signal %d, stopping", config.shard, signum)
+        log.info("shard %d: signal %d, stopping", server.config.shard, signum)
         server.stop()
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
+
+
+def run_server(config: ServerConfig, on_ready: Callable[[str], None] | None = None) -> int:
+    """Run one shard until SHUTDOWN, SIGTERM or SIGINT, or until the watchdog stops it.
+
+    Returns the process exit code: 0, or :data:`DIVERGED_EXIT_CODE`.
+    """
+    server = ShardServer(config)
+    _stop_on_signals(server)
     server.serve_forever(on_ready)
+    return server.exit_code
 
 
-def announce_ready(address: str) -> None:
-    """Tell a parent process where we listen: one line on stdout."""
-    sys.stdout.write(f"{READY_PREFIX} {address} pid={os.getpid()}\n")
+def announce_ready(address: str, metrics_port: int | None = None) -> None:
+    """Tell a parent process where we listen: one line on stdout
+    (``PARAMSERVER_READY <address> pid=N [metrics=PORT]``)."""
+    metrics = f" metrics={metrics_port}" if metrics_port is not None else ""
+    sys.stdout.write(f"{READY_PREFIX} {address} pid={os.getpid()}{metrics}\n")
     sys.stdout.flush()
 
 
@@ -474,7 +600,10 @@ def main(argv: list[str] | None = None) -> None:
         level=os.environ.get("PARAMSERVER_LOG_LEVEL", "INFO"),
         format=f"%(asctime)s shard{config.shard} %(levelname)s %(name)s: %(message)s",
     )
-    run_server(config, announce_ready)
+    server = ShardServer(config)
+    _stop_on_signals(server)
+    server.serve_forever(lambda address: announce_ready(address, server.metrics_port))
+    sys.exit(server.exit_code)
 
 
 if __name__ == "__main__":

@@ -274,15 +274,18 @@ class PSClient:
         return out
 
     def push(self, grads: Mapping[str, torch.Tensor], read_versions: Sequence[int],
-             num_samples: int, clock: int) -> PushResult:
-        """Send gradient slices to every shard, tagged with the version each was read at."""
+             num_samples: int, clock: int, loss: float | None = None) -> PushResult:
+        """Send gradient slices to every shard, tagged with the version each was read at
+        (and the training loss of those samples, if given)."""
         t0 = time.perf_counter()
         parts = self.plan.split_tensors(self._host_grads(grads))
         self._push_id += 1
-        msgs = [Message(Op.PUSH, 0, {
-            "worker": self.worker, "push_id": self._push_id, "clock": clock,
-            "read_version": read_versions[s], "num_samples": num_samples,
-        }, parts.get(s, {})) for s in range(len(self.channels))]
+        fields: dict[str, Any] = {"worker": self.worker, "push_id": self._push_id,
+                                  "clock": clock, "num_samples": num_samples}
+        if loss is not None:  # the servers' divergence watchdog follows the training loss
+            fields["loss"] = float(loss)
+        msgs = [Message(Op.PUSH, 0, {**fields, "read_version": read_versions[s]},
+                        parts.get(s, {})) for s in range(len(self.channels))]
         # a shard that restarted from an older checkpoint no longer has the
         # version our gradient was read at: that push is lost, not fatal
         replies = self._call(msgs, "PUSH", soft=(ErrorCode.FUTURE_VERSION,))

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from paramserver.errors import ConfigError, ParamServerError, TimeoutError
+from paramserver.observe import LauncherObserver
 from paramserver.server import READY_PREFIX, ServerConfig
 from paramserver.transport import CurveKeys
 
@@ -77,6 +78,10 @@ class ClusterSpec:
     #: restart a shard that dies, at the same address, from its latest checkpoint
     restart_servers: bool = False
     max_restarts: int = 3  # per process
+    #: the launcher's Prometheus port (0: any free port); shard i serves on port + 1 + i
+    #: (any free port when 0). None: the launcher serves none, shards as the template says
+    metrics_port: int | None = None
+    tensorboard: str | None = None  # TensorBoard log directory for the launcher and shards
 
     def __post_init__(self) -> None:
         if self.on_worker_failure not in FAILURE_POLICIES:
@@ -84,6 +89,10 @@ class ClusterSpec:
                               f"got {self.on_worker_failure!r}")
         if self.num_servers < 1 or self.num_workers < 1:
             raise ConfigError("a cluster needs at least one server and one worker")
+        if self.metrics_port is not None and not (
+                self.metrics_port >= 0 and self.metrics_port + self.num_servers <= 65535):
+            raise ConfigError(f"metrics_port must be 0 (any free port) or leave room for "
+                              f"{self.num_servers} shard ports above it; got {self.metrics_port}")
         if bool(self.server.curve_secret_key) != bool(self.worker.curve_key):
             raise ConfigError("CURVE is on for one side only: give the servers curve_secret_key "
                               "and the workers curve_key + curve_server_key, or neither")
@@ -95,10 +104,15 @@ class ClusterSpec:
         return CurveKeys.load(self.worker.curve_key, self.worker.curve_server_key)
 
     def server_config(self, shard: int, out: Path) -> ServerConfig:
+        observe: dict[str, Any] = {}
+        if self.metrics_port is not None:
+            observe["metrics_port"] = self.metrics_port + 1 + shard if self.metrics_port else 0
+        if self.tensorboard:
+            observe["tensorboard"] = self.tensorboard
         return dataclasses.replace(
             self.server, shard=shard, num_shards=self.num_servers,
             expected_workers=self.num_workers,
-            event_log=str(out / "events" / f"server{shard}.jsonl"),
+            event_log=str(out / "events" / f"server{shard}.jsonl"), **observe,
         )
 
     def worker_config(self, rank: int, servers: list[str], out: Path) -> WorkerConfig:
@@ -135,6 +149,7 @@ class _Proc:
     name: str
     popen: subprocess.Popen[bytes]
     log_path: Path
+    metrics_port: int | None = None  # a server's Prometheus port, from its ready line
 
 
 def _child_env() -> dict[str, str]:
@@ -159,11 +174,15 @@ def _tail(path: Path, lines: int = 20) -> str:
 class LocalCluster:
     """Start, watch and stop the processes of one local run."""
 
-    def __init__(self, spec: ClusterSpec, out_dir: str | Path) -> None:
+    def __init__(self, spec: ClusterSpec, out_dir: str | Path,
+                 on_alarm: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.spec = spec
         self.out = Path(out_dir)
         for sub in ("logs", "events", "results", "configs"):
             (self.out / sub).mkdir(parents=True, exist_ok=True)
+        # follows every event log: launcher metrics, watchdog alarms (on_alarm), divergence
+        self.observer = LauncherObserver(self.out, metrics_port=spec.metrics_port,
+                                         tensorboard=spec.tensorboard, on_alarm=on_alarm)
         self.servers: list[_Proc] = []
         self.workers: list[_Proc] = []
         self.addresses: list[str] = []
@@ -195,6 +214,7 @@ class LocalCluster:
         return _Proc(name, popen, log_path)
 
     def start_servers(self) -> list[str]:
+        self.observer.start(spec=self.spec.to_dict())
         for shard in range(self.spec.num_servers):
             cfg = self.spec.server_config(shard, self.out)
             self.servers.append(self._spawn(f"server{shard}", "paramserver.server",
@@ -230,6 +250,10 @@ class LocalCluster:
         line = buf.decode().splitlines()[0]
         if not line.startswith(READY_PREFIX):
             raise ClusterError(f"{proc.name} printed {line!r} instead of its address")
+        extra = dict(tok.split("=", 1) for tok in line.split()[2:] if "=" in tok)
+        if "metrics" in extra:
+            proc.metrics_port = int(extra["metrics"])
+            log.info("%s metrics at http://127.0.0.1:%s/metrics", proc.name, extra["metrics"])
         return line.split()[1]
 
     def start_workers(self) -> None:
@@ -250,6 +274,7 @@ class LocalCluster:
         while pending:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.workers[min(pending)].popen.wait(timeout=poll)
+            self._raise_if_diverged()
             for rank in sorted(pending):
                 proc = self.workers[rank]
                 code = proc.popen.poll()
@@ -258,6 +283,7 @@ class LocalCluster:
                 if code == 0:
                     pending.discard(rank)
                     continue
+                self._raise_if_diverged()  # a stopped shard's refusal, not the worker's fault
                 self.failures.append({"process": proc.name, "exit_code": code,
                                       "t": time.time()})
                 policy = self.spec.on_worker_failure
@@ -276,6 +302,7 @@ class LocalCluster:
                 code = proc.popen.poll()
                 if code is None:
                     continue
+                self._raise_if_diverged()  # a watchdog stop is not restarted
                 self.failures.append({"process": proc.name, "exit_code": code,
                                       "t": time.time()})
                 if self.spec.restart_servers and (
@@ -292,6 +319,17 @@ class LocalCluster:
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"workers still running after {self.spec.run_timeout:g}s: "
                                    + ", ".join(self.workers[r].name for r in sorted(pending)))
+
+    def _raise_if_diverged(self) -> None:
+        """Raise ClusterError if a shard's watchdog stopped training (``diverged`` event)."""
+        self.observer.poll()
+        if self.observer.diverged:
+            rec = self.observer.diverged[0]
+            saved = f"; saved {rec['checkpoint']}" if rec.get("checkpoint") else ""
+            raise ClusterError(
+                f"the divergence watchdog stopped training on {rec['process']} "
+                f"(--on-divergence {rec['action']}): {rec['message']}{saved}"
+            )
 
     def _restarts(self, name: str) -> int:
         return sum(1 for r in self.restarts if r["process"] == name)
@@ -362,6 +400,14 @@ class LocalCluster:
                 p.popen.wait()
             if p.popen.stdout is not None:
                 p.popen.stdout.close()
+        self.observer.close(failures=len(self.failures), restarts=len(self.restarts))
+
+    @property
+    def metrics_ports(self) -> dict[str, int | None]:
+        """Prometheus ports: ``launcher`` and ``server<i>`` (None: no endpoint)."""
+        ports = {"launcher": self.observer.exporter.port}
+        ports.update({p.name: p.metrics_port for p in self.servers})
+        return ports
 
     def pids(self) -> list[int]:
         return [p.popen.pid for p in self.workers + self.servers]
@@ -398,13 +444,18 @@ def _final_eval(spec: ClusterSpec, addresses: list[str], out: Path) -> dict[str,
 
 
 def run_cluster(spec: ClusterSpec, out_dir: str | Path,
-                on_progress: Callable[[Progress], None] | None = None) -> dict[str, Any]:
-    """Start, run to completion, evaluate, stop. Returns (and writes) ``result.json``."""
+                on_progress: Callable[[Progress], None] | None = None,
+                on_alarm: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Start, run to completion, evaluate, stop. Returns (and writes) ``result.json``.
+
+    ``on_alarm`` gets each watchdog alarm (an ``alarm`` event of a shard's log) as
+    it happens.
+    """
     from .client import server_stats, shutdown_servers
 
     out = Path(out_dir)
     t0 = time.time()
-    with LocalCluster(spec, out) as cluster:
+    with LocalCluster(spec, out, on_alarm=on_alarm) as cluster:
         addresses = cluster.start_servers()
         cluster.start_workers()
         cluster.wait_workers(on_progress)
@@ -432,6 +483,8 @@ def run_cluster(spec: ClusterSpec, out_dir: str | Path,
         "pushes_applied_shard0": applied,
         "failures": cluster.failures,
         "restarts": cluster.restarts,
+        "alarms": cluster.observer.alarms,
+        "metrics_ports": cluster.metrics_ports,
     }
     _write_json(out / "result.json", result)
     return result

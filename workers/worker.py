@@ -207,11 +207,11 @@ def run_worker(config: WorkerConfig) -> dict[str, Any]:
                 grads[name] = p.grad.div_(total)
             compute = time.perf_counter() - t0
             slept = straggler.inject(compute)
-            pushed = client.push(grads, pulled.versions, total, clock)
+            loss_value = loss_sum / total
+            pushed = client.push(grads, pulled.versions, total, clock, loss=loss_value)
             clock += 1
             counts["pushes"] += 1
             counts["accepted" if pushed.accepted else "rejected"] += 1
-            loss_value = loss_sum / total
             losses.append(loss_value)
             events.write(
                 "step", worker=config.rank, clock=clock, read_versions=list(pulled.versions),
