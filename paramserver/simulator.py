@@ -49,7 +49,7 @@ from workers.stragglers import Straggler
 from workers.tasks import Task, evaluate
 from workers.worker import WorkerConfig, _forever, _num_steps, _write_json, build_task
 
-from .core import ShardCore, SliceSpec
+from .core import GradStats, ShardCore, SliceSpec, StepStats
 from .errors import ConfigError, ParamServerError, ProtocolError
 from .sharding import ShardPlan
 from .staleness import create_policy
@@ -199,12 +199,19 @@ class Simulator:
 
         self.server_events = [self._log(f"server{k}") for k in range(spec.num_servers)]
         self.cores: list[ShardCore] = []
+        # the figures a real shard's observer logs with each push (gradient norm, cosine)
+        self._grad: list[GradStats | None] = [None] * spec.num_servers
         for k in range(spec.num_servers):
             server = dataclasses.replace(spec.server, shard=k, num_shards=spec.num_servers,
                                          expected_workers=spec.num_workers)
             slices = [SliceSpec(s.key, s.numel, s.dtype) for s in self.plan.shard_slices(k)]
             policy = create_policy(server.policy, server.policy_args)  # one per shard
-            self.cores.append(ShardCore(slices, server.core_config(), policy))
+            core = ShardCore(slices, server.core_config(), policy)
+            watchdog = server.watchdog_config()  # measured as a real shard measures them
+            cosine = watchdog.enabled and "gradient_disagrees" not in watchdog.disable
+            core.observe(self._observer(k), cosine_decay=0.97 if cosine else None,
+                         every=watchdog.observe_every)
+            self.cores.append(core)
             described = server.to_dict()
             described["event_log"] = str(self._path(f"server{k}")) if self.out else None
             self.server_events[k].write("server_start", shard=k, address=SIM_ADDRESS.format(k),
@@ -222,6 +229,12 @@ class Simulator:
             ))
 
     # ------------------------------------------------------------------ plumbing
+
+    def _observer(self, shard: int) -> Callable[[GradStats | StepStats], None]:
+        def keep(stats: GradStats | StepStats) -> None:
+            if isinstance(stats, GradStats):
+                self._grad[shard] = stats
+        return keep
 
     def _worker_config(self, rank: int) -> WorkerConfig:
         return dataclasses.replace(
@@ -375,11 +388,15 @@ class Simulator:
                 f"shard {shard} refused worker {w.rank}'s push at clock {w.clock}, virtual "
                 f"time {self.now:.3f}s: {exc}"
             ) from exc
+        grad, self._grad[shard] = self._grad[shard], None
+        if grad is not None and grad.worker != w.rank:
+            grad = None
         if not out.duplicate:
             self.server_events[shard].write(
                 "push", shard=shard, worker=w.rank, clock=w.clock, read_version=read_version,
                 version=out.version, staleness=out.staleness, accepted=out.accepted,
-                weight=out.weight, reason=out.reason, num_samples=w.num_samples,
+                weight=out.weight, reason=out.reason, num_samples=w.num_samples, loss=w.loss,
+                grad_norm=grad.norm if grad else None, cosine=grad.cosine if grad else None,
             )
         self._at(self.sim.latency, self._push_reply, w, shard, out.as_dict())
         self._answer(shard)
