@@ -298,8 +298,10 @@ def test_sync_real_and_simulated_runs_agree_exactly(tmp_path):
 
 @pytest.mark.integration
 def test_async_real_and_simulated_runs_agree_within_tolerance(tmp_path):
+    # with gap-aware, which also checks that a real shard hands the policy the weights
+    # each worker read, as the simulated one does
     spec = make_spec(workers=2, servers=1, mode="async", steps=30, eval_every=10,
-                     straggler=StragglerSpec(min_step_time=0.01))
+                     policy="gap-aware", straggler=StragglerSpec(min_step_time=0.01))
     real = run_cluster(spec, tmp_path / "real")
     sim = run_simulation(spec, tmp_path / "sim", SimSpec(compute_time=0.0))
     assert real["updates_applied"] == sim["updates_applied"] == [60]
