@@ -58,6 +58,9 @@ MODES: tuple[str, ...] = ("sync", "async", "ssp")
 DTYPES = FLOAT_DTYPES
 
 
+_NARROW = (torch.float16, torch.bfloat16)  # wire dtypes a float32 gradient may travel in
+
+
 def _all_finite(t: torch.Tensor) -> bool:
     """Whether every element is finite, in one reduction pass without temporaries.
 
@@ -65,7 +68,8 @@ def _all_finite(t: torch.Tensor) -> bool:
     (which a huge but finite gradient can also produce) needs the exact check,
     which costs several passes and a boolean tensor as large as the input.
     """
-    if bool(torch.isfinite(t.sum())):
+    total = t.sum(dtype=torch.float32) if t.dtype in _NARROW else t.sum()
+    if bool(torch.isfinite(total)):
         return True
     return bool(torch.isfinite(t).all())
 
@@ -421,7 +425,10 @@ class ShardCore:
             for p in self.params.values():
                 p.data = p.data.clone()
 
-    def _check_tensors(self, tensors: Mapping[str, torch.Tensor], what: str) -> None:
+    def _check_tensors(self, tensors: Mapping[str, torch.Tensor], what: str,
+                       narrow_ok: bool = False) -> None:
+        """Keys, sizes and dtypes must match the slices; with ``narrow_ok`` a 16-bit
+        tensor may stand for a wider float slice (gradients sent in 16 bits)."""
         missing = self.specs.keys() - tensors.keys()
         unknown = tensors.keys() - self.specs.keys()
         if unknown:
@@ -434,7 +441,9 @@ class ShardCore:
             )
         for key, value in tensors.items():
             spec = self.specs[key]
-            if value.dtype != DTYPES[spec.dtype] or value.numel() != spec.numel:
+            dtype_ok = value.dtype == DTYPES[spec.dtype] or (
+                narrow_ok and value.dtype in _NARROW and spec.dtype in ("float32", "float64"))
+            if not dtype_ok or value.numel() != spec.numel:
                 raise ProtocolError(
                     ErrorCode.BAD_TENSOR,
                     f"{what}: {key!r} is {value.dtype} x {value.numel()}, "
@@ -582,7 +591,7 @@ class ShardCore:
                 f"need read_version >= 0, clock >= 0, num_samples >= 1; got "
                 f"{read_version}, {clock}, {num_samples}",
             )
-        self._check_tensors(grads, "PUSH")
+        self._check_tensors(grads, "PUSH", narrow_ok=True)
         if self.config.check_finite:
             for key, g in grads.items():
                 if not _all_finite(g):
@@ -637,11 +646,18 @@ class ShardCore:
                 state.downweighted += 1
         return decision
 
+    def _widen(self, grads: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        """Gradients that arrived in 16 bits, in their parameter's dtype."""
+        if all(g.dtype == self.params[k].dtype for k, g in grads.items()):
+            return grads
+        return {k: g.to(self.params[k].dtype) for k, g in grads.items()}
+
     def _rewrite(
         self, info: UpdateInfo, grads: Mapping[str, torch.Tensor]
     ) -> Mapping[str, torch.Tensor]:
         if type(self.policy).rewrite_gradient is StalenessPolicy.rewrite_gradient:
             return grads
+        grads = self._widen(grads)
         lr = float(self.optimizer.param_groups[0]["lr"])
         read = self._read_weights.get(info.worker)
         return self.policy.rewrite_gradient(info, grads, self.params, read, lr)
@@ -652,7 +668,7 @@ class ShardCore:
         decision = self._decide(state, info)
         if not decision.accept:
             return PushOutcome(False, 0.0, decision.reason, info.staleness, self.version, False)
-        grads = self._rewrite(info, grads)
+        grads = self._widen(self._rewrite(info, grads))
         for key, p in self.params.items():
             p.grad = grads[key]
         self._step(decision.weight)
@@ -680,10 +696,15 @@ class ShardCore:
                 self._agg = {k: torch.empty_like(p) for k, p in self.params.items()}
             alpha = info.num_samples * decision.weight
             for key, buf in self._agg.items():
-                if self._round_samples == 0:  # the round's first gradient overwrites:
-                    torch.mul(grads[key], alpha, out=buf)  # no zeroing pass per round
-                else:
-                    buf.add_(grads[key], alpha=alpha)
+                g = grads[key]
+                if self._round_samples > 0:
+                    buf.add_(g, alpha=alpha)  # computed in buf's dtype, also for 16-bit g
+                elif g.dtype == buf.dtype:  # the round's first gradient overwrites:
+                    torch.mul(g, alpha, out=buf)  # no zeroing pass per round
+                else:  # widen exactly first (a 16-bit product would round)
+                    buf.copy_(g)
+                    if alpha != 1.0:
+                        buf.mul_(alpha)
             self._round_samples += info.num_samples
         stepped = self._maybe_close_round()
         return PushOutcome(decision.accept, decision.weight if decision.accept else 0.0,

@@ -94,6 +94,13 @@ _SCHEMA: dict[Op, dict[str, tuple[tuple[type, ...], bool]]] = {
         "read_version": (_INT, True),
         "num_samples": (_INT, True),
         "loss": (_NUM, False),  # the worker's training loss on this push's samples
+        # answer with the weights for clock + 1 once the pull gate opens: push and
+        # pull in one round trip (the reply carries the push outcome under "push")
+        "pull": (_BOOL, False),
+        # a push sent in several messages (buckets sent as backward produces
+        # them): this is part "part" of "parts"; only the last is answered in full
+        "part": (_INT, False),
+        "parts": (_INT, False),
     },
     Op.HEARTBEAT: {"worker": (_INT, True)},
     Op.BYE: {"worker": (_INT, True)},
@@ -264,7 +271,7 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
         if key in tensors:
             raise ProtocolError(ErrorCode.BAD_TENSOR, f"tensor key {key!r} appears twice")
         buf = _buffer(frame)
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         numel = math.prod(shape)
         if numel * itemsize != buf.nbytes:
             raise ProtocolError(

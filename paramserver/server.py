@@ -167,6 +167,11 @@ class ShardServer:
                                                  self.address)
         self.metrics_port = self.exporter.start()
         self._observer_pulls: set[Any] = set()  # tokens of observer pulls (no worker metrics)
+        # worker -> (token, push outcome) of its parked PUSH-with-pull; one per worker,
+        # as the core keeps one parked pull per worker
+        self._push_pulls: dict[int, tuple[Any, dict[str, Any]]] = {}
+        # worker -> (push id, {part: asked for the pull}, tensors so far) of a push in parts
+        self._parts: dict[int, tuple[int, dict[int, bool], dict[str, Any]]] = {}
         self.diverged: Alarm | None = None
         self._stop_at: float | None = None  # diverged: refuse requests until then, then exit
         self._told: set[int] = set()  # workers refused since the watchdog stopped training
@@ -348,9 +353,13 @@ class ShardServer:
         assert self.core is not None
         for ready in self.core.ready_pulls(now):
             identity, seq = cast("tuple[bytes, int]", ready.token)
-            msg = Message(Op.REPLY, seq, {"re": Op.PULL.value, "version": ready.version,
-                                          "clock": ready.clock, "waited": ready.waited},
-                          self.core.params)
+            fields: dict[str, Any] = {"re": Op.PULL.value, "version": ready.version,
+                                      "clock": ready.clock, "waited": ready.waited}
+            combined = self._push_pulls.get(ready.worker)
+            if combined is not None and combined[0] == ready.token:
+                del self._push_pulls[ready.worker]
+                fields.update(re=Op.PUSH.value, push=combined[1])
+            msg = Message(Op.REPLY, seq, fields, self.core.params)
             self._send(identity, msg)
             if ready.token in self._observer_pulls:
                 self._observer_pulls.discard(ready.token)
@@ -477,8 +486,13 @@ class ShardServer:
             self._observer_pulls.add((identity, msg.seq))
         return None  # answered by _answer_pulls, now or when the gate opens
 
-    def _on_push(self, msg: Message, identity: bytes) -> Message:
+    def _on_push(self, msg: Message, identity: bytes) -> Message | None:
         core = self._require_core()
+        if msg.get("parts", 1) != 1:
+            whole = self._join_parts(core, msg)
+            if whole is None:
+                return reply(msg, partial=True)  # the outcome comes with the last part
+            msg = whole
         self._before_mutation()
         read_version = msg["read_version"]
         loss = msg.get("loss")
@@ -505,12 +519,48 @@ class ShardServer:
             )
         if out.applied and self.config.checkpoint_every:
             self._maybe_checkpoint()
+        if msg.get("pull"):
+            # push + pull in one round trip: the answer is the pull's, sent when its
+            # gate opens (in sync mode, when the round closes), with this outcome in it
+            token = (identity, msg.seq)
+            core.request_pull(msg["worker"], msg["clock"] + 1, token, time.monotonic())
+            self._push_pulls[msg["worker"]] = (token, out.as_dict())
+            return None
         return reply(msg, **out.as_dict())
 
     def _on_heartbeat(self, msg: Message, identity: bytes) -> Message:
         if self.core is not None and msg["worker"] in self.core.workers:
             self.core.heartbeat(msg["worker"], time.monotonic())
         return reply(msg, version=self.core.version if self.core else 0)
+
+    def _join_parts(self, core: ShardCore, msg: Message) -> Message | None:
+        """Collect a push sent in parts; the whole push once its last part is in.
+
+        The parts' frames are kept as they arrived (no copy) until then; a
+        worker has at most one push in the making, a newer push id drops an
+        unfinished older one. A part of a push the core already decided is
+        passed through: the core answers it as the duplicate it is.
+        """
+        worker, push_id, part, parts = msg["worker"], msg["push_id"], msg.get("part"), msg["parts"]
+        if part is None or not 1 <= parts <= self.socket.limits.max_tensors \
+                or not 0 <= part < parts:
+            raise ProtocolError(ErrorCode.BAD_FIELD,
+                                f"push part {part} of {parts}: need 0 <= part < parts")
+        state = core.workers.get(worker)
+        if state is not None and push_id <= state.last_push_id:
+            return msg
+        entry = self._parts.get(worker)
+        if entry is None or entry[0] != push_id:
+            entry = self._parts[worker] = (push_id, {}, {})
+        _, received, tensors = entry
+        received[part] = bool(msg.get("pull", False))
+        tensors.update(msg.tensors)
+        if len(received) < parts:
+            return None
+        del self._parts[worker]
+        fields = {k: v for k, v in msg.fields.items() if k not in ("part", "parts")}
+        fields["pull"] = any(received.values())
+        return Message(Op.PUSH, msg.seq, fields, tensors)
 
     def _on_bye(self, msg: Message, identity: bytes) -> Message:
         core = self._require_core()

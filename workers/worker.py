@@ -27,7 +27,8 @@ from paramserver.events import EventLog
 from paramserver.sharding import ShardPlan
 from paramserver.transport import CurveKeys
 
-from .client import PSClient
+from .client import GRAD_WIRE_DTYPES, PSClient, PullResult, PushResult
+from .overlap import BucketPusher
 from .stragglers import Straggler, StragglerSpec
 from .tasks import Task, create_task, evaluate, resolve_task, task_parameters
 
@@ -58,6 +59,11 @@ class WorkerConfig:
     request_timeout: float = 5.0  # a request unanswered this long is sent again
     heartbeat_interval: float = 1.0
     drop_rate: float = 0.0  # chaos testing: fraction of requests and replies lost
+    # push gradients in buckets from inside backward and get the next weights with the
+    # last one (workers/overlap.py); wire_dtype: send gradients in 16 bits
+    overlap: bool = False
+    bucket_bytes: int = 4 << 20
+    wire_dtype: str | None = None
     event_log: str | None = None
     result_file: str | None = None
     curve_key: str | None = None
@@ -85,6 +91,11 @@ class WorkerConfig:
             raise ConfigError("timeout and request_timeout must be > 0")
         if not 0.0 <= self.drop_rate < 1.0:
             raise ConfigError(f"drop_rate must be in [0, 1), got {self.drop_rate}")
+        if self.bucket_bytes < 1:
+            raise ConfigError(f"bucket_bytes must be >= 1, got {self.bucket_bytes}")
+        if self.wire_dtype not in (None, *GRAD_WIRE_DTYPES):
+            raise ConfigError(f"wire_dtype must be one of {', '.join(GRAD_WIRE_DTYPES)} or "
+                              f"None (gradients as they are); got {self.wire_dtype!r}")
         resolve_device(self.device)
 
     def to_dict(self) -> dict[str, Any]:
@@ -176,39 +187,33 @@ def run_worker(config: WorkerConfig) -> dict[str, Any]:
     with PSClient(config.servers, plan, config.rank, timeout=config.timeout,
                   attempt_timeout=config.request_timeout,
                   heartbeat_interval=config.heartbeat_interval, curve=curve,
-                  drop_rate=config.drop_rate) as client:
+                  drop_rate=config.drop_rate, wire_dtype=config.wire_dtype) as client:
         clock = client.connect()
         seeded = client.initialize(params)
         events.write("worker_start", worker=config.rank, clock=clock, seeded=seeded,
                      device=str(device), steps=steps, plan_hash=plan.hash)
         log.info("worker %d: %d steps on %s from clock %d", config.rank, steps, device, clock)
+        pusher = BucketPusher(model, config.bucket_bytes) if config.overlap else None
+        prefetched: PullResult | None = None  # with overlap: came with the last push
         while clock < steps:  # the clock counts pushes; a rejoining worker resumes
-            pulled = client.pull(params, clock)
+            pulled = prefetched if prefetched is not None else client.pull(params, clock)
+            prefetched = None
             clock = max(clock, pulled.clock)
             waited += pulled.waited
             if config.rank == 0 and config.eval_every and clock % config.eval_every == 0:
                 _log_eval(events, task, model, config.rank, clock, pulled.versions)
-            t0 = time.perf_counter()
             model.train()
             model.zero_grad(set_to_none=True)
-            total, loss_sum = 0, 0.0
-            for _ in range(config.push_every):
-                inputs, targets = next(batches)
-                inputs, targets = inputs.to(device), targets.to(device)
-                n = int(targets.shape[0])
-                loss = task.loss_fn(model(inputs), targets)
-                (loss * n).backward()  # sum of per-batch means x n = sum over samples
-                total += n
-                loss_sum += float(loss.detach()) * n
-            grads = {}
-            for name, p in params.items():
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                grads[name] = p.grad.div_(total)
-            compute = time.perf_counter() - t0
-            slept = straggler.inject(compute)
-            loss_value = loss_sum / total
-            pushed = client.push(grads, pulled.versions, total, clock, loss=loss_value)
+            if pusher is not None:
+                step = pusher.step(client, task, model, batches, device, config.push_every,
+                                   pulled.versions, clock, straggler)
+                pushed, prefetched = step.pushed, step.pulled
+                total, loss_value, compute, slept = (step.num_samples, step.loss,
+                                                     step.compute_s, step.sleep_s)
+            else:
+                pushed, total, loss_value, compute, slept = _plain_step(
+                    client, task, model, params, batches, device, config.push_every,
+                    pulled.versions, clock, straggler)
             clock += 1
             counts["pushes"] += 1
             counts["accepted" if pushed.accepted else "rejected"] += 1
@@ -221,7 +226,9 @@ def run_worker(config: WorkerConfig) -> dict[str, Any]:
                 pull_s=pulled.seconds, push_s=pushed.seconds, wait_s=pulled.waited,
                 bytes=pulled.nbytes + pushed.nbytes,
             )
-        final = client.pull(params, clock)
+        if pusher is not None:
+            pusher.close()
+        final = prefetched if prefetched is not None else client.pull(params, clock)
         client.bye()
     elapsed = time.time() - t_start
     result: dict[str, Any] = {
@@ -241,6 +248,39 @@ def run_worker(config: WorkerConfig) -> dict[str, Any]:
     if config.result_file:
         _write_json(config.result_file, result)
     return result
+
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def _plain_step(client: PSClient, task: Task, model: torch.nn.Module,
+                params: Mapping[str, torch.Tensor], batches: Iterator[Batch],
+                device: torch.device, push_every: int, versions: tuple[int, ...], clock: int,
+                straggler: Straggler) -> tuple[PushResult, int, float, float, float]:
+    """Compute the step's gradient (mean over ``push_every`` batches), then push it.
+
+    Returns (push result, samples, mean loss, compute seconds, injected sleep).
+    """
+    t0 = time.perf_counter()
+    total, loss_sum = 0, 0.0
+    for _ in range(push_every):
+        inputs, targets = next(batches)
+        inputs, targets = inputs.to(device), targets.to(device)
+        n = int(targets.shape[0])
+        loss = task.loss_fn(model(inputs), targets)
+        (loss * n).backward()  # sum of per-batch means x n = sum over samples
+        total += n
+        loss_sum += float(loss.detach()) * n
+    grads = {}
+    for name, p in params.items():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        grads[name] = p.grad.div_(total)
+    compute = time.perf_counter() - t0
+    slept = straggler.inject(compute)
+    loss_value = loss_sum / total
+    pushed = client.push(grads, versions, total, clock, loss=loss_value)
+    return pushed, total, loss_value, compute, slept
 
 
 def _log_eval(events: EventLog, task: Task, model: torch.nn.Module, rank: int, clock: int,

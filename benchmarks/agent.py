@@ -1,0 +1,115 @@
+"""``python -m benchmarks.agent``: a benchmark child process driven by JSON lines.
+
+Commands arrive on stdin, one JSON object per line: ``{"op": NAME, ...args}``.
+``open`` / ``measure`` / ``close`` (with ``"system": NAME``) drive a session
+of one system under test, kept open between commands so that repeats of
+different systems can be interleaved; other ops run one function.
+Each is answered by exactly one ``BENCH {...}`` result line on stdout (or
+``BENCH {"error": ...}``); a serving op first prints ``BENCH {"address": ...}``
+once it listens. ``{"op": "exit"}`` or end of input ends the process. Ops are
+imported lazily so that an agent for the raw ZeroMQ loop never imports torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from .common import PREFIX
+
+__all__ = ["OPS", "SESSIONS", "main"]
+
+#: op name -> "module:function"; the function takes (args, announce) and returns a dict
+OPS: dict[str, str] = {
+    "raw_serve": "benchmarks.raw:serve",
+    "ps_serve": "benchmarks.ps:serve",
+    "ps_async": "benchmarks.ps:async_run",
+    "overlap": "benchmarks.overlap:run",
+    "rss": "benchmarks.agent:report_rss",
+}
+
+#: system name -> "module:Class" of its session: Class(args), .measure(numel, iters)
+#: -> seconds per round, .close() -> dict. Driven by the ops open / measure / close.
+SESSIONS: dict[str, str] = {
+    "raw": "benchmarks.raw:RawSession",
+    "ps": "benchmarks.ps:PSSession",
+    "rpc": "benchmarks.rpc:RPCSession",
+    "gloo": "benchmarks.gloo:GlooSession",
+}
+_open: dict[str, Any] = {}
+
+Announce = Callable[[dict[str, Any]], None]
+
+
+def _emit(data: dict[str, Any]) -> None:
+    sys.stdout.write(PREFIX + json.dumps(data) + "\n")
+    sys.stdout.flush()
+
+
+def report_rss(args: dict[str, Any], announce: Announce) -> dict[str, Any]:
+    from .common import peak_rss, rss
+
+    return {"rss": rss(), "peak_rss": peak_rss()}
+
+
+def _load(target: str) -> Any:
+    module, name = target.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _session_op(op: str, cmd: dict[str, Any]) -> dict[str, Any]:
+    system = cmd.pop("system")
+    if op == "open":
+        if system not in SESSIONS:
+            raise KeyError(f"unknown system {system!r}; known: {', '.join(SESSIONS)}")
+        if system in _open:
+            _open.pop(system).close()
+        _open[system] = _load(SESSIONS[system])(cmd)
+        return {"opened": system}
+    session = _open.get(system)
+    if session is None:
+        raise KeyError(f"no open {system} session")
+    if op == "measure":
+        return {"round_s": session.measure(int(cmd["numel"]), int(cmd["iters"]))}
+    result: dict[str, Any] = _open.pop(system).close()
+    return result
+
+
+def _run(op: str, cmd: dict[str, Any]) -> dict[str, Any]:
+    if op in ("open", "measure", "close"):
+        return _session_op(op, cmd)
+    target = OPS.get(op)
+    if target is None:
+        raise KeyError(f"unknown op {op!r}; known: open, measure, close, {', '.join(OPS)}")
+    fn: Callable[[dict[str, Any], Announce], dict[str, Any]] = _load(target)
+    return fn(cmd, _emit)
+
+
+def main() -> None:
+    logging.basicConfig(level=os.environ.get("PARAMSERVER_LOG_LEVEL", "WARNING"),
+                        stream=sys.stderr,
+                        format=f"%(asctime)s agent{os.getpid()} %(levelname)s %(name)s: "
+                               "%(message)s")
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        try:
+            cmd = json.loads(line)
+            op = cmd.pop("op")
+            if op == "exit":
+                break
+            result = _run(op, cmd)
+        except Exception as exc:  # report to the parent, keep serving commands
+            traceback.print_exc(file=sys.stderr)
+            result = {"error": f"{type(exc).__name__}: {exc}"}
+        _emit(result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,291 @@
+"""Shared pieces of the benchmarks: statistics, sizes, memory readings, child agents.
+
+Every system under test runs in real OS processes. A child process is an
+*agent* (``python -m benchmarks.agent``): it reads one JSON command per line on
+stdin and answers with JSON lines on stdout prefixed ``BENCH`` (an optional
+``{"address": ...}`` line when it starts serving, then one result line). An
+agent outlives one command, so the worker side of a benchmark pays the cost
+of importing torch once per sweep, not once per payload.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import selectors
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from paramserver.errors import ConfigError, ParamServerError
+from paramserver.errors import TimeoutError as PSTimeoutError
+
+__all__ = [
+    "PREFIX",
+    "Agent",
+    "AgentError",
+    "Stats",
+    "close_all",
+    "cpu_seconds",
+    "format_size",
+    "free_port",
+    "parse_size",
+    "peak_rss",
+    "reset_peak_rss",
+    "rss",
+    "split_range",
+]
+
+log = logging.getLogger(__name__)
+
+PREFIX = "BENCH "
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20,
+          "mb": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
+
+
+class AgentError(ParamServerError):
+    """A benchmark child process failed; the message carries its stderr tail."""
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Median and spread of repeated measurements."""
+
+    median: float
+    lo: float  # minimum
+    hi: float  # maximum
+    q1: float
+    q3: float
+    n: int
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Stats:
+        if not values:
+            raise ValueError("no measurements")
+        vals = sorted(float(v) for v in values)
+        if len(vals) >= 2:
+            q1, _, q3 = statistics.quantiles(vals, n=4, method="inclusive")
+        else:
+            q1 = q3 = vals[0]
+        return cls(statistics.median(vals), vals[0], vals[-1], q1, q3, len(vals))
+
+    def scaled(self, factor: float) -> Stats:
+        """The same measurements times ``factor`` (a negative factor is not allowed)."""
+        return Stats(self.median * factor, self.lo * factor, self.hi * factor,
+                     self.q1 * factor, self.q3 * factor, self.n)
+
+    @property
+    def spread(self) -> float:
+        """Relative spread (max - min) / median."""
+        return (self.hi - self.lo) / self.median if self.median else 0.0
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+def parse_size(text: str | int) -> int:
+    """``"4KiB"`` -> 4096, ``"100MiB"`` -> 104857600 (binary units; plain ints are bytes)."""
+    if isinstance(text, int):
+        value = text
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+        unit = m.group(2).lower() if m else None
+        if m is None or unit not in _UNITS:
+            raise ConfigError(
+                f"size {text!r} not understood; write e.g. 1KiB, 64KiB, 16MiB, 100MiB"
+            )
+        value = int(float(m.group(1)) * _UNITS[unit])
+    if value < 4:
+        raise ConfigError(f"a payload needs at least one float32 (4 bytes), got {value}")
+    return value
+
+
+def format_size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            value = nbytes / scale
+            return f"{value:.0f}{unit}" if value == int(value) else f"{value:.1f}{unit}"
+    return f"{nbytes}B"
+
+
+def split_range(n: int, parts: int) -> list[tuple[int, int]]:
+    """``n`` elements as ``parts`` contiguous ranges, sizes differing by at most one."""
+    base, extra = divmod(n, parts)
+    out, start = [], 0
+    for i in range(parts):
+        stop = start + base + (1 if i < extra else 0)
+        out.append((start, stop))
+        start = stop
+    return out
+
+
+def free_port() -> int:
+    """A TCP port free right now on loopback (for torch's rendezvous, which needs one)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cpu_seconds(pids: Sequence[int]) -> float:
+    """User + system CPU time consumed so far by these processes (all their threads)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15 of stat)
+    return total / tick
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status", encoding="ascii") as fh:
+        for line in fh:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise OSError(f"{field} not in /proc/self/status")
+
+
+def rss() -> int:
+    """Resident set size of this process now, in bytes."""
+    return _status_kib("VmRSS") * 1024
+
+
+def peak_rss() -> int:
+    """Peak resident set size (VmHWM) of this process, in bytes."""
+    return _status_kib("VmHWM") * 1024
+
+
+def reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0); False where not permitted."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as fh:
+            fh.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    # one compute thread per process: many processes share two cores
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("MKL_NUM_THREADS", "1")
+    env.setdefault("PARAMSERVER_LOG_LEVEL", "WARNING")
+    return env
+
+
+class Agent:
+    """One benchmark child process, driven by JSON commands."""
+
+    def __init__(self, name: str, log_dir: Path | None = None) -> None:
+        self.name = name
+        if log_dir is not None:
+            log_dir.mkdir(parents=True, exist_ok=True)
+            self._log: IO[bytes] = (log_dir / f"{name}.log").open("w+b")
+        else:
+            self._log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in close()
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.agent"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=_child_env(),
+        )
+        self._buf = b""
+        self._exit_sent = False
+        self._sel = selectors.DefaultSelector()
+        assert self.popen.stdout is not None
+        self._sel.register(self.popen.stdout, selectors.EVENT_READ)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def send(self, op: str, **args: Any) -> None:
+        assert self.popen.stdin is not None
+        self._exit_sent = op == "exit"
+        try:
+            self.popen.stdin.write((json.dumps({"op": op, **args}) + "\n").encode())
+            self.popen.stdin.flush()
+        except BrokenPipeError as exc:
+            raise AgentError(f"{self.name} has exited: {self._tail()}") from exc
+
+    def read(self, timeout: float) -> dict[str, Any]:
+        """The next ``BENCH`` line as a dict; other stdout lines are logged and skipped."""
+        deadline = time.monotonic() + timeout
+        assert self.popen.stdout is not None
+        while True:
+            while b"\n" in self._buf:
+                line, self._buf = self._buf.split(b"\n", 1)
+                text = line.decode(errors="replace")
+                if text.startswith(PREFIX):
+                    data: dict[str, Any] = json.loads(text[len(PREFIX):])
+                    if "error" in data:
+                        raise AgentError(f"{self.name}: {data['error']}")
+                    return data
+                log.debug("%s: %s", self.name, text)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise PSTimeoutError(f"{self.name} did not answer within {timeout:g}s")
+            if self._sel.select(remaining):
+                chunk = os.read(self.popen.stdout.fileno(), 1 << 16)
+                if not chunk:
+                    self.popen.wait()
+                    raise AgentError(
+                        f"{self.name} exited with code {self.popen.returncode}: {self._tail()}"
+                    )
+                self._buf += chunk
+
+    def call(self, op: str, timeout: float, **args: Any) -> dict[str, Any]:
+        self.send(op, **args)
+        return self.read(timeout)
+
+    def _tail(self) -> str:
+        try:
+            self._log.seek(0)
+            text = self._log.read().decode(errors="replace")
+        except (OSError, ValueError):
+            return "(no log)"
+        return "\n".join(text.splitlines()[-15:])
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Ask the agent to exit; kill it if it does not."""
+        if self.popen.poll() is None:
+            try:
+                if not self._exit_sent:
+                    self.send("exit")
+                self.popen.wait(timeout=timeout)
+            except (AgentError, subprocess.TimeoutExpired):
+                self.popen.kill()
+                self.popen.wait()
+        self._sel.close()
+        for stream in (self.popen.stdin, self.popen.stdout):
+            if stream is not None:
+                stream.close()
+        self._log.close()
+
+
+def close_all(agents: Sequence[Agent]) -> None:
+    """Close every agent (asked together, so they exit in parallel); failures do not
+    stop the others."""
+    for agent in agents:
+        if agent.popen.poll() is None:
+            with contextlib.suppress(AgentError):
+                agent.send("exit")
+    for agent in agents:
+        try:
+            agent.close()
+        except Exception:  # cleanup must go on
+            log.exception("closing %s", agent.name)

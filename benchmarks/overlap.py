@@ -1,0 +1,146 @@
+"""Overlap of communication with backward, measured on a synthetic model.
+
+One sync shard server and one worker. The worker's model is an MLP whose
+backward takes a measurable time; it times, per step (medians over repeats):
+
+* ``compute``: forward + backward alone;
+* ``comm``: push + pull of the same gradients alone (one ``push_pull``);
+* ``sequential``: compute, then ``push_pull`` (what a worker does without overlap,
+  already with the pull riding on the push);
+* ``overlap``: the worker's ``overlap=True`` path: buckets pushed from
+  post-accumulate-grad hooks during backward, the next weights prefetched
+  with the last part (:class:`workers.overlap.BucketPusher`).
+
+The goal is ``overlap <= 1.15 x max(compute, comm)``. The same code runs on a
+CUDA device (``device``): gradients then go through pinned host buffers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from paramserver.sharding import ShardPlan
+from workers.client import PSClient
+from workers.overlap import BucketPusher
+from workers.stragglers import Straggler, StragglerSpec
+from workers.tasks import Task
+
+from .common import Stats
+
+__all__ = ["build_model", "run"]
+
+
+@dataclass
+class _State:
+    clock: int
+    versions: tuple[int, ...]
+
+    def advance(self, versions: tuple[int, ...]) -> None:
+        self.clock += 1
+        self.versions = versions
+
+
+def build_model(width: int, depth: int, seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    layers.append(nn.Linear(width, 1))
+    return nn.Sequential(*layers)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_step(fn: Callable[[], None], steps: int, repeats: int, device: torch.device
+                 ) -> dict[str, float]:
+    fn()  # warm-up: allocations, connections, page faults
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        _sync(device)
+        times.append((time.perf_counter() - t0) / steps)
+    return Stats.of(times).to_dict()
+
+
+def run(args: dict[str, Any], announce: Any) -> dict[str, Any]:
+    """``args``: addresses (one sync shard), width, depth, batch, steps, repeats,
+    bucket_bytes, device ("cpu" or "cuda[:N]"), wire_dtype (optional), threads."""
+    device = torch.device(args.get("device", "cpu"))
+    if args.get("threads"):
+        torch.set_num_threads(int(args["threads"]))
+    width, depth, batch = int(args["width"]), int(args["depth"]), int(args["batch"])
+    steps, repeats = int(args.get("steps", 3)), int(args.get("repeats", 5))
+    model = build_model(width, depth).to(device)
+    params = dict(model.named_parameters())
+    x = torch.randn(batch, width, device=device)
+    y = torch.randn(batch, 1, device=device)
+    loss_fn = nn.functional.mse_loss
+    task = Task(model=model, batches=[(x, y)], loss_fn=loss_fn)
+    plan = ShardPlan.from_module(model, len(args["addresses"]))
+    nbytes = sum(p.numel() * p.element_size() for p in params.values())
+    out: dict[str, Any] = {"device": str(device), "model_bytes": nbytes,
+                           "params": sum(p.numel() for p in params.values()),
+                           "width": width, "depth": depth, "batch": batch}
+    client = PSClient(args["addresses"], plan, 0, timeout=300.0, attempt_timeout=120.0,
+                      wire_dtype=args.get("wire_dtype"))
+    with client:
+        clock = client.connect()
+        client.initialize(params)
+        pulled = client.pull(params, clock)
+        state = _State(clock, pulled.versions)
+
+        def compute() -> None:
+            model.zero_grad(set_to_none=True)
+            loss_fn(model(x), y).backward()
+
+        compute()
+        grads = {n: p.grad.detach().clone() for n, p in params.items() if p.grad is not None}
+
+        def comm() -> None:
+            _, pulled = client.push_pull(grads, state.versions, batch, state.clock, params)
+            state.advance(pulled.versions)
+
+        def sequential() -> None:
+            compute()
+            g = {n: p.grad for n, p in params.items() if p.grad is not None}
+            _, pulled = client.push_pull(g, state.versions, batch, state.clock, params)
+            state.advance(pulled.versions)
+
+        pusher = BucketPusher(model, int(args.get("bucket_bytes", 4 << 20)))
+        straggler = Straggler(StragglerSpec(), seed=(0, 0))
+
+        def forever() -> Any:
+            while True:
+                yield (x, y)
+
+        batches = forever()
+
+        def overlapped() -> None:
+            model.zero_grad(set_to_none=True)
+            step = pusher.step(client, task, model, batches, device, 1, state.versions,
+                               state.clock, straggler)
+            state.advance(step.pulled.versions)
+
+        for name, fn in (("compute", compute), ("comm", comm), ("sequential", sequential),
+                         ("overlap", overlapped)):
+            out[name] = _median_step(fn, steps, repeats, device)
+        pusher.close()
+        out["buckets"] = len(pusher.buckets)
+        client.bye()
+    bound = max(out["compute"]["median"], out["comm"]["median"])
+    out["overlap_vs_bound"] = out["overlap"]["median"] / bound
+    out["sequential_vs_bound"] = out["sequential"]["median"] / bound
+    out["gain"] = out["sequential"]["median"] / out["overlap"]["median"]
+    return out

@@ -1,0 +1,133 @@
+"""This project under test: real shard servers and PSClient workers.
+
+``serve`` runs one :class:`~paramserver.server.ShardServer` in the agent's
+process until a SHUTDOWN arrives and reports its memory. A
+:class:`PSSession` is one worker's push + pull loop on a flat float32
+parameter of the payload size, split by the same
+:class:`~paramserver.sharding.ShardPlan` training uses (4 MiB chunks). Both
+sides go through the whole stack: msgpack headers, validation, versions,
+clocks, the sync barrier, the torch optimizer and its finite check.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from paramserver.server import ServerConfig, ShardServer
+from paramserver.sharding import ParamSpec, ShardPlan
+from workers.client import PSClient
+
+from .common import peak_rss, reset_peak_rss, rss, split_range
+
+__all__ = ["PSSession", "async_run", "flat_plan", "serve"]
+
+
+def flat_plan(numel: int, shards: int, chunk_bytes: int = ShardPlan.DEFAULT_CHUNK_BYTES,
+              pieces: int = 1) -> ShardPlan:
+    """``numel`` float32 as one parameter "w", or as ``pieces`` parameters w0, w1, ...
+    (so that a model too small to be chunked still spreads over the shards)."""
+    if pieces == 1:
+        return ShardPlan([ParamSpec("w", (numel,), "float32")], shards, chunk_bytes)
+    sizes = [hi - lo for lo, hi in split_range(numel, pieces)]
+    return ShardPlan([ParamSpec(f"w{i}", (n,), "float32") for i, n in enumerate(sizes)],
+                     shards, chunk_bytes)
+
+
+def serve(args: dict[str, Any], announce: Any) -> dict[str, Any]:
+    """One shard server; ``args["config"]`` is a ServerConfig dict.
+
+    Reports the process's RSS when it started listening (``rss_base``: the
+    interpreter, torch and zmq, no weights yet) and its peak RSS since then.
+    """
+    config = ServerConfig.from_dict(args["config"])
+    server = ShardServer(config)
+    base = rss()
+    reset_peak_rss()
+    server.serve_forever(on_ready=lambda addr: announce({"address": addr}))
+    core = server.core
+    state = 0
+    if core is not None:
+        for per_param in core.optimizer.state.values():
+            state += sum(v.numel() * v.element_size() for v in per_param.values()
+                         if isinstance(v, torch.Tensor))
+    return {
+        "rss_base": base, "peak_rss": peak_rss(), "counters": dict(server.counters),
+        "version": core.version if core else 0,
+        "weight_bytes": sum(p.numel() * p.element_size() for p in core.params.values())
+        if core else 0,
+        "optimizer_state_bytes": state,
+    }
+
+
+class PSSession:
+    """One worker: ``push_pull`` rounds on a flat parameter.
+
+    ``args``: addresses, numel, rank, chunk_bytes, wire_dtype, pieces.
+    """
+
+    def __init__(self, args: dict[str, Any]) -> None:
+        self.numel = int(args["numel"])
+        plan = flat_plan(self.numel, len(args["addresses"]),
+                         int(args.get("chunk_bytes", ShardPlan.DEFAULT_CHUNK_BYTES)),
+                         int(args.get("pieces", 1)))
+        self.client = PSClient(args["addresses"], plan, int(args.get("rank", 0)),
+                               timeout=300.0, attempt_timeout=120.0,
+                               wire_dtype=args.get("wire_dtype"))
+        self.params = {p.name: torch.zeros(p.shape) for p in plan.params}
+        self.grads = {p.name: torch.full(p.shape, 1e-3) for p in plan.params}
+        self.clock = self.client.connect()
+        self.client.initialize(self.params)
+        self.versions = self.client.pull(self.params, self.clock).versions
+        self.applied = 0
+
+    def one_round(self) -> None:
+        pushed, pulled = self.client.push_pull(self.grads, self.versions, 1, self.clock,
+                                               self.params)
+        self.versions = pulled.versions
+        self.clock += 1
+        self.applied += sum(1 for o in pushed.outcomes if o["applied"])
+
+    def measure(self, numel: int, iters: int) -> float:
+        if numel != self.numel:
+            raise ValueError(f"this session moves {self.numel} elements, not {numel}")
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            self.one_round()
+        return (time.perf_counter() - t0) / iters
+
+    def close(self) -> dict[str, Any]:
+        try:
+            self.client.bye()
+        finally:
+            self.client.close()
+        first = next(iter(self.params.values()))
+        return {"checksum": float(first[:16].sum()), "clock": self.clock}
+
+
+def async_run(args: dict[str, Any], announce: Any) -> dict[str, Any]:
+    """Async throughput: push + pull rounds, as fast as possible, until ``stop_file`` exists.
+
+    Announces ``{"running": true}`` after the warm-up; returns this worker's
+    pushes and the shard updates they caused.
+    """
+    session = PSSession(args)
+    stop_file = Path(args["stop_file"])
+    try:
+        for _ in range(int(args.get("warmup", 50))):
+            session.one_round()
+        announce({"running": True})  # the parent starts its window once all are running
+        session.applied = 0
+        start = session.clock
+        t0 = time.perf_counter()
+        while not stop_file.exists():
+            for _ in range(50):
+                session.one_round()
+        elapsed = time.perf_counter() - t0
+        return {"pushes": session.clock - start, "shard_updates": session.applied,
+                "seconds": elapsed}
+    finally:
+        session.close()

@@ -1,0 +1,153 @@
+"""The limit: a hand-written raw pyzmq parameter-server loop, zero-copy, numpy only.
+
+What a person would write by hand to move the same bytes with no framework:
+a ROUTER per shard holding its contiguous range of the weights as one numpy
+array. A worker sends its gradient range as zero-copy frames of at most
+``chunk_bytes`` (the project's 4 MiB chunks: the same frames on the wire); the
+server adds them into one aggregation buffer and, once every worker has sent
+its gradient, applies ``p -= lr * g`` (through a preallocated scratch array, so
+no temporary is allocated per step) and replies with the weights, zero-copy,
+in the same frames; the worker copies them into its own weights. No header,
+no validation, no versions, no bookkeeping: the floor under anything a
+parameter server adds.
+
+This module imports neither torch nor the project's server code.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+
+import numpy as np
+import zmq
+
+from .common import split_range
+
+__all__ = ["RawSession", "serve", "stop"]
+
+_TIMEOUT_MS = 300_000
+_F32 = np.dtype(np.float32)
+
+
+def _frames(a: int, b: int, chunk_elems: int) -> list[tuple[int, int]]:
+    """[a, b) cut into pieces of at most ``chunk_elems``, as equal as possible."""
+    n = max(1, -(-(b - a) // chunk_elems))
+    return [(a + lo, a + hi) for lo, hi in split_range(b - a, n)]
+
+
+def serve(args: dict[str, Any], announce: Any) -> dict[str, Any]:
+    """One raw shard until an empty message arrives. ``args``: workers, lr."""
+    workers = int(args["workers"])
+    lr = np.float32(args.get("lr", 1e-3))
+    ctx: zmq.Context[Any] = zmq.Context.instance()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind("tcp://127.0.0.1:*")
+    announce({"address": sock.getsockopt_string(zmq.LAST_ENDPOINT)})
+    p = scratch = agg = np.zeros(0, dtype=_F32)
+    views: list[np.ndarray] = []
+    waiting: list[zmq.Frame] = []
+    steps = 0
+    try:
+        while True:
+            msg = sock.recv_multipart(copy=False)
+            ident, frames = msg[0], msg[1:]
+            total = sum(len(f) for f in frames)
+            if total == 0:
+                sock.send_multipart([ident, b""])
+                break
+            if p.nbytes != total or len(views) != len(frames):  # a new payload: fresh arrays
+                p = np.zeros(total // 4, dtype=_F32)
+                scratch = np.empty_like(p)
+                agg = np.zeros_like(p) if workers > 1 else scratch
+                bounds = np.cumsum([0] + [len(f) // 4 for f in frames])
+                views = [p[a:b] for a, b in itertools.pairwise(bounds)]
+            offset = 0
+            for f in frames:
+                g = np.frombuffer(f.buffer, dtype=_F32)
+                dst = agg[offset:offset + g.size]
+                if workers == 1:
+                    np.multiply(g, lr, out=dst)
+                elif waiting:
+                    np.add(dst, g, out=dst)
+                else:
+                    np.copyto(dst, g)
+                offset += g.size
+            waiting.append(ident)
+            if len(waiting) < workers:
+                continue
+            if workers > 1:
+                np.multiply(agg, lr / workers, out=agg)
+            np.subtract(p, agg, out=p)
+            # every worker waits for this reply before it sends again, so p is not
+            # written while zmq may still read it
+            for who in waiting:
+                sock.send_multipart([who, *views], copy=False)
+            waiting.clear()
+            steps += 1
+    finally:
+        sock.close(0)
+    return {"steps": steps}
+
+
+class RawSession:
+    """One raw worker: push its gradient, receive the weights, copy them in.
+
+    ``args``: addresses (one per shard), numel, chunk_bytes.
+    """
+
+    def __init__(self, args: dict[str, Any]) -> None:
+        self.numel = int(args["numel"])
+        chunk_elems = max(1, int(args.get("chunk_bytes", 4 << 20)) // 4)
+        ctx: zmq.Context[Any] = zmq.Context.instance()
+        self.socks = []
+        for addr in args["addresses"]:
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.RCVTIMEO, _TIMEOUT_MS)
+            s.connect(addr)
+            self.socks.append(s)
+        self.weights = np.zeros(self.numel, dtype=_F32)
+        self.grads = np.full(self.numel, 1e-3, dtype=_F32)
+        self.frames = [_frames(a, b, chunk_elems)
+                       for a, b in split_range(self.numel, len(self.socks))]
+
+    def one_round(self) -> None:
+        for s, pieces in zip(self.socks, self.frames, strict=True):
+            s.send_multipart([self.grads[a:b] for a, b in pieces], copy=False)
+        for s, pieces in zip(self.socks, self.frames, strict=True):
+            reply = s.recv_multipart(copy=False)
+            for f, (a, b) in zip(reply, pieces, strict=True):
+                np.copyto(self.weights[a:b], np.frombuffer(f.buffer, dtype=_F32))
+
+    def measure(self, numel: int, iters: int) -> float:
+        if numel != self.numel:
+            raise ValueError(f"this session moves {self.numel} elements, not {numel}")
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            self.one_round()
+        return (time.perf_counter() - t0) / iters
+
+    def close(self) -> dict[str, Any]:
+        for s in self.socks:
+            s.close(0)
+        return {"checksum": float(self.weights[:16].sum())}
+
+
+def stop(addresses: list[str], timeout_ms: int = 10_000) -> None:
+    """Stop raw shards: an empty message to each."""
+    ctx: zmq.Context[Any] = zmq.Context.instance()
+    for addr in addresses:
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.RCVTIMEO, timeout_ms)
+        s.connect(addr)
+        try:
+            s.send(b"")
+            s.recv()
+        except zmq.Again:
+            pass
+        finally:
+            s.close(0)

@@ -1,0 +1,162 @@
+"""Tables and goal checks for a benchmark result (rich tables, Markdown for the docs)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from .common import format_size
+
+__all__ = ["evaluate_goals", "markdown", "print_report"]
+
+_MIB100 = 100 << 20
+
+
+def _find(rows: Sequence[dict[str, Any]], **match: Any) -> dict[str, Any] | None:
+    for r in rows:
+        if all(r.get(k) == v for k, v in match.items()):
+            return r
+    return None
+
+
+def _ms(stats: dict[str, float]) -> str:
+    v, lo, hi = stats["median"] * 1e3, stats["lo"] * 1e3, stats["hi"] * 1e3
+    digits = 3 if v < 1 else 2 if v < 10 else 1
+    return f"{v:.{digits}f} [{lo:.{digits}f}-{hi:.{digits}f}]"
+
+
+def _ratio(stats: dict[str, float] | None) -> str:
+    if not stats:
+        return "1"
+    return f"{stats['median']:.2f} [{stats['lo']:.2f}-{stats['hi']:.2f}]"
+
+
+def evaluate_goals(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's goals, each with the measured value, the target and met / missed / n/a."""
+    rows = result.get("sweep", [])
+    goals: list[dict[str, Any]] = []
+
+    def add(name: str, measured: float | None, target: str, met: bool | None,
+            detail: str = "") -> None:
+        goals.append({"goal": name, "measured": measured, "target": target,
+                      "status": "n/a" if met is None else "met" if met else "missed",
+                      "detail": detail})
+
+    ps = _find(rows, system="ps", workers=1, shards=1, bytes=_MIB100)
+    rpc = _find(rows, system="rpc", workers=1, bytes=_MIB100)
+    ratio = ps["ratio_to_limit"]["median"] if ps else None
+    add("100 MiB, 1 worker, 1 shard: push+pull vs raw pyzmq", ratio, ">= 0.9x",
+        None if ratio is None else ratio >= 0.9)
+    vs_rpc = None
+    if ps and rpc:
+        # each against the raw loop it was interleaved with: cancels load drift between phases
+        vs_rpc = ps["ratio_to_limit"]["median"] / rpc["ratio_to_limit"]["median"]
+    add("100 MiB, 1 worker, 1 shard: push+pull vs torch RPC", vs_rpc, ">= 1.5x",
+        None if vs_rpc is None else vs_rpc >= 1.5,
+        "ratio of the two ratios to their paired raw loops")
+    ps22 = _find(rows, system="ps", workers=2, shards=2, bytes=_MIB100)
+    gloo = _find(rows, system="gloo", workers=2, bytes=_MIB100)
+    vs_gloo = None
+    if ps22 and gloo:
+        vs_gloo = gloo["round_s"]["median"] / ps22["round_s"]["median"]
+    add("sync step 2 workers x 2 shards, 100 MiB vs gloo all_reduce + step", vs_gloo,
+        ">= 1.0x (no slower)", None if vs_gloo is None else vs_gloo >= 1.0,
+        "gloo step time / project step time, same cell")
+    ps1k = _find(rows, system="ps", workers=1, shards=1, bytes=1024)
+    lat = 1.0 / ps1k["ratio_to_limit"]["median"] if ps1k else None
+    add("1 KiB round trip vs raw pyzmq", lat, "<= 1.5x", None if lat is None else lat <= 1.5,
+        f"{ps1k['round_s']['median'] * 1e6:.0f} us" if ps1k else "")
+    asy = [a for a in result.get("async", []) if a["shards"] == 1]
+    rate = asy[0]["model_updates_per_s"] if asy else None
+    add("async updates/s, 4 workers, 4 KiB model, 1 shard", rate, ">= 5000",
+        None if rate is None else rate >= 5000)
+    mem = result.get("memory", [])
+    worst = max((m["peak_over_base"] / m["expected_bytes"] for m in mem), default=None)
+    add("sync shard peak RSS vs weights + optimizer state + aggregation buffer", worst,
+        "<= 1.15x for every N", None if worst is None else worst <= 1.15,
+        "peak RSS above the RSS at start, worst N")
+    ov = result.get("overlap")
+    val = ov["overlap_vs_bound"] if ov else None
+    add("overlap: step time vs max(compute, communication)", val, "<= 1.15x",
+        None if val is None else val <= 1.15)
+    return goals
+
+
+def _sweep_table(rows: Sequence[dict[str, Any]]) -> Table:
+    t = Table(title="push + pull round trips (median [min-max] over repeats)")
+    for col in ("workers", "shards", "payload", "system", "round trip ms", "GB/s",
+                "x raw limit", "CPU ms/round"):
+        t.add_column(col, justify="right" if col not in ("system",) else "left")
+    for r in rows:
+        t.add_row(str(r["workers"]), "-" if r["shards"] is None else str(r["shards"]),
+                  format_size(r["bytes"]), r["system"], _ms(r["round_s"]),
+                  f"{r['gbps']['median']:.3f}", _ratio(r.get("ratio_to_limit")),
+                  f"{r['cpu_s']['median'] * 1e3:.2f}" if r.get("cpu_s") else "")
+    return t
+
+
+def print_report(result: dict[str, Any], console: Console | None = None) -> None:
+    console = console or Console()
+    if result.get("sweep"):
+        console.print(_sweep_table(result["sweep"]))
+    if result.get("async"):
+        t = Table(title="async: updates applied per second")
+        for col in ("workers", "shards", "model", "model updates/s", "shard updates/s",
+                    "CPU ms/update"):
+            t.add_column(col, justify="right")
+        for a in result["async"]:
+            t.add_row(str(a["workers"]), str(a["shards"]),
+                      f"{format_size(a['bytes'])} in {a['tensors']} tensors",
+                      f"{a['model_updates_per_s']:.0f}", f"{a['shard_updates_per_s']:.0f}",
+                      f"{a['cpu_s_per_model_update'] * 1e3:.2f}")
+        console.print(t)
+    if result.get("memory"):
+        t = Table(title="sync shard memory (peak RSS above RSS at start)")
+        for col in ("workers", "model", "weights+state+agg MiB", "peak over start MiB",
+                    "ratio"):
+            t.add_column(col, justify="right")
+        for m in result["memory"]:
+            t.add_row(str(m["workers"]), format_size(m["bytes"]),
+                      f"{m['expected_bytes'] / 2**20:.0f}", f"{m['peak_over_base'] / 2**20:.0f}",
+                      f"{m['ratio']:.2f}")
+        console.print(t)
+    ov = result.get("overlap")
+    if ov:
+        t = Table(title=f"overlap ({ov['params']} parameters, {ov['buckets']} buckets, "
+                        f"{ov['device']})")
+        for col in ("compute ms", "comm ms", "sequential ms", "overlap ms",
+                    "overlap / max(compute, comm)", "gain"):
+            t.add_column(col, justify="right")
+        t.add_row(*(f"{ov[k]['median'] * 1e3:.1f}" for k in
+                    ("compute", "comm", "sequential", "overlap")),
+                  f"{ov['overlap_vs_bound']:.2f}", f"{ov['gain']:.2f}x")
+        console.print(t)
+    goals = result.get("goals") or evaluate_goals(result)
+    t = Table(title="goals")
+    for col in ("goal", "measured", "target", "status"):
+        t.add_column(col)
+    for g in goals:
+        v = g["measured"]
+        t.add_row(g["goal"], "-" if v is None else f"{v:.2f}", g["target"], g["status"])
+    console.print(t)
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The sweep and the goals as Markdown tables (for docs/performance.md)."""
+    lines = ["| workers | shards | payload | system | round trip ms, median [min-max] | GB/s "
+             "| x raw limit | CPU ms/round |", "|---|---|---|---|---|---|---|---|"]
+    for r in result.get("sweep", []):
+        cpu = f"{r['cpu_s']['median'] * 1e3:.2f}" if r.get("cpu_s") else ""
+        lines.append(
+            f"| {r['workers']} | {'-' if r['shards'] is None else r['shards']} | "
+            f"{format_size(r['bytes'])} | {r['system']} | {_ms(r['round_s'])} | "
+            f"{r['gbps']['median']:.3f} | {_ratio(r.get('ratio_to_limit'))} | {cpu} |")
+    lines += ["", "| goal | measured | target | status |", "|---|---|---|---|"]
+    for g in result.get("goals") or evaluate_goals(result):
+        v = g["measured"]
+        lines.append(f"| {g['goal']} | {'-' if v is None else f'{v:.2f}'} | {g['target']} "
+                     f"| {g['status']} |")
+    return "\n".join(lines) + "\n"

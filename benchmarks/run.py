@@ -1,0 +1,176 @@
+"""One command for every benchmark: presets, the run, the JSON result and the tables.
+
+``paramserver bench`` (cli/bench.py) and ``python -m benchmarks`` call
+:func:`run_benchmarks`. Presets:
+
+* default (a few minutes on 2 cores): payloads 1 KiB, 64 KiB, 1 MiB, 16 MiB and
+  100 MiB with 1 worker and 1 shard; 1 KiB and 16 MiB on the 3 x 3 grid of 1, 2,
+  4 workers and shards; 100 MiB also at 2 workers x 2 shards; async
+  throughput, shard memory, overlap.
+* ``quick``: a smoke run (about a minute): two small cells, no extra variants,
+  async with 2 workers on 2 shards, memory with 2 workers on 4 MiB, a tiny overlap.
+* ``full``: every payload on every grid point.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from paramserver.errors import ConfigError
+
+from .common import format_size
+from .extras import run_async, run_memory, run_overlap
+from .report import evaluate_goals, print_report
+from .suite import SYSTEMS, Cell, PSVariant, SweepConfig, run_sweep
+
+__all__ = ["PARTS", "PRESETS", "BenchOptions", "cells_for", "run_benchmarks"]
+
+log = logging.getLogger(__name__)
+
+PARTS: tuple[str, ...] = ("sweep", "async", "memory", "overlap")
+PRESETS: tuple[str, ...] = ("quick", "default", "full")
+_KIB, _MIB = 1 << 10, 1 << 20
+# glibc keeps freed buffers of up to 32 MiB for reuse (see paramserver.transport.
+# tune_allocator); given to every system's processes alike, so none is handicapped
+TUNED_MALLOC = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
+                "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}
+
+
+@dataclass
+class BenchOptions:
+    out: Path = Path("runs/bench")
+    preset: str = "default"
+    parts: tuple[str, ...] = PARTS
+    systems: tuple[str, ...] = SYSTEMS
+    sizes: list[int] | None = None  # overrides the preset's payloads (every grid point)
+    workers: tuple[int, ...] | None = None
+    shards: tuple[int, ...] | None = None
+    repeats: int | None = None
+    wire_dtype: str | None = "bfloat16"  # also measure gradients sent in 16 bits
+    lean: bool = True  # also measure the project with its divergence watchdog off
+    malloc: str = "tuned"  # tuned: every process keeps freed buffers; default: glibc's own
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.preset not in PRESETS:
+            raise ConfigError(f"preset must be one of {', '.join(PRESETS)}; got {self.preset!r}")
+        bad = set(self.parts) - set(PARTS)
+        if bad:
+            raise ConfigError(f"parts must be among {', '.join(PARTS)}; got {sorted(bad)}")
+        bad = set(self.systems) - set(SYSTEMS)
+        if bad or "raw" not in self.systems:
+            raise ConfigError(f"systems must include raw, among {', '.join(SYSTEMS)}")
+        if self.malloc not in ("tuned", "default"):
+            raise ConfigError(f"malloc must be tuned or default; got {self.malloc!r}")
+
+
+def cells_for(opts: BenchOptions) -> list[Cell]:
+    """The (workers, shards, payload) cells of a preset, or of the given sizes / grid."""
+    workers = opts.workers or ((1, 2) if opts.preset == "quick" else (1, 2, 4))
+    shards = opts.shards or ((1, 2) if opts.preset == "quick" else (1, 2, 4))
+    if opts.sizes:
+        return [Cell(n, s, b) for n in workers for s in shards for b in opts.sizes]
+    if opts.preset == "quick":
+        return [Cell(1, 1, _KIB), Cell(2, 2, 64 * _KIB)]
+    sweep = [_KIB, 64 * _KIB, _MIB, 16 * _MIB, 100 * _MIB]
+    if opts.preset == "full":
+        return [Cell(n, s, b) for n in workers for s in shards for b in sweep]
+    cells = [Cell(1, 1, b) for b in sweep if 1 in workers and 1 in shards]
+    cells += [Cell(n, s, b) for n in workers for s in shards for b in (_KIB, 16 * _MIB)
+              if (n, s) != (1, 1)]
+    if 2 in workers and 2 in shards:
+        cells.append(Cell(2, 2, 100 * _MIB))
+    return cells
+
+
+def _variants(opts: BenchOptions) -> list[PSVariant]:
+    variants = [PSVariant("ps")]
+    if opts.preset == "quick":
+        return variants
+    if opts.lean:
+        variants.append(PSVariant("ps-lean", server={"watchdog": {"enabled": False}}))
+    if opts.wire_dtype:
+        variants.append(PSVariant(f"ps-{opts.wire_dtype}", {"wire_dtype": opts.wire_dtype}))
+    return variants
+
+
+def _environment() -> dict[str, Any]:
+    import numpy
+    import torch
+    import zmq
+
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "pyzmq": zmq.__version__, "libzmq": zmq.zmq_version(), "numpy": numpy.__version__,
+            "cpus": os.cpu_count(), "machine": platform.machine(),
+            "load_before": os.getloadavg()}
+
+
+def run_benchmarks(opts: BenchOptions, console: Console | None = None) -> dict[str, Any]:
+    """Run the chosen parts, write ``out/result.json``, print the tables; return the result."""
+    console = console or Console()
+    out = opts.out
+    out.mkdir(parents=True, exist_ok=True)
+    quick = opts.preset == "quick"
+    logs = out / "logs"
+    if opts.malloc == "tuned":
+        os.environ.update(TUNED_MALLOC)  # inherited by every agent
+    else:
+        os.environ["PARAMSERVER_MALLOC_TUNING"] = "0"
+        for key in TUNED_MALLOC:
+            os.environ.pop(key, None)
+    result: dict[str, Any] = {
+        "command": " ".join(["paramserver bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"]
+        else " ".join(sys.argv),
+        "preset": opts.preset, "malloc": opts.malloc, "started": time.time(),
+        "environment": _environment(),
+    }
+    t0 = time.perf_counter()
+    if "sweep" in opts.parts:
+        cells = cells_for(opts)
+        cfg = SweepConfig(cells=cells, systems=opts.systems, variants=_variants(opts),
+                          repeats=opts.repeats or (3 if quick else 5),
+                          repeat_seconds=0.05 if quick else 0.25, log_dir=logs)
+        console.print(f"sweep: {len(cells)} cells x {len(opts.systems)} systems "
+                      f"({', '.join(opts.systems)}) + variants "
+                      f"{', '.join(v.label for v in cfg.variants[1:]) or 'none'}")
+
+        def row(r: dict[str, Any]) -> None:
+            ratio = r.get("ratio_to_limit")
+            console.print(f"  {r['workers']}w {r['shards'] or '-'}s "
+                          f"{format_size(r['bytes']):>7} {r['system']:<14} "
+                          f"{r['round_s']['median'] * 1e3:10.3f} ms "
+                          f"x{ratio['median'] if ratio else 1:.2f}")
+
+        result["sweep"] = run_sweep(cfg, row)
+    if "async" in opts.parts:
+        console.print("async throughput ...")
+        result["async"] = run_async(workers=2 if quick else 4,
+                                    shards=(2,) if quick else (1, 2, 4),
+                                    seconds=0.5 if quick else 3.0, log_dir=logs)
+    if "memory" in opts.parts:
+        console.print("shard memory ...")
+        result["memory"] = run_memory(workers=(2,) if quick else (1, 2, 4),
+                                      nbytes=(4 if quick else 64) * _MIB,
+                                      rounds=2 if quick else 4, log_dir=logs)
+    if "overlap" in opts.parts:
+        console.print("overlap ...")
+        result["overlap"] = (run_overlap(width=256, depth=3, batch=32, steps=2, repeats=3,
+                                         bucket_bytes=256 * _KIB, log_dir=logs) if quick
+                             else run_overlap(log_dir=logs))
+    result["seconds"] = time.perf_counter() - t0
+    result["environment"]["load_after"] = os.getloadavg()
+    result["goals"] = evaluate_goals(result)
+    (out / "result.json").write_text(json.dumps(result, indent=2))
+    print_report(result, console)
+    console.print(f"wrote {out / 'result.json'} ({result['seconds']:.0f} s)")
+    return result

@@ -1,0 +1,89 @@
+"""``paramserver bench``: side-by-side benchmarks (raw ZeroMQ, this project, torch RPC, gloo).
+
+Only argument handling lives here; the work is done by :mod:`benchmarks.run`.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import click
+from rich.console import Console
+
+from paramserver.errors import ConfigError, ParamServerError
+
+__all__ = ["bench"]
+
+log = logging.getLogger(__name__)
+
+
+def _csv_ints(text: str | None) -> tuple[int, ...] | None:
+    if not text:
+        return None
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError as exc:
+        raise click.BadParameter(f"{text!r}: give integers separated by commas, e.g. 1,2,4"
+                                 ) from exc
+    if any(v < 1 for v in values):
+        raise click.BadParameter(f"{text!r}: every value must be >= 1")
+    return values
+
+
+@click.command("bench")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path),
+              default=Path("runs/bench"), show_default=True,
+              help="Directory for result.json and the processes' logs.")
+@click.option("--quick", is_flag=True, help="A smoke run: small payloads, few repeats "
+              "(about a minute).")
+@click.option("--full", is_flag=True, help="Every payload on every workers x shards point.")
+@click.option("--part", "parts", multiple=True,
+              type=click.Choice(["sweep", "async", "memory", "overlap"]),
+              help="Run only these parts (repeatable; default: all).")
+@click.option("--system", "systems", multiple=True,
+              type=click.Choice(["raw", "ps", "rpc", "gloo"]),
+              help="Systems in the sweep (repeatable; raw, the limit, is always in).")
+@click.option("--size", "sizes", multiple=True, metavar="SIZE",
+              help="Payloads instead of the preset's, e.g. --size 1KiB --size 100MiB "
+                   "(measured on every workers x shards point).")
+@click.option("--workers", metavar="N,...", help="Worker counts, e.g. 1,2,4.")
+@click.option("--shards", metavar="S,...", help="Shard counts, e.g. 1,2,4.")
+@click.option("--repeats", type=click.IntRange(min=2), help="Repeats per cell (default 5).")
+@click.option("--wire-dtype", type=click.Choice(["bfloat16", "float16", "none"]),
+              default="bfloat16", show_default=True,
+              help="Also measure the project with gradients sent in 16 bits (none: do not).")
+@click.option("--no-lean", is_flag=True,
+              help="Do not add the row with the divergence watchdog turned off.")
+@click.option("--malloc", type=click.Choice(["tuned", "default"]), default="tuned",
+              show_default=True, help="tuned: every process (of every system) keeps freed "
+              "buffers for reuse; default: glibc's own behaviour, for comparison.")
+def bench(out: Path, quick: bool, full: bool, parts: tuple[str, ...],
+          systems: tuple[str, ...], sizes: tuple[str, ...], workers: str | None,
+          shards: str | None, repeats: int | None, wire_dtype: str, no_lean: bool,
+          malloc: str) -> None:
+    """Measure push + pull against a raw pyzmq loop (the limit), torch.distributed.rpc used
+    as a parameter server and gloo all_reduce, in one run on the same payloads; then async
+    throughput, shard memory and overlap of communication with backward. Writes
+    OUT/result.json and prints the tables and the goals."""
+    from benchmarks.common import parse_size
+    from benchmarks.run import PARTS, BenchOptions, run_benchmarks
+    from benchmarks.suite import SYSTEMS
+
+    if quick and full:
+        raise click.UsageError("--quick and --full exclude each other")
+    try:
+        opts = BenchOptions(
+            out=out, preset="quick" if quick else "full" if full else "default",
+            parts=parts or PARTS,
+            systems=tuple(dict.fromkeys(("raw", *systems))) if systems else SYSTEMS,
+            sizes=[parse_size(s) for s in sizes] or None,
+            workers=_csv_ints(workers), shards=_csv_ints(shards), repeats=repeats,
+            wire_dtype=None if wire_dtype == "none" else wire_dtype, lean=not no_lean,
+            malloc=malloc,
+        )
+        run_benchmarks(opts, Console())
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from exc
+    except ParamServerError as exc:
+        raise click.ClickException(str(exc)) from exc
