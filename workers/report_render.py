@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter
+from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 if TYPE_CHECKING:
     from .report import ClaimCheck, ConfigSummary, Stat
@@ -44,12 +44,12 @@ TABLE_COLUMNS: list[tuple[str, str, str]] = [
 ]
 
 
-def _fmt(stat: Stat, pattern: str, spread: bool = True) -> str:
+def _fmt(stat: Stat, pattern: str, spread: bool = True, never: str = "not reached") -> str:
     if stat.n == 0:
-        return "not reached" if stat.missing else "—"
+        return never if stat.missing else "—"
     scale = 100.0 if pattern == "pct" else 1.0
     pattern = "{:.1f}" if pattern == "pct" else pattern
-    text = "not reached" if math.isinf(stat.median) else pattern.format(stat.median * scale)
+    text = never if math.isinf(stat.median) else pattern.format(stat.median * scale)
     low, high = pattern.format(stat.low * scale), pattern.format(stat.high * scale)
     if spread and stat.n + stat.missing > 1 and low != high:
         text += f" [{low}-{high}]"
@@ -84,7 +84,7 @@ def summary_rows(summaries: Sequence[ConfigSummary]) -> tuple[list[str], list[li
     for s in summaries:
         st = s.stats
         rows.append([s.label + (f" ({len(s.failed)} failed)" if s.failed else ""),
-                     _fmt(st["time_to_target"], "{:.1f}", False),
+                     _fmt(st["time_to_target"], "{:.1f}", False, never="never"),
                      _fmt(st["final_accuracy"], "pct", False),
                      _fmt(st["updates_per_s"], "{:.1f}", False),
                      _fmt(st["pct_rejected"], "{:.1f}", False),
@@ -154,8 +154,6 @@ def plot_loss(scenario: str, group: Sequence[ConfigSummary], colors: dict[str, A
 
 def plot_staleness(scenario: str, group: Sequence[ConfigSummary], colors: dict[str, Any],
                    path: Path) -> Path:
-    from matplotlib.ticker import MaxNLocator
-
     fig = Figure(figsize=(max(4.0, 3.6 * len(group)), 3.8), layout="constrained")
     axes = np.atleast_1d(fig.subplots(1, len(group), squeeze=False)[0])
     hists: list[dict[int, int]] = []
@@ -203,6 +201,7 @@ def plot_clocks(s: ConfigSummary, path: Path) -> Path | None:
     bottom.axhline(bound, color="tab:red", ls="--", lw=1, label=f"bound s = {bound}")
     bottom.set_xlabel("wall-clock time since training started (s)")
     bottom.set_ylabel("clock gap (clocks)")
+    bottom.yaxis.set_major_locator(MaxNLocator(integer=True))
     bottom.set_title("Clocks the pushing worker was ahead of the slowest one")
     bottom.grid(True, alpha=0.3)
     bottom.legend(fontsize="small")
