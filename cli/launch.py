@@ -25,6 +25,7 @@ from workers.cluster import ClusterSpec, run_cluster
 from workers.cluster import Progress as ClusterProgress
 
 from . import options
+from .watch import format_alarm
 
 __all__ = ["launch"]
 
@@ -43,7 +44,9 @@ Examples:
 \b
 Each process logs to DIR/logs/<name>.log and writes JSONL events to
 DIR/events/; DIR/result.json holds the final loss and accuracy, every
-worker's counts and timings and every shard's statistics. Ctrl-C or SIGTERM
+worker's counts and timings and every shard's statistics. The divergence
+watchdog's alarms print as they happen (--on-divergence decides whether
+they also stop the run); --metrics-port serves Prometheus metrics. Ctrl-C or SIGTERM
 stops every process. Exit codes: 0 done, 1 a process failed (the message
 names it and shows its log's tail), 2 bad options, 130/143 interrupted.
 """
@@ -114,6 +117,9 @@ def _summary(spec: ClusterSpec, result: dict[str, Any], out: Path) -> str:
     lines.append(f"pushes {pushes} ({accepted} accepted, {rejected} rejected), "
                  f"{pushes / seconds if seconds else 0:.1f}/s; shard versions "
                  f"{', '.join(str(v) for v in result['updates_applied'])}")
+    if result.get("alarms"):
+        lines.append(f"watchdog alarms: {len(result['alarms'])} (events/server*.jsonl; "
+                     "docs/observability.md says what each means)")
     lines.append(f"result: {out / 'result.json'} (logs in {out / 'logs'})")
     return "\n".join(lines)
 
@@ -156,6 +162,8 @@ def launch(ctx: click.Context, **opts: Any) -> None:
             on_worker_failure=opts["on_worker_failure"],
             restart_servers=opts["restart_servers"],
             max_restarts=opts["max_restarts"],
+            metrics_port=opts["metrics_port"],
+            tensorboard=opts["tensorboard"],
         )
     options.maybe_print_config(ctx, opts)
     out = _out_dir(opts["out"])
@@ -172,7 +180,9 @@ def launch(ctx: click.Context, **opts: Any) -> None:
         try:
             with bar:
                 view = _ProgressView(bar, description, steps * num_workers if steps else None)
-                result = run_cluster(spec, out, on_progress=view)
+                # alarms print above the bar as they happen, even with --quiet
+                result = run_cluster(spec, out, on_progress=view,
+                                     on_alarm=lambda alarm: console.print(format_alarm(alarm)))
         except _Stop as stop:
             name = signal.Signals(stop.signum).name
             console.print(f"paramserver launch: {name}: every process stopped; logs in "

@@ -48,6 +48,7 @@ from paramserver.errors import ConfigError
 from paramserver.optim import build_optimizer, build_scheduler, parse_kwargs
 from paramserver.server import ServerConfig
 from paramserver.staleness import create_policy, parse_policy_args
+from paramserver.watchdog import ACTIONS, WatchdogConfig
 from workers.cluster import FAILURE_POLICIES, ClusterSpec
 from workers.stragglers import StragglerSpec
 from workers.tasks import resolve_task
@@ -139,6 +140,15 @@ def _parse_task_args(items: list[str]) -> dict[str, str]:
             raise ConfigError(f"task argument {item!r} must look like key=value (e.g. hidden=128)")
         out[key.strip()] = value.strip()
     return out
+
+
+def _parse_watchdog_args(items: list[str]) -> dict[str, Any]:
+    """``key=value`` -> typed watchdog options, checked against WatchdogConfig."""
+    values = parse_kwargs(items)
+    if "disable" in values and isinstance(values["disable"], tuple):  # "a,b" -> "a,b"
+        values["disable"] = ",".join(str(v) for v in values["disable"])
+    WatchdogConfig.from_dict(values)
+    return values
 
 
 _ADDRESS = re.compile(r"^(?:tcp://)?(\[[0-9a-fA-F:]+\]|[^\s:/\[\]]+):(\d{1,5})$")
@@ -266,6 +276,17 @@ SERVER = [
               "(`paramserver keys generate`)."),
     Spec("--curve-clients-dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
          help="CURVE: admit only the clients whose public keys are in DIR."),
+    Spec("--on-divergence", type=click.Choice(ACTIONS), default=_default(_S, "on_divergence"),
+         help="What a divergence-watchdog alarm does: warn; stop training; or save a "
+              "checkpoint under CHECKPOINT_DIR/diverged first (docs/observability.md)."),
+    Spec("--watchdog-arg", "watchdog_args", type=KeyValue(_parse_watchdog_args), multiple=True,
+         help="Watchdog threshold, e.g. ratio_high=0.5, disable=worker_lag or enabled=false "
+              "(repeatable; docs/observability.md lists them)."),
+    Spec("--metrics-interval", type=click.FloatRange(min=0, min_open=True),
+         default=_default(_S, "metrics_interval"), metavar="SECONDS",
+         help="Seconds between metric snapshots in the event log and TensorBoard."),
+    Spec("--tensorboard", type=click.Path(file_okay=False), default=None, metavar="DIR",
+         help="Write TensorBoard scalars under DIR (needs paramserver[tensorboard])."),
 ]
 
 #: options of one shard process: ``server`` only (``launch`` and ``run`` set them per process)
@@ -284,6 +305,8 @@ SHARD = [
          help="Training starts once N workers have said hello."),
     Spec("--event-log", type=click.Path(dir_okay=False), default=None, metavar="FILE",
          help="Append JSONL events to FILE."),
+    Spec("--metrics-port", type=click.IntRange(0, 65535), default=None, metavar="PORT",
+         help="Serve Prometheus metrics on PORT (0: any free port, printed at start)."),
 ]
 
 #: options that set how workers train: for ``worker``, ``launch`` and ``run``
@@ -412,6 +435,9 @@ LAUNCH = [
          help="Restart a shard that dies, at its address, from its latest checkpoint."),
     Spec("--max-restarts", type=_POS, default=_default(ClusterSpec, "max_restarts"), metavar="K",
          help="Restarts allowed per process."),
+    Spec("--metrics-port", type=click.IntRange(0, 65535), default=None, metavar="PORT",
+         help="Prometheus metrics: the launcher's on PORT, shard i's on PORT + 1 + i "
+              "(0: any free ports)."),
 ]
 
 #: ``run`` only (torchrun / Slurm)
@@ -697,8 +723,12 @@ def server_config(opts: Mapping[str, Any], **fixed: Any) -> ServerConfig:
         "resume": opts["resume"],
         "curve_secret_key": opts["curve_secret_key"],
         "curve_clients_dir": opts["curve_clients_dir"],
+        "on_divergence": opts["on_divergence"],
+        "watchdog": dict(opts["watchdog_args"]),
+        "metrics_interval": opts["metrics_interval"],
+        "tensorboard": opts["tensorboard"],
     }
-    for name in ("shard", "num_shards", "expected_workers", "event_log"):
+    for name in ("shard", "num_shards", "expected_workers", "event_log", "metrics_port"):
         if name in opts:
             values[name] = opts[name]
     if "host" in opts and "port" in opts and "bind" not in fixed:

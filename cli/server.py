@@ -28,7 +28,7 @@ Examples:
 
 \b
 The server prints one line on stdout when it listens,
-  PARAMSERVER_READY tcp://HOST:PORT pid=PID
+  PARAMSERVER_READY tcp://HOST:PORT pid=PID [metrics=PORT]
 for scripts, and a sentence on stderr for you. It serves until Ctrl-C
 (SIGINT) or SIGTERM, then exits with code 0. Workers connect with
 `paramserver worker --servers ADDR0,ADDR1,...` (addresses in shard order).
@@ -38,12 +38,14 @@ for scripts, and a sentence on stderr for you. It serves until Ctrl-C
 def ready_printer(config: ServerConfig) -> Any:
     """on_ready callback: the machine-readable line on stdout, a sentence on stderr."""
 
-    def on_ready(address: str) -> None:
-        announce_ready(address)
+    def on_ready(address: str, metrics_port: int | None = None) -> None:
+        announce_ready(address, metrics_port)
+        metrics = (f" Metrics: http://{address.split('://')[-1].rsplit(':', 1)[0]}:"
+                   f"{metrics_port}/metrics." if metrics_port is not None else "")
         click.echo(
             f"paramserver: shard {config.shard} of {config.num_shards} listening on {address} "
             f"({config.mode_spec().describe()}, policy {config.policy}, optimizer "
-            f"{config.optimizer}); waiting for {config.expected_workers} worker(s). "
+            f"{config.optimizer}); waiting for {config.expected_workers} worker(s).{metrics} "
             "Stop with Ctrl-C.",
             err=True,
         )

@@ -16,6 +16,7 @@ from paramserver.errors import RemoteError, TimeoutError, TransportError
 from workers.client import server_stats
 
 from . import options
+from .watch import health_table, worker_table
 
 __all__ = ["status"]
 
@@ -97,7 +98,10 @@ def render(addresses: list[str], rows: list[dict[str, Any] | None],
                       str(row["version"]), _worker_cell(row["workers"]), str(applied),
                       str(rejected), str(stale), str(row.get("pending_pulls", 0)),
                       str(observed.get("alarm_count", "-")))
-    return Group(table, *(Text(n) for n in notes), *(Text(p, style="red") for p in problems))
+    answered = [row for row in rows if row is not None]
+    figures = [health_table(answered), worker_table(answered)] if answered else []
+    return Group(table, *figures, *(Text(n) for n in notes),
+                 *(Text(p, style="red") for p in problems))
 
 
 @click.command("status", epilog=EPILOG,

@@ -16,7 +16,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-__all__ = ["format_alarm", "render_status", "watch_status"]
+__all__ = ["format_alarm", "health_table", "render_status", "watch_status", "worker_table"]
 
 
 def _num(value: Any, fmt: str = ".3g") -> str:
@@ -35,8 +35,9 @@ def _staleness(hist: Mapping[str, int]) -> tuple[float | None, int | None]:
     return sum(int(t) * n for t, n in hist.items()) / total, max(int(t) for t in hist)
 
 
-def _shard_table(stats: Sequence[Mapping[str, Any]]) -> Table:
-    table = Table(title="shards", title_justify="left", expand=False)
+def health_table(stats: Sequence[Mapping[str, Any]]) -> Table:
+    """Per shard: version, clocks and what the last optimizer step did to the weights."""
+    table = Table(title="per shard: the last step", title_justify="left", expand=False)
     for col in ("shard", "mode", "version", "live", "min clock", "gap", "lr",
                 "update/weight", "weight norm", "alarms"):
         table.add_column(col, justify="left" if col in ("mode",) else "right")
@@ -92,7 +93,8 @@ def _worker_rows(stats: Sequence[Mapping[str, Any]]) -> dict[int, dict[str, Any]
     return rows
 
 
-def _worker_table(stats: Sequence[Mapping[str, Any]]) -> Table:
+def worker_table(stats: Sequence[Mapping[str, Any]]) -> Table:
+    """Per worker, over all shards: clock, lag, staleness, counts, gradient, loss."""
     table = Table(title="workers (over all shards)", title_justify="left")
     for col in ("worker", "live", "clock", "lag", "staleness mean/max", "applied",
                 "rejected", "mean weight", "grad norm", "cosine", "loss", "waited s"):
@@ -123,7 +125,7 @@ def render_status(stats: Sequence[Mapping[str, Any]], *, alarms: int = 5,
     parts: list[Any] = []
     if title:
         parts.append(Text(title, style="bold"))
-    parts += [_shard_table(stats), _worker_table(stats)]
+    parts += [health_table(stats), worker_table(stats)]
     recent = [a for s in stats for a in s.get("observed", {}).get("alarms", [])]
     if recent:
         parts.append(Text("latest alarms", style="bold"))

@@ -58,6 +58,7 @@ MODES: tuple[str, ...] = ("sync", "async", "ssp")
 DTYPES = FLOAT_DTYPES
 
 
+_OBSERVE_ELEMENTS = 1 << 22  # shards up to this size are measured on every push (observe)
 _NARROW = (torch.float16, torch.bfloat16)  # wire dtypes a float32 gradient may travel in
 
 
@@ -302,6 +303,8 @@ class ShardCore:
         self._ema_decay: float | None = None
         self._grad_ema: dict[str, torch.Tensor] = {}
         self._ema_sq = 0.0  # |running mean|^2, kept by recurrence (saves a pass per push)
+        # (gradients, their norm) of the push just measured, for the step it causes
+        self._measured: tuple[Mapping[str, torch.Tensor], float] | None = None
         self._before: dict[str, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ membership
@@ -629,6 +632,7 @@ class ShardCore:
             outcome = self._push_async(state, info, grads)
         state.last_push_id = push_id
         state.last_outcome = outcome
+        self._measured = None  # do not hold on to the push's frames
         return outcome
 
     def _decide(self, state: WorkerState, info: UpdateInfo) -> Decision:
@@ -742,13 +746,19 @@ class ShardCore:
             not g.get("momentum") and not g.get("weight_decay") for g in groups)
         grad_sq = 0.0
         if measure and plain_sgd:
-            grad_sq = sum(float(torch.linalg.vector_norm(p.grad, dtype=torch.float32)) ** 2
-                          for p in self.params.values() if p.grad is not None)
+            measured = self._measured
+            if measured is not None and all(p.grad is measured[0].get(k)
+                                            for k, p in self.params.items()):
+                grad_sq = measured[1] ** 2  # the pushed gradient itself, measured already
+            else:
+                grad_sq = sum(float(torch.linalg.vector_norm(p.grad, dtype=torch.float32)) ** 2
+                              for p in self.params.values() if p.grad is not None)
         elif measure:
             for key, p in self.params.items():
                 if key not in self._before:
                     self._before[key] = torch.empty_like(p)
                 self._before[key].copy_(p.detach())
+        self._measured = None
         applied_lr = float(groups[0]["lr"])
         self.optimizer.step()
         for g, lr in zip(groups, saved, strict=True):
@@ -776,14 +786,21 @@ class ShardCore:
         """Report pushes' :class:`GradStats` and optimizer steps' :class:`StepStats`.
 
         ``every``: measure one push in ``every`` (and the step it causes; sync
-        rounds are always measured), for shards too large to measure each time.
+        rounds are always measured), for shards too large to measure each time;
+        0: by the shard's size, every push up to 4M elements (16 MB of float32),
+        then one in ``ceil(elements / 4M)``, so that measuring stays a small
+        part of the work per push.
         ``cosine_decay``: decay of the running mean gradient the cosine is taken
         against (None: no cosine, and no memory for the mean).
         """
         if cosine_decay is not None and not 0.0 < cosine_decay < 1.0:
             raise ConfigError(f"cosine_decay must be in (0, 1), got {cosine_decay}")
-        if every < 1:
-            raise ConfigError(f"observe every must be >= 1, got {every}")
+        if every < 0:
+            raise ConfigError(f"observe every must be >= 0 (0: by the shard's size), "
+                              f"got {every}")
+        if every == 0:
+            numel = sum(p.numel() for p in self.params.values())
+            every = max(1, math.ceil(numel / _OBSERVE_ELEMENTS))
         self._observer = observer
         self._observe_every = every
         self._ema_decay = cosine_decay
@@ -794,6 +811,7 @@ class ShardCore:
     def _grad_stats(self, worker: int, grads: Mapping[str, torch.Tensor]) -> GradStats:
         flat = {k: g.reshape(-1).float() for k, g in grads.items()}
         norm = math.sqrt(sum(float(torch.linalg.vector_norm(g)) ** 2 for g in flat.values()))
+        self._measured = (grads, norm)
         decay = self._ema_decay
         if decay is None or not math.isfinite(norm):
             return GradStats(worker, norm, None)

@@ -15,6 +15,7 @@ first (copy-on-write), so no reader ever sees a half-updated tensor.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import logging
 import os
@@ -183,7 +184,7 @@ class ShardServer:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def serve_forever(self, on_ready: Callable[[str], None] | None = None,
+    def serve_forever(self, on_ready: Callable[..., None] | None = None,
                       tick: float = 0.05) -> None:
         self._running = True
         self.events.write("server_start", shard=self.config.shard, address=self.address,
@@ -192,7 +193,7 @@ class ShardServer:
                  self.config.num_shards, self.address, self.config.mode_spec().describe(),
                  self.policy.describe())
         if on_ready is not None:
-            on_ready(self.address)
+            _ready(on_ready, self.address, self.metrics_port)
         last_expire = 0.0
         try:
             while self._running:
@@ -621,8 +622,24 @@ def _stop_on_signals(server: ShardServer) -> None:
     signal.signal(signal.SIGINT, _stop)
 
 
-def run_server(config: ServerConfig, on_ready: Callable[[str], None] | None = None) -> int:
+def _ready(on_ready: Callable[..., None], address: str, metrics_port: int | None) -> None:
+    """Call ``on_ready(address)``, or ``on_ready(address, metrics_port)`` if it takes two."""
+    try:
+        params = list(inspect.signature(on_ready).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in params):
+        on_ready(address, metrics_port)
+    else:
+        on_ready(address)
+
+
+def run_server(config: ServerConfig, on_ready: Callable[..., None] | None = None) -> int:
     """Run one shard until SHUTDOWN, SIGTERM or SIGINT, or until the watchdog stops it.
+
+    ``on_ready`` is called once the shard listens, with its address, and with its
+    metrics port (None without one) as well if it takes a second argument.
 
     Returns the process exit code: 0, or :data:`DIVERGED_EXIT_CODE`.
     """
@@ -652,7 +669,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     server = ShardServer(config)
     _stop_on_signals(server)
-    server.serve_forever(lambda address: announce_ready(address, server.metrics_port))
+    server.serve_forever(announce_ready)
     sys.exit(server.exit_code)
 
 

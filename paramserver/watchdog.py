@@ -70,7 +70,7 @@ class WatchdogConfig:
     enabled: bool = True
     disable: tuple[str, ...] = ()  # signals to leave out
     cooldown: int = 1000  # pushes before the same (signal, worker) may fire again
-    observe_every: int = 1  # measure gradient and update norms on one push in N (big shards)
+    observe_every: int = 0  # measure gradient and update norms on one push in N; 0: by size
     # update-to-weight ratio per optimizer step
     ratio_low: float = 1e-7  # below float32 resolution: updates round away
     ratio_high: float = 0.2  # a fifth of the weights' norm in one step: blow-up
@@ -108,7 +108,9 @@ class WatchdogConfig:
                 f"watchdog: unknown signal(s) to disable: {', '.join(sorted(unknown))}; "
                 f"signals: {', '.join(SIGNALS)}"
             )
-        for name in ("cooldown", "observe_every", "ratio_window", "ratio_high_window",
+        if self.observe_every < 0:
+            raise ConfigError("watchdog: observe_every must be >= 0 (0: by the shard's size)")
+        for name in ("cooldown", "ratio_window", "ratio_high_window",
                      "loss_window", "loss_patience", "reject_window", "lag_window",
                      "staleness_window", "zero_window", "cosine_window"):
             if getattr(self, name) < 1:
@@ -247,6 +249,7 @@ class Watchdog:
         self._workers: dict[int, _WorkerWindow] = {}
         self._rejected: deque[bool] = deque()
         self._rejected_sum = 0.0
+        self._norm_ema: float | None = None  # running mean of every push's gradient norm
         self._rejected_by: deque[int] = deque()
         self._ratios: deque[float] = deque()
         self._loss_block: list[float] = []
@@ -296,9 +299,11 @@ class Watchdog:
         win = self._window(obs.worker)
         rejected = not obs.accepted
         if obs.grad_norm is not None and not math.isfinite(obs.grad_norm):
+            fate = ("it was applied (--no-check-finite): the weights are broken now"
+                    if obs.accepted else "it was refused")
             self._fire(out, "nonfinite_gradient", obs.worker, {"grad_norm": obs.grad_norm},
-                       "the pushed gradient holds NaN or Inf; it was not applied. Look for "
-                       "overflow in this worker's loss or a learning rate that blew up")
+                       f"the pushed gradient holds NaN or Inf; {fate}. Look for overflow in "
+                       "this worker's loss, or a learning rate that blew the weights up")
             rejected = True
         if obs.loss is not None and not math.isfinite(obs.loss):
             self._fire(out, "nonfinite_loss", obs.worker, {"loss": obs.loss},
@@ -309,6 +314,8 @@ class Watchdog:
         _push(win.staleness, obs.staleness, 2 * cfg.staleness_window)
         self._check_staleness(out, obs.worker, win)
         if obs.grad_norm is not None and math.isfinite(obs.grad_norm):
+            self._norm_ema = obs.grad_norm if self._norm_ema is None \
+                else 0.9 * self._norm_ema + 0.1 * obs.grad_norm
             _push(win.norms, obs.grad_norm, cfg.zero_window)
             self._check_zero(out, obs.worker, win)
         if obs.cosine is not None and math.isfinite(obs.cosine):
@@ -436,6 +443,10 @@ class Watchdog:
     def _check_zero(self, out: list[Alarm], worker: int, win: _WorkerWindow) -> None:
         cfg = self.config
         if len(win.norms) < cfg.zero_window:
+            return
+        # cheap pre-check: far above the zero threshold of a typical norm (every worker's
+        # running mean), so it cannot be zero next to the others; skips the scan below
+        if self._norm_ema is not None and max(win.norms) > cfg.zero_rel * 1e3 * self._norm_ema:
             return
         others = [w.norms[-1] for k, w in self._workers.items() if k != worker and w.norms]
         if not others:

@@ -48,11 +48,14 @@ class ScaledGradient(nn.Module):
 
 
 def digits_bad_ranks(*, rank: int, world_size: int, seed: int = 0, batch_size: int = 32,
-                     zero_rank: int = -1, negate_rank: int = -1, nan_rank: int = -1) -> Task:
+                     zero_rank: int = -1, negate_rank: int = -1, nan_rank: int = -1,
+                     ascend: bool = False) -> Task:
     """digits-mlp, where rank ``zero_rank`` pushes all-zero gradients, ``negate_rank``
-    the negated gradient and ``nan_rank`` NaN."""
+    the negated gradient and ``nan_rank`` NaN; with ``ascend`` every rank pushes the
+    negated gradient (gradient ascent)."""
     task = create_task("digits-mlp", rank, world_size, {"seed": seed, "batch_size": batch_size})
-    scale = {zero_rank: 0.0, negate_rank: -1.0, nan_rank: float("nan")}.get(rank, 1.0)
+    scale = {zero_rank: 0.0, negate_rank: -1.0, nan_rank: float("nan")}.get(
+        rank, -1.0 if ascend else 1.0)
     task.model = ScaledGradient(task.model, scale)
     return task
 

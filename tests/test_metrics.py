@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from paramserver.metrics import (
     TensorBoardWriter,
     flatten,
 )
-from paramserver.watchdog import SIGNALS
+from paramserver.watchdog import SIGNALS, WatchdogConfig
 from tests.observability_fixture import scrape
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -110,6 +111,8 @@ def test_every_metric_and_signal_is_documented():
     assert documented <= set(CATALOGUE), documented - set(CATALOGUE)
     for signal in SIGNALS:
         assert f"`{signal}`" in text, signal
+    for option in dataclasses.fields(WatchdogConfig):
+        assert f"`{option.name}`" in text, option.name
 
 
 def test_watch_status_redraws_and_survives_an_unreachable_server():

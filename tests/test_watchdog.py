@@ -314,3 +314,20 @@ def test_core_samples_one_push_in_n():
         core.push(0, i + 1, i, core.version, 1, {"a": torch.ones(4)}, 0.0)
     assert sum(isinstance(s, GradStats) for s in seen) == 3
     assert len(seen) == 6  # each sampled push and the step it caused
+
+
+def test_core_measures_big_shards_one_push_in_n_by_default(monkeypatch):
+    import torch
+
+    import paramserver.core as core_module
+    from paramserver.core import CoreConfig, GradStats, ShardCore, SliceSpec
+
+    monkeypatch.setattr(core_module, "_OBSERVE_ELEMENTS", 2)  # "big" = more than 2 elements
+    core = ShardCore([SliceSpec("a", 5, "float32")], CoreConfig())
+    seen: list = []
+    core.observe(seen.append, every=0)  # by size: ceil(5 / 2) = 3
+    core.register(0, "x", 0.0)
+    core.initialize({"a": torch.zeros(5)})
+    for i in range(9):
+        core.push(0, i + 1, i, core.version, 1, {"a": torch.ones(5)}, 0.0)
+    assert sum(isinstance(s, GradStats) for s in seen) == 3

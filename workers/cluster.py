@@ -400,7 +400,8 @@ class LocalCluster:
                 p.popen.wait()
             if p.popen.stdout is not None:
                 p.popen.stdout.close()
-        self.observer.close(failures=len(self.failures), restarts=len(self.restarts))
+        self.observer.close(failures=len(self.failures), restarts=len(self.restarts),
+                            exit_codes={p.name: p.popen.returncode for p in procs})
 
     @property
     def metrics_ports(self) -> dict[str, int | None]:
