@@ -56,6 +56,11 @@ server stops, so the launcher sees all ranks exit. See docs/multihost.md.
 """
 
 
+def _nth_port(base: int, index: int) -> int:
+    """Shard ``index``'s port from a base port (0 stays 0: any free port)."""
+    return base + index if base else 0
+
+
 @click.command("run", epilog=EPILOG,
                short_help="One rank of a torchrun or Slurm job.")
 @options.apply_groups("run")
@@ -79,7 +84,9 @@ def run(ctx: click.Context, **opts: Any) -> None:
         with options.user_errors():
             config = dataclasses.replace(
                 server_template, shard=role.index, num_shards=role.num_servers,
-                bind=options.bind_address(host, opts["port"] + role.index if opts["port"] else 0),
+                bind=options.bind_address(host, _nth_port(opts["port"], role.index)),
+                metrics_port=None if opts["metrics_port"] is None
+                else _nth_port(opts["metrics_port"], role.index),
                 expected_workers=role.num_workers,
                 event_log=str(out / "events" / f"server{role.index}.jsonl") if out else None,
             )
@@ -99,8 +106,9 @@ def run(ctx: click.Context, **opts: Any) -> None:
     try:
         rdzv = Rendezvous(env, opts["rendezvous_timeout"])
         if role.kind == "server":
-            run_server_rank(config, rdzv, ready_printer(config))
+            code = run_server_rank(config, rdzv, ready_printer(config))
             click.echo(f"paramserver: shard {role.index} stopped", err=True)
+            ctx.exit(code)
         else:
             result = run_worker_rank(wconfig, rdzv, role.num_servers)
             click.echo(summary(result))

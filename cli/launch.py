@@ -176,6 +176,9 @@ def launch(ctx: click.Context, **opts: Any) -> None:
     )
     description = (f"{spec.server.mode_spec().describe()} {num_servers}x{num_workers} "
                    f"{spec.worker.task}")
+    if not opts["quiet"]:
+        console.print(f"paramserver launch: {description}; logs and results in {out}",
+                      highlight=False)
     with _Signals():
         try:
             with bar:

@@ -455,6 +455,9 @@ RUN = [
          help="Slurm: the rendezvous host [default: MASTER_ADDR, else the first node]."),
     Spec("--store-port", type=click.IntRange(1, 65535), default=None,
          help="Slurm: the rendezvous port [default: MASTER_PORT, else 29500 + job id % 1000]."),
+    Spec("--metrics-port", type=click.IntRange(0, 65535), default=None, metavar="PORT",
+         help="Shard i serves Prometheus metrics on PORT + i (0: any free port) "
+              "[default: none]."),
     Spec("--rendezvous-timeout", type=click.FloatRange(min=0, min_open=True), default=300.0,
          metavar="SECONDS", help="How long to wait for the store and for every server."),
     Spec("--out", type=click.Path(file_okay=False), default=None, metavar="DIR",

@@ -61,13 +61,14 @@ def server(ctx: click.Context, **opts: Any) -> None:
     """Run one shard server: it holds a slice of the weights and their optimizer.
 
     Start one per shard (--shard 0 .. --num-shards - 1); every worker talks to
-    all of them. It binds 127.0.0.1 unless --bind says otherwise.
+    all of them. It binds 127.0.0.1 unless --host says otherwise.
     """
     config = options.server_config(opts)
     options.maybe_print_config(ctx, opts)
     try:
-        run_server(config, ready_printer(config))
+        code = run_server(config, ready_printer(config))
     except TransportError as exc:  # e.g. the port is in use
         raise click.ClickException(f"shard {config.shard}: {exc}") from exc
     click.echo(f"paramserver: shard {config.shard} stopped", err=True)
+    ctx.exit(code)  # 0, or 3 when the watchdog stopped training (--on-divergence)
 

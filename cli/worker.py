@@ -70,6 +70,9 @@ def worker(ctx: click.Context, **opts: Any) -> None:
     """
     config = options.worker_config(ctx, opts)
     options.maybe_print_config(ctx, opts)
+    length = f"{config.steps} steps" if config.steps else f"{config.epochs:g} epochs"
+    click.echo(f"paramserver: worker {config.rank} of {config.world_size}, {config.task}, "
+               f"{length}; shards at {', '.join(config.servers)}", err=True)
     try:
         result = run_worker(config)
     except ConfigError as exc:  # raised inside the task factory, say

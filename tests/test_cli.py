@@ -19,6 +19,7 @@ from click.testing import CliRunner, Result
 
 from cli.main import main, register_commands
 from cli.options import option_names
+from tests.ports import free_port
 
 OURS = ["server", "worker", "launch", "status", "policies", "tasks", "run"]
 
@@ -55,11 +56,6 @@ def sources(*args: str, env: dict[str, str] | None = None) -> dict[str, str]:
         out[key] = rest.rsplit("# ", 1)[1]
     return out
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 # --------------------------------------------------------------------------- help
@@ -138,6 +134,9 @@ def test_optional_command_modules_register_with_one_line(tmp_path, monkeypatch):
     (["--backup-workers", "1"], "backup workers only apply to sync mode"),
     (["--mode", "sync", "-n", "2", "--backup-workers", "2"], "must be fewer than the expected"),
     (["--slow-prob", "2"], "2.0 is not in the range 0<=x<=1"),
+    (["--on-divergence", "panic"], "'panic' is not one of 'warn', 'checkpoint-and-stop'"),
+    (["--watchdog-arg", "ratio_hgih=0.5"], "unknown watchdog option(s): ratio_hgih"),
+    (["--metrics-port", "65535", "-s", "2"], "leave room for 2 shard ports"),
 ])
 def test_bad_launch_options_say_what_is_allowed(args, message):
     result = invoke("launch", *args, "--print-config")
@@ -171,6 +170,15 @@ def test_bad_server_options():
     assert result.exit_code == 2 and "70000 is not in the range 0<=x<=65535" in result.output
     result = invoke("server", "--host", "no-such-host.invalid", "--print-config")
     assert result.exit_code == 2 and "cannot resolve 'no-such-host.invalid'" in result.output
+
+
+def test_observability_options_reach_the_configs():
+    cfg = config("launch", "--metrics-port", "9100", "--tensorboard", "tb", "--on-divergence",
+                 "stop", "--watchdog-arg", "ratio_high=0.5", "--watchdog-arg",
+                 "disable=loss_stalled,worker_lag")
+    assert (cfg["metrics-port"], cfg["tensorboard"], cfg["on-divergence"]) == (9100, "tb", "stop")
+    assert cfg["watchdog-arg"] == {"ratio_high": 0.5, "disable": "loss_stalled,worker_lag"}
+    assert config("server", "--metrics-port", "0")["metrics-port"] == 0
 
 
 def test_server_host_and_port_make_the_bind_address():

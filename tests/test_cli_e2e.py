@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from paramserver.events import read_events
+from tests.ports import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -43,11 +43,6 @@ def env(**extra: str) -> dict[str, str]:
     base.update(extra)
     return base
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def children(pid: int) -> set[int]:
@@ -229,7 +224,8 @@ def test_servers_and_workers_started_by_hand(tmp_path: Path) -> None:
             assert all(w["finished"] for w in shard["workers"].values())
         table = subprocess.run([*PARAMSERVER, "status", "--servers", ",".join(addresses)],
                                cwd=ROOT, env=env(), capture_output=True, text=True, timeout=60)
-        assert "w0:100 done" in table.stdout and "sync" in table.stdout
+        assert table.returncode == 0, table.stderr
+        assert "sync" in table.stdout and "workers (over all shards)" in table.stdout
     finally:
         for s in servers:
             s.send_signal(signal.SIGINT)  # Ctrl-C

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 
 import pytest
 
 from paramserver.errors import ConfigError
+from tests.ports import free_port
 from workers.rendezvous import (
     LaunchEnv,
     Rendezvous,
@@ -99,18 +99,13 @@ def test_roles():
         assign_role(0, 2, 0)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
 
 def _env(rank: int, port: int, world: int = 3) -> LaunchEnv:
     return LaunchEnv("torchrun", rank, world, rank, "127.0.0.1", port, single_node=True)
 
 
 def test_rendezvous_publishes_addresses_and_names_missing_servers():
-    port = _free_port()
+    port = free_port()
     host = Rendezvous(_env(0, port), timeout=10)  # rank 0 hosts the store
     worker = Rendezvous(_env(2, port), timeout=10)
     host.publish_server(0, "tcp://10.0.0.1:5600")
@@ -129,6 +124,6 @@ def test_rendezvous_publishes_addresses_and_names_missing_servers():
 
 
 def test_unreachable_store_names_it():
-    port = _free_port()
+    port = free_port()
     with pytest.raises(RendezvousError, match=f"127.0.0.1:{port}.*hosted by rank 0"):
         Rendezvous(_env(1, port), timeout=0.5)

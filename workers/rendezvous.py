@@ -360,10 +360,20 @@ class Rendezvous:
         self.store.set(_key("server", shard), address)
 
     def wait_finished(self, stop: threading.Event, poll: float = 5.0) -> bool:
-        """Block until the last worker is done (True), ``stop`` is set or the store is gone."""
+        """Block until the last worker is done (True), ``stop`` is set or the store is gone.
+
+        Meant for a background thread: it waits on a connection of its own, so the
+        main thread's use of the store never queues behind it.
+        """
+        try:
+            store = TCPStore(self.env.store_host, self.env.store_port, None, False,
+                             timedelta(seconds=self.timeout))
+        except DistError as exc:
+            log.warning("lost the rendezvous store at %s (%s); stopping", self.env.store, exc)
+            return False
         while not stop.is_set():
             try:
-                self.store.wait([_key("finished")], timedelta(seconds=poll))
+                store.wait([_key("finished")], timedelta(seconds=poll))
                 return True
             except DistStoreError:
                 continue  # not yet
@@ -427,8 +437,10 @@ class Rendezvous:
 
 
 def run_server_rank(config: ServerConfig, rdzv: Rendezvous,
-                    on_ready: Callable[[str], None] | None = None) -> None:
-    """Serve one shard: publish its address, stop when the last worker is done."""
+                    on_ready: Callable[[str], None] | None = None) -> int:
+    """Serve one shard: publish its address, stop when the last worker is done.
+
+    Returns :func:`~paramserver.server.run_server`'s exit code."""
     stopping = threading.Event()
 
     def watch() -> None:
@@ -444,7 +456,7 @@ def run_server_rank(config: ServerConfig, rdzv: Rendezvous,
             on_ready(address)
 
     try:
-        run_server(config, ready)
+        return run_server(config, ready)
     finally:
         stopping.set()
         rdzv.leave()
