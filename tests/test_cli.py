@@ -398,3 +398,29 @@ def test_console_script_is_cli_main():
     setup = (Path(__file__).parent.parent / "setup.cfg").read_text()
     assert "paramserver = cli.main:main" in setup
     assert sys.modules["cli.main"].main is main
+
+
+def test_installed_task_and_policy_plugins_are_listed(tmp_path, monkeypatch):
+    import paramserver.staleness as S
+    import workers.tasks as T
+
+    dist = tmp_path / "myplugins-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: myplugins\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(
+        f"[{T.ENTRY_POINT_GROUP}]\ntiny-linear = tests.tasks_fixture:make_task\n"
+        f"broken = tests.no_such_module:make\n"
+        f"[{S.ENTRY_POINT_GROUP}]\nhalve = tests.policies_fixture:Halve\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for module in (T, S):
+        monkeypatch.setattr(module, "_entry_points_loaded", False)
+        monkeypatch.setattr(module, "_REGISTRY", dict(module._REGISTRY))
+    monkeypatch.setattr(T, "_DESCRIPTIONS", dict(T._DESCRIPTIONS))
+    tasks = {r["name"]: r for r in json.loads(invoke("tasks", "--json").stdout)}
+    assert tasks["tiny-linear"]["from"] == "tests.tasks_fixture"  # the broken one is skipped
+    assert tasks["tiny-linear"]["parameters"]["scale"]["default"] == 1.0
+    assert "broken" not in tasks and "digits-mlp" in tasks
+    policies = {r["name"] for r in json.loads(invoke("policies", "--json").stdout)}
+    assert {"halve", "reject"} <= policies
+    assert config("launch", "--task", "tiny-linear")["task"] == "tiny-linear"

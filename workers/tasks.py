@@ -22,6 +22,7 @@ import functools
 import importlib
 import inspect
 import itertools
+import logging
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -49,6 +50,8 @@ __all__ = [
     "task_description",
     "task_parameters",
 ]
+
+log = logging.getLogger(__name__)
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 #: called as ``factory(rank=r, world_size=n, **task_args)``; returns a Task or a duck-typed object
@@ -188,9 +191,9 @@ def _load_entry_points() -> None:
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         try:
             factory = ep.load()
-        except Exception as exc:  # a broken plug-in must say which one it is
-            raise RegistryError(f"task entry point {ep.name!r} ({ep.value}) failed to load: "
-                                f"{exc}") from exc
+        except Exception as exc:  # a broken plug-in must not hide the others
+            log.warning("task entry point %r (%s) failed to load: %s", ep.name, ep.value, exc)
+            continue
         register_task(ep.name)(factory)
 
 
