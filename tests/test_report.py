@@ -170,7 +170,8 @@ def fake_experiment(out: Path, *, dts: dict[tuple[str, str, int], float],
                 path = f"runs/{cid}/seed{seed}"
                 ok = failed != (cid, seed)
                 runs.append({"config": cid, "seed": seed, "path": path, "ok": ok,
-                             "seconds": 1.0, "error": "" if ok else "worker1 failed"})
+                             "seconds": 1.0, "error": "" if ok else "worker1 failed",
+                             "load": 0.5 + seed})
                 if ok:
                     fake_run(out / path, mode="sync" if mode == "sync" else "async",
                              dt=dts[(scenario, mode, bound)] * (1 + 0.01 * seed),
@@ -279,3 +280,13 @@ def test_time_to_target_not_reached_is_reported(tmp_path):
     exp_path.write_text(json.dumps(exp))
     md = write_report(tmp_path).markdown.read_text()
     assert "| sync | not reached | not reached |" in md
+
+
+def test_machine_load_is_reported_and_contention_flagged(tmp_path):
+    fake_experiment(tmp_path, dts=GOOD, scenarios=("none",), seeds=(0, 1))
+    md = write_report(tmp_path).markdown.read_text()
+    assert "load average was 0.5 to 1.5 at the end of the runs, on 2 CPUs." in md
+    assert "Other work competed" not in md
+    fake_experiment(tmp_path / "busy", dts=GOOD, scenarios=("none",), seeds=(0, 1, 2, 3))
+    md = write_report(tmp_path / "busy").markdown.read_text()
+    assert "0.5 to 3.5" in md and "Other work competed for the CPUs" in md

@@ -594,6 +594,7 @@ class RunOutcome:
     ok: bool
     seconds: float
     error: str = ""
+    load: float | None = None  # 1-minute load average when the run ended (CPU contention)
 
 
 @dataclass
@@ -634,6 +635,13 @@ def _prepare_dir(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
 
+def _load() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:  # not available on this platform
+        return None
+
+
 def _merge_steps(run_dir: Path, workers: int) -> None:
     """``steps.jsonl``: every step and held-out evaluation of every worker, in time order."""
     records = []
@@ -658,7 +666,8 @@ def _index(spec: ExperimentSpec, outcomes: Sequence[RunOutcome], started: float,
         "scenarios": {n: spec.scenario(n).to_dict() for n in spec.scenarios},
         "configurations": [c.to_dict() for c in spec.configurations()],
         "runs": [{"config": o.plan.config.id, "seed": o.plan.seed, "path": o.plan.path,
-                  "ok": o.ok, "seconds": round(o.seconds, 3), "error": o.error}
+                  "ok": o.ok, "seconds": round(o.seconds, 3), "error": o.error,
+                  "load": o.load}
                  for o in outcomes],
         "started": started, "finished": time.time() if finished else None,
     }
@@ -694,6 +703,7 @@ def run_experiment(spec: ExperimentSpec, out_dir: str | os.PathLike[str],
             log.error("run %s failed: %s", plan.name, exc)
             (run_dir / "error.txt").write_text(str(exc))
             outcome = RunOutcome(plan, False, time.monotonic() - t0, str(exc).splitlines()[0])
+        outcome.load = _load()
         outcomes.append(outcome)
         obs.run_finished(outcome)
         (out / "experiment.json").write_text(

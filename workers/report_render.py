@@ -321,6 +321,16 @@ def render_report(out_dir: Path, exp: dict[str, Any], summaries: Sequence[Config
             f"here, wall-clock included, is virtual seconds. Rerun with: paramserver simulate "
             f"--spec spec.toml --compute-time {sim.get('compute_time')} --latency "
             f"{sim.get('latency')}")))
+    loads = [r["load"] for r in exp["runs"] if r.get("load") is not None]
+    cpus = env.get("cpus") or 0
+    if loads and cpus:
+        text = (f"Machine load: the 1-minute load average was {min(loads):.1f} to "
+                f"{max(loads):.1f} at the end of the runs, on {cpus} CPUs.")
+        if max(loads) > 1.5 * cpus:
+            text += (" Other work competed for the CPUs: wall-clock figures (time to target, "
+                     "updates/s, waiting) carry the scheduler's noise; the figures per update "
+                     "do not.")
+        blocks.append(("p", text))
     failed = [r for r in exp["runs"] if not r["ok"]]
     if failed:
         blocks.append(("h2", "Failed runs"))
