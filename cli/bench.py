@@ -36,7 +36,7 @@ def _csv_ints(text: str | None) -> tuple[int, ...] | None:
               default=Path("runs/bench"), show_default=True,
               help="Directory for result.json and the processes' logs.")
 @click.option("--quick", is_flag=True, help="A smoke run: small payloads, few repeats "
-              "(about a minute).")
+              "(a minute or two).")
 @click.option("--full", is_flag=True, help="Every payload on every workers x shards point.")
 @click.option("--part", "parts", multiple=True,
               type=click.Choice(["sweep", "async", "memory", "overlap"]),
@@ -51,8 +51,8 @@ def _csv_ints(text: str | None) -> tuple[int, ...] | None:
 @click.option("--shards", metavar="S,...", help="Shard counts, e.g. 1,2,4.")
 @click.option("--repeats", type=click.IntRange(min=2), help="Repeats per cell (default 5).")
 @click.option("--wire-dtype", type=click.Choice(["bfloat16", "float16", "none"]),
-              default="bfloat16", show_default=True,
-              help="Also measure the project with gradients sent in 16 bits (none: do not).")
+              default="none", show_default=True,
+              help="Also measure the project with gradients sent in 16 bits.")
 @click.option("--no-lean", is_flag=True,
               help="Do not add the row with the divergence watchdog turned off.")
 @click.option("--malloc", type=click.Choice(["tuned", "default"]), default="tuned",
