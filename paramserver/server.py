@@ -575,7 +575,21 @@ class ShardServer:
         return reply(msg, **self.stats())
 
     def _on_checkpoint(self, msg: Message, identity: bytes) -> Message:
-        path = self.save_checkpoint(msg.get("path"))
+        # a peer may only choose a place inside the configured checkpoint
+        # directory: the server never writes where a message tells it to
+        base = self.config.checkpoint_dir
+        if base is None:
+            raise ProtocolError(ErrorCode.BAD_FIELD,
+                                "this server has no checkpoint directory (--checkpoint-dir)")
+        target = base
+        if msg.get("path"):
+            root = Path(base).resolve()
+            candidate = (root / msg["path"]).resolve()
+            if candidate != root and root not in candidate.parents:
+                raise ProtocolError(ErrorCode.BAD_FIELD,
+                                    f"checkpoint path must lie inside {base}")
+            target = str(candidate)
+        path = self.save_checkpoint(target)
         return reply(msg, path=path, version=self.core.version if self.core else 0)
 
     def _on_shutdown(self, msg: Message, identity: bytes) -> Message:

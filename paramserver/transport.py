@@ -247,7 +247,8 @@ class RouterSocket:
             return None  # not from a DEALER: nothing to answer
         return frames[0].bytes, frames[1:]
 
-    def send(self, identity: bytes, msg: Message, *, track: bool = False) -> zmq.MessageTracker | None:
+    def send(self, identity: bytes, msg: Message, *,
+             track: bool = False) -> zmq.MessageTracker | None:
         """Send ``msg`` to a peer. Tensor frames go zero-copy; with ``track`` the
         returned tracker tells when zmq no longer reads their memory."""
         frames = encode(msg)
