@@ -159,7 +159,7 @@ def launch(ctx: click.Context, **opts: Any) -> None:
             startup_timeout=opts["startup_timeout"],
             run_timeout=opts["run_timeout"],
             evaluate=opts["eval"],
-            on_worker_failure=opts["on_worker_failure"],
+            on_worker_failure="restart" if opts["restart_workers"] else opts["on_worker_failure"],
             restart_servers=opts["restart_servers"],
             max_restarts=opts["max_restarts"],
             metrics_port=opts["metrics_port"],

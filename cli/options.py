@@ -430,6 +430,8 @@ LAUNCH = [
     Spec("--on-worker-failure", type=click.Choice(FAILURE_POLICIES),
          default=_default(ClusterSpec, "on_worker_failure"),
          help="A worker that dies: fail the run, tolerate it (the others go on) or restart it."),
+    Spec("--restart-workers", is_flag=True, default=False,
+         help="Restart a worker that dies (the same as --on-worker-failure restart)."),
     Spec("--restart-servers/--no-restart-servers",
          default=_default(ClusterSpec, "restart_servers"),
          help="Restart a shard that dies, at its address, from its latest checkpoint."),
