@@ -380,7 +380,8 @@ class ShardCore:
                 dead.append(state.worker)
                 self._drop_pending(state.worker)
                 log.warning(
-                    "worker %d missed heartbeats for %.1fs (timeout %gs): removed from the live set",
+                    "worker %d missed heartbeats for %.1fs (timeout %gs): "
+                    "removed from the live set",
                     state.worker, now - state.last_seen, self.config.heartbeat_timeout,
                 )
         if dead:
@@ -860,7 +861,8 @@ class ShardCore:
                 "incarnation": w.incarnation, "clock": w.clock, "live": w.live,
                 "finished": w.finished, "pushes": w.pushes, "applied": w.applied,
                 "rejected": dict(w.rejected), "downweighted": w.downweighted,
-                "weight_sum": w.weight_sum, "staleness": {str(k): v for k, v in w.staleness.items()},
+                "weight_sum": w.weight_sum,
+                "staleness": {str(k): v for k, v in w.staleness.items()},
                 "last_push_id": w.last_push_id, "pulls": w.pulls,
                 "deferred_pulls": w.deferred_pulls, "wait_seconds": w.wait_seconds,
                 "deaths": w.deaths,

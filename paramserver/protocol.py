@@ -167,7 +167,7 @@ def _tensor_view(t: torch.Tensor) -> memoryview:
     flat = t.detach().reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy())
+    return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 def encode(msg: Message) -> list[bytes | memoryview]:
@@ -247,7 +247,7 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
             f"protocol version {version!r}; this side speaks {PROTOCOL_VERSION}",
         )
     try:
-        op = Op(header.get("op"))
+        op = Op(str(header.get("op")))
     except ValueError as exc:
         raise ProtocolError(ErrorCode.UNKNOWN_OP, f"unknown op {header.get('op')!r}") from exc
     seq = header.get("seq", 0)
