@@ -373,6 +373,7 @@ class ShardServer:
     def _observe_core(self) -> None:
         assert self.core is not None
         cfg = self.watchdog.config
+        self.watchdog.elements = sum(s.numel for s in self.core.specs.values())
         cosine = cfg.enabled and "gradient_disagrees" not in cfg.disable
         self.core.observe(self.observer.on_core, cosine_decay=0.97 if cosine else None,
                           every=cfg.observe_every)

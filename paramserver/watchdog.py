@@ -76,6 +76,7 @@ class WatchdogConfig:
     ratio_high: float = 0.2  # a fifth of the weights' norm in one step: blow-up
     ratio_window: int = 10  # steps whose median is tested against ratio_low
     ratio_high_window: int = 3  # steps whose median is tested against ratio_high
+    ratio_min_elements: int = 100  # smaller shards (a lone bias) swing too much for ratio_high
     warmup_steps: int = 5  # steps before ratio_low is tested (schedulers warm up from 0)
     # training loss reported by workers with their pushes
     loss_window: int = 50  # losses per block; blocks are compared by their mean
@@ -119,6 +120,8 @@ class WatchdogConfig:
             raise ConfigError("watchdog: need 0 <= ratio_low < ratio_high")
         if not 0 < self.reject_max <= 1 or not 0 < self.lag_fraction <= 1:
             raise ConfigError("watchdog: reject_max and lag_fraction must be in (0, 1]")
+        if self.ratio_min_elements < 0:
+            raise ConfigError("watchdog: ratio_min_elements must be >= 0")
         if self.warmup_steps < 0 or self.lag_limit < 0 or self.staleness_limit < 0 or (
                 self.lag_seconds < 0):
             raise ConfigError("watchdog: warmup_steps, lag_limit, staleness_limit must be >= 0")
@@ -241,6 +244,7 @@ class Watchdog:
         self.shard = shard
         # sync and ssp bound every clock gap by construction: no lag can grow forever
         self.bounded_lag = bounded_lag
+        self.elements: int | None = None  # weights the shard holds (the server sets it)
         self.pushes = 0  # observed, shard-wide
         self.steps = 0
         self.version = 0
@@ -344,7 +348,8 @@ class Watchdog:
         _push(self._ratios, ratio, max(cfg.ratio_window, cfg.ratio_high_window))
         recent = list(self._ratios)
         high = statistics.median(recent[-cfg.ratio_high_window:])
-        if len(recent) >= cfg.ratio_high_window and high > cfg.ratio_high:
+        big_enough = self.elements is None or self.elements >= cfg.ratio_min_elements
+        if len(recent) >= cfg.ratio_high_window and high > cfg.ratio_high and big_enough:
             self._fire(out, "update_ratio_high", None,
                        {"ratio": high, "threshold": cfg.ratio_high,
                         "update_norm": obs.update_norm, "weight_norm": obs.weight_norm,

@@ -74,6 +74,12 @@ def test_update_ratio_high_fires_on_the_third_big_step():
     assert got[3][0].figures["ratio"] == pytest.approx(0.9)
 
 
+def test_update_ratio_high_ignores_a_shard_of_a_few_elements():
+    dog = Watchdog(0)
+    dog.elements = 2  # a lone bias: its ratio swings with every step
+    assert not any(dog.observe_step(StepObservation(i, 0.5, 1.0)) for i in range(1, 20))
+
+
 def test_update_ratio_low_waits_for_warmup_and_a_full_window():
     cfg = WatchdogConfig()
     dog = Watchdog(0, cfg)
