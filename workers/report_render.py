@@ -296,10 +296,11 @@ def render_report(out_dir: Path, exp: dict[str, Any], summaries: Sequence[Config
     step_ms = 1000 * float(exp.get("min_step_time", 0.0))
     blocks: list[Block] = [("h1", f"Experiment '{exp['name']}'")]
     finished = exp.get("finished") or exp.get("started") or 0
+    opt_args = ", ".join(f"{k}={v}" for k, v in exp.get("optimizer_args", {}).items())
     blocks.append(("p", (
         f"Task {exp['task']}, {exp['steps']} steps per worker, {exp['servers']} server(s), "
-        f"seeds {', '.join(map(str, exp['seeds']))}, optimizer {exp['optimizer']} "
-        f"{exp.get('optimizer_args', {})}, target held-out loss {target:g}, evaluation every "
+        f"seeds {', '.join(map(str, exp['seeds']))}, optimizer {exp['optimizer']}"
+        f"({opt_args}), target held-out loss {target:g}, evaluation every "
         f"{exp['eval_every']} steps of worker 0. Finished "
         f"{dt.datetime.fromtimestamp(finished).isoformat(timespec='seconds')}.")))
     if step_ms > 0:
