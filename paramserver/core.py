@@ -75,6 +75,13 @@ def _all_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(t).all())
 
 
+def _l2(t: torch.Tensor) -> float:
+    """L2 norm; 16-bit tensors are measured in float32, wider ones in their own dtype."""
+    if t.dtype in _NARROW:
+        return float(torch.linalg.vector_norm(t, dtype=torch.float32))
+    return float(torch.linalg.vector_norm(t))
+
+
 @dataclass(frozen=True)
 class ModeSpec:
     """Which consistency model a shard enforces."""
@@ -752,7 +759,7 @@ class ShardCore:
                                             for k, p in self.params.items()):
                 grad_sq = measured[1] ** 2  # the pushed gradient itself, measured already
             else:
-                grad_sq = sum(float(torch.linalg.vector_norm(p.grad, dtype=torch.float32)) ** 2
+                grad_sq = sum(_l2(p.grad) ** 2
                               for p in self.params.values() if p.grad is not None)
         elif measure:
             for key, p in self.params.items():
@@ -775,8 +782,8 @@ class ShardCore:
             for key, p in self.params.items():
                 if not plain_sgd:
                     delta = self._before[key].sub_(p.detach())
-                    update += float(torch.linalg.vector_norm(delta, dtype=torch.float32)) ** 2
-                weights += float(torch.linalg.vector_norm(p.detach(), dtype=torch.float32)) ** 2
+                    update += _l2(delta) ** 2
+                weights += _l2(p.detach()) ** 2
             self._observer(StepStats(self.version, math.sqrt(update), math.sqrt(weights),
                                      applied_lr))
 
