@@ -382,10 +382,8 @@ class ShardCore:
         dead = []
         for state in self._live():
             if now - state.last_seen > self.config.heartbeat_timeout:
-                state.live = False
-                state.deaths += 1
+                self._bury(state)
                 dead.append(state.worker)
-                self._drop_pending(state.worker)
                 log.warning(
                     "worker %d missed heartbeats for %.1fs (timeout %gs): "
                     "removed from the live set",
@@ -394,6 +392,26 @@ class ShardCore:
         if dead:
             self._maybe_close_round()
         return dead
+
+    def declare_dead(self, worker: int) -> bool:
+        """A supervisor saw ``worker``'s process die: drop it now, not after the timeout.
+
+        Returns False when there was nothing to do (unknown, finished or already
+        dead). Its clock is kept, so a restarted process rejoins as after a timeout.
+        """
+        state = self.workers.get(worker)
+        if state is None or not state.live or state.finished:
+            return False
+        self._bury(state)
+        log.warning("worker %d reported dead by its supervisor: removed from the live set",
+                    worker)
+        self._maybe_close_round()
+        return True
+
+    def _bury(self, state: WorkerState) -> None:
+        state.live = False
+        state.deaths += 1
+        self._drop_pending(state.worker)
 
     def _live(self) -> list[WorkerState]:
         return [w for w in self.workers.values() if w.live and not w.finished]

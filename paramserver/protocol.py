@@ -103,7 +103,7 @@ _SCHEMA: dict[Op, dict[str, tuple[tuple[type, ...], bool]]] = {
         "parts": (_INT, False),
     },
     Op.HEARTBEAT: {"worker": (_INT, True)},
-    Op.BYE: {"worker": (_INT, True)},
+    Op.BYE: {"worker": (_INT, True), "dead": (_BOOL, False)},
     Op.STATS: {},
     Op.CHECKPOINT: {"path": (_STR, False)},
     Op.SHUTDOWN: {},

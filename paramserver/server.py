@@ -567,6 +567,13 @@ class ShardServer:
     def _on_bye(self, msg: Message, identity: bytes) -> Message:
         core = self._require_core()
         self._before_mutation()
+        if msg.get("dead"):  # from a supervisor that saw the process die
+            dead = core.declare_dead(msg["worker"])
+            if dead:
+                self.events.write("worker_dead", shard=self.config.shard, worker=msg["worker"],
+                                  reported=True)
+                self.observer.left(core, msg["worker"])
+            return reply(msg, dead=dead)
         core.leave(msg["worker"], time.monotonic())
         self.events.write("worker_bye", shard=self.config.shard, worker=msg["worker"])
         self.observer.left(core, msg["worker"])

@@ -100,6 +100,17 @@ def test_sync_dead_worker_no_longer_blocks():
     assert core.version == 1
 
 
+def test_worker_declared_dead_closes_the_round_at_once_and_can_rejoin():
+    core = make_core("sync", workers=2, timeout=5.0)
+    push = Pusher(core)
+    push(0, 0)
+    assert core.declare_dead(1) and core.version == 1  # no timeout waited out
+    assert not core.declare_dead(1) and not core.declare_dead(7)  # already dead, unknown
+    assert core.workers[1].deaths == 1
+    core.register(1, "inc1-restarted", now=0.1)  # its old registration is not in the way
+    assert core.workers[1].live
+
+
 def test_start_barrier_holds_pulls_until_expected_workers_registered():
     cfg = CoreConfig(mode=ModeSpec("async"), expected_workers=2)
     core = ShardCore(KEYS, cfg)

@@ -286,6 +286,7 @@ class LocalCluster:
                 self._raise_if_diverged()  # a stopped shard's refusal, not the worker's fault
                 self.failures.append({"process": proc.name, "exit_code": code,
                                       "t": time.time()})
+                self._report_dead(rank)
                 policy = self.spec.on_worker_failure
                 if policy == "restart" and self._restarts(proc.name) < self.spec.max_restarts:
                     log.warning("%s died (exit code %d); restarting it", proc.name, code)
@@ -319,6 +320,24 @@ class LocalCluster:
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"workers still running after {self.spec.run_timeout:g}s: "
                                    + ", ".join(self.workers[r].name for r in sorted(pending)))
+
+    def _report_dead(self, rank: int) -> None:
+        """Tell every shard that worker ``rank`` died, so that no sync round or SSP
+        gate waits out its heartbeat timeout. Best effort: the timeout still holds."""
+        from paramserver.protocol import Message, Op
+        from paramserver.transport import Channel, request_all
+
+        curve = self.spec.client_curve()
+        chans = [Channel(a, peer=f"shard {i}", curve=curve)
+                 for i, a in enumerate(self.addresses)]
+        try:
+            request_all(chans, [Message(Op.BYE, 0, {"worker": rank, "dead": True})
+                                for _ in chans], 2.0, "BYE", retries=1)
+        except ParamServerError as exc:
+            log.warning("could not report worker%d's death to the servers: %s", rank, exc)
+        finally:
+            for ch in chans:
+                ch.close()
 
     def _raise_if_diverged(self) -> None:
         """Raise ClusterError if a shard's watchdog stopped training (``diverged`` event)."""
