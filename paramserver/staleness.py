@@ -20,13 +20,12 @@ import logging
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from importlib.metadata import entry_points
 from typing import Any, ClassVar
 
 import torch
 
 from .errors import ConfigError, RegistryError
-from .plugins import import_object
+from .plugins import import_object, load_entry_points
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -227,24 +226,14 @@ def register_policy(cls: type[StalenessPolicy]) -> type[StalenessPolicy]:
 for _builtin in (NoPolicy, RejectPolicy, InversePolicy, ExponentialPolicy):
     register_policy(_builtin)
 
-_entry_points_loaded = False
+def _register_entry_point(name: str, cls: Any) -> None:
+    if getattr(cls, "name", "") != name:
+        cls = type(cls.__name__, (cls,), {"name": name}) if isinstance(cls, type) else cls
+    register_policy(cls)
 
 
 def _load_entry_points() -> None:
-    global _entry_points_loaded
-    if _entry_points_loaded:
-        return
-    _entry_points_loaded = True
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        try:
-            cls = ep.load()
-        except Exception as exc:  # a broken plug-in must not hide the others
-            log.warning("staleness policy entry point %r (%s) failed to load: %s",
-                        ep.name, ep.value, exc)
-            continue
-        if getattr(cls, "name", "") != ep.name:
-            cls = type(cls.__name__, (cls,), {"name": ep.name}) if isinstance(cls, type) else cls
-        register_policy(cls)
+    load_entry_points(ENTRY_POINT_GROUP, _register_entry_point, "staleness policy")
 
 
 def available_policies() -> dict[str, type[StalenessPolicy]]:

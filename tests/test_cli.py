@@ -403,6 +403,7 @@ def test_console_script_is_cli_main():
 def test_installed_task_and_policy_plugins_are_listed(tmp_path, monkeypatch):
     import paramserver.staleness as S
     import workers.tasks as T
+    from paramserver import plugins
 
     dist = tmp_path / "myplugins-1.0.dist-info"
     dist.mkdir()
@@ -413,8 +414,8 @@ def test_installed_task_and_policy_plugins_are_listed(tmp_path, monkeypatch):
         f"[{S.ENTRY_POINT_GROUP}]\nhalve = tests.policies_fixture:Halve\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(plugins, "_loaded", set())
     for module in (T, S):
-        monkeypatch.setattr(module, "_entry_points_loaded", False)
         monkeypatch.setattr(module, "_REGISTRY", dict(module._REGISTRY))
     monkeypatch.setattr(T, "_DESCRIPTIONS", dict(T._DESCRIPTIONS))
     tasks = {r["name"]: r for r in json.loads(invoke("tasks", "--json").stdout)}

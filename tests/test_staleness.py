@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from paramserver import plugins
 from paramserver import staleness as S
 from paramserver.errors import ConfigError, RegistryError
 
@@ -73,7 +74,7 @@ def test_entry_point_plugin(tmp_path, monkeypatch):
         f"[{S.ENTRY_POINT_GROUP}]\nhalve = tests.policies_fixture:Halve\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(S, "_entry_points_loaded", False)
+    monkeypatch.setattr(plugins, "_loaded", set())
     monkeypatch.setattr(S, "_REGISTRY", dict(S._REGISTRY))
     assert "halve" in S.available_policies()
     assert S.create_policy("halve").decide(info(3)).weight == 0.5

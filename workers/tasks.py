@@ -19,14 +19,12 @@ training split.
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 import itertools
 import logging
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from importlib.metadata import entry_points
 from typing import Any
 
 import numpy as np
@@ -35,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paramserver.errors import ConfigError, RegistryError
+from paramserver.plugins import import_object, load_entry_points
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -180,21 +179,8 @@ def _first_doc_line(obj: object) -> str:
 
 #: installed packages register tasks as entry points in this group (name = factory)
 ENTRY_POINT_GROUP = "paramserver.tasks"
-_entry_points_loaded = False
-
-
 def _load_entry_points() -> None:
-    global _entry_points_loaded
-    if _entry_points_loaded:
-        return
-    _entry_points_loaded = True
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        try:
-            factory = ep.load()
-        except Exception as exc:  # a broken plug-in must not hide the others
-            log.warning("task entry point %r (%s) failed to load: %s", ep.name, ep.value, exc)
-            continue
-        register_task(ep.name)(factory)
+    load_entry_points(ENTRY_POINT_GROUP, lambda name, f: register_task(name)(f), "task")
 
 
 def available_tasks() -> dict[str, TaskFactory]:
@@ -213,19 +199,7 @@ def task_description(name: str) -> str:
 def resolve_task(name: str) -> TaskFactory:
     """Find a task factory by registered name or ``module:function``."""
     if ":" in name:
-        module_name, _, attr = name.partition(":")
-        if not module_name or not attr:
-            raise RegistryError(f"task {name!r} must look like module:function")
-        try:
-            obj: Any = importlib.import_module(module_name)
-        except ImportError as exc:
-            raise RegistryError(f"cannot import module {module_name!r} for task {name!r}: {exc}") \
-                from exc
-        for part in attr.split("."):
-            try:
-                obj = getattr(obj, part)
-            except AttributeError as exc:
-                raise RegistryError(f"module {module_name!r} has no attribute {attr!r}") from exc
+        obj = import_object(name)
         if not callable(obj):
             raise RegistryError(f"task factory {name!r} is not callable")
         return obj
