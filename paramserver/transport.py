@@ -29,6 +29,7 @@ from .protocol import DEFAULT_LIMITS, Limits, Message, Op, decode, encode
 
 __all__ = [
     "AUTHORIZED_CLIENTS_DIR",
+    "ZERO_COPY_BYTES",
     "Channel",
     "CurveKeyFiles",
     "CurveKeys",
@@ -175,6 +176,10 @@ def _normalise_bind(address: str) -> str:
     return address
 
 
+#: below this many tensor bytes a message is copied into zmq rather than lent to it
+ZERO_COPY_BYTES = 64 * 1024
+
+
 class RouterSocket:
     """The server side: one ROUTER socket, bound once.
 
@@ -250,11 +255,18 @@ class RouterSocket:
     def send(self, identity: bytes, msg: Message, *,
              track: bool = False) -> zmq.MessageTracker | None:
         """Send ``msg`` to a peer. Tensor frames go zero-copy; with ``track`` the
-        returned tracker tells when zmq no longer reads their memory."""
+        returned tracker tells when zmq no longer reads their memory.
+
+        A message under ``ZERO_COPY_BYTES`` of tensors is copied instead and
+        never tracked (None): a zero-copy frame costs a tracker and a release
+        through pyzmq's garbage-collector thread, far more than copying a few KiB.
+        """
         frames = encode(msg)
+        small = msg.nbytes < ZERO_COPY_BYTES
+        track = track and not small
         try:
             self.socket.send(identity, zmq.SNDMORE)
-            res = self.socket.send_multipart(frames, copy=False, track=track)
+            res = self.socket.send_multipart(frames, copy=small, track=track)
         except zmq.ZMQError as exc:
             log.warning("dropping a reply to a peer that is gone: %s", exc)
             return None
