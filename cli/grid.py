@@ -1,0 +1,198 @@
+"""What ``paramserver experiment`` and ``paramserver simulate`` share: the grid's
+flags, building its spec, the progress bar and the summary tables."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+
+from paramserver.errors import ConfigError, ParamServerError
+from paramserver.optim import parse_kwargs
+from workers.cluster import Progress as ClusterProgress
+from workers.experiment import (
+    PRESETS,
+    SCENARIOS,
+    ExperimentObserver,
+    ExperimentResult,
+    ExperimentSpec,
+    RunOutcome,
+    RunPlan,
+    load_spec,
+)
+from workers.report import ReportFiles
+from workers.report_render import summary_rows
+
+__all__ = ["RichObserver", "build_spec", "grid_options", "print_summary", "run_grid",
+           "spec_from_flags"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class RichObserver(ExperimentObserver):
+    """One progress bar over the grid, counted in worker steps."""
+
+    def __init__(self, progress: Progress, total_steps: int, runs: int) -> None:
+        self.progress = progress
+        self.task = progress.add_task("starting", total=total_steps)
+        self.runs = runs
+        self.base = 0  # steps of the runs already finished
+        self.steps = 0  # steps of the current run
+
+    def run_started(self, index: int, total: int, plan: RunPlan, steps: int) -> None:
+        self.steps = steps
+        self.progress.update(self.task, description=f"[{index + 1}/{total}] {plan.name}",
+                             completed=self.base)
+
+    def run_progress(self, plan: RunPlan, progress: ClusterProgress) -> None:
+        self.progress.update(self.task, completed=self.base + min(progress.done_steps,
+                                                                  self.steps))
+
+    def run_finished(self, outcome: RunOutcome) -> None:
+        self.base += self.steps
+        self.progress.update(self.task, completed=self.base)
+        if not outcome.ok:
+            self.progress.console.print(f"[red]run {outcome.plan.name} failed:[/red] "
+                                        f"{outcome.error}")
+
+
+def _seeds(text: str) -> int | list[int]:
+    """``3`` (seeds 0, 1, 2) or a comma list ``0,5,7``."""
+    try:
+        if "," in text:
+            return [int(s) for s in text.split(",") if s.strip()]
+        return int(text)
+    except ValueError as exc:
+        raise ConfigError(f"--seeds takes a count (3) or a list (0,5,7), got {text!r}") from exc
+
+
+def build_spec(*, spec_file: str | None, preset_name: str | None,
+               overrides: dict[str, Any]) -> ExperimentSpec:
+    """Flags override the spec file (or preset), which overrides the defaults."""
+    if spec_file and preset_name:
+        raise ConfigError("give --spec or --preset, not both")
+    given = {k: v for k, v in overrides.items() if v not in (None, (), [], {})}
+    if spec_file:
+        return load_spec(spec_file, **given)
+    base = dict(PRESETS[preset_name]) if preset_name else {}
+    return ExperimentSpec.from_dict({**base, **given})
+
+
+def spec_from_flags(flags: dict[str, Any]) -> ExperimentSpec:
+    """The spec the :func:`grid_options` flags describe (ConfigError if they are bad)."""
+    seeds = flags["seeds"]
+    return build_spec(spec_file=flags["spec_file"], preset_name=flags["preset_name"],
+                      overrides={
+        "modes": list(flags["modes"]), "policies": list(flags["policies"]),
+        "workers": list(flags["workers"]), "servers": flags["servers"],
+        "scenarios": list(flags["scenarios"]), "seeds": _seeds(seeds) if seeds else None,
+        "steps": flags["steps"], "task": flags["task"],
+        "task_args": parse_kwargs(list(flags["task_args"])), "optimizer": flags["optimizer"],
+        "optimizer_args": parse_kwargs(list(flags["optimizer_args"])),
+        "target_loss": flags["target_loss"], "eval_every": flags["eval_every"],
+        "min_step_time": flags["min_step_time"],
+    })
+
+
+def grid_options(*, virtual: bool) -> Callable[[F], F]:
+    """The grid's flags; ``virtual``: as ``simulate`` words them (virtual workers and time)."""
+    worker_help = ("Number of virtual workers (repeatable), e.g. --workers 8 --workers 64. "
+                   "Default: 4." if virtual else "Number of workers (repeatable). Default: 4.")
+    step_time_help = ("Virtual seconds every step takes at least (default 0.015)." if virtual
+                      else "Seconds every step takes at least: emulates a heavier model "
+                           "(default 0.015).")
+    default_out = "runs/<name>-sim" if virtual else "runs/<name>"
+    options = [
+        click.option("--mode", "modes", multiple=True, metavar="MODE",
+                     help="sync, sync:b=B (B backup workers), async or ssp:S (repeatable). "
+                          "Default: sync, async, ssp:3."),
+        click.option("--policy", "policies", multiple=True, metavar="NAME[:k=v,...]",
+                     help="Staleness policy with arguments, e.g. reject:max_staleness=4, "
+                          "gap-aware, dc-asgd:lam=0.1 or mypkg.policies:MyPolicy:factor=0.5 "
+                          "(repeatable). Default: none."),
+        click.option("--workers", "workers", multiple=True, type=click.IntRange(min=1),
+                     help=worker_help),
+        click.option("--servers", type=click.IntRange(min=1),
+                     help="Number of shard servers (default 2)."),
+        click.option("--scenario", "scenarios", multiple=True, metavar="NAME",
+                     help=f"Straggler scenario (repeatable): {', '.join(SCENARIOS)}, or one "
+                          "defined in the --spec file. Default: transient."),
+        click.option("--seeds", help="How many seeds (3: seeds 0, 1, 2) or a list (0,5,7)."),
+        click.option("--steps", type=click.IntRange(min=1), help="Steps per worker "
+                     "(default 250)."),
+        click.option("--task", help="Task name or module:function (default digits-mlp)."),
+        click.option("--task-arg", "task_args", multiple=True, metavar="KEY=VALUE",
+                     help="Task argument (repeatable)."),
+        click.option("--optimizer", help="Server optimizer: sgd, adam, ... or module:Class "
+                     "(default sgd)."),
+        click.option("--optimizer-arg", "optimizer_args", multiple=True, metavar="KEY=VALUE",
+                     help="Optimizer argument (repeatable; default lr=0.1)."),
+        click.option("--target-loss", type=float, help="Held-out loss for 'time to target' "
+                     "(default 0.5)."),
+        click.option("--eval-every", type=click.IntRange(min=1),
+                     help="Worker 0 evaluates held-out data every N steps (default 5)."),
+        click.option("--min-step-time", type=click.FloatRange(min=0), help=step_time_help),
+        click.option("--spec", "spec_file", type=click.Path(exists=True, dir_okay=False),
+                     help="TOML spec file (docs/experiments.md); flags override its keys."),
+        click.option("--preset", "preset_name", type=click.Choice(sorted(PRESETS)),
+                     help="A named spec: demo (make demo), literature, scenarios."),
+        click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
+                     help=f"Experiment directory (default {default_out}). An earlier "
+                          "experiment there is replaced."),
+        click.option("--quiet", is_flag=True, help="No progress bar and no summary table."),
+    ]
+
+    def decorate(fn: F) -> F:
+        for option in reversed(options):
+            fn = option(fn)
+        return fn
+    return decorate
+
+
+def print_summary(console: Console, files: ReportFiles) -> None:
+    scenarios = list(dict.fromkeys(s.scenario for s in files.summaries))
+    for scenario in scenarios:
+        head, rows = summary_rows([s for s in files.summaries if s.scenario == scenario])
+        table = Table(title=f"Scenario '{scenario}': medians over seeds", title_justify="left")
+        for i, name in enumerate(head):
+            table.add_column(name, justify="left" if i == 0 else "right", no_wrap=i == 0)
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
+    for claim in files.claims:
+        color = {"pass": "green", "fail": "red"}.get(claim.status, "yellow")
+        console.print(f"[{color}]{claim.status.upper()}[/{color}] {claim.claim}")
+        console.print(f"    {claim.detail}", style="dim")
+
+
+def run_grid(console: Console, spec: ExperimentSpec, out: Path, quiet: bool, what: str,
+             run: Callable[[ExperimentObserver], ExperimentResult]) -> ExperimentResult:
+    """Run the grid (``run`` given the progress observer), showing progress and the summary."""
+    plans = spec.runs()
+    if not quiet:
+        console.print(f"{len(spec.configurations())} configuration(s) x {len(spec.seeds)} "
+                      f"seed(s) = {len(plans)} {what} of {spec.task} -> {out}")
+    total_steps = sum(spec.steps * p.config.workers for p in plans)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("steps"), TimeElapsedColumn(), TimeRemainingColumn())
+    try:
+        with Progress(*columns, console=console, disable=quiet, transient=False) as bar:
+            result = run(RichObserver(bar, total_steps, len(plans)))
+    except ParamServerError as exc:
+        raise click.ClickException(str(exc)) from exc
+    assert result.report is not None
+    if not quiet:
+        print_summary(console, result.report)
+    return result
