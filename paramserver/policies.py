@@ -79,6 +79,17 @@ def _gap(weights: Mapping[str, torch.Tensor], read: Mapping[str, torch.Tensor] |
     return weights[key].detach() - read[key]
 
 
+def _ema_square(store: dict[str, torch.Tensor], key: str, g: torch.Tensor,
+                decay: float) -> torch.Tensor:
+    """Update and return ``store[key] = decay * store[key] + (1 - decay) * g**2``
+    (the first value: ``(1 - decay) * g**2``, no bias correction)."""
+    square = g * g
+    prev = store.get(key)
+    ema = (1.0 - decay) * square if prev is None else decay * prev + (1.0 - decay) * square
+    store[key] = ema
+    return ema
+
+
 class _DelayCompensated(StalenessPolicy):
     """``g <- g + lambda * g * g * (w_now - w_read)``; subclasses say what lambda is.
 
@@ -151,14 +162,7 @@ class DCASGDAdaptivePolicy(_DelayCompensated):
         self._ms: dict[str, torch.Tensor] = {}
 
     def _lambda(self, key: str, g: torch.Tensor) -> torch.Tensor | float:
-        ms = self._ms.get(key)
-        square = g * g
-        if ms is None:
-            ms = (1.0 - self.momentum) * square
-        else:
-            ms = self.momentum * ms + (1.0 - self.momentum) * square
-        self._ms[key] = ms
-        return self.lam0 / (ms.sqrt() + self.eps)
+        return self.lam0 / (_ema_square(self._ms, key, g, self.momentum).sqrt() + self.eps)
 
     def state_dict(self) -> dict[str, Any]:
         return {"mean_square": encode_tensors(self._ms)}
@@ -204,13 +208,7 @@ class GapAwarePolicy(StalenessPolicy):
     ) -> Mapping[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         for key, g in grad.items():
-            v = self._v.get(key)
-            square = g * g
-            if v is None:
-                v = (1.0 - self.beta) * square
-            else:
-                v = self.beta * v + (1.0 - self.beta) * square
-            self._v[key] = v
+            v = _ema_square(self._v, key, g, self.beta)
             steps = self._steps[key] = self._steps.get(key, 0) + 1
             gap = _gap(weights, read_weights, key)
             if gap is None:
