@@ -33,7 +33,7 @@ def import_object(spec: str) -> Any:
     return obj
 
 
-def load_entry_points(group: str, register: Callable[[str, Any], None], what: str) -> None:
+def load_entry_points(group: str, register: Callable[[str, Any], object], what: str) -> None:
     """Load each installed entry point of ``group`` once per process, handing
     ``(name, object)`` to ``register``; a broken plug-in is logged, not fatal,
     so that it cannot hide the others."""

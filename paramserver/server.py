@@ -600,10 +600,10 @@ class ShardServer:
         path = self.save_checkpoint(target)
         return reply(msg, path=path, version=self.core.version if self.core else 0)
 
-    def _on_shutdown(self, msg: Message, identity: bytes) -> Message:
+    def _on_shutdown(self, msg: Message, identity: bytes) -> None:
         log.info("shard %d: shutdown requested", self.config.shard)
         self._running = False
-        return reply(msg)
+        self.socket.send_flushed(identity, reply(msg))  # before the socket closes
 
     _handlers: dict[Op, Callable[[ShardServer, Message, bytes], Message | None]] = {
         Op.HELLO: _on_hello,

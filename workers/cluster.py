@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from paramserver.errors import ConfigError, ParamServerError, TimeoutError
 from paramserver.observe import LauncherObserver
@@ -39,6 +39,7 @@ from paramserver.transport import CurveKeys
 
 from .stragglers import StragglerSpec
 from .worker import WorkerConfig, _write_json
+from .zygote import ForkedProcess, fork_enabled, zygote_for
 
 __all__ = [
     "FAILURE_POLICIES",
@@ -147,7 +148,7 @@ class Progress:
 @dataclass
 class _Proc:
     name: str
-    popen: subprocess.Popen[bytes]
+    popen: subprocess.Popen[bytes] | ForkedProcess
     log_path: Path
     metrics_port: int | None = None  # a server's Prometheus port, from its ready line
 
@@ -204,14 +205,38 @@ class LocalCluster:
         cfg_path.write_text(json.dumps(config, indent=2))
         log_path = self.out / "logs" / f"{name}.log"
         log_file = log_path.open("ab" if append else "wb")  # a restart keeps the history
-        popen = subprocess.Popen(
-            [sys.executable, "-m", module, str(cfg_path)],
-            stdout=subprocess.PIPE if ready_pipe else log_file,
-            stderr=log_file if ready_pipe else subprocess.STDOUT,
-            env=self._env,
-        )
-        log_file.close()
+        try:
+            if fork_enabled():
+                popen: subprocess.Popen[bytes] | ForkedProcess = self._fork(
+                    module, str(cfg_path), log_file, ready_pipe)
+            else:
+                popen = subprocess.Popen(
+                    [sys.executable, "-m", module, str(cfg_path)],
+                    stdout=subprocess.PIPE if ready_pipe else log_file,
+                    stderr=log_file if ready_pipe else subprocess.STDOUT,
+                    env=self._env,
+                )
+        finally:
+            log_file.close()
         return _Proc(name, popen, log_path)
+
+    def _fork(self, module: str, cfg_path: str, log_file: BinaryIO,
+              ready_pipe: bool) -> ForkedProcess:
+        """The same process, forked from a preloaded zygote (workers.zygote)."""
+        if not ready_pipe:
+            return zygote_for(self._env).spawn(module, [cfg_path], env=self._env,
+                                               stdout=log_file.fileno(),
+                                               stderr=log_file.fileno())
+        read_fd, write_fd = os.pipe()
+        try:
+            return zygote_for(self._env).spawn(
+                module, [cfg_path], env=self._env, stdout=write_fd, stderr=log_file.fileno(),
+                stdout_pipe=os.fdopen(read_fd, "rb", buffering=0))
+        except BaseException:
+            os.close(read_fd)
+            raise
+        finally:
+            os.close(write_fd)
 
     def start_servers(self) -> list[str]:
         self.observer.start(spec=self.spec.to_dict())
