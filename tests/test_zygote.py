@@ -1,0 +1,118 @@
+"""The zygote that forks local runs' processes: a Popen look-alike, real forks."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from workers.zygote import Zygote, fork_enabled
+
+pytestmark = pytest.mark.skipif(not fork_enabled(), reason="the zygote needs Linux")
+
+
+@pytest.fixture(scope="module")
+def zygote():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
+               OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    z = Zygote(env)
+    yield z
+    z.close()
+    assert z.popen.returncode == 0
+
+
+def spawn(zygote, tmp_path, *args, env=None):
+    out = (tmp_path / "out.log").open("wb")
+    err = (tmp_path / "err.log").open("wb")
+    try:
+        return zygote.spawn("tests.zygote_child", list(args),
+                            env={**zygote.env, **(env or {})},
+                            stdout=out.fileno(), stderr=err.fileno())
+    finally:
+        out.close()
+        err.close()
+
+
+def test_a_child_runs_its_module_as_main_with_its_argv_env_and_files(zygote, tmp_path):
+    proc = spawn(zygote, tmp_path, "exit", "3", env={"ZYGOTE_TEST": "seen"})
+    assert proc.wait(timeout=30) == 3 and proc.poll() == 3
+    out = (tmp_path / "out.log").read_text()
+    assert out == f"name=__main__ argv=['exit', '3'] cwd={os.getcwd()} env=seen\n"
+    assert (tmp_path / "err.log").read_text() == "on stderr\n"
+
+
+def test_an_exception_is_exit_code_1_with_its_traceback(zygote, tmp_path):
+    proc = spawn(zygote, tmp_path, "raise")
+    assert proc.wait(timeout=30) == 1
+    assert "ValueError: boom" in (tmp_path / "err.log").read_text()
+
+
+def test_signals_and_wait_timeouts_behave_as_popen(zygote, tmp_path):
+    proc = spawn(zygote, tmp_path, "pause")
+    with pytest.raises(subprocess.TimeoutExpired):
+        proc.wait(timeout=0.2)
+    assert proc.poll() is None
+    proc.kill()
+    assert proc.wait(timeout=30) == -signal.SIGKILL
+    proc.kill()  # a second kill of a reaped child is a no-op, as for Popen
+
+
+LAUNCHER = textwrap.dedent("""
+    import os, sys
+    from workers.zygote import zygote_for
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = zygote_for(env).spawn("tests.zygote_child", ["pause"], env=env,
+                                 stdout=sys.stdout.fileno(), stderr=sys.stderr.fileno())
+    print(proc.pid, flush=True)
+    sys.stdin.read()  # until the test kills us
+""")
+
+
+def test_a_launcher_killed_with_sigkill_leaves_no_child_behind():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER], env=env,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert launcher.stdout is not None
+        line = launcher.stdout.readline()  # pid, or the first line the child printed
+        while line.startswith(b"name="):
+            line = launcher.stdout.readline()
+        child = os.pidfd_open(int(line))  # readable once that process has ended
+        try:
+            assert select.select([child], [], [], 0)[0] == []
+            launcher.kill()
+            launcher.wait()
+            assert select.select([child], [], [], 30)[0] == [child], (
+                "the zygote's child outlived its launcher")
+        finally:
+            os.close(child)
+    finally:
+        launcher.kill()
+        launcher.wait()
+
+
+@pytest.mark.parametrize("spawn_mode", ["fork", "exec"])
+def test_a_local_run_is_the_same_forked_or_executed(tmp_path, monkeypatch, spawn_mode):
+    from paramserver.server import ServerConfig
+    from workers.client import server_stats
+    from workers.cluster import ClusterSpec, LocalCluster
+    from workers.worker import WorkerConfig
+    from workers.zygote import ForkedProcess
+
+    monkeypatch.setenv("PARAMSERVER_SPAWN", spawn_mode)
+    spec = ClusterSpec(num_servers=1, num_workers=2,
+                       server=ServerConfig(mode="sync", expected_workers=2),
+                       worker=WorkerConfig(servers=["unset"], task="synthetic-logreg", steps=5))
+    with LocalCluster(spec, tmp_path) as cluster:
+        cluster.start_servers()
+        cluster.start_workers()
+        cluster.wait_workers()
+        kinds = {type(p.popen) for p in cluster.servers + cluster.workers}
+        stats = server_stats(cluster.addresses)
+    assert kinds == {ForkedProcess if spawn_mode == "fork" else subprocess.Popen}
+    assert stats[0]["version"] == 5
