@@ -126,6 +126,12 @@ class Zygote:
         self._reader.start()
 
     @property
+    def idle(self) -> bool:
+        """No child of this zygote is running."""
+        with self._answered:
+            return not self._pids
+
+    @property
     def alive(self) -> bool:
         return self.popen.poll() is None and self._reader.is_alive()
 
@@ -203,6 +209,10 @@ class Zygote:
             self.popen.wait()
 
 
+#: prefixes of the environment variables that can change what importing torch & co. does
+_IMPORT_VARS = ("PYTHON", "OMP_", "MKL_", "OPENBLAS_", "KMP_", "CUDA_", "TORCH", "LD_", "PATH",
+                "PARAMSERVER_")
+
 _zygotes: dict[tuple[tuple[str, str], ...], Zygote] = {}
 _zygotes_lock = threading.Lock()
 
@@ -210,13 +220,16 @@ _zygotes_lock = threading.Lock()
 def zygote_for(env: Mapping[str, str]) -> Zygote:
     """This process's zygote for children with environment ``env`` (started on first use).
 
-    Keyed by the environment, since what the zygote imported (thread counts,
-    PYTHONPATH) was decided by the one it started with.
+    Keyed by the variables that shape what the zygote imported (PYTHONPATH,
+    thread counts, CUDA and torch settings); each child still gets ``env``
+    whole, so the rest (PYTEST_CURRENT_TEST, a run's own variables) may differ.
     """
-    key = tuple(sorted(env.items()))
+    key = tuple(sorted((k, v) for k, v in env.items() if k.startswith(_IMPORT_VARS)))
     with _zygotes_lock:
         zygote = _zygotes.get(key)
         if zygote is None or not zygote.alive:
+            for other in [k for k, z in _zygotes.items() if k != key and z.idle]:
+                _zygotes.pop(other).close()  # one idle zygote holds ~300 MB
             zygote = _zygotes[key] = Zygote(env)
         return zygote
 
