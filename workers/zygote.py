@@ -210,8 +210,7 @@ class Zygote:
 
 
 #: prefixes of the environment variables that can change what importing torch & co. does
-_IMPORT_VARS = ("PYTHON", "OMP_", "MKL_", "OPENBLAS_", "KMP_", "CUDA_", "TORCH", "LD_", "PATH",
-                "PARAMSERVER_")
+_IMPORT_VARS = ("PYTHON", "OMP_", "MKL_", "OPENBLAS_", "KMP_", "CUDA_", "TORCH", "LD_", "PATH")
 
 _zygotes: dict[tuple[tuple[str, str], ...], Zygote] = {}
 _zygotes_lock = threading.Lock()
