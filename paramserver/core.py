@@ -59,6 +59,26 @@ DTYPES = FLOAT_DTYPES
 
 
 _OBSERVE_ELEMENTS = 1 << 22  # shards up to this size are measured on every push (observe)
+#: above this many elements, the cosine and the update of a non-SGD step are measured on
+#: every k-th element (k prime, so that it does not line up with a tensor's rows), which
+#: keeps what observing holds to ~2 x 4 MiB instead of two copies of the shard
+_SAMPLE_ELEMENTS = 1 << 20
+
+
+def _sample_stride(numel: int) -> int:
+    """1 up to _SAMPLE_ELEMENTS; above, the smallest prime >= numel / _SAMPLE_ELEMENTS."""
+    k = -(-numel // _SAMPLE_ELEMENTS)
+    if k <= 1:
+        return 1
+    while any(k % d == 0 for d in range(2, math.isqrt(k) + 1)):
+        k += 1
+    return k
+
+
+def _sample(t: torch.Tensor, stride: int) -> torch.Tensor:
+    """Every ``stride``-th element of ``t`` (a view)."""
+    flat = t.detach().reshape(-1)
+    return flat if stride == 1 else flat[::stride]
 _NARROW = (torch.float16, torch.bfloat16)  # wire dtypes a float32 gradient may travel in
 
 
@@ -302,7 +322,8 @@ class ShardCore:
         self._staleness_total = 0
         self._pulls_answered = 0
         self._wait_total = 0.0
-        # observability, off until a driver calls observe(): costs two copies of the slices
+        # observability, off until a driver calls observe(): holds a running mean gradient
+        # and (optimizers other than plain SGD) the weights before a step, both sampled
         self._observer: Callable[[GradStats | StepStats], None] | None = None
         self._observe_every = 1
         self._observed = 0  # pushes seen by the observer hook (sampling counter)
@@ -313,6 +334,7 @@ class ShardCore:
         # (gradients, their norm) of the push just measured, for the step it causes
         self._measured: tuple[Mapping[str, torch.Tensor], float] | None = None
         self._before: dict[str, torch.Tensor] = {}
+        self._stride = _sample_stride(sum(p.numel() for p in self.params.values()))
 
     # ------------------------------------------------------------------ membership
 
@@ -781,9 +803,10 @@ class ShardCore:
                               for p in self.params.values() if p.grad is not None)
         elif measure:
             for key, p in self.params.items():
+                sample = _sample(p, self._stride)
                 if key not in self._before:
-                    self._before[key] = torch.empty_like(p)
-                self._before[key].copy_(p.detach())
+                    self._before[key] = torch.empty_like(sample)
+                self._before[key].copy_(sample)
         self._measured = None
         applied_lr = float(groups[0]["lr"])
         self.optimizer.step()
@@ -796,12 +819,15 @@ class ShardCore:
         self.version += 1
         if measure:
             assert self._observer is not None
-            update, weights = applied_lr * applied_lr * grad_sq, 0.0
+            update, weights, sampled = applied_lr * applied_lr * grad_sq, 0.0, 0.0
             for key, p in self.params.items():
-                if not plain_sgd:
-                    delta = self._before[key].sub_(p.detach())
-                    update += _l2(delta) ** 2
                 weights += _l2(p.detach()) ** 2
+                if not plain_sgd:
+                    after = _sample(p, self._stride)
+                    update += _l2(self._before[key].sub_(after)) ** 2
+                    sampled += _l2(after) ** 2 if self._stride > 1 else 0.0
+            if sampled > 0:  # the sample's update-to-weight ratio, times the exact |w|
+                update = update / sampled * weights
             self._observer(StepStats(self.version, math.sqrt(update), math.sqrt(weights),
                                      applied_lr))
 
@@ -835,12 +861,15 @@ class ShardCore:
         self._before.clear()
 
     def _grad_stats(self, worker: int, grads: Mapping[str, torch.Tensor]) -> GradStats:
-        flat = {k: g.reshape(-1).float() for k, g in grads.items()}
-        norm = math.sqrt(sum(float(torch.linalg.vector_norm(g)) ** 2 for g in flat.values()))
-        self._measured = (grads, norm)
+        exact = norm = math.sqrt(sum(_l2(g) ** 2 for g in grads.values()))
+        self._measured = (grads, exact)
         decay = self._ema_decay
         if decay is None or not math.isfinite(norm):
             return GradStats(worker, norm, None)
+        # the cosine is taken on the sample (all of a small shard): its own norm
+        flat = {k: _sample(g, self._stride).float() for k, g in grads.items()}
+        if self._stride > 1:
+            norm = math.sqrt(sum(_l2(g) ** 2 for g in flat.values()))
         if not self._grad_ema:
             # from zero, not from the first push: that would weigh it ~1/(1 - decay) times more
             self._grad_ema = {k: torch.zeros_like(g) for k, g in flat.items()}
@@ -852,7 +881,7 @@ class ShardCore:
             self._grad_ema[key].lerp_(g, 1.0 - decay)  # decay * mean + (1 - decay) * g
         self._ema_sq = max(0.0, decay * decay * mean_sq + 2 * decay * (1 - decay) * dot
                            + (1 - decay) ** 2 * norm * norm)
-        return GradStats(worker, norm, cosine)
+        return GradStats(worker, exact, cosine)
 
     # ------------------------------------------------------------------ checkpoints
 

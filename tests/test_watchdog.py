@@ -337,3 +337,38 @@ def test_core_measures_big_shards_one_push_in_n_by_default(monkeypatch):
     for i in range(9):
         core.push(0, i + 1, i, core.version, 1, {"a": torch.ones(5)}, 0.0)
     assert sum(isinstance(s, GradStats) for s in seen) == 3
+
+
+def test_big_shards_measure_cosine_and_updates_on_a_strided_sample(monkeypatch):
+    import torch
+
+    import paramserver.core as core_module
+    from paramserver.core import CoreConfig, GradStats, ShardCore, SliceSpec, StepStats
+
+    monkeypatch.setattr(core_module, "_SAMPLE_ELEMENTS", 1000)
+    assert core_module._sample_stride(1000) == 1
+    assert core_module._sample_stride(64_000) == 67  # the first prime >= 64
+    shapes = {"w": (400, 64), "b": (64,)}  # 25,664 elements: stride 29
+    core = ShardCore([SliceSpec(k, math.prod(s), "float32") for k, s in shapes.items()],
+                     CoreConfig(optimizer="sgd", optimizer_args={"lr": 0.1, "momentum": 0.9}))
+    seen: list = []
+    core.observe(seen.append, cosine_decay=0.5)
+    core.register(0, "x", 0.0)
+    gen = torch.Generator().manual_seed(0)
+    core.initialize({k: torch.randn(math.prod(s), generator=gen) for k, s in shapes.items()})
+    base = {k: torch.randn(math.prod(s), generator=gen) for k, s in shapes.items()}
+    for i in range(4):
+        g = {k: v + 0.1 * torch.randn(v.shape, generator=gen) for k, v in base.items()}
+        before = torch.cat([p.clone() for p in core.params.values()])
+        core.push(0, i + 1, i, core.version, 1, g, 0.0)
+        after = torch.cat([p.clone() for p in core.params.values()])
+        grad, step = seen[-2], seen[-1]
+        assert isinstance(grad, GradStats) and isinstance(step, StepStats)
+        # the gradient and weight norms stay exact; the update norm is estimated
+        assert grad.norm == pytest.approx(float(torch.cat(list(g.values())).norm()), rel=1e-5)
+        assert step.weight_norm == pytest.approx(float(after.norm()), rel=1e-5)
+        assert step.update_norm == pytest.approx(float((after - before).norm()), rel=0.05)
+        if i:  # pushes around one mean: cosines near 1
+            assert grad.cosine is not None and grad.cosine > 0.95
+    held = sum(t.numel() for t in [*core._grad_ema.values(), *core._before.values()])
+    assert held <= 2 * (25_664 // 29 + 2)  # two samples, not two copies of the shard
