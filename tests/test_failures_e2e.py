@@ -26,9 +26,9 @@ def spec(mode, workers=3, steps=60, **kw):
         num_servers=2, num_workers=workers,
         server=ServerConfig(mode=mode, staleness_bound=2, heartbeat_timeout=HEARTBEAT_TIMEOUT,
                             **server),
-        worker=WorkerConfig(servers=["unset"], task="digits-mlp", steps=steps,
-                            request_timeout=1.0, heartbeat_interval=0.25,
-                            straggler=StragglerSpec(min_step_time=0.01), **worker),
+        worker=WorkerConfig(**{"servers": ["unset"], "task": "digits-mlp", "steps": steps,
+                               "request_timeout": 1.0, "heartbeat_interval": 0.25,
+                               "straggler": StragglerSpec(min_step_time=0.01), **worker}),
         **kw,
     )
 
@@ -104,7 +104,8 @@ def test_shard_killed_and_restarted_from_checkpoint(tmp_path):
 
 
 def test_lossy_network_every_push_applied_once(tmp_path):
-    s = spec("async", workers=2, steps=40, worker={"drop_rate": 0.1})
+    # a lost message costs one request timeout: short, so that the test is too
+    s = spec("async", workers=2, steps=40, worker={"drop_rate": 0.1, "request_timeout": 0.25})
     result = run_cluster(s, tmp_path)
     for shard in result["servers"]:
         for w in shard["workers"].values():
