@@ -353,6 +353,11 @@ class Rendezvous:
                 f"rank {env.rank} could not {where}: the rendezvous store at {env.store} "
                 f"(hosted by {host}) within {timeout:g}s: {exc}"
             ) from exc
+        try:
+            self.store.add(_key("joined"), 1)  # the store's host waits for these to check out
+        except DistError as exc:
+            raise RendezvousError(f"rank {env.rank}: the rendezvous store at {env.store} "
+                                  f"went away: {exc}") from exc
 
     # servers ------------------------------------------------------------------
 
@@ -415,11 +420,12 @@ class Rendezvous:
     # everyone -----------------------------------------------------------------
 
     def leave(self, timeout: float = 30.0) -> None:
-        """Check out; the store's host waits (up to ``timeout``) until every rank has."""
+        """Check out; the store's host waits (up to ``timeout``) until every rank that
+        joined has (a rank that never came is not waited for)."""
         world = self.env.world_size
         try:
             self.store.set(_key("left", self.env.rank), "1")
-            if self.store.add(_key("left"), 1) >= world:
+            if self.store.add(_key("left"), 1) >= self.store.add(_key("joined"), 0):
                 self.store.set(_key("all_left"), "1")
             if self.env.hosts_store:
                 try:
