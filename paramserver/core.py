@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import Counter
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -93,6 +93,20 @@ def _all_finite(t: torch.Tensor) -> bool:
     if bool(torch.isfinite(total)):
         return True
     return bool(torch.isfinite(t).all())
+
+
+def _total_norm(tensors: Iterable[torch.Tensor]) -> float:
+    """L2 norm over all ``tensors``: one foreach pass per dtype (16-bit ones in float32)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    total = 0.0
+    for dtype, group in by_dtype.items():
+        if dtype in _NARROW:
+            total += sum(_l2(t) ** 2 for t in group)
+        else:
+            total += float(torch.nn.utils.get_total_norm(group)) ** 2
+    return math.sqrt(total)
 
 
 def _l2(t: torch.Tensor) -> float:
@@ -329,7 +343,7 @@ class ShardCore:
         self._observed = 0  # pushes seen by the observer hook (sampling counter)
         self._measure_step = False
         self._ema_decay: float | None = None
-        self._grad_ema: dict[str, torch.Tensor] = {}
+        self._grad_ema: torch.Tensor | None = None  # the running mean, sampled and flat
         self._ema_sq = 0.0  # |running mean|^2, kept by recurrence (saves a pass per push)
         # (gradients, their norm) of the push just measured, for the step it causes
         self._measured: tuple[Mapping[str, torch.Tensor], float] | None = None
@@ -643,12 +657,16 @@ class ShardCore:
                 f"{read_version}, {clock}, {num_samples}",
             )
         self._check_tensors(grads, "PUSH", narrow_ok=True)
+        norm = None
         if self.config.check_finite:
-            for key, g in grads.items():
-                if not _all_finite(g):
-                    raise ProtocolError(
-                        ErrorCode.NONFINITE, f"gradient {key!r} holds NaN or Inf; not applied"
-                    )
+            # a finite norm proves every element finite, in one pass over all slices
+            norm = _total_norm(grads.values())
+            if not math.isfinite(norm):
+                for key, g in grads.items():
+                    if not _all_finite(g):
+                        raise ProtocolError(
+                            ErrorCode.NONFINITE, f"gradient {key!r} holds NaN or Inf; not applied"
+                        )
         if state.finished:
             raise ProtocolError(
                 ErrorCode.NOT_REGISTERED, f"worker {worker} said BYE; say HELLO to push again"
@@ -668,7 +686,7 @@ class ShardCore:
             sampled = self._observed % self._observe_every == 0
             self._measure_step = sampled
             if sampled:
-                self._observer(self._grad_stats(worker, grads))
+                self._observer(self._grad_stats(worker, grads, norm))
         info = UpdateInfo(
             worker=worker, shard=self.config.shard, staleness=tau, read_version=read_version,
             version=self.version, clock=clock, min_clock=self.min_clock(),
@@ -856,29 +874,32 @@ class ShardCore:
         self._observer = observer
         self._observe_every = every
         self._ema_decay = cosine_decay
-        self._grad_ema.clear()
+        self._grad_ema = None
         self._ema_sq = 0.0
         self._before.clear()
 
-    def _grad_stats(self, worker: int, grads: Mapping[str, torch.Tensor]) -> GradStats:
-        exact = norm = math.sqrt(sum(_l2(g) ** 2 for g in grads.values()))
+    def _grad_stats(self, worker: int, grads: Mapping[str, torch.Tensor],
+                    norm: float | None = None) -> GradStats:
+        exact = norm = _total_norm(grads.values()) if norm is None else norm
         self._measured = (grads, exact)
         decay = self._ema_decay
         if decay is None or not math.isfinite(norm):
             return GradStats(worker, norm, None)
-        # the cosine is taken on the sample (all of a small shard): its own norm
-        flat = {k: _sample(g, self._stride).float() for k, g in grads.items()}
+        # the cosine is taken on the sample (all of a small shard), flat: one dot, one lerp
+        flat = torch.cat([_sample(g, self._stride).to(torch.float32 if g.dtype in _NARROW
+                                                      else g.dtype)
+                          for g in (grads[k] for k in self.params if k in grads)])
         if self._stride > 1:
-            norm = math.sqrt(sum(_l2(g) ** 2 for g in flat.values()))
-        if not self._grad_ema:
+            norm = _l2(flat)
+        ema = self._grad_ema
+        if ema is None or ema.shape != flat.shape or ema.dtype != flat.dtype:
             # from zero, not from the first push: that would weigh it ~1/(1 - decay) times more
-            self._grad_ema = {k: torch.zeros_like(g) for k, g in flat.items()}
+            ema = self._grad_ema = torch.zeros_like(flat)
             self._ema_sq = 0.0
-        dot = sum(float(torch.dot(g, self._grad_ema[k])) for k, g in flat.items())
+        dot = float(torch.dot(flat, ema))
         mean_sq = self._ema_sq
         cosine = dot / (norm * math.sqrt(mean_sq)) if norm > 0 and mean_sq > 0 else None
-        for key, g in flat.items():
-            self._grad_ema[key].lerp_(g, 1.0 - decay)  # decay * mean + (1 - decay) * g
+        ema.lerp_(flat, 1.0 - decay)  # decay * mean + (1 - decay) * g
         self._ema_sq = max(0.0, decay * decay * mean_sq + 2 * decay * (1 - decay) * dot
                            + (1 - decay) ** 2 * norm * norm)
         return GradStats(worker, exact, cosine)

