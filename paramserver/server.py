@@ -226,7 +226,7 @@ class ShardServer:
             self.events.write("server_stop", shard=self.config.shard,
                               version=self.core.version if self.core else 0)
             self.events.close()
-            self.socket.close()
+            self.socket.close(linger=1.0)
 
     def stop(self) -> None:
         self._running = False
@@ -600,10 +600,10 @@ class ShardServer:
         path = self.save_checkpoint(target)
         return reply(msg, path=path, version=self.core.version if self.core else 0)
 
-    def _on_shutdown(self, msg: Message, identity: bytes) -> None:
+    def _on_shutdown(self, msg: Message, identity: bytes) -> Message:
         log.info("shard %d: shutdown requested", self.config.shard)
         self._running = False
-        self.socket.send_flushed(identity, reply(msg))  # before the socket closes
+        return reply(msg)  # the socket closes with a linger, so that this still goes out
 
     _handlers: dict[Op, Callable[[ShardServer, Message, bytes], Message | None]] = {
         Op.HELLO: _on_hello,

@@ -272,20 +272,10 @@ class RouterSocket:
             return None
         return res if track else None
 
-    def send_flushed(self, identity: bytes, msg: Message, timeout: float = 1.0) -> None:
-        """Send ``msg`` and wait (up to ``timeout``) until zmq has written it out:
-        for a last reply, which closing the socket (linger 0) would otherwise drop."""
-        try:
-            self.socket.send(identity, zmq.SNDMORE)
-            tracker = self.socket.send_multipart(encode(msg), copy=False, track=True)
-            tracker.wait(timeout)
-        except zmq.NotDone:
-            log.warning("a last reply was not written out within %gs", timeout)
-        except zmq.ZMQError as exc:
-            log.warning("dropping a reply to a peer that is gone: %s", exc)
-
-    def close(self) -> None:
-        self.socket.close(0)
+    def close(self, linger: float = 0.0) -> None:
+        """Close; with ``linger`` seconds, replies still queued (a SHUTDOWN's answer)
+        go out in the background for that long instead of being dropped."""
+        self.socket.close(int(linger * 1000))
         self._terminate()
 
     def _terminate(self) -> None:

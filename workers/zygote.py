@@ -293,9 +293,22 @@ def _run_child(sock: socket.socket, wake: tuple[int, int], request: dict[str, An
             code = 1
     finally:
         with contextlib.suppress(Exception):
-            sys.stdout.flush()
-            sys.stderr.flush()
+            _exit_as_python_would()
         os._exit(code)
+
+
+def _exit_as_python_would() -> None:
+    """What an interpreter's exit does that ``os._exit`` skips: atexit handlers,
+    flushed output, and a terminated ZeroMQ context, which sends what closed
+    sockets still queue within their linger (a server's last reply)."""
+    import atexit as _atexit
+
+    _atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    zmq = sys.modules.get("zmq")
+    if zmq is not None:
+        zmq.Context.instance().destroy(linger=1000)
 
 
 def _serve(fd: int) -> None:
