@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 .PHONY: install test lint demo bench clean help
 
 help:
-	@echo "make demo    compare sync / async / ssp on digits-mlp (about 3 min on 2 cores)"
+	@echo "make demo    compare sync / async / ssp on digits-mlp (about 2 min on 2 cores)"
 	@echo "make test    run the test suite"
 	@echo "make lint    ruff + mypy"
 	@echo "make bench   side-by-side benchmarks (raw zmq, torch RPC, gloo)"
