@@ -9,16 +9,10 @@ from typing import Any, TypeVar
 
 import click
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
+from rich.progress import Progress
 from rich.table import Table
 
+from cli.progress import step_progress
 from paramserver.errors import ConfigError, ParamServerError
 from paramserver.optim import parse_kwargs
 from workers.cluster import Progress as ClusterProgress
@@ -185,10 +179,8 @@ def run_grid(console: Console, spec: ExperimentSpec, out: Path, quiet: bool, wha
         console.print(f"{len(spec.configurations())} configuration(s) x {len(spec.seeds)} "
                       f"seed(s) = {len(plans)} {what} of {spec.task} -> {out}")
     total_steps = sum(spec.steps * p.config.workers for p in plans)
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("steps"), TimeElapsedColumn(), TimeRemainingColumn())
     try:
-        with Progress(*columns, console=console, disable=quiet, transient=False) as bar:
+        with step_progress(console, "steps", disable=quiet) as bar:
             result = run(RichObserver(bar, total_steps, len(plans)))
     except ParamServerError as exc:
         raise click.ClickException(str(exc)) from exc

@@ -11,15 +11,9 @@ from typing import Any
 
 import click
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
+from rich.progress import Progress
 
+from cli.progress import step_progress
 from paramserver.errors import ParamServerError
 from workers.cluster import ClusterSpec, run_cluster
 from workers.cluster import Progress as ClusterProgress
@@ -169,11 +163,8 @@ def launch(ctx: click.Context, **opts: Any) -> None:
     out = _out_dir(opts["out"])
     steps = spec.worker.steps
     console = Console(stderr=True)
-    bar = Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-        TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[rate]} updates/s"),
-        TimeElapsedColumn(), TimeRemainingColumn(), console=console, disable=opts["quiet"],
-    )
+    bar = step_progress(console, "loss {task.fields[loss]}", "{task.fields[rate]} updates/s",
+                        disable=opts["quiet"])
     description = (f"{spec.server.mode_spec().describe()} {num_servers}x{num_workers} "
                    f"{spec.worker.task}")
     if not opts["quiet"]:
