@@ -46,6 +46,20 @@ def test_a_child_runs_its_module_as_main_with_its_argv_env_and_files(zygote, tmp
     assert (tmp_path / "err.log").read_text() == "on stderr\n"
 
 
+def test_a_module_in_the_working_directory_is_found_as_python_m_would(zygote, tmp_path,
+                                                                        monkeypatch):
+    (tmp_path / "late_module.py").write_text("print('found', __name__)\n")
+    monkeypatch.chdir(tmp_path)  # after the zygote started, and the file is new
+    out = (tmp_path / "out.log").open("wb")
+    try:
+        proc = zygote.spawn("late_module", [], env=zygote.env, stdout=out.fileno(),
+                            stderr=out.fileno())
+    finally:
+        out.close()
+    assert proc.wait(timeout=30) == 0, (tmp_path / "out.log").read_text()
+    assert (tmp_path / "out.log").read_text() == "found __main__\n"
+
+
 def test_an_exception_is_exit_code_1_with_its_traceback(zygote, tmp_path):
     proc = spawn(zygote, tmp_path, "raise")
     assert proc.wait(timeout=30) == 1

@@ -55,6 +55,7 @@ PRELOAD = (
     "workers.client", "workers.tasks",
 )
 _PR_SET_PDEATHSIG = 1
+_START_DIR = os.getcwd()  # what `python -m workers.zygote` put first on sys.path
 _GRACE = 5.0  # seconds children get between SIGTERM and SIGKILL when the launcher is gone
 
 
@@ -275,6 +276,11 @@ def _run_child(sock: socket.socket, wake: tuple[int, int], request: dict[str, An
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
+        # as `python -m` would: the working directory first on sys.path, files that
+        # appeared since the zygote started visible
+        if sys.path and sys.path[0] == _START_DIR:
+            sys.path[0] = request["cwd"]
+        importlib.invalidate_caches()
         module = request["module"]
         sys.argv = [module, *request["args"]]
         try:
