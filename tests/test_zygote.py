@@ -60,6 +60,16 @@ def test_a_module_in_the_working_directory_is_found_as_python_m_would(zygote, tm
     assert (tmp_path / "out.log").read_text() == "found __main__\n"
 
 
+def test_children_do_not_share_numpy_global_random_state(zygote, tmp_path):
+    draws = []
+    for i in range(2):
+        (tmp_path / str(i)).mkdir()
+        proc = spawn(zygote, tmp_path / str(i), "random")
+        assert proc.wait(timeout=30) == 0
+        draws.append((tmp_path / str(i) / "out.log").read_text().splitlines()[-1])
+    assert draws[0] != draws[1]
+
+
 def test_an_exception_is_exit_code_1_with_its_traceback(zygote, tmp_path):
     proc = spawn(zygote, tmp_path, "raise")
     assert proc.wait(timeout=30) == 1

@@ -15,5 +15,9 @@ if __name__ == "__main__":
         sys.exit(int(sys.argv[2]))
     if what == "raise":
         raise ValueError("boom")
+    if what == "random":
+        import numpy as np
+
+        print(np.random.randint(1 << 62), flush=True)
     if what == "pause":
         signal.pause()  # until a signal ends it

@@ -281,6 +281,11 @@ def _run_child(sock: socket.socket, wake: tuple[int, int], request: dict[str, An
         if sys.path and sys.path[0] == _START_DIR:
             sys.path[0] = request["cwd"]
         importlib.invalidate_caches()
+        # a fresh interpreter seeds numpy's global generator from the OS; a fork would
+        # otherwise give every child the zygote's (Python's random reseeds by itself)
+        numpy = sys.modules.get("numpy")
+        if numpy is not None:
+            numpy.random.seed()
         module = request["module"]
         sys.argv = [module, *request["args"]]
         try:
