@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import sys
 
 import click
 
@@ -58,6 +59,10 @@ def main(log_level: str | None) -> None:
     """Sharded parameter servers: sync, async and bounded-staleness training."""
     if log_level is not None:
         os.environ["PARAMSERVER_LOG_LEVEL"] = log_level.upper()  # `launch`'s processes inherit it
+    # `--task mymod:make` / `--policy mymod:MyPolicy` find mymod.py in the working directory,
+    # as `python -m` would; appended, so that a local file never shadows an installed package
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
     logging.basicConfig(level=(log_level or "WARNING").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 

@@ -425,3 +425,20 @@ def test_installed_task_and_policy_plugins_are_listed(tmp_path, monkeypatch):
     policies = {r["name"] for r in json.loads(invoke("policies", "--json").stdout)}
     assert {"halve", "reject"} <= policies
     assert config("launch", "--task", "tiny-linear")["task"] == "tiny-linear"
+
+
+def test_a_policy_module_in_the_working_directory_is_found(tmp_path, monkeypatch):
+    (tmp_path / "localpolicy_xyz.py").write_text(textwrap.dedent("""
+        from paramserver.staleness import Decision, StalenessPolicy
+
+        class Halve(StalenessPolicy):
+            name = "halve-local"
+
+            def decide(self, update):
+                return Decision(True, 0.5)
+    """))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    cfg = config("launch", "--policy", "localpolicy_xyz:Halve")
+    assert cfg["policy"] == "localpolicy_xyz:Halve"
+    assert str(tmp_path) == sys.path[-1]  # appended: never shadows an installed package
