@@ -140,3 +140,26 @@ def test_a_local_run_is_the_same_forked_or_executed(tmp_path, monkeypatch, spawn
         stats = server_stats(cluster.addresses)
     assert kinds == {ForkedProcess if spawn_mode == "fork" else subprocess.Popen}
     assert stats[0]["version"] == 5
+
+
+def test_a_run_falls_back_to_cold_starts_when_the_zygote_cannot_fork(tmp_path, monkeypatch,
+                                                                      caplog):
+    from paramserver.server import ServerConfig
+    from workers.cluster import ClusterSpec, LocalCluster
+    from workers.worker import WorkerConfig
+    from workers.zygote import ZygoteError
+
+    def refuse(self, module, *args, **kwargs):
+        raise ZygoteError(f"the zygote could not start {module}: not single-threaded")
+
+    monkeypatch.setattr(Zygote, "spawn", refuse)
+    spec = ClusterSpec(num_servers=1, num_workers=1,
+                       server=ServerConfig(mode="async"),
+                       worker=WorkerConfig(servers=["unset"], task="synthetic-logreg", steps=3))
+    with LocalCluster(spec, tmp_path) as cluster:
+        cluster.start_servers()
+        cluster.start_workers()
+        cluster.wait_workers()
+        kinds = {type(p.popen) for p in cluster.servers + cluster.workers}
+    assert kinds == {subprocess.Popen}
+    assert "starting processes without it" in caplog.text

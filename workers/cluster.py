@@ -39,7 +39,7 @@ from paramserver.transport import CurveKeys
 
 from .stragglers import StragglerSpec
 from .worker import WorkerConfig, _write_json
-from .zygote import ForkedProcess, fork_enabled, zygote_for
+from .zygote import ForkedProcess, ZygoteError, fork_enabled, zygote_for
 
 __all__ = [
     "FAILURE_POLICIES",
@@ -188,6 +188,7 @@ class LocalCluster:
         self.workers: list[_Proc] = []
         self.addresses: list[str] = []
         self._env = _child_env()
+        self._cold_starts = False  # set when the zygote cannot fork: python -m per process
         self._log_offsets: dict[int, int] = {}
         self._progress_steps: dict[int, int] = {}
         self._progress_loss: dict[int, float] = {}
@@ -206,10 +207,14 @@ class LocalCluster:
         log_path = self.out / "logs" / f"{name}.log"
         log_file = log_path.open("ab" if append else "wb")  # a restart keeps the history
         try:
-            if fork_enabled():
-                popen: subprocess.Popen[bytes] | ForkedProcess = self._fork(
-                    module, str(cfg_path), log_file, ready_pipe)
-            else:
+            popen: subprocess.Popen[bytes] | ForkedProcess | None = None
+            if fork_enabled() and not self._cold_starts:
+                try:
+                    popen = self._fork(module, str(cfg_path), log_file, ready_pipe)
+                except ZygoteError as exc:
+                    log.warning("%s; starting processes without it from now on", exc)
+                    self._cold_starts = True
+            if popen is None:
                 popen = subprocess.Popen(
                     [sys.executable, "-m", module, str(cfg_path)],
                     stdout=subprocess.PIPE if ready_pipe else log_file,
@@ -228,12 +233,13 @@ class LocalCluster:
                                                stdout=log_file.fileno(),
                                                stderr=log_file.fileno())
         read_fd, write_fd = os.pipe()
+        stdout = os.fdopen(read_fd, "rb", buffering=0)
         try:
             return zygote_for(self._env).spawn(
                 module, [cfg_path], env=self._env, stdout=write_fd, stderr=log_file.fileno(),
-                stdout_pipe=os.fdopen(read_fd, "rb", buffering=0))
+                stdout_pipe=stdout)
         except BaseException:
-            os.close(read_fd)
+            stdout.close()
             raise
         finally:
             os.close(write_fd)

@@ -43,7 +43,7 @@ import traceback
 from collections.abc import Mapping, Sequence
 from typing import Any, BinaryIO
 
-__all__ = ["ForkedProcess", "Zygote", "fork_enabled", "zygote_for"]
+__all__ = ["ForkedProcess", "Zygote", "ZygoteError", "fork_enabled", "zygote_for"]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,10 @@ def fork_enabled() -> bool:
 
 
 # ---------------------------------------------------------------------- launcher side
+
+
+class ZygoteError(RuntimeError):
+    """The zygote cannot fork this process (it died, or is not single-threaded)."""
 
 
 class ForkedProcess:
@@ -146,7 +150,7 @@ class Zygote:
             socket.send_fds(self._sock, [payload], [stdout, stderr])
             answer = self._next_answer(timeout)
             if "error" in answer:
-                raise RuntimeError(f"the zygote could not start {module}: {answer['error']}")
+                raise ZygoteError(f"the zygote could not start {module}: {answer['error']}")
             proc = ForkedProcess(int(answer["pid"]), self, stdout_pipe)
             with self._answered:
                 self._pids[proc.pid] = proc
@@ -160,8 +164,8 @@ class Zygote:
             while not self._answers:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not self._reader.is_alive():
-                    raise RuntimeError("the zygote did not answer (it died or is stuck); "
-                                       "PARAMSERVER_SPAWN=exec starts processes without it")
+                    raise ZygoteError("the zygote did not answer (it died or is stuck); "
+                                      "PARAMSERVER_SPAWN=exec starts processes without it")
                 self._answered.wait(min(remaining, 0.5))
             return self._answers.pop(0)
 
