@@ -120,46 +120,43 @@ def test_a_launcher_killed_with_sigkill_leaves_no_child_behind():
         launcher.wait()
 
 
-@pytest.mark.parametrize("spawn_mode", ["fork", "exec"])
-def test_a_local_run_is_the_same_forked_or_executed(tmp_path, monkeypatch, spawn_mode):
+def run_tiny_cluster(tmp_path, mode="sync", workers=2, steps=5):
+    """Run a small local cluster to the end; (the process handles' types, shard 0's STATS)."""
     from paramserver.server import ServerConfig
     from workers.client import server_stats
     from workers.cluster import ClusterSpec, LocalCluster
     from workers.worker import WorkerConfig
-    from workers.zygote import ForkedProcess
 
-    monkeypatch.setenv("PARAMSERVER_SPAWN", spawn_mode)
-    spec = ClusterSpec(num_servers=1, num_workers=2,
-                       server=ServerConfig(mode="sync", expected_workers=2),
-                       worker=WorkerConfig(servers=["unset"], task="synthetic-logreg", steps=5))
+    spec = ClusterSpec(num_servers=1, num_workers=workers,
+                       server=ServerConfig(mode=mode, expected_workers=workers),
+                       worker=WorkerConfig(servers=["unset"], task="synthetic-logreg",
+                                           steps=steps))
     with LocalCluster(spec, tmp_path) as cluster:
         cluster.start_servers()
         cluster.start_workers()
         cluster.wait_workers()
         kinds = {type(p.popen) for p in cluster.servers + cluster.workers}
-        stats = server_stats(cluster.addresses)
+        return kinds, server_stats(cluster.addresses)[0]
+
+
+@pytest.mark.parametrize("spawn_mode", ["fork", "exec"])
+def test_a_local_run_is_the_same_forked_or_executed(tmp_path, monkeypatch, spawn_mode):
+    from workers.zygote import ForkedProcess
+
+    monkeypatch.setenv("PARAMSERVER_SPAWN", spawn_mode)
+    kinds, stats = run_tiny_cluster(tmp_path)
     assert kinds == {ForkedProcess if spawn_mode == "fork" else subprocess.Popen}
-    assert stats[0]["version"] == 5
+    assert stats["version"] == 5
 
 
 def test_a_run_falls_back_to_cold_starts_when_the_zygote_cannot_fork(tmp_path, monkeypatch,
                                                                       caplog):
-    from paramserver.server import ServerConfig
-    from workers.cluster import ClusterSpec, LocalCluster
-    from workers.worker import WorkerConfig
     from workers.zygote import ZygoteError
 
     def refuse(self, module, *args, **kwargs):
         raise ZygoteError(f"the zygote could not start {module}: not single-threaded")
 
     monkeypatch.setattr(Zygote, "spawn", refuse)
-    spec = ClusterSpec(num_servers=1, num_workers=1,
-                       server=ServerConfig(mode="async"),
-                       worker=WorkerConfig(servers=["unset"], task="synthetic-logreg", steps=3))
-    with LocalCluster(spec, tmp_path) as cluster:
-        cluster.start_servers()
-        cluster.start_workers()
-        cluster.wait_workers()
-        kinds = {type(p.popen) for p in cluster.servers + cluster.workers}
-    assert kinds == {subprocess.Popen}
+    kinds, stats = run_tiny_cluster(tmp_path, mode="async", workers=1, steps=3)
+    assert kinds == {subprocess.Popen} and stats["version"] == 3
     assert "starting processes without it" in caplog.text
