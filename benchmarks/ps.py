@@ -41,10 +41,14 @@ def serve(args: dict[str, Any], announce: Any) -> dict[str, Any]:
     """One shard server; ``args["config"]`` is a ServerConfig dict.
 
     Reports the process's RSS when it started listening (``rss_base``: the
-    interpreter, torch and zmq, no weights yet) and its peak RSS since then.
+    interpreter, torch with torch._dynamo, and zmq; no weights yet) and its peak
+    RSS since then.
     """
     config = ServerConfig.from_dict(args["config"])
     server = ShardServer(config)
+    # code, not data: torch.optim imports torch._dynamo on first use (~70 MB of modules);
+    # a shard forked from the zygote has it loaded already, so it belongs to the base
+    import torch._dynamo
     base = rss()
     reset_peak_rss()
     server.serve_forever(on_ready=lambda addr: announce({"address": addr}))
