@@ -15,8 +15,10 @@ convention: ``-N`` for signal N). :class:`ForkedProcess` offers the part of
 :class:`subprocess.Popen` that :class:`workers.cluster.LocalCluster` uses.
 
 Safety: the zygote is single-threaded when it forks (one intra-op thread,
-``OMP_NUM_THREADS=1``; asserted before each fork), creates no ZeroMQ context
-and never touches CUDA, so children start as clean as a fresh interpreter.
+``OMP_NUM_THREADS=1``), has not initialized CUDA (both checked before each
+fork: otherwise it refuses, and the launcher falls back to cold starts) and
+creates no ZeroMQ context, so children start as clean as a fresh interpreter
+and may use a GPU.
 When the launcher goes away (even SIGKILLed) the socket closes and the zygote
 stops its children (SIGTERM, then SIGKILL) and exits; children also die if
 the zygote does (PR_SET_PDEATHSIG). ``PARAMSERVER_SPAWN=exec`` turns all of
@@ -253,6 +255,13 @@ atexit.register(_close_all)
 # ---------------------------------------------------------------------- zygote side
 
 
+def _cuda_initialized() -> bool:
+    """Whether something the zygote imported initialized CUDA (forked children then
+    cannot use it); never initializes it itself."""
+    torch = sys.modules.get("torch")
+    return torch is not None and bool(torch.cuda.is_initialized())
+
+
 def _set_pdeathsig(sig: int) -> None:
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
@@ -383,6 +392,9 @@ def _serve(fd: int) -> None:
                     answer({"error": "expected stdout and stderr descriptors"})
                 elif len(os.listdir("/proc/self/task")) != 1:
                     answer({"error": "the zygote is not single-threaded; cannot fork safely"})
+                elif _cuda_initialized():
+                    answer({"error": "CUDA is initialized in the zygote; a forked child "
+                                     "could not use it"})
                 else:
                     pid = os.fork()
                     if pid == 0:
