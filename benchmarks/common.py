@@ -34,6 +34,7 @@ __all__ = [
     "PREFIX",
     "Agent",
     "AgentError",
+    "FixedSizeSession",
     "Stats",
     "close_all",
     "cpu_seconds",
@@ -55,6 +56,24 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 
 
 class AgentError(ParamServerError):
     """A benchmark child process failed; the message carries its stderr tail."""
+
+
+class FixedSizeSession:
+    """A worker session built for one payload size: ``measure`` times ``one_round``."""
+
+    numel: int
+
+    def one_round(self) -> None:
+        raise NotImplementedError
+
+    def measure(self, numel: int, iters: int) -> float:
+        """Mean seconds per round over ``iters`` rounds."""
+        if numel != self.numel:
+            raise ValueError(f"this session moves {self.numel} elements, not {numel}")
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            self.one_round()
+        return (time.perf_counter() - t0) / iters
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from paramserver.server import ServerConfig, ShardServer
 from paramserver.sharding import ParamSpec, ShardPlan
 from workers.client import PSClient
 
-from .common import peak_rss, reset_peak_rss, rss, split_range
+from .common import FixedSizeSession, peak_rss, reset_peak_rss, rss, split_range
 
 __all__ = ["PSSession", "async_run", "flat_plan", "serve"]
 
@@ -67,7 +67,7 @@ def serve(args: dict[str, Any], announce: Any) -> dict[str, Any]:
     }
 
 
-class PSSession:
+class PSSession(FixedSizeSession):
     """One worker: ``push_pull`` rounds on a flat parameter.
 
     ``args``: addresses, numel, rank, chunk_bytes, wire_dtype, pieces.
@@ -94,14 +94,6 @@ class PSSession:
         self.versions = pulled.versions
         self.clock += 1
         self.applied += sum(1 for o in pushed.outcomes if o["applied"])
-
-    def measure(self, numel: int, iters: int) -> float:
-        if numel != self.numel:
-            raise ValueError(f"this session moves {self.numel} elements, not {numel}")
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            self.one_round()
-        return (time.perf_counter() - t0) / iters
 
     def close(self) -> dict[str, Any]:
         try:

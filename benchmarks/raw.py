@@ -17,13 +17,12 @@ This module imports neither torch nor the project's server code.
 from __future__ import annotations
 
 import itertools
-import time
 from typing import Any
 
 import numpy as np
 import zmq
 
-from .common import split_range
+from .common import FixedSizeSession, split_range
 
 __all__ = ["RawSession", "serve", "stop"]
 
@@ -92,7 +91,7 @@ def serve(args: dict[str, Any], announce: Any) -> dict[str, Any]:
     return {"steps": steps}
 
 
-class RawSession:
+class RawSession(FixedSizeSession):
     """One raw worker: push its gradient, receive the weights, copy them in.
 
     ``args``: addresses (one per shard), numel, chunk_bytes.
@@ -121,14 +120,6 @@ class RawSession:
             reply = s.recv_multipart(copy=False)
             for f, (a, b) in zip(reply, pieces, strict=True):
                 np.copyto(self.weights[a:b], np.frombuffer(f.buffer, dtype=_F32))
-
-    def measure(self, numel: int, iters: int) -> float:
-        if numel != self.numel:
-            raise ValueError(f"this session moves {self.numel} elements, not {numel}")
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            self.one_round()
-        return (time.perf_counter() - t0) / iters
 
     def close(self) -> dict[str, Any]:
         for s in self.socks:

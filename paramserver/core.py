@@ -63,6 +63,7 @@ _OBSERVE_ELEMENTS = 1 << 22  # shards up to this size are measured on every push
 #: every k-th element (k prime, so that it does not line up with a tensor's rows), which
 #: keeps what observing holds to ~2 x 4 MiB instead of two copies of the shard
 _SAMPLE_ELEMENTS = 1 << 20
+_CAT_ELEMENTS = 1 << 16  # up to this many, a push's slices are measured as one flat copy
 
 
 def _sample_stride(numel: int) -> int:
@@ -890,21 +891,26 @@ class ShardCore:
         decay = self._ema_decay
         if decay is None or not math.isfinite(norm):
             return GradStats(worker, norm, None)
-        # the cosine is taken on the sample (all of a small shard), flat: one dot, one lerp
-        flat = torch.cat([_sample(g, self._stride).to(torch.float32 if g.dtype in _NARROW
-                                                      else g.dtype)
-                          for g in (grads[k] for k in self.params if k in grads)])
-        if self._stride > 1:
-            norm = _l2(flat)
+        # the cosine is taken on the sample (all of a small shard) against one flat mean
+        samples = [_sample(g, self._stride) for g in (grads[k] for k in self.params if k in grads)]
+        dtype = torch.float64 if any(t.dtype == torch.float64 for t in samples) else torch.float32
+        samples = [t.to(dtype) for t in samples]  # no copy unless 16-bit (or mixed)
+        sizes = [t.numel() for t in samples]
         ema = self._grad_ema
-        if ema is None or ema.shape != flat.shape or ema.dtype != flat.dtype:
+        if ema is None or ema.numel() != sum(sizes) or ema.dtype != dtype:
             # from zero, not from the first push: that would weigh it ~1/(1 - decay) times more
-            ema = self._grad_ema = torch.zeros_like(flat)
+            ema = self._grad_ema = torch.zeros(sum(sizes), dtype=dtype)
             self._ema_sq = 0.0
-        dot = float(torch.dot(flat, ema))
+        # many small slices: one copy, then one call each; larger ones: no copy, a call per slice
+        pairs = ([(torch.cat(samples), ema)] if len(samples) > 1 and sum(sizes) <= _CAT_ELEMENTS
+                 else list(zip(samples, ema.split(sizes), strict=True)))
+        if self._stride > 1:
+            norm = math.sqrt(sum(_l2(t) ** 2 for t, _ in pairs))
+        dot = sum(float(torch.dot(t, mean)) for t, mean in pairs)
         mean_sq = self._ema_sq
         cosine = dot / (norm * math.sqrt(mean_sq)) if norm > 0 and mean_sq > 0 else None
-        ema.lerp_(flat, 1.0 - decay)  # decay * mean + (1 - decay) * g
+        for t, mean in pairs:
+            mean.lerp_(t, 1.0 - decay)  # decay * mean + (1 - decay) * g
         self._ema_sq = max(0.0, decay * decay * mean_sq + 2 * decay * (1 - decay) * dot
                            + (1 - decay) ** 2 * norm * norm)
         return GradStats(worker, exact, cosine)

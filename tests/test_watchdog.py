@@ -339,13 +339,15 @@ def test_core_measures_big_shards_one_push_in_n_by_default(monkeypatch):
     assert sum(isinstance(s, GradStats) for s in seen) == 3
 
 
-def test_big_shards_measure_cosine_and_updates_on_a_strided_sample(monkeypatch):
+@pytest.mark.parametrize("cat_elements", [1 << 16, 0])  # one flat copy, or per-slice views
+def test_big_shards_measure_cosine_and_updates_on_a_strided_sample(monkeypatch, cat_elements):
     import torch
 
     import paramserver.core as core_module
     from paramserver.core import CoreConfig, GradStats, ShardCore, SliceSpec, StepStats
 
     monkeypatch.setattr(core_module, "_SAMPLE_ELEMENTS", 1000)
+    monkeypatch.setattr(core_module, "_CAT_ELEMENTS", cat_elements)
     assert core_module._sample_stride(1000) == 1
     assert core_module._sample_stride(64_000) == 67  # the first prime >= 64
     shapes = {"w": (400, 64), "b": (64,)}  # 25,664 elements: stride 29

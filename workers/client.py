@@ -556,13 +556,29 @@ def shutdown_servers(addresses: Sequence[str], timeout: float = 10.0,
     return failed
 
 
-def server_stats(addresses: Sequence[str], timeout: float = 10.0,
-                 curve: CurveKeys | None = None) -> list[dict[str, Any]]:
-    """STATS from each server, without registering (for status tools)."""
+def _ask_all(addresses: Sequence[str], make: Callable[[], Message], timeout: float,
+             curve: CurveKeys | None, retries: int = 0) -> list[dict[str, Any]]:
+    """One request to every server on fresh channels, without registering; the replies' fields."""
     chans = [Channel(a, peer=f"shard {i}", curve=curve) for i, a in enumerate(addresses)]
     try:
-        replies = request_all(chans, [Message(Op.STATS) for _ in chans], timeout, "STATS")
+        msgs = [make() for _ in chans]
+        replies = request_all(chans, msgs, timeout, msgs[0].op.value.upper() if msgs else None,
+                              retries=retries)
         return [r.fields for r in replies]
     finally:
         for ch in chans:
             ch.close()
+
+
+def server_stats(addresses: Sequence[str], timeout: float = 10.0,
+                 curve: CurveKeys | None = None) -> list[dict[str, Any]]:
+    """STATS from each server, without registering (for status tools)."""
+    return _ask_all(addresses, lambda: Message(Op.STATS), timeout, curve)
+
+
+def report_dead(addresses: Sequence[str], worker: int, timeout: float = 2.0,
+                curve: CurveKeys | None = None) -> None:
+    """Tell every server that ``worker``'s process died (a supervisor saw it exit), so
+    that no sync round or SSP gate waits out its heartbeat timeout."""
+    _ask_all(addresses, lambda: Message(Op.BYE, 0, {"worker": worker, "dead": True}),
+             timeout, curve, retries=1)

@@ -353,22 +353,13 @@ class LocalCluster:
                                    + ", ".join(self.workers[r].name for r in sorted(pending)))
 
     def _report_dead(self, rank: int) -> None:
-        """Tell every shard that worker ``rank`` died, so that no sync round or SSP
-        gate waits out its heartbeat timeout. Best effort: the timeout still holds."""
-        from paramserver.protocol import Message, Op
-        from paramserver.transport import Channel, request_all
+        """Best effort: the shards' heartbeat timeout still holds if this fails."""
+        from .client import report_dead
 
-        curve = self.spec.client_curve()
-        chans = [Channel(a, peer=f"shard {i}", curve=curve)
-                 for i, a in enumerate(self.addresses)]
         try:
-            request_all(chans, [Message(Op.BYE, 0, {"worker": rank, "dead": True})
-                                for _ in chans], 2.0, "BYE", retries=1)
+            report_dead(self.addresses, rank, curve=self.spec.client_curve())
         except ParamServerError as exc:
             log.warning("could not report worker%d's death to the servers: %s", rank, exc)
-        finally:
-            for ch in chans:
-                ch.close()
 
     def _raise_if_diverged(self) -> None:
         """Raise ClusterError if a shard's watchdog stopped training (``diverged`` event)."""
