@@ -97,8 +97,12 @@ def run_async(workers: int = 4, shards: tuple[int, ...] = (1, 2, 4), nbytes: int
 
 def run_memory(workers: tuple[int, ...] = (1, 2, 4), nbytes: int = 64 << 20, rounds: int = 4,
                momentum: float = 0.9, lr: float = 1e-3, log_dir: Path | None = None,
-               server: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """One record per worker count: the shard's peak RSS over its start, and the budget."""
+               server: dict[str, Any] | None = None, worker: dict[str, Any] | None = None
+               ) -> list[dict[str, Any]]:
+    """One record per worker count: the shard's peak RSS over its start, and the budget.
+
+    ``server``: extra ShardServer settings; ``worker``: extra PSSession ones
+    (chunk_bytes, part_bytes)."""
     out = []
     numel = nbytes // 4
     for n in workers:
@@ -113,7 +117,8 @@ def run_memory(workers: tuple[int, ...] = (1, 2, 4), nbytes: int = 64 << 20, rou
             ws = [Agent(f"mem-n{n}-worker{r}", log_dir) for r in range(n)]
             agents += ws
             for r, a in enumerate(ws):
-                a.send("open", system="ps", addresses=addrs, numel=numel, rank=r)
+                a.send("open", system="ps", addresses=addrs, numel=numel, rank=r,
+                       **(worker or {}))
             for a in ws:
                 a.read(_TIMEOUT)
             for a in ws:
@@ -134,6 +139,7 @@ def run_memory(workers: tuple[int, ...] = (1, 2, 4), nbytes: int = 64 << 20, rou
                 "aggregation_bytes": weights, "expected_bytes": expected,
                 "rss_base": rep["rss_base"], "peak_rss": rep["peak_rss"],
                 "peak_over_base": grown, "ratio": grown / expected,
+                "copy_on_write": rep["counters"].get("copy_on_write", 0),
             })
         finally:
             if addrs:

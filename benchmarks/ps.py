@@ -4,7 +4,7 @@
 process until a SHUTDOWN arrives and reports its memory. A
 :class:`PSSession` is one worker's push + pull loop on a flat float32
 parameter of the payload size, split by the same
-:class:`~paramserver.sharding.ShardPlan` training uses (4 MiB chunks). Both
+:class:`~paramserver.sharding.ShardPlan` training uses (2 MiB chunks). Both
 sides go through the whole stack: msgpack headers, validation, versions,
 clocks, the sync barrier, the torch optimizer and its finite check.
 """
@@ -19,7 +19,7 @@ import torch
 
 from paramserver.server import ServerConfig, ShardServer
 from paramserver.sharding import ParamSpec, ShardPlan
-from workers.client import PSClient
+from workers.client import PART_BYTES, PSClient
 
 from .common import FixedSizeSession, peak_rss, reset_peak_rss, rss, split_range
 
@@ -70,7 +70,7 @@ def serve(args: dict[str, Any], announce: Any) -> dict[str, Any]:
 class PSSession(FixedSizeSession):
     """One worker: ``push_pull`` rounds on a flat parameter.
 
-    ``args``: addresses, numel, rank, chunk_bytes, wire_dtype, pieces.
+    ``args``: addresses, numel, rank, chunk_bytes, part_bytes, wire_dtype, pieces.
     """
 
     def __init__(self, args: dict[str, Any]) -> None:
@@ -80,7 +80,8 @@ class PSSession(FixedSizeSession):
                          int(args.get("pieces", 1)))
         self.client = PSClient(args["addresses"], plan, int(args.get("rank", 0)),
                                timeout=300.0, attempt_timeout=120.0,
-                               wire_dtype=args.get("wire_dtype"))
+                               wire_dtype=args.get("wire_dtype"),
+                               part_bytes=int(args.get("part_bytes", PART_BYTES)))
         self.params = {p.name: torch.zeros(p.shape) for p in plan.params}
         self.grads = {p.name: torch.full(p.shape, 1e-3) for p in plan.params}
         self.clock = self.client.connect()

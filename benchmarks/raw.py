@@ -3,7 +3,7 @@
 What a person would write by hand to move the same bytes with no framework:
 a ROUTER per shard holding its contiguous range of the weights as one numpy
 array. A worker sends its gradient range as zero-copy frames of at most
-``chunk_bytes`` (the project's 4 MiB chunks: the same frames on the wire); the
+``chunk_bytes`` (the project's 2 MiB chunks: the same frames on the wire); the
 server adds them into one aggregation buffer and, once every worker has sent
 its gradient, applies ``p -= lr * g`` (through a preallocated scratch array, so
 no temporary is allocated per step) and replies with the weights, zero-copy,
@@ -99,7 +99,7 @@ class RawSession(FixedSizeSession):
 
     def __init__(self, args: dict[str, Any]) -> None:
         self.numel = int(args["numel"])
-        chunk_elems = max(1, int(args.get("chunk_bytes", 4 << 20)) // 4)
+        chunk_elems = max(1, int(args.get("chunk_bytes", 2 << 20)) // 4)
         ctx: zmq.Context[Any] = zmq.Context.instance()
         self.socks = []
         for addr in args["addresses"]:

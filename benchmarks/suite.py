@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from paramserver.sharding import ShardPlan
 from workers.client import shutdown_servers
 
 from . import raw
@@ -61,7 +62,7 @@ class SweepConfig:
     repeat_seconds: float = 0.25  # each repeat runs about this long (iterations adapt)
     max_iters: int = 2000
     lr: float = 1e-3
-    chunk_bytes: int = 4 << 20
+    chunk_bytes: int = ShardPlan.DEFAULT_CHUNK_BYTES
     log_dir: Path | None = None
 
 

@@ -354,6 +354,10 @@ WORKER = [
          help="Seconds between heartbeats to every shard (0: none)."),
     Spec("--chunk-bytes", type=click.IntRange(min=1), default=_default(_W, "chunk_bytes"),
          metavar="BYTES", help="Tensors larger than this are split across shards."),
+    Spec("--part-bytes", type=click.IntRange(min=0), default=_default(_W, "part_bytes"),
+         metavar="BYTES", help="A shard's share of a push larger than this is sent in parts "
+         "of about this size (whole chunks), which a sync shard adds up as they arrive, "
+         "so its memory does not grow with the number of workers (0: always whole)."),
     Spec("--drop-rate", type=click.FloatRange(0, 1, max_open=True),
          default=_default(_W, "drop_rate"), metavar="P",
          help="Chaos testing: lose this fraction of requests and replies."),
@@ -803,6 +807,7 @@ def worker_config(ctx: click.Context, opts: Mapping[str, Any], **fixed: Any) -> 
         "eval_every": opts["eval_every"],
         "straggler": straggler_spec(opts),
         "chunk_bytes": opts["chunk_bytes"],
+        "part_bytes": opts["part_bytes"],
         "timeout": opts["timeout"],
         "request_timeout": opts["request_timeout"],
         "heartbeat_interval": opts["heartbeat_interval"],

@@ -9,6 +9,10 @@ rules of the three modes:
   pushed a gradient read at v (or all but ``backup_workers``); one optimizer
   step with the sample-weighted mean ``sum(n_i w_i g_i) / sum(n_i)``. A pull by
   a worker that contributed to the open round waits for the round to close.
+  A push may come in parts, each added into the round's one buffer as it
+  arrives (the shard never holds a worker's whole gradient); a push given up
+  half-way (its worker died, a part was not finite) voids the round: it
+  closes without a step, since what was added cannot be taken back out.
 * ``async`` (ASP): every accepted push is its own optimizer step.
 * ``ssp``: as async, plus a pull by a worker at clock c is answered only when
   ``c - min(clock of live workers) <= s``, where s is ``staleness_bound`` or,
@@ -61,8 +65,8 @@ DTYPES = FLOAT_DTYPES
 _OBSERVE_ELEMENTS = 1 << 22  # shards up to this size are measured on every push (observe)
 #: above this many elements, the cosine and the update of a non-SGD step are measured on
 #: every k-th element (k prime, so that it does not line up with a tensor's rows), which
-#: keeps what observing holds to ~2 x 4 MiB instead of two copies of the shard
-_SAMPLE_ELEMENTS = 1 << 20
+#: keeps what observing holds to ~2 x 256 KiB instead of two copies of the shard
+_SAMPLE_ELEMENTS = 1 << 16
 _CAT_ELEMENTS = 1 << 16  # up to this many, a push's slices are measured as one flat copy
 
 
@@ -284,6 +288,31 @@ class _PendingPull:
     observer: bool = False
 
 
+@dataclass
+class _Measure:
+    """One push's gradient statistics, summed part by part (see ShardCore._measure)."""
+
+    exact_sq: float = 0.0  # |g|^2 over every element
+    sampled_sq: float = 0.0  # |g|^2 over the sampled elements
+    dot: float = 0.0  # <sampled g, running mean before this push>
+
+
+@dataclass
+class _Stream:
+    """A sync push arriving in parts: decided at its first part, added part by part."""
+
+    push_id: int
+    parts: int
+    info: UpdateInfo
+    decision: Decision | None  # None: dropped before the policy ("late", "in round")
+    reason: str
+    received: set[int] = field(default_factory=set)
+    keys: set[str] = field(default_factory=set)
+    added: bool = False  # some of it is in the round's buffer
+    voided: bool = False  # it met a void round: none of it is added
+    measure: _Measure | None = None  # observed pushes only
+
+
 class ShardCore:
     """One shard's parameters, optimizer and consistency rules. No sockets, no msgpack."""
 
@@ -315,8 +344,16 @@ class ShardCore:
         self.scheduler = build_scheduler(
             self.config.scheduler, self.optimizer, self.config.scheduler_args
         )
+        # called before every optimizer step: a driver that lends the weights'
+        # memory to sends in flight protects them here (copy-on-write)
+        self.before_step: Callable[[], None] | None = None
         self.version = 0
         self.initialized = False
+        # INIT in parts: who is seeding, which parts and keys are in, how many parts
+        self._init_owner: int | None = None
+        self._init_parts: set[int] = set()
+        self._init_keys: set[str] = set()
+        self._init_total = 0
         self.started = False  # the start barrier: expected_workers registered once
         self.workers: dict[int, WorkerState] = {}
         self._pending: list[_PendingPull] = []
@@ -324,6 +361,10 @@ class ShardCore:
         self._round: set[int] = set()
         self._round_samples = 0
         self._agg: dict[str, torch.Tensor] = {}
+        self._written: set[str] = set()  # keys of _agg written in the open round
+        self._round_void = False  # a push was given up half-way: close without a step
+        self._streams: dict[int, _Stream] = {}  # worker -> its sync push in the making
+        self.rounds_voided = 0
         self._read_weights: dict[int, dict[str, torch.Tensor]] = {}
         self.max_answered_gap = 0  # largest clock gap at which a pull was answered
         self.rounds_dropped = 0  # sync rounds closed with nothing to apply
@@ -351,6 +392,7 @@ class ShardCore:
         self._ema_decay: float | None = None
         self._grad_ema: torch.Tensor | None = None  # the running mean, sampled and flat
         self._ema_sq = 0.0  # |running mean|^2, kept by recurrence (saves a pass per push)
+        self._ema_at: dict[str, tuple[int, int]] = {}  # key -> (offset, size) in the mean
         # (gradients, their norm) of the push just measured, for the step it causes
         self._measured: tuple[Mapping[str, torch.Tensor], float] | None = None
         self._before: dict[str, torch.Tensor] = {}
@@ -381,6 +423,9 @@ class ShardCore:
                     f"({self.config.heartbeat_timeout:g}s) or use another worker id",
                 )
             self._drop_pending(worker)
+            self._give_up(worker, "its worker restarted")
+            if self._init_owner == worker:
+                self._init_owner = None
             state.incarnation = incarnation
             state.last_push_id = -1
             state.last_outcome = None
@@ -413,6 +458,9 @@ class ShardCore:
         """A worker finished its work: it no longer holds anyone back."""
         state = self._known(worker)
         state.last_seen = now
+        self._give_up(worker, "its worker said BYE")
+        if self._init_owner == worker:
+            self._init_owner = None
         state.finished = True
         state.live = False
         self._drop_pending(worker)
@@ -451,6 +499,9 @@ class ShardCore:
         return True
 
     def _bury(self, state: WorkerState) -> None:
+        self._give_up(state.worker, "its worker died")
+        if self._init_owner == state.worker:
+            self._init_owner = None  # the next INIT seeds from the start
         state.live = False
         state.deaths += 1
         self._drop_pending(state.worker)
@@ -483,6 +534,52 @@ class ShardCore:
             for key, value in tensors.items():
                 self.params[key].copy_(value)
         self.initialized = True
+        self._init_owner = None
+        return True
+
+    def initialize_part(self, worker: int, tensors: Mapping[str, torch.Tensor],
+                        part: int = 0, parts: int = 1) -> bool | None:
+        """:meth:`initialize` from INIT sent in ``parts``, each copied in as it arrives.
+
+        The first worker to send a part seeds the shard; parts from others are
+        refused (False) meanwhile, and pulls wait instead of failing. If that
+        worker dies or restarts before its last part, the next INIT starts over.
+        Returns True when this part completed the seeding, None for an earlier
+        part (or one sent again).
+        """
+        if self.initialized:
+            return False
+        if parts == 1:
+            return self.initialize(tensors)
+        if not 0 <= part < parts:
+            raise ProtocolError(ErrorCode.BAD_FIELD,
+                                f"INIT part {part} of {parts}: need 0 <= part < parts")
+        if self._init_owner is None:
+            self._init_owner, self._init_parts, self._init_keys = worker, set(), set()
+            self._init_total = parts
+        elif self._init_owner != worker:
+            return False  # another worker is seeding this shard
+        if parts != self._init_total:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"INIT in {parts} parts after "
+                                f"{self._init_total}")
+        if part in self._init_parts:
+            return None
+        self._check_tensors(tensors, "INIT", whole=False, seen=self._init_keys)
+        last = len(self._init_parts) + 1 == parts
+        missing = self.specs.keys() - self._init_keys - tensors.keys()
+        if last and missing:
+            self._init_owner = None
+            raise ProtocolError(ErrorCode.BAD_TENSOR,
+                                f"INIT: missing keys after the last part: {sorted(missing)[:5]}")
+        with torch.no_grad():
+            for key, value in tensors.items():
+                self.params[key].copy_(value)
+        self._init_parts.add(part)
+        self._init_keys.update(tensors)
+        if not last:
+            return None
+        self.initialized = True
+        self._init_owner = None
         return True
 
     def copy_on_write(self) -> None:
@@ -497,11 +594,17 @@ class ShardCore:
                 p.data = p.data.clone()
 
     def _check_tensors(self, tensors: Mapping[str, torch.Tensor], what: str,
-                       narrow_ok: bool = False) -> None:
+                       narrow_ok: bool = False, whole: bool = True,
+                       seen: Iterable[str] = ()) -> None:
         """Keys, sizes and dtypes must match the slices; with ``narrow_ok`` a 16-bit
-        tensor may stand for a wider float slice (gradients sent in 16 bits)."""
-        missing = self.specs.keys() - tensors.keys()
+        tensor may stand for a wider float slice (gradients sent in 16 bits). A part
+        (not ``whole``) holds some keys, none of them ``seen`` in earlier parts."""
+        missing = self.specs.keys() - tensors.keys() if whole else set()
         unknown = tensors.keys() - self.specs.keys()
+        again = tensors.keys() & set(seen)
+        if again:
+            raise ProtocolError(
+                ErrorCode.BAD_TENSOR, f"{what}: keys sent in two parts: {sorted(again)[:5]}")
         if unknown:
             raise ProtocolError(
                 ErrorCode.UNKNOWN_KEY, f"{what}: keys not on this shard: {sorted(unknown)[:5]}"
@@ -530,7 +633,7 @@ class ShardCore:
 
         Observers (evaluators, status tools) are never gated and have no clock.
         """
-        if not self.initialized:
+        if not self.initialized and self._init_owner is None:
             raise ProtocolError(
                 ErrorCode.NOT_INITIALIZED, "no weights yet: the first worker must send INIT"
             )
@@ -555,6 +658,8 @@ class ShardCore:
         self._pending.append(_PendingPull(worker, clock, token, now, observer))
 
     def _gate_open(self, pull: _PendingPull, min_clock: int) -> bool:
+        if not self.initialized:  # a worker is seeding the weights in parts
+            return False
         if pull.observer:
             return True
         if not self.started:
@@ -644,6 +749,33 @@ class ShardCore:
         outcome and not applied again (exactly-once under retries). Invalid
         input raises :class:`ProtocolError` before any state changes.
         """
+        out = self.push_part(worker, push_id, clock, read_version, num_samples, grads, now)
+        assert out is not None  # a push in one part is always complete
+        return out
+
+    def push_part(
+        self,
+        worker: int,
+        push_id: int,
+        clock: int,
+        read_version: int,
+        num_samples: int,
+        grads: Mapping[str, torch.Tensor],
+        now: float,
+        part: int = 0,
+        parts: int = 1,
+    ) -> PushOutcome | None:
+        """:meth:`push`, for a push that may come in ``parts`` (sync shards, see
+        :attr:`streams_parts`).
+
+        Each part holds a subset of the shard's slices, together all of them,
+        each once, all with the same header. The push is decided at its first
+        part; every part is added into the round's buffer as it arrives and can
+        be released at once. A part that is not the last returns None; a part
+        sent again is not added again. A push given up half-way (its worker
+        died or restarted, a newer push came, a part was not finite) voids the
+        open round.
+        """
         state = self._known(worker)
         if not self.initialized:
             raise ProtocolError(ErrorCode.NOT_INITIALIZED, "push before INIT")
@@ -651,18 +783,46 @@ class ShardCore:
             prior = state.last_outcome if push_id == state.last_push_id else None
             base = prior or PushOutcome(False, 0.0, "duplicate", 0, self.version, False)
             return PushOutcome(**{**base.as_dict(), "duplicate": True})
-        if read_version > self.version:
-            raise ProtocolError(
-                ErrorCode.FUTURE_VERSION,
-                f"read_version {read_version} is ahead of the shard's version {self.version}",
-            )
-        if read_version < 0 or clock < 0 or num_samples < 1:
-            raise ProtocolError(
-                ErrorCode.BAD_FIELD,
-                f"need read_version >= 0, clock >= 0, num_samples >= 1; got "
-                f"{read_version}, {clock}, {num_samples}",
-            )
-        self._check_tensors(grads, "PUSH", narrow_ok=True)
+        if parts != 1 and not self.streams_parts:
+            raise ProtocolError(ErrorCode.BAD_FIELD, "this shard takes pushes whole, not in "
+                                "parts (only sync shards without a rewriting policy do)")
+        if not 0 <= part < parts:
+            raise ProtocolError(ErrorCode.BAD_FIELD,
+                                f"push part {part} of {parts}: need 0 <= part < parts")
+        stream = self._streams.get(worker)
+        if stream is not None and stream.push_id != push_id:
+            self._give_up(worker, "a newer push came before it was complete")
+            stream = None
+        if stream is None:
+            if read_version > self.version:
+                raise ProtocolError(
+                    ErrorCode.FUTURE_VERSION,
+                    f"read_version {read_version} is ahead of the shard's version "
+                    f"{self.version}",
+                )
+            if read_version < 0 or clock < 0 or num_samples < 1:
+                raise ProtocolError(
+                    ErrorCode.BAD_FIELD,
+                    f"need read_version >= 0, clock >= 0, num_samples >= 1; got "
+                    f"{read_version}, {clock}, {num_samples}",
+                )
+        else:
+            first = stream.info
+            if (clock, read_version, num_samples, parts) != (
+                    first.clock, first.read_version, first.num_samples, stream.parts):
+                raise ProtocolError(ErrorCode.BAD_FIELD, f"push {push_id} part {part}: its "
+                                    "header differs from the push's first part")
+            if part in stream.received:
+                return None  # sent again after a lost reply: added already
+        self._check_tensors(grads, "PUSH", narrow_ok=True, whole=parts == 1,
+                            seen=stream.keys if stream is not None else ())
+        if parts > 1 and len(stream.received if stream else ()) + 1 == parts:
+            missing = self.specs.keys() - grads.keys() - (stream.keys if stream else set())
+            if missing:
+                self._give_up(worker, "its parts did not cover the shard")
+                raise ProtocolError(ErrorCode.BAD_TENSOR,
+                                    f"PUSH: missing keys after the last part: "
+                                    f"{sorted(missing)[:5]}")
         norm = None
         if self.config.check_finite:
             # a finite norm proves every element finite, in one pass over all slices
@@ -670,6 +830,8 @@ class ShardCore:
             if not math.isfinite(norm):
                 for key, g in grads.items():
                     if not _all_finite(g):
+                        if stream is not None:
+                            self._give_up(worker, "a part was not finite")
                         raise ProtocolError(
                             ErrorCode.NONFINITE, f"gradient {key!r} holds NaN or Inf; not applied"
                         )
@@ -681,31 +843,138 @@ class ShardCore:
             # a push is a sign of life, as a heartbeat is
             self.heartbeat(worker, now)
         state.last_seen = now
+        if stream is None:
+            stream = self._open(state, push_id, clock, read_version, num_samples, parts)
+        stream.received.add(part)
+        stream.keys.update(grads)
+        if stream.measure is not None:
+            self._measure(stream.measure, grads, norm)
+        if self.mode.mode == "sync":
+            self._add_to_round(stream, grads)
+            if len(stream.received) < parts:
+                return None
+            del self._streams[worker]
+            outcome = self._close_push(state, stream)
+        else:
+            del self._streams[worker]
+            outcome = self._push_async(state, stream, grads)
+        state.last_push_id = push_id
+        state.last_outcome = outcome
+        self._measured = None  # do not hold on to the push's frames
+        return outcome
+
+    @property
+    def streams_parts(self) -> bool:
+        """Whether this shard adds pushes part by part (sync, no rewriting policy);
+        otherwise a driver joins the parts and calls :meth:`push` with the whole."""
+        return self.mode.mode == "sync" and (
+            type(self.policy).rewrite_gradient is StalenessPolicy.rewrite_gradient)
+
+    def _open(self, state: WorkerState, push_id: int, clock: int, read_version: int,
+              num_samples: int, parts: int) -> _Stream:
+        """Count a new push and decide on it (from its header alone)."""
         state.clock = max(state.clock, clock + 1)
         state.pushes += 1
         tau = self.version - read_version
         state.staleness[tau] += 1
         self._pushes_total += 1
         self._staleness_total += tau
+        info = UpdateInfo(
+            worker=state.worker, shard=self.config.shard, staleness=tau,
+            read_version=read_version, version=self.version, clock=clock,
+            min_clock=self.min_clock(), num_samples=num_samples,
+        )
+        decision: Decision | None = None
+        reason = ""
+        if self.mode.mode == "sync" and info.staleness > 0:
+            # a gradient for a round that already closed (a backup worker's or a
+            # rejoining worker's): dropped, and the worker moves on
+            reason = "late"
+        elif self.mode.mode == "sync" and state.worker in self._round:
+            reason = "duplicate_in_round"
+        else:
+            decision = self._decide(state, info)
+            reason = decision.reason
+        if decision is None:
+            state.rejected[reason] += 1
+        measure = None
         if self._observer is not None:
             self._observed += 1
-            sampled = self._observed % self._observe_every == 0
-            self._measure_step = sampled
-            if sampled:
-                self._observer(self._grad_stats(worker, grads, norm))
-        info = UpdateInfo(
-            worker=worker, shard=self.config.shard, staleness=tau, read_version=read_version,
-            version=self.version, clock=clock, min_clock=self.min_clock(),
-            num_samples=num_samples,
-        )
-        if self.mode.mode == "sync":
-            outcome = self._push_sync(state, info, grads)
+            self._measure_step = self._observed % self._observe_every == 0
+            if self._measure_step:
+                measure = _Measure()
+        stream = _Stream(push_id, parts, info, decision, reason, measure=measure)
+        self._streams[state.worker] = stream
+        return stream
+
+    def _give_up(self, worker: int, why: str) -> None:
+        """Drop ``worker``'s unfinished push; if some of it is in the round, void the round."""
+        stream = self._streams.pop(worker, None)
+        if stream is None:
+            return
+        if stream.decision is not None:
+            self._uncount(self.workers[worker], stream.decision, "incomplete")
+        if stream.added and not self._round_void:
+            self._round_void = True
+            log.warning("worker %d's push %d was given up after %d of %d parts (%s): the "
+                        "open round is void and closes without a step", worker,
+                        stream.push_id, len(stream.received), stream.parts, why)
+
+    @staticmethod
+    def _uncount(state: WorkerState, decision: Decision, reason: str = "round_void") -> None:
+        """A push decided at its first part did not make it into a round after all."""
+        if decision.accept:
+            state.applied -= 1
+            state.weight_sum -= decision.weight
+            if decision.weight < 1.0:
+                state.downweighted -= 1
         else:
-            outcome = self._push_async(state, info, grads)
-        state.last_push_id = push_id
-        state.last_outcome = outcome
-        self._measured = None  # do not hold on to the push's frames
-        return outcome
+            state.rejected[decision.reason] -= 1
+        state.rejected[reason] += 1
+
+    def _add_to_round(self, stream: _Stream, grads: Mapping[str, torch.Tensor]) -> None:
+        decision = stream.decision
+        if self._round_void:
+            stream.voided = True
+        if decision is None or not decision.accept or stream.voided:
+            return
+        if self.policy_rewrites:
+            grads = self._rewrite(stream.info, grads)  # whole pushes only (streams_parts)
+        if not self._agg:
+            self._agg = {k: torch.empty_like(p) for k, p in self.params.items()}
+        alpha = stream.info.num_samples * decision.weight
+        for key, g in grads.items():
+            buf = self._agg[key]
+            if key in self._written:
+                buf.add_(g, alpha=alpha)  # computed in buf's dtype, also for 16-bit g
+            elif g.dtype == buf.dtype:  # the round's first gradient overwrites:
+                torch.mul(g, alpha, out=buf)  # no zeroing pass per round
+            else:  # widen exactly first (a 16-bit product would round)
+                buf.copy_(g)
+                if alpha != 1.0:
+                    buf.mul_(alpha)
+        self._written.update(grads)
+        stream.added = True
+
+    def _close_push(self, state: WorkerState, stream: _Stream) -> PushOutcome:
+        """The last part of a sync push is in: it joins the round."""
+        if stream.measure is not None:
+            assert self._observer is not None
+            self._observer(self._grad_stats(state.worker, stream.measure))
+        decision = stream.decision
+        if stream.voided and not self._round_void and decision is not None:
+            # its round closed void while its parts were skipped: it is not in this one
+            self._uncount(state, decision)
+            decision, stream.reason = None, "round_void"
+        if decision is None:
+            return PushOutcome(False, 0.0, stream.reason, stream.info.staleness,
+                               self.version, False)
+        self._round.add(state.worker)
+        if decision.accept:
+            self._round_samples += stream.info.num_samples
+        stepped = self._maybe_close_round()
+        return PushOutcome(decision.accept, decision.weight if decision.accept else 0.0,
+                           decision.reason, 0, self.version, stepped)
 
     def _decide(self, state: WorkerState, info: UpdateInfo) -> Decision:
         decision = self.policy.decide(info)
@@ -738,10 +1007,19 @@ class ShardCore:
         read = self._read_weights.get(info.worker)
         return self.policy.rewrite_gradient(info, grads, self.params, read, lr)
 
+    @property
+    def policy_rewrites(self) -> bool:
+        return type(self.policy).rewrite_gradient is not StalenessPolicy.rewrite_gradient
+
     def _push_async(
-        self, state: WorkerState, info: UpdateInfo, grads: Mapping[str, torch.Tensor]
+        self, state: WorkerState, stream: _Stream, grads: Mapping[str, torch.Tensor]
     ) -> PushOutcome:
-        decision = self._decide(state, info)
+        info, decision = stream.info, stream.decision
+        assert decision is not None
+        if stream.measure is not None:
+            assert self._observer is not None
+            self._measured = (grads, math.sqrt(stream.measure.exact_sq))
+            self._observer(self._grad_stats(state.worker, stream.measure))
         if not decision.accept:
             return PushOutcome(False, 0.0, decision.reason, info.staleness, self.version, False)
         grads = self._widen(self._rewrite(info, grads))
@@ -751,41 +1029,6 @@ class ShardCore:
         return PushOutcome(True, decision.weight, decision.reason, info.staleness,
                            self.version, True)
 
-    def _push_sync(
-        self, state: WorkerState, info: UpdateInfo, grads: Mapping[str, torch.Tensor]
-    ) -> PushOutcome:
-        if info.staleness > 0:
-            # a gradient for a round that already closed (a backup worker's or a
-            # rejoining worker's): dropped, and the worker moves on
-            state.rejected["late"] += 1
-            return PushOutcome(False, 0.0, "late", info.staleness, self.version, False)
-        if state.worker in self._round:
-            state.rejected["duplicate_in_round"] += 1
-            return PushOutcome(
-                False, 0.0, "duplicate_in_round", 0, self.version, False
-            )
-        decision = self._decide(state, info)
-        self._round.add(state.worker)
-        if decision.accept:
-            grads = self._rewrite(info, grads)
-            if not self._agg:
-                self._agg = {k: torch.empty_like(p) for k, p in self.params.items()}
-            alpha = info.num_samples * decision.weight
-            for key, buf in self._agg.items():
-                g = grads[key]
-                if self._round_samples > 0:
-                    buf.add_(g, alpha=alpha)  # computed in buf's dtype, also for 16-bit g
-                elif g.dtype == buf.dtype:  # the round's first gradient overwrites:
-                    torch.mul(g, alpha, out=buf)  # no zeroing pass per round
-                else:  # widen exactly first (a 16-bit product would round)
-                    buf.copy_(g)
-                    if alpha != 1.0:
-                        buf.mul_(alpha)
-            self._round_samples += info.num_samples
-        stepped = self._maybe_close_round()
-        return PushOutcome(decision.accept, decision.weight if decision.accept else 0.0,
-                           decision.reason, 0, self.version, stepped)
-
     def _maybe_close_round(self) -> bool:
         """Close the open sync round when at most ``backup_workers`` live ones are missing."""
         if self.mode.mode != "sync" or not self._round:
@@ -793,8 +1036,13 @@ class ShardCore:
         missing = [w for w in self._live() if w.worker not in self._round]
         if len(missing) > self.mode.backup_workers:
             return False
+        if any(s.added for s in self._streams.values()):
+            return False  # a backup's parts are in the buffer already: let it finish
         stepped = False
-        if self._round_samples > 0:
+        if self._round_void:
+            self.rounds_voided += 1
+            self.rounds_dropped += 1
+        elif self._round_samples > 0:
             for key, p in self.params.items():
                 p.grad = self._agg[key].div_(self._round_samples)
             self._step(1.0)
@@ -803,9 +1051,13 @@ class ShardCore:
             self.rounds_dropped += 1
         self._round.clear()
         self._round_samples = 0
+        self._written.clear()
+        self._round_void = False
         return stepped
 
     def _step(self, weight: float) -> None:
+        if self.before_step is not None:
+            self.before_step()
         groups = self.optimizer.param_groups
         saved = [g["lr"] for g in groups]
         if weight != 1.0:
@@ -882,36 +1134,60 @@ class ShardCore:
         self._ema_decay = cosine_decay
         self._grad_ema = None
         self._ema_sq = 0.0
+        self._ema_at = {}
         self._before.clear()
 
-    def _grad_stats(self, worker: int, grads: Mapping[str, torch.Tensor],
-                    norm: float | None = None) -> GradStats:
-        exact = norm = _total_norm(grads.values()) if norm is None else norm
-        self._measured = (grads, exact)
-        decay = self._ema_decay
-        if decay is None or not math.isfinite(norm):
-            return GradStats(worker, norm, None)
-        # the cosine is taken on the sample (all of a small shard) against one flat mean
-        samples = [_sample(g, self._stride) for g in (grads[k] for k in self.params if k in grads)]
-        dtype = torch.float64 if any(t.dtype == torch.float64 for t in samples) else torch.float32
-        samples = [t.to(dtype) for t in samples]  # no copy unless 16-bit (or mixed)
-        sizes = [t.numel() for t in samples]
-        ema = self._grad_ema
-        if ema is None or ema.numel() != sum(sizes) or ema.dtype != dtype:
-            # from zero, not from the first push: that would weigh it ~1/(1 - decay) times more
-            ema = self._grad_ema = torch.zeros(sum(sizes), dtype=dtype)
+    def _measure(self, m: _Measure, grads: Mapping[str, torch.Tensor],
+                 norm: float | None) -> None:
+        """Add one part of a push (or a whole push) to its statistics ``m``.
+
+        The running mean is updated key by key as the part is measured: each
+        key is in one part only, so the dot product summed over the parts is
+        the one with the mean from before the push.
+        """
+        norm = _total_norm(grads.values()) if norm is None else norm
+        m.exact_sq += norm * norm
+        if self._ema_decay is None or not math.isfinite(norm):
+            return
+        if self._grad_ema is None:
+            sizes = [_sample(p, self._stride).numel() for p in self.params.values()]
+            wide = any(p.dtype == torch.float64 for p in self.params.values())
+            self._grad_ema = torch.zeros(sum(sizes), dtype=torch.float64 if wide
+                                         else torch.float32)
+            # from zero, not from the first push: that would weigh it ~1/(1 - decay) more
             self._ema_sq = 0.0
-        # many small slices: one copy, then one call each; larger ones: no copy, a call per slice
-        pairs = ([(torch.cat(samples), ema)] if len(samples) > 1 and sum(sizes) <= _CAT_ELEMENTS
-                 else list(zip(samples, ema.split(sizes), strict=True)))
+            offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+            self._ema_at = dict(zip(self.params, zip(offsets, sizes, strict=True),
+                                    strict=True))
+        ema = self._grad_ema
+        keys = [k for k in self.params if k in grads]  # the mean's order
+        samples = [_sample(grads[k], self._stride).to(ema.dtype) for k in keys]
+        spans = [self._ema_at[k] for k in keys]
+        lo, hi = spans[0][0], spans[-1][0] + spans[-1][1]
+        total = sum(n for _, n in spans)
+        if len(samples) > 1 and total <= _CAT_ELEMENTS and hi - lo == total:
+            # many small slices, next to each other in the mean: one copy, one call each
+            pairs = [(torch.cat(samples), ema[lo:hi])]
+        else:
+            pairs = [(t, ema[o:o + n]) for t, (o, n) in zip(samples, spans, strict=True)]
         if self._stride > 1:
-            norm = math.sqrt(sum(_l2(t) ** 2 for t, _ in pairs))
-        dot = sum(float(torch.dot(t, mean)) for t, mean in pairs)
-        mean_sq = self._ema_sq
-        cosine = dot / (norm * math.sqrt(mean_sq)) if norm > 0 and mean_sq > 0 else None
+            m.sampled_sq += sum(_l2(t) ** 2 for t, _ in pairs)
+        else:
+            m.sampled_sq += norm * norm
+        m.dot += sum(float(torch.dot(t, mean)) for t, mean in pairs)
         for t, mean in pairs:
-            mean.lerp_(t, 1.0 - decay)  # decay * mean + (1 - decay) * g
-        self._ema_sq = max(0.0, decay * decay * mean_sq + 2 * decay * (1 - decay) * dot
+            mean.lerp_(t, 1.0 - self._ema_decay)  # decay * mean + (1 - decay) * g
+
+    def _grad_stats(self, worker: int, m: _Measure) -> GradStats:
+        """One push's :class:`GradStats` from its summed statistics; moves |mean|^2 on."""
+        exact = math.sqrt(m.exact_sq) if math.isfinite(m.exact_sq) else m.exact_sq
+        decay = self._ema_decay
+        if decay is None or not math.isfinite(m.exact_sq):
+            return GradStats(worker, exact, None)
+        norm = math.sqrt(m.sampled_sq)
+        mean_sq = self._ema_sq
+        cosine = m.dot / (norm * math.sqrt(mean_sq)) if norm > 0 and mean_sq > 0 else None
+        self._ema_sq = max(0.0, decay * decay * mean_sq + 2 * decay * (1 - decay) * m.dot
                            + (1 - decay) ** 2 * norm * norm)
         return GradStats(worker, exact, cosine)
 
@@ -962,6 +1238,9 @@ class ShardCore:
             "workers": workers,
             "round": sorted(self._round),
             "round_samples": self._round_samples,
+            # a push in the making is not saved: its parts in the buffer void the round
+            "round_void": self._round_void or any(x.added for x in self._streams.values()),
+            "rounds_voided": self.rounds_voided,
             "max_answered_gap": self.max_answered_gap,
             "rounds_dropped": self.rounds_dropped,
             "optimizer": opt_meta,
@@ -1013,6 +1292,10 @@ class ShardCore:
         self._round_samples = int(meta.get("round_samples", 0))
         self._agg = {k[len("agg/"):]: v.clone() for k, v in tensors.items()
                      if k.startswith("agg/")}
+        self._round_void = bool(meta.get("round_void", False))
+        self.rounds_voided = int(meta.get("rounds_voided", 0))
+        self._written = set(self._agg) if self._round_samples > 0 else set()
+        self._streams = {}
         self._read_weights = {}
         for name, value in tensors.items():
             if name.startswith("read/"):
@@ -1044,8 +1327,8 @@ class ShardCore:
             "staleness_bound_max": self.max_bound if self.mode.mode == "ssp" else None,
             "pending_pulls": len(self._pending),
             "rounds_dropped": self.rounds_dropped,
-            "weight_norm": math.sqrt(
-                sum(float(p.double().pow(2).sum()) for p in self.params.values())
-            ),
+            "rounds_voided": self.rounds_voided,
+            # in the weights' own dtype: a float64 copy of each slice would be a peak
+            "weight_norm": math.sqrt(sum(_l2(p.detach()) ** 2 for p in self.params.values())),
             "workers": {str(w.worker): w.summary() for w in self.workers.values()},
         }

@@ -85,7 +85,8 @@ _SCHEMA: dict[Op, dict[str, tuple[tuple[type, ...], bool]]] = {
         "plan": (_MAP, False),
         "incarnation": (_STR, True),
     },
-    Op.INIT: {"worker": (_INT, True)},
+    # INIT too may come in parts (a large shard), each copied in as it arrives
+    Op.INIT: {"worker": (_INT, True), "part": (_INT, False), "parts": (_INT, False)},
     Op.PULL: {"worker": (_INT, True), "clock": (_INT, True), "observer": (_BOOL, False)},
     Op.PUSH: {
         "worker": (_INT, True),
@@ -98,7 +99,8 @@ _SCHEMA: dict[Op, dict[str, tuple[tuple[type, ...], bool]]] = {
         # pull in one round trip (the reply carries the push outcome under "push")
         "pull": (_BOOL, False),
         # a push sent in several messages (buckets sent as backward produces
-        # them): this is part "part" of "parts"; only the last is answered in full
+        # them, or a large push split to bound the shard's memory): this is part
+        # "part" of "parts"; only the last is answered in full
         "part": (_INT, False),
         "parts": (_INT, False),
     },

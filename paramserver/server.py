@@ -39,7 +39,7 @@ from .observe import ShardObserver
 from .protocol import PROTOCOL_VERSION, Message, Op, decode, error_reply, reply
 from .sharding import ShardPlan
 from .staleness import create_policy
-from .transport import CurveKeys, RouterSocket
+from .transport import CurveKeys, RouterSocket, release_free_memory
 from .watchdog import ACTIONS, Alarm, Watchdog, WatchdogConfig
 
 __all__ = ["DIVERGED_EXIT_CODE", "READY_PREFIX", "ServerConfig", "ShardServer", "run_server"]
@@ -152,7 +152,9 @@ class ShardServer:
         self.events = EventLog(config.event_log)
         self.plan: ShardPlan | None = None
         self.core: ShardCore | None = None
-        self._inflight: list[zmq.MessageTracker] = []
+        # zero-copy replies that may still be read from the weights' memory:
+        # (tracker, peer identity, the request's seq)
+        self._inflight: list[tuple[zmq.MessageTracker, bytes, int]] = []
         self._running = False
         self.counters: Counter[str] = Counter()
         self.started_at = time.time()
@@ -173,6 +175,9 @@ class ShardServer:
         self._push_pulls: dict[int, tuple[Any, dict[str, Any]]] = {}
         # worker -> (push id, {part: asked for the pull}, tensors so far) of a push in parts
         self._parts: dict[int, tuple[int, dict[int, bool], dict[str, Any]]] = {}
+        # worker -> (push id, a part asked for the pull, bytes so far) of a streamed push
+        self._streamed: dict[int, tuple[int, bool, int]] = {}
+        self._trim_due = False
         self.diverged: Alarm | None = None
         self._stop_at: float | None = None  # diverged: refuse requests until then, then exit
         self._told: set[int] = set()  # workers refused since the watchdog stopped training
@@ -203,11 +208,12 @@ class ShardServer:
                     if not self._running:
                         break
                     got = self.socket.recv_nowait()
+                if self._trim_due:  # INIT's frames are gone now (got is None)
+                    self._trim_due = False
+                    release_free_memory()
                 now = time.monotonic()
                 if self.core is not None and now - last_expire >= tick:
                     last_expire = now
-                    if self._expiry_due(now):  # a death may close a sync round
-                        self._before_mutation()
                     for worker in self.core.expire(now):
                         self.events.write("worker_dead", shard=self.config.shard, worker=worker)
                         self.observer.left(self.core, worker)
@@ -282,6 +288,8 @@ class ShardServer:
         try:
             msg = decode(frames, self.socket.limits)
             seq = msg.seq
+            if self._inflight:
+                self._acknowledged(identity, seq)
             self.counters["messages"] += 1
             self.counters["bytes_in"] += sum(len(f) for f in frames)
             handler = self._handlers.get(msg.op)
@@ -314,7 +322,7 @@ class ShardServer:
         if msg.tensors:
             tracker = self.socket.send(identity, msg, track=True)
             if tracker is not None and not tracker.done:
-                self._inflight.append(tracker)
+                self._inflight.append((tracker, identity, msg.seq))
         else:
             self.socket.send(identity, msg)
         self.counters["bytes_out"] += msg.nbytes
@@ -329,7 +337,7 @@ class ShardServer:
         """
         if not self._inflight:
             return
-        pending = [t for t in self._inflight if not t.done]
+        pending = [t for t, _, _ in self._inflight if not t.done]
         if pending and self.core is not None:
             nbytes = sum(p.numel() * p.element_size() for p in self.core.params.values())
             deadline = time.monotonic() + min(0.05, nbytes / 4e9)
@@ -344,11 +352,17 @@ class ShardServer:
             self.counters["copy_on_write"] += 1
         self._inflight = []
 
-    def _expiry_due(self, now: float) -> bool:
-        assert self.core is not None
-        timeout = self.core.config.heartbeat_timeout
-        return any(w.live and not w.finished and now - w.last_seen > timeout
-                   for w in self.core.workers.values())
+    def _acknowledged(self, identity: bytes, seq: int) -> None:
+        """A peer's request ``seq`` proves it received our replies to its earlier ones.
+
+        A client sends a request after the one a zero-copy reply answered only
+        once it holds that whole reply (or gave up on it), so every byte of it
+        was already copied out of our memory into the kernel. This learns it
+        as the next request arrives, instead of waiting for pyzmq to report
+        the send done from its garbage-collector thread, which lags behind
+        under load (and then cost a copy of the whole shard).
+        """
+        self._inflight = [e for e in self._inflight if e[1] != identity or e[2] >= seq]
 
     def _answer_pulls(self, now: float) -> None:
         assert self.core is not None
@@ -429,6 +443,7 @@ class ShardServer:
             )
         slices = [SliceSpec(s.key, s.numel, s.dtype) for s in plan.shard_slices(self.config.shard)]
         self.core = ShardCore(slices, self.config.core_config(), self.policy)
+        self.core.before_step = self._before_mutation
         self._observe_core()
         self.plan = plan
         log.info("shard %d holds %d slices, %d bytes", self.config.shard, len(slices),
@@ -473,10 +488,18 @@ class ShardServer:
 
     def _on_init(self, msg: Message, identity: bytes) -> Message:
         core = self._require_core()
-        self._before_mutation()
-        seeded = core.initialize(msg.tensors)
+        if not core.initialized:  # (steps protect the weights through core.before_step)
+            self._before_mutation()
+        part, parts = msg.get("part", 0), msg.get("parts", 1)
+        if part is None:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"INIT in {parts} parts without part")
+        seeded = core.initialize_part(msg["worker"], msg.tensors, part, parts)
+        if parts == 1:
+            self._trim_due = True  # a whole shard's worth of frames, once: give it back
         if seeded:
             self.events.write("init", shard=self.config.shard, worker=msg["worker"])
+        if seeded is None:
+            return reply(msg, seeded=False, partial=True, version=core.version)
         return reply(msg, seeded=seeded, version=core.version)
 
     def _on_pull(self, msg: Message, identity: bytes) -> None:
@@ -490,28 +513,53 @@ class ShardServer:
 
     def _on_push(self, msg: Message, identity: bytes) -> Message | None:
         core = self._require_core()
-        if msg.get("parts", 1) != 1:
+        part, parts = msg.get("part", 0), msg.get("parts", 1)
+        streamed = parts != 1 and core.streams_parts
+        if parts != 1:
+            self.counters["push_parts_streamed" if streamed else "push_parts_joined"] += 1
+        if parts != 1 and not streamed:
             whole = self._join_parts(core, msg)
             if whole is None:
                 return reply(msg, partial=True)  # the outcome comes with the last part
             msg = whole
-        self._before_mutation()
+            part, parts = 0, 1
         read_version = msg["read_version"]
         loss = msg.get("loss")
         loss = None if loss is None else float(loss)
         t0 = time.perf_counter()
         try:
-            out = core.push(msg["worker"], msg["push_id"], msg["clock"], read_version,
-                            msg["num_samples"], msg.tensors, time.monotonic())
+            if part is None:
+                raise ProtocolError(ErrorCode.BAD_FIELD, f"push in {parts} parts without part")
+            maybe = core.push_part(msg["worker"], msg["push_id"], msg["clock"], read_version,
+                                   msg["num_samples"], msg.tensors, time.monotonic(),
+                                   part, parts)
         except ProtocolError as exc:
+            self._streamed.pop(msg["worker"], None)
             if exc.code == ErrorCode.NONFINITE:
                 self.observer.nonfinite(msg["worker"], loss)
             raise
+        if streamed:
+            # sync: each part was added into the round's buffer and its frames are free;
+            # what the answer needs of the earlier parts is kept here
+            key = (msg["push_id"], bool(msg.get("pull", False)), msg.nbytes)
+            prior = self._streamed.get(msg["worker"])
+            if prior is not None and prior[0] == key[0]:
+                key = (key[0], key[1] or prior[1], key[2] + prior[2])
+            if maybe is None:
+                self._streamed[msg["worker"]] = key
+                return reply(msg, partial=True)
+            self._streamed.pop(msg["worker"], None)
+            msg = Message(msg.op, msg.seq, {**msg.fields, "pull": key[1]})
+            nbytes = key[2]
+        else:
+            nbytes = msg.nbytes
+        out = maybe
+        assert out is not None
         if out.duplicate:
             self.counters["duplicate_pushes"] += 1
         else:
             grad = self.observer.push(core, msg["worker"], out.as_dict(), loss=loss,
-                                      seconds=time.perf_counter() - t0, nbytes=msg.nbytes)
+                                      seconds=time.perf_counter() - t0, nbytes=nbytes)
             self.events.write(
                 "push", shard=self.config.shard, worker=msg["worker"], clock=msg["clock"],
                 read_version=read_version, version=out.version, staleness=out.staleness,
@@ -566,7 +614,6 @@ class ShardServer:
 
     def _on_bye(self, msg: Message, identity: bytes) -> Message:
         core = self._require_core()
-        self._before_mutation()
         if msg.get("dead"):  # from a supervisor that saw the process die
             dead = core.declare_dead(msg["worker"])
             if dead:

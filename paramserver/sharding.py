@@ -142,7 +142,7 @@ class Slice:
 class ShardPlan:
     """Deterministic assignment of parameter element ranges to shards."""
 
-    DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
+    DEFAULT_CHUNK_BYTES = 2 * 1024 * 1024
 
     def __init__(
         self,

@@ -29,12 +29,14 @@ from .protocol import DEFAULT_LIMITS, Limits, Message, Op, decode, encode
 
 __all__ = [
     "AUTHORIZED_CLIENTS_DIR",
+    "RECV_QUEUE",
     "ZERO_COPY_BYTES",
     "Channel",
     "CurveKeyFiles",
     "CurveKeys",
     "RouterSocket",
     "generate_curve_keys",
+    "release_free_memory",
     "request_all",
     "tune_allocator",
 ]
@@ -145,7 +147,7 @@ def tune_allocator() -> bool:
     received MiB costs 256 page faults (measured: half the time of a 100 MiB
     push + pull over loopback). One arena, an mmap threshold of 32 MiB (the
     most glibc allows) and a high trim threshold make frames of up to 32 MiB
-    (plan chunks are 4 MiB) reuse warm memory instead. The process keeps its
+    (plan chunks are 2 MiB) reuse warm memory instead. The process keeps its
     high-water mark. Set PARAMSERVER_MALLOC_TUNING=0 to leave malloc alone.
     """
     global _TUNED
@@ -164,6 +166,21 @@ def tune_allocator() -> bool:
     return _TUNED
 
 
+def release_free_memory() -> bool:
+    """Give freed heap pages back to the kernel (glibc's malloc_trim; Linux only).
+
+    With :func:`tune_allocator` freed frames stay in the heap for reuse, which
+    suits the messages every step brings; a one-off large message (INIT: the
+    whole shard) would otherwise stay resident for the life of the process.
+    """
+    if sys.platform != "linux":
+        return False
+    try:
+        return bool(ctypes.CDLL(None).malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
 def _context() -> zmq.Context[Any]:
     return zmq.Context.instance()
 
@@ -176,6 +193,9 @@ def _normalise_bind(address: str) -> str:
     return address
 
 
+#: messages zmq queues per peer on a server before it stops reading from that peer
+#: (1 stalls CURVE handshakes that go through a ZAP handler, with libzmq 4.3.5)
+RECV_QUEUE = 2
 #: below this many tensor bytes a message is copied into zmq rather than lent to it
 ZERO_COPY_BYTES = 64 * 1024
 
@@ -219,6 +239,10 @@ class RouterSocket:
         # a peer sending a frame over this size is disconnected by zmq before we allocate it
         self.socket.setsockopt(zmq.MAXMSGSIZE, limits.max_tensor_bytes)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        # a few messages queued per peer, then zmq stops reading that peer's
+        # connection (TCP pushes back on the sender): a shard holds a handful of
+        # push parts per worker, not every gradient its workers managed to send
+        self.socket.setsockopt(zmq.RCVHWM, RECV_QUEUE)
         if curve is not None:
             self.socket.curve_secretkey = curve.secret
             self.socket.curve_publickey = curve.public
@@ -373,6 +397,7 @@ def request_all(
     raise_errors: bool = True,
     sent: bool = False,
     on_reply: Callable[[int, Message], None] | None = None,
+    window: int = 0,
 ) -> list[Message]:
     """Send one request per entry of ``channels``, then wait for every reply (concurrently).
 
@@ -386,29 +411,48 @@ def request_all(
     for the caller to handle. With ``sent`` the messages already went out (they
     carry their sequence numbers); ``on_reply(i, reply)`` is called as each
     non-error reply lands, so the caller can use it while others are in flight.
+    With ``window`` at most that many requests are outstanding per channel: the
+    next goes out as a reply comes back (flow control for a push in parts, so
+    a server holds a few parts per worker, not all of them).
     """
     if len(channels) != len(messages):
         raise ValueError("one message per channel entry")
+    if sent and window:
+        raise ValueError("a window needs the messages unsent")
     label = what or (messages[0].op.value.upper() if messages else "request")
-    if not sent:
-        for ch, msg in zip(channels, messages, strict=True):
-            msg.seq = ch.next_seq()
-            ch.send(msg)
     replies: list[Message | None] = [None] * len(channels)
     poller = zmq.Poller()
     slots: dict[Any, tuple[Channel, dict[int, int]]] = {}  # socket -> (channel, seq -> index)
+    queued: dict[Any, list[int]] = {}  # socket -> indices not sent yet, in order
     for i, ch in enumerate(channels):
         if ch.socket not in slots:
             poller.register(ch.socket, zmq.POLLIN)
             slots[ch.socket] = (ch, {})
-        slots[ch.socket][1][messages[i].seq] = i
+            queued[ch.socket] = []
+        queued[ch.socket].append(i)
+    is_sent = [sent] * len(channels)
+
+    def send_next(sock: Any, count: int) -> None:
+        ch, table = slots[sock]
+        for _ in range(count):
+            if not queued[sock]:
+                return
+            i = queued[sock].pop(0)
+            if not sent:
+                messages[i].seq = ch.next_seq()
+                ch.send(messages[i])
+            is_sent[i] = True
+            table[messages[i].seq] = i
+
+    for sock in slots:
+        send_next(sock, window or len(channels))
     attempts = 0
     missing = len(channels)
     deadline = time.monotonic() + timeout
     while missing:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            lost = [i for i, r in enumerate(replies) if r is None]
+            lost = [i for i, r in enumerate(replies) if r is None and is_sent[i]]
             if attempts < retries:
                 attempts += 1
                 for i in lost:
@@ -435,6 +479,8 @@ def request_all(
                     raise RemoteError(f"{ch.peer} at {ch.address}", rep["code"], rep["reason"])
                 replies[slot] = rep
                 missing -= 1
+                if window:
+                    send_next(sock, 1)
                 if on_reply is not None and rep.op is not Op.ERROR:
                     on_reply(slot, rep)
     return [r for r in replies if r is not None]

@@ -16,14 +16,15 @@ pytestmark = pytest.mark.integration
 STEPS = 12
 
 
-def _run(tmp_path, mode, workers, optimizer, optimizer_args, unequal=False, servers=2):
+def _run(tmp_path, mode, workers, optimizer, optimizer_args, unequal=False, servers=2,
+         **worker):
     spec = ClusterSpec(
         num_servers=servers,
         num_workers=workers,
         server=ServerConfig(mode=mode, optimizer=optimizer, optimizer_args=optimizer_args),
         worker=WorkerConfig(
             servers=["unset"], task="tests.exact_tasks:make_task",
-            task_args={"steps": STEPS, "unequal": unequal}, steps=STEPS,
+            task_args={"steps": STEPS, "unequal": unequal}, steps=STEPS, **worker,
         ),
     )
     result = run_cluster(spec, tmp_path)
@@ -66,6 +67,21 @@ def test_sync_equals_single_process(tmp_path, optimizer, cls, args, unequal):
     result, weights = _run(tmp_path, "sync", 3, optimizer, args, unequal)
     assert result["updates_applied"] == [STEPS, STEPS]
     _assert_equal(weights, _reference(3, cls, args, unequal))
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_pushes_in_parts_equal_single_process(tmp_path, mode):
+    """Every slice its own part and 1-byte chunks: a sync shard adds the parts as they
+    arrive, an async one joins them first; both are the same training."""
+    args = {"lr": 0.05, "momentum": 0.9}
+    workers = 3 if mode == "sync" else 1
+    result, weights = _run(tmp_path, mode, workers, "sgd", args, unequal=mode == "sync",
+                           part_bytes=1, chunk_bytes=256)
+    assert result["updates_applied"] == [STEPS, STEPS]
+    _assert_equal(weights, _reference(workers, torch.optim.SGD, args, unequal=mode == "sync"))
+    # the shards did get parts, and took them as their mode does
+    kind = "push_parts_streamed" if mode == "sync" else "push_parts_joined"
+    assert all(s["counters"].get(kind, 0) >= 2 * STEPS * workers for s in result["servers"])
 
 
 def test_async_one_worker_equals_single_process(tmp_path):

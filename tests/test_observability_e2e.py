@@ -229,9 +229,12 @@ def test_nan_applied_without_the_finite_check_breaks_the_weights(tmp_path):
              task=f"{FIXTURE}:digits_bad_ranks", task_args={"nan_rank": 1})
     run_cluster(s, tmp_path)
     found = alarms(tmp_path)
-    assert first(found, "nonfinite_gradient")["worker"] == 1
-    assert "it was applied" in first(found, "nonfinite_gradient")["message"]
-    assert first(found, "nonfinite_weights")["version"] <= 3
+    nan_push = first(found, "nonfinite_gradient")
+    assert nan_push["worker"] == 1
+    assert "it was applied" in nan_push["message"]
+    # the weights are broken by the step that applied it (when worker 1's first push
+    # lands depends on how many worker 0 got in first: not a fixed version)
+    assert first(found, "nonfinite_weights")["version"] <= nan_push["version"] + 1
     assert first(found, "nonfinite_loss")["worker"] in (0, 1)  # on the broken weights
 
 

@@ -26,7 +26,17 @@ from paramserver.protocol import PROTOCOL_VERSION, Message, Op
 from paramserver.sharding import ShardPlan
 from paramserver.transport import Channel, CurveKeys, request_all
 
-__all__ = ["GRAD_WIRE_DTYPES", "PSClient", "PullResult", "PushResult", "PushStream"]
+__all__ = ["GRAD_WIRE_DTYPES", "PART_BYTES", "PSClient", "PullResult", "PushResult",
+           "PushStream"]
+
+#: a shard's share of a push larger than this goes in parts of at most about this
+#: size (whole slices: a plan chunk, 2 MiB by default, is the smallest part), which a
+#: sync shard adds into its round as they arrive, so its memory stays bounded
+#: whatever the number of workers
+PART_BYTES = ShardPlan.DEFAULT_CHUNK_BYTES
+#: parts of one push outstanding per shard: the next goes when one is answered, so a
+#: shard holds about this many parts per worker (two keep it busy while one travels)
+PART_WINDOW = 2
 
 # the outcome reported for a push a shard refused because it rewound to a checkpoint
 # older than the version our gradient was read at: lost, not fatal
@@ -116,6 +126,7 @@ class PSClient:
         curve: CurveKeys | None = None,
         drop_rate: float = 0.0,
         wire_dtype: str | None = None,
+        part_bytes: int = PART_BYTES,
     ) -> None:
         if len(addresses) != plan.num_shards:
             raise TransportError(
@@ -148,6 +159,9 @@ class PSClient:
             raise ConfigError(f"wire_dtype must be one of {', '.join(GRAD_WIRE_DTYPES)} or "
                               f"None (send gradients as they are); got {wire_dtype!r}")
         self.wire_dtype = GRAD_WIRE_DTYPES[wire_dtype] if wire_dtype else None
+        if part_bytes < 0:
+            raise ConfigError(f"part_bytes must be >= 0 (0: never split), got {part_bytes}")
+        self.part_bytes = part_bytes
 
     # ------------------------------------------------------------------ session
 
@@ -158,16 +172,26 @@ class PSClient:
             "incarnation": self.incarnation,
         })
 
-    def _init(self, shard: int) -> Message:
+    def _init(self, shards: Sequence[int]) -> tuple[list[Message], list[int]]:
+        """INIT messages for ``shards`` (in parts where large) and the shard of each."""
         assert self._params is not None
         host = {k: v.detach().cpu() for k, v in self._params.items()}
-        part = self.plan.split_tensors(host).get(shard, {})
-        return Message(Op.INIT, 0, {"worker": self.worker}, part)
+        per_shard = self.plan.split_tensors(host)
+        msgs, dest = [], []
+        for shard in shards:
+            groups = self._groups(per_shard.get(shard, {}))
+            for i, tensors in enumerate(groups):
+                fields = {"worker": self.worker}
+                if len(groups) > 1:
+                    fields.update(part=i, parts=len(groups))
+                msgs.append(Message(Op.INIT, 0, fields, tensors))
+                dest.append(shard)
+        return msgs, dest
 
     def _call(self, msgs: list[Message], what: str, shards: list[int] | None = None,
               recover: bool = True, soft: tuple[str, ...] = (),
               on_reply: Callable[[int, Message], None] | None = None,
-              sent: bool = False) -> list[Message]:
+              sent: bool = False, window: int = 0) -> list[Message]:
         """Send one message per shard and collect the replies.
 
         A shard that answers "not registered" (it restarted without our state,
@@ -180,7 +204,8 @@ class PSClient:
         shards = list(range(len(self.channels))) if shards is None else shards
         chans = [self.channels[s] for s in shards]
         replies = request_all(chans, msgs, self.attempt_timeout, what, retries=self.retries,
-                              raise_errors=False, on_reply=on_reply, sent=sent)
+                              raise_errors=False, on_reply=on_reply, sent=sent,
+                              window=window)
         for i, rep in enumerate(replies):
             if rep.op is not Op.ERROR or rep["code"] in soft:
                 continue
@@ -199,7 +224,8 @@ class PSClient:
         hello = self._call([self._hello()], "HELLO", [shard], recover=False)[0]
         if not hello["initialized"] and self._params is not None and self.role == "worker":
             log.warning("shard %d lost its weights; seeding it from this worker's copy", shard)
-            self._call([self._init(shard)], "INIT", [shard], recover=False)
+            msgs, dest = self._init([shard])
+            self._call(msgs, "INIT", dest, recover=False)
 
     def connect(self) -> int:
         """HELLO to every shard. Returns the clock to resume at (0 for a new worker).
@@ -232,7 +258,8 @@ class PSClient:
         Returns True if this worker seeded at least one shard.
         """
         self._params = params
-        replies = self._call([self._init(s) for s in range(len(self.channels))], "INIT")
+        msgs, shards = self._init(range(len(self.channels)))
+        replies = self._call(msgs, "INIT", shards)
         return any(r["seeded"] for r in replies)
 
     def close(self) -> None:
@@ -338,16 +365,57 @@ class PSClient:
             out[sl.shard][sl.key] = flat[sl.name][sl.start:sl.stop]
         return out
 
+    def _in_parts(self, per_shard: Mapping[int, Mapping[str, torch.Tensor]]
+                  ) -> list[list[dict[str, torch.Tensor]]] | None:
+        """Each shard's slices in groups of at most ``part_bytes`` (a slice never split);
+        None when every shard's share fits in one message."""
+        out = [self._groups(per_shard.get(s, {})) for s in range(len(self.channels))]
+        return out if any(len(g) > 1 for g in out) else None
+
+    def _groups(self, tensors: Mapping[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """``tensors`` in consecutive groups of at most ``part_bytes`` (at least one each;
+        one group, possibly empty, when they fit or part_bytes is 0)."""
+        groups: list[dict[str, torch.Tensor]] = [{}]
+        size = 0
+        for key, t in tensors.items():
+            n = t.numel() * t.element_size()
+            if self.part_bytes and groups[-1] and size + n > self.part_bytes:
+                groups.append({})
+                size = 0
+            groups[-1][key] = t
+            size += n
+        return groups
+
+    def _push_parts(self, groups: list[list[dict[str, torch.Tensor]]],
+                    read_versions: Sequence[int], num_samples: int, clock: int,
+                    loss: float | None, params: Mapping[str, torch.Tensor] | None
+                    ) -> tuple[PushResult, PullResult | None]:
+        """One push in parts, all sent at once (pipelined per shard); with ``params``
+        the last part to each shard also asks for the next weights."""
+        stream = PushStream(self, [len(g) for g in groups], read_versions, num_samples,
+                            clock, prefetch=params is not None)
+        stream.loss = loss
+        stream.window = PART_WINDOW
+        for shard, parts in enumerate(groups):
+            for tensors in parts:
+                stream._send_part(shard, tensors)
+        return stream.finish(params)
+
     def _push_msgs(self, grads: Mapping[str, torch.Tensor], read_versions: Sequence[int],
                    num_samples: int, clock: int, loss: float | None = None) -> list[Message]:
         parts = self._split_grads(self._host_grads(grads))
+        return self._whole_push_msgs(parts, read_versions, num_samples, clock, loss)
+
+    def _whole_push_msgs(self, parts: Mapping[int, Mapping[str, torch.Tensor]],
+                         read_versions: Sequence[int], num_samples: int, clock: int,
+                         loss: float | None = None) -> list[Message]:
         self._push_id += 1
         fields: dict[str, Any] = {"worker": self.worker, "push_id": self._push_id,
                                   "clock": clock, "num_samples": num_samples}
         if loss is not None:  # the servers' divergence watchdog follows the training loss
             fields["loss"] = float(loss)
         return [Message(Op.PUSH, 0, {**fields, "read_version": read_versions[s]},
-                        parts.get(s, {})) for s in range(len(self.channels))]
+                        dict(parts.get(s, {}))) for s in range(len(self.channels))]
 
     @staticmethod
     def _push_result(msgs: Sequence[Message], outcomes: Sequence[dict[str, Any] | None],
@@ -363,7 +431,11 @@ class PSClient:
         """Send gradient slices to every shard, tagged with the version each was read at
         (and the training loss of those samples, if given)."""
         t0 = time.perf_counter()
-        msgs = self._push_msgs(grads, read_versions, num_samples, clock, loss)
+        per_shard = self._split_grads(self._host_grads(grads))
+        groups = self._in_parts(per_shard)
+        if groups is not None:
+            return self._push_parts(groups, read_versions, num_samples, clock, loss, None)[0]
+        msgs = self._whole_push_msgs(per_shard, read_versions, num_samples, clock, loss)
         # a shard that restarted from an older checkpoint no longer has the
         # version our gradient was read at: that push is lost, not fatal
         replies = self._call(msgs, "PUSH", soft=(ErrorCode.FUTURE_VERSION,))
@@ -383,7 +455,14 @@ class PSClient:
         """
         t0 = time.perf_counter()
         self._params = params
-        msgs = self._push_msgs(grads, read_versions, num_samples, clock)
+        per_shard = self._split_grads(self._host_grads(grads))
+        groups = self._in_parts(per_shard)
+        if groups is not None:
+            pushed, pulled = self._push_parts(groups, read_versions, num_samples, clock, None,
+                                              params)
+            assert pulled is not None
+            return pushed, pulled
+        msgs = self._whole_push_msgs(per_shard, read_versions, num_samples, clock)
         for m in msgs:
             m.fields["pull"] = True
         done: set[int] = set()
@@ -413,7 +492,14 @@ class PSClient:
         ``buckets`` lists parameter names; together they must cover the plan's
         parameters, each once, and be sent with :meth:`PushStream.send`.
         """
-        return PushStream(self, buckets, read_versions, num_samples, clock, prefetch)
+        names = [n for b in buckets for n in b]
+        if sorted(names) != sorted(p.name for p in self.plan.params):
+            raise ConfigError("buckets must name every parameter of the plan exactly once")
+        parts = [0] * self.plan.num_shards  # buckets with a slice on each shard
+        for bucket in buckets:
+            for shard in {sl.shard for n in bucket for sl in self.plan.slices_of(n)}:
+                parts[shard] += 1
+        return PushStream(self, parts, read_versions, num_samples, clock, prefetch)
 
     def stats(self) -> list[dict[str, Any]]:
         replies = self._call([Message(Op.STATS) for _ in self.channels], "STATS", recover=False)
@@ -431,21 +517,13 @@ class PushStream:
     round trip. :meth:`finish` waits for every reply.
     """
 
-    def __init__(self, client: PSClient, buckets: Sequence[Sequence[str]],
+    def __init__(self, client: PSClient, parts: Sequence[int],
                  read_versions: Sequence[int], num_samples: int, clock: int,
                  prefetch: bool) -> None:
-        plan = client.plan
-        names = [n for b in buckets for n in b]
-        expected = [p.name for p in plan.params]
-        if sorted(names) != sorted(expected):
-            raise ConfigError("buckets must name every parameter of the plan exactly once")
         self.client = client
         self.prefetch = prefetch
-        self.parts = [0] * plan.num_shards  # buckets with a slice on each shard
-        for bucket in buckets:
-            for shard in {sl.shard for n in bucket for sl in plan.slices_of(n)}:
-                self.parts[shard] += 1
-        self.sent = [0] * plan.num_shards
+        self.parts = list(parts)  # parts each shard will get (0: one empty part at finish)
+        self.sent = [0] * client.plan.num_shards
         client._push_id += 1
         self.fields: dict[str, Any] = {"worker": client.worker, "push_id": client._push_id,
                                        "clock": clock, "num_samples": num_samples}
@@ -453,6 +531,8 @@ class PushStream:
         self.msgs: list[Message] = []
         self.shards: list[int] = []
         self.loss: float | None = None  # the step's training loss, sent with each part
+        # > 0: parts are not sent by send() but by finish(), this many outstanding per shard
+        self.window = 0
         self.t0 = time.perf_counter()
 
     def send(self, grads: Mapping[str, torch.Tensor]) -> None:
@@ -482,9 +562,10 @@ class PushStream:
         if self.loss is not None:
             fields["loss"] = float(self.loss)
         msg = Message(Op.PUSH, 0, fields, tensors)
-        channel = self.client.channels[shard]
-        msg.seq = channel.next_seq()
-        channel.send(msg)
+        if not self.window:
+            channel = self.client.channels[shard]
+            msg.seq = channel.next_seq()
+            channel.send(msg)
         self.msgs.append(msg)
         self.shards.append(shard)
         self.sent[shard] += 1
@@ -507,7 +588,8 @@ class PushStream:
         if params is not None:
             client._params = params
         replies = client._call(self.msgs, "PUSH", list(self.shards),
-                               soft=(ErrorCode.FUTURE_VERSION,), sent=True)
+                               soft=(ErrorCode.FUTURE_VERSION,), sent=not self.window,
+                               window=self.window)
         finals: list[Message] = []
         for shard in range(len(client.channels)):
             idx = [i for i, s in enumerate(self.shards) if s == shard]
@@ -516,7 +598,8 @@ class PushStream:
                 again = [Message(Op.PUSH, 0, dict(self.msgs[i].fields), self.msgs[i].tensors)
                          for i in idx]
                 final = [r for r in client._call(again, "PUSH", [shard] * len(idx),
-                                                 soft=(ErrorCode.FUTURE_VERSION,))
+                                                 soft=(ErrorCode.FUTURE_VERSION,),
+                                                 window=self.window)
                          if not r.get("partial", False)]
             finals.append(final[-1])
         outcomes: list[dict[str, Any] | None] = []

@@ -27,7 +27,7 @@ from paramserver.events import EventLog
 from paramserver.sharding import ShardPlan
 from paramserver.transport import CurveKeys
 
-from .client import GRAD_WIRE_DTYPES, PSClient, PullResult, PushResult
+from .client import GRAD_WIRE_DTYPES, PART_BYTES, PSClient, PullResult, PushResult
 from .overlap import BucketPusher
 from .stragglers import Straggler, StragglerSpec
 from .tasks import Task, create_task, evaluate, resolve_task, task_parameters
@@ -55,6 +55,8 @@ class WorkerConfig:
     straggler: StragglerSpec = field(default_factory=StragglerSpec)
     eval_every: int = 0  # rank 0 evaluates held-out data every N clocks (0: only at the end)
     chunk_bytes: int = ShardPlan.DEFAULT_CHUNK_BYTES
+    # a shard's share of a push above this goes in parts, added as they arrive (0: whole)
+    part_bytes: int = PART_BYTES
     timeout: float = 60.0  # total wait for a reply before giving up, naming the shard
     request_timeout: float = 5.0  # a request unanswered this long is sent again
     heartbeat_interval: float = 1.0
@@ -93,6 +95,9 @@ class WorkerConfig:
             raise ConfigError(f"drop_rate must be in [0, 1), got {self.drop_rate}")
         if self.bucket_bytes < 1:
             raise ConfigError(f"bucket_bytes must be >= 1, got {self.bucket_bytes}")
+        if self.part_bytes < 0:
+            raise ConfigError(f"part_bytes must be >= 0 (0: pushes go whole), "
+                              f"got {self.part_bytes}")
         if self.wire_dtype not in (None, *GRAD_WIRE_DTYPES):
             raise ConfigError(f"wire_dtype must be one of {', '.join(GRAD_WIRE_DTYPES)} or "
                               f"None (gradients as they are); got {self.wire_dtype!r}")
@@ -187,7 +192,8 @@ def run_worker(config: WorkerConfig) -> dict[str, Any]:
     with PSClient(config.servers, plan, config.rank, timeout=config.timeout,
                   attempt_timeout=config.request_timeout,
                   heartbeat_interval=config.heartbeat_interval, curve=curve,
-                  drop_rate=config.drop_rate, wire_dtype=config.wire_dtype) as client:
+                  drop_rate=config.drop_rate, wire_dtype=config.wire_dtype,
+                  part_bytes=config.part_bytes) as client:
         clock = client.connect()
         seeded = client.initialize(params)
         events.write("worker_start", worker=config.rank, clock=clock, seeded=seeded,
