@@ -867,8 +867,7 @@ class ShardCore:
     def streams_parts(self) -> bool:
         """Whether this shard adds pushes part by part (sync, no rewriting policy);
         otherwise a driver joins the parts and calls :meth:`push` with the whole."""
-        return self.mode.mode == "sync" and (
-            type(self.policy).rewrite_gradient is StalenessPolicy.rewrite_gradient)
+        return self.mode.mode == "sync" and not self.policy_rewrites
 
     def _open(self, state: WorkerState, push_id: int, clock: int, read_version: int,
               num_samples: int, parts: int) -> _Stream:
@@ -1000,7 +999,7 @@ class ShardCore:
     def _rewrite(
         self, info: UpdateInfo, grads: Mapping[str, torch.Tensor]
     ) -> Mapping[str, torch.Tensor]:
-        if type(self.policy).rewrite_gradient is StalenessPolicy.rewrite_gradient:
+        if not self.policy_rewrites:
             return grads
         grads = self._widen(grads)
         lr = float(self.optimizer.param_groups[0]["lr"])
@@ -1009,6 +1008,7 @@ class ShardCore:
 
     @property
     def policy_rewrites(self) -> bool:
+        """Whether the policy overrides rewrite_gradient (it then sees whole pushes)."""
         return type(self.policy).rewrite_gradient is not StalenessPolicy.rewrite_gradient
 
     def _push_async(
