@@ -790,6 +790,9 @@ class ShardCore:
             raise ProtocolError(ErrorCode.BAD_FIELD,
                                 f"push part {part} of {parts}: need 0 <= part < parts")
         stream = self._streams.get(worker)
+        if stream is not None and push_id < stream.push_id:
+            # a part of a push its worker gave up on, arriving late: not added
+            return PushOutcome(False, 0.0, "superseded", 0, self.version, False, True)
         if stream is not None and stream.push_id != push_id:
             self._give_up(worker, "a newer push came before it was complete")
             stream = None

@@ -195,6 +195,18 @@ def test_a_push_given_up_half_way_voids_the_round(how):
     counters_reconcile(core)
 
 
+def test_a_late_part_of_a_push_given_up_is_not_added():
+    core = make_core(1)
+    old, new = split(gradient(0, 0), [2, 3]), split(gradient(0, 1), [2, 3])
+    core.push_part(0, 1, 0, 0, 1, old[0], 0.0, 0, 2)
+    core.push_part(0, 2, 0, 0, 1, new[0], 0.0, 0, 2)  # push 1 given up: the round is void
+    late = core.push_part(0, 1, 0, 0, 1, old[1], 0.0, 1, 2)
+    assert late is not None and late.duplicate and not late.accepted
+    out = core.push_part(0, 2, 0, 0, 1, new[1], 0.0, 1, 2)  # push 2 is still whole
+    assert out is not None and not out.applied and core.rounds_voided == 1
+    counters_reconcile(core)
+
+
 def test_a_backup_worker_half_way_through_holds_the_round_until_it_is_done():
     core = make_core(3, backups=1)
     first, second = split(gradient(2, 0), [2, 3])
