@@ -339,12 +339,18 @@ def test_core_measures_big_shards_one_push_in_n_by_default(monkeypatch):
     assert sum(isinstance(s, GradStats) for s in seen) == 3
 
 
-@pytest.mark.parametrize("cat_elements", [1 << 16, 0])  # one flat copy, or per-slice views
-def test_big_shards_measure_cosine_and_updates_on_a_strided_sample(monkeypatch, cat_elements):
+@pytest.mark.parametrize(("cat_elements", "momentum", "mode"), [
+    (1 << 16, 0.9, "async"),  # one flat copy of the sample
+    (0, 0.9, "async"),  # per-slice views
+    (0, 0.0, "async"),  # plain SGD: the update is lr x the push's exact norm
+    (0, 0.0, "sync"),  # plain SGD on the round's mean: estimated from the sample
+])
+def test_big_shards_measure_cosine_and_updates_on_a_strided_sample(monkeypatch, cat_elements,
+                                                                    momentum, mode):
     import torch
 
     import paramserver.core as core_module
-    from paramserver.core import CoreConfig, GradStats, ShardCore, SliceSpec, StepStats
+    from paramserver.core import CoreConfig, GradStats, ModeSpec, ShardCore, SliceSpec, StepStats
 
     monkeypatch.setattr(core_module, "_SAMPLE_ELEMENTS", 1000)
     monkeypatch.setattr(core_module, "_CAT_ELEMENTS", cat_elements)
@@ -352,7 +358,8 @@ def test_big_shards_measure_cosine_and_updates_on_a_strided_sample(monkeypatch, 
     assert core_module._sample_stride(64_000) == 67  # the first prime >= 64
     shapes = {"w": (400, 64), "b": (64,)}  # 25,664 elements: stride 29
     core = ShardCore([SliceSpec(k, math.prod(s), "float32") for k, s in shapes.items()],
-                     CoreConfig(optimizer="sgd", optimizer_args={"lr": 0.1, "momentum": 0.9}))
+                     CoreConfig(mode=ModeSpec(mode), optimizer="sgd",
+                                optimizer_args={"lr": 0.1, "momentum": momentum}))
     seen: list = []
     core.observe(seen.append, cosine_decay=0.5)
     core.register(0, "x", 0.0)
@@ -366,9 +373,9 @@ def test_big_shards_measure_cosine_and_updates_on_a_strided_sample(monkeypatch, 
         after = torch.cat([p.clone() for p in core.params.values()])
         grad, step = seen[-2], seen[-1]
         assert isinstance(grad, GradStats) and isinstance(step, StepStats)
-        # the gradient and weight norms stay exact; the update norm is estimated
+        # the gradient norm stays exact; the update and weight norms are estimated
         assert grad.norm == pytest.approx(float(torch.cat(list(g.values())).norm()), rel=1e-5)
-        assert step.weight_norm == pytest.approx(float(after.norm()), rel=1e-5)
+        assert step.weight_norm == pytest.approx(float(after.norm()), rel=0.05)
         assert step.update_norm == pytest.approx(float((after - before).norm()), rel=0.05)
         if i:  # pushes around one mean: cosines near 1
             assert grad.cosine is not None and grad.cosine > 0.95
