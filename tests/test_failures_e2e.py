@@ -107,6 +107,18 @@ def test_shard_killed_and_restarted_from_checkpoint(tmp_path):
     assert abs(final["loss"] - want) <= 0.1 * want, (final, reference["eval"])
 
 
+def test_lossy_network_sync_pushes_in_parts_added_once(tmp_path):
+    # every push in many parts, 10 % of messages lost: retried parts are not added twice
+    s = spec("sync", workers=2, steps=20, worker={"drop_rate": 0.1, "request_timeout": 0.25,
+                                                  "part_bytes": 1, "chunk_bytes": 8192})
+    result = run_cluster(s, tmp_path)
+    for shard in result["servers"]:
+        assert shard["counters"]["push_parts_streamed"] >= 2 * 20 * 2
+        assert shard["version"] == 20 and shard["rounds_voided"] == 0
+        for w in shard["workers"].values():
+            assert w["pushes"] == 20 == w["applied"]
+
+
 def test_lossy_network_every_push_applied_once(tmp_path):
     # a lost message costs one request timeout: short, so that the test is too
     s = spec("async", workers=2, steps=40, worker={"drop_rate": 0.1, "request_timeout": 0.25})
