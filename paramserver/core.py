@@ -744,37 +744,22 @@ class ShardCore:
         num_samples: int,
         grads: Mapping[str, torch.Tensor],
         now: float,
-    ) -> PushOutcome:
+        part: int = 0,
+        parts: int = 1,
+    ) -> PushOutcome | None:
         """Decide on one gradient push and apply it (async/ssp) or buffer it (sync).
 
         A push whose ``push_id`` was seen already is answered with the first
         outcome and not applied again (exactly-once under retries). Invalid
         input raises :class:`ProtocolError` before any state changes.
-        """
-        out = self.push_part(worker, push_id, clock, read_version, num_samples, grads, now)
-        assert out is not None  # a push in one part is always complete
-        return out
 
-    def push_part(
-        self,
-        worker: int,
-        push_id: int,
-        clock: int,
-        read_version: int,
-        num_samples: int,
-        grads: Mapping[str, torch.Tensor],
-        now: float,
-        part: int = 0,
-        parts: int = 1,
-    ) -> PushOutcome | None:
-        """:meth:`push`, for a push that may come in ``parts`` (sync shards, see
-        :attr:`streams_parts`).
-
-        Each part holds a subset of the shard's slices, together all of them,
-        each once, all with the same header. The push is decided at its first
-        part; every part is added into the round's buffer as it arrives and can
-        be released at once. A part that is not the last returns None; a part
-        sent again is not added again. A push given up half-way (its worker
+        A push may come in ``parts`` (sync shards, see :attr:`streams_parts`;
+        a whole push always returns its outcome). Each part holds a subset of
+        the shard's slices, together all of them, each once, all with the same
+        header. The push is decided at its first part; every part is added
+        into the round's buffer as it arrives and can be released at once. A
+        part that is not the last returns None; a part sent again is not added
+        again. A push given up half-way (its worker
         died or restarted, a newer push came, a part was not finite) voids the
         open round.
         """

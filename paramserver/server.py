@@ -530,7 +530,7 @@ class ShardServer:
         try:
             if part is None:
                 raise ProtocolError(ErrorCode.BAD_FIELD, f"push in {parts} parts without part")
-            maybe = core.push_part(msg["worker"], msg["push_id"], msg["clock"], read_version,
+            maybe = core.push(msg["worker"], msg["push_id"], msg["clock"], read_version,
                                    msg["num_samples"], msg.tensors, time.monotonic(),
                                    part, parts)
         except ProtocolError as exc:

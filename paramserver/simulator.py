@@ -388,6 +388,7 @@ class Simulator:
                 f"shard {shard} refused worker {w.rank}'s push at clock {w.clock}, virtual "
                 f"time {self.now:.3f}s: {exc}"
             ) from exc
+        assert out is not None  # a whole push always has its outcome
         grad, self._grad[shard] = self._grad[shard], None
         if grad is not None and grad.worker != w.rank:
             grad = None

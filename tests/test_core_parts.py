@@ -54,7 +54,7 @@ def push_parts(core, worker, push_id, grads_parts, clock=0, read_version=None, n
     """Send every part (in ``order``); the outcome of the last one."""
     rv = core.version if read_version is None else read_version
     order = range(len(grads_parts)) if order is None else order
-    outs = [core.push_part(worker, push_id, clock, rv, n, grads_parts[i], 0.0, i,
+    outs = [core.push(worker, push_id, clock, rv, n, grads_parts[i], 0.0, i,
                            len(grads_parts)) for i in order]
     assert all(o is None for o in outs[:-1])
     return outs[-1]
@@ -88,12 +88,12 @@ def test_a_part_sent_again_is_added_once():
     g = gradient(0, 0)
     push_parts(once, 0, 1, split(g, [3, 2]))
     parts = split(g, [3, 2])
-    assert twice.push_part(0, 1, 0, 0, 1, parts[0], 0.0, 0, 2) is None
-    assert twice.push_part(0, 1, 0, 0, 1, parts[0], 0.0, 0, 2) is None  # a retry
-    out = twice.push_part(0, 1, 0, 0, 1, parts[1], 0.0, 1, 2)
+    assert twice.push(0, 1, 0, 0, 1, parts[0], 0.0, 0, 2) is None
+    assert twice.push(0, 1, 0, 0, 1, parts[0], 0.0, 0, 2) is None  # a retry
+    out = twice.push(0, 1, 0, 0, 1, parts[1], 0.0, 1, 2)
     assert out is not None and out.applied
     # the whole push retried after its outcome was lost: a duplicate, not applied again
-    again = twice.push_part(0, 1, 0, 0, 1, parts[1], 0.0, 1, 2)
+    again = twice.push(0, 1, 0, 0, 1, parts[1], 0.0, 1, 2)
     assert again is not None and again.duplicate
     for key in once.params:
         assert torch.equal(once.params[key], twice.params[key])
@@ -104,10 +104,10 @@ def test_a_round_does_not_close_before_the_last_part():
     core = make_core(2)
     push_parts(core, 0, 1, split(gradient(0, 0), [5]))
     parts = split(gradient(1, 0), [1, 1, 3])
-    assert core.push_part(1, 1, 0, 0, 1, parts[0], 0.0, 0, 3) is None
-    assert core.push_part(1, 1, 0, 0, 1, parts[1], 0.0, 1, 3) is None
+    assert core.push(1, 1, 0, 0, 1, parts[0], 0.0, 0, 3) is None
+    assert core.push(1, 1, 0, 0, 1, parts[1], 0.0, 1, 3) is None
     assert core.version == 0
-    out = core.push_part(1, 1, 0, 0, 1, parts[2], 0.0, 2, 3)
+    out = core.push(1, 1, 0, 0, 1, parts[2], 0.0, 2, 3)
     assert out is not None and out.applied and core.version == 1
 
 
@@ -123,17 +123,17 @@ def test_malformed_parts_are_refused(case, code):
     first, second = split(g, [2, 3])
     if case == "part_range":
         with pytest.raises(ProtocolError) as err:
-            core.push_part(0, 1, 0, 0, 1, first, 0.0, 2, 2)
+            core.push(0, 1, 0, 0, 1, first, 0.0, 2, 2)
         assert err.value.code == code
         return
-    core.push_part(0, 1, 0, 0, 1, first, 0.0, 0, 2)
+    core.push(0, 1, 0, 0, 1, first, 0.0, 0, 2)
     with pytest.raises(ProtocolError) as err:
         if case == "header":  # another sample count than the first part's
-            core.push_part(0, 1, 0, 0, 7, second, 0.0, 1, 2)
+            core.push(0, 1, 0, 0, 7, second, 0.0, 1, 2)
         elif case == "key_twice":
-            core.push_part(0, 1, 0, 0, 1, {**second, "k0": g["k0"]}, 0.0, 1, 2)
+            core.push(0, 1, 0, 0, 1, {**second, "k0": g["k0"]}, 0.0, 1, 2)
         else:  # the last part leaves a key out
-            core.push_part(0, 1, 0, 0, 1, dict(list(second.items())[1:]), 0.0, 1, 2)
+            core.push(0, 1, 0, 0, 1, dict(list(second.items())[1:]), 0.0, 1, 2)
     assert err.value.code == code
 
 
@@ -141,7 +141,7 @@ def test_async_shards_take_pushes_whole():
     core = make_core(1, mode="async")
     assert not core.streams_parts
     with pytest.raises(ProtocolError) as err:
-        core.push_part(0, 1, 0, 0, 1, split(gradient(0, 0), [2, 3])[0], 0.0, 0, 2)
+        core.push(0, 1, 0, 0, 1, split(gradient(0, 0), [2, 3])[0], 0.0, 0, 2)
     assert err.value.code == ErrorCode.BAD_FIELD
 
 
@@ -154,10 +154,10 @@ def test_a_non_finite_part_voids_the_round():
     core = make_core(2)
     push_parts(core, 0, 1, split(gradient(0, 0), [5]))
     first, second = split(gradient(1, 0), [2, 3])
-    core.push_part(1, 1, 0, 0, 1, first, 0.0, 0, 2)
+    core.push(1, 1, 0, 0, 1, first, 0.0, 0, 2)
     second["k3"][1] = float("nan")
     with pytest.raises(ProtocolError) as err:
-        core.push_part(1, 1, 0, 0, 1, second, 0.0, 1, 2)
+        core.push(1, 1, 0, 0, 1, second, 0.0, 1, 2)
     assert err.value.code == ErrorCode.NONFINITE
     before = {k: p.clone() for k, p in core.params.items()}
     # worker 1 pushes again for the same round: the round closes, void, without a step
@@ -177,7 +177,7 @@ def test_a_non_finite_part_voids_the_round():
 def test_a_push_given_up_half_way_voids_the_round(how):
     core = make_core(2)
     first, _ = split(gradient(1, 0), [2, 3])
-    core.push_part(1, 1, 0, 0, 1, first, 0.0, 0, 2)
+    core.push(1, 1, 0, 0, 1, first, 0.0, 0, 2)
     push_parts(core, 0, 1, split(gradient(0, 0), [5]))
     assert core.version == 0  # waits for worker 1
     if how == "declared_dead":
@@ -198,11 +198,11 @@ def test_a_push_given_up_half_way_voids_the_round(how):
 def test_a_late_part_of_a_push_given_up_is_not_added():
     core = make_core(1)
     old, new = split(gradient(0, 0), [2, 3]), split(gradient(0, 1), [2, 3])
-    core.push_part(0, 1, 0, 0, 1, old[0], 0.0, 0, 2)
-    core.push_part(0, 2, 0, 0, 1, new[0], 0.0, 0, 2)  # push 1 given up: the round is void
-    late = core.push_part(0, 1, 0, 0, 1, old[1], 0.0, 1, 2)
+    core.push(0, 1, 0, 0, 1, old[0], 0.0, 0, 2)
+    core.push(0, 2, 0, 0, 1, new[0], 0.0, 0, 2)  # push 1 given up: the round is void
+    late = core.push(0, 1, 0, 0, 1, old[1], 0.0, 1, 2)
     assert late is not None and late.duplicate and not late.accepted
-    out = core.push_part(0, 2, 0, 0, 1, new[1], 0.0, 1, 2)  # push 2 is still whole
+    out = core.push(0, 2, 0, 0, 1, new[1], 0.0, 1, 2)  # push 2 is still whole
     assert out is not None and not out.applied and core.rounds_voided == 1
     counters_reconcile(core)
 
@@ -210,11 +210,11 @@ def test_a_late_part_of_a_push_given_up_is_not_added():
 def test_a_backup_worker_half_way_through_holds_the_round_until_it_is_done():
     core = make_core(3, backups=1)
     first, second = split(gradient(2, 0), [2, 3])
-    core.push_part(2, 1, 0, 0, 1, first, 0.0, 0, 2)
+    core.push(2, 1, 0, 0, 1, first, 0.0, 0, 2)
     push_parts(core, 0, 1, split(gradient(0, 0), [5]))
     push_parts(core, 1, 1, split(gradient(1, 0), [5]))
     assert core.version == 0  # two of three would do, but worker 2's parts are in the buffer
-    out = core.push_part(2, 1, 0, 0, 1, second, 0.0, 1, 2)
+    out = core.push(2, 1, 0, 0, 1, second, 0.0, 1, 2)
     assert out is not None and out.applied and core.version == 1
     reference = make_core(3)  # the same round with no backup: all three gradients
     for w in range(3):
@@ -226,7 +226,7 @@ def test_a_backup_worker_half_way_through_holds_the_round_until_it_is_done():
 def test_a_checkpoint_taken_half_way_restores_a_void_round():
     core = make_core(2)
     push_parts(core, 0, 1, split(gradient(0, 0), [5]))
-    core.push_part(1, 1, 0, 0, 1, split(gradient(1, 0), [2, 3])[0], 0.0, 0, 2)
+    core.push(1, 1, 0, 0, 1, split(gradient(1, 0), [2, 3])[0], 0.0, 0, 2)
     tensors, meta = core.state_dict()
     assert meta["round_void"]
     restored = make_core(2)
