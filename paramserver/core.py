@@ -31,6 +31,7 @@ import logging
 import math
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -425,9 +426,7 @@ class ShardCore:
                     f"({self.config.heartbeat_timeout:g}s) or use another worker id",
                 )
             self._drop_pending(worker)
-            self._give_up(worker, "its worker restarted")
-            if self._init_owner == worker:
-                self._init_owner = None
+            self._drop_unfinished(worker, "its worker restarted")
             state.incarnation = incarnation
             state.last_push_id = -1
             state.last_outcome = None
@@ -460,9 +459,7 @@ class ShardCore:
         """A worker finished its work: it no longer holds anyone back."""
         state = self._known(worker)
         state.last_seen = now
-        self._give_up(worker, "its worker said BYE")
-        if self._init_owner == worker:
-            self._init_owner = None
+        self._drop_unfinished(worker, "its worker said BYE")
         state.finished = True
         state.live = False
         self._drop_pending(worker)
@@ -501,9 +498,7 @@ class ShardCore:
         return True
 
     def _bury(self, state: WorkerState) -> None:
-        self._give_up(state.worker, "its worker died")
-        if self._init_owner == state.worker:
-            self._init_owner = None  # the next INIT seeds from the start
+        self._drop_unfinished(state.worker, "its worker died")
         state.live = False
         state.deaths += 1
         self._drop_pending(state.worker)
@@ -597,13 +592,13 @@ class ShardCore:
 
     def _check_tensors(self, tensors: Mapping[str, torch.Tensor], what: str,
                        narrow_ok: bool = False, whole: bool = True,
-                       seen: Iterable[str] = ()) -> None:
+                       seen: AbstractSet[str] = frozenset()) -> None:
         """Keys, sizes and dtypes must match the slices; with ``narrow_ok`` a 16-bit
         tensor may stand for a wider float slice (gradients sent in 16 bits). A part
         (not ``whole``) holds some keys, none of them ``seen`` in earlier parts."""
         missing = self.specs.keys() - tensors.keys() if whole else set()
         unknown = tensors.keys() - self.specs.keys()
-        again = tensors.keys() & set(seen)
+        again = tensors.keys() & seen
         if again:
             raise ProtocolError(
                 ErrorCode.BAD_TENSOR, f"{what}: keys sent in two parts: {sorted(again)[:5]}")
@@ -804,10 +799,10 @@ class ShardCore:
                                     "header differs from the push's first part")
             if part in stream.received:
                 return None  # sent again after a lost reply: added already
-        self._check_tensors(grads, "PUSH", narrow_ok=True, whole=parts == 1,
-                            seen=stream.keys if stream is not None else ())
+        seen: AbstractSet[str] = stream.keys if stream is not None else frozenset()
+        self._check_tensors(grads, "PUSH", narrow_ok=True, whole=parts == 1, seen=seen)
         if parts > 1 and len(stream.received if stream else ()) + 1 == parts:
-            missing = self.specs.keys() - grads.keys() - (stream.keys if stream else set())
+            missing = self.specs.keys() - grads.keys() - seen
             if missing:
                 self._give_up(worker, "its parts did not cover the shard")
                 raise ProtocolError(ErrorCode.BAD_TENSOR,
@@ -842,11 +837,11 @@ class ShardCore:
         if self.mode.mode == "sync":
             self._add_to_round(stream, grads)
             if len(stream.received) < parts:
+                self._streams[worker] = stream  # a push in the making, until its last part
                 return None
-            del self._streams[worker]
+            self._streams.pop(worker, None)
             outcome = self._close_push(state, stream)
         else:
-            del self._streams[worker]
             outcome = self._push_async(state, stream, grads)
         state.last_push_id = push_id
         state.last_outcome = outcome
@@ -892,9 +887,14 @@ class ShardCore:
             self._measure_step = self._observed % self._observe_every == 0
             if self._measure_step:
                 measure = _Measure()
-        stream = _Stream(push_id, parts, info, decision, reason, measure=measure)
-        self._streams[state.worker] = stream
-        return stream
+        return _Stream(push_id, parts, info, decision, reason, measure=measure)
+
+    def _drop_unfinished(self, worker: int, why: str) -> None:
+        """``worker`` is gone or starts over: its push in parts is given up, and if it
+        was seeding the weights in parts, the next INIT seeds them from the start."""
+        self._give_up(worker, why)
+        if self._init_owner == worker:
+            self._init_owner = None
 
     def _give_up(self, worker: int, why: str) -> None:
         """Drop ``worker``'s unfinished push; if some of it is in the round, void the round."""

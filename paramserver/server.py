@@ -39,7 +39,7 @@ from .observe import ShardObserver
 from .protocol import PROTOCOL_VERSION, Message, Op, decode, error_reply, reply
 from .sharding import ShardPlan
 from .staleness import create_policy
-from .transport import CurveKeys, RouterSocket, release_free_memory
+from .transport import CurveKeys, RouterSocket
 from .watchdog import ACTIONS, Alarm, Watchdog, WatchdogConfig
 
 __all__ = ["DIVERGED_EXIT_CODE", "READY_PREFIX", "ServerConfig", "ShardServer", "run_server"]
@@ -177,7 +177,6 @@ class ShardServer:
         self._parts: dict[int, tuple[int, dict[int, bool], dict[str, Any]]] = {}
         # worker -> (push id, a part asked for the pull, bytes so far) of a streamed push
         self._streamed: dict[int, tuple[int, bool, int]] = {}
-        self._trim_due = False
         self.diverged: Alarm | None = None
         self._stop_at: float | None = None  # diverged: refuse requests until then, then exit
         self._told: set[int] = set()  # workers refused since the watchdog stopped training
@@ -208,9 +207,6 @@ class ShardServer:
                     if not self._running:
                         break
                     got = self.socket.recv_nowait()
-                if self._trim_due:  # INIT's frames are gone now (got is None)
-                    self._trim_due = False
-                    release_free_memory()
                 now = time.monotonic()
                 if self.core is not None and now - last_expire >= tick:
                     last_expire = now
@@ -490,12 +486,8 @@ class ShardServer:
         core = self._require_core()
         if not core.initialized:  # (steps protect the weights through core.before_step)
             self._before_mutation()
-        part, parts = msg.get("part", 0), msg.get("parts", 1)
-        if part is None:
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"INIT in {parts} parts without part")
+        part, parts = _part_of(msg)
         seeded = core.initialize_part(msg["worker"], msg.tensors, part, parts)
-        if parts == 1:
-            self._trim_due = True  # a whole shard's worth of frames, once: give it back
         if seeded:
             self.events.write("init", shard=self.config.shard, worker=msg["worker"])
         if seeded is None:
@@ -513,7 +505,7 @@ class ShardServer:
 
     def _on_push(self, msg: Message, identity: bytes) -> Message | None:
         core = self._require_core()
-        part, parts = msg.get("part", 0), msg.get("parts", 1)
+        part, parts = _part_of(msg)
         streamed = parts != 1 and core.streams_parts
         if parts != 1:
             self.counters["push_parts_streamed" if streamed else "push_parts_joined"] += 1
@@ -528,11 +520,8 @@ class ShardServer:
         loss = None if loss is None else float(loss)
         t0 = time.perf_counter()
         try:
-            if part is None:
-                raise ProtocolError(ErrorCode.BAD_FIELD, f"push in {parts} parts without part")
-            maybe = core.push(msg["worker"], msg["push_id"], msg["clock"], read_version,
-                                   msg["num_samples"], msg.tensors, time.monotonic(),
-                                   part, parts)
+            out = core.push(msg["worker"], msg["push_id"], msg["clock"], read_version,
+                            msg["num_samples"], msg.tensors, time.monotonic(), part, parts)
         except ProtocolError as exc:
             self._streamed.pop(msg["worker"], None)
             if exc.code == ErrorCode.NONFINITE:
@@ -545,7 +534,7 @@ class ShardServer:
             prior = self._streamed.get(msg["worker"])
             if prior is not None and prior[0] == key[0]:
                 key = (key[0], key[1] or prior[1], key[2] + prior[2])
-            if maybe is None:
+            if out is None:
                 self._streamed[msg["worker"]] = key
                 return reply(msg, partial=True)
             self._streamed.pop(msg["worker"], None)
@@ -553,8 +542,7 @@ class ShardServer:
             nbytes = key[2]
         else:
             nbytes = msg.nbytes
-        out = maybe
-        assert out is not None
+        assert out is not None  # only a streamed part that is not the last has none
         if out.duplicate:
             self.counters["duplicate_pushes"] += 1
         else:
@@ -702,6 +690,15 @@ def _ready(on_ready: Callable[..., None], address: str, metrics_port: int | None
         on_ready(address, metrics_port)
     else:
         on_ready(address)
+
+
+def _part_of(msg: Message) -> tuple[int, int]:
+    """(part, parts) of a PUSH or INIT; a message in several parts must say which."""
+    parts = msg.get("parts", 1)
+    part = msg.get("part", 0 if parts == 1 else None)
+    if part is None:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"{msg.op.value} in {parts} parts without part")
+    return part, parts
 
 
 def run_server(config: ServerConfig, on_ready: Callable[..., None] | None = None) -> int:

@@ -36,7 +36,6 @@ __all__ = [
     "CurveKeys",
     "RouterSocket",
     "generate_curve_keys",
-    "release_free_memory",
     "request_all",
     "tune_allocator",
 ]
@@ -164,21 +163,6 @@ def tune_allocator() -> bool:
     _TUNED = bool(mallopt(m_arena_max, 1) and mallopt(m_mmap_threshold, 32 << 20)
                   and mallopt(m_trim_threshold, 2**31 - 1))
     return _TUNED
-
-
-def release_free_memory() -> bool:
-    """Give freed heap pages back to the kernel (glibc's malloc_trim; Linux only).
-
-    With :func:`tune_allocator` freed frames stay in the heap for reuse, which
-    suits the messages every step brings; a one-off large message (INIT: the
-    whole shard) would otherwise stay resident for the life of the process.
-    """
-    if sys.platform != "linux":
-        return False
-    try:
-        return bool(ctypes.CDLL(None).malloc_trim(0))
-    except (OSError, AttributeError):
-        return False
 
 
 def _context() -> zmq.Context[Any]:

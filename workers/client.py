@@ -23,7 +23,7 @@ import zmq
 
 from paramserver.errors import ConfigError, ErrorCode, RemoteError, TransportError
 from paramserver.protocol import PROTOCOL_VERSION, Message, Op
-from paramserver.sharding import ShardPlan
+from paramserver.sharding import DTYPES, ShardPlan
 from paramserver.transport import Channel, CurveKeys, request_all
 
 __all__ = ["GRAD_WIRE_DTYPES", "PART_BYTES", "PSClient", "PullResult", "PushResult",
@@ -162,6 +162,10 @@ class PSClient:
         if part_bytes < 0:
             raise ConfigError(f"part_bytes must be >= 0 (0: never split), got {part_bytes}")
         self.part_bytes = part_bytes
+        # the most bytes a push sends one shard (16-bit wire dtypes send fewer)
+        self._largest_share = max(
+            (sum(s.numel * DTYPES[s.dtype].itemsize for s in sl) for sl in self._shard_slices),
+            default=0)
 
     # ------------------------------------------------------------------ session
 
@@ -369,6 +373,8 @@ class PSClient:
                   ) -> list[list[dict[str, torch.Tensor]]] | None:
         """Each shard's slices in groups of at most ``part_bytes`` (a slice never split);
         None when every shard's share fits in one message."""
+        if not self.part_bytes or self._largest_share <= self.part_bytes:
+            return None  # known from the plan: no per-push work for small models
         out = [self._groups(per_shard.get(s, {})) for s in range(len(self.channels))]
         return out if any(len(g) > 1 for g in out) else None
 
@@ -400,11 +406,6 @@ class PSClient:
             for tensors in parts:
                 stream._send_part(shard, tensors)
         return stream.finish(params)
-
-    def _push_msgs(self, grads: Mapping[str, torch.Tensor], read_versions: Sequence[int],
-                   num_samples: int, clock: int, loss: float | None = None) -> list[Message]:
-        parts = self._split_grads(self._host_grads(grads))
-        return self._whole_push_msgs(parts, read_versions, num_samples, clock, loss)
 
     def _whole_push_msgs(self, parts: Mapping[int, Mapping[str, torch.Tensor]],
                          read_versions: Sequence[int], num_samples: int, clock: int,
