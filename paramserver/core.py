@@ -208,6 +208,9 @@ class WorkerState:
     deferred_pulls: int = 0
     wait_seconds: float = 0.0
     deaths: int = 0
+    # a supervisor saw this incarnation's process exit: only a new HELLO brings the
+    # worker back (a heartbeat still in flight from the dead process must not)
+    reported_dead: bool = False
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -428,6 +431,7 @@ class ShardCore:
             self._drop_pending(worker)
             self._drop_unfinished(worker, "its worker restarted")
             state.incarnation = incarnation
+            state.reported_dead = False
             state.last_push_id = -1
             state.last_outcome = None
             state.live, state.finished = True, False
@@ -449,6 +453,8 @@ class ShardCore:
 
     def heartbeat(self, worker: int, now: float) -> None:
         state = self._known(worker)
+        if state.reported_dead:
+            return
         state.last_seen = now
         if not state.live and not state.finished:
             # a worker declared dead spoke again: it is back, at the minimum clock
@@ -492,6 +498,7 @@ class ShardCore:
         if state is None or not state.live or state.finished:
             return False
         self._bury(state)
+        state.reported_dead = True
         log.warning("worker %d reported dead by its supervisor: removed from the live set",
                     worker)
         self._maybe_close_round()

@@ -25,13 +25,17 @@ class EventLog:
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._fh = self.path.open("a", encoding="utf-8")
+            if _ends_torn(self.path):
+                # a killed predecessor (a restarted worker's) left half a record: end
+                # that line, or our first record would be glued to it and lost
+                self._fh.write("\n")
 
     def write(self, event: str, **fields: Any) -> None:
         if self._fh is None:
             return
         now = time.time()
-        self._fh.write(json.dumps({"t": now, "event": event, **fields}, separators=(",", ":")))
-        self._fh.write("\n")
+        self._fh.write(json.dumps({"t": now, "event": event, **fields}, separators=(",", ":"))
+                       + "\n")
         if now - self._last_flush >= self._flush_every:
             self._fh.flush()
             self._last_flush = now
@@ -44,6 +48,15 @@ class EventLog:
         if self._fh is not None:
             self._fh.close()
             self._fh = None
+
+
+def _ends_torn(path: Path) -> bool:
+    """Whether a non-empty file's last byte is not a newline."""
+    with path.open("rb") as fh:
+        if fh.seek(0, 2) == 0:
+            return False
+        fh.seek(-1, 2)
+        return fh.read(1) != b"\n"
 
 
 def read_events(path: str | Path, event: str | None = None) -> list[dict[str, Any]]:

@@ -111,6 +111,19 @@ def test_worker_declared_dead_closes_the_round_at_once_and_can_rejoin():
     assert core.workers[1].live
 
 
+def test_heartbeat_in_flight_from_a_dead_process_does_not_revive_it():
+    # the supervisor reports the death; a heartbeat the process sent just before it was
+    # killed arrives after that report, then its restarted successor says HELLO
+    core = make_core("ssp", workers=2, timeout=5.0)
+    assert core.declare_dead(1)
+    core.heartbeat(1, now=0.2)
+    assert not core.workers[1].live  # not back, not holding the SSP gate
+    core.register(1, "inc1-restarted", now=0.3)  # not refused as a duplicate
+    assert core.workers[1].live
+    core.heartbeat(1, now=0.4)
+    assert core.workers[1].last_seen == 0.4  # the new incarnation's heartbeats count
+
+
 def test_start_barrier_holds_pulls_until_expected_workers_registered():
     cfg = CoreConfig(mode=ModeSpec("async"), expected_workers=2)
     core = ShardCore(KEYS, cfg)

@@ -33,12 +33,14 @@ def spec(mode, workers=3, steps=60, **kw):
     )
 
 
-def kill_when(cluster, proc_of, at_steps):
-    """An on_progress callback that SIGKILLs one process once, after `at_steps` steps."""
+def kill_when(cluster, proc_of, at_steps, rank=None):
+    """An on_progress callback that SIGKILLs one process once, after `at_steps` steps
+    (all workers' together, or worker `rank`'s own)."""
     state = {"killed": None}
 
     def cb(progress):
-        if state["killed"] is None and progress.done_steps >= at_steps:
+        done = progress.done_steps if rank is None else progress.steps.get(rank, 0)
+        if state["killed"] is None and done >= at_steps:
             proc = proc_of(cluster)
             os.kill(proc.popen.pid, signal.SIGKILL)
             state["killed"] = proc.name
@@ -77,7 +79,9 @@ def test_restarted_worker_rejoins_and_completes(tmp_path):
     with LocalCluster(s, tmp_path) as cluster:
         cluster.start_servers()
         cluster.start_workers()
-        cb, _ = kill_when(cluster, lambda c: c.workers[1], at_steps=30)
+        # killed after its own 10th logged step, so that it has a clock to resume from
+        # and its event log holds the torn tail a SIGKILL leaves, whatever the others do
+        cb, _ = kill_when(cluster, lambda c: c.workers[1], at_steps=25, rank=1)
         cluster.wait_workers(cb, poll=0.05)
         assert [r["process"] for r in cluster.restarts] == ["worker1"]
     hellos = read_events(tmp_path / "events" / "server0.jsonl", "worker_hello")
@@ -85,6 +89,8 @@ def test_restarted_worker_rejoins_and_completes(tmp_path):
     assert rejoin["clock"] > 0  # resumed where the live workers were, not from 0
     end = read_events(tmp_path / "events" / "worker1.jsonl", "worker_end")[-1]
     assert end["clock"] == 60
+    starts = read_events(tmp_path / "events" / "worker1.jsonl", "worker_start")
+    assert [s["clock"] > 0 for s in starts] == [False, True]  # no record glued to a torn one
 
 
 def test_shard_killed_and_restarted_from_checkpoint(tmp_path):

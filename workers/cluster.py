@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from paramserver.errors import ConfigError, ParamServerError, TimeoutError
-from paramserver.observe import LauncherObserver
+from paramserver.observe import JsonlFollower, LauncherObserver
 from paramserver.server import READY_PREFIX, ServerConfig
 from paramserver.transport import CurveKeys
 
@@ -189,7 +189,7 @@ class LocalCluster:
         self.addresses: list[str] = []
         self._env = _child_env()
         self._cold_starts = False  # set when the zygote cannot fork: python -m per process
-        self._log_offsets: dict[int, int] = {}
+        self._followers: dict[int, JsonlFollower] = {}
         self._progress_steps: dict[int, int] = {}
         self._progress_loss: dict[int, float] = {}
         self._t0 = time.time()
@@ -406,21 +406,14 @@ class LocalCluster:
     def progress(self) -> Progress:
         """Steps and last loss per worker, read incrementally from the event logs."""
         for rank in range(self.spec.num_workers):
-            path = self.out / "events" / f"worker{rank}.jsonl"
-            try:
-                with path.open("rb") as fh:
-                    fh.seek(self._log_offsets.get(rank, 0))
-                    data = fh.read()
-            except OSError:
-                continue
-            end = data.rfind(b"\n") + 1  # leave a torn last line for next time
-            self._log_offsets[rank] = self._log_offsets.get(rank, 0) + end
-            for line in data[:end].splitlines():
-                if b'"event":"step"' not in line:
-                    continue
-                rec = json.loads(line)
-                self._progress_steps[rank] = self._progress_steps.get(rank, 0) + 1
-                self._progress_loss[rank] = rec["loss"]
+            follower = self._followers.get(rank)
+            if follower is None:
+                path = self.out / "events" / f"worker{rank}.jsonl"
+                follower = self._followers[rank] = JsonlFollower(path)
+            for rec in follower.read():
+                if rec.get("event") == "step":
+                    self._progress_steps[rank] = self._progress_steps.get(rank, 0) + 1
+                    self._progress_loss[rank] = rec["loss"]
         steps = self.spec.worker.steps or 0
         return Progress(dict(self._progress_steps), steps * self.spec.num_workers,
                         dict(self._progress_loss), 0, time.time() - self._t0)
