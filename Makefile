@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 help:
 	@echo "make demo    compare sync / async / ssp on digits-mlp (about 2 min on 2 cores)"
 	@echo "make test    run the test suite"
-	@echo "make lint    ruff + mypy"
+	@echo "make lint    ruff + mypy + import-linter (the layers import one way)"
 	@echo "make bench   side-by-side benchmarks (raw zmq, torch RPC, gloo)"
 	@echo "make install create $(VENV) with everything installed"
 
@@ -29,6 +29,7 @@ test: install
 lint: install
 	$(VENV)/bin/ruff check paramserver workers cli benchmarks tests
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 demo: install
 	$(VENV)/bin/paramserver experiment --preset demo --out runs/demo

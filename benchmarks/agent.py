@@ -1,4 +1,4 @@
-"""``python -m benchmarks.agent``: a benchmark child process driven by JSON lines.
+"""``python -m paramserver.benchmarks.agent``: a benchmark child process driven by JSON lines.
 
 Commands arrive on stdin, one JSON object per line: ``{"op": NAME, ...args}``.
 ``open`` / ``measure`` / ``close`` (with ``"system": NAME``) drive a session
@@ -27,20 +27,20 @@ __all__ = ["OPS", "SESSIONS", "main"]
 
 #: op name -> "module:function"; the function takes (args, announce) and returns a dict
 OPS: dict[str, str] = {
-    "raw_serve": "benchmarks.raw:serve",
-    "ps_serve": "benchmarks.ps:serve",
-    "ps_async": "benchmarks.ps:async_run",
-    "overlap": "benchmarks.overlap:run",
-    "rss": "benchmarks.agent:report_rss",
+    "raw_serve": "paramserver.benchmarks.raw:serve",
+    "ps_serve": "paramserver.benchmarks.ps:serve",
+    "ps_async": "paramserver.benchmarks.ps:async_run",
+    "overlap": "paramserver.benchmarks.overlap:run",
+    "rss": "paramserver.benchmarks.agent:report_rss",
 }
 
 #: system name -> "module:Class" of its session: Class(args), .measure(numel, iters)
 #: -> seconds per round, .close() -> dict. Driven by the ops open / measure / close.
 SESSIONS: dict[str, str] = {
-    "raw": "benchmarks.raw:RawSession",
-    "ps": "benchmarks.ps:PSSession",
-    "rpc": "benchmarks.rpc:RPCSession",
-    "gloo": "benchmarks.gloo:GlooSession",
+    "raw": "paramserver.benchmarks.raw:RawSession",
+    "ps": "paramserver.benchmarks.ps:PSSession",
+    "rpc": "paramserver.benchmarks.rpc:RPCSession",
+    "gloo": "paramserver.benchmarks.gloo:GlooSession",
 }
 _open: dict[str, Any] = {}
 

@@ -1,7 +1,7 @@
 """Shared pieces of the benchmarks: statistics, sizes, memory readings, child agents.
 
 Every system under test runs in real OS processes. A child process is an
-*agent* (``python -m benchmarks.agent``): it reads one JSON command per line on
+*agent* (``python -m paramserver.benchmarks.agent``): it reads one JSON command per line on
 stdin and answers with JSON lines on stdout prefixed ``BENCH`` (an optional
 ``{"address": ...}`` line when it starts serving, then one result line). An
 agent outlives one command, so the worker side of a benchmark pays the cost
@@ -219,7 +219,7 @@ class Agent:
         else:
             self._log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in close()
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.agent"],
+            [sys.executable, "-m", "paramserver.benchmarks.agent"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=_child_env(),
         )
         self._buf = b""

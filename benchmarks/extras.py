@@ -8,7 +8,7 @@
 * :func:`run_memory`: peak RSS of one sync shard with N workers, above the
   RSS it had when it started listening (interpreter, torch, zmq), against its
   weights + optimizer state + one aggregation buffer.
-* :func:`run_overlap`: :mod:`benchmarks.overlap` with one sync shard.
+* :func:`run_overlap`: :mod:`paramserver.benchmarks.overlap` with one sync shard.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from workers.client import server_stats, shutdown_servers
+from paramserver.workers.client import server_stats, shutdown_servers
 
 from .common import Agent, close_all, cpu_seconds
 

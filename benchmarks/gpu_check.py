@@ -1,7 +1,7 @@
 """A few-minute check of a worker on a CUDA device: pinned buffers, device copies, overlap.
 
-    python -m benchmarks.gpu_check                 # on cuda (the default device)
-    python -m benchmarks.gpu_check --device cpu    # the same code path on the CPU
+    python -m paramserver.benchmarks.gpu_check                 # on cuda (the default device)
+    python -m paramserver.benchmarks.gpu_check --device cpu    # the same code path on the CPU
 
 It starts one sync shard server (a real process) and, in this process:
 
@@ -12,7 +12,7 @@ It starts one sync shard server (a real process) and, in this process:
    they are and in bfloat16 (through the client's pinned staging buffers);
 3. times compute, communication, the sequential step and the overlapped step
    (buckets pushed from backward hooks, next pull prefetched) as
-   :mod:`benchmarks.overlap` does.
+   :mod:`paramserver.benchmarks.overlap` does.
 
 It prints a table and writes the figures as JSON (``--out``). The test suite
 runs it on the CPU with ``--quick``.
@@ -31,7 +31,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from workers.client import PSClient, shutdown_servers
+from paramserver.workers.client import PSClient, shutdown_servers
 
 from . import overlap
 from .common import Agent, close_all
@@ -149,7 +149,7 @@ def _print(result: dict[str, Any], console: Console) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check",
+    parser = argparse.ArgumentParser(prog="python -m paramserver.benchmarks.gpu_check",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (default cuda)")
     parser.add_argument("--quick", action="store_true", help="small sizes (seconds)")

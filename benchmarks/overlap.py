@@ -9,7 +9,7 @@ backward takes a measurable time; it times, per step (medians over repeats):
   already with the pull riding on the push);
 * ``overlap``: the worker's ``overlap=True`` path: buckets pushed from
   post-accumulate-grad hooks during backward, the next weights prefetched
-  with the last part (:class:`workers.overlap.BucketPusher`).
+  with the last part (:class:`paramserver.workers.overlap.BucketPusher`).
 
 The goal is ``overlap <= 1.15 x max(compute, comm)``. The same code runs on a
 CUDA device (``device``): gradients then go through pinned host buffers.
@@ -26,10 +26,10 @@ import torch
 from torch import nn
 
 from paramserver.sharding import ShardPlan
-from workers.client import PSClient
-from workers.overlap import BucketPusher
-from workers.stragglers import Straggler, StragglerSpec
-from workers.tasks import Task
+from paramserver.workers.client import PSClient
+from paramserver.workers.overlap import BucketPusher
+from paramserver.workers.stragglers import Straggler, StragglerSpec
+from paramserver.workers.tasks import Task
 
 from .common import Stats
 

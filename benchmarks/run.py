@@ -1,6 +1,6 @@
 """One command for every benchmark: presets, the run, the JSON result and the tables.
 
-``paramserver bench`` (cli/bench.py) and ``python -m benchmarks`` call
+``paramserver bench`` (cli/bench.py) calls
 :func:`run_benchmarks`. Presets:
 
 * default (about 8 minutes on 2 idle cores): payloads 1 KiB, 64 KiB, 1 MiB,

@@ -3,7 +3,7 @@ memory growth and counters that do not add up.
 
 Run (not part of the test suite)::
 
-    .venv/bin/python -m benchmarks.soak --workers 16 --duration 180 --out runs/soak
+    .venv/bin/python -m paramserver.benchmarks.soak --workers 16 --duration 180 --out runs/soak
 
 Every ``--sample`` seconds it reads each server's resident memory (``VmRSS`` in
 ``/proc/<pid>/status``), the shards' versions (STATS) and every worker's step
@@ -45,10 +45,10 @@ from rich.table import Table
 from paramserver.errors import ConfigError
 from paramserver.events import read_events
 from paramserver.server import ServerConfig
-from workers.client import server_stats
-from workers.cluster import ClusterSpec, LocalCluster
-from workers.stragglers import StragglerSpec
-from workers.worker import WorkerConfig
+from paramserver.workers.client import server_stats
+from paramserver.workers.launch.cluster import ClusterSpec, LocalCluster
+from paramserver.workers.stragglers import StragglerSpec
+from paramserver.workers.worker import WorkerConfig
 
 __all__ = ["SoakConfig", "main", "rss_of", "run_soak"]
 

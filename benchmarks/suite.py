@@ -11,7 +11,7 @@ bytes of a round. torch RPC and gloo do not shard: they are measured once per
 fifth of a core per process here), so torch RPC runs in a phase of its own,
 interleaved with a raw loop of its own.
 
-Processes are agents (:mod:`benchmarks.agent`) kept for a whole (N, S) group:
+Processes are agents (:mod:`paramserver.benchmarks.agent`) kept for a whole (N, S) group:
 a shard server agent runs a fresh ShardServer per payload.
 """
 
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from paramserver.sharding import ShardPlan
-from workers.client import shutdown_servers
+from paramserver.workers.client import shutdown_servers
 
 from . import raw
 from .common import Agent, Stats, close_all, cpu_seconds, free_port

@@ -1,5 +1,6 @@
-"""``python -m cli``: the same as the ``paramserver`` console script (torchrun's ``-m cli``)."""
+"""``python -m paramserver.cli``: the same as the ``paramserver`` console script
+(what torchrun's ``-m paramserver.cli`` runs)."""
 
-from cli.main import main
+from paramserver.cli.main import main
 
 main(prog_name="paramserver")

@@ -1,6 +1,6 @@
 """``paramserver bench``: side-by-side benchmarks (raw ZeroMQ, this project, torch RPC, gloo).
 
-Only argument handling lives here; the work is done by :mod:`benchmarks.run`.
+Only argument handling lives here; the work is done by :mod:`paramserver.benchmarks.run`.
 """
 
 from __future__ import annotations
@@ -66,9 +66,9 @@ def bench(out: Path, quick: bool, full: bool, parts: tuple[str, ...],
     as a parameter server and gloo all_reduce, in one run on the same payloads; then async
     throughput, shard memory and overlap of communication with backward. Writes
     OUT/result.json and prints the tables and the goals."""
-    from benchmarks.common import parse_size
-    from benchmarks.run import PARTS, BenchOptions, run_benchmarks
-    from benchmarks.suite import SYSTEMS
+    from paramserver.benchmarks.common import parse_size
+    from paramserver.benchmarks.run import PARTS, BenchOptions, run_benchmarks
+    from paramserver.benchmarks.suite import SYSTEMS
 
     if quick and full:
         raise click.UsageError("--quick and --full exclude each other")

@@ -2,7 +2,7 @@
 
 Start the same command on every rank; the launcher's environment says which
 rank this is. The role mapping and the rendezvous live in
-:mod:`workers.rendezvous`; this module only turns options into configs.
+:mod:`paramserver.workers.launch.rendezvous`; this module only turns options into configs.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 import click
 
 from paramserver.errors import ConfigError, ParamServerError, RemoteError, TransportError
-from workers.rendezvous import (
+from paramserver.workers.launch.rendezvous import (
     Rendezvous,
     RendezvousError,
     assign_role,
@@ -32,7 +32,7 @@ __all__ = ["run"]
 
 EPILOG = """\b
 torchrun, one node, 2 servers + 2 workers:
-  torchrun --nnodes 1 --nproc-per-node 4 -m cli run --num-servers 2 \\
+  torchrun --nnodes 1 --nproc-per-node 4 -m paramserver.cli run --num-servers 2 \\
       --mode sync --steps 150
 (or, with the console script: torchrun ... --no-python paramserver run ...)
 

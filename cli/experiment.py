@@ -1,7 +1,7 @@
 """``paramserver experiment``: run a grid of local runs and write a report.
 
 Only argument handling and display live here; the work is done by
-:mod:`workers.experiment` and :mod:`workers.report`.
+:mod:`paramserver.workers.experiments.spec` and :mod:`paramserver.workers.experiments.report`.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import Any
 import click
 from rich.console import Console
 
-from cli.grid import build_spec, grid_options, run_grid, spec_from_flags
+from paramserver.cli.grid import build_spec, grid_options, run_grid, spec_from_flags
 from paramserver.errors import ConfigError
-from workers.experiment import run_experiment
+from paramserver.workers.experiments.runner import run_experiment
 
 __all__ = ["build_spec", "experiment"]
 

@@ -12,22 +12,20 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from cli.progress import step_progress
+from paramserver.cli.progress import step_progress
 from paramserver.errors import ConfigError, ParamServerError
 from paramserver.optim import parse_kwargs
-from workers.cluster import Progress as ClusterProgress
-from workers.experiment import (
+from paramserver.workers.experiments.render import summary_rows
+from paramserver.workers.experiments.report import ReportFiles
+from paramserver.workers.experiments.runner import ExperimentObserver, ExperimentResult, RunOutcome
+from paramserver.workers.experiments.spec import (
     PRESETS,
     SCENARIOS,
-    ExperimentObserver,
-    ExperimentResult,
     ExperimentSpec,
-    RunOutcome,
     RunPlan,
     load_spec,
 )
-from workers.report import ReportFiles
-from workers.report_render import summary_rows
+from paramserver.workers.launch.cluster import Progress as ClusterProgress
 
 __all__ = ["RichObserver", "build_spec", "grid_options", "print_summary", "run_grid",
            "spec_from_flags"]

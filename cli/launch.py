@@ -13,10 +13,10 @@ import click
 from rich.console import Console
 from rich.progress import Progress
 
-from cli.progress import step_progress
+from paramserver.cli.progress import step_progress
 from paramserver.errors import ParamServerError
-from workers.cluster import ClusterSpec, run_cluster
-from workers.cluster import Progress as ClusterProgress
+from paramserver.workers.launch.cluster import ClusterSpec, run_cluster
+from paramserver.workers.launch.cluster import Progress as ClusterProgress
 
 from . import options
 from .watch import format_alarm

@@ -14,8 +14,13 @@ from rich.table import Table
 from paramserver.errors import RegistryError
 from paramserver.staleness import ENTRY_POINT_GROUP as POLICY_GROUP
 from paramserver.staleness import available_policies, policy_parameters, resolve_policy
-from workers.tasks import ENTRY_POINT_GROUP as TASK_GROUP
-from workers.tasks import available_tasks, resolve_task, task_description, task_parameters
+from paramserver.workers.tasks import ENTRY_POINT_GROUP as TASK_GROUP
+from paramserver.workers.tasks import (
+    available_tasks,
+    resolve_task,
+    task_description,
+    task_parameters,
+)
 
 __all__ = ["policies", "tasks"]
 

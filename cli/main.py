@@ -19,17 +19,17 @@ import click
 # appears as soon as its file lands; a module that exists but fails to import
 # is an error, never silently hidden.
 COMMAND_MODULES = [
-    "cli.server",
-    "cli.worker",
-    "cli.launch",
-    "cli.status",
-    "cli.listing",
-    "cli.distributed",
-    "cli.experiment",
-    "cli.bench",
-    "cli.checkpoint",
-    "cli.keys",
-    "cli.simulate",
+    "paramserver.cli.server",
+    "paramserver.cli.worker",
+    "paramserver.cli.launch",
+    "paramserver.cli.status",
+    "paramserver.cli.listing",
+    "paramserver.cli.distributed",
+    "paramserver.cli.experiment",
+    "paramserver.cli.bench",
+    "paramserver.cli.checkpoint",
+    "paramserver.cli.keys",
+    "paramserver.cli.simulate",
 ]
 
 EPILOG = """\b

@@ -49,10 +49,10 @@ from paramserver.optim import build_optimizer, build_scheduler, parse_kwargs
 from paramserver.server import ServerConfig
 from paramserver.staleness import create_policy, parse_policy_args
 from paramserver.watchdog import ACTIONS, WatchdogConfig
-from workers.cluster import FAILURE_POLICIES, ClusterSpec
-from workers.stragglers import StragglerSpec
-from workers.tasks import resolve_task
-from workers.worker import WorkerConfig
+from paramserver.workers.launch.cluster import FAILURE_POLICIES, ClusterSpec
+from paramserver.workers.stragglers import StragglerSpec
+from paramserver.workers.tasks import resolve_task
+from paramserver.workers.worker import WorkerConfig
 
 __all__ = [
     "COMMAND_GROUPS",

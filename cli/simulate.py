@@ -2,7 +2,7 @@
 
 The grid, the run directory and the report are those of ``paramserver
 experiment`` (same flags, same spec files and presets); each run is simulated
-in this process by :mod:`paramserver.simulator` instead of started as
+in this process by :mod:`paramserver.workers.launch.virtual` instead of started as
 processes. Only argument handling and display live here.
 """
 
@@ -15,9 +15,10 @@ from typing import Any
 import click
 from rich.console import Console
 
-from cli.grid import grid_options, run_grid, spec_from_flags
+from paramserver.cli.grid import grid_options, run_grid, spec_from_flags
 from paramserver.errors import ConfigError
-from paramserver.simulator import SimSpec, simulate_experiment
+from paramserver.workers.experiments.runner import simulate_experiment
+from paramserver.workers.launch.virtual import SimSpec
 
 __all__ = ["simulate"]
 

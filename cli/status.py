@@ -13,7 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from paramserver.errors import RemoteError, TimeoutError, TransportError
-from workers.client import server_stats
+from paramserver.workers.client import server_stats
 
 from . import options
 from .watch import health_table, worker_table

@@ -1,6 +1,6 @@
 """Rendering for the live views: ``paramserver status --watch`` and alarms in ``launch``.
 
-Pure presentation over STATS replies (``workers.client.server_stats``) and
+Pure presentation over STATS replies (``paramserver.workers.client.server_stats``) and
 alarm records (``alarm`` events); the commands own the options and the loop.
 """
 

@@ -7,7 +7,7 @@ from typing import Any
 import click
 
 from paramserver.errors import ConfigError, RemoteError, TimeoutError, TransportError
-from workers.worker import run_worker
+from paramserver.workers.worker import run_worker
 
 from . import options
 

@@ -1,3 +1,147 @@
-"""paramserver: sharded parameter servers for sync, async and bounded-staleness training."""
+"""paramserver: sharded parameter servers for sync, async and bounded-staleness training.
+
+The names a user writes, all importable from here::
+
+    from paramserver import ClusterSpec, ServerConfig, WorkerConfig, run_cluster
+
+Each is loaded on first use, so ``import paramserver`` stays light: it imports
+neither torch nor any plotting, data-set or terminal library until a name that
+needs one is touched. The package's layers, from the bottom:
+
+* ``paramserver.*`` (core): protocol, transport, sharding, the pure shard core,
+  policies, optimizers, checkpoints, observability, the server;
+* ``paramserver.workers``: the worker side (client, training loop, tasks);
+* ``paramserver.workers.launch``: local clusters, rendezvous, virtual time;
+* ``paramserver.workers.experiments``: experiment grids and reports;
+* ``paramserver.benchmarks``, then ``paramserver.cli`` on top.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+# public name -> the module that defines it
+_EXPORTS: dict[str, str] = {
+    # errors: one tree under ParamServerError
+    "ParamServerError": "paramserver.errors",
+    "ConfigError": "paramserver.errors",
+    "RegistryError": "paramserver.errors",
+    "ProtocolError": "paramserver.errors",
+    "RemoteError": "paramserver.errors",
+    "TransportError": "paramserver.errors",
+    "ErrorCode": "paramserver.errors",
+    # staleness policies: the plug-in point of the server's rules
+    "StalenessPolicy": "paramserver.staleness",
+    "Decision": "paramserver.staleness",
+    "UpdateInfo": "paramserver.staleness",
+    "register_policy": "paramserver.staleness",
+    "available_policies": "paramserver.staleness",
+    "create_policy": "paramserver.staleness",
+    # the server
+    "ServerConfig": "paramserver.server",
+    "ShardServer": "paramserver.server",
+    "ShardPlan": "paramserver.sharding",
+    # the worker side
+    "PSClient": "paramserver.workers.client",
+    "Task": "paramserver.workers.tasks",
+    "EpochBatches": "paramserver.workers.tasks",
+    "register_task": "paramserver.workers.tasks",
+    "available_tasks": "paramserver.workers.tasks",
+    "WorkerConfig": "paramserver.workers.worker",
+    "run_worker": "paramserver.workers.worker",
+    # launching
+    "ClusterSpec": "paramserver.workers.launch.cluster",
+    "LocalCluster": "paramserver.workers.launch.cluster",
+    "run_cluster": "paramserver.workers.launch.cluster",
+    "SimSpec": "paramserver.workers.launch.virtual",
+    "run_simulation": "paramserver.workers.launch.virtual",
+    # experiments
+    "ExperimentSpec": "paramserver.workers.experiments.spec",
+    "load_spec": "paramserver.workers.experiments.spec",
+    "write_report": "paramserver.workers.experiments.report",
+    "run_experiment": "paramserver.workers.experiments.runner",
+    "simulate_experiment": "paramserver.workers.experiments.runner",
+}
+
+__all__ = [
+    "ClusterSpec",
+    "ConfigError",
+    "Decision",
+    "EpochBatches",
+    "ErrorCode",
+    "ExperimentSpec",
+    "LocalCluster",
+    "PSClient",
+    "ParamServerError",
+    "ProtocolError",
+    "RegistryError",
+    "RemoteError",
+    "ServerConfig",
+    "ShardPlan",
+    "ShardServer",
+    "SimSpec",
+    "StalenessPolicy",
+    "Task",
+    "TransportError",
+    "UpdateInfo",
+    "WorkerConfig",
+    "__version__",
+    "available_policies",
+    "available_tasks",
+    "create_policy",
+    "load_spec",
+    "register_policy",
+    "register_task",
+    "run_cluster",
+    "run_experiment",
+    "run_simulation",
+    "run_worker",
+    "simulate_experiment",
+    "write_report",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'paramserver' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # the next access is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ loads these
+    from paramserver.errors import (
+        ConfigError,
+        ErrorCode,
+        ParamServerError,
+        ProtocolError,
+        RegistryError,
+        RemoteError,
+        TransportError,
+    )
+    from paramserver.server import ServerConfig, ShardServer
+    from paramserver.sharding import ShardPlan
+    from paramserver.staleness import (
+        Decision,
+        StalenessPolicy,
+        UpdateInfo,
+        available_policies,
+        create_policy,
+        register_policy,
+    )
+    from paramserver.workers.client import PSClient
+    from paramserver.workers.experiments.report import write_report
+    from paramserver.workers.experiments.runner import run_experiment, simulate_experiment
+    from paramserver.workers.experiments.spec import ExperimentSpec, load_spec
+    from paramserver.workers.launch.cluster import ClusterSpec, LocalCluster, run_cluster
+    from paramserver.workers.launch.virtual import SimSpec, run_simulation
+    from paramserver.workers.tasks import EpochBatches, Task, available_tasks, register_task
+    from paramserver.workers.worker import WorkerConfig, run_worker

@@ -142,6 +142,12 @@ class ServerConfig:
 
 
 class ShardServer:
+    """One shard's process: a ROUTER socket in front of a :class:`~paramserver.core.ShardCore`.
+
+    ``serve_forever()`` runs the event loop until SHUTDOWN, :meth:`stop` or the
+    divergence watchdog; the core holds every consistency rule, this class the I/O.
+    """
+
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         curve = CurveKeys.load(config.curve_secret_key) if config.curve_secret_key else None

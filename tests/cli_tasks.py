@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from workers.tasks import create_task
+from paramserver.workers.tasks import create_task
 
 
 def crash_on_rank_one(*, rank: int, world_size: int) -> Any:

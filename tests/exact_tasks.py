@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from workers.tasks import Task
+from paramserver.workers.tasks import Task
 
 FEATURES, HIDDEN, OUTPUTS = 6, 8, 3
 

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from torch import nn
 
 from paramserver.staleness import Decision, StalenessPolicy, UpdateInfo
-from workers.tasks import Task, create_task
+from paramserver.workers.tasks import Task, create_task
 
 
 class _ScaleGradient(torch.autograd.Function):

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.tasks import Task
+from paramserver.workers.tasks import Task
 
 
 def make_task(*, rank: int, world_size: int, scale: float = 1.0, flag: bool = False,

@@ -3,7 +3,7 @@ one round trip, pushes sent in buckets with a prefetched pull, 16-bit gradients,
 the worker's overlap option, and gpu_check's code path on the CPU.
 
 Everything distributed runs in real processes over loopback: shard servers are
-benchmark agents (``python -m benchmarks.agent``) running a ShardServer.
+benchmark agents (``python -m paramserver.benchmarks.agent``) running a ShardServer.
 """
 
 from __future__ import annotations
@@ -16,15 +16,22 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from benchmarks.common import Agent, Stats, close_all, format_size, parse_size, split_range
-from benchmarks.extras import run_async, run_memory, run_overlap
-from benchmarks.ps import flat_plan
-from benchmarks.report import evaluate_goals, markdown, print_report
-from benchmarks.suite import Cell, PSVariant, SweepConfig, run_sweep
+from paramserver.benchmarks.common import (
+    Agent,
+    Stats,
+    close_all,
+    format_size,
+    parse_size,
+    split_range,
+)
+from paramserver.benchmarks.extras import run_async, run_memory, run_overlap
+from paramserver.benchmarks.ps import flat_plan
+from paramserver.benchmarks.report import evaluate_goals, markdown, print_report
+from paramserver.benchmarks.suite import Cell, PSVariant, SweepConfig, run_sweep
 from paramserver.errors import ConfigError
-from workers.client import PSClient, shutdown_servers
-from workers.overlap import BucketPusher, make_buckets
-from workers.worker import WorkerConfig, run_worker
+from paramserver.workers.client import PSClient, shutdown_servers
+from paramserver.workers.overlap import BucketPusher, make_buckets
+from paramserver.workers.worker import WorkerConfig, run_worker
 
 LR = 0.05
 
@@ -252,7 +259,7 @@ def test_async_memory_and_overlap_smoke() -> None:
 
 @pytest.mark.integration
 def test_bench_command_writes_json(tmp_path: Path) -> None:
-    from cli.bench import bench
+    from paramserver.cli.bench import bench
 
     out = tmp_path / "bench"
     res = CliRunner().invoke(bench, [
@@ -269,7 +276,7 @@ def test_bench_command_writes_json(tmp_path: Path) -> None:
 
 @pytest.mark.integration
 def test_gpu_check_code_path_on_cpu(tmp_path: Path) -> None:
-    from benchmarks.gpu_check import main
+    from paramserver.benchmarks.gpu_check import main
 
     out = tmp_path / "gpu.json"
     assert main(["--device", "cpu", "--quick", "--out", str(out)]) == 0

@@ -15,7 +15,6 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 from torch import nn
 
-from cli.checkpoint import checkpoint as checkpoint_cli
 from paramserver.checkpoint import (
     WRITE_STEPS,
     CheckpointError,
@@ -25,6 +24,7 @@ from paramserver.checkpoint import (
     save_shard,
     set_write_hook,
 )
+from paramserver.cli.checkpoint import checkpoint as checkpoint_cli
 from paramserver.core import CoreConfig, ModeSpec, ShardCore, SliceSpec
 from paramserver.sharding import ShardPlan
 

@@ -11,13 +11,13 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
-from cli.checkpoint import checkpoint as checkpoint_cli
 from paramserver.checkpoint import inspect_checkpoint, load_shard
+from paramserver.cli.checkpoint import checkpoint as checkpoint_cli
 from paramserver.server import ServerConfig
-from workers.cluster import ClusterSpec, run_cluster
-from workers.stragglers import StragglerSpec
-from workers.tasks import evaluate
-from workers.worker import WorkerConfig, build_task
+from paramserver.workers.launch.cluster import ClusterSpec, run_cluster
+from paramserver.workers.stragglers import StragglerSpec
+from paramserver.workers.tasks import evaluate
+from paramserver.workers.worker import WorkerConfig, build_task
 
 pytestmark = pytest.mark.integration
 
@@ -28,7 +28,7 @@ def test_exported_checkpoint_scores_what_the_run_reported(tmp_path):
         num_servers=2, num_workers=2,
         server=ServerConfig(mode="async", checkpoint_dir=str(ckpt), checkpoint_every=25,
                             optimizer="adam", optimizer_args={"lr": 0.01}),
-        worker=WorkerConfig(servers=["unset"], task="digits-mlp", steps=30,
+        worker=WorkerConfig(servers=[], task="digits-mlp", steps=30,
                             straggler=StragglerSpec(min_step_time=0.01)),
     )
     result = run_cluster(spec, tmp_path / "run")

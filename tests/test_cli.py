@@ -17,8 +17,8 @@ import click
 import pytest
 from click.testing import CliRunner, Result
 
-from cli.main import main, register_commands
-from cli.options import option_names
+from paramserver.cli.main import main, register_commands
+from paramserver.cli.options import option_names
 from tests.ports import free_port
 
 OURS = ["server", "worker", "launch", "status", "policies", "tasks", "run"]
@@ -396,13 +396,13 @@ def test_run_print_config_needs_no_launcher():
 
 def test_console_script_is_cli_main():
     setup = (Path(__file__).parent.parent / "setup.cfg").read_text()
-    assert "paramserver = cli.main:main" in setup
-    assert sys.modules["cli.main"].main is main
+    assert "paramserver = paramserver.cli.main:main" in setup
+    assert sys.modules["paramserver.cli.main"].main is main
 
 
 def test_installed_task_and_policy_plugins_are_listed(tmp_path, monkeypatch):
     import paramserver.staleness as S
-    import workers.tasks as T
+    import paramserver.workers.tasks as T
     from paramserver import plugins
 
     dist = tmp_path / "myplugins-1.0.dist-info"

@@ -1,9 +1,9 @@
 """The command line over real processes: launch, four terminals, signals, torchrun,
 Slurm and two network namespaces.
 
-Every process is started the way a person would start it: ``python -m cli ...``
+Every process is started the way a person would start it: ``python -m paramserver.cli ...``
 is the ``paramserver`` console script (cli/__main__.py calls the same
-``cli.main:main``), and torchrun is ``python -m torch.distributed.run``.
+``paramserver.cli.main:main``), and torchrun is ``python -m torch.distributed.run``.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
-import cli.launch
-from cli.main import main
+import paramserver.cli.launch
+from paramserver.cli.main import main
 
 
 class _Stop(Exception):
@@ -25,7 +25,7 @@ def test_restart_workers_flag(monkeypatch, tmp_path, args, expected):
         seen["policy"] = spec.on_worker_failure
         raise _Stop
 
-    monkeypatch.setattr(cli.launch, "run_cluster", fake_run_cluster)
+    monkeypatch.setattr(paramserver.cli.launch, "run_cluster", fake_run_cluster)
     CliRunner().invoke(main, ["launch", "-s", "1", "-n", "1", "--steps", "2", "--quiet",
                               "--out", str(tmp_path), *args])
     assert seen["policy"] == expected

@@ -7,9 +7,9 @@ import torch
 from safetensors.torch import load_file
 
 from paramserver.server import ServerConfig
+from paramserver.workers.launch.cluster import ClusterSpec, run_cluster
+from paramserver.workers.worker import WorkerConfig
 from tests import exact_tasks as T
-from workers.cluster import ClusterSpec, run_cluster
-from workers.worker import WorkerConfig
 
 pytestmark = pytest.mark.integration
 
@@ -23,7 +23,7 @@ def _run(tmp_path, mode, workers, optimizer, optimizer_args, unequal=False, serv
         num_workers=workers,
         server=ServerConfig(mode=mode, optimizer=optimizer, optimizer_args=optimizer_args),
         worker=WorkerConfig(
-            servers=["unset"], task="tests.exact_tasks:make_task",
+            servers=[], task="tests.exact_tasks:make_task",
             task_args={"steps": STEPS, "unequal": unequal}, steps=STEPS, **worker,
         ),
     )

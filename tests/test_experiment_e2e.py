@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from cli.experiment import experiment
+from paramserver.cli.experiment import experiment
 from paramserver.events import read_events
-from workers.experiment import ExperimentSpec, load_spec, run_experiment
+from paramserver.workers.experiments.runner import run_experiment
+from paramserver.workers.experiments.spec import ExperimentSpec, load_spec
 
 pytestmark = pytest.mark.integration
 

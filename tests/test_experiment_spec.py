@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from cli.experiment import build_spec, experiment
+from paramserver.cli.experiment import build_spec, experiment
 from paramserver.errors import ConfigError, RegistryError
-from workers.experiment import (
+from paramserver.workers.experiments.spec import (
     ExperimentSpec,
     ModeChoice,
     PolicyChoice,
@@ -21,7 +21,7 @@ from workers.experiment import (
     load_spec,
     preset,
 )
-from workers.stragglers import StragglerSpec
+from paramserver.workers.stragglers import StragglerSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -240,7 +240,7 @@ def test_cli_refuses_bad_flags_before_starting_anything(tmp_path):
 
 
 def test_an_unrelated_directory_is_not_overwritten(tmp_path):
-    from workers.experiment import run_experiment
+    from paramserver.workers.experiments.runner import run_experiment
 
     (tmp_path / "precious.txt").write_text("keep me")
     with pytest.raises(ConfigError, match="does not hold an earlier experiment"):

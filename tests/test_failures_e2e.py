@@ -10,9 +10,9 @@ import pytest
 
 from paramserver.events import read_events
 from paramserver.server import ServerConfig
-from workers.cluster import ClusterSpec, LocalCluster, run_cluster
-from workers.stragglers import StragglerSpec
-from workers.worker import WorkerConfig
+from paramserver.workers.launch.cluster import ClusterSpec, LocalCluster, run_cluster
+from paramserver.workers.stragglers import StragglerSpec
+from paramserver.workers.worker import WorkerConfig
 
 pytestmark = pytest.mark.integration
 
@@ -26,7 +26,7 @@ def spec(mode, workers=3, steps=60, **kw):
         num_servers=2, num_workers=workers,
         server=ServerConfig(mode=mode, staleness_bound=2, heartbeat_timeout=HEARTBEAT_TIMEOUT,
                             **server),
-        worker=WorkerConfig(**{"servers": ["unset"], "task": "digits-mlp", "steps": steps,
+        worker=WorkerConfig(**{"servers": [], "task": "digits-mlp", "steps": steps,
                                "request_timeout": 1.0, "heartbeat_interval": 0.25,
                                "straggler": StragglerSpec(min_step_time=0.01), **worker}),
         **kw,
@@ -105,9 +105,9 @@ def test_shard_killed_and_restarted_from_checkpoint(tmp_path):
         cluster.wait_workers(cb, poll=0.05)
         assert state["killed"] == "server1"
         assert cluster.restarts and cluster.restarts[0]["resumed"]
-        from workers.cluster import _final_eval
+        from paramserver.workers.launch.cluster import _final_eval
         final = _final_eval(s, cluster.addresses, tmp_path / "run")
-        from workers.client import shutdown_servers
+        from paramserver.workers.client import shutdown_servers
         shutdown_servers(cluster.addresses)
     want = reference["eval"]["loss"]
     assert abs(final["loss"] - want) <= 0.1 * want, (final, reference["eval"])

@@ -44,10 +44,10 @@ from paramserver.errors import ErrorCode, ProtocolError
 from paramserver.protocol import MAX_HEADER_BYTES, PROTOCOL_VERSION, decode
 from paramserver.server import ServerConfig
 from paramserver.sharding import ShardPlan
-from workers.client import PSClient, server_stats
-from workers.cluster import ClusterSpec, LocalCluster
-from workers.tasks import create_task
-from workers.worker import WorkerConfig
+from paramserver.workers.client import PSClient, server_stats
+from paramserver.workers.launch.cluster import ClusterSpec, LocalCluster
+from paramserver.workers.tasks import create_task
+from paramserver.workers.worker import WorkerConfig
 
 pytestmark = pytest.mark.integration
 
@@ -448,7 +448,7 @@ def _train_step(client: PSClient, task: Any, params: dict[str, torch.Tensor],
 def test_fuzzed_messages_leave_a_live_server_unchanged(tmp_path: Any) -> None:
     spec = ClusterSpec(num_servers=1, num_workers=1,
                        server=ServerConfig(mode="async", heartbeat_timeout=600),
-                       worker=WorkerConfig(servers=["unset"], task=TASK), evaluate=False)
+                       worker=WorkerConfig(servers=[], task=TASK), evaluate=False)
     task = create_task(TASK, 0, 1, {})
     plan = ShardPlan.from_module(task.model, 1)
     params = dict(task.model.named_parameters())

@@ -120,7 +120,7 @@ def test_watch_status_redraws_and_survives_an_unreachable_server():
 
     from rich.console import Console
 
-    from cli.watch import watch_status
+    from paramserver.cli.watch import watch_status
 
     stats = [{"shard": 0, "mode": "async", "version": 7, "live_workers": [0], "min_clock": 3,
               "clock_gap": 0, "lr": 0.1,

@@ -12,9 +12,9 @@ from paramserver.protocol import Message, Op
 from paramserver.server import ServerConfig
 from paramserver.sharding import ShardPlan
 from paramserver.transport import Channel
-from workers.cluster import ClusterSpec, LocalCluster, run_cluster
-from workers.stragglers import StragglerSpec
-from workers.worker import WorkerConfig
+from paramserver.workers.launch.cluster import ClusterSpec, LocalCluster, run_cluster
+from paramserver.workers.stragglers import StragglerSpec
+from paramserver.workers.worker import WorkerConfig
 
 pytestmark = pytest.mark.integration
 
@@ -23,7 +23,7 @@ def spec(mode="async", workers=3, steps=40, **server):
     return ClusterSpec(
         num_servers=2, num_workers=workers,
         server=ServerConfig(mode=mode, **server),
-        worker=WorkerConfig(servers=["unset"], task="digits-mlp", steps=steps,
+        worker=WorkerConfig(servers=[], task="digits-mlp", steps=steps,
                             straggler=StragglerSpec(min_step_time=0.01)),
     )
 

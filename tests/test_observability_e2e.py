@@ -21,14 +21,14 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from cli.watch import render_status
+from paramserver.cli.watch import render_status
 from paramserver.events import read_events
 from paramserver.server import DIVERGED_EXIT_CODE, ServerConfig
+from paramserver.workers.client import shutdown_servers
+from paramserver.workers.launch.cluster import ClusterError, ClusterSpec, LocalCluster, run_cluster
+from paramserver.workers.stragglers import StragglerSpec
+from paramserver.workers.worker import WorkerConfig
 from tests.observability_fixture import scrape
-from workers.client import shutdown_servers
-from workers.cluster import ClusterError, ClusterSpec, LocalCluster, run_cluster
-from workers.stragglers import StragglerSpec
-from workers.worker import WorkerConfig
 
 pytestmark = pytest.mark.integration
 
@@ -40,7 +40,7 @@ def spec(mode="async", *, workers=3, shards=1, steps=40, seed=0, task="digits-ml
     return ClusterSpec(
         num_servers=shards, num_workers=workers,
         server=ServerConfig(mode=mode, **server),
-        worker=WorkerConfig(servers=["unset"], task=task, task_args=task_args or {},
+        worker=WorkerConfig(servers=[], task=task, task_args=task_args or {},
                             steps=steps, seed=seed),
         stragglers=stragglers or {}, evaluate=False, metrics_port=metrics_port,
     )

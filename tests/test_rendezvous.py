@@ -7,8 +7,7 @@ import threading
 import pytest
 
 from paramserver.errors import ConfigError
-from tests.ports import free_port
-from workers.rendezvous import (
+from paramserver.workers.launch.rendezvous import (
     LaunchEnv,
     Rendezvous,
     RendezvousError,
@@ -18,6 +17,7 @@ from workers.rendezvous import (
     expand_nodelist,
     launch_env,
 )
+from tests.ports import free_port
 
 
 @pytest.mark.parametrize(("text", "hosts"), [

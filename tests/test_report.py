@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from workers.report import (
+from paramserver.workers.experiments.render import summary_rows
+from paramserver.workers.experiments.report import (
     ClaimCheck,
     Stat,
     aggregate,
@@ -21,8 +22,7 @@ from workers.report import (
     summarize,
     write_report,
 )
-from workers.report import _clock_gaps as clock_gaps
-from workers.report_render import summary_rows
+from paramserver.workers.experiments.report import _clock_gaps as clock_gaps
 
 T0 = 1_000.0
 

@@ -11,17 +11,17 @@ import torch
 import zmq
 from click.testing import CliRunner
 
-from cli.keys import keys as keys_cli
+from paramserver.cli.keys import keys as keys_cli
 from paramserver.errors import ConfigError, ParamServerError, TimeoutError, TransportError
 from paramserver.events import read_events
 from paramserver.protocol import Message, Op, encode
 from paramserver.server import ServerConfig
 from paramserver.sharding import ShardPlan
 from paramserver.transport import CurveKeys, RouterSocket, generate_curve_keys
-from workers.client import PSClient
-from workers.cluster import ClusterSpec, Progress, run_cluster
-from workers.stragglers import StragglerSpec
-from workers.worker import WorkerConfig, build_task
+from paramserver.workers.client import PSClient
+from paramserver.workers.launch.cluster import ClusterSpec, Progress, run_cluster
+from paramserver.workers.stragglers import StragglerSpec
+from paramserver.workers.worker import WorkerConfig, build_task
 
 REFUSAL_WAIT = 1.0  # seconds a refused peer waits for anything at all
 
@@ -126,13 +126,13 @@ def test_curve_run_admits_only_the_right_keys(tmp_path):
         num_servers=1, num_workers=2,
         server=ServerConfig(mode="async", curve_secret_key=str(made.server_secret),
                             curve_clients_dir=str(made.authorized_dir)),
-        worker=WorkerConfig(servers=["unset"], task="digits-mlp", steps=40,
+        worker=WorkerConfig(servers=[], task="digits-mlp", steps=40,
                             straggler=StragglerSpec(min_step_time=0.02),
                             curve_key=str(made.clients["client"][1]),
                             curve_server_key=str(made.server_public)),
     )
     out = tmp_path / "run"
-    task = build_task(WorkerConfig(servers=["unset"], task="digits-mlp"))
+    task = build_task(WorkerConfig(servers=[], task="digits-mlp"))
     plan = ShardPlan.from_module(task.model, 1)
     params = dict(task.model.named_parameters())
     seen: dict[str, object] = {}

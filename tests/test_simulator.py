@@ -16,10 +16,10 @@ from click.testing import CliRunner
 
 from paramserver.events import read_events
 from paramserver.server import ServerConfig
-from paramserver.simulator import SimSpec, Simulator, run_simulation
-from workers.cluster import ClusterSpec, Progress, run_cluster
-from workers.stragglers import StragglerSpec
-from workers.worker import WorkerConfig
+from paramserver.workers.launch.cluster import ClusterSpec, Progress, run_cluster
+from paramserver.workers.launch.virtual import SimSpec, Simulator, run_simulation
+from paramserver.workers.stragglers import StragglerSpec
+from paramserver.workers.worker import WorkerConfig
 
 # a step's virtual time: 10 ms of compute plus an exponential delay of mean 5 ms (a shifted
 # exponential), so that workers drift apart as real ones do
@@ -32,7 +32,7 @@ def make_spec(workers=4, mode="async", steps=20, policy="none", policy_args=None
     server = ServerConfig(mode=mode, staleness_bound=s, backup_workers=b, policy=policy,
                           policy_args=dict(policy_args or {}), optimizer_args={"lr": lr},
                           expected_workers=workers)
-    worker = WorkerConfig(servers=["unset"], task="digits-mlp", steps=steps, seed=seed,
+    worker = WorkerConfig(servers=[], task="digits-mlp", steps=steps, seed=seed,
                           eval_every=eval_every, batch_size=batch_size, straggler=straggler)
     return ClusterSpec(num_servers=servers, num_workers=workers, server=server, worker=worker,
                        stragglers=dict(stragglers or {}))
@@ -214,7 +214,7 @@ def test_one_backup_worker_of_8_cuts_time_per_step_by_a_quarter_with_heavy_tails
 
 
 def test_simulate_command_writes_the_experiment_report(tmp_path):
-    from cli.simulate import simulate
+    from paramserver.cli.simulate import simulate
 
     out = tmp_path / "exp"
     result = CliRunner().invoke(simulate, [
@@ -236,7 +236,7 @@ def test_simulate_command_writes_the_experiment_report(tmp_path):
 
 def test_backup_workers_are_a_mode_of_the_experiment_grid():
     from paramserver.errors import ConfigError
-    from workers.experiment import ExperimentSpec, ModeChoice
+    from paramserver.workers.experiments.spec import ExperimentSpec, ModeChoice
 
     spec = ExperimentSpec(modes=["sync", "sync:b=1"], workers=[8], scenarios=["none"])
     configs = spec.configurations()

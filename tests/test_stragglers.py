@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from paramserver.errors import ConfigError
-from workers.stragglers import DELAY_KINDS, Straggler, StragglerSpec
+from paramserver.workers.stragglers import DELAY_KINDS, Straggler, StragglerSpec
 
 N = 10_000
 

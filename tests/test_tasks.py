@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paramserver.errors import ConfigError, RegistryError
-from workers.tasks import (
+from paramserver.workers.tasks import (
     EpochBatches,
     Task,
     as_task,
@@ -345,7 +345,7 @@ def test_register_custom_and_kwargs_factory() -> None:
         task = create_task(name, 1, 2, {"anything": "x"})
         assert task.description == repr([("anything", "x"), ("rank", 1), ("world_size", 2)])
     finally:
-        from workers import tasks as tasks_module
+        from paramserver.workers import tasks as tasks_module
 
         tasks_module._REGISTRY.pop(name, None)
         tasks_module._DESCRIPTIONS.pop(name, None)

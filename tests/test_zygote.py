@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from workers.zygote import Zygote, fork_enabled
+from paramserver.workers.launch.zygote import Zygote, fork_enabled
 
 pytestmark = pytest.mark.skipif(not fork_enabled(), reason="the zygote needs Linux")
 
@@ -88,7 +88,7 @@ def test_signals_and_wait_timeouts_behave_as_popen(zygote, tmp_path):
 
 LAUNCHER = textwrap.dedent("""
     import os, sys
-    from workers.zygote import zygote_for
+    from paramserver.workers.launch.zygote import zygote_for
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = zygote_for(env).spawn("tests.zygote_child", ["pause"], env=env,
                                  stdout=sys.stdout.fileno(), stderr=sys.stderr.fileno())
@@ -123,13 +123,13 @@ def test_a_launcher_killed_with_sigkill_leaves_no_child_behind():
 def run_tiny_cluster(tmp_path, mode="sync", workers=2, steps=5):
     """Run a small local cluster to the end; (the process handles' types, shard 0's STATS)."""
     from paramserver.server import ServerConfig
-    from workers.client import server_stats
-    from workers.cluster import ClusterSpec, LocalCluster
-    from workers.worker import WorkerConfig
+    from paramserver.workers.client import server_stats
+    from paramserver.workers.launch.cluster import ClusterSpec, LocalCluster
+    from paramserver.workers.worker import WorkerConfig
 
     spec = ClusterSpec(num_servers=1, num_workers=workers,
                        server=ServerConfig(mode=mode, expected_workers=workers),
-                       worker=WorkerConfig(servers=["unset"], task="synthetic-logreg",
+                       worker=WorkerConfig(servers=[], task="synthetic-logreg",
                                            steps=steps))
     with LocalCluster(spec, tmp_path) as cluster:
         cluster.start_servers()
@@ -141,7 +141,7 @@ def run_tiny_cluster(tmp_path, mode="sync", workers=2, steps=5):
 
 @pytest.mark.parametrize("spawn_mode", ["fork", "exec"])
 def test_a_local_run_is_the_same_forked_or_executed(tmp_path, monkeypatch, spawn_mode):
-    from workers.zygote import ForkedProcess
+    from paramserver.workers.launch.zygote import ForkedProcess
 
     monkeypatch.setenv("PARAMSERVER_SPAWN", spawn_mode)
     kinds, stats = run_tiny_cluster(tmp_path)
@@ -151,7 +151,7 @@ def test_a_local_run_is_the_same_forked_or_executed(tmp_path, monkeypatch, spawn
 
 def test_a_run_falls_back_to_cold_starts_when_the_zygote_cannot_fork(tmp_path, monkeypatch,
                                                                       caplog):
-    from workers.zygote import ZygoteError
+    from paramserver.workers.launch.zygote import ZygoteError
 
     def refuse(self, module, *args, **kwargs):
         raise ZygoteError(f"the zygote could not start {module}: not single-threaded")

@@ -4,7 +4,7 @@
 hook on every parameter. Parameters are grouped into buckets of about
 ``bucket_bytes`` in reverse registration order (the order backward produces
 them, as DDP does); once the last gradient of a bucket has been accumulated,
-the bucket is sent to its shards at once (:class:`~workers.client.PushStream`)
+the bucket is sent to its shards at once (:class:`~paramserver.workers.client.PushStream`)
 while backward goes on with earlier layers. The last part to each shard also
 asks for the next weights, so the next pull needs no round trip of its own.
 On CUDA, a bucket's gradients go to pinned host buffers first.
@@ -20,10 +20,9 @@ from typing import Any
 import torch
 
 from paramserver.errors import ConfigError
-
-from .client import PSClient, PullResult, PushResult, PushStream
-from .stragglers import Straggler
-from .tasks import Task
+from paramserver.workers.client import PSClient, PullResult, PushResult, PushStream
+from paramserver.workers.stragglers import Straggler
+from paramserver.workers.tasks import Task
 
 __all__ = ["BucketPusher", "OverlapStep", "make_buckets"]
 

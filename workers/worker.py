@@ -26,11 +26,16 @@ from paramserver.errors import ConfigError
 from paramserver.events import EventLog
 from paramserver.sharding import ShardPlan
 from paramserver.transport import CurveKeys
-
-from .client import GRAD_WIRE_DTYPES, PART_BYTES, PSClient, PullResult, PushResult
-from .overlap import BucketPusher
-from .stragglers import Straggler, StragglerSpec
-from .tasks import Task, create_task, evaluate, resolve_task, task_parameters
+from paramserver.workers.client import (
+    GRAD_WIRE_DTYPES,
+    PART_BYTES,
+    PSClient,
+    PullResult,
+    PushResult,
+)
+from paramserver.workers.overlap import BucketPusher
+from paramserver.workers.stragglers import Straggler, StragglerSpec
+from paramserver.workers.tasks import Task, create_task, evaluate, resolve_task, task_parameters
 
 __all__ = ["WorkerConfig", "resolve_device", "run_worker"]
 
@@ -76,8 +81,6 @@ class WorkerConfig:
             self.straggler = StragglerSpec(**self.straggler)
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
             raise ConfigError(f"rank must be in [0, {self.world_size}), got {self.rank}")
-        if not self.servers:
-            raise ConfigError("a worker needs at least one server address")
         if self.steps is None and self.epochs is None:
             raise ConfigError("give steps or epochs")
         if self.steps is not None and self.steps < 1:
@@ -174,6 +177,8 @@ def _num_steps(config: WorkerConfig, task: Task) -> int:
 
 def run_worker(config: WorkerConfig) -> dict[str, Any]:
     """Train until ``steps`` pushes are done; return (and write) the worker's result."""
+    if not config.servers:  # empty is fine in a ClusterSpec: the launcher fills it in
+        raise ConfigError("a worker needs at least one server address (--servers)")
     device = resolve_device(config.device)
     task = build_task(config)
     model = task.model.to(device)
@@ -307,10 +312,10 @@ def _write_json(path: str | os.PathLike[str], data: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m workers.worker CONFIG.json``: the launcher's way to start a worker."""
+    """``python -m paramserver.workers.worker CONFIG.json``: how the launcher starts a worker."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        raise SystemExit("usage: python -m workers.worker CONFIG.json")
+        raise SystemExit("usage: python -m paramserver.workers.worker CONFIG.json")
     config = WorkerConfig.from_dict(json.loads(Path(args[0]).read_text()))
     logging.basicConfig(
         level=os.environ.get("PARAMSERVER_LOG_LEVEL", "INFO"),

@@ -8,8 +8,7 @@ I/O, no clocks, no randomness it does not own. Constructor arguments are its
 
 from __future__ import annotations
 
-from paramserver.errors import ConfigError
-from paramserver.staleness import Decision, StalenessPolicy, UpdateInfo
+from paramserver import ConfigError, Decision, StalenessPolicy, UpdateInfo
 
 
 class MyPolicy(StalenessPolicy):

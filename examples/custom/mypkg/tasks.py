@@ -1,7 +1,7 @@
 """A custom task: tell two noisy concentric rings apart with a small MLP.
 
 A task factory is called as ``make_task(rank=r, world_size=n, **task_args)``
-and returns a :class:`workers.tasks.Task`. Rules that make experiments fair:
+and returns a :class:`paramserver.workers.tasks.Task`. Rules that make experiments fair:
 
 * every rank builds the same initial weights (seed the model init);
 * every rank gets its own slice of the training data (here: every n-th example);
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.tasks import EpochBatches, Task
+from paramserver import EpochBatches, Task
 
 
 def _rings(n: int, noise: float, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,7 +2,7 @@
 tables, plots, ``report.md`` and ``report.html``.
 
 Pure post-processing: it reads an experiment directory written by
-:func:`workers.experiment.run_experiment` (``experiment.json`` and every run's
+:func:`paramserver.workers.experiments.spec.run_experiment` (``experiment.json`` and every run's
 ``events/*.jsonl`` and ``result.json``) and starts no process, so a report can
 be rebuilt, or tested, from recorded logs alone::
 
@@ -405,7 +405,7 @@ class ReportFiles:
 
 def write_report(out_dir: str | Path) -> ReportFiles:
     """Write ``report.md``, ``report.html`` (images inlined) and ``images/*.png``."""
-    from .report_render import render_report
+    from paramserver.workers.experiments.render import render_report
 
     out = Path(out_dir)
     exp = load_experiment(out)

@@ -36,10 +36,9 @@ from paramserver.errors import ConfigError, ParamServerError, TimeoutError
 from paramserver.observe import JsonlFollower, LauncherObserver
 from paramserver.server import READY_PREFIX, ServerConfig
 from paramserver.transport import CurveKeys
-
-from .stragglers import StragglerSpec
-from .worker import WorkerConfig, _write_json
-from .zygote import ForkedProcess, ZygoteError, fork_enabled, zygote_for
+from paramserver.workers.launch.zygote import ForkedProcess, ZygoteError, fork_enabled, zygote_for
+from paramserver.workers.stragglers import StragglerSpec
+from paramserver.workers.worker import WorkerConfig, _write_json
 
 __all__ = [
     "FAILURE_POLICIES",
@@ -53,6 +52,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
+WORKER_MODULE = "paramserver.workers.worker"  # what each worker process runs as __main__
 FAILURE_POLICIES = ("fail", "tolerate", "restart")
 
 
@@ -227,7 +227,7 @@ class LocalCluster:
 
     def _fork(self, module: str, cfg_path: str, log_file: BinaryIO,
               ready_pipe: bool) -> ForkedProcess:
-        """The same process, forked from a preloaded zygote (workers.zygote)."""
+        """The same process, forked from a preloaded zygote (paramserver.workers.launch.zygote)."""
         if not ready_pipe:
             return zygote_for(self._env).spawn(module, [cfg_path], env=self._env,
                                                stdout=log_file.fileno(),
@@ -290,7 +290,7 @@ class LocalCluster:
     def start_workers(self) -> None:
         for rank in range(self.spec.num_workers):
             cfg = self.spec.worker_config(rank, self.addresses, self.out)
-            self.workers.append(self._spawn(f"worker{rank}", "workers.worker", cfg.to_dict(),
+            self.workers.append(self._spawn(f"worker{rank}", WORKER_MODULE, cfg.to_dict(),
                                             ready_pipe=False))
 
     def wait_workers(self, on_progress: Callable[[Progress], None] | None = None,
@@ -354,7 +354,7 @@ class LocalCluster:
 
     def _report_dead(self, rank: int) -> None:
         """Best effort: the shards' heartbeat timeout still holds if this fails."""
-        from .client import report_dead
+        from paramserver.workers.client import report_dead
 
         try:
             report_dead(self.addresses, rank, curve=self.spec.client_curve())
@@ -377,7 +377,7 @@ class LocalCluster:
 
     def _restart_worker(self, rank: int) -> None:
         cfg = self.spec.worker_config(rank, self.addresses, self.out)
-        self.workers[rank] = self._spawn(f"worker{rank}", "workers.worker", cfg.to_dict(),
+        self.workers[rank] = self._spawn(f"worker{rank}", WORKER_MODULE, cfg.to_dict(),
                                          ready_pipe=False, append=True)
         self.restarts.append({"process": f"worker{rank}", "t": time.time()})
 
@@ -460,10 +460,9 @@ def _final_eval(spec: ClusterSpec, addresses: list[str], out: Path) -> dict[str,
     from safetensors.torch import save_file
 
     from paramserver.sharding import ShardPlan
-
-    from .client import PSClient
-    from .tasks import evaluate
-    from .worker import build_task
+    from paramserver.workers.client import PSClient
+    from paramserver.workers.tasks import evaluate
+    from paramserver.workers.worker import build_task
 
     cfg = dataclasses.replace(spec.worker, rank=0, world_size=spec.num_workers,
                               servers=addresses)
@@ -486,7 +485,7 @@ def run_cluster(spec: ClusterSpec, out_dir: str | Path,
     ``on_alarm`` gets each watchdog alarm (an ``alarm`` event of a shard's log) as
     it happens.
     """
-    from .client import server_stats, shutdown_servers
+    from paramserver.workers.client import server_stats, shutdown_servers
 
     out = Path(out_dir)
     t0 = time.time()

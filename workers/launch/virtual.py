@@ -1,17 +1,17 @@
 """Virtual-time simulator: many workers, one process, the real shard core.
 
 ``run_simulation(spec, out_dir)`` runs the configuration a
-:class:`~workers.cluster.ClusterSpec` describes, as :func:`~workers.cluster.run_cluster`
-would, but with no sockets and no processes: one :class:`~paramserver.core.ShardCore`
-per shard (split by the same :class:`~paramserver.sharding.ShardPlan`), the same
-torch optimizer, staleness policy and task, and M *virtual* workers whose
-steps take virtual time. So 64 or 256 workers fit on a laptop, and a run is
-exactly reproducible from its seed.
+:class:`~paramserver.workers.launch.cluster.ClusterSpec` describes, as
+:func:`~paramserver.workers.launch.cluster.run_cluster` would, but with no sockets and
+no processes: one :class:`~paramserver.core.ShardCore` per shard (split by the same
+:class:`~paramserver.sharding.ShardPlan`), the same torch optimizer, staleness policy
+and task, and M *virtual* workers whose steps take virtual time. So 64 or 256
+workers fit on a laptop, and a run is exactly reproducible from its seed.
 
 The model of time (all in virtual seconds):
 
 * a worker's step takes ``Straggler(spec, seed=(seed, rank)).step_time(compute_time)``:
-  the same :class:`~workers.stragglers.StragglerSpec` and seeding a real worker
+  the same :class:`~paramserver.workers.stragglers.StragglerSpec` and seeding a real worker
   uses, applied to a fixed bare compute time. That gives the distributions
   an experiment needs: constant (no straggler), persistent stragglers
   (``slowdown``), transient slow steps (``slow_prob``/``slow_factor``) and a
@@ -44,18 +44,17 @@ from typing import IO, TYPE_CHECKING, Any
 
 import torch
 
-from workers.cluster import ClusterSpec, Progress
-from workers.stragglers import Straggler
-from workers.tasks import Task, evaluate
-from workers.worker import WorkerConfig, _forever, _num_steps, _write_json, build_task
-
-from .core import GradStats, ShardCore, SliceSpec, StepStats
-from .errors import ConfigError, ParamServerError, ProtocolError
-from .sharding import ShardPlan
-from .staleness import create_policy
+from paramserver.core import GradStats, ShardCore, SliceSpec, StepStats
+from paramserver.errors import ConfigError, ParamServerError, ProtocolError
+from paramserver.sharding import ShardPlan
+from paramserver.staleness import create_policy
+from paramserver.workers.launch.cluster import ClusterSpec, Progress
+from paramserver.workers.stragglers import Straggler
+from paramserver.workers.tasks import Task, evaluate
+from paramserver.workers.worker import WorkerConfig, _forever, _num_steps, _write_json, build_task
 
 if TYPE_CHECKING:
-    from workers.experiment import ExperimentObserver, ExperimentResult, ExperimentSpec
+    pass
 
 __all__ = [
     "SimSpec",
@@ -63,7 +62,6 @@ __all__ = [
     "Simulator",
     "VirtualEventLog",
     "run_simulation",
-    "simulate_experiment",
 ]
 
 log = logging.getLogger(__name__)
@@ -517,9 +515,10 @@ class Simulator:
 def run_simulation(spec: ClusterSpec, out_dir: str | Path | None = None,
                    sim: SimSpec | None = None,
                    on_progress: Callable[[Progress], None] | None = None) -> dict[str, Any]:
-    """Run ``spec`` in virtual time; like :func:`~workers.cluster.run_cluster`, it returns
-    the result and, given ``out_dir``, writes the same run directory (``seconds`` and
-    every ``t`` are virtual)."""
+    """Run ``spec`` in virtual time; like
+    :func:`~paramserver.workers.launch.cluster.run_cluster`, it returns the result and,
+    given ``out_dir``, writes the same run directory (``seconds`` and every ``t`` are
+    virtual)."""
     if out_dir is not None:
         out = Path(out_dir)
         for sub in ("events", "results", "configs"):
@@ -527,58 +526,3 @@ def run_simulation(spec: ClusterSpec, out_dir: str | Path | None = None,
         _write_json(out / "configs" / "simulation.json",
                     {"spec": spec.to_dict(), "sim": dataclasses.asdict(sim or SimSpec())})
     return Simulator(spec, sim, out_dir).run(on_progress)
-
-
-def simulate_experiment(spec: ExperimentSpec, out_dir: str | Path, sim: SimSpec | None = None,
-                        observer: ExperimentObserver | None = None,
-                        report: bool = True) -> ExperimentResult:
-    """:func:`workers.experiment.run_experiment` in virtual time.
-
-    The same grid, the same directory layout (``spec.toml``, ``environment.json``,
-    ``experiment.json``, ``runs/<config>/seed<k>/``) and the same report, with every
-    run simulated; ``simulation.json`` records the time model. Every time in the
-    report is virtual seconds.
-    """
-    from workers import experiment as exp  # the experiment layer builds on us, not vice versa
-    from workers.report import write_report
-
-    sim = sim or SimSpec()
-    obs = observer or exp.ExperimentObserver()
-    out = Path(out_dir)
-    exp._prepare_dir(out)
-    (out / "spec.toml").write_text(exp.dump_spec(spec), encoding="utf-8")
-    (out / "environment.json").write_text(json.dumps(exp.environment_info(), indent=2))
-    (out / "simulation.json").write_text(json.dumps(dataclasses.asdict(sim), indent=2))
-    plans = spec.runs()
-    outcomes: list[exp.RunOutcome] = []
-    started = time.time()
-
-    def index(finished: bool) -> None:
-        data = exp._index(spec, outcomes, started, finished=finished)
-        data["simulated"] = dataclasses.asdict(sim)
-        (out / "experiment.json").write_text(json.dumps(data, indent=2))
-
-    index(False)
-    for i, plan in enumerate(plans):
-        obs.run_started(i, len(plans), plan, spec.steps * plan.config.workers)
-        run_dir = out / plan.path
-        t0 = time.monotonic()
-
-        def progress(p: Progress, plan: exp.RunPlan = plan) -> None:
-            obs.run_progress(plan, p)
-
-        try:
-            run_simulation(spec.cluster_spec(plan.config, plan.seed), run_dir, sim, progress)
-            exp._merge_steps(run_dir, plan.config.workers)
-            outcome = exp.RunOutcome(plan, True, time.monotonic() - t0)
-        except ParamServerError as exc:
-            log.error("run %s failed: %s", plan.name, exc)
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "error.txt").write_text(str(exc))
-            outcome = exp.RunOutcome(plan, False, time.monotonic() - t0,
-                                     str(exc).splitlines()[0])
-        outcomes.append(outcome)
-        obs.run_finished(outcome)
-        index(False)
-    index(True)
-    return exp.ExperimentResult(out, outcomes, write_report(out) if report else None)

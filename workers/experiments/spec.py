@@ -3,8 +3,8 @@
 An :class:`ExperimentSpec` names a task and the axes of a grid: straggler
 scenarios x modes x staleness policies x worker counts, each repeated for
 every seed. :func:`run_experiment` runs every point of the grid with
-:func:`workers.cluster.run_cluster` into ``out/runs/<config>/seed<k>/`` and
-then writes the report (:mod:`workers.report`)::
+:func:`paramserver.workers.launch.cluster.run_cluster` into ``out/runs/<config>/seed<k>/`` and
+then writes the report (:mod:`paramserver.workers.experiments.report`)::
 
     spec = ExperimentSpec(modes=["sync", "async", "ssp:3"], scenarios=["transient"])
     result = run_experiment(spec, "runs/demo")
@@ -25,50 +25,36 @@ import json
 import logging
 import math
 import os
-import platform
-import shutil
-import subprocess
-import sys
-import time
 import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from paramserver.errors import ConfigError, ParamServerError
-from paramserver.events import read_events
+from paramserver.errors import ConfigError
 from paramserver.optim import build_optimizer
 from paramserver.server import ServerConfig
 from paramserver.staleness import create_policy, parse_policy_args
-
-from .cluster import ClusterSpec, Progress, run_cluster
-from .report import ReportFiles, write_report
-from .stragglers import StragglerSpec
-from .tasks import resolve_task, task_parameters
-from .worker import WorkerConfig
+from paramserver.workers.launch.cluster import ClusterSpec
+from paramserver.workers.stragglers import StragglerSpec
+from paramserver.workers.tasks import resolve_task, task_parameters
+from paramserver.workers.worker import WorkerConfig
 
 __all__ = [
     "PRESETS",
     "SCENARIOS",
     "Configuration",
-    "ExperimentObserver",
-    "ExperimentResult",
     "ExperimentSpec",
     "ModeChoice",
     "PolicyChoice",
-    "RunOutcome",
     "RunPlan",
     "Scenario",
     "builtin_scenario",
     "dump_spec",
-    "environment_info",
     "load_spec",
     "preset",
-    "run_experiment",
 ]
 
 log = logging.getLogger(__name__)
@@ -555,159 +541,3 @@ def dump_spec(spec: ExperimentSpec) -> str:
         lines += ["", f"[custom_scenarios.{_toml_key(name)}]"]
         lines += [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in table.items()]
     return "\n".join(lines) + "\n"
-
-
-# --------------------------------------------------------------------------- running
-
-
-def environment_info() -> dict[str, Any]:
-    """What it takes to reproduce a result: versions, git commit, platform, command."""
-    packages: dict[str, str | None] = {}
-    for dist in ("paramserver", "torch", "pyzmq", "numpy", "msgpack", "scikit-learn",
-                 "matplotlib", "safetensors", "click", "rich"):
-        try:
-            packages[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            packages[dist] = None
-    repo = Path(__file__).resolve().parents[1]
-    commit, dirty = None, None
-    try:
-        commit = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], check=True,
-                                capture_output=True, text=True, timeout=10).stdout.strip()
-        status = subprocess.run(["git", "-C", str(repo), "status", "--porcelain"], check=True,
-                                capture_output=True, text=True, timeout=10).stdout
-        dirty = bool(status.strip())
-    except (OSError, subprocess.SubprocessError):
-        pass  # not a git checkout (an installed wheel): versions must do
-    return {
-        "python": sys.version.split()[0], "implementation": platform.python_implementation(),
-        "platform": platform.platform(), "machine": platform.machine(),
-        "cpus": os.cpu_count(), "packages": packages, "git_commit": commit, "git_dirty": dirty,
-        "argv": list(sys.argv), "torch_threads": torch.get_num_threads(),
-        "cuda": torch.cuda.is_available(),
-    }
-
-
-@dataclass
-class RunOutcome:
-    plan: RunPlan
-    ok: bool
-    seconds: float
-    error: str = ""
-    load: float | None = None  # 1-minute load average when the run ended (CPU contention)
-
-
-@dataclass
-class ExperimentResult:
-    out_dir: Path
-    outcomes: list[RunOutcome]
-    report: ReportFiles | None = None  # None when run with report=False
-
-    @property
-    def failed(self) -> list[RunOutcome]:
-        return [o for o in self.outcomes if not o.ok]
-
-
-class ExperimentObserver:
-    """Hooks for a progress display; every method is optional (no-op here)."""
-
-    def run_started(self, index: int, total: int, plan: RunPlan, steps: int) -> None:
-        """Run ``index`` (0-based) of ``total`` starts; it will do ``steps`` worker steps."""
-
-    def run_progress(self, plan: RunPlan, progress: Progress) -> None:
-        """Called about twice a second while the run's workers train."""
-
-    def run_finished(self, outcome: RunOutcome) -> None:
-        """A run ended (``outcome.ok`` False: it failed, the grid goes on)."""
-
-
-def _prepare_dir(out: Path) -> None:
-    if out.exists() and any(out.iterdir()):
-        if not ((out / "experiment.json").exists() or (out / "spec.toml").exists()):
-            raise ConfigError(f"{out} exists and does not hold an earlier experiment; "
-                              "give an empty or new --out directory")
-        log.info("replacing the earlier experiment in %s", out)
-        for name in ("runs", "images"):
-            shutil.rmtree(out / name, ignore_errors=True)
-        for name in ("report.md", "report.html", "experiment.json", "spec.toml",
-                     "environment.json"):
-            (out / name).unlink(missing_ok=True)
-    out.mkdir(parents=True, exist_ok=True)
-
-
-def _load() -> float | None:
-    try:
-        return round(os.getloadavg()[0], 2)
-    except OSError:  # not available on this platform
-        return None
-
-
-def _merge_steps(run_dir: Path, workers: int) -> None:
-    """``steps.jsonl``: every step and held-out evaluation of every worker, in time order."""
-    records = []
-    for rank in range(workers):
-        path = run_dir / "events" / f"worker{rank}.jsonl"
-        if path.exists():
-            records += [r for r in read_events(path) if r.get("event") in ("step", "eval")]
-    records.sort(key=lambda r: r["t"])
-    with (run_dir / "steps.jsonl").open("w", encoding="utf-8") as fh:
-        for rec in records:
-            fh.write(json.dumps(rec, separators=(",", ":")) + "\n")
-
-
-def _index(spec: ExperimentSpec, outcomes: Sequence[RunOutcome], started: float,
-           finished: bool) -> dict[str, Any]:
-    return {
-        "name": spec.name, "task": spec.task, "task_args": spec.task_args, "steps": spec.steps,
-        "servers": spec.servers, "seeds": spec.seeds, "target_loss": spec.target_loss,
-        "eval_every": spec.eval_every, "min_step_time": spec.min_step_time,
-        "optimizer": spec.optimizer, "optimizer_args": spec.optimizer_args,
-        "batch_size": spec.batch_size,
-        "scenarios": {n: spec.scenario(n).to_dict() for n in spec.scenarios},
-        "configurations": [c.to_dict() for c in spec.configurations()],
-        "runs": [{"config": o.plan.config.id, "seed": o.plan.seed, "path": o.plan.path,
-                  "ok": o.ok, "seconds": round(o.seconds, 3), "error": o.error,
-                  "load": o.load}
-                 for o in outcomes],
-        "started": started, "finished": time.time() if finished else None,
-    }
-
-
-def run_experiment(spec: ExperimentSpec, out_dir: str | os.PathLike[str],
-                   observer: ExperimentObserver | None = None,
-                   report: bool = True) -> ExperimentResult:
-    """Run every configuration x seed, then write the report. A failed run is recorded
-    (``experiment.json``, the report) and the grid goes on; Ctrl-C stops everything."""
-    obs = observer or ExperimentObserver()
-    out = Path(out_dir)
-    _prepare_dir(out)
-    (out / "spec.toml").write_text(dump_spec(spec), encoding="utf-8")
-    (out / "environment.json").write_text(json.dumps(environment_info(), indent=2))
-    plans = spec.runs()
-    outcomes: list[RunOutcome] = []
-    started = time.time()
-    (out / "experiment.json").write_text(
-        json.dumps(_index(spec, outcomes, started, finished=False), indent=2))
-    for i, plan in enumerate(plans):
-        obs.run_started(i, len(plans), plan, spec.steps * plan.config.workers)
-        run_dir = out / plan.path
-        t0 = time.monotonic()
-        def progress(p: Progress, plan: RunPlan = plan) -> None:
-            obs.run_progress(plan, p)
-
-        try:
-            run_cluster(spec.cluster_spec(plan.config, plan.seed), run_dir, on_progress=progress)
-            _merge_steps(run_dir, plan.config.workers)
-            outcome = RunOutcome(plan, True, time.monotonic() - t0)
-        except ParamServerError as exc:
-            log.error("run %s failed: %s", plan.name, exc)
-            (run_dir / "error.txt").write_text(str(exc))
-            outcome = RunOutcome(plan, False, time.monotonic() - t0, str(exc).splitlines()[0])
-        outcome.load = _load()
-        outcomes.append(outcome)
-        obs.run_finished(outcome)
-        (out / "experiment.json").write_text(
-            json.dumps(_index(spec, outcomes, started, finished=False), indent=2))
-    (out / "experiment.json").write_text(
-        json.dumps(_index(spec, outcomes, started, finished=True), indent=2))
-    return ExperimentResult(out, outcomes, write_report(out) if report else None)

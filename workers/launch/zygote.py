@@ -12,7 +12,7 @@ The launcher talks to its zygote over a Unix socket pair: JSON requests, with
 the child's stdout/stderr passed as file descriptors (SCM_RIGHTS); the zygote
 answers each with the child's pid and later reports its exit status (Popen's
 convention: ``-N`` for signal N). :class:`ForkedProcess` offers the part of
-:class:`subprocess.Popen` that :class:`workers.cluster.LocalCluster` uses.
+:class:`subprocess.Popen` that :class:`paramserver.workers.launch.cluster.LocalCluster` uses.
 
 Safety: the zygote is single-threaded when it forks (one intra-op thread,
 ``OMP_NUM_THREADS=1``), has not initialized CUDA (both checked before each
@@ -54,10 +54,10 @@ log = logging.getLogger(__name__)
 PRELOAD = (
     "numpy", "torch", "torch.optim", "torch._dynamo", "zmq", "msgpack", "safetensors.torch",
     "paramserver.core", "paramserver.transport", "paramserver.observe", "paramserver.checkpoint",
-    "workers.client", "workers.tasks",
+    "paramserver.workers.client", "paramserver.workers.tasks",
 )
 _PR_SET_PDEATHSIG = 1
-_START_DIR = os.getcwd()  # what `python -m workers.zygote` put first on sys.path
+_START_DIR = os.getcwd()  # what `python -m paramserver.workers.launch.zygote` put first on sys.path
 _GRACE = 5.0  # seconds children get between SIGTERM and SIGKILL when the launcher is gone
 
 
@@ -117,7 +117,7 @@ class Zygote:
         self.env = dict(env)
         try:
             self.popen = subprocess.Popen(
-                [sys.executable, "-m", "workers.zygote", str(theirs.fileno())],
+                [sys.executable, "-m", "paramserver.workers.launch.zygote", str(theirs.fileno())],
                 pass_fds=[theirs.fileno()], env=self.env,
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
             )

@@ -50,8 +50,7 @@ from torch.distributed import DistError, DistNetworkError, DistStoreError, TCPSt
 
 from paramserver.errors import ConfigError, TransportError
 from paramserver.server import ServerConfig, run_server
-
-from .worker import WorkerConfig, run_worker
+from paramserver.workers.worker import WorkerConfig, run_worker
 
 __all__ = [
     "LaunchEnv",

@@ -1,7 +1,7 @@
 """Rendering of an experiment report: tables, matplotlib figures, Markdown and HTML.
 
-Called by :func:`workers.report.write_report`; it only formats what
-:mod:`workers.report` computed. Figures use matplotlib's object API with the
+Called by :func:`paramserver.workers.experiments.report.write_report`; it only formats what
+:mod:`paramserver.workers.experiments.report` computed. Figures use matplotlib's object API with the
 Agg canvas, so no global pyplot state or display is involved.
 """
 
@@ -22,7 +22,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 if TYPE_CHECKING:
-    from .report import ClaimCheck, ConfigSummary, Stat
+    from paramserver.workers.experiments.report import ClaimCheck, ConfigSummary, Stat
 
 __all__ = ["TABLE_COLUMNS", "render_report", "summary_rows", "table_rows"]
 

@@ -1,0 +1,117 @@
+"""The package's shape: one import root, a light import, a public API, one-way layers."""
+
+from __future__ import annotations
+
+import configparser
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+import paramserver
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+HEAVY = ("matplotlib", "sklearn", "rich", "pandas", "torch")
+
+
+def _python(code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` as a user of the installed package would: another directory, no
+    PYTHONPATH, so only what is installed can be imported."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, text=True,
+                          capture_output=True, timeout=120)
+
+
+def test_import_paramserver_is_light_and_exports_its_api(tmp_path):
+    out = _python("import json, sys, paramserver\n"
+                  f"print(json.dumps([paramserver.__all__, [m for m in {HEAVY!r} "
+                  "if m in sys.modules]]))", tmp_path)
+    assert out.returncode == 0, out.stderr
+    exported, loaded = json.loads(out.stdout)
+    assert loaded == []
+    assert exported == paramserver.__all__
+
+
+def test_every_public_name_resolves_and_is_documented():
+    expected = {"StalenessPolicy", "Decision", "UpdateInfo", "register_policy", "Task",
+                "register_task", "ServerConfig", "WorkerConfig", "ClusterSpec",
+                "ExperimentSpec", "run_cluster", "PSClient", "ParamServerError"}
+    assert expected <= set(paramserver.__all__)
+    assert len(set(paramserver.__all__)) == len(paramserver.__all__)
+    for name in paramserver.__all__:
+        value = getattr(paramserver, name)
+        assert value is not None
+        if name != "__version__" and not isinstance(value, str):
+            assert value.__doc__, name
+    with pytest.raises(AttributeError):
+        _ = paramserver.no_such_name  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("name", ["workers", "cli", "benchmarks"])
+def test_no_second_top_level_package_is_installed(tmp_path, name):
+    out = _python(f"import {name}", tmp_path)
+    assert out.returncode != 0 and "ModuleNotFoundError" in out.stderr, out.stderr
+
+
+def test_each_module_loads_under_one_name_only(tmp_path):
+    out = _python("import sys, paramserver.cli.main, paramserver.benchmarks.run\n"
+                  "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+                  "('workers', 'cli', 'benchmarks')))", tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.slow
+def test_a_wheel_holds_only_the_paramserver_package(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                    "-q", "-w", str(tmp_path), str(ROOT)], check=True, timeout=300,
+                   capture_output=True)
+    (wheel,) = tmp_path.glob("*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert tops == {"paramserver"}
+    # the linked folders arrive as real files under the one root
+    for module in ("paramserver/workers/launch/cluster.py", "paramserver/cli/main.py",
+                   "paramserver/benchmarks/run.py", "paramserver/workers/client.py"):
+        assert module in names
+
+
+def _layers() -> list[list[str]]:
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    text = cfg["importlinter:contract:layers"]["layers"]
+    return [[m.strip() for m in line.replace("|", ":").split(":")]
+            for line in text.strip().splitlines()]
+
+
+def test_every_core_module_is_in_the_layers_contract():
+    core = {f"paramserver.{p.stem}" for p in (ROOT / "paramserver").glob("*.py")
+            if p.stem != "__init__"}
+    assert core, "no core modules found"
+    assert set(_layers()[-1]) == core
+
+
+def _lint_imports(config: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(BIN / "lint-imports"), "--config", str(config)], cwd=ROOT,
+                          text=True, capture_output=True, timeout=300)
+
+
+def test_the_layers_contract_holds_and_catches_a_violation(tmp_path):
+    kept = _lint_imports(ROOT / "setup.cfg")
+    assert kept.returncode == 0, kept.stdout + kept.stderr
+    # the same contract with the CLI put under the core: the core never imports the
+    # CLI, but the CLI imports the core, which the reversed contract forbids
+    layers = _layers()
+    reversed_cfg = tmp_path / "reversed.ini"
+    reversed_cfg.write_text(
+        "[importlinter]\nroot_package = paramserver\n\n"
+        "[importlinter:contract:reversed]\nname = reversed\ntype = layers\nlayers =\n"
+        + "".join(f"    {' : '.join(layer)}\n" for layer in reversed(layers)))
+    broken = _lint_imports(reversed_cfg)
+    assert broken.returncode != 0
+    assert "paramserver.cli" in broken.stdout and "BROKEN" in broken.stdout
