@@ -105,8 +105,8 @@ def test_shard_killed_and_restarted_from_checkpoint(tmp_path):
         cluster.wait_workers(cb, poll=0.05)
         assert state["killed"] == "server1"
         assert cluster.restarts and cluster.restarts[0]["resumed"]
-        from paramserver.workers.launch.cluster import _final_eval
-        final = _final_eval(s, cluster.addresses, tmp_path / "run")
+        from paramserver.workers.launch.cluster import final_eval
+        final = final_eval(s, cluster.addresses, tmp_path / "run")
         from paramserver.workers.client import shutdown_servers
         shutdown_servers(cluster.addresses)
     want = reference["eval"]["loss"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import configparser
 import json
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -68,8 +69,12 @@ def test_each_module_loads_under_one_name_only(tmp_path):
 
 @pytest.mark.slow
 def test_a_wheel_holds_only_the_paramserver_package(tmp_path):
+    # built from a copy: setuptools writes build/ and egg-info into the tree it builds
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, symlinks=True, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "runs", "*.egg-info", "__pycache__", ".*_cache"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                    "-q", "-w", str(tmp_path), str(ROOT)], check=True, timeout=300,
+                    "-q", "-w", str(tmp_path), str(src)], check=True, timeout=300,
                    capture_output=True)
     (wheel,) = tmp_path.glob("*.whl")
     names = zipfile.ZipFile(wheel).namelist()

@@ -149,7 +149,7 @@ def build_task(config: WorkerConfig) -> Task:
     return create_task(config.task, config.rank, config.world_size, args)
 
 
-def _forever(task: Task) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def cycle_batches(task: Task) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     epoch = 0
     while True:
         empty = True
@@ -164,7 +164,7 @@ def _forever(task: Task) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
             set_epoch(epoch)
 
 
-def _num_steps(config: WorkerConfig, task: Task) -> int:
+def num_steps(config: WorkerConfig, task: Task) -> int:
     if config.steps is not None:
         return config.steps
     assert config.epochs is not None
@@ -188,8 +188,8 @@ def run_worker(config: WorkerConfig) -> dict[str, Any]:
              if config.curve_key else None)
     straggler = Straggler(config.straggler, seed=(config.seed, config.rank))
     events = EventLog(config.event_log)
-    steps = _num_steps(config, task)
-    batches = _forever(task)
+    steps = num_steps(config, task)
+    batches = cycle_batches(task)
     counts = {"pushes": 0, "accepted": 0, "rejected": 0}
     losses: list[float] = []
     t_start = time.time()
@@ -257,7 +257,7 @@ def run_worker(config: WorkerConfig) -> dict[str, Any]:
     events.write("worker_end", **result)
     events.close()
     if config.result_file:
-        _write_json(config.result_file, result)
+        write_json(config.result_file, result)
     return result
 
 
@@ -302,7 +302,7 @@ def _log_eval(events: EventLog, task: Task, model: torch.nn.Module, rank: int, c
     return metrics
 
 
-def _write_json(path: str | os.PathLike[str], data: Any) -> None:
+def write_json(path: str | os.PathLike[str], data: Any) -> None:
     """Write atomically: a reader never sees half a file."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)

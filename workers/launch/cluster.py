@@ -38,7 +38,7 @@ from paramserver.server import READY_PREFIX, ServerConfig
 from paramserver.transport import CurveKeys
 from paramserver.workers.launch.zygote import ForkedProcess, ZygoteError, fork_enabled, zygote_for
 from paramserver.workers.stragglers import StragglerSpec
-from paramserver.workers.worker import WorkerConfig, _write_json
+from paramserver.workers.worker import WorkerConfig, write_json
 
 __all__ = [
     "FAILURE_POLICIES",
@@ -454,7 +454,7 @@ class LocalCluster:
         self.stop()
 
 
-def _final_eval(spec: ClusterSpec, addresses: list[str], out: Path) -> dict[str, float]:
+def final_eval(spec: ClusterSpec, addresses: list[str], out: Path) -> dict[str, float]:
     """Pull the final weights as an observer, save them as ``final_model.safetensors``
     (a state_dict for ``load_state_dict``) and evaluate them on held-out data."""
     from safetensors.torch import save_file
@@ -496,7 +496,7 @@ def run_cluster(spec: ClusterSpec, out_dir: str | Path,
         train_seconds = time.time() - t0
         curve = spec.client_curve()
         stats = server_stats(addresses, curve=curve)
-        final = _final_eval(spec, addresses, out) if spec.evaluate else {}
+        final = final_eval(spec, addresses, out) if spec.evaluate else {}
         shutdown_servers(addresses, curve=curve)
     workers = []
     for rank in range(spec.num_workers):
@@ -520,5 +520,5 @@ def run_cluster(spec: ClusterSpec, out_dir: str | Path,
         "alarms": cluster.observer.alarms,
         "metrics_ports": cluster.metrics_ports,
     }
-    _write_json(out / "result.json", result)
+    write_json(out / "result.json", result)
     return result

@@ -51,7 +51,13 @@ from paramserver.staleness import create_policy
 from paramserver.workers.launch.cluster import ClusterSpec, Progress
 from paramserver.workers.stragglers import Straggler
 from paramserver.workers.tasks import Task, evaluate
-from paramserver.workers.worker import WorkerConfig, _forever, _num_steps, _write_json, build_task
+from paramserver.workers.worker import (
+    WorkerConfig,
+    build_task,
+    cycle_batches,
+    num_steps,
+    write_json,
+)
 
 if TYPE_CHECKING:
     pass
@@ -222,7 +228,7 @@ class Simulator:
             task = self.task if rank == 0 else build_task(config)
             straggler = Straggler(config.straggler, seed=(config.seed, rank))
             self.workers.append(_VWorker(
-                rank=rank, steps=_num_steps(config, task), batches=_forever(task),
+                rank=rank, steps=num_steps(config, task), batches=cycle_batches(task),
                 loss_fn=task.loss_fn, straggler=straggler, events=self._log(f"worker{rank}"),
             ))
 
@@ -451,7 +457,7 @@ class Simulator:
         self._end = max(self._end, self.now)
         w.events.write("worker_end", **result)
         if self.out is not None:
-            _write_json(self.out / "results" / f"worker{w.rank}.json", result)
+            write_json(self.out / "results" / f"worker{w.rank}.json", result)
 
     def _bye_arrives(self, w: _VWorker, shard: int) -> None:
         self.cores[shard].leave(w.rank, self.now)
@@ -506,7 +512,7 @@ class Simulator:
 
             state = {k: v.detach().contiguous() for k, v in self.model.state_dict().items()}
             save_file(state, str(self.out / "final_model.safetensors"))
-            _write_json(self.out / "result.json", result)
+            write_json(self.out / "result.json", result)
         log.info("simulated %d steps of %d workers: %.2fs virtual in %.2fs", self._steps_done,
                  len(self.workers), self.now, wall_seconds)
         return result
@@ -523,6 +529,6 @@ def run_simulation(spec: ClusterSpec, out_dir: str | Path | None = None,
         out = Path(out_dir)
         for sub in ("events", "results", "configs"):
             (out / sub).mkdir(parents=True, exist_ok=True)
-        _write_json(out / "configs" / "simulation.json",
+        write_json(out / "configs" / "simulation.json",
                     {"spec": spec.to_dict(), "sim": dataclasses.asdict(sim or SimSpec())})
     return Simulator(spec, sim, out_dir).run(on_progress)
