@@ -31,13 +31,14 @@ from typing import Any, cast
 import zmq
 
 from .checkpoint import CheckpointError, load_shard, save_shard
+from .core import DTYPES as CORE_DTYPES
 from .core import CoreConfig, ModeSpec, ShardCore, SliceSpec
-from .errors import ConfigError, ErrorCode, ProtocolError
+from .errors import ConfigError, ErrorCode, ParamServerError, ProtocolError
 from .events import EventLog
 from .metrics import MetricsExporter, TensorBoardWriter
 from .observe import ShardObserver
 from .protocol import PROTOCOL_VERSION, Message, Op, decode, error_reply, reply
-from .sharding import ShardPlan
+from .sharding import PlanLimits, ShardPlan
 from .staleness import create_policy
 from .transport import CurveKeys, RouterSocket
 from .watchdog import ACTIONS, Alarm, Watchdog, WatchdogConfig
@@ -84,6 +85,11 @@ class ServerConfig:
     tensorboard: str | None = None  # TensorBoard log directory (this shard writes shard<i>/)
     on_divergence: str = "warn"  # what a watchdog alarm does: warn, checkpoint-and-stop, stop
     watchdog: dict[str, Any] = field(default_factory=dict)  # WatchdogConfig overrides
+    #: a plan from a peer declaring more bytes (all shards) is refused before anything
+    #: is allocated from it
+    max_model_bytes: int = PlanLimits.max_model_bytes
+    #: worker table size (None: max(64, 4 * expected_workers)); see ShardCore._evict
+    max_workers: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_shards < 1:
@@ -106,12 +112,18 @@ class ServerConfig:
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port must be in 0..65535 (0: any free port), "
                               f"got {self.metrics_port}")
+        if self.max_model_bytes < 1:
+            raise ConfigError(f"max_model_bytes must be >= 1, got {self.max_model_bytes}")
+        self.plan_limits()
         if not self.metrics_interval > 0:
             raise ConfigError(f"metrics_interval must be > 0, got {self.metrics_interval}")
         self.watchdog_config()
 
     def watchdog_config(self) -> WatchdogConfig:
         return WatchdogConfig.from_dict(self.watchdog)
+
+    def plan_limits(self) -> PlanLimits:
+        return PlanLimits(max_model_bytes=self.max_model_bytes)
 
     def mode_spec(self) -> ModeSpec:
         return ModeSpec(self.mode, self.staleness_bound, self.backup_workers)
@@ -127,6 +139,7 @@ class ServerConfig:
             expected_workers=self.expected_workers,
             heartbeat_timeout=self.heartbeat_timeout,
             check_finite=self.check_finite,
+            max_workers=self.max_workers,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -149,6 +162,10 @@ class ShardServer:
         self.socket = RouterSocket(config.bind, curve=curve,
                                    allowed_clients=config.curve_clients_dir)
         self.address = self.socket.address
+        if curve is None and not _loopback(self.address):
+            log.warning("shard %d binds %s without CURVE: anyone who reaches this port is "
+                        "trusted with every operation, SHUTDOWN included (docs/reliability.md)",
+                        config.shard, self.address)
         self.events = EventLog(config.event_log)
         self.plan: ShardPlan | None = None
         self.core: ShardCore | None = None
@@ -175,6 +192,8 @@ class ShardServer:
         self._push_pulls: dict[int, tuple[Any, dict[str, Any]]] = {}
         # worker -> (push id, {part: asked for the pull}, tensors so far) of a push in parts
         self._parts: dict[int, tuple[int, dict[int, bool], dict[str, Any]]] = {}
+        self._parts_bytes = 0  # held in _parts, over every worker
+        self._parts_budget = 0  # set with the plan: what the expected workers need at once
         # worker -> (push id, a part asked for the pull, bytes so far) of a streamed push
         self._streamed: dict[int, tuple[int, bool, int]] = {}
         self.diverged: Alarm | None = None
@@ -210,13 +229,12 @@ class ShardServer:
                 now = time.monotonic()
                 if self.core is not None and now - last_expire >= tick:
                     last_expire = now
-                    for worker in self.core.expire(now):
-                        self.events.write("worker_dead", shard=self.config.shard, worker=worker)
-                        self.observer.left(self.core, worker)
-                    self._answer_pulls(now)
-                    self._maybe_checkpoint()
+                    self._periodic(now)
                 self._act_on_alarms()  # a death may have closed a sync round
-                self.observer.tick(now)
+                try:
+                    self.observer.tick(now)
+                except Exception as exc:  # metrics must not take the shard down either
+                    self._periodic_failed("metrics", exc)
                 if self._stop_at is not None and (now >= self._stop_at or self._all_told()):
                     self._running = False
             # a diverged shard must not overwrite good checkpoints with its state
@@ -232,6 +250,42 @@ class ShardServer:
 
     def stop(self) -> None:
         self._running = False
+
+    def _periodic(self, now: float) -> None:
+        """Expiry, parked pulls and timed checkpoints; an exception here (a sync round
+        closed by a death that cannot be stepped, say) is logged, counted and raised
+        as an alarm, and the shard serves on."""
+        assert self.core is not None
+        try:
+            for worker in self.core.expire(now):
+                self._drop_parts(worker)
+                self.events.write("worker_dead", shard=self.config.shard, worker=worker)
+                self.observer.left(self.core, worker)
+        except Exception as exc:
+            self._periodic_failed("expire", exc)
+        try:
+            self._answer_pulls(now)
+        except Exception as exc:
+            self._periodic_failed("answer_pulls", exc)
+        try:
+            self._maybe_checkpoint()
+        except Exception as exc:
+            self._periodic_failed("checkpoint", exc)
+
+    def _periodic_failed(self, what: str, exc: Exception) -> None:
+        self.counters["error_periodic"] += 1
+        self.counters[f"error_periodic_{what}"] += 1
+        count = self.counters[f"error_periodic_{what}"]
+        if count & (count - 1):  # a failure repeating every tick: log and alarm at 1, 2, 4, ...
+            return
+        log.error("shard %d: periodic %s failed (%d times)", self.config.shard, what, count,
+                  exc_info=exc)
+        version = self.core.version if self.core else None
+        self.observer.raise_alarm(Alarm(
+            "internal_error", self.config.shard, None,
+            {"where": what, "error": f"{type(exc).__name__}: {exc}"[:500]},
+            f"shard {self.config.shard}: {what} failed: {type(exc).__name__}: {exc}"[:500],
+            version))
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -266,13 +320,24 @@ class ShardServer:
 
     def _restore(self, directory: str) -> None:
         tensors, meta = load_shard(directory, self.config.shard)
-        plan = ShardPlan.from_description(meta["plan"])
+        where = f"checkpoint of shard {self.config.shard} in {directory}"
+        try:
+            plan = ShardPlan.from_description(meta["plan"])
+        except (ConfigError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{where}: unusable plan: {exc}") from exc
         if self.plan is not None and plan.hash != self.plan.hash:
             raise CheckpointError(f"checkpoint in {directory} has another plan: "
                                   f"{self.plan.diff(meta['plan'])}")
-        self._adopt_plan(plan)
-        assert self.core is not None
-        self.core.load_state_dict(tensors, meta, time.monotonic())
+        try:
+            self._adopt_plan(plan)
+            assert self.core is not None
+            self.core.load_state_dict(tensors, meta, time.monotonic())
+        except (ParamServerError, KeyError, TypeError, ValueError, AttributeError,
+                IndexError, RuntimeError) as exc:
+            # one sentence naming the file; the server does not start from it
+            self.core = self.plan = None
+            what = exc.reason if isinstance(exc, ProtocolError) else str(exc)
+            raise CheckpointError(f"{where}: {type(exc).__name__}: {what}") from exc
         self._last_checkpoint = (time.monotonic(), self.core.version)
         log.info("shard %d resumed from %s at version %d", self.config.shard, directory,
                  self.core.version)
@@ -442,6 +507,8 @@ class ShardServer:
         self.core.before_step = self._before_mutation
         self._observe_core()
         self.plan = plan
+        self._parts_budget = (64 << 20) + (self.config.expected_workers + 1) * plan.shard_bytes(
+            self.config.shard)
         log.info("shard %d holds %d slices, %d bytes", self.config.shard, len(slices),
                  plan.shard_bytes(self.config.shard))
 
@@ -459,11 +526,7 @@ class ShardServer:
             if role == "observer" or msg.get("plan") is None:
                 raise ProtocolError(ErrorCode.NOT_REGISTERED,
                                     "no plan yet: a worker must say HELLO with its plan first")
-            try:
-                plan = ShardPlan.from_description(msg["plan"])
-            except (ConfigError, KeyError, TypeError, ValueError) as exc:
-                raise ProtocolError(ErrorCode.BAD_FIELD, f"invalid plan: {exc}") from exc
-            self._adopt_plan(plan)
+            self._adopt_plan(self._peer_plan(msg["plan"], msg["plan_hash"]))
         assert self.plan is not None and self.core is not None
         if msg["plan_hash"] != self.plan.hash:
             theirs = msg.get("plan")
@@ -474,13 +537,55 @@ class ShardServer:
             )
         clock = 0
         if role == "worker":
+            evicted = self.core.workers_evicted
             state = self.core.register(msg["worker"], msg["incarnation"], time.monotonic())
             clock = state.clock
+            if self.core.workers_evicted != evicted:
+                self._forget_gone()
             self.events.write("worker_hello", shard=self.config.shard, worker=msg["worker"],
                               clock=clock)
         return reply(msg, shard=self.config.shard, num_shards=self.config.num_shards,
                      version=self.core.version, clock=clock, initialized=self.core.initialized,
                      mode=self.core.mode.describe(), policy=self.policy.describe())
+
+    def _peer_plan(self, description: Any, plan_hash: str) -> ShardPlan:
+        """A plan from a HELLO, validated and hash-checked before anything is built
+        from it: the checks cost time in proportion to the message, and only a plan
+        within --max-model-bytes and the chunk limits whose hash matches is built."""
+        try:
+            specs, shards, chunk, split = ShardPlan.checked(description,
+                                                           self.config.plan_limits())
+        except ConfigError as exc:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"invalid plan: {exc}") from exc
+        if shards != self.config.num_shards:
+            raise ProtocolError(
+                ErrorCode.PLAN_MISMATCH,
+                f"the worker's plan has {shards} shards; this server is shard "
+                f"{self.config.shard} of {self.config.num_shards}")
+        odd = sorted({p.dtype for p in specs if p.dtype not in CORE_DTYPES})
+        if odd:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"invalid plan: a shard trains floating "
+                                f"point parameters only, not {', '.join(odd)}")
+        if ShardPlan.description_hash(specs, shards, chunk, split) != plan_hash:
+            raise ProtocolError(ErrorCode.PLAN_MISMATCH,
+                                "the plan's hash does not match the plan it came with")
+        try:
+            return ShardPlan(specs, shards, chunk, split)
+        except ConfigError as exc:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"invalid plan: {exc}") from exc
+
+    def _forget_gone(self) -> None:
+        """Drop the server's own per-worker state of workers the core evicted."""
+        assert self.core is not None
+        known = self.core.workers
+        for worker in [w for w in self._parts if w not in known]:
+            self._drop_parts(worker)
+        for worker in [w for w in self._streamed if w not in known]:
+            del self._streamed[worker]
+        for worker in [w for w in self._push_pulls if w not in known]:
+            del self._push_pulls[worker]
+        self._told &= set(known)
+        self.observer.forget(set(known))
 
     def _on_init(self, msg: Message, identity: bytes) -> Message:
         core = self._require_core()
@@ -580,28 +685,51 @@ class ShardServer:
         passed through: the core answers it as the duplicate it is.
         """
         worker, push_id, part, parts = msg["worker"], msg["push_id"], msg.get("part"), msg["parts"]
-        if part is None or not 1 <= parts <= self.socket.limits.max_tensors \
-                or not 0 <= part < parts:
-            raise ProtocolError(ErrorCode.BAD_FIELD,
-                                f"push part {part} of {parts}: need 0 <= part < parts")
-        state = core.workers.get(worker)
-        if state is not None and push_id <= state.last_push_id:
+        # every part has a key of the shard's, so a push has at most that many parts
+        most = max(1, len(core.specs))
+        if part is None or not 1 <= parts <= most or not 0 <= part < parts:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"push part {part} of {parts}: need "
+                                f"0 <= part < parts <= {most} (the shard's slices)")
+        # held only for a registered, live worker, within its push id window: nothing
+        # is kept for a peer that never said HELLO
+        state = core.check_push_id(worker, push_id)
+        if push_id <= state.last_push_id:
             return msg
         entry = self._parts.get(worker)
         if entry is None or entry[0] != push_id:
-            entry = self._parts[worker] = (push_id, {}, {})
+            self._drop_parts(worker)
+            entry = (push_id, {}, {})
         _, received, tensors = entry
+        if part in received:
+            return None  # sent again after a lost reply
+        # each key of the shard at most once, with its slice's shape and dtype: one
+        # worker holds at most its share of a push
+        core.check_part(msg.tensors, seen=tensors.keys())
+        nbytes = msg.nbytes
+        if self._parts_bytes + nbytes > self._parts_budget:
+            self.counters["parts_over_budget"] += 1
+            raise ProtocolError(ErrorCode.BUSY, f"pushes in parts hold {self._parts_bytes} "
+                                f"bytes of {self._parts_budget}: retry later")
+        self._parts[worker] = entry
+        self._parts_bytes += nbytes
         received[part] = bool(msg.get("pull", False))
         tensors.update(msg.tensors)
         if len(received) < parts:
             return None
-        del self._parts[worker]
+        self._drop_parts(worker)
         fields = {k: v for k, v in msg.fields.items() if k not in ("part", "parts")}
         fields["pull"] = any(received.values())
         return Message(Op.PUSH, msg.seq, fields, tensors)
 
+    def _drop_parts(self, worker: int) -> None:
+        entry = self._parts.pop(worker, None)
+        if entry is not None:
+            self._parts_bytes -= sum(t.numel() * t.element_size() for t in entry[2].values())
+
     def _on_bye(self, msg: Message, identity: bytes) -> Message:
         core = self._require_core()
+        core._known(msg["worker"])
+        self._drop_parts(msg["worker"])
         if msg.get("dead"):  # from a supervisor that saw the process die
             dead = core.declare_dead(msg["worker"])
             if dead:
@@ -626,8 +754,11 @@ class ShardServer:
                                 "this server has no checkpoint directory (--checkpoint-dir)")
         target = base
         if msg.get("path"):
-            root = Path(base).resolve()
-            candidate = (root / msg["path"]).resolve()
+            try:
+                root = Path(base).resolve()
+                candidate = (root / msg["path"]).resolve()
+            except (OSError, ValueError) as exc:  # a NUL byte, a loop of links
+                raise ProtocolError(ErrorCode.BAD_FIELD, f"bad checkpoint path: {exc}") from exc
             if candidate != root and root not in candidate.parents:
                 raise ProtocolError(ErrorCode.BAD_FIELD,
                                     f"checkpoint path must lie inside {base}")
@@ -692,6 +823,11 @@ def _ready(on_ready: Callable[..., None], address: str, metrics_port: int | None
         on_ready(address)
 
 
+def _loopback(address: str) -> bool:
+    host = address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    return host == "localhost" or host == "::1" or host.startswith("127.")
+
+
 def _part_of(msg: Message) -> tuple[int, int]:
     """(part, parts) of a PUSH or INIT; a message in several parts must say which."""
     parts = msg.get("parts", 1)
@@ -733,7 +869,10 @@ def main(argv: list[str] | None = None) -> None:
         level=os.environ.get("PARAMSERVER_LOG_LEVEL", "INFO"),
         format=f"%(asctime)s shard{config.shard} %(levelname)s %(name)s: %(message)s",
     )
-    server = ShardServer(config)
+    try:
+        server = ShardServer(config)
+    except CheckpointError as exc:  # one line naming the file, no traceback
+        sys.exit(f"shard {config.shard}: cannot resume: {exc}")
     _stop_on_signals(server)
     server.serve_forever(announce_ready)
     sys.exit(server.exit_code)
