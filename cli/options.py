@@ -276,6 +276,14 @@ SERVER = [
               "(`paramserver keys generate`)."),
     Spec("--curve-clients-dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
          help="CURVE: admit only the clients whose public keys are in DIR."),
+    Spec("--max-model-bytes", type=click.IntRange(min=1),
+         default=_default(_S, "max_model_bytes"), metavar="BYTES",
+         help="Refuse a worker's shard plan declaring more bytes than this (whole model), "
+              "before anything is allocated for it."),
+    Spec("--max-workers", type=click.IntRange(min=1, max=65536), default=None, metavar="N",
+         help="Worker ids a shard keeps track of; a new one past N evicts one that never "
+              "pulled or pushed, or died long ago, else is refused "
+              "[default: max(64, 4 x --expected-workers)]."),
     Spec("--on-divergence", type=click.Choice(ACTIONS), default=_default(_S, "on_divergence"),
          help="What a divergence-watchdog alarm does: warn; stop training; or save a "
               "checkpoint under CHECKPOINT_DIR/diverged first (docs/observability.md)."),
@@ -736,6 +744,8 @@ def server_config(opts: Mapping[str, Any], **fixed: Any) -> ServerConfig:
         "watchdog": dict(opts["watchdog_args"]),
         "metrics_interval": opts["metrics_interval"],
         "tensorboard": opts["tensorboard"],
+        "max_model_bytes": opts["max_model_bytes"],
+        "max_workers": opts["max_workers"],
     }
     for name in ("shard", "num_shards", "expected_workers", "event_log", "metrics_port"):
         if name in opts:
