@@ -87,7 +87,6 @@ class ErrorCode:
     STOPPED = "stopped"  # the divergence watchdog stopped training on this shard
     TOO_MANY_WORKERS = "too_many_workers"  # the worker table is full of active workers
     BUSY = "busy"  # a memory budget is spent for now: back-pressure, retry later
-    FORBIDDEN = "forbidden"  # the peer's CURVE key may not do this (another's id, admin op)
     INTERNAL = "internal"
 
     ALL = frozenset(
