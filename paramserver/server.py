@@ -33,14 +33,14 @@ import zmq
 from .checkpoint import CheckpointError, load_shard, save_shard
 from .core import DTYPES as CORE_DTYPES
 from .core import CoreConfig, ModeSpec, ShardCore, SliceSpec
-from .errors import ConfigError, ErrorCode, ParamServerError, ProtocolError
+from .errors import ConfigError, ErrorCode, ParamServerError, ProtocolError, TransportError
 from .events import EventLog
 from .metrics import MetricsExporter, TensorBoardWriter
 from .observe import ShardObserver
 from .protocol import PROTOCOL_VERSION, Message, Op, decode, error_reply, reply
 from .sharding import PlanLimits, ShardPlan
 from .staleness import create_policy
-from .transport import CurveKeys, RouterSocket
+from .transport import ANY_KEY, CurveKeys, KeyGrant, RouterSocket, load_allow_list, public_key
 from .watchdog import ACTIONS, Alarm, Watchdog, WatchdogConfig
 
 __all__ = ["DIVERGED_EXIT_CODE", "READY_PREFIX", "ServerConfig", "ShardServer", "run_server"]
@@ -72,8 +72,12 @@ class ServerConfig:
     check_finite: bool = True
     event_log: str | None = None
     curve_secret_key: str | None = None
-    #: a directory of client public keys (*.key); with it, only those clients get in
+    #: a directory of client public keys (*.key) or an allow-list file (keys, their
+    #: ranks and roles; transport.parse_allow_list); with it, only those clients get in
     curve_clients_dir: str | None = None
+    #: CURVE public keys (key files or Z85 text) allowed SHUTDOWN, CHECKPOINT and
+    #: BYE dead=true, admitted even when not in curve_clients_dir
+    admin_keys: list[str] = field(default_factory=list)
     plan: dict[str, Any] | None = None  # None: adopt the first worker's plan
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0  # versions between checkpoints (0: off)
@@ -104,6 +108,9 @@ class ServerConfig:
             raise ConfigError("periodic checkpoints need a checkpoint directory")
         if self.curve_clients_dir and not self.curve_secret_key:
             raise ConfigError("curve_clients_dir needs curve_secret_key (the server's key pair)")
+        if self.admin_keys and not self.curve_secret_key:
+            raise ConfigError("admin_keys need curve_secret_key: without CURVE a server cannot "
+                              "tell keys apart, and everyone who reaches it is trusted")
         if self.on_divergence not in ACTIONS:
             raise ConfigError(f"on_divergence must be one of {', '.join(ACTIONS)}; "
                               f"got {self.on_divergence!r}")
@@ -159,8 +166,21 @@ class ShardServer:
         self.config = config
         curve = CurveKeys.load(config.curve_secret_key) if config.curve_secret_key else None
         self.policy = create_policy(config.policy, config.policy_args)
-        self.socket = RouterSocket(config.bind, curve=curve,
-                                   allowed_clients=config.curve_clients_dir)
+        # CURVE: what each client key may do (None: any admitted key acts as a plain
+        # worker); without CURVE no key is known, and every peer is trusted
+        self._grants: dict[str, KeyGrant] | None = None
+        if curve is not None:
+            self._grants = _grants(config)
+            if not any(g.admin for g in self._grants.values()):
+                log.warning("shard %d: no admin key (--admin-key): SHUTDOWN, CHECKPOINT and "
+                            "BYE dead=true are refused; stop the shard with SIGTERM",
+                            config.shard)
+        self.socket = RouterSocket(
+            config.bind, curve=curve,
+            allowed_clients=self._grants if config.curve_clients_dir else None)
+        # CURVE: worker id -> the public key whose HELLO registered it; only that key
+        # may act as the worker (bounded with the core's worker table, see _forget_gone)
+        self._owners: dict[int, str] = {}
         self.address = self.socket.address
         if curve is None and not _loopback(self.address):
             log.warning("shard %d binds %s without CURVE: anyone who reaches this port is "
@@ -349,6 +369,8 @@ class ShardServer:
         try:
             msg = decode(frames, self.socket.limits)
             seq = msg.seq
+            key = self.socket.user_id(frames)
+            self._authorize(msg, key)
             if self._inflight:
                 self._acknowledged(identity, seq)
             self.counters["messages"] += 1
@@ -360,6 +382,8 @@ class ShardServer:
             if self.diverged is not None and msg.op not in (Op.STATS, Op.SHUTDOWN):
                 self._refuse_diverged(msg)
             answer = handler(self, msg, identity)
+            if key is not None and msg.op is Op.HELLO and msg["role"] == "worker":
+                self._owners[msg["worker"]] = key  # registered: the id is this key's now
         except ProtocolError as exc:
             self.counters[f"error_{exc.code}"] += 1
             self.observer.error(exc.code)
@@ -378,6 +402,39 @@ class ShardServer:
             self._send(identity, answer)
         if self.core is not None:
             self._answer_pulls(time.monotonic())
+
+    def _authorize(self, msg: Message, key: str | None) -> None:
+        """Under CURVE, refuse (``forbidden``) a key acting for a worker id another key
+        registered, or outside its allow-listed ranks, and a non-admin key running
+        SHUTDOWN, CHECKPOINT or BYE dead=true. Without CURVE everyone is trusted."""
+        if self._grants is None:
+            return
+        if key is None:  # every CURVE message passes the ZAP handler, which names its key
+            raise ProtocolError(ErrorCode.FORBIDDEN, "the message carries no CURVE key")
+        grant = self._grants.get(key, ANY_KEY)
+        if msg.op in _ADMIN_OPS or (msg.op is Op.BYE and msg.get("dead")):
+            if not grant.admin:
+                what = "BYE dead=true" if msg.op is Op.BYE else msg.op.value.upper()
+                raise ProtocolError(ErrorCode.FORBIDDEN,
+                                    f"{what} needs an admin key; key {key} is not one")
+            return
+        if msg.op is Op.HELLO:
+            if msg["role"] != "worker":
+                return  # an observer acts for no worker
+        elif msg.op not in _AS_WORKER or (msg.op is Op.PULL and msg.get("observer")):
+            return
+        worker = msg["worker"]
+        if grant.ranks is not None and worker not in grant.ranks:
+            raise ProtocolError(ErrorCode.FORBIDDEN, f"key {key} may act as worker(s) "
+                                f"{sorted(grant.ranks)} only, not {worker}")
+        owner = self._owners.get(worker)
+        if owner is None and msg.op is not Op.HELLO:
+            # e.g. a worker restored from a checkpoint: it says HELLO again first
+            raise ProtocolError(ErrorCode.NOT_REGISTERED,
+                                f"worker {worker} has not said HELLO to this shard with its key")
+        if owner is not None and owner != key:
+            raise ProtocolError(ErrorCode.FORBIDDEN, f"worker {worker} was registered by "
+                                f"another key; key {key} may not act for it")
 
     def _send(self, identity: bytes, msg: Message) -> None:
         if msg.tensors:
@@ -584,6 +641,8 @@ class ShardServer:
             del self._streamed[worker]
         for worker in [w for w in self._push_pulls if w not in known]:
             del self._push_pulls[worker]
+        for worker in [w for w in self._owners if w not in known]:
+            del self._owners[worker]  # evicted: a key may register that id anew
         self._told &= set(known)
         self.observer.forget(set(known))
 
@@ -799,6 +858,25 @@ class ShardServer:
             base.update(mode=self.config.mode_spec().describe(), version=0, workers={},
                         initialized=False, policy=self.policy.describe())
         return base
+
+
+#: administrative ops: under CURVE, for admin keys only (BYE dead=true too)
+_ADMIN_OPS = frozenset({Op.SHUTDOWN, Op.CHECKPOINT})
+#: ops that act as the worker id they name: under CURVE, for its registering key only
+_AS_WORKER = frozenset({Op.INIT, Op.PULL, Op.PUSH, Op.HEARTBEAT, Op.BYE})
+
+
+def _grants(config: ServerConfig) -> dict[str, KeyGrant]:
+    """Each listed CURVE key's grant: the allow-list's, with admin added for
+    ``admin_keys`` (which are admitted even when the list does not name them)."""
+    try:
+        grants = load_allow_list(config.curve_clients_dir) if config.curve_clients_dir else {}
+        admins = [public_key(k) for k in config.admin_keys]
+    except TransportError as exc:
+        raise ConfigError(str(exc)) from exc
+    for key in admins:
+        grants[key] = dataclasses.replace(grants.get(key, ANY_KEY), admin=True)
+    return grants
 
 
 def _stop_on_signals(server: ShardServer) -> None:
