@@ -274,8 +274,14 @@ SERVER = [
     Spec("--curve-secret-key", type=click.Path(dir_okay=False), default=None, metavar="FILE",
          help="Require CURVE encryption: the servers' secret key file "
               "(`paramserver keys generate`)."),
-    Spec("--curve-clients-dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
-         help="CURVE: admit only the clients whose public keys are in DIR."),
+    Spec("--curve-clients-dir", type=click.Path(), default=None, metavar="DIR|FILE",
+         help="CURVE: admit only these clients: a directory of public .key files, or an "
+              "allow-list file (lines KEY [rank=R,...] [role=admin]; docs/reliability.md)."),
+    Spec("--admin-key", "admin_keys", type=click.Path(dir_okay=False), multiple=True,
+         metavar="FILE",
+         help="CURVE: a public key file allowed SHUTDOWN, CHECKPOINT and reporting a worker "
+              "dead (repeatable; `paramserver keys generate --admin`). `launch` also makes "
+              "its own."),
     Spec("--max-model-bytes", type=click.IntRange(min=1),
          default=_default(_S, "max_model_bytes"), metavar="BYTES",
          help="Refuse a worker's shard plan declaring more bytes than this (whole model), "
@@ -740,6 +746,7 @@ def server_config(opts: Mapping[str, Any], **fixed: Any) -> ServerConfig:
         "resume": opts["resume"],
         "curve_secret_key": opts["curve_secret_key"],
         "curve_clients_dir": opts["curve_clients_dir"],
+        "admin_keys": list(opts["admin_keys"]),
         "on_divergence": opts["on_divergence"],
         "watchdog": dict(opts["watchdog_args"]),
         "metrics_interval": opts["metrics_interval"],
