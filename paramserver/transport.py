@@ -166,16 +166,21 @@ class KeyGrant:
 ANY_KEY = KeyGrant()
 
 
+def _is_z85_key(text: str) -> bool:
+    if len(text) != 40:
+        return False
+    try:
+        return len(z85.decode(text.encode("ascii"))) == 32
+    except (ValueError, UnicodeEncodeError, KeyError, TypeError):
+        return False
+
+
 def public_key(text: str, base: str | Path = ".") -> str:
     """A client public key as Z85 text: ``text`` is either the key itself (40
     characters) or a zmq key file (public or secret; relative to ``base``)."""
     text = text.strip()
-    if len(text) == 40:
-        try:
-            if len(z85.decode(text.encode("ascii"))) == 32:
-                return text
-        except (ValueError, UnicodeEncodeError, KeyError):
-            pass  # not Z85: try it as a file name
+    if _is_z85_key(text):
+        return text
     path = Path(base) / text
     try:
         public, _ = zmq.auth.load_certificate(str(path))
@@ -193,11 +198,14 @@ def parse_allow_list(text: str, base: str | Path = ".",
     key file (relative to the list's folder). A bare KEY (the old format) may
     act as any worker id and is no admin; ``rank=`` binds the key to those
     worker ids, ``role=admin`` lets it run administrative operations. Blank
-    lines and ``#`` comments are ignored.
+    lines and the words from one starting with ``#`` on are comments (Z85 has
+    ``#`` but never starts a 32-byte key with it: that needs a value >= 2**32).
     """
     grants: dict[str, KeyGrant] = {}
     for number, raw in enumerate(text.splitlines(), 1):
-        line = raw.split("#", 1)[0].split()
+        words = raw.split()
+        comment = next((i for i, w in enumerate(words) if w.startswith("#")), None)
+        line = words[:comment]
         if not line:
             continue
         here = f"{where}:{number}"
