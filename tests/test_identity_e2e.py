@@ -14,8 +14,10 @@ import msgpack
 import pytest
 import torch
 import zmq
+from click.testing import CliRunner
 from zmq.utils import z85
 
+from cli.keys import keys as keys_cli
 from paramserver.errors import ConfigError, TransportError
 from paramserver.protocol import PROTOCOL_VERSION
 from paramserver.server import ServerConfig
@@ -260,3 +262,14 @@ def test_an_empty_allow_list_and_admin_keys_without_curve_are_refused(tmp_path: 
         load_allow_list(tmp_path / "list")
     with pytest.raises(ConfigError, match="admin_keys need curve_secret_key"):
         ServerConfig(admin_keys=[Z85_A])
+
+
+def test_keys_cli_makes_an_admin_pair_outside_the_authorised_dir(tmp_path: Path) -> None:
+    out = CliRunner().invoke(keys_cli, ["generate", str(tmp_path), "--client", "w0",
+                                        "--admin", "op"])
+    assert out.exit_code == 0, out.output
+    assert (tmp_path / "op.key_secret").exists() and (tmp_path / "op.key").exists()
+    assert sorted(p.name for p in (tmp_path / "authorized_clients").iterdir()) == ["w0.key"]
+    assert "--admin-key" in out.output and "op.key" in out.output
+    with pytest.raises(TransportError, match="repeat"):
+        generate_curve_keys(tmp_path / "again", ["op"], admins=["op"])
