@@ -869,12 +869,9 @@ _AS_WORKER = frozenset({Op.INIT, Op.PULL, Op.PUSH, Op.HEARTBEAT, Op.BYE})
 def _grants(config: ServerConfig) -> dict[str, KeyGrant]:
     """Each listed CURVE key's grant: the allow-list's, with admin added for
     ``admin_keys`` (which are admitted even when the list does not name them)."""
-    try:
-        grants = load_allow_list(config.curve_clients_dir) if config.curve_clients_dir else {}
-        admins = [public_key(k) for k in config.admin_keys]
-    except TransportError as exc:
-        raise ConfigError(str(exc)) from exc
-    for key in admins:
+    # a bad list or key file is a TransportError, as an unreadable key was before
+    grants = load_allow_list(config.curve_clients_dir) if config.curve_clients_dir else {}
+    for key in (public_key(k) for k in config.admin_keys):
         grants[key] = dataclasses.replace(grants.get(key, ANY_KEY), admin=True)
     return grants
 
@@ -951,6 +948,8 @@ def main(argv: list[str] | None = None) -> None:
         server = ShardServer(config)
     except CheckpointError as exc:  # one line naming the file, no traceback
         sys.exit(f"shard {config.shard}: cannot resume: {exc}")
+    except TransportError as exc:  # a port in use, a bad key file or allow-list line
+        sys.exit(f"shard {config.shard}: {exc}")
     _stop_on_signals(server)
     server.serve_forever(announce_ready)
     sys.exit(server.exit_code)
