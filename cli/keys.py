@@ -30,16 +30,23 @@ def keys() -> None:
 @click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--client", "clients", multiple=True, metavar="NAME",
               help="Name of a client key pair to make (repeatable; default: one named 'client').")
+@click.option("--admin", "admins", multiple=True, metavar="NAME",
+              help="Name of an admin key pair to make (repeatable): servers given its public "
+                   "key with --admin-key let it SHUTDOWN, CHECKPOINT and report a worker dead.")
 @click.option("--force", is_flag=True, help="Replace keys that exist already.")
-def generate(directory: Path, clients: tuple[str, ...], force: bool) -> None:
+def generate(directory: Path, clients: tuple[str, ...], admins: tuple[str, ...],
+             force: bool) -> None:
     """Write a server key pair and client key pairs into DIRECTORY.
 
     The server gets server.key_secret (and, with --curve-clients-dir, the
     authorized_clients folder); each worker gets its NAME.key_secret and the
-    server's public server.key. Secret files are readable by their owner only.
+    server's public server.key. An admin key (--admin NAME) stays out of
+    authorized_clients: servers take its public NAME.key with --admin-key.
+    Secret files are readable by their owner only.
     """
     try:
-        made = generate_curve_keys(directory, clients or ("client",), force=force)
+        made = generate_curve_keys(directory, clients or ("client",), admins=admins,
+                                   force=force)
     except ParamServerError as exc:
         raise click.ClickException(str(exc)) from exc
     console = Console()
@@ -50,11 +57,14 @@ def generate(directory: Path, clients: tuple[str, ...], force: bool) -> None:
     table.add_row("server", str(made.server_public), str(made.server_secret))
     for name, (public, secret) in made.clients.items():
         table.add_row(name, str(public), str(secret))
+    for name, (public, secret) in made.admins.items():
+        table.add_row(f"{name} (admin)", str(public), str(secret))
     console.print(table)
     first = next(iter(made.clients.values()))[1]
+    admin_flags = "".join(f" [bold]--admin-key[/] {public}" for public, _ in made.admins.values())
     console.print(
         "Servers: [bold]--curve-secret-key[/] " f"{made.server_secret}"
-        " [bold]--curve-clients-dir[/] " f"{made.authorized_dir}\n"
+        " [bold]--curve-clients-dir[/] " f"{made.authorized_dir}{admin_flags}\n"
         "Workers: [bold]--curve-key[/] " f"{first}"
         " [bold]--curve-server-key[/] " f"{made.server_public}",
         highlight=False,

@@ -274,8 +274,22 @@ SERVER = [
     Spec("--curve-secret-key", type=click.Path(dir_okay=False), default=None, metavar="FILE",
          help="Require CURVE encryption: the servers' secret key file "
               "(`paramserver keys generate`)."),
-    Spec("--curve-clients-dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
-         help="CURVE: admit only the clients whose public keys are in DIR."),
+    Spec("--curve-clients-dir", type=click.Path(), default=None, metavar="DIR|FILE",
+         help="CURVE: admit only these clients: a directory of public .key files, or an "
+              "allow-list file (lines KEY [rank=R,...] [role=admin]; docs/reliability.md)."),
+    Spec("--admin-key", "admin_keys", type=click.Path(dir_okay=False), multiple=True,
+         metavar="FILE",
+         help="CURVE: a public key file allowed SHUTDOWN, CHECKPOINT and reporting a worker "
+              "dead (repeatable; `paramserver keys generate --admin`). `launch` also makes "
+              "its own."),
+    Spec("--max-model-bytes", type=click.IntRange(min=1),
+         default=_default(_S, "max_model_bytes"), metavar="BYTES",
+         help="Refuse a worker's shard plan declaring more bytes than this (whole model), "
+              "before anything is allocated for it."),
+    Spec("--max-workers", type=click.IntRange(min=1, max=65536), default=None, metavar="N",
+         help="Worker ids a shard keeps track of; a new one past N evicts one that never "
+              "pulled or pushed, or died long ago, else is refused "
+              "[default: max(64, 4 x --expected-workers)]."),
     Spec("--on-divergence", type=click.Choice(ACTIONS), default=_default(_S, "on_divergence"),
          help="What a divergence-watchdog alarm does: warn; stop training; or save a "
               "checkpoint under CHECKPOINT_DIR/diverged first (docs/observability.md)."),
@@ -732,10 +746,13 @@ def server_config(opts: Mapping[str, Any], **fixed: Any) -> ServerConfig:
         "resume": opts["resume"],
         "curve_secret_key": opts["curve_secret_key"],
         "curve_clients_dir": opts["curve_clients_dir"],
+        "admin_keys": list(opts["admin_keys"]),
         "on_divergence": opts["on_divergence"],
         "watchdog": dict(opts["watchdog_args"]),
         "metrics_interval": opts["metrics_interval"],
         "tensorboard": opts["tensorboard"],
+        "max_model_bytes": opts["max_model_bytes"],
+        "max_workers": opts["max_workers"],
     }
     for name in ("shard", "num_shards", "expected_workers", "event_log", "metrics_port"):
         if name in opts:

@@ -6,6 +6,7 @@ from typing import Any
 
 import click
 
+from paramserver.checkpoint import CheckpointError
 from paramserver.errors import TransportError
 from paramserver.server import ServerConfig, announce_ready, run_server
 
@@ -69,6 +70,8 @@ def server(ctx: click.Context, **opts: Any) -> None:
         code = run_server(config, ready_printer(config))
     except TransportError as exc:  # e.g. the port is in use
         raise click.ClickException(f"shard {config.shard}: {exc}") from exc
+    except CheckpointError as exc:  # --resume from a bad checkpoint: one line, no traceback
+        raise click.ClickException(f"shard {config.shard}: cannot resume: {exc}") from exc
     click.echo(f"paramserver: shard {config.shard} stopped", err=True)
     ctx.exit(code)  # 0, or 3 when the watchdog stopped training (--on-divergence)
 

@@ -174,11 +174,17 @@ def _prune(folder: Path, latest: str, keep: int) -> None:
 
 def _latest(folder: Path) -> dict[str, Any]:
     try:
-        return dict(json.loads((folder / "LATEST").read_text()))
+        latest = json.loads((folder / "LATEST").read_text())
     except FileNotFoundError as exc:
         raise CheckpointError(f"no checkpoint in {folder} (LATEST is missing)") from exc
-    except (json.JSONDecodeError, OSError) as exc:
+    except (json.JSONDecodeError, OSError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"cannot read {folder / 'LATEST'}: {exc}") from exc
+    name = latest.get("name") if isinstance(latest, dict) else None
+    # a name, never a path: LATEST must not point outside its folder
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise CheckpointError(f"{folder / 'LATEST'} does not name a checkpoint "
+                              f"(want {{\"name\": \"v0000000120\"}}, got {str(latest)[:80]})")
+    return dict(latest)
 
 
 def load_shard(directory: str | Path, shard: int
@@ -191,6 +197,8 @@ def load_shard(directory: str | Path, shard: int
         tensors = load_file(str(folder / f"{name}.safetensors"))
     except Exception as exc:  # safetensors and json raise assorted types
         raise CheckpointError(f"checkpoint {folder / name} is unreadable: {exc}") from exc
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{folder / name}.json is not a JSON object")
     if meta.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(f"{folder / name}: format {meta.get('format')!r}, "
                               f"this version reads {CHECKPOINT_FORMAT}")

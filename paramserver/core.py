@@ -85,6 +85,8 @@ def _sample(t: torch.Tensor, stride: int) -> torch.Tensor:
     """Every ``stride``-th element of ``t`` (a view)."""
     flat = t.detach().reshape(-1)
     return flat if stride == 1 else flat[::stride]
+MAX_WORKERS = 65536  # the largest worker table a shard may be configured for
+STATS_WORKERS = 512  # per-worker summaries in stats(); the rest are counted, not listed
 _NARROW = (torch.float16, torch.bfloat16)  # wire dtypes a float32 gradient may travel in
 
 
@@ -173,8 +175,27 @@ class CoreConfig:
     expected_workers: int = 1  # training starts when this many workers have registered
     heartbeat_timeout: float = 10.0  # seconds without a sign of life before a worker is dead
     check_finite: bool = True
+    #: worker table size; a new id past it evicts one that never became active or died
+    #: long ago, else is refused (None: max(64, 4 * expected_workers))
+    max_workers: int | None = None
+    #: how far ahead of a worker's last push id a new one may be: one forged id can
+    #: then hide at most this many of the real worker's pushes
+    push_id_window: int = 1024
+
+    @property
+    def worker_limit(self) -> int:
+        if self.max_workers is not None:
+            return self.max_workers
+        return min(MAX_WORKERS, max(64, 4 * self.expected_workers))
 
     def __post_init__(self) -> None:
+        if self.max_workers is not None and not 1 <= self.max_workers <= MAX_WORKERS:
+            raise ConfigError(f"max workers must be in 1..{MAX_WORKERS}, got {self.max_workers}")
+        if self.max_workers is not None and self.max_workers < self.expected_workers:
+            raise ConfigError(f"max workers ({self.max_workers}) must be at least the "
+                              f"expected workers ({self.expected_workers})")
+        if self.push_id_window < 1:
+            raise ConfigError(f"push id window must be >= 1, got {self.push_id_window}")
         if self.expected_workers < 1:
             raise ConfigError(f"expected workers must be >= 1, got {self.expected_workers}")
         if not self.heartbeat_timeout > 0:
@@ -211,6 +232,14 @@ class WorkerState:
     # a supervisor saw this incarnation's process exit: only a new HELLO brings the
     # worker back (a heartbeat still in flight from the dead process must not)
     reported_dead: bool = False
+    #: whether last_push_id came from this process's own pushes; until then any push
+    #: id is taken (a restarted shard, a fresh registration), afterwards only a window
+    anchored: bool = False
+
+    @property
+    def active(self) -> bool:
+        """It did something beyond HELLO (pulled or pushed)."""
+        return self.pulls > 0 or self.pushes > 0
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -360,6 +389,7 @@ class ShardCore:
         self._init_total = 0
         self.started = False  # the start barrier: expected_workers registered once
         self.workers: dict[int, WorkerState] = {}
+        self.workers_evicted = 0  # entries dropped from a full table (see _evict)
         self._pending: list[_PendingPull] = []
         # sync round state: contributors of the open round and the running sums
         self._round: set[int] = set()
@@ -417,6 +447,8 @@ class ShardCore:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"worker id must be >= 0, got {worker}")
         state = self.workers.get(worker)
         if state is None:
+            if len(self.workers) >= self.config.worker_limit:
+                self._evict(now)
             state = WorkerState(worker, incarnation, now, clock=self._rejoin_clock(0))
             self.workers[worker] = state
         elif state.incarnation != incarnation:
@@ -433,6 +465,7 @@ class ShardCore:
             state.incarnation = incarnation
             state.reported_dead = False
             state.last_push_id = -1
+            state.anchored = False
             state.last_outcome = None
             state.live, state.finished = True, False
             state.last_seen = now
@@ -446,6 +479,42 @@ class ShardCore:
         if not self.started and len(self.workers) >= self.config.expected_workers:
             self.started = True
         return state
+
+    def _evict(self, now: float) -> None:
+        """Make room in a full worker table, or refuse the newcomer.
+
+        Evicted first: the longest-quiet entry that never became active (a HELLO
+        and nothing else), then one dead or finished for longer than the
+        heartbeat timeout. Live workers that pulled or pushed are never evicted,
+        so a flood of HELLOs cannot push a training worker out.
+        """
+        idle = [w for w in self.workers.values()
+                if not w.active and self._init_owner != w.worker]
+        gone = [w for w in self.workers.values()
+                if (not w.live or w.finished)
+                and now - w.last_seen > self.config.heartbeat_timeout]
+        pick = min(idle or gone, key=lambda w: w.last_seen, default=None)
+        if pick is None:
+            raise ProtocolError(
+                ErrorCode.TOO_MANY_WORKERS,
+                f"the worker table is full ({len(self.workers)} of "
+                f"{self.config.worker_limit}, all active); raise --max-workers",
+            )
+        self.forget(pick.worker)
+        self.workers_evicted += 1
+
+    def forget(self, worker: int) -> None:
+        """Drop every trace of ``worker`` (evicted from the table)."""
+        state = self.workers.pop(worker, None)
+        if state is None:
+            return
+        self._drop_unfinished(worker, "its entry was evicted")
+        self._drop_pending(worker)
+        self._read_weights.pop(worker, None)
+        if worker in self._round:
+            # it contributed to the open round: that gradient stays, counted
+            log.info("worker %d evicted while in the open round", worker)
+        self._maybe_close_round()
 
     def _rejoin_clock(self, own: int, exclude: int | None = None) -> int:
         clocks = [w.clock for w in self._live() if w.worker != exclude]
@@ -551,6 +620,10 @@ class ShardCore:
         Returns True when this part completed the seeding, None for an earlier
         part (or one sent again).
         """
+        state = self._known(worker)  # only a registered worker may seed (and own INIT)
+        if not state.live:
+            raise ProtocolError(ErrorCode.NOT_REGISTERED,
+                                f"worker {worker} is not in the live set; say HELLO")
         if self.initialized:
             return False
         if parts == 1:
@@ -586,6 +659,31 @@ class ShardCore:
         self._init_owner = None
         return True
 
+    def check_part(self, tensors: Mapping[str, torch.Tensor],
+                   seen: AbstractSet[str] = frozenset()) -> None:
+        """Validate one part of a push that a driver joins (keys of this shard not in
+        ``seen``, each with its slice's shape and dtype), before it keeps it."""
+        self._check_tensors(tensors, "PUSH", narrow_ok=True, whole=False, seen=seen)
+
+    def check_push_id(self, worker: int, push_id: int) -> WorkerState:
+        """The state of a registered ``worker`` (not gone with BYE) whose ``push_id``
+        lies within its window; else the ProtocolError :meth:`push` would raise."""
+        state = self._known(worker)
+        if state.finished:
+            raise ProtocolError(
+                ErrorCode.NOT_REGISTERED, f"worker {worker} said BYE; say HELLO to push again")
+        self._check_window(state, push_id)
+        return state
+
+    def _check_window(self, state: WorkerState, push_id: int) -> None:
+        window = self.config.push_id_window
+        if state.anchored and push_id > state.last_push_id + window:
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD,
+                f"push_id {push_id} is more than {window} ahead of worker {state.worker}'s "
+                f"last ({state.last_push_id})",
+            )
+
     def copy_on_write(self) -> None:
         """Move the parameters to fresh storage, leaving the old for its readers.
 
@@ -600,7 +698,7 @@ class ShardCore:
     def _check_tensors(self, tensors: Mapping[str, torch.Tensor], what: str,
                        narrow_ok: bool = False, whole: bool = True,
                        seen: AbstractSet[str] = frozenset()) -> None:
-        """Keys, sizes and dtypes must match the slices; with ``narrow_ok`` a 16-bit
+        """Keys, shapes and dtypes must match the slices; with ``narrow_ok`` a 16-bit
         tensor may stand for a wider float slice (gradients sent in 16 bits). A part
         (not ``whole``) holds some keys, none of them ``seen`` in earlier parts."""
         missing = self.specs.keys() - tensors.keys() if whole else set()
@@ -621,11 +719,13 @@ class ShardCore:
             spec = self.specs[key]
             dtype_ok = value.dtype == DTYPES[spec.dtype] or (
                 narrow_ok and value.dtype in _NARROW and spec.dtype in ("float32", "float64"))
-            if not dtype_ok or value.numel() != spec.numel:
+            # the full shape, not only the size: a [16, 8] tensor for a [128] slice
+            # would make torch resize the round's buffer (out=) and wedge the round
+            if not dtype_ok or tuple(value.shape) != (spec.numel,):
                 raise ProtocolError(
                     ErrorCode.BAD_TENSOR,
-                    f"{what}: {key!r} is {value.dtype} x {value.numel()}, "
-                    f"expected {spec.dtype} x {spec.numel}",
+                    f"{what}: {key!r} is {value.dtype} {list(value.shape)}, "
+                    f"expected {spec.dtype} [{spec.numel}]",
                 )
 
     # ------------------------------------------------------------------ pulls
@@ -772,6 +872,7 @@ class ShardCore:
             prior = state.last_outcome if push_id == state.last_push_id else None
             base = prior or PushOutcome(False, 0.0, "duplicate", 0, self.version, False)
             return PushOutcome(**{**base.as_dict(), "duplicate": True})
+        self._check_window(state, push_id)
         if parts != 1 and not self.streams_parts:
             raise ProtocolError(ErrorCode.BAD_FIELD, "this shard takes pushes whole, not in "
                                 "parts (only sync shards without a rewriting policy do)")
@@ -851,6 +952,7 @@ class ShardCore:
         else:
             outcome = self._push_async(state, stream, grads)
         state.last_push_id = push_id
+        state.anchored = True
         state.last_outcome = outcome
         self._measured = None  # do not hold on to the push's frames
         return outcome
@@ -1036,20 +1138,28 @@ class ShardCore:
         if any(s.added for s in self._streams.values()):
             return False  # a backup's parts are in the buffer already: let it finish
         stepped = False
-        if self._round_void:
-            self.rounds_voided += 1
+        try:
+            if self._round_void:
+                self.rounds_voided += 1
+                self.rounds_dropped += 1
+            elif self._round_samples > 0:
+                for key, p in self.params.items():
+                    p.grad = self._agg[key].div_(self._round_samples)
+                self._step(1.0)
+                stepped = True
+            else:
+                self.rounds_dropped += 1
+        except Exception:
+            # the round is closed all the same (dropped): a round that cannot be
+            # stepped must not be retried on every later event, wedging the shard
             self.rounds_dropped += 1
-        elif self._round_samples > 0:
-            for key, p in self.params.items():
-                p.grad = self._agg[key].div_(self._round_samples)
-            self._step(1.0)
-            stepped = True
-        else:
-            self.rounds_dropped += 1
-        self._round.clear()
-        self._round_samples = 0
-        self._written.clear()
-        self._round_void = False
+            self._agg = {}
+            raise
+        finally:
+            self._round.clear()
+            self._round_samples = 0
+            self._written.clear()
+            self._round_void = False
         return stepped
 
     def _step(self, weight: float) -> None:
@@ -1253,9 +1363,16 @@ class ShardCore:
     def load_state_dict(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any],
                         now: float) -> None:
         """Restore :meth:`state_dict`'s output. Workers get a fresh heartbeat
-        grace period (``now``) to reconnect."""
-        self._check_tensors({k[len("param/"):]: v for k, v in tensors.items()
-                             if k.startswith("param/")}, "checkpoint")
+        grace period (``now``) to reconnect. Nothing changes unless the weights fit the
+        slices, are finite, and the version is an integer >= 0."""
+        weights = {k[len("param/"):]: v for k, v in tensors.items() if k.startswith("param/")}
+        self._check_tensors(weights, "checkpoint")
+        version = meta.get("version")
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ConfigError(f"version must be an integer >= 0, got {version!r}")
+        for key, value in weights.items():
+            if value.is_floating_point() and not _all_finite(value):
+                raise ConfigError(f"weights {key!r} hold NaN or Inf")
         with torch.no_grad():
             for key, p in self.params.items():
                 p.copy_(tensors[f"param/{key}"])
@@ -1312,6 +1429,11 @@ class ShardCore:
 
     def stats(self) -> dict[str, Any]:
         live = self._live()
+        listed = list(self.workers.values())
+        if len(listed) > STATS_WORKERS:
+            listed = sorted(listed,
+                            key=lambda w: (not (w.live and not w.finished), -w.last_seen)
+                            )[:STATS_WORKERS]
         return {
             "shard": self.config.shard,
             "mode": self.mode.describe(),
@@ -1320,7 +1442,8 @@ class ShardCore:
             "initialized": self.initialized,
             "started": self.started,
             "lr": self.lr,
-            "live_workers": sorted(w.worker for w in live),
+            "live_workers": sorted(w.worker for w in live)[:STATS_WORKERS],
+            "live_count": len(live),
             "min_clock": self.min_clock(),
             "clock_gap": self.clock_gap(),
             "max_answered_gap": self.max_answered_gap,
@@ -1331,5 +1454,10 @@ class ShardCore:
             "rounds_voided": self.rounds_voided,
             # in the weights' own dtype: a float64 copy of each slice would be a peak
             "weight_norm": math.sqrt(sum(_l2(p.detach()) ** 2 for p in self.params.values())),
-            "workers": {str(w.worker): w.summary() for w in self.workers.values()},
+            # bounded whatever the table holds (a map over 4096 entries would not even
+            # decode): live workers first, then the most recently seen
+            "workers": {str(w.worker): w.summary() for w in listed},
+            "workers_known": len(self.workers),
+            "workers_listed": len(listed),
+            "workers_evicted": self.workers_evicted,
         }

@@ -85,6 +85,10 @@ class ErrorCode:
     FUTURE_VERSION = "future_version"
     NONFINITE = "nonfinite"
     STOPPED = "stopped"  # the divergence watchdog stopped training on this shard
+    TOO_MANY_WORKERS = "too_many_workers"  # the worker table is full of active workers
+    BUSY = "busy"  # a memory budget is spent for now: back-pressure, retry later
+    # CURVE: this key may not act as that worker id, or run an administrative op
+    FORBIDDEN = "forbidden"
     INTERNAL = "internal"
 
     ALL = frozenset(

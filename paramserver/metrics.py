@@ -190,6 +190,12 @@ class MetricsRegistry:
     def inc(self, name: str, labels: Sequence[Any] = (), amount: float = 1.0) -> None:
         self.child(name, labels).inc(amount)
 
+    def remove(self, name: str, labels: Sequence[Any]) -> None:
+        """Drop one labelled value (e.g. of a worker no longer known)."""
+        key = self._key(name, labels)
+        with self._lock:
+            self._values[name].pop(key, None)
+
     def set(self, name: str, labels: Sequence[Any], value: float) -> None:
         self.child(name, labels).set(value)
 

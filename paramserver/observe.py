@@ -178,6 +178,18 @@ class ShardObserver:
             self._c("paramserver_clock_lag", w.worker).set(w.clock - low if is_live else 0)
             self._c("paramserver_live", w.worker).set(1 if is_live else 0)
 
+    def forget(self, known: set[int]) -> None:
+        """Drop the figures of workers that are no longer in the shard's table (evicted),
+        so that labels do not pile up with every worker id ever seen."""
+        for key in [k for k in self._children
+                    if k[1] and isinstance(k[1][0], int) and k[1][0] not in known]:
+            name, labels = key
+            del self._children[key]
+            self.registry.remove(name, (self.label, *labels))
+        for table in (self._accepted, self._weights, self._last):
+            for worker in [w for w in table if w not in known]:
+                del table[worker]
+
     def left(self, core: ShardCore, worker: int) -> None:
         """A worker said BYE or was declared dead."""
         self.watchdog.forget(worker)
@@ -205,6 +217,12 @@ class ShardObserver:
             "alarms": [a.as_dict() for a in self.watchdog.alarms[-20:]],
             "alarm_count": len(self.watchdog.alarms),
         }
+
+    def raise_alarm(self, alarm: Alarm) -> None:
+        """An alarm from the server itself (not a watchdog rule), e.g. a failure in
+        its periodic work: logged, counted, in the event log, acted on as any other."""
+        self.watchdog.alarms.append(alarm)
+        self._alarms([alarm])
 
     def take_alarms(self) -> list[Alarm]:
         alarms, self.pending_alarms = self.pending_alarms, []

@@ -243,7 +243,7 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
     if not isinstance(header, dict):
         raise ProtocolError(ErrorCode.BAD_HEADER, "header must be a msgpack map")
     version = header.get("v")
-    if version != PROTOCOL_VERSION:
+    if type(version) is not int or version != PROTOCOL_VERSION:  # true and 1.0 equal 1
         raise ProtocolError(
             ErrorCode.PROTOCOL_VERSION,
             f"protocol version {version!r}; this side speaks {PROTOCOL_VERSION}",

@@ -31,15 +31,16 @@ from typing import Any, cast
 import zmq
 
 from .checkpoint import CheckpointError, load_shard, save_shard
+from .core import DTYPES as CORE_DTYPES
 from .core import CoreConfig, ModeSpec, ShardCore, SliceSpec
-from .errors import ConfigError, ErrorCode, ProtocolError
+from .errors import ConfigError, ErrorCode, ParamServerError, ProtocolError, TransportError
 from .events import EventLog
 from .metrics import MetricsExporter, TensorBoardWriter
 from .observe import ShardObserver
 from .protocol import PROTOCOL_VERSION, Message, Op, decode, error_reply, reply
-from .sharding import ShardPlan
+from .sharding import PlanLimits, ShardPlan
 from .staleness import create_policy
-from .transport import CurveKeys, RouterSocket
+from .transport import ANY_KEY, CurveKeys, KeyGrant, RouterSocket, load_allow_list, public_key
 from .watchdog import ACTIONS, Alarm, Watchdog, WatchdogConfig
 
 __all__ = ["DIVERGED_EXIT_CODE", "READY_PREFIX", "ServerConfig", "ShardServer", "run_server"]
@@ -71,8 +72,12 @@ class ServerConfig:
     check_finite: bool = True
     event_log: str | None = None
     curve_secret_key: str | None = None
-    #: a directory of client public keys (*.key); with it, only those clients get in
+    #: a directory of client public keys (*.key) or an allow-list file (keys, their
+    #: ranks and roles; transport.parse_allow_list); with it, only those clients get in
     curve_clients_dir: str | None = None
+    #: CURVE public keys (key files or Z85 text) allowed SHUTDOWN, CHECKPOINT and
+    #: BYE dead=true, admitted even when not in curve_clients_dir
+    admin_keys: list[str] = field(default_factory=list)
     plan: dict[str, Any] | None = None  # None: adopt the first worker's plan
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0  # versions between checkpoints (0: off)
@@ -84,6 +89,11 @@ class ServerConfig:
     tensorboard: str | None = None  # TensorBoard log directory (this shard writes shard<i>/)
     on_divergence: str = "warn"  # what a watchdog alarm does: warn, checkpoint-and-stop, stop
     watchdog: dict[str, Any] = field(default_factory=dict)  # WatchdogConfig overrides
+    #: a plan from a peer declaring more bytes (all shards) is refused before anything
+    #: is allocated from it
+    max_model_bytes: int = PlanLimits.max_model_bytes
+    #: worker table size (None: max(64, 4 * expected_workers)); see ShardCore._evict
+    max_workers: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_shards < 1:
@@ -98,6 +108,9 @@ class ServerConfig:
             raise ConfigError("periodic checkpoints need a checkpoint directory")
         if self.curve_clients_dir and not self.curve_secret_key:
             raise ConfigError("curve_clients_dir needs curve_secret_key (the server's key pair)")
+        if self.admin_keys and not self.curve_secret_key:
+            raise ConfigError("admin_keys need curve_secret_key: without CURVE a server cannot "
+                              "tell keys apart, and everyone who reaches it is trusted")
         if self.on_divergence not in ACTIONS:
             raise ConfigError(f"on_divergence must be one of {', '.join(ACTIONS)}; "
                               f"got {self.on_divergence!r}")
@@ -106,12 +119,18 @@ class ServerConfig:
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port must be in 0..65535 (0: any free port), "
                               f"got {self.metrics_port}")
+        if self.max_model_bytes < 1:
+            raise ConfigError(f"max_model_bytes must be >= 1, got {self.max_model_bytes}")
+        self.plan_limits()
         if not self.metrics_interval > 0:
             raise ConfigError(f"metrics_interval must be > 0, got {self.metrics_interval}")
         self.watchdog_config()
 
     def watchdog_config(self) -> WatchdogConfig:
         return WatchdogConfig.from_dict(self.watchdog)
+
+    def plan_limits(self) -> PlanLimits:
+        return PlanLimits(max_model_bytes=self.max_model_bytes)
 
     def mode_spec(self) -> ModeSpec:
         return ModeSpec(self.mode, self.staleness_bound, self.backup_workers)
@@ -127,6 +146,7 @@ class ServerConfig:
             expected_workers=self.expected_workers,
             heartbeat_timeout=self.heartbeat_timeout,
             check_finite=self.check_finite,
+            max_workers=self.max_workers,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -152,9 +172,26 @@ class ShardServer:
         self.config = config
         curve = CurveKeys.load(config.curve_secret_key) if config.curve_secret_key else None
         self.policy = create_policy(config.policy, config.policy_args)
-        self.socket = RouterSocket(config.bind, curve=curve,
-                                   allowed_clients=config.curve_clients_dir)
+        # CURVE: what each client key may do (None: any admitted key acts as a plain
+        # worker); without CURVE no key is known, and every peer is trusted
+        self._grants: dict[str, KeyGrant] | None = None
+        if curve is not None:
+            self._grants = _grants(config)
+            if not any(g.admin for g in self._grants.values()):
+                log.warning("shard %d: no admin key (--admin-key): SHUTDOWN, CHECKPOINT and "
+                            "BYE dead=true are refused; stop the shard with SIGTERM",
+                            config.shard)
+        self.socket = RouterSocket(
+            config.bind, curve=curve,
+            allowed_clients=self._grants if config.curve_clients_dir else None)
+        # CURVE: worker id -> the public key whose HELLO registered it; only that key
+        # may act as the worker (bounded with the core's worker table, see _forget_gone)
+        self._owners: dict[int, str] = {}
         self.address = self.socket.address
+        if curve is None and not _loopback(self.address):
+            log.warning("shard %d binds %s without CURVE: anyone who reaches this port is "
+                        "trusted with every operation, SHUTDOWN included (docs/reliability.md)",
+                        config.shard, self.address)
         self.events = EventLog(config.event_log)
         self.plan: ShardPlan | None = None
         self.core: ShardCore | None = None
@@ -181,6 +218,8 @@ class ShardServer:
         self._push_pulls: dict[int, tuple[Any, dict[str, Any]]] = {}
         # worker -> (push id, {part: asked for the pull}, tensors so far) of a push in parts
         self._parts: dict[int, tuple[int, dict[int, bool], dict[str, Any]]] = {}
+        self._parts_bytes = 0  # held in _parts, over every worker
+        self._parts_budget = 0  # set with the plan: what the expected workers need at once
         # worker -> (push id, a part asked for the pull, bytes so far) of a streamed push
         self._streamed: dict[int, tuple[int, bool, int]] = {}
         self.diverged: Alarm | None = None
@@ -216,13 +255,12 @@ class ShardServer:
                 now = time.monotonic()
                 if self.core is not None and now - last_expire >= tick:
                     last_expire = now
-                    for worker in self.core.expire(now):
-                        self.events.write("worker_dead", shard=self.config.shard, worker=worker)
-                        self.observer.left(self.core, worker)
-                    self._answer_pulls(now)
-                    self._maybe_checkpoint()
+                    self._periodic(now)
                 self._act_on_alarms()  # a death may have closed a sync round
-                self.observer.tick(now)
+                try:
+                    self.observer.tick(now)
+                except Exception as exc:  # metrics must not take the shard down either
+                    self._periodic_failed("metrics", exc)
                 if self._stop_at is not None and (now >= self._stop_at or self._all_told()):
                     self._running = False
             # a diverged shard must not overwrite good checkpoints with its state
@@ -238,6 +276,42 @@ class ShardServer:
 
     def stop(self) -> None:
         self._running = False
+
+    def _periodic(self, now: float) -> None:
+        """Expiry, parked pulls and timed checkpoints; an exception here (a sync round
+        closed by a death that cannot be stepped, say) is logged, counted and raised
+        as an alarm, and the shard serves on."""
+        assert self.core is not None
+        try:
+            for worker in self.core.expire(now):
+                self._drop_parts(worker)
+                self.events.write("worker_dead", shard=self.config.shard, worker=worker)
+                self.observer.left(self.core, worker)
+        except Exception as exc:
+            self._periodic_failed("expire", exc)
+        try:
+            self._answer_pulls(now)
+        except Exception as exc:
+            self._periodic_failed("answer_pulls", exc)
+        try:
+            self._maybe_checkpoint()
+        except Exception as exc:
+            self._periodic_failed("checkpoint", exc)
+
+    def _periodic_failed(self, what: str, exc: Exception) -> None:
+        self.counters["error_periodic"] += 1
+        self.counters[f"error_periodic_{what}"] += 1
+        count = self.counters[f"error_periodic_{what}"]
+        if count & (count - 1):  # a failure repeating every tick: log and alarm at 1, 2, 4, ...
+            return
+        log.error("shard %d: periodic %s failed (%d times)", self.config.shard, what, count,
+                  exc_info=exc)
+        version = self.core.version if self.core else None
+        self.observer.raise_alarm(Alarm(
+            "internal_error", self.config.shard, None,
+            {"where": what, "error": f"{type(exc).__name__}: {exc}"[:500]},
+            f"shard {self.config.shard}: {what} failed: {type(exc).__name__}: {exc}"[:500],
+            version))
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -272,13 +346,24 @@ class ShardServer:
 
     def _restore(self, directory: str) -> None:
         tensors, meta = load_shard(directory, self.config.shard)
-        plan = ShardPlan.from_description(meta["plan"])
+        where = f"checkpoint of shard {self.config.shard} in {directory}"
+        try:
+            plan = ShardPlan.from_description(meta["plan"])
+        except (ConfigError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{where}: unusable plan: {exc}") from exc
         if self.plan is not None and plan.hash != self.plan.hash:
             raise CheckpointError(f"checkpoint in {directory} has another plan: "
                                   f"{self.plan.diff(meta['plan'])}")
-        self._adopt_plan(plan)
-        assert self.core is not None
-        self.core.load_state_dict(tensors, meta, time.monotonic())
+        try:
+            self._adopt_plan(plan)
+            assert self.core is not None
+            self.core.load_state_dict(tensors, meta, time.monotonic())
+        except (ParamServerError, KeyError, TypeError, ValueError, AttributeError,
+                IndexError, RuntimeError) as exc:
+            # one sentence naming the file; the server does not start from it
+            self.core = self.plan = None
+            what = exc.reason if isinstance(exc, ProtocolError) else str(exc)
+            raise CheckpointError(f"{where}: {type(exc).__name__}: {what}") from exc
         self._last_checkpoint = (time.monotonic(), self.core.version)
         log.info("shard %d resumed from %s at version %d", self.config.shard, directory,
                  self.core.version)
@@ -290,6 +375,8 @@ class ShardServer:
         try:
             msg = decode(frames, self.socket.limits)
             seq = msg.seq
+            key = self.socket.user_id(frames)
+            self._authorize(msg, key)
             if self._inflight:
                 self._acknowledged(identity, seq)
             self.counters["messages"] += 1
@@ -301,6 +388,8 @@ class ShardServer:
             if self.diverged is not None and msg.op not in (Op.STATS, Op.SHUTDOWN):
                 self._refuse_diverged(msg)
             answer = handler(self, msg, identity)
+            if key is not None and msg.op is Op.HELLO and msg["role"] == "worker":
+                self._owners[msg["worker"]] = key  # registered: the id is this key's now
         except ProtocolError as exc:
             self.counters[f"error_{exc.code}"] += 1
             self.observer.error(exc.code)
@@ -319,6 +408,39 @@ class ShardServer:
             self._send(identity, answer)
         if self.core is not None:
             self._answer_pulls(time.monotonic())
+
+    def _authorize(self, msg: Message, key: str | None) -> None:
+        """Under CURVE, refuse (``forbidden``) a key acting for a worker id another key
+        registered, or outside its allow-listed ranks, and a non-admin key running
+        SHUTDOWN, CHECKPOINT or BYE dead=true. Without CURVE everyone is trusted."""
+        if self._grants is None:
+            return
+        if key is None:  # every CURVE message passes the ZAP handler, which names its key
+            raise ProtocolError(ErrorCode.FORBIDDEN, "the message carries no CURVE key")
+        grant = self._grants.get(key, ANY_KEY)
+        if msg.op in _ADMIN_OPS or (msg.op is Op.BYE and msg.get("dead")):
+            if not grant.admin:
+                what = "BYE dead=true" if msg.op is Op.BYE else msg.op.value.upper()
+                raise ProtocolError(ErrorCode.FORBIDDEN,
+                                    f"{what} needs an admin key; key {key} is not one")
+            return
+        if msg.op is Op.HELLO:
+            if msg["role"] != "worker":
+                return  # an observer acts for no worker
+        elif msg.op not in _AS_WORKER or (msg.op is Op.PULL and msg.get("observer")):
+            return
+        worker = msg["worker"]
+        if grant.ranks is not None and worker not in grant.ranks:
+            raise ProtocolError(ErrorCode.FORBIDDEN, f"key {key} may act as worker(s) "
+                                f"{sorted(grant.ranks)} only, not {worker}")
+        owner = self._owners.get(worker)
+        if owner is None and msg.op is not Op.HELLO:
+            # e.g. a worker restored from a checkpoint: it says HELLO again first
+            raise ProtocolError(ErrorCode.NOT_REGISTERED,
+                                f"worker {worker} has not said HELLO to this shard with its key")
+        if owner is not None and owner != key:
+            raise ProtocolError(ErrorCode.FORBIDDEN, f"worker {worker} was registered by "
+                                f"another key; key {key} may not act for it")
 
     def _send(self, identity: bytes, msg: Message) -> None:
         if msg.tensors:
@@ -448,6 +570,8 @@ class ShardServer:
         self.core.before_step = self._before_mutation
         self._observe_core()
         self.plan = plan
+        self._parts_budget = (64 << 20) + (self.config.expected_workers + 1) * plan.shard_bytes(
+            self.config.shard)
         log.info("shard %d holds %d slices, %d bytes", self.config.shard, len(slices),
                  plan.shard_bytes(self.config.shard))
 
@@ -465,11 +589,7 @@ class ShardServer:
             if role == "observer" or msg.get("plan") is None:
                 raise ProtocolError(ErrorCode.NOT_REGISTERED,
                                     "no plan yet: a worker must say HELLO with its plan first")
-            try:
-                plan = ShardPlan.from_description(msg["plan"])
-            except (ConfigError, KeyError, TypeError, ValueError) as exc:
-                raise ProtocolError(ErrorCode.BAD_FIELD, f"invalid plan: {exc}") from exc
-            self._adopt_plan(plan)
+            self._adopt_plan(self._peer_plan(msg["plan"], msg["plan_hash"]))
         assert self.plan is not None and self.core is not None
         if msg["plan_hash"] != self.plan.hash:
             theirs = msg.get("plan")
@@ -480,13 +600,57 @@ class ShardServer:
             )
         clock = 0
         if role == "worker":
+            evicted = self.core.workers_evicted
             state = self.core.register(msg["worker"], msg["incarnation"], time.monotonic())
             clock = state.clock
+            if self.core.workers_evicted != evicted:
+                self._forget_gone()
             self.events.write("worker_hello", shard=self.config.shard, worker=msg["worker"],
                               clock=clock)
         return reply(msg, shard=self.config.shard, num_shards=self.config.num_shards,
                      version=self.core.version, clock=clock, initialized=self.core.initialized,
                      mode=self.core.mode.describe(), policy=self.policy.describe())
+
+    def _peer_plan(self, description: Any, plan_hash: str) -> ShardPlan:
+        """A plan from a HELLO, validated and hash-checked before anything is built
+        from it: the checks cost time in proportion to the message, and only a plan
+        within --max-model-bytes and the chunk limits whose hash matches is built."""
+        try:
+            specs, shards, chunk, split = ShardPlan.checked(description,
+                                                           self.config.plan_limits())
+        except ConfigError as exc:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"invalid plan: {exc}") from exc
+        if shards != self.config.num_shards:
+            raise ProtocolError(
+                ErrorCode.PLAN_MISMATCH,
+                f"the worker's plan has {shards} shards; this server is shard "
+                f"{self.config.shard} of {self.config.num_shards}")
+        odd = sorted({p.dtype for p in specs if p.dtype not in CORE_DTYPES})
+        if odd:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"invalid plan: a shard trains floating "
+                                f"point parameters only, not {', '.join(odd)}")
+        if ShardPlan.description_hash(specs, shards, chunk, split) != plan_hash:
+            raise ProtocolError(ErrorCode.PLAN_MISMATCH,
+                                "the plan's hash does not match the plan it came with")
+        try:
+            return ShardPlan(specs, shards, chunk, split)
+        except ConfigError as exc:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"invalid plan: {exc}") from exc
+
+    def _forget_gone(self) -> None:
+        """Drop the server's own per-worker state of workers the core evicted."""
+        assert self.core is not None
+        known = self.core.workers
+        for worker in [w for w in self._parts if w not in known]:
+            self._drop_parts(worker)
+        for worker in [w for w in self._streamed if w not in known]:
+            del self._streamed[worker]
+        for worker in [w for w in self._push_pulls if w not in known]:
+            del self._push_pulls[worker]
+        for worker in [w for w in self._owners if w not in known]:
+            del self._owners[worker]  # evicted: a key may register that id anew
+        self._told &= set(known)
+        self.observer.forget(set(known))
 
     def _on_init(self, msg: Message, identity: bytes) -> Message:
         core = self._require_core()
@@ -586,28 +750,51 @@ class ShardServer:
         passed through: the core answers it as the duplicate it is.
         """
         worker, push_id, part, parts = msg["worker"], msg["push_id"], msg.get("part"), msg["parts"]
-        if part is None or not 1 <= parts <= self.socket.limits.max_tensors \
-                or not 0 <= part < parts:
-            raise ProtocolError(ErrorCode.BAD_FIELD,
-                                f"push part {part} of {parts}: need 0 <= part < parts")
-        state = core.workers.get(worker)
-        if state is not None and push_id <= state.last_push_id:
+        # every part has a key of the shard's, so a push has at most that many parts
+        most = max(1, len(core.specs))
+        if part is None or not 1 <= parts <= most or not 0 <= part < parts:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"push part {part} of {parts}: need "
+                                f"0 <= part < parts <= {most} (the shard's slices)")
+        # held only for a registered, live worker, within its push id window: nothing
+        # is kept for a peer that never said HELLO
+        state = core.check_push_id(worker, push_id)
+        if push_id <= state.last_push_id:
             return msg
         entry = self._parts.get(worker)
         if entry is None or entry[0] != push_id:
-            entry = self._parts[worker] = (push_id, {}, {})
+            self._drop_parts(worker)
+            entry = (push_id, {}, {})
         _, received, tensors = entry
+        if part in received:
+            return None  # sent again after a lost reply
+        # each key of the shard at most once, with its slice's shape and dtype: one
+        # worker holds at most its share of a push
+        core.check_part(msg.tensors, seen=tensors.keys())
+        nbytes = msg.nbytes
+        if self._parts_bytes + nbytes > self._parts_budget:
+            self.counters["parts_over_budget"] += 1
+            raise ProtocolError(ErrorCode.BUSY, f"pushes in parts hold {self._parts_bytes} "
+                                f"bytes of {self._parts_budget}: retry later")
+        self._parts[worker] = entry
+        self._parts_bytes += nbytes
         received[part] = bool(msg.get("pull", False))
         tensors.update(msg.tensors)
         if len(received) < parts:
             return None
-        del self._parts[worker]
+        self._drop_parts(worker)
         fields = {k: v for k, v in msg.fields.items() if k not in ("part", "parts")}
         fields["pull"] = any(received.values())
         return Message(Op.PUSH, msg.seq, fields, tensors)
 
+    def _drop_parts(self, worker: int) -> None:
+        entry = self._parts.pop(worker, None)
+        if entry is not None:
+            self._parts_bytes -= sum(t.numel() * t.element_size() for t in entry[2].values())
+
     def _on_bye(self, msg: Message, identity: bytes) -> Message:
         core = self._require_core()
+        core._known(msg["worker"])
+        self._drop_parts(msg["worker"])
         if msg.get("dead"):  # from a supervisor that saw the process die
             dead = core.declare_dead(msg["worker"])
             if dead:
@@ -632,8 +819,11 @@ class ShardServer:
                                 "this server has no checkpoint directory (--checkpoint-dir)")
         target = base
         if msg.get("path"):
-            root = Path(base).resolve()
-            candidate = (root / msg["path"]).resolve()
+            try:
+                root = Path(base).resolve()
+                candidate = (root / msg["path"]).resolve()
+            except (OSError, ValueError) as exc:  # a NUL byte, a loop of links
+                raise ProtocolError(ErrorCode.BAD_FIELD, f"bad checkpoint path: {exc}") from exc
             if candidate != root and root not in candidate.parents:
                 raise ProtocolError(ErrorCode.BAD_FIELD,
                                     f"checkpoint path must lie inside {base}")
@@ -676,6 +866,22 @@ class ShardServer:
         return base
 
 
+#: administrative ops: under CURVE, for admin keys only (BYE dead=true too)
+_ADMIN_OPS = frozenset({Op.SHUTDOWN, Op.CHECKPOINT})
+#: ops that act as the worker id they name: under CURVE, for its registering key only
+_AS_WORKER = frozenset({Op.INIT, Op.PULL, Op.PUSH, Op.HEARTBEAT, Op.BYE})
+
+
+def _grants(config: ServerConfig) -> dict[str, KeyGrant]:
+    """Each listed CURVE key's grant: the allow-list's, with admin added for
+    ``admin_keys`` (which are admitted even when the list does not name them)."""
+    # a bad list or key file is a TransportError, as an unreadable key was before
+    grants = load_allow_list(config.curve_clients_dir) if config.curve_clients_dir else {}
+    for key in (public_key(k) for k in config.admin_keys):
+        grants[key] = dataclasses.replace(grants.get(key, ANY_KEY), admin=True)
+    return grants
+
+
 def _stop_on_signals(server: ShardServer) -> None:
     def _stop(signum: int, frame: Any) -> None:
         log.info("shard %d: signal %d, stopping", server.config.shard, signum)
@@ -696,6 +902,11 @@ def _ready(on_ready: Callable[..., None], address: str, metrics_port: int | None
         on_ready(address, metrics_port)
     else:
         on_ready(address)
+
+
+def _loopback(address: str) -> bool:
+    host = address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    return host == "localhost" or host == "::1" or host.startswith("127.")
 
 
 def _part_of(msg: Message) -> tuple[int, int]:
@@ -739,7 +950,12 @@ def main(argv: list[str] | None = None) -> None:
         level=os.environ.get("PARAMSERVER_LOG_LEVEL", "INFO"),
         format=f"%(asctime)s shard{config.shard} %(levelname)s %(name)s: %(message)s",
     )
-    server = ShardServer(config)
+    try:
+        server = ShardServer(config)
+    except CheckpointError as exc:  # one line naming the file, no traceback
+        sys.exit(f"shard {config.shard}: cannot resume: {exc}")
+    except TransportError as exc:  # a port in use, a bad key file or allow-list line
+        sys.exit(f"shard {config.shard}: {exc}")
     _stop_on_signals(server)
     server.serve_forever(announce_ready)
     sys.exit(server.exit_code)

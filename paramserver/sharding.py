@@ -40,6 +40,7 @@ from .errors import ConfigError, RegistryError
 __all__ = [
     "DTYPES",
     "ParamSpec",
+    "PlanLimits",
     "ShardPlan",
     "Slice",
     "dtype_name",
@@ -62,6 +63,30 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 _MAX_LISTED = 10  # names listed per category in diff() before "... and N more"
+
+
+@dataclass(frozen=True)
+class PlanLimits:
+    """Bounds on a plan that came from a peer, checked before anything is built from it.
+
+    A plan description of a few hundred bytes can declare terabytes or millions
+    of chunks; :meth:`ShardPlan.checked` looks only at what the message holds
+    (the arithmetic of its declared sizes), so checking costs time in
+    proportion to the message, and a plan within these bounds costs at most
+    ``max_chunks`` slices and ``max_model_bytes`` of weights to adopt.
+    """
+
+    max_model_bytes: int = 4 << 30  # the whole model, every shard
+    max_params: int = 65536
+    max_chunks: int = 65536  # slices over all shards (a PUSH carries at most 65,536 tensors)
+    min_chunk_bytes: int = 64  # when split: smaller chunks only multiply the slices
+    max_ndim: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_bytes", "max_params", "max_chunks", "min_chunk_bytes",
+                     "max_ndim"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"plan limit {name} must be >= 1, got {getattr(self, name)}")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -202,15 +227,82 @@ class ShardPlan:
         return cls(specs, num_shards, chunk_bytes, split)
 
     @classmethod
-    def from_description(cls, d: Mapping[str, Any]) -> ShardPlan:
-        """Rebuild a plan from :meth:`describe` output; malformed input -> :class:`ConfigError`."""
+    def from_description(cls, d: Mapping[str, Any], limits: PlanLimits | None = None
+                         ) -> ShardPlan:
+        """Rebuild a plan from :meth:`describe` output; malformed input (or, with
+        ``limits``, a plan over them) -> :class:`ConfigError`."""
+        specs, num_shards, chunk_bytes, split = cls.checked(d, limits)
+        return cls(specs, num_shards, chunk_bytes, split)
+
+    @staticmethod
+    def checked(d: Any, limits: PlanLimits | None = None
+                ) -> tuple[list[ParamSpec], int, int, bool]:
+        """(params, num_shards, chunk_bytes, split) of a description, validated without
+        building the plan: with ``limits``, its declared sizes and chunk count are
+        computed arithmetically and bounded. Raises :class:`ConfigError`."""
         try:
-            specs = [ParamSpec(p["name"], tuple(p["shape"]), p["dtype"]) for p in d["params"]]
-            return cls(specs, d["num_shards"], d["chunk_bytes"], d["split"])
+            raw = d["params"]
+            if not isinstance(raw, list | tuple):
+                raise TypeError("params must be a list")
+            if limits is not None and len(raw) > limits.max_params:
+                raise ConfigError(f"{len(raw)} parameters > the limit {limits.max_params}")
+            specs = []
+            for p in raw:
+                shape = p["shape"]
+                if not isinstance(shape, list | tuple) or (
+                        limits is not None and len(shape) > limits.max_ndim):
+                    raise ConfigError(f"parameter {p.get('name')!r}: bad shape {shape!r}")
+                if any(isinstance(x, bool) or not isinstance(x, int) for x in shape):
+                    raise ConfigError(f"parameter {p.get('name')!r}: dimensions must be "
+                                      f"integers, got {shape!r}")
+                specs.append(ParamSpec(p["name"], tuple(shape), p["dtype"]))
+            num_shards, chunk_bytes, split = d["num_shards"], d["chunk_bytes"], d["split"]
+            dups = sorted(n for n, c in Counter(p.name for p in specs).items() if c > 1)
+            if dups:
+                raise ConfigError(f"duplicate parameter names: {_listing(dups)}")
         except ConfigError:
             raise
-        except (KeyError, TypeError, ValueError) as exc:
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"malformed shard plan description: {exc!r}") from exc
+        for name, value in (("num_shards", num_shards), ("chunk_bytes", chunk_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(split, bool):
+            raise ConfigError(f"split must be true or false, got {split!r}")
+        if limits is not None:
+            if split and chunk_bytes < limits.min_chunk_bytes:
+                raise ConfigError(f"chunk_bytes {chunk_bytes} < the minimum "
+                                  f"{limits.min_chunk_bytes}")
+            total = chunks = 0
+            for p in specs:
+                total += p.nbytes
+                if total > limits.max_model_bytes:
+                    raise ConfigError(f"the model declares over {limits.max_model_bytes} bytes "
+                                      f"(--max-model-bytes)")
+                n = 1
+                if split and p.nbytes > chunk_bytes:
+                    n = -(-p.numel // max(1, chunk_bytes // p.itemsize))
+                chunks += n
+            if chunks > limits.max_chunks:
+                raise ConfigError(f"the plan cuts the model into {chunks} chunks > the limit "
+                                  f"{limits.max_chunks}")
+            if num_shards > limits.max_chunks:
+                raise ConfigError(f"{num_shards} shards > the limit {limits.max_chunks}")
+        return specs, num_shards, chunk_bytes, split
+
+    @staticmethod
+    def description_hash(specs: Sequence[ParamSpec], num_shards: int, chunk_bytes: int,
+                         split: bool) -> str:
+        """:attr:`hash` of the plan these would build, without building it."""
+        desc = {
+            "params": [{"name": p.name, "shape": list(p.shape), "dtype": p.dtype}
+                       for p in specs],
+            "num_shards": num_shards,
+            "chunk_bytes": chunk_bytes,
+            "split": bool(split),
+        }
+        blob = json.dumps(desc, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
     def _chunks(self) -> list[tuple[int, int, int]]:
         """(param index, start, stop) of every chunk, in registration order."""
@@ -294,26 +386,30 @@ class ShardPlan:
     def hash(self) -> str:
         """sha256 hex of the canonical JSON of :meth:`describe`; equal in every process."""
         if self._hash is None:
-            blob = json.dumps(self.describe(), sort_keys=True, separators=(",", ":"))
-            self._hash = hashlib.sha256(blob.encode("utf-8")).hexdigest()
+            self._hash = self.description_hash(self.params, self.num_shards, self.chunk_bytes,
+                                               self.split)
         return self._hash
 
     def diff(self, other: Mapping[str, Any]) -> str:
         """Say in words how ``other`` (another plan's :meth:`describe`) differs; "" if equal."""
+        # compared as described, never built: the other plan may come from a peer,
+        # and building it could cost in proportion to the sizes it declares
         try:
-            theirs = ShardPlan.from_description(other)
+            their_params, their_shards, their_chunk, their_split = ShardPlan.checked(
+                other, PlanLimits(max_model_bytes=1 << 62, max_chunks=1 << 62))
         except ConfigError as exc:
             return f"the other plan's description is unusable: {exc}"
+        their_param = {p.name: p for p in their_params}
         parts: list[str] = []
-        if self.num_shards != theirs.num_shards:
-            parts.append(f"number of shards {self.num_shards} vs {theirs.num_shards}")
-        if self.chunk_bytes != theirs.chunk_bytes:
-            parts.append(f"chunk size {self.chunk_bytes} vs {theirs.chunk_bytes} bytes")
-        if self.split != theirs.split:
-            parts.append(f"split {self.split} vs {theirs.split}")
+        if self.num_shards != their_shards:
+            parts.append(f"number of shards {self.num_shards} vs {their_shards}")
+        if self.chunk_bytes != their_chunk:
+            parts.append(f"chunk size {self.chunk_bytes} vs {their_chunk} bytes")
+        if self.split != their_split:
+            parts.append(f"split {self.split} vs {their_split}")
         ours_names = [p.name for p in self.params]
-        their_names = [p.name for p in theirs.params]
-        only_ours = [n for n in ours_names if n not in theirs._param]
+        their_names = [p.name for p in their_params]
+        only_ours = [n for n in ours_names if n not in their_param]
         only_theirs = [n for n in their_names if n not in self._param]
         if only_ours:
             parts.append(f"parameters only in ours: {_listing(only_ours)}")
@@ -321,7 +417,7 @@ class ShardPlan:
             parts.append(f"parameters only in theirs: {_listing(only_theirs)}")
         shapes, dtypes = [], []
         for p in self.params:
-            q = theirs._param.get(p.name)
+            q = their_param.get(p.name)
             if q is None:
                 continue
             if p.shape != q.shape:
@@ -332,7 +428,7 @@ class ShardPlan:
             parts.append(f"shape mismatch {_listing(shapes)}")
         if dtypes:
             parts.append(f"dtype mismatch {_listing(dtypes)}")
-        common_ours = [n for n in ours_names if n in theirs._param]
+        common_ours = [n for n in ours_names if n in their_param]
         common_theirs = [n for n in their_names if n in self._param]
         if common_ours != common_theirs:
             at = next(

@@ -35,7 +35,7 @@ from typing import Any, BinaryIO
 from paramserver.errors import ConfigError, ParamServerError, TimeoutError
 from paramserver.observe import JsonlFollower, LauncherObserver
 from paramserver.server import READY_PREFIX, ServerConfig
-from paramserver.transport import CurveKeys
+from paramserver.transport import CurveKeys, admin_key_pair, public_key
 from paramserver.workers.launch.zygote import ForkedProcess, ZygoteError, fork_enabled, zygote_for
 from paramserver.workers.stragglers import StragglerSpec
 from paramserver.workers.worker import WorkerConfig, write_json
@@ -83,6 +83,9 @@ class ClusterSpec:
     #: (any free port when 0). None: the launcher serves none, shards as the template says
     metrics_port: int | None = None
     tensorboard: str | None = None  # TensorBoard log directory for the launcher and shards
+    #: under CURVE, the launcher's admin secret key file (SHUTDOWN, BYE dead=true); the
+    #: shards admit its public key as an admin. None: LocalCluster makes one in out_dir/keys
+    admin_key: str | None = None
 
     def __post_init__(self) -> None:
         if self.on_worker_failure not in FAILURE_POLICIES:
@@ -97,6 +100,8 @@ class ClusterSpec:
         if bool(self.server.curve_secret_key) != bool(self.worker.curve_key):
             raise ConfigError("CURVE is on for one side only: give the servers curve_secret_key "
                               "and the workers curve_key + curve_server_key, or neither")
+        if self.admin_key and not self.server.curve_secret_key:
+            raise ConfigError("admin_key needs CURVE (without it everyone is trusted)")
 
     def client_curve(self) -> CurveKeys | None:
         """The workers' CURVE keys, for the launcher's own connections (stats, eval, stop)."""
@@ -104,16 +109,27 @@ class ClusterSpec:
             return None
         return CurveKeys.load(self.worker.curve_key, self.worker.curve_server_key)
 
+    def admin_curve(self) -> CurveKeys | None:
+        """The launcher's admin keys, for SHUTDOWN and death reports (None: no CURVE);
+        without an admin key, the workers' (which a shard then refuses)."""
+        if not self.admin_key:
+            return self.client_curve()
+        return CurveKeys.load(self.admin_key, self.worker.curve_server_key)
+
     def server_config(self, shard: int, out: Path) -> ServerConfig:
         observe: dict[str, Any] = {}
         if self.metrics_port is not None:
             observe["metrics_port"] = self.metrics_port + 1 + shard if self.metrics_port else 0
         if self.tensorboard:
             observe["tensorboard"] = self.tensorboard
+        admins = list(self.server.admin_keys)
+        if self.admin_key:  # the public half, as text: no secret file goes to a shard
+            admins.append(public_key(self.admin_key))
         return dataclasses.replace(
             self.server, shard=shard, num_shards=self.num_servers,
             expected_workers=self.num_workers,
-            event_log=str(out / "events" / f"server{shard}.jsonl"), **observe,
+            event_log=str(out / "events" / f"server{shard}.jsonl"), admin_keys=admins,
+            **observe,
         )
 
     def worker_config(self, rank: int, servers: list[str], out: Path) -> WorkerConfig:
@@ -177,10 +193,14 @@ class LocalCluster:
 
     def __init__(self, spec: ClusterSpec, out_dir: str | Path,
                  on_alarm: Callable[[dict[str, Any]], None] | None = None) -> None:
-        self.spec = spec
         self.out = Path(out_dir)
         for sub in ("logs", "events", "results", "configs"):
             (self.out / sub).mkdir(parents=True, exist_ok=True)
+        if spec.server.curve_secret_key and not spec.admin_key:
+            # CURVE: the launcher runs SHUTDOWN and death reports with an admin key
+            # of its own, which only it and its shards know of
+            spec = dataclasses.replace(spec, admin_key=str(admin_key_pair(self.out / "keys")))
+        self.spec = spec
         # follows every event log: launcher metrics, watchdog alarms (on_alarm), divergence
         self.observer = LauncherObserver(self.out, metrics_port=spec.metrics_port,
                                          tensorboard=spec.tensorboard, on_alarm=on_alarm)
@@ -357,7 +377,7 @@ class LocalCluster:
         from paramserver.workers.client import report_dead
 
         try:
-            report_dead(self.addresses, rank, curve=self.spec.client_curve())
+            report_dead(self.addresses, rank, curve=self.spec.admin_curve())
         except ParamServerError as exc:
             log.warning("could not report worker%d's death to the servers: %s", rank, exc)
 
@@ -494,10 +514,10 @@ def run_cluster(spec: ClusterSpec, out_dir: str | Path,
         cluster.start_workers()
         cluster.wait_workers(on_progress)
         train_seconds = time.time() - t0
-        curve = spec.client_curve()
-        stats = server_stats(addresses, curve=curve)
+        admin = cluster.spec.admin_curve()
+        stats = server_stats(addresses, curve=admin)
         final = final_eval(spec, addresses, out) if spec.evaluate else {}
-        shutdown_servers(addresses, curve=curve)
+        shutdown_servers(addresses, curve=admin)
     workers = []
     for rank in range(spec.num_workers):
         path = out / "results" / f"worker{rank}.json"
