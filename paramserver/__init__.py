@@ -51,6 +51,8 @@ _EXPORTS: dict[str, str] = {
     "register_task": "paramserver.workers.tasks",
     "available_tasks": "paramserver.workers.tasks",
     "WorkerConfig": "paramserver.workers.worker",
+    "DistributedOptimizer": "paramserver.workers.optimizer",
+    "StepOutcome": "paramserver.workers.optimizer",
     "run_worker": "paramserver.workers.worker",
     # launching
     "ClusterSpec": "paramserver.workers.launch.cluster",
@@ -70,6 +72,7 @@ __all__ = [
     "ClusterSpec",
     "ConfigError",
     "Decision",
+    "DistributedOptimizer",
     "EpochBatches",
     "ErrorCode",
     "ExperimentSpec",
@@ -84,6 +87,7 @@ __all__ = [
     "ShardServer",
     "SimSpec",
     "StalenessPolicy",
+    "StepOutcome",
     "Task",
     "TransportError",
     "UpdateInfo",
@@ -143,5 +147,6 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ lo
     from paramserver.workers.experiments.spec import ExperimentSpec, load_spec
     from paramserver.workers.launch.cluster import ClusterSpec, LocalCluster, run_cluster
     from paramserver.workers.launch.virtual import SimSpec, run_simulation
+    from paramserver.workers.optimizer import DistributedOptimizer, StepOutcome
     from paramserver.workers.tasks import EpochBatches, Task, available_tasks, register_task
     from paramserver.workers.worker import WorkerConfig, run_worker

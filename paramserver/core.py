@@ -731,13 +731,16 @@ class ShardCore:
     # ------------------------------------------------------------------ pulls
 
     def request_pull(
-        self, worker: int, clock: int, token: Hashable, now: float, observer: bool = False
+        self, worker: int, clock: int, token: Hashable, now: float, observer: bool = False,
+        wait_init: bool = False,
     ) -> None:
         """Park a pull; it is answered through :meth:`ready_pulls` when its gate opens.
 
         Observers (evaluators, status tools) are never gated and have no clock.
+        With ``wait_init`` a pull before any INIT waits for the weights (a worker
+        that leaves the seeding to another) instead of being refused.
         """
-        if not self.initialized and self._init_owner is None:
+        if not self.initialized and self._init_owner is None and not wait_init:
             raise ProtocolError(
                 ErrorCode.NOT_INITIALIZED, "no weights yet: the first worker must send INIT"
             )

@@ -87,7 +87,8 @@ _SCHEMA: dict[Op, dict[str, tuple[tuple[type, ...], bool]]] = {
     },
     # INIT too may come in parts (a large shard), each copied in as it arrives
     Op.INIT: {"worker": (_INT, True), "part": (_INT, False), "parts": (_INT, False)},
-    Op.PULL: {"worker": (_INT, True), "clock": (_INT, True), "observer": (_BOOL, False)},
+    Op.PULL: {"worker": (_INT, True), "clock": (_INT, True), "observer": (_BOOL, False),
+              "wait_init": (_BOOL, False)},
     Op.PUSH: {
         "worker": (_INT, True),
         "push_id": (_INT, True),

@@ -668,7 +668,7 @@ class ShardServer:
         core = self._require_core()
         observer = bool(msg.get("observer", False))
         core.request_pull(msg["worker"], msg["clock"], (identity, msg.seq), time.monotonic(),
-                          observer=observer)
+                          observer=observer, wait_init=bool(msg.get("wait_init", False)))
         if observer:
             self._observer_pulls.add((identity, msg.seq))
         return None  # answered by _answer_pulls, now or when the gate opens

@@ -286,11 +286,12 @@ class PSClient:
 
     # ------------------------------------------------------------------ data
 
-    def _pull_msgs(self, clock: int) -> list[Message]:
+    def _pull_msgs(self, clock: int, wait_init: bool = False) -> list[Message]:
         observer = self.role != "worker"
-        return [Message(Op.PULL, 0, {"worker": self.worker, "clock": clock,
-                                     "observer": observer})
-                for _ in self.channels]
+        fields: dict[str, Any] = {"worker": self.worker, "clock": clock, "observer": observer}
+        if wait_init:
+            fields["wait_init"] = True
+        return [Message(Op.PULL, 0, dict(fields)) for _ in self.channels]
 
     def _pull_result(self, replies: Sequence[Message], t0: float) -> PullResult:
         return PullResult(
@@ -301,13 +302,17 @@ class PSClient:
             nbytes=sum(r.nbytes for r in replies),
         )
 
-    def pull(self, params: Mapping[str, torch.Tensor], clock: int = 0) -> PullResult:
-        """Fetch every shard's slices into ``params`` (in place, any device)."""
+    def pull(self, params: Mapping[str, torch.Tensor], clock: int = 0,
+             wait_init: bool = False) -> PullResult:
+        """Fetch every shard's slices into ``params`` (in place, any device).
+
+        ``wait_init``: a shard not seeded yet holds the pull until another worker
+        has seeded it (instead of refusing it, which makes us seed it)."""
         t0 = time.perf_counter()
         observer = self.role != "worker"
-        if not observer:
+        if not observer and not wait_init:
             self._params = params
-        msgs = self._pull_msgs(clock)
+        msgs = self._pull_msgs(clock, wait_init)
         done: set[int] = set()
 
         def assemble(i: int, rep: Message) -> None:

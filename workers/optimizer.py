@@ -1,0 +1,365 @@
+"""DistributedOptimizer: train from your own loop against the parameter servers.
+
+A ``torch.optim.Optimizer`` whose ``step()`` pushes each parameter's ``.grad`` to
+the shards and pulls the new weights into the parameters in place. The
+optimizer itself (SGD, Adam, ...) runs on the servers; the staleness machinery
+(sync rounds, the SSP gate, policies) is theirs too. Everything a training
+script does around an optimizer keeps working: ``zero_grad``,
+``clip_grad_norm_`` before ``step()``, ``GradScaler.step(opt)`` (an inf/NaN step
+is skipped by the scaler, so nothing is pushed), checkpointing code that
+calls ``state_dict()``::
+
+    model = Net()
+    opt = paramserver.DistributedOptimizer(model)   # servers, rank from the environment
+    for inputs, targets in loader:
+        opt.zero_grad()
+        loss_fn(model(inputs), targets).backward()
+        opt.step(num_samples=len(targets))
+    opt.close()
+
+Arguments not given come from the environment that ``paramserver launch --
+COMMAND`` (or ``paramserver run``) sets: ``PARAMSERVER_SERVERS`` (addresses,
+comma-separated, in shard order), ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import weakref
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from paramserver.errors import ConfigError
+from paramserver.sharding import ParamSpec, ShardPlan, dtype_name
+from paramserver.transport import CurveKeys
+from paramserver.workers.client import PART_BYTES, PSClient, PullResult, PushResult, PushStream
+from paramserver.workers.overlap import make_buckets
+
+__all__ = ["DistributedOptimizer", "StepOutcome", "servers_from_env"]
+
+log = logging.getLogger(__name__)
+
+#: the environment variables a launcher sets for each worker process
+SERVERS_ENV = "PARAMSERVER_SERVERS"
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What the shards did with one ``step()``'s push (over all shards)."""
+
+    accepted: bool  # every shard applied it (possibly down-weighted)
+    reasons: tuple[str, ...]  # why shards refused it (empty when accepted)
+    weight: float  # the smallest weight a shard gave it (1.0: full)
+    staleness: int  # the largest staleness a shard measured
+    versions: tuple[int, ...]  # per shard, the version of the weights now in the model
+    clock: int  # this worker's clock after the step (pushes so far)
+    push_seconds: float
+    pull_seconds: float
+    waited: float  # longest time a shard held the pull (sync barrier or SSP gate)
+    nbytes: int  # bytes sent and received
+
+    @classmethod
+    def of(cls, pushed: PushResult, pulled: PullResult, clock: int) -> StepOutcome:
+        return cls(
+            accepted=pushed.accepted, reasons=tuple(pushed.reasons),
+            weight=min((float(o["weight"]) for o in pushed.outcomes), default=1.0),
+            staleness=pushed.staleness, versions=pulled.versions, clock=clock,
+            push_seconds=pushed.seconds, pull_seconds=pulled.seconds, waited=pulled.waited,
+            nbytes=pushed.nbytes + pulled.nbytes)
+
+
+def servers_from_env(servers: str | Iterable[str] | None) -> list[str]:
+    """Server addresses from the argument, else from ``PARAMSERVER_SERVERS``."""
+    if servers is None:
+        servers = os.environ.get(SERVERS_ENV, "")
+        if not servers:
+            raise ConfigError(f"no servers: pass servers=[...] or set {SERVERS_ENV} "
+                              "(paramserver launch -- COMMAND sets it)")
+    if isinstance(servers, str):
+        servers = servers.split(",")
+    out = [s.strip() for s in servers if s.strip()]
+    if not out:
+        raise ConfigError("servers is empty: give the shard servers' addresses in shard order")
+    return out
+
+
+def _int_from_env(value: int | None, names: tuple[str, ...], default: int) -> int:
+    if value is not None:
+        return value
+    for name in names:
+        raw = os.environ.get(name)
+        if raw is not None:
+            try:
+                return int(raw)
+            except ValueError:
+                raise ConfigError(f"{name}={raw!r} is not an integer") from None
+    return default
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """Push gradients to the parameter servers and pull their weights, from your loop.
+
+    ``model_or_named_parameters`` is an ``nn.Module`` or ``named_parameters()``;
+    names must be the same on every rank (they key the servers' plan).
+
+    * ``servers``, ``rank``, ``world_size``: default to ``PARAMSERVER_SERVERS``,
+      ``RANK``, ``WORLD_SIZE`` (0 and 1 when unset).
+    * ``backward_passes_per_step``: backward passes accumulated into ``.grad``
+      per ``step()`` (only used with ``overlap``, to know which backward is the
+      step's last); scale the loss yourself if you want their mean.
+    * ``overlap``: push gradients in buckets of about ``bucket_bytes`` from
+      inside backward (post-accumulate hooks), so ``step()`` only waits. The
+      push's sample count is then the one given to :meth:`set_num_samples`
+      before backward (each worker counts equally by default).
+    * the rest (``timeout``, ``request_timeout``, ``heartbeat_interval``,
+      ``chunk_bytes``, ``part_bytes``, ``wire_dtype``, ``curve_key``,
+      ``curve_server_key``) are the client's options, as for ``paramserver worker``.
+
+    Construction registers with every shard and agrees on the plan; the first
+    worker seeds the servers' weights and every rank then pulls them, so all
+    ranks start from the same weights whatever their local initialization.
+    """
+
+    def __init__(
+        self,
+        model_or_named_parameters: torch.nn.Module | Iterable[tuple[str, torch.Tensor]],
+        *,
+        servers: str | Iterable[str] | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        backward_passes_per_step: int = 1,
+        overlap: bool = False,
+        bucket_bytes: int = 4 * 1024 * 1024,
+        timeout: float = 600.0,
+        request_timeout: float = 5.0,
+        heartbeat_interval: float = 1.0,
+        chunk_bytes: int = ShardPlan.DEFAULT_CHUNK_BYTES,
+        part_bytes: int = PART_BYTES,
+        wire_dtype: str | None = None,
+        curve_key: str | None = None,
+        curve_server_key: str | None = None,
+    ) -> None:
+        named: list[tuple[str, torch.Tensor]]
+        if isinstance(model_or_named_parameters, torch.nn.Module):
+            named = list(model_or_named_parameters.named_parameters())
+        else:
+            named = list(model_or_named_parameters)
+        if not named or not all(isinstance(n, str) and isinstance(p, torch.Tensor)
+                                for n, p in named):
+            raise ConfigError("DistributedOptimizer needs a model or its named_parameters(): "
+                              "(name, tensor) pairs, at least one")
+        if backward_passes_per_step < 1:
+            raise ConfigError(f"backward_passes_per_step must be >= 1, "
+                              f"got {backward_passes_per_step}")
+        super().__init__([p for _, p in named], {})
+        self.servers = servers_from_env(servers)
+        self.rank = _int_from_env(rank, ("RANK",), 0)
+        self.world_size = _int_from_env(world_size, ("WORLD_SIZE",), 1)
+        if not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"rank must be in [0, {self.world_size}), got {self.rank}")
+        self.backward_passes_per_step = backward_passes_per_step
+        self.params: dict[str, torch.Tensor] = dict(named)
+        self.plan = _plan(named, len(self.servers), chunk_bytes)
+        curve = CurveKeys.load(curve_key, curve_server_key) if curve_key else None
+        self.client = PSClient(self.servers, self.plan, self.rank, timeout=timeout,
+                               attempt_timeout=request_timeout,
+                               heartbeat_interval=heartbeat_interval, curve=curve,
+                               wire_dtype=wire_dtype, part_bytes=part_bytes)
+        self._closed = False
+        self.clock = self.client.connect()
+        # rank 0 seeds the weights; the others wait for them, so every rank starts
+        # from rank 0's initialization (or the servers' resumed weights)
+        self.seeded = self.client.initialize(self.params) if self.rank == 0 else False
+        with torch.no_grad():
+            pulled = self.client.pull(self.params, self.clock, wait_init=self.rank != 0)
+        self.versions = pulled.versions
+        self.clock = max(self.clock, pulled.clock)
+        self.last: StepOutcome | None = None  # the outcome of the latest step()
+        self._num_samples = 1
+        self._buckets: _Buckets | None = None
+        if overlap:
+            self._buckets = _Buckets(named, bucket_bytes, backward_passes_per_step,
+                                     self._open_stream)
+        # a script that ends without close() is done, not dead: finalize says BYE at
+        # exit (or when the optimizer is collected)
+        self._finalizer = weakref.finalize(self, _close_client, self.client)
+        log.info("worker %d/%d: %d parameters on %d shards, from clock %d", self.rank,
+                 self.world_size, len(self.params), len(self.servers), self.clock)
+
+    # ------------------------------------------------------------------ training
+
+    def set_num_samples(self, num_samples: int) -> None:
+        """The sample count of the next push (with ``overlap``: call before backward)."""
+        if num_samples < 1:
+            raise ConfigError(f"num_samples must be >= 1, got {num_samples}")
+        self._num_samples = int(num_samples)
+
+    def _open_stream(self) -> PushStream:
+        assert self._buckets is not None
+        return self.client.push_stream(self._buckets.buckets, self.versions,
+                                       self._num_samples, self.clock, prefetch=True)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None,  # type: ignore[override]
+             num_samples: int | None = None) -> float | None:
+        """Push every parameter's ``.grad`` (``None``: a zero gradient), then pull the
+        servers' weights into the parameters, honouring the mode (the sync barrier,
+        the SSP gate, or none). ``num_samples`` weighs this push in a sync round's
+        mean (omitted: every worker counts equally). Returns the closure's loss;
+        the outcome is :attr:`last`."""
+        self._check_open()
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if num_samples is not None:
+            self.set_num_samples(num_samples)
+        if self._buckets is not None:
+            stream = self._buckets.flush(self.params)
+            pushed, pulled_or_none = stream.finish(self.params)
+            assert pulled_or_none is not None
+            pulled = pulled_or_none
+        else:
+            grads = {}
+            for name, p in self.params.items():
+                grads[name] = p.grad if p.grad is not None else torch.zeros_like(p)
+            pushed, pulled = self.client.push_pull(grads, self.versions, self._num_samples,
+                                                   self.clock, self.params)
+        self.clock = max(self.clock + 1, pulled.clock)
+        self.versions = pulled.versions
+        self.last = StepOutcome.of(pushed, pulled, self.clock)
+        if self._buckets is None:
+            self._num_samples = 1
+        return loss
+
+    def pull(self) -> tuple[int, ...]:
+        """Fetch the servers' current weights into the parameters (e.g. to evaluate
+        the latest model); returns the versions. Clocks do not move."""
+        self._check_open()
+        with torch.no_grad():
+            pulled = self.client.pull(self.params, self.clock)
+        self.versions = pulled.versions
+        return pulled.versions
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        """This worker's place in training: its clock and the versions it read.
+
+        The optimizer's own state (momentum, Adam moments, the learning-rate
+        schedule) lives on the servers and is saved by their checkpoints
+        (``--checkpoint-dir``), not here."""
+        return {"clock": self.clock, "versions": list(self.versions), "rank": self.rank,
+                "server_side": True}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Accepts what :meth:`state_dict` gave; the clock is where the shards say it is
+        (a rejoining worker resumes at their clock), so nothing is restored locally."""
+        if not state_dict.get("server_side"):
+            raise ConfigError("not a DistributedOptimizer state_dict: this optimizer's state "
+                              "lives on the servers (their checkpoints hold it)")
+
+    # ------------------------------------------------------------------ lifetime
+
+    def close(self) -> None:
+        """Say goodbye to every shard (this worker is done) and close the sockets."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._buckets is not None:
+            self._buckets.remove()
+        self._finalizer()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConfigError("this DistributedOptimizer is closed")
+
+    def __enter__(self) -> DistributedOptimizer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _plan(named: list[tuple[str, torch.Tensor]], num_shards: int, chunk_bytes: int
+          ) -> ShardPlan:
+    specs = [ParamSpec(name, tuple(p.shape), dtype_name(p.dtype)) for name, p in named]
+    return ShardPlan(specs, num_shards, chunk_bytes)
+
+
+def _close_client(client: PSClient) -> None:
+    # at exit after an uncaught exception the worker failed: no BYE, so that its
+    # supervisor's death report (or the heartbeat timeout) is what the shards see
+    if getattr(sys, "last_value", None) is not None:
+        client.close()
+        return
+    try:
+        client.bye()
+    except Exception as exc:  # at exit the shards may be gone already: nothing to tell
+        log.debug("BYE failed: %s", exc)
+    finally:
+        client.close()
+
+
+class _Buckets:
+    """Gradients pushed bucket by bucket from inside the step's last backward."""
+
+    def __init__(self, named: list[tuple[str, torch.Tensor]], bucket_bytes: int, passes: int,
+                 open_stream: Callable[[], PushStream]) -> None:
+        self.params = dict(named)
+        self.buckets = make_buckets(named, bucket_bytes)
+        self._bucket_of = {n: i for i, b in enumerate(self.buckets) for n in b}
+        self._passes = passes
+        self._open = open_stream
+        self._stream: PushStream | None = None
+        self._seen: dict[str, int] = {}
+        self._pending = [set(b) for b in self.buckets]
+        self._sent = [False] * len(self.buckets)
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook(n))
+                         for n, p in named if p.requires_grad]
+
+    def _hook(self, name: str) -> Callable[[torch.Tensor], None]:
+        def on_grad(_: torch.Tensor) -> None:
+            self._seen[name] = self._seen.get(name, 0) + 1
+            if self._seen[name] < self._passes:
+                return  # not the step's last backward: keep accumulating
+            if self._stream is None:
+                self._stream = self._open()
+            b = self._bucket_of[name]
+            self._pending[b].discard(name)
+            if not self._pending[b] and not self._sent[b]:
+                self._send(b)
+        return on_grad
+
+    def _send(self, b: int) -> None:
+        assert self._stream is not None
+        grads = {}
+        for name in self.buckets[b]:
+            p = self.params[name]
+            grads[name] = p.grad if p.grad is not None else torch.zeros_like(p)
+        self._sent[b] = True
+        self._stream.send(grads)
+
+    def flush(self, params: Mapping[str, torch.Tensor]) -> PushStream:
+        """At step(): send what no hook sent (unused or frozen parameters); reset."""
+        if self._stream is None:
+            self._stream = self._open()
+        for b, sent in enumerate(self._sent):
+            if not sent:
+                self._send(b)
+        stream = self._stream
+        self._stream = None
+        self._seen.clear()
+        self._pending = [set(b) for b in self.buckets]
+        self._sent = [False] * len(self.buckets)
+        return stream
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
