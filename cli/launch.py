@@ -34,6 +34,15 @@ Examples:
 \b
   # everything from a file, one option overridden; show what would run
   paramserver launch --config run.toml --mode async --print-config
+\b
+  # your own training script (on paramserver.DistributedOptimizer), once per worker
+  paramserver launch -s 2 -n 3 --mode sync --out runs/mine -- python train.py --epochs 2
+\b
+After "--", COMMAND runs once per worker instead of the built-in loop, with
+PARAMSERVER_SERVERS, RANK, WORLD_SIZE and LOCAL_RANK set; --task, --steps and
+the other options of the built-in loop are then ignored, failures are handled
+per --on-worker-failure, and DIR/final_model.safetensors holds the servers'
+final weights.
 
 \b
 Each process logs to DIR/logs/<name>.log and writes JSONL events to
@@ -129,14 +138,17 @@ def _out_dir(value: str | None) -> Path:
 @click.command("launch", epilog=EPILOG,
                short_help="A whole cluster on this machine, start to finish.")
 @options.apply_groups("launch")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED, metavar="[-- COMMAND [ARGS]...]")
 @click.pass_context
 def launch(ctx: click.Context, **opts: Any) -> None:
     """Run a whole cluster on this machine: S servers and N workers, one process each.
 
     Takes every option of `paramserver server` that sets how shards train
     and every option of `paramserver worker` that sets how workers train;
-    addresses, ranks and shard ids are assigned here.
+    addresses, ranks and shard ids are assigned here. After `--`, your own
+    script runs as each worker instead (see DistributedOptimizer).
     """
+    command = list(opts.pop("command") or ()) or None
     num_servers, num_workers = opts["num_servers"], opts["num_workers"]
     stragglers = options.straggler_overrides(opts)
     if stragglers and max(stragglers) >= num_workers:
@@ -158,15 +170,16 @@ def launch(ctx: click.Context, **opts: Any) -> None:
             max_restarts=opts["max_restarts"],
             metrics_port=opts["metrics_port"],
             tensorboard=opts["tensorboard"],
+            command=command,
         )
     options.maybe_print_config(ctx, opts)
     out = _out_dir(opts["out"])
-    steps = spec.worker.steps
+    steps = None if command else spec.worker.steps
     console = Console(stderr=True)
     bar = step_progress(console, "loss {task.fields[loss]}", "{task.fields[rate]} updates/s",
                         disable=opts["quiet"])
     description = (f"{spec.server.mode_spec().describe()} {num_servers}x{num_workers} "
-                   f"{spec.worker.task}")
+                   f"{' '.join(command) if command else spec.worker.task}")
     if not opts["quiet"]:
         console.print(f"paramserver launch: {description}; logs and results in {out}",
                       highlight=False)

@@ -7,11 +7,12 @@ kind) and the fields of that kind; see docs/events.md for the schema.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["EventLog", "read_events"]
+__all__ = ["EventLog", "read_events", "write_json"]
 
 
 class EventLog:
@@ -71,3 +72,12 @@ def read_events(path: str | Path, event: str | None = None) -> list[dict[str, An
             if event is None or rec.get("event") == event:
                 out.append(rec)
     return out
+
+
+def write_json(path: str | os.PathLike[str], data: Any) -> None:
+    """Write atomically: a reader never sees half a file."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(target.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    os.replace(tmp, target)

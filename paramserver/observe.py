@@ -344,15 +344,17 @@ class LauncherObserver:
         r.inc("paramserver_worker_steps_total", w)
         if not rec.get("accepted", True):
             r.inc("paramserver_worker_rejected_total", w)
-        r.set("paramserver_worker_loss", w, float(rec["loss"]))
+        loss = rec.get("loss")  # a user's own loop may not tell its loss
+        if loss is not None:
+            r.set("paramserver_worker_loss", w, float(loss))
         r.observe("paramserver_worker_staleness", w, float(rec.get("staleness", 0)))
         r.observe("paramserver_worker_push_seconds", w, float(rec.get("push_s", 0.0)))
         r.observe("paramserver_worker_pull_seconds", w, float(rec.get("pull_s", 0.0)))
         r.inc("paramserver_worker_wait_seconds_total", w, float(rec.get("wait_s", 0.0)))
         r.inc("paramserver_worker_compute_seconds_total", w, float(rec.get("compute_s", 0.0)))
         r.inc("paramserver_worker_bytes_total", w, float(rec.get("bytes", 0)))
-        if self.tensorboard is not None:
-            self.tensorboard.add_scalar(f"loss/worker{rec['worker']}", float(rec["loss"]),
+        if self.tensorboard is not None and loss is not None:
+            self.tensorboard.add_scalar(f"loss/worker{rec['worker']}", float(loss),
                                         int(rec.get("clock", 0)), walltime=rec.get("t"))
 
     def _eval(self, rec: Mapping[str, Any]) -> None:

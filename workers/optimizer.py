@@ -24,10 +24,11 @@ comma-separated, in shard order), ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import sys
-import weakref
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,7 @@ from typing import Any
 import torch
 
 from paramserver.errors import ConfigError
+from paramserver.events import EventLog, write_json
 from paramserver.sharding import ParamSpec, ShardPlan, dtype_name
 from paramserver.transport import CurveKeys
 from paramserver.workers.client import PART_BYTES, PSClient, PullResult, PushResult, PushStream
@@ -46,6 +48,9 @@ log = logging.getLogger(__name__)
 
 #: the environment variables a launcher sets for each worker process
 SERVERS_ENV = "PARAMSERVER_SERVERS"
+#: where a launched worker logs its steps, writes its result, and rank 0 the plan
+EVENT_LOG_ENV, RESULT_FILE_ENV, PLAN_FILE_ENV = (
+    "PARAMSERVER_EVENT_LOG", "PARAMSERVER_RESULT_FILE", "PARAMSERVER_PLAN_FILE")
 
 
 @dataclass(frozen=True)
@@ -171,6 +176,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                heartbeat_interval=heartbeat_interval, curve=curve,
                                wire_dtype=wire_dtype, part_bytes=part_bytes)
         self._closed = False
+        self._t0 = time.time()
+        self._counts = {"pushes": 0, "accepted": 0, "rejected": 0}
+        self._waited = 0.0
+        self._events = EventLog(os.environ.get(EVENT_LOG_ENV) or None)
         self.clock = self.client.connect()
         # rank 0 seeds the weights; the others wait for them, so every rank starts
         # from rank 0's initialization (or the servers' resumed weights)
@@ -180,14 +189,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.versions = pulled.versions
         self.clock = max(self.clock, pulled.clock)
         self.last: StepOutcome | None = None  # the outcome of the latest step()
+        self._events.write("worker_start", worker=self.rank, clock=self.clock,
+                           seeded=self.seeded, steps=None, plan_hash=self.plan.hash)
+        plan_file = os.environ.get(PLAN_FILE_ENV)
+        if plan_file and self.rank == 0:  # the launcher saves the final model by it
+            write_json(plan_file, self.plan.describe())
         self._num_samples = 1
         self._buckets: _Buckets | None = None
         if overlap:
             self._buckets = _Buckets(named, bucket_bytes, backward_passes_per_step,
                                      self._open_stream)
-        # a script that ends without close() is done, not dead: finalize says BYE at
-        # exit (or when the optimizer is collected)
-        self._finalizer = weakref.finalize(self, _close_client, self.client)
+        # a script that ends without close() is done, not dead: say BYE at exit
+        atexit.register(self._at_exit)
         log.info("worker %d/%d: %d parameters on %d shards, from clock %d", self.rank,
                  self.world_size, len(self.params), len(self.servers), self.clock)
 
@@ -230,9 +243,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 grads[name] = p.grad if p.grad is not None else torch.zeros_like(p)
             pushed, pulled = self.client.push_pull(grads, self.versions, self._num_samples,
                                                    self.clock, self.params)
+        read = self.versions
         self.clock = max(self.clock + 1, pulled.clock)
         self.versions = pulled.versions
-        self.last = StepOutcome.of(pushed, pulled, self.clock)
+        self.last = out = StepOutcome.of(pushed, pulled, self.clock)
+        self._counts["pushes"] += 1
+        self._counts["accepted" if out.accepted else "rejected"] += 1
+        self._waited += out.waited
+        self._events.write(
+            "step", worker=self.rank, clock=self.clock, read_versions=list(read),
+            staleness=out.staleness, accepted=out.accepted, reasons=list(out.reasons),
+            weight=out.weight, loss=None if loss is None else float(loss),
+            num_samples=self._num_samples, pull_s=out.pull_seconds, push_s=out.push_seconds,
+            wait_s=out.waited, bytes=out.nbytes)
         if self._buckets is None:
             self._num_samples = 1
         return loss
@@ -271,9 +294,34 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self._at_exit)
         if self._buckets is not None:
             self._buckets.remove()
-        self._finalizer()
+        try:
+            self.client.bye()
+        finally:
+            self.client.close()
+        result = {"worker": self.rank, "steps": self._counts["pushes"], "clock": self.clock,
+                  **self._counts, "seconds": time.time() - self._t0,
+                  "wait_seconds": self._waited, "final_versions": list(self.versions)}
+        self._events.write("worker_end", **result)
+        self._events.close()
+        result_file = os.environ.get(RESULT_FILE_ENV)
+        if result_file:
+            write_json(result_file, result)
+
+    def _at_exit(self) -> None:
+        # after an uncaught exception the worker failed: no BYE, so that its
+        # supervisor's death report (or the heartbeat timeout) is what the shards see
+        if getattr(sys, "last_value", None) is not None:
+            self._closed = True
+            self._events.close()
+            self.client.close()
+            return
+        try:
+            self.close()
+        except Exception as exc:  # at exit the shards may be gone already
+            log.warning("worker %d: goodbye at exit failed: %s", self.rank, exc)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -290,20 +338,6 @@ def _plan(named: list[tuple[str, torch.Tensor]], num_shards: int, chunk_bytes: i
           ) -> ShardPlan:
     specs = [ParamSpec(name, tuple(p.shape), dtype_name(p.dtype)) for name, p in named]
     return ShardPlan(specs, num_shards, chunk_bytes)
-
-
-def _close_client(client: PSClient) -> None:
-    # at exit after an uncaught exception the worker failed: no BYE, so that its
-    # supervisor's death report (or the heartbeat timeout) is what the shards see
-    if getattr(sys, "last_value", None) is not None:
-        client.close()
-        return
-    try:
-        client.bye()
-    except Exception as exc:  # at exit the shards may be gone already: nothing to tell
-        log.debug("BYE failed: %s", exc)
-    finally:
-        client.close()
 
 
 class _Buckets:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from paramserver.errors import ConfigError
-from paramserver.events import EventLog
+from paramserver.events import EventLog, write_json
 from paramserver.sharding import ShardPlan
 from paramserver.transport import CurveKeys
 from paramserver.workers.client import (
@@ -300,15 +300,6 @@ def _log_eval(events: EventLog, task: Task, model: torch.nn.Module, rank: int, c
     if metrics:
         events.write("eval", worker=rank, clock=clock, versions=list(versions), **metrics)
     return metrics
-
-
-def write_json(path: str | os.PathLike[str], data: Any) -> None:
-    """Write atomically: a reader never sees half a file."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_suffix(target.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    os.replace(tmp, target)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -33,12 +33,13 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from paramserver.errors import ConfigError, ParamServerError, TimeoutError
+from paramserver.events import write_json
 from paramserver.observe import JsonlFollower, LauncherObserver
 from paramserver.server import READY_PREFIX, ServerConfig
 from paramserver.transport import CurveKeys, admin_key_pair, public_key
 from paramserver.workers.launch.zygote import ForkedProcess, ZygoteError, fork_enabled, zygote_for
 from paramserver.workers.stragglers import StragglerSpec
-from paramserver.workers.worker import WorkerConfig, write_json
+from paramserver.workers.worker import WorkerConfig
 
 __all__ = [
     "FAILURE_POLICIES",
@@ -86,6 +87,10 @@ class ClusterSpec:
     #: under CURVE, the launcher's admin secret key file (SHUTDOWN, BYE dead=true); the
     #: shards admit its public key as an admin. None: LocalCluster makes one in out_dir/keys
     admin_key: str | None = None
+    #: run this command once per worker instead of the built-in loop (the user's own
+    #: script on DistributedOptimizer), with PARAMSERVER_SERVERS, RANK, WORLD_SIZE,
+    #: LOCAL_RANK set; its gradient steps, results and plan land in the run folder
+    command: list[str] | None = None
 
     def __post_init__(self) -> None:
         if self.on_worker_failure not in FAILURE_POLICIES:
@@ -131,6 +136,19 @@ class ClusterSpec:
             event_log=str(out / "events" / f"server{shard}.jsonl"), admin_keys=admins,
             **observe,
         )
+
+    def command_env(self, rank: int, servers: list[str], out: Path) -> dict[str, str]:
+        """What a worker's command finds in its environment (see DistributedOptimizer)."""
+        env = {"PARAMSERVER_SERVERS": ",".join(servers), "RANK": str(rank),
+               "WORLD_SIZE": str(self.num_workers), "LOCAL_RANK": str(rank),
+               "LOCAL_WORLD_SIZE": str(self.num_workers),
+               "PARAMSERVER_EVENT_LOG": str(out / "events" / f"worker{rank}.jsonl"),
+               "PARAMSERVER_RESULT_FILE": str(out / "results" / f"worker{rank}.json"),
+               "PARAMSERVER_PLAN_FILE": str(out / "plan.json")}
+        if self.worker.curve_key:
+            env["PARAMSERVER_CURVE_KEY"] = self.worker.curve_key
+            env["PARAMSERVER_CURVE_SERVER_KEY"] = self.worker.curve_server_key or ""
+        return env
 
     def worker_config(self, rank: int, servers: list[str], out: Path) -> WorkerConfig:
         return dataclasses.replace(
@@ -309,9 +327,30 @@ class LocalCluster:
 
     def start_workers(self) -> None:
         for rank in range(self.spec.num_workers):
-            cfg = self.spec.worker_config(rank, self.addresses, self.out)
-            self.workers.append(self._spawn(f"worker{rank}", WORKER_MODULE, cfg.to_dict(),
-                                            ready_pipe=False))
+            self.workers.append(self._start_worker(rank))
+
+    def _start_worker(self, rank: int, append: bool = False) -> _Proc:
+        if self.spec.command:
+            return self._run_command(rank, append)
+        cfg = self.spec.worker_config(rank, self.addresses, self.out)
+        return self._spawn(f"worker{rank}", WORKER_MODULE, cfg.to_dict(), ready_pipe=False,
+                           append=append)
+
+    def _run_command(self, rank: int, append: bool) -> _Proc:
+        """The user's command as worker ``rank`` (not forked: it is not our module)."""
+        assert self.spec.command
+        name = f"worker{rank}"
+        log_path = self.out / "logs" / f"{name}.log"
+        env = {**self._env, **self.spec.command_env(rank, self.addresses, self.out)}
+        with log_path.open("ab" if append else "wb") as log_file:
+            try:
+                popen = subprocess.Popen(self.spec.command, stdout=log_file,
+                                         stderr=subprocess.STDOUT, env=env,
+                                         stdin=subprocess.DEVNULL)
+            except OSError as exc:
+                raise ConfigError(f"cannot run {' '.join(self.spec.command)!r}: "
+                                  f"{exc.strerror or exc}") from None
+        return _Proc(name, popen, log_path)
 
     def wait_workers(self, on_progress: Callable[[Progress], None] | None = None,
                      poll: float = 0.5) -> None:
@@ -396,9 +435,7 @@ class LocalCluster:
         return sum(1 for r in self.restarts if r["process"] == name)
 
     def _restart_worker(self, rank: int) -> None:
-        cfg = self.spec.worker_config(rank, self.addresses, self.out)
-        self.workers[rank] = self._spawn(f"worker{rank}", WORKER_MODULE, cfg.to_dict(),
-                                         ready_pipe=False, append=True)
+        self.workers[rank] = self._start_worker(rank, append=True)
         self.restarts.append({"process": f"worker{rank}", "t": time.time()})
 
     def _restart_server(self, shard: int) -> None:
@@ -433,7 +470,8 @@ class LocalCluster:
             for rec in follower.read():
                 if rec.get("event") == "step":
                     self._progress_steps[rank] = self._progress_steps.get(rank, 0) + 1
-                    self._progress_loss[rank] = rec["loss"]
+                    if rec.get("loss") is not None:
+                        self._progress_loss[rank] = rec["loss"]
         steps = self.spec.worker.steps or 0
         return Progress(dict(self._progress_steps), steps * self.spec.num_workers,
                         dict(self._progress_loss), 0, time.time() - self._t0)
@@ -484,6 +522,9 @@ def final_eval(spec: ClusterSpec, addresses: list[str], out: Path) -> dict[str, 
     from paramserver.workers.tasks import evaluate
     from paramserver.workers.worker import build_task
 
+    if spec.command:
+        _save_command_weights(spec, addresses, out)
+        return {}  # the user's script evaluates its model itself
     cfg = dataclasses.replace(spec.worker, rank=0, world_size=spec.num_workers,
                               servers=addresses)
     task = build_task(cfg)
@@ -495,6 +536,29 @@ def final_eval(spec: ClusterSpec, addresses: list[str], out: Path) -> dict[str, 
     state = {k: v.detach().contiguous() for k, v in task.model.state_dict().items()}
     save_file(state, str(out / "final_model.safetensors"))
     return evaluate(task)
+
+
+def _save_command_weights(spec: ClusterSpec, addresses: list[str], out: Path) -> None:
+    """The servers' weights of a command's model, by the plan its rank 0 recorded."""
+    import torch
+    from safetensors.torch import save_file
+
+    from paramserver.sharding import DTYPES, ShardPlan
+    from paramserver.workers.client import PSClient
+
+    plan_file = out / "plan.json"
+    if not plan_file.exists():
+        log.warning("no %s (no worker got as far as DistributedOptimizer): no final model",
+                    plan_file)
+        return
+    plan = ShardPlan.from_description(json.loads(plan_file.read_text()))
+    params = {p.name: torch.zeros(p.shape, dtype=DTYPES[p.dtype]) for p in plan.params}
+    with PSClient(addresses, plan, worker=0, role="observer", heartbeat_interval=0,
+                  timeout=spec.worker.timeout, curve=spec.client_curve()) as client:
+        client.connect()
+        client.pull(params)
+    save_file({k: v.contiguous() for k, v in params.items()},
+              str(out / "final_model.safetensors"))
 
 
 def run_cluster(spec: ClusterSpec, out_dir: str | Path,

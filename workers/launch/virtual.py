@@ -46,6 +46,7 @@ import torch
 
 from paramserver.core import GradStats, ShardCore, SliceSpec, StepStats
 from paramserver.errors import ConfigError, ParamServerError, ProtocolError
+from paramserver.events import write_json
 from paramserver.sharding import ShardPlan
 from paramserver.staleness import create_policy
 from paramserver.workers.launch.cluster import ClusterSpec, Progress
@@ -56,7 +57,6 @@ from paramserver.workers.worker import (
     build_task,
     cycle_batches,
     num_steps,
-    write_json,
 )
 
 if TYPE_CHECKING:
