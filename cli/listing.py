@@ -24,7 +24,7 @@ from paramserver.workers.tasks import (
 
 __all__ = ["policies", "tasks"]
 
-_BUILTIN = ("paramserver.", "workers.")
+_BUILTIN = ("paramserver.",)
 
 
 def _annotation(annotation: Any) -> str:

@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 LIMIT = 450.0  # seconds any one command of a test may take
 
 ROOT = Path(__file__).resolve().parent.parent
-PARAMSERVER = [sys.executable, "-m", "cli"]
+PARAMSERVER = [sys.executable, "-m", "paramserver.cli"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
@@ -256,7 +256,7 @@ def _run_args(out: Path, *extra: str) -> list[str]:
 def test_torchrun_one_node(tmp_path: Path) -> None:
     out = tmp_path / "run"
     proc = start([*TORCHRUN, "--nnodes", "1", "--nproc-per-node", "4", "--master-port",
-                  str(free_port()), "-m", "cli", *_run_args(out)], tmp_path / "torchrun.log")
+                  str(free_port()), "-m", "paramserver.cli", *_run_args(out)], tmp_path / "torchrun.log")
     pids = watch(proc, LIMIT)
     text = (tmp_path / "torchrun.log").read_text()
     assert proc.returncode == 0, text
@@ -272,7 +272,7 @@ def test_torchrun_two_nodes_with_c10d_rendezvous(tmp_path: Path) -> None:
     endpoint, run_id = f"127.0.0.1:{free_port()}", uuid.uuid4().hex
     nodes = [start([*TORCHRUN, "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend",
                     "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
-                    "-m", "cli", *_run_args(out)], tmp_path / f"node{n}.log")
+                    "-m", "paramserver.cli", *_run_args(out)], tmp_path / f"node{n}.log")
              for n in range(2)]
     for n, node in enumerate(nodes):
         watch(node, LIMIT)
@@ -362,7 +362,7 @@ def test_two_hosts_servers_in_one_namespace_workers_in_the_other(tmp_path: Path)
         port = "29517"  # namespaces have their own ports: no clash with this host
         nodes = [start(["ip", "netns", "exec", ns, *TORCHRUN, "--nnodes", "2", "--node-rank",
                         str(rank), "--nproc-per-node", "2", "--master-addr", ip_a,
-                        "--master-port", port, "-m", "cli", *_run_args(out)],
+                        "--master-port", port, "-m", "paramserver.cli", *_run_args(out)],
                        tmp_path / f"node{rank}.log")
                  for rank, ns in ((0, ns_a), (1, ns_b))]
         for rank, node in enumerate(nodes):

@@ -284,7 +284,7 @@ def test_rejections_that_starve_training_and_a_worker_falling_behind(tmp_path):
 def test_launch_prints_alarms_and_stops_on_divergence(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "cli", "launch", "-s", "1", "-n", "1", "--steps", "40",
+        [sys.executable, "-m", "paramserver.cli", "launch", "-s", "1", "-n", "1", "--steps", "40",
          "--lr", "0", "--on-divergence", "stop", "--watchdog-arg", "warmup_steps=0",
          "--watchdog-arg", "ratio_window=3", "--metrics-port", "0", "--no-eval", "--quiet",
          "--device", "cpu", "--out", str(out)],
