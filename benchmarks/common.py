@@ -27,8 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from paramserver.errors import ConfigError, ParamServerError
-from paramserver.errors import TimeoutError as PSTimeoutError
+from paramserver.errors import ConfigError, ParamServerError, RequestTimeoutError
 
 __all__ = [
     "PREFIX",
@@ -257,7 +256,7 @@ class Agent:
                 log.debug("%s: %s", self.name, text)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise PSTimeoutError(f"{self.name} did not answer within {timeout:g}s")
+                raise RequestTimeoutError(f"{self.name} did not answer within {timeout:g}s")
             if self._sel.select(remaining):
                 chunk = os.read(self.popen.stdout.fileno(), 1 << 16)
                 if not chunk:

@@ -42,7 +42,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from paramserver.errors import ConfigError
+from paramserver.errors import ConfigError, RequestTimeoutError
 from paramserver.events import read_events
 from paramserver.server import ServerConfig
 from paramserver.workers.client import server_stats
@@ -122,7 +122,7 @@ def run_soak(cfg: SoakConfig, on_sample: Any = None) -> dict[str, Any]:
         while len(cluster.progress().steps) < cfg.workers:
             _check_alive(cluster)
             if time.monotonic() > deadline:
-                raise TimeoutError("workers did not all start within the startup timeout")
+                raise RequestTimeoutError("workers did not all start within the startup timeout")
             time.sleep(0.5)
         t0 = time.monotonic()
         while (now := time.monotonic()) - t0 < cfg.duration:

@@ -12,7 +12,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from paramserver.errors import RemoteError, TimeoutError, TransportError
+from paramserver.errors import RemoteError, RequestTimeoutError, TransportError
 from paramserver.workers.client import server_stats
 
 from . import options
@@ -59,7 +59,7 @@ def collect(addresses: list[str], timeout: float) -> tuple[list[dict[str, Any] |
     for i, address in enumerate(addresses):
         try:
             row = server_stats([address], timeout)[0]
-        except TimeoutError:
+        except RequestTimeoutError:
             problem = f"no reply within {timeout:g}s (is it running and reachable?)"
         except RemoteError as exc:
             problem = f"refused: {exc.code}: {exc.reason}"

@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from paramserver.errors import ConfigError, RemoteError, TimeoutError, TransportError
+from paramserver.errors import ConfigError, RemoteError, RequestTimeoutError, TransportError
 from paramserver.workers.worker import run_worker
 
 from . import options
@@ -47,7 +47,7 @@ def summary(result: dict[str, Any]) -> str:
 
 def fail(who: str, exc: Exception) -> click.ClickException:
     """A worker-side error in words a person can act on."""
-    if isinstance(exc, TimeoutError):
+    if isinstance(exc, RequestTimeoutError):
         return click.ClickException(
             f"{who} gave up waiting for a server: {exc}. Start it (`paramserver server`) or "
             "check the address and firewall; wait longer with --timeout."

@@ -25,7 +25,7 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
-from .errors import RemoteError, TimeoutError, TransportError
+from .errors import RemoteError, RequestTimeoutError, TransportError
 from .protocol import DEFAULT_LIMITS, Limits, Message, Op, decode, encode
 
 __all__ = [
@@ -547,10 +547,11 @@ def request_all(
     connection, answered in order). Replies are matched by sequence number;
     leftovers from earlier, timed-out requests are discarded. After ``timeout``
     seconds the missing requests are sent again (same message, so a retried
-    push keeps its push id) up to ``retries`` times; then :class:`TimeoutError`
-    names who did not answer. An ERROR reply raises :class:`RemoteError`
-    naming the peer, or with ``raise_errors=False`` is returned in its place
-    for the caller to handle. With ``sent`` the messages already went out (they
+    push keeps its push id) up to ``retries`` times; then :class:`RequestTimeoutError`
+    names who did not answer. An ERROR reply raises the :class:`RemoteError`
+    subclass for its code (:meth:`RemoteError.from_reply`) naming the peer, or
+    with ``raise_errors=False`` is returned in its place for the caller to
+    handle. With ``sent`` the messages already went out (they
     carry their sequence numbers); ``on_reply(i, reply)`` is called as each
     non-error reply lands, so the caller can use it while others are in flight.
     With ``window`` at most that many requests are outstanding per channel: the
@@ -606,8 +607,8 @@ def request_all(
             who = ", ".join(sorted({f"{channels[i].peer} at {channels[i].address}"
                                     for i in lost}))
             waited = timeout * (attempts + 1)
-            raise TimeoutError(f"{label}: no reply within {waited:g}s from {who} (is it "
-                               f"running and reachable?)")
+            raise RequestTimeoutError(f"{label}: no reply within {waited:g}s from {who} (is "
+                                      f"it running and reachable?)")
         for sock, _ in poller.poll(max(1, int(remaining * 1000))):
             ch, table = slots[sock]
             while True:
@@ -618,7 +619,8 @@ def request_all(
                 if slot is None or replies[slot] is not None:
                     continue  # an answer to an older request we gave up on
                 if rep.op is Op.ERROR and raise_errors:
-                    raise RemoteError(f"{ch.peer} at {ch.address}", rep["code"], rep["reason"])
+                    raise RemoteError.from_reply(f"{ch.peer} at {ch.address}", rep["code"],
+                                                 rep["reason"])
                 replies[slot] = rep
                 missing -= 1
                 if window:

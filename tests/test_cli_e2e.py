@@ -256,7 +256,8 @@ def _run_args(out: Path, *extra: str) -> list[str]:
 def test_torchrun_one_node(tmp_path: Path) -> None:
     out = tmp_path / "run"
     proc = start([*TORCHRUN, "--nnodes", "1", "--nproc-per-node", "4", "--master-port",
-                  str(free_port()), "-m", "paramserver.cli", *_run_args(out)], tmp_path / "torchrun.log")
+                  str(free_port()), "-m", "paramserver.cli", *_run_args(out)],
+                 tmp_path / "torchrun.log")
     pids = watch(proc, LIMIT)
     text = (tmp_path / "torchrun.log").read_text()
     assert proc.returncode == 0, text

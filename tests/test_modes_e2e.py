@@ -6,7 +6,7 @@ import pytest
 import torch
 import zmq
 
-from paramserver.errors import RemoteError
+from paramserver.errors import IncompatiblePlanError
 from paramserver.events import read_events
 from paramserver.protocol import Message, Op
 from paramserver.server import ServerConfig
@@ -88,7 +88,8 @@ def test_server_refuses_bad_peers_and_keeps_serving(tmp_path):
             hello = Message(Op.HELLO, 0, {"worker": 0, "role": "worker", "protocol": 1,
                                           "plan_hash": wrong.hash, "plan": wrong.describe(),
                                           "incarnation": "x"})
-            with pytest.raises(RemoteError, match="3 shards; this server is shard 0 of 2"):
+            with pytest.raises(IncompatiblePlanError,
+                               match="3 shards; this server is shard 0 of 2"):
                 ch.request(hello, 10)
         finally:
             ch.close()
@@ -102,7 +103,8 @@ def test_server_refuses_bad_peers_and_keeps_serving(tmp_path):
             hello = Message(Op.HELLO, 0, {"worker": 5, "role": "worker", "protocol": 1,
                                           "plan_hash": other.hash, "plan": other.describe(),
                                           "incarnation": "y"})
-            with pytest.raises(RemoteError, match=r"model or shard layout differs.*shape"):
+            with pytest.raises(IncompatiblePlanError,
+                               match=r"model or shard layout differs.*shape"):
                 ch.request(hello, 10)
         finally:
             ch.close()

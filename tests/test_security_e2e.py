@@ -12,7 +12,12 @@ import zmq
 from click.testing import CliRunner
 
 from paramserver.cli.keys import keys as keys_cli
-from paramserver.errors import ConfigError, ParamServerError, TimeoutError, TransportError
+from paramserver.errors import (
+    ConfigError,
+    ParamServerError,
+    RequestTimeoutError,
+    TransportError,
+)
 from paramserver.events import read_events
 from paramserver.protocol import Message, Op, encode
 from paramserver.server import ServerConfig
@@ -149,7 +154,7 @@ def test_curve_run_admits_only_the_right_keys(tmp_path):
             try:
                 _observer_pull(address, plan, params, curve)
                 seen[name] = "pulled weights"
-            except TimeoutError:
+            except RequestTimeoutError:
                 seen[name] = "timed out"
             except ParamServerError as exc:
                 seen[name] = f"answered: {exc}"

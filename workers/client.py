@@ -21,7 +21,15 @@ from typing import Any
 import torch
 import zmq
 
-from paramserver.errors import ConfigError, ErrorCode, RemoteError, TransportError
+from paramserver.errors import (
+    ConfigError,
+    DuplicateWorkerError,
+    FutureVersionError,
+    NotInitializedError,
+    NotRegisteredError,
+    RemoteError,
+    TransportError,
+)
 from paramserver.protocol import PROTOCOL_VERSION, Message, Op
 from paramserver.sharding import DTYPES, ShardPlan
 from paramserver.transport import Channel, CurveKeys, request_all
@@ -193,15 +201,16 @@ class PSClient:
         return msgs, dest
 
     def _call(self, msgs: list[Message], what: str, shards: list[int] | None = None,
-              recover: bool = True, soft: tuple[str, ...] = (),
+              recover: bool = True, soft: tuple[type[RemoteError], ...] = (),
               on_reply: Callable[[int, Message], None] | None = None,
               sent: bool = False, window: int = 0) -> list[Message]:
         """Send one message per shard and collect the replies.
 
         A shard that answers "not registered" (it restarted without our state,
         or timed us out) gets a fresh HELLO, and INIT from our current weights
-        if it lost its own; then the request is repeated. Errors with a code in
-        ``soft`` are returned for the caller; others raise RemoteError. A shard
+        if it lost its own; then the request is repeated. ERROR replies whose
+        :class:`RemoteError` is one of the classes in ``soft`` are returned for
+        the caller; others raise it (:meth:`RemoteError.from_reply`). A shard
         may appear several times in ``shards`` (requests pipelined to it);
         ``on_reply`` sees first-time successful replies as they land.
         """
@@ -211,17 +220,20 @@ class PSClient:
                               raise_errors=False, on_reply=on_reply, sent=sent,
                               window=window)
         for i, rep in enumerate(replies):
-            if rep.op is not Op.ERROR or rep["code"] in soft:
+            if rep.op is not Op.ERROR:
                 continue
             peer = f"{chans[i].peer} at {chans[i].address}"
-            if recover and rep["code"] in (ErrorCode.NOT_REGISTERED, ErrorCode.NOT_INITIALIZED):
+            error = RemoteError.from_reply(peer, rep["code"], rep["reason"])
+            if isinstance(error, soft):
+                continue
+            if recover and isinstance(error, (NotRegisteredError, NotInitializedError)):
                 log.warning("%s: %s; registering again", peer, rep["reason"])
                 self._rejoin(shards[i])
                 retry = Message(msgs[i].op, 0, dict(msgs[i].fields), msgs[i].tensors)
                 replies[i] = self._call([retry], what, [shards[i]], recover=False,
                                         soft=soft)[0]
             else:
-                raise RemoteError(peer, rep["code"], rep["reason"])
+                raise error
         return replies
 
     def _rejoin(self, shard: int) -> None:
@@ -242,12 +254,12 @@ class PSClient:
         backoff = 0.1
         while True:
             replies = self._call([self._hello() for _ in self.channels], "HELLO",
-                                 recover=False, soft=(ErrorCode.DUPLICATE_WORKER,))
+                                 recover=False, soft=(DuplicateWorkerError,))
             refused = [r for r in replies if r.op is Op.ERROR]
             if not refused:
                 break
             if time.monotonic() + backoff > deadline:
-                raise RemoteError("shards", refused[0]["code"], refused[0]["reason"])
+                raise RemoteError.from_reply("shards", refused[0]["code"], refused[0]["reason"])
             log.info("worker %d still registered by its previous process; retrying in %.1fs",
                      self.worker, backoff)
             time.sleep(backoff)  # backoff before a retry, not synchronisation
@@ -444,7 +456,7 @@ class PSClient:
         msgs = self._whole_push_msgs(per_shard, read_versions, num_samples, clock, loss)
         # a shard that restarted from an older checkpoint no longer has the
         # version our gradient was read at: that push is lost, not fatal
-        replies = self._call(msgs, "PUSH", soft=(ErrorCode.FUTURE_VERSION,))
+        replies = self._call(msgs, "PUSH", soft=(FutureVersionError,))
         return self._push_result(
             msgs, [None if r.op is Op.ERROR else r.fields for r in replies], t0)
 
@@ -477,7 +489,7 @@ class PSClient:
             self.plan.assemble_into(params, rep.tensors)
             done.add(i)
 
-        replies = self._call(msgs, "PUSH+PULL", soft=(ErrorCode.FUTURE_VERSION,),
+        replies = self._call(msgs, "PUSH+PULL", soft=(FutureVersionError,),
                              on_reply=assemble)
         # a shard that rewound refused the push (soft error) and sent no weights
         lost = [i for i, r in enumerate(replies) if r.op is Op.ERROR]
@@ -594,7 +606,7 @@ class PushStream:
         if params is not None:
             client._params = params
         replies = client._call(self.msgs, "PUSH", list(self.shards),
-                               soft=(ErrorCode.FUTURE_VERSION,), sent=not self.window,
+                               soft=(FutureVersionError,), sent=not self.window,
                                window=self.window)
         finals: list[Message] = []
         for shard in range(len(client.channels)):
@@ -604,7 +616,7 @@ class PushStream:
                 again = [Message(Op.PUSH, 0, dict(self.msgs[i].fields), self.msgs[i].tensors)
                          for i in idx]
                 final = [r for r in client._call(again, "PUSH", [shard] * len(idx),
-                                                 soft=(ErrorCode.FUTURE_VERSION,),
+                                                 soft=(FutureVersionError,),
                                                  window=self.window)
                          if not r.get("partial", False)]
             finals.append(final[-1])

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from paramserver.errors import ConfigError, ParamServerError, TimeoutError
+from paramserver.errors import ConfigError, ParamServerError, RequestTimeoutError
 from paramserver.events import write_json
 from paramserver.observe import JsonlFollower, LauncherObserver
 from paramserver.server import READY_PREFIX, ServerConfig
@@ -301,7 +301,7 @@ class LocalCluster:
             while b"\n" not in buf:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise TimeoutError(
+                    raise RequestTimeoutError(
                         f"{proc.name} did not report ready within {self.spec.startup_timeout:g}s;"
                         f" log tail:\n{_tail(proc.log_path)}"
                     )
@@ -408,8 +408,9 @@ class LocalCluster:
             if on_progress is not None:
                 on_progress(self.progress())
             if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"workers still running after {self.spec.run_timeout:g}s: "
-                                   + ", ".join(self.workers[r].name for r in sorted(pending)))
+                raise RequestTimeoutError(
+                    f"workers still running after {self.spec.run_timeout:g}s: "
+                    + ", ".join(self.workers[r].name for r in sorted(pending)))
 
     def _report_dead(self, rank: int) -> None:
         """Best effort: the shards' heartbeat timeout still holds if this fails."""

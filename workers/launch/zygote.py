@@ -45,6 +45,8 @@ import traceback
 from collections.abc import Mapping, Sequence
 from typing import Any, BinaryIO
 
+from paramserver.errors import ParamServerError
+
 __all__ = ["ForkedProcess", "Zygote", "ZygoteError", "fork_enabled", "zygote_for"]
 
 log = logging.getLogger(__name__)
@@ -70,7 +72,7 @@ def fork_enabled() -> bool:
 # ---------------------------------------------------------------------- launcher side
 
 
-class ZygoteError(RuntimeError):
+class ZygoteError(ParamServerError, RuntimeError):
     """The zygote cannot fork this process (it died, or is not single-threaded)."""
 
 
