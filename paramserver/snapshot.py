@@ -24,6 +24,7 @@ import torch
 
 from .errors import ConfigError
 from .probe import all_finite
+from .records import check_tensors
 
 if TYPE_CHECKING:  # core imports this module to save and load itself
     from .core import ShardCore
@@ -76,7 +77,7 @@ def check(core: ShardCore, tensors: Mapping[str, torch.Tensor],
     or whose version is not an integer >= 0 (:class:`ConfigError`, or the
     :class:`~paramserver.errors.ProtocolError` of a tensor that does not fit)."""
     weights = {k[len("param/"):]: v for k, v in tensors.items() if k.startswith("param/")}
-    core.check_tensors(weights, "checkpoint")
+    check_tensors(core.specs, weights, "checkpoint")
     version = meta.get("version")
     if isinstance(version, bool) or not isinstance(version, int) or version < 0:
         raise ConfigError(f"version must be an integer >= 0, got {version!r}")
