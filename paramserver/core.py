@@ -29,21 +29,39 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import Counter
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from .dtypes import FLOAT_DTYPES
+from . import snapshot
 from .errors import ConfigError, ErrorCode, ProtocolError
 from .optim import build_optimizer, build_scheduler
+from .probe import GradStats, Probe, StepStats, all_finite, l2, total_norm
+from .records import (
+    DTYPES,
+    MAX_WORKERS,
+    MODES,
+    STATS_WORKERS,
+    CoreConfig,
+    ModeSpec,
+    PullReply,
+    PushOutcome,
+    SliceSpec,
+    WorkerState,
+    check_tensors,
+)
+from .rounds import Stream, SyncRound
 from .staleness import BoundStats, Decision, NoPolicy, StalenessPolicy, UpdateInfo
 
+# the records are defined in records.py, the measurements in probe.py; importable here
 __all__ = [
+    "DTYPES",
+    "MAX_WORKERS",
     "MODES",
+    "STATS_WORKERS",
     "CoreConfig",
     "GradStats",
     "ModeSpec",
@@ -57,260 +75,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-Mode = Literal["sync", "async", "ssp"]
-MODES: tuple[str, ...] = ("sync", "async", "ssp")
-
-DTYPES = FLOAT_DTYPES
-
-
-_OBSERVE_ELEMENTS = 1 << 22  # shards up to this size are measured on every push (observe)
-#: above this many elements, the cosine and the update of a non-SGD step are measured on
-#: every k-th element (k prime, so that it does not line up with a tensor's rows), which
-#: keeps what observing holds to ~2 x 256 KiB instead of two copies of the shard
-_SAMPLE_ELEMENTS = 1 << 16
-_CAT_ELEMENTS = 1 << 16  # up to this many, a push's slices are measured as one flat copy
-
-
-def _sample_stride(numel: int) -> int:
-    """1 up to _SAMPLE_ELEMENTS; above, the smallest prime >= numel / _SAMPLE_ELEMENTS."""
-    k = -(-numel // _SAMPLE_ELEMENTS)
-    if k <= 1:
-        return 1
-    while any(k % d == 0 for d in range(2, math.isqrt(k) + 1)):
-        k += 1
-    return k
-
-
-def _sample(t: torch.Tensor, stride: int) -> torch.Tensor:
-    """Every ``stride``-th element of ``t`` (a view)."""
-    flat = t.detach().reshape(-1)
-    return flat if stride == 1 else flat[::stride]
-MAX_WORKERS = 65536  # the largest worker table a shard may be configured for
-STATS_WORKERS = 512  # per-worker summaries in stats(); the rest are counted, not listed
-_NARROW = (torch.float16, torch.bfloat16)  # wire dtypes a float32 gradient may travel in
-
-
-def _all_finite(t: torch.Tensor) -> bool:
-    """Whether every element is finite, in one reduction pass without temporaries.
-
-    A NaN or Inf anywhere makes the sum NaN or Inf; only a non-finite sum
-    (which a huge but finite gradient can also produce) needs the exact check,
-    which costs several passes and a boolean tensor as large as the input.
-    """
-    total = t.sum(dtype=torch.float32) if t.dtype in _NARROW else t.sum()
-    if bool(torch.isfinite(total)):
-        return True
-    return bool(torch.isfinite(t).all())
-
-
-def _total_norm(tensors: Iterable[torch.Tensor]) -> float:
-    """L2 norm over all ``tensors``; 16-bit ones in float32. Many tensors go through
-    one foreach pass per dtype; a few are cheaper one call each (measured: 1 x 256
-    floats 3 us vs 19 us, 8 x 128 21 vs 40 us, 64 x 128 260 vs 180 us)."""
-    tensors = list(tensors)
-    if len(tensors) <= 16:
-        return math.sqrt(sum(_l2(t) ** 2 for t in tensors))
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    total = 0.0
-    for dtype, group in by_dtype.items():
-        if dtype in _NARROW:
-            total += sum(_l2(t) ** 2 for t in group)
-        else:
-            total += float(torch.nn.utils.get_total_norm(group)) ** 2
-    return math.sqrt(total)
-
-
-def _l2(t: torch.Tensor) -> float:
-    """L2 norm; 16-bit tensors are measured in float32, wider ones in their own dtype."""
-    if t.dtype in _NARROW:
-        return float(torch.linalg.vector_norm(t, dtype=torch.float32))
-    return float(torch.linalg.vector_norm(t))
-
-
-@dataclass(frozen=True)
-class ModeSpec:
-    """Which consistency model a shard enforces."""
-
-    mode: str = "async"
-    staleness_bound: int = 0  # ssp: s
-    backup_workers: int = 0  # sync: b, the slowest b gradients of a round are dropped
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ConfigError(f"mode must be one of {', '.join(MODES)}; got {self.mode!r}")
-        if self.staleness_bound < 0:
-            raise ConfigError(f"staleness bound must be >= 0, got {self.staleness_bound}")
-        if self.backup_workers < 0:
-            raise ConfigError(f"backup workers must be >= 0, got {self.backup_workers}")
-        if self.backup_workers and self.mode != "sync":
-            raise ConfigError("backup workers only apply to sync mode")
-
-    def describe(self) -> str:
-        if self.mode == "ssp":
-            return f"ssp(s={self.staleness_bound})"
-        if self.mode == "sync" and self.backup_workers:
-            return f"sync(b={self.backup_workers})"
-        return self.mode
-
-
-@dataclass(frozen=True)
-class SliceSpec:
-    """What the core needs to know of one slice it owns (see sharding.Slice)."""
-
-    key: str
-    numel: int
-    dtype: str
-
-
-@dataclass(frozen=True)
-class CoreConfig:
-    shard: int = 0
-    mode: ModeSpec = field(default_factory=ModeSpec)
-    optimizer: str = "sgd"
-    optimizer_args: Mapping[str, Any] = field(default_factory=lambda: {"lr": 0.1})
-    scheduler: str | None = None
-    scheduler_args: Mapping[str, Any] = field(default_factory=dict)
-    expected_workers: int = 1  # training starts when this many workers have registered
-    heartbeat_timeout: float = 10.0  # seconds without a sign of life before a worker is dead
-    check_finite: bool = True
-    #: worker table size; a new id past it evicts one that never became active or died
-    #: long ago, else is refused (None: max(64, 4 * expected_workers))
-    max_workers: int | None = None
-    #: how far ahead of a worker's last push id a new one may be: one forged id can
-    #: then hide at most this many of the real worker's pushes
-    push_id_window: int = 1024
-
-    @property
-    def worker_limit(self) -> int:
-        if self.max_workers is not None:
-            return self.max_workers
-        return min(MAX_WORKERS, max(64, 4 * self.expected_workers))
-
-    def __post_init__(self) -> None:
-        if self.max_workers is not None and not 1 <= self.max_workers <= MAX_WORKERS:
-            raise ConfigError(f"max workers must be in 1..{MAX_WORKERS}, got {self.max_workers}")
-        if self.max_workers is not None and self.max_workers < self.expected_workers:
-            raise ConfigError(f"max workers ({self.max_workers}) must be at least the "
-                              f"expected workers ({self.expected_workers})")
-        if self.push_id_window < 1:
-            raise ConfigError(f"push id window must be >= 1, got {self.push_id_window}")
-        if self.expected_workers < 1:
-            raise ConfigError(f"expected workers must be >= 1, got {self.expected_workers}")
-        if not self.heartbeat_timeout > 0:
-            raise ConfigError(f"heartbeat timeout must be > 0, got {self.heartbeat_timeout}")
-        if self.mode.backup_workers >= self.expected_workers:
-            raise ConfigError(
-                f"backup workers ({self.mode.backup_workers}) must be fewer than the "
-                f"expected workers ({self.expected_workers})"
-            )
-
-
-@dataclass
-class WorkerState:
-    """What one shard knows of one worker."""
-
-    worker: int
-    incarnation: str
-    last_seen: float
-    clock: int = 0
-    live: bool = True
-    finished: bool = False
-    pushes: int = 0  # pushes decided (duplicates excluded)
-    applied: int = 0
-    rejected: Counter[str] = field(default_factory=Counter)
-    downweighted: int = 0
-    weight_sum: float = 0.0
-    staleness: Counter[int] = field(default_factory=Counter)
-    last_push_id: int = -1
-    last_outcome: PushOutcome | None = None
-    pulls: int = 0
-    deferred_pulls: int = 0
-    wait_seconds: float = 0.0
-    deaths: int = 0
-    # a supervisor saw this incarnation's process exit: only a new HELLO brings the
-    # worker back (a heartbeat still in flight from the dead process must not)
-    reported_dead: bool = False
-    #: whether last_push_id came from this process's own pushes; until then any push
-    #: id is taken (a restarted shard, a fresh registration), afterwards only a window
-    anchored: bool = False
-
-    @property
-    def active(self) -> bool:
-        """It did something beyond HELLO (pulled or pushed)."""
-        return self.pulls > 0 or self.pushes > 0
-
-    def summary(self) -> dict[str, Any]:
-        return {
-            "worker": self.worker,
-            "clock": self.clock,
-            "live": self.live,
-            "finished": self.finished,
-            "pushes": self.pushes,
-            "applied": self.applied,
-            "rejected": dict(self.rejected),
-            "downweighted": self.downweighted,
-            "mean_weight": self.weight_sum / self.applied if self.applied else 0.0,
-            "staleness": {str(k): v for k, v in sorted(self.staleness.items())},
-            "pulls": self.pulls,
-            "deferred_pulls": self.deferred_pulls,
-            "wait_seconds": self.wait_seconds,
-            "deaths": self.deaths,
-        }
-
-
-@dataclass(frozen=True)
-class PushOutcome:
-    """The core's answer to one push; sent back to the worker."""
-
-    accepted: bool
-    weight: float
-    reason: str
-    staleness: int
-    version: int  # the shard version after handling the push
-    applied: bool  # an optimizer step happened because of this push
-    duplicate: bool = False
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "accepted": self.accepted,
-            "weight": self.weight,
-            "reason": self.reason,
-            "staleness": self.staleness,
-            "version": self.version,
-            "applied": self.applied,
-            "duplicate": self.duplicate,
-        }
-
-
-@dataclass(frozen=True)
-class GradStats:
-    """One push's gradient on this shard, for metrics and the watchdog."""
-
-    worker: int
-    norm: float  # L2 norm over the shard's slices (NaN/Inf if the gradient is not finite)
-    cosine: float | None  # to the running mean of earlier pushes (None: no mean yet)
-
-
-@dataclass(frozen=True)
-class StepStats:
-    """One optimizer step, for metrics and the watchdog."""
-
-    version: int  # after the step
-    update_norm: float  # L2 norm of the change to the weights
-    weight_norm: float  # L2 norm of the weights after the step
-    lr: float  # the learning rate applied (policy weight included)
-
-
-@dataclass(frozen=True)
-class PullReply:
-    worker: int
-    token: Hashable
-    version: int
-    clock: int
-    waited: float
-
 
 @dataclass
 class _PendingPull:
@@ -319,31 +83,6 @@ class _PendingPull:
     token: Hashable
     since: float
     observer: bool = False
-
-
-@dataclass
-class _Measure:
-    """One push's gradient statistics, summed part by part (see ShardCore._measure)."""
-
-    exact_sq: float = 0.0  # |g|^2 over every element
-    sampled_sq: float = 0.0  # |g|^2 over the sampled elements
-    dot: float = 0.0  # <sampled g, running mean before this push>
-
-
-@dataclass
-class _Stream:
-    """A sync push arriving in parts: decided at its first part, added part by part."""
-
-    push_id: int
-    parts: int
-    info: UpdateInfo
-    decision: Decision | None  # None: dropped before the policy ("late", "in round")
-    reason: str
-    received: set[int] = field(default_factory=set)
-    keys: set[str] = field(default_factory=set)
-    added: bool = False  # some of it is in the round's buffer
-    voided: bool = False  # it met a void round: none of it is added
-    measure: _Measure | None = None  # observed pushes only
 
 
 class ShardCore:
@@ -391,17 +130,11 @@ class ShardCore:
         self.workers: dict[int, WorkerState] = {}
         self.workers_evicted = 0  # entries dropped from a full table (see _evict)
         self._pending: list[_PendingPull] = []
-        # sync round state: contributors of the open round and the running sums
-        self._round: set[int] = set()
-        self._round_samples = 0
-        self._agg: dict[str, torch.Tensor] = {}
-        self._written: set[str] = set()  # keys of _agg written in the open round
-        self._round_void = False  # a push was given up half-way: close without a step
-        self._streams: dict[int, _Stream] = {}  # worker -> its sync push in the making
-        self.rounds_voided = 0
-        self._read_weights: dict[int, dict[str, torch.Tensor]] = {}
+        # sync: the open round (its buffer, contributors and pushes arriving in parts)
+        self.round = SyncRound(self.params)
+        # the weights each worker read, for policies that need them (needs_read_weights)
+        self.read_weights: dict[int, dict[str, torch.Tensor]] = {}
         self.max_answered_gap = 0  # largest clock gap at which a pull was answered
-        self.rounds_dropped = 0  # sync rounds closed with nothing to apply
         # ssp: the bound in force; a policy overriding staleness_bound() moves it
         self.bound = self.mode.staleness_bound
         self.max_bound = self.bound  # the largest bound ever in force
@@ -417,22 +150,8 @@ class ShardCore:
         self._staleness_total = 0
         self._pulls_answered = 0
         self._wait_total = 0.0
-        # observability, off until a driver calls observe(): holds a running mean gradient
-        # and (optimizers other than plain SGD) the weights before a step, both sampled
-        self._observer: Callable[[GradStats | StepStats], None] | None = None
-        self._observe_every = 1
-        self._observed = 0  # pushes seen by the observer hook (sampling counter)
-        self._measure_step = False
-        self._ema_decay: float | None = None
-        self._grad_ema: torch.Tensor | None = None  # the running mean, sampled and flat
-        self._ema_sq = 0.0  # |running mean|^2, kept by recurrence (saves a pass per push)
-        self._ema_at: dict[str, tuple[int, int]] = {}  # key -> (offset, size) in the mean
-        # (gradients, their norm) of the push just measured, for the step it causes
-        self._measured: tuple[Mapping[str, torch.Tensor], float] | None = None
-        self._before: dict[str, torch.Tensor] = {}
-        self._numel = sum(p.numel() for p in self.params.values())
-        self._stride = _sample_stride(self._numel)
-        self._sampled_numel = sum(_sample(p, self._stride).numel() for p in self.params.values())
+        # what a driver's observer (metrics, the watchdog) reads; off until observe()
+        self.probe = Probe(self.params, sync=self.mode.mode == "sync")
 
     # ------------------------------------------------------------------ membership
 
@@ -510,8 +229,8 @@ class ShardCore:
             return
         self._drop_unfinished(worker, "its entry was evicted")
         self._drop_pending(worker)
-        self._read_weights.pop(worker, None)
-        if worker in self._round:
+        self.read_weights.pop(worker, None)
+        if worker in self.round.members:
             # it contributed to the open round: that gradient stays, counted
             log.info("worker %d evicted while in the open round", worker)
         self._maybe_close_round()
@@ -538,7 +257,7 @@ class ShardCore:
         state.finished = True
         state.live = False
         self._drop_pending(worker)
-        self._read_weights.pop(worker, None)  # it will pull again before it pushes again
+        self.read_weights.pop(worker, None)  # it will pull again before it pushes again
         self._maybe_close_round()
 
     def expire(self, now: float) -> list[int]:
@@ -602,7 +321,7 @@ class ShardCore:
         """Seed the weights (first INIT wins). Returns False if already initialized."""
         if self.initialized:
             return False
-        self._check_tensors(tensors, "INIT")
+        check_tensors(self.specs, tensors, "INIT")
         with torch.no_grad():
             for key, value in tensors.items():
                 self.params[key].copy_(value)
@@ -641,7 +360,7 @@ class ShardCore:
                                 f"{self._init_total}")
         if part in self._init_parts:
             return None
-        self._check_tensors(tensors, "INIT", whole=False, seen=self._init_keys)
+        check_tensors(self.specs, tensors, "INIT", whole=False, seen=self._init_keys)
         last = len(self._init_parts) + 1 == parts
         missing = self.specs.keys() - self._init_keys - tensors.keys()
         if last and missing:
@@ -663,7 +382,7 @@ class ShardCore:
                    seen: AbstractSet[str] = frozenset()) -> None:
         """Validate one part of a push that a driver joins (keys of this shard not in
         ``seen``, each with its slice's shape and dtype), before it keeps it."""
-        self._check_tensors(tensors, "PUSH", narrow_ok=True, whole=False, seen=seen)
+        check_tensors(self.specs, tensors, "PUSH", narrow_ok=True, whole=False, seen=seen)
 
     def check_push_id(self, worker: int, push_id: int) -> WorkerState:
         """The state of a registered ``worker`` (not gone with BYE) whose ``push_id``
@@ -694,39 +413,6 @@ class ShardCore:
         with torch.no_grad():
             for p in self.params.values():
                 p.data = p.data.clone()
-
-    def _check_tensors(self, tensors: Mapping[str, torch.Tensor], what: str,
-                       narrow_ok: bool = False, whole: bool = True,
-                       seen: AbstractSet[str] = frozenset()) -> None:
-        """Keys, shapes and dtypes must match the slices; with ``narrow_ok`` a 16-bit
-        tensor may stand for a wider float slice (gradients sent in 16 bits). A part
-        (not ``whole``) holds some keys, none of them ``seen`` in earlier parts."""
-        missing = self.specs.keys() - tensors.keys() if whole else set()
-        unknown = tensors.keys() - self.specs.keys()
-        again = tensors.keys() & seen
-        if again:
-            raise ProtocolError(
-                ErrorCode.BAD_TENSOR, f"{what}: keys sent in two parts: {sorted(again)[:5]}")
-        if unknown:
-            raise ProtocolError(
-                ErrorCode.UNKNOWN_KEY, f"{what}: keys not on this shard: {sorted(unknown)[:5]}"
-            )
-        if missing:
-            raise ProtocolError(
-                ErrorCode.BAD_TENSOR, f"{what}: missing keys: {sorted(missing)[:5]}"
-            )
-        for key, value in tensors.items():
-            spec = self.specs[key]
-            dtype_ok = value.dtype == DTYPES[spec.dtype] or (
-                narrow_ok and value.dtype in _NARROW and spec.dtype in ("float32", "float64"))
-            # the full shape, not only the size: a [16, 8] tensor for a [128] slice
-            # would make torch resize the round's buffer (out=) and wedge the round
-            if not dtype_ok or tuple(value.shape) != (spec.numel,):
-                raise ProtocolError(
-                    ErrorCode.BAD_TENSOR,
-                    f"{what}: {key!r} is {value.dtype} {list(value.shape)}, "
-                    f"expected {spec.dtype} [{spec.numel}]",
-                )
 
     # ------------------------------------------------------------------ pulls
 
@@ -772,7 +458,7 @@ class ShardCore:
         if not self.started:
             return False
         if self.mode.mode == "sync":
-            return pull.worker not in self._round
+            return pull.worker not in self.round.members
         if self.mode.mode == "ssp":
             state = self.workers[pull.worker]
             return state.clock - min_clock <= self.bound
@@ -825,7 +511,7 @@ class ShardCore:
                     state.deferred_pulls += 1
                     state.wait_seconds += waited
                 if self.policy.needs_read_weights:
-                    self._read_weights[pull.worker] = {
+                    self.read_weights[pull.worker] = {
                         k: p.detach().clone() for k, p in self.params.items()
                     }
             ready.append(PullReply(pull.worker, pull.token, self.version, clock, waited))
@@ -882,7 +568,7 @@ class ShardCore:
         if not 0 <= part < parts:
             raise ProtocolError(ErrorCode.BAD_FIELD,
                                 f"push part {part} of {parts}: need 0 <= part < parts")
-        stream = self._streams.get(worker)
+        stream = self.round.streams.get(worker)
         if stream is not None and push_id < stream.push_id:
             # a part of a push its worker gave up on, arriving late: not added
             return PushOutcome(False, 0.0, "superseded", 0, self.version, False, True)
@@ -911,7 +597,7 @@ class ShardCore:
             if part in stream.received:
                 return None  # sent again after a lost reply: added already
         seen: AbstractSet[str] = stream.keys if stream is not None else frozenset()
-        self._check_tensors(grads, "PUSH", narrow_ok=True, whole=parts == 1, seen=seen)
+        check_tensors(self.specs, grads, "PUSH", narrow_ok=True, whole=parts == 1, seen=seen)
         if parts > 1 and len(stream.received if stream else ()) + 1 == parts:
             missing = self.specs.keys() - grads.keys() - seen
             if missing:
@@ -922,10 +608,10 @@ class ShardCore:
         norm = None
         if self.config.check_finite:
             # a finite norm proves every element finite, in one pass over all slices
-            norm = _total_norm(grads.values())
+            norm = total_norm(grads.values())
             if not math.isfinite(norm):
                 for key, g in grads.items():
-                    if not _all_finite(g):
+                    if not all_finite(g):
                         if stream is not None:
                             self._give_up(worker, "a part was not finite")
                         raise ProtocolError(
@@ -944,20 +630,20 @@ class ShardCore:
         stream.received.add(part)
         stream.keys.update(grads)
         if stream.measure is not None:
-            self._measure(stream.measure, grads, norm)
+            self.probe.measure(stream.measure, grads, norm)
         if self.mode.mode == "sync":
             self._add_to_round(stream, grads)
             if len(stream.received) < parts:
-                self._streams[worker] = stream  # a push in the making, until its last part
+                self.round.streams[worker] = stream  # in the making, until its last part
                 return None
-            self._streams.pop(worker, None)
+            self.round.streams.pop(worker, None)
             outcome = self._close_push(state, stream)
         else:
             outcome = self._push_async(state, stream, grads)
         state.last_push_id = push_id
         state.anchored = True
         state.last_outcome = outcome
-        self._measured = None  # do not hold on to the push's frames
+        self.probe.push_done()  # do not hold on to the push's frames
         return outcome
 
     @property
@@ -967,7 +653,7 @@ class ShardCore:
         return self.mode.mode == "sync" and not self.policy_rewrites
 
     def _open(self, state: WorkerState, push_id: int, clock: int, read_version: int,
-              num_samples: int, parts: int) -> _Stream:
+              num_samples: int, parts: int) -> Stream:
         """Count a new push and decide on it (from its header alone)."""
         state.clock = max(state.clock, clock + 1)
         state.pushes += 1
@@ -986,20 +672,14 @@ class ShardCore:
             # a gradient for a round that already closed (a backup worker's or a
             # rejoining worker's): dropped, and the worker moves on
             reason = "late"
-        elif self.mode.mode == "sync" and state.worker in self._round:
+        elif self.mode.mode == "sync" and state.worker in self.round.members:
             reason = "duplicate_in_round"
         else:
             decision = self._decide(state, info)
             reason = decision.reason
         if decision is None:
             state.rejected[reason] += 1
-        measure = None
-        if self._observer is not None:
-            self._observed += 1
-            self._measure_step = self._observed % self._observe_every == 0
-            if self._measure_step:
-                measure = _Measure()
-        return _Stream(push_id, parts, info, decision, reason, measure=measure)
+        return Stream(push_id, parts, info, decision, reason, measure=self.probe.push_begins())
 
     def _drop_unfinished(self, worker: int, why: str) -> None:
         """``worker`` is gone or starts over: its push in parts is given up, and if it
@@ -1010,13 +690,12 @@ class ShardCore:
 
     def _give_up(self, worker: int, why: str) -> None:
         """Drop ``worker``'s unfinished push; if some of it is in the round, void the round."""
-        stream = self._streams.pop(worker, None)
+        stream = self.round.streams.pop(worker, None)
         if stream is None:
             return
         if stream.decision is not None:
             self._uncount(self.workers[worker], stream.decision, "incomplete")
-        if stream.added and not self._round_void:
-            self._round_void = True
+        if self.round.give_up(stream):
             log.warning("worker %d's push %d was given up after %d of %d parts (%s): the "
                         "open round is void and closes without a step", worker,
                         stream.push_id, len(stream.received), stream.parts, why)
@@ -1033,46 +712,29 @@ class ShardCore:
             state.rejected[decision.reason] -= 1
         state.rejected[reason] += 1
 
-    def _add_to_round(self, stream: _Stream, grads: Mapping[str, torch.Tensor]) -> None:
+    def _add_to_round(self, stream: Stream, grads: Mapping[str, torch.Tensor]) -> None:
         decision = stream.decision
-        if self._round_void:
+        if self.round.void:
             stream.voided = True
         if decision is None or not decision.accept or stream.voided:
             return
         if self.policy_rewrites:
             grads = self._rewrite(stream.info, grads)  # whole pushes only (streams_parts)
-        if not self._agg:
-            self._agg = {k: torch.empty_like(p) for k, p in self.params.items()}
-        alpha = stream.info.num_samples * decision.weight
-        for key, g in grads.items():
-            buf = self._agg[key]
-            if key in self._written:
-                buf.add_(g, alpha=alpha)  # computed in buf's dtype, also for 16-bit g
-            elif g.dtype == buf.dtype:  # the round's first gradient overwrites:
-                torch.mul(g, alpha, out=buf)  # no zeroing pass per round
-            else:  # widen exactly first (a 16-bit product would round)
-                buf.copy_(g)
-                if alpha != 1.0:
-                    buf.mul_(alpha)
-        self._written.update(grads)
-        stream.added = True
+        self.round.add(stream, grads, stream.info.num_samples * decision.weight)
 
-    def _close_push(self, state: WorkerState, stream: _Stream) -> PushOutcome:
+    def _close_push(self, state: WorkerState, stream: Stream) -> PushOutcome:
         """The last part of a sync push is in: it joins the round."""
         if stream.measure is not None:
-            assert self._observer is not None
-            self._observer(self._grad_stats(state.worker, stream.measure))
+            self.probe.push_complete(state.worker, stream.measure)
         decision = stream.decision
-        if stream.voided and not self._round_void and decision is not None:
+        if stream.voided and not self.round.void and decision is not None:
             # its round closed void while its parts were skipped: it is not in this one
             self._uncount(state, decision)
             decision, stream.reason = None, "round_void"
         if decision is None:
             return PushOutcome(False, 0.0, stream.reason, stream.info.staleness,
                                self.version, False)
-        self._round.add(state.worker)
-        if decision.accept:
-            self._round_samples += stream.info.num_samples
+        self.round.join(state.worker, stream.info.num_samples if decision.accept else 0)
         stepped = self._maybe_close_round()
         return PushOutcome(decision.accept, decision.weight if decision.accept else 0.0,
                            decision.reason, 0, self.version, stepped)
@@ -1105,7 +767,7 @@ class ShardCore:
             return grads
         grads = self._widen(grads)
         lr = float(self.optimizer.param_groups[0]["lr"])
-        read = self._read_weights.get(info.worker)
+        read = self.read_weights.get(info.worker)
         return self.policy.rewrite_gradient(info, grads, self.params, read, lr)
 
     @property
@@ -1114,58 +776,33 @@ class ShardCore:
         return type(self.policy).rewrite_gradient is not StalenessPolicy.rewrite_gradient
 
     def _push_async(
-        self, state: WorkerState, stream: _Stream, grads: Mapping[str, torch.Tensor]
+        self, state: WorkerState, stream: Stream, grads: Mapping[str, torch.Tensor]
     ) -> PushOutcome:
         info, decision = stream.info, stream.decision
         assert decision is not None
         if stream.measure is not None:
-            assert self._observer is not None
-            self._measured = (grads, math.sqrt(stream.measure.exact_sq))
-            self._observer(self._grad_stats(state.worker, stream.measure))
+            self.probe.push_complete(state.worker, stream.measure, grads)
         if not decision.accept:
             return PushOutcome(False, 0.0, decision.reason, info.staleness, self.version, False)
-        grads = self._widen(self._rewrite(info, grads))
-        for key, p in self.params.items():
-            p.grad = grads[key]
-        self._step(decision.weight)
+        self._step(self._widen(self._rewrite(info, grads)), decision.weight)
         return PushOutcome(True, decision.weight, decision.reason, info.staleness,
                            self.version, True)
 
     def _maybe_close_round(self) -> bool:
         """Close the open sync round when at most ``backup_workers`` live ones are missing."""
-        if self.mode.mode != "sync" or not self._round:
+        if self.mode.mode != "sync" or not self.round.members:
             return False
-        missing = [w for w in self._live() if w.worker not in self._round]
+        missing = [w for w in self._live() if w.worker not in self.round.members]
         if len(missing) > self.mode.backup_workers:
             return False
-        if any(s.added for s in self._streams.values()):
+        if self.round.in_flight():
             return False  # a backup's parts are in the buffer already: let it finish
-        stepped = False
-        try:
-            if self._round_void:
-                self.rounds_voided += 1
-                self.rounds_dropped += 1
-            elif self._round_samples > 0:
-                for key, p in self.params.items():
-                    p.grad = self._agg[key].div_(self._round_samples)
-                self._step(1.0)
-                stepped = True
-            else:
-                self.rounds_dropped += 1
-        except Exception:
-            # the round is closed all the same (dropped): a round that cannot be
-            # stepped must not be retried on every later event, wedging the shard
-            self.rounds_dropped += 1
-            self._agg = {}
-            raise
-        finally:
-            self._round.clear()
-            self._round_samples = 0
-            self._written.clear()
-            self._round_void = False
-        return stepped
+        return self.round.close(lambda mean: self._step(mean, 1.0))
 
-    def _step(self, weight: float) -> None:
+    def _step(self, grads: Mapping[str, torch.Tensor], weight: float) -> None:
+        """One optimizer step on ``grads``, the learning rate scaled by ``weight``."""
+        for key, p in self.params.items():
+            p.grad = grads[key]
         if self.before_step is not None:
             self.before_step()
         groups = self.optimizer.param_groups
@@ -1173,31 +810,7 @@ class ShardCore:
         if weight != 1.0:
             for g in groups:
                 g["lr"] = g["lr"] * weight
-        measure = self._observer is not None and (
-            self._measure_step or self.mode.mode == "sync" or self._observe_every == 1)
-        # plain SGD moves the weights by exactly lr * |grad|: no copy needed to measure it
-        plain_sgd = type(self.optimizer) is torch.optim.SGD and all(
-            not g.get("momentum") and not g.get("weight_decay") for g in groups)
-        # a big shard's step is measured on the sample (every k-th element), scaled to
-        # the whole: an estimate within a few percent, and two passes over it saved
-        stride = self._stride
-        scale = self._numel / self._sampled_numel if stride > 1 else 1.0
-        grad_sq = 0.0
-        if measure and plain_sgd:
-            measured = self._measured
-            if measured is not None and all(p.grad is measured[0].get(k)
-                                            for k, p in self.params.items()):
-                grad_sq = measured[1] ** 2  # the pushed gradient itself, measured already
-            else:
-                grad_sq = scale * sum(_l2(_sample(p.grad, stride)) ** 2
-                                      for p in self.params.values() if p.grad is not None)
-        elif measure:
-            for key, p in self.params.items():
-                sample = _sample(p, self._stride)
-                if key not in self._before:
-                    self._before[key] = torch.empty_like(sample)
-                self._before[key].copy_(sample)
-        self._measured = None
+        measure = self.probe.step_begins(self.optimizer)
         applied_lr = float(groups[0]["lr"])
         self.optimizer.step()
         for g, lr in zip(groups, saved, strict=True):
@@ -1207,19 +820,8 @@ class ShardCore:
         if self.scheduler is not None:
             self.scheduler.step()
         self.version += 1
-        if measure:
-            assert self._observer is not None
-            update, weights = applied_lr * applied_lr * grad_sq, 0.0
-            for key, p in self.params.items():
-                after = _sample(p, stride)
-                weights += _l2(after) ** 2
-                if not plain_sgd:
-                    update += _l2(self._before[key].sub_(after)) ** 2
-            weights *= scale
-            if not plain_sgd:
-                update *= scale
-            self._observer(StepStats(self.version, math.sqrt(update), math.sqrt(weights),
-                                     applied_lr))
+        if measure is not None:
+            self.probe.step_ended(measure, self.version, applied_lr)
 
     # ------------------------------------------------------------------ observability
 
@@ -1235,196 +837,36 @@ class ShardCore:
         ``cosine_decay``: decay of the running mean gradient the cosine is taken
         against (None: no cosine, and no memory for the mean).
         """
-        if cosine_decay is not None and not 0.0 < cosine_decay < 1.0:
-            raise ConfigError(f"cosine_decay must be in (0, 1), got {cosine_decay}")
-        if every < 0:
-            raise ConfigError(f"observe every must be >= 0 (0: by the shard's size), "
-                              f"got {every}")
-        if every == 0:
-            numel = sum(p.numel() for p in self.params.values())
-            every = max(1, math.ceil(numel / _OBSERVE_ELEMENTS))
-        self._observer = observer
-        self._observe_every = every
-        self._ema_decay = cosine_decay
-        self._grad_ema = None
-        self._ema_sq = 0.0
-        self._ema_at = {}
-        self._before.clear()
-
-    def _measure(self, m: _Measure, grads: Mapping[str, torch.Tensor],
-                 norm: float | None) -> None:
-        """Add one part of a push (or a whole push) to its statistics ``m``.
-
-        The running mean is updated key by key as the part is measured: each
-        key is in one part only, so the dot product summed over the parts is
-        the one with the mean from before the push.
-        """
-        norm = _total_norm(grads.values()) if norm is None else norm
-        m.exact_sq += norm * norm
-        if self._ema_decay is None or not math.isfinite(norm):
-            return
-        if self._grad_ema is None:
-            sizes = [_sample(p, self._stride).numel() for p in self.params.values()]
-            wide = any(p.dtype == torch.float64 for p in self.params.values())
-            self._grad_ema = torch.zeros(sum(sizes), dtype=torch.float64 if wide
-                                         else torch.float32)
-            # from zero, not from the first push: that would weigh it ~1/(1 - decay) more
-            self._ema_sq = 0.0
-            offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-            self._ema_at = dict(zip(self.params, zip(offsets, sizes, strict=True),
-                                    strict=True))
-        ema = self._grad_ema
-        keys = [k for k in self.params if k in grads]  # the mean's order
-        samples = [_sample(grads[k], self._stride).to(ema.dtype) for k in keys]
-        spans = [self._ema_at[k] for k in keys]
-        lo, hi = spans[0][0], spans[-1][0] + spans[-1][1]
-        total = sum(n for _, n in spans)
-        if len(samples) > 1 and total <= _CAT_ELEMENTS and hi - lo == total:
-            # many small slices, next to each other in the mean: one copy, one call each
-            pairs = [(torch.cat(samples), ema[lo:hi])]
-        else:
-            pairs = [(t, ema[o:o + n]) for t, (o, n) in zip(samples, spans, strict=True)]
-        if self._stride > 1:
-            m.sampled_sq += sum(_l2(t) ** 2 for t, _ in pairs)
-        else:
-            m.sampled_sq += norm * norm
-        m.dot += sum(float(torch.dot(t, mean)) for t, mean in pairs)
-        for t, mean in pairs:
-            mean.lerp_(t, 1.0 - self._ema_decay)  # decay * mean + (1 - decay) * g
-
-    def _grad_stats(self, worker: int, m: _Measure) -> GradStats:
-        """One push's :class:`GradStats` from its summed statistics; moves |mean|^2 on."""
-        exact = math.sqrt(m.exact_sq) if math.isfinite(m.exact_sq) else m.exact_sq
-        decay = self._ema_decay
-        if decay is None or not math.isfinite(m.exact_sq):
-            return GradStats(worker, exact, None)
-        norm = math.sqrt(m.sampled_sq)
-        mean_sq = self._ema_sq
-        cosine = m.dot / (norm * math.sqrt(mean_sq)) if norm > 0 and mean_sq > 0 else None
-        self._ema_sq = max(0.0, decay * decay * mean_sq + 2 * decay * (1 - decay) * m.dot
-                           + (1 - decay) ** 2 * norm * norm)
-        return GradStats(worker, exact, cosine)
+        self.probe.observe(observer, cosine_decay=cosine_decay, every=every)
 
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """Everything needed to resume this shard: (tensors, JSON-able metadata).
-
-        Tensors: weights (``param/<key>``), optimizer state
-        (``optim/<index>/<name>``), an open sync round's sums (``agg/<key>``) and
-        the weights each worker read, for policies that need them
-        (``read/<worker>/<key>``). Metadata: versions, clocks, counters, the
-        optimizer's and scheduler's non-tensor state and the policy's state.
-        """
-        tensors = {f"param/{k}": p.detach() for k, p in self.params.items()}
-        opt = self.optimizer.state_dict()
-        opt_meta: dict[str, Any] = {"param_groups": opt["param_groups"], "state": {}}
-        for index, entries in opt["state"].items():
-            opt_meta["state"][str(index)] = {}
-            for name, value in entries.items():
-                if isinstance(value, torch.Tensor):
-                    tensors[f"optim/{index}/{name}"] = value
-                else:
-                    opt_meta["state"][str(index)][name] = value
-        for key, buf in self._agg.items():
-            tensors[f"agg/{key}"] = buf
-        for worker, snap in self._read_weights.items():
-            for key, t in snap.items():
-                tensors[f"read/{worker}/{key}"] = t
-        workers = {}
-        for w in self.workers.values():
-            workers[str(w.worker)] = {
-                "incarnation": w.incarnation, "clock": w.clock, "live": w.live,
-                "finished": w.finished, "pushes": w.pushes, "applied": w.applied,
-                "rejected": dict(w.rejected), "downweighted": w.downweighted,
-                "weight_sum": w.weight_sum,
-                "staleness": {str(k): v for k, v in w.staleness.items()},
-                "last_push_id": w.last_push_id, "pulls": w.pulls,
-                "deferred_pulls": w.deferred_pulls, "wait_seconds": w.wait_seconds,
-                "deaths": w.deaths,
-            }
-        meta = {
-            "shard": self.config.shard,
-            "version": self.version,
-            "initialized": self.initialized,
-            "started": self.started,
-            "mode": self.mode.describe(),
-            "workers": workers,
-            "round": sorted(self._round),
-            "round_samples": self._round_samples,
-            # a push in the making is not saved: its parts in the buffer void the round
-            "round_void": self._round_void or any(x.added for x in self._streams.values()),
-            "rounds_voided": self.rounds_voided,
-            "max_answered_gap": self.max_answered_gap,
-            "rounds_dropped": self.rounds_dropped,
-            "optimizer": opt_meta,
-            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "policy": {"name": self.policy.name, "state": self.policy.state_dict()},
-        }
-        return tensors, meta
+        """Everything needed to resume this shard: (tensors, JSON-able metadata), in
+        the format paramserver/snapshot.py describes."""
+        return snapshot.save(self)
 
     def load_state_dict(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any],
                         now: float) -> None:
         """Restore :meth:`state_dict`'s output. Workers get a fresh heartbeat
         grace period (``now``) to reconnect. Nothing changes unless the weights fit the
         slices, are finite, and the version is an integer >= 0."""
-        weights = {k[len("param/"):]: v for k, v in tensors.items() if k.startswith("param/")}
-        self._check_tensors(weights, "checkpoint")
-        version = meta.get("version")
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise ConfigError(f"version must be an integer >= 0, got {version!r}")
-        for key, value in weights.items():
-            if value.is_floating_point() and not _all_finite(value):
-                raise ConfigError(f"weights {key!r} hold NaN or Inf")
-        with torch.no_grad():
-            for key, p in self.params.items():
-                p.copy_(tensors[f"param/{key}"])
-        opt_state: dict[int, dict[str, Any]] = {}
-        for index, entries in meta["optimizer"]["state"].items():
-            opt_state[int(index)] = dict(entries)
-        for name, value in tensors.items():
-            if name.startswith("optim/"):
-                _, index, field_name = name.split("/", 2)
-                opt_state.setdefault(int(index), {})[field_name] = value.clone()
-        self.optimizer.load_state_dict(
-            {"state": opt_state, "param_groups": meta["optimizer"]["param_groups"]}
-        )
-        if self.scheduler is not None and meta.get("scheduler") is not None:
-            self.scheduler.load_state_dict(meta["scheduler"])
-        self.policy.load_state_dict(meta.get("policy", {}).get("state", {}))
-        self.version = int(meta["version"])
-        self.initialized = bool(meta["initialized"])
-        self.started = bool(meta["started"])
-        self.max_answered_gap = int(meta.get("max_answered_gap", 0))
-        self.rounds_dropped = int(meta.get("rounds_dropped", 0))
-        self.workers = {}
-        for wid, w in meta["workers"].items():
-            state = WorkerState(int(wid), w["incarnation"], now, clock=w["clock"])
-            state.live, state.finished = w["live"], w["finished"]
-            state.pushes, state.applied = w["pushes"], w["applied"]
-            state.rejected = Counter(w["rejected"])
-            state.downweighted, state.weight_sum = w["downweighted"], w["weight_sum"]
-            state.staleness = Counter({int(k): v for k, v in w["staleness"].items()})
-            state.last_push_id, state.pulls = w["last_push_id"], w["pulls"]
-            state.deferred_pulls, state.wait_seconds = w["deferred_pulls"], w["wait_seconds"]
-            state.deaths = w["deaths"]
-            self.workers[state.worker] = state
-        self._round = set(meta.get("round", []))
-        self._round_samples = int(meta.get("round_samples", 0))
-        self._agg = {k[len("agg/"):]: v.clone() for k, v in tensors.items()
-                     if k.startswith("agg/")}
-        self._round_void = bool(meta.get("round_void", False))
-        self.rounds_voided = int(meta.get("rounds_voided", 0))
-        self._written = set(self._agg) if self._round_samples > 0 else set()
-        self._streams = {}
-        self._read_weights = {}
-        for name, value in tensors.items():
-            if name.startswith("read/"):
-                _, worker, key = name.split("/", 2)
-                self._read_weights.setdefault(int(worker), {})[key] = value.clone()
+        snapshot.load(self, tensors, meta)
+        self.workers = {int(wid): WorkerState.from_record(int(wid), w, now)
+                        for wid, w in meta["workers"].items()}
         self._pending = []
 
     # ------------------------------------------------------------------ reporting
+
+    @property
+    def rounds_voided(self) -> int:
+        """Sync rounds closed without a step because a push was given up half-way."""
+        return self.round.voided
+
+    @property
+    def rounds_dropped(self) -> int:
+        """Sync rounds closed with nothing to apply (void ones included)."""
+        return self.round.dropped
 
     @property
     def lr(self) -> float:
@@ -1456,7 +898,7 @@ class ShardCore:
             "rounds_dropped": self.rounds_dropped,
             "rounds_voided": self.rounds_voided,
             # in the weights' own dtype: a float64 copy of each slice would be a peak
-            "weight_norm": math.sqrt(sum(_l2(p.detach()) ** 2 for p in self.params.values())),
+            "weight_norm": math.sqrt(sum(l2(p.detach()) ** 2 for p in self.params.values())),
             # bounded whatever the table holds (a map over 4096 entries would not even
             # decode): live workers first, then the most recently seen
             "workers": {str(w.worker): w.summary() for w in listed},

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["FLOAT_DTYPES", "WIRE_DTYPES", "dtype_name", "to_dtype"]
+__all__ = ["FLOAT_DTYPES", "NARROW_DTYPES", "WIRE_DTYPES", "dtype_name", "to_dtype"]
 
 #: dtypes parameters and gradients may have
 FLOAT_DTYPES: dict[str, torch.dtype] = {
@@ -13,6 +13,8 @@ FLOAT_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float64": torch.float64,
 }
+#: wire dtypes a float32 gradient may travel in
+NARROW_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
 #: dtypes a tensor frame may carry on the wire
 WIRE_DTYPES: dict[str, torch.dtype] = {
     **FLOAT_DTYPES,

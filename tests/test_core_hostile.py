@@ -114,7 +114,7 @@ def test_a_round_that_cannot_step_is_dropped_not_retried() -> None:
     with pytest.raises(RuntimeError):
         core.expire(100.0)  # worker 1 (and 0) time out: the round closes and fails
     core.before_step = None
-    assert not core._round and core.rounds_dropped == 1
+    assert not core.round.members and core.rounds_dropped == 1
     core.register(0, "a", 100.0)
     out = core.push(0, 2, 1, 0, 1, {"w": torch.ones(128)}, 100.0)
     assert out is not None and out.applied

@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from paramserver import core as core_module
+from paramserver import probe as probe_module
 from paramserver.core import CoreConfig, ModeSpec, ShardCore, SliceSpec
 from paramserver.errors import ErrorCode, ProtocolError
 from paramserver.policies import DCASGDPolicy
@@ -240,11 +240,11 @@ def test_a_checkpoint_taken_half_way_restores_a_void_round():
 @pytest.mark.parametrize(("sample_elements", "momentum"), [(None, 0.0), (7, 0.9)])
 def test_observed_statistics_are_the_same_in_parts(monkeypatch, sample_elements, momentum):
     if sample_elements is not None:  # measure every k-th element (k = 5 here)
-        monkeypatch.setattr(core_module, "_SAMPLE_ELEMENTS", sample_elements)
+        monkeypatch.setattr(probe_module, "_SAMPLE_ELEMENTS", sample_elements)
     seen = {}
     for name, sizes in (("whole", [5]), ("parts", [1, 2, 2])):
         core = make_core(1, momentum=momentum)
-        assert core._stride == (1 if sample_elements is None else 5)
+        assert core.probe.stride == (1 if sample_elements is None else 5)
         stats = seen[name] = []
         core.observe(stats.append, cosine_decay=0.5)
         for step in range(4):

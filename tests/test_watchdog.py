@@ -325,10 +325,10 @@ def test_core_samples_one_push_in_n():
 def test_core_measures_big_shards_one_push_in_n_by_default(monkeypatch):
     import torch
 
-    import paramserver.core as core_module
+    import paramserver.probe as probe_module
     from paramserver.core import CoreConfig, GradStats, ShardCore, SliceSpec
 
-    monkeypatch.setattr(core_module, "_OBSERVE_ELEMENTS", 2)  # "big" = more than 2 elements
+    monkeypatch.setattr(probe_module, "_OBSERVE_ELEMENTS", 2)  # "big" = more than 2 elements
     core = ShardCore([SliceSpec("a", 5, "float32")], CoreConfig())
     seen: list = []
     core.observe(seen.append, every=0)  # by size: ceil(5 / 2) = 3
@@ -349,13 +349,13 @@ def test_big_shards_measure_cosine_and_updates_on_a_strided_sample(monkeypatch, 
                                                                     momentum, mode):
     import torch
 
-    import paramserver.core as core_module
+    import paramserver.probe as probe_module
     from paramserver.core import CoreConfig, GradStats, ModeSpec, ShardCore, SliceSpec, StepStats
 
-    monkeypatch.setattr(core_module, "_SAMPLE_ELEMENTS", 1000)
-    monkeypatch.setattr(core_module, "_CAT_ELEMENTS", cat_elements)
-    assert core_module._sample_stride(1000) == 1
-    assert core_module._sample_stride(64_000) == 67  # the first prime >= 64
+    monkeypatch.setattr(probe_module, "_SAMPLE_ELEMENTS", 1000)
+    monkeypatch.setattr(probe_module, "_CAT_ELEMENTS", cat_elements)
+    assert probe_module.sample_stride(1000) == 1
+    assert probe_module.sample_stride(64_000) == 67  # the first prime >= 64
     shapes = {"w": (400, 64), "b": (64,)}  # 25,664 elements: stride 29
     core = ShardCore([SliceSpec(k, math.prod(s), "float32") for k, s in shapes.items()],
                      CoreConfig(mode=ModeSpec(mode), optimizer="sgd",
@@ -379,5 +379,6 @@ def test_big_shards_measure_cosine_and_updates_on_a_strided_sample(monkeypatch, 
         assert step.update_norm == pytest.approx(float((after - before).norm()), rel=0.05)
         if i:  # pushes around one mean: cosines near 1
             assert grad.cosine is not None and grad.cosine > 0.95
-    held = core._grad_ema.numel() + sum(t.numel() for t in core._before.values())
+    probe = core.probe
+    held = probe._grad_ema.numel() + sum(t.numel() for t in probe._before.values())
     assert held <= 2 * (25_664 // 29 + 2)  # two samples, not two copies of the shard

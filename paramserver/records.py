@@ -1,0 +1,271 @@
+"""The shard core's records: its configuration, what it knows of each worker, its answers.
+
+:class:`ModeSpec` and :class:`CoreConfig` configure a
+:class:`~paramserver.core.ShardCore`, :class:`SliceSpec` describes a slice it
+owns, :class:`WorkerState` is what it knows of one worker (its clock, liveness
+and counters), :class:`PushOutcome` and :class:`PullReply` are its answers to a
+push and a pull, and :func:`check_tensors` is the check every tensor a shard
+takes in (INIT, PUSH, a checkpoint) must pass to fit its slices. The rules that
+use them live in core.py. All of them are importable from ``paramserver.core``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Hashable, Mapping
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from .dtypes import FLOAT_DTYPES, NARROW_DTYPES
+from .errors import ConfigError, ErrorCode, ProtocolError
+
+__all__ = [
+    "DTYPES",
+    "MAX_WORKERS",
+    "MODES",
+    "STATS_WORKERS",
+    "CoreConfig",
+    "ModeSpec",
+    "PullReply",
+    "PushOutcome",
+    "SliceSpec",
+    "WorkerState",
+    "check_tensors",
+]
+
+Mode = Literal["sync", "async", "ssp"]
+MODES: tuple[str, ...] = ("sync", "async", "ssp")
+
+DTYPES = FLOAT_DTYPES
+
+MAX_WORKERS = 65536  # the largest worker table a shard may be configured for
+STATS_WORKERS = 512  # per-worker summaries in stats(); the rest are counted, not listed
+
+
+@dataclass(frozen=True)
+class ModeSpec:
+    """Which consistency model a shard enforces."""
+
+    mode: str = "async"
+    staleness_bound: int = 0  # ssp: s
+    backup_workers: int = 0  # sync: b, the slowest b gradients of a round are dropped
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"mode must be one of {', '.join(MODES)}; got {self.mode!r}")
+        if self.staleness_bound < 0:
+            raise ConfigError(f"staleness bound must be >= 0, got {self.staleness_bound}")
+        if self.backup_workers < 0:
+            raise ConfigError(f"backup workers must be >= 0, got {self.backup_workers}")
+        if self.backup_workers and self.mode != "sync":
+            raise ConfigError("backup workers only apply to sync mode")
+
+    def describe(self) -> str:
+        if self.mode == "ssp":
+            return f"ssp(s={self.staleness_bound})"
+        if self.mode == "sync" and self.backup_workers:
+            return f"sync(b={self.backup_workers})"
+        return self.mode
+
+
+@dataclass(frozen=True)
+class SliceSpec:
+    """What the core needs to know of one slice it owns (see sharding.Slice)."""
+
+    key: str
+    numel: int
+    dtype: str
+
+
+@dataclass(frozen=True)
+class CoreConfig:
+    shard: int = 0
+    mode: ModeSpec = field(default_factory=ModeSpec)
+    optimizer: str = "sgd"
+    optimizer_args: Mapping[str, Any] = field(default_factory=lambda: {"lr": 0.1})
+    scheduler: str | None = None
+    scheduler_args: Mapping[str, Any] = field(default_factory=dict)
+    expected_workers: int = 1  # training starts when this many workers have registered
+    heartbeat_timeout: float = 10.0  # seconds without a sign of life before a worker is dead
+    check_finite: bool = True
+    #: worker table size; a new id past it evicts one that never became active or died
+    #: long ago, else is refused (None: max(64, 4 * expected_workers))
+    max_workers: int | None = None
+    #: how far ahead of a worker's last push id a new one may be: one forged id can
+    #: then hide at most this many of the real worker's pushes
+    push_id_window: int = 1024
+
+    @property
+    def worker_limit(self) -> int:
+        if self.max_workers is not None:
+            return self.max_workers
+        return min(MAX_WORKERS, max(64, 4 * self.expected_workers))
+
+    def __post_init__(self) -> None:
+        if self.max_workers is not None and not 1 <= self.max_workers <= MAX_WORKERS:
+            raise ConfigError(f"max workers must be in 1..{MAX_WORKERS}, got {self.max_workers}")
+        if self.max_workers is not None and self.max_workers < self.expected_workers:
+            raise ConfigError(f"max workers ({self.max_workers}) must be at least the "
+                              f"expected workers ({self.expected_workers})")
+        if self.push_id_window < 1:
+            raise ConfigError(f"push id window must be >= 1, got {self.push_id_window}")
+        if self.expected_workers < 1:
+            raise ConfigError(f"expected workers must be >= 1, got {self.expected_workers}")
+        if not self.heartbeat_timeout > 0:
+            raise ConfigError(f"heartbeat timeout must be > 0, got {self.heartbeat_timeout}")
+        if self.mode.backup_workers >= self.expected_workers:
+            raise ConfigError(
+                f"backup workers ({self.mode.backup_workers}) must be fewer than the "
+                f"expected workers ({self.expected_workers})"
+            )
+
+
+@dataclass
+class WorkerState:
+    """What one shard knows of one worker."""
+
+    worker: int
+    incarnation: str
+    last_seen: float
+    clock: int = 0
+    live: bool = True
+    finished: bool = False
+    pushes: int = 0  # pushes decided (duplicates excluded)
+    applied: int = 0
+    rejected: Counter[str] = field(default_factory=Counter)
+    downweighted: int = 0
+    weight_sum: float = 0.0
+    staleness: Counter[int] = field(default_factory=Counter)
+    last_push_id: int = -1
+    last_outcome: PushOutcome | None = None
+    pulls: int = 0
+    deferred_pulls: int = 0
+    wait_seconds: float = 0.0
+    deaths: int = 0
+    # a supervisor saw this incarnation's process exit: only a new HELLO brings the
+    # worker back (a heartbeat still in flight from the dead process must not)
+    reported_dead: bool = False
+    #: whether last_push_id came from this process's own pushes; until then any push
+    #: id is taken (a restarted shard, a fresh registration), afterwards only a window
+    anchored: bool = False
+
+    @property
+    def active(self) -> bool:
+        """It did something beyond HELLO (pulled or pushed)."""
+        return self.pulls > 0 or self.pushes > 0
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "worker": self.worker,
+            "clock": self.clock,
+            "live": self.live,
+            "finished": self.finished,
+            "pushes": self.pushes,
+            "applied": self.applied,
+            "rejected": dict(self.rejected),
+            "downweighted": self.downweighted,
+            "mean_weight": self.weight_sum / self.applied if self.applied else 0.0,
+            "staleness": {str(k): v for k, v in sorted(self.staleness.items())},
+            "pulls": self.pulls,
+            "deferred_pulls": self.deferred_pulls,
+            "wait_seconds": self.wait_seconds,
+            "deaths": self.deaths,
+        }
+
+    def record(self) -> dict[str, Any]:
+        """What a checkpoint keeps of this worker (see paramserver/snapshot.py)."""
+        return {
+            "incarnation": self.incarnation, "clock": self.clock, "live": self.live,
+            "finished": self.finished, "pushes": self.pushes, "applied": self.applied,
+            "rejected": dict(self.rejected), "downweighted": self.downweighted,
+            "weight_sum": self.weight_sum,
+            "staleness": {str(k): v for k, v in self.staleness.items()},
+            "last_push_id": self.last_push_id, "pulls": self.pulls,
+            "deferred_pulls": self.deferred_pulls, "wait_seconds": self.wait_seconds,
+            "deaths": self.deaths,
+        }
+
+    @classmethod
+    def from_record(cls, worker: int, w: Mapping[str, Any], now: float) -> WorkerState:
+        """The worker :meth:`record` describes, last seen ``now`` (a fresh grace period)."""
+        state = cls(worker, w["incarnation"], now, clock=w["clock"])
+        state.live, state.finished = w["live"], w["finished"]
+        state.pushes, state.applied = w["pushes"], w["applied"]
+        state.rejected = Counter(w["rejected"])
+        state.downweighted, state.weight_sum = w["downweighted"], w["weight_sum"]
+        state.staleness = Counter({int(k): v for k, v in w["staleness"].items()})
+        state.last_push_id, state.pulls = w["last_push_id"], w["pulls"]
+        state.deferred_pulls, state.wait_seconds = w["deferred_pulls"], w["wait_seconds"]
+        state.deaths = w["deaths"]
+        return state
+
+
+@dataclass(frozen=True)
+class PushOutcome:
+    """The core's answer to one push; sent back to the worker."""
+
+    accepted: bool
+    weight: float
+    reason: str
+    staleness: int
+    version: int  # the shard version after handling the push
+    applied: bool  # an optimizer step happened because of this push
+    duplicate: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "accepted": self.accepted,
+            "weight": self.weight,
+            "reason": self.reason,
+            "staleness": self.staleness,
+            "version": self.version,
+            "applied": self.applied,
+            "duplicate": self.duplicate,
+        }
+
+
+@dataclass(frozen=True)
+class PullReply:
+    worker: int
+    token: Hashable
+    version: int
+    clock: int
+    waited: float
+
+
+def check_tensors(specs: Mapping[str, SliceSpec], tensors: Mapping[str, torch.Tensor],
+                  what: str, narrow_ok: bool = False, whole: bool = True,
+                  seen: AbstractSet[str] = frozenset()) -> None:
+    """Keys, shapes and dtypes must match the slices ``specs`` (by key), else a
+    :class:`ProtocolError`; with ``narrow_ok`` a 16-bit
+    tensor may stand for a wider float slice (gradients sent in 16 bits). A part
+    (not ``whole``) holds some keys, none of them ``seen`` in earlier parts."""
+    missing = specs.keys() - tensors.keys() if whole else set()
+    unknown = tensors.keys() - specs.keys()
+    again = tensors.keys() & seen
+    if again:
+        raise ProtocolError(
+            ErrorCode.BAD_TENSOR, f"{what}: keys sent in two parts: {sorted(again)[:5]}")
+    if unknown:
+        raise ProtocolError(
+            ErrorCode.UNKNOWN_KEY, f"{what}: keys not on this shard: {sorted(unknown)[:5]}"
+        )
+    if missing:
+        raise ProtocolError(
+            ErrorCode.BAD_TENSOR, f"{what}: missing keys: {sorted(missing)[:5]}"
+        )
+    for key, value in tensors.items():
+        spec = specs[key]
+        dtype_ok = value.dtype == DTYPES[spec.dtype] or (
+            narrow_ok and value.dtype in NARROW_DTYPES and spec.dtype in ("float32", "float64"))
+        # the full shape, not only the size: a [16, 8] tensor for a [128] slice
+        # would make torch resize the round's buffer (out=) and wedge the round
+        if not dtype_ok or tuple(value.shape) != (spec.numel,):
+            raise ProtocolError(
+                ErrorCode.BAD_TENSOR,
+                f"{what}: {key!r} is {value.dtype} {list(value.shape)}, "
+                f"expected {spec.dtype} [{spec.numel}]",
+            )

@@ -1,0 +1,118 @@
+"""A sync shard's open round: its one aggregation buffer and the pushes in parts.
+
+:class:`SyncRound` belongs to one :class:`~paramserver.core.ShardCore` in sync
+mode. It holds the contributors of the open round, the running sample-weighted
+sum of their gradients (``sum(n_i w_i g_i)``, one buffer the size of the shard)
+and every worker's push still arriving in parts (a :class:`Stream`). What it
+does not hold are the rules: who may join a round, when it closes and what a
+given-up push means are decided in core.py; the round only adds, voids, closes
+and counts.
+
+A part is added into the buffer as it arrives and its frames can be freed at
+once, so a sync shard never holds a whole gradient of any worker. What was added
+cannot be taken back out, so a push given up half-way makes the round *void*: it
+closes without a step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from .probe import PushMeasure
+from .staleness import Decision, UpdateInfo
+
+__all__ = ["Stream", "SyncRound"]
+
+
+@dataclass
+class Stream:
+    """A sync push arriving in parts: decided at its first part, added part by part."""
+
+    push_id: int
+    parts: int
+    info: UpdateInfo
+    decision: Decision | None  # None: dropped before the policy ("late", "in round")
+    reason: str
+    received: set[int] = field(default_factory=set)
+    keys: set[str] = field(default_factory=set)
+    added: bool = False  # some of it is in the round's buffer
+    voided: bool = False  # it met a void round: none of it is added
+    measure: PushMeasure | None = None  # observed pushes only
+
+
+class SyncRound:
+    """The open sync round of one shard whose weights are ``params``."""
+
+    def __init__(self, params: Mapping[str, torch.Tensor]) -> None:
+        self.params = params
+        self.members: set[int] = set()  # workers that contributed to the open round
+        self.samples = 0  # samples of the accepted gradients in the buffer
+        self.agg: dict[str, torch.Tensor] = {}
+        self.written: set[str] = set()  # keys of agg written in the open round
+        self.void = False  # a push was given up half-way: close without a step
+        self.streams: dict[int, Stream] = {}  # worker -> its sync push in the making
+        self.voided = 0  # rounds closed void
+        self.dropped = 0  # rounds closed with nothing to apply
+
+    def in_flight(self) -> bool:
+        """Whether a push in the making has parts in the buffer already."""
+        return any(s.added for s in self.streams.values())
+
+    def add(self, stream: Stream, grads: Mapping[str, torch.Tensor], alpha: float) -> None:
+        """Add ``alpha * grads`` (one part of ``stream``, or all of it) to the buffer."""
+        if not self.agg:
+            self.agg = {k: torch.empty_like(p) for k, p in self.params.items()}
+        for key, g in grads.items():
+            buf = self.agg[key]
+            if key in self.written:
+                buf.add_(g, alpha=alpha)  # computed in buf's dtype, also for 16-bit g
+            elif g.dtype == buf.dtype:  # the round's first gradient overwrites:
+                torch.mul(g, alpha, out=buf)  # no zeroing pass per round
+            else:  # widen exactly first (a 16-bit product would round)
+                buf.copy_(g)
+                if alpha != 1.0:
+                    buf.mul_(alpha)
+        self.written.update(grads)
+        stream.added = True
+
+    def join(self, worker: int, samples: int) -> None:
+        """``worker``'s push is complete: it is a contributor, with ``samples`` in the
+        buffer (0 for a push its policy rejected)."""
+        self.members.add(worker)
+        self.samples += samples
+
+    def give_up(self, stream: Stream) -> bool:
+        """``stream`` will not be completed; True when that made the round void now."""
+        if stream.added and not self.void:
+            self.void = True
+            return True
+        return False
+
+    def close(self, step: Callable[[Mapping[str, torch.Tensor]], None]) -> bool:
+        """Close the round: ``step`` on the buffer's sample-weighted mean, unless the
+        round is void or holds no accepted gradient. True when it stepped. A step
+        that fails closes the round all the same (dropped): a round that cannot be
+        stepped must not be retried on every later event, wedging the shard."""
+        stepped = False
+        try:
+            if self.void:
+                self.voided += 1
+                self.dropped += 1
+            elif self.samples > 0:
+                step({key: self.agg[key].div_(self.samples) for key in self.params})
+                stepped = True
+            else:
+                self.dropped += 1
+        except Exception:
+            self.dropped += 1
+            self.agg = {}
+            raise
+        finally:
+            self.members.clear()
+            self.samples = 0
+            self.written.clear()
+            self.void = False
+        return stepped
