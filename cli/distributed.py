@@ -20,6 +20,7 @@ from paramserver.workers.launch.rendezvous import (
     assign_role,
     default_host,
     launch_env,
+    run_command_rank,
     run_server_rank,
     run_worker_rank,
 )
@@ -48,6 +49,11 @@ Slurm, 8 tasks on 2 nodes (2 servers, 6 workers):
       paramserver run --num-servers 2 --mode ssp --staleness-bound 2
 
 \b
+your own script (on paramserver.DistributedOptimizer) as every worker rank:
+  torchrun --nnodes 1 --nproc-per-node 4 --no-python \\
+      paramserver run --num-servers 1 --out runs/mine -- python train.py
+
+\b
 Ranks 0..S-1 are servers (shard = rank), the others workers. Servers publish
 their addresses in torch.distributed's TCPStore at MASTER_ADDR:MASTER_PORT
 (Slurm: on the first node); workers wait for them (--rendezvous-timeout) and
@@ -64,9 +70,17 @@ def _nth_port(base: int, index: int) -> int:
 @click.command("run", epilog=EPILOG,
                short_help="One rank of a torchrun or Slurm job.")
 @options.apply_groups("run")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED, metavar="[-- COMMAND [ARGS]...]")
 @click.pass_context
 def run(ctx: click.Context, **opts: Any) -> None:
-    """Run this rank of a multi-host job as a server or a worker (torchrun or Slurm)."""
+    """Run this rank of a multi-host job as a server or a worker (torchrun or Slurm).
+
+    After `--`, worker ranks run your own script instead of the built-in loop,
+    with PARAMSERVER_SERVERS, RANK (among the workers), WORLD_SIZE (the number
+    of workers) and LOCAL_RANK set. The last worker to finish saves the
+    servers' final weights as OUT/final_model.safetensors.
+    """
+    command = list(opts.pop("command") or ())
     out = Path(opts["out"]) if opts["out"] else None
     # every option is checked before the launcher's environment is even read
     server_template = options.server_config(opts, bind="tcp://127.0.0.1:0")
@@ -109,8 +123,12 @@ def run(ctx: click.Context, **opts: Any) -> None:
             code = run_server_rank(config, rdzv, ready_printer(config))
             click.echo(f"paramserver: shard {role.index} stopped", err=True)
             ctx.exit(code)
+        elif command:
+            code = run_command_rank(command, rdzv, role.num_servers, role.index,
+                                    role.num_workers, env.local_rank, out)
+            ctx.exit(code)
         else:
-            result = run_worker_rank(wconfig, rdzv, role.num_servers)
+            result = run_worker_rank(wconfig, rdzv, role.num_servers, out=out)
             click.echo(summary(result))
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from exc

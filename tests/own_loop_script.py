@@ -32,6 +32,8 @@ def main() -> None:
     ap.add_argument("--slow-rank", type=int, default=-1)
     ap.add_argument("--raise-at", type=int, default=-1)
     ap.add_argument("--seed", type=int, default=None, help="local init seed (default: rank)")
+    ap.add_argument("--scaler", action="store_true", help="torch.amp.GradScaler on the CPU")
+    ap.add_argument("--inf-at", type=int, default=-1, help="an inf gradient at this step")
     args = ap.parse_args()
     rank = int(os.environ["RANK"])
     # a different local initialization on every rank: the servers' weights win
@@ -39,6 +41,7 @@ def main() -> None:
     opt = DistributedOptimizer(model, backward_passes_per_step=args.passes,
                                overlap=args.overlap, bucket_bytes=64)
     n = T.batch_size(rank, args.unequal)
+    scaler = torch.amp.GradScaler("cpu") if args.scaler else None
     outcomes = []
     with opt:
         for k in range(args.steps):
@@ -52,14 +55,23 @@ def main() -> None:
                 loss = torch.nn.functional.mse_loss(model(x), y) / args.passes
                 # with overlap the gradients leave during backward, so the loop scales
                 # the loss; without, it scales the gradients after backward
-                (loss * 0.5 if args.overlap else loss).backward()
-            if not args.overlap:
+                loss = loss * 0.5 if args.overlap else loss
+                (scaler.scale(loss) if scaler else loss).backward()
+            if not args.overlap and scaler is None:
                 for param in model.parameters():
                     param.grad.mul_(0.5)
+            if k == args.inf_at:
+                next(model.parameters()).grad[0] = float("inf")
             if rank == args.slow_rank:
                 time.sleep(0.05)  # a straggler: injected delay, not synchronisation
-            opt.step(num_samples=None if args.overlap else n * args.passes)
-            outcomes.append(opt.last)
+            before = opt.last
+            if scaler is not None:
+                scaler.step(opt)  # skips opt.step() when a gradient is not finite
+                scaler.update()
+            else:
+                opt.step(num_samples=None if args.overlap else n * args.passes)
+            if opt.last is not before:
+                outcomes.append(opt.last)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in model.state_dict().items()},

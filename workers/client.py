@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,7 +36,7 @@ from paramserver.sharding import DTYPES, ShardPlan
 from paramserver.transport import Channel, CurveKeys, request_all
 
 __all__ = ["GRAD_WIRE_DTYPES", "PART_BYTES", "PSClient", "PullResult", "PushResult",
-           "PushStream"]
+           "PushStream", "pull_weights", "save_final_model"]
 
 #: a shard's share of a push larger than this goes in parts of at most about this
 #: size (whole slices: a plan chunk, 2 MiB by default, is the smallest part), which a
@@ -639,6 +640,30 @@ class PushStream:
             for rep in finals:
                 client.plan.assemble_into(params, rep.tensors)
         return pushed, client._pull_result(finals, self.t0)
+
+
+def pull_weights(addresses: Sequence[str], plan: ShardPlan, timeout: float = 60.0,
+                 curve: CurveKeys | None = None) -> dict[str, torch.Tensor]:
+    """The servers' current weights of every parameter of ``plan``, as an observer
+    (no clock, never gated): what a launcher saves as the final model."""
+    params = {p.name: torch.zeros(p.shape, dtype=DTYPES[p.dtype]) for p in plan.params}
+    with PSClient(addresses, plan, worker=0, role="observer", heartbeat_interval=0,
+                  timeout=timeout, curve=curve) as client:
+        client.connect()
+        client.pull(params)
+    return params
+
+
+def save_final_model(addresses: Sequence[str], plan: ShardPlan, path: str | Path,
+                     timeout: float = 60.0, curve: CurveKeys | None = None) -> Path:
+    """``pull_weights`` saved as safetensors (a state_dict of the parameters)."""
+    from safetensors.torch import save_file
+
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    weights = pull_weights(addresses, plan, timeout, curve)
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(target))
+    return target
 
 
 def shutdown_servers(addresses: Sequence[str], timeout: float = 10.0,

@@ -541,11 +541,8 @@ def final_eval(spec: ClusterSpec, addresses: list[str], out: Path) -> dict[str, 
 
 def _save_command_weights(spec: ClusterSpec, addresses: list[str], out: Path) -> None:
     """The servers' weights of a command's model, by the plan its rank 0 recorded."""
-    import torch
-    from safetensors.torch import save_file
-
-    from paramserver.sharding import DTYPES, ShardPlan
-    from paramserver.workers.client import PSClient
+    from paramserver.sharding import ShardPlan
+    from paramserver.workers.client import save_final_model
 
     plan_file = out / "plan.json"
     if not plan_file.exists():
@@ -553,13 +550,8 @@ def _save_command_weights(spec: ClusterSpec, addresses: list[str], out: Path) ->
                     plan_file)
         return
     plan = ShardPlan.from_description(json.loads(plan_file.read_text()))
-    params = {p.name: torch.zeros(p.shape, dtype=DTYPES[p.dtype]) for p in plan.params}
-    with PSClient(addresses, plan, worker=0, role="observer", heartbeat_interval=0,
-                  timeout=spec.worker.timeout, curve=spec.client_curve()) as client:
-        client.connect()
-        client.pull(params)
-    save_file({k: v.contiguous() for k, v in params.items()},
-              str(out / "final_model.safetensors"))
+    save_final_model(addresses, plan, out / "final_model.safetensors", spec.worker.timeout,
+                     spec.client_curve())
 
 
 def run_cluster(spec: ClusterSpec, out_dir: str | Path,

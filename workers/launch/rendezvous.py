@@ -33,6 +33,7 @@ step's node list. Keys (all under ``paramserver/``):
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import re
@@ -40,17 +41,22 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from torch.distributed import DistError, DistNetworkError, DistStoreError, TCPStore
 
-from paramserver.errors import ConfigError, TransportError
+from paramserver.errors import ConfigError, ParamServerError, TransportError
 from paramserver.server import ServerConfig, run_server
-from paramserver.workers.worker import WorkerConfig, run_worker
+from paramserver.sharding import ShardPlan
+from paramserver.transport import CurveKeys
+from paramserver.workers.client import save_final_model
+from paramserver.workers.worker import WorkerConfig, build_task, run_worker
 
 __all__ = [
     "LaunchEnv",
@@ -63,6 +69,7 @@ __all__ = [
     "expand_nodelist",
     "launch_env",
     "local_address_for",
+    "run_command_rank",
     "run_server_rank",
     "run_worker_rank",
     "slurm_hostnames",
@@ -408,11 +415,17 @@ class Rendezvous:
                 from exc
         return [self.store.get(k).decode() for k in keys]
 
-    def worker_done(self, num_workers: int) -> bool:
-        """Count this worker as done; True if it was the last one (then servers stop)."""
+    def worker_done(self, num_workers: int,
+                    before_finish: Callable[[], None] | None = None) -> bool:
+        """Count this worker as done; True if it was the last one (then servers stop,
+        after ``before_finish``: the last chance to reach them)."""
         count = self.store.add(_key("done"), 1)
         if count >= num_workers:
-            self.store.set(_key("finished"), "1")
+            try:
+                if before_finish is not None:
+                    before_finish()
+            finally:
+                self.store.set(_key("finished"), "1")
             return True
         return False
 
@@ -468,15 +481,69 @@ def run_server_rank(config: ServerConfig, rdzv: Rendezvous,
 
 
 def run_worker_rank(config: WorkerConfig, rdzv: Rendezvous, num_servers: int,
-                    timeout: float | None = None) -> dict[str, Any]:
+                    timeout: float | None = None, out: Path | None = None) -> dict[str, Any]:
     """Wait for every server's address, train, and count this worker done, even when it
-    fails, so that the servers never wait for a worker that is gone."""
+    fails, so that the servers never wait for a worker that is gone. The last worker
+    done saves the servers' final weights as ``out/final_model.safetensors``."""
+    addresses: list[str] = []
     try:
         addresses = rdzv.wait_servers(num_servers, timeout)
         return run_worker(dataclasses.replace(config, servers=addresses))
     finally:
+        _done(rdzv, config.rank, config.world_size, addresses, out,
+              lambda: ShardPlan.from_module(build_task(config).model, num_servers,
+                                            config.chunk_bytes),
+              CurveKeys.load(config.curve_key, config.curve_server_key)
+              if config.curve_key else None)
+
+
+def run_command_rank(command: list[str], rdzv: Rendezvous, num_servers: int, rank: int,
+                     world_size: int, local_rank: int, out: Path | None = None,
+                     timeout: float | None = None) -> int:
+    """Run the user's ``command`` as worker ``rank`` (its script builds a
+    DistributedOptimizer from the environment set here); returns its exit code."""
+    addresses: list[str] = []
+    plan_file = (out or Path(tempfile.gettempdir())) / "plan.json"
+    try:
+        addresses = rdzv.wait_servers(num_servers, timeout)
+        env = {**os.environ, "PARAMSERVER_SERVERS": ",".join(addresses), "RANK": str(rank),
+               "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(local_rank),
+               "PARAMSERVER_PLAN_FILE": str(plan_file)}
+        if out is not None:
+            env.update(PARAMSERVER_EVENT_LOG=str(out / "events" / f"worker{rank}.jsonl"),
+                       PARAMSERVER_RESULT_FILE=str(out / "results" / f"worker{rank}.json"))
         try:
-            rdzv.worker_done(config.world_size)
-        except DistError as exc:
-            log.warning("worker %d: could not report done to the store: %s", config.rank, exc)
+            return subprocess.run(command, env=env, check=False).returncode
+        except OSError as exc:
+            raise ConfigError(f"cannot run {' '.join(command)!r}: {exc.strerror or exc}") \
+                from None
+    finally:
+        def plan() -> ShardPlan | None:
+            if not plan_file.exists():
+                return None
+            return ShardPlan.from_description(json.loads(plan_file.read_text()))
+        _done(rdzv, rank, world_size, addresses, out, plan, None)
+
+
+def _done(rdzv: Rendezvous, rank: int, world_size: int, addresses: list[str],
+          out: Path | None, plan: Callable[[], ShardPlan | None],
+          curve: CurveKeys | None) -> None:
+    def save() -> None:
+        # every other worker is done: the servers' weights are the final ones
+        if out is None or not addresses:
+            return
+        try:
+            the_plan = plan()
+            if the_plan is not None:
+                path = save_final_model(addresses, the_plan, out / "final_model.safetensors",
+                                        curve=curve)
+                log.info("worker %d: the servers' final weights are in %s", rank, path)
+        except ParamServerError as exc:
+            log.warning("worker %d: could not save the final model: %s", rank, exc)
+
+    try:
+        rdzv.worker_done(world_size, before_finish=save)
+    except DistError as exc:
+        log.warning("worker %d: could not report done to the store: %s", rank, exc)
+    finally:
         rdzv.leave()
