@@ -36,6 +36,7 @@ from .errors import ConfigError, ErrorCode, ProtocolError
 from .events import EventLog
 from .metrics import MetricsExporter, TensorBoardWriter
 from .observe import ShardObserver
+from .proctitle import set_title
 from .protocol import PROTOCOL_VERSION, Message, Op, decode, error_reply, reply
 from .sharding import ShardPlan
 from .staleness import create_policy
@@ -158,6 +159,7 @@ class ShardServer:
         self._running = False
         self.counters: Counter[str] = Counter()
         self.started_at = time.time()
+        self.peers: dict[int, dict[str, Any]] = {}  # worker -> host and pid from its HELLO
         self._last_checkpoint = (time.monotonic(), -1)  # (when, version)
         self.watchdog = Watchdog(config.shard, config.watchdog_config(),
                                  bounded_lag=config.mode != "async")
@@ -196,6 +198,8 @@ class ShardServer:
         log.info("shard %d/%d serving at %s (%s, policy %s)", self.config.shard,
                  self.config.num_shards, self.address, self.config.mode_spec().describe(),
                  self.policy.describe())
+        set_title(f"server {self.config.shard}/{self.config.num_shards} {self.address} "
+                  f"({self.config.mode_spec().describe()})")
         if on_ready is not None:
             _ready(on_ready, self.address, self.metrics_port)
         last_expire = 0.0
@@ -476,8 +480,11 @@ class ShardServer:
         if role == "worker":
             state = self.core.register(msg["worker"], msg["incarnation"], time.monotonic())
             clock = state.clock
+            # as the worker says: shown by `status`; a host name is at most 253 characters
+            peer = {"host": str(msg.get("host", ""))[:253] or None, "pid": msg.get("pid")}
+            self.peers[msg["worker"]] = peer
             self.events.write("worker_hello", shard=self.config.shard, worker=msg["worker"],
-                              clock=clock)
+                              clock=clock, **peer)
         return reply(msg, shard=self.config.shard, num_shards=self.config.num_shards,
                      version=self.core.version, clock=clock, initialized=self.core.initialized,
                      mode=self.core.mode.describe(), policy=self.policy.describe())
@@ -664,6 +671,8 @@ class ShardServer:
         }
         if self.core is not None:
             base.update(self.core.stats())
+            for key, row in base["workers"].items():
+                row.update(self.peers.get(int(key), {}))
         else:
             base.update(mode=self.config.mode_spec().describe(), version=0, workers={},
                         initialized=False, policy=self.policy.describe())

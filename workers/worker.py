@@ -24,6 +24,7 @@ import torch
 
 from paramserver.errors import ConfigError
 from paramserver.events import EventLog
+from paramserver.proctitle import set_title
 from paramserver.sharding import ShardPlan
 from paramserver.transport import CurveKeys
 
@@ -174,6 +175,7 @@ def _num_steps(config: WorkerConfig, task: Task) -> int:
 
 def run_worker(config: WorkerConfig) -> dict[str, Any]:
     """Train until ``steps`` pushes are done; return (and write) the worker's result."""
+    set_title(f"worker {config.rank}/{config.world_size} ({config.task})")
     device = resolve_device(config.device)
     task = build_task(config)
     model = task.model.to(device)
