@@ -99,6 +99,26 @@ class _ProgressView:
         self.progress.update(self.task, completed=done, loss=loss, rate=rate)
 
 
+class _AlarmLines:
+    """One console line per alarm episode. Every shard sees every push's loss, so a
+    loss rule fires on each shard for the same episode (same ``episode`` figure): only
+    the first is shown; the event logs keep them all, with every figure."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self.shown: set[tuple[Any, ...]] = set()
+
+    def __call__(self, alarm: dict[str, Any]) -> None:
+        figures = alarm.get("figures") or {}
+        where = ("episode", figures["episode"]) if "episode" in figures else (
+            "shard", alarm.get("shard"), alarm.get("version"))
+        key = (alarm.get("signal"), alarm.get("worker"), *where)
+        if key in self.shown:
+            return
+        self.shown.add(key)
+        self.console.print(format_alarm(alarm), no_wrap=True, overflow="ellipsis")
+
+
 def _summary(spec: ClusterSpec, result: dict[str, Any], out: Path) -> str:
     workers = worker_summaries(result)
     # a worker that died and stayed dead wrote no counts: it adds 0 here
@@ -122,8 +142,10 @@ def _summary(spec: ClusterSpec, result: dict[str, Any], out: Path) -> str:
                      f"(--on-worker-failure {spec.on_worker_failure})")
         lines += [f"  {w.describe()}" for w in dead + restarted]
     if result.get("alarms"):
-        lines.append(f"watchdog alarms: {len(result['alarms'])} (events/server*.jsonl; "
-                     "docs/observability.md says what each means)")
+        episodes = {(a.get("signal"), a.get("worker"), (a.get("figures") or {}).get("episode",
+                     (a.get("shard"), a.get("version")))) for a in result["alarms"]}
+        lines.append(f"watchdog alarms: {len(episodes)} ({len(result['alarms'])} on all shards;"
+                     " events/server*.jsonl; docs/observability.md says what each means)")
     lines.append(f"result: {out / 'result.json'} (logs in {out / 'logs'})")
     return "\n".join(lines)
 
@@ -193,7 +215,7 @@ def launch(ctx: click.Context, **opts: Any) -> None:
                 # pids print even with --quiet: they say which process is which
                 result = run_cluster(
                     spec, out, on_progress=view,
-                    on_alarm=lambda alarm: console.print(format_alarm(alarm)),
+                    on_alarm=_AlarmLines(console),
                     on_process=lambda info: console.print(
                         f"paramserver launch: started {_process_line(info)}",
                         highlight=False))
