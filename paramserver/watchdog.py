@@ -95,7 +95,9 @@ class WatchdogConfig:
     # has fallen further and then flattens has converged (a hint, not an alarm)
     loss_progress: float = 0.2
     loss_converged_pushes: int = 2000  # flat this long after progress: loss_converged hint
-    loss_rise: float = 0.25  # blocks this much (relative) above the best, loss_patience in a row
+    loss_rise: float = 0.25  # blocks this much (relative) above the best, ...
+    # ... loss_rise_patience in a row: async momentum wobbles 40 % up for 3 blocks and back
+    loss_rise_patience: int = 6
     loss_blowup: float = 1.0  # ... or one block this much above it: rising
     # staleness policy
     reject_max: float = 0.9  # rejected fraction of pushes that starves training
@@ -125,6 +127,7 @@ class WatchdogConfig:
         if self.observe_every < 0:
             raise ConfigError("watchdog: observe_every must be >= 0 (0: by the shard's size)")
         for name in ("cooldown", "ratio_window", "ratio_high_window", "loss_converged_pushes",
+                     "loss_rise_patience",
                      "loss_window", "loss_patience", "reject_window", "lag_window",
                      "staleness_window", "zero_window", "cosine_window"):
             if getattr(self, name) < 1:
@@ -555,7 +558,7 @@ class Watchdog:
         rise = (median - best) / abs(best) if best else math.inf
         above = median - best > 3 * se_median
         self._rising_blocks = self._rising_blocks + 1 if above and rise > cfg.loss_rise else 0
-        if above and (rise > cfg.loss_blowup or self._rising_blocks >= cfg.loss_patience):
+        if above and (rise > cfg.loss_blowup or self._rising_blocks >= cfg.loss_rise_patience):
             self._fire(out, "loss_rising", None,
                        {"loss": median, "best_loss": best, "rise": rise, "blocks":
                         self._rising_blocks, "window": cfg.loss_window, "mean": mean,
