@@ -15,7 +15,13 @@ from rich.progress import Progress
 
 from paramserver.cli.progress import step_progress
 from paramserver.errors import ParamServerError
-from paramserver.workers.launch.cluster import ClusterSpec, run_cluster
+from paramserver.proctitle import set_title
+from paramserver.workers.launch.cluster import (
+    ClusterSpec,
+    ProcessInfo,
+    run_cluster,
+    worker_summaries,
+)
 from paramserver.workers.launch.cluster import Progress as ClusterProgress
 
 from . import options
@@ -107,24 +113,60 @@ class _ProgressView:
         self.progress.update(self.task, completed=done, loss=loss, rate=rate)
 
 
+class _AlarmLines:
+    """One console line per alarm episode. Every shard sees every push's loss, so a
+    loss rule fires on each shard for the same episode (same ``episode`` figure): only
+    the first is shown; the event logs keep them all, with every figure."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self.shown: set[tuple[Any, ...]] = set()
+
+    def __call__(self, alarm: dict[str, Any]) -> None:
+        figures = alarm.get("figures") or {}
+        where = ("episode", figures["episode"]) if "episode" in figures else (
+            "shard", alarm.get("shard"), alarm.get("version"))
+        key = (alarm.get("signal"), alarm.get("worker"), *where)
+        if key in self.shown:
+            return
+        self.shown.add(key)
+        self.console.print(format_alarm(alarm), no_wrap=True, overflow="ellipsis")
+
+
 def _summary(spec: ClusterSpec, result: dict[str, Any], out: Path) -> str:
-    workers = result["workers"]
-    pushes = sum(w["pushes"] for w in workers)
-    accepted = sum(w["accepted"] for w in workers)
-    rejected = sum(w["rejected"] for w in workers)
+    workers = worker_summaries(result)
+    # a worker that died and stayed dead wrote no counts: it adds 0 here
+    pushes = sum(w.pushes for w in workers)
+    accepted = sum(w.accepted for w in workers)
+    rejected = sum(w.rejected for w in workers)
     seconds = result["seconds"]
+    what = " ".join(spec.command) if spec.command else spec.worker.task
     lines = [f"finished in {seconds:.1f}s: {spec.server.mode_spec().describe()}, "
-             f"{spec.num_servers} server(s) x {spec.num_workers} worker(s), {spec.worker.task}"]
+             f"{spec.num_servers} server(s) x {spec.num_workers} worker(s), {what}"]
     if result["eval"]:
         lines.append("held-out " + ", ".join(f"{k} {v:.4f}" for k, v in result["eval"].items()))
     lines.append(f"pushes {pushes} ({accepted} accepted, {rejected} rejected), "
                  f"{pushes / seconds if seconds else 0:.1f}/s; shard versions "
                  f"{', '.join(str(v) for v in result['updates_applied'])}")
+    dead = [w for w in workers if not w.finished]
+    restarted = [w for w in workers if w.finished and w.restarts]
+    if dead or restarted:
+        restarts = sum(w.restarts for w in workers)
+        lines.append(f"workers: {len(workers) - len(dead)} of {len(workers)} finished, "
+                     f"{len(dead)} dead, {restarts} restart(s) "
+                     f"(--on-worker-failure {spec.on_worker_failure})")
+        lines += [f"  {w.describe()}" for w in dead + restarted]
     if result.get("alarms"):
-        lines.append(f"watchdog alarms: {len(result['alarms'])} (events/server*.jsonl; "
-                     "docs/observability.md says what each means)")
+        episodes = {(a.get("signal"), a.get("worker"), (a.get("figures") or {}).get("episode",
+                     (a.get("shard"), a.get("version")))) for a in result["alarms"]}
+        lines.append(f"watchdog alarms: {len(episodes)} ({len(result['alarms'])} on all shards;"
+                     " events/server*.jsonl; docs/observability.md says what each means)")
     lines.append(f"result: {out / 'result.json'} (logs in {out / 'logs'})")
     return "\n".join(lines)
+
+
+def _process_line(info: ProcessInfo) -> str:
+    return f"{info.name} pid {info.pid}"
 
 
 def _out_dir(value: str | None) -> Path:
@@ -183,13 +225,19 @@ def launch(ctx: click.Context, **opts: Any) -> None:
     if not opts["quiet"]:
         console.print(f"paramserver launch: {description}; logs and results in {out}",
                       highlight=False)
+    set_title(f"launch (run {out})")
     with _Signals():
         try:
             with bar:
                 view = _ProgressView(bar, description, steps * num_workers if steps else None)
                 # alarms print above the bar as they happen, even with --quiet
-                result = run_cluster(spec, out, on_progress=view,
-                                     on_alarm=lambda alarm: console.print(format_alarm(alarm)))
+                # pids print even with --quiet: they say which process is which
+                result = run_cluster(
+                    spec, out, on_progress=view,
+                    on_alarm=_AlarmLines(console),
+                    on_process=lambda info: console.print(
+                        f"paramserver launch: started {_process_line(info)}",
+                        highlight=False))
         except _Stop as stop:
             name = signal.Signals(stop.signum).name
             console.print(f"paramserver launch: {name}: every process stopped; logs in "

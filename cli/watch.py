@@ -69,8 +69,10 @@ def _worker_rows(stats: Sequence[Mapping[str, Any]]) -> dict[int, dict[str, Any]
             r = rows.setdefault(int(key), {"clock": 0, "lag": 0, "pushes": 0, "applied": 0,
                                            "rejected": 0, "stale": {}, "grad_sq": 0.0,
                                            "cosines": [], "loss": None, "wait": 0.0,
-                                           "live": True, "weight": []})
+                                           "live": True, "weight": [], "where": set()})
             r["clock"] = max(r["clock"], w.get("clock", 0))
+            if w.get("pid") is not None:  # older servers do not know it
+                r["where"].add(f"{w.get('host') or '?'}:{w['pid']}")
             if w.get("live", True) and not w.get("finished", False):
                 r["lag"] = max(r["lag"], w.get("clock", 0) - s.get("min_clock", 0))
             else:
@@ -96,15 +98,17 @@ def _worker_rows(stats: Sequence[Mapping[str, Any]]) -> dict[int, dict[str, Any]
 def worker_table(stats: Sequence[Mapping[str, Any]]) -> Table:
     """Per worker, over all shards: clock, lag, staleness, counts, gradient, loss."""
     table = Table(title="workers (over all shards)", title_justify="left")
-    for col in ("worker", "live", "clock", "lag", "staleness mean/max", "applied",
+    for col in ("worker", "host:pid", "live", "clock", "lag", "staleness mean/max", "applied",
                 "rejected", "mean weight", "grad norm", "cosine", "loss", "waited s"):
-        table.add_column(col, justify="right")
+        table.add_column(col, justify="left" if col == "host:pid" else "right")
     for worker, r in sorted(_worker_rows(stats).items()):
         mean, high = _staleness(r["stale"])
         cosine = sum(r["cosines"]) / len(r["cosines"]) if r["cosines"] else None
         weight = sum(r["weight"]) / len(r["weight"]) if r["weight"] else None
+        # shards that disagree (one saw the worker before a restart) show both
         table.add_row(
-            str(worker), "yes" if r["live"] else Text("no", style="dim"), str(r["clock"]),
+            str(worker), " ".join(sorted(r["where"])) or "-",
+            "yes" if r["live"] else Text("no", style="dim"), str(r["clock"]),
             str(r["lag"]), f"{_num(mean, '.2f')}/{_num(high, 'd')}", str(r["applied"]),
             Text(str(r["rejected"]), style="yellow" if r["rejected"] else ""),
             _num(weight, ".2f"), _num(math.sqrt(r["grad_sq"]) if r["grad_sq"] else None),

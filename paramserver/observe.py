@@ -201,6 +201,9 @@ class ShardObserver:
     # ------------------------------------------------------------------ alarms and snapshots
 
     def _alarms(self, alarms: list[Alarm]) -> None:
+        for hint in self.watchdog.take_hints():  # informational: logged, never acted on
+            log.info("HINT %s", hint.message)
+            self.events.write("hint", **hint.as_dict())
         for alarm in alarms:
             log.warning("ALARM %s", alarm.message)
             self._c("paramserver_alarms_total", alarm.signal).inc()

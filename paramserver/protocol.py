@@ -84,6 +84,9 @@ _SCHEMA: dict[Op, dict[str, tuple[tuple[type, ...], bool]]] = {
         "plan_hash": (_STR, True),
         "plan": (_MAP, False),
         "incarnation": (_STR, True),
+        # where the worker runs, for `paramserver status`; optional: older peers omit it
+        "host": (_STR, False),
+        "pid": (_INT, False),
     },
     # INIT too may come in parts (a large shard), each copied in as it arrives
     Op.INIT: {"worker": (_INT, True), "part": (_INT, False), "parts": (_INT, False)},

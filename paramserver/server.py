@@ -37,6 +37,7 @@ from .errors import ConfigError, ErrorCode, ParamServerError, ProtocolError, Tra
 from .events import EventLog
 from .metrics import MetricsExporter, TensorBoardWriter
 from .observe import ShardObserver
+from .proctitle import set_title
 from .protocol import PROTOCOL_VERSION, Message, Op, decode, error_reply, reply
 from .sharding import PlanLimits, ShardPlan
 from .staleness import create_policy
@@ -201,6 +202,7 @@ class ShardServer:
         self._running = False
         self.counters: Counter[str] = Counter()
         self.started_at = time.time()
+        self.peers: dict[int, dict[str, Any]] = {}  # worker -> host and pid from its HELLO
         self._last_checkpoint = (time.monotonic(), -1)  # (when, version)
         self.watchdog = Watchdog(config.shard, config.watchdog_config(),
                                  bounded_lag=config.mode != "async")
@@ -241,6 +243,8 @@ class ShardServer:
         log.info("shard %d/%d serving at %s (%s, policy %s)", self.config.shard,
                  self.config.num_shards, self.address, self.config.mode_spec().describe(),
                  self.policy.describe())
+        set_title(f"server {self.config.shard}/{self.config.num_shards} {self.address} "
+                  f"({self.config.mode_spec().describe()})")
         if on_ready is not None:
             _ready(on_ready, self.address, self.metrics_port)
         last_expire = 0.0
@@ -605,8 +609,11 @@ class ShardServer:
             clock = state.clock
             if self.core.workers_evicted != evicted:
                 self._forget_gone()
+            # as the worker says: shown by `status`; a host name is at most 253 characters
+            peer = {"host": str(msg.get("host", ""))[:253] or None, "pid": msg.get("pid")}
+            self.peers[msg["worker"]] = peer
             self.events.write("worker_hello", shard=self.config.shard, worker=msg["worker"],
-                              clock=clock)
+                              clock=clock, **peer)
         return reply(msg, shard=self.config.shard, num_shards=self.config.num_shards,
                      version=self.core.version, clock=clock, initialized=self.core.initialized,
                      mode=self.core.mode.describe(), policy=self.policy.describe())
@@ -860,6 +867,8 @@ class ShardServer:
         }
         if self.core is not None:
             base.update(self.core.stats())
+            for key, row in base["workers"].items():
+                row.update(self.peers.get(int(key), {}))
         else:
             base.update(mode=self.config.mode_spec().describe(), version=0, workers={},
                         initialized=False, policy=self.policy.describe())

@@ -12,7 +12,8 @@ says what each means and what to do):
 * ``update_ratio_low`` / ``update_ratio_high``: ``|update| / |weights|`` per
   step out of band (nothing is learned / blow-up).
 * ``loss_stalled`` / ``loss_rising``: the reported training loss stops
-  improving, or rises, while updates are applied.
+  improving before it ever fell much, or rises, while updates are applied. A
+  loss that fell and then flattens is a *hint* (``loss_converged``), not an alarm.
 * ``rejection_rate``: the staleness policy rejects so much that training starves.
 * ``worker_lag``: one worker's clock lag (async) or staleness grows without bound.
 * ``zero_gradient``: one worker pushes all-zero gradients while the others do not.
@@ -20,7 +21,10 @@ says what each means and what to do):
   (cosine to the shard's running mean gradient).
 
 Each alarm fires once per (signal, worker) and then stays quiet for
-``cooldown`` pushes, so a persistent condition is reported, not spammed.
+``cooldown`` pushes, so a persistent condition is reported, not spammed. The
+loss rules work by episodes instead (hysteresis): ``loss_stalled`` fires once
+when the stall begins and may fire again only after the loss has improved
+significantly in between.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from .errors import ConfigError
 
 __all__ = [
     "ACTIONS",
+    "HINTS",
     "SIGNALS",
     "Alarm",
     "PushObservation",
@@ -62,6 +67,9 @@ SIGNALS: tuple[str, ...] = (
     "gradient_disagrees",
 )
 
+#: informational events: written to the event log, never alarms (no --on-divergence)
+HINTS: tuple[str, ...] = ("loss_converged",)
+
 
 @dataclass(frozen=True)
 class WatchdogConfig:
@@ -79,10 +87,17 @@ class WatchdogConfig:
     ratio_min_elements: int = 100  # smaller shards (a lone bias) swing too much for ratio_high
     warmup_steps: int = 5  # steps before ratio_low is tested (schedulers warm up from 0)
     # training loss reported by workers with their pushes
-    loss_window: int = 50  # losses per block; blocks are compared by their mean
+    loss_window: int = 50  # losses per block (stall: block medians; rise: block means)
     loss_patience: int = 3  # blocks in a row without improving on the best block
-    loss_min_improvement: float = 0.005  # relative improvement that counts as progress
-    loss_rise: float = 0.25  # blocks this much (relative) above the best, loss_patience in a row
+    loss_min_improvement: float = 0.005  # relative improvement that counts as progress ...
+    loss_z: float = 3.0  # ... and it must exceed this many standard errors of a block median
+    # stalled only while the loss is within this share of where it started: a loss that
+    # has fallen further and then flattens has converged (a hint, not an alarm)
+    loss_progress: float = 0.2
+    loss_converged_pushes: int = 2000  # flat this long after progress: loss_converged hint
+    loss_rise: float = 0.25  # blocks this much (relative) above the best, ...
+    # ... loss_rise_patience in a row: async momentum wobbles 40 % up for 3 blocks and back
+    loss_rise_patience: int = 6
     loss_blowup: float = 1.0  # ... or one block this much above it: rising
     # staleness policy
     reject_max: float = 0.9  # rejected fraction of pushes that starves training
@@ -111,7 +126,8 @@ class WatchdogConfig:
             )
         if self.observe_every < 0:
             raise ConfigError("watchdog: observe_every must be >= 0 (0: by the shard's size)")
-        for name in ("cooldown", "ratio_window", "ratio_high_window",
+        for name in ("cooldown", "ratio_window", "ratio_high_window", "loss_converged_pushes",
+                     "loss_rise_patience",
                      "loss_window", "loss_patience", "reject_window", "lag_window",
                      "staleness_window", "zero_window", "cosine_window"):
             if getattr(self, name) < 1:
@@ -125,6 +141,8 @@ class WatchdogConfig:
         if self.warmup_steps < 0 or self.lag_limit < 0 or self.staleness_limit < 0 or (
                 self.lag_seconds < 0):
             raise ConfigError("watchdog: warmup_steps, lag_limit, staleness_limit must be >= 0")
+        if self.loss_z < 0 or not 0 <= self.loss_progress < 1:
+            raise ConfigError("watchdog: need loss_z >= 0 and 0 <= loss_progress < 1")
         if self.loss_min_improvement < 0 or self.zero_rel < 0 or not (
                 0 < self.loss_rise <= self.loss_blowup):
             raise ConfigError("watchdog: need loss_min_improvement, zero_rel >= 0 and "
@@ -261,6 +279,13 @@ class Watchdog:
         self._applied_in_block = 0
         self._stale_blocks = 0  # blocks in a row that did not improve on the best
         self._rising_blocks = 0  # blocks in a row well above the best
+        self._first_median: float | None = None  # of the first block: where the loss began
+        self._best_median: float | None = None  # best block median (significant gains only)
+        self._stalled = False  # a loss_stalled episode is open (until the loss improves)
+        self._converged = False  # a loss_converged hint was given (until it improves)
+        self._episodes: dict[str, int] = {}  # signal -> episodes opened
+        self.hints: list[Alarm] = []  # informational; the server logs them, nothing else
+        self._new_hints: list[Alarm] = []
 
     # ------------------------------------------------------------------ plumbing
 
@@ -268,12 +293,13 @@ class Watchdog:
         return self.config.enabled and signal not in self.config.disable
 
     def _fire(self, out: list[Alarm], signal: str, worker: int | None,
-              figures: Mapping[str, Any], message: str) -> None:
+              figures: Mapping[str, Any], message: str, *, episodic: bool = False) -> None:
+        """``episodic``: the rule itself fires once per episode; no cooldown on top."""
         if not self._enabled(signal):
             return
         key = (signal, worker)
         last = self._fired.get(key)
-        if last is not None and self.pushes - last < self.config.cooldown:
+        if not episodic and last is not None and self.pushes - last < self.config.cooldown:
             return
         self._fired[key] = self.pushes
         where = f"shard {self.shard}" if self.shard is not None else "run"
@@ -282,6 +308,17 @@ class Watchdog:
                       f"[{signal}] {where}{who}: {message}", self.version)
         self.alarms.append(alarm)
         out.append(alarm)
+
+    def _episode(self, signal: str) -> int:
+        """Open the next episode of ``signal``; its number is in the alarm's figures, so
+        that a launcher shows one line for the same episode on every shard."""
+        self._episodes[signal] = self._episodes.get(signal, 0) + 1
+        return self._episodes[signal]
+
+    def take_hints(self) -> list[Alarm]:
+        """Hints given since the last call (the server writes them as ``hint`` events)."""
+        hints, self._new_hints = self._new_hints, []
+        return hints
 
     def _window(self, worker: int) -> _WorkerWindow:
         win = self._workers.get(worker)
@@ -497,40 +534,78 @@ class Watchdog:
         self._loss_block.append(loss)
         if len(self._loss_block) < cfg.loss_window:
             return
-        mean = statistics.fmean(self._loss_block)
+        block = self._loss_block
+        mean = statistics.fmean(block)
         # the block mean's standard error: a rise must stand out of the batch-to-batch noise
-        se = statistics.stdev(self._loss_block) / math.sqrt(len(self._loss_block)) \
-            if len(self._loss_block) > 1 else 0.0
+        se = statistics.stdev(block) / math.sqrt(len(block)) if len(block) > 1 else 0.0
+        # a stall is judged on medians (one wild batch moves a mean, not a median), with the
+        # median's standard error estimated robustly from the block's own spread (MAD)
+        median = statistics.median(block)
+        mad = statistics.median(abs(x - median) for x in block)
+        se_median = 1.2533 * 1.4826 * mad / math.sqrt(len(block))
         applied = self._applied_in_block
         self._loss_block = []
         self._applied_in_block = 0
-        if not self._loss_blocks:
-            self._loss_blocks.append(mean)
-            return
-        best = min(self._loss_blocks)
         self._loss_blocks.append(mean)
+        if self._best_median is None or self._first_median is None:
+            self._first_median = self._best_median = median
+            return
         if applied == 0:  # nothing applied: that is the rejection rule's business
             return
-        rise = (mean - best) / abs(best) if best else math.inf
-        above = mean - best > 3 * se
+        # against the best *significant* level, not the lowest block: over a long run the
+        # lowest of hundreds of noisy blocks is an outlier, and the loss "rises" back from it
+        best = self._best_median
+        rise = (median - best) / abs(best) if best else math.inf
+        above = median - best > 3 * se_median
         self._rising_blocks = self._rising_blocks + 1 if above and rise > cfg.loss_rise else 0
-        if above and (rise > cfg.loss_blowup or self._rising_blocks >= cfg.loss_patience):
+        if above and (rise > cfg.loss_blowup or self._rising_blocks >= cfg.loss_rise_patience):
             self._fire(out, "loss_rising", None,
-                       {"loss": mean, "best_loss": best, "rise": rise, "blocks":
-                        self._rising_blocks, "window": cfg.loss_window},
-                       f"mean training loss of the last {cfg.loss_window} pushes is "
-                       f"{_fmt(mean)}, {rise:.0%} above the best block ({_fmt(best)}), while "
+                       {"loss": median, "best_loss": best, "rise": rise, "blocks":
+                        self._rising_blocks, "window": cfg.loss_window, "mean": mean,
+                        "mean_se": se},
+                       f"median training loss of the last {cfg.loss_window} pushes is "
+                       f"{_fmt(median)}, {rise:.0%} above the best level ({_fmt(best)}), while "
                        "updates are applied: training is diverging; lower the learning rate "
                        "or bound staleness")
-        if mean < best - cfg.loss_min_improvement * abs(best):
+        self._check_stall(out, median, se_median, applied, rising=rise > cfg.loss_rise)
+
+    def _check_stall(self, out: list[Alarm], median: float, se_median: float, applied: int,
+                     *, rising: bool) -> None:
+        """Stalled: no block median beat the best by more than its noise for loss_patience
+        blocks, while the loss is still near where it began. Once it has fallen, the same
+        flatness is convergence: a hint after loss_converged_pushes, not an alarm."""
+        cfg = self.config
+        assert self._best_median is not None and self._first_median is not None
+        best, first = self._best_median, self._first_median
+        # the reference moves only on a significant gain: a slow descent adds up until it
+        # clears the noise, while a flat loss never does
+        if best - median > max(cfg.loss_min_improvement * abs(best), cfg.loss_z * se_median):
+            self._best_median = median
             self._stale_blocks = 0
+            self._stalled = self._converged = False  # the trend resumed: episodes close
             return
         self._stale_blocks += 1
-        if self._stale_blocks >= cfg.loss_patience and rise <= cfg.loss_rise:  # rising says more
-            self._fire(out, "loss_stalled", None,
-                       {"loss": mean, "best_loss": best, "blocks": self._stale_blocks,
-                        "window": cfg.loss_window, "steps_applied": applied},
-                       f"mean training loss has not improved on {_fmt(best)} by "
-                       f"{cfg.loss_min_improvement:.1%} for {self._stale_blocks * cfg.loss_window}"
-                       f" pushes (now {_fmt(mean)}) while updates are applied: learning stalled "
-                       "(a learning rate of 0 or too small, or converged: stop or decay it)")
+        flat = self._stale_blocks * cfg.loss_window
+        progressed = first - median > cfg.loss_progress * abs(first)
+        if not progressed:
+            if (self._stale_blocks >= cfg.loss_patience and not rising  # rising says more
+                    and not self._stalled and self._enabled("loss_stalled")):
+                self._stalled = True
+                self._fire(out, "loss_stalled", None,
+                           {"loss": median, "best_loss": best, "first_loss": first,
+                            "blocks": self._stale_blocks, "window": cfg.loss_window,
+                            "steps_applied": applied, "episode": self._episode("loss_stalled")},
+                           f"median training loss has not improved on {_fmt(best)} for "
+                           f"{flat} pushes (now {_fmt(median)}, {_fmt(first)} at the start) "
+                           "while updates are applied: learning stalled (a learning rate of 0 "
+                           "or too small?)", episodic=True)
+        elif flat >= cfg.loss_converged_pushes and not self._converged:
+            self._converged = True
+            hint = Alarm("loss_converged", self.shard, None,
+                         {"loss": median, "first_loss": first, "pushes": flat,
+                          "episode": self._episode("loss_converged")},
+                         f"[loss_converged] shard {self.shard}: loss flat at {_fmt(median)} "
+                         f"for {flat:,} pushes (from {_fmt(first)}): converged? (stop, or "
+                         "decay the learning rate)", self.version)
+            self.hints.append(hint)
+            self._new_hints.append(hint)

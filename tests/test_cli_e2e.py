@@ -165,6 +165,67 @@ def test_launch_names_the_process_that_failed(tmp_path: Path) -> None:
     assert_gone(pids)
 
 
+def cmdline(pid: int) -> str:
+    """What ``ps -o args`` shows for ``pid`` (its title, once it set one)."""
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+
+
+@pytest.mark.parametrize("policy", ["tolerate", "restart", "fail"])
+def test_launch_after_a_worker_is_killed(tmp_path: Path, policy: str) -> None:
+    """kill -9 worker 1 mid-run, found by its pid in processes.json: what the summary
+    says and the exit code, for every --on-worker-failure; and every process's title."""
+    out = tmp_path / "run"
+    proc = start([*PARAMSERVER, "launch", "-s", "2", "-n", "3", "--mode", "sync",
+                  "--steps", "300", "--min-step-time", "0.01", "--device", "cpu",
+                  "--on-worker-failure", policy, "--out", str(out)], tmp_path / "launch.log")
+    worker1_log = out / "events" / "worker1.jsonl"
+    deadline = time.monotonic() + LIMIT
+    # wait until worker 1 has trained a little (its steps are in its event log)
+    while not (worker1_log.exists() and worker1_log.read_bytes().count(b'"event":"step"') >= 20):
+        assert proc.poll() is None, (tmp_path / "launch.log").read_text()
+        assert time.monotonic() < deadline, "worker 1 never trained"
+        time.sleep(0.1)
+    seen = children(proc.pid)
+    started = json.loads((out / "processes.json").read_text())
+    roles = {p["name"]: p for p in started}
+    assert set(roles) == {"server0", "server1", "worker0", "worker1", "worker2"}
+    assert {p["role"] for p in started} == {"server", "worker"}
+    titles = {name: cmdline(p["pid"]) for name, p in roles.items()}
+    assert titles["worker1"] == "paramserver: worker 1/3 (digits-mlp)"
+    assert titles["server0"].startswith("paramserver: server 0/2 tcp://127.0.0.1:")
+    assert titles["server1"].endswith("(sync)")
+    assert cmdline(proc.pid) == f"paramserver: launch (run {out})"
+    os.kill(roles["worker1"]["pid"], signal.SIGKILL)
+    seen |= watch(proc, LIMIT)
+    text = (tmp_path / "launch.log").read_text()
+    assert_gone(seen)
+    for name, p in roles.items():  # the launcher printed every pid as it started them
+        assert f"started {name} pid {p['pid']}" in text
+    if policy == "fail":
+        assert proc.returncode == 1, text
+        assert "worker1 failed with killed by SIGKILL" in text
+        assert "Traceback" not in text
+        return
+    assert proc.returncode == 0, text
+    result = json.loads((out / "result.json").read_text())
+    assert result["processes"][:5] == started
+    assert "Traceback" not in text and "held-out" in text
+    if policy == "tolerate":
+        assert result["workers"][1] == {"worker": 1, "failed": True, "exit_code": -9,
+                                        "reason": "killed by SIGKILL"}
+        assert "workers: 2 of 3 finished, 1 dead, 0 restart(s) (--on-worker-failure " \
+            "tolerate)" in text
+        assert "worker 1 dead (killed by SIGKILL), tolerated" in text
+    else:
+        assert result["workers"][1]["clock"] == 300
+        again = [p for p in result["processes"] if p["name"] == "worker1"]
+        assert len(again) == 2 and again[0]["pid"] != again[1]["pid"]
+        assert "workers: 3 of 3 finished, 0 dead, 1 restart(s) (--on-worker-failure " \
+            "restart)" in text
+        assert "worker 1 restarted once (last death: killed by SIGKILL), then finished at " \
+            "clock 300" in text
+
+
 @pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_a_signal_stops_every_process(tmp_path: Path, signum: int, code: int) -> None:
     out = tmp_path / "run"

@@ -115,7 +115,7 @@ def test_the_walk_finds_the_linked_subpackages():
 
 
 def test_every_exception_class_in_the_package_derives_from_paramserver_error():
-    # errors are Exceptions; a BaseException-only signal (cli.launch's _Stop, a
+    # errors are Exceptions; a BaseException-only signal (paramserver.cli.launch's _Stop, a
     # KeyboardInterrupt) is control flow, and must stay out of ``except Exception``
     outside = []
     for module_name in _modules():

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import socket
 import threading
 import time
 import uuid
@@ -183,6 +185,7 @@ class PSClient:
             "worker": self.worker, "role": self.role, "protocol": PROTOCOL_VERSION,
             "plan_hash": self.plan.hash, "plan": self.plan.describe(),
             "incarnation": self.incarnation,
+            "host": socket.gethostname(), "pid": os.getpid(),
         })
 
     def _init(self, shards: Sequence[int]) -> tuple[list[Message], list[int]]:

@@ -24,6 +24,7 @@ import torch
 
 from paramserver.errors import ConfigError
 from paramserver.events import EventLog, write_json
+from paramserver.proctitle import set_title
 from paramserver.sharding import ShardPlan
 from paramserver.transport import CurveKeys
 from paramserver.workers.client import (
@@ -179,6 +180,7 @@ def run_worker(config: WorkerConfig) -> dict[str, Any]:
     """Train until ``steps`` pushes are done; return (and write) the worker's result."""
     if not config.servers:  # empty is fine in a ClusterSpec: the launcher fills it in
         raise ConfigError("a worker needs at least one server address (--servers)")
+    set_title(f"worker {config.rank}/{config.world_size} ({config.task})")
     device = resolve_device(config.device)
     task = build_task(config)
     model = task.model.to(device)

@@ -46,8 +46,12 @@ __all__ = [
     "ClusterError",
     "ClusterSpec",
     "LocalCluster",
+    "ProcessInfo",
     "Progress",
+    "WorkerSummary",
+    "exit_reason",
     "run_cluster",
+    "worker_summaries",
 ]
 
 log = logging.getLogger(__name__)
@@ -187,6 +191,84 @@ class _Proc:
     metrics_port: int | None = None  # a server's Prometheus port, from its ready line
 
 
+@dataclass(frozen=True)
+class ProcessInfo:
+    """One process the launcher started (a restart is a new one, same name)."""
+
+    name: str  # server0, worker1
+    role: str  # "server" or "worker"
+    pid: int
+    started: float  # time.time()
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def exit_reason(code: int) -> str:
+    """A process's exit code in words: ``killed by SIGKILL``, ``exit code 1``."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+@dataclass(frozen=True)
+class WorkerSummary:
+    """What became of one worker, from ``result.json``'s records.
+
+    ``finished``: its last incarnation ran to the end (a restarted worker
+    included); otherwise it died and the death was tolerated. ``deaths`` holds
+    the exit code of every death, ``restarts`` how many times it was started again.
+    """
+
+    rank: int
+    finished: bool
+    steps: int = 0  # pushes of its last incarnation
+    clock: int = 0  # where it ended (a restarted worker resumes, so clock >= steps)
+    pushes: int = 0
+    accepted: int = 0
+    rejected: int = 0
+    deaths: tuple[int, ...] = ()
+    restarts: int = 0
+
+    @property
+    def reason(self) -> str:
+        """Why it last died ("" if it never did)."""
+        return exit_reason(self.deaths[-1]) if self.deaths else ""
+
+    @classmethod
+    def from_result(cls, record: dict[str, Any], failures: list[dict[str, Any]],
+                    restarts: list[dict[str, Any]]) -> WorkerSummary:
+        rank = int(record["worker"])
+        name = f"worker{rank}"
+        deaths = tuple(int(f["exit_code"]) for f in failures if f["process"] == name)
+        restarted = sum(1 for r in restarts if r["process"] == name)
+        if record.get("failed"):  # no result file: it died and stayed dead
+            return cls(rank, False, deaths=deaths, restarts=restarted)
+        return cls(rank, True, steps=int(record["steps"]),
+                   clock=int(record.get("clock", record["steps"])), pushes=int(record["pushes"]),
+                   accepted=int(record["accepted"]), rejected=int(record["rejected"]),
+                   deaths=deaths, restarts=restarted)
+
+    def describe(self) -> str:
+        if not self.finished:
+            return f"worker {self.rank} dead ({self.reason or 'no result'}), tolerated"
+        if self.restarts:
+            times = "once" if self.restarts == 1 else f"{self.restarts} times"
+            return (f"worker {self.rank} restarted {times} (last death: {self.reason}), "
+                    f"then finished at clock {self.clock}")
+        return f"worker {self.rank} finished {self.steps} steps"
+
+
+def worker_summaries(result: dict[str, Any]) -> list[WorkerSummary]:
+    """The typed per-worker view of a :func:`run_cluster` result."""
+    failures = result.get("failures", [])
+    restarts = result.get("restarts", [])
+    return [WorkerSummary.from_result(w, failures, restarts) for w in result["workers"]]
+
+
 def _child_env() -> dict[str, str]:
     env = dict(os.environ)
     # children import what this process imports (tests' task modules included)
@@ -210,7 +292,8 @@ class LocalCluster:
     """Start, watch and stop the processes of one local run."""
 
     def __init__(self, spec: ClusterSpec, out_dir: str | Path,
-                 on_alarm: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 on_alarm: Callable[[dict[str, Any]], None] | None = None,
+                 on_process: Callable[[ProcessInfo], None] | None = None) -> None:
         self.out = Path(out_dir)
         for sub in ("logs", "events", "results", "configs"):
             (self.out / sub).mkdir(parents=True, exist_ok=True)
@@ -233,6 +316,9 @@ class LocalCluster:
         self._t0 = time.time()
         self.failures: list[dict[str, Any]] = []
         self.restarts: list[dict[str, Any]] = []
+        #: every process started, restarts included; also in out_dir/processes.json
+        self.processes: list[ProcessInfo] = []
+        self._on_process = on_process
 
     # ------------------------------------------------------------------ processes
 
@@ -261,7 +347,18 @@ class LocalCluster:
                 )
         finally:
             log_file.close()
+        self._started(ProcessInfo(name, "server" if module == "paramserver.server" else "worker",
+                                  popen.pid, time.time()))
         return _Proc(name, popen, log_path)
+
+    def _started(self, info: ProcessInfo) -> None:
+        """Record a new process in processes.json at once, so that a user (or a test)
+        can tell which pid is which while the run goes on."""
+        self.processes.append(info)
+        write_json(self.out / "processes.json", [p.as_dict() for p in self.processes])
+        log.info("%s started: pid %d", info.name, info.pid)
+        if self._on_process is not None:
+            self._on_process(info)
 
     def _fork(self, module: str, cfg_path: str, log_file: BinaryIO,
               ready_pipe: bool) -> ForkedProcess:
@@ -350,6 +447,7 @@ class LocalCluster:
             except OSError as exc:
                 raise ConfigError(f"cannot run {' '.join(self.spec.command)!r}: "
                                   f"{exc.strerror or exc}") from None
+        self._started(ProcessInfo(name, "worker", popen.pid, time.time()))
         return _Proc(name, popen, log_path)
 
     def wait_workers(self, on_progress: Callable[[Progress], None] | None = None,
@@ -375,18 +473,18 @@ class LocalCluster:
                     continue
                 self._raise_if_diverged()  # a stopped shard's refusal, not the worker's fault
                 self.failures.append({"process": proc.name, "exit_code": code,
-                                      "t": time.time()})
+                                      "reason": exit_reason(code), "t": time.time()})
                 self._report_dead(rank)
                 policy = self.spec.on_worker_failure
                 if policy == "restart" and self._restarts(proc.name) < self.spec.max_restarts:
-                    log.warning("%s died (exit code %d); restarting it", proc.name, code)
+                    log.warning("%s died (%s); restarting it", proc.name, exit_reason(code))
                     self._restart_worker(rank)
                 elif policy == "tolerate":
-                    log.warning("%s died (exit code %d); the others go on", proc.name, code)
+                    log.warning("%s died (%s); the others go on", proc.name, exit_reason(code))
                     pending.discard(rank)
                 else:
                     raise ClusterError(
-                        f"{proc.name} failed with exit code {code}; log tail "
+                        f"{proc.name} failed with {exit_reason(code)}; log tail "
                         f"({proc.log_path}):\n{_tail(proc.log_path)}"
                     )
             for shard, proc in enumerate(self.servers):
@@ -395,7 +493,7 @@ class LocalCluster:
                     continue
                 self._raise_if_diverged()  # a watchdog stop is not restarted
                 self.failures.append({"process": proc.name, "exit_code": code,
-                                      "t": time.time()})
+                                      "reason": exit_reason(code), "t": time.time()})
                 if self.spec.restart_servers and (
                         self._restarts(proc.name) < self.spec.max_restarts):
                     log.warning("%s died (exit code %d); restarting it", proc.name, code)
@@ -556,17 +654,18 @@ def _save_command_weights(spec: ClusterSpec, addresses: list[str], out: Path) ->
 
 def run_cluster(spec: ClusterSpec, out_dir: str | Path,
                 on_progress: Callable[[Progress], None] | None = None,
-                on_alarm: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+                on_alarm: Callable[[dict[str, Any]], None] | None = None,
+                on_process: Callable[[ProcessInfo], None] | None = None) -> dict[str, Any]:
     """Start, run to completion, evaluate, stop. Returns (and writes) ``result.json``.
 
     ``on_alarm`` gets each watchdog alarm (an ``alarm`` event of a shard's log) as
-    it happens.
+    it happens; ``on_process`` each process started (restarts included).
     """
     from paramserver.workers.client import server_stats, shutdown_servers
 
     out = Path(out_dir)
     t0 = time.time()
-    with LocalCluster(spec, out, on_alarm=on_alarm) as cluster:
+    with LocalCluster(spec, out, on_alarm=on_alarm, on_process=on_process) as cluster:
         addresses = cluster.start_servers()
         cluster.start_workers()
         cluster.wait_workers(on_progress)
@@ -581,7 +680,11 @@ def run_cluster(spec: ClusterSpec, out_dir: str | Path,
         if path.exists():
             workers.append(json.loads(path.read_text()))
         else:  # a tolerated failure
-            workers.append({"worker": rank, "failed": True})
+            record: dict[str, Any] = {"worker": rank, "failed": True}
+            deaths = [f for f in cluster.failures if f["process"] == f"worker{rank}"]
+            if deaths:
+                record.update(exit_code=deaths[-1]["exit_code"], reason=deaths[-1]["reason"])
+            workers.append(record)
     applied = sum(w["applied"] for w in stats[0]["workers"].values()) if stats else 0
     result: dict[str, Any] = {
         "spec": spec.to_dict(),
@@ -596,6 +699,7 @@ def run_cluster(spec: ClusterSpec, out_dir: str | Path,
         "restarts": cluster.restarts,
         "alarms": cluster.observer.alarms,
         "metrics_ports": cluster.metrics_ports,
+        "processes": [p.as_dict() for p in cluster.processes],
     }
     write_json(out / "result.json", result)
     return result

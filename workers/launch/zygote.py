@@ -426,4 +426,8 @@ def _serve(fd: int) -> None:
 
 
 if __name__ == "__main__":
+    from paramserver.proctitle import set_title
+
+    # its children rename themselves at once; the zygote itself says what it is
+    set_title(f"zygote (launcher pid {os.getppid()})")
     _serve(int(sys.argv[1]))
