@@ -208,7 +208,8 @@ def _click_type(f: dataclasses.Field[Any], opt: Opt, hint: Any) -> Any:
     if opt.kind == "address":
         return AddressList()
     if opt.kind in _PATHS:
-        return click.Path(**_PATHS[opt.kind])
+        file_okay, dir_okay = _PATHS[opt.kind]
+        return click.Path(file_okay=file_okay, dir_okay=dir_okay)
     if opt.choices:
         return click.Choice(opt.choices)
     base = _scalar(hint)
@@ -221,8 +222,9 @@ def _click_type(f: dataclasses.Field[Any], opt: Opt, hint: Any) -> Any:
     return base
 
 
-_PATHS: dict[str, dict[str, bool]] = {
-    "dir": {"file_okay": False}, "file": {"dir_okay": False}, "path": {},
+#: kind -> (file_okay, dir_okay)
+_PATHS: dict[str, tuple[bool, bool]] = {
+    "dir": (False, True), "file": (True, False), "path": (True, True),
 }
 
 
@@ -247,7 +249,7 @@ def field_specs(cls: type, *, per_process: bool | None = None) -> list[Spec]:
         if opt.internal or (per_process is not None and opt.per_process != per_process):
             continue
         if opt.nested:
-            if typing.get_origin(hint) is None and dataclasses.is_dataclass(hint) \
+            if isinstance(hint, type) and dataclasses.is_dataclass(hint) \
                     and hint not in (ServerConfig, WorkerConfig):
                 specs.extend(field_specs(hint))
             continue

@@ -91,7 +91,7 @@ def _from_text(annotation: str) -> Any:
         if text.startswith(seq + "[") and text.endswith("]"):
             inner = _split_top(text[len(seq) + 1:-1], ",")[0].strip()
             origin = tuple if seq.lower() == "tuple" else list
-            return origin[_from_text(inner)]  # type: ignore[index]
+            return origin[_from_text(inner)]
     return _SCALARS.get(text, Any)
 
 
