@@ -66,7 +66,7 @@ def test_the_new_worker_flags_reach_the_config():
 
 def test_docs_tables_name_every_flag():
     text = DOCS.read_text(encoding="utf-8")
-    for cls, command in OWNERS:
+    for cls, _command in OWNERS:
         for spec in field_specs(cls):
             assert f"`{spec.flag}" in text or f", {spec.flag}" in text, \
                 f"docs/cli.md does not list {spec.flag} ({cls.__name__})"
