@@ -30,26 +30,25 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import ipaddress
-import json
-import math
 import re
 import socket
 import tomllib
+import typing
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
 import click
+import tomli_w
 from click.core import ParameterSource
 
-from paramserver.core import MODES
+from paramserver.coerce import MISSING
+from paramserver.config import Opt, ServerConfig, field_default, options_of
 from paramserver.errors import ConfigError
-from paramserver.optim import build_optimizer, build_scheduler, parse_kwargs
-from paramserver.server import ServerConfig
-from paramserver.staleness import create_policy, parse_policy_args
-from paramserver.watchdog import ACTIONS, WatchdogConfig
-from paramserver.workers.launch.cluster import FAILURE_POLICIES, ClusterSpec
+from paramserver.optim import build_optimizer, build_scheduler
+from paramserver.staleness import create_policy
+from paramserver.workers.launch.cluster import ClusterSpec
 from paramserver.workers.stragglers import StragglerSpec
 from paramserver.workers.tasks import resolve_task
 from paramserver.workers.worker import WorkerConfig
@@ -61,7 +60,9 @@ __all__ = [
     "KeyValue",
     "apply_groups",
     "bind_address",
+    "config_values",
     "envvar",
+    "field_specs",
     "flatten_addresses",
     "maybe_print_config",
     "option_names",
@@ -82,15 +83,8 @@ def envvar(flag: str) -> str:
     return ENV_PREFIX + flag.lstrip("-").upper().replace("-", "_")
 
 
-def _default(cls: type, name: str) -> Any:
-    """A dataclass field's default, so the CLI never restates the library's defaults."""
-    for f in dataclasses.fields(cls):
-        if f.name == name:
-            if f.default is not dataclasses.MISSING:
-                return f.default
-            if f.default_factory is not dataclasses.MISSING:
-                return f.default_factory()
-    raise KeyError(name)
+def _field(cls: type, name: str) -> dataclasses.Field[Any]:
+    return next(f for f in dataclasses.fields(cls) if f.name == name)
 
 
 # --------------------------------------------------------------------------- value types
@@ -129,26 +123,6 @@ class KeyValue(click.ParamType):
         if len(parsed) != 1:
             self.fail(f"{value!r} is not KEY=VALUE", param, ctx)
         return next(iter(parsed.items()))
-
-
-def _parse_task_args(items: list[str]) -> dict[str, str]:
-    """``key=value`` -> {key: "value"}; the task converts by its factory's annotations."""
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip().isidentifier():
-            raise ConfigError(f"task argument {item!r} must look like key=value (e.g. hidden=128)")
-        out[key.strip()] = value.strip()
-    return out
-
-
-def _parse_watchdog_args(items: list[str]) -> dict[str, Any]:
-    """``key=value`` -> typed watchdog options, checked against WatchdogConfig."""
-    values = parse_kwargs(items)
-    if "disable" in values and isinstance(values["disable"], tuple):  # "a,b" -> "a,b"
-        values["disable"] = ",".join(str(v) for v in values["disable"])
-    WatchdogConfig.from_dict(values)
-    return values
 
 
 _ADDRESS = re.compile(r"^(?:tcp://)?(\[[0-9a-fA-F:]+\]|[^\s:/\[\]]+):(\d{1,5})$")
@@ -204,7 +178,10 @@ class _Option(click.Option):
 class Spec:
     """One option: click.option's arguments, with the environment variable filled in."""
 
-    def __init__(self, *decls: str, **kwargs: Any) -> None:
+    def __init__(self, *decls: str, field: tuple[type, str] | None = None,
+                 **kwargs: Any) -> None:
+        #: the config dataclass and field this option sets (None: the command's own)
+        self.field = field
         self.flag = next(d for d in decls if d.startswith("--")).split("/")[0]
         kwargs.setdefault("cls", _Option)
         kwargs.setdefault("envvar", envvar(self.flag))
@@ -223,241 +200,125 @@ class Spec:
         return click.option(*self.decls, **self.kwargs)
 
 
-_S, _W = ServerConfig, WorkerConfig
-_POS = click.IntRange(min=0)
+def _click_type(f: dataclasses.Field[Any], opt: Opt, hint: Any) -> Any:
+    """The click type of a field: from its annotation, bounds, choices and kind."""
+    if opt.kind == "pairs":
+        assert opt.parse is not None, f"{f.name}: a 'pairs' option needs parse"
+        return KeyValue(opt.parse, table=opt.table)
+    if opt.kind == "address":
+        return AddressList()
+    if opt.kind in _PATHS:
+        file_okay, dir_okay = _PATHS[opt.kind]
+        return click.Path(file_okay=file_okay, dir_okay=dir_okay)
+    if opt.choices:
+        return click.Choice(opt.choices)
+    base = _scalar(hint)
+    if base is int and (opt.min is not None or opt.max is not None):
+        return click.IntRange(None if opt.min is None else int(opt.min),
+                              None if opt.max is None else int(opt.max),
+                              min_open=opt.min_open, max_open=opt.max_open)
+    if base is float and (opt.min is not None or opt.max is not None):
+        return click.FloatRange(opt.min, opt.max, min_open=opt.min_open, max_open=opt.max_open)
+    return base
 
-#: options that set how shards train: for ``server``, ``launch`` and ``run``
-SERVER = [
-    Spec("--mode", type=click.Choice(MODES), default=_default(_S, "mode"),
-         help="Consistency model. sync: one step per round, averaging every live worker's "
-              "gradient; async: every push is applied on arrival; ssp: async, but no worker "
-              "runs more than --staleness-bound clocks ahead of the slowest."),
-    Spec("--staleness-bound", type=_POS, default=_default(_S, "staleness_bound"),
-         metavar="S", help="ssp: how many clocks the fastest worker may lead the slowest."),
-    Spec("--backup-workers", type=_POS, default=_default(_S, "backup_workers"), metavar="B",
-         help="sync: close each round without the slowest B gradients (dropped, counted)."),
-    Spec("--policy", default=_default(_S, "policy"), metavar="NAME|module:Class",
-         help="Staleness policy: whether a late update is applied, down-weighted or rejected. "
-              "See `paramserver policies`."),
-    Spec("--policy-arg", "policy_args", type=KeyValue(parse_policy_args), multiple=True,
-         help="Policy parameter, e.g. max_staleness=4 (repeatable)."),
-    Spec("--optimizer", default=_default(_S, "optimizer"), metavar="NAME|module:Class",
-         help="torch.optim optimizer each shard runs: sgd, adam, adamw, ... or module:Class."),
+
+#: kind -> (file_okay, dir_okay)
+_PATHS: dict[str, tuple[bool, bool]] = {
+    "dir": (False, True), "file": (True, False), "path": (True, True),
+}
+
+
+def _scalar(hint: Any) -> Any:
+    """``int | None`` -> int; ``list[str]`` -> str; ``str`` -> str."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    origin = typing.get_origin(hint)
+    if origin in (list, tuple) or (origin is not None and len(args) == 1):
+        return _scalar(args[0]) if args else str
+    return hint if hint in (int, float, str, bool) else str
+
+
+def field_specs(cls: type, *, per_process: bool | None = None) -> list[Spec]:
+    """The flags of a config dataclass's fields, from their :class:`Opt` metadata.
+
+    ``per_process``: only the fields a one-process command takes (True), only the
+    others (False), or all (None). A ``nested`` field's own fields stand in its
+    place; an ``internal`` one has no flag.
+    """
+    specs: list[Spec] = []
+    for f, opt, hint in options_of(cls):
+        if opt.internal or (per_process is not None and opt.per_process != per_process):
+            continue
+        if opt.nested:
+            if isinstance(hint, type) and dataclasses.is_dataclass(hint) \
+                    and hint not in (ServerConfig, WorkerConfig):
+                specs.extend(field_specs(hint))
+            continue
+        flag = "--" + (opt.flag or f.name.replace("_", "-"))
+        dest = opt.dest or f.name
+        default = opt.cli_default if opt.cli_default is not MISSING else field_default(f)
+        kwargs: dict[str, Any] = {"help": opt.help}
+        if opt.metavar:
+            kwargs["metavar"] = opt.metavar
+        multiple = typing.get_origin(hint) in (list, dict) or opt.kind == "pairs"
+        if hint is bool:
+            decls: tuple[str, ...] = (f"{flag}/--no-{flag[2:]}" if opt.negatable else flag,)
+            if not opt.negatable:
+                kwargs["is_flag"] = True
+            kwargs["default"] = default
+        else:
+            decls = (flag,)
+            kwargs["type"] = _click_type(f, opt, hint)
+            if multiple:
+                kwargs["multiple"] = True
+            else:
+                kwargs["default"] = default
+        if opt.required:
+            kwargs["required"] = True
+        specs.append(Spec(*decls, *opt.aliases, dest, field=(cls, f.name), **kwargs))
+    return specs
+
+
+def _insert_after(specs: list[Spec], name: str, *extra: Spec) -> list[Spec]:
+    at = next(i for i, s in enumerate(specs) if s.name == name) + 1
+    return [*specs[:at], *extra, *specs[at:]]
+
+
+#: options that set how shards train: for ``server``, ``launch`` and ``run`` (ServerConfig's
+#: fields, and --lr, the optimizer's learning rate)
+SERVER = _insert_after(
+    field_specs(ServerConfig, per_process=False), "optimizer",
     Spec("--lr", type=click.FloatRange(min=0), metavar="LR",
-         default=_default(_S, "optimizer_args")["lr"],
+         default=field_default(_field(ServerConfig, "optimizer_args"))["lr"],
          help="Learning rate (an lr in --optimizer-arg wins)."),
-    Spec("--optimizer-arg", "optimizer_args", type=KeyValue(parse_kwargs), multiple=True,
-         help="Optimizer keyword argument, e.g. momentum=0.9 or betas=0.9,0.999 (repeatable)."),
-    Spec("--scheduler", default=None, metavar="NAME|module:Class",
-         help="torch.optim.lr_scheduler stepped after every optimizer step: step, cosine, "
-              "linear, ... (default: none)."),
-    Spec("--scheduler-arg", "scheduler_args", type=KeyValue(parse_kwargs), multiple=True,
-         help="Scheduler keyword argument, e.g. step_size=100 (repeatable)."),
-    Spec("--heartbeat-timeout", type=click.FloatRange(min=0, min_open=True),
-         default=_default(_S, "heartbeat_timeout"), metavar="SECONDS",
-         help="A worker silent this long leaves the live set: no sync round or SSP bound "
-              "waits for it."),
-    Spec("--check-finite/--no-check-finite", default=_default(_S, "check_finite"),
-         help="Reject gradients that contain NaN or Inf."),
-    Spec("--checkpoint-dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
-         help="Directory for this run's shard checkpoints."),
-    Spec("--checkpoint-every", type=_POS, default=_default(_S, "checkpoint_every"),
-         metavar="N", help="Checkpoint every N versions (0: off)."),
-    Spec("--checkpoint-seconds", type=click.FloatRange(min=0),
-         default=_default(_S, "checkpoint_seconds"), metavar="SECONDS",
-         help="Checkpoint every so many seconds (0: off)."),
-    Spec("--checkpoint-keep", type=click.IntRange(min=1),
-         default=_default(_S, "checkpoint_keep"), metavar="K",
-         help="Keep the newest K checkpoints."),
-    Spec("--resume", type=click.Path(file_okay=False), default=None, metavar="DIR",
-         help="Restore the shard(s) from the checkpoint directory DIR first."),
-    Spec("--curve-secret-key", type=click.Path(dir_okay=False), default=None, metavar="FILE",
-         help="Require CURVE encryption: the servers' secret key file "
-              "(`paramserver keys generate`)."),
-    Spec("--curve-clients-dir", type=click.Path(), default=None, metavar="DIR|FILE",
-         help="CURVE: admit only these clients: a directory of public .key files, or an "
-              "allow-list file (lines KEY [rank=R,...] [role=admin]; docs/reliability.md)."),
-    Spec("--admin-key", "admin_keys", type=click.Path(dir_okay=False), multiple=True,
-         metavar="FILE",
-         help="CURVE: a public key file allowed SHUTDOWN, CHECKPOINT and reporting a worker "
-              "dead (repeatable; `paramserver keys generate --admin`). `launch` also makes "
-              "its own."),
-    Spec("--max-model-bytes", type=click.IntRange(min=1),
-         default=_default(_S, "max_model_bytes"), metavar="BYTES",
-         help="Refuse a worker's shard plan declaring more bytes than this (whole model), "
-              "before anything is allocated for it."),
-    Spec("--max-workers", type=click.IntRange(min=1, max=65536), default=None, metavar="N",
-         help="Worker ids a shard keeps track of; a new one past N evicts one that never "
-              "pulled or pushed, or died long ago, else is refused "
-              "[default: max(64, 4 x --expected-workers)]."),
-    Spec("--on-divergence", type=click.Choice(ACTIONS), default=_default(_S, "on_divergence"),
-         help="What a divergence-watchdog alarm does: warn; stop training; or save a "
-              "checkpoint under CHECKPOINT_DIR/diverged first (docs/observability.md)."),
-    Spec("--watchdog-arg", "watchdog_args", type=KeyValue(_parse_watchdog_args), multiple=True,
-         help="Watchdog threshold, e.g. ratio_high=0.5, disable=worker_lag or enabled=false "
-              "(repeatable; docs/observability.md lists them)."),
-    Spec("--metrics-interval", type=click.FloatRange(min=0, min_open=True),
-         default=_default(_S, "metrics_interval"), metavar="SECONDS",
-         help="Seconds between metric snapshots in the event log and TensorBoard."),
-    Spec("--tensorboard", type=click.Path(file_okay=False), default=None, metavar="DIR",
-         help="Write TensorBoard scalars under DIR (needs paramserver[tensorboard])."),
-]
+)
 
-#: options of one shard process: ``server`` only (``launch`` and ``run`` set them per process)
-SHARD = [
-    Spec("--shard", type=_POS, default=_default(_S, "shard"),
-         help="This server's shard id, 0 .. num-shards - 1."),
-    Spec("--num-shards", type=click.IntRange(min=1), default=_default(_S, "num_shards"),
-         metavar="S", help="How many shards hold the model (servers and workers must agree)."),
+#: options of one shard process: ``server`` only (``launch`` and ``run`` set them per
+#: process); --host and --port make ServerConfig.bind
+SHARD = _insert_after(
+    field_specs(ServerConfig, per_process=True), "num_shards",
     Spec("--host", default="127.0.0.1",
          help="Address to listen on. Give 0.0.0.0 (every interface) or this host's address "
               "to accept workers from other hosts."),
     Spec("--port", type=click.IntRange(0, 65535), default=0,
          help="Port to listen on; 0 picks a free one. The address is printed at start."),
-    Spec("--expected-workers", type=click.IntRange(min=1),
-         default=_default(_S, "expected_workers"), metavar="N",
-         help="Training starts once N workers have said hello."),
-    Spec("--event-log", type=click.Path(dir_okay=False), default=None, metavar="FILE",
-         help="Append JSONL events to FILE."),
-    Spec("--metrics-port", type=click.IntRange(0, 65535), default=None, metavar="PORT",
-         help="Serve Prometheus metrics on PORT (0: any free port, printed at start)."),
-]
+)
 
-#: options that set how workers train: for ``worker``, ``launch`` and ``run``
-WORKER = [
-    Spec("--task", default=_default(_W, "task"), metavar="NAME|module:function",
-         help="What to train: a registered task (see `paramserver tasks`) or your factory."),
-    Spec("--task-arg", "task_args", type=KeyValue(_parse_task_args), multiple=True,
-         help="Task parameter, e.g. hidden=128 (repeatable)."),
-    Spec("--device", default=_default(_W, "device"), metavar="auto|cpu|cuda[:N]",
-         help="Where the model replica computes; auto takes CUDA when present."),
-    Spec("--steps", type=click.IntRange(min=1), default=_default(_W, "steps"), metavar="N",
-         help="Updates (pushes) per worker."),
-    Spec("--epochs", type=click.FloatRange(min=0, min_open=True), default=None, metavar="E",
-         help="Train for E passes over the worker's data instead of --steps."),
-    Spec("--batch-size", type=click.IntRange(min=1), default=None, metavar="N",
-         help="Mini-batch size (default: the task's)."),
-    Spec("--seed", type=_POS, default=_default(_W, "seed"), metavar="N",
-         help="Seed of the task's data order and of the straggler draws."),
-    Spec("--push-every", type=click.IntRange(min=1), default=_default(_W, "push_every"),
-         metavar="K", help="Accumulate K mini-batches per push."),
-    Spec("--eval-every", type=_POS, default=_default(_W, "eval_every"), metavar="N",
-         help="Worker 0 evaluates held-out data every N clocks (0: at the end only)."),
-    Spec("--slowdown", type=click.FloatRange(min=1), default=_default(StragglerSpec, "slowdown"),
-         metavar="F", help="Stragglers: every step takes F times its compute time."),
-    Spec("--slow-prob", type=click.FloatRange(0, 1), default=_default(StragglerSpec, "slow_prob"),
-         metavar="P", help="Stragglers: a step is transiently slow with probability P..."),
-    Spec("--slow-factor", type=click.FloatRange(min=1),
-         default=_default(StragglerSpec, "slow_factor"), metavar="F",
-         help="...by the factor F."),
-    Spec("--delay", default=_default(StragglerSpec, "delay"), metavar="KIND:ARGS",
-         help="Stragglers: random extra seconds per step: const:S, uniform:LOW,HIGH, exp:MEAN, "
-              "lognormal:MU,SIGMA or pareto:ALPHA,SCALE."),
-    Spec("--min-step-time", type=click.FloatRange(min=0),
-         default=_default(StragglerSpec, "min_step_time"), metavar="SECONDS",
-         help="Stragglers: floor on a step's compute time (emulates a heavier model)."),
-    Spec("--timeout", type=click.FloatRange(min=0, min_open=True),
-         default=_default(_W, "timeout"), metavar="SECONDS",
-         help="How long to wait for a server, first contact included (servers may start "
-              "after workers), before giving up with the address waited for."),
-    Spec("--request-timeout", type=click.FloatRange(min=0, min_open=True),
-         default=_default(_W, "request_timeout"), metavar="SECONDS",
-         help="A request unanswered this long is sent again (until --timeout)."),
-    Spec("--heartbeat-interval", type=click.FloatRange(min=0),
-         default=_default(_W, "heartbeat_interval"), metavar="SECONDS",
-         help="Seconds between heartbeats to every shard (0: none)."),
-    Spec("--chunk-bytes", type=click.IntRange(min=1), default=_default(_W, "chunk_bytes"),
-         metavar="BYTES", help="Tensors larger than this are split across shards."),
-    Spec("--part-bytes", type=click.IntRange(min=0), default=_default(_W, "part_bytes"),
-         metavar="BYTES", help="A shard's share of a push larger than this is sent in parts "
-         "of about this size (whole chunks), which a sync shard adds up as they arrive, "
-         "so its memory does not grow with the number of workers (0: always whole)."),
-    Spec("--drop-rate", type=click.FloatRange(0, 1, max_open=True),
-         default=_default(_W, "drop_rate"), metavar="P",
-         help="Chaos testing: lose this fraction of requests and replies."),
-    Spec("--curve-key", type=click.Path(dir_okay=False), default=None, metavar="FILE",
-         help="CURVE: this worker's secret key file."),
-    Spec("--curve-server-key", type=click.Path(dir_okay=False), default=None, metavar="FILE",
-         help="CURVE: the servers' public key file."),
-]
-
-_STRAGGLER_KEYS = ("slowdown", "slow_prob", "slow_factor", "delay", "min_step_time")
+#: options that set how workers train: for ``worker``, ``launch`` and ``run`` (WorkerConfig's
+#: fields, StragglerSpec's in place of ``straggler``)
+WORKER = field_specs(WorkerConfig, per_process=False)
 
 #: options of one worker process: ``worker`` only
-WORKER_PROCESS = [
-    Spec("--servers", type=AddressList(), multiple=True, required=True,
-         help="Every shard's address, in shard order: comma-separated or repeated."),
-    Spec("--rank", type=_POS, default=_default(_W, "rank"),
-         help="This worker's rank, 0 .. world-size - 1 (selects its part of the data)."),
-    Spec("--world-size", type=click.IntRange(min=1), default=_default(_W, "world_size"),
-         metavar="N", help="How many workers share the data."),
-    Spec("--event-log", type=click.Path(dir_okay=False), default=None, metavar="FILE",
-         help="Append JSONL events (one per step) to FILE."),
-    Spec("--result-file", type=click.Path(dir_okay=False), default=None, metavar="FILE",
-         help="Write this worker's result (counts, loss, timings) as JSON to FILE."),
-]
+WORKER_PROCESS = field_specs(WorkerConfig, per_process=True)
 
-
-def _straggler_item(items: list[str]) -> dict[str, Any]:
-    """``RANK:KEY=VALUE`` -> {(rank, key): value}."""
-    (item,) = items
-    rank, sep, rest = item.partition(":")
-    key, sep2, value = rest.partition("=")
-    key = key.strip().replace("-", "_")
-    if not (sep and sep2 and rank.strip().isdigit()) or key not in _STRAGGLER_KEYS:
-        raise ConfigError(
-            f"straggler {item!r} must look like RANK:KEY=VALUE with KEY one of "
-            f"{', '.join(_STRAGGLER_KEYS)}, e.g. 1:slowdown=3 or 2:delay=exp:0.05"
-        )
-    parsed: Any = value.strip() if key == "delay" else _number(value, item)
-    return {f"{int(rank)}:{key}": parsed}
-
-
-def _number(text: str, item: str) -> float:
-    try:
-        number = float(text)
-    except ValueError as exc:
-        raise ConfigError(f"straggler {item!r}: {text!r} is not a number") from exc
-    if not math.isfinite(number):
-        raise ConfigError(f"straggler {item!r}: {text!r} is not finite")
-    return number
-
-
-#: ``launch`` only
+#: ``launch`` only: ClusterSpec's fields, and what the command itself does
 LAUNCH = [
-    Spec("--num-servers", "--servers", "-s", type=click.IntRange(min=1),
-         default=_default(ClusterSpec, "num_servers"),
-         metavar="S", help="Server (shard) processes."),
-    Spec("--num-workers", "--workers", "-n", type=click.IntRange(min=1),
-         default=_default(ClusterSpec, "num_workers"), metavar="N", help="Worker processes."),
-    Spec("--straggler", "stragglers", type=KeyValue(_straggler_item, table=False), multiple=True,
-         metavar="RANK:KEY=VALUE",
-         help="Slow down one worker only, e.g. 1:slowdown=3 or 2:delay=exp:0.05 (repeatable; "
-              "keys as the straggler options)."),
+    *field_specs(ClusterSpec),
     Spec("--out", type=click.Path(file_okay=False), default=None, metavar="DIR",
          help="Where logs, event logs and result.json go [default: runs/launch-<time>]."),
     Spec("--quiet", "-q", is_flag=True, default=False,
          help="No progress bar; print only the final summary."),
-    Spec("--startup-timeout", type=click.FloatRange(min=0, min_open=True),
-         default=_default(ClusterSpec, "startup_timeout"), metavar="SECONDS",
-         help="How long a server may take to report its address."),
-    Spec("--run-timeout", type=click.FloatRange(min=0, min_open=True), default=None,
-         metavar="SECONDS", help="Stop everything if training takes longer."),
-    Spec("--eval/--no-eval", default=_default(ClusterSpec, "evaluate"),
-         help="Evaluate the final weights on held-out data."),
-    Spec("--on-worker-failure", type=click.Choice(FAILURE_POLICIES),
-         default=_default(ClusterSpec, "on_worker_failure"),
-         help="A worker that dies: fail the run, tolerate it (the others go on) or restart it."),
     Spec("--restart-workers", is_flag=True, default=False,
          help="Restart a worker that dies (the same as --on-worker-failure restart)."),
-    Spec("--restart-servers/--no-restart-servers",
-         default=_default(ClusterSpec, "restart_servers"),
-         help="Restart a shard that dies, at its address, from its latest checkpoint."),
-    Spec("--max-restarts", type=_POS, default=_default(ClusterSpec, "max_restarts"), metavar="K",
-         help="Restarts allowed per process."),
-    Spec("--metrics-port", type=click.IntRange(0, 65535), default=None, metavar="PORT",
-         help="Prometheus metrics: the launcher's on PORT, shard i's on PORT + 1 + i "
-              "(0: any free ports)."),
 ]
 
 #: ``run`` only (torchrun / Slurm)
@@ -613,31 +474,6 @@ def config_options(func: F) -> F:
 # --------------------------------------------------------------------------- --print-config
 
 
-def _toml_key(key: str) -> str:
-    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else json.dumps(key)
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "nan"
-        if math.isinf(value):
-            return "inf" if value > 0 else "-inf"
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)
-    if isinstance(value, Mapping):
-        return "{ " + ", ".join(f"{_toml_key(str(k))} = {_toml_value(v)}"
-                                for k, v in value.items()) + " }" if value else "{}"
-    if isinstance(value, list | tuple):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    return json.dumps(str(value))
-
-
 #: where a value came from, weakest first (ParameterSource is ordered only since click 8.3.3)
 _PRECEDENCE = {
     ParameterSource.DEFAULT: 0,
@@ -659,10 +495,19 @@ _SOURCES = {
 }
 
 
+def _toml_line(key: str, value: Any, source: str) -> list[str]:
+    """``key = value`` as tomli-w writes it, the value's source as a comment on its first
+    line (a table, which tomli-w writes as a section, gets it on its header)."""
+    text = tomli_w.dumps({key: value}).rstrip("\n").split("\n")
+    return [text[0].ljust(40) + f"  # {source}", *text[1:]]
+
+
 def render_config(ctx: click.Context) -> str:
-    """The command's resolved options as TOML, each with where its value came from."""
+    """The command's resolved options as TOML (tomli-w), each with where its value came
+    from; ``KEY=VALUE`` options given as tables come last, as TOML sections."""
     lines = [f"# paramserver {ctx.command.name}: resolved configuration",
              "# precedence: flags > PARAMSERVER_<OPTION> > --config file > defaults"]
+    tables: list[str] = []
     for param in ctx.command.params:
         if not isinstance(param, click.Option) or param.name in ("print_config", "help") \
                 or not param.expose_value or param.name is None:
@@ -680,9 +525,11 @@ def render_config(ctx: click.Context) -> str:
             value = list(value or ())
         if value is None:
             lines.append(f"# {key} = (not set)".ljust(40) + f"  # {source}")
+        elif isinstance(value, Mapping):
+            tables += ["", *_toml_line(key, dict(value), source)]
         else:
-            lines.append(f"{key} = {_toml_value(value)}".ljust(40) + f"  # {source}")
-    return "\n".join(lines) + "\n"
+            lines += _toml_line(key, value, source)
+    return "\n".join([*lines, *tables]) + "\n"
 
 
 def maybe_print_config(ctx: click.Context, opts: Mapping[str, Any]) -> None:
@@ -723,40 +570,31 @@ def _steps_or_epochs(ctx: click.Context,
     return None, opts["epochs"]
 
 
+def config_values(cls: type, opts: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields of ``cls`` the command's options set (those it has), as the dataclass
+    takes them: ``KEY=VALUE`` items as a dict, repeated options as a list."""
+    values: dict[str, Any] = {}
+    for f, opt, hint in options_of(cls):
+        name = opt.dest or f.name
+        if opt.internal or opt.nested or name not in opts:
+            continue
+        value = opts[name]
+        if opt.kind == "pairs":
+            value = dict(value or ())
+        elif opt.kind == "address":
+            value = flatten_addresses(value or ())
+        elif typing.get_origin(hint) is list:
+            value = list(value or ())
+        values[f.name] = value
+    return values
+
+
 def server_config(opts: Mapping[str, Any], **fixed: Any) -> ServerConfig:
     """A validated ServerConfig from the SERVER group (and SHARD where given), plus ``fixed``."""
     import torch
 
-    values: dict[str, Any] = {
-        "mode": opts["mode"],
-        "staleness_bound": opts["staleness_bound"],
-        "backup_workers": opts["backup_workers"],
-        "policy": opts["policy"],
-        "policy_args": dict(opts["policy_args"]),
-        "optimizer": opts["optimizer"],
-        "optimizer_args": {"lr": opts["lr"], **dict(opts["optimizer_args"])},
-        "scheduler": opts["scheduler"],
-        "scheduler_args": dict(opts["scheduler_args"]),
-        "heartbeat_timeout": opts["heartbeat_timeout"],
-        "check_finite": opts["check_finite"],
-        "checkpoint_dir": opts["checkpoint_dir"],
-        "checkpoint_every": opts["checkpoint_every"],
-        "checkpoint_seconds": opts["checkpoint_seconds"],
-        "checkpoint_keep": opts["checkpoint_keep"],
-        "resume": opts["resume"],
-        "curve_secret_key": opts["curve_secret_key"],
-        "curve_clients_dir": opts["curve_clients_dir"],
-        "admin_keys": list(opts["admin_keys"]),
-        "on_divergence": opts["on_divergence"],
-        "watchdog": dict(opts["watchdog_args"]),
-        "metrics_interval": opts["metrics_interval"],
-        "tensorboard": opts["tensorboard"],
-        "max_model_bytes": opts["max_model_bytes"],
-        "max_workers": opts["max_workers"],
-    }
-    for name in ("shard", "num_shards", "expected_workers", "event_log", "metrics_port"):
-        if name in opts:
-            values[name] = opts[name]
+    values = config_values(ServerConfig, opts)
+    values["optimizer_args"] = {"lr": opts["lr"], **values["optimizer_args"]}
     if "host" in opts and "port" in opts and "bind" not in fixed:
         values["bind"] = bind_address(opts["host"], opts["port"])
     values.update(fixed)
@@ -794,8 +632,7 @@ def _is_ip(text: str) -> bool:
 
 
 def straggler_spec(opts: Mapping[str, Any], **override: Any) -> StragglerSpec:
-    values = {key: opts[key] for key in _STRAGGLER_KEYS}
-    values.update(override)
+    values = {**config_values(StragglerSpec, opts), **override}
     with user_errors("straggler options"):
         return StragglerSpec(**values)
 
@@ -812,31 +649,8 @@ def straggler_overrides(opts: Mapping[str, Any]) -> dict[int, StragglerSpec]:
 def worker_config(ctx: click.Context, opts: Mapping[str, Any], **fixed: Any) -> WorkerConfig:
     """A validated WorkerConfig from the WORKER group (and WORKER_PROCESS where given)."""
     steps, epochs = _steps_or_epochs(ctx, opts)
-    values: dict[str, Any] = {
-        "task": opts["task"],
-        "task_args": dict(opts["task_args"]),
-        "device": opts["device"],
-        "steps": steps,
-        "epochs": epochs,
-        "batch_size": opts["batch_size"],
-        "seed": opts["seed"],
-        "push_every": opts["push_every"],
-        "eval_every": opts["eval_every"],
-        "straggler": straggler_spec(opts),
-        "chunk_bytes": opts["chunk_bytes"],
-        "part_bytes": opts["part_bytes"],
-        "timeout": opts["timeout"],
-        "request_timeout": opts["request_timeout"],
-        "heartbeat_interval": opts["heartbeat_interval"],
-        "drop_rate": opts["drop_rate"],
-        "curve_key": opts["curve_key"],
-        "curve_server_key": opts["curve_server_key"],
-    }
-    if "servers" in opts:
-        values["servers"] = flatten_addresses(opts["servers"])
-    for name in ("rank", "world_size", "event_log", "result_file"):
-        if name in opts:
-            values[name] = opts[name]
+    values = config_values(WorkerConfig, opts)
+    values.update(steps=steps, epochs=epochs, straggler=straggler_spec(opts))
     values.update(fixed)
     with user_errors("--task"):
         resolve_task(values["task"])

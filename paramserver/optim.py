@@ -10,20 +10,22 @@ from __future__ import annotations
 
 import inspect
 import logging
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
+from .coerce import MISSING, coerce, guess
 from .errors import ConfigError, RegistryError
-from .plugins import import_object
+from .plugins import Registry
 
 __all__ = [
     "OPTIMIZERS",
+    "OPTIMIZER_REGISTRY",
     "REQUIRED",
     "SCHEDULERS",
+    "SCHEDULER_REGISTRY",
     "build_optimizer",
     "build_scheduler",
     "optimizer_parameters",
@@ -98,60 +100,66 @@ def _check_usable(cls: type) -> None:
         )
 
 
-def resolve_optimizer(name: str) -> type[torch.optim.Optimizer]:
-    """Short name (any case), torch.optim class name (``"SGD"``) or ``module:Class``."""
-    name = name.strip()
-    cls: type[torch.optim.Optimizer]
-    if ":" in name:
-        cls = import_object(name)
-        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-            raise RegistryError(f"{name!r} is not a torch.optim.Optimizer subclass")
-    else:
-        classes = _subclasses_in(torch.optim, torch.optim.Optimizer)
-        by_lower = {k.lower(): v for k, v in classes.items()}
-        if name.lower() in OPTIMIZERS:
-            cls = classes[OPTIMIZERS[name.lower()]]
-        elif name in classes:
-            cls = classes[name]
-        elif name.lower() in by_lower:
-            cls = by_lower[name.lower()]
-        else:
-            raise RegistryError(
-                f"unknown optimizer {name!r}; known: {', '.join(sorted(OPTIMIZERS))} "
-                f"(or a torch.optim class name: {', '.join(sorted(classes))}; "
-                f"or module:Class)"
-            )
-    _check_usable(cls)
-    return cls
-
-
 def _norm(name: str) -> str:
     return name.lower().replace("_", "").replace("-", "")
 
 
+def _optimizer_class(obj: Any, name: str) -> type[torch.optim.Optimizer]:
+    if not (isinstance(obj, type) and issubclass(obj, torch.optim.Optimizer)):
+        raise RegistryError(f"{name!r} is not a torch.optim.Optimizer subclass")
+    _check_usable(obj)
+    return obj
+
+
+def _scheduler_class(obj: Any, name: str) -> type[LRScheduler]:
+    if not (isinstance(obj, type) and issubclass(obj, LRScheduler)):
+        raise RegistryError(f"{name!r} is not a torch.optim.lr_scheduler.LRScheduler subclass")
+    _check_usable(obj)
+    return obj
+
+
+def _torch_optimizer(name: str) -> type[torch.optim.Optimizer] | None:
+    """A torch.optim class by its class name (any case)."""
+    classes = _subclasses_in(torch.optim, torch.optim.Optimizer)
+    cls = classes.get(name) or {k.lower(): v for k, v in classes.items()}.get(name.lower())
+    return None if cls is None else _optimizer_class(cls, name)
+
+
+def _torch_scheduler(name: str) -> type[LRScheduler] | None:
+    """A torch.optim.lr_scheduler class by its class name (any case, "_" and "-" ignored)."""
+    classes = _subclasses_in(torch.optim.lr_scheduler, LRScheduler)
+    cls = {_norm(k): v for k, v in classes.items()}.get(_norm(name))
+    return None if cls is None else _scheduler_class(cls, name)
+
+
+#: optimizers by short name (any case); torch.optim class names and module:Class resolve too
+OPTIMIZER_REGISTRY: Registry[type[torch.optim.Optimizer]] = Registry(
+    "optimizer", group="paramserver.optimizers", check=_optimizer_class,
+    normalize=lambda n: n.strip().lower(), fallback=_torch_optimizer,
+    hint=lambda: ("or a torch.optim class name: "
+                  f"{', '.join(sorted(_subclasses_in(torch.optim, torch.optim.Optimizer)))}; "
+                  "or module:Class"))
+#: lr schedulers by short name (case, "_" and "-" ignored); class names and module:Class too
+SCHEDULER_REGISTRY: Registry[type[LRScheduler]] = Registry(
+    "lr scheduler", group="paramserver.schedulers", check=_scheduler_class,
+    normalize=_norm, fallback=_torch_scheduler,
+    hint=lambda: ("or a torch.optim.lr_scheduler class name: "
+                  f"{', '.join(sorted(_subclasses_in(torch.optim.lr_scheduler, LRScheduler)))}"
+                  "; or module:Class"))
+for _short, _cls_name in OPTIMIZERS.items():
+    OPTIMIZER_REGISTRY.register(_short, getattr(torch.optim, _cls_name))
+for _short, _cls_name in SCHEDULERS.items():
+    SCHEDULER_REGISTRY.register(_short, getattr(torch.optim.lr_scheduler, _cls_name))
+
+
+def resolve_optimizer(name: str) -> type[torch.optim.Optimizer]:
+    """Short name (any case), torch.optim class name (``"SGD"``) or ``module:Class``."""
+    return OPTIMIZER_REGISTRY.resolve(name.strip())
+
+
 def resolve_scheduler(name: str) -> type[LRScheduler]:
     """Short name (``"step"``, ``"cosine"``, ...), class name (``"StepLR"``) or ``module:Class``."""
-    name = name.strip()
-    cls: type[LRScheduler]
-    if ":" in name:
-        cls = import_object(name)
-        if not (isinstance(cls, type) and issubclass(cls, LRScheduler)):
-            raise RegistryError(f"{name!r} is not a torch.optim.lr_scheduler.LRScheduler subclass")
-    else:
-        classes = _subclasses_in(torch.optim.lr_scheduler, LRScheduler)
-        by_norm = {_norm(k): v for k, v in classes.items()}
-        if _norm(name) in SCHEDULERS:
-            cls = classes[SCHEDULERS[_norm(name)]]
-        elif _norm(name) in by_norm:
-            cls = by_norm[_norm(name)]
-        else:
-            raise RegistryError(
-                f"unknown lr scheduler {name!r}; known: {', '.join(SCHEDULERS)} "
-                f"(or a torch.optim.lr_scheduler class name: {', '.join(sorted(classes))}; "
-                f"or module:Class)"
-            )
-    _check_usable(cls)
-    return cls
+    return SCHEDULER_REGISTRY.resolve(name.strip())
 
 
 def _parameters(cls: type, skip: int) -> dict[str, inspect.Parameter]:
@@ -188,8 +196,11 @@ def _prepare(what: str, cls: type, kwargs: Mapping[str, Any] | None) -> dict[str
             raise ConfigError(
                 f"{what} {cls.__name__} has no parameter {key!r}; accepted: {accepted}"
             )
-        # Strings come from env/JSON configs; no torch optimizer wants a number as str.
-        out[key] = _parse_value(value) if isinstance(value, str) else value
+        # Strings come from flags, env and JSON configs: typed by the parameter's annotation
+        # (else its default's type, else guessed like parse_kwargs)
+        param = params.get(key)
+        out[key] = coerce(value, param.annotation if param else MISSING,
+                          param.default if param else MISSING, what=f"{what} argument {key}")
     missing = [k for k, p in params.items() if p.default is p.empty and k not in out]
     if missing:
         raise ConfigError(f"{what} {cls.__name__} needs {', '.join(missing)}; accepted: {accepted}")
@@ -243,38 +254,6 @@ def build_scheduler(
     return scheduler
 
 
-_INT = re.compile(r"[+-]?\d+")
-
-
-def _number(text: str) -> int | float | None:
-    text = text.strip()
-    if _INT.fullmatch(text):
-        return int(text)
-    try:
-        return float(text)
-    except ValueError:
-        return None
-
-
-def _parse_value(text: str) -> Any:
-    s = text.strip()
-    low = s.lower()
-    if low in ("true", "false"):
-        return low == "true"
-    if low in ("none", "null"):
-        return None
-    if "," in s:
-        parts = [p for p in s.split(",")]
-        if parts and parts[-1].strip() == "":  # "10," is a one-element tuple
-            parts = parts[:-1]
-        numbers = [_number(p) for p in parts]
-        if parts and all(n is not None for n in numbers):
-            return tuple(numbers)
-        return s
-    number = _number(s)
-    return s if number is None else number
-
-
 def parse_kwargs(items: Sequence[str]) -> dict[str, Any]:
     """``["lr=0.1", "nesterov=true", "betas=0.9,0.999"]`` -> typed keyword arguments.
 
@@ -291,5 +270,5 @@ def parse_kwargs(items: Sequence[str]) -> dict[str, Any]:
             raise ConfigError(f"argument {item!r} must look like key=value (e.g. lr=0.1)")
         if key in out:
             raise ConfigError(f"argument {key!r} is given twice")
-        out[key] = _parse_value(value)
+        out[key] = guess(value)
     return out

@@ -23,26 +23,26 @@ import signal
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
 import zmq
 
 from .checkpoint import CheckpointError, load_shard, save_shard
+from .config import ServerConfig
 from .core import DTYPES as CORE_DTYPES
-from .core import CoreConfig, ModeSpec, ShardCore, SliceSpec
+from .core import ShardCore, SliceSpec
 from .errors import ConfigError, ErrorCode, ParamServerError, ProtocolError, TransportError
 from .events import EventLog
 from .metrics import MetricsExporter, TensorBoardWriter
 from .observe import ShardObserver
 from .proctitle import set_title
 from .protocol import PROTOCOL_VERSION, Message, Op, decode, error_reply, reply
-from .sharding import PlanLimits, ShardPlan
+from .sharding import ShardPlan
 from .staleness import create_policy
 from .transport import ANY_KEY, CurveKeys, KeyGrant, RouterSocket, load_allow_list, public_key
-from .watchdog import ACTIONS, Alarm, Watchdog, WatchdogConfig
+from .watchdog import Alarm, Watchdog
 
 __all__ = ["DIVERGED_EXIT_CODE", "READY_PREFIX", "ServerConfig", "ShardServer", "run_server"]
 
@@ -50,116 +50,6 @@ log = logging.getLogger(__name__)
 
 READY_PREFIX = "PARAMSERVER_READY"
 DIVERGED_EXIT_CODE = 3  # the watchdog stopped training (--on-divergence stop/checkpoint-and-stop)
-
-
-@dataclass
-class ServerConfig:
-    """Everything one shard server needs; validated on construction."""
-
-    shard: int = 0
-    num_shards: int = 1
-    bind: str = "tcp://127.0.0.1:0"
-    mode: str = "async"
-    staleness_bound: int = 0
-    backup_workers: int = 0
-    policy: str = "none"
-    policy_args: dict[str, Any] = field(default_factory=dict)
-    optimizer: str = "sgd"
-    optimizer_args: dict[str, Any] = field(default_factory=lambda: {"lr": 0.1})
-    scheduler: str | None = None
-    scheduler_args: dict[str, Any] = field(default_factory=dict)
-    expected_workers: int = 1
-    heartbeat_timeout: float = 10.0
-    check_finite: bool = True
-    event_log: str | None = None
-    curve_secret_key: str | None = None
-    #: a directory of client public keys (*.key) or an allow-list file (keys, their
-    #: ranks and roles; transport.parse_allow_list); with it, only those clients get in
-    curve_clients_dir: str | None = None
-    #: CURVE public keys (key files or Z85 text) allowed SHUTDOWN, CHECKPOINT and
-    #: BYE dead=true, admitted even when not in curve_clients_dir
-    admin_keys: list[str] = field(default_factory=list)
-    plan: dict[str, Any] | None = None  # None: adopt the first worker's plan
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 0  # versions between checkpoints (0: off)
-    checkpoint_seconds: float = 0.0  # seconds between checkpoints (0: off)
-    checkpoint_keep: int = 2
-    resume: str | None = None  # a checkpoint directory to restore this shard from
-    metrics_port: int | None = None  # Prometheus endpoint (0: any free port; None: none)
-    metrics_interval: float = 10.0  # seconds between "metrics" events (and TensorBoard points)
-    tensorboard: str | None = None  # TensorBoard log directory (this shard writes shard<i>/)
-    on_divergence: str = "warn"  # what a watchdog alarm does: warn, checkpoint-and-stop, stop
-    watchdog: dict[str, Any] = field(default_factory=dict)  # WatchdogConfig overrides
-    #: a plan from a peer declaring more bytes (all shards) is refused before anything
-    #: is allocated from it
-    max_model_bytes: int = PlanLimits.max_model_bytes
-    #: worker table size (None: max(64, 4 * expected_workers)); see ShardCore._evict
-    max_workers: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.num_shards < 1:
-            raise ConfigError(f"num_shards must be >= 1, got {self.num_shards}")
-        if not 0 <= self.shard < self.num_shards:
-            raise ConfigError(f"shard must be in [0, {self.num_shards}), got {self.shard}")
-        self.mode_spec()  # validates mode, bound, backups
-        self.core_config()
-        if self.checkpoint_every < 0 or self.checkpoint_seconds < 0:
-            raise ConfigError("checkpoint_every and checkpoint_seconds must be >= 0")
-        if (self.checkpoint_every or self.checkpoint_seconds) and not self.checkpoint_dir:
-            raise ConfigError("periodic checkpoints need a checkpoint directory")
-        if self.curve_clients_dir and not self.curve_secret_key:
-            raise ConfigError("curve_clients_dir needs curve_secret_key (the server's key pair)")
-        if self.admin_keys and not self.curve_secret_key:
-            raise ConfigError("admin_keys need curve_secret_key: without CURVE a server cannot "
-                              "tell keys apart, and everyone who reaches it is trusted")
-        if self.on_divergence not in ACTIONS:
-            raise ConfigError(f"on_divergence must be one of {', '.join(ACTIONS)}; "
-                              f"got {self.on_divergence!r}")
-        if self.on_divergence == "checkpoint-and-stop" and not self.checkpoint_dir:
-            raise ConfigError("--on-divergence checkpoint-and-stop needs a checkpoint directory")
-        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
-            raise ConfigError(f"metrics_port must be in 0..65535 (0: any free port), "
-                              f"got {self.metrics_port}")
-        if self.max_model_bytes < 1:
-            raise ConfigError(f"max_model_bytes must be >= 1, got {self.max_model_bytes}")
-        self.plan_limits()
-        if not self.metrics_interval > 0:
-            raise ConfigError(f"metrics_interval must be > 0, got {self.metrics_interval}")
-        self.watchdog_config()
-
-    def watchdog_config(self) -> WatchdogConfig:
-        return WatchdogConfig.from_dict(self.watchdog)
-
-    def plan_limits(self) -> PlanLimits:
-        return PlanLimits(max_model_bytes=self.max_model_bytes)
-
-    def mode_spec(self) -> ModeSpec:
-        return ModeSpec(self.mode, self.staleness_bound, self.backup_workers)
-
-    def core_config(self) -> CoreConfig:
-        return CoreConfig(
-            shard=self.shard,
-            mode=self.mode_spec(),
-            optimizer=self.optimizer,
-            optimizer_args=dict(self.optimizer_args),
-            scheduler=self.scheduler,
-            scheduler_args=dict(self.scheduler_args),
-            expected_workers=self.expected_workers,
-            heartbeat_timeout=self.heartbeat_timeout,
-            check_finite=self.check_finite,
-            max_workers=self.max_workers,
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> ServerConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - known
-        if unknown:
-            raise ConfigError(f"unknown server option(s): {', '.join(sorted(unknown))}")
-        return cls(**data)
 
 
 class ShardServer:

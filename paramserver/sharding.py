@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from .dtypes import PARAM_DTYPES, dtype_name
 from .errors import ConfigError, RegistryError
 
 __all__ = [
@@ -46,21 +47,8 @@ __all__ = [
     "dtype_name",
 ]
 
-# Dtypes a parameter may have; names are torch's without the "torch." prefix.
-DTYPES: dict[str, torch.dtype] = {
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "complex64": torch.complex64,
-    "complex128": torch.complex128,
-    "int8": torch.int8,
-    "int16": torch.int16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
-}
+# Dtypes a parameter may have: the one table in paramserver.dtypes.
+DTYPES = PARAM_DTYPES
 
 _MAX_LISTED = 10  # names listed per category in diff() before "... and N more"
 
@@ -89,12 +77,6 @@ class PlanLimits:
                 raise ConfigError(f"plan limit {name} must be >= 1, got {getattr(self, name)}")
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.float32`` -> ``"float32"``; unknown dtypes raise :class:`ConfigError`."""
-    name = str(dtype).removeprefix("torch.")
-    if name not in DTYPES:
-        raise ConfigError(f"dtype {dtype} is not supported; allowed: {', '.join(DTYPES)}")
-    return name
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,9 @@ from typing import Any, ClassVar
 
 import torch
 
+from .coerce import MISSING, coerce
 from .errors import ConfigError, RegistryError
-from .plugins import import_object, load_entry_points
+from .plugins import Registry
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -207,55 +208,43 @@ class ExponentialPolicy(StalenessPolicy):
 _REGISTRY: dict[str, type[StalenessPolicy]] = {}
 
 
+def _policy_class(obj: Any, name: str) -> type[StalenessPolicy]:
+    if not (isinstance(obj, type) and issubclass(obj, StalenessPolicy)):
+        raise RegistryError(f"{name if ':' in name else obj!r} is not a StalenessPolicy subclass")
+    if ":" not in name and getattr(obj, "name", "") != name:
+        # an entry point's name wins over the class's own
+        obj = type(obj.__name__, (obj,), {"name": name, "__module__": obj.__module__})
+    return obj
+
+
+#: the staleness policies by name (built-ins, installed entry points, register_policy)
+POLICIES: Registry[type[StalenessPolicy]] = Registry(
+    "staleness policy", group=ENTRY_POINT_GROUP, check=_policy_class,
+    hint="or give module:Class", store=lambda: _REGISTRY)
+
+
 def register_policy(cls: type[StalenessPolicy]) -> type[StalenessPolicy]:
     """Register a policy class under ``cls.name``; refuses duplicates. Usable as a decorator."""
     if not (isinstance(cls, type) and issubclass(cls, StalenessPolicy)):
         raise RegistryError(f"{cls!r} is not a StalenessPolicy subclass")
     if not cls.name:
         raise RegistryError(f"{cls.__qualname__} has no `name`")
-    existing = _REGISTRY.get(cls.name)
-    if existing is not None and existing is not cls:
-        raise RegistryError(
-            f"staleness policy name {cls.name!r} is already registered by "
-            f"{existing.__module__}.{existing.__qualname__}"
-        )
-    _REGISTRY[cls.name] = cls
+    POLICIES.register(cls.name, cls)
     return cls
 
 
 for _builtin in (NoPolicy, RejectPolicy, InversePolicy, ExponentialPolicy):
     register_policy(_builtin)
 
-def _register_entry_point(name: str, cls: Any) -> None:
-    if getattr(cls, "name", "") != name:
-        cls = type(cls.__name__, (cls,), {"name": name}) if isinstance(cls, type) else cls
-    register_policy(cls)
-
-
-def _load_entry_points() -> None:
-    load_entry_points(ENTRY_POINT_GROUP, _register_entry_point, "staleness policy")
-
 
 def available_policies() -> dict[str, type[StalenessPolicy]]:
     """Built-in and installed policies by name."""
-    _load_entry_points()
-    return dict(sorted(_REGISTRY.items()))
+    return POLICIES.available()
 
 
 def resolve_policy(name: str) -> type[StalenessPolicy]:
     """Find a policy class by registered name or ``module:Class``."""
-    if ":" in name:
-        cls = import_object(name)
-        if not (isinstance(cls, type) and issubclass(cls, StalenessPolicy)):
-            raise RegistryError(f"{name!r} is not a StalenessPolicy subclass")
-        return cls
-    known = available_policies()
-    if name not in known:
-        raise RegistryError(
-            f"unknown staleness policy {name!r}; known: {', '.join(known)} "
-            f"(or give module:Class)"
-        )
-    return known[name]
+    return POLICIES.resolve(name)
 
 
 def policy_parameters(cls: type[StalenessPolicy]) -> dict[str, inspect.Parameter]:
@@ -263,32 +252,6 @@ def policy_parameters(cls: type[StalenessPolicy]) -> dict[str, inspect.Parameter
     sig = inspect.signature(cls.__init__)
     return {k: p for k, p in sig.parameters.items() if (k != "self" and p.kind is p.KEYWORD_ONLY)
             or (k != "self" and p.kind is p.POSITIONAL_OR_KEYWORD)}
-
-
-def _coerce(value: Any, annotation: Any, key: str) -> Any:
-    if not isinstance(value, str):
-        return value
-    kind = annotation if isinstance(annotation, type) else {
-        "int": int, "float": float, "bool": bool, "str": str
-    }.get(str(annotation))
-    try:
-        if kind is bool:
-            low = value.lower()
-            if low not in {"1", "0", "true", "false", "yes", "no"}:
-                raise ValueError(value)
-            return low in {"1", "true", "yes"}
-        if kind in (int, float):
-            return kind(value)
-    except ValueError as exc:
-        kind_name = getattr(kind, "__name__", "value")
-        raise ConfigError(f"policy argument {key}={value!r} is not a valid {kind_name}") from exc
-    # no usable annotation: best effort number parsing
-    for conv in (int, float):
-        try:
-            return conv(value)
-        except ValueError:
-            pass
-    return value
 
 
 def parse_policy_args(items: list[str] | tuple[str, ...]) -> dict[str, str]:
@@ -316,7 +279,8 @@ def create_policy(name: str, args: Mapping[str, Any] | None = None) -> Staleness
             accepted = ", ".join(params) or "none"
             raise ConfigError(f"policy {name!r} has no parameter {key!r}; accepted: {accepted}")
         annotation = params[key].annotation if key in params else inspect.Parameter.empty
-        kwargs[key] = _coerce(value, annotation, key)
+        kwargs[key] = coerce(value, annotation, params[key].default if key in params else MISSING,
+                             what=f"policy argument {key}")
     try:
         policy = cls(**kwargs)
     except ConfigError:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import zmq
 
+from paramserver.dtypes import GRAD_WIRE_DTYPES
 from paramserver.errors import (
     ConfigError,
     DuplicateWorkerError,
@@ -54,10 +55,6 @@ PART_WINDOW = 2
 _REWOUND: dict[str, Any] = {"accepted": False, "weight": 0.0, "reason": "server rewound",
                             "staleness": 0, "version": -1, "applied": False,
                             "duplicate": False}
-
-#: dtypes gradients may be sent in, narrower than float32 (``wire_dtype``)
-GRAD_WIRE_DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16,
-                                            "float16": torch.float16}
 
 log = logging.getLogger(__name__)
 

@@ -19,12 +19,14 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
+from paramserver.config import option
 from paramserver.errors import ConfigError
 
-__all__ = ["DELAY_KINDS", "Straggler", "StragglerSpec"]
+__all__ = ["DELAY_KINDS", "STRAGGLER_KEYS", "Straggler", "StragglerSpec", "parse_straggler_items"]
 
 #: delay kind -> parameter names, in the order they are written after "kind:"
 DELAY_KINDS: dict[str, tuple[str, ...]] = {
@@ -72,11 +74,24 @@ class StragglerSpec:
     ``slow_factor`` with probability ``slow_prob``, plus a ``delay`` sample.
     """
 
-    slowdown: float = 1.0  # persistent factor >= 1 on this worker's compute time
-    slow_prob: float = 0.0  # probability that a step is transiently slow...
-    slow_factor: float = 1.0  # ...by this factor (>= 1)
-    delay: str = ""  # extra random delay per step; see parse_delay
-    min_step_time: float = 0.0  # seconds; emulates a heavier model on a fast task
+    #: persistent factor >= 1 on this worker's compute time
+    slowdown: float = option(1.0, min=1, metavar="F",
+                             help="Stragglers: every step takes F times its compute time.")
+    #: probability that a step is transiently slow...
+    slow_prob: float = option(0.0, min=0, max=1, metavar="P",
+                              help="Stragglers: a step is transiently slow with probability "
+                                   "P...")
+    #: ...by this factor (>= 1)
+    slow_factor: float = option(1.0, min=1, metavar="F", help="...by the factor F.")
+    #: extra random delay per step; see parse_delay
+    delay: str = option("", metavar="KIND:ARGS",
+                        help="Stragglers: random extra seconds per step: const:S, "
+                             "uniform:LOW,HIGH, exp:MEAN, lognormal:MU,SIGMA or "
+                             "pareto:ALPHA,SCALE.")
+    #: seconds; emulates a heavier model on a fast task
+    min_step_time: float = option(0.0, min=0, metavar="SECONDS",
+                                  help="Stragglers: floor on a step's compute time (emulates a "
+                                       "heavier model).")
 
     def __post_init__(self) -> None:
         if _number(self.slowdown, "slowdown") < 1.0:
@@ -195,3 +210,33 @@ class Straggler:
         if extra > 0.0:
             sleep(extra)
         return extra
+
+
+#: the straggler options one worker may override (``--straggler RANK:KEY=VALUE``)
+STRAGGLER_KEYS = ("slowdown", "slow_prob", "slow_factor", "delay", "min_step_time")
+
+
+def parse_straggler_items(items: Sequence[str]) -> dict[str, Any]:
+    """``["RANK:KEY=VALUE"]`` -> ``{"RANK:KEY": value}`` (a number, or the delay's text)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        rank, sep, rest = item.partition(":")
+        key, sep2, value = rest.partition("=")
+        key = key.strip().replace("-", "_")
+        if not (sep and sep2 and rank.strip().isdigit()) or key not in STRAGGLER_KEYS:
+            raise ConfigError(
+                f"straggler {item!r} must look like RANK:KEY=VALUE with KEY one of "
+                f"{', '.join(STRAGGLER_KEYS)}, e.g. 1:slowdown=3 or 2:delay=exp:0.05"
+            )
+        out[f"{int(rank)}:{key}"] = value.strip() if key == "delay" else _finite(value, item)
+    return out
+
+
+def _finite(text: str, item: str) -> float:
+    try:
+        number = float(text)
+    except ValueError as exc:
+        raise ConfigError(f"straggler {item!r}: {text!r} is not a number") from exc
+    if not math.isfinite(number):
+        raise ConfigError(f"straggler {item!r}: {text!r} is not finite")
+    return number

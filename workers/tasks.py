@@ -25,15 +25,17 @@ import logging
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paramserver.coerce import coerce
+from paramserver.dtypes import TASK_DTYPES
 from paramserver.errors import ConfigError, RegistryError
-from paramserver.plugins import import_object, load_entry_points
+from paramserver.plugins import Registry
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -44,6 +46,7 @@ __all__ = [
     "available_tasks",
     "create_task",
     "evaluate",
+    "parse_task_args",
     "register_task",
     "resolve_task",
     "task_description",
@@ -143,25 +146,27 @@ _DESCRIPTIONS: dict[str, str] = {}
 _CONTEXT_ARGS = ("rank", "world_size")
 
 
+def _callable_task(obj: Any, name: str) -> TaskFactory:
+    if not callable(obj):
+        raise RegistryError(f"task factory {name!r} is not callable" if ":" in name
+                            else f"task {name!r}: {obj!r} is not callable")
+    return cast(TaskFactory, obj)
+
+
+#: installed packages register tasks as entry points in this group (name = factory)
+ENTRY_POINT_GROUP = "paramserver.tasks"
+#: the tasks by name (built-ins, installed entry points, register_task)
+TASKS: Registry[TaskFactory] = Registry(
+    "task", group=ENTRY_POINT_GROUP, check=_callable_task,
+    hint="or give module:function for your own factory", store=lambda: _REGISTRY)
+
+
 def register_task(name: str, *, description: str = "") -> Callable[[TaskFactory], TaskFactory]:
     """Decorator registering a task factory under ``name``; refuses duplicate names."""
-    if not name or ":" in name or name != name.strip():
-        raise RegistryError(
-            f"task name {name!r} is not allowed: it must be non-empty, without spaces at the ends, "
-            "and without ':' (which means module:function)"
-        )
+    TASKS.check_name(name)
 
     def decorator(factory: TaskFactory) -> TaskFactory:
-        if not callable(factory):
-            raise RegistryError(f"task {name!r}: {factory!r} is not callable")
-        existing = _REGISTRY.get(name)
-        # Re-importing the defining module makes a new function object for the same
-        # factory; that is not a clash.
-        if existing is not None and _qualname(existing) != _qualname(factory):
-            raise RegistryError(
-                f"task name {name!r} is already registered by {_qualname(existing)}"
-            )
-        _REGISTRY[name] = factory
+        TASKS.register(name, factory)
         _DESCRIPTIONS[name] = description or _first_doc_line(factory)
         return factory
 
@@ -177,16 +182,9 @@ def _first_doc_line(obj: object) -> str:
     return doc.strip().splitlines()[0] if doc.strip() else ""
 
 
-#: installed packages register tasks as entry points in this group (name = factory)
-ENTRY_POINT_GROUP = "paramserver.tasks"
-def _load_entry_points() -> None:
-    load_entry_points(ENTRY_POINT_GROUP, lambda name, f: register_task(name)(f), "task")
-
-
 def available_tasks() -> dict[str, TaskFactory]:
     """Built-in and installed (entry point) task factories by name, sorted by name."""
-    _load_entry_points()
-    return dict(sorted(_REGISTRY.items()))
+    return TASKS.available()
 
 
 def task_description(name: str) -> str:
@@ -198,19 +196,7 @@ def task_description(name: str) -> str:
 
 def resolve_task(name: str) -> TaskFactory:
     """Find a task factory by registered name or ``module:function``."""
-    if ":" in name:
-        obj = import_object(name)
-        if not callable(obj):
-            raise RegistryError(f"task factory {name!r} is not callable")
-        return obj
-    if name not in _REGISTRY:
-        _load_entry_points()
-    if name not in _REGISTRY:
-        known = ", ".join(available_tasks()) or "none"
-        raise RegistryError(
-            f"unknown task {name!r}; known: {known} (or give module:function for your own factory)"
-        )
-    return _REGISTRY[name]
+    return TASKS.resolve(name)
 
 
 def _signature(factory: TaskFactory) -> inspect.Signature:
@@ -239,47 +225,24 @@ def task_parameters(factory: TaskFactory) -> dict[str, Any]:
     }
 
 
-_SIMPLE_TYPES: dict[str, type] = {"int": int, "float": float, "bool": bool, "str": str}
-
-
-def _target_type(param: inspect.Parameter) -> type | None:
-    ann = param.annotation
-    if isinstance(ann, str):  # unevaluated annotation; accept "int", "float | None", ...
-        names = [part.strip() for part in ann.replace("Optional[", "").rstrip("]").split("|")]
-        names = [n for n in names if n != "None"]
-        ann = _SIMPLE_TYPES.get(names[0]) if len(names) == 1 else None
-    elif ann is not inspect.Parameter.empty and not isinstance(ann, type):
-        args = [a for a in getattr(ann, "__args__", ()) if a is not type(None)]
-        ann = args[0] if len(args) == 1 else None
-    if isinstance(ann, type) and ann in _SIMPLE_TYPES.values():
-        return ann
-    default = param.default
-    if default is not inspect.Parameter.empty and type(default) in _SIMPLE_TYPES.values():
-        return type(default)
-    return None
+def parse_task_args(items: list[str]) -> dict[str, str]:
+    """``key=value`` -> {key: "value"}; the task converts by its factory's annotations."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip().isidentifier():
+            raise ConfigError(f"task argument {item!r} must look like key=value (e.g. hidden=128)")
+        out[key.strip()] = value.strip()
+    return out
 
 
 def _convert(value: Any, param: inspect.Parameter | None, task: str, key: str) -> Any:
-    """Convert a command-line string to the type the factory declares; other values pass."""
-    if not isinstance(value, str) or param is None:
+    """Convert a command-line string to the type the factory declares (its annotation, else
+    its default's type); an undeclared one stays a string, as do non-string values."""
+    if param is None:
         return value
-    kind = _target_type(param)
-    if kind is None or kind is str:
-        return value
-    text = value.strip()
-    if kind is bool:
-        low = text.lower()
-        if low in {"1", "true", "yes", "on"}:
-            return True
-        if low in {"0", "false", "no", "off"}:
-            return False
-        raise ConfigError(f"task {task!r}: argument {key}={value!r} is not a bool (true/false)")
-    try:
-        return kind(text)
-    except ValueError as exc:
-        raise ConfigError(
-            f"task {task!r}: argument {key}={value!r} is not a valid {kind.__name__}"
-        ) from exc
+    return coerce(value, param.annotation, param.default, untyped=str,
+                  what=f"task {task!r}: argument {key}")
 
 
 def create_task(
@@ -369,7 +332,7 @@ def evaluate(task: Task, model: nn.Module | None = None) -> dict[str, float]:
 # model init does not change when the data size does.
 _MODEL_STREAM, _DATA_STREAM, _PARTITION_STREAM, _EPOCH_STREAM, _SPLIT_STREAM = range(5)
 _EVAL_BATCH_SIZE = 1024
-_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+_DTYPES = TASK_DTYPES
 
 
 def _derive_seed(*keys: int) -> int:

@@ -16,19 +16,20 @@ import os
 import sys
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from paramserver.config import check_bounds, option
+from paramserver.dtypes import GRAD_WIRE_DTYPES
 from paramserver.errors import ConfigError
 from paramserver.events import EventLog, write_json
 from paramserver.proctitle import set_title
 from paramserver.sharding import ShardPlan
 from paramserver.transport import CurveKeys
 from paramserver.workers.client import (
-    GRAD_WIRE_DTYPES,
     PART_BYTES,
     PSClient,
     PullResult,
@@ -36,7 +37,14 @@ from paramserver.workers.client import (
 )
 from paramserver.workers.overlap import BucketPusher
 from paramserver.workers.stragglers import Straggler, StragglerSpec
-from paramserver.workers.tasks import Task, create_task, evaluate, resolve_task, task_parameters
+from paramserver.workers.tasks import (
+    Task,
+    create_task,
+    evaluate,
+    parse_task_args,
+    resolve_task,
+    task_parameters,
+)
 
 __all__ = ["WorkerConfig", "resolve_device", "run_worker"]
 
@@ -47,35 +55,80 @@ log = logging.getLogger(__name__)
 class WorkerConfig:
     """Everything one worker needs; validated on construction."""
 
-    rank: int = 0
-    world_size: int = 1
-    servers: list[str] = field(default_factory=list)
-    task: str = "digits-mlp"
-    task_args: dict[str, Any] = field(default_factory=dict)
-    device: str = "auto"
-    steps: int | None = 100
-    epochs: float | None = None
-    batch_size: int | None = None  # passed to the task if it takes batch_size
-    seed: int = 0  # passed to the task if it takes seed; also seeds straggler draws
-    push_every: int = 1
-    straggler: StragglerSpec = field(default_factory=StragglerSpec)
-    eval_every: int = 0  # rank 0 evaluates held-out data every N clocks (0: only at the end)
-    chunk_bytes: int = ShardPlan.DEFAULT_CHUNK_BYTES
+    rank: int = option(0, min=0, per_process=True,
+                       help="This worker's rank, 0 .. world-size - 1 (selects its part of the "
+                            "data).")
+    world_size: int = option(1, min=1, metavar="N", per_process=True,
+                             help="How many workers share the data.")
+    servers: list[str] = option(default_factory=list, kind="address", per_process=True,
+                                required=True,
+                                help="Every shard's address, in shard order: comma-separated "
+                                     "or repeated.")
+    task: str = option("digits-mlp", metavar="NAME|module:function",
+                       help="What to train: a registered task (see `paramserver tasks`) or "
+                            "your factory.")
+    task_args: dict[str, Any] = option(default_factory=dict, flag="task-arg", kind="pairs",
+                                       parse=parse_task_args,
+                                       help="Task parameter, e.g. hidden=128 (repeatable).")
+    device: str = option("auto", metavar="auto|cpu|cuda[:N]",
+                         help="Where the model replica computes; auto takes CUDA when present.")
+    steps: int | None = option(100, min=1, metavar="N", help="Updates (pushes) per worker.")
+    epochs: float | None = option(None, min=0, min_open=True, metavar="E",
+                                  help="Train for E passes over the worker's data instead of "
+                                       "--steps.")
+    #: passed to the task if it takes batch_size
+    batch_size: int | None = option(None, min=1, metavar="N",
+                                    help="Mini-batch size (default: the task's).")
+    #: passed to the task if it takes seed; also seeds straggler draws
+    seed: int = option(0, min=0, metavar="N",
+                       help="Seed of the task's data order and of the straggler draws.")
+    push_every: int = option(1, min=1, metavar="K", help="Accumulate K mini-batches per push.")
+    straggler: StragglerSpec = option(default_factory=StragglerSpec, nested=True,
+                                      help="How this worker is slowed down (the straggler "
+                                           "options).")
+    eval_every: int = option(0, min=0, metavar="N",
+                             help="Worker 0 evaluates held-out data every N clocks (0: at the "
+                                  "end only).")
+    chunk_bytes: int = option(ShardPlan.DEFAULT_CHUNK_BYTES, min=1, metavar="BYTES",
+                              help="Tensors larger than this are split across shards.")
     # a shard's share of a push above this goes in parts, added as they arrive (0: whole)
-    part_bytes: int = PART_BYTES
-    timeout: float = 60.0  # total wait for a reply before giving up, naming the shard
-    request_timeout: float = 5.0  # a request unanswered this long is sent again
-    heartbeat_interval: float = 1.0
-    drop_rate: float = 0.0  # chaos testing: fraction of requests and replies lost
+    part_bytes: int = option(PART_BYTES, min=0, metavar="BYTES",
+                             help="A shard's share of a push larger than this is sent in parts "
+                                  "of about this size (whole chunks), which a sync shard adds "
+                                  "up as they arrive, so its memory does not grow with the "
+                                  "number of workers (0: always whole).")
+    timeout: float = option(60.0, min=0, min_open=True, metavar="SECONDS",
+                            help="How long to wait for a server, first contact included "
+                                 "(servers may start after workers), before giving up with the "
+                                 "address waited for.")
+    request_timeout: float = option(5.0, min=0, min_open=True, metavar="SECONDS",
+                                    help="A request unanswered this long is sent again (until "
+                                         "--timeout).")
+    heartbeat_interval: float = option(1.0, min=0, metavar="SECONDS",
+                                       help="Seconds between heartbeats to every shard (0: "
+                                            "none).")
+    drop_rate: float = option(0.0, min=0, max=1, max_open=True, metavar="P",
+                              help="Chaos testing: lose this fraction of requests and replies.")
     # push gradients in buckets from inside backward and get the next weights with the
     # last one (workers/overlap.py); wire_dtype: send gradients in 16 bits
-    overlap: bool = False
-    bucket_bytes: int = 4 << 20
-    wire_dtype: str | None = None
-    event_log: str | None = None
-    result_file: str | None = None
-    curve_key: str | None = None
-    curve_server_key: str | None = None
+    overlap: bool = option(False,
+                           help="Push gradients in buckets from inside backward and get the "
+                                "next weights with the last one (docs/performance.md).")
+    bucket_bytes: int = option(4 << 20, min=1, metavar="BYTES",
+                               help="--overlap: gradients are pushed in buckets of about this "
+                                    "many bytes.")
+    wire_dtype: str | None = option(None, choices=tuple(GRAD_WIRE_DTYPES),
+                                    help="Send gradients in this 16-bit dtype (default: as "
+                                         "they are).")
+    event_log: str | None = option(None, kind="file", metavar="FILE", per_process=True,
+                                   help="Append JSONL events (one per step) to FILE.")
+    result_file: str | None = option(None, kind="file", metavar="FILE", per_process=True,
+                                     help="Write this worker's result (counts, loss, timings) "
+                                          "as JSON to FILE.")
+    curve_key: str | None = option(None, kind="file", metavar="FILE",
+                                   help="CURVE: this worker's secret key file.")
+    curve_server_key: str | None = option(None, kind="file", metavar="FILE",
+                                          help="CURVE: the servers' public key file.")
 
     def __post_init__(self) -> None:
         if isinstance(self.straggler, Mapping):
@@ -84,12 +137,6 @@ class WorkerConfig:
             raise ConfigError(f"rank must be in [0, {self.world_size}), got {self.rank}")
         if self.steps is None and self.epochs is None:
             raise ConfigError("give steps or epochs")
-        if self.steps is not None and self.steps < 1:
-            raise ConfigError(f"steps must be >= 1, got {self.steps}")
-        if self.epochs is not None and not self.epochs > 0:
-            raise ConfigError(f"epochs must be > 0, got {self.epochs}")
-        if self.push_every < 1:
-            raise ConfigError(f"push_every must be >= 1, got {self.push_every}")
         if bool(self.curve_key) != bool(self.curve_server_key):
             raise ConfigError("CURVE needs both curve_key (this client's .key_secret file) and "
                               "curve_server_key (the server's public .key file)")
@@ -97,14 +144,13 @@ class WorkerConfig:
             raise ConfigError("timeout and request_timeout must be > 0")
         if not 0.0 <= self.drop_rate < 1.0:
             raise ConfigError(f"drop_rate must be in [0, 1), got {self.drop_rate}")
-        if self.bucket_bytes < 1:
-            raise ConfigError(f"bucket_bytes must be >= 1, got {self.bucket_bytes}")
         if self.part_bytes < 0:
             raise ConfigError(f"part_bytes must be >= 0 (0: pushes go whole), "
                               f"got {self.part_bytes}")
         if self.wire_dtype not in (None, *GRAD_WIRE_DTYPES):
             raise ConfigError(f"wire_dtype must be one of {', '.join(GRAD_WIRE_DTYPES)} or "
                               f"None (gradients as they are); got {self.wire_dtype!r}")
+        check_bounds(self)  # the rest of the bounds the fields declare
         resolve_device(self.device)
 
     def to_dict(self) -> dict[str, Any]:

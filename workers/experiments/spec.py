@@ -21,7 +21,6 @@ platform) and ``experiment.json`` (the index the report is built from).
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -31,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import tomli_w
 import torch
 
 from paramserver.errors import ConfigError
@@ -507,37 +507,19 @@ def load_spec(path: str | os.PathLike[str], **overrides: Any) -> ExperimentSpec:
     return ExperimentSpec.from_dict({**data, **overrides})
 
 
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value) if math.isfinite(value) else ("nan" if value != value else
-                                                        ("inf" if value > 0 else "-inf"))
-    if isinstance(value, str):
-        return json.dumps(value)
+def _without_none(value: Any) -> Any:
+    """TOML has no null: a None value leaves its key out (and its table entry)."""
     if isinstance(value, Mapping):
-        items = [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items() if v is not None]
-        return "{ " + ", ".join(items) + " }" if items else "{}"
-    if isinstance(value, Sequence):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise ConfigError(f"cannot write {value!r} ({type(value).__name__}) to TOML")
-
-
-def _toml_key(key: str) -> str:
-    bare = key and all((c.isalnum() and c.isascii()) or c in "-_" for c in key)
-    return key if bare else json.dumps(key)
+        return {str(k): _without_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list | tuple):
+        return [_without_none(v) for v in value]
+    return value
 
 
 def dump_spec(spec: ExperimentSpec) -> str:
     """The resolved spec as TOML that :func:`load_spec` reads back to an equal spec."""
-    data = spec.to_toml_dict()
-    lines = ["# resolved experiment spec: paramserver experiment --spec THIS_FILE reruns it"]
-    tables = {k: data.pop(k) for k in ("task_args", "optimizer_args", "custom_scenarios")}
-    lines += [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in data.items() if v is not None]
-    for key in ("task_args", "optimizer_args"):
-        lines += ["", f"[{key}]"]
-        lines += [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in tables[key].items()]
-    for name, table in tables["custom_scenarios"].items():
-        lines += ["", f"[custom_scenarios.{_toml_key(name)}]"]
-        lines += [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in table.items()]
-    return "\n".join(lines) + "\n"
+    try:
+        body = tomli_w.dumps(_without_none(spec.to_toml_dict()))
+    except TypeError as exc:
+        raise ConfigError(f"cannot write the spec to TOML: {exc}") from exc
+    return "# resolved experiment spec: paramserver experiment --spec THIS_FILE reruns it\n" + body

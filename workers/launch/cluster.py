@@ -28,17 +28,18 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from paramserver.config import option
 from paramserver.errors import ConfigError, ParamServerError, RequestTimeoutError
 from paramserver.events import write_json
 from paramserver.observe import JsonlFollower, LauncherObserver
 from paramserver.server import READY_PREFIX, ServerConfig
 from paramserver.transport import CurveKeys, admin_key_pair, public_key
 from paramserver.workers.launch.zygote import ForkedProcess, ZygoteError, fork_enabled, zygote_for
-from paramserver.workers.stragglers import StragglerSpec
+from paramserver.workers.stragglers import StragglerSpec, parse_straggler_items
 from paramserver.workers.worker import WorkerConfig
 
 __all__ = [
@@ -69,32 +70,60 @@ class ClusterError(ParamServerError):
 class ClusterSpec:
     """A local run: templates for every server and worker, plus per-worker stragglers."""
 
-    num_servers: int = 2
-    num_workers: int = 2
-    server: ServerConfig = field(default_factory=ServerConfig)
-    worker: WorkerConfig = field(default_factory=lambda: WorkerConfig(servers=["unset"]))
-    stragglers: dict[int, StragglerSpec] = field(default_factory=dict)  # rank -> spec
-    startup_timeout: float = 120.0
-    run_timeout: float | None = None
-    evaluate: bool = True
+    num_servers: int = option(2, min=1, aliases=("--servers", "-s"), metavar="S",
+                              help="Server (shard) processes.")
+    num_workers: int = option(2, min=1, aliases=("--workers", "-n"), metavar="N",
+                              help="Worker processes.")
+    server: ServerConfig = option(default_factory=ServerConfig, nested=True,
+                                  help="Every shard's template (the server options).")
+    worker: WorkerConfig = option(default_factory=lambda: WorkerConfig(servers=["unset"]),
+                                  nested=True,
+                                  help="Every worker's template (the worker options).")
+    #: rank -> spec
+    stragglers: dict[int, StragglerSpec] = option(
+        default_factory=dict, flag="straggler", kind="pairs", table=False,
+        parse=parse_straggler_items,
+        metavar="RANK:KEY=VALUE",
+        help="Slow down one worker only, e.g. 1:slowdown=3 or 2:delay=exp:0.05 (repeatable; "
+             "keys as the straggler options).")
+    startup_timeout: float = option(120.0, min=0, min_open=True, metavar="SECONDS",
+                                    help="How long a server may take to report its address.")
+    run_timeout: float | None = option(None, min=0, min_open=True, metavar="SECONDS",
+                                       help="Stop everything if training takes longer.")
+    evaluate: bool = option(True, flag="eval", dest="eval",
+                            help="Evaluate the final weights on held-out data.")
     #: what a worker's failure does: "fail" the run, "tolerate" it (the others go
     #: on; the server drops it from the live set after the heartbeat timeout) or
     #: "restart" the worker (it registers again and resumes at the minimum clock)
-    on_worker_failure: str = "fail"
+    on_worker_failure: str = option("fail", choices=FAILURE_POLICIES,
+                                    help="A worker that dies: fail the run, tolerate it (the "
+                                         "others go on) or restart it.")
     #: restart a shard that dies, at the same address, from its latest checkpoint
-    restart_servers: bool = False
-    max_restarts: int = 3  # per process
+    restart_servers: bool = option(False,
+                                   help="Restart a shard that dies, at its address, from its "
+                                        "latest checkpoint.")
+    max_restarts: int = option(3, min=0, metavar="K", help="Restarts allowed per process.")
     #: the launcher's Prometheus port (0: any free port); shard i serves on port + 1 + i
     #: (any free port when 0). None: the launcher serves none, shards as the template says
-    metrics_port: int | None = None
-    tensorboard: str | None = None  # TensorBoard log directory for the launcher and shards
+    metrics_port: int | None = option(None, min=0, max=65535, metavar="PORT",
+                                      help="Prometheus metrics: the launcher's on PORT, shard "
+                                           "i's on PORT + 1 + i (0: any free ports).")
+    #: TensorBoard log directory for the launcher and shards
+    tensorboard: str | None = option(None, kind="dir",
+                                     internal="the server option --tensorboard",
+                                     help="TensorBoard log directory for the launcher and "
+                                          "shards.")
     #: under CURVE, the launcher's admin secret key file (SHUTDOWN, BYE dead=true); the
     #: shards admit its public key as an admin. None: LocalCluster makes one in out_dir/keys
-    admin_key: str | None = None
+    admin_key: str | None = option(None, kind="file",
+                                   internal="made by the launcher under CURVE",
+                                   help="The launcher's admin secret key file.")
     #: run this command once per worker instead of the built-in loop (the user's own
     #: script on DistributedOptimizer), with PARAMSERVER_SERVERS, RANK, WORLD_SIZE,
     #: LOCAL_RANK set; its gradient steps, results and plan land in the run folder
-    command: list[str] | None = None
+    command: list[str] | None = option(
+        None, internal="the arguments after `--` of launch",
+        help="Run this command once per worker instead of the built-in loop.")
 
     def __post_init__(self) -> None:
         if self.on_worker_failure not in FAILURE_POLICIES:
