@@ -53,7 +53,9 @@ from .records import (
     PushOutcome,
     SliceSpec,
     WorkerState,
+    check_header,
     check_tensors,
+    slice_table,
 )
 from .rounds import Seeding, Stream, SyncRound
 from .staleness import BoundStats, Decision, NoPolicy, StalenessPolicy, UpdateInfo
@@ -90,13 +92,7 @@ class ShardCore:
         self.config = config or CoreConfig()
         self.mode = self.config.mode
         self.policy = policy or NoPolicy()
-        self.specs: dict[str, SliceSpec] = {}
-        for spec in slices:
-            if spec.dtype not in DTYPES:
-                raise ConfigError(f"slice {spec.key!r}: dtype {spec.dtype!r} not in {list(DTYPES)}")
-            if spec.key in self.specs:
-                raise ConfigError(f"duplicate slice key {spec.key!r}")
-            self.specs[spec.key] = spec
+        self.specs = slice_table(slices)
         self.params: dict[str, torch.Tensor] = {
             s.key: torch.zeros(s.numel, dtype=DTYPES[s.dtype]) for s in self.specs.values()
         }
@@ -538,24 +534,9 @@ class ShardCore:
             self._give_up(worker, "a newer push came before it was complete")
             stream = None
         if stream is None:
-            if read_version > self.version:
-                raise ProtocolError(
-                    ErrorCode.FUTURE_VERSION,
-                    f"read_version {read_version} is ahead of the shard's version "
-                    f"{self.version}",
-                )
-            if read_version < 0 or clock < 0 or num_samples < 1:
-                raise ProtocolError(
-                    ErrorCode.BAD_FIELD,
-                    f"need read_version >= 0, clock >= 0, num_samples >= 1; got "
-                    f"{read_version}, {clock}, {num_samples}",
-                )
+            check_header(self.version, read_version, clock, num_samples)
         else:
-            first = stream.info
-            if (clock, read_version, num_samples, parts) != (
-                    first.clock, first.read_version, first.num_samples, stream.parts):
-                raise ProtocolError(ErrorCode.BAD_FIELD, f"push {push_id} part {part}: its "
-                                    "header differs from the push's first part")
+            stream.check_header(part, clock, read_version, num_samples, parts)
             if part in stream.received:
                 return None  # sent again after a lost reply: added already
         seen: AbstractSet[str] = stream.keys if stream is not None else frozenset()

@@ -13,7 +13,7 @@ use them live in core.py. All of them are importable from ``paramserver.core``.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -38,7 +38,9 @@ __all__ = [
     "PushOutcome",
     "SliceSpec",
     "WorkerState",
+    "check_header",
     "check_tensors",
+    "slice_table",
 ]
 
 Mode = Literal["sync", "async", "ssp"]
@@ -390,3 +392,32 @@ def check_tensors(specs: Mapping[str, SliceSpec], tensors: Mapping[str, torch.Te
                 f"{what}: {key!r} is {value.dtype} {list(value.shape)}, "
                 f"expected {spec.dtype} [{spec.numel}]",
             )
+
+
+def slice_table(slices: Iterable[SliceSpec]) -> dict[str, SliceSpec]:
+    """``slices`` by key: each of a floating point dtype, each key once (else
+    :class:`ConfigError`)."""
+    specs: dict[str, SliceSpec] = {}
+    for spec in slices:
+        if spec.dtype not in DTYPES:
+            raise ConfigError(f"slice {spec.key!r}: dtype {spec.dtype!r} not in {list(DTYPES)}")
+        if spec.key in specs:
+            raise ConfigError(f"duplicate slice key {spec.key!r}")
+        specs[spec.key] = spec
+    return specs
+
+
+def check_header(version: int, read_version: int, clock: int, num_samples: int) -> None:
+    """A new push's header, at a shard at ``version``: read at a version the shard
+    has reached, with a clock and samples in range (else a :class:`ProtocolError`)."""
+    if read_version > version:
+        raise ProtocolError(
+            ErrorCode.FUTURE_VERSION,
+            f"read_version {read_version} is ahead of the shard's version {version}",
+        )
+    if read_version < 0 or clock < 0 or num_samples < 1:
+        raise ProtocolError(
+            ErrorCode.BAD_FIELD,
+            f"need read_version >= 0, clock >= 0, num_samples >= 1; got "
+            f"{read_version}, {clock}, {num_samples}",
+        )

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .errors import ErrorCode, ProtocolError
 from .probe import PushMeasure
 from .staleness import Decision, UpdateInfo
 
@@ -46,6 +47,15 @@ class Stream:
     added: bool = False  # some of it is in the round's buffer
     voided: bool = False  # it met a void round: none of it is added
     measure: PushMeasure | None = None  # observed pushes only
+
+    def check_header(self, part: int, clock: int, read_version: int, num_samples: int,
+                     parts: int) -> None:
+        """A later part must carry its push's header (else a :class:`ProtocolError`)."""
+        first = self.info
+        if (clock, read_version, num_samples, parts) != (
+                first.clock, first.read_version, first.num_samples, self.parts):
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"push {self.push_id} part {part}: its "
+                                "header differs from the push's first part")
 
 
 class SyncRound:
