@@ -31,29 +31,33 @@ import logging
 import math
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from . import snapshot
+from . import report, snapshot
 from .errors import ConfigError, ErrorCode, ProtocolError
 from .optim import build_optimizer, build_scheduler
-from .probe import GradStats, Probe, StepStats, all_finite, l2, total_norm
+from .probe import GradStats, Probe, StepStats, all_finite, total_norm
 from .records import (
     DTYPES,
     MAX_WORKERS,
     MODES,
     STATS_WORKERS,
+    BoundTotals,
     CoreConfig,
     ModeSpec,
+    PendingPull,
+    PullQueue,
     PullReply,
     PushOutcome,
     SliceSpec,
     WorkerState,
+    check_header,
     check_tensors,
+    slice_table,
 )
-from .rounds import Stream, SyncRound
+from .rounds import Seeding, Stream, SyncRound
 from .staleness import BoundStats, Decision, NoPolicy, StalenessPolicy, UpdateInfo
 
 # the records are defined in records.py, the measurements in probe.py; importable here
@@ -76,15 +80,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class _PendingPull:
-    worker: int
-    clock: int
-    token: Hashable
-    since: float
-    observer: bool = False
-
-
 class ShardCore:
     """One shard's parameters, optimizer and consistency rules. No sockets, no msgpack."""
 
@@ -97,13 +92,7 @@ class ShardCore:
         self.config = config or CoreConfig()
         self.mode = self.config.mode
         self.policy = policy or NoPolicy()
-        self.specs: dict[str, SliceSpec] = {}
-        for spec in slices:
-            if spec.dtype not in DTYPES:
-                raise ConfigError(f"slice {spec.key!r}: dtype {spec.dtype!r} not in {list(DTYPES)}")
-            if spec.key in self.specs:
-                raise ConfigError(f"duplicate slice key {spec.key!r}")
-            self.specs[spec.key] = spec
+        self.specs = slice_table(slices)
         self.params: dict[str, torch.Tensor] = {
             s.key: torch.zeros(s.numel, dtype=DTYPES[s.dtype]) for s in self.specs.values()
         }
@@ -121,15 +110,11 @@ class ShardCore:
         self.before_step: Callable[[], None] | None = None
         self.version = 0
         self.initialized = False
-        # INIT in parts: who is seeding, which parts and keys are in, how many parts
-        self._init_owner: int | None = None
-        self._init_parts: set[int] = set()
-        self._init_keys: set[str] = set()
-        self._init_total = 0
+        self.seeding = Seeding()  # INIT in parts: who is seeding, which parts are in
         self.started = False  # the start barrier: expected_workers registered once
         self.workers: dict[int, WorkerState] = {}
         self.workers_evicted = 0  # entries dropped from a full table (see _evict)
-        self._pending: list[_PendingPull] = []
+        self.pulls = PullQueue()  # parked pulls, answered when their gate opens
         # sync: the open round (its buffer, contributors and pushes arriving in parts)
         self.round = SyncRound(self.params)
         # the weights each worker read, for policies that need them (needs_read_weights)
@@ -145,11 +130,7 @@ class ShardCore:
             log.warning("policy %s sets the SSP bound, but the mode is %s: it has no effect",
                         self.policy.name, self.mode.mode)
             self._bound_hook = False
-        # cumulative measurements handed to that policy (BoundStats)
-        self._pushes_total = 0
-        self._staleness_total = 0
-        self._pulls_answered = 0
-        self._wait_total = 0.0
+        self.totals = BoundTotals()  # cumulative measurements handed to that policy
         # what a driver's observer (metrics, the watchdog) reads; off until observe()
         self.probe = Probe(self.params, sync=self.mode.mode == "sync")
 
@@ -179,15 +160,9 @@ class ShardCore:
                     f"{quiet_for:.1f}s ago; retry after the heartbeat timeout "
                     f"({self.config.heartbeat_timeout:g}s) or use another worker id",
                 )
-            self._drop_pending(worker)
+            self.pulls.drop(worker)
             self._drop_unfinished(worker, "its worker restarted")
-            state.incarnation = incarnation
-            state.reported_dead = False
-            state.last_push_id = -1
-            state.anchored = False
-            state.last_outcome = None
-            state.live, state.finished = True, False
-            state.last_seen = now
+            state.restart(incarnation, now)
             state.clock = self._rejoin_clock(state.clock, exclude=worker)
             log.info("worker %d rejoined at clock %d", worker, state.clock)
         else:
@@ -208,7 +183,7 @@ class ShardCore:
         so a flood of HELLOs cannot push a training worker out.
         """
         idle = [w for w in self.workers.values()
-                if not w.active and self._init_owner != w.worker]
+                if not w.active and self.seeding.owner != w.worker]
         gone = [w for w in self.workers.values()
                 if (not w.live or w.finished)
                 and now - w.last_seen > self.config.heartbeat_timeout]
@@ -228,7 +203,7 @@ class ShardCore:
         if state is None:
             return
         self._drop_unfinished(worker, "its entry was evicted")
-        self._drop_pending(worker)
+        self.pulls.drop(worker)
         self.read_weights.pop(worker, None)
         if worker in self.round.members:
             # it contributed to the open round: that gradient stays, counted
@@ -236,7 +211,7 @@ class ShardCore:
         self._maybe_close_round()
 
     def _rejoin_clock(self, own: int, exclude: int | None = None) -> int:
-        clocks = [w.clock for w in self._live() if w.worker != exclude]
+        clocks = [w.clock for w in self.live() if w.worker != exclude]
         return max(own, min(clocks)) if clocks else own
 
     def heartbeat(self, worker: int, now: float) -> None:
@@ -256,14 +231,14 @@ class ShardCore:
         self._drop_unfinished(worker, "its worker said BYE")
         state.finished = True
         state.live = False
-        self._drop_pending(worker)
+        self.pulls.drop(worker)
         self.read_weights.pop(worker, None)  # it will pull again before it pushes again
         self._maybe_close_round()
 
     def expire(self, now: float) -> list[int]:
         """Declare workers silent for longer than the heartbeat timeout dead; return them."""
         dead = []
-        for state in self._live():
+        for state in self.live():
             if now - state.last_seen > self.config.heartbeat_timeout:
                 self._bury(state)
                 dead.append(state.worker)
@@ -296,9 +271,10 @@ class ShardCore:
         self._drop_unfinished(state.worker, "its worker died")
         state.live = False
         state.deaths += 1
-        self._drop_pending(state.worker)
+        self.pulls.drop(state.worker)
 
-    def _live(self) -> list[WorkerState]:
+    def live(self) -> list[WorkerState]:
+        """The live set: workers neither dead nor finished."""
         return [w for w in self.workers.values() if w.live and not w.finished]
 
     def _known(self, worker: int) -> WorkerState:
@@ -308,11 +284,11 @@ class ShardCore:
         return state
 
     def min_clock(self) -> int:
-        live = self._live()
+        live = self.live()
         return min(w.clock for w in live) if live else 0
 
     def clock_gap(self) -> int:
-        live = self._live()
+        live = self.live()
         return max(w.clock for w in live) - min(w.clock for w in live) if live else 0
 
     # ------------------------------------------------------------------ weights
@@ -326,7 +302,7 @@ class ShardCore:
             for key, value in tensors.items():
                 self.params[key].copy_(value)
         self.initialized = True
-        self._init_owner = None
+        self.seeding.end()
         return True
 
     def initialize_part(self, worker: int, tensors: Mapping[str, torch.Tensor],
@@ -350,32 +326,31 @@ class ShardCore:
         if not 0 <= part < parts:
             raise ProtocolError(ErrorCode.BAD_FIELD,
                                 f"INIT part {part} of {parts}: need 0 <= part < parts")
-        if self._init_owner is None:
-            self._init_owner, self._init_parts, self._init_keys = worker, set(), set()
-            self._init_total = parts
-        elif self._init_owner != worker:
+        seeding = self.seeding
+        if seeding.owner is None:
+            seeding.begin(worker, parts)
+        elif seeding.owner != worker:
             return False  # another worker is seeding this shard
-        if parts != self._init_total:
+        if parts != seeding.total:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"INIT in {parts} parts after "
-                                f"{self._init_total}")
-        if part in self._init_parts:
+                                f"{seeding.total}")
+        if part in seeding.parts:
             return None
-        check_tensors(self.specs, tensors, "INIT", whole=False, seen=self._init_keys)
-        last = len(self._init_parts) + 1 == parts
-        missing = self.specs.keys() - self._init_keys - tensors.keys()
+        check_tensors(self.specs, tensors, "INIT", whole=False, seen=seeding.keys)
+        last = seeding.is_last()
+        missing = self.specs.keys() - seeding.keys - tensors.keys()
         if last and missing:
-            self._init_owner = None
+            seeding.end()
             raise ProtocolError(ErrorCode.BAD_TENSOR,
                                 f"INIT: missing keys after the last part: {sorted(missing)[:5]}")
         with torch.no_grad():
             for key, value in tensors.items():
                 self.params[key].copy_(value)
-        self._init_parts.add(part)
-        self._init_keys.update(tensors)
+        seeding.add(part, tensors)
         if not last:
             return None
         self.initialized = True
-        self._init_owner = None
+        seeding.end()
         return True
 
     def check_part(self, tensors: Mapping[str, torch.Tensor],
@@ -426,7 +401,7 @@ class ShardCore:
         With ``wait_init`` a pull before any INIT waits for the weights (a worker
         that leaves the seeding to another) instead of being refused.
         """
-        if not self.initialized and self._init_owner is None and not wait_init:
+        if not self.initialized and self.seeding.owner is None and not wait_init:
             raise ProtocolError(
                 ErrorCode.NOT_INITIALIZED, "no weights yet: the first worker must send INIT"
             )
@@ -442,15 +417,10 @@ class ShardCore:
                 raise ProtocolError(ErrorCode.BAD_FIELD, f"clock must be >= 0, got {clock}")
             state.clock = max(state.clock, clock)
             state.pulls += 1
-            # a retried pull replaces the parked one (one reply per worker), keeping
-            # its start time so waiting is measured from the first attempt
-            for i, old in enumerate(self._pending):
-                if not old.observer and old.worker == worker:
-                    self._pending[i] = _PendingPull(worker, clock, token, old.since)
-                    return
-        self._pending.append(_PendingPull(worker, clock, token, now, observer))
+        # a retried pull replaces the worker's parked one (one reply per worker)
+        self.pulls.park(PendingPull(worker, clock, token, now, observer))
 
-    def _gate_open(self, pull: _PendingPull, min_clock: int) -> bool:
+    def _gate_open(self, pull: PendingPull, min_clock: int) -> bool:
         if not self.initialized:  # a worker is seeding the weights in parts
             return False
         if pull.observer:
@@ -466,14 +436,14 @@ class ShardCore:
 
     def _update_bound(self, now: float) -> None:
         """Ask the policy for the SSP bound, from what this shard measured so far."""
-        live = self._live()
+        live = self.live()
         clocks = [w.clock for w in live] or [0]
         stats = BoundStats(
             now=now, configured=self.mode.staleness_bound, current=self.bound,
             live_workers=len(live), min_clock=min(clocks), max_clock=max(clocks),
-            pushes=self._pushes_total, staleness_sum=self._staleness_total,
-            pulls=self._pulls_answered, wait_seconds=self._wait_total,
-            blocked_pulls=sum(1 for p in self._pending if not p.observer),
+            pushes=self.totals.pushes, staleness_sum=self.totals.staleness_sum,
+            pulls=self.totals.pulls, wait_seconds=self.totals.wait_seconds,
+            blocked_pulls=self.pulls.blocked(),
         )
         bound = self.policy.staleness_bound(stats)
         if bound is None:
@@ -492,37 +462,25 @@ class ShardCore:
         if self._bound_hook:
             self._update_bound(now)
         ready: list[PullReply] = []
-        keep: list[_PendingPull] = []
         min_clock = self.min_clock()  # no clock moves while pulls are answered
-        for pull in self._pending:
-            if not self._gate_open(pull, min_clock):
-                keep.append(pull)
-                continue
+        for pull in self.pulls.take(lambda p: self._gate_open(p, min_clock)):
             waited = now - pull.since
             clock = pull.clock
             if not pull.observer:
                 state = self.workers[pull.worker]
                 clock = state.clock
-                gap = state.clock - min_clock
-                self.max_answered_gap = max(self.max_answered_gap, gap)
-                self._pulls_answered += 1
-                self._wait_total += waited
-                if waited > 0:
-                    state.deferred_pulls += 1
-                    state.wait_seconds += waited
+                self.max_answered_gap = max(self.max_answered_gap, state.clock - min_clock)
+                self.totals.answered(waited)
+                state.answered(waited)
                 if self.policy.needs_read_weights:
                     self.read_weights[pull.worker] = {
                         k: p.detach().clone() for k, p in self.params.items()
                     }
             ready.append(PullReply(pull.worker, pull.token, self.version, clock, waited))
-        self._pending = keep
         return ready
 
     def pending_pulls(self) -> int:
-        return len(self._pending)
-
-    def _drop_pending(self, worker: int) -> None:
-        self._pending = [p for p in self._pending if p.observer or p.worker != worker]
+        return len(self.pulls)
 
     # ------------------------------------------------------------------ pushes
 
@@ -576,24 +534,9 @@ class ShardCore:
             self._give_up(worker, "a newer push came before it was complete")
             stream = None
         if stream is None:
-            if read_version > self.version:
-                raise ProtocolError(
-                    ErrorCode.FUTURE_VERSION,
-                    f"read_version {read_version} is ahead of the shard's version "
-                    f"{self.version}",
-                )
-            if read_version < 0 or clock < 0 or num_samples < 1:
-                raise ProtocolError(
-                    ErrorCode.BAD_FIELD,
-                    f"need read_version >= 0, clock >= 0, num_samples >= 1; got "
-                    f"{read_version}, {clock}, {num_samples}",
-                )
+            check_header(self.version, read_version, clock, num_samples)
         else:
-            first = stream.info
-            if (clock, read_version, num_samples, parts) != (
-                    first.clock, first.read_version, first.num_samples, stream.parts):
-                raise ProtocolError(ErrorCode.BAD_FIELD, f"push {push_id} part {part}: its "
-                                    "header differs from the push's first part")
+            stream.check_header(part, clock, read_version, num_samples, parts)
             if part in stream.received:
                 return None  # sent again after a lost reply: added already
         seen: AbstractSet[str] = stream.keys if stream is not None else frozenset()
@@ -655,12 +598,9 @@ class ShardCore:
     def _open(self, state: WorkerState, push_id: int, clock: int, read_version: int,
               num_samples: int, parts: int) -> Stream:
         """Count a new push and decide on it (from its header alone)."""
-        state.clock = max(state.clock, clock + 1)
-        state.pushes += 1
         tau = self.version - read_version
-        state.staleness[tau] += 1
-        self._pushes_total += 1
-        self._staleness_total += tau
+        state.opened(clock, tau)
+        self.totals.pushed(tau)
         info = UpdateInfo(
             worker=state.worker, shard=self.config.shard, staleness=tau,
             read_version=read_version, version=self.version, clock=clock,
@@ -675,7 +615,8 @@ class ShardCore:
         elif self.mode.mode == "sync" and state.worker in self.round.members:
             reason = "duplicate_in_round"
         else:
-            decision = self._decide(state, info)
+            decision = self._decide(info)
+            state.count(decision)
             reason = decision.reason
         if decision is None:
             state.rejected[reason] += 1
@@ -685,8 +626,8 @@ class ShardCore:
         """``worker`` is gone or starts over: its push in parts is given up, and if it
         was seeding the weights in parts, the next INIT seeds them from the start."""
         self._give_up(worker, why)
-        if self._init_owner == worker:
-            self._init_owner = None
+        if self.seeding.owner == worker:
+            self.seeding.end()
 
     def _give_up(self, worker: int, why: str) -> None:
         """Drop ``worker``'s unfinished push; if some of it is in the round, void the round."""
@@ -694,23 +635,11 @@ class ShardCore:
         if stream is None:
             return
         if stream.decision is not None:
-            self._uncount(self.workers[worker], stream.decision, "incomplete")
+            self.workers[worker].uncount(stream.decision, "incomplete")
         if self.round.give_up(stream):
             log.warning("worker %d's push %d was given up after %d of %d parts (%s): the "
                         "open round is void and closes without a step", worker,
                         stream.push_id, len(stream.received), stream.parts, why)
-
-    @staticmethod
-    def _uncount(state: WorkerState, decision: Decision, reason: str = "round_void") -> None:
-        """A push decided at its first part did not make it into a round after all."""
-        if decision.accept:
-            state.applied -= 1
-            state.weight_sum -= decision.weight
-            if decision.weight < 1.0:
-                state.downweighted -= 1
-        else:
-            state.rejected[decision.reason] -= 1
-        state.rejected[reason] += 1
 
     def _add_to_round(self, stream: Stream, grads: Mapping[str, torch.Tensor]) -> None:
         decision = stream.decision
@@ -729,7 +658,7 @@ class ShardCore:
         decision = stream.decision
         if stream.voided and not self.round.void and decision is not None:
             # its round closed void while its parts were skipped: it is not in this one
-            self._uncount(state, decision)
+            state.uncount(decision, "round_void")
             decision, stream.reason = None, "round_void"
         if decision is None:
             return PushOutcome(False, 0.0, stream.reason, stream.info.staleness,
@@ -739,19 +668,12 @@ class ShardCore:
         return PushOutcome(decision.accept, decision.weight if decision.accept else 0.0,
                            decision.reason, 0, self.version, stepped)
 
-    def _decide(self, state: WorkerState, info: UpdateInfo) -> Decision:
+    def _decide(self, info: UpdateInfo) -> Decision:
         decision = self.policy.decide(info)
         if not isinstance(decision, Decision):
             raise ConfigError(f"policy {self.policy.name!r} returned {decision!r}, not a Decision")
         if decision.accept and decision.weight == 0.0:
             decision = Decision(False, 0.0, decision.reason or "weight 0")
-        if not decision.accept:
-            state.rejected[decision.reason] += 1
-        else:
-            state.applied += 1
-            state.weight_sum += decision.weight
-            if decision.weight < 1.0:
-                state.downweighted += 1
         return decision
 
     def _widen(self, grads: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
@@ -792,7 +714,7 @@ class ShardCore:
         """Close the open sync round when at most ``backup_workers`` live ones are missing."""
         if self.mode.mode != "sync" or not self.round.members:
             return False
-        missing = [w for w in self._live() if w.worker not in self.round.members]
+        missing = [w for w in self.live() if w.worker not in self.round.members]
         if len(missing) > self.mode.backup_workers:
             return False
         if self.round.in_flight():
@@ -854,7 +776,7 @@ class ShardCore:
         snapshot.load(self, tensors, meta)
         self.workers = {int(wid): WorkerState.from_record(int(wid), w, now)
                         for wid, w in meta["workers"].items()}
-        self._pending = []
+        self.pulls.clear()
 
     # ------------------------------------------------------------------ reporting
 
@@ -873,36 +795,4 @@ class ShardCore:
         return float(self.optimizer.param_groups[0]["lr"])
 
     def stats(self) -> dict[str, Any]:
-        live = self._live()
-        listed = list(self.workers.values())
-        if len(listed) > STATS_WORKERS:
-            listed = sorted(listed,
-                            key=lambda w: (not (w.live and not w.finished), -w.last_seen)
-                            )[:STATS_WORKERS]
-        return {
-            "shard": self.config.shard,
-            "mode": self.mode.describe(),
-            "policy": self.policy.describe(),
-            "version": self.version,
-            "initialized": self.initialized,
-            "started": self.started,
-            "lr": self.lr,
-            "live_workers": sorted(w.worker for w in live)[:STATS_WORKERS],
-            "live_count": len(live),
-            "min_clock": self.min_clock(),
-            "clock_gap": self.clock_gap(),
-            "max_answered_gap": self.max_answered_gap,
-            "staleness_bound": self.bound if self.mode.mode == "ssp" else None,
-            "staleness_bound_max": self.max_bound if self.mode.mode == "ssp" else None,
-            "pending_pulls": len(self._pending),
-            "rounds_dropped": self.rounds_dropped,
-            "rounds_voided": self.rounds_voided,
-            # in the weights' own dtype: a float64 copy of each slice would be a peak
-            "weight_norm": math.sqrt(sum(l2(p.detach()) ** 2 for p in self.params.values())),
-            # bounded whatever the table holds (a map over 4096 entries would not even
-            # decode): live workers first, then the most recently seen
-            "workers": {str(w.worker): w.summary() for w in listed},
-            "workers_known": len(self.workers),
-            "workers_listed": len(listed),
-            "workers_evicted": self.workers_evicted,
-        }
+        return report.stats(self)

@@ -4,7 +4,8 @@
 :class:`~paramserver.core.ShardCore`, :class:`SliceSpec` describes a slice it
 owns, :class:`WorkerState` is what it knows of one worker (its clock, liveness
 and counters), :class:`PushOutcome` and :class:`PullReply` are its answers to a
-push and a pull, and :func:`check_tensors` is the check every tensor a shard
+push and a pull, :class:`PullQueue` holds its parked pulls, :class:`BoundTotals`
+what an adaptive SSP bound is set from, and :func:`check_tensors` is the check every tensor a shard
 takes in (INIT, PUSH, a checkpoint) must pass to fit its slices. The rules that
 use them live in core.py. All of them are importable from ``paramserver.core``.
 """
@@ -12,7 +13,7 @@ use them live in core.py. All of them are importable from ``paramserver.core``.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -21,19 +22,25 @@ import torch
 
 from .dtypes import FLOAT_DTYPES, NARROW_DTYPES
 from .errors import ConfigError, ErrorCode, ProtocolError
+from .staleness import Decision
 
 __all__ = [
     "DTYPES",
     "MAX_WORKERS",
     "MODES",
     "STATS_WORKERS",
+    "BoundTotals",
     "CoreConfig",
     "ModeSpec",
+    "PendingPull",
+    "PullQueue",
     "PullReply",
     "PushOutcome",
     "SliceSpec",
     "WorkerState",
+    "check_header",
     "check_tensors",
+    "slice_table",
 ]
 
 Mode = Literal["sync", "async", "ssp"]
@@ -157,6 +164,51 @@ class WorkerState:
         """It did something beyond HELLO (pulled or pushed)."""
         return self.pulls > 0 or self.pushes > 0
 
+    def restart(self, incarnation: str, now: float) -> None:
+        """A new process took over this worker id: live, nothing pushed yet (its
+        clock is the core's to set)."""
+        self.incarnation = incarnation
+        self.reported_dead = False
+        self.last_push_id = -1
+        self.anchored = False
+        self.last_outcome = None
+        self.live, self.finished = True, False
+        self.last_seen = now
+
+    def opened(self, clock: int, staleness: int) -> None:
+        """A new push (not a duplicate) at ``clock``, read ``staleness`` versions ago."""
+        self.clock = max(self.clock, clock + 1)
+        self.pushes += 1
+        self.staleness[staleness] += 1
+
+    def count(self, decision: Decision) -> None:
+        """Count the policy's ``decision`` on one of its pushes."""
+        if not decision.accept:
+            self.rejected[decision.reason] += 1
+        else:
+            self.applied += 1
+            self.weight_sum += decision.weight
+            if decision.weight < 1.0:
+                self.downweighted += 1
+
+    def uncount(self, decision: Decision, reason: str) -> None:
+        """A push counted by :meth:`count` did not make it into a round after all:
+        it is a rejection for ``reason`` instead."""
+        if decision.accept:
+            self.applied -= 1
+            self.weight_sum -= decision.weight
+            if decision.weight < 1.0:
+                self.downweighted -= 1
+        else:
+            self.rejected[decision.reason] -= 1
+        self.rejected[reason] += 1
+
+    def answered(self, waited: float) -> None:
+        """One of its pulls was answered after ``waited`` seconds parked."""
+        if waited > 0:
+            self.deferred_pulls += 1
+            self.wait_seconds += waited
+
     def summary(self) -> dict[str, Any]:
         return {
             "worker": self.worker,
@@ -236,6 +288,77 @@ class PullReply:
     waited: float
 
 
+@dataclass
+class PendingPull:
+    """A parked pull: ``token`` is the driver's, to answer it by."""
+
+    worker: int
+    clock: int
+    token: Hashable
+    since: float
+    observer: bool = False
+
+
+class PullQueue:
+    """A shard's parked pulls, oldest first: at most one per worker, any number of
+    observers'. Which of them may be answered, the core decides."""
+
+    def __init__(self) -> None:
+        self.pulls: list[PendingPull] = []
+
+    def __len__(self) -> int:
+        return len(self.pulls)
+
+    def park(self, pull: PendingPull) -> None:
+        """Park ``pull``. A worker's retried pull replaces the parked one (one reply per
+        worker), keeping its start time so waiting is measured from the first attempt."""
+        if not pull.observer:
+            for i, old in enumerate(self.pulls):
+                if not old.observer and old.worker == pull.worker:
+                    self.pulls[i] = PendingPull(pull.worker, pull.clock, pull.token, old.since)
+                    return
+        self.pulls.append(pull)
+
+    def take(self, ready: Callable[[PendingPull], bool]) -> list[PendingPull]:
+        """Remove and return the pulls ``ready`` says may be answered, oldest first."""
+        taken: list[PendingPull] = []
+        keep: list[PendingPull] = []
+        for pull in self.pulls:
+            (taken if ready(pull) else keep).append(pull)
+        self.pulls = keep
+        return taken
+
+    def drop(self, worker: int) -> None:
+        """Drop ``worker``'s parked pull (it left, died or restarted)."""
+        self.pulls = [p for p in self.pulls if p.observer or p.worker != worker]
+
+    def blocked(self) -> int:
+        """Workers' pulls parked (observers' aside)."""
+        return sum(1 for p in self.pulls if not p.observer)
+
+    def clear(self) -> None:
+        self.pulls = []
+
+
+@dataclass
+class BoundTotals:
+    """Running totals an adaptive SSP bound is set from
+    (:class:`~paramserver.staleness.BoundStats`)."""
+
+    pushes: int = 0
+    staleness_sum: int = 0
+    pulls: int = 0  # workers' pulls answered
+    wait_seconds: float = 0.0  # their time parked, summed
+
+    def pushed(self, staleness: int) -> None:
+        self.pushes += 1
+        self.staleness_sum += staleness
+
+    def answered(self, waited: float) -> None:
+        self.pulls += 1
+        self.wait_seconds += waited
+
+
 def check_tensors(specs: Mapping[str, SliceSpec], tensors: Mapping[str, torch.Tensor],
                   what: str, narrow_ok: bool = False, whole: bool = True,
                   seen: AbstractSet[str] = frozenset()) -> None:
@@ -269,3 +392,32 @@ def check_tensors(specs: Mapping[str, SliceSpec], tensors: Mapping[str, torch.Te
                 f"{what}: {key!r} is {value.dtype} {list(value.shape)}, "
                 f"expected {spec.dtype} [{spec.numel}]",
             )
+
+
+def slice_table(slices: Iterable[SliceSpec]) -> dict[str, SliceSpec]:
+    """``slices`` by key: each of a floating point dtype, each key once (else
+    :class:`ConfigError`)."""
+    specs: dict[str, SliceSpec] = {}
+    for spec in slices:
+        if spec.dtype not in DTYPES:
+            raise ConfigError(f"slice {spec.key!r}: dtype {spec.dtype!r} not in {list(DTYPES)}")
+        if spec.key in specs:
+            raise ConfigError(f"duplicate slice key {spec.key!r}")
+        specs[spec.key] = spec
+    return specs
+
+
+def check_header(version: int, read_version: int, clock: int, num_samples: int) -> None:
+    """A new push's header, at a shard at ``version``: read at a version the shard
+    has reached, with a clock and samples in range (else a :class:`ProtocolError`)."""
+    if read_version > version:
+        raise ProtocolError(
+            ErrorCode.FUTURE_VERSION,
+            f"read_version {read_version} is ahead of the shard's version {version}",
+        )
+    if read_version < 0 or clock < 0 or num_samples < 1:
+        raise ProtocolError(
+            ErrorCode.BAD_FIELD,
+            f"need read_version >= 0, clock >= 0, num_samples >= 1; got "
+            f"{read_version}, {clock}, {num_samples}",
+        )

@@ -1,4 +1,5 @@
-"""A sync shard's open round: its one aggregation buffer and the pushes in parts.
+"""What a shard takes in over several messages: a sync shard's open round (its
+one aggregation buffer and the pushes in parts) and an INIT sent in parts.
 
 :class:`SyncRound` belongs to one :class:`~paramserver.core.ShardCore` in sync
 mode. It holds the contributors of the open round, the running sample-weighted
@@ -12,19 +13,24 @@ A part is added into the buffer as it arrives and its frames can be freed at
 once, so a sync shard never holds a whole gradient of any worker. What was added
 cannot be taken back out, so a push given up half-way makes the round *void*: it
 closes without a step.
+
+:class:`Seeding` is the bookkeeping of an INIT sent in parts: who seeds the
+weights and which parts and keys are in; which parts are taken and when the
+weights count as seeded, core.py decides.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
+from .errors import ErrorCode, ProtocolError
 from .probe import PushMeasure
 from .staleness import Decision, UpdateInfo
 
-__all__ = ["Stream", "SyncRound"]
+__all__ = ["Seeding", "Stream", "SyncRound"]
 
 
 @dataclass
@@ -41,6 +47,15 @@ class Stream:
     added: bool = False  # some of it is in the round's buffer
     voided: bool = False  # it met a void round: none of it is added
     measure: PushMeasure | None = None  # observed pushes only
+
+    def check_header(self, part: int, clock: int, read_version: int, num_samples: int,
+                     parts: int) -> None:
+        """A later part must carry its push's header (else a :class:`ProtocolError`)."""
+        first = self.info
+        if (clock, read_version, num_samples, parts) != (
+                first.clock, first.read_version, first.num_samples, self.parts):
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"push {self.push_id} part {part}: its "
+                                "header differs from the push's first part")
 
 
 class SyncRound:
@@ -116,3 +131,30 @@ class SyncRound:
             self.written.clear()
             self.void = False
         return stepped
+
+
+class Seeding:
+    """The weights being seeded from an INIT in parts: by ``owner`` (None: nobody is
+    seeding), in ``total`` parts, of which ``parts`` are in, holding ``keys``."""
+
+    def __init__(self) -> None:
+        self.owner: int | None = None
+        self.parts: set[int] = set()
+        self.keys: set[str] = set()
+        self.total = 0
+
+    def begin(self, worker: int, total: int) -> None:
+        """``worker`` starts seeding, in ``total`` parts."""
+        self.owner, self.parts, self.keys, self.total = worker, set(), set(), total
+
+    def add(self, part: int, keys: Iterable[str]) -> None:
+        self.parts.add(part)
+        self.keys.update(keys)
+
+    def is_last(self) -> bool:
+        """Whether the next new part completes the seeding."""
+        return len(self.parts) + 1 == self.total
+
+    def end(self) -> None:
+        """Seeded, or given up: the next INIT in parts starts over."""
+        self.owner = None

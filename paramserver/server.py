@@ -6,15 +6,13 @@ replies possibly much later, when the core's gates open) and writes the JSONL
 event log. It never lets one bad message stop it: every failure becomes an
 ERROR reply with a code, and the core's state is untouched.
 
-Weights go out zero-copy. Because zmq may still be reading a tensor's memory
-after ``send`` returns, the server tracks those sends; if one is in flight when
-the optimizer is about to write, the core's parameters move to fresh storage
-first (copy-on-write), so no reader ever sees a half-updated tensor.
+Its parts live beside it: access.py (who may do what under CURVE), parts.py
+(pushes sent in parts), outbox.py (replies, parked pulls and the zero-copy
+sends of the weights) and checkpointer.py (checkpoints and resuming).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import json
 import logging
@@ -25,23 +23,27 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import zmq
 
-from .checkpoint import CheckpointError, load_shard, save_shard
+from .access import Access, is_loopback, load_grants
+from .checkpoint import CheckpointError
+from .checkpointer import RESTORE_ERRORS, Checkpointer
 from .config import ServerConfig
 from .core import DTYPES as CORE_DTYPES
 from .core import ShardCore, SliceSpec
-from .errors import ConfigError, ErrorCode, ParamServerError, ProtocolError, TransportError
+from .errors import ConfigError, ErrorCode, ProtocolError, TransportError
 from .events import EventLog
 from .metrics import MetricsExporter, TensorBoardWriter
 from .observe import ShardObserver
+from .outbox import Outbox
+from .parts import JoinedParts, StreamedParts, part_of
 from .proctitle import set_title
 from .protocol import PROTOCOL_VERSION, Message, Op, decode, error_reply, reply
 from .sharding import ShardPlan
 from .staleness import create_policy
-from .transport import ANY_KEY, CurveKeys, KeyGrant, RouterSocket, load_allow_list, public_key
+from .transport import CurveKeys, RouterSocket
 from .watchdog import Alarm, Watchdog
 
 __all__ = ["DIVERGED_EXIT_CODE", "READY_PREFIX", "ServerConfig", "ShardServer", "run_server"]
@@ -64,36 +66,32 @@ class ShardServer:
         curve = CurveKeys.load(config.curve_secret_key) if config.curve_secret_key else None
         self.policy = create_policy(config.policy, config.policy_args)
         # CURVE: what each client key may do (None: any admitted key acts as a plain
-        # worker); without CURVE no key is known, and every peer is trusted
-        self._grants: dict[str, KeyGrant] | None = None
-        if curve is not None:
-            self._grants = _grants(config)
-            if not any(g.admin for g in self._grants.values()):
-                log.warning("shard %d: no admin key (--admin-key): SHUTDOWN, CHECKPOINT and "
-                            "BYE dead=true are refused; stop the shard with SIGTERM",
-                            config.shard)
+        # worker) and which key registered each worker id; without CURVE no key is
+        # known, and every peer is trusted
+        self.access = Access(load_grants(config.curve_clients_dir, config.admin_keys)
+                             if curve is not None else None)
+        if curve is not None and not self.access.has_admin:
+            log.warning("shard %d: no admin key (--admin-key): SHUTDOWN, CHECKPOINT and "
+                        "BYE dead=true are refused; stop the shard with SIGTERM", config.shard)
         self.socket = RouterSocket(
             config.bind, curve=curve,
-            allowed_clients=self._grants if config.curve_clients_dir else None)
-        # CURVE: worker id -> the public key whose HELLO registered it; only that key
-        # may act as the worker (bounded with the core's worker table, see _forget_gone)
-        self._owners: dict[int, str] = {}
+            allowed_clients=self.access.grants if config.curve_clients_dir else None)
         self.address = self.socket.address
-        if curve is None and not _loopback(self.address):
+        if curve is None and not is_loopback(self.address):
             log.warning("shard %d binds %s without CURVE: anyone who reaches this port is "
                         "trusted with every operation, SHUTDOWN included (docs/reliability.md)",
                         config.shard, self.address)
         self.events = EventLog(config.event_log)
         self.plan: ShardPlan | None = None
         self.core: ShardCore | None = None
-        # zero-copy replies that may still be read from the weights' memory:
-        # (tracker, peer identity, the request's seq)
-        self._inflight: list[tuple[zmq.MessageTracker, bytes, int]] = []
         self._running = False
         self.counters: Counter[str] = Counter()
+        self.outbox = Outbox(self.socket, self.counters)
         self.started_at = time.time()
         self.peers: dict[int, dict[str, Any]] = {}  # worker -> host and pid from its HELLO
-        self._last_checkpoint = (time.monotonic(), -1)  # (when, version)
+        self.checkpoints = Checkpointer(
+            config.shard, config.checkpoint_dir, self.events, keep=config.checkpoint_keep,
+            every=config.checkpoint_every, seconds=config.checkpoint_seconds)
         self.watchdog = Watchdog(config.shard, config.watchdog_config(),
                                  bounded_lag=config.mode != "async")
         self.observer = ShardObserver(
@@ -104,16 +102,8 @@ class ShardServer:
         self.exporter = MetricsExporter.for_bind(self.observer.registry, config.metrics_port,
                                                  self.address)
         self.metrics_port = self.exporter.start()
-        self._observer_pulls: set[Any] = set()  # tokens of observer pulls (no worker metrics)
-        # worker -> (token, push outcome) of its parked PUSH-with-pull; one per worker,
-        # as the core keeps one parked pull per worker
-        self._push_pulls: dict[int, tuple[Any, dict[str, Any]]] = {}
-        # worker -> (push id, {part: asked for the pull}, tensors so far) of a push in parts
-        self._parts: dict[int, tuple[int, dict[int, bool], dict[str, Any]]] = {}
-        self._parts_bytes = 0  # held in _parts, over every worker
-        self._parts_budget = 0  # set with the plan: what the expected workers need at once
-        # worker -> (push id, a part asked for the pull, bytes so far) of a streamed push
-        self._streamed: dict[int, tuple[int, bool, int]] = {}
+        self.joined = JoinedParts(self.counters)  # pushes in parts the core takes whole
+        self.streamed = StreamedParts()  # pushes in parts the core adds part by part
         self.diverged: Alarm | None = None
         self._stop_at: float | None = None  # diverged: refuse requests until then, then exit
         self._told: set[int] = set()  # workers refused since the watchdog stopped training
@@ -178,7 +168,7 @@ class ShardServer:
         assert self.core is not None
         try:
             for worker in self.core.expire(now):
-                self._drop_parts(worker)
+                self.joined.drop(worker)
                 self.events.write("worker_dead", shard=self.config.shard, worker=worker)
                 self.observer.left(self.core, worker)
         except Exception as exc:
@@ -211,56 +201,24 @@ class ShardServer:
 
     def save_checkpoint(self, directory: str | None = None) -> str | None:
         """Write this shard's checkpoint now; returns the manifest path (None: nothing to save)."""
-        target = directory or self.config.checkpoint_dir
-        if target is None:
-            raise ConfigError("no checkpoint directory configured")
-        if self.core is None or self.plan is None:
-            return None
-        tensors, meta = self.core.state_dict()
-        meta.update(plan=self.plan.describe(), plan_hash=self.plan.hash,
-                    optimizer_name=self.config.optimizer, server=self.config.to_dict())
-        path = save_shard(target, self.config.shard, tensors, meta,
-                          keep=self.config.checkpoint_keep)
-        self._last_checkpoint = (time.monotonic(), self.core.version)
-        self.events.write("checkpoint", shard=self.config.shard, version=self.core.version,
-                          path=str(path))
-        return str(path)
+        return self.checkpoints.save(
+            self.core, self.plan, {"optimizer_name": self.config.optimizer,
+                                   "server": self.config.to_dict()}, directory)
 
     def _maybe_checkpoint(self) -> None:
-        if self.core is None or not self.config.checkpoint_dir:
-            return
-        when, version = self._last_checkpoint
-        if version == self.core.version:
-            return
-        every, seconds = self.config.checkpoint_every, self.config.checkpoint_seconds
-        due = (every and self.core.version % every == 0) or (
-            seconds and time.monotonic() - when >= seconds)
-        if due:
+        if self.checkpoints.due(self.core):
             self.save_checkpoint()
 
     def _restore(self, directory: str) -> None:
-        tensors, meta = load_shard(directory, self.config.shard)
-        where = f"checkpoint of shard {self.config.shard} in {directory}"
-        try:
-            plan = ShardPlan.from_description(meta["plan"])
-        except (ConfigError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{where}: unusable plan: {exc}") from exc
-        if self.plan is not None and plan.hash != self.plan.hash:
-            raise CheckpointError(f"checkpoint in {directory} has another plan: "
-                                  f"{self.plan.diff(meta['plan'])}")
+        plan, tensors, meta = self.checkpoints.read(directory, self.plan)
         try:
             self._adopt_plan(plan)
             assert self.core is not None
             self.core.load_state_dict(tensors, meta, time.monotonic())
-        except (ParamServerError, KeyError, TypeError, ValueError, AttributeError,
-                IndexError, RuntimeError) as exc:
-            # one sentence naming the file; the server does not start from it
-            self.core = self.plan = None
-            what = exc.reason if isinstance(exc, ProtocolError) else str(exc)
-            raise CheckpointError(f"{where}: {type(exc).__name__}: {what}") from exc
-        self._last_checkpoint = (time.monotonic(), self.core.version)
-        log.info("shard %d resumed from %s at version %d", self.config.shard, directory,
-                 self.core.version)
+        except RESTORE_ERRORS as exc:
+            self.core = self.plan = None  # the server does not start from it
+            raise self.checkpoints.unusable(directory, exc) from exc
+        self.checkpoints.resumed(directory, self.core.version)
 
     # ------------------------------------------------------------------ dispatch
 
@@ -270,9 +228,8 @@ class ShardServer:
             msg = decode(frames, self.socket.limits)
             seq = msg.seq
             key = self.socket.user_id(frames)
-            self._authorize(msg, key)
-            if self._inflight:
-                self._acknowledged(identity, seq)
+            self.access.check(msg, key)
+            self.outbox.acknowledged(identity, seq)
             self.counters["messages"] += 1
             self.counters["bytes_in"] += sum(len(f) for f in frames)
             handler = self._handlers.get(msg.op)
@@ -282,8 +239,7 @@ class ShardServer:
             if self.diverged is not None and msg.op not in (Op.STATS, Op.SHUTDOWN):
                 self._refuse_diverged(msg)
             answer = handler(self, msg, identity)
-            if key is not None and msg.op is Op.HELLO and msg["role"] == "worker":
-                self._owners[msg["worker"]] = key  # registered: the id is this key's now
+            self.access.handled(msg, key)
         except ProtocolError as exc:
             self.counters[f"error_{exc.code}"] += 1
             self.observer.error(exc.code)
@@ -299,106 +255,17 @@ class ShardServer:
             answer = error_reply(seq, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
         self._act_on_alarms()  # before replying: the launcher learns of a stop first
         if answer is not None:
-            self._send(identity, answer)
+            self.outbox.send(identity, answer)
         if self.core is not None:
             self._answer_pulls(time.monotonic())
 
-    def _authorize(self, msg: Message, key: str | None) -> None:
-        """Under CURVE, refuse (``forbidden``) a key acting for a worker id another key
-        registered, or outside its allow-listed ranks, and a non-admin key running
-        SHUTDOWN, CHECKPOINT or BYE dead=true. Without CURVE everyone is trusted."""
-        if self._grants is None:
-            return
-        if key is None:  # every CURVE message passes the ZAP handler, which names its key
-            raise ProtocolError(ErrorCode.FORBIDDEN, "the message carries no CURVE key")
-        grant = self._grants.get(key, ANY_KEY)
-        if msg.op in _ADMIN_OPS or (msg.op is Op.BYE and msg.get("dead")):
-            if not grant.admin:
-                what = "BYE dead=true" if msg.op is Op.BYE else msg.op.value.upper()
-                raise ProtocolError(ErrorCode.FORBIDDEN,
-                                    f"{what} needs an admin key; key {key} is not one")
-            return
-        if msg.op is Op.HELLO:
-            if msg["role"] != "worker":
-                return  # an observer acts for no worker
-        elif msg.op not in _AS_WORKER or (msg.op is Op.PULL and msg.get("observer")):
-            return
-        worker = msg["worker"]
-        if grant.ranks is not None and worker not in grant.ranks:
-            raise ProtocolError(ErrorCode.FORBIDDEN, f"key {key} may act as worker(s) "
-                                f"{sorted(grant.ranks)} only, not {worker}")
-        owner = self._owners.get(worker)
-        if owner is None and msg.op is not Op.HELLO:
-            # e.g. a worker restored from a checkpoint: it says HELLO again first
-            raise ProtocolError(ErrorCode.NOT_REGISTERED,
-                                f"worker {worker} has not said HELLO to this shard with its key")
-        if owner is not None and owner != key:
-            raise ProtocolError(ErrorCode.FORBIDDEN, f"worker {worker} was registered by "
-                                f"another key; key {key} may not act for it")
-
-    def _send(self, identity: bytes, msg: Message) -> None:
-        if msg.tensors:
-            tracker = self.socket.send(identity, msg, track=True)
-            if tracker is not None and not tracker.done:
-                self._inflight.append((tracker, identity, msg.seq))
-        else:
-            self.socket.send(identity, msg)
-        self.counters["bytes_out"] += msg.nbytes
-
     def _before_mutation(self) -> None:
-        """Copy-on-write: parameters still being sent must not be written in place.
-
-        pyzmq marks a send done from its garbage-collector thread, which usually
-        has not run yet when the worker that read the reply already pushes
-        again; so wait for pending sends up to about the time copying the shard
-        would take (4 GB/s) before copying it.
-        """
-        if not self._inflight:
-            return
-        pending = [t for t, _, _ in self._inflight if not t.done]
-        if pending and self.core is not None:
-            nbytes = sum(p.numel() * p.element_size() for p in self.core.params.values())
-            deadline = time.monotonic() + min(0.05, nbytes / 4e9)
-            for tracker in pending:
-                try:
-                    tracker.wait(max(0.0, deadline - time.monotonic()))
-                except zmq.NotDone:
-                    break
-            pending = [t for t in pending if not t.done]
-        if pending and self.core is not None:
-            self.core.copy_on_write()
-            self.counters["copy_on_write"] += 1
-        self._inflight = []
-
-    def _acknowledged(self, identity: bytes, seq: int) -> None:
-        """A peer's request ``seq`` proves it received our replies to its earlier ones.
-
-        A client sends a request after the one a zero-copy reply answered only
-        once it holds that whole reply (or gave up on it), so every byte of it
-        was already copied out of our memory into the kernel. This learns it
-        as the next request arrives, instead of waiting for pyzmq to report
-        the send done from its garbage-collector thread, which lags behind
-        under load (and then cost a copy of the whole shard).
-        """
-        self._inflight = [e for e in self._inflight if e[1] != identity or e[2] >= seq]
+        """Copy-on-write: parameters still being sent must not be written in place."""
+        self.outbox.settle(self.core)
 
     def _answer_pulls(self, now: float) -> None:
         assert self.core is not None
-        for ready in self.core.ready_pulls(now):
-            identity, seq = cast("tuple[bytes, int]", ready.token)
-            fields: dict[str, Any] = {"re": Op.PULL.value, "version": ready.version,
-                                      "clock": ready.clock, "waited": ready.waited}
-            combined = self._push_pulls.get(ready.worker)
-            if combined is not None and combined[0] == ready.token:
-                del self._push_pulls[ready.worker]
-                fields.update(re=Op.PUSH.value, push=combined[1])
-            msg = Message(Op.REPLY, seq, fields, self.core.params)
-            self._send(identity, msg)
-            if ready.token in self._observer_pulls:
-                self._observer_pulls.discard(ready.token)
-            else:
-                self.observer.pull(ready.worker, ready.waited + time.monotonic() - now,
-                                   ready.waited, msg.nbytes)
+        self.outbox.answer_pulls(self.core, now, self.observer)
 
     # ------------------------------------------------------------------ watchdog
 
@@ -464,7 +331,7 @@ class ShardServer:
         self.core.before_step = self._before_mutation
         self._observe_core()
         self.plan = plan
-        self._parts_budget = (64 << 20) + (self.config.expected_workers + 1) * plan.shard_bytes(
+        self.joined.budget = (64 << 20) + (self.config.expected_workers + 1) * plan.shard_bytes(
             self.config.shard)
         log.info("shard %d holds %d slices, %d bytes", self.config.shard, len(slices),
                  plan.shard_bytes(self.config.shard))
@@ -538,14 +405,10 @@ class ShardServer:
         """Drop the server's own per-worker state of workers the core evicted."""
         assert self.core is not None
         known = self.core.workers
-        for worker in [w for w in self._parts if w not in known]:
-            self._drop_parts(worker)
-        for worker in [w for w in self._streamed if w not in known]:
-            del self._streamed[worker]
-        for worker in [w for w in self._push_pulls if w not in known]:
-            del self._push_pulls[worker]
-        for worker in [w for w in self._owners if w not in known]:
-            del self._owners[worker]  # evicted: a key may register that id anew
+        self.joined.forget(known)
+        self.streamed.forget(known)
+        self.outbox.forget(known)
+        self.access.forget(known)
         self._told &= set(known)
         self.observer.forget(set(known))
 
@@ -553,7 +416,7 @@ class ShardServer:
         core = self._require_core()
         if not core.initialized:  # (steps protect the weights through core.before_step)
             self._before_mutation()
-        part, parts = _part_of(msg)
+        part, parts = part_of(msg)
         seeded = core.initialize_part(msg["worker"], msg.tensors, part, parts)
         if seeded:
             self.events.write("init", shard=self.config.shard, worker=msg["worker"])
@@ -567,17 +430,17 @@ class ShardServer:
         core.request_pull(msg["worker"], msg["clock"], (identity, msg.seq), time.monotonic(),
                           observer=observer, wait_init=bool(msg.get("wait_init", False)))
         if observer:
-            self._observer_pulls.add((identity, msg.seq))
+            self.outbox.park_observer((identity, msg.seq))
         return None  # answered by _answer_pulls, now or when the gate opens
 
     def _on_push(self, msg: Message, identity: bytes) -> Message | None:
         core = self._require_core()
-        part, parts = _part_of(msg)
+        part, parts = part_of(msg)
         streamed = parts != 1 and core.streams_parts
         if parts != 1:
             self.counters["push_parts_streamed" if streamed else "push_parts_joined"] += 1
         if parts != 1 and not streamed:
-            whole = self._join_parts(core, msg)
+            whole = self.joined.join(core, msg)
             if whole is None:
                 return reply(msg, partial=True)  # the outcome comes with the last part
             msg = whole
@@ -590,23 +453,17 @@ class ShardServer:
             out = core.push(msg["worker"], msg["push_id"], msg["clock"], read_version,
                             msg["num_samples"], msg.tensors, time.monotonic(), part, parts)
         except ProtocolError as exc:
-            self._streamed.pop(msg["worker"], None)
+            self.streamed.drop(msg["worker"])
             if exc.code == ErrorCode.NONFINITE:
                 self.observer.nonfinite(msg["worker"], loss)
             raise
         if streamed:
             # sync: each part was added into the round's buffer and its frames are free;
             # what the answer needs of the earlier parts is kept here
-            key = (msg["push_id"], bool(msg.get("pull", False)), msg.nbytes)
-            prior = self._streamed.get(msg["worker"])
-            if prior is not None and prior[0] == key[0]:
-                key = (key[0], key[1] or prior[1], key[2] + prior[2])
+            pull, nbytes = self.streamed.tally(msg, last=out is not None)
             if out is None:
-                self._streamed[msg["worker"]] = key
                 return reply(msg, partial=True)
-            self._streamed.pop(msg["worker"], None)
-            msg = Message(msg.op, msg.seq, {**msg.fields, "pull": key[1]})
-            nbytes = key[2]
+            msg = Message(msg.op, msg.seq, {**msg.fields, "pull": pull})
         else:
             nbytes = msg.nbytes
         assert out is not None  # only a streamed part that is not the last has none
@@ -629,7 +486,7 @@ class ShardServer:
             # gate opens (in sync mode, when the round closes), with this outcome in it
             token = (identity, msg.seq)
             core.request_pull(msg["worker"], msg["clock"] + 1, token, time.monotonic())
-            self._push_pulls[msg["worker"]] = (token, out.as_dict())
+            self.outbox.park_push_pull(msg["worker"], token, out.as_dict())
             return None
         return reply(msg, **out.as_dict())
 
@@ -638,60 +495,10 @@ class ShardServer:
             self.core.heartbeat(msg["worker"], time.monotonic())
         return reply(msg, version=self.core.version if self.core else 0)
 
-    def _join_parts(self, core: ShardCore, msg: Message) -> Message | None:
-        """Collect a push sent in parts; the whole push once its last part is in.
-
-        The parts' frames are kept as they arrived (no copy) until then; a
-        worker has at most one push in the making, a newer push id drops an
-        unfinished older one. A part of a push the core already decided is
-        passed through: the core answers it as the duplicate it is.
-        """
-        worker, push_id, part, parts = msg["worker"], msg["push_id"], msg.get("part"), msg["parts"]
-        # every part has a key of the shard's, so a push has at most that many parts
-        most = max(1, len(core.specs))
-        if part is None or not 1 <= parts <= most or not 0 <= part < parts:
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"push part {part} of {parts}: need "
-                                f"0 <= part < parts <= {most} (the shard's slices)")
-        # held only for a registered, live worker, within its push id window: nothing
-        # is kept for a peer that never said HELLO
-        state = core.check_push_id(worker, push_id)
-        if push_id <= state.last_push_id:
-            return msg
-        entry = self._parts.get(worker)
-        if entry is None or entry[0] != push_id:
-            self._drop_parts(worker)
-            entry = (push_id, {}, {})
-        _, received, tensors = entry
-        if part in received:
-            return None  # sent again after a lost reply
-        # each key of the shard at most once, with its slice's shape and dtype: one
-        # worker holds at most its share of a push
-        core.check_part(msg.tensors, seen=tensors.keys())
-        nbytes = msg.nbytes
-        if self._parts_bytes + nbytes > self._parts_budget:
-            self.counters["parts_over_budget"] += 1
-            raise ProtocolError(ErrorCode.BUSY, f"pushes in parts hold {self._parts_bytes} "
-                                f"bytes of {self._parts_budget}: retry later")
-        self._parts[worker] = entry
-        self._parts_bytes += nbytes
-        received[part] = bool(msg.get("pull", False))
-        tensors.update(msg.tensors)
-        if len(received) < parts:
-            return None
-        self._drop_parts(worker)
-        fields = {k: v for k, v in msg.fields.items() if k not in ("part", "parts")}
-        fields["pull"] = any(received.values())
-        return Message(Op.PUSH, msg.seq, fields, tensors)
-
-    def _drop_parts(self, worker: int) -> None:
-        entry = self._parts.pop(worker, None)
-        if entry is not None:
-            self._parts_bytes -= sum(t.numel() * t.element_size() for t in entry[2].values())
-
     def _on_bye(self, msg: Message, identity: bytes) -> Message:
         core = self._require_core()
         core._known(msg["worker"])
-        self._drop_parts(msg["worker"])
+        self.joined.drop(msg["worker"])
         if msg.get("dead"):  # from a supervisor that saw the process die
             dead = core.declare_dead(msg["worker"])
             if dead:
@@ -710,22 +517,7 @@ class ShardServer:
     def _on_checkpoint(self, msg: Message, identity: bytes) -> Message:
         # a peer may only choose a place inside the configured checkpoint
         # directory: the server never writes where a message tells it to
-        base = self.config.checkpoint_dir
-        if base is None:
-            raise ProtocolError(ErrorCode.BAD_FIELD,
-                                "this server has no checkpoint directory (--checkpoint-dir)")
-        target = base
-        if msg.get("path"):
-            try:
-                root = Path(base).resolve()
-                candidate = (root / msg["path"]).resolve()
-            except (OSError, ValueError) as exc:  # a NUL byte, a loop of links
-                raise ProtocolError(ErrorCode.BAD_FIELD, f"bad checkpoint path: {exc}") from exc
-            if candidate != root and root not in candidate.parents:
-                raise ProtocolError(ErrorCode.BAD_FIELD,
-                                    f"checkpoint path must lie inside {base}")
-            target = str(candidate)
-        path = self.save_checkpoint(target)
+        path = self.save_checkpoint(self.checkpoints.target(msg.get("path")))
         return reply(msg, path=path, version=self.core.version if self.core else 0)
 
     def _on_shutdown(self, msg: Message, identity: bytes) -> Message:
@@ -765,22 +557,6 @@ class ShardServer:
         return base
 
 
-#: administrative ops: under CURVE, for admin keys only (BYE dead=true too)
-_ADMIN_OPS = frozenset({Op.SHUTDOWN, Op.CHECKPOINT})
-#: ops that act as the worker id they name: under CURVE, for its registering key only
-_AS_WORKER = frozenset({Op.INIT, Op.PULL, Op.PUSH, Op.HEARTBEAT, Op.BYE})
-
-
-def _grants(config: ServerConfig) -> dict[str, KeyGrant]:
-    """Each listed CURVE key's grant: the allow-list's, with admin added for
-    ``admin_keys`` (which are admitted even when the list does not name them)."""
-    # a bad list or key file is a TransportError, as an unreadable key was before
-    grants = load_allow_list(config.curve_clients_dir) if config.curve_clients_dir else {}
-    for key in (public_key(k) for k in config.admin_keys):
-        grants[key] = dataclasses.replace(grants.get(key, ANY_KEY), admin=True)
-    return grants
-
-
 def _stop_on_signals(server: ShardServer) -> None:
     def _stop(signum: int, frame: Any) -> None:
         log.info("shard %d: signal %d, stopping", server.config.shard, signum)
@@ -801,20 +577,6 @@ def _ready(on_ready: Callable[..., None], address: str, metrics_port: int | None
         on_ready(address, metrics_port)
     else:
         on_ready(address)
-
-
-def _loopback(address: str) -> bool:
-    host = address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
-    return host == "localhost" or host == "::1" or host.startswith("127.")
-
-
-def _part_of(msg: Message) -> tuple[int, int]:
-    """(part, parts) of a PUSH or INIT; a message in several parts must say which."""
-    parts = msg.get("parts", 1)
-    part = msg.get("part", 0 if parts == 1 else None)
-    if part is None:
-        raise ProtocolError(ErrorCode.BAD_FIELD, f"{msg.op.value} in {parts} parts without part")
-    return part, parts
 
 
 def run_server(config: ServerConfig, on_ready: Callable[..., None] | None = None) -> int:

@@ -1,0 +1,57 @@
+"""What a shard core reports of itself: :func:`stats`, the STATS op's answer.
+
+It reads a :class:`~paramserver.core.ShardCore` and decides nothing; the
+figures it reports (clocks, the SSP bound, rounds, each worker's counters)
+are kept by the core and its records.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+from .probe import l2
+from .records import STATS_WORKERS
+
+if TYPE_CHECKING:  # core imports this module to report itself
+    from .core import ShardCore
+
+__all__ = ["stats"]
+
+
+def stats(core: ShardCore) -> dict[str, Any]:
+    """``core``'s state as a JSON-able summary, bounded whatever its worker table holds."""
+    live = core.live()
+    listed = list(core.workers.values())
+    if len(listed) > STATS_WORKERS:
+        listed = sorted(listed,
+                        key=lambda w: (not (w.live and not w.finished), -w.last_seen)
+                        )[:STATS_WORKERS]
+    ssp = core.mode.mode == "ssp"
+    return {
+        "shard": core.config.shard,
+        "mode": core.mode.describe(),
+        "policy": core.policy.describe(),
+        "version": core.version,
+        "initialized": core.initialized,
+        "started": core.started,
+        "lr": core.lr,
+        "live_workers": sorted(w.worker for w in live)[:STATS_WORKERS],
+        "live_count": len(live),
+        "min_clock": core.min_clock(),
+        "clock_gap": core.clock_gap(),
+        "max_answered_gap": core.max_answered_gap,
+        "staleness_bound": core.bound if ssp else None,
+        "staleness_bound_max": core.max_bound if ssp else None,
+        "pending_pulls": core.pending_pulls(),
+        "rounds_dropped": core.rounds_dropped,
+        "rounds_voided": core.rounds_voided,
+        # in the weights' own dtype: a float64 copy of each slice would be a peak
+        "weight_norm": math.sqrt(sum(l2(p.detach()) ** 2 for p in core.params.values())),
+        # bounded whatever the table holds (a map over 4096 entries would not even
+        # decode): live workers first, then the most recently seen
+        "workers": {str(w.worker): w.summary() for w in listed},
+        "workers_known": len(core.workers),
+        "workers_listed": len(listed),
+        "workers_evicted": core.workers_evicted,
+    }
