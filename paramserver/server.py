@@ -409,6 +409,8 @@ class ShardServer:
         self.streamed.forget(known)
         self.outbox.forget(known)
         self.access.forget(known)
+        for worker in [w for w in self.peers if w not in known]:
+            del self.peers[worker]
         self._told &= set(known)
         self.observer.forget(set(known))
 
