@@ -291,8 +291,9 @@ class Simulator:
         for k, core in enumerate(self.cores):
             for w in self.workers:
                 state = core.register(w.rank, f"sim-{w.rank}", self.now)
+                # the same record as a real shard's; a virtual worker has no host or pid
                 self.server_events[k].write("worker_hello", shard=k, worker=w.rank,
-                                            clock=state.clock)
+                                            clock=state.clock, host=None, pid=None)
             if core.initialize({key: t.clone() for key, t in init[k].items()}):
                 self.server_events[k].write("init", shard=k, worker=0)
         for w in self.workers:
