@@ -7,7 +7,7 @@ from typing import Any
 import click
 
 from paramserver.errors import ConfigError, RemoteError, RequestTimeoutError, TransportError
-from paramserver.workers.worker import run_worker
+from paramserver.workers.worker import run_worker, worker_title
 
 from . import options
 
@@ -74,6 +74,7 @@ def worker(ctx: click.Context, **opts: Any) -> None:
     click.echo(f"paramserver: worker {config.rank} of {config.world_size}, {config.task}, "
                f"{length}; shards at {', '.join(config.servers)}", err=True)
     try:
+        worker_title(config)
         result = run_worker(config)
     except ConfigError as exc:  # raised inside the task factory, say
         raise click.UsageError(str(exc)) from exc

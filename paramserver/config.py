@@ -22,7 +22,7 @@ import dataclasses
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
 from .coerce import MISSING, coerce, guess
 from .core import MODES, CoreConfig, ModeSpec
@@ -34,6 +34,7 @@ from .watchdog import ACTIONS, WatchdogConfig
 
 __all__ = [
     "OPTION",
+    "ConfigRecord",
     "Opt",
     "ServerConfig",
     "check_bounds",
@@ -181,9 +182,33 @@ def parse_watchdog_args(items: list[str]) -> dict[str, Any]:
     return values
 
 
+class ConfigRecord:
+    """``to_dict`` / ``from_dict`` of a config dataclass (the JSON a launcher hands
+    each process); ``from_dict`` refuses keys the class does not have."""
+
+    #: what the config configures, for the error message ("server", "worker")
+    WHAT: ClassVar[str] = "config"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+    @classmethod
+    def from_dict(cls: type[_C], data: Mapping[str, Any]) -> _C:
+        known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        unknown = set(data) - known
+        if unknown:
+            raise ConfigError(f"unknown {cls.WHAT} option(s): {', '.join(sorted(unknown))}")
+        return cls(**data)
+
+
+_C = TypeVar("_C", bound=ConfigRecord)
+
+
 @dataclass
-class ServerConfig:
+class ServerConfig(ConfigRecord):
     """Everything one shard server needs; validated on construction."""
+
+    WHAT: ClassVar[str] = "server"
 
     shard: int = option(0, min=0, per_process=True,
                         help="This server's shard id, 0 .. num-shards - 1.")
@@ -343,13 +368,3 @@ class ServerConfig:
             max_workers=self.max_workers,
         )
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> ServerConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - known
-        if unknown:
-            raise ConfigError(f"unknown server option(s): {', '.join(sorted(unknown))}")
-        return cls(**data)

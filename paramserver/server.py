@@ -123,8 +123,6 @@ class ShardServer:
         log.info("shard %d/%d serving at %s (%s, policy %s)", self.config.shard,
                  self.config.num_shards, self.address, self.config.mode_spec().describe(),
                  self.policy.describe())
-        set_title(f"server {self.config.shard}/{self.config.num_shards} {self.address} "
-                  f"({self.config.mode_spec().describe()})")
         if on_ready is not None:
             _ready(on_ready, self.address, self.metrics_port)
         last_expire = 0.0
@@ -590,7 +588,9 @@ def run_server(config: ServerConfig, on_ready: Callable[..., None] | None = None
     Returns the process exit code: 0, or :data:`DIVERGED_EXIT_CODE`.
     """
     server = ShardServer(config)
-    _stop_on_signals(server)
+    _stop_on_signals(server)  # this process is the shard's: its signals, its name
+    set_title(f"server {config.shard}/{config.num_shards} {server.address} "
+              f"({config.mode_spec().describe()})")
     server.serve_forever(on_ready)
     return server.exit_code
 

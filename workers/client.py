@@ -462,8 +462,8 @@ class PSClient:
             msgs, [None if r.op is Op.ERROR else r.fields for r in replies], t0)
 
     def push_pull(self, grads: Mapping[str, torch.Tensor], read_versions: Sequence[int],
-                  num_samples: int, clock: int, params: Mapping[str, torch.Tensor]
-                  ) -> tuple[PushResult, PullResult]:
+                  num_samples: int, clock: int, params: Mapping[str, torch.Tensor],
+                  loss: float | None = None) -> tuple[PushResult, PullResult]:
         """:meth:`push` at ``clock``, then :meth:`pull` for ``clock + 1``, in one round trip.
 
         Each shard gets one PUSH that asks for the weights back; it answers once
@@ -477,11 +477,11 @@ class PSClient:
         per_shard = self._split_grads(self._host_grads(grads))
         groups = self._in_parts(per_shard)
         if groups is not None:
-            pushed, pulled = self._push_parts(groups, read_versions, num_samples, clock, None,
+            pushed, pulled = self._push_parts(groups, read_versions, num_samples, clock, loss,
                                               params)
             assert pulled is not None
             return pushed, pulled
-        msgs = self._whole_push_msgs(per_shard, read_versions, num_samples, clock)
+        msgs = self._whole_push_msgs(per_shard, read_versions, num_samples, clock, loss)
         for m in msgs:
             m.fields["pull"] = True
         done: set[int] = set()

@@ -40,7 +40,7 @@ from paramserver.events import EventLog, write_json
 from paramserver.sharding import ParamSpec, ShardPlan, dtype_name
 from paramserver.transport import CurveKeys
 from paramserver.workers.client import PART_BYTES, PSClient, PullResult, PushResult, PushStream
-from paramserver.workers.overlap import make_buckets
+from paramserver.workers.overlap import BucketHooks
 
 __all__ = ["DistributedOptimizer", "StepOutcome", "servers_from_env"]
 
@@ -121,9 +121,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
       inside backward (post-accumulate hooks), so ``step()`` only waits. The
       push's sample count is then the one given to :meth:`set_num_samples`
       before backward (each worker counts equally by default).
+    * ``offer_weights``: whether this worker offers its weights to seed the
+      servers (the first offer wins) or waits for them; by default rank 0 offers
+      and the others wait (True suits ranks that all initialize alike).
+    * ``events``: the JSONL log to write each step to (default: the file named by
+      ``PARAMSERVER_EVENT_LOG``, with this worker's start and end records too).
     * the rest (``timeout``, ``request_timeout``, ``heartbeat_interval``,
       ``chunk_bytes``, ``part_bytes``, ``wire_dtype``, ``curve_key``,
-      ``curve_server_key``) are the client's options, as for ``paramserver worker``.
+      ``curve_server_key``, ``drop_rate``: messages dropped on purpose, for tests)
+      are the client's options, as for ``paramserver worker``.
 
     Construction registers with every shard and agrees on the plan; the first
     worker seeds the servers' weights and every rank then pulls them, so all
@@ -148,6 +154,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         wire_dtype: str | None = None,
         curve_key: str | None = None,
         curve_server_key: str | None = None,
+        offer_weights: bool | None = None,
+        events: EventLog | None = None,
+        drop_rate: float = 0.0,
     ) -> None:
         named: list[tuple[str, torch.Tensor]]
         if isinstance(model_or_named_parameters, torch.nn.Module):
@@ -174,31 +183,38 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.client = PSClient(self.servers, self.plan, self.rank, timeout=timeout,
                                attempt_timeout=request_timeout,
                                heartbeat_interval=heartbeat_interval, curve=curve,
-                               wire_dtype=wire_dtype, part_bytes=part_bytes)
+                               wire_dtype=wire_dtype, part_bytes=part_bytes,
+                               drop_rate=drop_rate)
         self._closed = False
         self._t0 = time.time()
         self._counts = {"pushes": 0, "accepted": 0, "rejected": 0}
         self._waited = 0.0
-        self._events = EventLog(os.environ.get(EVENT_LOG_ENV) or None)
+        # the records of this worker's start and end are ours only in our own log
+        self._own_events = events is None
+        self._events = events if events is not None else EventLog(
+            os.environ.get(EVENT_LOG_ENV) or None)
         self.clock = self.client.connect()
-        # rank 0 seeds the weights; the others wait for them, so every rank starts
-        # from rank 0's initialization (or the servers' resumed weights)
-        self.seeded = self.client.initialize(self.params) if self.rank == 0 else False
+        # by default rank 0 seeds the weights and the others wait for them, so every
+        # rank starts from rank 0's initialization (or the servers' resumed weights)
+        offer = self.rank == 0 if offer_weights is None else offer_weights
+        self.seeded = self.client.initialize(self.params) if offer else False
         with torch.no_grad():
-            pulled = self.client.pull(self.params, self.clock, wait_init=self.rank != 0)
+            pulled = self.client.pull(self.params, self.clock, wait_init=not offer)
         self.versions = pulled.versions
         self.clock = max(self.clock, pulled.clock)
         self.last: StepOutcome | None = None  # the outcome of the latest step()
-        self._events.write("worker_start", worker=self.rank, clock=self.clock,
-                           seeded=self.seeded, steps=None, plan_hash=self.plan.hash)
+        if self._own_events:
+            self._events.write("worker_start", worker=self.rank, clock=self.clock,
+                               seeded=self.seeded, steps=None, plan_hash=self.plan.hash)
         plan_file = os.environ.get(PLAN_FILE_ENV)
         if plan_file and self.rank == 0:  # the launcher saves the final model by it
             write_json(plan_file, self.plan.describe())
         self._num_samples = 1
-        self._buckets: _Buckets | None = None
+        self._loss: float | None = None
+        self._buckets: BucketHooks | None = None
         if overlap:
-            self._buckets = _Buckets(named, bucket_bytes, backward_passes_per_step,
-                                     self._open_stream)
+            self._buckets = BucketHooks(named, bucket_bytes, self._open_stream,
+                                        backward_passes_per_step)
         # a script that ends without close() is done, not dead: say BYE at exit
         atexit.register(self._at_exit)
         log.info("worker %d/%d: %d parameters on %d shards, from clock %d", self.rank,
@@ -206,34 +222,42 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ training
 
-    def set_num_samples(self, num_samples: int) -> None:
-        """The sample count of the next push (with ``overlap``: call before backward)."""
+    def set_num_samples(self, num_samples: int, loss: float | None = None) -> None:
+        """The sample count (and training loss, for the servers' watchdog) of the next
+        push; with ``overlap``, call it before the step's last backward."""
         if num_samples < 1:
             raise ConfigError(f"num_samples must be >= 1, got {num_samples}")
         self._num_samples = int(num_samples)
+        self._loss = None if loss is None else float(loss)
 
     def _open_stream(self) -> PushStream:
         assert self._buckets is not None
-        return self.client.push_stream(self._buckets.buckets, self.versions,
-                                       self._num_samples, self.clock, prefetch=True)
+        stream = self.client.push_stream(self._buckets.buckets, self.versions,
+                                         self._num_samples, self.clock, prefetch=True)
+        stream.loss = self._loss  # every part carries it
+        return stream
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None,  # type: ignore[override]
-             num_samples: int | None = None) -> float | None:
+             num_samples: int | None = None, *, loss: float | None = None,
+             log: Mapping[str, Any] | None = None) -> float | None:
         """Push every parameter's ``.grad`` (``None``: a zero gradient), then pull the
         servers' weights into the parameters, honouring the mode (the sync barrier,
         the SSP gate, or none). ``num_samples`` weighs this push in a sync round's
-        mean (omitted: every worker counts equally). Returns the closure's loss;
-        the outcome is :attr:`last`."""
+        mean (omitted: every worker counts equally). ``loss`` (or the closure's)
+        travels with the push for the servers' watchdog; ``log`` adds fields to the
+        step's event record. Returns the closure's loss; the outcome is :attr:`last`."""
         self._check_open()
-        loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         if num_samples is not None:
-            self.set_num_samples(num_samples)
+            self.set_num_samples(num_samples, self._loss if loss is None else loss)
+        loss = self._loss if loss is None else loss
         if self._buckets is not None:
-            stream = self._buckets.flush(self.params)
+            stream = self._buckets.flush()
+            if loss is not None and stream.loss is None:
+                stream.loss = float(loss)
             pushed, pulled_or_none = stream.finish(self.params)
             assert pulled_or_none is not None
             pulled = pulled_or_none
@@ -242,7 +266,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for name, p in self.params.items():
                 grads[name] = p.grad if p.grad is not None else torch.zeros_like(p)
             pushed, pulled = self.client.push_pull(grads, self.versions, self._num_samples,
-                                                   self.clock, self.params)
+                                                   self.clock, self.params, loss=loss)
         read = self.versions
         self.clock = max(self.clock + 1, pulled.clock)
         self.versions = pulled.versions
@@ -255,10 +279,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
             staleness=out.staleness, accepted=out.accepted, reasons=list(out.reasons),
             weight=out.weight, loss=None if loss is None else float(loss),
             num_samples=self._num_samples, pull_s=out.pull_seconds, push_s=out.push_seconds,
-            wait_s=out.waited, bytes=out.nbytes)
+            wait_s=out.waited, bytes=out.nbytes, **(log or {}))
         if self._buckets is None:
             self._num_samples = 1
+        self._loss = None
         return loss
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """Pushes so far, and how many every shard accepted or some shard rejected."""
+        return dict(self._counts)
+
+    @property
+    def waited(self) -> float:
+        """Seconds shards held this worker's pulls (sync barrier, SSP gate), in all."""
+        return self._waited
 
     def pull(self) -> tuple[int, ...]:
         """Fetch the servers' current weights into the parameters (e.g. to evaluate
@@ -301,6 +336,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.client.bye()
         finally:
             self.client.close()
+        if not self._own_events:
+            return
         result = {"worker": self.rank, "steps": self._counts["pushes"], "clock": self.clock,
                   **self._counts, "seconds": time.time() - self._t0,
                   "wait_seconds": self._waited, "final_versions": list(self.versions)}
@@ -314,14 +351,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # after an uncaught exception the worker failed: no BYE, so that its
         # supervisor's death report (or the heartbeat timeout) is what the shards see
         if getattr(sys, "last_value", None) is not None:
-            self._closed = True
-            self._events.close()
-            self.client.close()
+            self._abandon()
             return
         try:
             self.close()
         except Exception as exc:  # at exit the shards may be gone already
             log.warning("worker %d: goodbye at exit failed: %s", self.rank, exc)
+
+    def _abandon(self) -> None:
+        """The worker failed: close the sockets without saying goodbye."""
+        self._closed = True
+        atexit.unregister(self._at_exit)
+        if self._buckets is not None:
+            self._buckets.remove()
+        if self._own_events:
+            self._events.close()
+        self.client.close()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -330,70 +375,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def __enter__(self) -> DistributedOptimizer:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # leaving on an exception: this worker failed, it is not done
+            self._abandon()
 
 
 def _plan(named: list[tuple[str, torch.Tensor]], num_shards: int, chunk_bytes: int
           ) -> ShardPlan:
     specs = [ParamSpec(name, tuple(p.shape), dtype_name(p.dtype)) for name, p in named]
     return ShardPlan(specs, num_shards, chunk_bytes)
-
-
-class _Buckets:
-    """Gradients pushed bucket by bucket from inside the step's last backward."""
-
-    def __init__(self, named: list[tuple[str, torch.Tensor]], bucket_bytes: int, passes: int,
-                 open_stream: Callable[[], PushStream]) -> None:
-        self.params = dict(named)
-        self.buckets = make_buckets(named, bucket_bytes)
-        self._bucket_of = {n: i for i, b in enumerate(self.buckets) for n in b}
-        self._passes = passes
-        self._open = open_stream
-        self._stream: PushStream | None = None
-        self._seen: dict[str, int] = {}
-        self._pending = [set(b) for b in self.buckets]
-        self._sent = [False] * len(self.buckets)
-        self._handles = [p.register_post_accumulate_grad_hook(self._hook(n))
-                         for n, p in named if p.requires_grad]
-
-    def _hook(self, name: str) -> Callable[[torch.Tensor], None]:
-        def on_grad(_: torch.Tensor) -> None:
-            self._seen[name] = self._seen.get(name, 0) + 1
-            if self._seen[name] < self._passes:
-                return  # not the step's last backward: keep accumulating
-            if self._stream is None:
-                self._stream = self._open()
-            b = self._bucket_of[name]
-            self._pending[b].discard(name)
-            if not self._pending[b] and not self._sent[b]:
-                self._send(b)
-        return on_grad
-
-    def _send(self, b: int) -> None:
-        assert self._stream is not None
-        grads = {}
-        for name in self.buckets[b]:
-            p = self.params[name]
-            grads[name] = p.grad if p.grad is not None else torch.zeros_like(p)
-        self._sent[b] = True
-        self._stream.send(grads)
-
-    def flush(self, params: Mapping[str, torch.Tensor]) -> PushStream:
-        """At step(): send what no hook sent (unused or frozen parameters); reset."""
-        if self._stream is None:
-            self._stream = self._open()
-        for b, sent in enumerate(self._sent):
-            if not sent:
-                self._send(b)
-        stream = self._stream
-        self._stream = None
-        self._seen.clear()
-        self._pending = [set(b) for b in self.buckets]
-        self._sent = [False] * len(self.buckets)
-        return stream
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []

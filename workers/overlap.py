@@ -13,7 +13,7 @@ On CUDA, a bucket's gradients go to pinned host buffers first.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +24,7 @@ from paramserver.workers.client import PSClient, PullResult, PushResult, PushStr
 from paramserver.workers.stragglers import Straggler
 from paramserver.workers.tasks import Task
 
-__all__ = ["BucketPusher", "OverlapStep", "make_buckets"]
+__all__ = ["BucketHooks", "BucketPusher", "OverlapStep", "make_buckets"]
 
 
 def make_buckets(named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int
@@ -60,29 +60,48 @@ class OverlapStep:
     sleep_s: float  # injected straggler delay
 
 
-class BucketPusher:
-    """Sends a model's gradients bucket by bucket from inside backward."""
+class BucketHooks:
+    """Post-accumulate-grad hooks that send a model's gradients bucket by bucket from
+    inside a step's last backward pass.
 
-    def __init__(self, model: torch.nn.Module, bucket_bytes: int) -> None:
-        self.params = dict(model.named_parameters())
-        self.buckets = make_buckets(list(self.params.items()), bucket_bytes)
+    A parameter's gradient is final once it has been accumulated ``passes`` times
+    (one per backward pass of the step); a bucket goes to the shards once all of
+    its gradients are final, through the stream ``open_stream`` gives (called at
+    the first final gradient; ``None``: not armed, keep accumulating).
+    :meth:`flush` sends what no hook sent (unused or frozen parameters).
+    """
+
+    def __init__(self, named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int,
+                 open_stream: Callable[[], PushStream | None], passes: int = 1) -> None:
+        self.params = dict(named)
+        self.buckets = make_buckets(list(named), bucket_bytes)
+        self.passes = passes
         self._bucket_of = {n: i for i, b in enumerate(self.buckets) for n in b}
-        self._pending: list[set[str]] = []
-        self._sent: list[bool] = []
+        self._open = open_stream
         self._stream: PushStream | None = None
-        self._handles = [
-            p.register_post_accumulate_grad_hook(self._hook(name))
-            for name, p in self.params.items() if p.requires_grad
-        ]
+        self.reset()
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook(n))
+                         for n, p in named if p.requires_grad]
 
-    def _hook(self, name: str) -> Any:
-        def on_grad(param: torch.Tensor) -> None:
+    def reset(self) -> None:
+        """A new step: no gradient accumulated, no bucket sent."""
+        self._stream = None
+        self._seen: dict[str, int] = {}
+        self._pending = [set(b) for b in self.buckets]
+        self._sent = [False] * len(self.buckets)
+
+    def _hook(self, name: str) -> Callable[[torch.Tensor], None]:
+        def on_grad(_: torch.Tensor) -> None:
+            self._seen[name] = self._seen.get(name, 0) + 1
+            if self._seen[name] < self.passes:
+                return  # not the step's last backward: keep accumulating
             if self._stream is None:
-                return  # not the last micro-batch of the step: keep accumulating
+                self._stream = self._open()
+                if self._stream is None:
+                    return
             b = self._bucket_of[name]
-            pending = self._pending[b]
-            pending.discard(name)
-            if not pending and not self._sent[b]:
+            self._pending[b].discard(name)
+            if not self._pending[b] and not self._sent[b]:
                 self._send(b)
         return on_grad
 
@@ -97,27 +116,49 @@ class BucketPusher:
         self._sent[b] = True
         self._stream.send(grads)
 
-    def arm(self, stream: PushStream) -> None:
-        """The next backward is the step's last: send buckets as they complete."""
-        self._stream = stream
-        self._pending = [set(b) for b in self.buckets]
-        self._sent = [False] * len(self.buckets)
-
     def flush(self) -> PushStream:
-        """After backward: send what no hook sent (frozen or unused parameters)."""
-        stream = self._stream
-        if stream is None:
-            raise ConfigError("flush() without arm()")
+        """After the step's backward: send the rest; returns the step's stream."""
+        if self._stream is None:
+            self._stream = self._open()
+            if self._stream is None:
+                raise ConfigError("flush() without arm(): no push stream to send into")
         for b, sent in enumerate(self._sent):
             if not sent:
                 self._send(b)
-        self._stream = None
+        stream = self._stream
+        self.reset()
         return stream
 
-    def close(self) -> None:
+    def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+class BucketPusher:
+    """:class:`BucketHooks` driven by an explicit client and clock (the overlap
+    benchmark's way in; training goes through DistributedOptimizer(overlap=True))."""
+
+    def __init__(self, model: torch.nn.Module, bucket_bytes: int) -> None:
+        self.params = dict(model.named_parameters())
+        self._armed: PushStream | None = None
+        self.hooks = BucketHooks(list(self.params.items()), bucket_bytes, lambda: self._armed)
+        self.buckets = self.hooks.buckets
+
+    def arm(self, stream: PushStream, passes: int = 1) -> None:
+        """The next ``passes`` backward passes make the step: send buckets into ``stream``."""
+        self.hooks.reset()
+        self.hooks.passes = passes
+        self._armed = stream
+
+    def flush(self) -> PushStream:
+        """After backward: send what no hook sent (frozen or unused parameters)."""
+        stream = self.hooks.flush()
+        self._armed = None
+        return stream
+
+    def close(self) -> None:
+        self.hooks.remove()
 
     def step(self, client: PSClient, task: Task, model: torch.nn.Module,
              batches: Iterator[Any], device: torch.device, micro_batches: int,
@@ -130,6 +171,7 @@ class BucketPusher:
         sizes = [int(targets.shape[0]) for _, targets in drawn]
         total = sum(sizes)
         stream = client.push_stream(self.buckets, versions, total, clock, prefetch=True)
+        self.arm(stream, micro_batches)
         loss_sum = 0.0
         for i, ((inputs, targets), n) in enumerate(zip(drawn, sizes, strict=True)):
             inputs, targets = inputs.to(device), targets.to(device)
@@ -137,7 +179,6 @@ class BucketPusher:
             loss_sum += float(loss.detach()) * n
             if i == micro_batches - 1:
                 stream.loss = loss_sum / total
-                self.arm(stream)
             # scaled so that the accumulated gradient is the mean over all samples as it
             # is produced (there is no pass afterwards to divide it)
             (loss * (n / total)).backward()

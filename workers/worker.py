@@ -8,7 +8,6 @@ pushes; a (re)joining worker resumes at the clock its shards give it.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -18,24 +17,18 @@ import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from paramserver.config import check_bounds, option
+from paramserver.config import ConfigRecord, check_bounds, option
 from paramserver.dtypes import GRAD_WIRE_DTYPES
 from paramserver.errors import ConfigError
 from paramserver.events import EventLog, write_json
 from paramserver.proctitle import set_title
 from paramserver.sharding import ShardPlan
-from paramserver.transport import CurveKeys
-from paramserver.workers.client import (
-    PART_BYTES,
-    PSClient,
-    PullResult,
-    PushResult,
-)
-from paramserver.workers.overlap import BucketPusher
+from paramserver.workers.client import PART_BYTES
+from paramserver.workers.optimizer import DistributedOptimizer
 from paramserver.workers.stragglers import Straggler, StragglerSpec
 from paramserver.workers.tasks import (
     Task,
@@ -52,8 +45,10 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class WorkerConfig:
+class WorkerConfig(ConfigRecord):
     """Everything one worker needs; validated on construction."""
+
+    WHAT: ClassVar[str] = "worker"
 
     rank: int = option(0, min=0, per_process=True,
                        help="This worker's rank, 0 .. world-size - 1 (selects its part of the "
@@ -153,16 +148,6 @@ class WorkerConfig:
         check_bounds(self)  # the rest of the bounds the fields declare
         resolve_device(self.device)
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> WorkerConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - known
-        if unknown:
-            raise ConfigError(f"unknown worker option(s): {', '.join(sorted(unknown))}")
-        return cls(**data)
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -222,73 +207,53 @@ def num_steps(config: WorkerConfig, task: Task) -> int:
     return max(1, math.ceil(config.epochs * per_epoch / config.push_every))
 
 
+def worker_title(config: WorkerConfig) -> None:
+    """Name this process after the worker it runs (``ps``, ``top``); for the entry
+    points that make a process a worker, never for a library call."""
+    set_title(f"worker {config.rank}/{config.world_size} ({config.task})")
+
+
 def run_worker(config: WorkerConfig) -> dict[str, Any]:
-    """Train until ``steps`` pushes are done; return (and write) the worker's result."""
+    """Train until ``steps`` pushes are done; return (and write) the worker's result.
+
+    The task's loop on :class:`~paramserver.workers.optimizer.DistributedOptimizer`:
+    the same push and pull a user's own loop makes."""
     if not config.servers:  # empty is fine in a ClusterSpec: the launcher fills it in
         raise ConfigError("a worker needs at least one server address (--servers)")
-    set_title(f"worker {config.rank}/{config.world_size} ({config.task})")
     device = resolve_device(config.device)
     task = build_task(config)
     model = task.model.to(device)
-    params = dict(model.named_parameters())
-    plan = ShardPlan.from_module(model, len(config.servers), config.chunk_bytes)
-    curve = (CurveKeys.load(config.curve_key, config.curve_server_key)
-             if config.curve_key else None)
     straggler = Straggler(config.straggler, seed=(config.seed, config.rank))
     events = EventLog(config.event_log)
     steps = num_steps(config, task)
     batches = cycle_batches(task)
-    counts = {"pushes": 0, "accepted": 0, "rejected": 0}
     losses: list[float] = []
     t_start = time.time()
-    waited = 0.0
-    with PSClient(config.servers, plan, config.rank, timeout=config.timeout,
-                  attempt_timeout=config.request_timeout,
-                  heartbeat_interval=config.heartbeat_interval, curve=curve,
-                  drop_rate=config.drop_rate, wire_dtype=config.wire_dtype,
-                  part_bytes=config.part_bytes) as client:
-        clock = client.connect()
-        seeded = client.initialize(params)
-        events.write("worker_start", worker=config.rank, clock=clock, seeded=seeded,
-                     device=str(device), steps=steps, plan_hash=plan.hash)
-        log.info("worker %d: %d steps on %s from clock %d", config.rank, steps, device, clock)
-        pusher = BucketPusher(model, config.bucket_bytes) if config.overlap else None
-        prefetched: PullResult | None = None  # with overlap: came with the last push
-        while clock < steps:  # the clock counts pushes; a rejoining worker resumes
-            pulled = prefetched if prefetched is not None else client.pull(params, clock)
-            prefetched = None
-            clock = max(clock, pulled.clock)
-            waited += pulled.waited
-            if config.rank == 0 and config.eval_every and clock % config.eval_every == 0:
-                _log_eval(events, task, model, config.rank, clock, pulled.versions)
-            model.train()
-            model.zero_grad(set_to_none=True)
-            if pusher is not None:
-                step = pusher.step(client, task, model, batches, device, config.push_every,
-                                   pulled.versions, clock, straggler)
-                pushed, prefetched = step.pushed, step.pulled
-                total, loss_value, compute, slept = (step.num_samples, step.loss,
-                                                     step.compute_s, step.sleep_s)
-            else:
-                pushed, total, loss_value, compute, slept = _plain_step(
-                    client, task, model, params, batches, device, config.push_every,
-                    pulled.versions, clock, straggler)
-            clock += 1
-            counts["pushes"] += 1
-            counts["accepted" if pushed.accepted else "rejected"] += 1
+    # every rank builds the task's model from the same seed: any may seed the servers
+    opt = DistributedOptimizer(
+        model, servers=config.servers, rank=config.rank, world_size=config.world_size,
+        backward_passes_per_step=config.push_every, overlap=config.overlap,
+        bucket_bytes=config.bucket_bytes, timeout=config.timeout,
+        request_timeout=config.request_timeout, heartbeat_interval=config.heartbeat_interval,
+        chunk_bytes=config.chunk_bytes, part_bytes=config.part_bytes,
+        wire_dtype=config.wire_dtype, curve_key=config.curve_key,
+        curve_server_key=config.curve_server_key, offer_weights=True, events=events,
+        drop_rate=config.drop_rate)
+    with opt:
+        events.write("worker_start", worker=config.rank, clock=opt.clock, seeded=opt.seeded,
+                     device=str(device), steps=steps, plan_hash=opt.plan.hash)
+        log.info("worker %d: %d steps on %s from clock %d", config.rank, steps, device,
+                 opt.clock)
+        while opt.clock < steps:  # the clock counts pushes; a rejoining worker resumes
+            if config.rank == 0 and config.eval_every and opt.clock % config.eval_every == 0:
+                _log_eval(events, task, model, config.rank, opt.clock, opt.versions)
+            total, loss_value, compute, slept = _compute(opt, task, model, batches, device,
+                                                         config.push_every, straggler)
             losses.append(loss_value)
-            events.write(
-                "step", worker=config.rank, clock=clock, read_versions=list(pulled.versions),
-                staleness=pushed.staleness, accepted=pushed.accepted, reasons=pushed.reasons,
-                weight=min((o["weight"] for o in pushed.outcomes), default=1.0),
-                loss=loss_value, num_samples=total, compute_s=compute, sleep_s=slept,
-                pull_s=pulled.seconds, push_s=pushed.seconds, wait_s=pulled.waited,
-                bytes=pulled.nbytes + pushed.nbytes,
-            )
-        if pusher is not None:
-            pusher.close()
-        final = prefetched if prefetched is not None else client.pull(params, clock)
-        client.bye()
+            opt.step(num_samples=total, loss=loss_value,
+                     log={"compute_s": compute, "sleep_s": slept})
+        final_versions = opt.pull()
+        counts, waited, clock = opt.counts, opt.waited, opt.clock
     elapsed = time.time() - t_start
     result: dict[str, Any] = {
         "worker": config.rank,
@@ -298,10 +263,10 @@ def run_worker(config: WorkerConfig) -> dict[str, Any]:
         "final_train_loss": sum(losses[-10:]) / max(1, len(losses[-10:])),
         "seconds": elapsed,
         "wait_seconds": waited,
-        "final_versions": list(final.versions),
+        "final_versions": list(final_versions),
     }
     if config.rank == 0:
-        result["eval"] = _log_eval(events, task, model, config.rank, clock, final.versions)
+        result["eval"] = _log_eval(events, task, model, config.rank, clock, final_versions)
     events.write("worker_end", **result)
     events.close()
     if config.result_file:
@@ -312,34 +277,30 @@ def run_worker(config: WorkerConfig) -> dict[str, Any]:
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-def _plain_step(client: PSClient, task: Task, model: torch.nn.Module,
-                params: Mapping[str, torch.Tensor], batches: Iterator[Batch],
-                device: torch.device, push_every: int, versions: tuple[int, ...], clock: int,
-                straggler: Straggler) -> tuple[PushResult, int, float, float, float]:
-    """Compute the step's gradient (mean over ``push_every`` batches), then push it.
-
-    Returns (push result, samples, mean loss, compute seconds, injected sleep).
-    """
+def _compute(opt: DistributedOptimizer, task: Task, model: torch.nn.Module,
+             batches: Iterator[Batch], device: torch.device, micro_batches: int,
+             straggler: Straggler) -> tuple[int, float, float, float]:
+    """The step's gradient: the sample-weighted mean over ``micro_batches`` batches
+    (with overlap, its buckets leave during the last backward). Returns (samples,
+    mean loss, compute seconds, injected sleep)."""
     t0 = time.perf_counter()
-    total, loss_sum = 0, 0.0
-    for _ in range(push_every):
-        inputs, targets = next(batches)
+    model.train()
+    opt.zero_grad(set_to_none=True)
+    drawn = [next(batches) for _ in range(micro_batches)]
+    sizes = [int(targets.shape[0]) for _, targets in drawn]
+    total = sum(sizes)
+    loss_sum = 0.0
+    for i, ((inputs, targets), n) in enumerate(zip(drawn, sizes, strict=True)):
         inputs, targets = inputs.to(device), targets.to(device)
-        n = int(targets.shape[0])
         loss = task.loss_fn(model(inputs), targets)
-        (loss * n).backward()  # sum of per-batch means x n = sum over samples
-        total += n
         loss_sum += float(loss.detach()) * n
-    grads = {}
-    for name, p in params.items():
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        grads[name] = p.grad.div_(total)
+        if i == micro_batches - 1:  # before the last backward: overlapped parts carry them
+            opt.set_num_samples(total, loss=loss_sum / total)
+        # scaled so that the accumulated gradient is the mean over all samples as it
+        # is produced (with overlap there is no pass afterwards to divide it)
+        (loss * (n / total)).backward()
     compute = time.perf_counter() - t0
-    slept = straggler.inject(compute)
-    loss_value = loss_sum / total
-    pushed = client.push(grads, versions, total, clock, loss=loss_value)
-    return pushed, total, loss_value, compute, slept
+    return total, loss_sum / total, compute, straggler.inject(compute)
 
 
 def _log_eval(events: EventLog, task: Task, model: torch.nn.Module, rank: int, clock: int,
@@ -360,6 +321,7 @@ def main(argv: list[str] | None = None) -> None:
         level=os.environ.get("PARAMSERVER_LOG_LEVEL", "INFO"),
         format=f"%(asctime)s worker{config.rank} %(levelname)s %(name)s: %(message)s",
     )
+    worker_title(config)
     run_worker(config)
 
 

@@ -56,7 +56,7 @@ from paramserver.server import ServerConfig, run_server
 from paramserver.sharding import ShardPlan
 from paramserver.transport import CurveKeys
 from paramserver.workers.client import save_final_model
-from paramserver.workers.worker import WorkerConfig, build_task, run_worker
+from paramserver.workers.worker import WorkerConfig, build_task, run_worker, worker_title
 
 __all__ = [
     "LaunchEnv",
@@ -488,6 +488,7 @@ def run_worker_rank(config: WorkerConfig, rdzv: Rendezvous, num_servers: int,
     addresses: list[str] = []
     try:
         addresses = rdzv.wait_servers(num_servers, timeout)
+        worker_title(config)
         return run_worker(dataclasses.replace(config, servers=addresses))
     finally:
         _done(rdzv, config.rank, config.world_size, addresses, out,
