@@ -750,7 +750,8 @@ class ShardCore:
             self.lr_factor = self.lr_rule.factor(contributors, self.version)
             weight *= self.lr_factor
         if self.momentum is not None:
-            self.momentum.observe(staleness)
+            prior = 0 if self.mode.mode == "sync" else max(0, len(self.live()) - 1)
+            self.momentum.observe(staleness, prior)
             self.momentum.apply(groups)
         if weight != 1.0:
             for g in groups:

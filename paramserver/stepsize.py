@@ -33,8 +33,14 @@ multiply, so ``(1 - mu_total) = (1 - mu_exp)(1 - mu_imp)`` and
 
 With no staleness (1 worker, sync) ``mu_exp = target``; once the implicit
 momentum alone exceeds the target, ``mu_exp = 0``. The mean staleness is an
-exponential moving average with bias correction (like Adam's moments) over the
-accepted updates, decay ``decay``.
+exponential moving average over the accepted updates, decay ``decay``, started
+from a prior: the core passes ``live workers - 1`` in async and SSP (the mean
+staleness of M evenly paced workers, the paper's model), 0 in sync. Without a
+prior the average is bias-corrected (like Adam's moments). Starting from the
+prior matters: right after the start barrier every worker has read version 0
+and the first pushes have staleness 0, 1, 2, ...; an estimate built from those
+alone would keep the full explicit momentum during the very first, largest
+updates.
 """
 
 from __future__ import annotations
@@ -117,8 +123,12 @@ class MomentumCompensation:
         self._weight = 0.0  # 1 - decay**n: the bias correction
         self.updates = 0
 
-    def observe(self, staleness: int) -> None:
-        """One accepted update of this staleness."""
+    def observe(self, staleness: int, prior: float | None = None) -> None:
+        """One accepted update of this staleness. ``prior``: the mean staleness expected
+        before anything was observed (with M workers evenly paced, M - 1); the first
+        update then starts the average from it instead of from nothing."""
+        if self.updates == 0 and prior is not None:
+            self._ema, self._weight = max(0.0, float(prior)), 1.0
         self._ema = self.decay * self._ema + (1.0 - self.decay) * max(0, staleness)
         self._weight = self.decay * self._weight + (1.0 - self.decay)
         self.updates += 1

@@ -84,6 +84,23 @@ def test_momentum_compensation_by_hand():
     assert comp.explicit == 0.0
 
 
+def test_momentum_estimate_starts_from_the_prior():
+    comp = MomentumCompensation(0.9, decay=0.5)
+    comp.observe(0, prior=7)
+    assert comp.mean_staleness == pytest.approx(3.5)
+    comp.observe(0, prior=100)  # only the first observation uses the prior
+    assert comp.mean_staleness == pytest.approx(1.75)
+
+
+def test_sync_rounds_keep_the_target_momentum():
+    core = make_core("sync", workers=2, momentum_target=0.9,
+                     optimizer_args={"lr": 0.1, "momentum": 0.5})
+    push = Pusher(core)
+    for _ in range(3):
+        sync_round(core, push, range(2))
+    assert core.optimizer.param_groups[0]["momentum"] == pytest.approx(0.9)
+
+
 def test_momentum_estimate_is_bias_corrected():
     comp = MomentumCompensation(0.9, decay=0.95)
     comp.observe(7)  # one observation: the mean is 7, not 0.05 * 7
@@ -155,8 +172,9 @@ def test_compensated_momentum_is_set_from_staleness_and_reported():
     core = make_core("async", workers=4, lr=0.1, momentum_target=0.9,
                      optimizer_args={"lr": 0.1, "momentum": 0.9})
     push = Pusher(core)
-    push(0, 0)  # staleness 0: the explicit momentum is the target
-    assert core.optimizer.param_groups[0]["momentum"] == pytest.approx(0.9)
+    push(0, 0)  # staleness 0, after a prior of 3 (4 live workers evenly paced)
+    mean = 0.95 * 3 + 0.05 * 0
+    assert core.optimizer.param_groups[0]["momentum"] == pytest.approx(1 - 0.1 * (mean + 1))
     for _ in range(100):
         push(1, max(0, core.version - 3))  # staleness 3 from the fourth on
     stats = core.stats()

@@ -134,6 +134,19 @@ class RunMetrics:
     clocks: dict[int, list[tuple[float, int]]] = field(default_factory=dict)  # rank -> (s, clock)
     gaps: list[tuple[float, int]] = field(default_factory=list)  # (s, gap) per push, shard 0
     bound_max: int | None = None  # the largest SSP bound in force (an adaptive one moves)
+    #: gradients computed (steps of every worker), and per second of training
+    gradients: int = 0
+    gradients_per_s: float = 0.0
+    #: the window in which every worker was still training: from the start of training
+    #: to the first worker's last step; updates and gradients per second within it
+    active_seconds: float = 0.0
+    active_updates_per_s: float = 0.0
+    active_gradients_per_s: float = 0.0
+    #: rank -> seconds it sat idle, done, while others still trained (until the end)
+    idle: dict[int, float] = field(default_factory=dict)
+    idle_s: float = 0.0  # mean over workers
+    idle_max_s: float = 0.0
+    gradients_to_target: float | None = None  # gradients computed when the target was reached
 
 
 def _quantile(values: Sequence[int], q: float) -> float:
@@ -196,6 +209,16 @@ def run_metrics(logs: RunLogs, seed: int, target_loss: float) -> RunMetrics:
     curve.sort(key=lambda c: c[0])
     time_to, updates_to = _crossing(curve, target_loss)
     servers = (logs.result or {}).get("servers") or []
+    step_times = sorted(s["t"] for s in all_steps)
+    last = {r: steps[-1]["t"] for r, steps in logs.steps.items() if steps}
+    active_end = min(last.values())
+    active = max(active_end - t0, 1e-9)
+    in_window = sum(1 for t in step_times if t <= active_end)
+    active_updates = max((p["version"] for p in first if p["t"] <= active_end), default=0)
+    idle = {r: t_end - t for r, t in sorted(last.items())}
+    gradients_to = None
+    if time_to is not None:
+        gradients_to = float(sum(1 for t in step_times if t - t0 <= time_to))
     return RunMetrics(
         seed=seed, train_seconds=train, updates=updates, updates_per_s=updates / train,
         pct_rejected=100.0 * rejected / len(every_push) if every_push else 0.0,
@@ -212,6 +235,11 @@ def run_metrics(logs: RunLogs, seed: int, target_loss: float) -> RunMetrics:
         gaps=[(p["t"] - t0, g) for p, g in zip(first, gaps, strict=False)],
         bound_max=max((s["staleness_bound_max"] for s in servers
                        if s.get("staleness_bound_max") is not None), default=None),
+        gradients=len(all_steps), gradients_per_s=len(all_steps) / train,
+        active_seconds=active, active_updates_per_s=active_updates / active,
+        active_gradients_per_s=in_window / active, idle=idle,
+        idle_s=statistics.fmean(idle.values()), idle_max_s=max(idle.values()),
+        gradients_to_target=gradients_to,
     )
 
 
@@ -242,7 +270,9 @@ class Stat:
 
 _STAT_FIELDS = ("train_seconds", "updates", "updates_per_s", "pct_rejected", "staleness_p50",
                 "staleness_p95", "staleness_max", "max_clock_gap", "wait_s", "time_to_target",
-                "updates_to_target", "final_loss", "final_accuracy")
+                "updates_to_target", "final_loss", "final_accuracy", "gradients",
+                "gradients_per_s", "active_seconds", "active_updates_per_s",
+                "active_gradients_per_s", "idle_s", "idle_max_s", "gradients_to_target")
 
 
 @dataclass
