@@ -343,9 +343,16 @@ def _by_group(summaries: Sequence[ConfigSummary], scenario: str
     groups: dict[tuple[str, int], list[ConfigSummary]] = {}
     for s in summaries:
         if s.scenario == scenario and s.config["policy"] == "none" and s.runs \
-                and not s.config.get("backups"):
+                and not s.config.get("backups") and _plain_steps(s.config):
             groups.setdefault(("none", s.config["workers"]), []).append(s)
     return groups
+
+
+def _plain_steps(config: dict[str, Any]) -> bool:
+    """Whether a configuration runs the optimizer as configured: no learning-rate rule, no
+    asynchrony-aware momentum, no momentum of its own (the published claims 1-3 assume it)."""
+    return (config.get("lr_scaling", "none") == "none" and config.get("momentum_target") is None
+            and "momentum=" not in str(config.get("mode_spec", "")))
 
 
 def _mode_rank(config: dict[str, Any]) -> float:
@@ -415,10 +422,94 @@ def _claim_gap(summaries: Sequence[ConfigSummary]) -> ClaimCheck:
                       "; ".join(bad) or f"{len(checked)} ssp runs, largest gap {max(checked)}")
 
 
+#: "within 25%" of the claims on large-batch scaling and asynchrony-aware momentum
+STEPSIZE_TOLERANCE = 0.25
+
+
+def _median_gradients_to_target(s: ConfigSummary) -> float:
+    return s.stats["gradients_to_target"].median if s.runs else math.nan
+
+
+def _claim_large_batch(summaries: Sequence[ConfigSummary]) -> ClaimCheck:
+    claim = ("with a persistent straggler, sync with linear lr scaling and warmup (Goyal et al. "
+             "2017) reaches the target in gradients computed within 25% of ssp's (median over "
+             "seeds); sync at the one-worker lr does not")
+    checked, bad = [], []
+    group = [s for s in summaries if s.scenario == "persistent" and s.runs
+             and s.config["policy"] == "none" and not s.config.get("backups")]
+    for workers in sorted({s.config["workers"] for s in group}):
+        mine = [s for s in group if s.config["workers"] == workers]
+        scaled = [s for s in mine if s.config["mode"] == "sync"
+                  and s.config.get("lr_scaling") == "linear" and s.config.get("warmup_steps")]
+        plain = [s for s in mine if s.config["mode"] == "sync" and _plain_steps(s.config)]
+        ssp = [s for s in mine if s.config["mode"] == "ssp" and _plain_steps(s.config)]
+        if not (scaled and plain and ssp):
+            continue
+        best_ssp = min(ssp, key=_median_gradients_to_target)
+        ref = _median_gradients_to_target(best_ssp)
+        for s in scaled:
+            got = _median_gradients_to_target(s)
+            checked.append(f"{s.label} {got:.0f} vs {best_ssp.label} {ref:.0f} gradients")
+            if not (math.isfinite(got) and math.isfinite(ref)
+                    and got <= (1 + STEPSIZE_TOLERANCE) * ref):
+                bad.append(f"{s.label} needed {got:.0f} gradients, over 125% of "
+                           f"{best_ssp.label}'s {ref:.0f}")
+        for s in plain:
+            got = _median_gradients_to_target(s)
+            checked.append(f"{s.label} {'not reached' if math.isinf(got) else f'{got:.0f}'}")
+            if math.isfinite(got) and got <= (1 + STEPSIZE_TOLERANCE) * ref:
+                bad.append(f"{s.label} at the one-worker lr also got within 25% ({got:.0f})")
+    if not checked:
+        return ClaimCheck(claim, "skipped", "needs scenario persistent with sync, "
+                          "sync:lr=linear,warmup=N and an ssp mode")
+    return ClaimCheck(claim, "fail" if bad else "pass", "; ".join(bad or checked))
+
+
+def _start_loss(s: ConfigSummary) -> float:
+    firsts = [r.curve[0][2] for r in s.runs if r.curve]
+    return float(np.median(firsts)) if firsts else math.nan
+
+
+def _claim_momentum(summaries: Sequence[ConfigSummary]) -> ClaimCheck:
+    claim = ("async with momentum compensated for asynchrony (Mitliagkas et al. 2016) ends "
+             "within 25% of the final loss without momentum at 8 and more workers, while plain "
+             "momentum stays near the starting loss at 32 and more")
+    checked, bad = [], []
+    asyn = [s for s in summaries if s.config["mode"] == "async" and s.runs
+            and s.config["policy"] == "none"]
+    for scenario, workers in sorted({(s.scenario, s.config["workers"]) for s in asyn}):
+        mine = [s for s in asyn if (s.scenario, s.config["workers"]) == (scenario, workers)]
+        comp = [s for s in mine if s.config.get("momentum_target") is not None]
+        none = [s for s in mine if s.config.get("momentum_target") is None
+                and not s.config.get("momentum")]
+        plain = [s for s in mine if s.config.get("momentum_target") is None
+                 and s.config.get("momentum")]
+        if workers < 8 or not (comp and none):
+            continue
+        ref = none[0].stats["final_loss"].median
+        for s in comp:
+            got = s.stats["final_loss"].median
+            checked.append(f"{workers} workers: {s.label} {got:.3f} vs {ref:.3f}")
+            if not got <= (1 + STEPSIZE_TOLERANCE) * ref:
+                bad.append(f"{workers} workers: {s.label} ended at {got:.3f}, over 125% of "
+                           f"{ref:.3f} without momentum")
+        for s in plain if workers >= 32 else []:
+            got, start = s.stats["final_loss"].median, _start_loss(s)
+            checked.append(f"{workers} workers: {s.label} {got:.3f} (start {start:.3f})")
+            if not got >= 0.8 * start:
+                bad.append(f"{workers} workers: {s.label} ended at {got:.3f}, below 80% of "
+                           f"the starting loss {start:.3f}")
+    if not checked:
+        return ClaimCheck(claim, "skipped", "needs async at 8+ workers with target momentum "
+                          "and without momentum")
+    return ClaimCheck(claim, "fail" if bad else "pass", "; ".join(bad or checked))
+
+
 def check_literature(summaries: Sequence[ConfigSummary], target_loss: float) -> list[ClaimCheck]:
-    """What Ho et al. (2013) and Cui et al. (2014) report, checked on these results."""
+    """What Ho et al. (2013), Cui et al. (2014), Goyal et al. (2017) and Mitliagkas et al.
+    (2016) report, checked on these results."""
     return [_claim_throughput(summaries), _claim_progress(summaries, target_loss),
-            _claim_gap(summaries)]
+            _claim_gap(summaries), _claim_large_batch(summaries), _claim_momentum(summaries)]
 
 
 # --------------------------------------------------------------------------- writing

@@ -558,6 +558,22 @@ PRESETS: dict[str, dict[str, Any]] = {
                    "scenarios": ["none", "transient"], "steps": 420, "eval_every": 2,
                    "optimizer_args": {"lr": 0.05}},
     "scenarios": {"name": "scenarios", "scenarios": list(SCENARIOS)},
+    # Goyal et al. 2017: sync is one step on an N-times larger batch; at the one-worker
+    # lr it falls behind, with linear scaling and warmup it keeps up (gradients to target)
+    "large-batch": {"name": "large-batch", "scenarios": ["persistent"], "steps": 150,
+                    "servers": 1, "modes": ["sync", "sync:lr=linear,warmup=10", "ssp:3",
+                                            "async"]},
+    # Mitliagkas et al. 2016: asynchrony begets momentum; at 32 async workers plain momentum
+    # 0.9 diverges, momentum compensated for the observed staleness does not
+    "momentum": {"name": "momentum", "scenarios": ["jitter"], "steps": 60, "servers": 1,
+                 "workers": [1, 8, 32], "seeds": [0, 1], "eval_every": 5,
+                 "optimizer_args": {"lr": 0.05},
+                 "modes": ["async:momentum=0.9", "async:momentum=0.9,target=0.9",
+                           "async:momentum=0"],
+                 "custom_scenarios": {"jitter": {
+                     "description": "every step gets an exponential extra delay of mean 5 ms, "
+                                    "so workers drift apart as real ones do",
+                     "all": {"delay": "exp:0.005"}}}},
 }
 
 
