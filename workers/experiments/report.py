@@ -456,7 +456,7 @@ def _claim_large_batch(summaries: Sequence[ConfigSummary]) -> ClaimCheck:
                            f"{best_ssp.label}'s {ref:.0f}")
         for s in plain:
             got = _median_gradients_to_target(s)
-            checked.append(f"{s.label} {'not reached' if math.isinf(got) else f'{got:.0f}'}")
+            checked.append(f"{s.label} {f'{got:.0f}' if math.isfinite(got) else 'not reached'}")
             if math.isfinite(got) and got <= (1 + STEPSIZE_TOLERANCE) * ref:
                 bad.append(f"{s.label} at the one-worker lr also got within 25% ({got:.0f})")
     if not checked:
