@@ -15,6 +15,7 @@ from rich.table import Table
 from paramserver.cli.progress import step_progress
 from paramserver.errors import ConfigError, ParamServerError
 from paramserver.optim import parse_kwargs
+from paramserver.stepsize import LR_SCALINGS
 from paramserver.workers.experiments.render import summary_rows
 from paramserver.workers.experiments.report import ReportFiles
 from paramserver.workers.experiments.runner import ExperimentObserver, ExperimentResult, RunOutcome
@@ -94,7 +95,8 @@ def spec_from_flags(flags: dict[str, Any]) -> ExperimentSpec:
         "task_args": parse_kwargs(list(flags["task_args"])), "optimizer": flags["optimizer"],
         "optimizer_args": parse_kwargs(list(flags["optimizer_args"])),
         "target_loss": flags["target_loss"], "eval_every": flags["eval_every"],
-        "min_step_time": flags["min_step_time"],
+        "min_step_time": flags["min_step_time"], "lr_scaling": flags["lr_scaling"],
+        "warmup_steps": flags["warmup_steps"], "momentum_target": flags["momentum_target"],
     })
 
 
@@ -131,6 +133,17 @@ def grid_options(*, virtual: bool) -> Callable[[F], F]:
                      "(default sgd)."),
         click.option("--optimizer-arg", "optimizer_args", multiple=True, metavar="KEY=VALUE",
                      help="Optimizer argument (repeatable; default lr=0.1)."),
+        click.option("--lr-scaling", type=click.Choice(LR_SCALINGS),
+                     help="Learning-rate rule for every mode: a step averaging k gradients "
+                          "(a sync round) runs at k x lr (linear) or sqrt(k) x lr (sqrt); "
+                          "a mode may set its own (sync:lr=linear). Default: none."),
+        click.option("--warmup-steps", type=click.IntRange(min=0),
+                     help="With --lr-scaling: reach the full factor over the first N steps "
+                          "(default 0; a mode may set its own: sync:lr=linear,warmup=N)."),
+        click.option("--momentum-target", type=click.FloatRange(min=0, max=1, max_open=True),
+                     help="Asynchrony-aware momentum: total momentum, explicit plus the "
+                          "implicit momentum of staleness (a mode may set its own: "
+                          "async:target=0.9)."),
         click.option("--target-loss", type=float, help="Held-out loss for 'time to target' "
                      "(default 0.5)."),
         click.option("--eval-every", type=click.IntRange(min=1),
@@ -139,7 +152,8 @@ def grid_options(*, virtual: bool) -> Callable[[F], F]:
         click.option("--spec", "spec_file", type=click.Path(exists=True, dir_okay=False),
                      help="TOML spec file (docs/experiments.md); flags override its keys."),
         click.option("--preset", "preset_name", type=click.Choice(sorted(PRESETS)),
-                     help="A named spec: demo (make demo), literature, scenarios."),
+                     help="A named spec: demo (make demo), literature, scenarios, large-batch, "
+                          "momentum."),
         click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
                      help=f"Experiment directory (default {default_out}). An earlier "
                           "experiment there is replaced."),

@@ -30,6 +30,7 @@ from .errors import ConfigError
 from .optim import parse_kwargs
 from .sharding import PlanLimits
 from .staleness import parse_policy_args
+from .stepsize import LR_SCALINGS
 from .watchdog import ACTIONS, WatchdogConfig
 
 __all__ = [
@@ -229,6 +230,21 @@ class ServerConfig(ConfigRecord):
     backup_workers: int = option(0, min=0, metavar="B",
                                  help="sync: close each round without the slowest B gradients "
                                       "(dropped, counted).")
+    lr_scaling: str = option("none", choices=LR_SCALINGS,
+                             help="Large-batch learning-rate rule: the optimizer's lr is for "
+                                  "one worker's batch, and a step averaging k gradients (a "
+                                  "sync round) runs at k x lr (linear, Goyal et al. 2017) or "
+                                  "sqrt(k) x lr (sqrt), k counted live per round. An async or "
+                                  "SSP step has k = 1.")
+    warmup_steps: int = option(0, min=0, metavar="N",
+                               help="With --lr-scaling: ramp the factor from 1 to its full "
+                                    "value in equal steps over the first N optimizer steps.")
+    momentum_target: float | None = option(
+        None, min=0, max=1, max_open=True, metavar="MU",
+        help="Asynchrony-aware momentum: set the optimizer's momentum every step so that it "
+             "and the implicit momentum of the observed staleness, 1 - 1/(mean staleness + "
+             "1) (Mitliagkas et al. 2016), total MU. Needs sgd/rmsprop momentum or adam "
+             "betas (docs/research.md).")
     policy: str = option("none", metavar="NAME|module:Class",
                          help="Staleness policy: whether a late update is applied, "
                               "down-weighted or rejected. See `paramserver policies`.")
@@ -366,5 +382,8 @@ class ServerConfig(ConfigRecord):
             heartbeat_timeout=self.heartbeat_timeout,
             check_finite=self.check_finite,
             max_workers=self.max_workers,
+            lr_scaling=self.lr_scaling,
+            warmup_steps=self.warmup_steps,
+            momentum_target=self.momentum_target,
         )
 

@@ -59,6 +59,7 @@ from .records import (
 )
 from .rounds import Seeding, Stream, SyncRound
 from .staleness import BoundStats, Decision, NoPolicy, StalenessPolicy, UpdateInfo
+from .stepsize import LrRule, MomentumCompensation, momentum_key
 
 # the records are defined in records.py, the measurements in probe.py; importable here
 __all__ = [
@@ -105,6 +106,17 @@ class ShardCore:
         self.scheduler = build_scheduler(
             self.config.scheduler, self.optimizer, self.config.scheduler_args
         )
+        # large-batch learning-rate rule: a factor from each step's number of gradients
+        self.lr_rule = LrRule(self.config.lr_scaling, self.config.warmup_steps)
+        self.lr_factor = 1.0  # the factor of the last step
+        # asynchrony-aware momentum: explicit momentum set from the observed staleness
+        self.momentum: MomentumCompensation | None = None
+        if self.config.momentum_target is not None:
+            if momentum_key(self.optimizer.param_groups[0]) is None:
+                raise ConfigError(
+                    f"momentum_target needs an optimizer with momentum (sgd, rmsprop) or "
+                    f"betas (adam, adamw); {self.config.optimizer!r} has neither")
+            self.momentum = MomentumCompensation(self.config.momentum_target)
         # called before every optimizer step: a driver that lends the weights'
         # memory to sends in flight protects them here (copy-on-write)
         self.before_step: Callable[[], None] | None = None
@@ -706,7 +718,8 @@ class ShardCore:
             self.probe.push_complete(state.worker, stream.measure, grads)
         if not decision.accept:
             return PushOutcome(False, 0.0, decision.reason, info.staleness, self.version, False)
-        self._step(self._widen(self._rewrite(info, grads)), decision.weight)
+        self._step(self._widen(self._rewrite(info, grads)), decision.weight,
+                   staleness=info.staleness)
         return PushOutcome(True, decision.weight, decision.reason, info.staleness,
                            self.version, True)
 
@@ -719,16 +732,27 @@ class ShardCore:
             return False
         if self.round.in_flight():
             return False  # a backup's parts are in the buffer already: let it finish
-        return self.round.close(lambda mean: self._step(mean, 1.0))
+        contributors = self.round.accepted
+        return self.round.close(lambda mean: self._step(mean, 1.0, contributors))
 
-    def _step(self, grads: Mapping[str, torch.Tensor], weight: float) -> None:
-        """One optimizer step on ``grads``, the learning rate scaled by ``weight``."""
+    def _step(self, grads: Mapping[str, torch.Tensor], weight: float, contributors: int = 1,
+              staleness: int = 0) -> None:
+        """One optimizer step on ``grads``, the learning rate scaled by ``weight`` and by
+        the learning-rate rule's factor for a step averaging ``contributors`` gradients;
+        with asynchrony-aware momentum, the momentum set from ``staleness`` first."""
         for key, p in self.params.items():
             p.grad = grads[key]
         if self.before_step is not None:
             self.before_step()
         groups = self.optimizer.param_groups
         saved = [g["lr"] for g in groups]
+        if self.lr_rule.active:
+            self.lr_factor = self.lr_rule.factor(contributors, self.version)
+            weight *= self.lr_factor
+        if self.momentum is not None:
+            prior = 0 if self.mode.mode == "sync" else max(0, len(self.live()) - 1)
+            self.momentum.observe(staleness, prior)
+            self.momentum.apply(groups)
         if weight != 1.0:
             for g in groups:
                 g["lr"] = g["lr"] * weight

@@ -104,6 +104,13 @@ class CoreConfig:
     #: how far ahead of a worker's last push id a new one may be: one forged id can
     #: then hide at most this many of the real worker's pushes
     push_id_window: int = 1024
+    #: large-batch learning-rate rule (stepsize.LrRule): none, linear or sqrt in the
+    #: number of gradients a step averages, reached after warmup_steps steps
+    lr_scaling: str = "none"
+    warmup_steps: int = 0
+    #: asynchrony-aware momentum (stepsize.MomentumCompensation): the total momentum
+    #: to keep, explicit plus the implicit momentum of the observed staleness (None: off)
+    momentum_target: float | None = None
 
     @property
     def worker_limit(self) -> int:

@@ -36,6 +36,13 @@ def stats(core: ShardCore) -> dict[str, Any]:
         "initialized": core.initialized,
         "started": core.started,
         "lr": core.lr,
+        "lr_scaling": core.lr_rule.describe(),
+        "lr_factor": core.lr_factor,
+        "momentum_target": core.momentum.target if core.momentum is not None else None,
+        "momentum_explicit": core.momentum.explicit if core.momentum is not None else None,
+        "momentum_implicit": core.momentum.implicit if core.momentum is not None else None,
+        "mean_staleness_estimate": (core.momentum.mean_staleness
+                                    if core.momentum is not None else None),
         "live_workers": sorted(w.worker for w in live)[:STATS_WORKERS],
         "live_count": len(live),
         "min_clock": core.min_clock(),

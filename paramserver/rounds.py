@@ -65,6 +65,7 @@ class SyncRound:
         self.params = params
         self.members: set[int] = set()  # workers that contributed to the open round
         self.samples = 0  # samples of the accepted gradients in the buffer
+        self.accepted = 0  # workers whose accepted gradient is in the buffer
         self.agg: dict[str, torch.Tensor] = {}
         self.written: set[str] = set()  # keys of agg written in the open round
         self.void = False  # a push was given up half-way: close without a step
@@ -98,6 +99,8 @@ class SyncRound:
         buffer (0 for a push its policy rejected)."""
         self.members.add(worker)
         self.samples += samples
+        if samples > 0:
+            self.accepted += 1
 
     def give_up(self, stream: Stream) -> bool:
         """``stream`` will not be completed; True when that made the round void now."""
@@ -128,6 +131,7 @@ class SyncRound:
         finally:
             self.members.clear()
             self.samples = 0
+            self.accepted = 0
             self.written.clear()
             self.void = False
         return stepped

@@ -59,6 +59,7 @@ def save(core: ShardCore) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         "workers": {str(w.worker): w.record() for w in core.workers.values()},
         "round": sorted(sync.members),
         "round_samples": sync.samples,
+        "round_accepted": sync.accepted,
         # a push in the making is not saved: its parts in the buffer void the round
         "round_void": sync.void or sync.in_flight(),
         "rounds_voided": sync.voided,
@@ -67,6 +68,7 @@ def save(core: ShardCore) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         "optimizer": opt_meta,
         "scheduler": core.scheduler.state_dict() if core.scheduler is not None else None,
         "policy": {"name": core.policy.name, "state": core.policy.state_dict()},
+        "momentum": core.momentum.state_dict() if core.momentum is not None else None,
     }
     return tensors, meta
 
@@ -115,6 +117,10 @@ def load(core: ShardCore, tensors: Mapping[str, torch.Tensor],
     sync.dropped = int(meta.get("rounds_dropped", 0))
     sync.members = set(meta.get("round", []))
     sync.samples = int(meta.get("round_samples", 0))
+    # older snapshots: every member with samples counted as one contributor
+    sync.accepted = int(meta.get("round_accepted", len(sync.members) if sync.samples else 0))
+    if core.momentum is not None and meta.get("momentum"):
+        core.momentum.load_state_dict(meta["momentum"])
     sync.agg = {k[len("agg/"):]: v.clone() for k, v in tensors.items()
                 if k.startswith("agg/")}
     sync.void = bool(meta.get("round_void", False))

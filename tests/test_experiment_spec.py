@@ -246,3 +246,48 @@ def test_an_unrelated_directory_is_not_overwritten(tmp_path):
     with pytest.raises(ConfigError, match="does not hold an earlier experiment"):
         run_experiment(ExperimentSpec(seeds=1), tmp_path)
     assert (tmp_path / "precious.txt").read_text() == "keep me"
+
+
+@pytest.mark.parametrize(("text", "fields", "label"), [
+    ("sync:lr=linear,warmup=20", {"lr_scaling": "linear", "warmup": 20},
+     "sync (lr linear, warmup 20)"),
+    ("sync:b=1,lr=sqrt", {"backups": 1, "lr_scaling": "sqrt"}, "sync b=1 (lr sqrt)"),
+    ("ssp:3,target=0.9", {"bound": 3, "momentum_target": 0.9}, "ssp s=3 (target momentum 0.9)"),
+    ("async:momentum=0", {"momentum": 0.0}, "async (momentum 0)"),
+])
+def test_modes_carry_their_own_step_size_settings(text, fields, label):
+    choice = ModeChoice.parse(text)
+    assert {k: getattr(choice, k) for k in fields} == fields
+    assert choice.label == label
+    assert ModeChoice.parse(str(choice)) == choice
+
+
+def test_step_settings_of_a_mode_override_the_specs(tmp_path):
+    from paramserver.workers.experiments.spec import ExperimentSpec
+    spec = ExperimentSpec(modes=["sync:lr=linear,warmup=5", "async:target=0.9", "ssp:2"],
+                          lr_scaling="sqrt", optimizer_args={"lr": 0.1, "momentum": 0.9},
+                          scenarios=["none"], seeds=[0])
+    by_mode = {str(c.mode): spec.cluster_spec(c, 0).server for c in spec.configurations()}
+    sync, asyn, ssp = (by_mode[k] for k in ("sync:lr=linear,warmup=5", "async:target=0.9",
+                                            "ssp:2"))
+    assert (sync.lr_scaling, sync.warmup_steps, sync.momentum_target) == ("linear", 5, None)
+    assert (asyn.lr_scaling, asyn.momentum_target) == ("sqrt", 0.9)
+    assert (ssp.lr_scaling, ssp.warmup_steps) == ("sqrt", 0)
+    assert asyn.optimizer_args["momentum"] == 0.9
+    assert load_spec_roundtrip(spec, tmp_path).modes == spec.modes
+
+
+def load_spec_roundtrip(spec, tmp_path):
+    from paramserver.workers.experiments.spec import dump_spec, load_spec
+    path = tmp_path / "spec.toml"
+    path.write_text(dump_spec(spec))
+    back = load_spec(path)
+    assert (back.lr_scaling, back.warmup_steps, back.momentum_target) == (
+        spec.lr_scaling, spec.warmup_steps, spec.momentum_target)
+    return back
+
+
+@pytest.mark.parametrize("text", ["sync:lr=cubic", "async:momentum=1.5", "sync:warmup=x"])
+def test_bad_step_size_settings_are_refused(text):
+    with pytest.raises(ConfigError):
+        ModeChoice.parse(text)

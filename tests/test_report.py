@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from paramserver.workers.experiments.render import summary_rows
+from paramserver.workers.experiments.render import TABLE_COLUMNS, summary_rows
 from paramserver.workers.experiments.report import (
     ClaimCheck,
     Stat,
@@ -250,11 +250,13 @@ def test_report_files_tables_and_plots(tmp_path):
     row = next(line for line in transient.splitlines() if line.startswith("| sync |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     expected = sorted(6 / (12 * 0.4 * (1 + 0.01 * s) + 0.001) for s in range(3))
-    assert cells[5] == f"{expected[1]:.1f}"  # the seeds differ by less than the precision
+    col = {name: i + 1 for i, (name, _, _) in enumerate(TABLE_COLUMNS)}
+    assert cells[col["updates/s"]] == f"{expected[1]:.1f}"  # seeds differ by < the precision
     trains = sorted(12 * 0.4 * (1 + 0.01 * s) + 0.001 for s in range(3))
-    assert cells[10] == f"{trains[1]:.1f} [{trains[0]:.1f}-{trains[2]:.1f}]"
+    assert cells[col["training (s)"]] == f"{trains[1]:.1f} [{trains[0]:.1f}-{trains[2]:.1f}]"
     assert cells[3] == "0.400" and cells[4] == "90.0"
-    assert cells[7] == "0 / 0 / 0" and cells[6] == "0.0"
+    assert cells[col["staleness p50/p95/max"]] == "0 / 0 / 0"
+    assert cells[col["rejected (%)"]] == "0.0"
     # images: loss and staleness per scenario, clocks per ssp configuration
     names = sorted(p.name for p in files.images)
     assert names == sorted(["none-loss.png", "none-staleness.png", "transient-loss.png",
@@ -290,3 +292,37 @@ def test_machine_load_is_reported_and_contention_flagged(tmp_path):
     fake_experiment(tmp_path / "busy", dts=GOOD, scenarios=("none",), seeds=(0, 1, 2, 3))
     md = write_report(tmp_path / "busy").markdown.read_text()
     assert "0.5 to 3.5" in md and "Other work competed for the CPUs" in md
+
+
+def test_rates_idle_and_all_active_window_under_a_known_persistent_straggler(tmp_path):
+    """Async, 4 workers, worker 0 persistently 4x slower, fixed steps per worker (in
+    virtual time, so the figures are exact): the three fast workers finish after a
+    quarter of the run and then idle; the whole-run rate hides that, the all-active
+    window does not."""
+    from paramserver.workers.experiments.runner import simulate_experiment
+    from paramserver.workers.experiments.spec import ExperimentSpec
+    from paramserver.workers.launch.virtual import SimSpec
+
+    steps, m = 20, 0.01
+    spec = ExperimentSpec(modes=["async"], scenarios=["persistent"], seeds=[0], steps=steps,
+                          workers=[4], servers=1, min_step_time=m, eval_every=10)
+    simulate_experiment(spec, tmp_path, SimSpec(compute_time=0.0))
+    (summary,) = summarize(tmp_path)
+    (run,) = summary.runs
+    slow_end, fast_end = steps * 4 * m, steps * m
+    assert run.train_seconds == pytest.approx(slow_end, rel=0.02)
+    assert run.gradients == 4 * steps
+    assert run.gradients_per_s == pytest.approx(4 * steps / slow_end, rel=0.02)
+    # every worker trains until the fast ones finish: 3 x 20 + 20 / 4 gradients
+    assert run.active_seconds == pytest.approx(fast_end, rel=0.02)
+    assert run.active_gradients_per_s == pytest.approx((3 * steps + steps / 4) / fast_end,
+                                                       rel=0.06)
+    assert run.active_gradients_per_s > 2.5 * run.gradients_per_s
+    assert run.idle[0] == pytest.approx(0.0, abs=1e-9)
+    for rank in (1, 2, 3):
+        assert run.idle[rank] == pytest.approx(slow_end - fast_end, rel=0.02)
+    assert run.idle_max_s == pytest.approx(slow_end - fast_end, rel=0.02)
+    md = (tmp_path / "report.md").read_text()
+    for name, _, _ in TABLE_COLUMNS:
+        assert f"| {name} " in md or f"| {name} |" in md
+    assert "all active" in md and "Step-size rules: async: lr scaling none" in md

@@ -35,7 +35,13 @@ TABLE_COLUMNS: list[tuple[str, str, str]] = [
     ("updates to target", "updates_to_target", "{:.0f}"),
     ("final held-out loss", "final_loss", "{:.3f}"),
     ("final accuracy (%)", "final_accuracy", "pct"),
+    ("gradients to target", "gradients_to_target", "{:.0f}"),
     ("updates/s", "updates_per_s", "{:.1f}"),
+    ("gradients/s", "gradients_per_s", "{:.1f}"),
+    ("updates/s, all active", "active_updates_per_s", "{:.1f}"),
+    ("gradients/s, all active", "active_gradients_per_s", "{:.1f}"),
+    ("idle (s/worker) mean", "idle_s", "{:.2f}"),
+    ("idle (s) max", "idle_max_s", "{:.2f}"),
     ("rejected (%)", "pct_rejected", "{:.1f}"),
     ("staleness p50/p95/max", "staleness", ""),
     ("max clock gap", "max_clock_gap", "{:.0f}"),
@@ -63,6 +69,23 @@ def _staleness(s: ConfigSummary) -> str:
     if p50.n == 0:
         return "—"
     return f"{p50.median:g} / {p95.median:g} / {mx.median:g}"
+
+
+def _step_settings(summaries: Sequence[ConfigSummary]) -> str:
+    """What each configuration ran with: learning-rate rule, warmup, momentum."""
+    parts = []
+    for s in summaries:
+        c = s.config
+        if "lr_scaling" not in c:
+            continue  # an experiment from before these settings were recorded
+        text = f"lr scaling {c['lr_scaling']}"
+        if c.get("warmup_steps"):
+            text += f", warmup {c['warmup_steps']} steps"
+        text += f", momentum {c.get('momentum') or 0:g}"
+        if c.get("momentum_target") is not None:
+            text += f" set per step for a total of {c['momentum_target']:g} (asynchrony-aware)"
+        parts.append(f"{s.label}: {text}")
+    return ("Step-size rules: " + "; ".join(parts) + ".") if parts else ""
 
 
 def table_rows(summaries: Sequence[ConfigSummary], spread: bool = True) -> list[list[str]]:
@@ -273,7 +296,18 @@ _DEFINITIONS = [
     "updates to target: optimizer steps applied by the servers until then (a sync round is "
     "one update, however many workers it averages)",
     "final held-out loss / accuracy: of the final weights, after every worker finished",
-    "updates/s: optimizer steps applied per second of training (shard 0's version / time)",
+    "gradients to target: gradients computed by all workers until then; it compares sync "
+    "(one update per N gradients) with async (one per gradient) on the work done",
+    "updates/s: optimizer steps applied per second of training (shard 0's version / time); "
+    "training ends at the last worker's last step, so a straggler that finishes late lowers "
+    "it even when the others were fast",
+    "gradients/s: gradients computed by all workers per second of training",
+    "updates/s and gradients/s, all active: the same rates over the window in which every "
+    "worker was still training (from the start to the first worker's last step); with a "
+    "fixed number of steps per worker, fast async workers finish early and then idle, which "
+    "the whole-run rate hides",
+    "idle (s/worker): seconds a worker sat done while another still trained, mean over "
+    "workers and the largest",
     "rejected: share of pushes the staleness policy (or sync, for late gradients) refused",
     "staleness: updates applied between a worker's pull and its push, over all pushes at "
     "shard 0",
@@ -350,6 +384,9 @@ def render_report(out_dir: Path, exp: dict[str, Any], summaries: Sequence[Config
                 f"worker {r}: {_straggler_text(o)}" for r, o in overrides.items())))
         blocks.append(("p", f"Every worker: {_straggler_text(info.get('all', {}))}."))
         blocks.append(("table", head, table_rows(group)))
+        steps_text = _step_settings(group)
+        if steps_text:
+            blocks.append(("p", steps_text))
         if any(s.runs for s in group):
             loss = plot_loss(scenario, group, colors, target, images_dir / f"{scenario}-loss.png")
             stale = plot_staleness(scenario, group, colors,

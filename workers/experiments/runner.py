@@ -152,7 +152,8 @@ def _index(spec: ExperimentSpec, outcomes: Sequence[RunOutcome], started: float,
         "optimizer": spec.optimizer, "optimizer_args": spec.optimizer_args,
         "batch_size": spec.batch_size,
         "scenarios": {n: spec.scenario(n).to_dict() for n in spec.scenarios},
-        "configurations": [c.to_dict() for c in spec.configurations()],
+        "configurations": [{**c.to_dict(), **spec.step_settings(c.mode)}
+                           for c in spec.configurations()],
         "runs": [{"config": o.plan.config.id, "seed": o.plan.seed, "path": o.plan.path,
                   "ok": o.ok, "seconds": round(o.seconds, 3), "error": o.error,
                   "load": o.load}

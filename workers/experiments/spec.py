@@ -37,6 +37,7 @@ from paramserver.errors import ConfigError
 from paramserver.optim import build_optimizer
 from paramserver.server import ServerConfig
 from paramserver.staleness import create_policy, parse_policy_args
+from paramserver.stepsize import LrRule
 from paramserver.workers.launch.cluster import ClusterSpec
 from paramserver.workers.stragglers import StragglerSpec
 from paramserver.workers.tasks import resolve_task, task_parameters
@@ -75,11 +76,18 @@ _STRAGGLER_FIELDS = {f.name for f in dataclasses.fields(StragglerSpec)}
 @dataclass(frozen=True)
 class ModeChoice:
     """A consistency mode: ``sync``, ``sync:b=B`` (B backup workers), ``async`` or ``ssp:S``
-    (S = staleness bound)."""
+    (S = staleness bound), optionally with step-size settings of its own that override
+    the spec's: ``lr=none|linear|sqrt`` (learning-rate scaling), ``warmup=N``,
+    ``momentum=MU`` (the optimizer's momentum) and ``target=MU`` (asynchrony-aware
+    momentum), e.g. ``sync:lr=linear,warmup=20`` or ``async:momentum=0.9,target=0.9``."""
 
     mode: str
     bound: int = 0
     backups: int = 0  # sync: a round closes without the slowest `backups` workers
+    lr_scaling: str | None = None  # None: the spec's
+    warmup: int | None = None
+    momentum: float | None = None
+    momentum_target: float | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in ("sync", "async", "ssp"):
@@ -92,45 +100,84 @@ class ModeChoice:
                 or self.backups < 0 or (self.backups and self.mode != "sync"):
             raise ConfigError(f"backup workers (sync:b=B) need sync and an int B >= 0; "
                               f"got {self.mode} with {self.backups!r}")
+        LrRule(self.lr_scaling or "none", self.warmup or 0)  # says what is wrong
+        for what, mu in (("momentum", self.momentum), ("target", self.momentum_target)):
+            if mu is not None and not 0.0 <= mu < 1.0:
+                raise ConfigError(f"mode {self.mode}: {what} must be in [0, 1), got {mu}")
 
     @classmethod
     def parse(cls, text: str | ModeChoice) -> ModeChoice:
-        """``"sync"``, ``"sync:b=1"``, ``"async"``, ``"ssp:3"`` or ``"ssp:s=3"``."""
+        """``"sync"``, ``"sync:b=1"``, ``"async"``, ``"ssp:3"`` or ``"ssp:s=3"``, each
+        optionally with ``lr=``, ``warmup=``, ``momentum=``, ``target=`` (comma-separated)."""
         if isinstance(text, ModeChoice):
             return text
         if not isinstance(text, str):
             raise ConfigError(f"a mode must be a string like sync, async or ssp:3; got {text!r}")
         name, sep, arg = text.strip().lower().partition(":")
-        if name == "sync" and arg.startswith("b="):
-            count = arg.removeprefix("b=").strip()
-            if not count.isdigit():
-                raise ConfigError(f"mode {text!r}: backup workers must be a count, e.g. sync:b=1")
-            return cls("sync", backups=int(count))
-        if name != "ssp":
-            if sep:
-                raise ConfigError(f"mode {text!r}: only ssp:S and sync:b=B take an argument")
-            return cls(name)
-        arg = arg.removeprefix("s=").strip()
-        if not arg.isdigit():
+        if sep and not arg.strip():
+            raise ConfigError(f"mode {text!r}: nothing after ':'")
+        kwargs: dict[str, Any] = {}
+        for i, item in enumerate(a.strip() for a in arg.split(",") if sep):
+            key, eq, value = item.partition("=")
+            key, value = key.strip(), value.strip()
+            if not eq and i == 0 and name == "ssp":
+                key, value = "s", key
+            try:
+                if key == "s" and name == "ssp" and value.isdigit():
+                    kwargs["bound"] = int(value)
+                elif key == "b" and name == "sync" and value.isdigit():
+                    kwargs["backups"] = int(value)
+                elif key == "lr":
+                    kwargs["lr_scaling"] = value
+                elif key == "warmup" and value.isdigit():
+                    kwargs["warmup"] = int(value)
+                elif key in ("momentum", "target"):
+                    kwargs["momentum" if key == "momentum" else "momentum_target"] = float(value)
+                else:
+                    raise ValueError(item)
+            except ValueError:
+                raise ConfigError(
+                    f"mode {text!r}: cannot read {item!r}; only ssp takes a bare number, its "
+                    "staleness bound (ssp:3); sync takes its backup workers (sync:b=1); any "
+                    "mode takes lr=none|linear|sqrt, warmup=N, momentum=MU, target=MU"
+                ) from None
+        if name == "ssp" and "bound" not in kwargs:
             raise ConfigError(f"mode {text!r}: ssp needs its staleness bound, e.g. ssp:3")
-        return cls("ssp", int(arg))
+        return cls(name, **kwargs)
+
+    def _extras(self) -> list[tuple[str, Any]]:
+        return [(k, v) for k, v in (("lr", self.lr_scaling), ("warmup", self.warmup),
+                                    ("momentum", self.momentum),
+                                    ("target", self.momentum_target)) if v is not None]
 
     def __str__(self) -> str:
         if self.backups:
-            return f"sync:b={self.backups}"
-        return f"ssp:{self.bound}" if self.mode == "ssp" else self.mode
+            base = f"sync:b={self.backups}"
+        else:
+            base = f"ssp:{self.bound}" if self.mode == "ssp" else self.mode
+        extras = ",".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
+                          for k, v in self._extras())
+        return base + ((":" if ":" not in base else ",") + extras if extras else "")
 
     @property
     def label(self) -> str:
         if self.backups:
-            return f"sync b={self.backups}"
-        return f"ssp s={self.bound}" if self.mode == "ssp" else self.mode
+            base = f"sync b={self.backups}"
+        else:
+            base = f"ssp s={self.bound}" if self.mode == "ssp" else self.mode
+        words = {"lr": "lr {}", "warmup": "warmup {}", "momentum": "momentum {:g}",
+                 "target": "target momentum {:g}"}
+        extras = [words[k].format(v) for k, v in self._extras()]
+        return base + (f" ({', '.join(extras)})" if extras else "")
 
     @property
     def slug(self) -> str:
         if self.backups:
-            return f"sync-b{self.backups}"
-        return f"ssp{self.bound}" if self.mode == "ssp" else self.mode
+            base = f"sync-b{self.backups}"
+        else:
+            base = f"ssp{self.bound}" if self.mode == "ssp" else self.mode
+        return _slug(base + "".join(f"-{k}{v:g}" if isinstance(v, float) else f"-{k}{v}"
+                                    for k, v in self._extras()))
 
     @property
     def rank(self) -> float:
@@ -306,7 +353,7 @@ class RunPlan:
 _SPEC_KEYS = ("name", "task", "task_args", "steps", "batch_size", "seeds", "servers", "workers",
               "modes", "policies", "scenarios", "custom_scenarios", "optimizer",
               "optimizer_args", "target_loss", "eval_every", "min_step_time", "device",
-              "run_timeout")
+              "run_timeout", "lr_scaling", "warmup_steps", "momentum_target")
 
 
 @dataclass
@@ -337,6 +384,10 @@ class ExperimentSpec:
     min_step_time: float = 0.015  # s; emulates a model heavier than the task's
     device: str = "cpu"
     run_timeout: float | None = 900.0  # s per run; 0 or None: no limit
+    #: step-size rules for every mode (a mode's own lr=, warmup=, target= override them)
+    lr_scaling: str = "none"
+    warmup_steps: int = 0
+    momentum_target: float | None = None
 
     def __post_init__(self) -> None:
         self.modes = [ModeChoice.parse(m) for m in _as_list(self.modes, "modes")]
@@ -376,6 +427,9 @@ class ExperimentSpec:
         }
         for name in self.scenarios:
             self.scenario(name)
+        LrRule(self.lr_scaling, self.warmup_steps)
+        if self.momentum_target is not None and not 0 <= self.momentum_target < 1:
+            raise ConfigError(f"momentum_target must be in [0, 1), got {self.momentum_target!r}")
         self._check_task()
         build_optimizer(self.optimizer, [torch.zeros(1, requires_grad=True)],
                         dict(self.optimizer_args))
@@ -414,11 +468,17 @@ class ExperimentSpec:
 
     def cluster_spec(self, config: Configuration, seed: int) -> ClusterSpec:
         scenario = self.scenario(config.scenario)
+        step = self.step_settings(config.mode)
+        optimizer_args = dict(self.optimizer_args)
+        if config.mode.momentum is not None:
+            optimizer_args["momentum"] = config.mode.momentum
         server = ServerConfig(
             mode=config.mode.mode, staleness_bound=config.mode.bound,
             backup_workers=config.mode.backups, expected_workers=config.workers,
             policy=config.policy.name, policy_args=dict(config.policy.args),
-            optimizer=self.optimizer, optimizer_args=dict(self.optimizer_args),
+            optimizer=self.optimizer, optimizer_args=optimizer_args,
+            lr_scaling=step["lr_scaling"], warmup_steps=step["warmup_steps"],
+            momentum_target=step["momentum_target"],
         )
         worker = WorkerConfig(
             servers=["unset"], task=self.task, task_args=dict(self.task_args),
@@ -428,6 +488,18 @@ class ExperimentSpec:
         return ClusterSpec(num_servers=self.servers, num_workers=config.workers, server=server,
                            worker=worker, stragglers=scenario.stragglers(config.workers),
                            run_timeout=self.run_timeout)
+
+    def step_settings(self, mode: ModeChoice) -> dict[str, Any]:
+        """The step-size rules ``mode`` runs with: its own, else the spec's."""
+        momentum = mode.momentum if mode.momentum is not None \
+            else self.optimizer_args.get("momentum", 0.0)
+        return {
+            "lr_scaling": mode.lr_scaling or self.lr_scaling,
+            "warmup_steps": mode.warmup if mode.warmup is not None else self.warmup_steps,
+            "momentum_target": mode.momentum_target if mode.momentum_target is not None
+            else self.momentum_target,
+            "momentum": momentum,
+        }
 
     def to_toml_dict(self) -> dict[str, Any]:
         used = {k: v for k, v in self.custom_scenarios.items() if k in self.scenarios}
@@ -441,6 +513,8 @@ class ExperimentSpec:
             "device": self.device, "run_timeout": self.run_timeout or 0,
             "task_args": dict(self.task_args), "optimizer_args": dict(self.optimizer_args),
             "custom_scenarios": {k: _scenario_table(v) for k, v in used.items()},
+            "lr_scaling": self.lr_scaling, "warmup_steps": self.warmup_steps,
+            "momentum_target": self.momentum_target,
         }
         return data
 
@@ -484,6 +558,22 @@ PRESETS: dict[str, dict[str, Any]] = {
                    "scenarios": ["none", "transient"], "steps": 420, "eval_every": 2,
                    "optimizer_args": {"lr": 0.05}},
     "scenarios": {"name": "scenarios", "scenarios": list(SCENARIOS)},
+    # Goyal et al. 2017: sync is one step on an N-times larger batch; at the one-worker
+    # lr it falls behind, with linear scaling and warmup it keeps up (gradients to target)
+    "large-batch": {"name": "large-batch", "scenarios": ["persistent"], "steps": 150,
+                    "servers": 1, "modes": ["sync", "sync:lr=linear,warmup=10", "ssp:3",
+                                            "async"]},
+    # Mitliagkas et al. 2016: asynchrony begets momentum; at 32 async workers plain momentum
+    # 0.9 diverges, momentum compensated for the observed staleness does not
+    "momentum": {"name": "momentum", "scenarios": ["jitter"], "steps": 60, "servers": 1,
+                 "workers": [1, 8, 32], "seeds": [0, 1], "eval_every": 5,
+                 "optimizer_args": {"lr": 0.05},
+                 "modes": ["async:momentum=0.9", "async:momentum=0.9,target=0.9",
+                           "async:momentum=0"],
+                 "custom_scenarios": {"jitter": {
+                     "description": "every step gets an exponential extra delay of mean 5 ms, "
+                                    "so workers drift apart as real ones do",
+                     "all": {"delay": "exp:0.005"}}}},
 }
 
 
