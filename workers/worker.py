@@ -104,6 +104,12 @@ class WorkerConfig:
     request_timeout: float = option(5.0, min=0, min_open=True, metavar="SECONDS",
                                     help="A request unanswered this long is sent again (until "
                                          "--timeout).")
+    barrier_timeout: float = option(0.0, min=0, metavar="SECONDS",
+                                    help="How long a pull may wait at a live shard's sync "
+                                         "barrier or SSP gate (slow peers: data loading, "
+                                         "evaluation, restarts) before giving up (0: no "
+                                         "bound; a progress line is logged meanwhile). A shard "
+                                         "that does not answer at all fails after --timeout.")
     heartbeat_interval: float = option(1.0, min=0, metavar="SECONDS",
                                        help="Seconds between heartbeats to every shard (0: "
                                             "none).")
@@ -245,6 +251,7 @@ def run_worker(config: WorkerConfig) -> dict[str, Any]:
     with PSClient(config.servers, plan, config.rank, timeout=config.timeout,
                   attempt_timeout=config.request_timeout,
                   heartbeat_interval=config.heartbeat_interval, curve=curve,
+                  barrier_timeout=config.barrier_timeout,
                   drop_rate=config.drop_rate, wire_dtype=config.wire_dtype,
                   part_bytes=config.part_bytes) as client:
         clock = client.connect()
