@@ -120,6 +120,12 @@ def _shell_script(code: str) -> str:
     lines = code.split("\n")
     if any(ln.startswith("$ ") for ln in lines):  # a session: commands and their output
         lines = [ln[2:] for ln in lines if ln.startswith("$ ")]
+    commands = [ln for ln in lines if ln.strip() and not ln.startswith("#")]
+    if len(commands) > 1 and all(c.startswith("paramserver launch ") and "\\" not in c
+                                 for c in commands):
+        # independent one-line runs (each its own --out): side by side, each one checked
+        started = "\n".join(f"{c} &\npids+=($!)" for c in commands)
+        return _shrink(f'pids=()\n{started}\nfor p in "${{pids[@]}}"; do wait "$p"; done')
     return _shrink("\n".join(lines))
 
 
@@ -187,7 +193,7 @@ def test_the_blocks_of_a_document_run(doc: Path, tmp_path: Path) -> None:
     # files first (a command may use a module defined below it); the README's too, which
     # other pages refer to (mypkg.policies:Linear), unless a page brings its own modules
     # (a file block, or PYTHONPATH set to an example's folder)
-    own = any(_file_of(b) or "PYTHONPATH=" in b.code for b in runnable)
+    own = any(str(_file_of(b)).endswith(".py") or "PYTHONPATH=" in b.code for b in runnable)
     readme = [] if doc.name == "README.md" or own else blocks(ROOT / "README.md")
     for block in [*readme, *runnable]:
         path = _file_of(block)
