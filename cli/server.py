@@ -17,14 +17,14 @@ __all__ = ["server"]
 EPILOG = """\b
 Examples:
   # two shards on this machine, fixed ports, sync training for 3 workers
-  paramserver server --shard 0 --num-shards 2 --bind 127.0.0.1:5600 \\
+  paramserver server --shard 0 --num-shards 2 --port 5600 \\
       --mode sync --expected-workers 3
-  paramserver server --shard 1 --num-shards 2 --bind 127.0.0.1:5601 \\
+  paramserver server --shard 1 --num-shards 2 --port 5601 \\
       --mode sync --expected-workers 3
 
 \b
   # accept workers from other hosts; bounded staleness; down-weight late updates
-  paramserver server --bind 0.0.0.0:5600 --mode ssp --staleness-bound 2 \\
+  paramserver server --host 0.0.0.0 --port 5600 --mode ssp --staleness-bound 2 \\
       --policy inverse --optimizer adam --lr 0.001
 
 \b

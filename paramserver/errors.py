@@ -25,6 +25,7 @@ boundary with ``raise ... from exc`` so callers need catch only these::
     │   └── RemoteInternalError  internal
     ├── TransportError
     │   ├── RequestTimeoutError (also the builtin TimeoutError)
+    │   │   └── BarrierTimeoutError  a live shard held a pull past --barrier-timeout
     │   └── RendezvousError      (paramserver.workers.launch.rendezvous)
     ├── CheckpointError          (paramserver.checkpoint)
     ├── ClusterError             (paramserver.workers.launch.cluster)
@@ -51,6 +52,7 @@ from typing import ClassVar
 __all__ = [
     "REMOTE_ERRORS",
     "BadRequestError",
+    "BarrierTimeoutError",
     "BusyError",
     "ConfigError",
     "DuplicateWorkerError",
@@ -266,3 +268,9 @@ class RequestTimeoutError(TransportError, builtins.TimeoutError):
 
     Also a builtin :class:`TimeoutError`, so ``except TimeoutError`` catches it.
     """
+
+
+class BarrierTimeoutError(RequestTimeoutError):
+    """A shard that answers (its heartbeats) held a pull at its sync barrier or SSP
+    gate longer than the worker's barrier timeout: the peers it waits for are slow
+    or stuck, the shard is not."""

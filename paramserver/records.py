@@ -339,6 +339,10 @@ class PullQueue:
         """Drop ``worker``'s parked pull (it left, died or restarted)."""
         self.pulls = [p for p in self.pulls if p.observer or p.worker != worker]
 
+    def held(self, worker: int) -> PendingPull | None:
+        """``worker``'s parked pull, if one is held (what its heartbeats are told)."""
+        return next((p for p in self.pulls if not p.observer and p.worker == worker), None)
+
     def blocked(self) -> int:
         """Workers' pulls parked (observers' aside)."""
         return sum(1 for p in self.pulls if not p.observer)

@@ -491,9 +491,33 @@ class ShardServer:
         return reply(msg, **out.as_dict())
 
     def _on_heartbeat(self, msg: Message, identity: bytes) -> Message:
+        now = time.monotonic()
         if self.core is not None and msg["worker"] in self.core.workers:
-            self.core.heartbeat(msg["worker"], time.monotonic())
-        return reply(msg, version=self.core.version if self.core else 0)
+            self.core.heartbeat(msg["worker"], now)
+        fields: dict[str, Any] = {"version": self.core.version if self.core else 0}
+        # the worker's pull parked at a gate: its client tells a shard that holds the
+        # pull (waiting is legitimate) from one that does not answer
+        held = self.core.pulls.held(msg["worker"]) if self.core is not None else None
+        if held is not None:
+            fields["held"] = {"clock": held.clock, "waited": now - held.since,
+                              "why": self._hold_reason(held.worker)}
+        return reply(msg, **fields)
+
+    def _hold_reason(self, worker: int) -> str:
+        """Why ``worker``'s parked pull is not answered yet, in a few words."""
+        core = self.core
+        assert core is not None
+        if not core.initialized:
+            return "waiting for the weights (INIT)"
+        if not core.started:
+            return (f"waiting for {core.config.expected_workers} workers to register "
+                    f"({len(core.workers)} have)")
+        if core.mode.mode == "sync":
+            missing = sorted(w.worker for w in core.live() if w.worker not in core.round.members)
+            return f"sync barrier: waiting for the pushes of workers {missing}"
+        if core.mode.mode == "ssp":
+            return f"SSP gate: slowest worker at clock {core.min_clock()}, bound {core.bound}"
+        return "gate closed"
 
     def _on_bye(self, msg: Message, identity: bytes) -> Message:
         core = self._require_core()

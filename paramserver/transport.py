@@ -540,6 +540,7 @@ def request_all(
     sent: bool = False,
     on_reply: Callable[[int, Message], None] | None = None,
     window: int = 0,
+    patience: Callable[[list[int]], bool] | None = None,
 ) -> list[Message]:
     """Send one request per entry of ``channels``, then wait for every reply (concurrently).
 
@@ -557,6 +558,13 @@ def request_all(
     With ``window`` at most that many requests are outstanding per channel: the
     next goes out as a reply comes back (flow control for a push in parts, so
     a server holds a few parts per worker, not all of them).
+
+    With ``patience`` the caller, who knows more of the peers than this
+    request's replies (their heartbeat answers), decides instead of
+    ``retries``: each time ``timeout`` passes with requests unanswered it is
+    called with their indices, and raises to give up or returns whether to
+    send them again (False: the peer said it holds them, at a sync barrier or
+    an SSP gate, so waiting on is legitimate).
     """
     if len(channels) != len(messages):
         raise ValueError("one message per channel entry")
@@ -596,6 +604,12 @@ def request_all(
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             lost = [i for i, r in enumerate(replies) if r is None and is_sent[i]]
+            if patience is not None:
+                if patience(lost):
+                    for i in lost:
+                        channels[i].send(messages[i])
+                deadline = time.monotonic() + timeout
+                continue
             if attempts < retries:
                 attempts += 1
                 for i in lost:

@@ -128,8 +128,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
       ``PARAMSERVER_EVENT_LOG``, with this worker's start and end records too).
     * the rest (``timeout``, ``request_timeout``, ``heartbeat_interval``,
       ``chunk_bytes``, ``part_bytes``, ``wire_dtype``, ``curve_key``,
-      ``curve_server_key``, ``drop_rate``: messages dropped on purpose, for tests)
-      are the client's options, as for ``paramserver worker``.
+      ``curve_server_key``, ``barrier_timeout``: the longest a live shard may hold a
+      pull at the barrier or SSP gate, 0 for no limit, ``drop_rate``: messages
+      dropped on purpose, for tests) are the client's options, as for
+      ``paramserver worker``.
 
     Construction registers with every shard and agrees on the plan; the first
     worker seeds the servers' weights and every rank then pulls them, so all
@@ -146,7 +148,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         backward_passes_per_step: int = 1,
         overlap: bool = False,
         bucket_bytes: int = 4 * 1024 * 1024,
-        timeout: float = 600.0,
+        timeout: float = 60.0,
         request_timeout: float = 5.0,
         heartbeat_interval: float = 1.0,
         chunk_bytes: int = ShardPlan.DEFAULT_CHUNK_BYTES,
@@ -157,6 +159,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         offer_weights: bool | None = None,
         events: EventLog | None = None,
         drop_rate: float = 0.0,
+        barrier_timeout: float = 0.0,
     ) -> None:
         named: list[tuple[str, torch.Tensor]]
         if isinstance(model_or_named_parameters, torch.nn.Module):
@@ -184,7 +187,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                attempt_timeout=request_timeout,
                                heartbeat_interval=heartbeat_interval, curve=curve,
                                wire_dtype=wire_dtype, part_bytes=part_bytes,
-                               drop_rate=drop_rate)
+                               drop_rate=drop_rate, barrier_timeout=barrier_timeout)
         self._closed = False
         self._t0 = time.time()
         self._counts = {"pushes": 0, "accepted": 0, "rejected": 0}

@@ -99,6 +99,12 @@ class WorkerConfig(ConfigRecord):
     request_timeout: float = option(5.0, min=0, min_open=True, metavar="SECONDS",
                                     help="A request unanswered this long is sent again (until "
                                          "--timeout).")
+    barrier_timeout: float = option(0.0, min=0, metavar="SECONDS",
+                                    help="How long a pull may wait at a live shard's sync "
+                                         "barrier or SSP gate (slow peers: data loading, "
+                                         "evaluation, restarts) before giving up (0: no "
+                                         "bound; a progress line is logged meanwhile). A shard "
+                                         "that does not answer at all fails after --timeout.")
     heartbeat_interval: float = option(1.0, min=0, metavar="SECONDS",
                                        help="Seconds between heartbeats to every shard (0: "
                                             "none).")
@@ -238,7 +244,7 @@ def run_worker(config: WorkerConfig) -> dict[str, Any]:
         chunk_bytes=config.chunk_bytes, part_bytes=config.part_bytes,
         wire_dtype=config.wire_dtype, curve_key=config.curve_key,
         curve_server_key=config.curve_server_key, offer_weights=True, events=events,
-        drop_rate=config.drop_rate)
+        drop_rate=config.drop_rate, barrier_timeout=config.barrier_timeout)
     with opt:
         events.write("worker_start", worker=config.rank, clock=opt.clock, seeded=opt.seeded,
                      device=str(device), steps=steps, plan_hash=opt.plan.hash)
