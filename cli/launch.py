@@ -215,6 +215,9 @@ def launch(ctx: click.Context, **opts: Any) -> None:
             command=command,
         )
     options.maybe_print_config(ctx, opts)
+    if spec.metrics_port:  # the launcher's own port, then shard i's at PORT + 1 + i
+        for port in range(spec.metrics_port, spec.metrics_port + num_servers + 1):
+            options.check_port_free("--metrics-port", port)
     out = _out_dir(opts["out"])
     steps = None if command else spec.worker.steps
     console = Console(stderr=True)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import errno
 import ipaddress
 import re
 import socket
@@ -50,7 +51,7 @@ from paramserver.optim import build_optimizer, build_scheduler
 from paramserver.staleness import create_policy
 from paramserver.workers.launch.cluster import ClusterSpec
 from paramserver.workers.stragglers import StragglerSpec
-from paramserver.workers.tasks import resolve_task
+from paramserver.workers.tasks import check_task_args, resolve_task
 from paramserver.workers.worker import WorkerConfig
 
 __all__ = [
@@ -60,6 +61,7 @@ __all__ = [
     "KeyValue",
     "apply_groups",
     "bind_address",
+    "check_port_free",
     "config_values",
     "envvar",
     "field_specs",
@@ -434,11 +436,22 @@ def _toml_defaults(ctx: click.Context, command: str, data: Mapping[str, Any],
             raise click.BadParameter(f"{source}: {where} takes one value, not {value!r}",
                                      ctx=ctx, param_hint="--config")
         try:
+            _no_fractions(param, value)
             out[name] = param.type_cast_value(ctx, value)
         except click.BadParameter as exc:
             raise click.BadParameter(f"{source}: {where} = {value!r}: {exc.message}", ctx=ctx,
                                      param_hint="--config") from exc
     return out
+
+
+def _no_fractions(param: click.Parameter, value: Any) -> None:
+    """A TOML float (or boolean) for an integer option is refused, as the flag and the
+    environment variable refuse ``20.5``: click would truncate it to 20."""
+    if not isinstance(param.type, click.types.IntParamType):
+        return
+    for item in value if isinstance(value, list | tuple) else [value]:
+        if isinstance(item, bool | float):
+            raise click.BadParameter(f"{item!r} is not a valid integer")
 
 
 def _load_config(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
@@ -623,6 +636,24 @@ def bind_address(host: str, port: int) -> str:
     return f"tcp://[{ip}]:{port}" if ":" in ip else f"tcp://{ip}:{port}"
 
 
+def check_port_free(flag: str, port: int | None, host: str = "127.0.0.1") -> None:
+    """Refuse a fixed port another process holds, in one line naming the flag, before
+    anything starts (a port of 0 or None asks for none in particular)."""
+    if not port:
+        return
+    host = "0.0.0.0" if host in ("*", "") else host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        # as the HTTP server binds: a port in TIME_WAIT is free to it
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            reason = "address in use" if exc.errno == errno.EADDRINUSE else \
+                (exc.strerror or str(exc))
+            raise click.UsageError(f"{flag} {port}: {reason}") from None
+
+
 def _is_ip(text: str) -> bool:
     try:
         ipaddress.ip_address(text)
@@ -654,6 +685,8 @@ def worker_config(ctx: click.Context, opts: Mapping[str, Any], **fixed: Any) -> 
     values.update(fixed)
     with user_errors("--task"):
         resolve_task(values["task"])
+    with user_errors("--task-arg"):
+        check_task_args(values["task"], values["task_args"])
     with user_errors():
         return WorkerConfig(**values)
 

@@ -66,6 +66,8 @@ def server(ctx: click.Context, **opts: Any) -> None:
     """
     config = options.server_config(opts)
     options.maybe_print_config(ctx, opts)
+    options.check_port_free("--metrics-port", config.metrics_port,
+                            config.bind.split("://", 1)[-1].rsplit(":", 1)[0])
     try:
         code = run_server(config, ready_printer(config))
     except TransportError as exc:  # e.g. the port is in use

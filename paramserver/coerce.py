@@ -178,6 +178,8 @@ def _one(text: str, form: Any, untyped: Callable[[str], Any] = guess) -> Any:
             return int(text.strip())
         return form(text.strip())
     except ValueError:
+        if form is float:
+            raise ValueError(f"must be a number, not {text!r}") from None
         raise ValueError(f"{text!r} is not a valid {_kind(form)}") from None
 
 
@@ -195,4 +197,6 @@ def coerce(value: Any, annotation: Any = MISSING, default: Any = MISSING, *,
     try:
         return _convert(value, target_type(annotation, default), untyped)
     except ValueError as exc:
-        raise ConfigError(f"{what}: {exc}") from None
+        # "momentum must be a number, not 'abc'"; else "argument x: 'abc' is not a valid int"
+        sep = " " if str(exc).startswith("must ") else ": "
+        raise ConfigError(f"{what}{sep}{exc}") from None

@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 import torch
 
 from .coerce import MISSING, coerce
-from .errors import ConfigError, RegistryError
+from .errors import ConfigError, ParamServerError, RegistryError
 from .plugins import Registry
 
 __all__ = [
@@ -287,6 +287,11 @@ def create_policy(name: str, args: Mapping[str, Any] | None = None) -> Staleness
         raise
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"cannot create policy {name!r} with {kwargs}: {exc}") from exc
+    except ParamServerError:
+        raise
+    except Exception as exc:  # a user's __init__ may raise anything: one line, not a traceback
+        raise ConfigError(f"policy {name} failed to construct: "
+                          f"{str(exc) or type(exc).__name__}") from exc
     if not isinstance(policy, StalenessPolicy):
         raise RegistryError(f"{name!r} did not produce a StalenessPolicy")
     return policy

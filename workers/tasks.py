@@ -44,6 +44,7 @@ __all__ = [
     "TaskFactory",
     "as_task",
     "available_tasks",
+    "check_task_args",
     "create_task",
     "evaluate",
     "parse_task_args",
@@ -245,6 +246,28 @@ def _convert(value: Any, param: inspect.Parameter | None, task: str, key: str) -
                   what=f"task {task!r}: argument {key}")
 
 
+def check_task_args(name: str, args: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``args`` converted for task ``name``'s factory, without building the task.
+
+    Raises :class:`ConfigError` for an argument the factory does not take (naming the
+    ones it does) or a value its annotation refuses, and :class:`RegistryError` for an
+    unknown task: what a worker would hit, found before any process starts.
+    """
+    factory = resolve_task(name)
+    params = _signature(factory).parameters
+    var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    accepted = task_parameters(factory)
+    kwargs: dict[str, Any] = {}
+    for key, value in (args or {}).items():
+        if key in _CONTEXT_ARGS:
+            raise ConfigError(f"task {name!r}: pass {key} separately, not as a task argument")
+        if key not in accepted and not var_kw:
+            listed = ", ".join(accepted) or "none"
+            raise ConfigError(f"task {name!r} has no argument {key!r}; accepted: {listed}")
+        kwargs[key] = _convert(value, params.get(key), name, key)
+    return kwargs
+
+
 def create_task(
     name: str, rank: int, world_size: int, args: Mapping[str, Any] | None = None
 ) -> Task:
@@ -266,15 +289,7 @@ def create_task(
     factory = resolve_task(name)
     params = _signature(factory).parameters
     var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    accepted = task_parameters(factory)
-    kwargs: dict[str, Any] = {}
-    for key, value in (args or {}).items():
-        if key in _CONTEXT_ARGS:
-            raise ConfigError(f"task {name!r}: pass {key} separately, not as a task argument")
-        if key not in accepted and not var_kw:
-            listed = ", ".join(accepted) or "none"
-            raise ConfigError(f"task {name!r} has no argument {key!r}; accepted: {listed}")
-        kwargs[key] = _convert(value, params.get(key), name, key)
+    kwargs = check_task_args(name, args)
     # Factories that ignore their rank (e.g. a fixed toy problem) need not declare it.
     for key, value in (("rank", rank), ("world_size", world_size)):
         if key in params or var_kw:

@@ -1,0 +1,106 @@
+"""Bad input to the CLI: one line naming the culprit, exit code 2, before any process
+starts (CliRunner: nothing is spawned; a fixed port is held by this test)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator
+
+import pytest
+from click.testing import CliRunner, Result
+
+from paramserver.cli.main import main
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in list(os.environ):
+        if key.startswith("PARAMSERVER_"):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("PARAMSERVER_LOG_LEVEL", "WARNING")
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    """A port some other process listens on."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(1)
+        yield sock.getsockname()[1]
+
+
+def invoke(*args: str) -> Result:
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+def one_line_error(result: Result) -> str:
+    """The error's one line (click's usage lines above it aside); no traceback."""
+    assert "Traceback" not in result.output, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("Error")]
+    assert len(errors) == 1, result.output
+    return errors[0]
+
+
+WORKER = ["worker", "--servers", "127.0.0.1:5600"]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    # a task argument the factory does not take: refused before a worker starts
+    (["launch", "--task-arg", "hiden=3"],
+     "task 'digits-mlp' has no argument 'hiden'; accepted: seed, batch_size, dtype, hidden"),
+    ([*WORKER, "--task-arg", "hiden=3"], "has no argument 'hiden'"),
+    (["launch", "--task-arg", "hidden=lots"], "argument hidden: 'lots' is not a valid int"),
+    # a policy whose constructor raises
+    (["launch", "--policy", "tests.broken_policies:BoomInit"],
+     "policy tests.broken_policies:BoomInit failed to construct: the policy's own "
+     "constructor blew up"),
+    (["server", "--policy", "tests.broken_policies:BoomInit"],
+     "policy tests.broken_policies:BoomInit failed to construct"),
+    (["run", "--policy", "tests.broken_policies:BoomInit"],
+     "policy tests.broken_policies:BoomInit failed to construct"),
+    (["experiment", "--policy", "tests.broken_policies:BoomInit", "--out", "unused"],
+     "policy tests.broken_policies:BoomInit failed to construct"),
+    # an optimizer argument of the wrong kind
+    (["launch", "--optimizer-arg", "momentum=abc"], "momentum must be a number"),
+    (["server", "--optimizer-arg", "momentum=abc"], "momentum must be a number"),
+])
+def test_bad_input_is_one_line_naming_the_culprit(args, message, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = invoke(*args, *(["--print-config"] if args[0] != "experiment" else []))
+    assert result.exit_code == 2, result.output
+    assert message in one_line_error(result)
+    assert not any(tmp_path.iterdir())  # no run folder was made
+
+
+@pytest.mark.parametrize("command", ["server", "launch"])
+def test_busy_metrics_port_is_one_line_before_anything_starts(command, busy_port, tmp_path):
+    out = tmp_path / "run"
+    extra = ["--out", str(out)] if command == "launch" else []
+    result = invoke(command, "--metrics-port", str(busy_port), *extra)
+    assert result.exit_code == 2, result.output
+    assert one_line_error(result) == f"Error: --metrics-port {busy_port}: address in use"
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(("text", "shown"), [("20.5", "20.5"), ("true", "True")])
+@pytest.mark.parametrize("command", ["launch", "worker"])
+def test_a_fraction_in_the_config_file_is_refused_like_the_flag(command, text, shown,
+                                                               tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text(f"steps = {text}\n")
+    args = ["--servers", "127.0.0.1:5600"] if command == "worker" else []
+    result = invoke(command, *args, "--config", str(path), "--print-config")
+    assert result.exit_code == 2, result.output
+    assert f"steps = {shown}: {shown} is not a valid integer" in one_line_error(result)
+    flag = invoke(command, *args, "--steps", "20.5", "--print-config")
+    assert flag.exit_code == 2 and "'20.5' is not a valid integer" in flag.output
+
+
+def test_a_whole_number_in_the_config_file_still_works(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text("steps = 20\n")
+    result = invoke("launch", "--config", str(path), "--print-config")
+    assert result.exit_code == 0, result.output
+    assert "steps = 20 " in result.output
+
