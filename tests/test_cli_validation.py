@@ -104,3 +104,30 @@ def test_a_whole_number_in_the_config_file_still_works(tmp_path):
     assert result.exit_code == 0, result.output
     assert "steps = 20 " in result.output
 
+
+
+def test_shard_addresses_out_of_order_are_named(monkeypatch):
+    """Each HELLO reply says which shard answered: the client compares it with the
+    address's place in --servers (no server needed: the replies are made here)."""
+    import torch
+
+    from paramserver.errors import ConfigError
+    from paramserver.protocol import Message, Op, reply
+    from paramserver.sharding import ShardPlan
+    from paramserver.workers.client import PSClient
+
+    plan = ShardPlan.from_module(torch.nn.Linear(4, 3), 3)
+    addresses = ["tcp://127.0.0.1:5600", "tcp://127.0.0.1:5601", "tcp://127.0.0.1:5602"]
+    with PSClient(addresses, plan, worker=0, heartbeat_interval=0, timeout=1) as client:
+        def answered_by(*shards: int) -> None:
+            hello = Message(Op.HELLO, 1)
+            monkeypatch.setattr(client, "_call", lambda msgs, *a, **k: [
+                reply(hello, shard=s, num_shards=3, clock=0) for s in shards])
+
+        answered_by(0, 1, 2)
+        assert client.connect() == 0
+        answered_by(2, 1, 0)
+        with pytest.raises(ConfigError) as info:
+            client.connect()
+    assert str(info.value) == ("address 0 (tcp://127.0.0.1:5600) is shard 2; give the "
+                               "addresses in shard order")

@@ -368,6 +368,11 @@ class PSClient:
                      self.worker, backoff)
             time.sleep(backoff)  # backoff before a retry, not synchronisation
             backoff = min(2.0, backoff * 2)
+        for index, hello in enumerate(replies):
+            shard = hello.get("shard")
+            if shard is not None and shard != index:
+                raise ConfigError(f"address {index} ({self.addresses[index]}) is shard {shard}; "
+                                  "give the addresses in shard order")
         if self._heartbeat is not None and not self._heartbeat.is_alive():
             self._heartbeat.start()
         return max(r["clock"] for r in replies)
