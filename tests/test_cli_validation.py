@@ -131,3 +131,33 @@ def test_shard_addresses_out_of_order_are_named(monkeypatch):
             client.connect()
     assert str(info.value) == ("address 0 (tcp://127.0.0.1:5600) is shard 2; give the "
                                "addresses in shard order")
+
+
+def test_a_worker_killed_by_a_shards_internal_error_names_the_shard(tmp_path):
+    """The logs as a launch with a policy whose decide() raises leaves them (trimmed)."""
+    from paramserver.workers.launch.cluster import shard_cause
+
+    worker = tmp_path / "worker0.log"
+    worker.write_text(
+        'Traceback (most recent call last):\n'
+        '  File "/x/paramserver/workers/client.py", line 340, in _call\n'
+        '    raise error\n'
+        "paramserver.errors.RemoteInternalError: shard 1 at tcp://127.0.0.1:40359 refused "
+        "the request: internal: ZeroDivisionError: boom\n")
+    servers = [tmp_path / "server0.log", tmp_path / "server1.log"]
+    servers[0].write_text("nothing wrong here\n")
+    servers[1].write_text(
+        "ERROR internal error while handling a message\n"
+        'Traceback (most recent call last):\n'
+        '  File "/x/paramserver/core.py", line 684, in _decide\n'
+        '    decision = self.policy.decide(info)\n'
+        '               ^^^^^^^^^^^^^^^^^^^^^^^^\n'
+        '  File "/x/mypkg/broken.py", line 26, in decide\n'
+        '    raise ZeroDivisionError("boom")\n'
+        "ZeroDivisionError: boom\n")
+    assert shard_cause(worker, servers) == (
+        "shard 1 failed handling a request: ZeroDivisionError: boom\n"
+        '  at File "/x/mypkg/broken.py", line 26, in decide: raise ZeroDivisionError("boom")\n'
+        f"  (its log: {servers[1]})\n")
+    worker.write_text("RequestTimeoutError: shard 0 did not answer\n")
+    assert shard_cause(worker, servers) == ""

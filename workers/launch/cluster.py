@@ -22,12 +22,13 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import selectors
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -309,6 +310,48 @@ def _child_env() -> dict[str, str]:
     return env
 
 
+_INTERNAL = re.compile(r"\bshard (\d+)(?: at \S+)? refused the request: internal: (.+)")
+
+
+def shard_cause(worker_log: Path, server_logs: Sequence[Path]) -> str:
+    """When a worker died of a shard's ``internal`` error reply (a policy's decide()
+    raised, say), the shard's reason and the last frame of the traceback in its log,
+    as lines to put first; "" otherwise. The worker's own traceback only shows where
+    the reply arrived."""
+    try:
+        text = worker_log.read_text(errors="replace")
+    except OSError:
+        return ""
+    found = list(_INTERNAL.finditer(text))
+    if not found:
+        return ""
+    shard, reason = int(found[-1].group(1)), found[-1].group(2).strip()
+    lines = [f"shard {shard} failed handling a request: {reason}"]
+    if shard < len(server_logs):
+        frame = _last_frame(server_logs[shard])
+        if frame:
+            lines.append(f"  at {frame}")
+        lines.append(f"  (its log: {server_logs[shard]})")
+    return "\n".join(lines) + "\n"
+
+
+def _last_frame(path: Path) -> str:
+    """``File "...", line N, in f: code`` of the last traceback in a log, or ""."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent")]
+    if not starts:
+        return ""
+    frames = [i for i in range(starts[-1], len(lines)) if lines[i].startswith("  File ")]
+    if not frames:
+        return ""
+    at = frames[-1]
+    code = lines[at + 1].strip() if at + 1 < len(lines) else ""
+    return lines[at].strip() + (f": {code}" if code else "")
+
+
 def _tail(path: Path, lines: int = 20) -> str:
     try:
         text = path.read_text(errors="replace").splitlines()
@@ -512,8 +555,10 @@ class LocalCluster:
                     log.warning("%s died (%s); the others go on", proc.name, exit_reason(code))
                     pending.discard(rank)
                 else:
+                    cause = shard_cause(proc.log_path, [s.log_path for s in self.servers])
                     raise ClusterError(
-                        f"{proc.name} failed with {exit_reason(code)}; log tail "
+                        f"{cause}{proc.name} failed with {exit_reason(code)}"
+                        f"{' on that error reply' if cause else ''}; log tail "
                         f"({proc.log_path}):\n{_tail(proc.log_path)}"
                     )
             for shard, proc in enumerate(self.servers):
