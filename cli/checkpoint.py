@@ -97,7 +97,7 @@ def inspect(directory: Path, as_json: bool) -> None:
 def export(directory: Path, out: Path) -> None:
     """Assemble every shard's weights in DIRECTORY into one state_dict file OUT.
 
-    Load it with ``model.load_state_dict(safetensors.torch.load_file(OUT))``.
+    Load it with model.load_state_dict(safetensors.torch.load_file(OUT)).
     """
     try:
         result = export_model(directory, out)

@@ -10,6 +10,7 @@ from typing import Any
 import click
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from paramserver.errors import RegistryError
 from paramserver.staleness import ENTRY_POINT_GROUP as POLICY_GROUP
@@ -60,7 +61,9 @@ def _print(rows: list[dict[str, Any]], title: str, footer: str, as_json: bool) -
     for row in rows:
         params = "\n".join(_param_text(k, p["type"], p.get("default", inspect.Parameter.empty))
                            for k, p in row["parameters"].items()) or "-"
-        table.add_row(row["name"], params, row["from"], row["description"])
+        # text, not rich markup: "[s_min, s_max]" in a description would vanish as a tag
+        table.add_row(*(Text(str(cell)) for cell in
+                        (row["name"], params, row["from"], row["description"])))
     console = Console()
     console.print(table)
     console.print(footer, highlight=False)

@@ -161,3 +161,12 @@ def test_a_worker_killed_by_a_shards_internal_error_names_the_shard(tmp_path):
         f"  (its log: {servers[1]})\n")
     worker.write_text("RequestTimeoutError: shard 0 did not answer\n")
     assert shard_cause(worker, servers) == ""
+
+
+def test_help_and_listings_show_brackets_and_no_rst_markup():
+    policies = CliRunner().invoke(main, ["policies"], env={"COLUMNS": "200"})
+    assert policies.exit_code == 0, policies.output
+    assert "[s_min, s_max]" in policies.output
+    export = invoke("checkpoint", "export", "--help")
+    assert export.exit_code == 0 and "``" not in export.output
+    assert "model.load_state_dict(safetensors.torch.load_file(OUT))" in export.output
