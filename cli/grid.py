@@ -97,7 +97,18 @@ def spec_from_flags(flags: dict[str, Any]) -> ExperimentSpec:
         "target_loss": flags["target_loss"], "eval_every": flags["eval_every"],
         "min_step_time": flags["min_step_time"], "lr_scaling": flags["lr_scaling"],
         "warmup_steps": flags["warmup_steps"], "momentum_target": flags["momentum_target"],
+        **_budgets(flags["budget_seconds"], flags["budget_gradients"]),
     })
+
+
+def _budgets(seconds: float | None, gradients: int | None) -> dict[str, Any]:
+    """The budget flags; one given alone replaces the spec file's other budget (both
+    given: the spec says that is one too many)."""
+    if seconds and not gradients:
+        return {"budget_seconds": seconds, "budget_gradients": 0}
+    if gradients and not seconds:
+        return {"budget_gradients": gradients, "budget_seconds": 0.0}
+    return {"budget_seconds": seconds, "budget_gradients": gradients}
 
 
 def grid_options(*, virtual: bool) -> Callable[[F], F]:
@@ -126,6 +137,14 @@ def grid_options(*, virtual: bool) -> Callable[[F], F]:
         click.option("--seeds", help="How many seeds (3: seeds 0, 1, 2) or a list (0,5,7)."),
         click.option("--steps", type=click.IntRange(min=1), help="Steps per worker "
                      "(default 250)."),
+        click.option("--budget-seconds", type=click.FloatRange(min=0, min_open=True),
+                     help=("Virtual seconds" if virtual else "Seconds")
+                     + " of training per worker, from its first step, instead of --steps: "
+                       "every mode ends at the same time (within one step)."),
+        click.option("--budget-gradients", type=click.IntRange(min=1),
+                     help="Gradients computed in total, instead of --steps: each of N "
+                          "workers computes an equal share (a multiple of N), so every mode "
+                          "computes the same total."),
         click.option("--task", help="Task name or module:function (default digits-mlp)."),
         click.option("--task-arg", "task_args", multiple=True, metavar="KEY=VALUE",
                      help="Task argument (repeatable)."),
@@ -190,7 +209,8 @@ def run_grid(console: Console, spec: ExperimentSpec, out: Path, quiet: bool, wha
     if not quiet:
         console.print(f"{len(spec.configurations())} configuration(s) x {len(spec.seeds)} "
                       f"seed(s) = {len(plans)} {what} of {spec.task} -> {out}")
-    total_steps = sum(spec.steps * p.config.workers for p in plans)
+    total_steps = sum((spec.worker_steps(p.config.workers) or spec.steps) * p.config.workers
+                      for p in plans)
     try:
         with step_progress(console, "steps", disable=quiet) as bar:
             result = run(RichObserver(bar, total_steps, len(plans)))

@@ -70,7 +70,10 @@ def worker(ctx: click.Context, **opts: Any) -> None:
     """
     config = options.worker_config(ctx, opts)
     options.maybe_print_config(ctx, opts)
-    length = f"{config.steps} steps" if config.steps else f"{config.epochs:g} epochs"
+    length = f"{config.steps} steps" if config.steps else (
+        f"{config.epochs:g} epochs" if config.epochs else "no step cap")
+    if config.budget_seconds:
+        length += f", a budget of {config.budget_seconds:g}s"
     click.echo(f"paramserver: worker {config.rank} of {config.world_size}, {config.task}, "
                f"{length}; shards at {', '.join(config.servers)}", err=True)
     try:

@@ -71,6 +71,13 @@ class WorkerConfig(ConfigRecord):
     epochs: float | None = option(None, min=0, min_open=True, metavar="E",
                                   help="Train for E passes over the worker's data instead of "
                                        "--steps.")
+    #: wall-clock budget from the worker's first step; checked before each step
+    budget_seconds: float = option(0.0, min=0, metavar="SECONDS",
+                                   help="Stop pushing once this many seconds have passed since "
+                                        "the worker's first step (checked before each step, so "
+                                        "the last step ends at most one step later); then say "
+                                        "BYE as usual. With it, --steps/--epochs are a cap "
+                                        "and may be left out (0: no budget).")
     #: passed to the task if it takes batch_size
     batch_size: int | None = option(None, min=1, metavar="N",
                                     help="Mini-batch size (default: the task's).")
@@ -136,8 +143,8 @@ class WorkerConfig(ConfigRecord):
             self.straggler = StragglerSpec(**self.straggler)
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
             raise ConfigError(f"rank must be in [0, {self.world_size}), got {self.rank}")
-        if self.steps is None and self.epochs is None:
-            raise ConfigError("give steps or epochs")
+        if self.steps is None and self.epochs is None and not self.budget_seconds:
+            raise ConfigError("give steps, epochs or budget_seconds")
         if bool(self.curve_key) != bool(self.curve_server_key):
             raise ConfigError("CURVE needs both curve_key (this client's .key_secret file) and "
                               "curve_server_key (the server's public .key file)")
@@ -202,10 +209,15 @@ def cycle_batches(task: Task) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
             set_epoch(epoch)
 
 
+#: the step cap of a worker with a time budget and neither steps nor epochs
+UNCAPPED = sys.maxsize
+
+
 def num_steps(config: WorkerConfig, task: Task) -> int:
     if config.steps is not None:
         return config.steps
-    assert config.epochs is not None
+    if config.epochs is None:  # budget_seconds alone (validated): the budget stops it
+        return UNCAPPED
     try:
         per_epoch = len(task.batches)  # type: ignore[arg-type]
     except TypeError as exc:
@@ -220,7 +232,8 @@ def worker_title(config: WorkerConfig) -> None:
 
 
 def run_worker(config: WorkerConfig) -> dict[str, Any]:
-    """Train until ``steps`` pushes are done; return (and write) the worker's result.
+    """Train until ``steps`` pushes are done (or ``budget_seconds`` have passed since the
+    first step); return (and write) the worker's result.
 
     The task's loop on :class:`~paramserver.workers.optimizer.DistributedOptimizer`:
     the same push and pull a user's own loop makes."""
@@ -248,9 +261,20 @@ def run_worker(config: WorkerConfig) -> dict[str, Any]:
     with opt:
         events.write("worker_start", worker=config.rank, clock=opt.clock, seeded=opt.seeded,
                      device=str(device), steps=steps, plan_hash=opt.plan.hash)
-        log.info("worker %d: %d steps on %s from clock %d", config.rank, steps, device,
-                 opt.clock)
+        log.info("worker %d: %s on %s from clock %d", config.rank,
+                 f"{steps} steps" if steps != UNCAPPED else "no step cap", device, opt.clock)
+        # the budget runs from this worker's first step (not from process start, whose
+        # import and connection time differ between workers and runs): every worker of
+        # every mode trains for the same seconds, the last step ending <= 1 step after
+        t_train = time.monotonic()
+        deadline = t_train + config.budget_seconds if config.budget_seconds else math.inf
+        budget_spent = False
         while opt.clock < steps:  # the clock counts pushes; a rejoining worker resumes
+            if time.monotonic() >= deadline:
+                budget_spent = True
+                log.info("worker %d: budget of %gs spent at clock %d", config.rank,
+                         config.budget_seconds, opt.clock)
+                break
             if config.rank == 0 and config.eval_every and opt.clock % config.eval_every == 0:
                 _log_eval(events, task, model, config.rank, opt.clock, opt.versions)
             total, loss_value, compute, slept = _compute(opt, task, model, batches, device,
@@ -260,6 +284,7 @@ def run_worker(config: WorkerConfig) -> dict[str, Any]:
                      log={"compute_s": compute, "sleep_s": slept})
         final_versions = opt.pull()
         counts, waited, clock = opt.counts, opt.waited, opt.clock
+        train_seconds = time.monotonic() - t_train
     elapsed = time.time() - t_start
     result: dict[str, Any] = {
         "worker": config.rank,
@@ -268,6 +293,9 @@ def run_worker(config: WorkerConfig) -> dict[str, Any]:
         **counts,
         "final_train_loss": sum(losses[-10:]) / max(1, len(losses[-10:])),
         "seconds": elapsed,
+        "train_seconds": train_seconds,
+        "budget_seconds": config.budget_seconds,
+        "budget_spent": budget_spent,
         "wait_seconds": waited,
         "final_versions": list(final_versions),
     }

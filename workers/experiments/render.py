@@ -332,7 +332,7 @@ def render_report(out_dir: Path, exp: dict[str, Any], summaries: Sequence[Config
     finished = exp.get("finished") or exp.get("started") or 0
     opt_args = ", ".join(f"{k}={v}" for k, v in exp.get("optimizer_args", {}).items())
     blocks.append(("p", (
-        f"Task {exp['task']}, {exp['steps']} steps per worker, {exp['servers']} server(s), "
+        f"Task {exp['task']}, budget: {_budget_text(exp)}, {exp['servers']} server(s), "
         f"seeds {', '.join(map(str, exp['seeds']))}, optimizer {exp['optimizer']}"
         f"({opt_args}), target held-out loss {target:g}, evaluation every "
         f"{exp['eval_every']} steps of worker 0. Finished "
@@ -406,6 +406,17 @@ def render_report(out_dir: Path, exp: dict[str, Any], summaries: Sequence[Config
     md_path.write_text(_md(blocks), encoding="utf-8")
     html_path.write_text(_html(blocks, out_dir, f"Experiment {exp['name']}"), encoding="utf-8")
     return md_path, html_path, images
+
+
+def _budget_text(exp: dict[str, Any]) -> str:
+    """What every run trained for: a time or gradients budget, else steps per worker."""
+    if exp.get("budget_seconds"):
+        return (f"{exp['budget_seconds']:g} s of training per worker from its first step "
+                f"(every mode stops within one step of it)")
+    if exp.get("budget_gradients"):
+        return (f"{exp['budget_gradients']} gradients in total, an equal share per worker "
+                f"(faster workers finish their share early and idle)")
+    return f"{exp['steps']} steps per worker"
 
 
 def _straggler_text(spec: dict[str, Any]) -> str:

@@ -151,10 +151,13 @@ def _index(spec: ExperimentSpec, outcomes: Sequence[RunOutcome], started: float,
         "eval_every": spec.eval_every, "min_step_time": spec.min_step_time,
         "optimizer": spec.optimizer, "optimizer_args": spec.optimizer_args,
         "batch_size": spec.batch_size,
+        "budget_seconds": spec.budget_seconds, "budget_gradients": spec.budget_gradients,
+        "budget": spec.budget,
         "scenarios": {n: spec.scenario(n).to_dict() for n in spec.scenarios},
         "configurations": [{**c.to_dict(), **spec.step_settings(c.mode)}
                            for c in spec.configurations()],
         "runs": [{"config": o.plan.config.id, "seed": o.plan.seed, "path": o.plan.path,
+                  "budget": spec.budget,
                   "ok": o.ok, "seconds": round(o.seconds, 3), "error": o.error,
                   "load": o.load}
                  for o in outcomes],
@@ -191,7 +194,9 @@ def run_experiment(spec: ExperimentSpec, out_dir: str | os.PathLike[str],
 
     index(False)
     for i, plan in enumerate(plans):
-        obs.run_started(i, len(plans), plan, spec.steps * plan.config.workers)
+        # under a time budget the steps are unknown: spec.steps is the progress bar's guess
+        per_worker = spec.worker_steps(plan.config.workers) or spec.steps
+        obs.run_started(i, len(plans), plan, per_worker * plan.config.workers)
         run_dir = out / plan.path
         t0 = time.monotonic()
 

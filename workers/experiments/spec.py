@@ -11,7 +11,10 @@ then writes the report (:mod:`paramserver.workers.experiments.report`)::
 
 Fairness: every configuration of one seed trains the same model from the same
 initial weights on the same data partition with the same straggler draws
-(seeded by ``(seed, rank)``), and every worker runs the same number of steps.
+(seeded by ``(seed, rank)``), and every worker runs the same number of steps,
+or, with a budget, every mode gets the same wall time (``budget_seconds``, from
+each worker's first step) or the same total of gradients computed
+(``budget_gradients``, an equal share per worker).
 Runs go seed by seed, so a slow phase of the machine hits every configuration
 alike. The run directory holds the resolved spec (``spec.toml``, which
 ``--spec`` accepts back), ``environment.json`` (versions, git commit,
@@ -353,7 +356,8 @@ class RunPlan:
 _SPEC_KEYS = ("name", "task", "task_args", "steps", "batch_size", "seeds", "servers", "workers",
               "modes", "policies", "scenarios", "custom_scenarios", "optimizer",
               "optimizer_args", "target_loss", "eval_every", "min_step_time", "device",
-              "run_timeout", "lr_scaling", "warmup_steps", "momentum_target")
+              "run_timeout", "lr_scaling", "warmup_steps", "momentum_target",
+              "budget_seconds", "budget_gradients")
 
 
 @dataclass
@@ -388,6 +392,10 @@ class ExperimentSpec:
     lr_scaling: str = "none"
     warmup_steps: int = 0
     momentum_target: float | None = None
+    #: budgets (0: none; at most one): every worker trains this many seconds from its first
+    #: step (``steps`` is then ignored), or computes budget_gradients / workers gradients
+    budget_seconds: float = 0.0
+    budget_gradients: int = 0
 
     def __post_init__(self) -> None:
         self.modes = [ModeChoice.parse(m) for m in _as_list(self.modes, "modes")]
@@ -419,6 +427,7 @@ class ExperimentSpec:
             raise ConfigError(f"run_timeout must be >= 0 seconds (0: none), "
                               f"got {self.run_timeout!r}")
         self.run_timeout = self.run_timeout or None  # TOML has no null: 0 means no limit
+        self._check_budgets()
         if not isinstance(self.name, str) or not _slug(self.name):
             raise ConfigError(f"name must be a non-empty string, got {self.name!r}")
         self.custom_scenarios = {
@@ -433,6 +442,38 @@ class ExperimentSpec:
         self._check_task()
         build_optimizer(self.optimizer, [torch.zeros(1, requires_grad=True)],
                         dict(self.optimizer_args))
+
+    def _check_budgets(self) -> None:
+        if isinstance(self.budget_seconds, bool) \
+                or not (isinstance(self.budget_seconds, int | float) and self.budget_seconds >= 0):
+            raise ConfigError(f"budget_seconds must be >= 0 seconds (0: none), "
+                              f"got {self.budget_seconds!r}")
+        _int(self.budget_gradients, "budget_gradients", 0)
+        if self.budget_seconds and self.budget_gradients:
+            raise ConfigError("give budget_seconds or budget_gradients, not both")
+        for n in self.workers:
+            if self.budget_gradients % n:
+                raise ConfigError(
+                    f"budget_gradients {self.budget_gradients} is not a multiple of {n} "
+                    f"workers: every worker computes an equal share (e.g. "
+                    f"{self.budget_gradients // n * n or n})")
+
+    @property
+    def budget(self) -> str:
+        """What every run of this spec trains for, in words."""
+        if self.budget_seconds:
+            return f"{self.budget_seconds:g} s of training per worker"
+        if self.budget_gradients:
+            return f"{self.budget_gradients} gradients in total"
+        return f"{self.steps} steps per worker"
+
+    def worker_steps(self, workers: int) -> int | None:
+        """Steps each of ``workers`` workers runs; None under a time budget (no cap)."""
+        if self.budget_seconds:
+            return None
+        if self.budget_gradients:
+            return self.budget_gradients // workers
+        return self.steps
 
     def _check_task(self) -> None:
         accepted = task_parameters(resolve_task(self.task))
@@ -482,7 +523,8 @@ class ExperimentSpec:
         )
         worker = WorkerConfig(
             servers=["unset"], task=self.task, task_args=dict(self.task_args),
-            device=self.device, steps=self.steps, batch_size=self.batch_size, seed=seed,
+            device=self.device, steps=self.worker_steps(config.workers),
+            budget_seconds=float(self.budget_seconds), batch_size=self.batch_size, seed=seed,
             eval_every=self.eval_every, straggler=scenario.all,
         )
         return ClusterSpec(num_servers=self.servers, num_workers=config.workers, server=server,
@@ -515,6 +557,7 @@ class ExperimentSpec:
             "custom_scenarios": {k: _scenario_table(v) for k, v in used.items()},
             "lr_scaling": self.lr_scaling, "warmup_steps": self.warmup_steps,
             "momentum_target": self.momentum_target,
+            "budget_seconds": self.budget_seconds, "budget_gradients": self.budget_gradients,
         }
         return data
 

@@ -168,6 +168,7 @@ class _VWorker:
     waited: float = 0.0
     losses: list[float] = field(default_factory=list)
     started: float = 0.0
+    budget_spent: bool = False
     result: dict[str, Any] | None = None
 
 
@@ -336,10 +337,15 @@ class Simulator:
             merged.update(w.replies[k][3])
         self.plan.assemble_into(self.params, merged)
         w.replies = {}
+        config = self.spec.worker
+        # the time budget, checked before each step as a real worker does; every virtual
+        # worker starts at 0, so every mode ends within one step of the same virtual time
+        if config.budget_seconds and self.now - w.started >= config.budget_seconds:
+            w.budget_spent = True
+            w.final = True
         if w.final:
             self._finish_worker(w)
             return
-        config = self.spec.worker
         if w.rank == 0 and config.eval_every and w.clock % config.eval_every == 0:
             self._eval(w)
         self._compute(w)
@@ -449,6 +455,9 @@ class Simulator:
             "rejected": w.rejected,
             "final_train_loss": sum(w.losses[-10:]) / max(1, len(w.losses[-10:])),
             "seconds": self.now - w.started,
+            "train_seconds": self.now - w.started,
+            "budget_seconds": self.spec.worker.budget_seconds,
+            "budget_spent": w.budget_spent,
             "wait_seconds": w.waited,
             "final_versions": list(w.read_versions),
         }
