@@ -195,14 +195,16 @@ GOOD = {("transient", "sync", 0): 0.4, ("transient", "ssp", 1): 0.2,
 
 def _claims(out: Path) -> dict[str, ClaimCheck]:
     summaries = summarize(out)
-    keys = ("throughput", "progress", "gap")
+    keys = ("throughput", "progress", "gap", "large_batch", "momentum")
     return dict(zip(keys, check_literature(summaries, 1.65), strict=True))
 
 
 def test_literature_checks_pass_on_good_results(tmp_path):
     fake_experiment(tmp_path, dts=GOOD, gap=1)
     claims = _claims(tmp_path)
-    assert [c.status for c in claims.values()] == ["pass", "pass", "pass"], claims
+    statuses = [c.status for c in claims.values()]
+    # the large-batch and momentum claims need configurations this grid does not have
+    assert statuses == ["pass", "pass", "pass", "skipped", "skipped"], claims
 
 
 def test_literature_checks_fail_with_a_reason(tmp_path):

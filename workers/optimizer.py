@@ -241,9 +241,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return stream
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None,  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None,  # type: ignore[override]
              num_samples: int | None = None, *, loss: float | None = None,
-             log: Mapping[str, Any] | None = None) -> float | None:
+             log: Mapping[str, Any] | None = None) -> Any:
         """Push every parameter's ``.grad`` (``None``: a zero gradient), then pull the
         servers' weights into the parameters, honouring the mode (the sync barrier,
         the SSP gate, or none). ``num_samples`` weighs this push in a sync round's
@@ -251,16 +251,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
         travels with the push for the servers' watchdog; ``log`` adds fields to the
         step's event record. Returns the closure's loss; the outcome is :attr:`last`."""
         self._check_open()
+        result = None
         if closure is not None:
             with torch.enable_grad():
-                loss = closure()
+                result = closure()
+            loss = float(result)  # a tensor, as torch's closures return
         if num_samples is not None:
             self.set_num_samples(num_samples, self._loss if loss is None else loss)
-        loss = self._loss if loss is None else loss
+        loss = self._loss if loss is None else float(loss)
         if self._buckets is not None:
             stream = self._buckets.flush()
             if loss is not None and stream.loss is None:
-                stream.loss = float(loss)
+                stream.loss = loss
             pushed, pulled_or_none = stream.finish(self.params)
             assert pulled_or_none is not None
             pulled = pulled_or_none
@@ -280,13 +282,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._events.write(
             "step", worker=self.rank, clock=self.clock, read_versions=list(read),
             staleness=out.staleness, accepted=out.accepted, reasons=list(out.reasons),
-            weight=out.weight, loss=None if loss is None else float(loss),
+            weight=out.weight, loss=loss,
             num_samples=self._num_samples, pull_s=out.pull_seconds, push_s=out.push_seconds,
             wait_s=out.waited, bytes=out.nbytes, **(log or {}))
         if self._buckets is None:
             self._num_samples = 1
         self._loss = None
-        return loss
+        return result
 
     @property
     def counts(self) -> dict[str, int]:

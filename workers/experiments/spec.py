@@ -139,9 +139,11 @@ class ModeChoice:
                 else:
                     raise ValueError(item)
             except ValueError:
+                what = ("the backup workers b= and the bound s= must be a count"
+                        if key in ("b", "s") and name in ("sync", "ssp")
+                        else "only ssp:S and sync:b=B take a number")
                 raise ConfigError(
-                    f"mode {text!r}: cannot read {item!r}; only ssp takes a bare number, its "
-                    "staleness bound (ssp:3); sync takes its backup workers (sync:b=1); any "
+                    f"mode {text!r}: cannot read {item!r}: {what} (ssp:3, sync:b=1); any "
                     "mode takes lr=none|linear|sqrt, warmup=N, momentum=MU, target=MU"
                 ) from None
         if name == "ssp" and "bound" not in kwargs:
