@@ -241,7 +241,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return stream
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None,  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None,
              num_samples: int | None = None, *, loss: float | None = None,
              log: Mapping[str, Any] | None = None) -> Any:
         """Push every parameter's ``.grad`` (``None``: a zero gradient), then pull the
