@@ -581,6 +581,14 @@ class ShardServer:
         return base
 
 
+def _own_process(server: ShardServer) -> None:
+    """This process is the shard's: SIGTERM and SIGINT stop it, ``ps`` shows what it is."""
+    _stop_on_signals(server)
+    config = server.config
+    set_title(f"server {config.shard}/{config.num_shards} {server.address} "
+              f"({config.mode_spec().describe()})")
+
+
 def _stop_on_signals(server: ShardServer) -> None:
     def _stop(signum: int, frame: Any) -> None:
         log.info("shard %d: signal %d, stopping", server.config.shard, signum)
@@ -612,9 +620,7 @@ def run_server(config: ServerConfig, on_ready: Callable[..., None] | None = None
     Returns the process exit code: 0, or :data:`DIVERGED_EXIT_CODE`.
     """
     server = ShardServer(config)
-    _stop_on_signals(server)  # this process is the shard's: its signals, its name
-    set_title(f"server {config.shard}/{config.num_shards} {server.address} "
-              f"({config.mode_spec().describe()})")
+    _own_process(server)
     server.serve_forever(on_ready)
     return server.exit_code
 
@@ -643,7 +649,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"shard {config.shard}: cannot resume: {exc}")
     except TransportError as exc:  # a port in use, a bad key file or allow-list line
         sys.exit(f"shard {config.shard}: {exc}")
-    _stop_on_signals(server)
+    _own_process(server)
     server.serve_forever(announce_ready)
     sys.exit(server.exit_code)
 

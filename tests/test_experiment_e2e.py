@@ -22,12 +22,12 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _table(md: str, scenario: str) -> dict[str, list[str]]:
-    """The rows of one scenario's table, by configuration label."""
+def _table(md: str, scenario: str) -> dict[str, dict[str, str]]:
+    """The rows of one scenario's table, by configuration label, each by column name."""
     section = md.split(f"## Scenario '{scenario}'")[1].split("\n## ")[0]
-    rows = [line for line in section.splitlines() if line.startswith("| ")][1:]
-    cells = [[c.strip() for c in row.strip().strip("|").split("|")] for row in rows]
-    return {c[0]: c[1:] for c in cells}
+    rows = [line for line in section.splitlines() if line.startswith("| ")]
+    header, *cells = [[c.strip() for c in row.strip().strip("|").split("|")] for row in rows]
+    return {c[0]: dict(zip(header, c, strict=True)) for c in cells if set(c[0]) != {"-"}}
 
 
 def _median(cell: str) -> float:
@@ -86,11 +86,12 @@ def test_small_grid_end_to_end(tmp_path):
             stale_max.append(max(p["staleness"] for p in pushes))
             gaps.append(res["servers"][0]["max_answered_gap"])
         row = table[label]
-        assert _median(row[4]) == pytest.approx(statistics.median(ups), abs=0.051)
-        assert _median(row[3]) == pytest.approx(statistics.median(accs), abs=0.051)
-        assert row[5] == "0.0"  # nothing rejected
-        assert row[6].endswith(f"/ {statistics.median(stale_max):g}")
-        assert _median(row[7]) <= (1 if label == "ssp s=1" else 0)
+        assert _median(row["updates/s"]) == pytest.approx(statistics.median(ups), abs=0.051)
+        assert _median(row["final accuracy (%)"]) == pytest.approx(statistics.median(accs),
+                                                                   abs=0.051)
+        assert row["rejected (%)"] == "0.0"  # nothing rejected
+        assert row["staleness p50/p95/max"].endswith(f"/ {statistics.median(stale_max):g}")
+        assert _median(row["max clock gap"]) <= (1 if label == "ssp s=1" else 0)
         assert max(gaps) <= (1 if label == "ssp s=1" else 0)
     assert _median(table["sync"][4]) < _median(table["ssp s=1"][4])
 
