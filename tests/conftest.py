@@ -1,0 +1,72 @@
+"""Suite-wide guards: a test stops every process it started."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+#: how long a test's processes get to finish exiting after the test returns
+EXIT_GRACE = 10.0
+
+
+def _processes() -> dict[int, tuple[int, str, str]]:
+    """pid -> (parent pid, state, command line) of every process we can read."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            args = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        # the command name may hold spaces and parentheses: fields start after the last ")"
+        fields = stat[stat.rindex(")") + 2:].split()
+        out[int(entry.name)] = (int(fields[1]), fields[0], args.strip())
+    return out
+
+
+def _leftovers() -> dict[int, str]:
+    """Live descendants of this process, except the launcher's zygotes themselves (they
+    are shared by the tests, and forked children of one are leftovers like any other)."""
+    procs = _processes()
+    me = os.getpid()
+    found: dict[int, str] = {}
+    frontier = [me]
+    while frontier:
+        parent = frontier.pop()
+        for pid, (ppid, state, args) in procs.items():
+            if ppid != parent or state == "Z":
+                continue
+            frontier.append(pid)
+            if not (parent == me and "workers.zygote" in args):
+                found[pid] = args
+    return found
+
+
+@pytest.fixture(autouse=True)
+def _no_process_left_behind(request: pytest.FixtureRequest) -> Iterator[None]:
+    if not Path("/proc/self/stat").exists():  # not Linux: nothing to check with
+        yield
+        return
+    before = set(_leftovers())
+    yield
+    deadline = time.monotonic() + EXIT_GRACE
+    left = {p: a for p, a in _leftovers().items() if p not in before}
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)  # processes told to stop are still exiting; bounded by the deadline
+        left = {p: a for p, a in _leftovers().items() if p not in before}
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if left:
+        pytest.fail(f"{request.node.nodeid} left processes running (killed now): "
+                    + "; ".join(f"{pid} {args[:120]}" for pid, args in sorted(left.items())),
+                    pytrace=False)
