@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -31,11 +32,21 @@ def _processes() -> dict[int, tuple[int, str, str]]:
     return out
 
 
+def _zygotes() -> set[int]:
+    """The launcher's zygotes in this process (shared by the tests, so not leftovers)."""
+    import sys
+
+    module = sys.modules.get("paramserver.workers.launch.zygote")
+    if module is None:
+        return set()
+    return set(module.zygote_pids())
+
+
 def _leftovers() -> dict[int, str]:
-    """Live descendants of this process, except the launcher's zygotes themselves (they
-    are shared by the tests, and forked children of one are leftovers like any other)."""
+    """Live descendants of this process, except the launcher's zygotes themselves
+    (forked children of one are leftovers like any other)."""
     procs = _processes()
-    me = os.getpid()
+    me, zygotes = os.getpid(), _zygotes()
     found: dict[int, str] = {}
     frontier = [me]
     while frontier:
@@ -44,7 +55,7 @@ def _leftovers() -> dict[int, str]:
             if ppid != parent or state == "Z":
                 continue
             frontier.append(pid)
-            if not (parent == me and "workers.zygote" in args):
+            if pid not in zygotes:
                 found[pid] = args
     return found
 
@@ -62,10 +73,8 @@ def _no_process_left_behind(request: pytest.FixtureRequest) -> Iterator[None]:
         time.sleep(0.1)  # processes told to stop are still exiting; bounded by the deadline
         left = {p: a for p, a in _leftovers().items() if p not in before}
     for pid in left:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     if left:
         pytest.fail(f"{request.node.nodeid} left processes running (killed now): "
                     + "; ".join(f"{pid} {args[:120]}" for pid, args in sorted(left.items())),

@@ -135,7 +135,7 @@ def test_shard_addresses_out_of_order_are_named(monkeypatch):
 
 def test_a_worker_killed_by_a_shards_internal_error_names_the_shard(tmp_path):
     """The logs as a launch with a policy whose decide() raises leaves them (trimmed)."""
-    from paramserver.workers.launch.cluster import shard_cause
+    from paramserver.workers.launch.processes import shard_cause
 
     worker = tmp_path / "worker0.log"
     worker.write_text(

@@ -13,7 +13,6 @@ import logging
 import math
 import os
 import socket
-import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -22,23 +21,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import zmq
 
 from paramserver.dtypes import GRAD_WIRE_DTYPES
 from paramserver.errors import (
-    BarrierTimeoutError,
     ConfigError,
     DuplicateWorkerError,
     FutureVersionError,
     NotInitializedError,
     NotRegisteredError,
     RemoteError,
-    RequestTimeoutError,
     TransportError,
 )
 from paramserver.protocol import PROTOCOL_VERSION, Message, Op
 from paramserver.sharding import DTYPES, ShardPlan
 from paramserver.transport import Channel, CurveKeys, request_all
+from paramserver.workers.liveness import Heartbeat, Patience
 
 __all__ = ["GRAD_WIRE_DTYPES", "PART_BYTES", "PSClient", "PullResult", "PushResult",
            "PushStream", "pull_weights", "save_final_model"]
@@ -89,129 +86,6 @@ class PushResult:
         return sorted({o["reason"] for o in self.outcomes if not o["accepted"]})
 
 
-class _Heartbeat(threading.Thread):
-    """Sends HEARTBEAT to every shard every ``interval`` s from its own sockets."""
-
-    def __init__(self, addresses: Sequence[str], worker: int, interval: float,
-                 curve: CurveKeys | None) -> None:
-        super().__init__(name=f"heartbeat-w{worker}", daemon=True)
-        self.addresses, self.worker, self.interval, self.curve = addresses, worker, interval, curve
-        self._stop_event = threading.Event()
-        self.started = time.monotonic()
-        # per shard: when it last answered a heartbeat, and the pull of ours it said it
-        # holds then (clock, waited, why), or None
-        self.last_reply: dict[int, float] = {}
-        self.held: dict[int, dict[str, Any] | None] = {}
-
-    def status(self, shard: int) -> tuple[float | None, dict[str, Any] | None]:
-        """When ``shard`` last answered a heartbeat (monotonic; None: never) and the
-        pull it said it holds for us then."""
-        return self.last_reply.get(shard), self.held.get(shard)
-
-    def run(self) -> None:
-        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        chans = [Channel(a, peer=f"shard {i}", curve=self.curve, context=ctx)
-                 for i, a in enumerate(self.addresses)]
-        try:
-            while not self._stop_event.wait(self.interval):
-                for i, ch in enumerate(chans):
-                    try:
-                        while (rep := ch.recv_nowait()) is not None:
-                            held = rep.get("held") if rep.op is Op.REPLY else None
-                            self.held[i] = held if isinstance(held, dict) else None
-                            self.last_reply[i] = time.monotonic()
-                        ch.send(Message(Op.HEARTBEAT, ch.next_seq(), {"worker": self.worker}))
-                    except Exception as exc:  # a heartbeat must never kill the worker
-                        log.debug("heartbeat to shard %d failed: %s", i, exc)
-        finally:
-            for ch in chans:
-                ch.close()
-
-    def stop(self) -> None:
-        self._stop_event.set()
-
-
-def _span(seconds: float) -> str:
-    """``seconds`` for a person: 42s, 3 min 20s, 1 h 5 min."""
-    seconds = max(0.0, seconds)
-    if seconds < 90:
-        return f"{seconds:.0f}s"
-    minutes, secs = divmod(round(seconds), 60)
-    if minutes < 60:
-        return f"{minutes} min" + (f" {secs}s" if secs else "")
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours} h" + (f" {minutes} min" if minutes else "")
-
-
-class _Patience:
-    """How long one request may wait, judged from the shards' heartbeat answers.
-
-    A shard that answers nothing (neither the request nor heartbeats) for the
-    client's ``timeout`` is dead or unreachable: give up, naming it. A shard that
-    answers heartbeats and says it holds our pull (a sync barrier, an SSP gate,
-    the start barrier) is waited for, up to ``barrier_timeout`` (0: no bound),
-    with a progress line every ``progress_every`` seconds; the request is not
-    sent again meanwhile. A shard that answers heartbeats but holds nothing gets
-    the request again each attempt, for ``timeout`` in all.
-    """
-
-    def __init__(self, client: PSClient, heartbeat: _Heartbeat, label: str,
-                 shards: Sequence[int]) -> None:
-        self.client, self.heartbeat, self.label, self.shards = client, heartbeat, label, shards
-        self.started = time.monotonic()
-        self.last_progress = self.started
-        self.progress_every = max(client.attempt_timeout, min(30.0, client.timeout))
-        # per shard: when it last held this request (or the request started)
-        self.last_held: dict[int, float] = {}
-        self.retried = 0
-
-    def _where(self, shard: int) -> str:
-        return f"shard {shard} at {self.client.channels[shard].address}"
-
-    def __call__(self, lost: list[int]) -> bool:
-        client, now = self.client, time.monotonic()
-        holding: list[tuple[int, dict[str, Any]]] = []
-        resend = False
-        for shard in sorted({self.shards[i] for i in lost}):
-            heard, held = self.heartbeat.status(shard)
-            # heartbeats are read every interval: a few missed ones are no silence
-            silence = now - (heard if heard is not None else self.heartbeat.started)
-            if silence > max(client.timeout, 3 * self.heartbeat.interval):
-                raise RequestTimeoutError(
-                    f"{self.label}: {self._where(shard)} does not answer: no reply to this "
-                    f"request or to heartbeats for {_span(silence)} (is it running and "
-                    f"reachable?)")
-            if held is not None:
-                self.last_held[shard] = now
-                holding.append((shard, held))
-                continue
-            quiet = now - self.last_held.get(shard, self.started)
-            if quiet > client.timeout:
-                raise RequestTimeoutError(
-                    f"{self.label}: {self._where(shard)} answers heartbeats but not this "
-                    f"request, within {_span(quiet)}")
-            resend = True
-        if resend:
-            self.retried += 1
-            log.warning("%s: no reply yet in %.1fs; sending it again (%d)", self.label,
-                        client.attempt_timeout, self.retried)
-        if holding:
-            waited = now - self.started
-            shard, held = holding[0]
-            what = (f"{self.label}: shard {shard} is alive and holding your pull for worker "
-                    f"{client.worker} (clock {held.get('clock', '?')}), waited {_span(waited)}: "
-                    f"{held.get('why', 'its gate is closed')}")
-            if client.barrier_timeout and waited > client.barrier_timeout:
-                raise BarrierTimeoutError(f"{what}; giving up after --barrier-timeout "
-                                          f"{client.barrier_timeout:g}s")
-            if now - self.last_progress >= self.progress_every:
-                self.last_progress = now
-                bound = (f"--barrier-timeout {client.barrier_timeout:g}s"
-                         if client.barrier_timeout else "no --barrier-timeout")
-                log.warning("%s (still waiting; %s)", what, bound)
-        return resend
-
-
 class PSClient:
     """Talks to S shard servers on behalf of one worker (or one observer)."""
 
@@ -257,7 +131,7 @@ class PSClient:
                          for i, a in enumerate(addresses)]
         self._push_id = 0
         self._heartbeat = (
-            _Heartbeat(addresses, worker, heartbeat_interval, curve)
+            Heartbeat(addresses, worker, heartbeat_interval, curve)
             if role == "worker" and heartbeat_interval > 0 else None
         )
         self._shard_slices = [plan.shard_slices(s) for s in range(plan.num_shards)]
@@ -318,7 +192,7 @@ class PSClient:
         shards = list(range(len(self.channels))) if shards is None else shards
         chans = [self.channels[s] for s in shards]
         heartbeat = self._heartbeat
-        patience = (_Patience(self, heartbeat, what, shards)
+        patience = (Patience(self, heartbeat, what, shards)
                     if heartbeat is not None and heartbeat.is_alive() else None)
         replies = request_all(chans, msgs, self.attempt_timeout, what, retries=self.retries,
                               raise_errors=False, on_reply=on_reply, sent=sent,

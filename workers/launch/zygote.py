@@ -47,7 +47,7 @@ from typing import Any, BinaryIO
 
 from paramserver.errors import ParamServerError
 
-__all__ = ["ForkedProcess", "Zygote", "ZygoteError", "fork_enabled", "zygote_for"]
+__all__ = ["ForkedProcess", "Zygote", "ZygoteError", "fork_enabled", "zygote_for", "zygote_pids"]
 
 log = logging.getLogger(__name__)
 
@@ -240,6 +240,12 @@ def zygote_for(env: Mapping[str, str]) -> Zygote:
                 _zygotes.pop(other).close()  # one idle zygote holds ~300 MB
             zygote = _zygotes[key] = Zygote(env)
         return zygote
+
+
+def zygote_pids() -> set[int]:
+    """The pids of this process's live zygotes (a test harness tells them from leftovers)."""
+    with _zygotes_lock:
+        return {z.popen.pid for z in _zygotes.values() if z.alive}
 
 
 def _close_all() -> None:
