@@ -55,7 +55,7 @@ def serve(args: dict[str, Any], announce: Any) -> dict[str, Any]:
     core = server.core
     state = 0
     if core is not None:
-        for per_param in core.optimizer.state.values():
+        for per_param in core.stepper.optimizer.state.values():
             state += sum(v.numel() * v.element_size() for v in per_param.values()
                          if isinstance(v, torch.Tensor))
     return {

@@ -37,7 +37,6 @@ import torch
 
 from . import report, snapshot
 from .errors import ConfigError, ErrorCode, ProtocolError
-from .optim import build_optimizer, build_scheduler
 from .probe import GradStats, Probe, StepStats, all_finite, total_norm
 from .records import (
     DTYPES,
@@ -59,7 +58,7 @@ from .records import (
 )
 from .rounds import Seeding, Stream, SyncRound
 from .staleness import BoundStats, Decision, NoPolicy, StalenessPolicy, UpdateInfo
-from .stepsize import LrRule, MomentumCompensation, momentum_key
+from .stepper import Stepper
 
 # the records are defined in records.py, the measurements in probe.py; importable here
 __all__ = [
@@ -97,26 +96,8 @@ class ShardCore:
         self.params: dict[str, torch.Tensor] = {
             s.key: torch.zeros(s.numel, dtype=DTYPES[s.dtype]) for s in self.specs.values()
         }
-        # a shard may own no slices (more shards than chunks): it still keeps clocks
-        # and versions, but torch refuses an optimizer over nothing, so use a placeholder
-        opt_params = list(self.params.values()) or [torch.zeros(1)]
-        self.optimizer = build_optimizer(
-            self.config.optimizer, opt_params, self.config.optimizer_args
-        )
-        self.scheduler = build_scheduler(
-            self.config.scheduler, self.optimizer, self.config.scheduler_args
-        )
-        # large-batch learning-rate rule: a factor from each step's number of gradients
-        self.lr_rule = LrRule(self.config.lr_scaling, self.config.warmup_steps)
-        self.lr_factor = 1.0  # the factor of the last step
-        # asynchrony-aware momentum: explicit momentum set from the observed staleness
-        self.momentum: MomentumCompensation | None = None
-        if self.config.momentum_target is not None:
-            if momentum_key(self.optimizer.param_groups[0]) is None:
-                raise ConfigError(
-                    f"momentum_target needs an optimizer with momentum (sgd, rmsprop) or "
-                    f"betas (adam, adamw); {self.config.optimizer!r} has neither")
-            self.momentum = MomentumCompensation(self.config.momentum_target)
+        # the optimizer step itself: torch.optim, its scheduler, the step-size rules
+        self.stepper = Stepper(self.config, list(self.params.values()))
         # called before every optimizer step: a driver that lends the weights'
         # memory to sends in flight protects them here (copy-on-write)
         self.before_step: Callable[[], None] | None = None
@@ -700,7 +681,7 @@ class ShardCore:
         if not self.policy_rewrites:
             return grads
         grads = self._widen(grads)
-        lr = float(self.optimizer.param_groups[0]["lr"])
+        lr = self.stepper.lr
         read = self.read_weights.get(info.worker)
         return self.policy.rewrite_gradient(info, grads, self.params, read, lr)
 
@@ -737,37 +718,13 @@ class ShardCore:
 
     def _step(self, grads: Mapping[str, torch.Tensor], weight: float, contributors: int = 1,
               staleness: int = 0) -> None:
-        """One optimizer step on ``grads``, the learning rate scaled by ``weight`` and by
-        the learning-rate rule's factor for a step averaging ``contributors`` gradients;
-        with asynchrony-aware momentum, the momentum set from ``staleness`` first."""
-        for key, p in self.params.items():
-            p.grad = grads[key]
-        if self.before_step is not None:
-            self.before_step()
-        groups = self.optimizer.param_groups
-        saved = [g["lr"] for g in groups]
-        if self.lr_rule.active:
-            self.lr_factor = self.lr_rule.factor(contributors, self.version)
-            weight *= self.lr_factor
-        if self.momentum is not None:
-            prior = 0 if self.mode.mode == "sync" else max(0, len(self.live()) - 1)
-            self.momentum.observe(staleness, prior)
-            self.momentum.apply(groups)
-        if weight != 1.0:
-            for g in groups:
-                g["lr"] = g["lr"] * weight
-        measure = self.probe.step_begins(self.optimizer)
-        applied_lr = float(groups[0]["lr"])
-        self.optimizer.step()
-        for g, lr in zip(groups, saved, strict=True):
-            g["lr"] = lr
-        for p in self.params.values():
-            p.grad = None
-        if self.scheduler is not None:
-            self.scheduler.step()
+        """One optimizer step on ``grads``, the learning rate scaled by ``weight`` (and
+        by the step-size rules, for a step averaging ``contributors`` gradients)."""
+        prior = 0 if self.mode.mode == "sync" else max(0, len(self.live()) - 1)
+        self.stepper.step(self.params, grads, weight, contributors=contributors,
+                          version=self.version, staleness=staleness, prior_staleness=prior,
+                          probe=self.probe, before_step=self.before_step)
         self.version += 1
-        if measure is not None:
-            self.probe.step_ended(measure, self.version, applied_lr)
 
     # ------------------------------------------------------------------ observability
 
@@ -816,7 +773,7 @@ class ShardCore:
 
     @property
     def lr(self) -> float:
-        return float(self.optimizer.param_groups[0]["lr"])
+        return self.stepper.lr
 
     def stats(self) -> dict[str, Any]:
         return report.stats(self)

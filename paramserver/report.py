@@ -22,6 +22,7 @@ __all__ = ["stats"]
 def stats(core: ShardCore) -> dict[str, Any]:
     """``core``'s state as a JSON-able summary, bounded whatever its worker table holds."""
     live = core.live()
+    momentum = core.stepper.momentum
     listed = list(core.workers.values())
     if len(listed) > STATS_WORKERS:
         listed = sorted(listed,
@@ -36,13 +37,12 @@ def stats(core: ShardCore) -> dict[str, Any]:
         "initialized": core.initialized,
         "started": core.started,
         "lr": core.lr,
-        "lr_scaling": core.lr_rule.describe(),
-        "lr_factor": core.lr_factor,
-        "momentum_target": core.momentum.target if core.momentum is not None else None,
-        "momentum_explicit": core.momentum.explicit if core.momentum is not None else None,
-        "momentum_implicit": core.momentum.implicit if core.momentum is not None else None,
-        "mean_staleness_estimate": (core.momentum.mean_staleness
-                                    if core.momentum is not None else None),
+        "lr_scaling": core.stepper.lr_rule.describe(),
+        "lr_factor": core.stepper.lr_factor,
+        "momentum_target": momentum.target if momentum is not None else None,
+        "momentum_explicit": momentum.explicit if momentum is not None else None,
+        "momentum_implicit": momentum.implicit if momentum is not None else None,
+        "mean_staleness_estimate": momentum.mean_staleness if momentum is not None else None,
         "live_workers": sorted(w.worker for w in live)[:STATS_WORKERS],
         "live_count": len(live),
         "min_clock": core.min_clock(),

@@ -35,7 +35,8 @@ __all__ = ["load", "save"]
 def save(core: ShardCore) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Everything needed to resume ``core``: (tensors, JSON-able metadata)."""
     tensors = {f"param/{k}": p.detach() for k, p in core.params.items()}
-    opt = core.optimizer.state_dict()
+    scheduler, momentum = core.stepper.scheduler, core.stepper.momentum
+    opt = core.stepper.optimizer.state_dict()
     opt_meta: dict[str, Any] = {"param_groups": opt["param_groups"], "state": {}}
     for index, entries in opt["state"].items():
         opt_meta["state"][str(index)] = {}
@@ -66,9 +67,9 @@ def save(core: ShardCore) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         "max_answered_gap": core.max_answered_gap,
         "rounds_dropped": sync.dropped,
         "optimizer": opt_meta,
-        "scheduler": core.scheduler.state_dict() if core.scheduler is not None else None,
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "policy": {"name": core.policy.name, "state": core.policy.state_dict()},
-        "momentum": core.momentum.state_dict() if core.momentum is not None else None,
+        "momentum": momentum.state_dict() if momentum is not None else None,
     }
     return tensors, meta
 
@@ -103,11 +104,11 @@ def load(core: ShardCore, tensors: Mapping[str, torch.Tensor],
         if name.startswith("optim/"):
             _, index, field_name = name.split("/", 2)
             opt_state.setdefault(int(index), {})[field_name] = value.clone()
-    core.optimizer.load_state_dict(
+    core.stepper.optimizer.load_state_dict(
         {"state": opt_state, "param_groups": meta["optimizer"]["param_groups"]}
     )
-    if core.scheduler is not None and meta.get("scheduler") is not None:
-        core.scheduler.load_state_dict(meta["scheduler"])
+    if core.stepper.scheduler is not None and meta.get("scheduler") is not None:
+        core.stepper.scheduler.load_state_dict(meta["scheduler"])
     core.policy.load_state_dict(meta.get("policy", {}).get("state", {}))
     core.version = int(meta["version"])
     core.initialized = bool(meta["initialized"])
@@ -119,8 +120,8 @@ def load(core: ShardCore, tensors: Mapping[str, torch.Tensor],
     sync.samples = int(meta.get("round_samples", 0))
     # older snapshots: every member with samples counted as one contributor
     sync.accepted = int(meta.get("round_accepted", len(sync.members) if sync.samples else 0))
-    if core.momentum is not None and meta.get("momentum"):
-        core.momentum.load_state_dict(meta["momentum"])
+    if core.stepper.momentum is not None and meta.get("momentum"):
+        core.stepper.momentum.load_state_dict(meta["momentum"])
     sync.agg = {k[len("agg/"):]: v.clone() for k, v in tensors.items()
                 if k.startswith("agg/")}
     sync.void = bool(meta.get("round_void", False))

@@ -98,7 +98,7 @@ def test_sync_rounds_keep_the_target_momentum():
     push = Pusher(core)
     for _ in range(3):
         sync_round(core, push, range(2))
-    assert core.optimizer.param_groups[0]["momentum"] == pytest.approx(0.9)
+    assert core.stepper.optimizer.param_groups[0]["momentum"] == pytest.approx(0.9)
 
 
 def test_momentum_estimate_is_bias_corrected():
@@ -117,7 +117,7 @@ def test_linear_scaling_makes_a_sync_round_of_k_the_step_of_k_times_the_lr():
     sync_round(core, push, range(4), value=1.0)
     # mean gradient 1, lr 0.1 x 4 contributors
     assert torch.allclose(core.params["w"], torch.full((3,), -0.4, dtype=torch.float64))
-    assert core.lr_factor == 4.0
+    assert core.stepper.lr_factor == 4.0
     assert core.lr == pytest.approx(0.1)  # the configured lr is left as it was
     assert core.stats()["lr_factor"] == 4.0 and core.stats()["lr_scaling"] == "linear"
 
@@ -135,7 +135,7 @@ def test_factor_follows_the_live_contributors_when_a_worker_dies():
     sync_round(core, push, range(4))
     core.declare_dead(3)
     sync_round(core, push, range(3))
-    assert core.lr_factor == 3.0
+    assert core.stepper.lr_factor == 3.0
     assert torch.allclose(core.params["w"], torch.full((3,), -0.7, dtype=torch.float64))
 
 
@@ -143,7 +143,7 @@ def test_backup_workers_scale_by_the_gradients_that_made_the_round():
     core = make_core("sync", workers=4, b=1, lr=0.1, scaling="sqrt")
     push = Pusher(core)
     sync_round(core, push, range(3))  # closes without the 4th
-    assert core.lr_factor == pytest.approx(math.sqrt(3))
+    assert core.stepper.lr_factor == pytest.approx(math.sqrt(3))
     late = push(3, 0)
     assert late.reason == "late"
 
@@ -154,7 +154,7 @@ def test_warmup_in_the_core_counts_optimizer_steps():
     factors = []
     for _ in range(3):
         sync_round(core, push, range(2))
-        factors.append(core.lr_factor)
+        factors.append(core.stepper.lr_factor)
     assert factors == pytest.approx([1.5, 2.0, 2.0])
     assert torch.allclose(core.params["w"], torch.full((3,), -0.1 * 5.5, dtype=torch.float64))
 
@@ -164,7 +164,7 @@ def test_async_step_has_factor_one_under_any_rule():
     push = Pusher(core)
     for w in range(4):
         push(w, 0)
-    assert core.version == 4 and core.lr_factor == 1.0
+    assert core.version == 4 and core.stepper.lr_factor == 1.0
     assert torch.allclose(core.params["w"], torch.full((3,), -0.4, dtype=torch.float64))
 
 
@@ -174,14 +174,14 @@ def test_compensated_momentum_is_set_from_staleness_and_reported():
     push = Pusher(core)
     push(0, 0)  # staleness 0, after a prior of 3 (4 live workers evenly paced)
     mean = 0.95 * 3 + 0.05 * 0
-    assert core.optimizer.param_groups[0]["momentum"] == pytest.approx(1 - 0.1 * (mean + 1))
+    assert core.stepper.optimizer.param_groups[0]["momentum"] == pytest.approx(1 - 0.1 * (mean + 1))
     for _ in range(100):
         push(1, max(0, core.version - 3))  # staleness 3 from the fourth on
     stats = core.stats()
     assert stats["mean_staleness_estimate"] == pytest.approx(3.0, rel=1e-2)
     assert stats["momentum_implicit"] == pytest.approx(0.75, rel=1e-2)
     # (1 - 0.9) / (1 - 0.75) = 0.4 -> explicit 0.6
-    assert core.optimizer.param_groups[0]["momentum"] == pytest.approx(0.6, abs=0.01)
+    assert core.stepper.optimizer.param_groups[0]["momentum"] == pytest.approx(0.6, abs=0.01)
     assert stats["momentum_explicit"] == pytest.approx(0.6, abs=0.01)
 
 
@@ -191,8 +191,8 @@ def test_compensated_momentum_sets_adams_first_beta():
     push = Pusher(core)
     for _ in range(100):
         push(0, max(0, core.version - 1))
-    assert core.optimizer.param_groups[0]["betas"][0] == pytest.approx(0.8, abs=0.01)
-    assert core.optimizer.param_groups[0]["betas"][1] == pytest.approx(0.999)
+    assert core.stepper.optimizer.param_groups[0]["betas"][0] == pytest.approx(0.8, abs=0.01)
+    assert core.stepper.optimizer.param_groups[0]["betas"][1] == pytest.approx(0.999)
 
 
 def test_momentum_target_needs_an_optimizer_with_momentum():
@@ -211,8 +211,9 @@ def test_estimator_and_round_contributors_survive_a_checkpoint():
     fresh = make_core("async", workers=2, momentum_target=0.9,
                       optimizer_args={"lr": 0.1, "momentum": 0.9})
     fresh.load_state_dict(tensors, meta, now=0.0)
-    assert fresh.momentum is not None and core.momentum is not None
-    assert fresh.momentum.mean_staleness == pytest.approx(core.momentum.mean_staleness)
+    assert fresh.stepper.momentum is not None and core.stepper.momentum is not None
+    assert fresh.stepper.momentum.mean_staleness == pytest.approx(
+        core.stepper.momentum.mean_staleness)
 
     sync = make_core("sync", workers=3, scaling="linear")
     spush = Pusher(sync)

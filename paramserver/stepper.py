@@ -1,0 +1,87 @@
+"""A shard's optimizer step: torch.optim and its scheduler, with the step-size rules
+of :mod:`paramserver.stepsize` on top. Pure: no I/O, no clock.
+
+The shard core decides *when* a step happens, on which gradient and with which
+weight (the consistency rules); a :class:`Stepper` applies it: it scales the
+learning rate by the weight and by the large-batch rule's factor for the step's
+number of gradients, sets the asynchrony-aware momentum, steps the optimizer
+and its scheduler, and restores the learning rate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from .errors import ConfigError
+from .optim import build_optimizer, build_scheduler
+from .stepsize import LrRule, MomentumCompensation, momentum_key
+
+if TYPE_CHECKING:
+    from .probe import Probe
+    from .records import CoreConfig
+
+__all__ = ["Stepper"]
+
+
+class Stepper:
+    """The optimizer over a shard's parameters and the rules that shape its steps."""
+
+    def __init__(self, config: CoreConfig, params: Sequence[torch.Tensor]) -> None:
+        # a shard may own no slices (more shards than chunks): it still keeps clocks
+        # and versions, but torch refuses an optimizer over nothing, so use a placeholder
+        self.optimizer = build_optimizer(config.optimizer, list(params) or [torch.zeros(1)],
+                                         config.optimizer_args)
+        self.scheduler = build_scheduler(config.scheduler, self.optimizer,
+                                         config.scheduler_args)
+        # large-batch learning-rate rule: a factor from each step's number of gradients
+        self.lr_rule = LrRule(config.lr_scaling, config.warmup_steps)
+        self.lr_factor = 1.0  # the factor of the last step
+        # asynchrony-aware momentum: explicit momentum set from the observed staleness
+        self.momentum: MomentumCompensation | None = None
+        if config.momentum_target is not None:
+            if momentum_key(self.optimizer.param_groups[0]) is None:
+                raise ConfigError(
+                    f"momentum_target needs an optimizer with momentum (sgd, rmsprop) or "
+                    f"betas (adam, adamw); {config.optimizer!r} has neither")
+            self.momentum = MomentumCompensation(config.momentum_target)
+
+    @property
+    def lr(self) -> float:
+        """The optimizer's current learning rate (its first group's)."""
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def step(self, params: Mapping[str, torch.Tensor], grads: Mapping[str, torch.Tensor],
+             weight: float, *, contributors: int, version: int, staleness: int,
+             prior_staleness: int, probe: Probe,
+             before_step: Callable[[], None] | None) -> None:
+        """One optimizer step on ``grads``, the one that makes ``version + 1`` (the
+        probe measures it, when it measures this step)."""
+        for key, p in params.items():
+            p.grad = grads[key]
+        if before_step is not None:
+            before_step()
+        groups = self.optimizer.param_groups
+        saved = [g["lr"] for g in groups]
+        if self.lr_rule.active:
+            self.lr_factor = self.lr_rule.factor(contributors, version)
+            weight *= self.lr_factor
+        if self.momentum is not None:
+            self.momentum.observe(staleness, prior_staleness)
+            self.momentum.apply(groups)
+        if weight != 1.0:
+            for g in groups:
+                g["lr"] = g["lr"] * weight
+        measure = probe.step_begins(self.optimizer)
+        applied_lr = float(groups[0]["lr"])
+        self.optimizer.step()
+        for g, lr in zip(groups, saved, strict=True):
+            g["lr"] = lr
+        for p in params.values():
+            p.grad = None
+        if self.scheduler is not None:
+            self.scheduler.step()
+        if measure is not None:
+            probe.step_ended(measure, version + 1, applied_lr)
