@@ -316,35 +316,10 @@ class ShardCore:
             return False
         if parts == 1:
             return self.initialize(tensors)
-        if not 0 <= part < parts:
-            raise ProtocolError(ErrorCode.BAD_FIELD,
-                                f"INIT part {part} of {parts}: need 0 <= part < parts")
-        seeding = self.seeding
-        if seeding.owner is None:
-            seeding.begin(worker, parts)
-        elif seeding.owner != worker:
-            return False  # another worker is seeding this shard
-        if parts != seeding.total:
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"INIT in {parts} parts after "
-                                f"{seeding.total}")
-        if part in seeding.parts:
-            return None
-        check_tensors(self.specs, tensors, "INIT", whole=False, seen=seeding.keys)
-        last = seeding.is_last()
-        missing = self.specs.keys() - seeding.keys - tensors.keys()
-        if last and missing:
-            seeding.end()
-            raise ProtocolError(ErrorCode.BAD_TENSOR,
-                                f"INIT: missing keys after the last part: {sorted(missing)[:5]}")
-        with torch.no_grad():
-            for key, value in tensors.items():
-                self.params[key].copy_(value)
-        seeding.add(part, tensors)
-        if not last:
-            return None
-        self.initialized = True
-        seeding.end()
-        return True
+        done = self.seeding.accept(worker, part, parts, tensors, self.specs, self.params)
+        if done:
+            self.initialized = True
+        return done
 
     def check_part(self, tensors: Mapping[str, torch.Tensor],
                    seen: AbstractSet[str] = frozenset()) -> None:

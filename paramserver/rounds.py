@@ -28,6 +28,7 @@ import torch
 
 from .errors import ErrorCode, ProtocolError
 from .probe import PushMeasure
+from .records import SliceSpec, check_tensors
 from .staleness import Decision, UpdateInfo
 
 __all__ = ["Seeding", "Stream", "SyncRound"]
@@ -158,6 +159,39 @@ class Seeding:
     def is_last(self) -> bool:
         """Whether the next new part completes the seeding."""
         return len(self.parts) + 1 == self.total
+
+    def accept(self, worker: int, part: int, parts: int, tensors: Mapping[str, torch.Tensor],
+               specs: Mapping[str, SliceSpec], params: Mapping[str, torch.Tensor]
+               ) -> bool | None:
+        """Part ``part`` of ``parts`` of ``worker``'s INIT, copied into ``params`` once
+        checked. False: another worker is seeding; None: an earlier part (or one sent
+        again); True: this part completed the seeding."""
+        if not 0 <= part < parts:
+            raise ProtocolError(ErrorCode.BAD_FIELD,
+                                f"INIT part {part} of {parts}: need 0 <= part < parts")
+        if self.owner is None:
+            self.begin(worker, parts)
+        elif self.owner != worker:
+            return False
+        if parts != self.total:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"INIT in {parts} parts after {self.total}")
+        if part in self.parts:
+            return None
+        check_tensors(specs, tensors, "INIT", whole=False, seen=self.keys)
+        last = self.is_last()
+        missing = specs.keys() - self.keys - tensors.keys()
+        if last and missing:
+            self.end()
+            raise ProtocolError(ErrorCode.BAD_TENSOR,
+                                f"INIT: missing keys after the last part: {sorted(missing)[:5]}")
+        with torch.no_grad():
+            for key, value in tensors.items():
+                params[key].copy_(value)
+        self.add(part, tensors)
+        if not last:
+            return None
+        self.end()
+        return True
 
     def end(self) -> None:
         """Seeded, or given up: the next INIT in parts starts over."""
