@@ -139,7 +139,7 @@ class ModeChoice:
                 else:
                     raise ValueError(item)
             except ValueError:
-                what = ("the backup workers b= and the bound s= must be a count"
+                what = ("ssp's staleness bound and sync's backup workers must be a count"
                         if key in ("b", "s") and name in ("sync", "ssp")
                         else "only ssp:S and sync:b=B take a number")
                 raise ConfigError(
