@@ -166,7 +166,17 @@ def _process_line(info: ProcessInfo) -> str:
 
 
 def _out_dir(value: str | None) -> Path:
-    out = Path(value) if value else Path("runs") / time.strftime("launch-%Y%m%d-%H%M%S")
+    if not value:  # a new folder of its own, even for two launches in the same second
+        stamp = Path("runs") / time.strftime("launch-%Y%m%d-%H%M%S")
+        stamp.parent.mkdir(parents=True, exist_ok=True)
+        for n in range(1, 1000):
+            out = stamp if n == 1 else stamp.with_name(f"{stamp.name}-{n}")
+            try:
+                out.mkdir()  # atomic: the folder is ours
+                return out
+            except FileExistsError:
+                continue
+    out = Path(value or "runs/launch")
     if (out / "result.json").exists() or (out / "events").exists():
         raise click.BadParameter(f"{out} holds an earlier run; choose another directory or "
                                  "delete it", param_hint="--out")

@@ -170,3 +170,14 @@ def test_help_and_listings_show_brackets_and_no_rst_markup():
     export = invoke("checkpoint", "export", "--help")
     assert export.exit_code == 0 and "``" not in export.output
     assert "model.load_state_dict(safetensors.torch.load_file(OUT))" in export.output
+
+
+def test_launches_without_out_in_the_same_second_get_folders_of_their_own(tmp_path,
+                                                                           monkeypatch):
+    from paramserver.cli.launch import _out_dir
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("time.strftime", lambda fmt, *a: "launch-20260101-000000")
+    first, second = _out_dir(None), _out_dir(None)
+    assert first != second and first.is_dir() and second.is_dir()
+    assert second.name == "launch-20260101-000000-2"
