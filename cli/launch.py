@@ -208,7 +208,7 @@ def launch(ctx: click.Context, **opts: Any) -> None:
             num_workers=num_workers,
             server=options.server_config(opts, num_shards=num_servers,
                                          expected_workers=num_workers),
-            worker=options.worker_config(ctx, opts, servers=["unset"], world_size=num_workers),
+            worker=options.worker_config(ctx, opts, servers=[], world_size=num_workers),
             stragglers=stragglers,
             startup_timeout=opts["startup_timeout"],
             run_timeout=opts["run_timeout"],

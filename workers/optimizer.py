@@ -25,12 +25,14 @@ comma-separated, in shard order), ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``.
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,7 +44,7 @@ from paramserver.transport import CurveKeys
 from paramserver.workers.client import PART_BYTES, PSClient, PullResult, PushResult, PushStream
 from paramserver.workers.overlap import BucketHooks
 
-__all__ = ["DistributedOptimizer", "StepOutcome", "servers_from_env"]
+__all__ = ["DistributedOptimizer", "StepOutcome", "read_plan", "servers_from_env"]
 
 log = logging.getLogger(__name__)
 
@@ -385,6 +387,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.close()
         else:  # leaving on an exception: this worker failed, it is not done
             self._abandon()
+
+
+def read_plan(path: str | os.PathLike[str]) -> ShardPlan | None:
+    """The plan a launched rank 0 recorded at ``PARAMSERVER_PLAN_FILE`` (None: none was),
+    by which a launcher saves the servers' final weights."""
+    target = Path(path)
+    if not target.exists():
+        return None
+    return ShardPlan.from_description(json.loads(target.read_text()))
 
 
 def _plan(named: list[tuple[str, torch.Tensor]], num_shards: int, chunk_bytes: int

@@ -524,7 +524,7 @@ class ExperimentSpec:
             momentum_target=step["momentum_target"],
         )
         worker = WorkerConfig(
-            servers=["unset"], task=self.task, task_args=dict(self.task_args),
+            servers=[], task=self.task, task_args=dict(self.task_args),
             device=self.device, steps=self.worker_steps(config.workers),
             budget_seconds=float(self.budget_seconds), batch_size=self.batch_size, seed=seed,
             eval_every=self.eval_every, straggler=scenario.all,

@@ -84,7 +84,7 @@ class ClusterSpec:
                               help="Worker processes.")
     server: ServerConfig = option(default_factory=ServerConfig, nested=True,
                                   help="Every shard's template (the server options).")
-    worker: WorkerConfig = option(default_factory=lambda: WorkerConfig(servers=["unset"]),
+    worker: WorkerConfig = option(default_factory=lambda: WorkerConfig(),
                                   nested=True,
                                   help="Every worker's template (the worker options).")
     #: rank -> spec
@@ -592,15 +592,14 @@ def final_eval(spec: ClusterSpec, addresses: list[str], out: Path) -> dict[str, 
 
 def _save_command_weights(spec: ClusterSpec, addresses: list[str], out: Path) -> None:
     """The servers' weights of a command's model, by the plan its rank 0 recorded."""
-    from paramserver.sharding import ShardPlan
     from paramserver.workers.client import save_final_model
+    from paramserver.workers.optimizer import read_plan
 
-    plan_file = out / "plan.json"
-    if not plan_file.exists():
+    plan = read_plan(out / "plan.json")
+    if plan is None:
         log.warning("no %s (no worker got as far as DistributedOptimizer): no final model",
-                    plan_file)
+                    out / "plan.json")
         return
-    plan = ShardPlan.from_description(json.loads(plan_file.read_text()))
     save_final_model(addresses, plan, out / "final_model.safetensors", spec.worker.timeout,
                      spec.client_curve())
 

@@ -33,7 +33,6 @@ step's node list. Keys (all under ``paramserver/``):
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import re
@@ -41,7 +40,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import tempfile
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -56,6 +54,7 @@ from paramserver.server import ServerConfig, run_server
 from paramserver.sharding import ShardPlan
 from paramserver.transport import CurveKeys
 from paramserver.workers.client import save_final_model
+from paramserver.workers.optimizer import read_plan
 from paramserver.workers.worker import WorkerConfig, build_task, run_worker, worker_title
 
 __all__ = [
@@ -504,26 +503,22 @@ def run_command_rank(command: list[str], rdzv: Rendezvous, num_servers: int, ran
     """Run the user's ``command`` as worker ``rank`` (its script builds a
     DistributedOptimizer from the environment set here); returns its exit code."""
     addresses: list[str] = []
-    plan_file = (out or Path(tempfile.gettempdir())) / "plan.json"
     try:
         addresses = rdzv.wait_servers(num_servers, timeout)
         env = {**os.environ, "PARAMSERVER_SERVERS": ",".join(addresses), "RANK": str(rank),
-               "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(local_rank),
-               "PARAMSERVER_PLAN_FILE": str(plan_file)}
-        if out is not None:
+               "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(local_rank)}
+        if out is not None:  # without one there is no final model, so no plan either
             env.update(PARAMSERVER_EVENT_LOG=str(out / "events" / f"worker{rank}.jsonl"),
-                       PARAMSERVER_RESULT_FILE=str(out / "results" / f"worker{rank}.json"))
+                       PARAMSERVER_RESULT_FILE=str(out / "results" / f"worker{rank}.json"),
+                       PARAMSERVER_PLAN_FILE=str(out / "plan.json"))
         try:
             return subprocess.run(command, env=env, check=False).returncode
         except OSError as exc:
             raise ConfigError(f"cannot run {' '.join(command)!r}: {exc.strerror or exc}") \
                 from None
     finally:
-        def plan() -> ShardPlan | None:
-            if not plan_file.exists():
-                return None
-            return ShardPlan.from_description(json.loads(plan_file.read_text()))
-        _done(rdzv, rank, world_size, addresses, out, plan, None)
+        _done(rdzv, rank, world_size, addresses, out,
+              lambda: read_plan(out / "plan.json") if out is not None else None, None)
 
 
 def _done(rdzv: Rendezvous, rank: int, world_size: int, addresses: list[str],
