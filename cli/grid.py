@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from paramserver.cli import options as cli_options
 from paramserver.cli.progress import step_progress
 from paramserver.errors import ConfigError, ParamServerError
 from paramserver.optim import parse_kwargs
@@ -85,11 +86,12 @@ def build_spec(*, spec_file: str | None, preset_name: str | None,
 
 def spec_from_flags(flags: dict[str, Any]) -> ExperimentSpec:
     """The spec the :func:`grid_options` flags describe (ConfigError if they are bad)."""
+    cli_options.take_deprecated(click.get_current_context(), flags, "--servers", "num_servers")
     seeds = flags["seeds"]
     return build_spec(spec_file=flags["spec_file"], preset_name=flags["preset_name"],
                       overrides={
         "modes": list(flags["modes"]), "policies": list(flags["policies"]),
-        "workers": list(flags["workers"]), "servers": flags["servers"],
+        "workers": list(flags["workers"]), "num_servers": flags["num_servers"],
         "scenarios": list(flags["scenarios"]), "seeds": _seeds(seeds) if seeds else None,
         "steps": flags["steps"], "task": flags["task"],
         "task_args": parse_kwargs(list(flags["task_args"])), "optimizer": flags["optimizer"],
@@ -129,8 +131,11 @@ def grid_options(*, virtual: bool) -> Callable[[F], F]:
                           "(repeatable). Default: none."),
         click.option("--workers", "workers", multiple=True, type=click.IntRange(min=1),
                      help=worker_help),
-        click.option("--servers", type=click.IntRange(min=1),
+        click.option("--num-servers", "-s", "num_servers", type=click.IntRange(min=1),
+                     metavar="S",
                      help="Number of shard servers (default 2)."),
+        cli_options.deprecated_flag("--servers", "--num-servers",
+                                    type=click.IntRange(min=1)),
         click.option("--scenario", "scenarios", multiple=True, metavar="NAME",
                      help=f"Straggler scenario (repeatable): {', '.join(SCENARIOS)}, or one "
                           "defined in the --spec file. Default: transient."),

@@ -186,6 +186,7 @@ def _out_dir(value: str | None) -> Path:
 @click.command("launch", epilog=EPILOG,
                short_help="A whole cluster on this machine, start to finish.")
 @options.apply_groups("launch")
+@options.deprecated_flag("--servers", "--num-servers", type=click.IntRange(min=1))
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, metavar="[-- COMMAND [ARGS]...]")
 @click.pass_context
 def launch(ctx: click.Context, **opts: Any) -> None:
@@ -197,6 +198,7 @@ def launch(ctx: click.Context, **opts: Any) -> None:
     script runs as each worker instead (see DistributedOptimizer).
     """
     command = list(opts.pop("command") or ()) or None
+    options.take_deprecated(ctx, opts, "--servers", "num_servers")
     num_servers, num_workers = opts["num_servers"], opts["num_workers"]
     stragglers = options.straggler_overrides(opts)
     if stragglers and max(stragglers) >= num_workers:

@@ -63,6 +63,7 @@ __all__ = [
     "bind_address",
     "check_port_free",
     "config_values",
+    "deprecated_flag",
     "envvar",
     "field_specs",
     "flatten_addresses",
@@ -71,6 +72,7 @@ __all__ = [
     "render_config",
     "server_config",
     "straggler_overrides",
+    "take_deprecated",
     "user_errors",
     "worker_config",
 ]
@@ -378,6 +380,41 @@ def apply_groups(command: str) -> Callable[[F], F]:
     return decorate
 
 
+def _deprecated_dest(old: str) -> str:
+    return "deprecated_" + old.lstrip("-").replace("-", "_")
+
+
+def deprecated_flag(old: str, new: str, **kwargs: Any) -> Callable[[F], F]:
+    """A hidden flag ``old`` kept for one release in place of ``new``: it warns once, on
+    stderr, naming ``new``; :func:`take_deprecated` moves its value onto ``new``. It has no
+    environment variable and no config-file key (``servers`` there means addresses)."""
+
+    def warn(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+        if value is not None:
+            click.echo(f"paramserver {ctx.command.name}: {old} is deprecated for this count; "
+                       f"use {new} (the same value). {old} works for this release only.",
+                       err=True)
+        return value
+
+    return click.option(old, _deprecated_dest(old), hidden=True, default=None, callback=warn,
+                        **kwargs)
+
+
+def take_deprecated(ctx: click.Context, opts: dict[str, Any], old: str, new: str) -> None:
+    """Give option ``new`` (its parameter name) the value of the deprecated flag ``old``
+    where that was given; both flags given, with different values, is a usage error."""
+    value = opts.pop(_deprecated_dest(old), None)
+    ctx.params.pop(_deprecated_dest(old), None)
+    if value is None:
+        return
+    flag = "--" + new.replace("_", "-")
+    if ctx.get_parameter_source(new) is ParameterSource.COMMANDLINE and opts[new] != value:
+        raise click.UsageError(f"{old} {value} and {flag} {opts[new]} disagree; give {flag} "
+                               "only")
+    opts[new] = ctx.params[new] = value
+    ctx.set_parameter_source(new, ParameterSource.COMMANDLINE)  # for --print-config
+
+
 # --------------------------------------------------------------------------- config files
 
 
@@ -523,7 +560,7 @@ def render_config(ctx: click.Context) -> str:
     tables: list[str] = []
     for param in ctx.command.params:
         if not isinstance(param, click.Option) or param.name in ("print_config", "help") \
-                or not param.expose_value or param.name is None:
+                or not param.expose_value or param.name is None or param.hidden:
             continue
         key = next(o for o in param.opts if o.startswith("--"))[2:]
         value = ctx.params.get(param.name)

@@ -65,7 +65,7 @@ class Opt:
 
     help: str = ""
     flag: str | None = None  # the long flag without "--" (default: the field name, "-" for "_")
-    aliases: tuple[str, ...] = ()  # more declarations, e.g. ("--servers", "-s")
+    aliases: tuple[str, ...] = ()  # more declarations, e.g. ("--workers", "-n")
     dest: str | None = None  # the click parameter name (default: the field name)
     metavar: str | None = None
     min: float | None = None

@@ -38,7 +38,7 @@ def _median(cell: str) -> float:
 def test_small_grid_end_to_end(tmp_path):
     out = tmp_path / "exp"
     args = ["--mode", "sync", "--mode", "ssp:1", "--seeds", "2", "--steps", "30",
-            "--workers", "2", "--servers", "1", "--scenario", "transient", "--eval-every", "3",
+            "--workers", "2", "--num-servers", "1", "--scenario", "transient", "--eval-every", "3",
             "--min-step-time", "0.01", "--target-loss", "2.25", "--out", str(out)]
     result = CliRunner().invoke(experiment, args)
     assert result.exit_code == 0, result.output

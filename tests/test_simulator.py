@@ -219,7 +219,7 @@ def test_simulate_command_writes_the_experiment_report(tmp_path):
     out = tmp_path / "exp"
     result = CliRunner().invoke(simulate, [
         "--mode", "async", "--mode", "ssp:1", "--policy", "gap-aware", "--workers", "6",
-        "--servers", "1", "--steps", "12", "--seeds", "2", "--scenario", "transient",
+        "--num-servers", "1", "--steps", "12", "--seeds", "2", "--scenario", "transient",
         "--eval-every", "4", "--out", str(out), "--quiet"])
     assert result.exit_code == 0, result.output
     assert "report:" in result.output

@@ -355,7 +355,7 @@ class RunPlan:
         return f"{self.config.scenario} · {self.config.label} · seed {self.seed}"
 
 
-_SPEC_KEYS = ("name", "task", "task_args", "steps", "batch_size", "seeds", "servers", "workers",
+_SPEC_KEYS = ("name", "task", "task_args", "steps", "batch_size", "seeds", "num_servers", "workers",
               "modes", "policies", "scenarios", "custom_scenarios", "optimizer",
               "optimizer_args", "target_loss", "eval_every", "min_step_time", "device",
               "run_timeout", "lr_scaling", "warmup_steps", "momentum_target",
@@ -417,7 +417,7 @@ class ExperimentSpec:
                 raise ConfigError(f"{mode}: backup workers must be fewer than the workers "
                                   f"({min(self.workers)})")
         _int(self.steps, "steps", 1)
-        _int(self.servers, "servers", 1)
+        _int(self.servers, "num_servers", 1)
         _int(self.eval_every, "eval_every", 1)
         if self.batch_size is not None:
             _int(self.batch_size, "batch_size", 1)
@@ -549,7 +549,7 @@ class ExperimentSpec:
         used = {k: v for k, v in self.custom_scenarios.items() if k in self.scenarios}
         data: dict[str, Any] = {
             "name": self.name, "task": self.task, "steps": self.steps,
-            "batch_size": self.batch_size, "seeds": list(self.seeds), "servers": self.servers,
+            "batch_size": self.batch_size, "seeds": list(self.seeds), "num_servers": self.servers,
             "workers": list(self.workers), "modes": [str(m) for m in self.modes],
             "policies": [p.to_toml() for p in self.policies], "scenarios": list(self.scenarios),
             "optimizer": self.optimizer, "target_loss": self.target_loss,
@@ -565,14 +565,37 @@ class ExperimentSpec:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ExperimentSpec:
+        data = _renamed_keys(data)
         unknown = set(data) - set(_SPEC_KEYS)
         if unknown:
             raise ConfigError(f"unknown experiment key(s) {sorted(unknown)}; "
                               f"allowed: {', '.join(_SPEC_KEYS)}")
+        values = dict(data)
+        if "num_servers" in values:  # the field keeps its old name in the Python API
+            values["servers"] = values.pop("num_servers")
         try:
-            return cls(**data)
+            return cls(**values)
         except TypeError as exc:
             raise ConfigError(f"invalid experiment spec: {exc}") from exc
+
+
+#: spec keys renamed (old -> new); the old name is read, with a warning, for one release
+RENAMED_KEYS = {"servers": "num_servers"}
+
+
+def _renamed_keys(data: Mapping[str, Any]) -> dict[str, Any]:
+    """``servers = 2`` -> ``num_servers = 2``, warning once per key; both is an error."""
+    out = dict(data)
+    for old, new in RENAMED_KEYS.items():
+        if old not in out:
+            continue
+        if new in out:
+            raise ConfigError(f"give the spec key {new!r}, not both {new!r} and {old!r} "
+                              f"(its old name)")
+        log.warning("spec key %r is deprecated (it is read for one more release); "
+                    "call it %r", old, new)
+        out[new] = out.pop(old)
+    return out
 
 
 def _scenario_table(s: Scenario) -> dict[str, Any]:
@@ -606,11 +629,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     # Goyal et al. 2017: sync is one step on an N-times larger batch; at the one-worker
     # lr it falls behind, with linear scaling and warmup it keeps up (gradients to target)
     "large-batch": {"name": "large-batch", "scenarios": ["persistent"], "steps": 150,
-                    "servers": 1, "modes": ["sync", "sync:lr=linear,warmup=10", "ssp:3",
+                    "num_servers": 1, "modes": ["sync", "sync:lr=linear,warmup=10", "ssp:3",
                                             "async"]},
     # Mitliagkas et al. 2016: asynchrony begets momentum; at 32 async workers plain momentum
     # 0.9 diverges, momentum compensated for the observed staleness does not
-    "momentum": {"name": "momentum", "scenarios": ["jitter"], "steps": 60, "servers": 1,
+    "momentum": {"name": "momentum", "scenarios": ["jitter"], "steps": 60, "num_servers": 1,
                  "workers": [1, 8, 32], "seeds": [0, 1], "eval_every": 5,
                  "optimizer_args": {"lr": 0.05},
                  "modes": ["async:momentum=0.9", "async:momentum=0.9,target=0.9",

@@ -78,7 +78,7 @@ class ClusterError(ParamServerError):
 class ClusterSpec:
     """A local run: templates for every server and worker, plus per-worker stragglers."""
 
-    num_servers: int = option(2, min=1, aliases=("--servers", "-s"), metavar="S",
+    num_servers: int = option(2, min=1, aliases=("-s",), metavar="S",
                               help="Server (shard) processes.")
     num_workers: int = option(2, min=1, aliases=("--workers", "-n"), metavar="N",
                               help="Worker processes.")

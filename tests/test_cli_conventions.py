@@ -1,0 +1,104 @@
+"""One meaning per flag name, and commands that treat alike what they share (issue 15,
+"CLI conventions"): --num-servers is the count everywhere (--servers, its old name for
+a count, warns once), the run folder rules of launch and experiment. Nothing is spawned."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import click
+import pytest
+from click.testing import CliRunner, Result
+
+from paramserver.cli import experiment as experiment_cli
+from paramserver.cli import simulate as simulate_cli
+from paramserver.cli.main import main
+from paramserver.errors import ConfigError
+from paramserver.workers.experiments.spec import ExperimentSpec, dump_spec, load_spec
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in list(os.environ):
+        if key.startswith("PARAMSERVER_"):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("PARAMSERVER_LOG_LEVEL", "WARNING")
+
+
+def invoke(*args: str) -> Result:
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+DEPRECATED = "--servers is deprecated for this count; use --num-servers"
+
+
+# --------------------------------------------------------------------------- --num-servers
+
+
+def test_launch_num_servers_and_its_old_name() -> None:
+    new = invoke("launch", "-s", "3", "-n", "2", "--print-config")
+    assert new.exit_code == 0, new.output
+    assert "num-servers = 3" in new.stdout and DEPRECATED not in new.stderr
+    old = invoke("launch", "--servers", "3", "-n", "2", "--print-config")
+    assert old.exit_code == 0, old.output
+    assert "num-servers = 3" in old.stdout
+    assert old.stderr.count(DEPRECATED) == 1  # once, on stderr, naming the new flag
+    assert DEPRECATED not in old.stdout
+    # the hidden old flag is not a key of the printed configuration
+    assert "\nservers" not in old.stdout
+
+
+def test_launch_old_and_new_count_disagree() -> None:
+    result = invoke("launch", "--servers", "3", "--num-servers", "2", "--print-config")
+    assert result.exit_code == 2
+    assert "Error: --servers 3 and --num-servers 2 disagree" in result.output
+    same = invoke("launch", "--servers", "2", "--num-servers", "2", "--print-config")
+    assert same.exit_code == 0, same.output
+
+
+def test_launch_servers_in_config_file_stay_addresses(tmp_path: Path) -> None:
+    """A shared file's top-level ``servers`` (the workers' addresses) is not a count."""
+    conf = tmp_path / "run.toml"
+    conf.write_text('servers = ["127.0.0.1:5600"]\nnum-servers = 3\n')
+    result = invoke("launch", "--config", str(conf), "--print-config")
+    assert result.exit_code == 0, result.output
+    assert "num-servers = 3" in result.stdout and DEPRECATED not in result.output
+
+
+@pytest.mark.parametrize("module", [experiment_cli, simulate_cli],
+                         ids=["experiment", "simulate"])
+@pytest.mark.parametrize("flag", ["--num-servers", "-s", "--servers"])
+def test_grid_num_servers(module: Any, flag: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[ExperimentSpec] = []
+
+    def fake_run_grid(console: Any, spec: ExperimentSpec, *args: Any) -> Any:
+        seen.append(spec)
+        raise click.exceptions.Exit(0)
+
+    monkeypatch.setattr(module, "run_grid", fake_run_grid)
+    result = invoke(module.__name__.rsplit(".", 1)[1], flag, "3", "--mode", "async")
+    assert result.exit_code == 0, result.output
+    assert seen[0].servers == 3
+    assert result.stderr.count(DEPRECATED) == (1 if flag == "--servers" else 0)
+
+
+def test_spec_key_num_servers_and_its_old_name(tmp_path: Path,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    new = tmp_path / "new.toml"
+    new.write_text("num_servers = 3\n")
+    assert load_spec(new).servers == 3
+    old = tmp_path / "old.toml"
+    old.write_text("servers = 3\n")
+    with caplog.at_level(logging.WARNING):
+        assert load_spec(old).servers == 3
+    assert "spec key 'servers' is deprecated" in caplog.text and "'num_servers'" in caplog.text
+    both = tmp_path / "both.toml"
+    both.write_text("servers = 3\nnum_servers = 2\n")
+    with pytest.raises(ConfigError, match="not both 'num_servers' and 'servers'"):
+        load_spec(both)
+    # a written spec uses the new name, and reads back equal
+    text = dump_spec(load_spec(new))
+    assert "num_servers = 3" in text and "\nservers" not in text
