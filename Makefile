@@ -32,7 +32,7 @@ lint: install
 	$(VENV)/bin/lint-imports
 
 demo: install
-	$(VENV)/bin/paramserver experiment --preset demo --out runs/demo
+	$(VENV)/bin/paramserver experiment --preset demo --out runs/demo --overwrite
 
 bench: install
 	$(VENV)/bin/paramserver bench --out runs/bench

@@ -13,7 +13,7 @@ from typing import Any
 import click
 from rich.console import Console
 
-from paramserver.cli.grid import build_spec, grid_options, run_grid, spec_from_flags
+from paramserver.cli.grid import build_spec, claim_grid_dir, grid_options, run_grid, spec_from_flags
 from paramserver.errors import ConfigError
 from paramserver.workers.experiments.runner import run_experiment
 
@@ -37,7 +37,7 @@ def experiment(assert_literature: bool, **flags: Any) -> None:
         spec = spec_from_flags(flags)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from exc
-    out = Path(flags["out_dir"]) if flags["out_dir"] else Path("runs") / spec.name
+    out = claim_grid_dir(flags, Path("runs") / spec.name)
     result = run_grid(console, spec, out, flags["quiet"], "runs",
                       lambda observer: run_experiment(spec, out, observer))
     files = result.report

@@ -13,6 +13,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from paramserver.cli import options as cli_options
+from paramserver.cli.outdir import EXPERIMENT_MARKERS, claim_out_dir
 from paramserver.cli.progress import step_progress
 from paramserver.errors import ConfigError, ParamServerError
 from paramserver.optim import parse_kwargs
@@ -29,8 +30,8 @@ from paramserver.workers.experiments.spec import (
 )
 from paramserver.workers.launch.cluster import Progress as ClusterProgress
 
-__all__ = ["RichObserver", "build_spec", "grid_options", "print_summary", "run_grid",
-           "spec_from_flags"]
+__all__ = ["RichObserver", "build_spec", "claim_grid_dir", "grid_options", "print_summary",
+           "run_grid", "spec_from_flags"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -103,6 +104,14 @@ def spec_from_flags(flags: dict[str, Any]) -> ExperimentSpec:
     })
 
 
+def claim_grid_dir(flags: dict[str, Any], default: Path) -> Path:
+    """The experiment folder (--out, else ``default``), made empty by the rule launch also
+    follows (cli/outdir.py)."""
+    out = Path(flags["out_dir"]) if flags["out_dir"] else default
+    return claim_out_dir(out, what="experiment", markers=EXPERIMENT_MARKERS,
+                         overwrite=flags["overwrite"])
+
+
 def _budgets(seconds: float | None, gradients: int | None) -> dict[str, Any]:
     """The budget flags; one given alone replaces the spec file's other budget (both
     given: the spec says that is one too many)."""
@@ -134,8 +143,7 @@ def grid_options(*, virtual: bool) -> Callable[[F], F]:
         click.option("--num-servers", "-s", "num_servers", type=click.IntRange(min=1),
                      metavar="S",
                      help="Number of shard servers (default 2)."),
-        cli_options.deprecated_flag("--servers", "--num-servers",
-                                    type=click.IntRange(min=1)),
+        cli_options.SERVERS_COUNT,
         click.option("--scenario", "scenarios", multiple=True, metavar="NAME",
                      help=f"Straggler scenario (repeatable): {', '.join(SCENARIOS)}, or one "
                           "defined in the --spec file. Default: transient."),
@@ -179,8 +187,9 @@ def grid_options(*, virtual: bool) -> Callable[[F], F]:
                      help="A named spec: demo (make demo), literature, scenarios, large-batch, "
                           "momentum."),
         click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
-                     help=f"Experiment directory (default {default_out}). An earlier "
-                          "experiment there is replaced."),
+                     help=f"Experiment directory (default {default_out}); must be new "
+                          "or empty unless --overwrite is given."),
+        cli_options.OVERWRITE,
         click.option("--quiet", is_flag=True, help="No progress bar and no summary table."),
     ]
 

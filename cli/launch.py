@@ -21,6 +21,7 @@ from paramserver.workers.launch.cluster import Progress as ClusterProgress
 from paramserver.workers.launch.processes import ProcessInfo, worker_summaries
 
 from . import options
+from .outdir import RUN_MARKERS, claim_out_dir
 from .watch import format_alarm
 
 __all__ = ["launch"]
@@ -165,7 +166,7 @@ def _process_line(info: ProcessInfo) -> str:
     return f"{info.name} pid {info.pid}"
 
 
-def _out_dir(value: str | None) -> Path:
+def _out_dir(value: str | None, overwrite: bool) -> Path:
     if not value:  # a new folder of its own, even for two launches in the same second
         stamp = Path("runs") / time.strftime("launch-%Y%m%d-%H%M%S")
         stamp.parent.mkdir(parents=True, exist_ok=True)
@@ -176,17 +177,15 @@ def _out_dir(value: str | None) -> Path:
                 return out
             except FileExistsError:
                 continue
-    out = Path(value or "runs/launch")
-    if (out / "result.json").exists() or (out / "events").exists():
-        raise click.BadParameter(f"{out} holds an earlier run; choose another directory or "
-                                 "delete it", param_hint="--out")
-    return out
+    return claim_out_dir(Path(value or "runs/launch"), what="run", markers=RUN_MARKERS,
+                         overwrite=overwrite)
 
 
 @click.command("launch", epilog=EPILOG,
                short_help="A whole cluster on this machine, start to finish.")
 @options.apply_groups("launch")
-@options.deprecated_flag("--servers", "--num-servers", type=click.IntRange(min=1))
+@options.SERVERS_COUNT
+@options.OVERWRITE
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, metavar="[-- COMMAND [ARGS]...]")
 @click.pass_context
 def launch(ctx: click.Context, **opts: Any) -> None:
@@ -226,7 +225,7 @@ def launch(ctx: click.Context, **opts: Any) -> None:
     if spec.metrics_port:  # the launcher's own port, then shard i's at PORT + 1 + i
         for port in range(spec.metrics_port, spec.metrics_port + num_servers + 1):
             options.check_port_free("--metrics-port", port)
-    out = _out_dir(opts["out"])
+    out = _out_dir(opts["out"], opts.pop("overwrite"))
     steps = None if command else spec.worker.steps
     console = Console(stderr=True)
     bar = step_progress(console, "loss {task.fields[loss]}", "{task.fields[rate]} updates/s",

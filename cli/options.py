@@ -31,11 +31,10 @@ import dataclasses
 import difflib
 import errno
 import ipaddress
-import re
 import socket
 import tomllib
 import typing
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -54,9 +53,13 @@ from paramserver.workers.stragglers import StragglerSpec
 from paramserver.workers.tasks import check_task_args, resolve_task
 from paramserver.workers.worker import WorkerConfig
 
+from .paramtypes import AddressList, KeyValue, flatten_addresses
+
 __all__ = [
     "COMMAND_GROUPS",
     "ENV_PREFIX",
+    "OVERWRITE",
+    "SERVERS_COUNT",
     "AddressList",
     "KeyValue",
     "apply_groups",
@@ -89,81 +92,6 @@ def envvar(flag: str) -> str:
 
 def _field(cls: type, name: str) -> dataclasses.Field[Any]:
     return next(f for f in dataclasses.fields(cls) if f.name == name)
-
-
-# --------------------------------------------------------------------------- value types
-
-
-class KeyValue(click.ParamType):
-    """``KEY=VALUE`` -> ``(key, value)``, the value typed by the library's parser.
-
-    With ``table`` a config file may give a TOML table instead; its pairs pass
-    through with their TOML types. Without, it gives a list of strings.
-    """
-
-    name = "KEY=VALUE"
-
-    def __init__(self, parse: Callable[[list[str]], Mapping[str, Any]],
-                 table: bool = True) -> None:
-        self.parse = parse
-        self.table = table
-
-    def render(self, pairs: Iterable[tuple[str, Any]]) -> Any:
-        """The TOML form of the option's value (what --print-config shows)."""
-        if self.table:
-            return dict(pairs)
-        return [f"{k}={v}" for k, v in pairs]
-
-    def convert(self, value: Any, param: click.Parameter | None,
-                ctx: click.Context | None) -> Any:
-        if isinstance(value, tuple) and len(value) == 2:
-            return value
-        if not isinstance(value, str):
-            self.fail(f"{value!r} is not KEY=VALUE", param, ctx)
-        try:
-            parsed = self.parse([value])
-        except ConfigError as exc:
-            self.fail(str(exc), param, ctx)
-        if len(parsed) != 1:
-            self.fail(f"{value!r} is not KEY=VALUE", param, ctx)
-        return next(iter(parsed.items()))
-
-
-_ADDRESS = re.compile(r"^(?:tcp://)?(\[[0-9a-fA-F:]+\]|[^\s:/\[\]]+):(\d{1,5})$")
-
-
-class Address(click.ParamType):
-    """``HOST:PORT`` or ``tcp://HOST:PORT`` -> ``tcp://HOST:PORT``."""
-
-    name = "HOST:PORT"
-
-    def convert(self, value: Any, param: click.Parameter | None,
-                ctx: click.Context | None) -> Any:
-        text = str(value).strip()
-        m = _ADDRESS.match(text)
-        if m is None or not 1 <= int(m.group(2)) <= 65535:
-            self.fail(f"{text!r} is not an address like HOST:PORT or tcp://HOST:PORT, e.g. "
-                      "tcp://127.0.0.1:5600; ports are 1..65535", param, ctx)
-        return f"tcp://{m.group(1)}:{int(m.group(2))}"
-
-
-class AddressList(Address):
-    """One or more comma-separated addresses -> a tuple of ``tcp://HOST:PORT``."""
-
-    name = "HOST:PORT[,...]"
-
-    def convert(self, value: Any, param: click.Parameter | None,
-                ctx: click.Context | None) -> Any:
-        if isinstance(value, tuple):
-            return value
-        parts = [p for p in str(value).replace(",", " ").split() if p]
-        if not parts:
-            self.fail("give at least one server address", param, ctx)
-        return tuple(super(AddressList, self).convert(p, param, ctx) for p in parts)
-
-
-def flatten_addresses(value: Iterable[tuple[str, ...]]) -> list[str]:
-    return [addr for group in value for addr in group]
 
 
 # --------------------------------------------------------------------------- option groups
@@ -415,6 +343,19 @@ def take_deprecated(ctx: click.Context, opts: dict[str, Any], old: str, new: str
     ctx.set_parameter_source(new, ParameterSource.COMMANDLINE)  # for --print-config
 
 
+#: ``launch``, ``experiment``, ``simulate``: the old name of --num-servers, for one release
+SERVERS_COUNT = deprecated_flag("--servers", "--num-servers", type=click.IntRange(min=1))
+
+#: ``launch``, ``experiment``, ``simulate``: a flag only, with no environment variable and
+#: no config-file key, so that deleting files is asked for each time (cli/outdir.py)
+OVERWRITE = click.option(
+    "--overwrite", is_flag=True, default=False,
+    help="Delete what --out holds first (an earlier or failed run or experiment, or other "
+         "files); without it a non-empty --out is refused.")
+#: options of the command line only: --print-config leaves them out
+_COMMAND_LINE_ONLY = ("print_config", "help", "overwrite")
+
+
 # --------------------------------------------------------------------------- config files
 
 
@@ -559,7 +500,7 @@ def render_config(ctx: click.Context) -> str:
              "# precedence: flags > PARAMSERVER_<OPTION> > --config file > defaults"]
     tables: list[str] = []
     for param in ctx.command.params:
-        if not isinstance(param, click.Option) or param.name in ("print_config", "help") \
+        if not isinstance(param, click.Option) or param.name in _COMMAND_LINE_ONLY \
                 or not param.expose_value or param.name is None or param.hidden:
             continue
         key = next(o for o in param.opts if o.startswith("--"))[2:]

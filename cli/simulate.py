@@ -15,7 +15,7 @@ from typing import Any
 import click
 from rich.console import Console
 
-from paramserver.cli.grid import grid_options, run_grid, spec_from_flags
+from paramserver.cli.grid import claim_grid_dir, grid_options, run_grid, spec_from_flags
 from paramserver.errors import ConfigError
 from paramserver.workers.experiments.runner import simulate_experiment
 from paramserver.workers.launch.virtual import SimSpec
@@ -44,7 +44,7 @@ def simulate(compute_time: float, latency: float, **flags: Any) -> None:
         sim = SimSpec(compute_time=compute_time, latency=latency)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from exc
-    out = Path(flags["out_dir"]) if flags["out_dir"] else Path("runs") / f"{spec.name}-sim"
+    out = claim_grid_dir(flags, Path("runs") / f"{spec.name}-sim")
     result = run_grid(console, spec, out, flags["quiet"], "simulated runs",
                       lambda observer: simulate_experiment(spec, out, sim, observer))
     files = result.report

@@ -102,3 +102,100 @@ def test_spec_key_num_servers_and_its_old_name(tmp_path: Path,
     # a written spec uses the new name, and reads back equal
     text = dump_spec(load_spec(new))
     assert "num_servers = 3" in text and "\nservers" not in text
+
+
+# --------------------------------------------------------------------------- --out, --overwrite
+
+
+def one_line_error(result: Result) -> str:
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("Error")]
+    assert len(errors) == 1, result.output
+    return errors[0]
+
+
+@pytest.fixture
+def started(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Path, list[str]]]:
+    """Stands in for whatever would start processes: records the folder it was given,
+    with what it held then, and stops the command there."""
+    seen: list[tuple[str, Path, list[str]]] = []
+
+    def record(what: str, out: Path) -> None:
+        seen.append((what, out, sorted(p.name for p in out.iterdir())))
+        raise click.exceptions.Exit(0)
+
+    monkeypatch.setattr("paramserver.cli.launch.run_cluster",
+                        lambda spec, out, **kw: record("launch", out))
+    for module in (experiment_cli, simulate_cli):
+        monkeypatch.setattr(module, "run_grid",
+                            lambda console, spec, out, *a, **kw: record("grid", out))
+    return seen
+
+
+COMMANDS = {
+    "launch": (["launch", "-n", "1", "-s", "1"], "run", "logs"),
+    "experiment": (["experiment", "--mode", "async"], "experiment", "experiment.json"),
+    "simulate": (["simulate", "--mode", "async"], "experiment", "spec.toml"),
+}
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_out_rules_alike(command: str, tmp_path: Path,
+                         started: list[tuple[str, Path, list[str]]]) -> None:
+    args, what, marker = COMMANDS[command]
+    # a new folder and an empty one are used
+    for out in (tmp_path / "new", tmp_path / "empty"):
+        if out.name == "empty":
+            out.mkdir()
+        assert invoke(*args, "--out", str(out)).exit_code == 0
+        assert started.pop()[1:] == (out, [])
+    # a folder that holds something else is refused, and left alone
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    error = one_line_error(invoke(*args, "--out", str(foreign)))
+    assert f"{foreign} is not empty and holds no {what}; give --overwrite" in error
+    assert (foreign / "notes.txt").read_text() == "mine" and not started
+    # an earlier (here: failed, half-written) run or experiment is refused too
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    if "." in marker:
+        (earlier / marker).write_text("{}")
+    else:
+        (earlier / marker).mkdir()
+    (earlier / "result-of-sorts.txt").write_text("old")
+    error = one_line_error(invoke(*args, "--out", str(earlier)))
+    assert f"{earlier} holds an earlier {what}; give --overwrite" in error
+    # --overwrite clears either, and only what is inside
+    for out in (earlier, foreign):
+        result = invoke(*args, "--out", str(out), "--overwrite")
+        assert result.exit_code == 0, result.output
+        assert started.pop()[1:] == (out, [])
+
+
+def test_overwrite_never_deletes_outside(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                         started: list[tuple[str, Path, list[str]]]) -> None:
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    (keep / "precious.txt").write_text("x")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "link-to-keep").symlink_to(keep)  # a link inside: removed, its target kept
+    (out / "logs").mkdir()
+    assert invoke("launch", "--out", str(out), "--overwrite").exit_code == 0
+    assert started.pop()[2] == [] and (keep / "precious.txt").exists()
+    # a link as --out, the working directory and a folder above it are never cleared
+    link = tmp_path / "link"
+    link.symlink_to(keep)
+    error = one_line_error(invoke("launch", "--out", str(link), "--overwrite"))
+    assert "will not clear it: it is a symbolic link" in error
+    work = keep / "sub"
+    work.mkdir()
+    (work / "script.py").write_text("")
+    monkeypatch.chdir(work)
+    for target in (".", str(keep)):
+        error = one_line_error(invoke("experiment", "--out", target, "--overwrite"))
+        assert "the working directory or a folder above it" in error
+    assert (keep / "precious.txt").exists() and (work / "script.py").exists()
+    assert not started
