@@ -31,7 +31,23 @@ def _csv_ints(text: str | None) -> tuple[int, ...] | None:
     return values
 
 
-@click.command("bench")
+EPILOG = """\b
+Examples:
+  # a smoke run of every part (a minute or two)
+  paramserver bench --quick --out runs/bench-quick
+\b
+  # only the push + pull sweep, this project against torch RPC, two payloads
+  paramserver bench --part sweep --system ps --system rpc --size 1MiB --size 64MiB \\
+      --workers 1,4 --shards 1,2
+\b
+  # the same with gradients sent as bfloat16
+  paramserver bench --part sweep --system ps --wire-dtype bfloat16 --quick
+\b
+See docs/performance.md for what each part measures and the goals it checks.
+"""
+
+
+@click.command("bench", epilog=EPILOG)
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path),
               default=Path("runs/bench"), show_default=True,
               help="Directory for result.json and the processes' logs.")

@@ -52,12 +52,32 @@ def _clocks(workers: dict[str, dict[str, Any]]) -> str:
     return text or "-"
 
 
-@click.group()
+EPILOG = """\b
+Examples:
+  # a run that checkpoints every 50 versions
+  paramserver launch -s 2 -n 3 --checkpoint-dir runs/ckpt --checkpoint-every 50
+\b
+  # what is there, and whether the shards form a whole model
+  paramserver checkpoint inspect runs/ckpt
+\b
+  # one state_dict file of the latest complete checkpoint
+  paramserver checkpoint export runs/ckpt model.safetensors
+\b
+  # go on training from it
+  paramserver launch -s 2 -n 3 --resume runs/ckpt --steps 100
+"""
+
+
+@click.group(epilog=EPILOG)
 def checkpoint() -> None:
     """Look into checkpoints and turn them into a model file."""
 
 
-@checkpoint.command()
+@checkpoint.command(epilog="""\b
+Examples:
+  paramserver checkpoint inspect runs/ckpt
+  paramserver checkpoint inspect runs/ckpt --json
+""")
 @click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def inspect(directory: Path, as_json: bool) -> None:
@@ -91,7 +111,13 @@ def inspect(directory: Path, as_json: bool) -> None:
         console.print(f"[red]incomplete[/]: {'; '.join(why)}", highlight=False)
 
 
-@checkpoint.command()
+@checkpoint.command(epilog="""\b
+Examples:
+  paramserver checkpoint export runs/ckpt model.safetensors
+\b
+Then, in Python:
+  model.load_state_dict(safetensors.torch.load_file("model.safetensors"))
+""")
 @click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
 @click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
 def export(directory: Path, out: Path) -> None:

@@ -32,6 +32,8 @@ from .worker import fail, summary
 __all__ = ["run"]
 
 EPILOG = """\b
+Examples:
+\b
 torchrun, one node, 2 servers + 2 workers:
   torchrun --nnodes 1 --nproc-per-node 4 -m paramserver.cli run --num-servers 2 \\
       --mode sync --steps 150

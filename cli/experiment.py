@@ -20,7 +20,29 @@ from paramserver.workers.experiments.runner import run_experiment
 __all__ = ["build_spec", "experiment"]
 
 
-@click.command("experiment")
+EPILOG = """\b
+Examples:
+  # the demo: sync, async and ssp:3 with 4 workers, 3 seeds (what `make demo` runs)
+  paramserver experiment --preset demo --out runs/demo
+\b
+  # your own grid: three modes, two worker counts, a straggler scenario, 2 seeds
+  paramserver experiment --mode sync --mode async --mode ssp:3 --workers 2 --workers 4 \\
+      --num-servers 1 --scenario persistent --seeds 2 --steps 200 --out runs/grid
+\b
+  # a spec file, one key overridden; run again into the same folder
+  paramserver experiment --spec grid.toml --steps 50 --overwrite
+\b
+  # check the published claims (Ho et al. 2013, Cui et al. 2014)
+  paramserver experiment --preset literature --assert-literature
+\b
+Writes OUT/report.md and OUT/report.html (tables and plots), OUT/spec.toml (the
+resolved spec: --spec OUT/spec.toml reruns it), and every run's logs under
+OUT/runs/. Exit codes: 0 done, 1 --assert-literature failed, 2 bad options or
+a run failed. See docs/experiments.md.
+"""
+
+
+@click.command("experiment", epilog=EPILOG)
 @grid_options(virtual=False)
 @click.option("--assert-literature", is_flag=True,
               help="Exit with status 1 unless the results agree with Ho et al. 2013 and "

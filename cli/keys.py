@@ -21,12 +21,32 @@ __all__ = ["keys"]
 log = logging.getLogger(__name__)
 
 
-@click.group()
+EPILOG = """\b
+Examples:
+  # a server pair, two workers' pairs and an admin pair
+  paramserver keys generate keys --client worker0 --client worker1 --admin ops
+\b
+  # then: servers require CURVE and admit only those clients
+  paramserver server --curve-secret-key keys/server.key_secret \\
+      --curve-clients-dir keys/authorized_clients --admin-key keys/ops.key
+  paramserver worker --servers 127.0.0.1:5600 --curve-key keys/worker0.key_secret \\
+      --curve-server-key keys/server.key
+\b
+See docs/reliability.md (security) for what each key allows.
+"""
+
+
+@click.group(epilog=EPILOG)
 def keys() -> None:
     """CURVE keys: encryption and authentication between workers and servers."""
 
 
-@keys.command()
+@keys.command(epilog="""\b
+Examples:
+  paramserver keys generate keys
+  paramserver keys generate keys --client worker0 --client worker1 --admin ops
+  paramserver keys generate keys --client worker2 --force
+""")
 @click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--client", "clients", multiple=True, metavar="NAME",
               help="Name of a client key pair to make (repeatable; default: one named 'client').")

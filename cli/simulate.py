@@ -23,7 +23,25 @@ from paramserver.workers.launch.virtual import SimSpec
 __all__ = ["simulate"]
 
 
-@click.command("simulate")
+EPILOG = """\b
+Examples:
+  # async with 64 virtual workers against 8, in seconds instead of hours
+  paramserver simulate --mode async --mode ssp:3 --workers 8 --workers 64 --steps 30 \\
+      --seeds 2 --out runs/async-sim
+\b
+  # a policy of your own at scale, against none
+  paramserver simulate --mode async --workers 32 --policy none \\
+      --policy mypkg.policies:Linear:horizon=4 --steps 30
+\b
+  # a preset, with 2 ms of virtual latency per message
+  paramserver simulate --preset large-batch --latency 0.002 --overwrite
+\b
+Takes every flag of `paramserver experiment` and writes the same report, with
+times in virtual seconds. See docs/research.md.
+"""
+
+
+@click.command("simulate", epilog=EPILOG)
 @grid_options(virtual=True)
 @click.option("--compute-time", type=click.FloatRange(min=0), default=0.01, show_default=True,
               help="Virtual seconds of a step's bare compute; the scenario's stragglers "
