@@ -15,6 +15,7 @@ from rich.table import Table
 from paramserver.cli import options as cli_options
 from paramserver.cli.outdir import EXPERIMENT_MARKERS, claim_out_dir
 from paramserver.cli.progress import step_progress
+from paramserver.cli.tables import keep_figures
 from paramserver.errors import ConfigError, ParamServerError
 from paramserver.optim import parse_kwargs
 from paramserver.stepsize import LR_SCALINGS
@@ -209,7 +210,7 @@ def print_summary(console: Console, files: ReportFiles) -> None:
             table.add_column(name, justify="left" if i == 0 else "right", no_wrap=i == 0)
         for row in rows:
             table.add_row(*row)
-        console.print(table)
+        console.print(keep_figures(table, console))
     for claim in files.claims:
         color = {"pass": "green", "fail": "red"}.get(claim.status, "yellow")
         console.print(f"[{color}]{claim.status.upper()}[/{color}] {claim.claim}")

@@ -16,6 +16,7 @@ from paramserver.errors import RemoteError, RequestTimeoutError, TransportError
 from paramserver.workers.client import server_stats
 
 from . import options
+from .tables import keep_figures
 from .watch import health_table, worker_table
 
 __all__ = ["status"]
@@ -77,7 +78,9 @@ def collect(addresses: list[str], timeout: float) -> tuple[list[dict[str, Any] |
 
 
 def render(addresses: list[str], rows: list[dict[str, Any] | None],
-           problems: list[str]) -> Group:
+           problems: list[str], console: Console) -> Group:
+    """The shards' table, then per shard and per worker figures: fitted to ``console``,
+    never cutting an address or a figure."""
     table = Table(title=f"{len(addresses)} shard(s), {time.strftime('%H:%M:%S')}")
     numeric = ("shard", "version", "applied", "rejected", "max staleness", "waiting", "alarms")
     for column in ("shard", "address", "mode", "policy", "version", "workers (clock)",
@@ -100,7 +103,8 @@ def render(addresses: list[str], rows: list[dict[str, Any] | None],
                       str(observed.get("alarm_count", "-")))
     answered = [row for row in rows if row is not None]
     figures = [health_table(answered), worker_table(answered)] if answered else []
-    return Group(table, *figures, *(Text(n) for n in notes),
+    return Group(*(keep_figures(t, console, whole=("address", "host:pid"))
+                   for t in (table, *figures)), *(Text(n) for n in notes),
                  *(Text(p, style="red") for p in problems))
 
 
@@ -125,12 +129,13 @@ def status(servers: tuple[tuple[str, ...], ...], timeout: float, as_json: bool, 
     if not console.is_terminal:  # a pipe or a file: no need to squeeze into 80 columns
         console = Console(width=200)
     if watch:
-        with Live(render(addresses, *collect(addresses, timeout)), console=console,
+        with Live(render(addresses, *collect(addresses, timeout), console), console=console,
                   auto_refresh=False) as live:
             try:
                 while True:
                     time.sleep(interval)
-                    live.update(render(addresses, *collect(addresses, timeout)), refresh=True)
+                    live.update(render(addresses, *collect(addresses, timeout), console),
+                                refresh=True)
             except KeyboardInterrupt:
                 return
     rows, problems = collect(addresses, timeout)
@@ -138,6 +143,6 @@ def status(servers: tuple[tuple[str, ...], ...], timeout: float, as_json: bool, 
         click.echo(json.dumps([r if r is not None else {"address": a, "error": "no reply"}
                                for r, a in zip(rows, addresses, strict=True)], indent=2))
     else:
-        console.print(render(addresses, rows, [] if problems else problems))
+        console.print(render(addresses, rows, [] if problems else problems, console))
     if problems:
         raise click.ClickException("; ".join(problems))

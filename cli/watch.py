@@ -16,6 +16,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from .tables import keep_figures
+
 __all__ = ["format_alarm", "health_table", "render_status", "watch_status", "worker_table"]
 
 
@@ -124,12 +126,15 @@ def format_alarm(alarm: Mapping[str, Any]) -> Text:
 
 
 def render_status(stats: Sequence[Mapping[str, Any]], *, alarms: int = 5,
-                  title: str = "") -> Group:
-    """Shards, workers and the latest alarms of a run, from each shard's STATS reply."""
+                  title: str = "", console: Console | None = None) -> Group:
+    """Shards, workers and the latest alarms of a run, from each shard's STATS reply;
+    with ``console``, tables fitted to its width without cutting a figure."""
     parts: list[Any] = []
     if title:
         parts.append(Text(title, style="bold"))
-    parts += [health_table(stats), worker_table(stats)]
+    tables = [health_table(stats), worker_table(stats)]
+    parts += [keep_figures(t, console, whole=("host:pid",)) for t in tables] if console \
+        else tables
     recent = [a for s in stats for a in s.get("observed", {}).get("alarms", [])]
     if recent:
         parts.append(Text("latest alarms", style="bold"))
@@ -149,8 +154,8 @@ def watch_status(fetch: Callable[[], list[dict[str, Any]]], *, interval: float =
                 stamp = time.strftime("%H:%M:%S")
                 try:
                     stats = fetch()
-                    live.update(render_status(stats, title=f"paramserver status  {stamp}"),
-                                refresh=True)
+                    live.update(render_status(stats, title=f"paramserver status  {stamp}",
+                                              console=console), refresh=True)
                 except Exception as exc:  # a shard down must not end the view
                     live.update(Text(f"{stamp}  cannot reach the servers: {exc}", style="red"),
                                 refresh=True)
