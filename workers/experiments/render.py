@@ -13,6 +13,7 @@ import html
 import json
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +25,8 @@ from matplotlib.ticker import FuncFormatter, MaxNLocator
 if TYPE_CHECKING:
     from paramserver.workers.experiments.report import ClaimCheck, ConfigSummary, Stat
 
-__all__ = ["TABLE_COLUMNS", "render_report", "summary_rows", "table_rows"]
+__all__ = ["MODE_STYLES", "TABLE_COLUMNS", "LossFrame", "loss_figure", "loss_frame", "mode_style",
+           "render_report", "summary_rows", "table_rows"]
 
 #: ("h1"|"h2"|"h3"|"p"|"ul"|"code", text) | ("table", head, rows) | ("img", path, alt)
 Block = tuple[Any, ...]
@@ -146,33 +148,93 @@ def _colors(summaries: Sequence[ConfigSummary]) -> dict[str, Any]:
     return {label: cmap(i % 10) for i, label in enumerate(labels)}
 
 
+#: line style and marker of each mode on the loss plot: curves that coincide (sync and
+#: async against updates applied) stay told apart
+MODE_STYLES: dict[str, tuple[str, str]] = {"sync": ("-", "o"), "async": ("--", "s"),
+                                           "ssp": ("-.", "^")}
+#: the target line is drawn (and the y-range stretched to it) only within this factor of
+#: the runs' losses; further off it would squeeze every curve into a sliver
+TARGET_NEAR = 1.5
+
+
+def mode_style(mode: str) -> tuple[str, str]:
+    """(line style, marker) of a mode; one not listed gets a dotted line and diamonds."""
+    return MODE_STYLES.get(mode, (":", "D"))
+
+
+@dataclass(frozen=True)
+class LossFrame:
+    """What the loss plot shows around its curves, decided from their values alone."""
+
+    ylim: tuple[float, float]
+    show_target: bool
+    title: str
+
+
+def loss_frame(scenario: str, values: Sequence[float], target: float,
+               seeds: int) -> LossFrame:
+    """The y-range from the plotted losses ``values`` (medians and min-max bands), the
+    target line only where it is near them, and a title that mentions the shaded band
+    only when there is one (two seeds or more) and says where an unshown target is."""
+    finite = [v for v in values if v > 0 and math.isfinite(v)]
+    lo, hi = (min(finite), max(finite)) if finite else (target, target)
+    show = lo / TARGET_NEAR <= target <= hi * TARGET_NEAR
+    if show:
+        lo, hi = min(lo, target), max(hi, target)
+    pad = 1.5 if hi <= lo * 1.01 else 1.08  # a flat curve still gets a visible range
+    title = (f"Scenario '{scenario}': median over {seeds} seeds, shaded band = min-max"
+             if seeds >= 2 else f"Scenario '{scenario}': one seed")
+    if not show:
+        where = (f"below every run's loss (lowest {lo:.3g})" if target < lo
+                 else f"above every run's loss (highest {hi:.3g})")
+        title += f"; target loss {target:g} not drawn: {where}"
+    return LossFrame((lo / pad, hi * pad), show, title)
+
+
 def plot_loss(scenario: str, group: Sequence[ConfigSummary], colors: dict[str, Any],
               target: float, path: Path) -> Path:
+    return _save(loss_figure(scenario, group, colors, target), path)
+
+
+def loss_figure(scenario: str, group: Sequence[ConfigSummary], colors: dict[str, Any],
+                target: float) -> Figure:
+    """Held-out loss against time and against updates applied: a median line per
+    configuration (its mode's style), a min-max band where it has two seeds or more."""
     fig = Figure(figsize=(12.5, 4.8), layout="constrained")
     axes = fig.subplots(1, 2, sharey=True)
+    plotted: list[float] = []
+    seeds = max((sum(1 for r in s.runs if r.curve) for s in group), default=0)
     for ax, index, xlabel, title in (
         (axes[0], 0, "wall-clock time since training started (s)", "against wall-clock time"),
         (axes[1], 1, "updates applied (optimizer steps on the servers)", "against updates applied"),
     ):
-        for s in group:
+        for n, s in enumerate(group):
             band = _band([[(p[index], p[2]) for p in r.curve] for r in s.runs])
             if band is None:
                 continue
             x, med, lo, hi = band
-            ax.plot(x, med, color=colors[s.label], lw=1.8, label=f"{s.label} (median)")
-            ax.fill_between(x, lo, hi, color=colors[s.label], alpha=0.18, lw=0)
-        ax.axhline(target, color="0.3", ls="--", lw=1, label=f"target loss {target:g}")
-        ax.set_yscale("log")
-        ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
-        ax.yaxis.set_minor_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+            line, marker = mode_style(str(s.config.get("mode", "")))
+            ax.plot(x, med, color=colors[s.label], lw=1.8, ls=line, marker=marker,
+                    markersize=4, markevery=(2 * n % 16, 16),
+                    label=f"{s.label} (median)" if seeds >= 2 else s.label)
+            if sum(1 for r in s.runs if r.curve) >= 2:
+                ax.fill_between(x, lo, hi, color=colors[s.label], alpha=0.18, lw=0)
+            plotted += [*lo.tolist(), *hi.tolist()]
         ax.set_xlabel(xlabel)
         ax.set_title(f"Held-out loss {title}")
+    frame = loss_frame(scenario, plotted, target, seeds)
+    for ax in axes:
+        if frame.show_target:
+            ax.axhline(target, color="0.3", ls=":", lw=1, label=f"target loss {target:g}")
+        ax.set_yscale("log")
+        ax.set_ylim(*frame.ylim)
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+        ax.yaxis.set_minor_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize="small")
     axes[0].set_ylabel("held-out loss (log scale)")
-    seeds = max((len(s.runs) for s in group), default=0)
-    fig.suptitle(f"Scenario '{scenario}': median over {seeds} seed(s), shaded band = min-max")
-    return _save(fig, path)
+    fig.suptitle(frame.title)
+    return fig
 
 
 def plot_staleness(scenario: str, group: Sequence[ConfigSummary], colors: dict[str, Any],
