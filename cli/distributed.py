@@ -28,6 +28,7 @@ from paramserver.workers.launch.rendezvous import (
 from . import options
 from .server import ready_printer
 from .worker import fail, summary
+from .workercount import check_job_workers
 
 __all__ = ["run"]
 
@@ -92,6 +93,9 @@ def run(ctx: click.Context, **opts: Any) -> None:
         env = launch_env(launcher=opts["launcher"], store_host=opts["store_host"],
                          store_port=opts["store_port"])
         role = assign_role(env.rank, env.world_size, opts["num_servers"])
+    check_job_workers(ctx, role.num_workers,
+                      f"{role.num_workers} worker ranks in this job ({env.world_size} ranks - "
+                      f"--num-servers {opts['num_servers']})")
     click.echo(f"paramserver run: rank {env.rank} of {env.world_size} ({env.launcher}) is "
                f"{role.describe()}; rendezvous at {env.store}", err=True)
     if role.kind == "server":

@@ -23,6 +23,7 @@ from paramserver.workers.launch.processes import ProcessInfo, worker_summaries
 from . import options
 from .outdir import RUN_MARKERS, claim_out_dir
 from .watch import format_alarm
+from .workercount import agree_worker_count
 
 __all__ = ["launch"]
 
@@ -198,7 +199,8 @@ def launch(ctx: click.Context, **opts: Any) -> None:
     """
     command = list(opts.pop("command") or ()) or None
     options.take_deprecated(ctx, opts, "--servers", "num_servers")
-    num_servers, num_workers = opts["num_servers"], opts["num_workers"]
+    num_servers = opts["num_servers"]
+    num_workers = agree_worker_count(ctx, opts, "num_workers")
     stragglers = options.straggler_overrides(opts)
     if stragglers and max(stragglers) >= num_workers:
         raise click.BadParameter(f"worker {max(stragglers)} does not exist: ranks are 0 .. "

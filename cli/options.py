@@ -54,6 +54,7 @@ from paramserver.workers.tasks import check_task_args, resolve_task
 from paramserver.workers.worker import WorkerConfig
 
 from .paramtypes import AddressList, KeyValue, flatten_addresses
+from .workercount import file_worker_counts
 
 __all__ = [
     "COMMAND_GROUPS",
@@ -375,6 +376,7 @@ def _aliases(command: str) -> dict[str, str]:
 def _toml_defaults(ctx: click.Context, command: str, data: Mapping[str, Any],
                    source: str) -> dict[str, Any]:
     """The file's values for ``command``, converted and checked, keyed by parameter name."""
+    file_worker_counts(ctx, data, source)  # any table's: they must agree (workercount.py)
     mine = _aliases(command)
     every = {k for cmd in COMMAND_GROUPS for k in _aliases(cmd)}
     merged: dict[str, tuple[str, Any]] = {}

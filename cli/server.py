@@ -11,6 +11,7 @@ from paramserver.errors import TransportError
 from paramserver.server import ServerConfig, announce_ready, run_server
 
 from . import options
+from .workercount import agree_worker_count
 
 __all__ = ["server"]
 
@@ -64,6 +65,7 @@ def server(ctx: click.Context, **opts: Any) -> None:
     Start one per shard (--shard 0 .. --num-shards - 1); every worker talks to
     all of them. It binds 127.0.0.1 unless --host says otherwise.
     """
+    agree_worker_count(ctx, opts, "expected_workers")
     config = options.server_config(opts)
     options.maybe_print_config(ctx, opts)
     options.check_port_free("--metrics-port", config.metrics_port,

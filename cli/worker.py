@@ -10,6 +10,7 @@ from paramserver.errors import ConfigError, RemoteError, RequestTimeoutError, Tr
 from paramserver.workers.worker import run_worker, worker_title
 
 from . import options
+from .workercount import agree_worker_count
 
 __all__ = ["worker"]
 
@@ -68,6 +69,7 @@ def worker(ctx: click.Context, **opts: Any) -> None:
     share --world-size and have distinct --rank values, which pick their part
     of the data.
     """
+    agree_worker_count(ctx, opts, "world_size")
     config = options.worker_config(ctx, opts)
     options.maybe_print_config(ctx, opts)
     length = f"{config.steps} steps" if config.steps else (

@@ -199,3 +199,80 @@ def test_overwrite_never_deletes_outside(tmp_path: Path, monkeypatch: pytest.Mon
         assert "the working directory or a folder above it" in error
     assert (keep / "precious.txt").exists() and (work / "script.py").exists()
     assert not started
+
+
+# --------------------------------------------------------------------------- the number of workers
+
+
+def config(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def resolved(result: Result, key: str) -> str:
+    assert result.exit_code == 0, result.output
+    return next(line for line in result.stdout.splitlines() if line.startswith(f"{key} ="))
+
+
+@pytest.mark.parametrize(("command", "key", "text"), [
+    ("launch", "num-workers", "[server]\nexpected-workers = 3\n"),
+    ("launch", "num-workers", "[worker]\nworld-size = 3\n"),
+    ("server", "expected-workers", "world-size = 3\n"),
+    ("server", "expected-workers", "[worker]\nworld-size = 3\n"),
+    ("worker", "world-size", "[server]\nexpected-workers = 3\n"),
+    ("worker", "world-size", "[launch]\nnum-workers = 3\n"),
+])
+def test_worker_count_defaults_from_its_other_names(command: str, key: str, text: str,
+                                                    tmp_path: Path) -> None:
+    extra = ["--servers", "127.0.0.1:5600"] if command == "worker" else []
+    result = invoke(command, *extra, "--config", config(tmp_path, text), "--print-config")
+    assert " ".join(resolved(result, key).split()[:3]) == f"{key} = 3"
+
+
+@pytest.mark.parametrize(("command", "args", "text", "message"), [
+    ("launch", [], "[server]\nexpected-workers = 3\n[worker]\nworld-size = 4\n",
+     "expected-workers = 3 in {f} [server]; world-size = 4 in {f} [worker]"),
+    ("launch", ["-n", "2"], "[server]\nexpected-workers = 3\n",
+     "--num-workers 2; expected-workers = 3 in {f} [server]"),
+    ("server", ["--expected-workers", "2"], "world-size = 5\n",
+     "--expected-workers 2; world-size = 5 in {f}"),
+    ("worker", ["--servers", "127.0.0.1:5600", "--world-size", "2"],
+     "[server]\nexpected-workers = 3\n", "--world-size 2; expected-workers = 3 in {f} [server]"),
+])
+def test_worker_count_mismatch_is_one_usage_error(command: str, args: list[str], text: str,
+                                                  message: str, tmp_path: Path) -> None:
+    path = config(tmp_path, text)
+    error = one_line_error(invoke(command, *args, "--config", path))
+    assert f"Error: the number of workers is given differently: {message.format(f=path)}. " \
+           "--world-size, --expected-workers and --num-workers are one number" in error
+
+
+def test_worker_count_same_name_follows_precedence(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file's num-workers yields to -n as every option's file value yields to its flag."""
+    path = config(tmp_path, "num-workers = 3\n")
+    assert resolved(invoke("launch", "--config", path, "-n", "2", "--print-config"),
+                    "num-workers").split()[2] == "2"
+    monkeypatch.setenv("PARAMSERVER_EXPECTED_WORKERS", "2")
+    error = one_line_error(invoke("server", "--config", config(tmp_path, "world-size = 5\n")))
+    assert "PARAMSERVER_EXPECTED_WORKERS=2; world-size = 5 in" in error
+
+
+def test_worker_count_not_a_count(tmp_path: Path) -> None:
+    error = one_line_error(invoke("launch", "--config", config(tmp_path, "[worker]\n"
+                                                                         "world-size = 0\n")))
+    assert "world-size = 0 is not a number of workers" in error
+
+
+def test_run_checks_the_job_against_the_file(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun's 4 ranks with 2 servers are 2 workers; the file says 3: refused before
+    any rendezvous (no store is listening at MASTER_PORT)."""
+    for key, value in {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(key, value)
+    path = config(tmp_path, "[worker]\nworld-size = 3\n")
+    error = one_line_error(invoke("run", "--num-servers", "2", "--config", path))
+    assert (f"world-size = 3 in {path} [worker]; 2 worker ranks in this job (4 ranks - "
+            "--num-servers 2)") in error

@@ -178,6 +178,6 @@ def test_launches_without_out_in_the_same_second_get_folders_of_their_own(tmp_pa
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr("time.strftime", lambda fmt, *a: "launch-20260101-000000")
-    first, second = _out_dir(None), _out_dir(None)
+    first, second = _out_dir(None, False), _out_dir(None, False)
     assert first != second and first.is_dir() and second.is_dir()
     assert second.name == "launch-20260101-000000-2"
