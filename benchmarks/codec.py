@@ -56,9 +56,13 @@ def _messages() -> dict[str, Message]:
 HEADERS: tuple[str, ...] = tuple(_messages())
 
 
-def msgspec_decoder() -> Callable[[Sequence[Any]], tuple[Message, Any]]:
-    """A decoder of the same frames through msgspec structs; returns the Message the
-    server would get and the typed header. Raises ImportError without msgspec."""
+_Decode = Callable[[Sequence[Any]], tuple[Message, Any]]
+
+
+def msgspec_decoder() -> tuple[_Decode, _Decode]:
+    """Decoders of the same frames through msgspec structs: the first returns the
+    Message the server would get (and the typed header), the second the typed header
+    alone. Raises ImportError without msgspec."""
     import msgspec
     from msgspec import Meta, Struct
 
@@ -126,7 +130,7 @@ def msgspec_decoder() -> Callable[[Sequence[Any]], tuple[Message, Any]]:
         t: list[Desc] = []
 
     dec = msgspec.msgpack.Decoder(PushHeader | PullHeader | ReplyHeader)
-    ops = {PushHeader: Op.PUSH, PullHeader: Op.PULL, ReplyHeader: Op.REPLY}
+    ops: dict[Any, Op] = {PushHeader: Op.PUSH, PullHeader: Op.PULL, ReplyHeader: Op.REPLY}
     to_builtins = msgspec.to_builtins
 
     def decode_msgspec(frames: Sequence[Any]) -> tuple[Message, Any]:
@@ -150,8 +154,7 @@ def msgspec_decoder() -> Callable[[Sequence[Any]], tuple[Message, Any]]:
         head = dec.decode(frames[0])
         return Message(ops[type(head)], head.seq), head
 
-    decode_msgspec.struct_only = struct_only  # type: ignore[attr-defined]
-    return decode_msgspec
+    return decode_msgspec, struct_only
 
 
 def _time(fn: Callable[[], Any], number: int, repeats: int) -> list[float]:
@@ -166,8 +169,7 @@ def _time(fn: Callable[[], Any], number: int, repeats: int) -> list[float]:
 
 def measure(number: int = 2000, repeats: int = 15) -> list[dict[str, Any]]:
     """Per header: microseconds per decode, median [min-max] over interleaved repeats."""
-    new = msgspec_decoder()
-    struct_only = new.struct_only  # type: ignore[attr-defined]
+    new, struct_only = msgspec_decoder()
     rows = []
     for name, msg in _messages().items():
         frames = [bytes(f) for f in encode(msg)]
