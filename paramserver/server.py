@@ -259,12 +259,19 @@ class ShardServer:
             self.outbox.send(identity, answer)
         if self.core is not None:
             self._answer_pulls(time.monotonic())
-        if self._after_reply:
+        if self._after_reply or (self.core is not None and self.core.probe.pending):
             self._run_after_reply()
 
     def _run_after_reply(self) -> None:
-        """The deferred observation of pushes just answered; an alarm it raises acts
-        now, before the next message is handled."""
+        """The deferred observation of pushes just answered (the core's measurements
+        first, then what reads them); an alarm it raises acts now, before the next
+        message is handled."""
+        if self.core is not None and self.core.probe.pending:
+            try:
+                self.core.probe.flush()
+            except Exception:  # observation must not take the server down
+                self.counters["error_internal"] += 1
+                log.exception("measuring a push failed")
         work, self._after_reply = self._after_reply, []
         for fn in work:
             try:
@@ -291,6 +298,7 @@ class ShardServer:
         cosine = cfg.enabled and "gradient_disagrees" not in cfg.disable
         self.core.observe(self.observer.on_core, cosine_decay=0.97 if cosine else None,
                           every=cfg.observe_every)
+        self.core.probe.defer = True  # measured after the reply: see _run_after_reply
 
     def _act_on_alarms(self) -> None:
         """Carry out --on-divergence for alarms raised while handling a message."""

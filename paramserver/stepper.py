@@ -102,7 +102,7 @@ class Stepper:
         measure = probe.step_begins(self.optimizer)
         applied_lr = float(groups[0]["lr"])
         dense = [grads[k] for k in params]
-        if (self.fused and is_plain_sgd(self.optimizer)
+        if (dense and self.fused and is_plain_sgd(self.optimizer)
                 and all(g.layout is torch.strided for g in dense)):
             with torch.no_grad():
                 torch._foreach_add_(list(params.values()), dense, alpha=-applied_lr)
