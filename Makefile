@@ -12,7 +12,7 @@ help:
 	@echo "make demo    compare sync / async / ssp on digits-mlp (about 2 min on 2 cores)"
 	@echo "make test    run the test suite"
 	@echo "make lint    ruff + mypy + import-linter (the layers import one way)"
-	@echo "make bench   side-by-side benchmarks (raw zmq, torch RPC, gloo)"
+	@echo "make bench   side-by-side benchmarks (raw zmq, torch RPC, gloo, Ray)"
 	@echo "make install create $(VENV) with everything installed"
 
 install: $(STAMP)
@@ -34,7 +34,9 @@ lint: install
 demo: install
 	$(VENV)/bin/paramserver experiment --preset demo --out runs/demo --overwrite
 
+# Ray, a peer in the benchmarks, is an extra: make test does not need it
 bench: install
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[bench]"
 	$(VENV)/bin/paramserver bench --out runs/bench
 
 clean:

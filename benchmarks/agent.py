@@ -32,6 +32,10 @@ OPS: dict[str, str] = {
     "ps_async": "paramserver.benchmarks.ps:async_run",
     "overlap": "paramserver.benchmarks.overlap:run",
     "rss": "paramserver.benchmarks.agent:report_rss",
+    "ray_serve": "paramserver.benchmarks.rayps:serve",
+    "ray_version": "paramserver.benchmarks.rayps:version",
+    "ray_stop": "paramserver.benchmarks.rayps:stop",
+    "ray_async": "paramserver.benchmarks.rayps:async_run",
 }
 
 #: system name -> "module:Class" of its session: Class(args), .measure(numel, iters)
@@ -41,6 +45,7 @@ SESSIONS: dict[str, str] = {
     "ps": "paramserver.benchmarks.ps:PSSession",
     "rpc": "paramserver.benchmarks.rpc:RPCSession",
     "gloo": "paramserver.benchmarks.gloo:GlooSession",
+    "ray": "paramserver.benchmarks.rayps:RaySession",
 }
 _open: dict[str, Any] = {}
 

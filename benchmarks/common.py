@@ -37,6 +37,7 @@ __all__ = [
     "Stats",
     "close_all",
     "cpu_seconds",
+    "descendants",
     "format_size",
     "free_port",
     "parse_size",
@@ -166,6 +167,26 @@ def cpu_seconds(pids: Sequence[int]) -> float:
             continue
         total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15 of stat)
     return total / tick
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every live process below it (a Ray head's own processes, say)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    out, frontier = [], [pid]
+    while frontier:
+        p = frontier.pop()
+        out.append(p)
+        frontier += children.get(p, [])
+    return out
 
 
 def _status_kib(field: str) -> int:

@@ -5,6 +5,8 @@
   workers pushing + pulling as fast as they can, for 1, 2, 4 shards. Counted
   on the servers (their versions), in a window that starts after every
   worker is running.
+* :func:`run_async_ray`: the same for Ray's actor parameter server (one actor,
+  a step per push), counted on the actor.
 * :func:`run_memory`: peak RSS of one sync shard with N workers, above the
   RSS it had when it started listening (interpreter, torch, zmq), against its
   weights + optimizer state + one aggregation buffer.
@@ -21,9 +23,9 @@ from typing import Any
 
 from paramserver.workers.client import server_stats, shutdown_servers
 
-from .common import Agent, close_all, cpu_seconds
+from .common import Agent, close_all, cpu_seconds, descendants
 
-__all__ = ["run_async", "run_memory", "run_overlap"]
+__all__ = ["run_async", "run_async_ray", "run_memory", "run_overlap"]
 
 _TIMEOUT = 600.0
 
@@ -79,6 +81,7 @@ def run_async(workers: int = 4, shards: tuple[int, ...] = (1, 2, 4), nbytes: int
             shard_rate = (v1 - v0) / (t1 - t0)
             out.append({
                 "workers": workers, "shards": s, "bytes": nbytes, "tensors": pieces,
+                "system": "ps",
                 # a model update = one push applied on every shard
                 "model_updates_per_s": shard_rate / s,
                 "shard_updates_per_s": shard_rate,
@@ -93,6 +96,44 @@ def run_async(workers: int = 4, shards: tuple[int, ...] = (1, 2, 4), nbytes: int
             close_all(agents)
             shutil.rmtree(stop.parent, ignore_errors=True)
     return out
+
+
+def run_async_ray(workers: int = 4, nbytes: int = 4096, pieces: int = 8,
+                  seconds: float = 3.0, lr: float = 1e-3, log_dir: Path | None = None
+                  ) -> dict[str, Any]:
+    """Model updates/s of Ray's actor parameter server, as :func:`run_async` counts them."""
+    head = Agent("async-ray-head", log_dir)
+    agents = [head]
+    stop = Path(tempfile.mkdtemp(prefix="ps-bench-")) / "stop"
+    try:
+        address = head.call("ray_serve", _TIMEOUT, workers=1, lr=lr)["address"]
+        ws = [Agent(f"async-ray-worker{r}", log_dir) for r in range(workers)]
+        agents += ws
+        for a in ws:
+            a.send("ray_async", address=address, numel=nbytes // 4, pieces=pieces, warmup=20,
+                   stop_file=str(stop))
+        for a in ws:
+            a.read(_TIMEOUT)
+        time.sleep(0.5)
+        pids = [a.pid for a in ws] + descendants(head.pid)  # with Ray's own processes
+        v0 = head.call("ray_version", _TIMEOUT)["version"]
+        c0, t0 = cpu_seconds(pids), time.perf_counter()
+        time.sleep(seconds)
+        v1 = head.call("ray_version", _TIMEOUT)["version"]
+        c1, t1 = cpu_seconds(pids), time.perf_counter()
+        stop.touch()
+        results = [a.read(_TIMEOUT) for a in ws]
+        head.call("ray_stop", _TIMEOUT)
+        return {"workers": workers, "shards": None, "bytes": nbytes, "tensors": pieces,
+                "system": "ray", "model_updates_per_s": (v1 - v0) / (t1 - t0),
+                "shard_updates_per_s": (v1 - v0) / (t1 - t0),
+                "cpu_s_per_model_update": (c1 - c0) / max(1, v1 - v0),
+                "worker_pushes_per_s": [r["pushes"] / r["seconds"] for r in results],
+                "window_s": t1 - t0}
+    finally:
+        stop.touch()
+        close_all(agents)
+        shutil.rmtree(stop.parent, ignore_errors=True)
 
 
 def run_memory(workers: tuple[int, ...] = (1, 2, 4), nbytes: int = 64 << 20, rounds: int = 4,

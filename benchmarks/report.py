@@ -57,6 +57,14 @@ def evaluate_goals(result: dict[str, Any]) -> list[dict[str, Any]]:
     add("100 MiB, 1 worker, 1 shard: push+pull vs torch RPC", vs_rpc, ">= 1.5x",
         None if vs_rpc is None else vs_rpc >= 1.5,
         "ratio of the two ratios to their paired raw loops")
+    ray = _find(rows, system="ray", workers=1, bytes=_MIB100)
+    vs_ray = None
+    if ps and ray and ray.get("shards") is None and ray.get("ratio_to_limit"):
+        # project time / Ray time, each paired with the raw loop of the same cell
+        vs_ray = ray["ratio_to_limit"]["median"] / ps["ratio_to_limit"]["median"]
+    add("100 MiB, 1 worker, 1 shard: push+pull time vs Ray actor PS", vs_ray, "<= 0.8x",
+        None if vs_ray is None else vs_ray <= 0.8,
+        "project time / Ray time, through their paired raw ratios")
     ps22 = _find(rows, system="ps", workers=2, shards=2, bytes=_MIB100)
     gloo = _find(rows, system="gloo", workers=2, bytes=_MIB100)
     vs_gloo = None
@@ -69,10 +77,18 @@ def evaluate_goals(result: dict[str, Any]) -> list[dict[str, Any]]:
     lat = 1.0 / ps1k["ratio_to_limit"]["median"] if ps1k else None
     add("1 KiB round trip vs raw pyzmq", lat, "<= 1.5x", None if lat is None else lat <= 1.5,
         f"{ps1k['round_s']['median'] * 1e6:.0f} us" if ps1k else "")
-    asy = [a for a in result.get("async", []) if a["shards"] == 1]
-    rate = asy[0]["model_updates_per_s"] if asy else None
+    asy = {a["shards"]: a for a in result.get("async", []) if a.get("system", "ps") == "ps"}
+    rate = asy[1]["model_updates_per_s"] if 1 in asy else None
     add("async updates/s, 4 workers, 4 KiB model, 1 shard", rate, ">= 5000",
         None if rate is None else rate >= 5000)
+    rate4 = asy[4]["model_updates_per_s"] if 4 in asy else None
+    add("async updates/s, 4 workers, 4 KiB model, 4 shards", rate4, ">= 2500",
+        None if rate4 is None else rate4 >= 2500)
+    ray_async = _find(result.get("async", []), system="ray")
+    vs_ray_async = (rate / ray_async["model_updates_per_s"]
+                    if rate is not None and ray_async else None)
+    add("async updates/s, 1 shard vs Ray actor PS", vs_ray_async, ">= 4x",
+        None if vs_ray_async is None else vs_ray_async >= 4)
     mem = result.get("memory", [])
     worst = max((m["peak_over_base"] / m["expected_bytes"] for m in mem), default=None)
     add("sync shard peak RSS vs weights + optimizer state + aggregation buffer", worst,
@@ -104,11 +120,12 @@ def print_report(result: dict[str, Any], console: Console | None = None) -> None
         console.print(_sweep_table(result["sweep"]))
     if result.get("async"):
         t = Table(title="async: updates applied per second")
-        for col in ("workers", "shards", "model", "model updates/s", "shard updates/s",
-                    "CPU ms/update"):
+        for col in ("system", "workers", "shards", "model", "model updates/s",
+                    "shard updates/s", "CPU ms/update"):
             t.add_column(col, justify="right")
         for a in result["async"]:
-            t.add_row(str(a["workers"]), str(a["shards"]),
+            t.add_row(a.get("system", "ps"), str(a["workers"]),
+                      "-" if a["shards"] is None else str(a["shards"]),
                       f"{format_size(a['bytes'])} in {a['tensors']} tensors",
                       f"{a['model_updates_per_s']:.0f}", f"{a['shard_updates_per_s']:.0f}",
                       f"{a['cpu_s_per_model_update'] * 1e3:.2f}")

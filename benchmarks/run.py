@@ -6,7 +6,8 @@
 * default (about 8 minutes on 2 idle cores): payloads 1 KiB, 64 KiB, 1 MiB,
   16 MiB and 100 MiB with 1 worker and 1 shard; 16 MiB on the rest of the 3 x 3
   grid of 1, 2, 4 workers and shards; 100 MiB also at 2 workers x 2 shards;
-  async throughput, shard memory, overlap.
+  async throughput, shard memory, overlap. Ray's actor parameter server is
+  in the sweep and the async part when Ray is installed (the bench extra).
 * ``quick``: a smoke run (about a minute): two small cells, no extra variants,
   async with 2 workers on 2 shards, memory with 2 workers on 4 MiB, a tiny overlap.
 * ``full``: every payload on every grid point.
@@ -29,11 +30,13 @@ from rich.console import Console
 from paramserver.errors import ConfigError
 
 from .common import format_size
-from .extras import run_async, run_memory, run_overlap
+from .extras import run_async, run_async_ray, run_memory, run_overlap
+from .rayps import available as ray_available
 from .report import evaluate_goals, print_report
 from .suite import SYSTEMS, Cell, PSVariant, SweepConfig, run_sweep
 
-__all__ = ["PARTS", "PRESETS", "BenchOptions", "cells_for", "run_benchmarks"]
+__all__ = ["PARTS", "PRESETS", "BenchOptions", "cells_for", "default_systems",
+           "run_benchmarks"]
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +54,7 @@ class BenchOptions:
     out: Path = Path("runs/bench")
     preset: str = "default"
     parts: tuple[str, ...] = PARTS
-    systems: tuple[str, ...] = SYSTEMS
+    systems: tuple[str, ...] = field(default_factory=lambda: default_systems())
     sizes: list[int] | None = None  # overrides the preset's payloads (every grid point)
     workers: tuple[int, ...] | None = None
     shards: tuple[int, ...] | None = None
@@ -70,8 +73,16 @@ class BenchOptions:
         bad = set(self.systems) - set(SYSTEMS)
         if bad or "raw" not in self.systems:
             raise ConfigError(f"systems must include raw, among {', '.join(SYSTEMS)}")
+        if "ray" in self.systems and not ray_available():
+            raise ConfigError("the ray system needs Ray: pip install 'paramserver[bench]' "
+                              "(make bench installs it)")
         if self.malloc not in ("tuned", "default"):
             raise ConfigError(f"malloc must be tuned or default; got {self.malloc!r}")
+
+
+def default_systems() -> tuple[str, ...]:
+    """Every system, Ray only when it is installed (an optional extra)."""
+    return tuple(s for s in SYSTEMS if s != "ray" or ray_available())
 
 
 def cells_for(opts: BenchOptions) -> list[Cell]:
@@ -156,6 +167,9 @@ def run_benchmarks(opts: BenchOptions, console: Console | None = None) -> dict[s
         result["async"] = run_async(workers=2 if quick else 4,
                                     shards=(2,) if quick else (1, 2, 4),
                                     seconds=0.5 if quick else 3.0, log_dir=logs)
+        if "ray" in opts.systems:
+            result["async"].append(run_async_ray(workers=2 if quick else 4,
+                                                 seconds=0.5 if quick else 3.0, log_dir=logs))
     if "memory" in opts.parts:
         console.print("shard memory ...")
         result["memory"] = run_memory(workers=(2,) if quick else (1, 2, 4),

@@ -1,4 +1,4 @@
-"""The side-by-side sweep: raw ZeroMQ (the limit), this project, torch RPC, gloo.
+"""The side-by-side sweep: raw ZeroMQ (the limit), this project, torch RPC, gloo, Ray.
 
 For every cell (workers N, shards S, payload P) the systems compared are alive
 at the same time and their repeats are interleaved (raw, ps, gloo, then again
@@ -9,7 +9,9 @@ all_reduce of P bytes plus the optimizer step); GB/s counts the 2 x P x N
 bytes of a round. torch RPC and gloo do not shard: they are measured once per
 (N, P), with the first S that has P. TensorPipe polls while idle (about a
 fifth of a core per process here), so torch RPC runs in a phase of its own,
-interleaved with a raw loop of its own.
+interleaved with a raw loop of its own. Ray's actor parameter server is measured
+like gloo, beside raw and this project, once per (N, P); its cluster (a head
+agent and the actor) lives for a whole N.
 
 Processes are agents (:mod:`paramserver.benchmarks.agent`) kept for a whole (N, S) group:
 a shard server agent runs a fresh ShardServer per payload.
@@ -17,23 +19,35 @@ a shard server agent runs a fresh ShardServer per payload.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from paramserver.errors import RequestTimeoutError
 from paramserver.sharding import ShardPlan
 from paramserver.workers.client import shutdown_servers
 
 from . import raw
-from .common import Agent, Stats, close_all, cpu_seconds, free_port
+from .common import (
+    Agent,
+    AgentError,
+    Stats,
+    close_all,
+    cpu_seconds,
+    descendants,
+    free_port,
+)
 
 __all__ = ["SYSTEMS", "Cell", "PSVariant", "SweepConfig", "run_sweep"]
 
 log = logging.getLogger(__name__)
 
-SYSTEMS: tuple[str, ...] = ("raw", "ps", "rpc", "gloo")
+SYSTEMS: tuple[str, ...] = ("raw", "ps", "rpc", "gloo", "ray")
+#: systems that do not shard: one row per (workers, payload)
+UNSHARDED = ("rpc", "gloo", "ray")
 _TIMEOUT = 600.0
 
 
@@ -138,7 +152,7 @@ def _record(cell: Cell, system: str, rounds: list[float], limit: list[float] | N
     moved = 2 * cell.nbytes * cell.workers
     rec: dict[str, Any] = {
         # torch RPC has one server and gloo none: no shards to speak of
-        "workers": cell.workers, "shards": None if system in ("rpc", "gloo") else cell.shards,
+        "workers": cell.workers, "shards": None if system in UNSHARDED else cell.shards,
         "bytes": cell.nbytes, "system": system,
         "round_s": Stats.of(rounds).to_dict(),
         "gbps": Stats.of([moved / t / 1e9 for t in rounds]).to_dict(),
@@ -235,10 +249,30 @@ def _open_world(kind: str, n: int, sizes: list[int], cfg: SweepConfig
     return _System(kind, measured, kind, members=agents), agents
 
 
+def _open_ray(n: int, cfg: SweepConfig) -> tuple[_System, list[Agent]]:
+    """A Ray head agent with the actor, and N worker agents connected to it."""
+    head = Agent(f"ray-head-n{n}", cfg.log_dir)
+    agents = [head]
+    try:
+        address = head.call("ray_serve", _TIMEOUT, workers=n, lr=cfg.lr)["address"]
+        agents += [Agent(f"ray-worker{r}-n{n}", cfg.log_dir) for r in range(n)]
+        system = _System("ray", agents[1:], "ray", members=agents[1:], servers=[head])
+        system.open([{"address": address}] * n)
+        # the CPU of a round includes Ray's own processes: raylet, GCS, the actor's worker
+        system.pids = [a.pid for a in agents[1:]] + descendants(head.pid)
+    except BaseException:
+        close_all(agents)
+        raise
+    return system, agents
+
+
 def _close_world(world: _System, agents: list[Agent]) -> None:
     try:
         world.close()
     finally:
+        if world.name == "ray":  # the head stops its cluster before it exits (not killed)
+            with contextlib.suppress(AgentError, RequestTimeoutError):
+                agents[0].call("ray_stop", 60.0)
         close_all(agents)
 
 
@@ -258,21 +292,25 @@ def run_sweep(cfg: SweepConfig, on_row: Callable[[dict[str, Any]], None] | None 
 
     for n, by_shards in _groups(cfg.cells).items():
         # gloo with one process reduces nothing: it is compared from two workers on
-        gloo = _open_world("gloo", n, [], cfg) if "gloo" in cfg.systems and n > 1 else None
+        worlds: list[tuple[_System, list[Agent]]] = []
         try:
+            if "gloo" in cfg.systems and n > 1:
+                worlds.append(_open_world("gloo", n, [], cfg))
+            if "ray" in cfg.systems:
+                worlds.append(_open_ray(n, cfg))
             seen: set[int] = set()
             for s, sizes in by_shards.items():
                 group = _Group(n, s, cfg, with_ps="ps" in cfg.systems)
                 try:
                     for nbytes in sizes:
-                        peers = [gloo[0]] if gloo is not None and nbytes not in seen else []
+                        peers = [w[0] for w in worlds] if nbytes not in seen else []
                         seen.add(nbytes)
                         emit(group.cell(nbytes, peers))
                 finally:
                     group.close()
         finally:
-            if gloo is not None:
-                _close_world(*gloo)
+            for world in worlds:
+                _close_world(*world)
         if "rpc" in cfg.systems:
             first = {b: s for s, sizes in reversed(by_shards.items()) for b in sizes}
             rpc = _open_world("rpc", n, sorted(first), cfg)

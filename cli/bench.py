@@ -1,4 +1,5 @@
-"""``paramserver bench``: side-by-side benchmarks (raw ZeroMQ, this project, torch RPC, gloo).
+"""``paramserver bench``: side-by-side benchmarks (raw ZeroMQ, this project, torch RPC, gloo,
+Ray's actor parameter server).
 
 Only argument handling lives here; the work is done by :mod:`paramserver.benchmarks.run`.
 """
@@ -58,8 +59,10 @@ See docs/performance.md for what each part measures and the goals it checks.
               type=click.Choice(["sweep", "async", "memory", "overlap"]),
               help="Run only these parts (repeatable; default: all).")
 @click.option("--system", "systems", multiple=True,
-              type=click.Choice(["raw", "ps", "rpc", "gloo"]),
-              help="Systems in the sweep (repeatable; raw, the limit, is always in).")
+              type=click.Choice(["raw", "ps", "rpc", "gloo", "ray"]),
+              help="Systems in the sweep (repeatable; raw, the limit, is always in). ray "
+                   "(also measured in the async part) needs the bench extra: "
+                   "pip install 'paramserver[bench]'; by default it is in when installed.")
 @click.option("--size", "sizes", multiple=True, metavar="SIZE",
               help="Payloads instead of the preset's, e.g. --size 1KiB --size 100MiB "
                    "(measured on every workers x shards point).")
@@ -79,12 +82,12 @@ def bench(out: Path, quick: bool, full: bool, parts: tuple[str, ...],
           shards: str | None, repeats: int | None, wire_dtype: str, no_lean: bool,
           malloc: str) -> None:
     """Measure push + pull against a raw pyzmq loop (the limit), torch.distributed.rpc used
-    as a parameter server and gloo all_reduce, in one run on the same payloads; then async
+    as a parameter server, gloo all_reduce and Ray's actor parameter server, in one run on
+    the same payloads; then async
     throughput, shard memory and overlap of communication with backward. Writes
     OUT/result.json and prints the tables and the goals."""
     from paramserver.benchmarks.common import parse_size
-    from paramserver.benchmarks.run import PARTS, BenchOptions, run_benchmarks
-    from paramserver.benchmarks.suite import SYSTEMS
+    from paramserver.benchmarks.run import PARTS, BenchOptions, default_systems, run_benchmarks
 
     if quick and full:
         raise click.UsageError("--quick and --full exclude each other")
@@ -92,7 +95,7 @@ def bench(out: Path, quick: bool, full: bool, parts: tuple[str, ...],
         opts = BenchOptions(
             out=out, preset="quick" if quick else "full" if full else "default",
             parts=parts or PARTS,
-            systems=tuple(dict.fromkeys(("raw", *systems))) if systems else SYSTEMS,
+            systems=tuple(dict.fromkeys(("raw", *systems))) if systems else default_systems(),
             sizes=[parse_size(s) for s in sizes] or None,
             workers=_csv_ints(workers), shards=_csv_ints(shards), repeats=repeats,
             wire_dtype=None if wire_dtype == "none" else wire_dtype, lean=not no_lean,

@@ -24,7 +24,7 @@ import zmq
 
 from .core import ShardCore
 from .observe import ShardObserver
-from .protocol import Message, Op
+from .protocol import Message, Op, PreparedTensors, usable
 from .transport import RouterSocket
 
 __all__ = ["Outbox"]
@@ -43,10 +43,20 @@ class Outbox:
         # worker -> (token, push outcome) of its parked PUSH-with-pull; one per worker,
         # as the core keeps one parked pull per worker
         self.push_pulls: dict[int, tuple[Hashable, dict[str, Any]]] = {}
+        # the weights' descriptors and frames, made once for every pull reply
+        self._weights: PreparedTensors | None = None
 
-    def send(self, identity: bytes, msg: Message) -> None:
+    def _prepared(self, core: ShardCore) -> PreparedTensors | None:
+        prepared = self._weights
+        if prepared is None or not prepared.matches(core.params):
+            prepared = self._weights = (PreparedTensors(core.params) if usable(core.params)
+                                        else None)
+        return prepared
+
+    def send(self, identity: bytes, msg: Message,
+             prepared: PreparedTensors | None = None) -> None:
         if msg.tensors:
-            tracker = self.socket.send(identity, msg, track=True)
+            tracker = self.socket.send(identity, msg, track=True, prepared=prepared)
             if tracker is not None and not tracker.done:
                 self.inflight.append((tracker, identity, msg.seq))
         else:
@@ -110,7 +120,7 @@ class Outbox:
                 del self.push_pulls[ready.worker]
                 fields.update(re=Op.PUSH.value, push=combined[1])
             msg = Message(Op.REPLY, seq, fields, core.params)
-            self.send(identity, msg)
+            self.send(identity, msg, self._prepared(core))
             if ready.token in self.observer_pulls:
                 self.observer_pulls.discard(ready.token)
             else:

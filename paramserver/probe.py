@@ -122,6 +122,7 @@ class _StepMeasure:
 
     plain_sgd: bool
     grad_sq: float
+    push: PushMeasure | None = None  # the step's gradient is this measured push's
 
 
 class Probe:
@@ -142,8 +143,14 @@ class Probe:
         self._grad_ema: torch.Tensor | None = None  # the running mean, sampled and flat
         self._ema_sq = 0.0  # |running mean|^2, kept by recurrence (saves a pass per push)
         self._ema_at: dict[str, tuple[int, int]] = {}  # key -> (offset, size) in the mean
-        # (gradients, their norm) of the push just measured, for the step it causes
-        self._measured: tuple[Mapping[str, torch.Tensor], float] | None = None
+        # (gradients, their measure) of the push just measured, for the step it causes
+        self._measured: tuple[Mapping[str, torch.Tensor], PushMeasure] | None = None
+        # deferred (a server sets it): measurements are queued in order and run by
+        # flush() once the reply is out, off the round trip's critical path; what
+        # must be taken before the weights change (their copy) is still taken at once
+        self.defer = False
+        self._queue: list[Callable[[], None]] = []
+        self._step_queued = False  # a step's measurement waits: the next step flushes first
         self._before: dict[str, torch.Tensor] = {}
         self._numel = sum(p.numel() for p in params.values())
         self.stride = sample_stride(self._numel)
@@ -178,8 +185,31 @@ class Probe:
         self._measure_step = self._observed % self._every == 0
         return PushMeasure() if self._measure_step else None
 
+    @property
+    def pending(self) -> bool:
+        """Deferred measurements wait for :meth:`flush`."""
+        return bool(self._queue)
+
+    def flush(self) -> None:
+        """Run the deferred measurements, in the order they were taken (reports to the
+        observer included). Before the weights next change: a server calls it after
+        each message it handled."""
+        queue, self._queue = self._queue, []
+        self._step_queued = False
+        for fn in queue:
+            fn()
+
     def measure(self, m: PushMeasure, grads: Mapping[str, torch.Tensor],
                 norm: float | None) -> None:
+        """Add one part of a push (or a whole push) to its statistics ``m`` (now, or
+        at :meth:`flush` when deferred)."""
+        if self.defer:
+            self._queue.append(lambda: self._measure(m, grads, norm))
+        else:
+            self._measure(m, grads, norm)
+
+    def _measure(self, m: PushMeasure, grads: Mapping[str, torch.Tensor],
+                 norm: float | None) -> None:
         """Add one part of a push (or a whole push) to its statistics ``m``.
 
         The running mean is updated key by key as the part is measured: each
@@ -225,7 +255,14 @@ class Probe:
         the step it causes may take as its gradient (its norm is known then)."""
         assert self.observer is not None
         if grads is not None:
-            self._measured = (grads, math.sqrt(m.exact_sq))
+            self._measured = (grads, m)
+        if self.defer:
+            self._queue.append(lambda: self._report_push(worker, m))
+        else:
+            self._report_push(worker, m)
+
+    def _report_push(self, worker: int, m: PushMeasure) -> None:
+        assert self.observer is not None
         self.observer(self._grad_stats(worker, m))
 
     def push_done(self) -> None:
@@ -250,6 +287,8 @@ class Probe:
     def step_begins(self, optimizer: torch.optim.Optimizer) -> _StepMeasure | None:
         """Before ``optimizer`` steps (gradients set, learning rates weighted): what
         measuring the step needs from before it, or None when it is not measured."""
+        if self._step_queued:  # an earlier step's weights are about to change: measure them
+            self.flush()
         groups = optimizer.param_groups
         measure = self.observer is not None and (
             self._measure_step or self._sync or self._every == 1)
@@ -261,11 +300,12 @@ class Probe:
         stride = self.stride
         scale = self._numel / self._sampled_numel if stride > 1 else 1.0
         grad_sq = 0.0
+        push: PushMeasure | None = None
         if measure and plain_sgd:
             measured = self._measured
             if measured is not None and all(p.grad is measured[0].get(k)
                                             for k, p in self.params.items()):
-                grad_sq = measured[1] ** 2  # the pushed gradient itself, measured already
+                push = measured[1]  # the pushed gradient itself, measured (or queued)
             else:
                 grad_sq = scale * sum(l2(sample(p.grad, stride)) ** 2
                                       for p in self.params.values() if p.grad is not None)
@@ -276,14 +316,24 @@ class Probe:
                     self._before[key] = torch.empty_like(sampled)
                 self._before[key].copy_(sampled)
         self._measured = None
-        return _StepMeasure(plain_sgd, grad_sq) if measure else None
+        return _StepMeasure(plain_sgd, grad_sq, push) if measure else None
 
     def step_ended(self, m: _StepMeasure, version: int, applied_lr: float) -> None:
-        """After the step :meth:`step_begins` saw: report its :class:`StepStats`."""
+        """After the step :meth:`step_begins` saw: report its :class:`StepStats` (now,
+        or at :meth:`flush` when deferred: the weights are those after this step until
+        the next message)."""
+        if self.defer:
+            self._queue.append(lambda: self._step_ended(m, version, applied_lr))
+            self._step_queued = True
+        else:
+            self._step_ended(m, version, applied_lr)
+
+    def _step_ended(self, m: _StepMeasure, version: int, applied_lr: float) -> None:
         assert self.observer is not None
         stride = self.stride
         scale = self._numel / self._sampled_numel if stride > 1 else 1.0
-        update, weights = applied_lr * applied_lr * m.grad_sq, 0.0
+        grad_sq = m.grad_sq if m.push is None else math.sqrt(m.push.exact_sq) ** 2
+        update, weights = applied_lr * applied_lr * grad_sq, 0.0
         for key, p in self.params.items():
             after = sample(p, stride)
             weights += l2(after) ** 2

@@ -38,6 +38,7 @@ __all__ = [
     "Limits",
     "Message",
     "Op",
+    "PreparedTensors",
     "decode",
     "encode",
     "error_reply",
@@ -176,23 +177,72 @@ def _tensor_view(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
-def encode(msg: Message) -> list[bytes | memoryview]:
-    """Turn a message into multipart frames; tensor frames share the tensors' memory.
+def _identity(tensors: Mapping[str, torch.Tensor]) -> tuple[Any, ...]:
+    return tuple((k, id(t), t.data_ptr(), t.shape, t.dtype) for k, t in tensors.items())
 
-    The caller must not modify the tensors until ZeroMQ has sent them.
-    """
-    descs = []
-    frames: list[bytes | memoryview] = [b""]
-    for key, t in msg.tensors.items():
+
+class PreparedTensors:
+    """A fixed set of tensors (a shard's weights), ready to send again and again: their
+    descriptor list packed once and their zero-copy frames made once. Every pull
+    reply carries the same weights, so this takes the per-tensor work out of
+    encoding it; it stands while no tensor is replaced (copy-on-write moves the
+    weights to fresh storage, and then a new one is prepared). Only contiguous CPU
+    tensors qualify: the frames must be views of the tensors themselves."""
+
+    __slots__ = ("descs", "frames", "key")
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        if not usable(tensors):
+            raise ValueError("only contiguous CPU tensors can be prepared")
+        self.key = _identity(tensors)
+        descs, self.frames = _describe(tensors)
+        self.descs: bytes = msgpack.packb(descs, use_bin_type=True)
+
+    def matches(self, tensors: Mapping[str, torch.Tensor]) -> bool:
+        return self.key == _identity(tensors)
+
+
+def usable(tensors: Mapping[str, torch.Tensor]) -> bool:
+    """Whether :class:`PreparedTensors` can hold these tensors."""
+    return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors.values())
+
+
+def _describe(tensors: Mapping[str, torch.Tensor]
+              ) -> tuple[list[list[Any]], list[bytes | memoryview]]:
+    descs: list[list[Any]] = []
+    frames: list[bytes | memoryview] = []
+    for key, t in tensors.items():
         name = _DTYPE_NAMES.get(t.dtype)
         if name is None:
             raise ProtocolError(ErrorCode.BAD_TENSOR, f"{key!r}: dtype {t.dtype} is not allowed")
         descs.append([key, name, list(t.shape)])
         frames.append(_tensor_view(t))
+    return descs, frames
+
+
+# the header's map in encode's key order, its constant parts packed once
+_PACK = msgpack.Packer(use_bin_type=True)
+_HEAD_START = b"\x85" + _PACK.pack("v") + _PACK.pack(PROTOCOL_VERSION) + _PACK.pack("op")
+_SEQ, _F, _T = _PACK.pack("seq"), _PACK.pack("f"), _PACK.pack("t")
+_OP_BYTES = {op: _PACK.pack(op.value) for op in Op}
+
+
+def encode(msg: Message, prepared: PreparedTensors | None = None) -> list[bytes | memoryview]:
+    """Turn a message into multipart frames; tensor frames share the tensors' memory.
+
+    ``prepared``: the message's tensors made ready beforehand (used when it still
+    matches them). The caller must not modify the tensors until ZeroMQ has sent them.
+    """
+    if prepared is not None and prepared.matches(msg.tensors):
+        # the same bytes as below: the map {"v", "op", "seq", "f", "t"} in this order
+        # (packb, not the shared Packer: servers may run in threads of one process)
+        head = b"".join((_HEAD_START, _OP_BYTES[msg.op], _SEQ, msgpack.packb(msg.seq), _F,
+                         msgpack.packb(msg.fields, use_bin_type=True), _T, prepared.descs))
+        return [head, *prepared.frames]
+    descs, tensor_frames = _describe(msg.tensors)
     header = {"v": PROTOCOL_VERSION, "op": msg.op.value, "seq": msg.seq, "f": msg.fields,
               "t": descs}
-    frames[0] = msgpack.packb(header, use_bin_type=True)
-    return frames
+    return [msgpack.packb(header, use_bin_type=True), *tensor_frames]
 
 
 def _buffer(frame: Any) -> memoryview:

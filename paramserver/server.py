@@ -107,6 +107,9 @@ class ShardServer:
         self.diverged: Alarm | None = None
         self._stop_at: float | None = None  # diverged: refuse requests until then, then exit
         self._told: set[int] = set()  # workers refused since the watchdog stopped training
+        # a push's metrics, watchdog rules and event, run once its reply is out (the
+        # critical path of a round trip ends at the reply); before the next message
+        self._after_reply: list[Callable[[], None]] = []
         self.exit_code = 0
         if config.plan is not None:
             self._adopt_plan(ShardPlan.from_description(config.plan))
@@ -256,6 +259,27 @@ class ShardServer:
             self.outbox.send(identity, answer)
         if self.core is not None:
             self._answer_pulls(time.monotonic())
+        if self._after_reply or (self.core is not None and self.core.probe.pending):
+            self._run_after_reply()
+
+    def _run_after_reply(self) -> None:
+        """The deferred observation of pushes just answered (the core's measurements
+        first, then what reads them); an alarm it raises acts now, before the next
+        message is handled."""
+        if self.core is not None and self.core.probe.pending:
+            try:
+                self.core.probe.flush()
+            except Exception:  # observation must not take the server down
+                self.counters["error_internal"] += 1
+                log.exception("measuring a push failed")
+        work, self._after_reply = self._after_reply, []
+        for fn in work:
+            try:
+                fn()
+            except Exception:  # observation must not take the server down
+                self.counters["error_internal"] += 1
+                log.exception("observing a push failed")
+        self._act_on_alarms()
 
     def _before_mutation(self) -> None:
         """Copy-on-write: parameters still being sent must not be written in place."""
@@ -274,6 +298,7 @@ class ShardServer:
         cosine = cfg.enabled and "gradient_disagrees" not in cfg.disable
         self.core.observe(self.observer.on_core, cosine_decay=0.97 if cosine else None,
                           every=cfg.observe_every)
+        self.core.probe.defer = True  # measured after the reply: see _run_after_reply
 
     def _act_on_alarms(self) -> None:
         """Carry out --on-divergence for alarms raised while handling a message."""
@@ -470,15 +495,22 @@ class ShardServer:
         if out.duplicate:
             self.counters["duplicate_pushes"] += 1
         else:
-            grad = self.observer.push(core, msg["worker"], out.as_dict(), loss=loss,
-                                      seconds=time.perf_counter() - t0, nbytes=nbytes)
-            self.events.write(
-                "push", shard=self.config.shard, worker=msg["worker"], clock=msg["clock"],
-                read_version=read_version, version=out.version, staleness=out.staleness,
-                accepted=out.accepted, weight=out.weight, reason=out.reason,
-                num_samples=msg["num_samples"], loss=loss,
-                grad_norm=grad.norm if grad else None, cosine=grad.cosine if grad else None,
-            )
+            seconds = time.perf_counter() - t0
+            worker, clock, samples = msg["worker"], msg["clock"], msg["num_samples"]
+
+            def observe() -> None:
+                grad = self.observer.push(core, worker, outcome, loss=loss, seconds=seconds,
+                                          nbytes=nbytes)
+                self.events.write(
+                    "push", shard=self.config.shard, worker=worker, clock=clock,
+                    read_version=read_version, version=out.version,
+                    staleness=out.staleness, accepted=out.accepted, weight=out.weight,
+                    reason=out.reason, num_samples=samples, loss=loss,
+                    grad_norm=grad.norm if grad else None,
+                    cosine=grad.cosine if grad else None)
+
+            outcome = out.as_dict()
+            self._after_reply.append(observe)
         if out.applied and self.config.checkpoint_every:
             self._maybe_checkpoint()
         if msg.get("pull"):

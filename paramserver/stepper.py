@@ -6,6 +6,13 @@ weight (the consistency rules); a :class:`Stepper` applies it: it scales the
 learning rate by the weight and by the large-batch rule's factor for the step's
 number of gradients, sets the asynchrony-aware momentum, steps the optimizer
 and its scheduler, and restores the learning rate.
+
+Plain SGD (torch.optim.SGD without momentum, weight decay, Nesterov, maximize
+or a scheduler) is stepped as one fused in-place ``p -= lr * g`` over the
+shard's tensors instead of through ``optimizer.step()``: the same arithmetic
+torch's SGD does for it (``param.add_(grad, alpha=-lr)``), without the
+per-step bookkeeping that dominates a small shard's step. Such an optimizer
+keeps no state, so its state_dict, and a checkpoint of it, are unchanged.
 """
 
 from __future__ import annotations
@@ -23,7 +30,22 @@ if TYPE_CHECKING:
     from .probe import Probe
     from .records import CoreConfig
 
-__all__ = ["Stepper"]
+__all__ = ["Stepper", "is_plain_sgd"]
+
+
+def is_plain_sgd(optimizer: torch.optim.Optimizer) -> bool:
+    """``p -= lr * g`` and nothing else: no state, no hooks, a plain float learning rate."""
+    if type(optimizer) is not torch.optim.SGD or len(optimizer.param_groups) != 1:
+        return False
+    g = optimizer.param_groups[0]
+    if g.get("momentum") or g.get("weight_decay") or g.get("nesterov") or g.get("maximize"):
+        return False
+    if g.get("differentiable") or not isinstance(g.get("lr"), float | int):
+        return False
+    # a hook on this optimizer (or on every optimizer) expects step() to run
+    from torch.optim import optimizer as hooks
+    return not (optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
+                or hooks._global_optimizer_pre_hooks or hooks._global_optimizer_post_hooks)
 
 
 class Stepper:
@@ -47,6 +69,9 @@ class Stepper:
                     f"momentum_target needs an optimizer with momentum (sgd, rmsprop) or "
                     f"betas (adam, adamw); {config.optimizer!r} has neither")
             self.momentum = MomentumCompensation(config.momentum_target)
+        # plain SGD steps as one fused op; the optimizer is looked at again on each step
+        # (a hook or a param group may be added later), through a cheap check of its hooks
+        self.fused = self.scheduler is None and self.momentum is None
 
     @property
     def lr(self) -> float:
@@ -76,7 +101,13 @@ class Stepper:
                 g["lr"] = g["lr"] * weight
         measure = probe.step_begins(self.optimizer)
         applied_lr = float(groups[0]["lr"])
-        self.optimizer.step()
+        dense = [grads[k] for k in params]
+        if (dense and self.fused and is_plain_sgd(self.optimizer)
+                and all(g.layout is torch.strided for g in dense)):
+            with torch.no_grad():
+                torch._foreach_add_(list(params.values()), dense, alpha=-applied_lr)
+        else:
+            self.optimizer.step()
         for g, lr in zip(groups, saved, strict=True):
             g["lr"] = lr
         for p in params.values():

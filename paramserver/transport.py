@@ -26,7 +26,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
 from .errors import RemoteError, RequestTimeoutError, TransportError
-from .protocol import DEFAULT_LIMITS, Limits, Message, Op, decode, encode
+from .protocol import DEFAULT_LIMITS, Limits, Message, Op, PreparedTensors, decode, encode
 
 __all__ = [
     "ANY_KEY",
@@ -420,16 +420,17 @@ class RouterSocket:
             return None
         return user if isinstance(user, str) else None
 
-    def send(self, identity: bytes, msg: Message, *,
-             track: bool = False) -> zmq.MessageTracker | None:
+    def send(self, identity: bytes, msg: Message, *, track: bool = False,
+             prepared: PreparedTensors | None = None) -> zmq.MessageTracker | None:
         """Send ``msg`` to a peer. Tensor frames go zero-copy; with ``track`` the
         returned tracker tells when zmq no longer reads their memory.
 
         A message under ``ZERO_COPY_BYTES`` of tensors is copied instead and
         never tracked (None): a zero-copy frame costs a tracker and a release
         through pyzmq's garbage-collector thread, far more than copying a few KiB.
+        ``prepared``: the tensors' frames made beforehand (see :func:`encode`).
         """
-        frames = encode(msg)
+        frames = encode(msg, prepared)
         small = msg.nbytes < ZERO_COPY_BYTES
         track = track and not small
         try:

@@ -130,3 +130,26 @@ def test_never_pickles():
     payload = pickle.dumps({"op": "push"})
     with pytest.raises(ProtocolError):
         decode([payload])
+
+
+def test_prepared_tensors_encode_the_same_bytes_and_follow_the_weights() -> None:
+    from paramserver.protocol import PreparedTensors, usable
+
+    weights = {"a": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+               "b": torch.ones(4, dtype=torch.bfloat16), "c": torch.zeros(0)}
+    prepared = PreparedTensors(weights)
+    for seq, fields in ((0, {"re": "pull", "version": 3}),
+                        (2**40, {"re": "push", "push": {"accepted": True, "weight": 0.5}})):
+        msg = Message(Op.REPLY, seq, fields, weights)
+        plain, fast = encode(msg), encode(msg, prepared)
+        assert [bytes(f) for f in fast] == [bytes(f) for f in plain]
+        back = decode([bytes(f) for f in fast])
+        assert back.fields == fields and torch.equal(back.tensors["a"], weights["a"])
+    weights["a"].add_(1)  # written in place: the frames are views, the next reply shows it
+    assert decode([bytes(f) for f in encode(Message(Op.REPLY, 1, {"re": "pull"}, weights),
+                                            prepared)]).tensors["a"][0, 0] == 1
+    moved = dict(weights, a=weights["a"].clone())  # copy-on-write: new storage
+    assert not prepared.matches(moved)
+    frames = encode(Message(Op.REPLY, 1, {"re": "pull"}, moved), prepared)
+    assert frames[1] is not prepared.frames[0]  # encoded afresh, not from stale frames
+    assert not usable({"t": torch.ones(4, 4).t()})  # a transposed view is no frame of itself

@@ -1,0 +1,217 @@
+"""``python -m paramserver.benchmarks.codec``: header decoding, today's against msgspec's.
+
+Today a message's header is decoded by msgpack into dicts and lists, then checked
+field by field against the op's schema (:func:`paramserver.protocol.decode`).
+``msgspec`` decodes msgpack straight into typed structs (one per op, a tagged
+union on ``"op"``), validating as it goes. This script measures both on the
+headers of the hot path, the same bytes (the wire format is msgpack either way):
+
+* ``push``: a PUSH asking for the weights back (push + pull in one round trip),
+  8 tensors of 128 float32 (the async benchmark's 4 KiB model in 8 tensors);
+* ``pull``: a PULL;
+* ``push-ack``: the REPLY to a PUSH with its outcome (no tensors);
+* ``push-pull-reply``: the REPLY carrying the outcome and the 8 weight tensors.
+
+Three figures per header, medians over repeats of many decodes: ``today`` (the
+whole :func:`~paramserver.protocol.decode`: header, schema, tensor views),
+``msgspec`` (the same Message built from msgspec's structs: struct fields to the
+dict the server reads, the same tensor views) and ``msgspec-struct`` (the typed
+decode alone, what a server rewritten around structs would pay). msgspec is in
+the ``bench`` extra.
+"""
+
+# no "from __future__ import annotations": msgspec reads the local structs' annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Annotated, Any, Literal
+
+import torch
+
+from paramserver.protocol import DTYPES, PROTOCOL_VERSION, Message, Op, decode, encode
+
+__all__ = ["HEADERS", "main", "measure", "msgspec_decoder"]
+
+_BOUND = 1 << 62
+
+
+def _messages() -> dict[str, Message]:
+    params = {f"w{i}": torch.zeros(128) for i in range(8)}
+    outcome = {"accepted": True, "weight": 1.0, "reason": "", "staleness": 0,
+               "version": 1234, "applied": True, "duplicate": False}
+    return {
+        "push": Message(Op.PUSH, 41, {"worker": 3, "push_id": 977, "clock": 976,
+                                      "read_version": 3901, "num_samples": 32,
+                                      "loss": 0.6931, "pull": True}, params),
+        "pull": Message(Op.PULL, 42, {"worker": 3, "clock": 977}),
+        "push-ack": Message(Op.REPLY, 43, {"re": "push", **outcome}),
+        "push-pull-reply": Message(Op.REPLY, 44, {"re": "push", "version": 1234,
+                                                  "clock": 977, "waited": 0.0,
+                                                  "push": outcome}, params),
+    }
+
+
+HEADERS: tuple[str, ...] = tuple(_messages())
+
+
+_Decode = Callable[[Sequence[Any]], tuple[Message, Any]]
+
+
+def msgspec_decoder() -> tuple[_Decode, _Decode]:
+    """Decoders of the same frames through msgspec structs: the first returns the
+    Message the server would get (and the typed header), the second the typed header
+    alone. Raises ImportError without msgspec."""
+    import msgspec
+    from msgspec import Meta, Struct
+
+    Int = Annotated[int, Meta(gt=-_BOUND, lt=_BOUND)]
+    Desc = tuple[Annotated[str, Meta(min_length=1, max_length=1024)], str,
+                 Annotated[list[Annotated[int, Meta(ge=0, lt=_BOUND)]], Meta(max_length=8)]]
+    Seq = Annotated[int, Meta(ge=0, lt=_BOUND)]
+
+    class PushFields(Struct, omit_defaults=True):
+        worker: Int
+        push_id: Int
+        clock: Int
+        read_version: Int
+        num_samples: Int
+        loss: float | None = None
+        pull: bool = False
+        part: Int | None = None
+        parts: Int | None = None
+
+    class PullFields(Struct, omit_defaults=True):
+        worker: Int
+        clock: Int
+        observer: bool = False
+        wait_init: bool = False
+
+    class Outcome(Struct):
+        accepted: bool
+        weight: float
+        reason: str
+        staleness: int
+        version: int
+        applied: bool
+        duplicate: bool = False
+
+    class ReplyFields(Struct, omit_defaults=True):
+        re: str
+        version: int | None = None
+        clock: int | None = None
+        waited: float | None = None
+        push: Outcome | None = None
+        accepted: bool | None = None
+        weight: float | None = None
+        reason: str | None = None
+        staleness: int | None = None
+        applied: bool | None = None
+        duplicate: bool | None = None
+        partial: bool | None = None
+
+    class PushHeader(Struct, tag_field="op", tag="push"):
+        v: Literal[1]
+        f: PushFields
+        seq: Seq = 0
+        t: list[Desc] = []
+
+    class PullHeader(Struct, tag_field="op", tag="pull"):
+        v: Literal[1]
+        f: PullFields
+        seq: Seq = 0
+        t: list[Desc] = []
+
+    class ReplyHeader(Struct, tag_field="op", tag="reply"):
+        v: Literal[1]
+        f: ReplyFields
+        seq: Seq = 0
+        t: list[Desc] = []
+
+    dec = msgspec.msgpack.Decoder(PushHeader | PullHeader | ReplyHeader)
+    ops: dict[Any, Op] = {PushHeader: Op.PUSH, PullHeader: Op.PULL, ReplyHeader: Op.REPLY}
+    to_builtins = msgspec.to_builtins
+
+    def decode_msgspec(frames: Sequence[Any]) -> tuple[Message, Any]:
+        head = dec.decode(frames[0])
+        if len(head.t) != len(frames) - 1:
+            raise ValueError("frame count")
+        tensors: dict[str, torch.Tensor] = {}
+        for (key, dtype_name, shape), frame in zip(head.t, frames[1:], strict=True):
+            dtype = DTYPES.get(dtype_name)  # the same allow-list
+            if dtype is None:
+                raise ValueError("dtype")
+            buf = memoryview(frame)
+            if math.prod(shape) * dtype.itemsize != buf.nbytes or key in tensors:
+                raise ValueError("tensor")
+            tensors[key] = torch.frombuffer(buf, dtype=dtype).reshape(shape)
+        # the server reads a dict of fields; omit_defaults leaves out what was not sent
+        fields = to_builtins(head.f)
+        return Message(ops[type(head)], head.seq, fields, tensors), head
+
+    def struct_only(frames: Sequence[Any]) -> tuple[Message, Any]:
+        head = dec.decode(frames[0])
+        return Message(ops[type(head)], head.seq), head
+
+    return decode_msgspec, struct_only
+
+
+def _time(fn: Callable[[], Any], number: int, repeats: int) -> list[float]:
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(number):
+            fn()
+        out.append((time.perf_counter() - t0) / number)
+    return out
+
+
+def measure(number: int = 2000, repeats: int = 15) -> list[dict[str, Any]]:
+    """Per header: microseconds per decode, median [min-max] over interleaved repeats."""
+    new, struct_only = msgspec_decoder()
+    rows = []
+    for name, msg in _messages().items():
+        frames = [bytes(f) for f in encode(msg)]
+        old_msg = decode(frames)
+        new_msg, _ = new(frames)
+        # the same message either way (the check that the comparison is fair)
+        assert old_msg.op == new_msg.op and old_msg.seq == new_msg.seq
+        assert old_msg.fields == new_msg.fields, (old_msg.fields, new_msg.fields)
+        assert list(old_msg.tensors) == list(new_msg.tensors)
+        times: dict[str, list[float]] = {"today": [], "msgspec": [], "msgspec-struct": []}
+        fns = {"today": lambda f=frames: decode(f), "msgspec": lambda f=frames: new(f),
+               "msgspec-struct": lambda f=frames: struct_only(f)}
+        for r in range(repeats):  # interleaved, rotating which goes first
+            order = list(fns)[r % 3:] + list(fns)[:r % 3]
+            for key in order:
+                times[key] += _time(fns[key], number, 1)
+        row: dict[str, Any] = {"header": name, "bytes": len(frames[0]),
+                               "tensors": len(frames) - 1}
+        for key, vals in times.items():
+            row[key] = {"median_us": statistics.median(vals) * 1e6,
+                        "min_us": min(vals) * 1e6, "max_us": max(vals) * 1e6}
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    try:
+        rows = measure()
+    except ImportError:
+        raise SystemExit("needs msgspec: pip install 'paramserver[bench]'") from None
+    print(f"protocol {PROTOCOL_VERSION}; us per decode, median [min-max] over 15 repeats "
+          "of 2000")
+    print("| header | header bytes | tensors | today | msgspec (same Message) "
+          "| msgspec struct only | today / msgspec |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        cells = [f"{r[k]['median_us']:.2f} [{r[k]['min_us']:.2f}-{r[k]['max_us']:.2f}]"
+                 for k in ("today", "msgspec", "msgspec-struct")]
+        ratio = r["today"]["median_us"] / r["msgspec"]["median_us"]
+        print(f"| {r['header']} | {r['bytes']} | {r['tensors']} | {' | '.join(cells)} "
+              f"| {ratio:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""Plain SGD stepped as one fused in-place op: the same bits as torch.optim.SGD's step,
+the same (empty) optimizer state, and torch.optim wherever anything more is asked."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paramserver.probe import Probe
+from paramserver.records import CoreConfig
+from paramserver.stepper import Stepper, is_plain_sgd
+
+
+def _step(stepper: Stepper, params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor],
+          weight: float) -> None:
+    stepper.step(params, grads, weight, contributors=1, version=0, staleness=0,
+                 prior_staleness=0, probe=Probe(params), before_step=None)
+
+
+def _pair(**config: object) -> tuple[Stepper, Stepper, dict[str, torch.Tensor],
+                                      dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    a = {f"w{i}": torch.randn(n) for i, n in enumerate((3, 17, 256))}
+    b = {k: v.clone() for k, v in a.items()}
+    cfg = CoreConfig(**config)  # type: ignore[arg-type]
+    return Stepper(cfg, list(a.values())), Stepper(cfg, list(b.values())), a, b
+
+
+def test_plain_sgd_is_fused_and_bitwise_equal_to_torch_optim() -> None:
+    fused, reference, a, b = _pair(optimizer="sgd", optimizer_args={"lr": 0.037})
+    assert fused.fused and is_plain_sgd(fused.optimizer)
+    reference.fused = False  # the torch.optim path, for comparison
+    calls = []
+    handle = reference.optimizer.register_step_post_hook(lambda *_: calls.append(1))
+    assert not is_plain_sgd(reference.optimizer)  # a hook wants step() to run
+    for step in range(5):
+        grads = {k: torch.randn_like(v) for k, v in a.items()}
+        weight = 0.5 if step % 2 else 1.0  # a policy's weight scales the learning rate
+        _step(fused, a, grads, weight)
+        _step(reference, b, {k: g.clone() for k, g in grads.items()}, weight)
+        for k in a:
+            assert torch.equal(a[k], b[k])
+    assert len(calls) == 5  # the reference really went through optimizer.step()
+    handle.remove()
+    assert fused.lr == pytest.approx(0.037)  # the weighted rate is restored
+    assert all(p.grad is None for p in a.values())
+    # no state either way: a checkpoint of the optimizer is the same
+    assert fused.optimizer.state_dict() == reference.optimizer.state_dict()
+
+
+@pytest.mark.parametrize("args", [{"lr": 0.1, "momentum": 0.9}, {"lr": 0.1, "weight_decay": 1e-4},
+                                  {"lr": 0.1, "maximize": True}])
+def test_anything_more_than_plain_sgd_goes_through_torch_optim(args: dict[str, float]) -> None:
+    stepper, _, a, _ = _pair(optimizer="sgd", optimizer_args=args)
+    assert not is_plain_sgd(stepper.optimizer)
+    _step(stepper, a, {k: torch.ones_like(v) for k, v in a.items()}, 1.0)
+    if args.get("momentum"):
+        assert stepper.optimizer.state_dict()["state"]  # torch.optim kept its buffers
+
+
+def test_a_scheduler_keeps_torch_optim() -> None:
+    stepper, _, _, _ = _pair(optimizer="sgd", optimizer_args={"lr": 0.1}, scheduler="step",
+                             scheduler_args={"step_size": 1})
+    assert not stepper.fused
