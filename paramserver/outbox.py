@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Collection, Hashable
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import zmq
 
@@ -26,6 +26,9 @@ from .core import ShardCore
 from .observe import ShardObserver
 from .protocol import Message, Op
 from .transport import RouterSocket
+
+if TYPE_CHECKING:
+    from .shm import ShmHub
 
 __all__ = ["Outbox"]
 
@@ -43,6 +46,8 @@ class Outbox:
         # worker -> (token, push outcome) of its parked PUSH-with-pull; one per worker,
         # as the core keeps one parked pull per worker
         self.push_pulls: dict[int, tuple[Hashable, dict[str, Any]]] = {}
+        # same-host peers' pulls are answered with a ticket to the weight board
+        self.shm: ShmHub | None = None
 
     def send(self, identity: bytes, msg: Message) -> None:
         if msg.tensors:
@@ -109,7 +114,12 @@ class Outbox:
             if combined is not None and combined[0] == ready.token:
                 del self.push_pulls[ready.worker]
                 fields.update(re=Op.PUSH.value, push=combined[1])
-            msg = Message(Op.REPLY, seq, fields, core.params)
+            ticket = (self.shm.ticket(identity, seq, core.params, ready.version)
+                      if self.shm is not None else None)
+            if ticket is not None:
+                fields["shm"] = ticket
+                self.counters["shm_pulls"] += 1
+            msg = Message(Op.REPLY, seq, fields, {} if ticket is not None else core.params)
             self.send(identity, msg)
             if ready.token in self.observer_pulls:
                 self.observer_pulls.discard(ready.token)
