@@ -11,7 +11,7 @@ and its scheduler, and restores the learning rate.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -20,6 +20,7 @@ from .optim import build_optimizer, build_scheduler
 from .stepsize import LrRule, MomentumCompensation, momentum_key
 
 if TYPE_CHECKING:
+    from .flat import FlatLayout
     from .probe import Probe
     from .records import CoreConfig
 
@@ -29,7 +30,12 @@ __all__ = ["Stepper"]
 class Stepper:
     """The optimizer over a shard's parameters and the rules that shape its steps."""
 
-    def __init__(self, config: CoreConfig, params: Sequence[torch.Tensor]) -> None:
+    def __init__(self, config: CoreConfig, params: Sequence[torch.Tensor],
+                 flat: tuple[FlatLayout, list[torch.Tensor]] | None = None) -> None:
+        # with ``flat`` (layout, flat buffers) the optimizer steps one tensor per dtype
+        self.flat = flat
+        if flat is not None:
+            params = flat[1]
         # a shard may own no slices (more shards than chunks): it still keeps clocks
         # and versions, but torch refuses an optimizer over nothing, so use a placeholder
         self.optimizer = build_optimizer(config.optimizer, list(params) or [torch.zeros(1)],
@@ -48,6 +54,18 @@ class Stepper:
                     f"betas (adam, adamw); {config.optimizer!r} has neither")
             self.momentum = MomentumCompensation(config.momentum_target)
 
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer's state, per slice (as checkpoints hold it) also when it
+        steps flat buffers."""
+        state = self.optimizer.state_dict()
+        return state if self.flat is None else self.flat[0].state_to_slices(state,
+                                                                            self.flat[1])
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.flat is not None:
+            state = self.flat[0].state_from_slices(state, self.flat[1])
+        self.optimizer.load_state_dict(state)
+
     @property
     def lr(self) -> float:
         """The optimizer's current learning rate (its first group's)."""
@@ -60,7 +78,11 @@ class Stepper:
         """One optimizer step on ``grads``, the one that makes ``version + 1`` (the
         probe measures it, when it measures this step)."""
         for key, p in params.items():
-            p.grad = grads[key]
+            p.grad = grads[key]  # per slice too: the probe measures them
+        if self.flat is not None:
+            layout, flats = self.flat
+            for f in flats:
+                f.grad = layout.join(f.dtype, grads)
         if before_step is not None:
             before_step()
         groups = self.optimizer.param_groups
@@ -81,6 +103,9 @@ class Stepper:
             g["lr"] = lr
         for p in params.values():
             p.grad = None
+        if self.flat is not None:
+            for f in self.flat[1]:
+                f.grad = None
         if self.scheduler is not None:
             self.scheduler.step()
         if measure is not None:
