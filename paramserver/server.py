@@ -300,7 +300,7 @@ class ShardServer:
             bool(peer) and f"//{peer}:" in self.address)
         trusted = self.access.grants is None or (key is not None and key in self.access.grants)
         grant = self.shm.hello(identity, msg["worker"], msg.get("shm"), local, trusted,
-                               self.core.params)
+                               self.core.params, self.core.flats)
         if grant is not None:
             answer.fields["shm"] = grant
             self.counters["shm_peers"] += 1

@@ -413,12 +413,40 @@ class ShmLink:
 # --------------------------------------------------------------------------- shard side
 
 
+def _offset_in(p: torch.Tensor, flat: torch.Tensor) -> int:
+    return (p.storage_offset() - flat.storage_offset()) * p.element_size()
+
+
+def _inside(p: torch.Tensor, flats: Mapping[torch.dtype, torch.Tensor]) -> bool:
+    """Whether ``p`` is a contiguous view into its dtype's flat buffer."""
+    flat = flats.get(p.dtype)
+    return (flat is not None and p.is_contiguous()
+            and p.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+            and p.storage_offset() - flat.storage_offset() >= 0
+            and p.storage_offset() + p.numel() <= flat.storage_offset() + flat.numel())
+
+
 class WeightBoard:
     """A shard's double-buffered, seqlocked copy of its weights for same-host pulls."""
 
-    def __init__(self, params: Mapping[str, torch.Tensor], tag: str) -> None:
-        self.offsets, self.slot_bytes = layout(
-            (k, p.numel() * p.element_size()) for k, p in params.items())
+    def __init__(self, params: Mapping[str, torch.Tensor], tag: str,
+                 flats: Mapping[torch.dtype, torch.Tensor] | None = None) -> None:
+        # with the shard's flat buffers (params are views into them, paramserver/flat.py)
+        # a slot holds each buffer whole, and publishing is one copy per dtype
+        self.flats = dict(flats or {})
+        self.flat_at: dict[torch.dtype, int] = {}
+        if self.flats and all(_inside(p, self.flats) for p in params.values()):
+            at = 0
+            for dtype, flat in self.flats.items():
+                self.flat_at[dtype] = at
+                at += _aligned(flat.numel() * flat.element_size())
+            self.offsets = {k: self.flat_at[p.dtype] + _offset_in(p, self.flats[p.dtype])
+                            for k, p in params.items()}
+            self.slot_bytes = at
+        else:
+            self.flats = {}
+            self.offsets, self.slot_bytes = layout(
+                (k, p.numel() * p.element_size()) for k, p in params.items())
         self.seg = Segment.create(tag, _HEADER + 2 * self.slot_bytes)
         self.head = self.seg.data[:_HEADER].view(torch.int64)
         names = {v: k for k, v in DTYPES.items()}
@@ -445,7 +473,11 @@ class WeightBoard:
         self.head[at] = seq  # odd: being written
         base = _HEADER + slot * self.slot_bytes
         with torch.no_grad():
-            for key, p in params.items():
+            for dtype, flat in self.flats.items():
+                if flat.numel():
+                    self.seg.region(base + self.flat_at[dtype], dtype,
+                                    (flat.numel(),)).copy_(flat)
+            for key, p in params.items() if not self.flats else ():
                 if p.numel():
                     self.seg.region(base + self.offsets[key], p.dtype,
                                     (p.numel(),)).copy_(p.reshape(-1))
@@ -478,7 +510,9 @@ class ShmHub:
         self.pulls: dict[bytes, int] = {}  # routing id -> seq of a pull to answer via shm
 
     def hello(self, identity: bytes, worker: int, offer: Any, local: bool, trusted: bool,
-              params: Mapping[str, torch.Tensor]) -> dict[str, Any] | None:
+              params: Mapping[str, torch.Tensor],
+              flats: Mapping[torch.dtype, torch.Tensor] | None = None
+              ) -> dict[str, Any] | None:
         """Take a worker's offer (HELLO field ``shm``) if it is on this host, local and
         trusted; the grant for the reply, or None (that worker then uses TCP)."""
         self.drop(identity)
@@ -492,7 +526,7 @@ class ShmHub:
         try:
             seg = Segment.attach(str(offer.get("seg")), size)
             if self.board is None:
-                self.board = WeightBoard(params, f"board{self.shard}")
+                self.board = WeightBoard(params, f"board{self.shard}", flats)
         except (OSError, ValueError) as exc:
             log.info("shard %d: worker %d stays on TCP: %s", self.shard, worker, exc)
             return None

@@ -106,6 +106,7 @@ class PSClient:
         wire_dtype: str | None = None,
         part_bytes: int = PART_BYTES,
         barrier_timeout: float = 0.0,
+        shm: bool = True,
     ) -> None:
         if len(addresses) != plan.num_shards:
             raise TransportError(
@@ -130,7 +131,8 @@ class PSClient:
         self.incarnation = uuid.uuid4().hex
         # a worker on a shard's host moves tensors through shared memory if the
         # shard agrees at HELLO (paramserver/shm.py); anything else goes over TCP
-        use_shm = role == "worker" and shm_enabled()
+        # (``shm=False``: TCP even then, as the benchmark's ps-tcp row measures)
+        use_shm = shm and role == "worker" and shm_enabled()
         self.channels = [Channel(a, peer=f"shard {i}", curve=curve, drop_rate=drop_rate,
                                  seed=worker * 1000 + i,
                                  shm=ShmLink([(sl.key, sl.nbytes) for sl in plan.shard_slices(i)],
