@@ -414,7 +414,7 @@ class ShmLink:
 
 
 def _offset_in(p: torch.Tensor, flat: torch.Tensor) -> int:
-    return (p.storage_offset() - flat.storage_offset()) * p.element_size()
+    return int(p.storage_offset() - flat.storage_offset()) * p.element_size()
 
 
 def _inside(p: torch.Tensor, flats: Mapping[torch.dtype, torch.Tensor]) -> bool:
