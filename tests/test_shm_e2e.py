@@ -39,11 +39,11 @@ def _spec(mode: str, workers: int, shards: int = 2, worker: dict | None = None,
 
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.Linear(300, 10))
+    return torch.nn.Sequential(torch.nn.Linear(64, 600), torch.nn.Linear(600, 10))
 
 
-def _train(addresses: list[str], rank: int, plan: ShardPlan, out: dict) -> None:
-    model = _model()
+def _train(addresses: list[str], rank: int, plan: ShardPlan, out: dict,
+           model: torch.nn.Module) -> None:
     params = dict(model.named_parameters())
     with PSClient(addresses, plan, rank, timeout=30) as client:
         clock = client.connect()
@@ -70,13 +70,15 @@ def _train(addresses: list[str], rank: int, plan: ShardPlan, out: dict) -> None:
 def _run(tmp_path: Path, mode: str, workers: int, use_shm: bool,
          monkeypatch: pytest.MonkeyPatch) -> tuple[dict, list[dict]]:
     monkeypatch.setenv(shm.ENV, "1" if use_shm else "0")  # the workers' side only:
-    plan = ShardPlan.from_module(_model(), 2, chunk_bytes=16 << 10)
+    plan = ShardPlan.from_module(_model(), 2, chunk_bytes=32 << 10)
+    assert min(plan.shard_bytes(s) for s in range(2)) >= shm.MIN_BYTES
     out: dict = {}
     with LocalCluster(_spec(mode, workers), tmp_path) as cluster:
         monkeypatch.delenv(shm.ENV)
         addresses = cluster.start_servers()  # the shards always offer it
         monkeypatch.setenv(shm.ENV, "1" if use_shm else "0")
-        threads = [threading.Thread(target=_train, args=(addresses, r, plan, out))
+        # the models are made here: torch's global generator is not for threads
+        threads = [threading.Thread(target=_train, args=(addresses, r, plan, out, _model()))
                    for r in range(workers)]
         for t in threads:
             t.start()
@@ -109,7 +111,7 @@ import sys, torch
 from paramserver.sharding import ShardPlan
 from paramserver.workers.client import PSClient
 torch.manual_seed(0)
-model = torch.nn.Linear(64, 32)
+model = torch.nn.Linear(256, 128)  # over shm.MIN_BYTES
 params = dict(model.named_parameters())
 client = PSClient([sys.argv[1]], ShardPlan.from_module(model, 1), 0, timeout=30)
 clock = client.connect()
@@ -159,8 +161,8 @@ def test_curve_peer_without_an_allow_list_entry_gets_no_segment(tmp_path, monkey
     one whose allow-list names the key grants it."""
     monkeypatch.setenv(shm.ENV, "1")
     keys = generate_curve_keys(tmp_path / "keys", ["w0"])
-    plan = ShardPlan.from_module(torch.nn.Linear(8, 4), 1)
-    params = dict(torch.nn.Linear(8, 4).named_parameters())
+    plan = ShardPlan.from_module(torch.nn.Linear(256, 128), 1)
+    params = dict(torch.nn.Linear(256, 128).named_parameters())
     client_keys = CurveKeys.load(keys.clients["w0"][1], keys.server_public)
     for allow, granted in ((None, False), (str(keys.authorized_dir), True)):
         spec = _spec("async", 1, shards=1, curve_secret_key=str(keys.server_secret),

@@ -34,6 +34,7 @@ from paramserver.errors import (
 )
 from paramserver.protocol import PROTOCOL_VERSION, Message, Op
 from paramserver.sharding import DTYPES, ShardPlan
+from paramserver.shm import MIN_BYTES as SHM_MIN_BYTES
 from paramserver.shm import ShmLink
 from paramserver.shm import enabled as shm_enabled
 from paramserver.transport import Channel, CurveKeys, request_all
@@ -136,7 +137,8 @@ class PSClient:
         self.channels = [Channel(a, peer=f"shard {i}", curve=curve, drop_rate=drop_rate,
                                  seed=worker * 1000 + i,
                                  shm=ShmLink([(sl.key, sl.nbytes) for sl in plan.shard_slices(i)],
-                                             f"w{worker}s{i}") if use_shm else None)
+                                             f"w{worker}s{i}")
+                                 if use_shm and plan.shard_bytes(i) >= SHM_MIN_BYTES else None)
                          for i, a in enumerate(addresses)]
         self._push_id = 0
         self._heartbeat = (
