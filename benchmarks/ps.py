@@ -70,7 +70,8 @@ def serve(args: dict[str, Any], announce: Any) -> dict[str, Any]:
 class PSSession(FixedSizeSession):
     """One worker: ``push_pull`` rounds on a flat parameter.
 
-    ``args``: addresses, numel, rank, chunk_bytes, part_bytes, wire_dtype, pieces.
+    ``args``: addresses, numel, rank, chunk_bytes, part_bytes, wire_dtype, pieces, shm
+    (False: TCP even with a same-host shard).
     """
 
     def __init__(self, args: dict[str, Any]) -> None:
@@ -81,7 +82,8 @@ class PSSession(FixedSizeSession):
         self.client = PSClient(args["addresses"], plan, int(args.get("rank", 0)),
                                timeout=300.0, attempt_timeout=120.0,
                                wire_dtype=args.get("wire_dtype"),
-                               part_bytes=int(args.get("part_bytes", PART_BYTES)))
+                               part_bytes=int(args.get("part_bytes", PART_BYTES)),
+                               shm=bool(args.get("shm", True)))
         self.params = {p.name: torch.zeros(p.shape) for p in plan.params}
         self.grads = {p.name: torch.full(p.shape, 1e-3) for p in plan.params}
         self.clock = self.client.connect()

@@ -28,6 +28,7 @@ from typing import Any
 from rich.console import Console
 
 from paramserver.errors import ConfigError
+from paramserver.shm import enabled as shm_enabled
 
 from .common import format_size
 from .extras import run_async, run_async_ray, run_memory, run_overlap
@@ -109,6 +110,8 @@ def _variants(opts: BenchOptions) -> list[PSVariant]:
         return variants
     if opts.lean:
         variants.append(PSVariant("ps-lean", server={"watchdog": {"enabled": False}}))
+    if shm_enabled():  # "ps" moves tensors through shared memory here: TCP beside it
+        variants.append(PSVariant("ps-tcp", {"shm": False}))
     if opts.wire_dtype:
         variants.append(PSVariant(f"ps-{opts.wire_dtype}", {"wire_dtype": opts.wire_dtype}))
     return variants

@@ -37,6 +37,7 @@ import torch
 
 from . import report, snapshot
 from .errors import ConfigError, ErrorCode, ProtocolError
+from .flat import ELEMENTWISE, JOIN_BYTES, FlatLayout
 from .probe import GradStats, Probe, StepStats, all_finite, total_norm
 from .records import (
     DTYPES,
@@ -93,11 +94,14 @@ class ShardCore:
         self.mode = self.config.mode
         self.policy = policy or NoPolicy()
         self.specs = slice_table(slices)
-        self.params: dict[str, torch.Tensor] = {
-            s.key: torch.zeros(s.numel, dtype=DTYPES[s.dtype]) for s in self.specs.values()
-        }
-        # the optimizer step itself: torch.optim, its scheduler, the step-size rules
-        self.stepper = Stepper(self.config, list(self.params.values()))
+        # one flat buffer per dtype; each slice's parameters are a view into it
+        self.layout = FlatLayout([(s.key, s.numel, DTYPES[s.dtype])
+                                  for s in self.specs.values()])
+        self.flats, self.params = self.layout.zeros()
+        # the optimizer step itself: torch.optim, its scheduler, the step-size rules;
+        # on the flat buffers where that is the same step (flat.py)
+        self.stepper = Stepper(self.config, list(self.params.values()),
+                               flat=self._flat_step())
         # called before every optimizer step: a driver that lends the weights'
         # memory to sends in flight protects them here (copy-on-write)
         self.before_step: Callable[[], None] | None = None
@@ -109,7 +113,7 @@ class ShardCore:
         self.workers_evicted = 0  # entries dropped from a full table (see _evict)
         self.pulls = PullQueue()  # parked pulls, answered when their gate opens
         # sync: the open round (its buffer, contributors and pushes arriving in parts)
-        self.round = SyncRound(self.params)
+        self.round = SyncRound(self.params, self.layout.empty)
         # the weights each worker read, for policies that need them (needs_read_weights)
         self.read_weights: dict[int, dict[str, torch.Tensor]] = {}
         self.max_answered_gap = 0  # largest clock gap at which a pull was answered
@@ -353,9 +357,17 @@ class ShardCore:
         storage changes, so anything still reading the old memory (a zero-copy
         send in flight) sees a consistent snapshot.
         """
-        with torch.no_grad():
-            for p in self.params.values():
-                p.data = p.data.clone()
+        self.layout.rebind(self.flats, self.params)
+
+    def _flat_step(self) -> tuple[FlatLayout, list[torch.Tensor]] | None:
+        """The layout and flat buffers to step when the optimizer's update is
+        elementwise and the gradients come flat (sync) or the shard is small."""
+        if self.config.optimizer not in ELEMENTWISE or not self.flats:
+            return None
+        small = all(f.numel() * f.element_size() <= JOIN_BYTES for f in self.flats.values())
+        if self.mode.mode != "sync" and not small:
+            return None
+        return self.layout, list(self.flats.values())
 
     # ------------------------------------------------------------------ pulls
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Collection, Hashable
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import zmq
 
@@ -26,6 +26,9 @@ from .core import ShardCore
 from .observe import ShardObserver
 from .protocol import Message, Op, PreparedTensors, usable
 from .transport import RouterSocket
+
+if TYPE_CHECKING:
+    from .shm import ShmHub
 
 __all__ = ["Outbox"]
 
@@ -45,6 +48,8 @@ class Outbox:
         self.push_pulls: dict[int, tuple[Hashable, dict[str, Any]]] = {}
         # the weights' descriptors and frames, made once for every pull reply
         self._weights: PreparedTensors | None = None
+        # same-host peers' pulls are answered with a ticket to the weight board
+        self.shm: ShmHub | None = None
 
     def _prepared(self, core: ShardCore) -> PreparedTensors | None:
         prepared = self._weights
@@ -119,8 +124,15 @@ class Outbox:
             if combined is not None and combined[0] == ready.token:
                 del self.push_pulls[ready.worker]
                 fields.update(re=Op.PUSH.value, push=combined[1])
-            msg = Message(Op.REPLY, seq, fields, core.params)
-            self.send(identity, msg, self._prepared(core))
+            ticket = (self.shm.ticket(identity, seq, core.params, ready.version)
+                      if self.shm is not None else None)
+            if ticket is not None:
+                fields["shm"] = ticket
+                self.counters["shm_pulls"] += 1
+                self.send(identity, Message(Op.REPLY, seq, fields, {}))
+            else:
+                self.send(identity, Message(Op.REPLY, seq, fields, core.params),
+                          self._prepared(core))
             if ready.token in self.observer_pulls:
                 self.observer_pulls.discard(ready.token)
             else:

@@ -73,6 +73,7 @@ _INT = (int,)
 _STR = (str,)
 _NUM = (int, float)
 _MAP = (dict,)
+_LIST = (list,)
 _BOOL = (bool,)
 _ANY = (object,)
 
@@ -88,11 +89,16 @@ _SCHEMA: dict[Op, dict[str, tuple[tuple[type, ...], bool]]] = {
         # where the worker runs, for `paramserver status`; optional: older peers omit it
         "host": (_STR, False),
         "pid": (_INT, False),
+        # a same-host worker offers its gradient segment (paramserver/shm.py)
+        "shm": (_MAP, False),
     },
     # INIT too may come in parts (a large shard), each copied in as it arrives
-    Op.INIT: {"worker": (_INT, True), "part": (_INT, False), "parts": (_INT, False)},
+    # "shm": the tensors lie in the sender's shared-memory segment, not in frames
+    Op.INIT: {"worker": (_INT, True), "part": (_INT, False), "parts": (_INT, False),
+              "shm": (_LIST, False)},
+    # "via_shm": answer with a ticket to the shard's weight board instead of frames
     Op.PULL: {"worker": (_INT, True), "clock": (_INT, True), "observer": (_BOOL, False),
-              "wait_init": (_BOOL, False)},
+              "wait_init": (_BOOL, False), "via_shm": (_BOOL, False)},
     Op.PUSH: {
         "worker": (_INT, True),
         "push_id": (_INT, True),
@@ -108,6 +114,8 @@ _SCHEMA: dict[Op, dict[str, tuple[tuple[type, ...], bool]]] = {
         # "part" of "parts"; only the last is answered in full
         "part": (_INT, False),
         "parts": (_INT, False),
+        "shm": (_LIST, False),
+        "via_shm": (_BOOL, False),
     },
     Op.HEARTBEAT: {"worker": (_INT, True)},
     Op.BYE: {"worker": (_INT, True), "dead": (_BOOL, False)},

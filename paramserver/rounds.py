@@ -62,8 +62,11 @@ class Stream:
 class SyncRound:
     """The open sync round of one shard whose weights are ``params``."""
 
-    def __init__(self, params: Mapping[str, torch.Tensor]) -> None:
+    def __init__(self, params: Mapping[str, torch.Tensor],
+                 empty: Callable[[], dict[str, torch.Tensor]] | None = None) -> None:
         self.params = params
+        # a fresh buffer shaped like params (views into one flat buffer per dtype)
+        self.empty = empty or (lambda: {k: torch.empty_like(p) for k, p in params.items()})
         self.members: set[int] = set()  # workers that contributed to the open round
         self.samples = 0  # samples of the accepted gradients in the buffer
         self.accepted = 0  # workers whose accepted gradient is in the buffer
@@ -81,7 +84,7 @@ class SyncRound:
     def add(self, stream: Stream, grads: Mapping[str, torch.Tensor], alpha: float) -> None:
         """Add ``alpha * grads`` (one part of ``stream``, or all of it) to the buffer."""
         if not self.agg:
-            self.agg = {k: torch.empty_like(p) for k, p in self.params.items()}
+            self.agg = self.empty()
         for key, g in grads.items():
             buf = self.agg[key]
             if key in self.written:

@@ -42,6 +42,8 @@ from .parts import JoinedParts, StreamedParts, part_of
 from .proctitle import set_title
 from .protocol import PROTOCOL_VERSION, Message, Op, decode, error_reply, reply
 from .sharding import ShardPlan
+from .shm import ShmHub, sweep
+from .shm import enabled as shm_enabled
 from .staleness import create_policy
 from .transport import CurveKeys, RouterSocket
 from .watchdog import Alarm, Watchdog
@@ -87,6 +89,9 @@ class ShardServer:
         self._running = False
         self.counters: Counter[str] = Counter()
         self.outbox = Outbox(self.socket, self.counters)
+        # same-host workers' tensors through shared memory (paramserver/shm.py)
+        self.shm = ShmHub(config.shard, self.socket.limits) if shm_enabled() else None
+        self.outbox.shm = self.shm
         self.started_at = time.time()
         self.peers: dict[int, dict[str, Any]] = {}  # worker -> host and pid from its HELLO
         self.checkpoints = Checkpointer(
@@ -158,6 +163,8 @@ class ShardServer:
                               version=self.core.version if self.core else 0)
             self.events.close()
             self.socket.close(linger=1.0)
+            if self.shm is not None:
+                self.shm.close()
 
     def stop(self) -> None:
         self._running = False
@@ -169,6 +176,7 @@ class ShardServer:
         assert self.core is not None
         try:
             for worker in self.core.expire(now):
+                self._shm_sweep()
                 self.joined.drop(worker)
                 self.events.write("worker_dead", shard=self.config.shard, worker=worker)
                 self.observer.left(self.core, worker)
@@ -230,6 +238,8 @@ class ShardServer:
             seq = msg.seq
             key = self.socket.user_id(frames)
             self.access.check(msg, key)
+            if msg.op is not Op.HELLO and ("shm" in msg.fields or "via_shm" in msg.fields):
+                self._shm_take(msg, identity)
             self.outbox.acknowledged(identity, seq)
             self.counters["messages"] += 1
             self.counters["bytes_in"] += sum(len(f) for f in frames)
@@ -240,6 +250,8 @@ class ShardServer:
             if self.diverged is not None and msg.op not in (Op.STATS, Op.SHUTDOWN):
                 self._refuse_diverged(msg)
             answer = handler(self, msg, identity)
+            if msg.op is Op.HELLO and answer is not None:
+                self._shm_hello(msg, identity, frames, key, answer)
             self.access.handled(msg, key)
         except ProtocolError as exc:
             self.counters[f"error_{exc.code}"] += 1
@@ -284,6 +296,43 @@ class ShardServer:
     def _before_mutation(self) -> None:
         """Copy-on-write: parameters still being sent must not be written in place."""
         self.outbox.settle(self.core)
+        if self.shm is not None:
+            self.shm.stale()  # the next pull answered through the board publishes anew
+
+    # ------------------------------------------------------------------ shared memory
+
+    def _shm_take(self, msg: Message, identity: bytes) -> None:
+        if self.shm is None:
+            if "shm" in msg.fields:  # e.g. this shard restarted without shared memory
+                raise ProtocolError(ErrorCode.NOT_REGISTERED, "this shard takes no tensors "
+                                    "through shared memory; say HELLO")
+            return
+        self.shm.take(msg, identity)
+
+    def _shm_hello(self, msg: Message, identity: bytes, frames: list[zmq.Frame],
+                   key: str | None, answer: Message) -> None:
+        """Grant a worker on this host the shared-memory path, or say it has none:
+        only a peer connected from this host (loopback or our own address) and,
+        under CURVE, with a key on the allow-list gets a segment."""
+        if self.shm is None or self.core is None or msg["role"] != "worker":
+            return
+        try:
+            peer = str(frames[0].get("Peer-Address"))
+        except (zmq.ZMQError, AttributeError, IndexError):
+            peer = ""
+        local = self.address.startswith("ipc://") or is_loopback(f"tcp://{peer}:0") or (
+            bool(peer) and f"//{peer}:" in self.address)
+        trusted = self.access.grants is None or (key is not None and key in self.access.grants)
+        grant = self.shm.hello(identity, msg["worker"], msg.get("shm"), local, trusted,
+                               self.core.params, self.core.flats)
+        if grant is not None:
+            answer.fields["shm"] = grant
+            self.counters["shm_peers"] += 1
+
+    def _shm_sweep(self) -> None:
+        """A worker died: unlink the segments of processes that are gone."""
+        if self.shm is not None:
+            sweep()
 
     def _answer_pulls(self, now: float) -> None:
         assert self.core is not None
@@ -432,6 +481,8 @@ class ShardServer:
         self.streamed.forget(known)
         self.outbox.forget(known)
         self.access.forget(known)
+        if self.shm is not None:
+            self.shm.forget(known)
         for worker in [w for w in self.peers if w not in known]:
             del self.peers[worker]
         self._told &= set(known)
@@ -557,6 +608,7 @@ class ShardServer:
         self.joined.drop(msg["worker"])
         if msg.get("dead"):  # from a supervisor that saw the process die
             dead = core.declare_dead(msg["worker"])
+            self._shm_sweep()
             if dead:
                 self.events.write("worker_dead", shard=self.config.shard, worker=msg["worker"],
                                   reported=True)

@@ -36,7 +36,7 @@ def save(core: ShardCore) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Everything needed to resume ``core``: (tensors, JSON-able metadata)."""
     tensors = {f"param/{k}": p.detach() for k, p in core.params.items()}
     scheduler, momentum = core.stepper.scheduler, core.stepper.momentum
-    opt = core.stepper.optimizer.state_dict()
+    opt = core.stepper.state_dict()
     opt_meta: dict[str, Any] = {"param_groups": opt["param_groups"], "state": {}}
     for index, entries in opt["state"].items():
         opt_meta["state"][str(index)] = {}
@@ -104,7 +104,7 @@ def load(core: ShardCore, tensors: Mapping[str, torch.Tensor],
         if name.startswith("optim/"):
             _, index, field_name = name.split("/", 2)
             opt_state.setdefault(int(index), {})[field_name] = value.clone()
-    core.stepper.optimizer.load_state_dict(
+    core.stepper.load_state_dict(
         {"state": opt_state, "param_groups": meta["optimizer"]["param_groups"]}
     )
     if core.stepper.scheduler is not None and meta.get("scheduler") is not None:

@@ -18,7 +18,7 @@ keeps no state, so its state_dict, and a checkpoint of it, are unchanged.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,6 +27,7 @@ from .optim import build_optimizer, build_scheduler
 from .stepsize import LrRule, MomentumCompensation, momentum_key
 
 if TYPE_CHECKING:
+    from .flat import FlatLayout
     from .probe import Probe
     from .records import CoreConfig
 
@@ -51,7 +52,12 @@ def is_plain_sgd(optimizer: torch.optim.Optimizer) -> bool:
 class Stepper:
     """The optimizer over a shard's parameters and the rules that shape its steps."""
 
-    def __init__(self, config: CoreConfig, params: Sequence[torch.Tensor]) -> None:
+    def __init__(self, config: CoreConfig, params: Sequence[torch.Tensor],
+                 flat: tuple[FlatLayout, list[torch.Tensor]] | None = None) -> None:
+        # with ``flat`` (layout, flat buffers) the optimizer steps one tensor per dtype
+        self.flat = flat
+        if flat is not None:
+            params = flat[1]
         # a shard may own no slices (more shards than chunks): it still keeps clocks
         # and versions, but torch refuses an optimizer over nothing, so use a placeholder
         self.optimizer = build_optimizer(config.optimizer, list(params) or [torch.zeros(1)],
@@ -73,6 +79,18 @@ class Stepper:
         # (a hook or a param group may be added later), through a cheap check of its hooks
         self.fused = self.scheduler is None and self.momentum is None
 
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer's state, per slice (as checkpoints hold it) also when it
+        steps flat buffers."""
+        state = self.optimizer.state_dict()
+        return state if self.flat is None else self.flat[0].state_to_slices(state,
+                                                                            self.flat[1])
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.flat is not None:
+            state = self.flat[0].state_from_slices(state, self.flat[1])
+        self.optimizer.load_state_dict(state)
+
     @property
     def lr(self) -> float:
         """The optimizer's current learning rate (its first group's)."""
@@ -85,7 +103,11 @@ class Stepper:
         """One optimizer step on ``grads``, the one that makes ``version + 1`` (the
         probe measures it, when it measures this step)."""
         for key, p in params.items():
-            p.grad = grads[key]
+            p.grad = grads[key]  # per slice too: the probe measures them
+        if self.flat is not None:
+            layout, flats = self.flat
+            for f in flats:
+                f.grad = layout.join(f.dtype, grads)
         if before_step is not None:
             before_step()
         groups = self.optimizer.param_groups
@@ -112,6 +134,9 @@ class Stepper:
             g["lr"] = lr
         for p in params.values():
             p.grad = None
+        if self.flat is not None:
+            for f in self.flat[1]:
+                f.grad = None
         if self.scheduler is not None:
             self.scheduler.step()
         if measure is not None:

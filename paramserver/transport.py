@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 import zmq.auth
@@ -27,6 +27,9 @@ from zmq.utils import z85
 
 from .errors import RemoteError, RequestTimeoutError, TransportError
 from .protocol import DEFAULT_LIMITS, Limits, Message, Op, PreparedTensors, decode, encode
+
+if TYPE_CHECKING:
+    from .shm import ShmLink
 
 __all__ = [
     "ANY_KEY",
@@ -469,10 +472,13 @@ class Channel:
         context: zmq.Context[Any] | None = None,
         drop_rate: float = 0.0,
         seed: int = 0,
+        shm: ShmLink | None = None,
     ) -> None:
         tune_allocator()  # before zmq's I/O thread makes its first allocation
         self.address = address if "://" in address else f"tcp://{address}"
         self.peer = peer
+        # same-host shared memory, offered at HELLO (paramserver/shm.py)
+        self.shm = shm
         self.limits = limits
         # chaos testing: lose this fraction of requests and of replies, as a
         # flaky network would; retries and push ids must make up for it
@@ -509,10 +515,33 @@ class Channel:
     def send(self, msg: Message) -> None:
         if self._drop():
             return
+        if self.shm is not None:
+            msg = self._via_shm(msg, self.shm)
         try:
             self.socket.send_multipart(encode(msg), copy=False)
         except zmq.ZMQError as exc:
             raise TransportError(f"cannot send to {self.peer} at {self.address}: {exc}") from exc
+
+    @staticmethod
+    def _via_shm(msg: Message, link: ShmLink) -> Message:
+        """``msg`` as sent to a same-host shard: HELLO offers our segment; once the
+        shard granted its board, tensors go into the segment and pulls ask for a
+        ticket. The caller's message is left as it is (a retry sends it again)."""
+        fields = msg.fields
+        if msg.op is Op.HELLO and fields.get("role") == "worker":
+            offer = link.offer()
+            return msg if offer is None else Message(msg.op, msg.seq, {**fields, "shm": offer})
+        if not link.active:
+            return msg
+        extra: dict[str, Any] = {}
+        tensors = msg.tensors
+        if msg.op in (Op.PUSH, Op.INIT) and tensors:
+            descs = link.write(tensors)
+            if descs is not None:
+                extra["shm"], tensors = descs, {}
+        if (msg.op is Op.PULL or fields.get("pull")) and "via_shm" not in fields:
+            extra["via_shm"] = True
+        return Message(msg.op, msg.seq, {**fields, **extra}, tensors) if extra else msg
 
     def recv_nowait(self) -> Message | None:
         try:
@@ -521,13 +550,18 @@ class Channel:
             return None
         if self._drop():
             return self.recv_nowait()
-        return decode(frames, self.limits)
+        rep = decode(frames, self.limits)
+        if self.shm is not None and rep.get("re") == Op.HELLO.value:
+            self.shm.granted(rep.get("shm"))
+        return rep
 
     def request(self, msg: Message, timeout: float, what: str | None = None) -> Message:
         return request_all([self], [msg], timeout, what)[0]
 
     def close(self) -> None:
         self.socket.close(0)
+        if self.shm is not None:
+            self.shm.close()
 
 
 def request_all(

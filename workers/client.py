@@ -34,6 +34,9 @@ from paramserver.errors import (
 )
 from paramserver.protocol import PROTOCOL_VERSION, Message, Op
 from paramserver.sharding import DTYPES, ShardPlan
+from paramserver.shm import MIN_BYTES as SHM_MIN_BYTES
+from paramserver.shm import ShmLink
+from paramserver.shm import enabled as shm_enabled
 from paramserver.transport import Channel, CurveKeys, request_all
 from paramserver.workers.liveness import Heartbeat, Patience
 
@@ -104,6 +107,7 @@ class PSClient:
         wire_dtype: str | None = None,
         part_bytes: int = PART_BYTES,
         barrier_timeout: float = 0.0,
+        shm: bool = True,
     ) -> None:
         if len(addresses) != plan.num_shards:
             raise TransportError(
@@ -126,8 +130,15 @@ class PSClient:
         self.barrier_timeout = barrier_timeout
         self._params: Mapping[str, torch.Tensor] | None = None
         self.incarnation = uuid.uuid4().hex
+        # a worker on a shard's host moves tensors through shared memory if the
+        # shard agrees at HELLO (paramserver/shm.py); anything else goes over TCP
+        # (``shm=False``: TCP even then, as the benchmark's ps-tcp row measures)
+        use_shm = shm and role == "worker" and shm_enabled()
         self.channels = [Channel(a, peer=f"shard {i}", curve=curve, drop_rate=drop_rate,
-                                 seed=worker * 1000 + i)
+                                 seed=worker * 1000 + i,
+                                 shm=ShmLink([(sl.key, sl.nbytes) for sl in plan.shard_slices(i)],
+                                             f"w{worker}s{i}")
+                                 if use_shm and plan.shard_bytes(i) >= SHM_MIN_BYTES else None)
                          for i, a in enumerate(addresses)]
         self._push_id = 0
         self._heartbeat = (
@@ -294,8 +305,45 @@ class PSClient:
             clock=max(r["clock"] for r in replies),
             waited=max(float(r.get("waited", 0.0)) for r in replies),
             seconds=time.perf_counter() - t0,
-            nbytes=sum(r.nbytes for r in replies),
+            nbytes=sum(r.nbytes or _shm_bytes(r) for r in replies),
         )
+
+    def _land(self, params: Mapping[str, torch.Tensor], shard: int, rep: Message) -> bool:
+        """Copy one shard's weights from its reply into ``params``. A reply through
+        shared memory is a ticket to the shard's board: copied under its seqlock,
+        the version read (never older than the ticket's) replaces the reply's.
+        False: every copy was overlapped by a write; pull that shard over TCP."""
+        ticket = rep.get("shm")
+        if ticket is None:
+            self.plan.assemble_into(params, rep.tensors)
+            return True
+        link = self.channels[shard].shm
+        version = None if link is None else link.read(
+            ticket, lambda tensors: self.plan.assemble_into(params, tensors),
+            self.channels[shard].limits)
+        if version is None:
+            return False
+        rep.fields["version"] = version
+        return True
+
+    def _land_all(self, params: Mapping[str, torch.Tensor], replies: list[Message],
+                  done: set[int], clock: int) -> None:
+        """:meth:`_land` every reply not in ``done``; shards whose board could not be
+        read steadily are pulled again at ``clock`` over TCP."""
+        again = [i for i, rep in enumerate(replies) if i not in done
+                 and not self._land(params, i, rep)]
+        if not again:
+            return
+        log.info("shards %s: weight board copies kept being overwritten; pulling over TCP",
+                 again)
+        msgs = self._pull_msgs(clock)
+        for m in msgs:
+            m.fields["via_shm"] = False
+        for i, rep in zip(again, self._call([msgs[i] for i in again], "PULL", again),
+                          strict=True):
+            self.plan.assemble_into(params, rep.tensors)
+            replies[i].fields.update(version=rep["version"], clock=rep["clock"], shm=None)
+            replies[i].tensors = rep.tensors
 
     def pull(self, params: Mapping[str, torch.Tensor], clock: int = 0,
              wait_init: bool = False) -> PullResult:
@@ -312,13 +360,12 @@ class PSClient:
 
         def assemble(i: int, rep: Message) -> None:
             # copy each shard's reply into the model as it lands, while others are in flight
-            self.plan.assemble_into(params, rep.tensors)
-            done.add(i)
+            if self._land(params, i, rep):
+                done.add(i)
 
         replies = self._call(msgs, "PULL", recover=not observer, on_reply=assemble)
-        for i, rep in enumerate(replies):
-            if i not in done:  # answered only after a recovery
-                assemble(i, rep)
+        # answered only after a recovery, or to be pulled over TCP
+        self._land_all(params, replies, done, clock)
         return self._pull_result(replies, t0)
 
     def _host_grads(self, grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -469,8 +516,8 @@ class PSClient:
         done: set[int] = set()
 
         def assemble(i: int, rep: Message) -> None:
-            self.plan.assemble_into(params, rep.tensors)
-            done.add(i)
+            if self._land(params, i, rep):
+                done.add(i)
 
         replies = self._call(msgs, "PUSH+PULL", soft=(FutureVersionError,),
                              on_reply=assemble)
@@ -480,9 +527,7 @@ class PSClient:
             pulls = self._call([self._pull_msgs(clock + 1)[i] for i in lost], "PULL", lost)
             for i, rep in zip(lost, pulls, strict=True):
                 replies[i] = Message(rep.op, rep.seq, {**rep.fields, "push": None}, rep.tensors)
-        for i, rep in enumerate(replies):
-            if i not in done:
-                assemble(i, rep)
+        self._land_all(params, replies, done, clock + 1)
         pushed = self._push_result(msgs, [r["push"] for r in replies], t0)
         return pushed, self._pull_result(replies, t0)
 
@@ -619,9 +664,14 @@ class PushStream:
             for s, r in zip(missing, got, strict=True):
                 finals[s] = r
         with torch.no_grad():
-            for rep in finals:
-                client.plan.assemble_into(params, rep.tensors)
+            client._land_all(params, finals, set(), self.fields["clock"] + 1)
         return pushed, client._pull_result(finals, self.t0)
+
+
+def _shm_bytes(rep: Message) -> int:
+    """The bytes of weights a reply lent through shared memory (0: none)."""
+    ticket = rep.get("shm")
+    return int(ticket.get("nbytes", 0)) if isinstance(ticket, dict) else 0
 
 
 def pull_weights(addresses: Sequence[str], plan: ShardPlan, timeout: float = 60.0,

@@ -1,0 +1,596 @@
+"""Same-host shared memory: tensor payloads beside the ZeroMQ header, not in it.
+
+A worker and a shard on one host (same hostname and kernel boot id, agreed at
+HELLO) move tensors through files in ``/dev/shm`` that both map:
+
+* each worker channel owns a *gradient segment*, one fixed region per slice
+  key of its shard; a PUSH or INIT writes its tensors there once and sends
+  only the header, whose ``shm`` field lists ``[key, dtype, shape, offset]``.
+  The shard wraps those regions as tensors and adds or applies them in place.
+* each shard owns a *weight board*: two slots, each with a sequence number
+  and a version, written seqlock-style (odd while a slot is being written).
+  A pull reply carries a ticket (slot, sequence, version, layout); the worker
+  copies the slot into its model and checks the sequence afterwards, so a copy
+  overlapped by a write is noticed and redone from the newest slot
+  (:func:`read_guarded`), and after :data:`READ_ATTEMPTS` it pulls over TCP.
+
+Files, not ``multiprocessing.shared_memory``: on Python 3.11 its resource
+tracker unlinks a segment when *any* process that attached it exits, and it
+neither refuses symlinks nor checks the owner and mode of what it attaches.
+A file opened with ``O_NOFOLLOW``, created ``0600`` with ``O_EXCL`` and checked
+with ``fstat`` on attach is the same kernel object (tmpfs) with those checks.
+
+Names carry the owner's uid, pid and the pid's start time, so a sweep
+(:func:`sweep`, at a process's first segment and at exit, and on a shard when
+a worker dies) removes the segments of processes that are gone, SIGKILL
+included. ``PARAMSERVER_SHM`` switches the path: ``auto`` (default: on where a
+plain store is ordered, x86-64 Linux with /dev/shm), ``1`` (on wherever Linux
+has /dev/shm) or ``0`` (off: every byte over TCP, as across hosts).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import math
+import mmap
+import os
+import platform
+import re
+import socket
+import stat
+import sys
+import threading
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import ErrorCode, ProtocolError
+from .protocol import DTYPES, Limits, Message, Op, _check_desc
+
+__all__ = ["ENV", "MIN_BYTES", "READ_ATTEMPTS", "SHM_DIR", "BoardReader", "GradSegment", "Segment",
+           "ShmHub", "ShmLink", "WeightBoard", "enabled", "host_identity", "read_guarded", "sweep"]
+
+log = logging.getLogger(__name__)
+
+#: the switch: auto | 1 | 0 (read by every process at its first use)
+ENV = "PARAMSERVER_SHM"
+SHM_DIR = Path("/dev/shm")
+#: copies of a board slot tried before a pull falls back to TCP
+READ_ATTEMPTS = 16
+#: a shard's share below this many bytes goes over TCP: a few KiB cost less to copy
+#: through the socket than the segment's bookkeeping (measured: 1 KiB round trips
+#: were 15% slower through shared memory)
+MIN_BYTES = 64 * 1024
+_ALIGN = 64  # each region starts on a cache line (and any dtype's alignment)
+_HEADER = 4096  # the board's header page: per slot a sequence number and a version
+_PREFIX = "paramserver-shm"
+_NAME = re.compile(rf"^{_PREFIX}\.(\d+)\.(\d+)\.(\d+)\.[0-9a-f]+\.[a-z0-9]+$")
+_RUN = uuid.uuid4().hex[:12]  # this process's run token, in each of its segment names
+_OWN: set[Path] = set()  # segments this process created (unlinked at exit)
+_LOCK = threading.Lock()
+_SWEPT = False
+
+
+def enabled() -> bool:
+    """Whether this process may use shared memory (``PARAMSERVER_SHM``)."""
+    value = os.environ.get(ENV, "auto").strip().lower()
+    if value in ("0", "off", "false", "no"):
+        return False
+    if sys.platform != "linux" or not SHM_DIR.is_dir():
+        return False
+    if value in ("1", "on", "true", "yes"):
+        return True
+    # auto: the seqlock needs stores seen in program order, which x86-64 gives
+    # plain Python/torch stores; elsewhere it would need fences we cannot issue
+    return platform.machine() in ("x86_64", "AMD64")
+
+
+def host_identity() -> str:
+    """Hostname and kernel boot id: equal only for processes on one running host."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = "?"
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _start_time(pid: int) -> int | None:
+    """The start time of process ``pid`` in clock ticks (None: no such process)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    try:  # the command name may hold spaces and parentheses: split after the last ")"
+        return int(text[text.rindex(")") + 2:].split()[19])
+    except (ValueError, IndexError):
+        return None
+
+
+def _owner_alive(pid: int, start: int) -> bool:
+    return _start_time(pid) == start
+
+
+def sweep(directory: Path = SHM_DIR) -> list[str]:
+    """Unlink this user's segments whose owning process is gone; return their names."""
+    removed: list[str] = []
+    uid = os.geteuid()
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        m = _NAME.match(name)
+        if m is None or int(m.group(1)) != uid:
+            continue
+        if _owner_alive(int(m.group(2)), int(m.group(3))):
+            continue
+        try:
+            os.unlink(directory / name)
+            removed.append(name)
+        except OSError:
+            continue
+    if removed:
+        log.info("removed %d shared-memory segment(s) of exited processes", len(removed))
+    return removed
+
+
+def _unlink_own() -> None:
+    with _LOCK:
+        for path in list(_OWN):
+            with contextlib.suppress(OSError):
+                path.unlink()
+            _OWN.discard(path)
+    sweep()
+
+
+class Segment:
+    """One mapped ``/dev/shm`` file; ``data`` is its bytes as a uint8 tensor."""
+
+    def __init__(self, path: Path, mm: mmap.mmap, owner: bool) -> None:
+        self.path = path
+        self.name = path.name
+        self.mm = mm
+        self.size = len(mm)
+        self.owner = owner
+        self.data = torch.frombuffer(mm, dtype=torch.uint8) if self.size else torch.empty(0)
+
+    @classmethod
+    def create(cls, tag: str, size: int, directory: Path = SHM_DIR) -> Segment:
+        """A new segment of ``size`` bytes, mode 0600, unlinked when this process exits."""
+        global _SWEPT
+        if not _SWEPT:
+            _SWEPT = True
+            sweep(directory)  # the leftovers of killed processes, before adding ours
+            atexit.register(_unlink_own)
+        pid = os.getpid()
+        name = f"{_PREFIX}.{os.geteuid()}.{pid}.{_start_time(pid) or 0}.{_RUN}.{tag}"
+        path = directory / name
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            os.fchmod(fd, 0o600)  # whatever the umask
+            os.ftruncate(fd, max(size, 1))
+            mm = mmap.mmap(fd, max(size, 1))
+        except BaseException:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        with _LOCK:
+            _OWN.add(path)
+        return cls(path, mm, owner=True)
+
+    @classmethod
+    def attach(cls, name: str, min_size: int, directory: Path = SHM_DIR) -> Segment:
+        """Map a peer's segment: a regular file of ours, 0600, at least ``min_size``."""
+        if not isinstance(name, str) or _NAME.match(name) is None:
+            raise OSError(f"not a segment name: {name!r}")
+        fd = os.open(directory / name, os.O_RDWR | os.O_NOFOLLOW)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                raise OSError(f"{name}: not a regular file of this user")
+            if st.st_mode & 0o077:
+                raise OSError(f"{name}: mode {st.st_mode & 0o777:o}, not 0600")
+            if st.st_size < max(min_size, 1):
+                raise OSError(f"{name}: {st.st_size} bytes, need {min_size}")
+            mm = mmap.mmap(fd, st.st_size)
+        finally:
+            os.close(fd)
+        return cls(directory / name, mm, owner=False)
+
+    def region(self, offset: int, dtype: torch.dtype, shape: Iterable[int]) -> torch.Tensor:
+        shape = tuple(shape)
+        nbytes = math.prod(shape) * dtype.itemsize
+        return self.data[offset:offset + nbytes].view(dtype).view(shape)
+
+    def close(self) -> None:
+        """Unmap (when no tensor still views it) and, as the owner, unlink."""
+        if self.owner:
+            with _LOCK:
+                _OWN.discard(self.path)
+            self.path.unlink(missing_ok=True)
+        self.data = torch.empty(0, dtype=torch.uint8)
+        with contextlib.suppress(BufferError):  # a tensor still views it: unmapped later
+            self.mm.close()
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def layout(slices: Iterable[tuple[str, int]]) -> tuple[dict[str, int], int]:
+    """(key -> offset, total bytes) for regions of ``(key, nbytes)``, cache-line aligned."""
+    offsets: dict[str, int] = {}
+    total = 0
+    for key, nbytes in slices:
+        offsets[key] = total
+        total += _aligned(nbytes)
+    return offsets, total
+
+
+def _descs_to_tensors(seg: Segment, descs: Any, limits: Limits, base: int = 0,
+                      end: int | None = None) -> dict[str, torch.Tensor]:
+    """Tensors over ``seg`` from ``[key, dtype, shape, offset]`` descriptors, each
+    checked as the wire decoder checks frames, and inside ``[base, end)``."""
+    end = seg.size if end is None else end
+    if not isinstance(descs, list) or len(descs) > limits.max_tensors:
+        raise ProtocolError(ErrorCode.BAD_HEADER, "'shm' must list at most max_tensors entries")
+    tensors: dict[str, torch.Tensor] = {}
+    total = 0
+    for desc in descs:
+        if not isinstance(desc, list) or len(desc) != 4:
+            raise ProtocolError(ErrorCode.BAD_TENSOR, "shm descriptor: [key, dtype, shape, offset]")
+        key, dtype, shape = _check_desc(desc[:3], limits)
+        offset = desc[3]
+        if key in tensors:
+            raise ProtocolError(ErrorCode.BAD_TENSOR, f"tensor key {key!r} appears twice")
+        nbytes = math.prod(shape) * dtype.itemsize
+        if (isinstance(offset, bool) or not isinstance(offset, int) or offset < 0
+                or offset % dtype.itemsize or base + offset + nbytes > end):
+            raise ProtocolError(ErrorCode.BAD_TENSOR,
+                                f"{key!r}: offset {offset!r} is outside the shared segment")
+        if nbytes > limits.max_tensor_bytes:
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"{key!r}: {nbytes} bytes over the limit")
+        total += nbytes
+        if total > limits.max_total_bytes:
+            raise ProtocolError(ErrorCode.TOO_LARGE, "message over the total size limit")
+        tensors[key] = seg.region(base + offset, dtype, shape)
+    return tensors
+
+
+# --------------------------------------------------------------------------- worker side
+
+
+class GradSegment:
+    """A worker channel's gradient segment: one region per slice key of its shard."""
+
+    def __init__(self, slices: Iterable[tuple[str, int]], tag: str) -> None:
+        slices = list(slices)
+        self.offsets, size = layout(slices)
+        # the bytes each region may hold (its key's slice in the parameter's dtype)
+        self.room = {key: _aligned(nbytes) for key, nbytes in slices}
+        self.seg = Segment.create(tag, size)
+
+    def write(self, tensors: Mapping[str, torch.Tensor]) -> list[list[Any]] | None:
+        """Copy ``tensors`` into their regions; their descriptors, or None when one
+        does not fit (a key not in the layout, a dtype it has no name for): that
+        message then goes over TCP."""
+        names = {v: k for k, v in DTYPES.items()}
+        plan = []
+        for key, t in tensors.items():
+            offset = self.offsets.get(key)
+            name = names.get(t.dtype)
+            if offset is None or name is None or t.device.type != "cpu":
+                return None
+            if t.numel() * t.element_size() > self.room[key]:
+                return None
+            plan.append((key, name, t, offset))
+        descs = []
+        for key, name, t, offset in plan:
+            if t.numel():
+                self.seg.region(offset, t.dtype, (t.numel(),)).copy_(t.detach().reshape(-1))
+            descs.append([key, name, list(t.shape), offset])
+        return descs
+
+    def close(self) -> None:
+        self.seg.close()
+
+
+class BoardReader:
+    """A worker's mapping of a shard's weight board."""
+
+    def __init__(self, name: str, size: int) -> None:
+        self.seg = Segment.attach(name, size)
+        self.slot_bytes = (self.seg.size - _HEADER) // 2
+        self.head = self.seg.data[:_HEADER].view(torch.int64)
+
+    def seq(self, slot: int) -> int:
+        return int(self.head[8 + slot * 8])
+
+    def version(self, slot: int) -> int:
+        return int(self.head[9 + slot * 8])
+
+    def current(self) -> int:
+        return int(self.head[1])
+
+    def tensors(self, slot: int, descs: Any, limits: Limits) -> dict[str, torch.Tensor]:
+        base = _HEADER + slot * self.slot_bytes
+        return _descs_to_tensors(self.seg, descs, limits, base, base + self.slot_bytes)
+
+    def close(self) -> None:
+        self.seg.close()
+
+
+def read_guarded(board: BoardReader, ticket: Mapping[str, Any],
+                 copy: Callable[[dict[str, torch.Tensor]], None],
+                 limits: Limits, attempts: int = READ_ATTEMPTS) -> int | None:
+    """Copy a published slot with ``copy``; the version copied, or None if every
+    attempt was overlapped by a write (the caller then pulls over TCP).
+
+    The ticket's slot is tried first while it still holds the ticket's sequence
+    number; then the newest slot, whose version is at least the ticket's. A
+    copy counts only if the slot's sequence number was even before and equal
+    after it: the writer makes it odd while it writes.
+    """
+    slot, seq, version = int(ticket["slot"]), int(ticket["seq"]), int(ticket["version"])
+    if slot not in (0, 1):
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"board slot {slot!r}")
+    descs = ticket["t"]
+    for attempt in range(attempts):
+        if attempt:
+            slot = board.current()
+            seq = board.seq(slot)
+            if seq & 1 or board.version(slot) < version:
+                continue
+        elif board.seq(slot) != seq:
+            continue
+        got = board.version(slot)
+        copy(board.tensors(slot, descs, limits))
+        if board.seq(slot) == seq:
+            return got
+    return None
+
+
+class ShmLink:
+    """A worker channel's side: its gradient segment, and the shard's board once
+    the shard granted it (HELLO reply field ``shm``)."""
+
+    def __init__(self, slices: Iterable[tuple[str, int]], tag: str) -> None:
+        self.slices = list(slices)
+        self.tag = tag
+        self.grads: GradSegment | None = None
+        self.board: BoardReader | None = None
+
+    def offer(self) -> dict[str, Any] | None:
+        """The HELLO field that offers our gradient segment (None: cannot make one)."""
+        if self.grads is None:
+            try:
+                self.grads = GradSegment(self.slices, self.tag)
+            except OSError as exc:
+                log.info("no shared-memory segment (%s): this worker uses TCP", exc)
+                return None
+        return {"host": host_identity(), "seg": self.grads.seg.name,
+                "size": self.grads.seg.size}
+
+    def granted(self, grant: Any) -> None:
+        """The shard's answer to the offer: its board, or None (TCP from now on)."""
+        name = grant.get("board") if isinstance(grant, dict) else None
+        if self.board is not None and self.board.seg.name == name:
+            return
+        if self.board is not None:
+            self.board.close()
+            self.board = None
+        if name is None:
+            return
+        try:
+            self.board = BoardReader(name, int(grant.get("size", 0)))
+        except (OSError, ValueError) as exc:
+            log.warning("cannot map the shard's weight board (%s): using TCP", exc)
+
+    @property
+    def active(self) -> bool:
+        return self.board is not None and self.grads is not None
+
+    def write(self, tensors: Mapping[str, torch.Tensor]) -> list[list[Any]] | None:
+        return self.grads.write(tensors) if self.active and self.grads is not None else None
+
+    def read(self, ticket: Any, copy: Callable[[dict[str, torch.Tensor]], None],
+             limits: Limits) -> int | None:
+        if self.board is None or not isinstance(ticket, dict):
+            return None
+        return read_guarded(self.board, ticket, copy, limits)
+
+    def close(self) -> None:
+        if self.board is not None:
+            self.board.close()
+            self.board = None
+        if self.grads is not None:
+            self.grads.close()
+            self.grads = None
+
+
+# --------------------------------------------------------------------------- shard side
+
+
+def _offset_in(p: torch.Tensor, flat: torch.Tensor) -> int:
+    return int(p.storage_offset() - flat.storage_offset()) * p.element_size()
+
+
+def _inside(p: torch.Tensor, flats: Mapping[torch.dtype, torch.Tensor]) -> bool:
+    """Whether ``p`` is a contiguous view into its dtype's flat buffer."""
+    flat = flats.get(p.dtype)
+    return (flat is not None and p.is_contiguous()
+            and p.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+            and p.storage_offset() - flat.storage_offset() >= 0
+            and p.storage_offset() + p.numel() <= flat.storage_offset() + flat.numel())
+
+
+class WeightBoard:
+    """A shard's double-buffered, seqlocked copy of its weights for same-host pulls."""
+
+    def __init__(self, params: Mapping[str, torch.Tensor], tag: str,
+                 flats: Mapping[torch.dtype, torch.Tensor] | None = None) -> None:
+        # with the shard's flat buffers (params are views into them, paramserver/flat.py)
+        # a slot holds each buffer whole, and publishing is one copy per dtype
+        self.flats = dict(flats or {})
+        self.flat_at: dict[torch.dtype, int] = {}
+        if self.flats and all(_inside(p, self.flats) for p in params.values()):
+            at = 0
+            for dtype, flat in self.flats.items():
+                self.flat_at[dtype] = at
+                at += _aligned(flat.numel() * flat.element_size())
+            self.offsets = {k: self.flat_at[p.dtype] + _offset_in(p, self.flats[p.dtype])
+                            for k, p in params.items()}
+            self.slot_bytes = at
+        else:
+            self.flats = {}
+            self.offsets, self.slot_bytes = layout(
+                (k, p.numel() * p.element_size()) for k, p in params.items())
+        self.seg = Segment.create(tag, _HEADER + 2 * self.slot_bytes)
+        self.head = self.seg.data[:_HEADER].view(torch.int64)
+        names = {v: k for k, v in DTYPES.items()}
+        self.descs = [[k, names[p.dtype], list(p.shape), self.offsets[k]]
+                      for k, p in params.items()]
+        self.nbytes = sum(p.numel() * p.element_size() for p in params.values())
+        self.ticket: dict[str, Any] | None = None  # the latest publication, while current
+        self.published = 0
+
+    def stale(self) -> None:
+        """The weights are about to change: the next pull publishes them again."""
+        self.ticket = None
+
+    def publish(self, params: Mapping[str, torch.Tensor], version: int) -> dict[str, Any]:
+        """The ticket of a slot holding ``params`` at ``version``; written now unless the
+        latest publication is still current. The slot written is the one not
+        published last, so the latest stays readable while it is written."""
+        if self.ticket is not None and self.ticket["version"] == version:
+            return self.ticket
+        slot = 1 - int(self.head[1]) if self.published else 0
+        self.published += 1
+        at = 8 + slot * 8
+        seq = int(self.head[at]) + 1
+        self.head[at] = seq  # odd: being written
+        base = _HEADER + slot * self.slot_bytes
+        with torch.no_grad():
+            for dtype, flat in self.flats.items():
+                if flat.numel():
+                    self.seg.region(base + self.flat_at[dtype], dtype,
+                                    (flat.numel(),)).copy_(flat)
+            for key, p in params.items() if not self.flats else ():
+                if p.numel():
+                    self.seg.region(base + self.offsets[key], p.dtype,
+                                    (p.numel(),)).copy_(p.reshape(-1))
+        self.head[at + 1] = version
+        self.head[at] = seq + 1  # even: complete
+        self.head[1] = slot
+        self.ticket = {"slot": slot, "seq": seq + 1, "version": version, "t": self.descs,
+                       "nbytes": self.nbytes}
+        return self.ticket
+
+    def close(self) -> None:
+        self.seg.close()
+
+
+class _Peer:
+    def __init__(self, worker: int, seg: Segment) -> None:
+        self.worker = worker
+        self.seg = seg
+
+
+class ShmHub:
+    """A shard server's shared-memory peers (by ZeroMQ routing id) and its board."""
+
+    def __init__(self, shard: int, limits: Limits) -> None:
+        self.shard = shard
+        self.limits = limits
+        self.host = host_identity()
+        self.peers: dict[bytes, _Peer] = {}
+        self.board: WeightBoard | None = None
+        self.pulls: dict[bytes, int] = {}  # routing id -> seq of a pull to answer via shm
+
+    def hello(self, identity: bytes, worker: int, offer: Any, local: bool, trusted: bool,
+              params: Mapping[str, torch.Tensor],
+              flats: Mapping[torch.dtype, torch.Tensor] | None = None
+              ) -> dict[str, Any] | None:
+        """Take a worker's offer (HELLO field ``shm``) if it is on this host, local and
+        trusted; the grant for the reply, or None (that worker then uses TCP)."""
+        self.drop(identity)
+        if not (isinstance(offer, dict) and local and trusted and enabled()):
+            return None
+        if offer.get("host") != self.host:
+            return None
+        size = offer.get("size")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            return None
+        try:
+            seg = Segment.attach(str(offer.get("seg")), size)
+            if self.board is None:
+                self.board = WeightBoard(params, f"board{self.shard}", flats)
+        except (OSError, ValueError) as exc:
+            log.info("shard %d: worker %d stays on TCP: %s", self.shard, worker, exc)
+            return None
+        for other in [i for i, p in self.peers.items() if p.worker == worker]:
+            self.drop(other)  # the worker's earlier connection
+        self.peers[identity] = _Peer(worker, seg)
+        return {"board": self.board.seg.name, "size": self.board.seg.size}
+
+    def resolve(self, identity: bytes, fields: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """The tensors a message's ``shm`` descriptors name in its sender's segment."""
+        peer = self.peers.get(identity)
+        if peer is None:
+            raise ProtocolError(ErrorCode.NOT_REGISTERED, "no shared-memory segment for this "
+                                "connection; say HELLO")
+        return _descs_to_tensors(peer.seg, fields["shm"], self.limits)
+
+    def take(self, msg: Message, identity: bytes) -> None:
+        """A request's shared-memory fields: its tensors from the sender's segment
+        (PUSH, INIT), and whether its answer goes through the board (PULL, PUSH)."""
+        if msg.op in (Op.PUSH, Op.INIT) and "shm" in msg.fields:
+            if msg.tensors:
+                raise ProtocolError(ErrorCode.BAD_MESSAGE, "tensors both in frames and in "
+                                    "shared memory")
+            msg.tensors = self.resolve(identity, msg.fields)
+        if msg.op in (Op.PUSH, Op.PULL) and msg.get("via_shm") is True:
+            self.wants(identity, msg.seq)
+
+    def wants(self, identity: bytes, seq: int) -> None:
+        """A pull (or push + pull) that asked to be answered through the board."""
+        if identity in self.peers:
+            self.pulls[identity] = seq
+
+    def ticket(self, identity: bytes, seq: int, params: Mapping[str, torch.Tensor],
+               version: int) -> dict[str, Any] | None:
+        """The board ticket answering ``(identity, seq)``, or None to answer over TCP."""
+        if self.pulls.get(identity) != seq or self.board is None:
+            return None
+        del self.pulls[identity]
+        return self.board.publish(params, version)
+
+    def stale(self) -> None:
+        if self.board is not None:
+            self.board.stale()
+
+    def drop(self, identity: bytes) -> None:
+        peer = self.peers.pop(identity, None)
+        self.pulls.pop(identity, None)
+        if peer is not None:
+            peer.seg.close()
+
+    def forget(self, known: Iterable[int]) -> None:
+        """Unmap the segments of workers gone from the table, and sweep the dead's."""
+        known = set(known)
+        gone = [i for i, p in self.peers.items() if p.worker not in known]
+        for identity in gone:
+            self.drop(identity)
+
+    def close(self) -> None:
+        for identity in list(self.peers):
+            self.drop(identity)
+        if self.board is not None:
+            self.board.close()
+            self.board = None
