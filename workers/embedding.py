@@ -1,0 +1,201 @@
+"""ShardedEmbedding: an embedding table that lives on the shards, row by row.
+
+The table is never held by a worker: ``forward(ids)`` pulls the rows of the
+batch's unique ids from the shards that own them (one SPULL per shard, all in
+flight at once) and returns the looked-up embeddings with autograd connected
+to those rows. On :meth:`DistributedOptimizer.step` the rows' gradients are
+summed per unique id and pushed as (row ids, values) to their shards (one
+SPUSH per shard), before the dense push. Shards initialize the table from its
+rule and seed (:class:`paramserver.sparse.TableSpec`);
+:meth:`ShardedEmbedding.from_pretrained` streams a given table in instead.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from paramserver.errors import ConfigError
+from paramserver.protocol import Message, Op
+from paramserver.sparse import TableSpec, shard_of
+from paramserver.transport import request_all
+from paramserver.workers.client import PART_BYTES, PSClient
+
+__all__ = ["ShardedEmbedding", "SparseClient", "sparse_modules"]
+
+log = logging.getLogger(__name__)
+
+
+class SparseClient:
+    """A worker's row-sparse requests to every shard, beside its :class:`PSClient`."""
+
+    def __init__(self, client: PSClient) -> None:
+        self.client = client
+        self.num_shards = len(client.channels)
+        self.versions = [0] * self.num_shards  # the latest table version seen per shard
+        self._push_id = 0
+        self.nbytes = 0  # tensor bytes sent and received, for benchmarks
+
+    def _ask(self, msgs: Sequence[Message], shards: Sequence[int], what: str) -> list[Message]:
+        chans = [self.client.channels[s] for s in shards]
+        self.nbytes += sum(m.nbytes for m in msgs)
+        replies = request_all(chans, list(msgs), self.client.timeout, what)
+        self.nbytes += sum(r.nbytes for r in replies)
+        return replies
+
+    def pull(self, table: str, ids: torch.Tensor, dim: int, dtype: torch.dtype
+             ) -> tuple[torch.Tensor, list[int]]:
+        """Rows ``ids`` (unique, int64) of ``table`` and the version read per shard."""
+        owner = torch.from_numpy(shard_of(ids, self.num_shards))
+        shards = list(range(self.num_shards))
+        where = [torch.nonzero(owner == s).squeeze(1) for s in shards]
+        msgs = [Message(Op.SPULL, 0, {"worker": self.client.worker},
+                        {f"ids:{table}": ids[w].contiguous()}) for w in where]
+        replies = self._ask(msgs, shards, "SPULL")
+        out = torch.empty(len(ids), dim, dtype=dtype)
+        for s, (w, rep) in enumerate(zip(where, replies, strict=True)):
+            out[w] = rep.tensors[f"val:{table}"]
+            self.versions[s] = int(rep["version"])
+        return out, list(self.versions)
+
+    def push(self, grads: dict[str, tuple[torch.Tensor, torch.Tensor]],
+             read_versions: Sequence[int], num_samples: int, clock: int
+             ) -> list[dict[str, Any]]:
+        """Gradient rows {table: (ids, values)} to their shards, one SPUSH each (every
+        shard gets one, empty or not: a sync round counts every worker's samples)."""
+        self._push_id += 1
+        per: list[dict[str, torch.Tensor]] = [{} for _ in range(self.num_shards)]
+        for table, (ids, values) in grads.items():
+            owner = torch.from_numpy(shard_of(ids, self.num_shards))
+            for s in range(self.num_shards):
+                w = torch.nonzero(owner == s).squeeze(1)
+                per[s][f"ids:{table}"] = ids[w].contiguous()
+                per[s][f"val:{table}"] = values[w].contiguous()
+        msgs = [Message(Op.SPUSH, 0, {
+            "worker": self.client.worker, "push_id": self._push_id, "clock": clock,
+            "read_version": int(read_versions[s]), "num_samples": int(num_samples)}, per[s])
+            for s in range(self.num_shards)]
+        replies = self._ask(msgs, range(self.num_shards), "SPUSH")
+        outcomes = [dict(r.fields) for r in replies]
+        for s, o in enumerate(outcomes):
+            self.versions[s] = int(o["version"])
+        return outcomes
+
+    def seed(self, tables: dict[str, torch.Tensor], part_bytes: int = PART_BYTES) -> None:
+        """Stream whole tables {name: tensor} to the shards in parts of about
+        ``part_bytes`` per shard (the first worker to send seeds them)."""
+        plans = []
+        for name, tensor in tables.items():
+            owner = torch.from_numpy(shard_of(torch.arange(len(tensor)), self.num_shards))
+            plans.append((name, tensor, [torch.nonzero(owner == s).squeeze(1)
+                                         for s in range(self.num_shards)]))
+        row_bytes = max(t.shape[1] * t.element_size() for t in tables.values())
+        step = max(1, part_bytes // row_bytes)
+        longest = max(len(w) for _, _, ws in plans for w in ws)
+        parts = max(1, -(-longest // step))
+        for part in range(parts):
+            msgs = []
+            for s in range(self.num_shards):
+                tensors: dict[str, torch.Tensor] = {}
+                for name, tensor, ws in plans:
+                    ids = ws[s][part * step:(part + 1) * step]
+                    tensors[f"ids:{name}"] = ids.contiguous()
+                    tensors[f"val:{name}"] = tensor[ids].contiguous()
+                msgs.append(Message(Op.SINIT, 0, {"worker": self.client.worker,
+                                                  "part": part, "parts": parts}, tensors))
+            self._ask(msgs, range(self.num_shards), "SINIT")
+
+
+@dataclass
+class _Read:
+    ids: torch.Tensor  # unique row ids
+    rows: torch.Tensor  # their pulled values, a leaf autograd tracks
+    versions: list[int]
+
+
+class ShardedEmbedding(nn.Module):
+    """``nn.Embedding`` whose ``num_embeddings x embedding_dim`` table lives on the
+    parameter servers, split by row hash; a worker holds only its batch's rows.
+
+    ``init``: how the shards fill the table: ``"normal"`` (mean 0, ``std``),
+    ``"uniform"`` (-``std``, ``std``) or ``"zeros"``, from ``seed``. The module
+    works once a :class:`~paramserver.DistributedOptimizer` over the model that
+    holds it has connected; that optimizer's ``step()`` pushes its gradients.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *,
+                 dtype: torch.dtype = torch.float32, init: str = "normal", std: float = 1.0,
+                 seed: int = 0) -> None:
+        super().__init__()
+        self.num_embeddings = int(num_embeddings)
+        self.embedding_dim = int(embedding_dim)
+        self.dtype = dtype
+        names = {torch.float32: "float32", torch.float64: "float64"}
+        if dtype not in names:
+            raise ConfigError(f"ShardedEmbedding dtype must be float32 or float64, got {dtype}")
+        self._spec: dict[str, Any] = dict(rows=self.num_embeddings, dim=self.embedding_dim,
+                          dtype=names[dtype], init=init, std=float(std), seed=int(seed))
+        TableSpec("check", **self._spec)  # refuse bad arguments here, not at the servers
+        self.pretrained: torch.Tensor | None = None
+        self.table_name: str | None = None
+        self.client: SparseClient | None = None
+        self._reads: list[_Read] = []
+
+    @classmethod
+    def from_pretrained(cls, embeddings: torch.Tensor) -> ShardedEmbedding:
+        """A table seeded from ``embeddings`` (2-D, float32 or float64, dtype kept): the
+        worker that seeds the servers streams it to the shards in parts."""
+        if embeddings.dim() != 2:
+            raise ConfigError("from_pretrained needs a 2-D tensor")
+        module = cls(embeddings.shape[0], embeddings.shape[1], dtype=embeddings.dtype,
+                     init="pretrained")
+        module.pretrained = embeddings.detach().contiguous()
+        return module
+
+    def table_spec(self, name: str) -> TableSpec:
+        return TableSpec(name, **self._spec)
+
+    def attach(self, name: str, client: SparseClient) -> None:
+        self.table_name, self.client = name, client
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.client is None or self.table_name is None:
+            raise ConfigError("ShardedEmbedding has no servers yet: build a "
+                              "DistributedOptimizer over the model that holds it first")
+        flat = ids.reshape(-1).to(torch.int64)
+        unique, inverse = torch.unique(flat, return_inverse=True)
+        rows, versions = self.client.pull(self.table_name, unique, self.embedding_dim,
+                                          self.dtype)
+        if torch.is_grad_enabled():
+            rows.requires_grad_(True)
+            self._reads.append(_Read(unique, rows, versions))
+        return rows[inverse].reshape(*ids.shape, self.embedding_dim)
+
+    def take_grads(self) -> tuple[torch.Tensor, torch.Tensor, list[int] | None]:
+        """(unique ids, their summed gradients, the oldest versions read) of every
+        forward since the last step; the rows are dropped."""
+        reads, self._reads = self._reads, []
+        if not reads:
+            return (torch.zeros(0, dtype=torch.int64),
+                    torch.zeros(0, self.embedding_dim, dtype=self.dtype), None)
+        ids = torch.cat([r.ids for r in reads])
+        grads = torch.cat([r.rows.grad if r.rows.grad is not None else torch.zeros_like(r.rows)
+                           for r in reads])
+        unique, inverse = torch.unique(ids, return_inverse=True)
+        summed = torch.zeros(len(unique), self.embedding_dim, dtype=self.dtype)
+        summed.index_add_(0, inverse, grads)
+        versions = [min(r.versions[s] for r in reads) for s in range(len(reads[0].versions))]
+        return unique, summed, versions
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, sharded"
+
+
+def sparse_modules(model: nn.Module) -> list[tuple[str, ShardedEmbedding]]:
+    """The model's ShardedEmbedding modules with their names (the table names)."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, ShardedEmbedding)]
