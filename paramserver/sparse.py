@@ -249,7 +249,8 @@ class SparseStepper:
             b = buf[rows].mul_(self.momentum).add_(grad)
             buf[rows] = b
             grad = b
-        weight.grad = torch.sparse_coo_tensor(rows.unsqueeze(0), grad, weight.shape)
+        weight.grad = torch.sparse_coo_tensor(rows.unsqueeze(0), grad, weight.shape,
+                                              check_invariants=False)
         group = self.optimizer.param_groups[0]
         saved = group["lr"]
         group["lr"] = saved * scale
@@ -459,7 +460,7 @@ class SparseShard:
         for name, rows in r.rows.items():
             t = self.tables[name]
             g = torch.sparse_coo_tensor(torch.cat(rows).unsqueeze(0), torch.cat(r.values[name]),
-                                        t.weight.shape).coalesce()
+                                        t.weight.shape, check_invariants=False).coalesce()
             steps.append((name, g.indices()[0], g.values() / total))
         self._step(steps, 1.0)
         done = self._outcome(True, 1.0, "", 0)
