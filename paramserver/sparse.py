@@ -117,8 +117,8 @@ def shard_of(ids: torch.Tensor | np.ndarray, num_shards: int) -> np.ndarray:
 def owned_rows(rows: int, num_shards: int, shard: int) -> torch.Tensor:
     """The ids shard ``shard`` holds, ascending (int64)."""
     out = []
-    for start in range(0, rows, 1 << 22):  # bounded temporaries for large tables
-        ids = np.arange(start, min(rows, start + (1 << 22)), dtype=np.int64)
+    for start in range(0, rows, 1 << 20):  # bounded temporaries for large tables
+        ids = np.arange(start, min(rows, start + (1 << 20)), dtype=np.int64)
         out.append(ids[shard_of(ids, num_shards) == shard])
     return torch.from_numpy(np.concatenate(out) if out else np.zeros(0, np.int64))
 
