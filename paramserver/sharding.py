@@ -206,12 +206,16 @@ class ShardPlan:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         split: bool = True,
     ) -> ShardPlan:
-        """Plan for ``module.named_parameters()`` in registration order (shared ones once)."""
+        """Plan for ``module.named_parameters()`` in registration order (shared ones once),
+        and a sparse table for each submodule with a ``table_spec(name)`` method (a
+        ``ShardedEmbedding``), named by its path in the module."""
         specs = [
             ParamSpec(name, tuple(p.shape), dtype_name(p.dtype))
             for name, p in module.named_parameters()
         ]
-        return cls(specs, num_shards, chunk_bytes, split)
+        tables = [m.table_spec(name) for name, m in module.named_modules()
+                  if callable(getattr(m, "table_spec", None))]
+        return cls(specs, num_shards, chunk_bytes, split, tables)
 
     @classmethod
     def from_description(cls, d: Mapping[str, Any], limits: PlanLimits | None = None
