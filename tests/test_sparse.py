@@ -179,3 +179,24 @@ def test_bad_sparse_requests_are_refused_with_a_code_and_change_nothing(tensors,
     with pytest.raises(ProtocolError, match="another shard"):
         sp.pull({"ids:emb": torch.tensor([foreign])})
     assert torch.equal(sp.tables["emb"].weight, w0) and sp.version == 0
+
+
+def test_from_module_plans_sharded_embeddings_and_recsys_reaches_10m_rows():
+    from paramserver.workers.recsys import interactions
+    from paramserver.workers.tasks import resolve_task
+
+    task = resolve_task("recsys")(rank=1, world_size=2, users=10_000_000, items=10_000_000,
+                                  samples=4000, eval_samples=500)
+    plan = ShardPlan.from_module(task.model, 4)
+    assert [(t.name, t.rows) for t in plan.sparse] == [("users", 10_000_000),
+                                                       ("items", 10_000_000)]
+    assert [p.name for p in plan.params] == ["bias"]
+    pairs, labels = next(iter(task.batches))
+    assert pairs.dtype == torch.int64 and pairs.shape[1] == 2
+    assert set(labels.tolist()) <= {0.0, 1.0}
+    ids, y = interactions(20_000, 1000, 1000, zipf=1.2, latent=4, sharpness=3.0, seed=0)
+    counts = torch.bincount(ids[:, 0], minlength=1000)
+    assert counts[0] > 20 * counts[500:].float().mean()  # Zipfian: id 0 is hot
+    assert 0.3 < float(y.mean()) < 0.7
+    with pytest.raises(ConfigError):
+        resolve_task("recsys")(rank=0, world_size=1, users=10_000_001)
