@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from paramserver.errors import ConfigError
+from paramserver.errors import ConfigError, NotRegisteredError, RemoteError
 from paramserver.protocol import Message, Op
 from paramserver.sparse import TableSpec, shard_of
 from paramserver.transport import request_all
@@ -42,9 +42,26 @@ class SparseClient:
         self.nbytes = 0  # tensor bytes sent and received, for benchmarks
 
     def _ask(self, msgs: Sequence[Message], shards: Sequence[int], what: str) -> list[Message]:
-        chans = [self.client.channels[s] for s in shards]
+        """One request per shard, concurrently. Unanswered ones are sent again (same
+        push id: a shard applies a push once, and a sync shard answers it when its
+        round closes); a shard that restarted without us gets a HELLO first."""
+        client = self.client
+        chans = [client.channels[s] for s in shards]
         self.nbytes += sum(m.nbytes for m in msgs)
-        replies = request_all(chans, list(msgs), self.client.timeout, what)
+        replies = request_all(chans, list(msgs), client.attempt_timeout, what,
+                              retries=client.retries, raise_errors=False)
+        for i, rep in enumerate(replies):
+            if rep.op is not Op.ERROR:
+                continue
+            peer = f"{chans[i].peer} at {chans[i].address}"
+            error = RemoteError.from_reply(peer, rep["code"], rep["reason"])
+            if not isinstance(error, NotRegisteredError):
+                raise error
+            log.warning("%s: %s; registering again", peer, rep["reason"])
+            client._rejoin(shards[i])
+            again = Message(msgs[i].op, 0, dict(msgs[i].fields), msgs[i].tensors)
+            replies[i] = request_all([chans[i]], [again], client.attempt_timeout, what,
+                                     retries=client.retries)[0]
         self.nbytes += sum(r.nbytes for r in replies)
         return replies
 
