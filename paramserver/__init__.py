@@ -69,6 +69,7 @@ _EXPORTS: dict[str, str] = {
     "WorkerConfig": "paramserver.workers.worker",
     "DistributedOptimizer": "paramserver.workers.optimizer",
     "ShardedEmbedding": "paramserver.workers.embedding",
+    "ShardedEmbeddingBag": "paramserver.workers.embedding",
     "StepOutcome": "paramserver.workers.optimizer",
     "run_worker": "paramserver.workers.worker",
     # launching
@@ -115,6 +116,7 @@ __all__ = [
     "ShardPlan",
     "ShardServer",
     "ShardedEmbedding",
+    "ShardedEmbeddingBag",
     "SimSpec",
     "StalenessPolicy",
     "StepOutcome",
@@ -190,7 +192,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ lo
         register_policy,
     )
     from paramserver.workers.client import PSClient
-    from paramserver.workers.embedding import ShardedEmbedding
+    from paramserver.workers.embedding import ShardedEmbedding, ShardedEmbeddingBag
     from paramserver.workers.experiments.report import write_report
     from paramserver.workers.experiments.runner import run_experiment, simulate_experiment
     from paramserver.workers.experiments.spec import ExperimentSpec, load_spec

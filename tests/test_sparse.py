@@ -200,3 +200,45 @@ def test_from_module_plans_sharded_embeddings_and_recsys_reaches_10m_rows():
     assert 0.3 < float(y.mean()) < 0.7
     with pytest.raises(ConfigError):
         resolve_task("recsys")(rank=0, world_size=1, users=10_000_001)
+
+
+class _LocalRows:
+    """Stands in for the shards: rows from a local table (no sockets)."""
+
+    def __init__(self, table: torch.Tensor) -> None:
+        self.table = table
+        self.asked: list[int] = []
+
+    def pull(self, name, ids, dim, dtype):
+        self.asked.append(len(ids))
+        return self.table[ids].clone(), [3, 4]
+
+
+@pytest.mark.parametrize("bag", [None, "sum", "mean"])
+def test_worker_side_gradients_are_torchs_sparse_gradients_coalesced_per_id(bag):
+    from paramserver import ShardedEmbedding, ShardedEmbeddingBag
+
+    table = full_table(SPEC)
+    ref = torch.nn.Embedding(SPEC.rows, SPEC.dim, sparse=True).double()
+    with torch.no_grad():
+        ref.weight.copy_(table)
+    emb = (ShardedEmbedding(SPEC.rows, SPEC.dim, dtype=torch.float64) if bag is None else
+           ShardedEmbeddingBag(SPEC.rows, SPEC.dim, dtype=torch.float64, mode=bag))
+    fake = _LocalRows(table)
+    emb.attach("emb", fake)
+    ids = torch.tensor([[5, 9, 5], [700, 9, 1]])
+    pool = (lambda t: t) if bag is None else (lambda t: getattr(t, bag)(1))
+    w = torch.randn(2, SPEC.dim, dtype=torch.float64)
+    for _ in range(2):  # two forwards before one step: their gradients add up
+        got = emb(ids)
+        (got.sum(1) if bag is None else got).mul(w).sum().backward()
+        out = pool(ref(ids))
+        (out.sum(1) if bag is None else out).mul(w).sum().backward()
+        assert torch.allclose(got, out, rtol=0, atol=0)
+    assert fake.asked == [4, 4]  # only the unique ids are pulled
+    unique, grads, versions = emb.take_grads()
+    want = ref.weight.grad.coalesce()
+    assert torch.equal(unique, want.indices()[0])
+    assert torch.allclose(grads, want.values(), rtol=0, atol=1e-12)
+    assert versions == [3, 4]
+    assert emb.take_grads()[0].numel() == 0  # the rows were dropped

@@ -26,7 +26,7 @@ from paramserver.sparse import TableSpec, shard_of
 from paramserver.transport import request_all
 from paramserver.workers.client import PART_BYTES, PSClient
 
-__all__ = ["ShardedEmbedding", "SparseClient", "sparse_modules"]
+__all__ = ["ShardedEmbedding", "ShardedEmbeddingBag", "SparseClient", "sparse_modules"]
 
 log = logging.getLogger(__name__)
 
@@ -211,6 +211,29 @@ class ShardedEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, sharded"
+
+
+class ShardedEmbeddingBag(ShardedEmbedding):
+    """``nn.EmbeddingBag`` over a sharded table: ``forward(ids)`` with ``ids`` of shape
+    (bags, length) pools each row of ids by ``mode`` ("sum", "mean" or "max"); the
+    rows are pulled and pushed as for :class:`ShardedEmbedding`."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, mode: str = "mean",
+                 **kwargs: Any) -> None:
+        super().__init__(num_embeddings, embedding_dim, **kwargs)
+        if mode not in ("sum", "mean", "max"):
+            raise ConfigError(f"mode must be sum, mean or max, got {mode!r}")
+        self.mode = mode
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.dim() != 2:
+            raise ConfigError("ShardedEmbeddingBag takes ids of shape (bags, length)")
+        rows = super().forward(ids)
+        if self.mode == "sum":
+            return rows.sum(1)
+        if self.mode == "mean":
+            return rows.mean(1)
+        return rows.max(1).values
 
 
 def sparse_modules(model: nn.Module) -> list[tuple[str, ShardedEmbedding]]:
