@@ -337,17 +337,33 @@ class SparseShard:
     # ------------------------------------------------------------------ reads
 
     def pull(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Rows for each ``ids:<table>`` asked: {``val:<table>``: rows}."""
-        wanted = self.split(tensors, "SPULL")
-        if any(v is not None for _, v in wanted.values()):
-            raise ProtocolError(ErrorCode.BAD_TENSOR, "SPULL carries row ids only")
+        """Rows for each ``ids:<table>`` asked: {``val:<table>``: rows}.
+
+        With ``since:<table>`` (per id, the version a worker's cached copy was read at,
+        -1: none) only the rows changed since are sent: ``sel:<table>`` (their
+        positions in the ids) and ``val:<table>``; the others are still valid."""
+        since = {k[6:]: v for k, v in tensors.items() if k.startswith("since:")}
+        wanted = self.split({k: v for k, v in tensors.items() if not k.startswith("since:")},
+                            "SPULL")
+        if any(v is not None for _, v in wanted.values()) or set(since) - set(wanted):
+            raise ProtocolError(ErrorCode.BAD_TENSOR, "SPULL carries row ids (and since) only")
         found = {name: (self.table(name), ids) for name, (ids, _) in wanted.items()}
         out = {}
         for name, (t, ids) in found.items():
             if not t.initialized:
                 raise ProtocolError(ErrorCode.NOT_INITIALIZED,
                                     f"table {name!r} waits for its pretrained rows")
-            out[f"val:{name}"] = t.weight[t.local(ids, "SPULL", unique=False)]
+            pos = t.local(ids, "SPULL", unique=False)
+            read = since.get(name)
+            if read is None:
+                out[f"val:{name}"] = t.weight[pos]
+                continue
+            check_ids(read, "SPULL since")
+            if len(read) != len(ids):
+                raise ProtocolError(ErrorCode.BAD_TENSOR, "SPULL: since and ids differ in length")
+            sel = torch.nonzero((read < 0) | (t.updated[pos] >= read)).squeeze(1)
+            out[f"sel:{name}"] = sel
+            out[f"val:{name}"] = t.weight[pos[sel]]
         return out
 
     # ------------------------------------------------------------------ pretrained rows

@@ -49,13 +49,15 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--pretrained", action="store_true")
+    ap.add_argument("--cache", type=int, default=0, help="rows each worker caches")
     args = ap.parse_args()
     rank = int(os.environ["RANK"])
     if args.pretrained:
         from paramserver.sparse import full_table
         emb = ShardedEmbedding.from_pretrained(full_table(spec()))
     else:
-        emb = ShardedEmbedding(ROWS, DIM, dtype=torch.float64, std=STD, seed=SEED)
+        emb = ShardedEmbedding(ROWS, DIM, dtype=torch.float64, std=STD, seed=SEED,
+                               cache_rows=args.cache)
     model = Net(emb, seed=rank)  # ranks initialize apart: the servers' weights win
     opt = DistributedOptimizer(model)
     for k in range(args.steps):

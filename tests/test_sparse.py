@@ -209,7 +209,7 @@ class _LocalRows:
         self.table = table
         self.asked: list[int] = []
 
-    def pull(self, name, ids, dim, dtype):
+    def pull(self, name, ids, dim, dtype, cache=None):
         self.asked.append(len(ids))
         return self.table[ids].clone(), [3, 4]
 
@@ -242,3 +242,29 @@ def test_worker_side_gradients_are_torchs_sparse_gradients_coalesced_per_id(bag)
     assert torch.allclose(grads, want.values(), rtol=0, atol=1e-12)
     assert versions == [3, 4]
     assert emb.take_grads()[0].numel() == 0  # the rows were dropped
+
+
+def test_a_pull_with_versions_sends_only_rows_changed_since():
+    sp = _shard(mode="async")
+    ids = sp.tables["emb"].ids[:3]
+    first = sp.pull({"ids:emb": ids, "since:emb": torch.tensor([-1, -1, -1])})
+    assert first["sel:emb"].tolist() == [0, 1, 2]
+    read = sp.version
+    _push(sp, 0, 1, [int(ids[1])], torch.ones(1, 4, dtype=torch.float64))
+    again = sp.pull({"ids:emb": ids, "since:emb": torch.full((3,), read)})
+    assert again["sel:emb"].tolist() == [1]  # only the row a step changed
+    assert torch.equal(again["val:emb"][0], sp.tables["emb"].weight[1])
+    now = sp.pull({"ids:emb": ids, "since:emb": torch.full((3,), sp.version)})
+    assert now["sel:emb"].numel() == 0
+    with pytest.raises(ProtocolError):
+        sp.pull({"ids:emb": ids, "since:emb": torch.tensor([0, 0])})  # wrong length
+
+
+def test_the_row_cache_is_bounded_and_forgets_the_least_recently_used():
+    from paramserver.workers.embedding import RowCache
+
+    cache = RowCache(2)
+    cache.store(torch.tensor([1, 2]), torch.zeros(2, 3), 5)
+    cache.store(torch.tensor([3]), torch.ones(1, 3), 6)
+    assert cache.since(torch.tensor([1, 2, 3])).tolist() == [-1, 5, 6]
+    assert torch.equal(cache.rows_of(torch.tensor([3])), torch.ones(1, 3))

@@ -13,6 +13,7 @@ rule and seed (:class:`paramserver.sparse.TableSpec`);
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -65,19 +66,35 @@ class SparseClient:
         self.nbytes += sum(r.nbytes for r in replies)
         return replies
 
-    def pull(self, table: str, ids: torch.Tensor, dim: int, dtype: torch.dtype
-             ) -> tuple[torch.Tensor, list[int]]:
-        """Rows ``ids`` (unique, int64) of ``table`` and the version read per shard."""
+    def pull(self, table: str, ids: torch.Tensor, dim: int, dtype: torch.dtype,
+             cache: RowCache | None = None) -> tuple[torch.Tensor, list[int]]:
+        """Rows ``ids`` (unique, int64) of ``table`` and the version read per shard.
+        With ``cache``, rows it holds travel only if a step changed them since."""
         owner = torch.from_numpy(shard_of(ids, self.num_shards))
         shards = list(range(self.num_shards))
         where = [torch.nonzero(owner == s).squeeze(1) for s in shards]
-        msgs = [Message(Op.SPULL, 0, {"worker": self.client.worker},
-                        {f"ids:{table}": ids[w].contiguous()}) for w in where]
+        since = cache.since(ids) if cache is not None else None
+        msgs = []
+        for w in where:
+            tensors = {f"ids:{table}": ids[w].contiguous()}
+            if since is not None:
+                tensors[f"since:{table}"] = since[w].contiguous()
+            msgs.append(Message(Op.SPULL, 0, {"worker": self.client.worker}, tensors))
         replies = self._ask(msgs, shards, "SPULL")
         out = torch.empty(len(ids), dim, dtype=dtype)
         for s, (w, rep) in enumerate(zip(where, replies, strict=True)):
-            out[w] = rep.tensors[f"val:{table}"]
             self.versions[s] = int(rep["version"])
+            if cache is None:
+                out[w] = rep.tensors[f"val:{table}"]
+                continue
+            sent = w[rep.tensors[f"sel:{table}"]]
+            kept = torch.ones(len(ids), dtype=torch.bool)
+            kept[sent] = False
+            kept_w = w[kept[w]]
+            if len(kept_w):
+                out[kept_w] = cache.rows_of(ids[kept_w])
+            out[sent] = rep.tensors[f"val:{table}"]
+            cache.store(ids[w], out[w], self.versions[s])
         return out, list(self.versions)
 
     def push(self, grads: dict[str, tuple[torch.Tensor, torch.Tensor]],
@@ -128,6 +145,33 @@ class SparseClient:
             self._ask(msgs, range(self.num_shards), "SINIT")
 
 
+class RowCache:
+    """At most ``capacity`` rows a worker read, each with the shard version it is valid
+    at; a pull sends those versions and gets back only the rows changed since, so a
+    cached row is never served stale. Least recently used rows go first."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ConfigError(f"cache capacity must be >= 1 row, got {capacity}")
+        self.capacity = capacity
+        self.rows: OrderedDict[int, tuple[torch.Tensor, int]] = OrderedDict()
+
+    def since(self, ids: torch.Tensor) -> torch.Tensor:
+        got = [self.rows.get(i) for i in ids.tolist()]
+        return torch.tensor([-1 if g is None else g[1] for g in got], dtype=torch.int64)
+
+    def rows_of(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.stack([self.rows[i][0] for i in ids.tolist()])
+
+    def store(self, ids: torch.Tensor, values: torch.Tensor, version: int) -> None:
+        values = values.detach().clone()
+        for j, i in enumerate(ids.tolist()):
+            self.rows[i] = (values[j], version)
+            self.rows.move_to_end(i)
+        while len(self.rows) > self.capacity:
+            self.rows.popitem(last=False)
+
+
 @dataclass
 class _Read:
     ids: torch.Tensor  # unique row ids
@@ -140,14 +184,16 @@ class ShardedEmbedding(nn.Module):
     parameter servers, split by row hash; a worker holds only its batch's rows.
 
     ``init``: how the shards fill the table: ``"normal"`` (mean 0, ``std``),
-    ``"uniform"`` (-``std``, ``std``) or ``"zeros"``, from ``seed``. The module
+    ``"uniform"`` (-``std``, ``std``) or ``"zeros"``, from ``seed``.
+    ``cache_rows``: keep up to this many rows between steps; a pull then moves
+    only the cached rows a step changed since they were read (exact, never stale). The module
     works once a :class:`~paramserver.DistributedOptimizer` over the model that
     holds it has connected; that optimizer's ``step()`` pushes its gradients.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *,
                  dtype: torch.dtype = torch.float32, init: str = "normal", std: float = 1.0,
-                 seed: int = 0) -> None:
+                 seed: int = 0, cache_rows: int = 0) -> None:
         super().__init__()
         self.num_embeddings = int(num_embeddings)
         self.embedding_dim = int(embedding_dim)
@@ -162,6 +208,8 @@ class ShardedEmbedding(nn.Module):
         self.table_name: str | None = None
         self.client: SparseClient | None = None
         self._reads: list[_Read] = []
+        # rows kept between steps, pulled again only when changed (0: no cache)
+        self.cache = RowCache(cache_rows) if cache_rows else None
 
     @classmethod
     def from_pretrained(cls, embeddings: torch.Tensor) -> ShardedEmbedding:
@@ -187,7 +235,7 @@ class ShardedEmbedding(nn.Module):
         flat = ids.reshape(-1).to(torch.int64)
         unique, inverse = torch.unique(flat, return_inverse=True)
         rows, versions = self.client.pull(self.table_name, unique, self.embedding_dim,
-                                          self.dtype)
+                                          self.dtype, self.cache)
         if torch.is_grad_enabled():
             rows.requires_grad_(True)
             self._reads.append(_Read(unique, rows, versions))
