@@ -270,8 +270,7 @@ class ShardServer:
     def _answer_pulls(self, now: float) -> None:
         assert self.core is not None
         self.outbox.answer_pulls(self.core, now, self.observer)
-        if self.sparse is not None:
-            # sync sparse pushes are answered when their round closes
+        if self.sparse is not None:  # sync sparse pushes are answered when their round closes
             self.sparse.maybe_close()
             for (identity, seq), outcome in self.sparse.take_ready():
                 self.outbox.send(identity, Message(Op.REPLY, seq, {"re": "spush", **outcome}))
@@ -336,21 +335,11 @@ class ShardServer:
                 f"{self.config.shard} of {self.config.num_shards}",
             )
         slices = [SliceSpec(s.key, s.numel, s.dtype) for s in plan.shard_slices(self.config.shard)]
-        self.core = ShardCore(slices, self.config.core_config(), self.policy)
+        core = ShardCore(slices, self.config.core_config(), self.policy)
+        self.sparse = SparseShard.for_server(plan, self.config, core, self.policy)
+        self.core = core  # (not before the plan's tables proved trainable)
         self.core.before_step = self._before_mutation
         self._observe_core()
-        self.sparse = None
-        if plan.sparse:
-            core, cfg = self.core, self.config
-            try:
-                self.sparse = SparseShard(
-                    plan.sparse, plan.num_shards, cfg.shard, mode=cfg.mode,
-                    optimizer=cfg.optimizer, optimizer_args=cfg.optimizer_args,
-                    policy=self.policy, live=lambda: [w.worker for w in core.live()],
-                    min_clock=core.min_clock, backup_workers=cfg.backup_workers)
-            except ConfigError as exc:
-                self.core = None
-                raise ProtocolError(ErrorCode.BAD_FIELD, f"invalid plan: {exc}") from exc
         self.plan = plan
         self.joined.budget = (64 << 20) + (self.config.expected_workers + 1) * plan.shard_bytes(
             self.config.shard)
@@ -517,15 +506,8 @@ class ShardServer:
         return reply(msg, **out.as_dict())
 
     def _require_sparse(self, msg: Message) -> SparseShard:
-        core = self._require_core()
-        if self.sparse is None:
-            raise ProtocolError(ErrorCode.BAD_FIELD, "this shard's plan has no sparse tables")
-        state = core._known(msg["worker"])
-        if state.finished:
-            raise ProtocolError(ErrorCode.NOT_REGISTERED,
-                                f"worker {msg['worker']} said BYE; say HELLO first")
-        state.last_seen = time.monotonic()
-        return self.sparse
+        return SparseShard.of_worker(self.sparse, self._require_core(), msg["worker"],
+                                     time.monotonic())
 
     def _on_spull(self, msg: Message, identity: bytes) -> Message:
         sparse = self._require_sparse(msg)
@@ -535,7 +517,6 @@ class ShardServer:
         sparse = self._require_sparse(msg)
         out = sparse.push(msg["worker"], msg["push_id"], msg["read_version"], msg["clock"],
                           msg["num_samples"], msg.tensors, (identity, msg.seq))
-        self.counters["sparse_pushes"] += 1
         return None if out is None else reply(msg, **out)
 
     def _on_sinit(self, msg: Message, identity: bytes) -> Message:

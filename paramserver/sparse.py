@@ -310,6 +310,36 @@ class SparseShard:
         self.seeder: int | None = None
         self.seed_parts: tuple[set[int], int] = (set(), 0)
 
+    @classmethod
+    def for_server(cls, plan: Any, config: Any, core: Any, policy: StalenessPolicy
+                   ) -> SparseShard | None:
+        """The sparse tables of a shard server's ``plan`` (None: it has none), ruled by
+        its ``config`` and the dense ``core``'s live set; a table the configured
+        optimizer cannot train -> ProtocolError (BAD_FIELD)."""
+        if not plan.sparse:
+            return None
+        try:
+            return cls(plan.sparse, plan.num_shards, config.shard, mode=config.mode,
+                       optimizer=config.optimizer, optimizer_args=config.optimizer_args,
+                       policy=policy, live=lambda: [w.worker for w in core.live()],
+                       min_clock=core.min_clock, backup_workers=config.backup_workers)
+        except ConfigError as exc:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"invalid plan: {exc}") from exc
+
+    @staticmethod
+    def of_worker(sparse: SparseShard | None, core: Any, worker: int, now: float
+                  ) -> SparseShard:
+        """``sparse`` for a request of ``worker``, a registered worker that has not said
+        BYE (its request is a sign of life); else the ProtocolError to answer."""
+        if sparse is None:
+            raise ProtocolError(ErrorCode.BAD_FIELD, "this shard's plan has no sparse tables")
+        state = core._known(worker)
+        if state.finished:
+            raise ProtocolError(ErrorCode.NOT_REGISTERED,
+                                f"worker {worker} said BYE; say HELLO first")
+        state.last_seen = now
+        return sparse
+
     def table(self, name: Any) -> SparseTable:
         t = self.tables.get(name) if isinstance(name, str) else None
         if t is None:
