@@ -391,7 +391,10 @@ class SparseShard:
             check_ids(read, "SPULL since")
             if len(read) != len(ids):
                 raise ProtocolError(ErrorCode.BAD_TENSOR, "SPULL: since and ids differ in length")
-            sel = torch.nonzero((read < 0) | (t.updated[pos] >= read)).squeeze(1)
+            # a copy read at a version this shard has not reached came from before it
+            # rewound to a checkpoint: it may hold lost steps, so it is sent afresh too
+            sel = torch.nonzero((read < 0) | (read > self.version)
+                                | (t.updated[pos] >= read)).squeeze(1)
             out[f"sel:{name}"] = sel
             out[f"val:{name}"] = t.weight[pos[sel]]
         return out

@@ -256,6 +256,9 @@ def test_a_pull_with_versions_sends_only_rows_changed_since():
     assert torch.equal(again["val:emb"][0], sp.tables["emb"].weight[1])
     now = sp.pull({"ids:emb": ids, "since:emb": torch.full((3,), sp.version)})
     assert now["sel:emb"].numel() == 0
+    # copies from a version the shard never reached (it rewound): all sent afresh
+    ahead = sp.pull({"ids:emb": ids, "since:emb": torch.full((3,), sp.version + 5)})
+    assert ahead["sel:emb"].tolist() == [0, 1, 2]
     with pytest.raises(ProtocolError):
         sp.pull({"ids:emb": ids, "since:emb": torch.tensor([0, 0])})  # wrong length
 
