@@ -21,7 +21,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from paramserver.errors import ConfigError, NotRegisteredError, RemoteError
+from paramserver.errors import (
+    ConfigError,
+    FutureVersionError,
+    NotRegisteredError,
+    RemoteError,
+)
 from paramserver.protocol import Message, Op
 from paramserver.sparse import TableSpec, shard_of
 from paramserver.transport import request_all
@@ -56,6 +61,13 @@ class SparseClient:
                 continue
             peer = f"{chans[i].peer} at {chans[i].address}"
             error = RemoteError.from_reply(peer, rep["code"], rep["reason"])
+            if isinstance(error, FutureVersionError) and msgs[i].op is Op.SPUSH:
+                # the shard rewound to a checkpoint older than our read: this push is
+                # lost, not fatal; its answer's version 0 makes the next push read anew
+                replies[i] = Message(Op.REPLY, 0, {"accepted": False, "weight": 0.0,
+                                                   "reason": "server rewound", "staleness": 0,
+                                                   "version": 0, "duplicate": False})
+                continue
             if not isinstance(error, NotRegisteredError):
                 raise error
             log.warning("%s: %s; registering again", peer, rep["reason"])
