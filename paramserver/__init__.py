@@ -59,6 +59,7 @@ _EXPORTS: dict[str, str] = {
     "ServerConfig": "paramserver.server",
     "ShardServer": "paramserver.server",
     "ShardPlan": "paramserver.sharding",
+    "TableSpec": "paramserver.sparse",
     # the worker side
     "PSClient": "paramserver.workers.client",
     "Task": "paramserver.workers.tasks",
@@ -67,6 +68,8 @@ _EXPORTS: dict[str, str] = {
     "available_tasks": "paramserver.workers.tasks",
     "WorkerConfig": "paramserver.workers.worker",
     "DistributedOptimizer": "paramserver.workers.optimizer",
+    "ShardedEmbedding": "paramserver.workers.embedding",
+    "ShardedEmbeddingBag": "paramserver.workers.embedding",
     "StepOutcome": "paramserver.workers.optimizer",
     "run_worker": "paramserver.workers.worker",
     # launching
@@ -112,9 +115,12 @@ __all__ = [
     "ServerConfig",
     "ShardPlan",
     "ShardServer",
+    "ShardedEmbedding",
+    "ShardedEmbeddingBag",
     "SimSpec",
     "StalenessPolicy",
     "StepOutcome",
+    "TableSpec",
     "Task",
     "TooManyWorkersError",
     "TrainingStoppedError",
@@ -176,6 +182,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ lo
     )
     from paramserver.server import ServerConfig, ShardServer
     from paramserver.sharding import ShardPlan
+    from paramserver.sparse import TableSpec
     from paramserver.staleness import (
         Decision,
         StalenessPolicy,
@@ -185,6 +192,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ lo
         register_policy,
     )
     from paramserver.workers.client import PSClient
+    from paramserver.workers.embedding import ShardedEmbedding, ShardedEmbeddingBag
     from paramserver.workers.experiments.report import write_report
     from paramserver.workers.experiments.runner import run_experiment, simulate_experiment
     from paramserver.workers.experiments.spec import ExperimentSpec, load_spec

@@ -24,7 +24,8 @@ __all__ = ["ADMIN_OPS", "AS_WORKER", "Access", "is_loopback", "load_grants"]
 #: administrative ops: under CURVE, for admin keys only (BYE dead=true too)
 ADMIN_OPS = frozenset({Op.SHUTDOWN, Op.CHECKPOINT})
 #: ops that act as the worker id they name: under CURVE, for its registering key only
-AS_WORKER = frozenset({Op.INIT, Op.PULL, Op.PUSH, Op.HEARTBEAT, Op.BYE})
+AS_WORKER = frozenset({Op.INIT, Op.PULL, Op.PUSH, Op.HEARTBEAT, Op.BYE, Op.SPULL, Op.SPUSH,
+                       Op.SINIT})
 
 
 def load_grants(curve_clients_dir: str | None, admin_keys: Iterable[str]) -> dict[str, KeyGrant]:

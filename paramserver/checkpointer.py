@@ -25,6 +25,7 @@ from .core import ShardCore
 from .errors import ConfigError, ErrorCode, ParamServerError, ProtocolError
 from .events import EventLog
 from .sharding import ShardPlan
+from .sparse import SparseShard
 
 __all__ = ["RESTORE_ERRORS", "Checkpointer"]
 
@@ -50,8 +51,9 @@ class Checkpointer:
         self.last = (time.monotonic(), -1)  # (when, version) of the latest one
 
     def save(self, core: ShardCore | None, plan: ShardPlan | None, extra: Mapping[str, Any],
-             directory: str | None = None) -> str | None:
-        """Write ``core``'s checkpoint now, ``extra`` added to its metadata; returns the
+             directory: str | None = None, sparse: SparseShard | None = None) -> str | None:
+        """Write ``core``'s checkpoint now, ``extra`` added to its metadata, and the
+        shard's sparse tables with it (one file, one atomic write); returns the
         manifest path (None: nothing to save)."""
         target = directory or self.directory
         if target is None:
@@ -60,6 +62,9 @@ class Checkpointer:
             return None
         tensors, meta = core.state_dict()
         meta.update(plan=plan.describe(), plan_hash=plan.hash, **extra)
+        if sparse is not None:
+            rows, meta["sparse"] = sparse.state_dict()
+            tensors.update(rows)
         path = save_shard(target, self.shard, tensors, meta, keep=self.keep)
         self.last = (time.monotonic(), core.version)
         self.events.write("checkpoint", shard=self.shard, version=core.version, path=str(path))

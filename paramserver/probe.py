@@ -232,6 +232,8 @@ class Probe:
                                     strict=True))
         ema = self._grad_ema
         keys = [k for k in self.params if k in grads]  # the mean's order
+        if not keys:  # a shard that owns no dense slice (a plan of sparse tables)
+            return
         samples = [sample(grads[k], self.stride).to(ema.dtype) for k in keys]
         spans = [self._ema_at[k] for k in keys]
         lo, hi = spans[0][0], spans[-1][0] + spans[-1][1]

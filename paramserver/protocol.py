@@ -65,6 +65,10 @@ class Op(StrEnum):
     STATS = "stats"
     CHECKPOINT = "checkpoint"
     SHUTDOWN = "shutdown"
+    # row-sparse tables (paramserver/sparse.py): rows by id, gradients of rows, seed rows
+    SPULL = "spull"
+    SPUSH = "spush"
+    SINIT = "sinit"
     REPLY = "reply"
     ERROR = "error"
 
@@ -118,6 +122,11 @@ _SCHEMA: dict[Op, dict[str, tuple[tuple[type, ...], bool]]] = {
         "via_shm": (_BOOL, False),
     },
     Op.HEARTBEAT: {"worker": (_INT, True)},
+    # tensors "ids:<table>" (int64 row ids) and, for SPUSH and SINIT, "val:<table>"
+    Op.SPULL: {"worker": (_INT, True)},
+    Op.SPUSH: {"worker": (_INT, True), "push_id": (_INT, True), "clock": (_INT, True),
+               "read_version": (_INT, True), "num_samples": (_INT, True)},
+    Op.SINIT: {"worker": (_INT, True), "part": (_INT, False), "parts": (_INT, False)},
     Op.BYE: {"worker": (_INT, True), "dead": (_BOOL, False)},
     Op.STATS: {},
     Op.CHECKPOINT: {"path": (_STR, False)},

@@ -44,6 +44,7 @@ from .protocol import PROTOCOL_VERSION, Message, Op, decode, error_reply, reply
 from .sharding import ShardPlan
 from .shm import ShmHub, sweep
 from .shm import enabled as shm_enabled
+from .sparse import SparseShard
 from .staleness import create_policy
 from .transport import CurveKeys, RouterSocket
 from .watchdog import Alarm, Watchdog
@@ -86,6 +87,7 @@ class ShardServer:
         self.events = EventLog(config.event_log)
         self.plan: ShardPlan | None = None
         self.core: ShardCore | None = None
+        self.sparse: SparseShard | None = None  # the plan's row-sparse tables, if any
         self._running = False
         self.counters: Counter[str] = Counter()
         self.outbox = Outbox(self.socket, self.counters)
@@ -212,7 +214,8 @@ class ShardServer:
         """Write this shard's checkpoint now; returns the manifest path (None: nothing to save)."""
         return self.checkpoints.save(
             self.core, self.plan, {"optimizer_name": self.config.optimizer,
-                                   "server": self.config.to_dict()}, directory)
+                                   "server": self.config.to_dict()}, directory,
+            sparse=self.sparse)
 
     def _maybe_checkpoint(self) -> None:
         if self.checkpoints.due(self.core):
@@ -224,8 +227,11 @@ class ShardServer:
             self._adopt_plan(plan)
             assert self.core is not None
             self.core.load_state_dict(tensors, meta, time.monotonic())
+            if self.sparse is not None:
+                self.sparse.load_state_dict(tensors, meta["sparse"])
         except RESTORE_ERRORS as exc:
-            self.core = self.plan = None  # the server does not start from it
+            self.core = self.plan = None
+            self.sparse = None  # the server does not start from it
             raise self.checkpoints.unusable(directory, exc) from exc
         self.checkpoints.resumed(directory, self.core.version)
 
@@ -337,6 +343,10 @@ class ShardServer:
     def _answer_pulls(self, now: float) -> None:
         assert self.core is not None
         self.outbox.answer_pulls(self.core, now, self.observer)
+        if self.sparse is not None:  # sync sparse pushes are answered when their round closes
+            self.sparse.maybe_close()
+            for (identity, seq), outcome in self.sparse.take_ready():
+                self.outbox.send(identity, Message(Op.REPLY, seq, {"re": "spush", **outcome}))
 
     # ------------------------------------------------------------------ watchdog
 
@@ -399,7 +409,9 @@ class ShardServer:
                 f"{self.config.shard} of {self.config.num_shards}",
             )
         slices = [SliceSpec(s.key, s.numel, s.dtype) for s in plan.shard_slices(self.config.shard)]
-        self.core = ShardCore(slices, self.config.core_config(), self.policy)
+        core = ShardCore(slices, self.config.core_config(), self.policy)
+        self.sparse = SparseShard.for_server(plan, self.config, core, self.policy)
+        self.core = core  # (not before the plan's tables proved trainable)
         self.core.before_step = self._before_mutation
         self._observe_core()
         self.plan = plan
@@ -438,6 +450,8 @@ class ShardServer:
             clock = state.clock
             if self.core.workers_evicted != evicted:
                 self._forget_gone()
+            if self.sparse is not None:
+                self.sparse.forget(msg["worker"], restart=True)
             # as the worker says: shown by `status`; a host name is at most 253 characters
             peer = {"host": str(msg.get("host", ""))[:253] or None, "pid": msg.get("pid")}
             self.peers[msg["worker"]] = peer
@@ -454,6 +468,7 @@ class ShardServer:
         try:
             specs, shards, chunk, split = ShardPlan.checked(description,
                                                            self.config.plan_limits())
+            sparse = ShardPlan.checked_sparse(description, self.config.plan_limits())
         except ConfigError as exc:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"invalid plan: {exc}") from exc
         if shards != self.config.num_shards:
@@ -465,11 +480,11 @@ class ShardServer:
         if odd:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"invalid plan: a shard trains floating "
                                 f"point parameters only, not {', '.join(odd)}")
-        if ShardPlan.description_hash(specs, shards, chunk, split) != plan_hash:
+        if ShardPlan.description_hash(specs, shards, chunk, split, sparse) != plan_hash:
             raise ProtocolError(ErrorCode.PLAN_MISMATCH,
                                 "the plan's hash does not match the plan it came with")
         try:
-            return ShardPlan(specs, shards, chunk, split)
+            return ShardPlan(specs, shards, chunk, split, sparse)
         except ConfigError as exc:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"invalid plan: {exc}") from exc
 
@@ -573,6 +588,26 @@ class ShardServer:
             return None
         return reply(msg, **out.as_dict())
 
+    def _require_sparse(self, msg: Message) -> SparseShard:
+        return SparseShard.of_worker(self.sparse, self._require_core(), msg["worker"],
+                                     time.monotonic())
+
+    def _on_spull(self, msg: Message, identity: bytes) -> Message:
+        sparse = self._require_sparse(msg)
+        return reply(msg, sparse.pull(msg.tensors), version=sparse.version)
+
+    def _on_spush(self, msg: Message, identity: bytes) -> Message | None:
+        sparse = self._require_sparse(msg)
+        out = sparse.push(msg["worker"], msg["push_id"], msg["read_version"], msg["clock"],
+                          msg["num_samples"], msg.tensors, (identity, msg.seq))
+        return None if out is None else reply(msg, **out)
+
+    def _on_sinit(self, msg: Message, identity: bytes) -> Message:
+        sparse = self._require_sparse(msg)
+        part, parts = part_of(msg)
+        done = sparse.seed(msg["worker"], msg.tensors, part, parts)
+        return reply(msg, initialized=done)
+
     def _on_heartbeat(self, msg: Message, identity: bytes) -> Message:
         now = time.monotonic()
         if self.core is not None and msg["worker"] in self.core.workers:
@@ -615,6 +650,8 @@ class ShardServer:
                 self.observer.left(core, msg["worker"])
             return reply(msg, dead=dead)
         core.leave(msg["worker"], time.monotonic())
+        if self.sparse is not None:
+            self.sparse.forget(msg["worker"])
         self.events.write("worker_bye", shard=self.config.shard, worker=msg["worker"])
         self.observer.left(core, msg["worker"])
         return reply(msg)
@@ -643,6 +680,9 @@ class ShardServer:
         Op.STATS: _on_stats,
         Op.SHUTDOWN: _on_shutdown,
         Op.CHECKPOINT: _on_checkpoint,
+        Op.SPULL: _on_spull,
+        Op.SPUSH: _on_spush,
+        Op.SINIT: _on_sinit,
     }
 
     def stats(self) -> dict[str, Any]:
@@ -657,6 +697,8 @@ class ShardServer:
         }
         if self.core is not None:
             base.update(self.core.stats())
+            if self.sparse is not None:
+                base["sparse"] = self.sparse.stats()
             for key, row in base["workers"].items():
                 row.update(self.peers.get(int(key), {}))
         else:

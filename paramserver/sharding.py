@@ -37,6 +37,7 @@ import torch
 
 from .dtypes import PARAM_DTYPES, dtype_name
 from .errors import ConfigError, RegistryError
+from .sparse import TableSpec
 
 __all__ = [
     "DTYPES",
@@ -157,9 +158,12 @@ class ShardPlan:
         num_shards: int,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         split: bool = True,
+        sparse: Sequence[TableSpec] = (),
     ) -> None:
         params = tuple(params)
-        if not params:
+        # row-sparse tables (paramserver/sparse.py) are split by row hash, not chunked
+        self.sparse: tuple[TableSpec, ...] = tuple(sparse)
+        if not params and not self.sparse:
             raise ConfigError("a shard plan needs at least one parameter; the list is empty")
         for p in params:
             if not isinstance(p, ParamSpec):
@@ -168,7 +172,8 @@ class ShardPlan:
             raise ConfigError(f"num_shards must be an integer >= 1, got {num_shards!r}")
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
             raise ConfigError(f"chunk_bytes must be an integer >= 1, got {chunk_bytes!r}")
-        dups = sorted(n for n, c in Counter(p.name for p in params).items() if c > 1)
+        names = [p.name for p in params] + [t.name for t in self.sparse]
+        dups = sorted(n for n, c in Counter(names).items() if c > 1)
         if dups:
             raise ConfigError(f"duplicate parameter names: {', '.join(dups)}")
 
@@ -201,12 +206,16 @@ class ShardPlan:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         split: bool = True,
     ) -> ShardPlan:
-        """Plan for ``module.named_parameters()`` in registration order (shared ones once)."""
+        """Plan for ``module.named_parameters()`` in registration order (shared ones once),
+        and a sparse table for each submodule with a ``table_spec(name)`` method (a
+        ``ShardedEmbedding``), named by its path in the module."""
         specs = [
             ParamSpec(name, tuple(p.shape), dtype_name(p.dtype))
             for name, p in module.named_parameters()
         ]
-        return cls(specs, num_shards, chunk_bytes, split)
+        tables = [m.table_spec(name) for name, m in module.named_modules()
+                  if callable(getattr(m, "table_spec", None))]
+        return cls(specs, num_shards, chunk_bytes, split, tables)
 
     @classmethod
     def from_description(cls, d: Mapping[str, Any], limits: PlanLimits | None = None
@@ -214,7 +223,22 @@ class ShardPlan:
         """Rebuild a plan from :meth:`describe` output; malformed input (or, with
         ``limits``, a plan over them) -> :class:`ConfigError`."""
         specs, num_shards, chunk_bytes, split = cls.checked(d, limits)
-        return cls(specs, num_shards, chunk_bytes, split)
+        return cls(specs, num_shards, chunk_bytes, split, cls.checked_sparse(d, limits))
+
+    @staticmethod
+    def checked_sparse(d: Any, limits: PlanLimits | None = None) -> tuple[TableSpec, ...]:
+        """The sparse tables of a description (none: ``()``), validated; with ``limits``
+        their declared bytes count against ``max_model_bytes``. Raises ConfigError."""
+        raw = d.get("sparse", []) if isinstance(d, Mapping) else None
+        if not isinstance(raw, list | tuple):
+            raise ConfigError("malformed shard plan description: sparse must be a list")
+        if limits is not None and len(raw) > limits.max_params:
+            raise ConfigError(f"{len(raw)} sparse tables > the limit {limits.max_params}")
+        tables = tuple(TableSpec.from_description(t) for t in raw)
+        if limits is not None and sum(t.nbytes for t in tables) > limits.max_model_bytes:
+            raise ConfigError(f"the sparse tables declare over {limits.max_model_bytes} "
+                              f"bytes (--max-model-bytes)")
+        return tables
 
     @staticmethod
     def checked(d: Any, limits: PlanLimits | None = None
@@ -274,15 +298,17 @@ class ShardPlan:
 
     @staticmethod
     def description_hash(specs: Sequence[ParamSpec], num_shards: int, chunk_bytes: int,
-                         split: bool) -> str:
+                         split: bool, sparse: Sequence[TableSpec] = ()) -> str:
         """:attr:`hash` of the plan these would build, without building it."""
-        desc = {
+        desc: dict[str, Any] = {
             "params": [{"name": p.name, "shape": list(p.shape), "dtype": p.dtype}
                        for p in specs],
             "num_shards": num_shards,
             "chunk_bytes": chunk_bytes,
             "split": bool(split),
         }
+        if sparse:  # a plan without tables hashes as it always did
+            desc["sparse"] = [t.describe() for t in sparse]
         blob = json.dumps(desc, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
@@ -355,7 +381,7 @@ class ShardPlan:
 
     def describe(self) -> dict[str, Any]:
         """Canonical JSON-able description; everything the plan is computed from."""
-        return {
+        out: dict[str, Any] = {
             "params": [
                 {"name": p.name, "shape": list(p.shape), "dtype": p.dtype} for p in self.params
             ],
@@ -363,13 +389,16 @@ class ShardPlan:
             "chunk_bytes": self.chunk_bytes,
             "split": self.split,
         }
+        if self.sparse:
+            out["sparse"] = [t.describe() for t in self.sparse]
+        return out
 
     @property
     def hash(self) -> str:
         """sha256 hex of the canonical JSON of :meth:`describe`; equal in every process."""
         if self._hash is None:
             self._hash = self.description_hash(self.params, self.num_shards, self.chunk_bytes,
-                                               self.split)
+                                               self.split, self.sparse)
         return self._hash
 
     def diff(self, other: Mapping[str, Any]) -> str:
@@ -420,6 +449,11 @@ class ShardPlan:
                 f"parameters registered in a different order "
                 f"(first at position {at}: {common_ours[at]} vs {common_theirs[at]})"
             )
+        theirs_sparse = other.get("sparse", []) if isinstance(other, Mapping) else []
+        if [t.describe() for t in self.sparse] != theirs_sparse:
+            parts.append(f"sparse tables {[t.name for t in self.sparse]} vs "
+                         f"{[t.get('name') if isinstance(t, dict) else t for t in theirs_sparse]}"
+                         f" (or their sizes, init or seed)")
         if not parts:
             return ""
         return "shard plans differ (ours vs theirs): " + "; ".join(parts)

@@ -63,6 +63,11 @@ class UpdateInfo:
     clock: int  # the pushing worker's clock (pushes it completed before this one)
     min_clock: int  # the smallest clock among live workers
     num_samples: int
+    # a sparse push (paramserver/sparse.py): the rows it carries, and how many of them
+    # a step changed since the worker read them (staleness is the table shard's
+    # version difference); 0 for dense pushes
+    rows: int = 0
+    stale_rows: int = 0
 
 
 @dataclass(frozen=True)

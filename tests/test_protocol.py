@@ -31,6 +31,9 @@ FIELDS = {
     Op.SHUTDOWN: {},
     Op.REPLY: {"re": "pull", "version": 3},
     Op.ERROR: {"code": "bad_field", "reason": "why"},
+    Op.SPULL: {"worker": 1},
+    Op.SPUSH: {"worker": 3, "push_id": 2, "clock": 1, "read_version": 4, "num_samples": 8},
+    Op.SINIT: {"worker": 0, "part": 0, "parts": 2},
 }
 
 

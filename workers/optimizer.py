@@ -40,8 +40,10 @@ import torch
 from paramserver.errors import ConfigError
 from paramserver.events import EventLog, write_json
 from paramserver.sharding import ParamSpec, ShardPlan, dtype_name
+from paramserver.sparse import TableSpec
 from paramserver.transport import CurveKeys
 from paramserver.workers.client import PART_BYTES, PSClient, PullResult, PushResult, PushStream
+from paramserver.workers.embedding import SparseClient, sparse_modules
 from paramserver.workers.overlap import BucketHooks
 
 __all__ = ["DistributedOptimizer", "StepOutcome", "read_plan", "servers_from_env"]
@@ -164,8 +166,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         barrier_timeout: float = 0.0,
     ) -> None:
         named: list[tuple[str, torch.Tensor]]
+        # ShardedEmbedding tables: on the shards by row, pushed by step() beside the dense
+        tables = []
         if isinstance(model_or_named_parameters, torch.nn.Module):
             named = list(model_or_named_parameters.named_parameters())
+            tables = sparse_modules(model_or_named_parameters)
         else:
             named = list(model_or_named_parameters)
         if not named or not all(isinstance(n, str) and isinstance(p, torch.Tensor)
@@ -183,7 +188,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ConfigError(f"rank must be in [0, {self.world_size}), got {self.rank}")
         self.backward_passes_per_step = backward_passes_per_step
         self.params: dict[str, torch.Tensor] = dict(named)
-        self.plan = _plan(named, len(self.servers), chunk_bytes)
+        self.plan = _plan(named, len(self.servers), chunk_bytes,
+                          [m.table_spec(name) for name, m in tables])
         curve = CurveKeys.load(curve_key, curve_server_key) if curve_key else None
         self.client = PSClient(self.servers, self.plan, self.rank, timeout=timeout,
                                attempt_timeout=request_timeout,
@@ -202,6 +208,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # by default rank 0 seeds the weights and the others wait for them, so every
         # rank starts from rank 0's initialization (or the servers' resumed weights)
         offer = self.rank == 0 if offer_weights is None else offer_weights
+        self.tables = tables
+        self.sparse = SparseClient(self.client) if tables else None
+        for name, module in tables:
+            assert self.sparse is not None
+            module.attach(name, self.sparse)
+        pretrained = {name: m.pretrained for name, m in tables if m.pretrained is not None}
+        if offer and pretrained and self.sparse is not None:
+            # before the dense INIT: ranks that wait for the weights then find the rows in
+            self.sparse.seed(pretrained, part_bytes or PART_BYTES)
         self.seeded = self.client.initialize(self.params) if offer else False
         with torch.no_grad():
             pulled = self.client.pull(self.params, self.clock, wait_init=not offer)
@@ -261,6 +276,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if num_samples is not None:
             self.set_num_samples(num_samples, self._loss if loss is None else loss)
         loss = self._loss if loss is None else float(loss)
+        if self.sparse is not None:
+            self._push_sparse()
         if self._buckets is not None:
             stream = self._buckets.flush()
             if loss is not None and stream.loss is None:
@@ -291,6 +308,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._num_samples = 1
         self._loss = None
         return result
+
+    def _push_sparse(self) -> None:
+        """Every ShardedEmbedding's row gradients, summed per id, to their shards (in
+        sync mode this returns once the shards' sparse rounds have closed)."""
+        assert self.sparse is not None
+        grads, versions = {}, list(self.sparse.versions)
+        for name, module in self.tables:
+            ids, values, read = module.take_grads()
+            grads[name] = (ids, values)
+            if read is not None:
+                versions = [min(a, b) for a, b in zip(versions, read, strict=True)]
+        self.sparse.push(grads, versions, self._num_samples, self.clock)
 
     @property
     def counts(self) -> dict[str, int]:
@@ -398,7 +427,7 @@ def read_plan(path: str | os.PathLike[str]) -> ShardPlan | None:
     return ShardPlan.from_description(json.loads(target.read_text()))
 
 
-def _plan(named: list[tuple[str, torch.Tensor]], num_shards: int, chunk_bytes: int
-          ) -> ShardPlan:
+def _plan(named: list[tuple[str, torch.Tensor]], num_shards: int, chunk_bytes: int,
+          tables: list[TableSpec] | None = None) -> ShardPlan:
     specs = [ParamSpec(name, tuple(p.shape), dtype_name(p.dtype)) for name, p in named]
-    return ShardPlan(specs, num_shards, chunk_bytes)
+    return ShardPlan(specs, num_shards, chunk_bytes, sparse=tables or ())

@@ -629,3 +629,8 @@ def synthetic_mlp(
         F.mse_loss, False,
         rank=rank, world_size=world_size, seed=seed, batch_size=batch_size,
     )
+
+
+# the built-in task on sparse tables lives in its own module (it needs ShardedEmbedding);
+# importing it registers "recsys"
+from paramserver.workers import recsys as _recsys  # noqa: E402, F401

@@ -285,6 +285,9 @@ def run_worker(config: WorkerConfig) -> dict[str, Any]:
         final_versions = opt.pull()
         counts, waited, clock = opt.counts, opt.waited, opt.clock
         train_seconds = time.monotonic() - t_train
+        # evaluated while connected: a ShardedEmbedding pulls its rows from the shards
+        final_eval = (_log_eval(events, task, model, config.rank, clock, final_versions)
+                      if config.rank == 0 else None)
     elapsed = time.time() - t_start
     result: dict[str, Any] = {
         "worker": config.rank,
@@ -299,8 +302,8 @@ def run_worker(config: WorkerConfig) -> dict[str, Any]:
         "wait_seconds": waited,
         "final_versions": list(final_versions),
     }
-    if config.rank == 0:
-        result["eval"] = _log_eval(events, task, model, config.rank, clock, final_versions)
+    if final_eval is not None:
+        result["eval"] = final_eval
     events.write("worker_end", **result)
     events.close()
     if config.result_file:

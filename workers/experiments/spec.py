@@ -642,6 +642,11 @@ PRESETS: dict[str, dict[str, Any]] = {
                      "description": "every step gets an exponential extra delay of mean 5 ms, "
                                     "so workers drift apart as real ones do",
                      "all": {"delay": "exp:0.005"}}}},
+    # embedding tables on the shards (ShardedEmbedding): sync, SSP and async on the recsys
+    # task's Zipfian interactions; sizes up to 10M rows with --task-arg users=... items=...
+    "recsys": {"name": "recsys", "task": "recsys", "steps": 60, "seeds": [0], "workers": [3],
+               "scenarios": ["none"], "optimizer": "adagrad", "optimizer_args": {"lr": 0.1},
+               "modes": ["sync", "ssp:2", "async"], "eval_every": 5, "target_loss": 0.6},
 }
 
 

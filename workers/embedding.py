@@ -1,0 +1,301 @@
+"""ShardedEmbedding: an embedding table that lives on the shards, row by row.
+
+The table is never held by a worker: ``forward(ids)`` pulls the rows of the
+batch's unique ids from the shards that own them (one SPULL per shard, all in
+flight at once) and returns the looked-up embeddings with autograd connected
+to those rows. On :meth:`DistributedOptimizer.step` the rows' gradients are
+summed per unique id and pushed as (row ids, values) to their shards (one
+SPUSH per shard), before the dense push. Shards initialize the table from its
+rule and seed (:class:`paramserver.sparse.TableSpec`);
+:meth:`ShardedEmbedding.from_pretrained` streams a given table in instead.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from paramserver.errors import (
+    ConfigError,
+    FutureVersionError,
+    NotRegisteredError,
+    RemoteError,
+)
+from paramserver.protocol import Message, Op
+from paramserver.sparse import TableSpec, shard_of
+from paramserver.transport import request_all
+from paramserver.workers.client import PART_BYTES, PSClient
+
+__all__ = ["ShardedEmbedding", "ShardedEmbeddingBag", "SparseClient", "sparse_modules"]
+
+log = logging.getLogger(__name__)
+
+
+class SparseClient:
+    """A worker's row-sparse requests to every shard, beside its :class:`PSClient`."""
+
+    def __init__(self, client: PSClient) -> None:
+        self.client = client
+        self.num_shards = len(client.channels)
+        self.versions = [0] * self.num_shards  # the latest table version seen per shard
+        self._push_id = 0
+        self.nbytes = 0  # tensor bytes sent and received, for benchmarks
+
+    def _ask(self, msgs: Sequence[Message], shards: Sequence[int], what: str) -> list[Message]:
+        """One request per shard, concurrently. Unanswered ones are sent again (same
+        push id: a shard applies a push once, and a sync shard answers it when its
+        round closes); a shard that restarted without us gets a HELLO first."""
+        client = self.client
+        chans = [client.channels[s] for s in shards]
+        self.nbytes += sum(m.nbytes for m in msgs)
+        replies = request_all(chans, list(msgs), client.attempt_timeout, what,
+                              retries=client.retries, raise_errors=False)
+        for i, rep in enumerate(replies):
+            if rep.op is not Op.ERROR:
+                continue
+            peer = f"{chans[i].peer} at {chans[i].address}"
+            error = RemoteError.from_reply(peer, rep["code"], rep["reason"])
+            if isinstance(error, FutureVersionError) and msgs[i].op is Op.SPUSH:
+                # the shard rewound to a checkpoint older than our read: this push is
+                # lost, not fatal; its answer's version 0 makes the next push read anew
+                replies[i] = Message(Op.REPLY, 0, {"accepted": False, "weight": 0.0,
+                                                   "reason": "server rewound", "staleness": 0,
+                                                   "version": 0, "duplicate": False})
+                continue
+            if not isinstance(error, NotRegisteredError):
+                raise error
+            log.warning("%s: %s; registering again", peer, rep["reason"])
+            client._rejoin(shards[i])
+            again = Message(msgs[i].op, 0, dict(msgs[i].fields), msgs[i].tensors)
+            replies[i] = request_all([chans[i]], [again], client.attempt_timeout, what,
+                                     retries=client.retries)[0]
+        self.nbytes += sum(r.nbytes for r in replies)
+        return replies
+
+    def pull(self, table: str, ids: torch.Tensor, dim: int, dtype: torch.dtype,
+             cache: RowCache | None = None) -> tuple[torch.Tensor, list[int]]:
+        """Rows ``ids`` (unique, int64) of ``table`` and the version read per shard.
+        With ``cache``, rows it holds travel only if a step changed them since."""
+        owner = torch.from_numpy(shard_of(ids, self.num_shards))
+        shards = list(range(self.num_shards))
+        where = [torch.nonzero(owner == s).squeeze(1) for s in shards]
+        since = cache.since(ids) if cache is not None else None
+        msgs = []
+        for w in where:
+            tensors = {f"ids:{table}": ids[w].contiguous()}
+            if since is not None:
+                tensors[f"since:{table}"] = since[w].contiguous()
+            msgs.append(Message(Op.SPULL, 0, {"worker": self.client.worker}, tensors))
+        replies = self._ask(msgs, shards, "SPULL")
+        out = torch.empty(len(ids), dim, dtype=dtype)
+        for s, (w, rep) in enumerate(zip(where, replies, strict=True)):
+            self.versions[s] = int(rep["version"])
+            if cache is None:
+                out[w] = rep.tensors[f"val:{table}"]
+                continue
+            sent = w[rep.tensors[f"sel:{table}"]]
+            kept = torch.ones(len(ids), dtype=torch.bool)
+            kept[sent] = False
+            kept_w = w[kept[w]]
+            if len(kept_w):
+                out[kept_w] = cache.rows_of(ids[kept_w])
+            out[sent] = rep.tensors[f"val:{table}"]
+            cache.store(ids[w], out[w], self.versions[s])
+        return out, list(self.versions)
+
+    def push(self, grads: dict[str, tuple[torch.Tensor, torch.Tensor]],
+             read_versions: Sequence[int], num_samples: int, clock: int
+             ) -> list[dict[str, Any]]:
+        """Gradient rows {table: (ids, values)} to their shards, one SPUSH each (every
+        shard gets one, empty or not: a sync round counts every worker's samples)."""
+        self._push_id += 1
+        per: list[dict[str, torch.Tensor]] = [{} for _ in range(self.num_shards)]
+        for table, (ids, values) in grads.items():
+            owner = torch.from_numpy(shard_of(ids, self.num_shards))
+            for s in range(self.num_shards):
+                w = torch.nonzero(owner == s).squeeze(1)
+                per[s][f"ids:{table}"] = ids[w].contiguous()
+                per[s][f"val:{table}"] = values[w].contiguous()
+        msgs = [Message(Op.SPUSH, 0, {
+            "worker": self.client.worker, "push_id": self._push_id, "clock": clock,
+            "read_version": int(read_versions[s]), "num_samples": int(num_samples)}, per[s])
+            for s in range(self.num_shards)]
+        replies = self._ask(msgs, range(self.num_shards), "SPUSH")
+        outcomes = [dict(r.fields) for r in replies]
+        for s, o in enumerate(outcomes):
+            self.versions[s] = int(o["version"])
+        return outcomes
+
+    def seed(self, tables: dict[str, torch.Tensor], part_bytes: int = PART_BYTES) -> None:
+        """Stream whole tables {name: tensor} to the shards in parts of about
+        ``part_bytes`` per shard (the first worker to send seeds them)."""
+        plans = []
+        for name, tensor in tables.items():
+            owner = torch.from_numpy(shard_of(torch.arange(len(tensor)), self.num_shards))
+            plans.append((name, tensor, [torch.nonzero(owner == s).squeeze(1)
+                                         for s in range(self.num_shards)]))
+        row_bytes = max(t.shape[1] * t.element_size() for t in tables.values())
+        step = max(1, part_bytes // row_bytes)
+        longest = max(len(w) for _, _, ws in plans for w in ws)
+        parts = max(1, -(-longest // step))
+        for part in range(parts):
+            msgs = []
+            for s in range(self.num_shards):
+                tensors: dict[str, torch.Tensor] = {}
+                for name, tensor, ws in plans:
+                    ids = ws[s][part * step:(part + 1) * step]
+                    tensors[f"ids:{name}"] = ids.contiguous()
+                    tensors[f"val:{name}"] = tensor[ids].contiguous()
+                msgs.append(Message(Op.SINIT, 0, {"worker": self.client.worker,
+                                                  "part": part, "parts": parts}, tensors))
+            self._ask(msgs, range(self.num_shards), "SINIT")
+
+
+class RowCache:
+    """At most ``capacity`` rows a worker read, each with the shard version it is valid
+    at; a pull sends those versions and gets back only the rows changed since, so a
+    cached row is never served stale. Least recently used rows go first."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ConfigError(f"cache capacity must be >= 1 row, got {capacity}")
+        self.capacity = capacity
+        self.rows: OrderedDict[int, tuple[torch.Tensor, int]] = OrderedDict()
+
+    def since(self, ids: torch.Tensor) -> torch.Tensor:
+        got = [self.rows.get(i) for i in ids.tolist()]
+        return torch.tensor([-1 if g is None else g[1] for g in got], dtype=torch.int64)
+
+    def rows_of(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.stack([self.rows[i][0] for i in ids.tolist()])
+
+    def store(self, ids: torch.Tensor, values: torch.Tensor, version: int) -> None:
+        values = values.detach().clone()
+        for j, i in enumerate(ids.tolist()):
+            self.rows[i] = (values[j], version)
+            self.rows.move_to_end(i)
+        while len(self.rows) > self.capacity:
+            self.rows.popitem(last=False)
+
+
+@dataclass
+class _Read:
+    ids: torch.Tensor  # unique row ids
+    rows: torch.Tensor  # their pulled values, a leaf autograd tracks
+    versions: list[int]
+
+
+class ShardedEmbedding(nn.Module):
+    """``nn.Embedding`` whose ``num_embeddings x embedding_dim`` table lives on the
+    parameter servers, split by row hash; a worker holds only its batch's rows.
+
+    ``init``: how the shards fill the table: ``"normal"`` (mean 0, ``std``),
+    ``"uniform"`` (-``std``, ``std``) or ``"zeros"``, from ``seed``.
+    ``cache_rows``: keep up to this many rows between steps; a pull then moves
+    only the cached rows a step changed since they were read (exact, never stale). The module
+    works once a :class:`~paramserver.DistributedOptimizer` over the model that
+    holds it has connected; that optimizer's ``step()`` pushes its gradients.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *,
+                 dtype: torch.dtype = torch.float32, init: str = "normal", std: float = 1.0,
+                 seed: int = 0, cache_rows: int = 0) -> None:
+        super().__init__()
+        self.num_embeddings = int(num_embeddings)
+        self.embedding_dim = int(embedding_dim)
+        self.dtype = dtype
+        names = {torch.float32: "float32", torch.float64: "float64"}
+        if dtype not in names:
+            raise ConfigError(f"ShardedEmbedding dtype must be float32 or float64, got {dtype}")
+        self._spec: dict[str, Any] = dict(rows=self.num_embeddings, dim=self.embedding_dim,
+                          dtype=names[dtype], init=init, std=float(std), seed=int(seed))
+        TableSpec("check", **self._spec)  # refuse bad arguments here, not at the servers
+        self.pretrained: torch.Tensor | None = None
+        self.table_name: str | None = None
+        self.client: SparseClient | None = None
+        self._reads: list[_Read] = []
+        # rows kept between steps, pulled again only when changed (0: no cache)
+        self.cache = RowCache(cache_rows) if cache_rows else None
+
+    @classmethod
+    def from_pretrained(cls, embeddings: torch.Tensor) -> ShardedEmbedding:
+        """A table seeded from ``embeddings`` (2-D, float32 or float64, dtype kept): the
+        worker that seeds the servers streams it to the shards in parts."""
+        if embeddings.dim() != 2:
+            raise ConfigError("from_pretrained needs a 2-D tensor")
+        module = cls(embeddings.shape[0], embeddings.shape[1], dtype=embeddings.dtype,
+                     init="pretrained")
+        module.pretrained = embeddings.detach().contiguous()
+        return module
+
+    def table_spec(self, name: str) -> TableSpec:
+        return TableSpec(name, **self._spec)
+
+    def attach(self, name: str, client: SparseClient) -> None:
+        self.table_name, self.client = name, client
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.client is None or self.table_name is None:
+            raise ConfigError("ShardedEmbedding has no servers yet: build a "
+                              "DistributedOptimizer over the model that holds it first")
+        flat = ids.reshape(-1).to(torch.int64)
+        unique, inverse = torch.unique(flat, return_inverse=True)
+        rows, versions = self.client.pull(self.table_name, unique, self.embedding_dim,
+                                          self.dtype, self.cache)
+        if torch.is_grad_enabled():
+            rows.requires_grad_(True)
+            self._reads.append(_Read(unique, rows, versions))
+        return rows[inverse].reshape(*ids.shape, self.embedding_dim)
+
+    def take_grads(self) -> tuple[torch.Tensor, torch.Tensor, list[int] | None]:
+        """(unique ids, their summed gradients, the oldest versions read) of every
+        forward since the last step; the rows are dropped."""
+        reads, self._reads = self._reads, []
+        if not reads:
+            return (torch.zeros(0, dtype=torch.int64),
+                    torch.zeros(0, self.embedding_dim, dtype=self.dtype), None)
+        ids = torch.cat([r.ids for r in reads])
+        grads = torch.cat([r.rows.grad if r.rows.grad is not None else torch.zeros_like(r.rows)
+                           for r in reads])
+        unique, inverse = torch.unique(ids, return_inverse=True)
+        summed = torch.zeros(len(unique), self.embedding_dim, dtype=self.dtype)
+        summed.index_add_(0, inverse, grads)
+        versions = [min(r.versions[s] for r in reads) for s in range(len(reads[0].versions))]
+        return unique, summed, versions
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, sharded"
+
+
+class ShardedEmbeddingBag(ShardedEmbedding):
+    """``nn.EmbeddingBag`` over a sharded table: ``forward(ids)`` with ``ids`` of shape
+    (bags, length) pools each row of ids by ``mode`` ("sum", "mean" or "max"); the
+    rows are pulled and pushed as for :class:`ShardedEmbedding`."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, mode: str = "mean",
+                 **kwargs: Any) -> None:
+        super().__init__(num_embeddings, embedding_dim, **kwargs)
+        if mode not in ("sum", "mean", "max"):
+            raise ConfigError(f"mode must be sum, mean or max, got {mode!r}")
+        self.mode = mode
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.dim() != 2:
+            raise ConfigError("ShardedEmbeddingBag takes ids of shape (bags, length)")
+        rows = super().forward(ids)
+        if self.mode == "sum":
+            return rows.sum(1)
+        if self.mode == "mean":
+            return rows.mean(1)
+        return rows.max(1).values
+
+
+def sparse_modules(model: nn.Module) -> list[tuple[str, ShardedEmbedding]]:
+    """The model's ShardedEmbedding modules with their names (the table names)."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, ShardedEmbedding)]
