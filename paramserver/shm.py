@@ -582,7 +582,8 @@ class ShmHub:
             peer.seg.close()
 
     def forget(self, known: Iterable[int]) -> None:
-        """Unmap the segments of workers gone from the table, and sweep the dead's."""
+        """Unmap the segments of workers gone from the table (the server sweeps
+        the files of dead processes, :func:`sweep`)."""
         known = set(known)
         gone = [i for i, p in self.peers.items() if p.worker not in known]
         for identity in gone:
