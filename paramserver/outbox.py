@@ -129,10 +129,11 @@ class Outbox:
             if ticket is not None:
                 fields["shm"] = ticket
                 self.counters["shm_pulls"] += 1
-                self.send(identity, Message(Op.REPLY, seq, fields, {}))
+                msg = Message(Op.REPLY, seq, fields, {})
+                self.send(identity, msg)
             else:
-                self.send(identity, Message(Op.REPLY, seq, fields, core.params),
-                          self._prepared(core))
+                msg = Message(Op.REPLY, seq, fields, core.params)
+                self.send(identity, msg, self._prepared(core))
             if ready.token in self.observer_pulls:
                 self.observer_pulls.discard(ready.token)
             else:

@@ -42,7 +42,7 @@ from .parts import JoinedParts, StreamedParts, part_of
 from .proctitle import set_title
 from .protocol import PROTOCOL_VERSION, Message, Op, decode, error_reply, reply
 from .sharding import ShardPlan
-from .shm import ShmHub, sweep
+from .shm import ShmHub, sweep, take_shm
 from .shm import enabled as shm_enabled
 from .sparse import SparseShard
 from .staleness import create_policy
@@ -178,7 +178,7 @@ class ShardServer:
         assert self.core is not None
         try:
             for worker in self.core.expire(now):
-                self._shm_sweep()
+                sweep() if self.shm else None  # a worker died: its segments too
                 self.joined.drop(worker)
                 self.events.write("worker_dead", shard=self.config.shard, worker=worker)
                 self.observer.left(self.core, worker)
@@ -245,7 +245,7 @@ class ShardServer:
             key = self.socket.user_id(frames)
             self.access.check(msg, key)
             if msg.op is not Op.HELLO and ("shm" in msg.fields or "via_shm" in msg.fields):
-                self._shm_take(msg, identity)
+                take_shm(self.shm, msg, identity)  # tensors in the sender's segment
             self.outbox.acknowledged(identity, seq)
             self.counters["messages"] += 1
             self.counters["bytes_in"] += sum(len(f) for f in frames)
@@ -256,8 +256,11 @@ class ShardServer:
             if self.diverged is not None and msg.op not in (Op.STATS, Op.SHUTDOWN):
                 self._refuse_diverged(msg)
             answer = handler(self, msg, identity)
-            if msg.op is Op.HELLO and answer is not None:
-                self._shm_hello(msg, identity, frames, key, answer)
+            # a same-host worker's offer of shared memory: granted, or not
+            if (msg.op is Op.HELLO and answer is not None and self.shm and self.core
+                    and self.shm.answer_hello(identity, msg, frames[0], self.address, answer,
+                                              self.access.grants, key, self.core)):
+                self.counters["shm_peers"] += 1
             self.access.handled(msg, key)
         except ProtocolError as exc:
             self.counters[f"error_{exc.code}"] += 1
@@ -304,41 +307,6 @@ class ShardServer:
         self.outbox.settle(self.core)
         if self.shm is not None:
             self.shm.stale()  # the next pull answered through the board publishes anew
-
-    # ------------------------------------------------------------------ shared memory
-
-    def _shm_take(self, msg: Message, identity: bytes) -> None:
-        if self.shm is None:
-            if "shm" in msg.fields:  # e.g. this shard restarted without shared memory
-                raise ProtocolError(ErrorCode.NOT_REGISTERED, "this shard takes no tensors "
-                                    "through shared memory; say HELLO")
-            return
-        self.shm.take(msg, identity)
-
-    def _shm_hello(self, msg: Message, identity: bytes, frames: list[zmq.Frame],
-                   key: str | None, answer: Message) -> None:
-        """Grant a worker on this host the shared-memory path, or say it has none:
-        only a peer connected from this host (loopback or our own address) and,
-        under CURVE, with a key on the allow-list gets a segment."""
-        if self.shm is None or self.core is None or msg["role"] != "worker":
-            return
-        try:
-            peer = str(frames[0].get("Peer-Address"))
-        except (zmq.ZMQError, AttributeError, IndexError):
-            peer = ""
-        local = self.address.startswith("ipc://") or is_loopback(f"tcp://{peer}:0") or (
-            bool(peer) and f"//{peer}:" in self.address)
-        trusted = self.access.grants is None or (key is not None and key in self.access.grants)
-        grant = self.shm.hello(identity, msg["worker"], msg.get("shm"), local, trusted,
-                               self.core.params, self.core.flats)
-        if grant is not None:
-            answer.fields["shm"] = grant
-            self.counters["shm_peers"] += 1
-
-    def _shm_sweep(self) -> None:
-        """A worker died: unlink the segments of processes that are gone."""
-        if self.shm is not None:
-            sweep()
 
     def _answer_pulls(self, now: float) -> None:
         assert self.core is not None
@@ -643,7 +611,7 @@ class ShardServer:
         self.joined.drop(msg["worker"])
         if msg.get("dead"):  # from a supervisor that saw the process die
             dead = core.declare_dead(msg["worker"])
-            self._shm_sweep()
+            sweep() if self.shm else None
             if dead:
                 self.events.write("worker_dead", shard=self.config.shard, worker=msg["worker"],
                                   reported=True)

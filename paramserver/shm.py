@@ -52,8 +52,23 @@ import torch
 from .errors import ErrorCode, ProtocolError
 from .protocol import DTYPES, Limits, Message, Op, _check_desc
 
-__all__ = ["ENV", "MIN_BYTES", "READ_ATTEMPTS", "SHM_DIR", "BoardReader", "GradSegment", "Segment",
-           "ShmHub", "ShmLink", "WeightBoard", "enabled", "host_identity", "read_guarded", "sweep"]
+__all__ = [
+    "ENV",
+    "MIN_BYTES",
+    "READ_ATTEMPTS",
+    "SHM_DIR",
+    "BoardReader",
+    "GradSegment",
+    "Segment",
+    "ShmHub",
+    "ShmLink",
+    "WeightBoard",
+    "enabled",
+    "host_identity",
+    "read_guarded",
+    "sweep",
+    "take_shm",
+]
 
 log = logging.getLogger(__name__)
 
@@ -496,6 +511,23 @@ class WeightBoard:
         self.seg.close()
 
 
+def take_shm(hub: ShmHub | None, msg: Message, identity: bytes) -> None:
+    """A request's shared-memory fields on a shard (``hub`` None: it has none)."""
+    if hub is not None:
+        hub.take(msg, identity)
+    elif "shm" in msg.fields:  # e.g. this shard restarted without shared memory
+        raise ProtocolError(ErrorCode.NOT_REGISTERED, "this shard takes no tensors through "
+                            "shared memory; say HELLO")
+
+
+def _is_local(peer: str, address: str) -> bool:
+    """Whether a connection from ``peer`` (zmq's Peer-Address) to a shard bound at
+    ``address`` comes from this host: ipc, loopback, or the shard's own address."""
+    if address.startswith("ipc://"):
+        return True
+    return peer == "::1" or peer.startswith("127.") or (bool(peer) and f"//{peer}:" in address)
+
+
 class _Peer:
     def __init__(self, worker: int, seg: Segment) -> None:
         self.worker = worker
@@ -547,6 +579,25 @@ class ShmHub:
                                 "connection; say HELLO")
         return _descs_to_tensors(peer.seg, fields["shm"], self.limits)
 
+    def answer_hello(self, identity: bytes, msg: Message, frame: Any, address: str,
+                     answer: Message, grants: Mapping[str, Any] | None, key: str | None,
+                     core: Any) -> bool:
+        """Grant a worker's HELLO offer in ``answer`` (True), or leave it on TCP: only
+        a peer connected from this host and, under CURVE (``grants`` not None), with
+        a key on the allow-list gets a segment."""
+        if msg["role"] != "worker":
+            return False
+        try:
+            peer = str(frame.get("Peer-Address"))
+        except Exception:  # zmq raises for a property the transport lacks
+            peer = ""
+        trusted = grants is None or (key is not None and key in grants)
+        grant = self.hello(identity, msg["worker"], msg.get("shm"), _is_local(peer, address),
+                           trusted, core.params, core.flats)
+        if grant is not None:
+            answer.fields["shm"] = grant
+        return grant is not None
+
     def take(self, msg: Message, identity: bytes) -> None:
         """A request's shared-memory fields: its tensors from the sender's segment
         (PUSH, INIT), and whether its answer goes through the board (PULL, PUSH)."""
@@ -582,7 +633,8 @@ class ShmHub:
             peer.seg.close()
 
     def forget(self, known: Iterable[int]) -> None:
-        """Unmap the segments of workers gone from the table, and sweep the dead's."""
+        """Unmap the segments of workers gone from the table (the server sweeps
+        the files of dead processes, :func:`sweep`)."""
         known = set(known)
         gone = [i for i, p in self.peers.items() if p.worker not in known]
         for identity in gone:

@@ -182,3 +182,27 @@ def test_curve_peer_without_an_allow_list_entry_gets_no_segment(tmp_path, monkey
                 assert stats["counters"].get("shm_peers", 0) == int(granted)
                 assert stats["counters"].get("shm_pulls", 0) == int(granted)
                 client.bye()
+
+
+def test_a_pull_whose_board_copies_are_always_overtaken_comes_over_tcp(tmp_path, monkeypatch):
+    monkeypatch.setenv(shm.ENV, "1")
+    monkeypatch.setattr(shm, "read_guarded", lambda *a, **k: None)  # every copy torn
+    model = torch.nn.Linear(256, 128)
+    params = dict(model.named_parameters())
+    plan = ShardPlan.from_module(model, 1)
+    start = {n: p.detach().clone() for n, p in params.items()}
+    grads = {n: torch.full_like(p, 0.5) for n, p in params.items()}
+    with LocalCluster(_spec("async", 1, shards=1), tmp_path) as cluster:
+        (address,) = cluster.start_servers()
+        with PSClient([address], plan, 0, timeout=20, heartbeat_interval=0) as client:
+            clock = client.connect()
+            client.initialize(params)
+            versions = client.pull(params, clock).versions
+            assert client.channels[0].shm is not None and client.channels[0].shm.active
+            _, pulled = client.push_pull(grads, versions, 1, clock, params)
+            assert pulled.versions == (1,)
+            client.bye()
+        counters = server_stats([address])[0]["counters"]
+    assert counters["shm_pulls"] == 2  # answered with tickets, then pulled again by frames
+    for n, p in params.items():  # the first SGD step (momentum starts at the gradient)
+        assert torch.equal(p.detach(), start[n] - 0.05 * grads[n]), n

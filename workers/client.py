@@ -38,6 +38,7 @@ from paramserver.shm import MIN_BYTES as SHM_MIN_BYTES
 from paramserver.shm import ShmLink
 from paramserver.shm import enabled as shm_enabled
 from paramserver.transport import Channel, CurveKeys, request_all
+from paramserver.workers.landing import land, land_over_tcp, ticket_bytes
 from paramserver.workers.liveness import Heartbeat, Patience
 
 __all__ = ["GRAD_WIRE_DTYPES", "PART_BYTES", "PSClient", "PullResult", "PushResult",
@@ -305,45 +306,24 @@ class PSClient:
             clock=max(r["clock"] for r in replies),
             waited=max(float(r.get("waited", 0.0)) for r in replies),
             seconds=time.perf_counter() - t0,
-            nbytes=sum(r.nbytes or _shm_bytes(r) for r in replies),
+            nbytes=sum(r.nbytes or ticket_bytes(r) for r in replies),
         )
 
     def _land(self, params: Mapping[str, torch.Tensor], shard: int, rep: Message) -> bool:
-        """Copy one shard's weights from its reply into ``params``. A reply through
-        shared memory is a ticket to the shard's board: copied under its seqlock,
-        the version read (never older than the ticket's) replaces the reply's.
-        False: every copy was overlapped by a write; pull that shard over TCP."""
-        ticket = rep.get("shm")
-        if ticket is None:
-            self.plan.assemble_into(params, rep.tensors)
-            return True
-        link = self.channels[shard].shm
-        version = None if link is None else link.read(
-            ticket, lambda tensors: self.plan.assemble_into(params, tensors),
-            self.channels[shard].limits)
-        if version is None:
-            return False
-        rep.fields["version"] = version
-        return True
+        return land(self.plan, self.channels[shard], params, rep)
 
     def _land_all(self, params: Mapping[str, torch.Tensor], replies: list[Message],
                   done: set[int], clock: int) -> None:
-        """:meth:`_land` every reply not in ``done``; shards whose board could not be
-        read steadily are pulled again at ``clock`` over TCP."""
+        """Land every reply not in ``done``; shards whose board copies kept being
+        overwritten are pulled again at ``clock`` over TCP."""
         again = [i for i, rep in enumerate(replies) if i not in done
                  and not self._land(params, i, rep)]
-        if not again:
-            return
-        log.info("shards %s: weight board copies kept being overwritten; pulling over TCP",
-                 again)
-        msgs = self._pull_msgs(clock)
-        for m in msgs:
-            m.fields["via_shm"] = False
-        for i, rep in zip(again, self._call([msgs[i] for i in again], "PULL", again),
-                          strict=True):
-            self.plan.assemble_into(params, rep.tensors)
-            replies[i].fields.update(version=rep["version"], clock=rep["clock"], shm=None)
-            replies[i].tensors = rep.tensors
+        if again:
+            msgs = self._pull_msgs(clock)
+            for m in msgs:
+                m.fields["via_shm"] = False  # frames, not another ticket
+            got = self._call([msgs[i] for i in again], "PULL (TCP)", again)
+            land_over_tcp(self.plan, params, [replies[i] for i in again], got)
 
     def pull(self, params: Mapping[str, torch.Tensor], clock: int = 0,
              wait_init: bool = False) -> PullResult:
@@ -666,12 +646,6 @@ class PushStream:
         with torch.no_grad():
             client._land_all(params, finals, set(), self.fields["clock"] + 1)
         return pushed, client._pull_result(finals, self.t0)
-
-
-def _shm_bytes(rep: Message) -> int:
-    """The bytes of weights a reply lent through shared memory (0: none)."""
-    ticket = rep.get("shm")
-    return int(ticket.get("nbytes", 0)) if isinstance(ticket, dict) else 0
 
 
 def pull_weights(addresses: Sequence[str], plan: ShardPlan, timeout: float = 60.0,

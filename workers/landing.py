@@ -1,0 +1,55 @@
+"""Pulled weights into the model: from a reply's frames, or from a shard's
+shared-memory weight board through the ticket the reply carries (paramserver/shm.py)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from paramserver.protocol import Message
+from paramserver.sharding import ShardPlan
+from paramserver.transport import Channel
+
+__all__ = ["land", "land_over_tcp", "ticket_bytes"]
+
+log = logging.getLogger(__name__)
+
+
+def land(plan: ShardPlan, channel: Channel, params: Mapping[str, torch.Tensor],
+         rep: Message) -> bool:
+    """Copy one shard's weights from its reply into ``params``. A reply through
+    shared memory is a ticket to the shard's board: copied under its seqlock, the
+    version read (never older than the ticket's) replaces the reply's. False:
+    every copy was overlapped by a write; pull that shard over TCP."""
+    ticket = rep.get("shm")
+    if ticket is None:
+        plan.assemble_into(params, rep.tensors)
+        return True
+    link = channel.shm
+    version = None if link is None else link.read(
+        ticket, lambda tensors: plan.assemble_into(params, tensors), channel.limits)
+    if version is None:
+        return False
+    rep.fields["version"] = version
+    return True
+
+
+def land_over_tcp(plan: ShardPlan, params: Mapping[str, torch.Tensor],
+                  replies: Sequence[Message], pulled: Sequence[Message]) -> None:
+    """The weights of ``pulled`` (PULL replies over TCP, asked for because the board
+    copies of ``replies`` kept being overwritten) into ``params``; each reply takes
+    the version and clock it answered with."""
+    log.info("%d shard(s): weight board copies kept being overwritten; pulled over TCP",
+             len(pulled))
+    for rep, got in zip(replies, pulled, strict=True):
+        plan.assemble_into(params, got.tensors)
+        rep.fields.update(version=got["version"], clock=got["clock"], shm=None)
+        rep.tensors = got.tensors
+
+
+def ticket_bytes(rep: Message) -> int:
+    """The bytes of weights a reply lent through shared memory (0: none)."""
+    ticket = rep.get("shm")
+    return int(ticket.get("nbytes", 0)) if isinstance(ticket, dict) else 0
