@@ -536,6 +536,8 @@ class ShardServer:
         if held is not None:
             fields["held"] = {"clock": held.clock, "waited": now - held.since,
                               "why": self._hold_reason(held.worker)}
+        elif self.sparse is not None and self.sparse.holding(msg["worker"]):  # a sync SPUSH
+            fields["held"] = self.sparse.holding(msg["worker"])
         return reply(msg, **fields)
 
     def _hold_reason(self, worker: int) -> str:

@@ -4,7 +4,10 @@ and per-row optimizer state."""
 
 from __future__ import annotations
 
+import logging
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -199,3 +202,68 @@ def _hostile(address: str, num_shards: int) -> None:
 def _plan(num_shards: int) -> ShardPlan:
     return ShardPlan.from_module(S.Net(ShardedEmbedding(
         S.ROWS, S.DIM, dtype=torch.float64, std=S.STD, seed=S.SEED)), num_shards)
+
+
+def test_a_sync_sparse_push_waits_at_the_round_past_the_timeout(tmp_path, caplog):
+    # two workers, sync, --timeout 2: worker 0's SPUSH is parked in the shards' round
+    # until worker 1 pushes, which it does only when this test says so (an event), after
+    # worker 0 reported holding twice (> 4 s, twice its timeout): it waits, then succeeds
+    caplog.set_level(logging.WARNING, logger="paramserver.workers.liveness")
+    go, errors = threading.Event(), []
+    results: dict[int, dict[str, torch.Tensor]] = {}
+
+    def worker(rank: int, addresses: list[str], connected: threading.Barrier) -> None:
+        model = S.Net(ShardedEmbedding(S.ROWS, S.DIM, dtype=torch.float64, std=S.STD,
+                                       seed=S.SEED))
+        try:
+            opt = DistributedOptimizer(model, servers=addresses, rank=rank, world_size=2,
+                                       heartbeat_interval=0.2, timeout=2, request_timeout=0.5)
+        except BaseException as e:  # reported by the test thread
+            errors.append(e)
+            connected.abort()
+            return
+        try:
+            connected.wait()
+            if rank == 1:
+                go.wait(60)
+            ids, y = S.batch(rank, 0)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(ids), y).backward()
+            opt.step(num_samples=len(y))
+            with torch.no_grad():
+                results[rank] = {"emb.weight": model.emb(torch.arange(S.ROWS))}
+        except BaseException as e:
+            errors.append(e)
+        finally:
+            opt.close()
+
+    def holding() -> list[str]:
+        return [r.getMessage() for r in caplog.records
+                if "sparse sync round: waiting for the pushes of workers [1]" in r.getMessage()]
+
+    spec = ClusterSpec(num_servers=2, num_workers=2,
+                       server=ServerConfig(mode="sync", optimizer="sgd",
+                                           optimizer_args={"lr": 0.3}),
+                       worker=WorkerConfig(servers=["unset"]), evaluate=False)
+    with LocalCluster(spec, tmp_path) as cluster:
+        addresses = cluster.start_servers()
+        connected = threading.Barrier(2)
+        threads = [threading.Thread(target=worker, args=(r, addresses, connected))
+                   for r in range(2)]
+        for t in threads:
+            t.start()
+        try:
+            deadline = time.monotonic() + 60
+            while len(holding()) < 2 and not errors:  # poll for the state
+                assert time.monotonic() < deadline, "worker 0 never reported holding"
+                time.sleep(0.1)
+            assert not errors, errors
+            assert 0 not in results  # still waiting, past its timeout of 2 s
+        finally:
+            go.set()
+            for t in threads:
+                t.join(60)
+        assert not errors, errors
+        assert server_stats(addresses)[0]["sparse"]["rounds"] == 1
+    assert "is alive and holding your pull for worker 0 (clock 0)" in holding()[0]
+    assert torch.equal(results[0]["emb.weight"], results[1]["emb.weight"])

@@ -31,6 +31,7 @@ from paramserver.protocol import Message, Op
 from paramserver.sparse import TableSpec, shard_of
 from paramserver.transport import request_all
 from paramserver.workers.client import PART_BYTES, PSClient
+from paramserver.workers.liveness import Patience
 
 __all__ = ["ShardedEmbedding", "ShardedEmbeddingBag", "SparseClient", "sparse_modules"]
 
@@ -54,8 +55,13 @@ class SparseClient:
         client = self.client
         chans = [client.channels[s] for s in shards]
         self.nbytes += sum(m.nbytes for m in msgs)
+        # as for dense requests: a shard whose heartbeats say it holds our push (a sync
+        # round waiting for others) is waited for past `timeout`; a silent one is named
+        heartbeat = client._heartbeat
+        patience = (Patience(client, heartbeat, what, list(shards))
+                    if heartbeat is not None and heartbeat.is_alive() else None)
         replies = request_all(chans, list(msgs), client.attempt_timeout, what,
-                              retries=client.retries, raise_errors=False)
+                              retries=client.retries, raise_errors=False, patience=patience)
         for i, rep in enumerate(replies):
             if rep.op is not Op.ERROR:
                 continue
