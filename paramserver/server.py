@@ -507,7 +507,7 @@ class ShardServer:
 
     def _require_sparse(self, msg: Message) -> SparseShard:
         return SparseShard.of_worker(self.sparse, self._require_core(), msg["worker"],
-                                     time.monotonic())
+                                     time.monotonic(), bool(msg.get("observer", False)))
 
     def _on_spull(self, msg: Message, identity: bytes) -> Message:
         sparse = self._require_sparse(msg)

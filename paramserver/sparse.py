@@ -328,12 +328,15 @@ class SparseShard:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"invalid plan: {exc}") from exc
 
     @staticmethod
-    def of_worker(sparse: SparseShard | None, core: Any, worker: int, now: float
-                  ) -> SparseShard:
+    def of_worker(sparse: SparseShard | None, core: Any, worker: int, now: float,
+                  observer: bool = False) -> SparseShard:
         """``sparse`` for a request of ``worker``, a registered worker that has not said
-        BYE (its request is a sign of life); else the ProtocolError to answer."""
+        BYE (its request is a sign of life), or of an observer (a read that changes
+        nothing, such as the launcher's final pull); else the ProtocolError to answer."""
         if sparse is None:
             raise ProtocolError(ErrorCode.BAD_FIELD, "this shard's plan has no sparse tables")
+        if observer:
+            return sparse
         state = core._known(worker)
         if state.finished:
             raise ProtocolError(ErrorCode.NOT_REGISTERED,

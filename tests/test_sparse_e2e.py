@@ -28,7 +28,8 @@ from paramserver import (
 from paramserver.checkpoint import load_shard
 from paramserver.protocol import PROTOCOL_VERSION, Message, Op, decode, encode
 from paramserver.sparse import full_table, owned_rows
-from paramserver.workers.client import server_stats, shutdown_servers
+from paramserver.workers.client import PSClient, server_stats, shutdown_servers
+from paramserver.workers.embedding import pull_tables
 from paramserver.workers.launch.cluster import LocalCluster
 from tests import sparse_script as S
 
@@ -84,6 +85,12 @@ def test_sync_sparse_equals_single_process_torch(tmp_path, optimizer, cls, args,
         assert got["emb.weight"].dtype == torch.float64
         for key in want:
             assert torch.allclose(got[key], want[key], rtol=0, atol=1e-9), (rank, key)
+    # the launcher's final model holds the table too: it loads into nn.Embedding's model
+    final = load_file(str(tmp_path / "run" / "final_model.safetensors"))
+    model = S.Net(nn.Embedding(S.ROWS, S.DIM).double())
+    model.load_state_dict(final)  # strict: every key, table included
+    for key in want:
+        assert torch.allclose(final[key], want[key], rtol=0, atol=1e-9), key
 
 
 def _cluster(tmp_path: Path, servers: int, **server) -> LocalCluster:
@@ -131,6 +138,13 @@ def test_checkpoint_and_resume_of_sparse_shards_loses_nothing(tmp_path):
         _hostile(addresses[0], 2)
         assert cluster.servers[0].popen.poll() is None
         after = _train(addresses, range(3, 6))
+        # the whole table read as an observer, 3 rows per shard per request
+        plan = _plan(2)
+        with PSClient(addresses, plan, worker=0, role="observer", heartbeat_interval=0,
+                      timeout=20) as client:
+            client.connect()
+            table = pull_tables(client, plan.sparse, part_bytes=3 * S.DIM * 8)
+        assert torch.equal(table["emb.weight"], after["emb.weight"])
     for tensors in saved:  # per-row optimizer state went with the rows, in one file
         assert any(k.startswith("sparse_optim/") for k in tensors)
         assert any(k.startswith("sparse/emb/weight") for k in tensors)
