@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import zmq
+from click.testing import CliRunner
 from safetensors.torch import load_file
 from torch import nn
 
@@ -26,6 +27,7 @@ from paramserver import (
     run_cluster,
 )
 from paramserver.checkpoint import load_shard
+from paramserver.cli.checkpoint import checkpoint as checkpoint_cli
 from paramserver.protocol import PROTOCOL_VERSION, Message, Op, decode, encode
 from paramserver.sparse import full_table, owned_rows
 from paramserver.workers.client import PSClient, server_stats, shutdown_servers
@@ -131,6 +133,13 @@ def test_checkpoint_and_resume_of_sparse_shards_loses_nothing(tmp_path):
         for shard in range(2):
             assert cluster.servers[shard].popen.wait(timeout=30) == 0
         saved = [load_shard(str(ckpt), s)[0] for s in range(2)]
+        # `paramserver checkpoint export` puts the table, whole, under nn.Embedding's name
+        out = tmp_path / "exported.safetensors"
+        cli = CliRunner().invoke(checkpoint_cli, ["export", str(ckpt), str(out)])
+        assert cli.exit_code == 0, cli.output
+        model = S.Net(nn.Embedding(S.ROWS, S.DIM).double())
+        model.load_state_dict(load_file(str(out)))  # strict: every key, table included
+        assert torch.equal(model.emb.weight.detach(), before["emb.weight"])
         for shard in range(2):
             cluster._restart_server(shard)
         resumed = _train(addresses, range(0))  # only reads the rows back

@@ -33,7 +33,8 @@ from paramserver.transport import request_all
 from paramserver.workers.client import PART_BYTES, PSClient
 from paramserver.workers.liveness import Patience
 
-__all__ = ["ShardedEmbedding", "ShardedEmbeddingBag", "SparseClient", "pull_tables", "sparse_modules"]
+__all__ = ["ShardedEmbedding", "ShardedEmbeddingBag", "SparseClient", "pull_tables",
+           "sparse_modules"]
 
 log = logging.getLogger(__name__)
 
