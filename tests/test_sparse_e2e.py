@@ -293,3 +293,64 @@ def test_sync_sparse_waits_at_its_round_past_the_timeout_and_equals_torch(tmp_pa
         assert results[rank]["emb.weight"].dtype == torch.float64
         for key in want:
             assert torch.allclose(results[rank][key], want[key], rtol=0, atol=1e-9), (rank, key)
+
+
+def test_ssp_bounds_sparse_pushes_by_the_gate(tmp_path):
+    # SSP s=1, two worker threads; worker 1 does not step until this test says so. Worker
+    # 0 pushes steps 0 and 1; the pull that ends step 1 (clock 2, s + 1 ahead of worker 1)
+    # is held at the gate, so its step 2, sparse rows included, never starts: the shard
+    # has applied exactly those two sparse pushes
+    go, errors, done = threading.Event(), [], [0, 0]
+    models = [S.Net(ShardedEmbedding(S.ROWS, S.DIM, dtype=torch.float64, std=S.STD,
+                                     seed=S.SEED), seed=rank) for rank in range(2)]
+
+    def worker(rank: int, addresses: list[str]) -> None:
+        try:
+            opt = DistributedOptimizer(models[rank], servers=addresses, rank=rank,
+                                       world_size=2, heartbeat_interval=0.2, timeout=2,
+                                       request_timeout=0.5)
+        except BaseException as e:  # reported by the test thread
+            errors.append(e)
+            return
+        try:
+            if rank == 1:
+                go.wait(60)
+            for k in range(4):
+                ids, y = S.batch(rank, k)
+                opt.zero_grad()
+                nn.functional.mse_loss(models[rank](ids), y).backward()
+                opt.step(num_samples=len(y))
+                done[rank] += 1
+        except BaseException as e:
+            errors.append(e)
+        finally:
+            opt.close()
+
+    def gated() -> bool:  # worker 0 is past step 0 and the shard holds its pull (or, were
+        # the gate open, worker 0 finished); worker 1 sends none meanwhile
+        return done[0] == 4 or (done[0] >= 1 and server_stats(addresses)[0]["pending_pulls"] > 0)
+
+    spec = ClusterSpec(num_servers=1, num_workers=2,
+                       server=ServerConfig(mode="ssp", staleness_bound=1, optimizer="sgd",
+                                           optimizer_args={"lr": 0.1}),
+                       worker=WorkerConfig(servers=["unset"]), evaluate=False)
+    with LocalCluster(spec, tmp_path) as cluster:
+        addresses = cluster.start_servers()
+        threads = [threading.Thread(target=worker, args=(r, addresses)) for r in range(2)]
+        for t in threads:
+            t.start()
+        try:
+            deadline = time.monotonic() + 60
+            while not gated() and not errors:  # poll for the state
+                assert time.monotonic() < deadline, "worker 0 was never held at the gate"
+                time.sleep(0.1)
+            assert not errors, errors
+            assert done == [1, 0]  # step 1 pushed, its pull held
+            assert server_stats(addresses)[0]["sparse"]["version"] == 2
+        finally:
+            go.set()
+            for t in threads:
+                t.join(60)
+        assert not errors, errors
+        assert done == [4, 4]
+        assert server_stats(addresses)[0]["sparse"]["version"] == 8  # every push applied
