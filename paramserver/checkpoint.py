@@ -36,6 +36,7 @@ from safetensors.torch import load_file, save_file
 
 from .errors import ConfigError, ParamServerError
 from .sharding import ShardPlan
+from .sparse import owned_rows
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -256,7 +257,8 @@ def export_model(directory: str | Path, out: str | Path) -> dict[str, Any]:
 
     Load it with ``model.load_state_dict(safetensors.torch.load_file(out))``.
     Only parameters live on the servers; a model's buffers (e.g. batch-norm
-    statistics) are not part of it.
+    statistics) are not part of it. A sparse table (ShardedEmbedding) is exported
+    whole as ``<module>.weight``: it loads into a model with ``nn.Embedding`` there.
     """
     info = inspect_checkpoint(directory)
     if info["missing_shards"]:
@@ -270,10 +272,20 @@ def export_model(directory: str | Path, out: str | Path) -> dict[str, Any]:
     except (ConfigError, KeyError) as exc:
         raise CheckpointError(f"checkpoint manifest holds no usable plan: {exc}") from exc
     full = {p.name: torch.zeros(p.shape, dtype=p.torch_dtype) for p in plan.params}
+    # a sparse table's rows, each shard's in ascending id order, go under nn.Embedding's name
+    tables = {t.name: torch.zeros(t.rows, t.dim, dtype=t.torch_dtype) for t in plan.sparse}
     for s in info["shards"]:
         tensors, _ = load_shard(directory, s["shard"])
         plan.assemble_into(full, {k[len("param/"):]: v for k, v in tensors.items()
                                   if k.startswith("param/")})
+        for name, table in tables.items():
+            rows = tensors.get(f"sparse/{name}/weight")
+            ids = owned_rows(table.shape[0], plan.num_shards, s["shard"])
+            if rows is None or rows.shape != (len(ids), table.shape[1]):
+                raise CheckpointError(f"cannot export: shard {s['shard']}'s checkpoint lacks "
+                                      f"the rows of table {name!r}")
+            table[ids] = rows
+    full.update({f"{name}.weight": table for name, table in tables.items()})
     target = Path(out)
     target.parent.mkdir(parents=True, exist_ok=True)
     _write_atomic(target, lambda tmp: save_file(full, str(tmp)), "export")

@@ -123,7 +123,7 @@ _SCHEMA: dict[Op, dict[str, tuple[tuple[type, ...], bool]]] = {
     },
     Op.HEARTBEAT: {"worker": (_INT, True)},
     # tensors "ids:<table>" (int64 row ids) and, for SPUSH and SINIT, "val:<table>"
-    Op.SPULL: {"worker": (_INT, True)},
+    Op.SPULL: {"worker": (_INT, True), "observer": (_BOOL, False)},  # observer: no worker
     Op.SPUSH: {"worker": (_INT, True), "push_id": (_INT, True), "clock": (_INT, True),
                "read_version": (_INT, True), "num_samples": (_INT, True)},
     Op.SINIT: {"worker": (_INT, True), "part": (_INT, False), "parts": (_INT, False)},

@@ -558,7 +558,7 @@ class ShardServer:
 
     def _require_sparse(self, msg: Message) -> SparseShard:
         return SparseShard.of_worker(self.sparse, self._require_core(), msg["worker"],
-                                     time.monotonic())
+                                     time.monotonic(), bool(msg.get("observer", False)))
 
     def _on_spull(self, msg: Message, identity: bytes) -> Message:
         sparse = self._require_sparse(msg)
@@ -587,6 +587,8 @@ class ShardServer:
         if held is not None:
             fields["held"] = {"clock": held.clock, "waited": now - held.since,
                               "why": self._hold_reason(held.worker)}
+        elif self.sparse is not None and self.sparse.holding(msg["worker"]):  # a sync SPUSH
+            fields["held"] = self.sparse.holding(msg["worker"])
         return reply(msg, **fields)
 
     def _hold_reason(self, worker: int) -> str:

@@ -272,6 +272,7 @@ class _Round:
     rows: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     values: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     waiting: dict[int, Any] = field(default_factory=dict)  # worker -> reply token
+    clocks: dict[int, int] = field(default_factory=dict)  # worker -> its push's clock
 
 
 @dataclass
@@ -327,12 +328,15 @@ class SparseShard:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"invalid plan: {exc}") from exc
 
     @staticmethod
-    def of_worker(sparse: SparseShard | None, core: Any, worker: int, now: float
-                  ) -> SparseShard:
+    def of_worker(sparse: SparseShard | None, core: Any, worker: int, now: float,
+                  observer: bool = False) -> SparseShard:
         """``sparse`` for a request of ``worker``, a registered worker that has not said
-        BYE (its request is a sign of life); else the ProtocolError to answer."""
+        BYE (its request is a sign of life), or of an observer (a read that changes
+        nothing, such as the launcher's final pull); else the ProtocolError to answer."""
         if sparse is None:
             raise ProtocolError(ErrorCode.BAD_FIELD, "this shard's plan has no sparse tables")
+        if observer:
+            return sparse
         state = core._known(worker)
         if state.finished:
             raise ProtocolError(ErrorCode.NOT_REGISTERED,
@@ -471,6 +475,7 @@ class SparseShard:
                 prev.outcome = self._outcome(False, 0.0, "late", tau)
                 return prev.outcome
             self.round.samples[worker] = num_samples
+            self.round.clocks[worker] = clock
             for name, pos, values in checked:
                 self.round.rows.setdefault(name, []).append(pos)
                 self.round.values.setdefault(name, []).append(values * num_samples)
@@ -537,6 +542,15 @@ class SparseShard:
             self.pushed.pop(worker, None)
             if self.seeder == worker:
                 self.seeder, self.seed_parts = None, (set(), 0)
+
+    def holding(self, worker: int) -> dict[str, Any] | None:
+        """What ``worker``'s parked sync push waits for, or None if no push of its is
+        parked (its heartbeats are told, so its client waits rather than gives up)."""
+        if worker not in self.round.waiting:
+            return None
+        missing = sorted(w for w in self.live() if w not in self.round.samples)
+        return {"clock": self.round.clocks.get(worker, 0),
+                "why": f"sparse sync round: waiting for the pushes of workers {missing}"}
 
     def take_ready(self) -> list[tuple[Any, dict[str, Any]]]:
         out, self.ready = self.ready, []

@@ -227,6 +227,32 @@ def test_progress_claim_fails_when_a_mode_needs_more_updates(tmp_path):
     assert claim.status == "fail" and "spread 20%" in claim.detail
 
 
+def test_progress_claim_counts_gradients_for_a_model_with_sparse_tables(tmp_path):
+    fake_experiment(tmp_path / "a", dts=GOOD, scenarios=("none",))
+    summaries = summarize(tmp_path / "a")
+    for s in summaries:
+        workers = s.config["workers"]
+        for run in s.runs:  # equal work to the target; a sync round is N gradients
+            run.gradients_to_target = 60.0 * (1.05 if s.config["mode"] == "async" else 1.0)
+            run.updates_to_target = 60.0 / (workers if s.config["mode"] == "sync" else 1)
+
+    def claim(sparse: bool) -> ClaimCheck:
+        for s in summaries:
+            for run in s.runs:
+                run.sparse_tables = sparse
+        return check_literature([aggregate(s.config, s.runs) for s in summaries], 1.65)[1]
+
+    dense = claim(False)  # in updates applied sync looks N times faster
+    assert dense.status == "fail" and "updates: sync 30" in dense.detail, dense
+    sparse = claim(True)  # in gradients every mode did the same work (async 5% more)
+    assert sparse.status == "pass" and "gradients: sync 60" in sparse.detail, sparse
+    for s in summaries:  # 20% more: the sparse unit still fails a mode that needs more
+        if s.config["mode"] == "async":
+            for run in s.runs:
+                run.gradients_to_target = 72.0
+    assert claim(True).status == "fail"
+
+
 def test_checks_are_skipped_without_their_configurations(tmp_path):
     fake_experiment(tmp_path, dts=GOOD, scenarios=("transient",))
     claims = _claims(tmp_path)

@@ -4,12 +4,16 @@ and per-row optimizer state."""
 
 from __future__ import annotations
 
+import logging
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 import zmq
+from click.testing import CliRunner
 from safetensors.torch import load_file
 from torch import nn
 
@@ -23,9 +27,11 @@ from paramserver import (
     run_cluster,
 )
 from paramserver.checkpoint import load_shard
+from paramserver.cli.checkpoint import checkpoint as checkpoint_cli
 from paramserver.protocol import PROTOCOL_VERSION, Message, Op, decode, encode
 from paramserver.sparse import full_table, owned_rows
-from paramserver.workers.client import server_stats, shutdown_servers
+from paramserver.workers.client import PSClient, server_stats, shutdown_servers
+from paramserver.workers.embedding import pull_tables
 from paramserver.workers.launch.cluster import LocalCluster
 from tests import sparse_script as S
 
@@ -64,15 +70,11 @@ def _reference(workers: int, cls, args: dict, steps: int = STEPS) -> dict[str, t
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize(("optimizer", "cls", "args", "extra"), [
-    # each worker caches 20 of the 60 rows: pulls honour the rows' versions, never stale
-    ("sgd", torch.optim.SGD, {"lr": 0.3}, ["--cache", "20"]),
-    # the same table streamed in by rank 0 (from_pretrained, float64 kept) trains alike
-    ("adagrad", torch.optim.Adagrad, {"lr": 0.2}, ["--pretrained"]),
-])
-def test_sync_sparse_equals_single_process_torch(tmp_path, optimizer, cls, args, extra):
-    _run(tmp_path, optimizer, args, *extra)
-    want = _reference(3, cls, args)
+def test_sync_sparse_with_a_row_cache_equals_single_process_torch(tmp_path):
+    # `paramserver launch -- python tests/sparse_script.py`: each worker caches 20 of the
+    # 60 rows, so pulls honour the rows' versions (never stale)
+    _run(tmp_path, "sgd", {"lr": 0.3}, "--cache", "20")
+    want = _reference(3, torch.optim.SGD, {"lr": 0.3})
     start = full_table(S.spec())
     assert not torch.allclose(want["emb.weight"], start)  # training moved the rows
     for rank in range(3):
@@ -81,6 +83,12 @@ def test_sync_sparse_equals_single_process_torch(tmp_path, optimizer, cls, args,
         assert got["emb.weight"].dtype == torch.float64
         for key in want:
             assert torch.allclose(got[key], want[key], rtol=0, atol=1e-9), (rank, key)
+    # the launcher's final model holds the table too: it loads into nn.Embedding's model
+    final = load_file(str(tmp_path / "run" / "final_model.safetensors"))
+    model = S.Net(nn.Embedding(S.ROWS, S.DIM).double())
+    model.load_state_dict(final)  # strict: every key, table included
+    for key in want:
+        assert torch.allclose(final[key], want[key], rtol=0, atol=1e-9), key
 
 
 def _cluster(tmp_path: Path, servers: int, **server) -> LocalCluster:
@@ -121,6 +129,13 @@ def test_checkpoint_and_resume_of_sparse_shards_loses_nothing(tmp_path):
         for shard in range(2):
             assert cluster.servers[shard].popen.wait(timeout=30) == 0
         saved = [load_shard(str(ckpt), s)[0] for s in range(2)]
+        # `paramserver checkpoint export` puts the table, whole, under nn.Embedding's name
+        out = tmp_path / "exported.safetensors"
+        cli = CliRunner().invoke(checkpoint_cli, ["export", str(ckpt), str(out)])
+        assert cli.exit_code == 0, cli.output
+        model = S.Net(nn.Embedding(S.ROWS, S.DIM).double())
+        model.load_state_dict(load_file(str(out)))  # strict: every key, table included
+        assert torch.equal(model.emb.weight.detach(), before["emb.weight"])
         for shard in range(2):
             cluster._restart_server(shard)
         resumed = _train(addresses, range(0))  # only reads the rows back
@@ -128,6 +143,13 @@ def test_checkpoint_and_resume_of_sparse_shards_loses_nothing(tmp_path):
         _hostile(addresses[0], 2)
         assert cluster.servers[0].popen.poll() is None
         after = _train(addresses, range(3, 6))
+        # the whole table read as an observer, 3 rows per shard per request
+        plan = _plan(2)
+        with PSClient(addresses, plan, worker=0, role="observer", heartbeat_interval=0,
+                      timeout=20) as client:
+            client.connect()
+            table = pull_tables(client, plan.sparse, part_bytes=3 * S.DIM * 8)
+        assert torch.equal(table["emb.weight"], after["emb.weight"])
     for tensors in saved:  # per-row optimizer state went with the rows, in one file
         assert any(k.startswith("sparse_optim/") for k in tensors)
         assert any(k.startswith("sparse/emb/weight") for k in tensors)
@@ -199,3 +221,136 @@ def _hostile(address: str, num_shards: int) -> None:
 def _plan(num_shards: int) -> ShardPlan:
     return ShardPlan.from_module(S.Net(ShardedEmbedding(
         S.ROWS, S.DIM, dtype=torch.float64, std=S.STD, seed=S.SEED)), num_shards)
+
+
+def test_sync_sparse_waits_at_its_round_past_the_timeout_and_equals_torch(tmp_path, caplog):
+    # three worker threads (real shard processes), sync Adagrad, the table streamed in by
+    # rank 0 (from_pretrained, float64 kept), client timeout 2 s. Rank 2 starts its first
+    # step only when this test says so (an event), after worker 0 reported its SPUSH held
+    # in the round twice (> 4 s): it waits instead of giving up, and the run still
+    # equals single-process torch on the union batches
+    caplog.set_level(logging.WARNING, logger="paramserver.workers.liveness")
+    go, errors = threading.Event(), []
+    results: dict[int, dict[str, torch.Tensor]] = {}
+    models = [S.Net(ShardedEmbedding.from_pretrained(full_table(S.spec())), seed=rank)
+              for rank in range(3)]  # built here: fork_rng is not for threads
+
+    def worker(rank: int, addresses: list[str]) -> None:
+        model = models[rank]
+        try:
+            opt = DistributedOptimizer(model, servers=addresses, rank=rank, world_size=3,
+                                       heartbeat_interval=0.2, timeout=2, request_timeout=0.5)
+        except BaseException as e:  # reported by the test thread
+            errors.append(e)
+            return
+        try:
+            for k in range(STEPS):
+                if rank == 2 and k == 0:
+                    go.wait(60)
+                ids, y = S.batch(rank, k)
+                opt.zero_grad()
+                nn.functional.mse_loss(model(ids), y).backward()
+                opt.step(num_samples=len(y))
+            with torch.no_grad():
+                table = model.emb(torch.arange(S.ROWS))
+            results[rank] = {"emb.weight": table, **{k: v.detach().clone()
+                                                     for k, v in model.state_dict().items()}}
+        except BaseException as e:
+            errors.append(e)
+        finally:
+            opt.close()
+
+    def holding() -> list[str]:
+        return [r.getMessage() for r in caplog.records
+                if "holding your pull for worker 0" in r.getMessage()
+                and "sparse sync round: waiting for the pushes of workers [2]" in r.getMessage()]
+
+    spec = ClusterSpec(num_servers=2, num_workers=3,
+                       server=ServerConfig(mode="sync", optimizer="adagrad",
+                                           optimizer_args={"lr": 0.2}),
+                       worker=WorkerConfig(servers=["unset"]), evaluate=False)
+    with LocalCluster(spec, tmp_path) as cluster:
+        addresses = cluster.start_servers()
+        threads = [threading.Thread(target=worker, args=(r, addresses)) for r in range(3)]
+        for t in threads:
+            t.start()
+        try:
+            deadline = time.monotonic() + 60
+            while len(holding()) < 2 and not errors:  # poll for the state
+                assert time.monotonic() < deadline, "worker 0 never reported holding"
+                time.sleep(0.1)
+            assert not errors, errors
+            assert not results  # all still in step 0, past their timeout of 2 s
+        finally:
+            go.set()
+            for t in threads:
+                t.join(120)
+        assert not errors, errors
+        assert server_stats(addresses)[0]["sparse"]["rounds"] == STEPS
+    assert "(clock 0)" in holding()[0]
+    want = _reference(3, torch.optim.Adagrad, {"lr": 0.2})
+    for rank in range(3):
+        assert results[rank]["emb.weight"].dtype == torch.float64
+        for key in want:
+            assert torch.allclose(results[rank][key], want[key], rtol=0, atol=1e-9), (rank, key)
+
+
+def test_ssp_bounds_sparse_pushes_by_the_gate(tmp_path):
+    # SSP s=1, two worker threads; worker 1 does not step until this test says so. Worker
+    # 0 pushes steps 0 and 1; the pull that ends step 1 (clock 2, s + 1 ahead of worker 1)
+    # is held at the gate, so its step 2, sparse rows included, never starts: the shard
+    # has applied exactly those two sparse pushes
+    go, errors, done = threading.Event(), [], [0, 0]
+    models = [S.Net(ShardedEmbedding(S.ROWS, S.DIM, dtype=torch.float64, std=S.STD,
+                                     seed=S.SEED), seed=rank) for rank in range(2)]
+
+    def worker(rank: int, addresses: list[str]) -> None:
+        try:
+            opt = DistributedOptimizer(models[rank], servers=addresses, rank=rank,
+                                       world_size=2, heartbeat_interval=0.2, timeout=2,
+                                       request_timeout=0.5)
+        except BaseException as e:  # reported by the test thread
+            errors.append(e)
+            return
+        try:
+            if rank == 1:
+                go.wait(60)
+            for k in range(4):
+                ids, y = S.batch(rank, k)
+                opt.zero_grad()
+                nn.functional.mse_loss(models[rank](ids), y).backward()
+                opt.step(num_samples=len(y))
+                done[rank] += 1
+        except BaseException as e:
+            errors.append(e)
+        finally:
+            opt.close()
+
+    def gated() -> bool:  # worker 0 is past step 0 and the shard holds its pull (or, were
+        # the gate open, worker 0 finished); worker 1 sends none meanwhile
+        return done[0] == 4 or (done[0] >= 1 and server_stats(addresses)[0]["pending_pulls"] > 0)
+
+    spec = ClusterSpec(num_servers=1, num_workers=2,
+                       server=ServerConfig(mode="ssp", staleness_bound=1, optimizer="sgd",
+                                           optimizer_args={"lr": 0.1}),
+                       worker=WorkerConfig(servers=["unset"]), evaluate=False)
+    with LocalCluster(spec, tmp_path) as cluster:
+        addresses = cluster.start_servers()
+        threads = [threading.Thread(target=worker, args=(r, addresses)) for r in range(2)]
+        for t in threads:
+            t.start()
+        try:
+            deadline = time.monotonic() + 60
+            while not gated() and not errors:  # poll for the state
+                assert time.monotonic() < deadline, "worker 0 was never held at the gate"
+                time.sleep(0.1)
+            assert not errors, errors
+            assert done == [1, 0]  # step 1 pushed, its pull held
+            assert server_stats(addresses)[0]["sparse"]["version"] == 2
+        finally:
+            go.set()
+            for t in threads:
+                t.join(60)
+        assert not errors, errors
+        assert done == [4, 4]
+        assert server_stats(addresses)[0]["sparse"]["version"] == 8  # every push applied

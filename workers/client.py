@@ -651,12 +651,16 @@ class PushStream:
 def pull_weights(addresses: Sequence[str], plan: ShardPlan, timeout: float = 60.0,
                  curve: CurveKeys | None = None) -> dict[str, torch.Tensor]:
     """The servers' current weights of every parameter of ``plan``, as an observer
-    (no clock, never gated): what a launcher saves as the final model."""
+    (no clock, never gated): what a launcher saves as the final model. Sparse
+    tables are included whole, as ``<module>.weight`` (nn.Embedding's name)."""
     params = {p.name: torch.zeros(p.shape, dtype=DTYPES[p.dtype]) for p in plan.params}
     with PSClient(addresses, plan, worker=0, role="observer", heartbeat_interval=0,
                   timeout=timeout, curve=curve) as client:
         client.connect()
         client.pull(params)
+        if plan.sparse:  # each table under its parameter's name, read in parts of rows
+            from paramserver.workers.embedding import pull_tables
+            params.update(pull_tables(client, plan.sparse))
     return params
 
 

@@ -28,11 +28,13 @@ from paramserver.errors import (
     RemoteError,
 )
 from paramserver.protocol import Message, Op
-from paramserver.sparse import TableSpec, shard_of
+from paramserver.sparse import TableSpec, owned_rows, shard_of
 from paramserver.transport import request_all
 from paramserver.workers.client import PART_BYTES, PSClient
+from paramserver.workers.liveness import Patience
 
-__all__ = ["ShardedEmbedding", "ShardedEmbeddingBag", "SparseClient", "sparse_modules"]
+__all__ = ["ShardedEmbedding", "ShardedEmbeddingBag", "SparseClient", "pull_tables",
+           "sparse_modules"]
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +56,13 @@ class SparseClient:
         client = self.client
         chans = [client.channels[s] for s in shards]
         self.nbytes += sum(m.nbytes for m in msgs)
+        # as for dense requests: a shard whose heartbeats say it holds our push (a sync
+        # round waiting for others) is waited for past `timeout`; a silent one is named
+        heartbeat = client._heartbeat
+        patience = (Patience(client, heartbeat, what, list(shards))
+                    if heartbeat is not None and heartbeat.is_alive() else None)
         replies = request_all(chans, list(msgs), client.attempt_timeout, what,
-                              retries=client.retries, raise_errors=False)
+                              retries=client.retries, raise_errors=False, patience=patience)
         for i, rep in enumerate(replies):
             if rep.op is not Op.ERROR:
                 continue
@@ -299,3 +306,25 @@ class ShardedEmbeddingBag(ShardedEmbedding):
 def sparse_modules(model: nn.Module) -> list[tuple[str, ShardedEmbedding]]:
     """The model's ShardedEmbedding modules with their names (the table names)."""
     return [(name, m) for name, m in model.named_modules() if isinstance(m, ShardedEmbedding)]
+
+
+def pull_tables(client: PSClient, specs: Sequence[TableSpec], part_bytes: int = PART_BYTES
+                ) -> dict[str, torch.Tensor]:
+    """Whole tables {``<name>.weight``: tensor} read from the shards as an observer
+    (never gated, registers nothing), about ``part_bytes`` of rows per shard per request:
+    memory per request stays bounded however large the table."""
+    sparse = SparseClient(client)
+    out = {}
+    for spec in specs:
+        table = torch.empty(spec.rows, spec.dim, dtype=spec.torch_dtype)
+        owned = [owned_rows(spec.rows, sparse.num_shards, s) for s in range(sparse.num_shards)]
+        step = max(1, part_bytes // (spec.dim * table.element_size()))
+        for start in range(0, max(len(o) for o in owned), step):
+            parts = [o[start:start + step] for o in owned]
+            msgs = [Message(Op.SPULL, 0, {"worker": client.worker, "observer": True},
+                            {f"ids:{spec.name}": p.contiguous()}) for p in parts]
+            replies = sparse._ask(msgs, range(sparse.num_shards), "SPULL")
+            for ids, rep in zip(parts, replies, strict=True):
+                table[ids] = rep.tensors[f"val:{spec.name}"]
+        out[f"{spec.name}.weight"] = table
+    return out

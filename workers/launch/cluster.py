@@ -585,7 +585,10 @@ def final_eval(spec: ClusterSpec, addresses: list[str], out: Path) -> dict[str, 
                   timeout=cfg.timeout, curve=spec.client_curve()) as client:
         client.connect()
         client.pull(dict(task.model.named_parameters()))
-    state = {k: v.detach().contiguous() for k, v in task.model.state_dict().items()}
+        state = {k: v.detach().contiguous() for k, v in task.model.state_dict().items()}
+        if plan.sparse:  # the tables too, under nn.Embedding's names, in parts of rows
+            from paramserver.workers.embedding import pull_tables
+            state.update(pull_tables(client, plan.sparse))
     save_file(state, str(out / "final_model.safetensors"))
     if plan.sparse:  # its tables stay on the shards; worker 0 evaluated it while connected
         return {}
