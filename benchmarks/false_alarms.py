@@ -92,7 +92,7 @@ def run_cell(task: str, optimizer: str, mode: str, seed: int, steps: int) -> dic
     spec = ClusterSpec(
         num_servers=2, num_workers=3,
         server=ServerConfig(mode=mode, staleness_bound=2, optimizer=name, optimizer_args=args),
-        worker=WorkerConfig(servers=["unset"], task=task, steps=steps, seed=seed),
+        worker=WorkerConfig(task=task, steps=steps, seed=seed),
         evaluate=False,
     )
     t0 = time.perf_counter()

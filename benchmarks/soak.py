@@ -102,7 +102,7 @@ def _spec(cfg: SoakConfig) -> ClusterSpec:
         num_servers=cfg.servers, num_workers=cfg.workers,
         server=ServerConfig(mode=cfg.mode, heartbeat_timeout=30.0),
         # more steps than the run can take: the soak stops the workers itself
-        worker=WorkerConfig(servers=["unset"], task=cfg.task, steps=10**9,
+        worker=WorkerConfig(task=cfg.task, steps=10**9,
                             straggler=StragglerSpec(), timeout=120.0),
         startup_timeout=300.0, evaluate=False,
     )
@@ -310,7 +310,8 @@ def _report(result: dict[str, Any], console: Console) -> None:
 
 @click.command()
 @click.option("--workers", default=16, show_default=True)
-@click.option("--servers", default=2, show_default=True)
+@click.option("--num-servers", "-s", "servers", default=2, show_default=True,
+              help="Shard server processes.")
 @click.option("--duration", default=180.0, show_default=True, help="Seconds measured.")
 @click.option("--mode", default="async", show_default=True,
               type=click.Choice(["async", "ssp", "sync"]))

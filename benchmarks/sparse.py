@@ -56,7 +56,7 @@ def _cluster(out: Path, servers: int, workers: int, mode: str, optimizer: str,
                        server=ServerConfig(mode=mode, optimizer=optimizer,
                                            optimizer_args={"lr": 0.05},
                                            heartbeat_timeout=60.0),
-                       worker=WorkerConfig(servers=["unset"]), command=command,
+                       worker=WorkerConfig(), command=command,
                        evaluate=False)
     return LocalCluster(spec, out)
 

@@ -125,7 +125,7 @@ def _weights(address: str) -> tuple[dict[str, torch.Tensor], int]:
 
 def _cluster(tmp_path: Path, workers: int = 1, **server: Any) -> LocalCluster:
     spec = ClusterSpec(num_servers=1, num_workers=workers, server=ServerConfig(**server),
-                       worker=WorkerConfig(servers=["unset"]), evaluate=False)
+                       worker=WorkerConfig(), evaluate=False)
     return LocalCluster(spec, tmp_path)
 
 

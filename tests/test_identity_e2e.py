@@ -86,7 +86,7 @@ def _cluster(tmp_path: Path, made: CurveKeyFiles, **server: Any) -> LocalCluster
     spec = ClusterSpec(
         num_servers=1, num_workers=1, evaluate=False,
         server=ServerConfig(mode="async", curve_secret_key=str(made.server_secret), **server),
-        worker=WorkerConfig(servers=["unset"], curve_key=str(made.clients["a"][1]),
+        worker=WorkerConfig(curve_key=str(made.clients["a"][1]),
                             curve_server_key=str(made.server_public)))
     return LocalCluster(spec, tmp_path / "run")
 

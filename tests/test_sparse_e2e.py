@@ -93,7 +93,7 @@ def test_sync_sparse_with_a_row_cache_equals_single_process_torch(tmp_path):
 
 def _cluster(tmp_path: Path, servers: int, **server) -> LocalCluster:
     spec = ClusterSpec(num_servers=servers, num_workers=1, server=ServerConfig(**server),
-                       worker=WorkerConfig(servers=["unset"]), evaluate=False)
+                       worker=WorkerConfig(), evaluate=False)
     return LocalCluster(spec, tmp_path)
 
 
@@ -268,7 +268,7 @@ def test_sync_sparse_waits_at_its_round_past_the_timeout_and_equals_torch(tmp_pa
     spec = ClusterSpec(num_servers=2, num_workers=3,
                        server=ServerConfig(mode="sync", optimizer="adagrad",
                                            optimizer_args={"lr": 0.2}),
-                       worker=WorkerConfig(servers=["unset"]), evaluate=False)
+                       worker=WorkerConfig(), evaluate=False)
     with LocalCluster(spec, tmp_path) as cluster:
         addresses = cluster.start_servers()
         threads = [threading.Thread(target=worker, args=(r, addresses)) for r in range(3)]
@@ -333,7 +333,7 @@ def test_ssp_bounds_sparse_pushes_by_the_gate(tmp_path):
     spec = ClusterSpec(num_servers=1, num_workers=2,
                        server=ServerConfig(mode="ssp", staleness_bound=1, optimizer="sgd",
                                            optimizer_args={"lr": 0.1}),
-                       worker=WorkerConfig(servers=["unset"]), evaluate=False)
+                       worker=WorkerConfig(), evaluate=False)
     with LocalCluster(spec, tmp_path) as cluster:
         addresses = cluster.start_servers()
         threads = [threading.Thread(target=worker, args=(r, addresses)) for r in range(2)]
