@@ -18,7 +18,7 @@ from rich.console import Console
 from paramserver.cli.grid import claim_grid_dir, grid_options, run_grid, spec_from_flags
 from paramserver.errors import ConfigError
 from paramserver.workers.experiments.runner import simulate_experiment
-from paramserver.workers.launch.virtual import SimSpec
+from paramserver.workers.launch.virtual import SimSpec, check_simulable
 
 __all__ = ["simulate"]
 
@@ -60,6 +60,9 @@ def simulate(compute_time: float, latency: float, **flags: Any) -> None:
     try:
         spec = spec_from_flags(flags)
         sim = SimSpec(compute_time=compute_time, latency=latency)
+        plans = spec.runs()
+        if plans:
+            check_simulable(spec.cluster_spec(plans[0].config, plans[0].seed))
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from exc
     out = claim_grid_dir(flags, Path("runs") / f"{spec.name}-sim")

@@ -348,3 +348,21 @@ def test_compensated_momentum_matches_no_momentum_where_plain_momentum_diverges(
         none = _momentum_loss(workers, 0.0, None)
         assert _momentum_loss(workers, 0.9, 0.9) <= 1.25 * none
     assert _momentum_loss(32, 0.9, None) >= 0.8 * math.log(10)  # chance: ln 10
+
+
+def test_a_task_with_sparse_tables_is_refused_before_any_run(tmp_path):
+    """The simulator's shards are dense: recsys (ShardedEmbedding) is named and refused
+    with exit 2 before a folder is written, and a library call refuses it too."""
+    from paramserver.cli.simulate import simulate
+    from paramserver.errors import ConfigError
+
+    out = tmp_path / "sim"
+    result = CliRunner().invoke(simulate, ["--task", "recsys", "--steps", "2",
+                                           "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    assert "row-sparse tables" in result.output and "paramserver experiment" in result.output
+    assert not out.exists()
+    spec = ClusterSpec(num_servers=1, num_workers=2,
+                       worker=WorkerConfig(task="recsys", steps=2))
+    with pytest.raises(ConfigError, match="row-sparse"):
+        run_simulation(spec, sim=SimSpec())

@@ -33,7 +33,7 @@ from paramserver.events import read_events
 from paramserver.workers.experiments.report import ReportFiles, write_report
 from paramserver.workers.experiments.spec import ExperimentSpec, RunPlan, dump_spec
 from paramserver.workers.launch.cluster import Progress, run_cluster
-from paramserver.workers.launch.virtual import SimSpec, run_simulation
+from paramserver.workers.launch.virtual import SimSpec, check_simulable, run_simulation
 
 __all__ = [
     "ExperimentObserver",
@@ -230,4 +230,7 @@ def simulate_experiment(spec: ExperimentSpec, out_dir: str | os.PathLike[str],
                         observer: ExperimentObserver | None = None,
                         report: bool = True) -> ExperimentResult:
     """:func:`run_experiment` in virtual time (every time in the report is virtual seconds)."""
+    plans = spec.runs()
+    if plans:  # one task for the whole grid: refuse it before any folder is written
+        check_simulable(spec.cluster_spec(plans[0].config, plans[0].seed))
     return run_experiment(spec, out_dir, observer, report, sim=sim or SimSpec())

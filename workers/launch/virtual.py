@@ -79,6 +79,24 @@ class SimulationError(ParamServerError):
     """The simulated run could not finish (e.g. every worker is blocked forever)."""
 
 
+
+def refuse_sparse(model: torch.nn.Module, task: str) -> None:
+    """The simulator's shards are dense cores: a model with row-sparse tables
+    (ShardedEmbedding) is refused by name instead of failing at its first lookup."""
+    from paramserver.workers.embedding import sparse_modules
+
+    tables = [name for name, _ in sparse_modules(model)]
+    if tables:
+        raise ConfigError(f"task {task!r} has row-sparse tables ({', '.join(tables)}); the "
+                          "simulator holds dense parameters only: run it with "
+                          "paramserver experiment")
+
+
+def check_simulable(cluster: ClusterSpec) -> None:
+    """Refuse up front, before any run, what the simulator cannot run."""
+    config = dataclasses.replace(cluster.worker, rank=0, world_size=cluster.num_workers)
+    refuse_sparse(build_task(config).model, config.task)
+
 @dataclass(frozen=True)
 class SimSpec:
     """How virtual time passes; the rest of a run is the ClusterSpec's."""
@@ -198,6 +216,7 @@ class Simulator:
         config0 = self._worker_config(0)
         self.task: Task = build_task(config0)
         self.model = self.task.model.cpu()
+        refuse_sparse(self.model, config0.task)
         self.params = dict(self.model.named_parameters())
         self.plan = ShardPlan.from_module(self.model, spec.num_servers, config0.chunk_bytes)
         self._nbytes = self.plan.shard_bytes  # per shard, for the step events' byte counts
