@@ -79,3 +79,14 @@ def _no_process_left_behind(request: pytest.FixtureRequest) -> Iterator[None]:
         pytest.fail(f"{request.node.nodeid} left processes running (killed now): "
                     + "; ".join(f"{pid} {args[:120]}" for pid, args in sorted(left.items())),
                     pytrace=False)
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No PARAMSERVER_* or launcher variables from the outside leak into a CLI test."""
+    for key in list(os.environ):
+        if key.startswith(("PARAMSERVER_", "SLURM_", "TORCHELASTIC_")) or key in (
+                "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                "MASTER_PORT"):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("PARAMSERVER_LOG_LEVEL", "WARNING")  # restored after the test

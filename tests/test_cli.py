@@ -6,7 +6,6 @@ No processes are started here (see test_cli_e2e.py for that).
 from __future__ import annotations
 
 import json
-import os
 import socket
 import sys
 import textwrap
@@ -24,15 +23,7 @@ from tests.ports import free_port
 OURS = ["server", "worker", "launch", "status", "policies", "tasks", "run"]
 
 
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No PARAMSERVER_* or launcher variables from the outside leak into a test."""
-    for key in list(os.environ):
-        if key.startswith(("PARAMSERVER_", "SLURM_", "TORCHELASTIC_")) or key in (
-                "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                "MASTER_PORT"):
-            monkeypatch.delenv(key)
-    monkeypatch.setenv("PARAMSERVER_LOG_LEVEL", "WARNING")  # restored after the test
+pytestmark = pytest.mark.usefixtures("clean_env")  # tests/conftest.py
 
 
 def invoke(*args: str, env: dict[str, str] | None = None) -> Result:

@@ -5,7 +5,6 @@ a count, warns once), the run folder rules of launch and experiment. Nothing is 
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
@@ -19,13 +18,7 @@ from paramserver.cli.main import main
 from paramserver.errors import ConfigError
 from paramserver.workers.experiments.spec import ExperimentSpec, dump_spec, load_spec
 
-
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for key in list(os.environ):
-        if key.startswith("PARAMSERVER_"):
-            monkeypatch.delenv(key)
-    monkeypatch.setenv("PARAMSERVER_LOG_LEVEL", "WARNING")
+pytestmark = pytest.mark.usefixtures("clean_env")  # tests/conftest.py
 
 
 def invoke(*args: str) -> Result:

@@ -3,7 +3,6 @@ starts (CliRunner: nothing is spawned; a fixed port is held by this test)."""
 
 from __future__ import annotations
 
-import os
 import socket
 from collections.abc import Iterator
 
@@ -12,13 +11,7 @@ from click.testing import CliRunner, Result
 
 from paramserver.cli.main import main
 
-
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for key in list(os.environ):
-        if key.startswith("PARAMSERVER_"):
-            monkeypatch.delenv(key)
-    monkeypatch.setenv("PARAMSERVER_LOG_LEVEL", "WARNING")
+pytestmark = pytest.mark.usefixtures("clean_env")  # tests/conftest.py
 
 
 @pytest.fixture
