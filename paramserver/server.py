@@ -587,8 +587,10 @@ class ShardServer:
         if held is not None:
             fields["held"] = {"clock": held.clock, "waited": now - held.since,
                               "why": self._hold_reason(held.worker)}
-        elif self.sparse is not None and self.sparse.holding(msg["worker"]):  # a sync SPUSH
-            fields["held"] = self.sparse.holding(msg["worker"])
+        elif self.sparse is not None:  # a sync SPUSH parked in its round, if any
+            sparse_held = self.sparse.holding(msg["worker"])
+            if sparse_held:
+                fields["held"] = sparse_held
         return reply(msg, **fields)
 
     def _hold_reason(self, worker: int) -> str:
