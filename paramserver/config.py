@@ -270,6 +270,11 @@ class ServerConfig(ConfigRecord):
                                       help="A worker silent this long leaves the live set: no "
                                            "sync round or SSP bound waits for it.")
     check_finite: bool = option(True, help="Reject gradients that contain NaN or Inf.")
+    threads: int = option(1, min=0, metavar="N", per_process=True,
+                          help="Intra-op threads of a shard process's torch (0: torch's "
+                               "default, one per core). A shard's work is memory-bound "
+                               "passes over its slices, and idle torch threads spin, so "
+                               "beside same-host workers more threads slow it down.")
     event_log: str | None = option(None, kind="file", metavar="FILE", per_process=True,
                                    help="Append JSONL events to FILE.")
     curve_secret_key: str | None = option(

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 import zmq
 
 from .access import Access, is_loopback, load_grants
@@ -683,6 +684,10 @@ def _own_process(server: ShardServer) -> None:
     """This process is the shard's: SIGTERM and SIGINT stop it, ``ps`` shows what it is."""
     _stop_on_signals(server)
     config = server.config
+    if config.threads:
+        # measured: a 100 MiB sync round beside one same-host worker took 426 ms with
+        # torch's default threads on 2 cores, 71 ms with one (docs/performance.md)
+        torch.set_num_threads(config.threads)
     set_title(f"server {config.shard}/{config.num_shards} {server.address} "
               f"({config.mode_spec().describe()})")
 

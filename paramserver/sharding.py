@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from .dtypes import PARAM_DTYPES, dtype_name
+from .dtypes import PARAM_DTYPES, copy_bytes, dtype_name
 from .errors import ConfigError, RegistryError
 from .sparse import TableSpec
 
@@ -505,7 +505,7 @@ class ShardPlan:
                 # view(-1) aliases the target; a non-contiguous one is copied back at the end.
                 flat = target.view(-1) if target.is_contiguous() else target.reshape(-1).clone()
                 for s, value in items:
-                    flat[s.start : s.stop].copy_(value.detach().reshape(-1))
+                    copy_bytes(flat[s.start : s.stop], value.detach())
                 if not target.is_contiguous():
                     target.copy_(flat.view(target.shape))
 

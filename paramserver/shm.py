@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 
+from .dtypes import copy_bytes
 from .errors import ErrorCode, ProtocolError
 from .protocol import DTYPES, Limits, Message, Op, _check_desc
 
@@ -308,7 +309,7 @@ class GradSegment:
         descs = []
         for key, name, t, offset in plan:
             if t.numel():
-                self.seg.region(offset, t.dtype, (t.numel(),)).copy_(t.detach().reshape(-1))
+                copy_bytes(self.seg.region(offset, t.dtype, (t.numel(),)), t.detach())
             descs.append([key, name, list(t.shape), offset])
         return descs
 

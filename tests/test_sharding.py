@@ -320,3 +320,19 @@ def test_paramspec_properties() -> None:
     p = ParamSpec("w", [3, 4], "bfloat16")  # type: ignore[arg-type]
     assert p.shape == (3, 4) and p.numel == 12 and p.itemsize == 2 and p.nbytes == 24
     assert ParamSpec("s", (), "float64").numel == 1
+
+
+def test_copy_bytes_matches_copy_for_every_layout() -> None:
+    from paramserver.dtypes import copy_bytes
+
+    src = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    for source in (src, src.t(), src.reshape(-1)):  # contiguous, strided, flat
+        dst = torch.empty(24)
+        copy_bytes(dst, source)
+        assert torch.equal(dst, source.reshape(-1))
+    wide = torch.empty(24, dtype=torch.float64)
+    copy_bytes(wide, src.to(torch.bfloat16))  # converted, as copy_ would
+    assert torch.equal(wide, src.reshape(-1).to(torch.float64))
+    empty = torch.empty(0)
+    copy_bytes(empty, torch.empty(0))
+    assert empty.numel() == 0
