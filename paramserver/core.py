@@ -105,6 +105,7 @@ class ShardCore:
         # called before every optimizer step: a driver that lends the weights'
         # memory to sends in flight protects them here (copy-on-write)
         self.before_step: Callable[[], None] | None = None
+        self.after_step: Callable[[], None] | None = None  # once the version counts it
         self.version = 0
         self.initialized = False
         self.seeding = Seeding()  # INIT in parts: who is seeding, which parts are in
@@ -712,6 +713,8 @@ class ShardCore:
                           version=self.version, staleness=staleness, prior_staleness=prior,
                           probe=self.probe, before_step=self.before_step)
         self.version += 1
+        if self.after_step is not None:
+            self.after_step()
 
     # ------------------------------------------------------------------ observability
 

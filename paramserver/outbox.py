@@ -132,6 +132,8 @@ class Outbox:
                 msg = Message(Op.REPLY, seq, fields, {})
                 self.send(identity, msg)
             else:
+                if self.shm is not None:
+                    self.shm.before_tcp_reply(core)  # zmq never lends a board slot
                 msg = Message(Op.REPLY, seq, fields, core.params)
                 self.send(identity, msg, self._prepared(core))
             if ready.token in self.observer_pulls:

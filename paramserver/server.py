@@ -306,8 +306,14 @@ class ShardServer:
     def _before_mutation(self) -> None:
         """Copy-on-write: parameters still being sent must not be written in place."""
         self.outbox.settle(self.core)
-        if self.shm is not None:
-            self.shm.stale()  # the next pull answered through the board publishes anew
+        if self.shm is not None and self.core is not None:
+            # the weights' board slot is written in place in sync mode: each worker
+            # read the round's weights before it pushed
+            self.shm.before_change(in_place=self.core.mode.mode == "sync")
+
+    def _after_mutation(self) -> None:
+        if self.shm is not None and self.core is not None:
+            self.shm.after_change(self.core.version)
 
     def _answer_pulls(self, now: float) -> None:
         assert self.core is not None
@@ -382,6 +388,7 @@ class ShardServer:
         self.sparse = SparseShard.for_server(plan, self.config, core, self.policy)
         self.core = core  # (not before the plan's tables proved trainable)
         self.core.before_step = self._before_mutation
+        self.core.after_step = self._after_mutation
         self._observe_core()
         self.plan = plan
         self.joined.budget = (64 << 20) + (self.config.expected_workers + 1) * plan.shard_bytes(

@@ -51,6 +51,7 @@ import torch
 
 from .dtypes import copy_bytes
 from .errors import ErrorCode, ProtocolError
+from .flat import FlatLayout
 from .protocol import DTYPES, Limits, Message, Op, _check_desc
 
 __all__ = [
@@ -447,10 +448,24 @@ def _inside(p: torch.Tensor, flats: Mapping[torch.dtype, torch.Tensor]) -> bool:
 
 
 class WeightBoard:
-    """A shard's double-buffered, seqlocked copy of its weights for same-host pulls."""
+    """A shard's double-buffered, seqlocked copy of its weights for same-host pulls.
+
+    With the shard's flat buffers and their layout (paramserver/flat.py), the
+    weights *live* in a slot: the flat buffers are moved into it, so publishing
+    copies nothing, and the shard holds no other copy of them. Every change of
+    the weights is bracketed (:meth:`before_change`, :meth:`after_change`): the
+    slot's sequence number is odd while it is written, so a reader copying it
+    notices and retries. A sync shard changes its slot in place (every worker
+    read the round's weights before it pushed); an asynchronous one, whose
+    workers read while others push, first copies a slot handed out since its
+    last change into the other slot and changes that one, so the handed-out
+    version stays readable. Zero-copy TCP replies never lend a slot: the driver
+    moves the weights out first (:meth:`ShmHub.before_tcp_reply`).
+    """
 
     def __init__(self, params: Mapping[str, torch.Tensor], tag: str,
-                 flats: Mapping[torch.dtype, torch.Tensor] | None = None) -> None:
+                 flats: Mapping[torch.dtype, torch.Tensor] | None = None,
+                 flat_layout: FlatLayout | None = None) -> None:
         # with the shard's flat buffers (params are views into them, paramserver/flat.py)
         # a slot holds each buffer whole, and publishing is one copy per dtype
         self.flats = dict(flats or {})
@@ -475,37 +490,131 @@ class WeightBoard:
         self.nbytes = sum(p.numel() * p.element_size() for p in params.values())
         self.ticket: dict[str, Any] | None = None  # the latest publication, while current
         self.published = 0
+        # the weights live in a slot (None: they are copied into one per publication)
+        self.layout = flat_layout if self.flats else None
+        self.params = params
+        self.open_slot: int | None = None  # the slot being changed (its sequence odd)
+        self.lent = False  # the weights' slot was handed out since it last changed
+        if self.layout is not None:
+            self._fill(0)
+            self._adopt(0)
+
+    # -- the slots
+
+    def _slot_flat(self, slot: int, dtype: torch.dtype) -> torch.Tensor:
+        flat = self.flats[dtype]
+        return self.seg.region(_HEADER + slot * self.slot_bytes + self.flat_at[dtype], dtype,
+                               (flat.numel(),))
+
+    def _fill(self, slot: int) -> None:
+        """Copy the flat buffers into ``slot``."""
+        with torch.no_grad():
+            for dtype, flat in self.flats.items():
+                if flat.numel():
+                    copy_bytes(self._slot_flat(slot, dtype), flat)
+
+    def _adopt(self, slot: int) -> None:
+        """Move the flat buffers (and the slice views over them) into ``slot``, which
+        holds their values: the tensor objects stay, as the optimizer holds them."""
+        assert self.layout is not None
+        with torch.no_grad():
+            for dtype, flat in self.flats.items():
+                flat.data = self._slot_flat(slot, dtype)
+                for key, start, numel in self.layout.groups[dtype]:
+                    self.params[key].data = flat.data[start:start + numel].view(
+                        self.params[key].shape)
+
+    def home(self) -> int | None:
+        """The slot the weights live in, or None (they were moved out, or never in)."""
+        if self.layout is None:
+            return None
+        for slot in (0, 1):
+            if all(f.numel() == 0 or f.data_ptr() == self._slot_flat(slot, d).data_ptr()
+                   for d, f in self.flats.items()):
+                return slot
+        return None
+
+    def _open(self, slot: int) -> None:
+        self.head[8 + slot * 8] += 1  # odd: being written
+        self.open_slot = slot
+
+    def _close(self, slot: int, version: int) -> None:
+        at = 8 + slot * 8
+        self.head[at + 1] = version
+        self.head[at] += 1  # even: complete
+        self.head[1] = slot
+        self.open_slot = None
+
+    # -- changes and publications
+
+    def before_change(self, in_place: bool) -> None:
+        """The weights are about to change (a step, a seeding). Where they live in a
+        slot, its seqlock is taken; ``in_place`` False and the slot handed out since
+        its last change: they move to the other slot first, so it stays readable."""
+        self.ticket = None
+        home = self.home()
+        if home is None or self.open_slot == home:
+            return
+        if self.lent and not in_place:
+            other = 1 - home
+            self._open(other)
+            self._fill(other)
+            self._adopt(other)
+        else:
+            self._open(home)
+        self.lent = False
+
+    def after_change(self, version: int) -> None:
+        """The change is done: the weights' slot is complete at ``version``."""
+        if self.open_slot is not None and self.open_slot == self.home():
+            self._close(self.open_slot, version)
+
+    def moving_out(self, version: int) -> None:
+        """The weights are about to leave the board (a zero-copy TCP reply): the slot
+        they leave is complete at ``version`` and stays readable."""
+        home = self.home()
+        if home is not None and self.open_slot == home:
+            self._close(home, version)
+        self.ticket = None
 
     def stale(self) -> None:
         """The weights are about to change: the next pull publishes them again."""
         self.ticket = None
 
     def publish(self, params: Mapping[str, torch.Tensor], version: int) -> dict[str, Any]:
-        """The ticket of a slot holding ``params`` at ``version``; written now unless the
-        latest publication is still current. The slot written is the one not
-        published last, so the latest stays readable while it is written."""
+        """The ticket of a slot holding ``params`` at ``version``: the slot they live
+        in, or one written now unless the latest publication is still current. The
+        slot written is the one not published last, so the latest stays readable
+        while it is written; with a layout the weights then live there."""
         if self.ticket is not None and self.ticket["version"] == version:
             return self.ticket
-        slot = 1 - int(self.head[1]) if self.published else 0
+        home = self.home()
+        if home is not None:
+            if self.open_slot == home or int(self.head[9 + home * 8]) != version:
+                if self.open_slot != home:
+                    self._open(home)
+                self._close(home, version)
+            self.lent = True
+            slot = home
+        else:
+            slot = 1 - int(self.head[1]) if self.published or self.layout else 0
+            self._open(slot)
+            base = _HEADER + slot * self.slot_bytes
+            with torch.no_grad():
+                if self.flats:
+                    self._fill(slot)
+                for key, p in params.items() if not self.flats else ():
+                    if p.numel():
+                        copy_bytes(self.seg.region(base + self.offsets[key], p.dtype,
+                                                   (p.numel(),)), p.reshape(-1))
+            self._close(slot, version)
+            if self.layout is not None:
+                self._adopt(slot)  # the copy just made is the weights from now on
+                self.lent = True
         self.published += 1
         at = 8 + slot * 8
-        seq = int(self.head[at]) + 1
-        self.head[at] = seq  # odd: being written
-        base = _HEADER + slot * self.slot_bytes
-        with torch.no_grad():
-            for dtype, flat in self.flats.items():
-                if flat.numel():
-                    self.seg.region(base + self.flat_at[dtype], dtype,
-                                    (flat.numel(),)).copy_(flat)
-            for key, p in params.items() if not self.flats else ():
-                if p.numel():
-                    self.seg.region(base + self.offsets[key], p.dtype,
-                                    (p.numel(),)).copy_(p.reshape(-1))
-        self.head[at + 1] = version
-        self.head[at] = seq + 1  # even: complete
-        self.head[1] = slot
-        self.ticket = {"slot": slot, "seq": seq + 1, "version": version, "t": self.descs,
-                       "nbytes": self.nbytes}
+        self.ticket = {"slot": slot, "seq": int(self.head[at]), "version": version,
+                       "t": self.descs, "nbytes": self.nbytes}
         return self.ticket
 
     def close(self) -> None:
@@ -548,10 +657,11 @@ class ShmHub:
 
     def hello(self, identity: bytes, worker: int, offer: Any, local: bool, trusted: bool,
               params: Mapping[str, torch.Tensor],
-              flats: Mapping[torch.dtype, torch.Tensor] | None = None
-              ) -> dict[str, Any] | None:
+              flats: Mapping[torch.dtype, torch.Tensor] | None = None,
+              flat_layout: FlatLayout | None = None) -> dict[str, Any] | None:
         """Take a worker's offer (HELLO field ``shm``) if it is on this host, local and
-        trusted; the grant for the reply, or None (that worker then uses TCP)."""
+        trusted; the grant for the reply, or None (that worker then uses TCP). With
+        ``flats`` and their ``flat_layout`` the weights move into the board."""
         self.drop(identity)
         if not (isinstance(offer, dict) and local and trusted and enabled()):
             return None
@@ -563,7 +673,7 @@ class ShmHub:
         try:
             seg = Segment.attach(str(offer.get("seg")), size)
             if self.board is None:
-                self.board = WeightBoard(params, f"board{self.shard}", flats)
+                self.board = WeightBoard(params, f"board{self.shard}", flats, flat_layout)
         except (OSError, ValueError) as exc:
             log.info("shard %d: worker %d stays on TCP: %s", self.shard, worker, exc)
             return None
@@ -594,7 +704,7 @@ class ShmHub:
             peer = ""
         trusted = grants is None or (key is not None and key in grants)
         grant = self.hello(identity, msg["worker"], msg.get("shm"), _is_local(peer, address),
-                           trusted, core.params, core.flats)
+                           trusted, core.params, core.flats, core.layout)
         if grant is not None:
             answer.fields["shm"] = grant
         return grant is not None
@@ -623,9 +733,22 @@ class ShmHub:
         del self.pulls[identity]
         return self.board.publish(params, version)
 
-    def stale(self) -> None:
+    def before_change(self, in_place: bool) -> None:
+        """The weights are about to change (:meth:`WeightBoard.before_change`)."""
         if self.board is not None:
-            self.board.stale()
+            self.board.before_change(in_place)
+
+    def after_change(self, version: int) -> None:
+        if self.board is not None:
+            self.board.after_change(version)
+
+    def before_tcp_reply(self, core: Any) -> None:
+        """A reply over TCP is about to lend ``core``'s weights to ZeroMQ: if they live
+        in the board, they move out to memory of their own first (copy-on-write), so
+        that a slot is never written while a send may still read it."""
+        if self.board is not None and self.board.home() is not None:
+            self.board.moving_out(core.version)
+            core.copy_on_write()
 
     def drop(self, identity: bytes) -> None:
         peer = self.peers.pop(identity, None)
