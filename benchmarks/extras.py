@@ -181,6 +181,8 @@ def run_memory(workers: tuple[int, ...] = (1, 2, 4), nbytes: int = 64 << 20, rou
                 "rss_base": rep["rss_base"], "peak_rss": rep["peak_rss"],
                 "peak_over_base": grown, "ratio": grown / expected,
                 "copy_on_write": rep["counters"].get("copy_on_write", 0),
+                "shm_peers": rep["counters"].get("shm_peers", 0),
+                "shm_release": bool((server or {}).get("shm_release", False)),
             })
         finally:
             if addrs:

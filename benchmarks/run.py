@@ -175,9 +175,11 @@ def run_benchmarks(opts: BenchOptions, console: Console | None = None) -> dict[s
                                                  seconds=0.5 if quick else 3.0, log_dir=logs))
     if "memory" in opts.parts:
         console.print("shard memory ...")
-        result["memory"] = run_memory(workers=(2,) if quick else (1, 2, 4),
-                                      nbytes=(4 if quick else 64) * _MIB,
-                                      rounds=2 if quick else 4, log_dir=logs)
+        mem = {"workers": (2,) if quick else (1, 2, 4), "nbytes": (4 if quick else 64) * _MIB,
+               "rounds": 2 if quick else 4, "log_dir": logs}
+        result["memory"] = run_memory(**mem)  # type: ignore[arg-type]
+        if shm_enabled():  # the shard maps same-host workers' gradients: also unmapping them
+            result["memory"] += run_memory(**mem, server={"shm_release": True})  # type: ignore[arg-type]
     if "overlap" in opts.parts:
         console.print("overlap ...")
         result["overlap"] = (run_overlap(width=256, depth=3, batch=32, steps=2, repeats=3,

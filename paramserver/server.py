@@ -240,6 +240,7 @@ class ShardServer:
 
     def _handle(self, identity: bytes, frames: list[zmq.Frame]) -> None:
         seq = 0
+        lent: dict[str, torch.Tensor] = {}  # tensors read from the sender's segment
         try:
             msg = decode(frames, self.socket.limits)
             seq = msg.seq
@@ -247,6 +248,8 @@ class ShardServer:
             self.access.check(msg, key)
             if msg.op is not Op.HELLO and ("shm" in msg.fields or "via_shm" in msg.fields):
                 take_shm(self.shm, msg, identity)  # tensors in the sender's segment
+                if "shm" in msg.fields:
+                    lent = msg.tensors
             self.outbox.acknowledged(identity, seq)
             self.counters["messages"] += 1
             self.counters["bytes_in"] += sum(len(f) for f in frames)
@@ -283,6 +286,8 @@ class ShardServer:
             self._answer_pulls(time.monotonic())
         if self._after_reply or (self.core is not None and self.core.probe.pending):
             self._run_after_reply()
+        if lent and self.shm is not None and self.config.shm_release:
+            self.shm.release(identity, lent)  # added or applied, and measured
 
     def _run_after_reply(self) -> None:
         """The deferred observation of pushes just answered (the core's measurements

@@ -85,6 +85,7 @@ READ_ATTEMPTS = 16
 MIN_BYTES = 64 * 1024
 _ALIGN = 64  # each region starts on a cache line (and any dtype's alignment)
 _HEADER = 4096  # the board's header page: per slot a sequence number and a version
+_RELEASE_BYTES = 1 << 20  # a shard unmaps a used run of a worker's segment from this size
 _PREFIX = "paramserver-shm"
 _NAME = re.compile(rf"^{_PREFIX}\.(\d+)\.(\d+)\.(\d+)\.[0-9a-f]+\.[a-z0-9]+$")
 _RUN = uuid.uuid4().hex[:12]  # this process's run token, in each of its segment names
@@ -719,6 +720,29 @@ class ShmHub:
             msg.tensors = self.resolve(identity, msg.fields)
         if msg.op in (Op.PUSH, Op.PULL) and msg.get("via_shm") is True:
             self.wants(identity, msg.seq)
+
+    def release(self, identity: bytes, tensors: Mapping[str, torch.Tensor]) -> None:
+        """A message's tensors in its sender's segment were used: unmap their pages
+        from this process. The data stays (the pages are the worker's, in tmpfs, and
+        a later read maps them again), but the shard's resident set no longer grows
+        by each same-host worker's whole gradient (``--shm-release``)."""
+        peer = self.peers.get(identity)
+        if peer is None or not tensors or not peer.seg.size:
+            return
+        base = peer.seg.data.data_ptr()
+        spans = sorted((t.data_ptr() - base, t.data_ptr() - base + t.numel() * t.element_size())
+                       for t in tensors.values())
+        merged: list[list[int]] = []
+        for lo, hi in spans:  # regions are packed (cache-line gaps): one call per run
+            if merged and lo <= merged[-1][1] + _ALIGN:
+                merged[-1][1] = max(merged[-1][1], hi)
+            else:
+                merged.append([lo, hi])
+        for lo, hi in merged:
+            lo = -(-lo // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages inside the run only
+            hi = min(hi, peer.seg.size) // mmap.PAGESIZE * mmap.PAGESIZE
+            if hi - lo >= _RELEASE_BYTES:
+                peer.seg.mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
     def wants(self, identity: bytes, seq: int) -> None:
         """A pull (or push + pull) that asked to be answered through the board."""

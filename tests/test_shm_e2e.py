@@ -68,12 +68,12 @@ def _train(addresses: list[str], rank: int, plan: ShardPlan, out: dict,
 
 
 def _run(tmp_path: Path, mode: str, workers: int, use_shm: bool,
-         monkeypatch: pytest.MonkeyPatch) -> tuple[dict, list[dict]]:
+         monkeypatch: pytest.MonkeyPatch, **server) -> tuple[dict, list[dict]]:
     monkeypatch.setenv(shm.ENV, "1" if use_shm else "0")  # the workers' side only:
     plan = ShardPlan.from_module(_model(), 2, chunk_bytes=32 << 10)
     assert min(plan.shard_bytes(s) for s in range(2)) >= shm.MIN_BYTES
     out: dict = {}
-    with LocalCluster(_spec(mode, workers), tmp_path) as cluster:
+    with LocalCluster(_spec(mode, workers, **server), tmp_path) as cluster:
         monkeypatch.delenv(shm.ENV)
         addresses = cluster.start_servers()  # the shards always offer it
         monkeypatch.setenv(shm.ENV, "1" if use_shm else "0")
@@ -89,9 +89,12 @@ def _run(tmp_path: Path, mode: str, workers: int, use_shm: bool,
     return out, stats
 
 
-@pytest.mark.parametrize(("mode", "workers"), [("sync", 2), ("async", 1)])
-def test_shared_memory_gives_the_results_of_tcp(tmp_path, monkeypatch, mode, workers):
-    on, on_stats = _run(tmp_path / "on", mode, workers, True, monkeypatch)
+@pytest.mark.parametrize(("mode", "workers", "release"),
+                         [("sync", 2, True), ("async", 1, False)])
+def test_shared_memory_gives_the_results_of_tcp(tmp_path, monkeypatch, mode, workers, release):
+    """The weights live in the board (stepped in place in sync, moved aside in async);
+    with --shm-release the shard also unmaps each push's pages once used."""
+    on, on_stats = _run(tmp_path / "on", mode, workers, True, monkeypatch, shm_release=release)
     off, off_stats = _run(tmp_path / "off", mode, workers, False, monkeypatch)
     assert all(on[f"shm{r}"] and not off[f"shm{r}"] for r in range(workers))
     for r in range(workers):

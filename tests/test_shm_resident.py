@@ -4,6 +4,8 @@ shard, and moving out for a zero-copy TCP reply."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -135,3 +137,38 @@ def test_moving_out_for_tcp_then_back_in_on_the_next_publication(shard: Shard) -
     assert version == 1 and torch.equal(got["a"], torch.zeros(1000))
     slot0 = slice(shm._HEADER, shm._HEADER + shard.board.slot_bytes)
     assert torch.equal(shard.board.seg.data[slot0], lent[slot0])  # the step was not there
+
+
+def _mapped_kib(address: int) -> int:
+    """Resident KiB of this process's mapping that holds ``address`` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "Rss:":
+            return int(line.split()[1])
+    raise AssertionError("no mapping holds the address")
+
+
+def test_release_unmaps_used_gradient_pages_and_keeps_their_data() -> None:
+    worker = shm.Segment.create("relw", 8 << 20)
+    shard = shm.Segment.attach(worker.name, 8 << 20)
+    hub = shm.ShmHub(0, DEFAULT_LIMITS)
+    hub.peers[b"w"] = shm._Peer(0, shard)
+    try:
+        worker.region(0, torch.float32, (2 << 20,)).copy_(torch.arange(2 << 20,
+                                                                       dtype=torch.float32))
+        tensors = {"a": shard.region(0, torch.float32, (1 << 20,)),
+                   "b": shard.region(4 << 20, torch.float32, (1 << 20,))}
+        total = sum(float(t.sum()) for t in tensors.values())  # the shard reads them
+        assert _mapped_kib(shard.data.data_ptr()) >= (8 << 10) - 8  # all 8 MiB
+        hub.release(b"w", tensors)
+        assert _mapped_kib(shard.data.data_ptr()) <= 8
+        assert sum(float(t.sum()) for t in tensors.values()) == total  # read again: intact
+        hub.release(b"nobody", tensors)  # an unknown peer: nothing to do
+    finally:
+        hub.peers.clear()
+        shard.close()
+        worker.close()
