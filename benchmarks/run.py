@@ -112,6 +112,8 @@ def _variants(opts: BenchOptions) -> list[PSVariant]:
         variants.append(PSVariant("ps-lean", server={"watchdog": {"enabled": False}}))
     if shm_enabled():  # "ps" moves tensors through shared memory here: TCP beside it
         variants.append(PSVariant("ps-tcp", {"shm": False}))
+        # the shard unmapping each used part of the worker's segment: its cost in time
+        variants.append(PSVariant("ps-release", server={"shm_release": True}))
     if opts.wire_dtype:
         variants.append(PSVariant(f"ps-{opts.wire_dtype}", {"wire_dtype": opts.wire_dtype}))
     return variants
