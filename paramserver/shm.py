@@ -496,6 +496,9 @@ class WeightBoard:
         self.params = params
         self.open_slot: int | None = None  # the slot being changed (its sequence odd)
         self.lent = False  # the weights' slot was handed out since it last changed
+        # where each slot holds each dtype's buffer (asked on every change and reply)
+        self._slot_ptrs = [{d: self._slot_flat(slot, d).data_ptr() for d in self.flats}
+                           for slot in (0, 1)]
         if self.layout is not None:
             self._fill(0)
             self._adopt(0)
@@ -529,9 +532,8 @@ class WeightBoard:
         """The slot the weights live in, or None (they were moved out, or never in)."""
         if self.layout is None:
             return None
-        for slot in (0, 1):
-            if all(f.numel() == 0 or f.data_ptr() == self._slot_flat(slot, d).data_ptr()
-                   for d, f in self.flats.items()):
+        for slot, ptrs in enumerate(self._slot_ptrs):
+            if all(f.numel() == 0 or f.data_ptr() == ptrs[d] for d, f in self.flats.items()):
                 return slot
         return None
 
