@@ -198,12 +198,13 @@ def _markdown_rows(rows: Sequence[dict[str, Any]]) -> list[str]:
 def markdown(result: dict[str, Any]) -> str:
     """The sweep (and the across-hosts rows) and the goals as Markdown tables (for
     docs/performance.md)."""
-    lines = _markdown_rows(result.get("sweep", []))
+    sweep = result.get("sweep", [])
     hosts = (result.get("hosts") or {}).get("rows")
+    lines = _markdown_rows(sweep) + [""] if sweep or not hosts else []
     if hosts:
-        lines += ["", "Across hosts (two network namespaces over veth):", "",
-                  *_markdown_rows(hosts)]
-    lines += ["", "| goal | measured | target | status |", "|---|---|---|---|"]
+        lines += ["Across hosts (two network namespaces over veth):", "",
+                  *_markdown_rows(hosts), ""]
+    lines += ["| goal | measured | target | status |", "|---|---|---|---|"]
     for g in result.get("goals") or evaluate_goals(result):
         v = g["measured"]
         lines.append(f"| {g['goal']} | {'-' if v is None else f'{v:.2f}'} | {g['target']} "

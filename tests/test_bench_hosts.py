@@ -16,6 +16,7 @@ from click.testing import CliRunner
 
 from paramserver.benchmarks.hosts import run_hosts
 from paramserver.benchmarks.netns import existing, netns_problem, two_namespaces
+from paramserver.benchmarks.report import markdown
 from paramserver.cli.bench import bench
 from paramserver.shm import enabled as shm_enabled
 
@@ -37,7 +38,8 @@ def test_hosts_part_measures_raw_and_ps_over_tcp_between_namespaces(tmp_path: Pa
     res = CliRunner().invoke(bench, ["--out", str(out), "--part", "hosts", "--size", "64KiB",
                                      "--repeats", "2", "--quick"])
     assert res.exit_code == 0, res.output
-    hosts = json.loads((out / "result.json").read_text())["hosts"]
+    data = json.loads((out / "result.json").read_text())
+    hosts = data["hosts"]
     rows = {r["system"]: r for r in hosts["rows"]}
     assert set(rows) == {"raw", "ps"}
     ps = rows["ps"]
@@ -50,6 +52,7 @@ def test_hosts_part_measures_raw_and_ps_over_tcp_between_namespaces(tmp_path: Pa
     assert hosts["link"]["ip_a"].startswith("10.")
     assert not {hosts["link"]["ns_a"], hosts["link"]["ns_b"]} & existing()
     assert "across hosts" in res.output
+    assert "| 1 | 1 | 64KiB | ps |" in markdown(data).split("Across hosts")[1]
 
 
 def test_hosts_part_is_skipped_without_root(tmp_path: Path,
