@@ -200,7 +200,7 @@ def markdown(result: dict[str, Any]) -> str:
     docs/performance.md)."""
     sweep = result.get("sweep", [])
     hosts = (result.get("hosts") or {}).get("rows")
-    lines = _markdown_rows(sweep) + [""] if sweep or not hosts else []
+    lines = [*_markdown_rows(sweep), ""] if sweep or not hosts else []
     if hosts:
         lines += ["Across hosts (two network namespaces over veth):", "",
                   *_markdown_rows(hosts), ""]
