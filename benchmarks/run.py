@@ -14,9 +14,10 @@
 
 The ``hosts`` part (:mod:`paramserver.benchmarks.hosts`) runs only when named:
 raw pyzmq and this project with shards and workers in two network namespaces
-joined by a veth pair (1, 16 and 100 MiB, 1 worker, 1 shard; ``--size``,
-``--workers``, ``--shards`` and ``--repeats`` apply; about a minute). It needs
-root and iproute2 and is skipped with one line without them.
+joined by a veth pair (1, 16 and 100 MiB, 1 worker, 1 shard, 9 repeats: a
+single 100 MiB round is one repeat, and a shared machine's noise needs more
+than 5; ``--size``, ``--workers``, ``--shards`` and ``--repeats`` apply; under a
+minute). It needs root and iproute2 and is skipped with one line without them.
 """
 
 from __future__ import annotations
@@ -155,7 +156,7 @@ def _run_hosts(opts: BenchOptions, result: dict[str, Any], console: Console,
     console.print(f"across hosts (two network namespaces over veth): "
                   f"{', '.join(format_size(b) for b in sizes)}")
     hosts = run_hosts(sizes, workers=opts.workers or (1,), shards=opts.shards or (1,),
-                      repeats=opts.repeats or (2 if quick else 5),
+                      repeats=opts.repeats or (2 if quick else 9),
                       repeat_seconds=0.05 if quick else 0.25, log_dir=logs / "hosts",
                       on_row=lambda r: console.print(_row_line(r)))
     if "skipped" in hosts:
