@@ -73,7 +73,8 @@ See docs/performance.md for what each part measures and the goals it checks.
                    "(measured on every workers x shards point).")
 @click.option("--workers", metavar="N,...", help="Worker counts, e.g. 1,2,4.")
 @click.option("--shards", metavar="S,...", help="Shard counts, e.g. 1,2,4.")
-@click.option("--repeats", type=click.IntRange(min=2), help="Repeats per cell (default 5; 9 in the hosts part).")
+@click.option("--repeats", type=click.IntRange(min=2),
+              help="Repeats per cell (default 5; 9 in the hosts part).")
 @click.option("--wire-dtype", type=click.Choice(["bfloat16", "float16", "none"]),
               default="none", show_default=True,
               help="Also measure the project with gradients sent in 16 bits.")
