@@ -7,7 +7,7 @@ crosses the kernel's veth driver and the whole TCP stack, as between hosts
 (without a physical wire). Creating namespaces needs root and iproute2; the
 names carry a random tag so that runs (and tests) side by side do not clash,
 and :func:`two_namespaces` deletes both, with every process still inside them,
-however its block ends (an error or Ctrl-C included).
+however its block ends (an error, Ctrl-C or SIGTERM included).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -87,6 +88,25 @@ def existing() -> set[str]:
     return {line.split()[0] for line in out.splitlines() if line.strip()}
 
 
+def _raise_exit(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+@contextlib.contextmanager
+def _term_unwinds() -> Iterator[None]:
+    """SIGTERM unwinds the stack (SystemExit) instead of ending the process on the spot,
+    so that ``finally`` blocks delete the namespaces (main thread only: Python runs
+    signal handlers there)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_exit)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 @contextlib.contextmanager
 def two_namespaces() -> Iterator[Link]:
     """Two fresh namespaces joined by a veth pair, deleted on the way out.
@@ -110,17 +130,19 @@ def two_namespaces() -> Iterator[Link]:
         *[("-n", ns, "link", "set", dev, "up")
           for ns, dev in ((ns_a, va), (ns_b, vb), (ns_a, "lo"), (ns_b, "lo"))],
     ]
-    try:
-        for step in steps:
-            done = _ip(*step)
-            if done.returncode != 0:
-                raise NetnsUnavailable(f"cannot set up network namespaces here: ip "
-                                       f"{' '.join(step)}: {done.stderr.strip()}")
-        log.info("namespaces %s (%s) and %s (%s) over veth", ns_a, link.ip_a, ns_b, link.ip_b)
-        yield link
-    finally:
-        # deleting a namespace deletes the veth end in it, and with it the peer
-        for ns in (ns_a, ns_b):
-            _remove(ns)
-        with contextlib.suppress(subprocess.SubprocessError, OSError):
-            _ip("link", "del", va)  # only there if setup stopped before moving it
+    with _term_unwinds():
+        try:
+            for step in steps:
+                done = _ip(*step)
+                if done.returncode != 0:
+                    raise NetnsUnavailable(f"cannot set up network namespaces here: ip "
+                                           f"{' '.join(step)}: {done.stderr.strip()}")
+            log.info("namespaces %s (%s) and %s (%s) over veth", ns_a, link.ip_a, ns_b,
+                     link.ip_b)
+            yield link
+        finally:
+            # deleting a namespace deletes the veth end in it, and with it the peer
+            for ns in (ns_a, ns_b):
+                _remove(ns)
+            with contextlib.suppress(subprocess.SubprocessError, OSError):
+                _ip("link", "del", va)  # only there if setup stopped before moving it

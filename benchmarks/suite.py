@@ -228,7 +228,7 @@ class _Group:
             else:
                 shutdown_servers(addresses)
         elif via is not None:
-            via.workers[0].call(op, _TIMEOUT, addresses=addresses, timeout_ms=5000)
+            via.workers[0].call(op, 60.0, addresses=addresses, timeout_ms=5000)
 
     def cell(self, nbytes: int, peers: list[_System]) -> list[dict[str, Any]]:
         n, s, cfg, numel = self.n, self.s, self.cfg, nbytes // 4

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -65,3 +68,28 @@ def test_hosts_part_is_skipped_without_root(tmp_path: Path,
     data = json.loads((tmp_path / "result.json").read_text())
     goal = next(g for g in data["goals"] if g["goal"].startswith("across hosts"))
     assert goal["status"] == "n/a" and "root" in goal["detail"]
+
+
+@needs_netns
+def test_sigterm_still_deletes_the_namespaces(tmp_path: Path) -> None:
+    names = tmp_path / "names"
+    code = ("import sys, time\n"
+            "from paramserver.benchmarks.netns import two_namespaces\n"
+            "with two_namespaces() as link:\n"
+            f"    open({str(names)!r}, 'w').write(link.ns_a + ' ' + link.ns_b)\n"
+            "    print('ready', flush=True)\n"
+            "    time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        made = set(names.read_text().split())
+        assert made <= existing()
+        proc.terminate()
+        assert proc.wait(30) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+    assert not made & existing()
