@@ -28,6 +28,8 @@ __all__ = ["OPS", "SESSIONS", "main"]
 #: op name -> "module:function"; the function takes (args, announce) and returns a dict
 OPS: dict[str, str] = {
     "raw_serve": "paramserver.benchmarks.raw:serve",
+    "raw_stop": "paramserver.benchmarks.raw:stop_op",
+    "ps_stop": "paramserver.benchmarks.ps:stop_op",
     "ps_serve": "paramserver.benchmarks.ps:serve",
     "ps_async": "paramserver.benchmarks.ps:async_run",
     "overlap": "paramserver.benchmarks.overlap:run",

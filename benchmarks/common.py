@@ -231,7 +231,10 @@ def _child_env() -> dict[str, str]:
 class Agent:
     """One benchmark child process, driven by JSON commands."""
 
-    def __init__(self, name: str, log_dir: Path | None = None) -> None:
+    def __init__(self, name: str, log_dir: Path | None = None,
+                 prefix: Sequence[str] = ()) -> None:
+        """``prefix``: a command that runs the agent elsewhere, e.g. ``ip netns exec NS``
+        (it must exec the interpreter, so that :attr:`pid` is the agent's)."""
         self.name = name
         if log_dir is not None:
             log_dir.mkdir(parents=True, exist_ok=True)
@@ -239,7 +242,7 @@ class Agent:
         else:
             self._log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in close()
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "paramserver.benchmarks.agent"],
+            [*prefix, sys.executable, "-m", "paramserver.benchmarks.agent"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=_child_env(),
         )
         self._buf = b""

@@ -19,11 +19,11 @@ import torch
 
 from paramserver.server import ServerConfig, ShardServer
 from paramserver.sharding import ParamSpec, ShardPlan
-from paramserver.workers.client import PART_BYTES, PSClient
+from paramserver.workers.client import PART_BYTES, PSClient, shutdown_servers
 
 from .common import FixedSizeSession, peak_rss, reset_peak_rss, rss, split_range
 
-__all__ = ["PSSession", "async_run", "flat_plan", "serve"]
+__all__ = ["PSSession", "async_run", "flat_plan", "serve", "stop_op"]
 
 
 def flat_plan(numel: int, shards: int, chunk_bytes: int = ShardPlan.DEFAULT_CHUNK_BYTES,
@@ -99,12 +99,17 @@ class PSSession(FixedSizeSession):
         self.applied += sum(1 for o in pushed.outcomes if o["applied"])
 
     def close(self) -> dict[str, Any]:
+        # which path the tensors took: a shard grants shared memory only to a worker
+        # connected from its own host (offered: this client asked for it at HELLO)
+        links = [ch.shm for ch in self.client.channels]
+        shm = {"shm_offered": sum(link is not None for link in links),
+               "shm_used": sum(link is not None and link.active for link in links)}
         try:
             self.client.bye()
         finally:
             self.client.close()
         first = next(iter(self.params.values()))
-        return {"checksum": float(first[:16].sum()), "clock": self.clock}
+        return {"checksum": float(first[:16].sum()), "clock": self.clock, **shm}
 
 
 def async_run(args: dict[str, Any], announce: Any) -> dict[str, Any]:
@@ -130,3 +135,9 @@ def async_run(args: dict[str, Any], announce: Any) -> dict[str, Any]:
                 "seconds": elapsed}
     finally:
         session.close()
+
+
+def stop_op(args: dict[str, Any], announce: Any) -> dict[str, Any]:
+    """SHUTDOWN to shard servers, sent by an agent (one that can reach them: another
+    namespace's); returns the addresses that did not answer."""
+    return {"failed": shutdown_servers(list(args["addresses"]))}

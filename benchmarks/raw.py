@@ -24,7 +24,7 @@ import zmq
 
 from .common import FixedSizeSession, split_range
 
-__all__ = ["RawSession", "serve", "stop"]
+__all__ = ["RawSession", "serve", "stop", "stop_op"]
 
 _TIMEOUT_MS = 300_000
 _F32 = np.dtype(np.float32)
@@ -37,13 +37,14 @@ def _frames(a: int, b: int, chunk_elems: int) -> list[tuple[int, int]]:
 
 
 def serve(args: dict[str, Any], announce: Any) -> dict[str, Any]:
-    """One raw shard until an empty message arrives. ``args``: workers, lr."""
+    """One raw shard until an empty message arrives. ``args``: workers, lr, host (the
+    address to bind, default loopback)."""
     workers = int(args["workers"])
     lr = np.float32(args.get("lr", 1e-3))
     ctx: zmq.Context[Any] = zmq.Context.instance()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.bind("tcp://127.0.0.1:*")
+    sock.bind(f"tcp://{args.get('host', '127.0.0.1')}:*")
     announce({"address": sock.getsockopt_string(zmq.LAST_ENDPOINT)})
     p = scratch = agg = np.zeros(0, dtype=_F32)
     views: list[np.ndarray] = []
@@ -142,3 +143,9 @@ def stop(addresses: list[str], timeout_ms: int = 10_000) -> None:
             pass
         finally:
             s.close(0)
+
+
+def stop_op(args: dict[str, Any], announce: Any) -> dict[str, Any]:
+    """:func:`stop` run by an agent (one that can reach the shards: another namespace's)."""
+    stop(list(args["addresses"]), int(args.get("timeout_ms", 10_000)))
+    return {"stopped": len(args["addresses"])}

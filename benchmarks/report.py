@@ -102,11 +102,21 @@ def evaluate_goals(result: dict[str, Any]) -> list[dict[str, Any]]:
     val = ov["overlap_vs_bound"] if ov else None
     add("overlap: step time vs max(compute, communication)", val, "<= 1.15x",
         None if val is None else val <= 1.15)
+    hosts = result.get("hosts") or {}
+    xh = _find(hosts.get("rows", []), system="ps", workers=1, shards=1, bytes=_MIB100)
+    xratio = xh["ratio_to_limit"]["median"] if xh else None
+    # a figure that came through shared memory is no measure of the network path
+    tcp = xh is not None and not (xh.get("shm_peers") or xh.get("shm_used"))
+    add("across hosts (two namespaces, veth): 100 MiB push+pull vs raw pyzmq", xratio,
+        ">= 0.9x", None if xratio is None else xratio >= 0.9 and tcp,
+        hosts.get("skipped", "") if not xh else "over TCP" if tcp else "used shared memory")
     return goals
 
 
-def _sweep_table(rows: Sequence[dict[str, Any]]) -> Table:
-    t = Table(title="push + pull round trips (median [min-max] over repeats)")
+def _sweep_table(rows: Sequence[dict[str, Any]],
+                 title: str = "push + pull round trips (median [min-max] over repeats)"
+                 ) -> Table:
+    t = Table(title=title)
     for col in ("workers", "shards", "payload", "system", "round trip ms", "GB/s",
                 "x raw limit", "CPU ms/round"):
         t.add_column(col, justify="right" if col not in ("system",) else "left")
@@ -122,6 +132,12 @@ def print_report(result: dict[str, Any], console: Console | None = None) -> None
     console = console or Console()
     if result.get("sweep"):
         console.print(_sweep_table(result["sweep"]))
+    hosts = result.get("hosts") or {}
+    if hosts.get("rows"):
+        link = hosts["link"]
+        console.print(_sweep_table(hosts["rows"], f"across hosts: shards in {link['ns_a']} "
+                                   f"({link['ip_a']}), workers in {link['ns_b']} over veth, "
+                                   f"{link['transport']} (median [min-max] over repeats)"))
     if result.get("async"):
         t = Table(title="async: updates applied per second")
         for col in ("system", "workers", "shards", "model", "model updates/s",
@@ -167,17 +183,28 @@ def print_report(result: dict[str, Any], console: Console | None = None) -> None
     console.print(t)
 
 
-def markdown(result: dict[str, Any]) -> str:
-    """The sweep and the goals as Markdown tables (for docs/performance.md)."""
+def _markdown_rows(rows: Sequence[dict[str, Any]]) -> list[str]:
     lines = ["| workers | shards | payload | system | round trip ms, median [min-max] | GB/s "
              "| x raw limit | CPU ms/round |", "|---|---|---|---|---|---|---|---|"]
-    for r in result.get("sweep", []):
+    for r in rows:
         cpu = f"{r['cpu_s']['median'] * 1e3:.2f}" if r.get("cpu_s") else ""
         lines.append(
             f"| {r['workers']} | {'-' if r['shards'] is None else r['shards']} | "
             f"{format_size(r['bytes'])} | {r['system']} | {_ms(r['round_s'])} | "
             f"{r['gbps']['median']:.3f} | {_ratio(r.get('ratio_to_limit'))} | {cpu} |")
-    lines += ["", "| goal | measured | target | status |", "|---|---|---|---|"]
+    return lines
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The sweep (and the across-hosts rows) and the goals as Markdown tables (for
+    docs/performance.md)."""
+    sweep = result.get("sweep", [])
+    hosts = (result.get("hosts") or {}).get("rows")
+    lines = [*_markdown_rows(sweep), ""] if sweep or not hosts else []
+    if hosts:
+        lines += ["Across hosts (two network namespaces over veth):", "",
+                  *_markdown_rows(hosts), ""]
+    lines += ["| goal | measured | target | status |", "|---|---|---|---|"]
     for g in result.get("goals") or evaluate_goals(result):
         v = g["measured"]
         lines.append(f"| {g['goal']} | {'-' if v is None else f'{v:.2f}'} | {g['target']} "

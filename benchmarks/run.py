@@ -11,6 +11,13 @@
 * ``quick``: a smoke run (about a minute): two small cells, no extra variants,
   async with 2 workers on 2 shards, memory with 2 workers on 4 MiB, a tiny overlap.
 * ``full``: every payload on every grid point.
+
+The ``hosts`` part (:mod:`paramserver.benchmarks.hosts`) runs only when named:
+raw pyzmq and this project with shards and workers in two network namespaces
+joined by a veth pair (1, 16 and 100 MiB, 1 worker, 1 shard, 9 repeats: a
+single 100 MiB round is one repeat, and a shared machine's noise needs more
+than 5; ``--size``, ``--workers``, ``--shards`` and ``--repeats`` apply; under a
+minute). It needs root and iproute2 and is skipped with one line without them.
 """
 
 from __future__ import annotations
@@ -32,16 +39,20 @@ from paramserver.shm import enabled as shm_enabled
 
 from .common import format_size
 from .extras import run_async, run_async_ray, run_memory, run_overlap
+from .hosts import DEFAULT_SIZES as HOSTS_SIZES
+from .hosts import run_hosts
 from .rayps import available as ray_available
 from .report import evaluate_goals, print_report
 from .suite import SYSTEMS, Cell, PSVariant, SweepConfig, run_sweep
 
-__all__ = ["PARTS", "PRESETS", "BenchOptions", "cells_for", "default_systems",
-           "run_benchmarks"]
+__all__ = ["DEFAULT_PARTS", "PARTS", "PRESETS", "BenchOptions", "cells_for",
+           "default_systems", "run_benchmarks"]
 
 log = logging.getLogger(__name__)
 
-PARTS: tuple[str, ...] = ("sweep", "async", "memory", "overlap")
+PARTS: tuple[str, ...] = ("sweep", "async", "memory", "overlap", "hosts")
+#: what runs when no part is named (hosts needs root and changes the network setup)
+DEFAULT_PARTS: tuple[str, ...] = ("sweep", "async", "memory", "overlap")
 PRESETS: tuple[str, ...] = ("quick", "default", "full")
 _KIB, _MIB = 1 << 10, 1 << 20
 # glibc keeps freed buffers of up to 32 MiB for reuse (see paramserver.transport.
@@ -54,7 +65,7 @@ TUNED_MALLOC = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": str(32 << 20)
 class BenchOptions:
     out: Path = Path("runs/bench")
     preset: str = "default"
-    parts: tuple[str, ...] = PARTS
+    parts: tuple[str, ...] = DEFAULT_PARTS
     systems: tuple[str, ...] = field(default_factory=lambda: default_systems())
     sizes: list[int] | None = None  # overrides the preset's payloads (every grid point)
     workers: tuple[int, ...] | None = None
@@ -130,6 +141,31 @@ def _environment() -> dict[str, Any]:
             "load_before": os.getloadavg()}
 
 
+def _row_line(r: dict[str, Any]) -> str:
+    ratio = r.get("ratio_to_limit")
+    return (f"  {r['workers']}w {r['shards'] or '-'}s {format_size(r['bytes']):>7} "
+            f"{r['system']:<14} {r['round_s']['median'] * 1e3:10.3f} ms "
+            f"x{ratio['median'] if ratio else 1:.2f}")
+
+
+def _run_hosts(opts: BenchOptions, result: dict[str, Any], console: Console,
+               logs: Path) -> None:
+    """The across-hosts part: two network namespaces, or one line saying why not."""
+    quick = opts.preset == "quick"
+    sizes = opts.sizes or ([64 * _KIB] if quick else list(HOSTS_SIZES))
+    console.print(f"across hosts (two network namespaces over veth): "
+                  f"{', '.join(format_size(b) for b in sizes)}")
+    hosts = run_hosts(sizes, workers=opts.workers or (1,), shards=opts.shards or (1,),
+                      repeats=opts.repeats or (2 if quick else 9),
+                      repeat_seconds=0.05 if quick else 0.25, log_dir=logs / "hosts",
+                      on_row=lambda r: console.print(_row_line(r)))
+    if "skipped" in hosts:
+        console.print(f"across hosts: skipped: {hosts['skipped']}")
+    for problem in hosts.get("problems", []):
+        console.print(f"[red]across hosts: {problem}[/red]")
+    result["hosts"] = hosts
+
+
 def run_benchmarks(opts: BenchOptions, console: Console | None = None) -> dict[str, Any]:
     """Run the chosen parts, write ``out/result.json``, print the tables; return the result."""
     console = console or Console()
@@ -159,14 +195,9 @@ def run_benchmarks(opts: BenchOptions, console: Console | None = None) -> dict[s
                       f"({', '.join(opts.systems)}) + variants "
                       f"{', '.join(v.label for v in cfg.variants[1:]) or 'none'}")
 
-        def row(r: dict[str, Any]) -> None:
-            ratio = r.get("ratio_to_limit")
-            console.print(f"  {r['workers']}w {r['shards'] or '-'}s "
-                          f"{format_size(r['bytes']):>7} {r['system']:<14} "
-                          f"{r['round_s']['median'] * 1e3:10.3f} ms "
-                          f"x{ratio['median'] if ratio else 1:.2f}")
-
-        result["sweep"] = run_sweep(cfg, row)
+        result["sweep"] = run_sweep(cfg, lambda r: console.print(_row_line(r)))
+    if "hosts" in opts.parts:
+        _run_hosts(opts, result, console, logs)
     if "async" in opts.parts:
         console.print("async throughput ...")
         result["async"] = run_async(workers=2 if quick else 4,

@@ -14,7 +14,10 @@ like gloo, beside raw and this project, once per (N, P); its cluster (a head
 agent and the actor) lives for a whole N.
 
 Processes are agents (:mod:`paramserver.benchmarks.agent`) kept for a whole (N, S) group:
-a shard server agent runs a fresh ShardServer per payload.
+a shard server agent runs a fresh ShardServer per payload. A :class:`Placement`
+puts the shard agents and the worker agents of raw and this project elsewhere
+(another network namespace: :mod:`paramserver.benchmarks.hosts`); the sweep then
+stops the shards through a worker agent, the one side that can reach them.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from .common import (
     free_port,
 )
 
-__all__ = ["SYSTEMS", "Cell", "PSVariant", "SweepConfig", "run_sweep"]
+__all__ = ["SYSTEMS", "Cell", "PSVariant", "Placement", "SweepConfig", "run_sweep"]
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +70,20 @@ class PSVariant:
     server: dict[str, Any] = field(default_factory=dict)  # ServerConfig overrides
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where the shard and worker agents run and the address shards bind (default:
+    all on this host, over loopback)."""
+
+    server_prefix: tuple[str, ...] = ()  # e.g. ("ip", "netns", "exec", "nsA")
+    worker_prefix: tuple[str, ...] = ()
+    server_host: str = "127.0.0.1"
+
+    @property
+    def local(self) -> bool:
+        return not self.server_prefix and not self.worker_prefix
+
+
 @dataclass
 class SweepConfig:
     cells: list[Cell]
@@ -78,6 +95,7 @@ class SweepConfig:
     lr: float = 1e-3
     chunk_bytes: int = ShardPlan.DEFAULT_CHUNK_BYTES
     log_dir: Path | None = None
+    placement: Placement = field(default_factory=Placement)
 
 
 def _groups(cells: Iterable[Cell]) -> dict[int, dict[int, list[int]]]:
@@ -123,8 +141,8 @@ class _System:
         self.cpu_per_round.append((cpu_seconds(self.pids) - cpu0) / iters)
         return max(float(r["round_s"]) for r in res)  # the round ends when the slowest has it
 
-    def close(self) -> None:
-        _broadcast(self.members, "close", {"system": self.session})
+    def close(self) -> list[dict[str, Any]]:
+        return _broadcast(self.members, "close", {"system": self.session})
 
 
 def _iters_for(round_s: float, cfg: SweepConfig) -> int:
@@ -148,7 +166,7 @@ def _measure(systems: Sequence[_System], numel: int, cfg: SweepConfig) -> dict[s
 
 
 def _record(cell: Cell, system: str, rounds: list[float], limit: list[float] | None,
-            cpu: list[float]) -> dict[str, Any]:
+            cpu: list[float], extra: dict[str, Any] | None = None) -> dict[str, Any]:
     moved = 2 * cell.nbytes * cell.workers
     rec: dict[str, Any] = {
         # torch RPC has one server and gloo none: no shards to speak of
@@ -160,6 +178,7 @@ def _record(cell: Cell, system: str, rounds: list[float], limit: list[float] | N
         # CPU seconds per round of all its processes (workers and servers): what a
         # round costs, whatever else the machine was doing
         "cpu_s": Stats.of(cpu).to_dict() if cpu else None,
+        **(extra or {}),
     }
     if limit:
         # paired per repeat (they ran back to back): limit time / system time = throughput ratio
@@ -176,25 +195,40 @@ class _Group:
         self.agents: list[Agent] = []
         self.raw_addrs: list[str] = []
         try:
-            self.raw_servers = self._spawn("raw-server", s)
+            self.raw_servers = self._spawn("raw-server", s, server=True)
             for a in self.raw_servers:
-                a.send("raw_serve", workers=n, lr=cfg.lr)
+                a.send("raw_serve", workers=n, lr=cfg.lr, host=cfg.placement.server_host)
             self.raw_addrs = [a.read(_TIMEOUT)["address"] for a in self.raw_servers]
             self.raw = _System("raw", self._spawn("raw-worker", n), "raw",
                                servers=self.raw_servers)
             self.ps: list[tuple[PSVariant, list[Agent], _System]] = []
             for v in cfg.variants if with_ps else []:
-                servers = self._spawn(f"{v.label}-server", s)
+                servers = self._spawn(f"{v.label}-server", s, server=True)
                 self.ps.append((v, servers, _System(v.label, self._spawn(f"{v.label}-worker", n),
                                                     "ps", servers=servers)))
         except BaseException:
             self.close()
             raise
 
-    def _spawn(self, name: str, count: int) -> list[Agent]:
-        agents = [Agent(f"{name}{i}-n{self.n}s{self.s}", self.cfg.log_dir) for i in range(count)]
+    def _spawn(self, name: str, count: int, server: bool = False) -> list[Agent]:
+        where = self.cfg.placement
+        prefix = where.server_prefix if server else where.worker_prefix
+        agents = [Agent(f"{name}{i}-n{self.n}s{self.s}", self.cfg.log_dir, prefix)
+                  for i in range(count)]
         self.agents += agents
         return agents
+
+    def _stop(self, op: str, addresses: list[str], via: _System | None) -> None:
+        """Stop shards: from here when they listen on this host's loopback, else
+        through a worker agent of ``via``, beside the workers that reach them (with
+        none, the shard agents are killed when the group closes)."""
+        if self.cfg.placement.local:
+            if op == "raw_stop":
+                raw.stop(addresses, timeout_ms=5000)
+            else:
+                shutdown_servers(addresses)
+        elif via is not None:
+            via.workers[0].call(op, 60.0, addresses=addresses, timeout_ms=5000)
 
     def cell(self, nbytes: int, peers: list[_System]) -> list[dict[str, Any]]:
         n, s, cfg, numel = self.n, self.s, self.cfg, nbytes // 4
@@ -203,33 +237,44 @@ class _Group:
         systems = [self.raw]
         ps_addrs: list[str] = []
         for v, servers, system in self.ps:
+            bind = ({} if cfg.placement.local
+                    else {"bind": f"tcp://{cfg.placement.server_host}:0"})
             for i, a in enumerate(servers):
                 a.send("ps_serve", config={
                     "shard": i, "num_shards": s, "mode": "sync", "expected_workers": n,
                     "optimizer": "sgd", "optimizer_args": {"lr": cfg.lr},
-                    "heartbeat_timeout": 60.0, **v.server})
+                    "heartbeat_timeout": 60.0, **bind, **v.server})
             addrs = [a.read(_TIMEOUT)["address"] for a in servers]
             ps_addrs += addrs
             system.open([{"addresses": addrs, "numel": numel, "rank": r,
                           "chunk_bytes": cfg.chunk_bytes, **v.session} for r in range(n)])
             systems.append(system)
         rounds = _measure(systems + peers, numel, cfg)
-        for system in systems:
-            system.close()
-        shutdown_servers(ps_addrs)
-        for _, servers, _ in self.ps:
-            for a in servers:
-                a.read(_TIMEOUT)
+        closed = {system.name: system.close() for system in systems}
+        extra: dict[str, dict[str, Any]] = {}
+        if self.ps:
+            self._stop("ps_stop", ps_addrs, self.ps[0][2])
+        for v, servers, _ in self.ps:
+            served = [a.read(_TIMEOUT) for a in servers]
+            # the path the tensors took: shards that granted shared memory, and the
+            # workers' side of it (a shard grants it only to a same-host worker)
+            extra[v.label] = {
+                "shm_peers": sum(int(r.get("counters", {}).get("shm_peers", 0))
+                                 for r in served),
+                "shm_used": sum(int(r.get("shm_used", 0)) for r in closed[v.label]),
+                "shm_offered": sum(int(r.get("shm_offered", 0)) for r in closed[v.label])}
         cpu = {x.name: x.cpu_per_round for x in systems + peers}
         cell = Cell(n, s, nbytes)
-        return [_record(cell, name, r, rounds["raw"] if name != "raw" else None, cpu[name])
-                for name, r in rounds.items()]
+        return [_record(cell, name, r, rounds["raw"] if name != "raw" else None, cpu[name],
+                        extra.get(name)) for name, r in rounds.items()]
 
     def close(self) -> None:
-        if self.raw_addrs:
-            raw.stop(self.raw_addrs, timeout_ms=5000)
-            self.raw_addrs = []
-        close_all(self.agents)
+        try:
+            if self.raw_addrs:
+                addrs, self.raw_addrs = self.raw_addrs, []
+                self._stop("raw_stop", addrs, getattr(self, "raw", None))
+        finally:
+            close_all(self.agents)
 
 
 def _open_world(kind: str, n: int, sizes: list[int], cfg: SweepConfig

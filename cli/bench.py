@@ -34,7 +34,7 @@ def _csv_ints(text: str | None) -> tuple[int, ...] | None:
 
 EPILOG = """\b
 Examples:
-  # a smoke run of every part (a minute or two)
+  # a smoke run of every part but hosts (a minute or two)
   paramserver bench --quick --out runs/bench-quick
 \b
   # only the push + pull sweep, this project against torch RPC, two payloads
@@ -43,6 +43,10 @@ Examples:
 \b
   # the same with gradients sent as bfloat16
   paramserver bench --part sweep --system ps --wire-dtype bfloat16 --quick
+\b
+  # across hosts: shards in one network namespace, workers in another, over a
+  # veth pair (run as root, with iproute2; skipped otherwise), about a minute
+  paramserver bench --part hosts --size 1MiB --size 16MiB --size 100MiB
 \b
 See docs/performance.md for what each part measures and the goals it checks.
 """
@@ -56,8 +60,9 @@ See docs/performance.md for what each part measures and the goals it checks.
               "(a minute or two).")
 @click.option("--full", is_flag=True, help="Every payload on every workers x shards point.")
 @click.option("--part", "parts", multiple=True,
-              type=click.Choice(["sweep", "async", "memory", "overlap"]),
-              help="Run only these parts (repeatable; default: all).")
+              type=click.Choice(["sweep", "async", "memory", "overlap", "hosts"]),
+              help="Run only these parts (repeatable; default: all but hosts). hosts: "
+                   "raw pyzmq and this project across two network namespaces (root).")
 @click.option("--system", "systems", multiple=True,
               type=click.Choice(["raw", "ps", "rpc", "gloo", "ray"]),
               help="Systems in the sweep (repeatable; raw, the limit, is always in). ray "
@@ -68,7 +73,8 @@ See docs/performance.md for what each part measures and the goals it checks.
                    "(measured on every workers x shards point).")
 @click.option("--workers", metavar="N,...", help="Worker counts, e.g. 1,2,4.")
 @click.option("--shards", metavar="S,...", help="Shard counts, e.g. 1,2,4.")
-@click.option("--repeats", type=click.IntRange(min=2), help="Repeats per cell (default 5).")
+@click.option("--repeats", type=click.IntRange(min=2),
+              help="Repeats per cell (default 5; 9 in the hosts part).")
 @click.option("--wire-dtype", type=click.Choice(["bfloat16", "float16", "none"]),
               default="none", show_default=True,
               help="Also measure the project with gradients sent in 16 bits.")
@@ -84,17 +90,23 @@ def bench(out: Path, quick: bool, full: bool, parts: tuple[str, ...],
     """Measure push + pull against a raw pyzmq loop (the limit), torch.distributed.rpc used
     as a parameter server, gloo all_reduce and Ray's actor parameter server, in one run on
     the same payloads; then async
-    throughput, shard memory and overlap of communication with backward. Writes
+    throughput, shard memory and overlap of communication with backward; on request
+    (--part hosts) push + pull against raw pyzmq across two network namespaces. Writes
     OUT/result.json and prints the tables and the goals."""
     from paramserver.benchmarks.common import parse_size
-    from paramserver.benchmarks.run import PARTS, BenchOptions, default_systems, run_benchmarks
+    from paramserver.benchmarks.run import (
+        DEFAULT_PARTS,
+        BenchOptions,
+        default_systems,
+        run_benchmarks,
+    )
 
     if quick and full:
         raise click.UsageError("--quick and --full exclude each other")
     try:
         opts = BenchOptions(
             out=out, preset="quick" if quick else "full" if full else "default",
-            parts=parts or PARTS,
+            parts=parts or DEFAULT_PARTS,
             systems=tuple(dict.fromkeys(("raw", *systems))) if systems else default_systems(),
             sizes=[parse_size(s) for s in sizes] or None,
             workers=_csv_ints(workers), shards=_csv_ints(shards), repeats=repeats,
