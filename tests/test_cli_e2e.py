@@ -260,7 +260,14 @@ def test_servers_and_workers_started_by_hand(tmp_path: Path) -> None:
                       "--world-size", "2", "--steps", "100", "--device", "cpu",
                       "--result-file", str(tmp_path / f"worker{r}.json")],
                      tmp_path / f"worker{r}.log") for r in range(2)]
-    time.sleep(1.0)
+    # the servers start once both workers are up and about to connect (each says so)
+    deadline = time.monotonic() + LIMIT
+    while not all(f"paramserver: worker {r} of 2".encode() in
+                  (tmp_path / f"worker{r}.log").read_bytes() for r in range(2)):
+        for r, w in enumerate(workers):
+            assert w.poll() is None, (tmp_path / f"worker{r}.log").read_text()
+        assert time.monotonic() < deadline, "the workers never started"
+        time.sleep(0.1)
     servers = [start([*PARAMSERVER, "server", "--shard", str(i), "--num-shards", "2",
                       "--port", str(ports[i]), "--mode", "sync", "--expected-workers", "2"],
                      tmp_path / f"server{i}.log") for i in range(2)]
@@ -277,17 +284,20 @@ def test_servers_and_workers_started_by_hand(tmp_path: Path) -> None:
         assert "worker 0: 100 steps (100 accepted, 0 rejected)" in \
             (tmp_path / "worker0.log").read_text()
 
-        status = subprocess.run([*PARAMSERVER, "status", "--servers", ",".join(addresses),
-                                 "--json"], cwd=ROOT, env=env(), capture_output=True,
-                                timeout=60)
-        assert status.returncode == 0, status.stderr
-        shards = json.loads(status.stdout)
+        # the JSON and the table side by side: each is mostly an interpreter starting
+        status = subprocess.Popen([*PARAMSERVER, "status", "--servers", ",".join(addresses),
+                                   "--json"], cwd=ROOT, env=env(), stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+        _STARTED.append(status)  # killed by the reaper if the test fails half-way
+        table = subprocess.run([*PARAMSERVER, "status", "--servers", ",".join(addresses)],
+                               cwd=ROOT, env=env(), capture_output=True, text=True, timeout=60)
+        out, err = status.communicate(timeout=60)
+        assert status.returncode == 0, err
+        shards = json.loads(out)
         assert [s["version"] for s in shards] == [100, 100]  # sync: one step per round
         for shard in shards:
             assert {w["clock"] for w in shard["workers"].values()} == {100}
             assert all(w["finished"] for w in shard["workers"].values())
-        table = subprocess.run([*PARAMSERVER, "status", "--servers", ",".join(addresses)],
-                               cwd=ROOT, env=env(), capture_output=True, text=True, timeout=60)
         assert table.returncode == 0, table.stderr
         assert "sync" in table.stdout and "workers (over all shards)" in table.stdout
     finally:

@@ -17,7 +17,8 @@ until stopped, minutes of benchmarks) says so with ``<!-- no-run: reason -->`` o
 the line before it (blank lines between are allowed): skipping is deliberate and
 visible. Other indented blocks (outputs, file trees, formulas) are text.
 
-The blocks of one document run in order in one temp dir, one test per document.
+The blocks of one document run in order in one temp dir, one test per document; the
+documents run side by side (see ``document_runs``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -187,8 +189,8 @@ def test_every_document_has_blocks_that_run() -> None:
     assert any("paramserver launch" in b.code and b.skip is None for b in readme)
 
 
-@pytest.mark.parametrize("doc", DOCS, ids=[d.name for d in DOCS])
-def test_the_blocks_of_a_document_run(doc: Path, tmp_path: Path) -> None:
+def _run_document(doc: Path, tmp: Path) -> int:
+    """Run the blocks of ``doc`` in order in ``tmp``; how many ran."""
     runnable = [b for b in blocks(doc) if b.kind in ("python", "shell", "toml")]
     # files first (a command may use a module defined below it); the README's too, which
     # other pages refer to (mypkg.policies:Linear), unless a page brings its own modules
@@ -198,19 +200,42 @@ def test_the_blocks_of_a_document_run(doc: Path, tmp_path: Path) -> None:
     for block in [*readme, *runnable]:
         path = _file_of(block)
         if path is not None and block.skip is None:
-            target = tmp_path / path
+            target = tmp / path
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_text(block.code + "\n", encoding="utf-8")
             if target.suffix == ".py":
-                for parent in target.relative_to(tmp_path).parents:
+                for parent in target.relative_to(tmp).parents:
                     if parent != Path("."):
-                        (tmp_path / parent / "__init__.py").touch()
-    _link_repo(tmp_path)
+                        (tmp / parent / "__init__.py").touch()
+    _link_repo(tmp)
     ran = 0
     for block in runnable:
         if block.skip is not None or block.kind == "toml" or _file_of(block) is not None:
             continue
-        _run(block, tmp_path)
+        _run(block, tmp)
         ran += 1
-    if ran == 0:
+    return ran
+
+
+@pytest.fixture(scope="module")
+def document_runs(request: pytest.FixtureRequest,
+                  tmp_path_factory: pytest.TempPathFactory) -> dict[Path, Future[int]]:
+    """Every selected document's blocks, run before the first document's test: the
+    documents side by side (each in its own temp dir, one lane per core), the blocks of
+    one in order. A block's commands spend most of their time starting interpreters
+    one after another (about half a core each), so two documents share 2 cores with
+    little slowdown. Every run has ended when this returns, so no process of one
+    document outlives a test (tests/conftest.py)."""
+    docs = [item.callspec.params["doc"] for item in request.session.items
+            if getattr(item, "originalname", None) == "test_the_blocks_of_a_document_run"]
+    dirs = {doc: tmp_path_factory.mktemp(doc.stem) for doc in docs}
+    with ThreadPoolExecutor(max(1, min(len(docs), os.cpu_count() or 1))) as pool:
+        # in DOCS order: the README, the longest, starts first
+        return {doc: pool.submit(_run_document, doc, dirs[doc]) for doc in docs}
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=[d.name for d in DOCS])
+def test_the_blocks_of_a_document_run(doc: Path,
+                                      document_runs: dict[Path, Future[int]]) -> None:
+    if document_runs[doc].result() == 0:  # a failed block raises its failure here
         pytest.skip(f"{doc.name}: no block meant to run")

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -321,11 +323,10 @@ def test_a_forged_push_id_cannot_silence_a_worker(tmp_path: Path) -> None:
             legit.close()
 
 
-def _run_server(cfg: dict[str, Any], tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    path = tmp_path / "server.json"
+def _start_server(cfg: dict[str, Any], path: Path) -> subprocess.Popen[str]:
     path.write_text(json.dumps(cfg))
-    return subprocess.run([sys.executable, "-m", "paramserver.server", str(path)],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.Popen([sys.executable, "-m", "paramserver.server", str(path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def test_resume_errors_are_one_line(tmp_path: Path) -> None:
@@ -339,37 +340,45 @@ def test_resume_errors_are_one_line(tmp_path: Path) -> None:
         from paramserver.workers.client import shutdown_servers
         assert shutdown_servers([address]) == []
         assert cluster.servers[0].popen.wait(timeout=30) == 0
-    folder = ckpt / "shard0"
-    name = json.loads((folder / "LATEST").read_text())["name"]
-    good = {p.name: p.read_bytes() for p in folder.iterdir()}
-
-    def restore() -> None:
-        for n, data in good.items():
-            (folder / n).write_bytes(data)
+    name = json.loads((ckpt / "shard0" / "LATEST").read_text())["name"]
 
     from safetensors.torch import load_file, save_file
-    tensors = load_file(str(folder / f"{name}.safetensors"))
+    tensors = load_file(str(ckpt / "shard0" / f"{name}.safetensors"))
     nan = {k: (torch.full_like(v, math.nan) if k.startswith("param/") else v)
            for k, v in tensors.items()}
-    meta = json.loads((folder / f"{name}.json").read_text())
-    cases = {
-        "latest_list": lambda: (folder / "LATEST").write_text("[1, 2]"),
-        "latest_path": lambda: (folder / "LATEST").write_text('{"name": "../../etc/x"}'),
-        "truncated": lambda: (folder / f"{name}.safetensors").write_bytes(
-            good[f"{name}.safetensors"][:100]),
-        "empty": lambda: (folder / f"{name}.safetensors").write_bytes(b""),
-        "hostile_header": lambda: (folder / f"{name}.safetensors").write_bytes(
+    meta = json.loads((ckpt / "shard0" / f"{name}.json").read_text())
+    good = (ckpt / "shard0" / f"{name}.safetensors").read_bytes()
+    cases: dict[str, Callable[[Path], Any]] = {
+        "latest_list": lambda folder: (folder / "LATEST").write_text("[1, 2]"),
+        "latest_path": lambda folder: (folder / "LATEST").write_text('{"name": "../../etc/x"}'),
+        "truncated": lambda folder: (folder / f"{name}.safetensors").write_bytes(good[:100]),
+        "empty": lambda folder: (folder / f"{name}.safetensors").write_bytes(b""),
+        "hostile_header": lambda folder: (folder / f"{name}.safetensors").write_bytes(
             (10 ** 12).to_bytes(8, "little") + b"{}"),
-        "nan": lambda: save_file(nan, str(folder / f"{name}.safetensors")),
-        "negative_version": lambda: (folder / f"{name}.json").write_text(
+        "nan": lambda folder: save_file(nan, str(folder / f"{name}.safetensors")),
+        "negative_version": lambda folder: (folder / f"{name}.json").write_text(
             json.dumps({**meta, "version": -3})),
     }
-    for case, damage in cases.items():
-        restore()
-        damage()
-        done = _run_server({"resume": str(ckpt), "bind": "tcp://127.0.0.1:0"}, tmp_path)
-        assert done.returncode != 0, case
-        err = done.stderr.strip()
-        assert "Traceback" not in err, (case, err)
-        lines = [ln for ln in err.splitlines() if "cannot resume" in ln]
-        assert len(lines) == 1 and str(ckpt) in lines[0], (case, err)
+    # each case damages its own copy of the checkpoint, so that their servers (each
+    # mostly an interpreter starting) run side by side
+    started: dict[str, tuple[Path, subprocess.Popen[str]]] = {}
+    try:
+        for case, damage in cases.items():
+            copy = tmp_path / f"ckpt-{case}"
+            shutil.copytree(ckpt, copy)
+            damage(copy / "shard0")
+            started[case] = (copy, _start_server(
+                {"resume": str(copy), "bind": "tcp://127.0.0.1:0"},
+                tmp_path / f"server-{case}.json"))
+        for case, (copy, proc) in started.items():
+            _, err = proc.communicate(timeout=120)
+            assert proc.returncode != 0, case
+            err = err.strip()
+            assert "Traceback" not in err, (case, err)
+            lines = [ln for ln in err.splitlines() if "cannot resume" in ln]
+            assert len(lines) == 1 and str(copy) in lines[0], (case, err)
+    finally:
+        for _, proc in started.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
