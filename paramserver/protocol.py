@@ -252,10 +252,10 @@ def usable(tensors: Mapping[str, torch.Tensor]) -> bool:
 
 def _describe(tensors: Mapping[str, torch.Tensor], copy: bool = True
               ) -> tuple[list[list[Any]], list[bytes | memoryview]]:
-    """Descriptors and frames: per dtype, tensors back to back in one buffer as one
-    frame of it, else (with ``copy``) those under PACK_BYTES copied into one frame,
-    and each other one in a frame of its own. Frames come grouped by dtype, in
-    first-seen order. Without ``copy`` every frame is a view of the tensors."""
+    """Descriptors and frames, per dtype: each run of tensors lying back to back in
+    one buffer as one packed frame of that buffer (no copy); then, with ``copy``,
+    the others under PACK_BYTES copied into one packed frame; each other tensor in a
+    frame of its own. Without ``copy`` every frame is a view of the tensors."""
     groups: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
     for key, t in tensors.items():
         groups.setdefault(t.dtype, []).append((key, t))
@@ -267,29 +267,59 @@ def _describe(tensors: Mapping[str, torch.Tensor], copy: bool = True
             raise ProtocolError(ErrorCode.BAD_TENSOR,
                                 f"{items[0][0]!r}: dtype {dtype} is not allowed")
         if len(items) > 1:
-            flat = _back_to_back(items)
-            if flat is not None:
-                descs.append([name, _entries(items)])
-                frames.append(_tensor_view(flat))
-                continue
-            if copy:
-                small, rest = _split_small(items, dtype.itemsize)
-                if len(small) > 1:
-                    descs.append([name, _entries(small)])
-                    # 1-D tensors (gradient slices) as they are: a reshape costs a few us
-                    frames.append(_tensor_view(torch.cat(
-                        [t if t.dim() == 1 else t.reshape(-1) for _, t in small])))
-                    items = rest
+            alone = []
+            for run in _runs(items):
+                if len(run) == 1:
+                    alone.append(run[0])
+                    continue
+                first = run[0][1]
+                descs.append([name, _entries(run)])
+                frames.append(_tensor_view(first.detach().as_strided(
+                    (sum(t.numel() for _, t in run),), (1,))))
+            items = alone
+        if copy and len(items) > 1:
+            small, rest = _split_small(items, dtype.itemsize)
+            if len(small) > 1:
+                descs.append([name, _entries(small)])
+                # 1-D tensors (gradient slices) as they are: a reshape costs a few us
+                frames.append(_tensor_view(torch.cat(
+                    [t if t.dim() == 1 else t.reshape(-1) for _, t in small])))
+                items = rest
         for key, t in items:
             descs.append([key, name, list(t.shape)])
             frames.append(_tensor_view(t))
     return descs, frames
 
 
+def _runs(items: list[tuple[str, torch.Tensor]]) -> list[list[tuple[str, torch.Tensor]]]:
+    """``items`` cut into runs of contiguous CPU tensors lying back to back, in this
+    order, in one storage (a shard's slices of its flat buffer; a parameter's chunks
+    in its gradient); any other tensor is a run of its own."""
+    runs: list[list[tuple[str, torch.Tensor]]] = []
+    end = -1  # the address where the current run's next tensor would start
+    for item in items:
+        t = item[1]
+        # an empty tensor's data_ptr() is 0: its address from its storage instead
+        ptr = t.data_ptr() if t.numel() else (
+            t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size())
+        if (ptr == end and t.is_contiguous() and t.device.type == "cpu"
+                and t.untyped_storage().data_ptr()
+                == runs[-1][0][1].untyped_storage().data_ptr()):
+            runs[-1].append(item)
+        else:
+            runs.append([item])
+            if not (t.is_contiguous() and t.device.type == "cpu"):
+                end = -1
+                continue
+        end = ptr + t.numel() * t.element_size()
+    return runs
+
+
 def _split_small(items: list[tuple[str, torch.Tensor]], itemsize: int
                  ) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
     """``items`` as (CPU tensors under PACK_BYTES, the others)."""
-    small, rest = [], []
+    small: list[tuple[str, torch.Tensor]] = []
+    rest: list[tuple[str, torch.Tensor]] = []
     limit = PACK_BYTES // itemsize
     for item in items:
         t = item[1]
@@ -305,22 +335,6 @@ def _entries(items: Sequence[tuple[str, torch.Tensor]]) -> list[list[Any]]:
         out.append([key, list(t.shape), offset])
         offset += t.numel() * t.element_size()
     return out
-
-
-def _back_to_back(items: Sequence[tuple[str, torch.Tensor]]) -> torch.Tensor | None:
-    """One flat view over ``items`` when they are contiguous CPU tensors lying back to
-    back, in this order, in one storage (a shard's slices of its flat buffer)."""
-    first = items[0][1]
-    if first.device.type != "cpu":
-        return None
-    storage = first.untyped_storage().data_ptr()
-    end = first.storage_offset()
-    for _, t in items:
-        if (not t.is_contiguous() or t.storage_offset() != end
-                or t.untyped_storage().data_ptr() != storage):
-            return None
-        end += t.numel()
-    return first.detach().as_strided((end - first.storage_offset(),), (1,))
 
 
 # the header's map in encode's key order, its constant parts packed once
@@ -433,6 +447,8 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
         key, dtype, shape = _check_desc(desc, limits)
         if key in tensors:
             raise ProtocolError(ErrorCode.BAD_TENSOR, f"tensor key {key!r} appears twice")
+        if len(tensors) >= limits.max_tensors:  # packed frames before this one held some
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"over {limits.max_tensors} tensors")
         itemsize = dtype.itemsize
         numel = math.prod(shape)
         if numel * itemsize != buf.nbytes:
