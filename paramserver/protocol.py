@@ -301,7 +301,7 @@ def _runs(items: list[tuple[str, torch.Tensor]]) -> list[list[tuple[str, torch.T
         t = item[1]
         # an empty tensor's data_ptr() is 0: its address from its storage instead
         ptr = t.data_ptr() if t.numel() else (
-            t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size())
+            t.untyped_storage().data_ptr() + int(t.storage_offset()) * t.element_size())
         if (ptr == end and t.is_contiguous() and t.device.type == "cpu"
                 and t.untyped_storage().data_ptr()
                 == runs[-1][0][1].untyped_storage().data_ptr()):
