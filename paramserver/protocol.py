@@ -47,6 +47,7 @@ from .errors import ErrorCode, ProtocolError
 __all__ = [
     "DTYPES",
     "MAX_HEADER_BYTES",
+    "MAX_PACKED_BYTES",
     "PACK_BYTES",
     "PROTOCOL_VERSION",
     "Limits",
@@ -69,6 +70,10 @@ MAX_HEADER_BYTES = 1 << 20
 #: tensors keep a frame each, sent without a copy. Tensors that already lie back to
 #: back in one buffer (a shard's weights) go as one frame whatever their size.
 PACK_BYTES = 64 * 1024
+#: a packed frame holds at most this many bytes: a receiver's zmq drops a peer
+#: whose frame is over its size limit (Limits.max_tensor_bytes, 2 GiB), and that
+#: limit is per tensor, which a frame of many must not run into
+MAX_PACKED_BYTES = 1 << 30
 
 # frames are only read, never written: torch warns about read-only buffers
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
@@ -268,7 +273,7 @@ def _describe(tensors: Mapping[str, torch.Tensor], copy: bool = True
                                 f"{items[0][0]!r}: dtype {dtype} is not allowed")
         if len(items) > 1:
             alone = []
-            for run in _runs(items):
+            for run in _capped(_runs(items)):
                 if len(run) == 1:
                     alone.append(run[0])
                     continue
@@ -280,10 +285,11 @@ def _describe(tensors: Mapping[str, torch.Tensor], copy: bool = True
         if copy and len(items) > 1:
             small, rest = _split_small(items, dtype.itemsize)
             if len(small) > 1:
-                descs.append([name, _entries(small)])
-                # 1-D tensors (gradient slices) as they are: a reshape costs a few us
-                frames.append(_tensor_view(torch.cat(
-                    [t if t.dim() == 1 else t.reshape(-1) for _, t in small])))
+                for pack in _capped([small]):
+                    descs.append([name, _entries(pack)])
+                    # 1-D tensors (gradient slices) as they are: a reshape costs a few us
+                    frames.append(_tensor_view(torch.cat(
+                        [t if t.dim() == 1 else t.reshape(-1) for _, t in pack])))
                 items = rest
         for key, t in items:
             descs.append([key, name, list(t.shape)])
@@ -313,6 +319,23 @@ def _runs(items: list[tuple[str, torch.Tensor]]) -> list[list[tuple[str, torch.T
                 continue
         end = ptr + t.numel() * t.element_size()
     return runs
+
+
+def _capped(groups: list[list[tuple[str, torch.Tensor]]]
+            ) -> list[list[tuple[str, torch.Tensor]]]:
+    """``groups`` cut where one would pass MAX_PACKED_BYTES (a tensor stays whole)."""
+    out: list[list[tuple[str, torch.Tensor]]] = []
+    for group in groups:
+        size = 0
+        out.append([])
+        for item in group:
+            n = item[1].numel() * item[1].element_size()
+            if out[-1] and size + n > MAX_PACKED_BYTES:
+                out.append([])
+                size = 0
+            out[-1].append(item)
+            size += n
+    return out
 
 
 def _split_small(items: list[tuple[str, torch.Tensor]], itemsize: int

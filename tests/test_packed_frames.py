@@ -13,6 +13,7 @@ import msgpack
 import pytest
 import torch
 
+from paramserver import protocol
 from paramserver.errors import ErrorCode, ProtocolError
 from paramserver.protocol import (
     PACK_BYTES,
@@ -71,6 +72,20 @@ def test_slices_of_one_buffer_go_as_that_buffer_without_a_copy() -> None:
     chunks = {"w[0]": grad[:100_000], "w[1]": grad[100_000:], "b": torch.randn(100_000)}
     frames = encode(Message(Op.PUSH, 1, PUSH, chunks))
     assert [d[0] for d in _descs(frames)] == ["float32", "b"]
+
+
+def test_a_packed_frame_stays_under_the_frame_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """zmq drops a peer whose frame passes the receiver's size limit: packing must not
+    build one (a shard's flat buffer, or many small tensors, over the cap)."""
+    monkeypatch.setattr(protocol, "MAX_PACKED_BYTES", 64)
+    flat = torch.arange(40, dtype=torch.float32)
+    views = {f"s{i}": flat[i * 8:(i + 1) * 8] for i in range(5)}  # 32 bytes each
+    apart = {f"a{i}": torch.full((8,), float(i)) for i in range(5)}
+    for tensors in (views, apart):
+        frames = encode(Message(Op.INIT, 1, {"worker": 0}, tensors))
+        assert [len(bytes(f)) for f in frames[1:]] == [64, 64, 32]
+        got = decode([bytes(f) for f in frames]).tensors
+        assert all(torch.equal(got[k], t) for k, t in tensors.items())
 
 
 def test_a_gradient_packed_in_slice_order_decodes_as_consecutive_views() -> None:
