@@ -579,12 +579,19 @@ def _check_dtype(what: str, name: Any) -> torch.dtype:
 
 
 def _check_shape(key: str, shape: Any, limits: Limits) -> int:
-    """The number of elements of a valid ``shape`` (a list of at most max_ndim sizes)."""
+    """The number of elements of a valid ``shape`` (a list of at most max_ndim sizes).
+
+    The product of its sizes, a size 0 counted as 1, must stay under 2^62 too: torch
+    computes a tensor's strides that way, even an empty one's, and [0, 2^61, 2^61]
+    would overflow them (an error that is not the peer's bad_tensor)."""
     if type(shape) is not list or len(shape) > limits.max_ndim:
         raise ProtocolError(ErrorCode.BAD_TENSOR, f"{key!r}: bad shape {shape!r}")
-    numel = 1
+    numel = span = 1
     for d in shape:
         if type(d) is not int or not 0 <= d < _INT_BOUND:
             raise ProtocolError(ErrorCode.BAD_TENSOR, f"{key!r}: bad shape {shape!r}")
         numel *= d
+        span *= d or 1
+        if span >= _INT_BOUND:
+            raise ProtocolError(ErrorCode.BAD_TENSOR, f"{key!r}: shape {shape!r} too large")
     return numel

@@ -130,6 +130,11 @@ def test_a_well_formed_packed_frame_decodes() -> None:
     (_packed([["a", [2], 0], ["b", [2, True], 8]], F4), ErrorCode.BAD_TENSOR),
     (_packed([["a", [2], 0], ["b", [1 << 61, 1 << 61], 8]], F4), ErrorCode.BAD_TENSOR),
     (_packed([["a", [2], 0], ["b", 2, 8]], F4), ErrorCode.BAD_TENSOR),
+    # empty, but torch's strides for it would overflow (the frame form too, below)
+    (_packed([["a", [0, 1 << 61, 1 << 61], 0]], b""), ErrorCode.BAD_TENSOR),
+    ([msgpack.packb({"v": PROTOCOL_VERSION, "op": "push", "seq": 1, "f": PUSH,
+                     "t": [["a", "float32", [0, 1 << 61, 1 << 61]]]}), b""],
+     ErrorCode.BAD_TENSOR),
     (_packed([["a", [2], 0], ["", [2], 8]], F4), ErrorCode.BAD_TENSOR),  # empty key
     (_packed([["a", [2], 0], [7, [2], 8]], F4), ErrorCode.BAD_TENSOR),
     (_packed([["a", [2], 0], ["b", [2]]], F4), ErrorCode.BAD_TENSOR),  # no offset
