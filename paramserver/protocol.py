@@ -1,19 +1,32 @@
-"""Wire protocol: a msgpack header plus one raw frame per tensor. Never pickle.
+"""Wire protocol: a msgpack header plus raw tensor frames. Never pickle.
 
 A message is a ZeroMQ multipart ``[header, frame_1, ..., frame_k]``. The
 header is a msgpack map::
 
     {"v": PROTOCOL_VERSION, "op": "push", "seq": 7, "f": {...op fields...},
-     "t": [[key, dtype, [shape...]], ...]}
+     "t": [frame descriptor, ...]}
 
-and frame i holds the raw bytes of tensor i (C order). Frames are sent and
-received without copies: :func:`encode` returns memoryviews over the tensors'
-storage, :func:`decode` wraps received buffers with ``torch.frombuffer``.
+with one descriptor per frame, in frame order, of one of two forms:
+
+* ``[key, dtype, [shape...]]``: the frame holds that one tensor (C order);
+* ``[dtype, [[key, [shape...], offset], ...]]``: a *packed* frame holds these
+  tensors of one dtype back to back, each at its byte ``offset``; the entries
+  tile the frame exactly, in order (each starts where the one before ends, the
+  last ends at the frame's end).
+
+The packed form carries a shard's share of one dtype in one frame: a shard's
+weights of a dtype live in one flat buffer (paramserver/flat.py), which is sent
+as it is, and small tensors are joined into one frame, since a frame costs far
+more than copying a few KiB (see :data:`PACK_BYTES`). Frames are sent and
+received without copies otherwise: :func:`encode` returns memoryviews over the
+tensors' storage, :func:`decode` wraps each received frame with one
+``torch.frombuffer`` and a packed frame's tensors are views of it.
 
 Decoding trusts nothing: header size and msgpack container limits, the op and
 each of its fields against a schema, a dtype allow-list, and
-``prod(shape) * itemsize == len(frame)``. Any violation raises
-:class:`~paramserver.errors.ProtocolError` with an :class:`ErrorCode`.
+``prod(shape) * itemsize == len(frame)`` (for a packed frame: its entries
+tiling it). Any violation raises :class:`~paramserver.errors.ProtocolError`
+with an :class:`ErrorCode`.
 """
 
 from __future__ import annotations
@@ -34,6 +47,8 @@ from .errors import ErrorCode, ProtocolError
 __all__ = [
     "DTYPES",
     "MAX_HEADER_BYTES",
+    "MAX_PACKED_BYTES",
+    "PACK_BYTES",
     "PROTOCOL_VERSION",
     "Limits",
     "Message",
@@ -45,8 +60,20 @@ __all__ = [
     "reply",
 ]
 
-PROTOCOL_VERSION = 1
+# 2: packed frames (several tensors of one dtype in one frame); a version 1 peer
+# would refuse their descriptors, so it is refused at once by the version instead
+PROTOCOL_VERSION = 2
 MAX_HEADER_BYTES = 1 << 20
+#: tensors under this many bytes are joined into one frame per dtype (a packed
+#: frame). pyzmq copies a frame this small anyway (its copy threshold), so joining
+#: them adds no copy of note, and it saves a frame per tensor on both sides; larger
+#: tensors keep a frame each, sent without a copy. Tensors that already lie back to
+#: back in one buffer (a shard's weights) go as one frame whatever their size.
+PACK_BYTES = 64 * 1024
+#: a packed frame holds at most this many bytes: a receiver's zmq drops a peer
+#: whose frame is over its size limit (Limits.max_tensor_bytes, 2 GiB), and that
+#: limit is per tensor, which a frame of many must not run into
+MAX_PACKED_BYTES = 1 << 30
 
 # frames are only read, never written: torch warns about read-only buffers
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
@@ -188,7 +215,9 @@ def _tensor_view(t: torch.Tensor) -> memoryview:
         raise ProtocolError(ErrorCode.BAD_TENSOR, f"tensor on {t.device}; move it to the CPU first")
     if not t.is_contiguous():
         t = t.contiguous()
-    flat = t.detach().reshape(-1)
+    flat = t.detach()
+    if flat.dim() != 1:
+        flat = flat.reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
     return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]
@@ -204,7 +233,9 @@ class PreparedTensors:
     reply carries the same weights, so this takes the per-tensor work out of
     encoding it; it stands while no tensor is replaced (copy-on-write moves the
     weights to fresh storage, and then a new one is prepared). Only contiguous CPU
-    tensors qualify: the frames must be views of the tensors themselves."""
+    tensors qualify: the frames must be views of the tensors themselves, so tensors
+    are packed only when they lie back to back (a shard's slices of one dtype in its
+    flat buffer: one frame per dtype), never copied into a packed frame."""
 
     __slots__ = ("descs", "frames", "key")
 
@@ -212,7 +243,7 @@ class PreparedTensors:
         if not usable(tensors):
             raise ValueError("only contiguous CPU tensors can be prepared")
         self.key = _identity(tensors)
-        descs, self.frames = _describe(tensors)
+        descs, self.frames = _describe(tensors, copy=False)
         self.descs: bytes = msgpack.packb(descs, use_bin_type=True)
 
     def matches(self, tensors: Mapping[str, torch.Tensor]) -> bool:
@@ -224,17 +255,109 @@ def usable(tensors: Mapping[str, torch.Tensor]) -> bool:
     return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors.values())
 
 
-def _describe(tensors: Mapping[str, torch.Tensor]
+def _describe(tensors: Mapping[str, torch.Tensor], copy: bool = True
               ) -> tuple[list[list[Any]], list[bytes | memoryview]]:
+    """Descriptors and frames, per dtype: each run of tensors lying back to back in
+    one buffer as one packed frame of that buffer (no copy); then, with ``copy``,
+    the others under PACK_BYTES copied into one packed frame; each other tensor in a
+    frame of its own. Without ``copy`` every frame is a view of the tensors."""
+    groups: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
+    for key, t in tensors.items():
+        groups.setdefault(t.dtype, []).append((key, t))
     descs: list[list[Any]] = []
     frames: list[bytes | memoryview] = []
-    for key, t in tensors.items():
-        name = _DTYPE_NAMES.get(t.dtype)
+    for dtype, items in groups.items():
+        name = _DTYPE_NAMES.get(dtype)
         if name is None:
-            raise ProtocolError(ErrorCode.BAD_TENSOR, f"{key!r}: dtype {t.dtype} is not allowed")
-        descs.append([key, name, list(t.shape)])
-        frames.append(_tensor_view(t))
+            raise ProtocolError(ErrorCode.BAD_TENSOR,
+                                f"{items[0][0]!r}: dtype {dtype} is not allowed")
+        if len(items) > 1:
+            alone = []
+            for run in _capped(_runs(items)):
+                if len(run) == 1:
+                    alone.append(run[0])
+                    continue
+                first = run[0][1]
+                descs.append([name, _entries(run)])
+                frames.append(_tensor_view(first.detach().as_strided(
+                    (sum(t.numel() for _, t in run),), (1,))))
+            items = alone
+        if copy and len(items) > 1:
+            small, rest = _split_small(items, dtype.itemsize)
+            if len(small) > 1:
+                for pack in _capped([small]):
+                    descs.append([name, _entries(pack)])
+                    # 1-D tensors (gradient slices) as they are: a reshape costs a few us
+                    frames.append(_tensor_view(torch.cat(
+                        [t if t.dim() == 1 else t.reshape(-1) for _, t in pack])))
+                items = rest
+        for key, t in items:
+            descs.append([key, name, list(t.shape)])
+            frames.append(_tensor_view(t))
     return descs, frames
+
+
+def _runs(items: list[tuple[str, torch.Tensor]]) -> list[list[tuple[str, torch.Tensor]]]:
+    """``items`` cut into runs of contiguous CPU tensors lying back to back, in this
+    order, in one storage (a shard's slices of its flat buffer; a parameter's chunks
+    in its gradient); any other tensor is a run of its own."""
+    runs: list[list[tuple[str, torch.Tensor]]] = []
+    end = -1  # the address where the current run's next tensor would start
+    for item in items:
+        t = item[1]
+        # an empty tensor's data_ptr() is 0: its address from its storage instead
+        ptr = t.data_ptr() if t.numel() else (
+            t.untyped_storage().data_ptr() + int(t.storage_offset()) * t.element_size())
+        if (ptr == end and t.is_contiguous() and t.device.type == "cpu"
+                and t.untyped_storage().data_ptr()
+                == runs[-1][0][1].untyped_storage().data_ptr()):
+            runs[-1].append(item)
+        else:
+            runs.append([item])
+            if not (t.is_contiguous() and t.device.type == "cpu"):
+                end = -1
+                continue
+        end = ptr + t.numel() * t.element_size()
+    return runs
+
+
+def _capped(groups: list[list[tuple[str, torch.Tensor]]]
+            ) -> list[list[tuple[str, torch.Tensor]]]:
+    """``groups`` cut where one would pass MAX_PACKED_BYTES (a tensor stays whole)."""
+    out: list[list[tuple[str, torch.Tensor]]] = []
+    for group in groups:
+        size = 0
+        out.append([])
+        for item in group:
+            n = item[1].numel() * item[1].element_size()
+            if out[-1] and size + n > MAX_PACKED_BYTES:
+                out.append([])
+                size = 0
+            out[-1].append(item)
+            size += n
+    return out
+
+
+def _split_small(items: list[tuple[str, torch.Tensor]], itemsize: int
+                 ) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
+    """``items`` as (CPU tensors under PACK_BYTES, the others)."""
+    small: list[tuple[str, torch.Tensor]] = []
+    rest: list[tuple[str, torch.Tensor]] = []
+    limit = PACK_BYTES // itemsize
+    for item in items:
+        t = item[1]
+        (small if t.numel() < limit and t.device.type == "cpu" else rest).append(item)
+    return small, rest
+
+
+def _entries(items: Sequence[tuple[str, torch.Tensor]]) -> list[list[Any]]:
+    """A packed frame's ``[key, shape, byte offset]`` entries, back to back."""
+    out: list[list[Any]] = []
+    offset = 0
+    for key, t in items:
+        out.append([key, list(t.shape), offset])
+        offset += t.numel() * t.element_size()
+    return out
 
 
 # the header's map in encode's key order, its constant parts packed once
@@ -333,17 +456,22 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
     if len(descs) != len(frames) - 1:
         raise ProtocolError(
             ErrorCode.BAD_MESSAGE,
-            f"header describes {len(descs)} tensors but {len(frames) - 1} frames arrived",
+            f"header describes {len(descs)} frames but {len(frames) - 1} arrived",
         )
     if len(descs) > limits.max_tensors:
         raise ProtocolError(ErrorCode.TOO_LARGE, f"{len(descs)} tensors > {limits.max_tensors}")
     tensors: dict[str, torch.Tensor] = {}
     total = 0
     for desc, frame in zip(descs, frames[1:], strict=True):
+        buf = _buffer(frame)
+        if isinstance(desc, list) and len(desc) == 2:
+            total = _unpack(desc, buf, tensors, total, limits)
+            continue
         key, dtype, shape = _check_desc(desc, limits)
         if key in tensors:
             raise ProtocolError(ErrorCode.BAD_TENSOR, f"tensor key {key!r} appears twice")
-        buf = _buffer(frame)
+        if len(tensors) >= limits.max_tensors:  # packed frames before this one held some
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"over {limits.max_tensors} tensors")
         itemsize = dtype.itemsize
         numel = math.prod(shape)
         if numel * itemsize != buf.nbytes:
@@ -352,33 +480,118 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
                 f"{key!r}: shape {shape} x {itemsize} bytes = {numel * itemsize}, "
                 f"but the frame holds {buf.nbytes} bytes",
             )
-        if buf.nbytes > limits.max_tensor_bytes:
-            raise ProtocolError(ErrorCode.TOO_LARGE, f"{key!r}: {buf.nbytes} bytes over the limit")
-        total += buf.nbytes
-        if total > limits.max_total_bytes:
-            raise ProtocolError(ErrorCode.TOO_LARGE, "message over the total size limit")
+        total = _count(key, buf.nbytes, total, limits)
         if numel == 0:
             t = torch.empty(shape, dtype=dtype)
         else:
-            t = torch.frombuffer(buf, dtype=dtype).reshape(shape)
+            t = torch.frombuffer(buf, dtype=dtype)
+            if len(shape) != 1:  # a reshape costs as much as the view itself
+                t = t.reshape(shape)
         tensors[key] = t
     return Message(op, seq, fields, tensors)
+
+
+def _count(key: str, nbytes: int, total: int, limits: Limits) -> int:
+    """``total`` plus one tensor's ``nbytes``, both within the limits."""
+    if nbytes > limits.max_tensor_bytes:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"{key!r}: {nbytes} bytes over the limit")
+    total += nbytes
+    if total > limits.max_total_bytes:
+        raise ProtocolError(ErrorCode.TOO_LARGE, "message over the total size limit")
+    return total
+
+
+def _unpack(desc: list[Any], buf: memoryview, tensors: dict[str, torch.Tensor], total: int,
+            limits: Limits) -> int:
+    """A packed frame's tensors into ``tensors``: views of one ``frombuffer`` over it,
+    each entry checked as a single frame's descriptor is, and the entries tiling the
+    frame exactly (no gap, no overlap, nothing past its end). Returns ``total``."""
+    name, entries = desc
+    dtype = _check_dtype("packed frame", name)
+    if not isinstance(entries, list) or not entries:
+        raise ProtocolError(ErrorCode.BAD_TENSOR,
+                            "packed frame descriptor must be [dtype, [[key, shape, offset], ...]]")
+    if len(tensors) + len(entries) > limits.max_tensors:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"over {limits.max_tensors} tensors")
+    itemsize = dtype.itemsize
+    flat = (torch.frombuffer(buf, dtype=dtype, count=buf.nbytes // itemsize)
+            if buf.nbytes >= itemsize else torch.empty(0, dtype=dtype))
+    end = 0
+    for entry in entries:
+        if type(entry) is not list or len(entry) != 3:
+            raise ProtocolError(ErrorCode.BAD_TENSOR, "packed entry must be [key, shape, offset]")
+        key, shape, offset = entry
+        _check_key(key, limits)
+        numel = _check_shape(key, shape, limits)
+        if key in tensors:
+            raise ProtocolError(ErrorCode.BAD_TENSOR, f"tensor key {key!r} appears twice")
+        if type(offset) is not int or offset != end:
+            raise ProtocolError(ErrorCode.BAD_TENSOR,
+                                f"{key!r}: offset {offset!r}; the entry before ends at {end}")
+        nbytes = numel * itemsize
+        if end + nbytes > buf.nbytes:
+            raise ProtocolError(ErrorCode.BAD_TENSOR,
+                                f"{key!r}: bytes {end}-{end + nbytes} past the frame's "
+                                f"{buf.nbytes}")
+        total = _count(key, nbytes, total, limits)
+        # as_strided: the cheapest view torch makes (indexing costs twice as much)
+        tensors[key] = flat.as_strided(shape, _strides(shape), end // itemsize)
+        end += nbytes
+    if end != buf.nbytes:
+        raise ProtocolError(ErrorCode.BAD_TENSOR,
+                            f"packed frame of {buf.nbytes} bytes, its tensors fill {end}")
+    return total
+
+
+def _strides(shape: list[int]) -> list[int]:
+    """C-order strides of ``shape`` (in elements)."""
+    if len(shape) == 1:
+        return [1]
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 1, 0, -1):
+        strides[i - 1] = strides[i] * max(shape[i], 1)
+    return strides
 
 
 def _check_desc(desc: Any, limits: Limits) -> tuple[str, torch.dtype, tuple[int, ...]]:
     if not (isinstance(desc, list) and len(desc) == 3):
         raise ProtocolError(ErrorCode.BAD_TENSOR, "tensor descriptor must be [key, dtype, shape]")
     key, dtype_name, shape = desc
-    if not isinstance(key, str) or not 0 < len(key) <= limits.max_key_len:
+    _check_key(key, limits)
+    dtype = _check_dtype(repr(key), dtype_name)
+    _check_shape(key, shape, limits)
+    return key, dtype, tuple(shape)
+
+
+def _check_key(key: Any, limits: Limits) -> None:
+    if type(key) is not str or not 0 < len(key) <= limits.max_key_len:
         raise ProtocolError(ErrorCode.BAD_TENSOR, "tensor key must be a non-empty string")
-    dtype = DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
+
+
+def _check_dtype(what: str, name: Any) -> torch.dtype:
+    dtype = DTYPES.get(name) if isinstance(name, str) else None
     if dtype is None:
         raise ProtocolError(
             ErrorCode.BAD_TENSOR,
-            f"{key!r}: dtype {dtype_name!r} not allowed; allowed: {', '.join(DTYPES)}",
+            f"{what}: dtype {name!r} not allowed; allowed: {', '.join(DTYPES)}",
         )
-    if not isinstance(shape, list) or len(shape) > limits.max_ndim or not all(
-        isinstance(d, int) and not isinstance(d, bool) and 0 <= d < _INT_BOUND for d in shape
-    ):
+    return dtype
+
+
+def _check_shape(key: str, shape: Any, limits: Limits) -> int:
+    """The number of elements of a valid ``shape`` (a list of at most max_ndim sizes).
+
+    The product of its sizes, a size 0 counted as 1, must stay under 2^62 too: torch
+    computes a tensor's strides that way, even an empty one's, and [0, 2^61, 2^61]
+    would overflow them (an error that is not the peer's bad_tensor)."""
+    if type(shape) is not list or len(shape) > limits.max_ndim:
         raise ProtocolError(ErrorCode.BAD_TENSOR, f"{key!r}: bad shape {shape!r}")
-    return key, dtype, tuple(shape)
+    numel = span = 1
+    for d in shape:
+        if type(d) is not int or not 0 <= d < _INT_BOUND:
+            raise ProtocolError(ErrorCode.BAD_TENSOR, f"{key!r}: bad shape {shape!r}")
+        numel *= d
+        span *= d or 1
+        if span >= _INT_BOUND:
+            raise ProtocolError(ErrorCode.BAD_TENSOR, f"{key!r}: shape {shape!r} too large")
+    return numel

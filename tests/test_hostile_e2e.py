@@ -382,3 +382,51 @@ def test_resume_errors_are_one_line(tmp_path: Path) -> None:
             if proc.poll() is None:
                 proc.kill()
                 proc.communicate()
+
+
+def test_packed_frames_from_a_hostile_peer(tmp_path: Path) -> None:
+    """Packed frames (several tensors in one frame) over a real socket: each kind of
+    bad layout is refused with bad_tensor and changes nothing; a good one is applied,
+    and the legitimate worker, whose pushes and pulls travel packed, trains on."""
+    keys = [s.key for s in PLAN.shard_slices(0)]
+    numel = {s.key: s.numel for s in PLAN.shard_slices(0)}
+    with _cluster(tmp_path, mode="async") as cluster:
+        (address,) = cluster.start_servers()
+        proc = cluster.servers[0].popen
+        legit = Legit(address)
+        bad = Hostile(address)
+        try:
+            assert bad.hello(1) == "ok"
+            legit.seed()
+            before, version = _weights(address)
+            sizes = [numel[k] * 4 for k in keys]
+            data = _f32(sum(numel.values()), 0.25)
+
+            def push(entries: list[Any], frame: bytes, push_id: int) -> str:
+                bad.seq += 1
+                header = {"v": PROTOCOL_VERSION, "op": "push", "seq": bad.seq,
+                          "f": {"worker": 1, "push_id": push_id, "clock": 0,
+                                "read_version": version, "num_samples": 4},
+                          "t": [["float32", entries]]}
+                bad.sock.send_multipart([msgpack.packb(header), frame])
+                head = bad.recv()
+                return str(head["f"]["code"]) if head["op"] == "error" else "ok"
+
+            good = [[keys[0], [numel[keys[0]]], 0], [keys[1], [numel[keys[1]]], sizes[0]]]
+            overlap = [good[0], [keys[1], [numel[keys[1]]], sizes[0] - 4]]
+            assert push(overlap, data, 1) == "bad_tensor"
+            assert push(good, data[:-4], 2) == "bad_tensor"  # the frame cut short
+            assert push(good, data + b"\0" * 4, 3) == "bad_tensor"  # bytes left over
+            assert push([good[0], good[0]], data, 4) == "bad_tensor"  # a key twice
+            after, version_after = _weights(address)
+            assert version_after == version
+            assert all(torch.equal(before[k], after[k]) for k in before)
+            assert push(good, data, 5) == "ok"  # well formed: applied
+            assert legit.step().accepted
+            assert proc.poll() is None
+            stats = server_stats([address])[0]
+            assert stats["version"] == version + 2
+            assert "error_internal" not in stats["counters"]
+        finally:
+            bad.close()
+            legit.close()

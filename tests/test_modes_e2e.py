@@ -8,7 +8,7 @@ import zmq
 
 from paramserver.errors import IncompatiblePlanError
 from paramserver.events import read_events
-from paramserver.protocol import Message, Op
+from paramserver.protocol import PROTOCOL_VERSION, Message, Op
 from paramserver.server import ServerConfig
 from paramserver.sharding import ShardPlan
 from paramserver.transport import Channel
@@ -85,7 +85,8 @@ def test_server_refuses_bad_peers_and_keeps_serving(tmp_path):
         wrong = ShardPlan.from_module(torch.nn.Linear(3, 2), num_shards=3)
         ch = Channel(addresses[0], peer="shard 0")
         try:
-            hello = Message(Op.HELLO, 0, {"worker": 0, "role": "worker", "protocol": 1,
+            hello = Message(Op.HELLO, 0, {"worker": 0, "role": "worker",
+                                          "protocol": PROTOCOL_VERSION,
                                           "plan_hash": wrong.hash, "plan": wrong.describe(),
                                           "incarnation": "x"})
             with pytest.raises(IncompatiblePlanError,
@@ -100,7 +101,8 @@ def test_server_refuses_bad_peers_and_keeps_serving(tmp_path):
                                                           torch.nn.Linear(32, 10)), 2)
         ch = Channel(addresses[1], peer="shard 1")
         try:
-            hello = Message(Op.HELLO, 0, {"worker": 5, "role": "worker", "protocol": 1,
+            hello = Message(Op.HELLO, 0, {"worker": 5, "role": "worker",
+                                          "protocol": PROTOCOL_VERSION,
                                           "plan_hash": other.hash, "plan": other.describe(),
                                           "incarnation": "y"})
             with pytest.raises(IncompatiblePlanError,

@@ -138,9 +138,11 @@ def test_never_pickles():
 def test_prepared_tensors_encode_the_same_bytes_and_follow_the_weights() -> None:
     from paramserver.protocol import PreparedTensors, usable
 
-    weights = {"a": torch.arange(6, dtype=torch.float32).reshape(2, 3),
-               "b": torch.ones(4, dtype=torch.bfloat16), "c": torch.zeros(0)}
+    flat = torch.arange(8, dtype=torch.float32)  # a shard's flat buffer: slices are views
+    weights = {"a": flat[:6].view(2, 3), "b": torch.ones(4, dtype=torch.bfloat16),
+               "c": flat[6:6], "d": flat[6:8]}
     prepared = PreparedTensors(weights)
+    assert len(prepared.frames) == 2  # one per dtype: the float32 buffer as it is
     for seq, fields in ((0, {"re": "pull", "version": 3}),
                         (2**40, {"re": "push", "push": {"accepted": True, "weight": 0.5}})):
         msg = Message(Op.REPLY, seq, fields, weights)
@@ -156,3 +158,9 @@ def test_prepared_tensors_encode_the_same_bytes_and_follow_the_weights() -> None
     frames = encode(Message(Op.REPLY, 1, {"re": "pull"}, moved), prepared)
     assert frames[1] is not prepared.frames[0]  # encoded afresh, not from stale frames
     assert not usable({"t": torch.ones(4, 4).t()})  # a transposed view is no frame of itself
+    apart = {"a": torch.zeros(3), "b": torch.zeros(2)}  # small, but not back to back
+    prepared = PreparedTensors(apart)
+    assert len(prepared.frames) == 2  # frames of their own: a packed copy would go stale
+    apart["b"].add_(5)
+    assert decode([bytes(f) for f in encode(Message(Op.REPLY, 1, {"re": "pull"}, apart),
+                                            prepared)]).tensors["b"][1] == 5
