@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from paramserver import shm
+from paramserver import board, shm
 from paramserver.flat import FlatLayout
 from paramserver.protocol import DEFAULT_LIMITS
 
@@ -90,7 +90,7 @@ def test_a_sync_step_changes_the_slot_in_place_under_its_seqlock(shard: Shard) -
     shard.opt.step()
     shard.board.after_change(1)
     assert _in_slot(shard, 0)  # no second copy was made
-    slot1 = slice(shm._HEADER + shard.board.slot_bytes, None)
+    slot1 = slice(board.HEADER + shard.board.slot_bytes, None)
     assert torch.equal(shard.board.seg.data[slot1], before[slot1])  # slot 1 never written
     new = shard.board.publish(shard.params, 1)
     assert new["slot"] == 0 and new["version"] == 1 and new["seq"] % 2 == 0
@@ -135,7 +135,7 @@ def test_moving_out_for_tcp_then_back_in_on_the_next_publication(shard: Shard) -
     assert ticket["slot"] == 1 and _in_slot(shard, 1)  # copied in, and living there
     version, got = shard.read(ticket)
     assert version == 1 and torch.equal(got["a"], torch.zeros(1000))
-    slot0 = slice(shm._HEADER, shm._HEADER + shard.board.slot_bytes)
+    slot0 = slice(board.HEADER, board.HEADER + shard.board.slot_bytes)
     assert torch.equal(shard.board.seg.data[slot0], lent[slot0])  # the step was not there
 
 
