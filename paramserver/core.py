@@ -702,16 +702,18 @@ class ShardCore:
         if self.round.in_flight():
             return False  # a backup's parts are in the buffer already: let it finish
         contributors = self.round.accepted
-        return self.round.close(lambda mean: self._step(mean, 1.0, contributors))
+        return self.round.close(
+            lambda sums, samples: self._step(sums, 1.0, contributors, divisor=samples))
 
     def _step(self, grads: Mapping[str, torch.Tensor], weight: float, contributors: int = 1,
-              staleness: int = 0) -> None:
-        """One optimizer step on ``grads``, the learning rate scaled by ``weight`` (and
-        by the step-size rules, for a step averaging ``contributors`` gradients)."""
+              staleness: int = 0, divisor: float = 1.0) -> None:
+        """One optimizer step on ``grads / divisor``, the learning rate scaled by
+        ``weight`` (and by the step-size rules, for a step averaging ``contributors``
+        gradients)."""
         prior = 0 if self.mode.mode == "sync" else max(0, len(self.live()) - 1)
         self.stepper.step(self.params, grads, weight, contributors=contributors,
                           version=self.version, staleness=staleness, prior_staleness=prior,
-                          probe=self.probe, before_step=self.before_step)
+                          probe=self.probe, before_step=self.before_step, divisor=divisor)
         self.version += 1
         if self.after_step is not None:
             self.after_step()

@@ -286,9 +286,12 @@ class Probe:
 
     # ------------------------------------------------------------------ steps
 
-    def step_begins(self, optimizer: torch.optim.Optimizer) -> _StepMeasure | None:
+    def step_begins(self, optimizer: torch.optim.Optimizer,
+                    grad_scale: float = 1.0) -> _StepMeasure | None:
         """Before ``optimizer`` steps (gradients set, learning rates weighted): what
-        measuring the step needs from before it, or None when it is not measured."""
+        measuring the step needs from before it, or None when it is not measured.
+        ``grad_scale``: the step's gradient is ``grad_scale`` times the ``.grad`` set
+        (a sync round's sums, divided inside the step)."""
         if self._step_queued:  # an earlier step's weights are about to change: measure them
             self.flush()
         groups = optimizer.param_groups
@@ -309,8 +312,9 @@ class Probe:
                                             for k, p in self.params.items()):
                 push = measured[1]  # the pushed gradient itself, measured (or queued)
             else:
-                grad_sq = scale * sum(l2(sample(p.grad, stride)) ** 2
-                                      for p in self.params.values() if p.grad is not None)
+                grad_sq = scale * grad_scale * grad_scale * sum(
+                    l2(sample(p.grad, stride)) ** 2
+                    for p in self.params.values() if p.grad is not None)
         elif measure:
             for key, p in self.params.items():
                 sampled = sample(p, self.stride)

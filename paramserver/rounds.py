@@ -113,8 +113,9 @@ class SyncRound:
             return True
         return False
 
-    def close(self, step: Callable[[Mapping[str, torch.Tensor]], None]) -> bool:
-        """Close the round: ``step`` on the buffer's sample-weighted mean, unless the
+    def close(self, step: Callable[[Mapping[str, torch.Tensor], float], None]) -> bool:
+        """Close the round: ``step(sums, samples)`` on the buffer's sample-weighted sums
+        and the sample count that makes them the mean (the step divides), unless the
         round is void or holds no accepted gradient. True when it stepped. A step
         that fails closes the round all the same (dropped): a round that cannot be
         stepped must not be retried on every later event, wedging the shard."""
@@ -124,7 +125,7 @@ class SyncRound:
                 self.voided += 1
                 self.dropped += 1
             elif self.samples > 0:
-                step({key: self.agg[key].div_(self.samples) for key in self.params})
+                step({key: self.agg[key] for key in self.params}, self.samples)
                 stepped = True
             else:
                 self.dropped += 1

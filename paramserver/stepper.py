@@ -99,9 +99,11 @@ class Stepper:
     def step(self, params: Mapping[str, torch.Tensor], grads: Mapping[str, torch.Tensor],
              weight: float, *, contributors: int, version: int, staleness: int,
              prior_staleness: int, probe: Probe,
-             before_step: Callable[[], None] | None) -> None:
-        """One optimizer step on ``grads``, the one that makes ``version + 1`` (the
-        probe measures it, when it measures this step)."""
+             before_step: Callable[[], None] | None, divisor: float = 1.0) -> None:
+        """One optimizer step on ``grads / divisor``, the one that makes ``version + 1``
+        (the probe measures it, when it measures this step). A sync round passes its
+        sums and sample count: the fused plain-SGD step folds the division into its
+        learning rate (one pass fewer over the shard); any other step divides first."""
         for key, p in params.items():
             p.grad = grads[key]  # per slice too: the probe measures them
         if self.flat is not None:
@@ -121,13 +123,20 @@ class Stepper:
         if weight != 1.0:
             for g in groups:
                 g["lr"] = g["lr"] * weight
-        measure = probe.step_begins(self.optimizer)
-        applied_lr = float(groups[0]["lr"])
         dense = [grads[k] for k in params]
-        if (dense and self.fused and is_plain_sgd(self.optimizer)
-                and all(g.layout is torch.strided for g in dense)):
+        fused = bool(dense and self.fused and is_plain_sgd(self.optimizer)
+                     and all(g.layout is torch.strided for g in dense))
+        if divisor != 1.0 and not fused:
             with torch.no_grad():
-                torch._foreach_add_(list(params.values()), dense, alpha=-applied_lr)
+                for grad in dense:
+                    grad.div_(divisor)
+            divisor = 1.0
+        measure = probe.step_begins(self.optimizer, grad_scale=1.0 / divisor)
+        applied_lr = float(groups[0]["lr"])
+        if fused:
+            with torch.no_grad():
+                torch._foreach_add_(list(params.values()), dense,
+                                    alpha=-applied_lr / divisor)
         else:
             self.optimizer.step()
         for g, lr in zip(groups, saved, strict=True):

@@ -62,3 +62,43 @@ def test_a_scheduler_keeps_torch_optim() -> None:
     stepper, _, _, _ = _pair(optimizer="sgd", optimizer_args={"lr": 0.1}, scheduler="step",
                              scheduler_args={"step_size": 1})
     assert not stepper.fused
+
+
+def test_a_sync_rounds_division_is_folded_into_the_fused_step() -> None:
+    """A sync round hands its sums and sample count: the fused step scales its rate by
+    1 / samples (no pass to divide), torch.optim divides the sums first (the same
+    tensors the round holds, as before); both land on the mean's step."""
+    fused, reference, a, b = _pair(optimizer="sgd", optimizer_args={"lr": 0.037})
+    reference.fused = False
+    reference.optimizer.register_step_post_hook(lambda *_: None)  # not plain SGD for it
+    sums = {k: torch.randn_like(v) * 96 for k, v in a.items()}
+    held = {k: g.clone() for k, g in sums.items()}
+    original = {k: g.clone() for k, g in sums.items()}
+    before = {k: v.clone() for k, v in a.items()}
+    for stepper, params, grads in ((fused, a, sums), (reference, b, held)):
+        stepper.step(params, grads, 1.0, contributors=2, version=0, staleness=0,
+                     prior_staleness=0, probe=Probe(params), before_step=None, divisor=96.0)
+    for k in a:
+        want = before[k] - 0.037 * (sums[k] / 96.0)
+        assert torch.allclose(a[k], want, rtol=1e-6, atol=1e-7)
+        assert torch.allclose(b[k], want, rtol=1e-6, atol=1e-7)
+    for k in sums:
+        assert torch.equal(sums[k], original[k])  # the fused step left the sums alone
+        assert torch.equal(held[k], original[k] / 96.0)  # torch.optim's were divided
+
+
+def test_the_probe_measures_the_mean_not_the_sums() -> None:
+    params = {"w": torch.zeros(1000)}
+    probe = Probe(params, sync=True)
+    seen = []
+    probe.observe(seen.append, cosine_decay=None)
+    stepper = Stepper(CoreConfig(optimizer="sgd", optimizer_args={"lr": 0.5}),
+                      list(params.values()))
+    sums = {"w": torch.full((1000,), 8.0)}
+    stepper.step(params, sums, 1.0, contributors=2, version=0, staleness=0,
+                 prior_staleness=0, probe=probe, before_step=None, divisor=4.0)
+    probe.flush()
+    step = seen[-1]
+    # the mean gradient is 2.0 everywhere: a step of 0.5 * 2.0 on 1000 weights
+    assert torch.equal(params["w"], torch.full((1000,), -1.0))
+    assert step.update_norm == pytest.approx(0.5 * 2.0 * 1000 ** 0.5, rel=1e-6)
