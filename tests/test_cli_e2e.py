@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from paramserver.benchmarks.netns import netns_problem as _netns_problem
 from paramserver.events import read_events
 from tests.ports import free_port
 
@@ -386,14 +386,6 @@ def test_rendezvous_that_never_completes_names_the_missing_ranks(tmp_path: Path)
 # --------------------------------------------------------------------------- two hosts
 
 
-def _netns_problem() -> str | None:
-    if not sys.platform.startswith("linux"):
-        return "network namespaces are Linux only"
-    if os.geteuid() != 0:
-        return "creating network namespaces needs root"
-    if shutil.which("ip") is None:
-        return "the `ip` command (iproute2) is not installed"
-    return None
 
 
 @contextmanager
