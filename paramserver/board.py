@@ -229,10 +229,6 @@ class WeightBoard:
             self._close(home, version)
         self.ticket = None
 
-    def stale(self) -> None:
-        """The weights are about to change: the next pull publishes them again."""
-        self.ticket = None
-
     def publish(self, params: Mapping[str, torch.Tensor], version: int) -> dict[str, Any]:
         """The ticket of a slot holding ``params`` at ``version``: the slot they live
         in, or one written now unless the latest publication is still current. The

@@ -104,6 +104,14 @@ class Stepper:
         (the probe measures it, when it measures this step). A sync round passes its
         sums and sample count: the fused plain-SGD step folds the division into its
         learning rate (one pass fewer over the shard); any other step divides first."""
+        dense = [grads[k] for k in params]
+        fused = bool(dense and self.fused and is_plain_sgd(self.optimizer)
+                     and all(g.layout is torch.strided for g in dense))
+        if divisor != 1.0 and not fused:  # before any .grad (or flat join) sees them
+            with torch.no_grad():
+                for grad in dense:
+                    grad.div_(divisor)
+            divisor = 1.0
         for key, p in params.items():
             p.grad = grads[key]  # per slice too: the probe measures them
         if self.flat is not None:
@@ -123,14 +131,6 @@ class Stepper:
         if weight != 1.0:
             for g in groups:
                 g["lr"] = g["lr"] * weight
-        dense = [grads[k] for k in params]
-        fused = bool(dense and self.fused and is_plain_sgd(self.optimizer)
-                     and all(g.layout is torch.strided for g in dense))
-        if divisor != 1.0 and not fused:
-            with torch.no_grad():
-                for grad in dense:
-                    grad.div_(divisor)
-            divisor = 1.0
         measure = probe.step_begins(self.optimizer, grad_scale=1.0 / divisor)
         applied_lr = float(groups[0]["lr"])
         if fused:

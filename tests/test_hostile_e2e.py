@@ -16,7 +16,8 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +132,18 @@ def _cluster(tmp_path: Path, workers: int = 1, **server: Any) -> LocalCluster:
     return LocalCluster(spec, tmp_path)
 
 
+@contextmanager
+def _two_peers(address: str) -> Iterator[tuple[Legit, Hostile]]:
+    """The project's own worker and a hand-built hostile one, both closed at the end."""
+    legit = Legit(address)
+    bad = Hostile(address)
+    try:
+        yield legit, bad
+    finally:
+        bad.close()
+        legit.close()
+
+
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_wrong_shape_is_refused_and_a_round_closed_by_timeout_steps(tmp_path: Path,
                                                                     mode: str) -> None:
@@ -140,9 +153,7 @@ def test_wrong_shape_is_refused_and_a_round_closed_by_timeout_steps(tmp_path: Pa
                   checkpoint_dir=str(ckpt)) as cluster:
         (address,) = cluster.start_servers()
         proc = cluster.servers[0].popen
-        legit = Legit(address)
-        bad = Hostile(address)
-        try:
+        with _two_peers(address) as (legit, bad):
             assert bad.hello(1) == "ok"
             legit.seed()
             before, version = _weights(address)
@@ -165,9 +176,6 @@ def test_wrong_shape_is_refused_and_a_round_closed_by_timeout_steps(tmp_path: Pa
             assert stats["version"] == version + 4
             assert "error_internal" not in stats["counters"]
             assert "error_periodic" not in stats["counters"]
-        finally:
-            bad.close()
-            legit.close()
         # it stops cleanly, with its checkpoint written
         from paramserver.workers.client import shutdown_servers
         assert shutdown_servers([address]) == []
@@ -305,9 +313,7 @@ def test_hello_flood_leaves_pulls_fast_and_stats_decodable(tmp_path: Path) -> No
 def test_a_forged_push_id_cannot_silence_a_worker(tmp_path: Path) -> None:
     with _cluster(tmp_path) as cluster:
         (address,) = cluster.start_servers()
-        legit = Legit(address)
-        bad = Hostile(address)
-        try:
+        with _two_peers(address) as (legit, bad):
             legit.seed()
             assert legit.step().accepted
             _, version = _weights(address)
@@ -318,9 +324,6 @@ def test_a_forged_push_id_cannot_silence_a_worker(tmp_path: Path) -> None:
             assert _weights(address)[1] == version
             out = legit.step()
             assert out.accepted and not any(o.get("duplicate") for o in out.outcomes if o)
-        finally:
-            bad.close()
-            legit.close()
 
 
 def _start_server(cfg: dict[str, Any], path: Path) -> subprocess.Popen[str]:
@@ -393,9 +396,7 @@ def test_packed_frames_from_a_hostile_peer(tmp_path: Path) -> None:
     with _cluster(tmp_path, mode="async") as cluster:
         (address,) = cluster.start_servers()
         proc = cluster.servers[0].popen
-        legit = Legit(address)
-        bad = Hostile(address)
-        try:
+        with _two_peers(address) as (legit, bad):
             assert bad.hello(1) == "ok"
             legit.seed()
             before, version = _weights(address)
@@ -427,6 +428,3 @@ def test_packed_frames_from_a_hostile_peer(tmp_path: Path) -> None:
             stats = server_stats([address])[0]
             assert stats["version"] == version + 2
             assert "error_internal" not in stats["counters"]
-        finally:
-            bad.close()
-            legit.close()

@@ -32,9 +32,9 @@ def _torn_read(board: shm.WeightBoard, reader: shm.BoardReader,
         calls += 1
         got["a"] = tensors["a"].clone()
         if calls == 1:  # the writer overtakes: v2 into the other slot, v3 into ours
-            board.stale()
+            board.before_change(in_place=False)
             board.publish(_weights(2.0), 2)
-            board.stale()
+            board.before_change(in_place=False)
             board.publish(_weights(3.0), 3)
         got["b"] = tensors["b"].clone()
 
@@ -63,7 +63,7 @@ def test_without_the_guard_the_same_read_is_torn(monkeypatch: pytest.MonkeyPatch
     reader = shm.BoardReader(board.seg.name, board.seg.size)
     try:
         ticket_seq = board.publish(_weights(1.0), 1)["seq"]
-        board.stale()
+        board.before_change(in_place=False)
         monkeypatch.setattr(shm.BoardReader, "seq", lambda self, slot: ticket_seq)
         version, got, calls = _torn_read(board, reader, attempts=4)
         assert calls == 1 and version is not None
@@ -84,7 +84,7 @@ def test_a_reader_always_overtaken_gives_up() -> None:
             nonlocal n
             n += 1
             for _ in range(2):  # both slots rewritten during every copy
-                board.stale()
+                board.before_change(in_place=False)
                 board.publish(_weights(float(n)), 1 + n)
 
         assert shm.read_guarded(reader, ticket, copy, DEFAULT_LIMITS, attempts=3) is None
