@@ -630,7 +630,15 @@ class ShardCore:
             return
         if self.policy_rewrites:
             grads = self._rewrite(stream.info, grads)  # whole pushes only (streams_parts)
-        self.round.add(stream, grads, stream.info.num_samples * decision.weight)
+        self.round.add(stream, grads, stream.info.num_samples * decision.weight,
+                       borrow=self._alone(stream.info.worker))
+
+    def _alone(self, worker: int) -> bool:
+        """Whether the open round would close on ``worker``'s push alone."""
+        if self.round.members:
+            return False
+        others = [w for w in self.live() if w.worker != worker]
+        return len(others) <= self.mode.backup_workers
 
     def _close_push(self, state: WorkerState, stream: Stream) -> PushOutcome:
         """The last part of a sync push is in: it joins the round."""
@@ -646,6 +654,8 @@ class ShardCore:
                                self.version, False)
         self.round.join(state.worker, stream.info.num_samples if decision.accept else 0)
         stepped = self._maybe_close_round()
+        if not stepped:
+            self.round.settle()  # its tensors are not ours once it is answered
         return PushOutcome(decision.accept, decision.weight if decision.accept else 0.0,
                            decision.reason, 0, self.version, stepped)
 
@@ -703,7 +713,8 @@ class ShardCore:
             return False  # a backup's parts are in the buffer already: let it finish
         contributors = self.round.accepted
         return self.round.close(
-            lambda sums, samples: self._step(sums, 1.0, contributors, divisor=samples))
+            lambda sums, divisor: self._step(sums, 1.0, contributors, divisor=divisor),
+            borrow=self.stepper.reads_only(self.params))
 
     def _step(self, grads: Mapping[str, torch.Tensor], weight: float, contributors: int = 1,
               staleness: int = 0, divisor: float = 1.0) -> None:

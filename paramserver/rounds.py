@@ -10,7 +10,11 @@ given-up push means are decided in core.py; the round only adds, voids, closes
 and counts.
 
 A part is added into the buffer as it arrives and its frames can be freed at
-once, so a sync shard never holds a whole gradient of any worker. What was added
+once, so a sync shard never holds a whole gradient of any worker beside the
+buffer. The one exception holds one instead of the buffer: a push that will be
+the round's only contribution (one worker, or every other one missing within
+the backup allowance) is kept as its own tensors while it is being handled, and
+the step reads them directly, one pass over the shard fewer. What was added
 cannot be taken back out, so a push given up half-way makes the round *void*: it
 closes without a step.
 
@@ -71,6 +75,8 @@ class SyncRound:
         self.samples = 0  # samples of the accepted gradients in the buffer
         self.accepted = 0  # workers whose accepted gradient is in the buffer
         self.agg: dict[str, torch.Tensor] = {}
+        # key -> (a contributor's own tensor, its factor), not copied yet (see add)
+        self.held: dict[str, tuple[torch.Tensor, float]] = {}
         self.written: set[str] = set()  # keys of agg written in the open round
         self.void = False  # a push was given up half-way: close without a step
         self.streams: dict[int, Stream] = {}  # worker -> its sync push in the making
@@ -81,22 +87,57 @@ class SyncRound:
         """Whether a push in the making has parts in the buffer already."""
         return any(s.added for s in self.streams.values())
 
-    def add(self, stream: Stream, grads: Mapping[str, torch.Tensor], alpha: float) -> None:
-        """Add ``alpha * grads`` (one part of ``stream``, or all of it) to the buffer."""
-        if not self.agg:
-            self.agg = self.empty()
+    def add(self, stream: Stream, grads: Mapping[str, torch.Tensor], alpha: float,
+            borrow: bool = False) -> None:
+        """Add ``alpha * grads`` (one part of ``stream``, or all of it) to the buffer.
+
+        ``borrow``: ``stream`` may be the round's only contributor (the round would
+        close on its last part): a key nobody wrote yet keeps a reference to the
+        pushed tensor instead of a copy (:attr:`held`), valid while its push is being
+        handled. :meth:`settle` copies what is held if the round stays open after
+        that; a second contributor's part settles its key first."""
         for key, g in grads.items():
-            buf = self.agg[key]
+            if key in self.held:
+                self._settle(key)
             if key in self.written:
-                buf.add_(g, alpha=alpha)  # computed in buf's dtype, also for 16-bit g
-            elif g.dtype == buf.dtype:  # the round's first gradient overwrites:
-                torch.mul(g, alpha, out=buf)  # no zeroing pass per round
-            else:  # widen exactly first (a 16-bit product would round)
-                buf.copy_(g)
-                if alpha != 1.0:
-                    buf.mul_(alpha)
+                self.agg[key].add_(g, alpha=alpha)  # in the buffer's dtype, also for 16-bit g
+            elif borrow and g.dtype == self.params[key].dtype:
+                self.held[key] = (g, alpha)
+            else:
+                buf = self._buffer(key)
+                if g.dtype == buf.dtype:  # the round's first gradient overwrites:
+                    torch.mul(g, alpha, out=buf)  # no zeroing pass per round
+                else:  # widen exactly first (a 16-bit product would round)
+                    buf.copy_(g)
+                    if alpha != 1.0:
+                        buf.mul_(alpha)
         self.written.update(grads)
         stream.added = True
+
+    def _buffer(self, key: str) -> torch.Tensor:
+        if not self.agg:
+            self.agg = self.empty()
+        return self.agg[key]
+
+    def _settle(self, key: str) -> None:
+        g, alpha = self.held.pop(key)
+        torch.mul(g, alpha, out=self._buffer(key))
+
+    def settle(self) -> None:
+        """Copy every held gradient into the buffer (its push is answered, or the
+        step needs a buffer it may write)."""
+        for key in list(self.held):
+            self._settle(key)
+
+    def _borrowed(self) -> tuple[dict[str, torch.Tensor], float] | None:
+        """The round's sums as the lone contributor's own tensors and the factor
+        they were to be scaled by; None unless every key is held at one factor."""
+        if len(self.held) != len(self.params):
+            return None
+        alphas = {alpha for _, alpha in self.held.values()}
+        if len(alphas) != 1:
+            return None
+        return {key: self.held[key][0] for key in self.params}, alphas.pop()
 
     def join(self, worker: int, samples: int) -> None:
         """``worker``'s push is complete: it is a contributor, with ``samples`` in the
@@ -110,22 +151,33 @@ class SyncRound:
         """``stream`` will not be completed; True when that made the round void now."""
         if stream.added and not self.void:
             self.void = True
+            self.held.clear()  # never stepped: let the pushed tensors go
             return True
         return False
 
-    def close(self, step: Callable[[Mapping[str, torch.Tensor], float], None]) -> bool:
-        """Close the round: ``step(sums, samples)`` on the buffer's sample-weighted sums
+    def close(self, step: Callable[[Mapping[str, torch.Tensor], float], None],
+              borrow: bool = False) -> bool:
+        """Close the round: ``step(sums, divisor)`` on the buffer's sample-weighted sums
         and the sample count that makes them the mean (the step divides), unless the
-        round is void or holds no accepted gradient. True when it stepped. A step
-        that fails closes the round all the same (dropped): a round that cannot be
-        stepped must not be retried on every later event, wedging the shard."""
+        round is void or holds no accepted gradient. True when it stepped.
+
+        ``borrow``: the step only reads its sums, so a lone contributor's held
+        tensors are stepped from as they are (divided by ``samples / factor``): no
+        pass to copy them. A step that fails closes the round all the same
+        (dropped): a round that cannot be stepped must not be retried on every
+        later event, wedging the shard."""
         stepped = False
         try:
             if self.void:
                 self.voided += 1
                 self.dropped += 1
             elif self.samples > 0:
-                step({key: self.agg[key] for key in self.params}, self.samples)
+                lone = self._borrowed() if borrow else None
+                if lone is not None:
+                    step(lone[0], self.samples / lone[1])
+                else:
+                    self.settle()
+                    step({key: self.agg[key] for key in self.params}, self.samples)
                 stepped = True
             else:
                 self.dropped += 1
@@ -135,6 +187,7 @@ class SyncRound:
             raise
         finally:
             self.members.clear()
+            self.held.clear()
             self.samples = 0
             self.accepted = 0
             self.written.clear()

@@ -96,6 +96,11 @@ class Stepper:
         """The optimizer's current learning rate (its first group's)."""
         return float(self.optimizer.param_groups[0]["lr"])
 
+    def reads_only(self, params: Mapping[str, torch.Tensor]) -> bool:
+        """Whether the next step only reads its gradients (the fused plain-SGD step):
+        they may then be a worker's own tensors, not a copy."""
+        return bool(params) and self.fused and is_plain_sgd(self.optimizer)
+
     def step(self, params: Mapping[str, torch.Tensor], grads: Mapping[str, torch.Tensor],
              weight: float, *, contributors: int, version: int, staleness: int,
              prior_staleness: int, probe: Probe,
@@ -105,7 +110,7 @@ class Stepper:
         sums and sample count: the fused plain-SGD step folds the division into its
         learning rate (one pass fewer over the shard); any other step divides first."""
         dense = [grads[k] for k in params]
-        fused = bool(dense and self.fused and is_plain_sgd(self.optimizer)
+        fused = bool(dense and self.reads_only(params)
                      and all(g.layout is torch.strided for g in dense))
         if divisor != 1.0 and not fused:  # before any .grad (or flat join) sees them
             with torch.no_grad():
@@ -114,7 +119,7 @@ class Stepper:
             divisor = 1.0
         for key, p in params.items():
             p.grad = grads[key]  # per slice too: the probe measures them
-        if self.flat is not None:
+        if self.flat is not None and not fused:  # the fused step goes slice by slice
             layout, flats = self.flat
             for f in flats:
                 f.grad = layout.join(f.dtype, grads)

@@ -309,3 +309,66 @@ def test_init_in_parts_must_cover_the_shard():
     assert err.value.code == ErrorCode.BAD_TENSOR and not core.initialized
     # a whole INIT from anyone still seeds it
     assert core.initialize(weights(3)) is True and core.initialized
+
+
+# --------------------------------------------------------------- a lone contributor's round
+
+
+def test_a_lone_contributor_is_stepped_from_its_own_tensors():
+    """One worker, plain SGD: the round steps straight from the pushed tensors (no
+    buffer is made) and the result is torch's SGD step on them, bit for bit."""
+    core = make_core(1, momentum=0.0)
+    before = {k: p.clone() for k, p in core.params.items()}
+    g = gradient(0, 0)
+    out = push_parts(core, 0, 1, split(g, [2, 3]), n=4)
+    assert out.applied and core.version == 1
+    assert core.round.agg == {} and core.round.held == {}
+    for k, p in core.params.items():
+        assert torch.equal(p, before[k].add(g[k], alpha=-0.1)), k
+
+
+def test_an_optimizer_that_may_write_its_gradients_gets_a_copy():
+    """Momentum SGD steps through torch.optim: the round copies the lone push into
+    its buffer first, and the pushed tensors are left as they were."""
+    core = make_core(1, momentum=0.9)
+    g = gradient(0, 0)
+    sent = {k: t.clone() for k, t in g.items()}
+    push_parts(core, 0, 1, split(g, [2, 3]), n=2)
+    assert core.version == 1 and core.round.agg
+    assert all(torch.equal(g[k], sent[k]) for k in g)
+
+
+def test_a_lone_push_whose_round_stays_open_is_copied_before_it_is_answered():
+    """A worker joins while the first one's push is half-way: that push is no longer
+    the round's only one, so its tensors are copied when it completes; what its
+    worker does to them afterwards (a next gradient written into the same memory)
+    does not reach the round."""
+    core = make_core(1, momentum=0.0)
+    g0, g1 = gradient(0, 0), gradient(1, 0)
+    parts = split(g0, [2, 3])
+    assert core.push(0, 1, 0, 0, 1, parts[0], 0.0, 0, 2) is None
+    assert core.round.held  # alone so far: borrowed
+    core.register(1, "inc1", now=0.0)
+    out = core.push(0, 1, 0, 0, 1, parts[1], 0.0, 1, 2)
+    assert out is not None and not out.applied and core.version == 0
+    assert core.round.held == {}
+    for t in g0.values():
+        t.fill_(float("nan"))  # the worker's memory, reused
+    expected = make_core(2, momentum=0.0)
+    g0 = gradient(0, 0)
+    expected.push(0, 1, 0, 0, 1, g0, 0.0)
+    expected.push(1, 1, 0, 0, 1, g1, 0.0)
+    core.push(1, 1, 0, 0, 1, g1, 0.0)
+    assert core.version == expected.version == 1
+    for k, p in core.params.items():
+        assert torch.equal(p, expected.params[k]), k
+
+
+def test_a_lone_push_given_up_half_way_lets_its_tensors_go():
+    core = make_core(1, momentum=0.0)
+    parts = split(gradient(0, 0), [2, 3])
+    core.push(0, 1, 0, 0, 1, parts[0], 0.0, 0, 2)
+    with pytest.raises(ProtocolError):
+        core.push(0, 1, 0, 0, 1, {"k4": torch.full((7,), float("nan"), dtype=torch.float64)},
+                  0.0, 1, 2)
+    assert core.round.void and core.round.held == {}
