@@ -89,14 +89,15 @@ def evaluate_goals(result: dict[str, Any]) -> list[dict[str, Any]]:
                     if rate is not None and ray_async else None)
     add("async updates/s, 1 shard vs Ray actor PS", vs_ray_async, ">= 4x",
         None if vs_ray_async is None else vs_ray_async >= 4)
-    for release in (False, True):
-        mem = [m for m in result.get("memory", []) if m.get("shm_release", False) == release]
-        if release and not mem:
+    for release in (None, False):  # the default, and never unmapping (informative)
+        mem = [m for m in result.get("memory", []) if m.get("shm_release") is release]
+        if release is not None and not mem:
             continue
         worst = max((m["peak_over_base"] / m["expected_bytes"] for m in mem), default=None)
         add("sync shard peak RSS vs weights + optimizer state + aggregation buffer"
-            + (", --shm-release" if release else ""), worst,
-            "<= 1.15x for every N", None if worst is None else worst <= 1.15,
+            + (", --no-shm-release" if release is False else ""), worst,
+            "<= 1.15x for every N",
+            None if worst is None or release is False else worst <= 1.15,
             "peak RSS above the RSS at start, worst N")
     ov = result.get("overlap")
     val = ov["overlap_vs_bound"] if ov else None
@@ -156,8 +157,9 @@ def print_report(result: dict[str, Any], console: Console | None = None) -> None
                     "peak over start MiB", "ratio"):
             t.add_column(col, justify="right")
         for m in result["memory"]:
-            how = ("--shm-release" if m.get("shm_release") else
-                   "shared memory" if m.get("shm_peers") else "TCP")
+            how = ("TCP" if not m.get("shm_peers") else "shared memory"
+                   + {True: ", --shm-release", False: ", --no-shm-release"}.get(
+                       m.get("shm_release"), ""))
             t.add_row(str(m["workers"]), how, format_size(m["bytes"]),
                       f"{m['expected_bytes'] / 2**20:.0f}", f"{m['peak_over_base'] / 2**20:.0f}",
                       f"{m['ratio']:.2f}")

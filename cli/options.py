@@ -193,7 +193,7 @@ def field_specs(cls: type, *, per_process: bool | None = None) -> list[Spec]:
         if opt.metavar:
             kwargs["metavar"] = opt.metavar
         multiple = typing.get_origin(hint) in (list, dict) or opt.kind == "pairs"
-        if hint is bool:
+        if hint is bool or hint == (bool | None):  # None: unset, the program decides
             decls: tuple[str, ...] = (f"{flag}/--no-{flag[2:]}" if opt.negatable else flag,)
             if not opt.negatable:
                 kwargs["is_flag"] = True

@@ -270,14 +270,14 @@ class ServerConfig(ConfigRecord):
                                       help="A worker silent this long leaves the live set: no "
                                            "sync round or SSP bound waits for it.")
     check_finite: bool = option(True, help="Reject gradients that contain NaN or Inf.")
-    shm_release: bool = option(False,
-                               help="Unmap each used part of a same-host worker's "
-                                    "shared-memory gradient from the shard: its resident "
-                                    "set then stays near weights + optimizer state + one "
-                                    "aggregation buffer, instead of growing by each such "
-                                    "worker's gradient (pages the worker owns), at the "
-                                    "cost of mapping them again on every push (about "
-                                    "20 ms per 100 MiB here).")
+    shm_release: bool | None = option(
+        None, help="Unmap each used part of a same-host worker's shared-memory gradient "
+                   "from the shard, so that its resident set stays near weights + "
+                   "optimizer state + one aggregation buffer instead of growing by each "
+                   "such worker's gradient (pages the worker owns); the price is mapping "
+                   "them again on every push (about 6 ms per 100 MiB here). Default: "
+                   "release unless the pages are the only copy the step reads (one "
+                   "same-host worker and plain SGD, which steps straight from them).")
     threads: int = option(1, min=0, metavar="N", per_process=True,
                           help="Intra-op threads of a shard process's torch (0: torch's "
                                "default, one per core). A shard's work is memory-bound "

@@ -81,6 +81,7 @@ class SyncRound:
         self.void = False  # a push was given up half-way: close without a step
         self.streams: dict[int, Stream] = {}  # worker -> its sync push in the making
         self.voided = 0  # rounds closed void
+        self.in_place = 0  # rounds stepped straight from a lone contributor's tensors
         self.dropped = 0  # rounds closed with nothing to apply
 
     def in_flight(self) -> bool:
@@ -175,6 +176,7 @@ class SyncRound:
                 lone = self._borrowed() if borrow else None
                 if lone is not None:
                     step(lone[0], self.samples / lone[1])
+                    self.in_place += 1
                 else:
                     self.settle()
                     step({key: self.agg[key] for key in self.params}, self.samples)

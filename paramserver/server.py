@@ -286,8 +286,19 @@ class ShardServer:
             self._answer_pulls(time.monotonic())
         if self._after_reply or (self.core is not None and self.core.probe.pending):
             self._run_after_reply()
-        if lent and self.shm is not None and self.config.shm_release:
+        if lent and self.shm is not None and self._releases():
             self.shm.release(identity, lent)  # added or applied, and measured
+
+    def _releases(self) -> bool:
+        """Whether a same-host worker's used pages are unmapped after a message
+        (``shm_release``). Unset: yes, unless one worker's pages are what a plain-SGD
+        step reads in place; they then stand in for the aggregation buffer, and
+        unmapping them would cost a refault per push and lower no peak."""
+        if self.config.shm_release is not None:
+            return self.config.shm_release
+        core = self.core
+        return (self.shm is not None and len(self.shm.peers) > 1) or core is None \
+            or not core.stepper.reads_only(core.params)
 
     def _run_after_reply(self) -> None:
         """The deferred observation of pushes just answered (the core's measurements

@@ -29,10 +29,10 @@ STEPS = 6
 
 def _spec(mode: str, workers: int, shards: int = 2, worker: dict | None = None,
           **server) -> ClusterSpec:
+    server = {"optimizer_args": {"lr": 0.05, "momentum": 0.9}, **server}
     return ClusterSpec(num_servers=shards, num_workers=workers,
-                       server=ServerConfig(mode=mode, optimizer="sgd",
-                                           optimizer_args={"lr": 0.05, "momentum": 0.9},
-                                           heartbeat_timeout=30, **server),
+                       server=ServerConfig(mode=mode, optimizer="sgd", heartbeat_timeout=30,
+                                           **server),
                        worker=WorkerConfig(servers=[], task="digits-mlp", **(worker or {})),
                        evaluate=False)
 
@@ -89,13 +89,18 @@ def _run(tmp_path: Path, mode: str, workers: int, use_shm: bool,
     return out, stats
 
 
-@pytest.mark.parametrize(("mode", "workers", "release"),
-                         [("sync", 2, True), ("async", 1, False)])
-def test_shared_memory_gives_the_results_of_tcp(tmp_path, monkeypatch, mode, workers, release):
+@pytest.mark.parametrize(("mode", "workers", "release", "momentum"),
+                         [("sync", 2, True, 0.9), ("sync", 1, None, 0.0),
+                          ("async", 1, False, 0.9)])
+def test_shared_memory_gives_the_results_of_tcp(tmp_path, monkeypatch, mode, workers, release,
+                                                momentum):
     """The weights live in the board (stepped in place in sync, moved aside in async);
-    with --shm-release the shard also unmaps each push's pages once used."""
-    on, on_stats = _run(tmp_path / "on", mode, workers, True, monkeypatch, shm_release=release)
-    off, off_stats = _run(tmp_path / "off", mode, workers, False, monkeypatch)
+    with --shm-release the shard also unmaps each push's pages once used; one sync
+    worker's round steps straight from its segment (and by default keeps it mapped)."""
+    opt = {"optimizer_args": {"lr": 0.05, "momentum": momentum}}
+    on, on_stats = _run(tmp_path / "on", mode, workers, True, monkeypatch, shm_release=release,
+                        **opt)
+    off, off_stats = _run(tmp_path / "off", mode, workers, False, monkeypatch, **opt)
     assert all(on[f"shm{r}"] and not off[f"shm{r}"] for r in range(workers))
     for r in range(workers):
         for name, value in off[r].items():
@@ -107,6 +112,10 @@ def test_shared_memory_gives_the_results_of_tcp(tmp_path, monkeypatch, mode, wor
         assert s_on["counters"]["shm_pulls"] >= STEPS and "shm_pulls" not in s_off["counters"]
         # headers only: far fewer bytes came in over the socket
         assert s_on["counters"]["bytes_in"] * 10 < s_off["counters"]["bytes_in"]
+        # a lone worker's plain-SGD round steps from its own tensors, whatever the path
+        lone = mode == "sync" and workers == 1 and momentum == 0.0
+        assert (s_on["rounds_in_place"] == s_on["version"]) == lone
+        assert (s_off["rounds_in_place"] == s_off["version"]) == lone
 
 
 _WORKER = """
