@@ -634,8 +634,9 @@ class ShardCore:
                        borrow=self._alone(stream.info.worker))
 
     def _alone(self, worker: int) -> bool:
-        """Whether the open round would close on ``worker``'s push alone."""
-        if self.round.members:
+        """Whether the open round would close on ``worker``'s push alone, to be stepped
+        by a step that only reads it (otherwise it is copied part by part, as usual)."""
+        if self.round.members or not self.stepper.reads_only(self.params):
             return False
         others = [w for w in self.live() if w.worker != worker]
         return len(others) <= self.mode.backup_workers
