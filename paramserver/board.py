@@ -22,7 +22,8 @@ from .flat import FlatLayout
 from .protocol import DTYPES, Limits
 from .segment import Segment, aligned, descs_to_tensors, layout
 
-__all__ = ["HEADER", "READ_ATTEMPTS", "BoardReader", "WeightBoard", "read_guarded"]
+__all__ = ["HEADER", "READ_ATTEMPTS", "BoardAhead", "BoardReader", "WeightBoard",
+           "read_guarded"]
 
 #: copies of a board slot tried before a pull falls back to TCP
 READ_ATTEMPTS = 16
@@ -144,6 +145,7 @@ class WeightBoard:
         self.layout = flat_layout if self.flats else None
         self.params = params
         self.open_slot: int | None = None  # the slot being changed (its sequence odd)
+        self.ahead: int | None = None  # the slot the next weights are written into
         self.lent = False  # the weights' slot was handed out since it last changed
         # where each slot holds each dtype's buffer (asked on every change and reply)
         self._slot_ptrs = [{d: self._slot_flat(slot, d).data_ptr() for d in self.flats}
@@ -199,10 +201,47 @@ class WeightBoard:
 
     # -- changes and publications
 
+    # -- the next weights, written ahead into the other slot (paramserver/ahead.py)
+
+    def begin_ahead(self) -> dict[torch.dtype, torch.Tensor] | None:
+        """Open the slot the weights do not live in, for the next weights to be written
+        out of place; its flat buffers, or None (no layout, or a change under way)."""
+        if self.layout is None or self.open_slot is not None or self.ahead is not None:
+            return None
+        home = self.home()
+        slot = 1 - (home if home is not None else int(self.head[1]))
+        self.head[8 + slot * 8] += 1  # odd: a reader of an older ticket for it retries
+        self.ahead = slot
+        return {d: self._slot_flat(slot, d) for d in self.flats}
+
+    def commit_ahead(self, version: int) -> bool:
+        """The weights move into the slot written ahead, complete at ``version``."""
+        slot = self.ahead
+        if slot is None:
+            return False  # dropped by another change of the board
+        self.ahead = None
+        self._adopt(slot)
+        self.open_slot = slot
+        self._close(slot, version)
+        self.lent = False
+        self.ticket = None
+        return True
+
+    def drop_ahead(self) -> None:
+        """Close the slot opened ahead unused: what it held is gone, so it is marked
+        as holding no version, and its sequence is even again."""
+        slot = self.ahead
+        if slot is None:
+            return
+        self.ahead = None
+        self.head[9 + slot * 8] = -1
+        self.head[8 + slot * 8] += 1
+
     def before_change(self, in_place: bool) -> None:
         """The weights are about to change (a step, a seeding). Where they live in a
         slot, its seqlock is taken; ``in_place`` False and the slot handed out since
         its last change: they move to the other slot first, so it stays readable."""
+        self.drop_ahead()
         self.ticket = None
         home = self.home()
         if home is None or self.open_slot == home:
@@ -224,6 +263,7 @@ class WeightBoard:
     def moving_out(self, version: int) -> None:
         """The weights are about to leave the board (a zero-copy TCP reply): the slot
         they leave is complete at ``version`` and stays readable."""
+        self.drop_ahead()
         home = self.home()
         if home is not None and self.open_slot == home:
             self._close(home, version)
@@ -236,6 +276,7 @@ class WeightBoard:
         while it is written; with a layout the weights then live there."""
         if self.ticket is not None and self.ticket["version"] == version:
             return self.ticket
+        self.drop_ahead()  # a publication mid-round: the round steps as usual
         home = self.home()
         if home is not None:
             if self.open_slot == home or int(self.head[9 + home * 8]) != version:
@@ -267,3 +308,20 @@ class WeightBoard:
 
     def close(self) -> None:
         self.seg.close()
+
+
+class BoardAhead:
+    """A board as the place a round's next weights are written ahead (the
+    :class:`~paramserver.ahead.AheadSlot` of a shard whose weights live in it)."""
+
+    def __init__(self, board: WeightBoard) -> None:
+        self.board = board
+
+    def begin(self) -> dict[torch.dtype, torch.Tensor] | None:
+        return self.board.begin_ahead()
+
+    def commit(self, version: int) -> bool:
+        return self.board.commit_ahead(version)
+
+    def drop(self) -> None:
+        self.board.drop_ahead()

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from . import report, snapshot
+from .ahead import StepAhead
 from .errors import ConfigError, ErrorCode, ProtocolError
 from .flat import ELEMENTWISE, JOIN_BYTES, FlatLayout
 from .probe import GradStats, Probe, StepStats, all_finite, total_norm
@@ -114,7 +115,9 @@ class ShardCore:
         self.workers_evicted = 0  # entries dropped from a full table (see _evict)
         self.pulls = PullQueue()  # parked pulls, answered when their gate opens
         # sync: the open round (its buffer, contributors and pushes arriving in parts)
-        self.round = SyncRound(self.params, self.layout.empty)
+        self.round = SyncRound(self.params, self.layout)
+        # a lone contributor's round stepped part by part, out of place (ahead.py)
+        self.ahead = StepAhead(self.layout, self.flats, self.params, self.round)
         # the weights each worker read, for policies that need them (needs_read_weights)
         self.read_weights: dict[int, dict[str, torch.Tensor]] = {}
         self.max_answered_gap = 0  # largest clock gap at which a pull was answered
@@ -618,6 +621,7 @@ class ShardCore:
         if stream.decision is not None:
             self.workers[worker].uncount(stream.decision, "incomplete")
         if self.round.give_up(stream):
+            self.ahead.drop()
             log.warning("worker %d's push %d was given up after %d of %d parts (%s): the "
                         "open round is void and closes without a step", worker,
                         stream.push_id, len(stream.received), stream.parts, why)
@@ -630,8 +634,20 @@ class ShardCore:
             return
         if self.policy_rewrites:
             grads = self._rewrite(stream.info, grads)  # whole pushes only (streams_parts)
-        self.round.add(stream, grads, stream.info.num_samples * decision.weight,
-                       borrow=self._alone(stream.info.worker))
+        alpha = stream.info.num_samples * decision.weight
+        alone = self._alone(stream.info.worker)
+        self.round.add(stream, grads, alpha, borrow=alone)
+        # ahead of the close only while later parts are still to come
+        last = len(stream.received) == stream.parts
+        if alone and (self.ahead.active or (self.ahead.active is None and not last)):
+            # the divisor the round will close with (SyncRound.close: samples / factor)
+            rate = self.stepper.fused_alpha(stream.info.num_samples / alpha)
+            if rate is None:
+                self.ahead.drop()
+            else:
+                self.ahead.part(grads, rate)
+        elif self.ahead.active:  # not alone any more (the buffer may be written now)
+            self.ahead.drop()
 
     def _alone(self, worker: int) -> bool:
         """Whether the open round would close on ``worker``'s push alone, to be stepped
@@ -657,6 +673,7 @@ class ShardCore:
         stepped = self._maybe_close_round()
         if not stepped:
             self.round.settle()  # its tensors are not ours once it is answered
+            self.ahead.drop()  # nor is the round its alone
         return PushOutcome(decision.accept, decision.weight if decision.accept else 0.0,
                            decision.reason, 0, self.version, stepped)
 
@@ -713,19 +730,29 @@ class ShardCore:
         if self.round.in_flight():
             return False  # a backup's parts are in the buffer already: let it finish
         contributors = self.round.accepted
-        return self.round.close(
-            lambda sums, divisor: self._step(sums, 1.0, contributors, divisor=divisor),
-            borrow=self.stepper.reads_only(self.params))
+
+        def ahead(alpha: float) -> bool:
+            return self.ahead.commit(alpha, self.version + 1, self.before_step)
+
+        try:
+            return self.round.close(
+                lambda sums, divisor: self._step(sums, 1.0, contributors, divisor=divisor,
+                                                 ahead=ahead),
+                borrow=self.stepper.reads_only(self.params))
+        finally:
+            self.ahead.end_round()
 
     def _step(self, grads: Mapping[str, torch.Tensor], weight: float, contributors: int = 1,
-              staleness: int = 0, divisor: float = 1.0) -> None:
+              staleness: int = 0, divisor: float = 1.0,
+              ahead: Callable[[float], bool] | None = None) -> None:
         """One optimizer step on ``grads / divisor``, the learning rate scaled by
         ``weight`` (and by the step-size rules, for a step averaging ``contributors``
         gradients)."""
         prior = 0 if self.mode.mode == "sync" else max(0, len(self.live()) - 1)
         self.stepper.step(self.params, grads, weight, contributors=contributors,
                           version=self.version, staleness=staleness, prior_staleness=prior,
-                          probe=self.probe, before_step=self.before_step, divisor=divisor)
+                          probe=self.probe, before_step=self.before_step, divisor=divisor,
+                          ahead=ahead)
         self.version += 1
         if self.after_step is not None:
             self.after_step()

@@ -54,6 +54,7 @@ def stats(core: ShardCore) -> dict[str, Any]:
         "rounds_dropped": core.rounds_dropped,
         "rounds_voided": core.rounds_voided,
         "rounds_in_place": core.round.in_place,
+        "rounds_ahead": core.ahead.committed,
         # in the weights' own dtype: a float64 copy of each slice would be a peak
         "weight_norm": math.sqrt(sum(l2(p.detach()) ** 2 for p in core.params.values())),
         # bounded whatever the table holds (a map over 4096 entries would not even

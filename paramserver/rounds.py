@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import ErrorCode, ProtocolError
+from .flat import FlatLayout
 from .probe import PushMeasure
 from .records import SliceSpec, check_tensors
 from .staleness import Decision, UpdateInfo
@@ -67,10 +68,12 @@ class SyncRound:
     """The open sync round of one shard whose weights are ``params``."""
 
     def __init__(self, params: Mapping[str, torch.Tensor],
-                 empty: Callable[[], dict[str, torch.Tensor]] | None = None) -> None:
+                 layout: FlatLayout | None = None) -> None:
         self.params = params
-        # a fresh buffer shaped like params (views into one flat buffer per dtype)
-        self.empty = empty or (lambda: {k: torch.empty_like(p) for k, p in params.items()})
+        # with a layout the buffer is one flat buffer per dtype, the slices views into it
+        self.layout = layout
+        self.agg_flats: dict[torch.dtype, torch.Tensor] = {}
+        self._made: dict[str, torch.Tensor] | None = None  # the views over agg_flats
         self.members: set[int] = set()  # workers that contributed to the open round
         self.samples = 0  # samples of the accepted gradients in the buffer
         self.accepted = 0  # workers whose accepted gradient is in the buffer
@@ -117,8 +120,24 @@ class SyncRound:
 
     def _buffer(self, key: str) -> torch.Tensor:
         if not self.agg:
-            self.agg = self.empty()
+            self._allocate()
         return self.agg[key]
+
+    def _allocate(self) -> None:
+        if self.layout is None:
+            self.agg = {k: torch.empty_like(p) for k, p in self.params.items()}
+            return
+        self.agg_flats = {d: torch.empty(n, dtype=d) for d, n in self.layout.sizes.items()}
+        self.agg = self._made = self.layout.views(self.agg_flats, order=self.layout.index)
+
+    def flat_buffer(self) -> dict[torch.dtype, torch.Tensor] | None:
+        """The buffer's flat tensors, made if need be (a restored buffer is not flat);
+        None without a layout."""
+        if self.layout is None:
+            return None
+        if not self.agg or self.agg is not self._made:
+            self._allocate()
+        return self.agg_flats
 
     def _settle(self, key: str) -> None:
         g, alpha = self.held.pop(key)

@@ -405,6 +405,7 @@ class ShardServer:
         self.core = core  # (not before the plan's tables proved trainable)
         self.core.before_step = self._before_mutation
         self.core.after_step = self._after_mutation
+        self.core.ahead.busy = self.socket.pending  # step ahead only while idle
         self._observe_core()
         self.plan = plan
         self.joined.budget = (64 << 20) + (self.config.expected_workers + 1) * plan.shard_bytes(

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .board import READ_ATTEMPTS, BoardReader, WeightBoard, read_guarded
+from .board import READ_ATTEMPTS, BoardAhead, BoardReader, WeightBoard, read_guarded
 from .dtypes import copy_bytes
 from .errors import ErrorCode, ProtocolError
 from .flat import FlatLayout
@@ -254,6 +254,10 @@ class ShmHub:
                            trusted, core.params, core.flats, core.layout)
         if grant is not None:
             answer.fields["shm"] = grant
+            slot = core.ahead.slot
+            if self.board is not None and self.board.layout is not None and not (
+                    isinstance(slot, BoardAhead) and slot.board is self.board):
+                core.ahead.slot = BoardAhead(self.board)  # the next weights go there
         return grant is not None
 
     def take(self, msg: Message, identity: bytes) -> None:

@@ -101,14 +101,24 @@ class Stepper:
         they may then be a worker's own tensors, not a copy."""
         return bool(params) and self.fused and is_plain_sgd(self.optimizer)
 
+    def fused_alpha(self, divisor: float) -> float | None:
+        """The fused step's ``-lr / divisor`` for a sync round's step, known before the
+        round closes when nothing but the learning rate shapes it; else None."""
+        if self.lr_rule.active or self.momentum is not None:
+            return None
+        return -float(self.optimizer.param_groups[0]["lr"]) / divisor
+
     def step(self, params: Mapping[str, torch.Tensor], grads: Mapping[str, torch.Tensor],
              weight: float, *, contributors: int, version: int, staleness: int,
              prior_staleness: int, probe: Probe,
-             before_step: Callable[[], None] | None, divisor: float = 1.0) -> None:
+             before_step: Callable[[], None] | None, divisor: float = 1.0,
+             ahead: Callable[[float], bool] | None = None) -> None:
         """One optimizer step on ``grads / divisor``, the one that makes ``version + 1``
         (the probe measures it, when it measures this step). A sync round passes its
         sums and sample count: the fused plain-SGD step folds the division into its
-        learning rate (one pass fewer over the shard); any other step divides first."""
+        learning rate (one pass fewer over the shard); any other step divides first.
+        ``ahead(alpha)``: the fused step's result was computed already, at the rate
+        ``alpha`` (paramserver/ahead.py); True when it has become the weights."""
         dense = [grads[k] for k in params]
         fused = bool(dense and self.reads_only(params)
                      and all(g.layout is torch.strided for g in dense))
@@ -123,8 +133,6 @@ class Stepper:
             layout, flats = self.flat
             for f in flats:
                 f.grad = layout.join(f.dtype, grads)
-        if before_step is not None:
-            before_step()
         groups = self.optimizer.param_groups
         saved = [g["lr"] for g in groups]
         if self.lr_rule.active:
@@ -138,12 +146,15 @@ class Stepper:
                 g["lr"] = g["lr"] * weight
         measure = probe.step_begins(self.optimizer, grad_scale=1.0 / divisor)
         applied_lr = float(groups[0]["lr"])
-        if fused:
-            with torch.no_grad():
-                torch._foreach_add_(list(params.values()), dense,
-                                    alpha=-applied_lr / divisor)
-        else:
-            self.optimizer.step()
+        alpha = -applied_lr / divisor
+        if not (fused and ahead is not None and ahead(alpha)):
+            if before_step is not None:
+                before_step()
+            if fused:
+                with torch.no_grad():
+                    torch._foreach_add_(list(params.values()), dense, alpha=alpha)
+            else:
+                self.optimizer.step()
         for g, lr in zip(groups, saved, strict=True):
             g["lr"] = lr
         for p in params.values():

@@ -401,6 +401,10 @@ class RouterSocket:
             return None
         return self.recv_nowait()
 
+    def pending(self) -> bool:
+        """Whether a message is waiting to be received."""
+        return bool(self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+
     def recv_nowait(self) -> tuple[bytes, list[zmq.Frame]] | None:
         if not self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             return None  # cheaper than the zmq.Again an empty recv raises

@@ -314,17 +314,44 @@ def test_init_in_parts_must_cover_the_shard():
 # --------------------------------------------------------------- a lone contributor's round
 
 
-def test_a_lone_contributor_is_stepped_from_its_own_tensors():
-    """One worker, plain SGD: the round steps straight from the pushed tensors (no
-    buffer is made) and the result is torch's SGD step on them, bit for bit."""
+def test_a_lone_contributor_is_stepped_ahead_part_by_part():
+    """One worker, plain SGD: each part's next weights are computed as it arrives,
+    out of place (the weights served do not change before the round closes), and
+    the round's step makes them the weights: torch's SGD step, bit for bit."""
     core = make_core(1, momentum=0.0)
     before = {k: p.clone() for k, p in core.params.items()}
     g = gradient(0, 0)
-    out = push_parts(core, 0, 1, split(g, [2, 3]), n=4)
-    assert out.applied and core.version == 1
-    assert core.round.agg == {} and core.round.held == {}
+    parts = split(g, [2, 3])
+    assert core.push(0, 1, 0, 0, 4, parts[0], 0.0, 0, 2) is None
+    assert core.ahead.keys == set(parts[0]) and core.round.held
+    assert all(torch.equal(p, before[k]) for k, p in core.params.items())
+    out = core.push(0, 1, 0, 0, 4, parts[1], 0.0, 1, 2)
+    assert out is not None and out.applied and core.version == 1
+    assert core.ahead.committed == 1 and core.round.in_place == 1 and core.round.held == {}
     for k, p in core.params.items():
         assert torch.equal(p, before[k].add(g[k], alpha=-0.1)), k
+    flat = core.flats[torch.float64]
+    assert all(p.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+               for p in core.params.values())  # the views follow their flat buffer
+    # the next round writes into the buffer the weights left: the same result again
+    g2 = gradient(0, 1)
+    expected = {k: p.clone().add(g2[k], alpha=-0.1) for k, p in core.params.items()}
+    push_parts(core, 0, 2, split(g2, [4, 1]), clock=1)
+    assert core.ahead.committed == 2
+    assert all(torch.equal(p, expected[k]) for k, p in core.params.items())
+
+
+def test_a_rate_changed_half_way_drops_what_was_stepped_ahead():
+    core = make_core(1, momentum=0.0)
+    before = {k: p.clone() for k, p in core.params.items()}
+    g = gradient(0, 0)
+    parts = split(g, [2, 3])
+    core.push(0, 1, 0, 0, 1, parts[0], 0.0, 0, 2)
+    core.stepper.optimizer.param_groups[0]["lr"] = 0.25
+    core.push(0, 1, 0, 0, 1, parts[1], 0.0, 1, 2)
+    assert core.version == 1 and core.ahead.committed == 0 and core.round.in_place == 1
+    for k, p in core.params.items():
+        assert torch.equal(p, before[k].add(g[k], alpha=-0.25)), k
 
 
 def test_an_optimizer_that_may_write_its_gradients_gets_a_copy():
@@ -359,16 +386,20 @@ def test_a_lone_push_whose_round_stays_open_is_copied_before_it_is_answered():
     expected.push(0, 1, 0, 0, 1, g0, 0.0)
     expected.push(1, 1, 0, 0, 1, g1, 0.0)
     core.push(1, 1, 0, 0, 1, g1, 0.0)
-    assert core.version == expected.version == 1
+    assert core.version == expected.version == 1 and core.ahead.committed == 0
     for k, p in core.params.items():
         assert torch.equal(p, expected.params[k]), k
 
 
 def test_a_lone_push_given_up_half_way_lets_its_tensors_go():
     core = make_core(1, momentum=0.0)
+    before = {k: p.clone() for k, p in core.params.items()}
     parts = split(gradient(0, 0), [2, 3])
     core.push(0, 1, 0, 0, 1, parts[0], 0.0, 0, 2)
+    assert core.ahead.active
     with pytest.raises(ProtocolError):
         core.push(0, 1, 0, 0, 1, {"k4": torch.full((7,), float("nan"), dtype=torch.float64)},
                   0.0, 1, 2)
-    assert core.round.void and core.round.held == {}
+    assert core.round.void and core.round.held == {} and not core.ahead.active
+    assert core.version == 0
+    assert all(torch.equal(p, before[k]) for k, p in core.params.items())

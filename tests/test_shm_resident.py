@@ -172,3 +172,49 @@ def test_release_unmaps_used_gradient_pages_and_keeps_their_data() -> None:
         hub.peers.clear()
         shard.close()
         worker.close()
+
+
+def test_next_weights_written_ahead_into_the_other_slot(shard: Shard) -> None:
+    """A lone round's next weights go into the slot the weights do not live in,
+    opened in its seqlock (a reader of an old ticket for it retries elsewhere);
+    the weights published meanwhile stay readable; committing adopts that slot."""
+    ticket = shard.board.publish(shard.params, 0)
+    nxt = shard.board.begin_ahead()
+    assert nxt is not None and shard.board.ahead == 1
+    assert shard.board.begin_ahead() is None  # one at a time
+    assert shard.reader.seq(1) & 1
+    for dtype, flat in nxt.items():
+        torch.sub(shard.flats[dtype], 1.0, out=flat)
+    version, got = shard.read(ticket)  # version 0, untouched, still readable
+    assert version == 0 and torch.equal(got["a"], torch.full((1000,), 1.0))
+    assert shard.board.commit_ahead(1)
+    assert _in_slot(shard, 1) and shard.reader.current() == 1
+    assert not shard.reader.seq(1) & 1 and shard.reader.version(1) == 1
+    assert torch.equal(shard.params["a"], torch.zeros(1000))
+    version, got = shard.read(shard.board.publish(shard.params, 1))
+    assert version == 1 and torch.equal(got["b"], torch.zeros(21, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("by", ["drop", "publish", "before_change", "moving_out"])
+def test_a_slot_opened_ahead_and_dropped_holds_no_version(shard: Shard, by: str) -> None:
+    """Dropped (by the round, or by any other change of the board first), the slot
+    is closed again (even sequence) marked as holding no version; the weights stay
+    where they were and a commit after that is refused."""
+    shard.board.publish(shard.params, 0)
+    nxt = shard.board.begin_ahead()
+    assert nxt is not None
+    for flat in nxt.values():
+        flat.fill_(float("nan"))
+    if by == "drop":
+        shard.board.drop_ahead()
+    elif by == "publish":
+        shard.board.ticket = None
+        shard.board.publish(shard.params, 0)
+    elif by == "before_change":
+        shard.step(in_place=True)
+    else:
+        shard.board.moving_out(0)
+    assert shard.board.ahead is None and not shard.reader.seq(1) & 1
+    assert shard.reader.version(1) == -1
+    assert not shard.board.commit_ahead(5)
+    assert not any(torch.isnan(p).any() for p in shard.params.values())
