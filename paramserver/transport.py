@@ -544,6 +544,8 @@ class Channel:
         return Message(msg.op, msg.seq, {**fields, **extra}, tensors) if extra else msg
 
     def recv_nowait(self) -> Message | None:
+        if not self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            return None  # cheaper than the zmq.Again an empty recv raises
         try:
             frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
         except zmq.Again:
@@ -660,7 +662,7 @@ def request_all(
                                       f"it running and reachable?)")
         for sock, _ in poller.poll(max(1, int(remaining * 1000))):
             ch, table = slots[sock]
-            while True:
+            while missing:  # once every reply is in, nothing more is read
                 rep = ch.recv_nowait()
                 if rep is None:
                     break
