@@ -25,7 +25,6 @@ example a tiny model on many shards); callers must allow an empty shard.
 from __future__ import annotations
 
 import ctypes
-
 import hashlib
 import heapq
 import json
