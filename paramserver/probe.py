@@ -70,16 +70,17 @@ def span(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     if len(tensors) < 2:
         return None
     first = tensors[0]
-    dtype, size = first.dtype, first.element_size()
-    end = first.data_ptr()
-    total = 0
+    if not first.is_cpu:
+        return None
+    dtype = first.dtype
+    start = end = first.data_ptr()
     for t in tensors:
-        n = t.numel()
-        if (n == 0 or t.dtype != dtype or not t.is_cpu or t.data_ptr() != end
+        nbytes = t.nbytes
+        if (not nbytes or t.data_ptr() != end or t.dtype is not dtype or not t.is_cpu
                 or not t.is_contiguous()):
-            return None
-        end += n * size
-        total += n
+            return None  # (an empty tensor's data_ptr() is 0: not measured as a span)
+        end += nbytes
+    total = (end - start) // first.element_size()
     try:  # torch refuses a view past the end of the first tensor's storage
         return first.detach().as_strided((total,), (1,))
     except RuntimeError:

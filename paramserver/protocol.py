@@ -240,7 +240,7 @@ class PreparedTensors:
     are packed only when they lie back to back (a shard's slices of one dtype in its
     flat buffer: one frame per dtype), never copied into a packed frame."""
 
-    __slots__ = ("descs", "frames", "key")
+    __slots__ = ("descs", "frames", "key", "nbytes")
 
     def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
         if not usable(tensors):
@@ -248,6 +248,7 @@ class PreparedTensors:
         self.key = _identity(tensors)
         descs, self.frames = _describe(tensors, copy=False)
         self.descs: bytes = msgpack.packb(descs, use_bin_type=True)
+        self.nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
 
     def matches(self, tensors: Mapping[str, torch.Tensor]) -> bool:
         return self.key == _identity(tensors)
@@ -370,13 +371,15 @@ _SEQ, _F, _T = _PACK.pack("seq"), _PACK.pack("f"), _PACK.pack("t")
 _OP_BYTES = {op: _PACK.pack(op.value) for op in Op}
 
 
-def encode(msg: Message, prepared: PreparedTensors | None = None) -> list[bytes | memoryview]:
+def encode(msg: Message, prepared: PreparedTensors | None = None, *,
+           matched: bool = False) -> list[bytes | memoryview]:
     """Turn a message into multipart frames; tensor frames share the tensors' memory.
 
     ``prepared``: the message's tensors made ready beforehand (used when it still
-    matches them). The caller must not modify the tensors until ZeroMQ has sent them.
+    matches them; ``matched``: the caller has just checked that it does). The caller
+    must not modify the tensors until ZeroMQ has sent them.
     """
-    if prepared is not None and prepared.matches(msg.tensors):
+    if prepared is not None and (matched or prepared.matches(msg.tensors)):
         # the same bytes as below: the map {"v", "op", "seq", "f", "t"} in this order
         # (packb, not the shared Packer: servers may run in threads of one process)
         head = b"".join((_HEAD_START, _OP_BYTES[msg.op], _SEQ, msgpack.packb(msg.seq), _F,

@@ -424,21 +424,23 @@ class RouterSocket:
         return user if isinstance(user, str) else None
 
     def send(self, identity: bytes, msg: Message, *, track: bool = False,
-             prepared: PreparedTensors | None = None) -> zmq.MessageTracker | None:
+             prepared: PreparedTensors | None = None, matched: bool = False,
+             nbytes: int | None = None) -> zmq.MessageTracker | None:
         """Send ``msg`` to a peer. Tensor frames go zero-copy; with ``track`` the
         returned tracker tells when zmq no longer reads their memory.
 
         A message under ``ZERO_COPY_BYTES`` of tensors is copied instead and
         never tracked (None): a zero-copy frame costs a tracker and a release
         through pyzmq's garbage-collector thread, far more than copying a few KiB.
-        ``prepared``: the tensors' frames made beforehand (see :func:`encode`).
+        ``prepared``: the tensors' frames made beforehand (see :func:`encode`, and
+        ``matched``); ``nbytes``: ``msg.nbytes`` if the caller knows it already.
         """
-        frames = encode(msg, prepared)
-        small = msg.nbytes < ZERO_COPY_BYTES
+        frames = encode(msg, prepared, matched=matched)
+        small = (msg.nbytes if nbytes is None else nbytes) < ZERO_COPY_BYTES
         track = track and not small
         try:
-            self.socket.send(identity, zmq.SNDMORE)
-            res = self.socket.send_multipart(frames, copy=small, track=track)
+            # the routing id and the frames in one call (one pass through pyzmq)
+            res = self.socket.send_multipart([identity, *frames], copy=small, track=track)
         except zmq.ZMQError as exc:
             log.warning("dropping a reply to a peer that is gone: %s", exc)
             return None
