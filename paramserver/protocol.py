@@ -265,6 +265,10 @@ def _describe(tensors: Mapping[str, torch.Tensor], copy: bool = True
     one buffer as one packed frame of that buffer (no copy); then, with ``copy``,
     the others under PACK_BYTES copied into one packed frame; each other tensor in a
     frame of its own. Without ``copy`` every frame is a view of the tensors."""
+    if copy:
+        packed = _pack_small(tensors)
+        if packed is not None:
+            return packed
     groups: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
     for key, t in tensors.items():
         groups.setdefault(t.dtype, []).append((key, t))
@@ -299,6 +303,43 @@ def _describe(tensors: Mapping[str, torch.Tensor], copy: bool = True
             descs.append([key, name, list(t.shape)])
             frames.append(_tensor_view(t))
     return descs, frames
+
+
+def _pack_small(tensors: Mapping[str, torch.Tensor]
+                ) -> tuple[list[list[Any]], list[bytes | memoryview]] | None:
+    """:func:`_describe`'s answer, made directly, for the common small message: tensors
+    of one allowed dtype, each on the CPU, non-empty and under PACK_BYTES, none
+    starting where the one before it ends, MAX_PACKED_BYTES in all (a small model's
+    gradient slices): one packed frame copied from them all, in order. None: any
+    other case, which :func:`_describe` takes the long way."""
+    if len(tensors) < 2:
+        return None
+    items = list(tensors.items())
+    dtype = items[0][1].dtype
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        return None
+    limit = PACK_BYTES // dtype.itemsize
+    entries: list[list[Any]] = []
+    flats: list[torch.Tensor] = []
+    offset = 0
+    end = -1  # where the tensor before ends, if contiguous (then it would start a run)
+    for key, t in items:
+        numel = t.numel()
+        if t.dtype is not dtype or not t.is_cpu or not 0 < numel < limit:
+            return None
+        ptr = t.data_ptr()
+        if ptr == end:
+            return None  # back to back with the one before: _describe sends them as a view
+        contiguous = t.is_contiguous()
+        end = ptr + numel * dtype.itemsize if contiguous else -1
+        entries.append([key, list(t.shape), offset])
+        offset += numel * dtype.itemsize
+        # 1-D contiguous tensors (gradient slices) as they are: a reshape costs a few us
+        flats.append(t if t.dim() == 1 and contiguous else t.reshape(-1))
+    if offset > MAX_PACKED_BYTES:
+        return None
+    return [[name, entries]], [_tensor_view(torch.cat(flats))]
 
 
 def _runs(items: list[tuple[str, torch.Tensor]]) -> list[list[tuple[str, torch.Tensor]]]:
@@ -396,21 +437,31 @@ def _buffer(frame: Any) -> memoryview:
     return memoryview(buf)
 
 
+_MISSING = object()
+# the schema as (name, is an integer, types, required) rows: the test per field the
+# same, without unpacking the schema's nested tuples per message
+_ROWS = {op: tuple((name, types is _INT, types, required)
+                   for name, (types, required) in schema.items())
+         for op, schema in _SCHEMA.items()}
+
+
 def _check_fields(op: Op, fields: Any) -> dict[str, Any]:
     if not isinstance(fields, dict):
         raise ProtocolError(ErrorCode.BAD_HEADER, "'f' must be a map")
-    schema = _SCHEMA[op]
-    for name, (types, required) in schema.items():
-        if name not in fields:
+    for name, integer, types, required in _ROWS[op]:
+        value = fields.get(name, _MISSING)
+        if value is _MISSING:
             if required:
                 raise ProtocolError(ErrorCode.BAD_FIELD, f"{op.value}: missing field {name!r}")
             continue
-        value = fields[name]
-        if types is _INT and (isinstance(value, bool) or not isinstance(value, int)):
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"{op.value}: {name!r} must be an integer")
-        if types is _INT and not -_INT_BOUND < value < _INT_BOUND:
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"{op.value}: {name!r} out of range")
-        if types is not _INT and types is not _ANY and not isinstance(value, types):
+        if integer:
+            if type(value) is not int and (isinstance(value, bool)
+                                           or not isinstance(value, int)):
+                raise ProtocolError(ErrorCode.BAD_FIELD,
+                                    f"{op.value}: {name!r} must be an integer")
+            if not -_INT_BOUND < value < _INT_BOUND:
+                raise ProtocolError(ErrorCode.BAD_FIELD, f"{op.value}: {name!r} out of range")
+        elif types is not _ANY and not isinstance(value, types):
             raise ProtocolError(
                 ErrorCode.BAD_FIELD,
                 f"{op.value}: {name!r} must be {types[0].__name__}, got {type(value).__name__}",
@@ -520,16 +571,24 @@ def _unpack(desc: list[Any], buf: memoryview, tensors: dict[str, torch.Tensor], 
     if len(tensors) + len(entries) > limits.max_tensors:
         raise ProtocolError(ErrorCode.TOO_LARGE, f"over {limits.max_tensors} tensors")
     itemsize = dtype.itemsize
-    flat = (torch.frombuffer(buf, dtype=dtype, count=buf.nbytes // itemsize)
-            if buf.nbytes >= itemsize else torch.empty(0, dtype=dtype))
+    max_key = limits.max_key_len
     end = 0
+    rows: list[tuple[str, list[int], int]] = []  # (key, shape, numel), checked
+    here: set[str] = set()  # this frame's keys so far
+    flat1d = True  # every entry 1-D: the views in one split() call
     for entry in entries:
         if type(entry) is not list or len(entry) != 3:
             raise ProtocolError(ErrorCode.BAD_TENSOR, "packed entry must be [key, shape, offset]")
         key, shape, offset = entry
-        _check_key(key, limits)
-        numel = _check_shape(key, shape, limits)
-        if key in tensors:
+        if type(key) is not str or not 0 < len(key) <= max_key:
+            _check_key(key, limits)  # raises
+        if (type(shape) is list and len(shape) == 1 and type(shape[0]) is int
+                and 0 <= shape[0] < _INT_BOUND):
+            numel = shape[0]  # _check_shape's verdict on a 1-D shape, inline
+        else:
+            numel = _check_shape(key, shape, limits)
+            flat1d = False
+        if key in tensors or key in here:
             raise ProtocolError(ErrorCode.BAD_TENSOR, f"tensor key {key!r} appears twice")
         if type(offset) is not int or offset != end:
             raise ProtocolError(ErrorCode.BAD_TENSOR,
@@ -540,12 +599,24 @@ def _unpack(desc: list[Any], buf: memoryview, tensors: dict[str, torch.Tensor], 
                                 f"{key!r}: bytes {end}-{end + nbytes} past the frame's "
                                 f"{buf.nbytes}")
         total = _count(key, nbytes, total, limits)
-        # as_strided: the cheapest view torch makes (indexing costs twice as much)
-        tensors[key] = flat.as_strided(shape, _strides(shape), end // itemsize)
+        here.add(key)
+        rows.append((key, shape, numel))
         end += nbytes
     if end != buf.nbytes:
         raise ProtocolError(ErrorCode.BAD_TENSOR,
                             f"packed frame of {buf.nbytes} bytes, its tensors fill {end}")
+    flat = (torch.frombuffer(buf, dtype=dtype, count=buf.nbytes // itemsize)
+            if buf.nbytes >= itemsize else torch.empty(0, dtype=dtype))
+    if flat1d:
+        # the entries tile the frame exactly (checked): one call makes every view
+        for (key, _, _), view in zip(rows, flat.split([n for _, _, n in rows]), strict=True):
+            tensors[key] = view
+        return total
+    at = 0
+    for key, shape, numel in rows:
+        # as_strided: the cheapest view torch makes (indexing costs twice as much)
+        tensors[key] = flat.as_strided(shape, _strides(shape), at)
+        at += numel
     return total
 
 
