@@ -437,6 +437,7 @@ def _buffer(frame: Any) -> memoryview:
     return memoryview(buf)
 
 
+_OPS = {op.value: op for op in Op}
 _MISSING = object()
 # the schema as (name, is an integer, types, required) rows: the test per field the
 # same, without unpacking the schema's nested tuples per message
@@ -499,10 +500,10 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
             ErrorCode.PROTOCOL_VERSION,
             f"protocol version {version!r}; this side speaks {PROTOCOL_VERSION}",
         )
-    try:
-        op = Op(str(header.get("op")))
-    except ValueError as exc:
-        raise ProtocolError(ErrorCode.UNKNOWN_OP, f"unknown op {header.get('op')!r}") from exc
+    name = header.get("op")
+    op = _OPS.get(name) if type(name) is str else None  # (msgpack gives str, never a subclass)
+    if op is None:
+        raise ProtocolError(ErrorCode.UNKNOWN_OP, f"unknown op {name!r}")
     seq = header.get("seq", 0)
     if isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq < _INT_BOUND:
         raise ProtocolError(ErrorCode.BAD_HEADER, "'seq' must be a non-negative integer")

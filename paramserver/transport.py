@@ -324,6 +324,10 @@ def _normalise_bind(address: str) -> str:
     return address
 
 
+# zmq's constants as plain ints for the per-message calls: pyzmq's flag enums cost a
+# few us per operation (IntFlag arithmetic makes a new member each time)
+_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
+
 #: messages zmq queues per peer on a server before it stops reading from that peer
 #: (1 stalls CURVE handshakes that go through a ZAP handler, with libzmq 4.3.5)
 RECV_QUEUE = 2
@@ -402,10 +406,10 @@ class RouterSocket:
         return self.recv_nowait()
 
     def recv_nowait(self) -> tuple[bytes, list[zmq.Frame]] | None:
-        if not self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        if not self.socket.getsockopt(_EVENTS) & _POLLIN:
             return None  # cheaper than the zmq.Again an empty recv raises
         try:
-            frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            frames = self.socket.recv_multipart(_NOBLOCK, copy=False)
         except zmq.Again:
             return None
         if len(frames) < 2:
@@ -546,10 +550,10 @@ class Channel:
         return Message(msg.op, msg.seq, {**fields, **extra}, tensors) if extra else msg
 
     def recv_nowait(self) -> Message | None:
-        if not self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        if not self.socket.getsockopt(_EVENTS) & _POLLIN:
             return None  # cheaper than the zmq.Again an empty recv raises
         try:
-            frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            frames = self.socket.recv_multipart(_NOBLOCK, copy=False)
         except zmq.Again:
             return None
         if self._drop():
