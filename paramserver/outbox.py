@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Collection, Hashable
+from collections.abc import Callable, Collection, Hashable
+from functools import partial
 from typing import TYPE_CHECKING, Any, cast
 
 import zmq
@@ -120,8 +121,10 @@ class Outbox:
         """A PUSH asked for the pull too: its answer is the pull's, with ``outcome`` in it."""
         self.push_pulls[worker] = (token, outcome)
 
-    def answer_pulls(self, core: ShardCore, now: float, observer: ShardObserver) -> None:
-        """Send every pull reply whose gate is open ``now``."""
+    def answer_pulls(self, core: ShardCore, now: float, observer: ShardObserver,
+                     later: list[Callable[[], None]] | None = None) -> None:
+        """Send every pull reply whose gate is open ``now``. ``later``: where to queue
+        each reply's metrics, to be recorded once the replies are out (else at once)."""
         for ready in core.ready_pulls(now):
             identity, seq = cast("tuple[bytes, int]", ready.token)
             fields: dict[str, Any] = {"re": Op.PULL.value, "version": ready.version,
@@ -143,6 +146,10 @@ class Outbox:
                                    self._prepared(core))
             if ready.token in self.observer_pulls:
                 self.observer_pulls.discard(ready.token)
+            elif later is not None:
+                later.append(partial(observer.pull, ready.worker,
+                                     ready.waited + time.monotonic() - now, ready.waited,
+                                     nbytes))
             else:
                 observer.pull(ready.worker, ready.waited + time.monotonic() - now,
                               ready.waited, nbytes)
