@@ -327,6 +327,18 @@ def _normalise_bind(address: str) -> str:
 # zmq's constants as plain ints for the per-message calls: pyzmq's flag enums cost a
 # few us per operation (IntFlag arithmetic makes a new member each time)
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
+_SNDMORE = int(zmq.SNDMORE)
+
+
+def _send_frames(sock: zmq.Socket[Any], frames: Sequence[Any], *, copy: bool,
+                 track: bool = False) -> zmq.MessageTracker | None:
+    """``sock.send_multipart(frames, copy=copy, track=track)`` without its per-frame type
+    check and flag arithmetic: the frames here are bytes and memoryviews that
+    :func:`encode` made (and a routing id)."""
+    last = len(frames) - 1
+    for i in range(last):
+        sock.send(frames[i], _SNDMORE, copy=copy, track=track)
+    return sock.send(frames[last], 0, copy=copy, track=track)
 
 #: messages zmq queues per peer on a server before it stops reading from that peer
 #: (1 stalls CURVE handshakes that go through a ZAP handler, with libzmq 4.3.5)
@@ -444,7 +456,7 @@ class RouterSocket:
         track = track and not small
         try:
             # the routing id and the frames in one call (one pass through pyzmq)
-            res = self.socket.send_multipart([identity, *frames], copy=small, track=track)
+            res = _send_frames(self.socket, [identity, *frames], copy=small, track=track)
         except zmq.ZMQError as exc:
             log.warning("dropping a reply to a peer that is gone: %s", exc)
             return None
@@ -524,7 +536,7 @@ class Channel:
         if self.shm is not None:
             msg = self._via_shm(msg, self.shm)
         try:
-            self.socket.send_multipart(encode(msg), copy=False)
+            _send_frames(self.socket, encode(msg), copy=False)
         except zmq.ZMQError as exc:
             raise TransportError(f"cannot send to {self.peer} at {self.address}: {exc}") from exc
 
