@@ -473,10 +473,13 @@ class ShardPlan:
         """
         flat: dict[str, torch.Tensor] = {}
         for p in self.params:
-            flat[p.name] = self._checked(p, name_to_tensor).detach().reshape(-1)
+            t = self._checked(p, name_to_tensor).detach()
+            flat[p.name] = t if t.dim() == 1 else t.reshape(-1)  # 1-D: reshape is a no-op
         out: dict[int, dict[str, torch.Tensor]] = {k: {} for k in range(self.num_shards)}
         for s in self.slices:
-            out[s.shard][s.key] = flat[s.name][s.start : s.stop]
+            f = flat[s.name]
+            # a slice that is its whole parameter (a small model's): no view of a view
+            out[s.shard][s.key] = f if s.start == 0 and s.stop == f.numel() else f[s.start:s.stop]
         return out
 
     def assemble_into(
