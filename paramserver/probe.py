@@ -290,7 +290,7 @@ class Probe:
                 if self.stride == 1 and hi - lo == total and list(grads) == keys else None)
         if flat is not None and flat.dtype == ema.dtype:
             # the slices lie back to back in the push, in the mean's order: no copy
-            pairs = [(flat, ema[lo:hi])]
+            pairs = [(flat, ema if hi - lo == ema.numel() else ema[lo:hi])]
         else:
             samples = [_flat_sample(grads[k], self.stride, ema.dtype) for k in keys]
             if len(samples) > 1 and total <= _CAT_ELEMENTS and hi - lo == total:
