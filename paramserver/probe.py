@@ -23,7 +23,7 @@ from .dtypes import NARROW_DTYPES
 from .errors import ConfigError
 
 __all__ = ["GradStats", "Probe", "PushMeasure", "StepStats", "all_finite", "l2",
-           "sample", "sample_stride", "span", "total_norm"]
+           "norm_and_span", "sample", "sample_stride", "span", "total_norm"]
 
 _OBSERVE_ELEMENTS = 1 << 22  # shards up to this size are measured on every push (observe)
 #: above this many elements, the cosine and the update of a non-SGD step are measured on
@@ -98,19 +98,30 @@ def span(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
         return None
 
 
+def norm_and_span(tensors: Sequence[torch.Tensor]) -> tuple[float, torch.Tensor | None]:
+    """:func:`total_norm` of ``tensors``, and their :func:`span` (None: not one span),
+    for a caller that measures the same tensors again (the probe, after the finite
+    check)."""
+    flat = span(tensors)
+    if flat is not None:
+        norm = l2(flat)
+        if math.isfinite(norm):
+            return norm, flat
+        # not finite: as below, where the squares are summed in double and a sum that
+        # only overflows the dtype's range stays finite
+    return _norm(tensors), flat
+
+
 def total_norm(tensors: Iterable[torch.Tensor]) -> float:
     """L2 norm over all ``tensors``; 16-bit ones in float32. Tensors lying back to
     back in one buffer are measured as one span. Many tensors go through
     one foreach pass per dtype; a few are cheaper one call each (measured: 1 x 256
     floats 3 us vs 19 us, 8 x 128 21 vs 40 us, 64 x 128 260 vs 180 us)."""
-    tensors = list(tensors)
-    flat = span(tensors)
-    if flat is not None:
-        norm = l2(flat)
-        if math.isfinite(norm):
-            return norm
-        # not finite: as below, where the squares are summed in double and a sum that
-        # only overflows the dtype's range stays finite
+    return norm_and_span(list(tensors))[0]
+
+
+def _norm(tensors: Sequence[torch.Tensor]) -> float:
+    """:func:`total_norm` slice by slice."""
     if len(tensors) <= 16:
         return math.sqrt(sum(l2(t) ** 2 for t in tensors))
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -188,6 +199,7 @@ class Probe:
         self._ema_sq = 0.0  # |running mean|^2, kept by recurrence (saves a pass per push)
         self._ema_at: dict[str, tuple[int, int]] = {}  # key -> (offset, size) in the mean
         self._ema_views: dict[str, torch.Tensor] = {}  # key -> its view of the mean
+        self._key_cache: dict[tuple[str, ...], tuple[list[str], int, int, int, bool]] = {}
         # (gradients, their measure) of the push just measured, for the step it causes
         self._measured: tuple[Mapping[str, torch.Tensor], PushMeasure] | None = None
         # deferred (a server sets it): measurements are queued in order and run by
@@ -245,23 +257,42 @@ class Probe:
             fn()
 
     def measure(self, m: PushMeasure, grads: Mapping[str, torch.Tensor],
-                norm: float | None) -> None:
+                norm: float | None, flat: torch.Tensor | bool | None = False) -> None:
         """Add one part of a push (or a whole push) to its statistics ``m`` (now, or
-        at :meth:`flush` when deferred)."""
+        at :meth:`flush` when deferred). ``norm``, ``flat``: the gradients' norm and
+        :func:`span` if known (``flat`` False: not looked for yet)."""
         if self.defer:
-            self._queue.append(lambda: self._measure(m, grads, norm))
+            self._queue.append(lambda: self._measure(m, grads, norm, flat))
         else:
-            self._measure(m, grads, norm)
+            self._measure(m, grads, norm, flat)
+
+    def _keys(self, grads: Mapping[str, torch.Tensor]
+              ) -> tuple[list[str], int, int, int, bool]:
+        """The keys of ``grads`` in the mean's order, where they lie in the mean (first
+        offset, end, elements) and whether ``grads`` holds them in that order and
+        nothing else; kept per set of keys (a push's keys repeat push after push)."""
+        names = tuple(grads)
+        got = self._key_cache.get(names)
+        if got is None:
+            keys = [k for k in self.params if k in grads]
+            spans = [self._ema_at[k] for k in keys]
+            lo, hi = (spans[0][0], spans[-1][0] + spans[-1][1]) if spans else (0, 0)
+            got = (keys, lo, hi, sum(n for _, n in spans), list(names) == keys)
+            if len(self._key_cache) >= 64:  # parts of many shapes: do not grow without bound
+                self._key_cache.clear()
+            self._key_cache[names] = got
+        return got
 
     def _measure(self, m: PushMeasure, grads: Mapping[str, torch.Tensor],
-                 norm: float | None) -> None:
+                 norm: float | None, flat: torch.Tensor | bool | None = False) -> None:
         """Add one part of a push (or a whole push) to its statistics ``m``.
 
         The running mean is updated key by key as the part is measured: each
         key is in one part only, so the dot product summed over the parts is
         the one with the mean from before the push.
         """
-        norm = total_norm(grads.values()) if norm is None else norm
+        if norm is None:
+            norm, flat = norm_and_span(list(grads.values()))
         m.exact_sq += norm * norm
         if self._decay is None or not math.isfinite(norm):
             return
@@ -279,16 +310,16 @@ class Probe:
             ema = self._grad_ema
             self._ema_views = {k: ema if n == ema.numel() else ema[o:o + n]
                                for k, (o, n) in self._ema_at.items()}
+            self._key_cache.clear()
         ema = self._grad_ema
-        keys = [k for k in self.params if k in grads]  # the mean's order
+        keys, lo, hi, total, in_order = self._keys(grads)  # keys in the mean's order
         if not keys:  # a shard that owns no dense slice (a plan of sparse tables)
             return
-        spans = [self._ema_at[k] for k in keys]
-        lo, hi = spans[0][0], spans[-1][0] + spans[-1][1]
-        total = sum(n for _, n in spans)
-        flat = (span(list(grads.values()))
-                if self.stride == 1 and hi - lo == total and list(grads) == keys else None)
-        if flat is not None and flat.dtype == ema.dtype:
+        if not (self.stride == 1 and hi - lo == total and in_order):
+            flat = None
+        elif flat is False:
+            flat = span(list(grads.values()))
+        if isinstance(flat, torch.Tensor) and flat.dtype == ema.dtype:
             # the slices lie back to back in the push, in the mean's order: no copy
             pairs = [(flat, ema if hi - lo == ema.numel() else ema[lo:hi])]
         else:
