@@ -584,7 +584,7 @@ def _unpack(desc: list[Any], buf: memoryview, tensors: dict[str, torch.Tensor], 
         if type(key) is not str or not 0 < len(key) <= max_key:
             _check_key(key, limits)  # raises
         if (type(shape) is list and len(shape) == 1 and type(shape[0]) is int
-                and 0 <= shape[0] < _INT_BOUND):
+                and 0 <= shape[0] < _INT_BOUND and limits.max_ndim >= 1):
             numel = shape[0]  # _check_shape's verdict on a 1-D shape, inline
         else:
             numel = _check_shape(key, shape, limits)

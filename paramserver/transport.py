@@ -455,8 +455,11 @@ class RouterSocket:
         small = (msg.nbytes if nbytes is None else nbytes) < ZERO_COPY_BYTES
         track = track and not small
         try:
-            # the routing id and the frames in one call (one pass through pyzmq)
-            res = _send_frames(self.socket, [identity, *frames], copy=small, track=track)
+            if small:  # the routing id and the frames in one pass, all copied
+                res = _send_frames(self.socket, [identity, *frames], copy=True)
+            else:  # the routing id copied, the tensors lent (and tracked)
+                self.socket.send(identity, _SNDMORE)
+                res = _send_frames(self.socket, frames, copy=False, track=track)
         except zmq.ZMQError as exc:
             log.warning("dropping a reply to a peer that is gone: %s", exc)
             return None
