@@ -324,17 +324,15 @@ def _normalise_bind(address: str) -> str:
     return address
 
 
-# zmq's constants as plain ints for the per-message calls: pyzmq's flag enums cost a
-# few us per operation (IntFlag arithmetic makes a new member each time)
+# zmq's constants as plain ints: pyzmq's IntFlag arithmetic costs a few us per call
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
 _SNDMORE = int(zmq.SNDMORE)
 
 
 def _send_frames(sock: zmq.Socket[Any], frames: Sequence[Any], *, copy: bool,
                  track: bool = False) -> zmq.MessageTracker | None:
-    """``sock.send_multipart(frames, copy=copy, track=track)`` without its per-frame type
-    check and flag arithmetic: the frames here are bytes and memoryviews that
-    :func:`encode` made (and a routing id)."""
+    """``sock.send_multipart`` without its per-frame type check and flag arithmetic
+    (the frames here are :func:`encode`'s bytes and memoryviews, and a routing id)."""
     last = len(frames) - 1
     for i in range(last):
         sock.send(frames[i], _SNDMORE, copy=copy, track=track)
@@ -566,7 +564,7 @@ class Channel:
 
     def recv_nowait(self) -> Message | None:
         if not self.socket.getsockopt(_EVENTS) & _POLLIN:
-            return None  # cheaper than the zmq.Again an empty recv raises
+            return None  # (as RouterSocket.recv_nowait)
         try:
             frames = self.socket.recv_multipart(_NOBLOCK, copy=False)
         except zmq.Again:
