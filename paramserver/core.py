@@ -40,7 +40,7 @@ from .ahead import StepAhead
 from .errors import ConfigError, ErrorCode, ProtocolError
 from .flat import ELEMENTWISE, JOIN_BYTES, FlatLayout
 from .membership import Membership
-from .probe import GradStats, Probe, StepStats, all_finite, total_norm
+from .probe import GradStats, Probe, StepStats, all_finite, norm_and_span
 from .records import (
     DTYPES,
     MAX_WORKERS,
@@ -377,9 +377,10 @@ class ShardCore(Membership):
                                     f"PUSH: missing keys after the last part: "
                                     f"{sorted(missing)[:5]}")
         norm = None
+        flat: torch.Tensor | bool | None = False  # the slices as one span: not looked for
         if self.config.check_finite:
             # a finite norm proves every element finite, in one pass over all slices
-            norm = total_norm(grads.values())
+            norm, flat = norm_and_span(list(grads.values()))
             if not math.isfinite(norm):
                 for key, g in grads.items():
                     if not all_finite(g):
@@ -401,7 +402,7 @@ class ShardCore(Membership):
         stream.received.add(part)
         stream.keys.update(grads)
         if stream.measure is not None:
-            self.probe.measure(stream.measure, grads, norm)
+            self.probe.measure(stream.measure, grads, norm, flat)
         if self.mode.mode == "sync":
             self._add_to_round(stream, grads)
             if len(stream.received) < parts:

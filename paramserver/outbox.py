@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Collection, Hashable
+from collections.abc import Callable, Collection, Hashable
+from functools import partial
 from typing import TYPE_CHECKING, Any, cast
 
 import zmq
@@ -59,14 +60,20 @@ class Outbox:
         return prepared
 
     def send(self, identity: bytes, msg: Message,
-             prepared: PreparedTensors | None = None) -> None:
+             prepared: PreparedTensors | None = None) -> int:
+        """Send ``msg``; ``prepared``: its tensors' frames, checked just now to match
+        them (see :meth:`_prepared`). Returns its tensors' bytes."""
         if msg.tensors:
-            tracker = self.socket.send(identity, msg, track=True, prepared=prepared)
+            nbytes = msg.nbytes if prepared is None else prepared.nbytes
+            tracker = self.socket.send(identity, msg, track=True, prepared=prepared,
+                                       matched=prepared is not None, nbytes=nbytes)
             if tracker is not None and not tracker.done:
                 self.inflight.append((tracker, identity, msg.seq))
         else:
-            self.socket.send(identity, msg)
-        self.counters["bytes_out"] += msg.nbytes
+            nbytes = 0
+            self.socket.send(identity, msg, nbytes=0)
+        self.counters["bytes_out"] += nbytes
+        return nbytes
 
     def acknowledged(self, identity: bytes, seq: int) -> None:
         """A peer's request ``seq`` proves it received our replies to its earlier ones.
@@ -114,8 +121,10 @@ class Outbox:
         """A PUSH asked for the pull too: its answer is the pull's, with ``outcome`` in it."""
         self.push_pulls[worker] = (token, outcome)
 
-    def answer_pulls(self, core: ShardCore, now: float, observer: ShardObserver) -> None:
-        """Send every pull reply whose gate is open ``now``."""
+    def answer_pulls(self, core: ShardCore, now: float, observer: ShardObserver,
+                     later: list[Callable[[], None]] | None = None) -> None:
+        """Send every pull reply whose gate is open ``now``. ``later``: where to queue
+        each reply's metrics, to be recorded once the replies are out (else at once)."""
         for ready in core.ready_pulls(now):
             identity, seq = cast("tuple[bytes, int]", ready.token)
             fields: dict[str, Any] = {"re": Op.PULL.value, "version": ready.version,
@@ -129,18 +138,21 @@ class Outbox:
             if ticket is not None:
                 fields["shm"] = ticket
                 self.counters["shm_pulls"] += 1
-                msg = Message(Op.REPLY, seq, fields, {})
-                self.send(identity, msg)
+                nbytes = self.send(identity, Message(Op.REPLY, seq, fields, {}))
             else:
                 if self.shm is not None:
                     self.shm.before_tcp_reply(core)  # zmq never lends a board slot
-                msg = Message(Op.REPLY, seq, fields, core.params)
-                self.send(identity, msg, self._prepared(core))
+                nbytes = self.send(identity, Message(Op.REPLY, seq, fields, core.params),
+                                   self._prepared(core))
             if ready.token in self.observer_pulls:
                 self.observer_pulls.discard(ready.token)
+            elif later is not None:
+                later.append(partial(observer.pull, ready.worker,
+                                     ready.waited + time.monotonic() - now, ready.waited,
+                                     nbytes))
             else:
                 observer.pull(ready.worker, ready.waited + time.monotonic() - now,
-                              ready.waited, msg.nbytes)
+                              ready.waited, nbytes)
 
     def forget(self, known: Collection[int]) -> None:
         """Drop parked push-with-pull answers of workers the core no longer knows."""

@@ -240,7 +240,7 @@ class PreparedTensors:
     are packed only when they lie back to back (a shard's slices of one dtype in its
     flat buffer: one frame per dtype), never copied into a packed frame."""
 
-    __slots__ = ("descs", "frames", "key")
+    __slots__ = ("descs", "frames", "key", "nbytes")
 
     def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
         if not usable(tensors):
@@ -248,6 +248,7 @@ class PreparedTensors:
         self.key = _identity(tensors)
         descs, self.frames = _describe(tensors, copy=False)
         self.descs: bytes = msgpack.packb(descs, use_bin_type=True)
+        self.nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
 
     def matches(self, tensors: Mapping[str, torch.Tensor]) -> bool:
         return self.key == _identity(tensors)
@@ -264,6 +265,10 @@ def _describe(tensors: Mapping[str, torch.Tensor], copy: bool = True
     one buffer as one packed frame of that buffer (no copy); then, with ``copy``,
     the others under PACK_BYTES copied into one packed frame; each other tensor in a
     frame of its own. Without ``copy`` every frame is a view of the tensors."""
+    if copy:
+        packed = _pack_small(tensors)
+        if packed is not None:
+            return packed
     groups: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
     for key, t in tensors.items():
         groups.setdefault(t.dtype, []).append((key, t))
@@ -298,6 +303,43 @@ def _describe(tensors: Mapping[str, torch.Tensor], copy: bool = True
             descs.append([key, name, list(t.shape)])
             frames.append(_tensor_view(t))
     return descs, frames
+
+
+def _pack_small(tensors: Mapping[str, torch.Tensor]
+                ) -> tuple[list[list[Any]], list[bytes | memoryview]] | None:
+    """:func:`_describe`'s answer, made directly, for the common small message: tensors
+    of one allowed dtype, each on the CPU, non-empty and under PACK_BYTES, none
+    starting where the one before it ends, MAX_PACKED_BYTES in all (a small model's
+    gradient slices): one packed frame copied from them all, in order. None: any
+    other case, which :func:`_describe` takes the long way."""
+    if len(tensors) < 2:
+        return None
+    items = list(tensors.items())
+    dtype = items[0][1].dtype
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        return None
+    limit = PACK_BYTES // dtype.itemsize
+    entries: list[list[Any]] = []
+    flats: list[torch.Tensor] = []
+    offset = 0
+    end = -1  # where the tensor before ends, if contiguous (then it would start a run)
+    for key, t in items:
+        numel = t.numel()
+        if t.dtype is not dtype or not t.is_cpu or not 0 < numel < limit:
+            return None
+        ptr = t.data_ptr()
+        if ptr == end:
+            return None  # back to back with the one before: _describe sends them as a view
+        contiguous = t.is_contiguous()
+        end = ptr + numel * dtype.itemsize if contiguous else -1
+        entries.append([key, list(t.shape), offset])
+        offset += numel * dtype.itemsize
+        # 1-D contiguous tensors (gradient slices) as they are: a reshape costs a few us
+        flats.append(t if t.dim() == 1 and contiguous else t.reshape(-1))
+    if offset > MAX_PACKED_BYTES:
+        return None
+    return [[name, entries]], [_tensor_view(torch.cat(flats))]
 
 
 def _runs(items: list[tuple[str, torch.Tensor]]) -> list[list[tuple[str, torch.Tensor]]]:
@@ -370,13 +412,15 @@ _SEQ, _F, _T = _PACK.pack("seq"), _PACK.pack("f"), _PACK.pack("t")
 _OP_BYTES = {op: _PACK.pack(op.value) for op in Op}
 
 
-def encode(msg: Message, prepared: PreparedTensors | None = None) -> list[bytes | memoryview]:
+def encode(msg: Message, prepared: PreparedTensors | None = None, *,
+           matched: bool = False) -> list[bytes | memoryview]:
     """Turn a message into multipart frames; tensor frames share the tensors' memory.
 
     ``prepared``: the message's tensors made ready beforehand (used when it still
-    matches them). The caller must not modify the tensors until ZeroMQ has sent them.
+    matches them; ``matched``: the caller has just checked that it does). The caller
+    must not modify the tensors until ZeroMQ has sent them.
     """
-    if prepared is not None and prepared.matches(msg.tensors):
+    if prepared is not None and (matched or prepared.matches(msg.tensors)):
         # the same bytes as below: the map {"v", "op", "seq", "f", "t"} in this order
         # (packb, not the shared Packer: servers may run in threads of one process)
         head = b"".join((_HEAD_START, _OP_BYTES[msg.op], _SEQ, msgpack.packb(msg.seq), _F,
@@ -393,21 +437,32 @@ def _buffer(frame: Any) -> memoryview:
     return memoryview(buf)
 
 
+_OPS = {op.value: op for op in Op}
+_MISSING = object()
+# the schema as (name, is an integer, types, required) rows: the test per field the
+# same, without unpacking the schema's nested tuples per message
+_ROWS = {op: tuple((name, types is _INT, types, required)
+                   for name, (types, required) in schema.items())
+         for op, schema in _SCHEMA.items()}
+
+
 def _check_fields(op: Op, fields: Any) -> dict[str, Any]:
     if not isinstance(fields, dict):
         raise ProtocolError(ErrorCode.BAD_HEADER, "'f' must be a map")
-    schema = _SCHEMA[op]
-    for name, (types, required) in schema.items():
-        if name not in fields:
+    for name, integer, types, required in _ROWS[op]:
+        value = fields.get(name, _MISSING)
+        if value is _MISSING:
             if required:
                 raise ProtocolError(ErrorCode.BAD_FIELD, f"{op.value}: missing field {name!r}")
             continue
-        value = fields[name]
-        if types is _INT and (isinstance(value, bool) or not isinstance(value, int)):
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"{op.value}: {name!r} must be an integer")
-        if types is _INT and not -_INT_BOUND < value < _INT_BOUND:
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"{op.value}: {name!r} out of range")
-        if types is not _INT and types is not _ANY and not isinstance(value, types):
+        if integer:
+            if type(value) is not int and (isinstance(value, bool)
+                                           or not isinstance(value, int)):
+                raise ProtocolError(ErrorCode.BAD_FIELD,
+                                    f"{op.value}: {name!r} must be an integer")
+            if not -_INT_BOUND < value < _INT_BOUND:
+                raise ProtocolError(ErrorCode.BAD_FIELD, f"{op.value}: {name!r} out of range")
+        elif types is not _ANY and not isinstance(value, types):
             raise ProtocolError(
                 ErrorCode.BAD_FIELD,
                 f"{op.value}: {name!r} must be {types[0].__name__}, got {type(value).__name__}",
@@ -445,10 +500,10 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
             ErrorCode.PROTOCOL_VERSION,
             f"protocol version {version!r}; this side speaks {PROTOCOL_VERSION}",
         )
-    try:
-        op = Op(str(header.get("op")))
-    except ValueError as exc:
-        raise ProtocolError(ErrorCode.UNKNOWN_OP, f"unknown op {header.get('op')!r}") from exc
+    name = header.get("op")
+    op = _OPS.get(name) if type(name) is str else None  # (msgpack gives str, never a subclass)
+    if op is None:
+        raise ProtocolError(ErrorCode.UNKNOWN_OP, f"unknown op {name!r}")
     seq = header.get("seq", 0)
     if isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq < _INT_BOUND:
         raise ProtocolError(ErrorCode.BAD_HEADER, "'seq' must be a non-negative integer")
@@ -517,16 +572,24 @@ def _unpack(desc: list[Any], buf: memoryview, tensors: dict[str, torch.Tensor], 
     if len(tensors) + len(entries) > limits.max_tensors:
         raise ProtocolError(ErrorCode.TOO_LARGE, f"over {limits.max_tensors} tensors")
     itemsize = dtype.itemsize
-    flat = (torch.frombuffer(buf, dtype=dtype, count=buf.nbytes // itemsize)
-            if buf.nbytes >= itemsize else torch.empty(0, dtype=dtype))
+    max_key = limits.max_key_len
     end = 0
+    rows: list[tuple[str, list[int], int]] = []  # (key, shape, numel), checked
+    here: set[str] = set()  # this frame's keys so far
+    flat1d = True  # every entry 1-D: the views in one split() call
     for entry in entries:
         if type(entry) is not list or len(entry) != 3:
             raise ProtocolError(ErrorCode.BAD_TENSOR, "packed entry must be [key, shape, offset]")
         key, shape, offset = entry
-        _check_key(key, limits)
-        numel = _check_shape(key, shape, limits)
-        if key in tensors:
+        if type(key) is not str or not 0 < len(key) <= max_key:
+            _check_key(key, limits)  # raises
+        if (type(shape) is list and len(shape) == 1 and type(shape[0]) is int
+                and 0 <= shape[0] < _INT_BOUND and limits.max_ndim >= 1):
+            numel = shape[0]  # _check_shape's verdict on a 1-D shape, inline
+        else:
+            numel = _check_shape(key, shape, limits)
+            flat1d = False
+        if key in tensors or key in here:
             raise ProtocolError(ErrorCode.BAD_TENSOR, f"tensor key {key!r} appears twice")
         if type(offset) is not int or offset != end:
             raise ProtocolError(ErrorCode.BAD_TENSOR,
@@ -537,12 +600,24 @@ def _unpack(desc: list[Any], buf: memoryview, tensors: dict[str, torch.Tensor], 
                                 f"{key!r}: bytes {end}-{end + nbytes} past the frame's "
                                 f"{buf.nbytes}")
         total = _count(key, nbytes, total, limits)
-        # as_strided: the cheapest view torch makes (indexing costs twice as much)
-        tensors[key] = flat.as_strided(shape, _strides(shape), end // itemsize)
+        here.add(key)
+        rows.append((key, shape, numel))
         end += nbytes
     if end != buf.nbytes:
         raise ProtocolError(ErrorCode.BAD_TENSOR,
                             f"packed frame of {buf.nbytes} bytes, its tensors fill {end}")
+    flat = (torch.frombuffer(buf, dtype=dtype, count=buf.nbytes // itemsize)
+            if buf.nbytes >= itemsize else torch.empty(0, dtype=dtype))
+    if flat1d:
+        # the entries tile the frame exactly (checked): one call makes every view
+        for (key, _, _), view in zip(rows, flat.split([n for _, _, n in rows]), strict=True):
+            tensors[key] = view
+        return total
+    at = 0
+    for key, shape, numel in rows:
+        # as_strided: the cheapest view torch makes (indexing costs twice as much)
+        tensors[key] = flat.as_strided(shape, _strides(shape), at)
+        at += numel
     return total
 
 

@@ -283,7 +283,7 @@ class ShardServer:
         if answer is not None:
             self.outbox.send(identity, answer)
         if self.core is not None:
-            self._answer_pulls(time.monotonic())
+            self._answer_pulls(time.monotonic(), later=self._after_reply)
         if self._after_reply or (self.core is not None and self.core.probe.pending):
             self._run_after_reply()
         if lent and self.shm is not None and self._releases():
@@ -331,9 +331,10 @@ class ShardServer:
         if self.shm is not None and self.core is not None:
             self.shm.after_change(self.core.version)
 
-    def _answer_pulls(self, now: float) -> None:
+    def _answer_pulls(self, now: float, later: list[Callable[[], None]] | None = None) -> None:
+        """Send the pull replies whose gates opened; ``later``: see Outbox.answer_pulls."""
         assert self.core is not None
-        self.outbox.answer_pulls(self.core, now, self.observer)
+        self.outbox.answer_pulls(self.core, now, self.observer, later)
         if self.sparse is not None:  # sync sparse pushes are answered when their round closes
             self.sparse.maybe_close()
             for (identity, seq), outcome in self.sparse.take_ready():

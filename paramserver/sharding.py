@@ -24,6 +24,7 @@ example a tiny model on many shards); callers must allow an empty shard.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import heapq
 import json
@@ -472,10 +473,13 @@ class ShardPlan:
         """
         flat: dict[str, torch.Tensor] = {}
         for p in self.params:
-            flat[p.name] = self._checked(p, name_to_tensor).detach().reshape(-1)
+            t = self._checked(p, name_to_tensor).detach()
+            flat[p.name] = t if t.dim() == 1 else t.reshape(-1)  # 1-D: reshape is a no-op
         out: dict[int, dict[str, torch.Tensor]] = {k: {} for k in range(self.num_shards)}
         for s in self.slices:
-            out[s.shard][s.key] = flat[s.name][s.start : s.stop]
+            f = flat[s.name]
+            # a slice that is its whole parameter (a small model's): no view of a view
+            out[s.shard][s.key] = f if s.start == 0 and s.stop == f.numel() else f[s.start:s.stop]
         return out
 
     def assemble_into(
@@ -499,6 +503,8 @@ class ShardPlan:
             if value.dtype != DTYPES[s.dtype]:
                 raise ConfigError(f"slice {key!r} has dtype {value.dtype}, the plan says {s.dtype}")
             pending.setdefault(s.name, []).append((s, value))
+        if self._assemble_direct(name_to_tensor, pending):
+            return
         with torch.no_grad():  # targets are often nn.Parameters that require grad
             for name, items in pending.items():
                 target = self._checked(self._param[name], name_to_tensor)
@@ -508,6 +514,28 @@ class ShardPlan:
                     copy_bytes(flat[s.start : s.stop], value.detach())
                 if not target.is_contiguous():
                     target.copy_(flat.view(target.shape))
+
+    def _assemble_direct(self, name_to_tensor: Mapping[str, torch.Tensor],
+                         pending: Mapping[str, list[tuple[Slice, torch.Tensor]]]) -> bool:
+        """The common case of :meth:`assemble_into` (contiguous CPU targets and slices,
+        checked as it checks them) as one ``memmove`` per slice into the target's
+        bytes, without a view per slice (a few us each, which a small model's pull
+        is made of). False, with nothing copied: a case it leaves to the general path."""
+        targets = []
+        for name, items in pending.items():
+            target = self._checked(self._param[name], name_to_tensor)
+            if target.device.type != "cpu" or not target.is_contiguous():
+                return False
+            for _, value in items:
+                if value.device.type != "cpu" or not value.is_contiguous():
+                    return False
+            targets.append((target, items))
+        for target, items in targets:
+            base, size = target.data_ptr(), target.element_size()
+            for s, value in items:
+                if s.numel:  # (the numel check above proved value's size; memmove drops the GIL)
+                    ctypes.memmove(base + s.start * size, value.data_ptr(), s.numel * size)
+        return True
 
     def _checked(self, p: ParamSpec, name_to_tensor: Mapping[str, torch.Tensor]) -> torch.Tensor:
         t = name_to_tensor.get(p.name)

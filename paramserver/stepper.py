@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.optim import optimizer as hooks
 
 from .errors import ConfigError
 from .optim import build_optimizer, build_scheduler
@@ -44,7 +45,6 @@ def is_plain_sgd(optimizer: torch.optim.Optimizer) -> bool:
     if g.get("differentiable") or not isinstance(g.get("lr"), float | int):
         return False
     # a hook on this optimizer (or on every optimizer) expects step() to run
-    from torch.optim import optimizer as hooks
     return not (optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
                 or hooks._global_optimizer_pre_hooks or hooks._global_optimizer_post_hooks)
 

@@ -324,6 +324,20 @@ def _normalise_bind(address: str) -> str:
     return address
 
 
+# zmq's constants as plain ints: pyzmq's IntFlag arithmetic costs a few us per call
+_EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
+_SNDMORE = int(zmq.SNDMORE)
+
+
+def _send_frames(sock: zmq.Socket[Any], frames: Sequence[Any], *, copy: bool,
+                 track: bool = False) -> zmq.MessageTracker | None:
+    """``sock.send_multipart`` without its per-frame type check and flag arithmetic
+    (the frames here are :func:`encode`'s bytes and memoryviews, and a routing id)."""
+    last = len(frames) - 1
+    for i in range(last):
+        sock.send(frames[i], _SNDMORE, copy=copy, track=track)
+    return sock.send(frames[last], 0, copy=copy, track=track)
+
 #: messages zmq queues per peer on a server before it stops reading from that peer
 #: (1 stalls CURVE handshakes that go through a ZAP handler, with libzmq 4.3.5)
 RECV_QUEUE = 2
@@ -406,10 +420,10 @@ class RouterSocket:
         return bool(self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN)
 
     def recv_nowait(self) -> tuple[bytes, list[zmq.Frame]] | None:
-        if not self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        if not self.socket.getsockopt(_EVENTS) & _POLLIN:
             return None  # cheaper than the zmq.Again an empty recv raises
         try:
-            frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            frames = self.socket.recv_multipart(_NOBLOCK, copy=False)
         except zmq.Again:
             return None
         if len(frames) < 2:
@@ -428,21 +442,26 @@ class RouterSocket:
         return user if isinstance(user, str) else None
 
     def send(self, identity: bytes, msg: Message, *, track: bool = False,
-             prepared: PreparedTensors | None = None) -> zmq.MessageTracker | None:
+             prepared: PreparedTensors | None = None, matched: bool = False,
+             nbytes: int | None = None) -> zmq.MessageTracker | None:
         """Send ``msg`` to a peer. Tensor frames go zero-copy; with ``track`` the
         returned tracker tells when zmq no longer reads their memory.
 
         A message under ``ZERO_COPY_BYTES`` of tensors is copied instead and
         never tracked (None): a zero-copy frame costs a tracker and a release
         through pyzmq's garbage-collector thread, far more than copying a few KiB.
-        ``prepared``: the tensors' frames made beforehand (see :func:`encode`).
+        ``prepared``: the tensors' frames made beforehand (see :func:`encode`, and
+        ``matched``); ``nbytes``: ``msg.nbytes`` if the caller knows it already.
         """
-        frames = encode(msg, prepared)
-        small = msg.nbytes < ZERO_COPY_BYTES
+        frames = encode(msg, prepared, matched=matched)
+        small = (msg.nbytes if nbytes is None else nbytes) < ZERO_COPY_BYTES
         track = track and not small
         try:
-            self.socket.send(identity, zmq.SNDMORE)
-            res = self.socket.send_multipart(frames, copy=small, track=track)
+            if small:  # the routing id and the frames in one pass, all copied
+                res = _send_frames(self.socket, [identity, *frames], copy=True)
+            else:  # the routing id copied, the tensors lent (and tracked)
+                self.socket.send(identity, _SNDMORE)
+                res = _send_frames(self.socket, frames, copy=False, track=track)
         except zmq.ZMQError as exc:
             log.warning("dropping a reply to a peer that is gone: %s", exc)
             return None
@@ -522,7 +541,7 @@ class Channel:
         if self.shm is not None:
             msg = self._via_shm(msg, self.shm)
         try:
-            self.socket.send_multipart(encode(msg), copy=False)
+            _send_frames(self.socket, encode(msg), copy=False)
         except zmq.ZMQError as exc:
             raise TransportError(f"cannot send to {self.peer} at {self.address}: {exc}") from exc
 
@@ -548,8 +567,10 @@ class Channel:
         return Message(msg.op, msg.seq, {**fields, **extra}, tensors) if extra else msg
 
     def recv_nowait(self) -> Message | None:
+        if not self.socket.getsockopt(_EVENTS) & _POLLIN:
+            return None  # (as RouterSocket.recv_nowait)
         try:
-            frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            frames = self.socket.recv_multipart(_NOBLOCK, copy=False)
         except zmq.Again:
             return None
         if self._drop():
@@ -664,7 +685,7 @@ def request_all(
                                       f"it running and reachable?)")
         for sock, _ in poller.poll(max(1, int(remaining * 1000))):
             ch, table = slots[sock]
-            while True:
+            while missing:  # once every reply is in, nothing more is read
                 rep = ch.recv_nowait()
                 if rep is None:
                     break
