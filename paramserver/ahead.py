@@ -36,7 +36,12 @@ if TYPE_CHECKING:
     from .flat import FlatLayout
     from .rounds import SyncRound
 
-__all__ = ["AheadSlot", "StepAhead"]
+__all__ = ["REST_ROUNDS", "AheadSlot", "StepAhead"]
+
+#: at most this many rounds a shard does not step ahead after a part found more
+#: work waiting (1, 2, 4, ... after tries in a row that did): the parts of such
+#: pushes come back to back, and each try would cost its first part
+REST_ROUNDS = 16
 
 
 class AheadSlot(Protocol):
@@ -67,6 +72,8 @@ class StepAhead:
         # more than the step at the close (it writes a second buffer), so it only
         # pays while the shard would otherwise wait for the next part
         self.busy: Callable[[], bool] | None = None
+        self.rest = 0  # rounds left not to try (parts came back to back lately)
+        self.misses = 0  # tries in a row that found the shard busy
         self.active: bool | None = None  # None: not begun this round; False: dropped
         self.alpha = 0.0  # the step's -lr / divisor the next weights were computed with
         self.next: dict[str, torch.Tensor] = {}
@@ -78,8 +85,13 @@ class StepAhead:
         """``w + alpha * g`` for the keys of one part of the round's lone push."""
         if self.active is False:
             return
+        if self.active is None and self.rest > 0:
+            self.active = False
+            return
         if self.busy is not None and self.busy():
             self.drop()
+            self.rest = min(REST_ROUNDS, 1 << self.misses)
+            self.misses += 1
             return
         if self.active is None:
             if not self._begin():
@@ -124,6 +136,8 @@ class StepAhead:
             done = True
         self._reset()
         self.committed += done
+        if done:
+            self.misses = 0
         return done
 
     def _swap(self) -> None:
@@ -150,6 +164,7 @@ class StepAhead:
 
     def end_round(self) -> None:
         """The round closed (stepped or not): the next one starts afresh."""
+        self.rest = max(0, self.rest - 1)
         if self.active:
             self.drop()
         self._reset()

@@ -403,3 +403,27 @@ def test_a_lone_push_given_up_half_way_lets_its_tensors_go():
     assert core.round.void and core.round.held == {} and not core.ahead.active
     assert core.version == 0
     assert all(torch.equal(p, before[k]) for k, p in core.params.items())
+
+
+def test_a_busy_shard_does_not_step_ahead_and_rests_a_while():
+    """A part that finds more work waiting drops the try (stepping ahead costs more
+    than the step at the close); the next tries back off (1, 2, 4, ... rounds) and
+    a round stepped ahead again resets that. The results are the same either way."""
+    from paramserver.ahead import REST_ROUNDS
+    core = make_core(1, momentum=0.0)
+    busy = [True]
+    core.ahead.busy = lambda: busy[0]
+    rested = []
+    for step in range(6):
+        before = {k: p.clone() for k, p in core.params.items()}
+        g = gradient(0, step)
+        push_parts(core, 0, step + 1, split(g, [2, 3]), clock=step)
+        assert all(torch.equal(p, before[k].add(g[k], alpha=-0.1))
+                   for k, p in core.params.items())
+        rested.append(core.ahead.rest)
+    assert core.ahead.committed == 0 and core.version == 6
+    assert rested == [0, 1, 0, 3, 2, 1] and REST_ROUNDS >= 4  # tried at rounds 0, 1, 3
+    busy[0] = False
+    for step in range(6, 6 + 4):
+        push_parts(core, 0, step + 1, split(gradient(0, step), [2, 3]), clock=step)
+    assert core.ahead.committed >= 1 and core.ahead.misses == 0
