@@ -81,11 +81,16 @@ class StepAhead:
         self.on_board = False
         self.committed = 0  # rounds whose step was taken ahead
 
-    def part(self, grads: Mapping[str, torch.Tensor], alpha: float) -> None:
-        """``w + alpha * g`` for the keys of one part of the round's lone push."""
+    def part(self, grads: Mapping[str, torch.Tensor], alpha: float | None, more: bool) -> None:
+        """``w + alpha * g`` for the keys of one part of the round's lone push; ``more``:
+        later parts are still to come (a round is begun only then); ``alpha`` None:
+        the step's rate is not known before the close, so nothing is done ahead."""
         if self.active is False:
             return
-        if self.active is None and self.rest > 0:
+        if alpha is None:
+            self.drop()
+            return
+        if self.active is None and (not more or self.rest > 0):
             self.active = False
             return
         if self.busy is not None and self.busy():
@@ -156,6 +161,8 @@ class StepAhead:
 
     def drop(self) -> None:
         """Forget what was computed this round (it stays dropped until the round ends)."""
+        if self.active is False:
+            return
         if self.active and self.on_board and self.slot is not None:
             self.slot.drop()
         self.active = False

@@ -482,16 +482,11 @@ class ShardCore(Membership):
         alpha = stream.info.num_samples * decision.weight
         alone = self._alone(stream.info.worker)
         self.round.add(stream, grads, alpha, borrow=alone)
-        # ahead of the close only while later parts are still to come
-        last = len(stream.received) == stream.parts
-        if alone and (self.ahead.active or (self.ahead.active is None and not last)):
+        if alone:
             # the divisor the round will close with (SyncRound.close: samples / factor)
             rate = self.stepper.fused_alpha(stream.info.num_samples / alpha)
-            if rate is None:
-                self.ahead.drop()
-            else:
-                self.ahead.part(grads, rate)
-        elif self.ahead.active:  # not alone any more (the buffer may be written now)
+            self.ahead.part(grads, rate, more=len(stream.received) < stream.parts)
+        else:  # not alone (any more): the buffer may be written now
             self.ahead.drop()
 
     def _alone(self, worker: int) -> bool:

@@ -24,6 +24,7 @@ __all__ = [
     "TASK_DTYPES",
     "WIRE_DTYPES",
     "copy_bytes",
+    "copy_to_address",
     "dtype_name",
     "to_dtype",
 ]
@@ -81,6 +82,13 @@ def dtype_name(dtype: torch.dtype, allowed: dict[str, torch.dtype] = DTYPES) -> 
     return name
 
 
+def copy_to_address(address: int, src: torch.Tensor) -> None:
+    """The bytes of ``src`` (contiguous, on the CPU) to ``address``: one ``memmove``
+    on the calling thread, which releases the GIL (see :func:`copy_bytes`)."""
+    if src.numel():
+        ctypes.memmove(address, src.data_ptr(), src.numel() * src.element_size())
+
+
 def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst.copy_(src)`` for the transport's copies, on the calling thread alone.
 
@@ -93,8 +101,7 @@ def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
     """
     if (dst.device.type == "cpu" and src.device.type == "cpu" and dst.dtype == src.dtype
             and dst.numel() == src.numel() and dst.is_contiguous() and src.is_contiguous()):
-        if dst.numel():
-            ctypes.memmove(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size())
+        copy_to_address(dst.data_ptr(), src)
         return
     dst.copy_(src.reshape(dst.shape) if src.shape != dst.shape and src.numel() == dst.numel()
               else src)

@@ -146,13 +146,13 @@ class Outbox:
                                    self._prepared(core))
             if ready.token in self.observer_pulls:
                 self.observer_pulls.discard(ready.token)
-            elif later is not None:
-                later.append(partial(observer.pull, ready.worker,
-                                     ready.waited + time.monotonic() - now, ready.waited,
-                                     nbytes))
+                continue
+            record = partial(observer.pull, ready.worker,
+                             ready.waited + time.monotonic() - now, ready.waited, nbytes)
+            if later is not None:
+                later.append(record)
             else:
-                observer.pull(ready.worker, ready.waited + time.monotonic() - now,
-                              ready.waited, nbytes)
+                record()
 
     def forget(self, known: Collection[int]) -> None:
         """Drop parked push-with-pull answers of workers the core no longer knows."""

@@ -44,19 +44,17 @@ def sample_stride(numel: int) -> int:
 
 
 def sample(t: torch.Tensor, stride: int) -> torch.Tensor:
-    """Every ``stride``-th element of ``t`` (a view)."""
-    flat = t.detach().reshape(-1)
+    """Every ``stride``-th element of ``t`` (a view; a 1-D tensor is not reshaped:
+    a gradient slice, a few us per push saved)."""
+    flat = t.detach()
+    if flat.dim() != 1:
+        flat = flat.reshape(-1)
     return flat if stride == 1 else flat[::stride]
 
 
 def _flat_sample(t: torch.Tensor, stride: int, dtype: torch.dtype) -> torch.Tensor:
-    """``sample(t, stride)`` in ``dtype``, without the calls a 1-D tensor already in
-    ``dtype`` does not need (a gradient slice: a few us per push saved)."""
-    flat = t.detach()
-    if flat.dim() != 1:
-        flat = flat.reshape(-1)
-    if stride != 1:
-        flat = flat[::stride]
+    """:func:`sample` in ``dtype`` (no conversion call when it already is)."""
+    flat = sample(t, stride)
     return flat if flat.dtype == dtype else flat.to(dtype)
 
 

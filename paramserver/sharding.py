@@ -24,7 +24,6 @@ example a tiny model on many shards); callers must allow an empty shard.
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import heapq
 import json
@@ -36,7 +35,7 @@ from typing import Any
 
 import torch
 
-from .dtypes import PARAM_DTYPES, copy_bytes, dtype_name
+from .dtypes import PARAM_DTYPES, copy_bytes, copy_to_address, dtype_name
 from .errors import ConfigError, RegistryError
 from .sparse import TableSpec
 
@@ -532,9 +531,8 @@ class ShardPlan:
             targets.append((target, items))
         for target, items in targets:
             base, size = target.data_ptr(), target.element_size()
-            for s, value in items:
-                if s.numel:  # (the numel check above proved value's size; memmove drops the GIL)
-                    ctypes.memmove(base + s.start * size, value.data_ptr(), s.numel * size)
+            for s, value in items:  # (the numel check above proved value's size)
+                copy_to_address(base + s.start * size, value)
         return True
 
     def _checked(self, p: ParamSpec, name_to_tensor: Mapping[str, torch.Tensor]) -> torch.Tensor:

@@ -417,10 +417,10 @@ class RouterSocket:
 
     def pending(self) -> bool:
         """Whether a message is waiting to be received."""
-        return bool(self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+        return bool(self.socket.getsockopt(_EVENTS) & _POLLIN)
 
     def recv_nowait(self) -> tuple[bytes, list[zmq.Frame]] | None:
-        if not self.socket.getsockopt(_EVENTS) & _POLLIN:
+        if not self.pending():
             return None  # cheaper than the zmq.Again an empty recv raises
         try:
             frames = self.socket.recv_multipart(_NOBLOCK, copy=False)
