@@ -449,7 +449,8 @@ class ShardCore(Membership):
             reason = decision.reason
         if decision is None:
             state.rejected[reason] += 1
-        return Stream(push_id, parts, info, decision, reason, measure=self.probe.push_begins())
+        return Stream(push_id, parts, info, decision, reason,
+                      measure=self.probe.push_begins(state.worker))
 
     def _drop_unfinished(self, worker: int, why: str) -> None:
         """``worker`` is gone or starts over: its push in parts is given up, and if it

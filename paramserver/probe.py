@@ -22,7 +22,7 @@ import torch
 from .dtypes import NARROW_DTYPES
 from .errors import ConfigError
 
-__all__ = ["GradStats", "Probe", "PushMeasure", "StepStats", "all_finite", "l2",
+__all__ = ["GradStats", "MeasureBudget", "Probe", "PushMeasure", "StepStats", "all_finite", "l2",
            "norm_and_span", "sample", "sample_stride", "span", "total_norm"]
 
 _OBSERVE_ELEMENTS = 1 << 22  # shards up to this size are measured on every push (observe)
@@ -141,6 +141,47 @@ def l2(t: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(t))
 
 
+class MeasureBudget:
+    """Keeps measuring pushes within ``share`` of a shard's wall time.
+
+    A shard that measures every push of a small, fast model spends about a
+    third of its time on it (docs/performance.md). Past ``share`` of the wall
+    time over a ``window``, one push in ``level`` per worker is measured, the
+    level doubling up to ``MAX_LEVEL``; it halves again once measuring costs
+    under a quarter of ``share`` (the gap stops it from flapping). A shard that
+    is idle between pushes stays at level 1: every push measured. Pure: the
+    caller passes the time spent and the clock.
+    """
+
+    MAX_LEVEL = 64
+
+    def __init__(self, share: float, window: float = 0.25) -> None:
+        if not 0.0 <= share <= 1.0:
+            raise ConfigError(f"observe_budget must be in [0, 1] (0: no limit), got {share}")
+        self.share = share
+        self.window = window
+        self.level = 1
+        self._spent = 0.0
+        self._since: float | None = None
+
+    def spent(self, seconds: float, now: float) -> int:
+        """Measuring took ``seconds`` up to ``now``; returns the level to measure at."""
+        if not self.share:
+            return 1
+        if self._since is None:
+            self._since = now - seconds
+        self._spent += seconds
+        elapsed = now - self._since
+        if elapsed >= self.window:
+            used = self._spent / elapsed
+            if used > self.share:
+                self.level = min(self.level * 2, self.MAX_LEVEL)
+            elif used < self.share / 4 and self.level > 1:
+                self.level //= 2
+            self._spent, self._since = 0.0, now
+        return self.level
+
+
 @dataclass(frozen=True)
 class GradStats:
     """One push's gradient on this shard, for metrics and the watchdog."""
@@ -191,6 +232,9 @@ class Probe:
         self.observer: Callable[[GradStats | StepStats], None] | None = None
         self._every = 1
         self._observed = 0  # pushes seen by the observer hook (sampling counter)
+        # measure one push in ``shed`` per worker (set from a MeasureBudget; 1: all)
+        self.shed = 1
+        self._seen: dict[int, int] = {}  # worker -> pushes seen (the shed's counter)
         self._measure_step = False
         self._decay: float | None = None
         self._grad_ema: torch.Tensor | None = None  # the running mean, sampled and flat
@@ -232,13 +276,19 @@ class Probe:
 
     # ------------------------------------------------------------------ pushes
 
-    def push_begins(self) -> PushMeasure | None:
-        """A new push: where to sum its statistics, or None when it is not measured."""
+    def push_begins(self, worker: int = -1) -> PushMeasure | None:
+        """A new push from ``worker``: where to sum its statistics, or None when it is
+        not measured (one in ``every``, and one in ``shed`` of each worker's: counted
+        per worker, so that workers pushing in turn are all measured)."""
         if self.observer is None:
             return None
         self._observed += 1
-        self._measure_step = self._observed % self._every == 0
-        return PushMeasure() if self._measure_step else None
+        measure = self._observed % self._every == 0
+        if self.shed > 1:
+            seen = self._seen[worker] = self._seen.get(worker, 0) + 1
+            measure = measure and seen % self.shed == 0
+        self._measure_step = measure
+        return PushMeasure() if measure else None
 
     @property
     def pending(self) -> bool:
@@ -381,7 +431,7 @@ class Probe:
             self.flush()
         groups = optimizer.param_groups
         measure = self.observer is not None and (
-            self._measure_step or self._sync or self._every == 1)
+            self._measure_step or self._sync or (self._every == 1 and self.shed == 1))
         # plain SGD moves the weights by exactly lr * |grad|: no copy needed to measure it
         plain_sgd = type(optimizer) is torch.optim.SGD and all(
             not g.get("momentum") and not g.get("weight_decay") for g in groups)

@@ -40,6 +40,7 @@ from .metrics import MetricsExporter, TensorBoardWriter
 from .observe import ShardObserver
 from .outbox import Outbox
 from .parts import JoinedParts, StreamedParts, part_of
+from .probe import MeasureBudget
 from .proctitle import set_title
 from .protocol import PROTOCOL_VERSION, Message, Op, decode, error_reply, reply
 from .sharding import ShardPlan
@@ -102,6 +103,8 @@ class ShardServer:
             every=config.checkpoint_every, seconds=config.checkpoint_seconds)
         self.watchdog = Watchdog(config.shard, config.watchdog_config(),
                                  bounded_lag=config.mode != "async")
+        # how much of the pushes the probe measures, kept within a share of the time
+        self.measure_budget = MeasureBudget(self.watchdog.config.observe_budget)
         self.observer = ShardObserver(
             config.shard, self.events, self.watchdog, interval=config.metrics_interval,
             tensorboard=(TensorBoardWriter(Path(config.tensorboard) / f"shard{config.shard}")
@@ -305,11 +308,15 @@ class ShardServer:
         first, then what reads them); an alarm it raises acts now, before the next
         message is handled."""
         if self.core is not None and self.core.probe.pending:
+            probe = self.core.probe
+            t0 = time.perf_counter()
             try:
-                self.core.probe.flush()
+                probe.flush()
             except Exception:  # observation must not take the server down
                 self.counters["error_internal"] += 1
                 log.exception("measuring a push failed")
+            t1 = time.perf_counter()
+            probe.shed = self.measure_budget.spent(t1 - t0, t1)
         work, self._after_reply = self._after_reply, []
         for fn in work:
             try:
@@ -691,6 +698,7 @@ class ShardServer:
             "uptime": time.time() - self.started_at,
             "counters": dict(self.counters),
             "metrics_port": self.metrics_port,
+            "measured_one_in": self.measure_budget.level,
             "observed": self.observer.summary(),
         }
         if self.core is not None:

@@ -79,6 +79,8 @@ class WatchdogConfig:
     disable: tuple[str, ...] = ()  # signals to leave out
     cooldown: int = 1000  # pushes before the same (signal, worker) may fire again
     observe_every: int = 0  # measure gradient and update norms on one push in N; 0: by size
+    # share of a shard's wall time measuring may take before pushes are sampled (0: no limit)
+    observe_budget: float = 0.1
     # update-to-weight ratio per optimizer step
     ratio_low: float = 1e-7  # below float32 resolution: updates round away
     ratio_high: float = 0.2  # a fifth of the weights' norm in one step: blow-up
@@ -132,6 +134,8 @@ class WatchdogConfig:
                      "staleness_window", "zero_window", "cosine_window"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"watchdog: {name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.observe_budget <= 1.0:
+            raise ConfigError("watchdog: observe_budget must be in [0, 1] (0: no limit)")
         if not 0 <= self.ratio_low < self.ratio_high:
             raise ConfigError("watchdog: need 0 <= ratio_low < ratio_high")
         if not 0 < self.reject_max <= 1 or not 0 < self.lag_fraction <= 1:

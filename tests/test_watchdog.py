@@ -340,6 +340,58 @@ def test_core_measures_big_shards_one_push_in_n_by_default(monkeypatch):
     assert sum(isinstance(s, GradStats) for s in seen) == 3
 
 
+def test_a_shedding_core_measures_each_workers_pushes_in_turn():
+    """Shed to one push in 2 per worker: workers pushing in turn (0, 1, 0, 1, ...) are
+    both measured, each on its 2nd, 4th, ... push; a shard-wide count would measure
+    one worker only."""
+    import torch
+
+    from paramserver.core import CoreConfig, GradStats, ModeSpec, ShardCore, SliceSpec
+
+    core = ShardCore([SliceSpec("a", 4, "float32")],
+                     CoreConfig(mode=ModeSpec("async"), expected_workers=2))
+    seen: list = []
+    core.observe(seen.append)
+    core.probe.shed = 2
+    for w in (0, 1):
+        core.register(w, "x", 0.0)
+    core.initialize({"a": torch.zeros(4)})
+    for i in range(4):
+        for w in (0, 1):
+            core.push(w, i + 1, i, core.version, 1, {"a": torch.full((4,), w + 1.0)}, 0.0)
+    grads = [s for s in seen if isinstance(s, GradStats)]
+    assert [g.worker for g in grads] == [0, 1, 0, 1]
+    assert len(seen) == 8  # each measured push and the step it caused
+    core.probe.shed = 1  # back to every push
+    core.push(0, 9, 4, core.version, 1, {"a": torch.ones(4)}, 0.0)
+    assert len(seen) == 10
+
+
+def test_the_measure_budget_sheds_past_its_share_and_comes_back():
+    from paramserver.errors import ConfigError
+    from paramserver.probe import MeasureBudget
+
+    budget = MeasureBudget(0.1, window=1.0)
+    now = 0.0
+    for _ in range(10):  # measuring takes half the time: one in 2, 4, ... up to the cap
+        now += 1.0
+        budget.spent(0.5, now)
+    assert budget.level == MeasureBudget.MAX_LEVEL
+    now += 1.0
+    assert budget.spent(0.05, now) == MeasureBudget.MAX_LEVEL  # within the share: kept
+    for _ in range(10):  # then under a quarter of it: back to every push
+        now += 1.0
+        budget.spent(0.001, now)
+    assert budget.level == 1
+    idle = MeasureBudget(0.1, window=1.0)
+    for i in range(1, 20):  # a shard idle between pushes stays at every push
+        idle.spent(0.05, float(i))
+    assert idle.level == 1
+    assert MeasureBudget(0.0).spent(10.0, 1.0) == 1  # 0: no limit
+    with pytest.raises(ConfigError):
+        MeasureBudget(1.5)
+
+
 @pytest.mark.parametrize(("cat_elements", "momentum", "mode"), [
     (1 << 16, 0.9, "async"),  # one flat copy of the sample
     (0, 0.9, "async"),  # per-slice views
