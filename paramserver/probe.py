@@ -208,6 +208,9 @@ class PushMeasure:
     exact_sq: float = 0.0  # |g|^2 over every element
     sampled_sq: float = 0.0  # |g|^2 over the sampled elements
     dot: float = 0.0  # <sampled g, running mean before this push>
+    # False: shed by the budget; only the norm (the finite check's, no extra pass) is
+    # reported, and neither the running mean nor the step is measured
+    full: bool = True
 
 
 @dataclass
@@ -278,17 +281,21 @@ class Probe:
 
     def push_begins(self, worker: int = -1) -> PushMeasure | None:
         """A new push from ``worker``: where to sum its statistics, or None when it is
-        not measured (one in ``every``, and one in ``shed`` of each worker's: counted
-        per worker, so that workers pushing in turn are all measured)."""
+        not measured (one in ``every``). Of those, one in ``shed`` of each worker's is
+        measured in full (counted per worker, so that workers pushing in turn are all
+        measured); the others report their norm only."""
         if self.observer is None:
             return None
         self._observed += 1
-        measure = self._observed % self._every == 0
+        if self._observed % self._every:
+            self._measure_step = False
+            return None
+        full = True
         if self.shed > 1:
             seen = self._seen[worker] = self._seen.get(worker, 0) + 1
-            measure = measure and seen % self.shed == 0
-        self._measure_step = measure
-        return PushMeasure() if measure else None
+            full = seen % self.shed == 0
+        self._measure_step = full
+        return PushMeasure(full=full)
 
     @property
     def pending(self) -> bool:
@@ -309,7 +316,9 @@ class Probe:
         """Add one part of a push (or a whole push) to its statistics ``m`` (now, or
         at :meth:`flush` when deferred). ``norm``, ``flat``: the gradients' norm and
         :func:`span` if known (``flat`` False: not looked for yet)."""
-        if self.defer:
+        if not m.full and norm is not None:  # the norm only: no pass over the push
+            m.exact_sq += norm * norm
+        elif self.defer:
             self._queue.append(lambda: self._measure(m, grads, norm, flat))
         else:
             self._measure(m, grads, norm, flat)
@@ -342,7 +351,7 @@ class Probe:
         if norm is None:
             norm, flat = norm_and_span(list(grads.values()))
         m.exact_sq += norm * norm
-        if self._decay is None or not math.isfinite(norm):
+        if self._decay is None or not math.isfinite(norm) or not m.full:
             return
         if self._grad_ema is None:
             sizes = [sample(p, self.stride).numel() for p in self.params.values()]
@@ -410,7 +419,7 @@ class Probe:
         """One push's :class:`GradStats` from its summed statistics; moves |mean|^2 on."""
         exact = math.sqrt(m.exact_sq) if math.isfinite(m.exact_sq) else m.exact_sq
         decay = self._decay
-        if decay is None or not math.isfinite(m.exact_sq):
+        if decay is None or not math.isfinite(m.exact_sq) or not m.full:
             return GradStats(worker, exact, None)
         norm = math.sqrt(m.sampled_sq)
         mean_sq = self._ema_sq

@@ -79,8 +79,9 @@ class WatchdogConfig:
     disable: tuple[str, ...] = ()  # signals to leave out
     cooldown: int = 1000  # pushes before the same (signal, worker) may fire again
     observe_every: int = 0  # measure gradient and update norms on one push in N; 0: by size
-    # share of a shard's wall time measuring may take before pushes are sampled (0: no limit)
-    observe_budget: float = 0.1
+    # share of a shard's wall time measuring may take before pushes are sampled (0: no
+    # limit, every push measured: alarms then come within the same pushes on any load)
+    observe_budget: float = 0.0
     # update-to-weight ratio per optimizer step
     ratio_low: float = 1e-7  # below float32 resolution: updates round away
     ratio_high: float = 0.2  # a fifth of the weights' norm in one step: blow-up

@@ -10,6 +10,7 @@ import torch
 
 from paramserver.server import ServerConfig
 from paramserver.sharding import ParamSpec, ShardPlan
+from paramserver.watchdog import WatchdogConfig
 from paramserver.workers.client import PSClient, server_stats
 from paramserver.workers.launch.cluster import ClusterSpec, LocalCluster
 from paramserver.workers.worker import WorkerConfig
@@ -53,6 +54,6 @@ def test_a_shard_over_its_measuring_budget_samples_pushes(tmp_path: Path) -> Non
     assert levels[-1] > 1, levels
 
 
-def test_no_budget_measures_every_push(tmp_path: Path) -> None:
-    levels = _level_after_pushes(tmp_path, 0.0, 600)
+def test_by_default_every_push_is_measured(tmp_path: Path) -> None:
+    levels = _level_after_pushes(tmp_path, WatchdogConfig().observe_budget, 600)
     assert levels == [1] * 6

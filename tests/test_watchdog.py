@@ -342,16 +342,16 @@ def test_core_measures_big_shards_one_push_in_n_by_default(monkeypatch):
 
 def test_a_shedding_core_measures_each_workers_pushes_in_turn():
     """Shed to one push in 2 per worker: workers pushing in turn (0, 1, 0, 1, ...) are
-    both measured, each on its 2nd, 4th, ... push; a shard-wide count would measure
-    one worker only."""
+    both measured in full, each on its 2nd, 4th, ... push (a shard-wide count would
+    measure one worker only); every push still reports its exact norm."""
     import torch
 
-    from paramserver.core import CoreConfig, GradStats, ModeSpec, ShardCore, SliceSpec
+    from paramserver.core import CoreConfig, GradStats, ModeSpec, ShardCore, SliceSpec, StepStats
 
     core = ShardCore([SliceSpec("a", 4, "float32")],
                      CoreConfig(mode=ModeSpec("async"), expected_workers=2))
     seen: list = []
-    core.observe(seen.append)
+    core.observe(seen.append, cosine_decay=0.5)
     core.probe.shed = 2
     for w in (0, 1):
         core.register(w, "x", 0.0)
@@ -360,11 +360,15 @@ def test_a_shedding_core_measures_each_workers_pushes_in_turn():
         for w in (0, 1):
             core.push(w, i + 1, i, core.version, 1, {"a": torch.full((4,), w + 1.0)}, 0.0)
     grads = [s for s in seen if isinstance(s, GradStats)]
-    assert [g.worker for g in grads] == [0, 1, 0, 1]
-    assert len(seen) == 8  # each measured push and the step it caused
+    assert [g.worker for g in grads] == [0, 1] * 4
+    assert [g.norm for g in grads] == [2.0, 4.0] * 4  # exact, measured or not
+    full = [i for i, g in enumerate(grads) if g.cosine is not None]
+    # each worker's 2nd and 4th push (2, 3, 6, 7); the first of them (2) has no mean yet
+    assert full == [3, 6, 7]
+    assert sum(isinstance(s, StepStats) for s in seen) == 4  # the full pushes' steps
     core.probe.shed = 1  # back to every push
     core.push(0, 9, 4, core.version, 1, {"a": torch.ones(4)}, 0.0)
-    assert len(seen) == 10
+    assert isinstance(seen[-1], StepStats) and seen[-2].cosine is not None
 
 
 def test_the_measure_budget_sheds_past_its_share_and_comes_back():
