@@ -6,9 +6,10 @@ replies possibly much later, when the core's gates open) and writes the JSONL
 event log. It never lets one bad message stop it: every failure becomes an
 ERROR reply with a code, and the core's state is untouched.
 
-Its parts live beside it: access.py (who may do what under CURVE), parts.py
-(pushes sent in parts), outbox.py (replies, parked pulls and the zero-copy
-sends of the weights) and checkpointer.py (checkpoints and resuming).
+Its parts live beside it: peers.py (the HELLO, HEARTBEAT and BYE handlers),
+access.py (who may do what under CURVE), parts.py (pushes sent in parts),
+outbox.py (replies, parked pulls and the zero-copy sends of the weights) and
+checkpointer.py (checkpoints and resuming).
 """
 
 from __future__ import annotations
