@@ -29,6 +29,7 @@ __all__ = ["OPS", "SESSIONS", "main"]
 OPS: dict[str, str] = {
     "raw_serve": "paramserver.benchmarks.raw:serve",
     "raw_stop": "paramserver.benchmarks.raw:stop_op",
+    "raw_async": "paramserver.benchmarks.raw:async_run",
     "ps_stop": "paramserver.benchmarks.ps:stop_op",
     "ps_serve": "paramserver.benchmarks.ps:serve",
     "ps_async": "paramserver.benchmarks.ps:async_run",

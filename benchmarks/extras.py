@@ -7,6 +7,9 @@
   worker is running.
 * :func:`run_async_ray`: the same for Ray's actor parameter server (one actor,
   a step per push), counted on the actor.
+* :func:`run_async_raw`: the same for the raw pyzmq loop (one shard, a step
+  per push, the model as one array): the limit on this machine, counted on
+  the workers.
 * :func:`run_memory`: peak RSS of one sync shard with N workers, above the
   RSS it had when it started listening (interpreter, torch, zmq), against its
   weights + optimizer state + one aggregation buffer.
@@ -24,8 +27,9 @@ from typing import Any
 from paramserver.workers.client import server_stats, shutdown_servers
 
 from .common import Agent, close_all, cpu_seconds, descendants
+from .raw import stop as raw_stop
 
-__all__ = ["run_async", "run_async_ray", "run_memory", "run_overlap"]
+__all__ = ["run_async", "run_async_raw", "run_async_ray", "run_memory", "run_overlap"]
 
 _TIMEOUT = 600.0
 
@@ -132,6 +136,50 @@ def run_async_ray(workers: int = 4, nbytes: int = 4096, pieces: int = 8,
                 "window_s": t1 - t0}
     finally:
         stop.touch()
+        close_all(agents)
+        shutil.rmtree(stop.parent, ignore_errors=True)
+
+
+def run_async_raw(workers: int = 4, nbytes: int = 4096, seconds: float = 3.0,
+                  lr: float = 1e-3, log_dir: Path | None = None) -> dict[str, Any]:
+    """Model updates/s of the raw pyzmq loop, as :func:`run_async` counts them: a raw
+    shard that steps on every push (raw.serve with one worker per step) and
+    ``workers`` raw workers pushing + pulling as fast as they can. Counted on the
+    workers (the raw shard keeps no count a peer can ask for): the sum of their
+    rates over the same window. With several workers a zero-copy reply may still
+    be read while the next push's step writes the array: the loop measures speed,
+    not content."""
+    server = Agent("async-raw-server", log_dir)
+    agents = [server]
+    stop = Path(tempfile.mkdtemp(prefix="ps-bench-")) / "stop"
+    address = None
+    try:
+        server.send("raw_serve", workers=1, lr=lr)
+        address = server.read(_TIMEOUT)["address"]
+        ws = [Agent(f"async-raw-worker{r}", log_dir) for r in range(workers)]
+        agents += ws
+        for a in ws:
+            a.send("raw_async", addresses=[address], numel=nbytes // 4, warmup=20,
+                   stop_file=str(stop))
+        for a in ws:
+            a.read(_TIMEOUT)
+        time.sleep(0.5)
+        pids = [a.pid for a in agents]
+        c0, t0 = cpu_seconds(pids), time.perf_counter()
+        time.sleep(seconds)
+        c1, t1 = cpu_seconds(pids), time.perf_counter()
+        stop.touch()
+        results = [a.read(_TIMEOUT) for a in ws]
+        rates = [r["pushes"] / r["seconds"] for r in results]
+        rate = sum(rates)
+        return {"workers": workers, "shards": 1, "bytes": nbytes, "tensors": 1,
+                "system": "raw", "model_updates_per_s": rate, "shard_updates_per_s": rate,
+                "cpu_s_per_model_update": (c1 - c0) / max(1e-9, rate * (t1 - t0)),
+                "worker_pushes_per_s": rates, "window_s": t1 - t0}
+    finally:
+        stop.touch()
+        if address is not None:
+            raw_stop([address], timeout_ms=2000)
         close_all(agents)
         shutil.rmtree(stop.parent, ignore_errors=True)
 

@@ -17,6 +17,8 @@ This module imports neither torch nor the project's server code.
 from __future__ import annotations
 
 import itertools
+import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,7 +26,7 @@ import zmq
 
 from .common import FixedSizeSession, split_range
 
-__all__ = ["RawSession", "serve", "stop", "stop_op"]
+__all__ = ["RawSession", "async_run", "serve", "stop", "stop_op"]
 
 _TIMEOUT_MS = 300_000
 _F32 = np.dtype(np.float32)
@@ -126,6 +128,27 @@ class RawSession(FixedSizeSession):
         for s in self.socks:
             s.close(0)
         return {"checksum": float(self.weights[:16].sum())}
+
+
+def async_run(args: dict[str, Any], announce: Any) -> dict[str, Any]:
+    """The async limit: one raw worker's push + pull rounds, as fast as it can, against
+    a raw shard serving one worker at a time (``workers`` 1: a step per push), until
+    ``stop_file`` exists. Announces ``{"running": true}`` after the warm-up; returns
+    its rounds and the seconds they took."""
+    session = RawSession(args)
+    stop_file = Path(args["stop_file"])
+    try:
+        for _ in range(int(args.get("warmup", 50))):
+            session.one_round()
+        announce({"running": True})
+        rounds, t0 = 0, time.perf_counter()
+        while not stop_file.exists():
+            for _ in range(50):
+                session.one_round()
+            rounds += 50
+        return {"pushes": rounds, "seconds": time.perf_counter() - t0}
+    finally:
+        session.close()
 
 
 def stop(addresses: list[str], timeout_ms: int = 10_000) -> None:

@@ -38,7 +38,7 @@ from paramserver.errors import ConfigError
 from paramserver.shm import enabled as shm_enabled
 
 from .common import format_size
-from .extras import run_async, run_async_ray, run_memory, run_overlap
+from .extras import run_async, run_async_raw, run_async_ray, run_memory, run_overlap
 from .hosts import DEFAULT_SIZES as HOSTS_SIZES
 from .hosts import run_hosts
 from .rayps import available as ray_available
@@ -204,6 +204,9 @@ def run_benchmarks(opts: BenchOptions, console: Console | None = None) -> dict[s
         result["async"] = run_async(workers=2 if quick else 4,
                                     shards=(2,) if quick else (1, 2, 4),
                                     seconds=0.5 if quick else 3.0, log_dir=logs)
+        # the limit: the raw pyzmq loop, a step per push (always in, as in the sweep)
+        result["async"].append(run_async_raw(workers=2 if quick else 4,
+                                             seconds=0.5 if quick else 3.0, log_dir=logs))
         if "ray" in opts.systems:
             result["async"].append(run_async_ray(workers=2 if quick else 4,
                                                  seconds=0.5 if quick else 3.0, log_dir=logs))

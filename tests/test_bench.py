@@ -24,7 +24,7 @@ from paramserver.benchmarks.common import (
     parse_size,
     split_range,
 )
-from paramserver.benchmarks.extras import run_async, run_memory, run_overlap
+from paramserver.benchmarks.extras import run_async, run_async_raw, run_memory, run_overlap
 from paramserver.benchmarks.ps import flat_plan
 from paramserver.benchmarks.report import evaluate_goals, markdown, print_report
 from paramserver.benchmarks.suite import Cell, PSVariant, SweepConfig, run_sweep
@@ -247,6 +247,9 @@ def test_rpc_session_smoke() -> None:
 def test_async_memory_and_overlap_smoke() -> None:
     asy = run_async(workers=2, shards=(2,), nbytes=4096, pieces=4, seconds=0.3)
     assert asy[0]["model_updates_per_s"] > 0 and asy[0]["shards"] == 2
+    raw = run_async_raw(workers=2, seconds=0.3)  # the limit, a step per push
+    assert raw["system"] == "raw" and len(raw["worker_pushes_per_s"]) == 2
+    assert min(raw["worker_pushes_per_s"]) > 0 and raw["cpu_s_per_model_update"] > 0
     mem = run_memory(workers=(1,), nbytes=1 << 20, rounds=2)
     # SGD with momentum: one buffer of state, plus one aggregation buffer
     assert mem[0]["expected_bytes"] == 3 * (1 << 20)
