@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from paramserver.workers.client import server_stats, shutdown_servers
+from paramserver.workers.admin import server_stats, shutdown_servers
 
 from .common import Agent, close_all, cpu_seconds, descendants
 from .raw import stop as raw_stop

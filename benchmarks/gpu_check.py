@@ -31,7 +31,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from paramserver.workers.client import PSClient, shutdown_servers
+from paramserver.workers.admin import shutdown_servers
+from paramserver.workers.client import PSClient
 
 from . import overlap
 from .common import Agent, close_all

@@ -19,7 +19,8 @@ import torch
 
 from paramserver.server import ServerConfig, ShardServer
 from paramserver.sharding import ParamSpec, ShardPlan
-from paramserver.workers.client import PART_BYTES, PSClient, shutdown_servers
+from paramserver.workers.admin import shutdown_servers
+from paramserver.workers.client import PART_BYTES, PSClient
 
 from .common import FixedSizeSession, peak_rss, reset_peak_rss, rss, split_range
 

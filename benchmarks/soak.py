@@ -45,7 +45,7 @@ from rich.table import Table
 from paramserver.errors import ConfigError, RequestTimeoutError
 from paramserver.events import read_events
 from paramserver.server import ServerConfig
-from paramserver.workers.client import server_stats
+from paramserver.workers.admin import server_stats
 from paramserver.workers.launch.cluster import ClusterSpec, LocalCluster
 from paramserver.workers.stragglers import StragglerSpec
 from paramserver.workers.worker import WorkerConfig

@@ -31,7 +31,7 @@ from typing import Any
 
 from paramserver.errors import RequestTimeoutError
 from paramserver.sharding import ShardPlan
-from paramserver.workers.client import shutdown_servers
+from paramserver.workers.admin import shutdown_servers
 
 from . import raw
 from .common import (

@@ -13,7 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from paramserver.errors import RemoteError, RequestTimeoutError, TransportError
-from paramserver.workers.client import server_stats
+from paramserver.workers.admin import server_stats
 
 from . import options
 from .tables import keep_figures

@@ -29,7 +29,8 @@ from paramserver.benchmarks.ps import flat_plan
 from paramserver.benchmarks.report import evaluate_goals, markdown, print_report
 from paramserver.benchmarks.suite import Cell, PSVariant, SweepConfig, run_sweep
 from paramserver.errors import ConfigError
-from paramserver.workers.client import PSClient, shutdown_servers
+from paramserver.workers.admin import shutdown_servers
+from paramserver.workers.client import PSClient
 from paramserver.workers.overlap import BucketPusher, make_buckets
 from paramserver.workers.worker import WorkerConfig, run_worker
 

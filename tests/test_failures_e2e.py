@@ -107,7 +107,7 @@ def test_shard_killed_and_restarted_from_checkpoint(tmp_path):
         assert cluster.restarts and cluster.restarts[0]["resumed"]
         from paramserver.workers.launch.cluster import final_eval
         final = final_eval(s, cluster.addresses, tmp_path / "run")
-        from paramserver.workers.client import shutdown_servers
+        from paramserver.workers.admin import shutdown_servers
         shutdown_servers(cluster.addresses)
     want = reference["eval"]["loss"]
     assert abs(final["loss"] - want) <= 0.1 * want, (final, reference["eval"])

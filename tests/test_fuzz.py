@@ -44,7 +44,8 @@ from paramserver.errors import ErrorCode, ProtocolError
 from paramserver.protocol import MAX_HEADER_BYTES, PROTOCOL_VERSION, decode
 from paramserver.server import ServerConfig
 from paramserver.sharding import ShardPlan
-from paramserver.workers.client import PSClient, server_stats
+from paramserver.workers.admin import server_stats
+from paramserver.workers.client import PSClient
 from paramserver.workers.launch.cluster import ClusterSpec, LocalCluster
 from paramserver.workers.tasks import create_task
 from paramserver.workers.worker import WorkerConfig

@@ -29,7 +29,8 @@ import zmq
 from paramserver.protocol import PROTOCOL_VERSION
 from paramserver.server import ServerConfig
 from paramserver.sharding import ParamSpec, ShardPlan
-from paramserver.workers.client import PSClient, server_stats
+from paramserver.workers.admin import server_stats
+from paramserver.workers.client import PSClient
 from paramserver.workers.launch.cluster import ClusterSpec, LocalCluster
 from paramserver.workers.worker import WorkerConfig
 
@@ -177,7 +178,7 @@ def test_wrong_shape_is_refused_and_a_round_closed_by_timeout_steps(tmp_path: Pa
             assert "error_internal" not in stats["counters"]
             assert "error_periodic" not in stats["counters"]
         # it stops cleanly, with its checkpoint written
-        from paramserver.workers.client import shutdown_servers
+        from paramserver.workers.admin import shutdown_servers
         assert shutdown_servers([address]) == []
         assert proc.wait(timeout=30) == 0
         assert (ckpt / "shard0" / "LATEST").exists()
@@ -340,7 +341,7 @@ def test_resume_errors_are_one_line(tmp_path: Path) -> None:
         legit.seed()
         assert legit.step().accepted
         legit.close()
-        from paramserver.workers.client import shutdown_servers
+        from paramserver.workers.admin import shutdown_servers
         assert shutdown_servers([address]) == []
         assert cluster.servers[0].popen.wait(timeout=30) == 0
     name = json.loads((ckpt / "shard0" / "LATEST").read_text())["name"]

@@ -31,7 +31,8 @@ from paramserver.transport import (
     load_allow_list,
     parse_allow_list,
 )
-from paramserver.workers.client import PSClient, server_stats
+from paramserver.workers.admin import server_stats
+from paramserver.workers.client import PSClient
 from paramserver.workers.launch.cluster import ClusterSpec, LocalCluster
 from paramserver.workers.worker import WorkerConfig
 

@@ -11,7 +11,8 @@ import torch
 from paramserver.server import ServerConfig
 from paramserver.sharding import ParamSpec, ShardPlan
 from paramserver.watchdog import WatchdogConfig
-from paramserver.workers.client import PSClient, server_stats
+from paramserver.workers.admin import server_stats
+from paramserver.workers.client import PSClient
 from paramserver.workers.launch.cluster import ClusterSpec, LocalCluster
 from paramserver.workers.worker import WorkerConfig
 

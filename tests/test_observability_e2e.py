@@ -24,7 +24,7 @@ from rich.console import Console
 from paramserver.cli.watch import render_status
 from paramserver.events import read_events
 from paramserver.server import DIVERGED_EXIT_CODE, ServerConfig
-from paramserver.workers.client import shutdown_servers
+from paramserver.workers.admin import shutdown_servers
 from paramserver.workers.launch.cluster import ClusterError, ClusterSpec, LocalCluster, run_cluster
 from paramserver.workers.stragglers import StragglerSpec
 from paramserver.workers.worker import WorkerConfig

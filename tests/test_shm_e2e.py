@@ -17,7 +17,8 @@ from paramserver import shm
 from paramserver.server import ServerConfig
 from paramserver.sharding import ShardPlan
 from paramserver.transport import CurveKeys, generate_curve_keys
-from paramserver.workers.client import PSClient, server_stats
+from paramserver.workers.admin import server_stats
+from paramserver.workers.client import PSClient
 from paramserver.workers.launch.cluster import ClusterSpec, LocalCluster
 from paramserver.workers.worker import WorkerConfig
 

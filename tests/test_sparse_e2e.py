@@ -30,7 +30,8 @@ from paramserver.checkpoint import load_shard
 from paramserver.cli.checkpoint import checkpoint as checkpoint_cli
 from paramserver.protocol import PROTOCOL_VERSION, Message, Op, decode, encode
 from paramserver.sparse import full_table, owned_rows
-from paramserver.workers.client import PSClient, server_stats, shutdown_servers
+from paramserver.workers.admin import server_stats, shutdown_servers
+from paramserver.workers.client import PSClient
 from paramserver.workers.embedding import pull_tables
 from paramserver.workers.launch.cluster import LocalCluster
 from tests import sparse_script as S

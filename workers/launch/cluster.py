@@ -465,7 +465,7 @@ class LocalCluster:
 
     def _report_dead(self, rank: int) -> None:
         """Best effort: the shards' heartbeat timeout still holds if this fails."""
-        from paramserver.workers.client import report_dead
+        from paramserver.workers.admin import report_dead
 
         try:
             report_dead(self.addresses, rank, curve=self.spec.admin_curve())
@@ -597,7 +597,7 @@ def final_eval(spec: ClusterSpec, addresses: list[str], out: Path) -> dict[str, 
 
 def _save_command_weights(spec: ClusterSpec, addresses: list[str], out: Path) -> None:
     """The servers' weights of a command's model, by the plan its rank 0 recorded."""
-    from paramserver.workers.client import save_final_model
+    from paramserver.workers.admin import save_final_model
     from paramserver.workers.optimizer import read_plan
 
     plan = read_plan(out / "plan.json")
@@ -618,7 +618,7 @@ def run_cluster(spec: ClusterSpec, out_dir: str | Path,
     ``on_alarm`` gets each watchdog alarm (an ``alarm`` event of a shard's log) as
     it happens; ``on_process`` each process started (restarts included).
     """
-    from paramserver.workers.client import server_stats, shutdown_servers
+    from paramserver.workers.admin import server_stats, shutdown_servers
 
     out = Path(out_dir)
     t0 = time.time()
