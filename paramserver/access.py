@@ -1,6 +1,6 @@
 """Who may do what on a shard server: the per-message access check under CURVE.
 
-With CURVE each client key has a :class:`~paramserver.transport.KeyGrant`
+With CURVE each client key has a :class:`~paramserver.curve.KeyGrant`
 (from the allow-list, and ``admin`` for ``--admin-key`` keys). :class:`Access`
 holds those grants and the binding of each worker id to the key whose HELLO
 registered it, and :meth:`Access.check` refuses, before a message reaches the
@@ -15,9 +15,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection, Iterable
 
+from .curve import ANY_KEY, KeyGrant, load_allow_list, public_key
 from .errors import ErrorCode, ProtocolError
 from .protocol import Message, Op
-from .transport import ANY_KEY, KeyGrant, load_allow_list, public_key
 
 __all__ = ["ADMIN_OPS", "AS_WORKER", "Access", "is_loopback", "load_grants"]
 

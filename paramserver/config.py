@@ -290,7 +290,7 @@ class ServerConfig(ConfigRecord):
         help="Require CURVE encryption: the servers' secret key file "
              "(`paramserver keys generate`).")
     #: a directory of client public keys (*.key) or an allow-list file (keys, their
-    #: ranks and roles; transport.parse_allow_list); with it, only those clients get in
+    #: ranks and roles; curve.parse_allow_list); with it, only those clients get in
     curve_clients_dir: str | None = option(
         None, kind="path", metavar="DIR|FILE",
         help="CURVE: admit only these clients: a directory of public .key files, or an "

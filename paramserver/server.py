@@ -34,6 +34,7 @@ from .checkpoint import CheckpointError
 from .checkpointer import RESTORE_ERRORS, Checkpointer
 from .config import ServerConfig
 from .core import ShardCore, SliceSpec
+from .curve import CurveKeys
 from .errors import ConfigError, ErrorCode, ProtocolError, TransportError
 from .events import EventLog
 from .metrics import MetricsExporter, TensorBoardWriter
@@ -49,7 +50,7 @@ from .shm import ShmHub, sweep, take_shm
 from .shm import enabled as shm_enabled
 from .sparse import SparseShard
 from .staleness import create_policy
-from .transport import CurveKeys, RouterSocket
+from .transport import RouterSocket
 from .watchdog import Alarm, Watchdog
 
 __all__ = ["DIVERGED_EXIT_CODE", "READY_PREFIX", "ServerConfig", "ShardServer", "run_server"]

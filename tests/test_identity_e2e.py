@@ -18,11 +18,7 @@ from click.testing import CliRunner
 from zmq.utils import z85
 
 from paramserver.cli.keys import keys as keys_cli
-from paramserver.errors import ConfigError, TransportError
-from paramserver.protocol import PROTOCOL_VERSION
-from paramserver.server import ServerConfig
-from paramserver.sharding import ParamSpec, ShardPlan
-from paramserver.transport import (
+from paramserver.curve import (
     ANY_KEY,
     CurveKeyFiles,
     CurveKeys,
@@ -31,6 +27,10 @@ from paramserver.transport import (
     load_allow_list,
     parse_allow_list,
 )
+from paramserver.errors import ConfigError, TransportError
+from paramserver.protocol import PROTOCOL_VERSION
+from paramserver.server import ServerConfig
+from paramserver.sharding import ParamSpec, ShardPlan
 from paramserver.workers.admin import server_stats
 from paramserver.workers.client import PSClient
 from paramserver.workers.launch.cluster import ClusterSpec, LocalCluster

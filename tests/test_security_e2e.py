@@ -12,6 +12,7 @@ import zmq
 from click.testing import CliRunner
 
 from paramserver.cli.keys import keys as keys_cli
+from paramserver.curve import CurveKeys, generate_curve_keys
 from paramserver.errors import (
     ConfigError,
     ParamServerError,
@@ -22,7 +23,7 @@ from paramserver.events import read_events
 from paramserver.protocol import Message, Op, encode
 from paramserver.server import ServerConfig
 from paramserver.sharding import ShardPlan
-from paramserver.transport import CurveKeys, RouterSocket, generate_curve_keys
+from paramserver.transport import RouterSocket
 from paramserver.workers.client import PSClient
 from paramserver.workers.launch.cluster import ClusterSpec, Progress, run_cluster
 from paramserver.workers.stragglers import StragglerSpec

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from paramserver import shm
+from paramserver.curve import CurveKeys, generate_curve_keys
 from paramserver.server import ServerConfig
 from paramserver.sharding import ShardPlan
-from paramserver.transport import CurveKeys, generate_curve_keys
 from paramserver.workers.admin import server_stats
 from paramserver.workers.client import PSClient
 from paramserver.workers.launch.cluster import ClusterSpec, LocalCluster

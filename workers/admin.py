@@ -12,10 +12,11 @@ from typing import Any
 
 import torch
 
+from paramserver.curve import CurveKeys
 from paramserver.errors import RemoteError, TransportError
 from paramserver.protocol import Message, Op
 from paramserver.sharding import DTYPES, ShardPlan
-from paramserver.transport import Channel, CurveKeys, request_all
+from paramserver.transport import Channel, request_all
 
 from .client import PSClient
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from paramserver.curve import CurveKeys
 from paramserver.dtypes import GRAD_WIRE_DTYPES
 from paramserver.errors import (
     ConfigError,
@@ -36,7 +37,7 @@ from paramserver.sharding import DTYPES, ShardPlan
 from paramserver.shm import MIN_BYTES as SHM_MIN_BYTES
 from paramserver.shm import ShmLink
 from paramserver.shm import enabled as shm_enabled
-from paramserver.transport import Channel, CurveKeys, request_all
+from paramserver.transport import Channel, request_all
 from paramserver.workers.landing import land, land_over_tcp, ticket_bytes
 from paramserver.workers.liveness import Heartbeat, Patience
 

@@ -18,9 +18,10 @@ from typing import Any, Protocol
 
 import zmq
 
+from paramserver.curve import CurveKeys
 from paramserver.errors import BarrierTimeoutError, RequestTimeoutError
 from paramserver.protocol import Message, Op
-from paramserver.transport import Channel, CurveKeys
+from paramserver.transport import Channel
 
 __all__ = ["Heartbeat", "Patience", "Waiter", "span"]
 

@@ -33,11 +33,11 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from paramserver.config import option
+from paramserver.curve import CurveKeys, admin_key_pair, public_key
 from paramserver.errors import ConfigError, ParamServerError, RequestTimeoutError
 from paramserver.events import write_json
 from paramserver.observe import JsonlFollower, LauncherObserver
 from paramserver.server import READY_PREFIX, ServerConfig
-from paramserver.transport import CurveKeys, admin_key_pair, public_key
 from paramserver.workers.launch.processes import (
     ProcessInfo,
     WorkerSummary,

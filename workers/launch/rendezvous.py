@@ -49,10 +49,10 @@ from typing import Any
 
 from torch.distributed import DistError, DistNetworkError, DistStoreError, TCPStore
 
+from paramserver.curve import CurveKeys
 from paramserver.errors import ConfigError, ParamServerError, TransportError
 from paramserver.server import ServerConfig, run_server
 from paramserver.sharding import ShardPlan
-from paramserver.transport import CurveKeys
 from paramserver.workers.admin import save_final_model
 from paramserver.workers.optimizer import read_plan
 from paramserver.workers.worker import WorkerConfig, build_task, run_worker, worker_title
