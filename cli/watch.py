@@ -37,16 +37,22 @@ def _staleness(hist: Mapping[str, int]) -> tuple[float | None, int | None]:
     return sum(int(t) * n for t, n in hist.items()) / total, max(int(t) for t in hist)
 
 
+def _measured(one_in: Any) -> Text:
+    if not isinstance(one_in, int) or one_in <= 1:
+        return Text("all")
+    return Text(f"1 in {one_in}", style="yellow")
+
+
 def health_table(stats: Sequence[Mapping[str, Any]]) -> Table:
     """Per shard: version, clocks and what the last optimizer step did to the weights."""
     table = Table(title="per shard: the last step", title_justify="left", expand=False)
     for col in ("shard", "mode", "version", "live", "min clock", "gap", "lr",
-                "update/weight", "weight norm", "alarms"):
+                "update/weight", "weight norm", "measured", "alarms"):
         table.add_column(col, justify="left" if col in ("mode",) else "right")
     for s in stats:
         if "error" in s:
             table.add_row(str(s.get("shard", "?")), Text(s["error"], style="red"),
-                          *["-"] * 8)
+                          *["-"] * 9)
             continue
         step = s.get("observed", {}).get("step", {})
         alarms = s.get("observed", {}).get("alarm_count", 0)
@@ -55,6 +61,8 @@ def health_table(stats: Sequence[Mapping[str, Any]]) -> Table:
             str(len(s.get("live_workers", []))), str(s.get("min_clock", "-")),
             str(s.get("clock_gap", "-")), _num(step.get("lr", s.get("lr"))),
             _num(step.get("update_ratio")), _num(step.get("weight_norm", s.get("weight_norm"))),
+            # pushes measured in full: all, or one in N per worker (observe_budget)
+            _measured(s.get("measured_one_in")),
             Text(str(alarms), style="bold red" if alarms else ""),
         )
     return table

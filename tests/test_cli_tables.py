@@ -112,6 +112,14 @@ def test_watch_view_keeps_figures() -> None:
     assert "…" not in text, text
     assert "gpu-node-01.cluster.example.org:4000001" in text and "1234568" in text
     assert "left out at 120 characters wide: grad norm, cosine, loss, waited s" in text
+    assert "1 in" not in text  # both shards measure every push
+
+
+def test_watch_view_shows_a_shard_sampling_its_pushes() -> None:
+    out = console(160)
+    stats = [shard_stats(0, 2), {**shard_stats(1, 2), "measured_one_in": 8}]
+    out.print(render_status(stats, console=out))
+    assert "1 in 8" in text_of(out)
 
 
 def test_wide_console_leaves_headers_on_one_line() -> None:
