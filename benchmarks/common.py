@@ -43,6 +43,7 @@ __all__ = [
     "parse_size",
     "peak_rss",
     "reset_peak_rss",
+    "rounds_until_stopped",
     "rss",
     "split_range",
 ]
@@ -74,6 +75,27 @@ class FixedSizeSession:
         for _ in range(iters):
             self.one_round()
         return (time.perf_counter() - t0) / iters
+
+
+def rounds_until_stopped(one_round: Any, args: dict[str, Any], announce: Any,
+                         batch: int = 50, on_start: Any = None) -> tuple[int, float]:
+    """An async worker's loop: ``args["warmup"]`` rounds (default ``batch``), then
+    ``{"running": true}`` announced (the parent starts its window once all are
+    running) and ``on_start()`` called, then rounds in batches until
+    ``args["stop_file"]`` exists. Returns the rounds after the announcement and
+    the seconds they took."""
+    stop_file = Path(args["stop_file"])
+    for _ in range(int(args.get("warmup", batch))):
+        one_round()
+    announce({"running": True})
+    if on_start is not None:
+        on_start()
+    rounds, t0 = 0, time.perf_counter()
+    while not stop_file.exists():
+        for _ in range(batch):
+            one_round()
+        rounds += batch
+    return rounds, time.perf_counter() - t0
 
 
 @dataclass(frozen=True)

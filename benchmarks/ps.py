@@ -11,8 +11,6 @@ clocks, the sync barrier, the torch optimizer and its finite check.
 
 from __future__ import annotations
 
-import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,7 +20,14 @@ from paramserver.sharding import ParamSpec, ShardPlan
 from paramserver.workers.admin import shutdown_servers
 from paramserver.workers.client import PART_BYTES, PSClient
 
-from .common import FixedSizeSession, peak_rss, reset_peak_rss, rss, split_range
+from .common import (
+    FixedSizeSession,
+    peak_rss,
+    reset_peak_rss,
+    rounds_until_stopped,
+    rss,
+    split_range,
+)
 
 __all__ = ["PSSession", "async_run", "flat_plan", "serve", "stop_op"]
 
@@ -120,20 +125,13 @@ def async_run(args: dict[str, Any], announce: Any) -> dict[str, Any]:
     pushes and the shard updates they caused.
     """
     session = PSSession(args)
-    stop_file = Path(args["stop_file"])
     try:
-        for _ in range(int(args.get("warmup", 50))):
-            session.one_round()
-        announce({"running": True})  # the parent starts its window once all are running
-        session.applied = 0
-        start = session.clock
-        t0 = time.perf_counter()
-        while not stop_file.exists():
-            for _ in range(50):
-                session.one_round()
-        elapsed = time.perf_counter() - t0
-        return {"pushes": session.clock - start, "shard_updates": session.applied,
-                "seconds": elapsed}
+        def start() -> None:
+            session.applied = 0
+
+        rounds, seconds = rounds_until_stopped(session.one_round, args, announce,
+                                               on_start=start)
+        return {"pushes": rounds, "shard_updates": session.applied, "seconds": seconds}
     finally:
         session.close()
 

@@ -17,14 +17,12 @@ This module imports neither torch nor the project's server code.
 from __future__ import annotations
 
 import itertools
-import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import zmq
 
-from .common import FixedSizeSession, split_range
+from .common import FixedSizeSession, rounds_until_stopped, split_range
 
 __all__ = ["RawSession", "async_run", "serve", "stop", "stop_op"]
 
@@ -136,17 +134,9 @@ def async_run(args: dict[str, Any], announce: Any) -> dict[str, Any]:
     ``stop_file`` exists. Announces ``{"running": true}`` after the warm-up; returns
     its rounds and the seconds they took."""
     session = RawSession(args)
-    stop_file = Path(args["stop_file"])
     try:
-        for _ in range(int(args.get("warmup", 50))):
-            session.one_round()
-        announce({"running": True})
-        rounds, t0 = 0, time.perf_counter()
-        while not stop_file.exists():
-            for _ in range(50):
-                session.one_round()
-            rounds += 50
-        return {"pushes": rounds, "seconds": time.perf_counter() - t0}
+        rounds, seconds = rounds_until_stopped(session.one_round, args, announce)
+        return {"pushes": rounds, "seconds": seconds}
     finally:
         session.close()
 

@@ -25,10 +25,11 @@ import shutil
 import tempfile
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from .common import rounds_until_stopped
 
 __all__ = ["ParameterServer", "RaySession", "async_run", "available", "serve", "stop",
            "version"]
@@ -226,17 +227,9 @@ def async_run(args: dict[str, Any], announce: Any) -> dict[str, Any]:
     ``args``: address, numel, pieces, warmup, stop_file."""
     session = RaySession(args)
     session._payload(int(args["numel"]))
-    stop_file = Path(args["stop_file"])
     try:
-        for _ in range(int(args.get("warmup", 20))):
-            session.one_round()
-        announce({"running": True})
-        pushes, t0 = 0, time.perf_counter()
-        while not stop_file.exists():
-            for _ in range(20):
-                session.one_round()
-            pushes += 20
-        return {"pushes": pushes, "seconds": time.perf_counter() - t0}
+        rounds, seconds = rounds_until_stopped(session.one_round, args, announce, batch=20)
+        return {"pushes": rounds, "seconds": seconds}
     finally:
         with contextlib.suppress(Exception):
             session.close()
