@@ -463,3 +463,15 @@ def request_all(
                 if on_reply is not None and rep.op is not Op.ERROR:
                     on_reply(slot, rep)
     return [r for r in replies if r is not None]
+
+
+#: moved to curve.py; still importable from here
+_MOVED_TO_CURVE = frozenset({"ANY_KEY", "AUTHORIZED_CLIENTS_DIR", "CurveKeyFiles", "admin_key_pair",
+                             "generate_curve_keys", "parse_allow_list", "public_key"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOVED_TO_CURVE:
+        from . import curve
+        return getattr(curve, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

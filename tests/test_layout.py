@@ -120,3 +120,18 @@ def test_the_layers_contract_holds_and_catches_a_violation(tmp_path):
     broken = _lint_imports(reversed_cfg)
     assert broken.returncode != 0
     assert "paramserver.cli" in broken.stdout and "BROKEN" in broken.stdout
+
+
+def test_names_moved_out_of_a_module_stay_importable_from_it() -> None:
+    """CURVE keys moved from transport.py to curve.py, the requests outside a session
+    from workers/client.py to workers/admin.py: the old imports still work."""
+    from paramserver import curve, transport
+    from paramserver.workers import admin, client
+
+    for name in curve.__all__:
+        if name != "start_authenticator":
+            assert getattr(transport, name) is getattr(curve, name), name
+    for name in admin.__all__:
+        assert getattr(client, name) is getattr(admin, name), name
+    with pytest.raises(AttributeError):
+        _ = transport.no_such_name

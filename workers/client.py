@@ -662,3 +662,15 @@ class PushStream:
         with torch.no_grad():
             client._land_all(params, finals, set(), self.fields["clock"] + 1)
         return pushed, client._pull_result(finals, self.t0)
+
+
+#: moved to workers/admin.py; still importable from here
+_MOVED_TO_ADMIN = frozenset({"pull_weights", "report_dead", "save_final_model", "server_stats",
+                             "shutdown_servers"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOVED_TO_ADMIN:
+        from paramserver.workers import admin  # (admin imports this module)
+        return getattr(admin, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
