@@ -71,11 +71,12 @@ def run_async(workers: int = 4, shards: tuple[int, ...] = (1, 2, 4), nbytes: int
                 a.read(_TIMEOUT)  # {"running": true}: connected and warmed up
             time.sleep(0.5)
             pids = [a.pid for a in agents]
+            shard_pids = [a.pid for a in servers]
             v0 = sum(st["version"] for st in server_stats(addrs))
-            c0, t0 = cpu_seconds(pids), time.perf_counter()
+            c0, s0, t0 = cpu_seconds(pids), cpu_seconds(shard_pids), time.perf_counter()
             time.sleep(seconds)
             v1 = sum(st["version"] for st in server_stats(addrs))
-            c1, t1 = cpu_seconds(pids), time.perf_counter()
+            c1, s1, t1 = cpu_seconds(pids), cpu_seconds(shard_pids), time.perf_counter()
             stop.touch()
             results = [a.read(_TIMEOUT) for a in ws]
             shutdown_servers(addrs)
@@ -90,6 +91,9 @@ def run_async(workers: int = 4, shards: tuple[int, ...] = (1, 2, 4), nbytes: int
                 "model_updates_per_s": shard_rate / s,
                 "shard_updates_per_s": shard_rate,
                 "cpu_s_per_model_update": (c1 - c0) / max(1e-9, (v1 - v0) / s),
+                # the shards' part of it (the rest: the workers'): which side is the limit
+                "shard_cpu_s_per_model_update": (s1 - s0) / max(1e-9, (v1 - v0) / s),
+                "shard_busy": (s1 - s0) / s / (t1 - t0),  # per shard, 1.0: a core all the time
                 "worker_pushes_per_s": [r["pushes"] / r["seconds"] for r in results],
                 "window_s": t1 - t0,
             })
@@ -165,9 +169,9 @@ def run_async_raw(workers: int = 4, nbytes: int = 4096, seconds: float = 3.0,
             a.read(_TIMEOUT)
         time.sleep(0.5)
         pids = [a.pid for a in agents]
-        c0, t0 = cpu_seconds(pids), time.perf_counter()
+        c0, s0, t0 = cpu_seconds(pids), cpu_seconds([server.pid]), time.perf_counter()
         time.sleep(seconds)
-        c1, t1 = cpu_seconds(pids), time.perf_counter()
+        c1, s1, t1 = cpu_seconds(pids), cpu_seconds([server.pid]), time.perf_counter()
         stop.touch()
         results = [a.read(_TIMEOUT) for a in ws]
         rates = [r["pushes"] / r["seconds"] for r in results]
@@ -175,6 +179,8 @@ def run_async_raw(workers: int = 4, nbytes: int = 4096, seconds: float = 3.0,
         return {"workers": workers, "shards": 1, "bytes": nbytes, "tensors": 1,
                 "system": "raw", "model_updates_per_s": rate, "shard_updates_per_s": rate,
                 "cpu_s_per_model_update": (c1 - c0) / max(1e-9, rate * (t1 - t0)),
+                "shard_cpu_s_per_model_update": (s1 - s0) / max(1e-9, rate * (t1 - t0)),
+                "shard_busy": (s1 - s0) / (t1 - t0),
                 "worker_pushes_per_s": rates, "window_s": t1 - t0}
     finally:
         stop.touch()

@@ -144,16 +144,21 @@ def print_report(result: dict[str, Any], console: Console | None = None) -> None
                                    f"({link['ip_a']}), workers in {link['ns_b']} over veth, "
                                    f"{link['transport']} (median [min-max] over repeats)"))
     if result.get("async"):
-        t = Table(title="async: updates applied per second")
-        for col in ("system", "workers", "shards", "model", "model updates/s",
-                    "shard updates/s", "CPU ms/update"):
-            t.add_column(col, justify="right")
+        t = Table(title="async: updates applied per second (model: bytes/tensors; CPU ms "
+                        "per model update, all processes, and the shards' part; shard busy: "
+                        "the share of a core each shard used)", collapse_padding=True)
+        for col in ("system", "workers", "shards", "model", "model upd/s",
+                    "shard upd/s", "CPU ms", "shards ms", "shard busy"):
+            t.add_column(col, justify="right", min_width=len(col) if " " not in col else None)
         for a in result["async"]:
+            shard_cpu, busy = a.get("shard_cpu_s_per_model_update"), a.get("shard_busy")
             t.add_row(a.get("system", "ps"), str(a["workers"]),
                       "-" if a["shards"] is None else str(a["shards"]),
-                      f"{format_size(a['bytes'])} in {a['tensors']} tensors",
+                      f"{format_size(a['bytes'])}/{a['tensors']}",
                       f"{a['model_updates_per_s']:.0f}", f"{a['shard_updates_per_s']:.0f}",
-                      f"{a['cpu_s_per_model_update'] * 1e3:.2f}")
+                      f"{a['cpu_s_per_model_update'] * 1e3:.2f}",
+                      "-" if shard_cpu is None else f"{shard_cpu * 1e3:.2f}",
+                      "-" if busy is None else f"{busy:.2f}")
         console.print(t)
     if result.get("memory"):
         t = Table(title="sync shard memory (peak RSS above RSS at start)")

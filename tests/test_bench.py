@@ -248,6 +248,8 @@ def test_rpc_session_smoke() -> None:
 def test_async_memory_and_overlap_smoke() -> None:
     asy = run_async(workers=2, shards=(2,), nbytes=4096, pieces=4, seconds=0.3)
     assert asy[0]["model_updates_per_s"] > 0 and asy[0]["shards"] == 2
+    assert 0 < asy[0]["shard_cpu_s_per_model_update"] < asy[0]["cpu_s_per_model_update"]
+    assert asy[0]["shard_busy"] > 0
     raw = run_async_raw(workers=2, seconds=0.3)  # the limit, a step per push
     assert raw["system"] == "raw" and len(raw["worker_pushes_per_s"]) == 2
     assert min(raw["worker_pushes_per_s"]) > 0 and raw["cpu_s_per_model_update"] > 0
