@@ -523,10 +523,11 @@ class ShardPlan:
         targets = []
         for name, items in pending.items():
             target = self._checked(self._param[name], name_to_tensor)
-            if target.device.type != "cpu" or not target.is_contiguous():
+            # (is_cpu: device.type == "cpu" without building a torch.device)
+            if not target.is_cpu or not target.is_contiguous():
                 return False
             for _, value in items:
-                if value.device.type != "cpu" or not value.is_contiguous():
+                if not value.is_cpu or not value.is_contiguous():
                     return False
             targets.append((target, items))
         for target, items in targets:
@@ -539,7 +540,7 @@ class ShardPlan:
         t = name_to_tensor.get(p.name)
         if t is None:
             raise ConfigError(f"no tensor given for parameter {p.name!r}")
-        if tuple(t.shape) != p.shape:
+        if t.shape != p.shape:  # torch.Size is a tuple: no copy needed to compare
             raise ConfigError(f"parameter {p.name!r} has shape {tuple(t.shape)}, plan: {p.shape}")
         if t.dtype != p.torch_dtype:
             raise ConfigError(f"parameter {p.name!r} has dtype {t.dtype}, plan: {p.dtype}")

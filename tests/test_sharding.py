@@ -258,6 +258,21 @@ def test_assemble_rejects_bad_input() -> None:
         plan.split_tensors({})
 
 
+def test_shape_check_compares_every_dimension() -> None:
+    # _checked compares torch.Size to the spec's tuple directly: same numel, other
+    # shape (a transpose, an extra unit dimension) must still be refused
+    plan = ShardPlan(_specs((2, 4)), 1)
+    value = {"p0": torch.zeros(8)}
+    for wrong in ((4, 2), (2, 4, 1), (8,)):
+        with pytest.raises(ConfigError, match="shape"):
+            plan.assemble_into({"p0": torch.zeros(wrong)}, value)
+        with pytest.raises(ConfigError, match="shape"):
+            plan.split_tensors({"p0": torch.zeros(wrong)})
+    target = {"p0": torch.zeros(2, 4)}
+    plan.assemble_into(target, {"p0": torch.arange(8.0)})
+    assert torch.equal(target["p0"], torch.arange(8.0).view(2, 4))
+
+
 # -- describe / diff -----------------------------------------------------------
 
 
