@@ -21,6 +21,9 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +49,38 @@ def _start_servers(label: str, shards: int, config: dict[str, Any], log_dir: Pat
         raise
 
 
+@dataclass(frozen=True)
+class _Window:
+    """What moved over a measuring window of the async part."""
+
+    counted: float  # what ``count`` moved by (versions applied), 0 without one
+    cpu: float  # CPU seconds of every process measured
+    shard_cpu: float  # ... of the shards' among them
+    seconds: float
+    results: list[dict[str, Any]]  # each worker's return
+
+
+def _window(workers: list[Agent], pids: list[int], shard_pids: list[int], seconds: float,
+            stop: Path, count: Callable[[], float] | None = None) -> _Window:
+    """Wait until every worker announced it is running, measure ``seconds``, then
+    stop the workers (``stop`` touched) and collect what they return."""
+    for a in workers:
+        a.read(_TIMEOUT)  # {"running": true}: connected and warmed up
+    time.sleep(0.5)
+    v0 = count() if count else 0.0
+    c0, s0, t0 = cpu_seconds(pids), cpu_seconds(shard_pids), time.perf_counter()
+    time.sleep(seconds)
+    v1 = count() if count else 0.0
+    c1, s1, t1 = cpu_seconds(pids), cpu_seconds(shard_pids), time.perf_counter()
+    stop.touch()
+    return _Window(v1 - v0, c1 - c0, s1 - s0, t1 - t0, [a.read(_TIMEOUT) for a in workers])
+
+
+def _versions(addrs: list[str]) -> float:
+    """The versions of these shards, summed: the pushes they applied."""
+    return float(sum(st["version"] for st in server_stats(addrs)))
+
+
 def run_async(workers: int = 4, shards: tuple[int, ...] = (1, 2, 4), nbytes: int = 4096,
               pieces: int = 8, seconds: float = 3.0, lr: float = 1e-3,
               log_dir: Path | None = None, server: dict[str, Any] | None = None
@@ -67,35 +102,24 @@ def run_async(workers: int = 4, shards: tuple[int, ...] = (1, 2, 4), nbytes: int
             for r, a in enumerate(ws):
                 a.send("ps_async", addresses=addrs, numel=nbytes // 4, rank=r, pieces=pieces,
                        warmup=20, stop_file=str(stop))
-            for a in ws:
-                a.read(_TIMEOUT)  # {"running": true}: connected and warmed up
-            time.sleep(0.5)
-            pids = [a.pid for a in agents]
-            shard_pids = [a.pid for a in servers]
-            v0 = sum(st["version"] for st in server_stats(addrs))
-            c0, s0, t0 = cpu_seconds(pids), cpu_seconds(shard_pids), time.perf_counter()
-            time.sleep(seconds)
-            v1 = sum(st["version"] for st in server_stats(addrs))
-            c1, s1, t1 = cpu_seconds(pids), cpu_seconds(shard_pids), time.perf_counter()
-            stop.touch()
-            results = [a.read(_TIMEOUT) for a in ws]
+            w = _window(ws, [a.pid for a in agents], [a.pid for a in servers], seconds, stop,
+                        partial(_versions, addrs))
             shutdown_servers(addrs)
             for a in servers:
                 a.read(_TIMEOUT)
             addrs = []
-            shard_rate = (v1 - v0) / (t1 - t0)
+            model_updates = max(1e-9, w.counted / s)  # one push applied on every shard
             out.append({
                 "workers": workers, "shards": s, "bytes": nbytes, "tensors": pieces,
                 "system": "ps",
-                # a model update = one push applied on every shard
-                "model_updates_per_s": shard_rate / s,
-                "shard_updates_per_s": shard_rate,
-                "cpu_s_per_model_update": (c1 - c0) / max(1e-9, (v1 - v0) / s),
+                "model_updates_per_s": w.counted / s / w.seconds,
+                "shard_updates_per_s": w.counted / w.seconds,
+                "cpu_s_per_model_update": w.cpu / model_updates,
                 # the shards' part of it (the rest: the workers'): which side is the limit
-                "shard_cpu_s_per_model_update": (s1 - s0) / max(1e-9, (v1 - v0) / s),
-                "shard_busy": (s1 - s0) / s / (t1 - t0),  # per shard, 1.0: a core all the time
-                "worker_pushes_per_s": [r["pushes"] / r["seconds"] for r in results],
-                "window_s": t1 - t0,
+                "shard_cpu_s_per_model_update": w.shard_cpu / model_updates,
+                "shard_busy": w.shard_cpu / s / w.seconds,  # per shard, 1.0: a core all the time
+                "worker_pushes_per_s": [r["pushes"] / r["seconds"] for r in w.results],
+                "window_s": w.seconds,
             })
         finally:
             stop.touch()
@@ -120,24 +144,16 @@ def run_async_ray(workers: int = 4, nbytes: int = 4096, pieces: int = 8,
         for a in ws:
             a.send("ray_async", address=address, numel=nbytes // 4, pieces=pieces, warmup=20,
                    stop_file=str(stop))
-        for a in ws:
-            a.read(_TIMEOUT)
-        time.sleep(0.5)
         pids = [a.pid for a in ws] + descendants(head.pid)  # with Ray's own processes
-        v0 = head.call("ray_version", _TIMEOUT)["version"]
-        c0, t0 = cpu_seconds(pids), time.perf_counter()
-        time.sleep(seconds)
-        v1 = head.call("ray_version", _TIMEOUT)["version"]
-        c1, t1 = cpu_seconds(pids), time.perf_counter()
-        stop.touch()
-        results = [a.read(_TIMEOUT) for a in ws]
+        w = _window(ws, pids, [], seconds, stop,
+                    lambda: head.call("ray_version", _TIMEOUT)["version"])
         head.call("ray_stop", _TIMEOUT)
         return {"workers": workers, "shards": None, "bytes": nbytes, "tensors": pieces,
-                "system": "ray", "model_updates_per_s": (v1 - v0) / (t1 - t0),
-                "shard_updates_per_s": (v1 - v0) / (t1 - t0),
-                "cpu_s_per_model_update": (c1 - c0) / max(1, v1 - v0),
-                "worker_pushes_per_s": [r["pushes"] / r["seconds"] for r in results],
-                "window_s": t1 - t0}
+                "system": "ray", "model_updates_per_s": w.counted / w.seconds,
+                "shard_updates_per_s": w.counted / w.seconds,
+                "cpu_s_per_model_update": w.cpu / max(1, w.counted),
+                "worker_pushes_per_s": [r["pushes"] / r["seconds"] for r in w.results],
+                "window_s": w.seconds}
     finally:
         stop.touch()
         close_all(agents)
@@ -165,23 +181,16 @@ def run_async_raw(workers: int = 4, nbytes: int = 4096, seconds: float = 3.0,
         for a in ws:
             a.send("raw_async", addresses=[address], numel=nbytes // 4, warmup=20,
                    stop_file=str(stop))
-        for a in ws:
-            a.read(_TIMEOUT)
-        time.sleep(0.5)
-        pids = [a.pid for a in agents]
-        c0, s0, t0 = cpu_seconds(pids), cpu_seconds([server.pid]), time.perf_counter()
-        time.sleep(seconds)
-        c1, s1, t1 = cpu_seconds(pids), cpu_seconds([server.pid]), time.perf_counter()
-        stop.touch()
-        results = [a.read(_TIMEOUT) for a in ws]
-        rates = [r["pushes"] / r["seconds"] for r in results]
-        rate = sum(rates)
+        w = _window(ws, [a.pid for a in agents], [server.pid], seconds, stop)
+        rates = [r["pushes"] / r["seconds"] for r in w.results]
+        updates = max(1e-9, sum(rates) * w.seconds)
         return {"workers": workers, "shards": 1, "bytes": nbytes, "tensors": 1,
-                "system": "raw", "model_updates_per_s": rate, "shard_updates_per_s": rate,
-                "cpu_s_per_model_update": (c1 - c0) / max(1e-9, rate * (t1 - t0)),
-                "shard_cpu_s_per_model_update": (s1 - s0) / max(1e-9, rate * (t1 - t0)),
-                "shard_busy": (s1 - s0) / (t1 - t0),
-                "worker_pushes_per_s": rates, "window_s": t1 - t0}
+                "system": "raw", "model_updates_per_s": sum(rates),
+                "shard_updates_per_s": sum(rates),
+                "cpu_s_per_model_update": w.cpu / updates,
+                "shard_cpu_s_per_model_update": w.shard_cpu / updates,
+                "shard_busy": w.shard_cpu / w.seconds,
+                "worker_pushes_per_s": rates, "window_s": w.seconds}
     finally:
         stop.touch()
         if address is not None:

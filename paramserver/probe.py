@@ -279,7 +279,7 @@ class Probe:
 
     # ------------------------------------------------------------------ pushes
 
-    def push_begins(self, worker: int = -1) -> PushMeasure | None:
+    def push_begins(self, worker: int) -> PushMeasure | None:
         """A new push from ``worker``: where to sum its statistics, or None when it is
         not measured (one in ``every``). Of those, one in ``shed`` of each worker's is
         measured in full (counted per worker, so that workers pushing in turn are all
