@@ -43,6 +43,7 @@ import torch
 
 from .dtypes import WIRE_DTYPES
 from .errors import ErrorCode, ProtocolError
+from .layouts import LayoutCache
 
 __all__ = [
     "DTYPES",
@@ -438,6 +439,7 @@ def _buffer(frame: Any) -> memoryview:
 
 
 _OPS = {op.value: op for op in Op}
+_LAYOUTS = LayoutCache()  # packed-frame descriptors that passed the checks below
 _MISSING = object()
 # the schema as (name, is an integer, types, required) rows: the test per field the
 # same, without unpacking the schema's nested tuples per message
@@ -519,6 +521,11 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
     if len(descs) > limits.max_tensors:
         raise ProtocolError(ErrorCode.TOO_LARGE, f"{len(descs)} tensors > {limits.max_tensors}")
     tensors: dict[str, torch.Tensor] = {}
+    one_packed = len(descs) == 1 and type(descs[0]) is list and len(descs[0]) == 2
+    if one_packed:  # a small message's one packed frame: its layout checked before?
+        layout = _LAYOUTS.find(head, header, limits)
+        if layout is not None and layout.views(_buffer(frames[1]), tensors, limits):
+            return Message(op, seq, fields, tensors)
     total = 0
     for desc, frame in zip(descs, frames[1:], strict=True):
         buf = _buffer(frame)
@@ -546,6 +553,8 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
             if len(shape) != 1:  # a reshape costs as much as the view itself
                 t = t.reshape(shape)
         tensors[key] = t
+    if one_packed and tensors:
+        _LAYOUTS.remember(descs, tensors, limits)
     return Message(op, seq, fields, tensors)
 
 
@@ -610,7 +619,8 @@ def _unpack(desc: list[Any], buf: memoryview, tensors: dict[str, torch.Tensor], 
             if buf.nbytes >= itemsize else torch.empty(0, dtype=dtype))
     if flat1d:
         # the entries tile the frame exactly (checked): one call makes every view
-        for (key, _, _), view in zip(rows, flat.split([n for _, _, n in rows]), strict=True):
+        for (key, _, _), view in zip(rows, flat.split_with_sizes([n for _, _, n in rows]),
+                                     strict=True):
             tensors[key] = view
         return total
     at = 0
