@@ -29,7 +29,14 @@ log = logging.getLogger(__name__)
 
 
 class ShardObserver:
-    """Metrics and watchdog of one shard server. Single-threaded: the server's loop."""
+    """Metrics and watchdog of one shard server. Single-threaded: the server's loop.
+
+    Gauges and counters are held and folded into the registry (an exporter's
+    scrape reads it) every FOLD_EVERY pushes and, when the loop ticks, at most
+    FOLD_SECONDS apart; histograms and alarms go in at once."""
+
+    FOLD_EVERY = 16
+    FOLD_SECONDS = 0.02
 
     def __init__(self, shard: int, events: EventLog, watchdog: Watchdog, *,
                  registry: MetricsRegistry | None = None,
@@ -54,6 +61,13 @@ class ShardObserver:
         self._live_count = 0
         self._last: dict[int, dict[str, float]] = {}  # worker -> its last push's figures
         self._children: dict[tuple[str, tuple[Any, ...]], Child] = {}
+        # gauges and counters of pushes, pulls and steps, held in plain dicts and folded
+        # into the registry every FOLD_EVERY pushes and at each tick of the server's
+        # loop (a gauge written k times in a burst is then written once)
+        self._gauges: dict[tuple[str, tuple[Any, ...]], float] = {}
+        self._counts: dict[tuple[str, tuple[Any, ...]], float] = {}
+        self._held = 0
+        self._folded_at = time.monotonic()
 
     def _c(self, name: str, *labels: Any) -> Child:
         """The registry's value for this shard and ``labels`` (handles cached: hot path)."""
@@ -62,6 +76,18 @@ class ShardObserver:
         if child is None:
             child = self._children[key] = self.registry.child(name, (self.label, *labels))
         return child
+
+    def fold(self) -> None:
+        """Write the held gauges and counters into the registry."""
+        gauges, counts = self._gauges, self._counts
+        self._gauges, self._counts, self._held = {}, {}, 0
+        for (name, labels), value in gauges.items():
+            self._c(name, *labels).set(value)
+        for (name, labels), amount in counts.items():
+            self._c(name, *labels).inc(amount)
+
+    def _add(self, key: tuple[str, tuple[Any, ...]], amount: float = 1.0) -> None:
+        self._counts[key] = self._counts.get(key, 0.0) + amount
 
     # ------------------------------------------------------------------ from the core
 
@@ -74,11 +100,12 @@ class ShardObserver:
         ratio = stats.update_norm / stats.weight_norm if stats.weight_norm > 0 else 0.0
         self._step = {"update_norm": stats.update_norm, "weight_norm": stats.weight_norm,
                       "update_ratio": ratio, "lr": stats.lr}
-        self._c("paramserver_shard_version").set(stats.version)
-        self._c("paramserver_shard_lr").set(stats.lr)
-        self._c("paramserver_shard_update_norm").set(stats.update_norm)
-        self._c("paramserver_shard_weight_norm").set(stats.weight_norm)
-        self._c("paramserver_shard_update_ratio").set(ratio)
+        gauges = self._gauges
+        gauges["paramserver_shard_version", ()] = stats.version
+        gauges["paramserver_shard_lr", ()] = stats.lr
+        gauges["paramserver_shard_update_norm", ()] = stats.update_norm
+        gauges["paramserver_shard_weight_norm", ()] = stats.weight_norm
+        gauges["paramserver_shard_update_ratio", ()] = ratio
         self._alarms(self.watchdog.observe_step(StepObservation(
             stats.version, stats.update_norm, stats.weight_norm, stats.lr)))
 
@@ -91,31 +118,33 @@ class ShardObserver:
         if grad is not None and grad.worker != worker:
             grad = None
         staleness = int(outcome["staleness"])
+        labels = (worker,)
+        gauges = self._gauges
         self._c("paramserver_push_staleness", worker).observe(staleness)
         self._c("paramserver_push_seconds", worker).observe(seconds)
-        self._c("paramserver_push_bytes_total", worker).inc(nbytes)
+        self._add(("paramserver_push_bytes_total", labels), nbytes)
         if outcome["accepted"]:
             weight = float(outcome["weight"])
-            self._c("paramserver_pushes_accepted_total", worker).inc()
+            self._add(("paramserver_pushes_accepted_total", labels))
             if weight < 1.0:
-                self._c("paramserver_pushes_downweighted_total", worker).inc()
+                self._add(("paramserver_pushes_downweighted_total", labels))
             self._accepted[worker] = self._accepted.get(worker, 0) + 1
             self._weights[worker] = self._weights.get(worker, 0.0) + weight
-            self._c("paramserver_push_weight_mean", worker).set(
+            gauges["paramserver_push_weight_mean", labels] = (
                 self._weights[worker] / self._accepted[worker])
         else:
-            self._c("paramserver_pushes_rejected_total", worker,
-                    outcome["reason"] or "rejected").inc()
+            self._add(("paramserver_pushes_rejected_total",
+                       (worker, outcome["reason"] or "rejected")))
         last = self._last.setdefault(worker, {})
         last["staleness"] = staleness
         if grad is not None:
-            self._c("paramserver_push_grad_norm", worker).set(grad.norm)
+            gauges["paramserver_push_grad_norm", labels] = grad.norm
             last["grad_norm"] = grad.norm
             if grad.cosine is not None:
-                self._c("paramserver_push_grad_cosine", worker).set(grad.cosine)
+                gauges["paramserver_push_grad_cosine", labels] = grad.cosine
                 last["cosine"] = grad.cosine
         if loss is not None:
-            self._c("paramserver_push_loss", worker).set(loss)
+            gauges["paramserver_push_loss", labels] = loss
             last["loss"] = loss
         self._clocks_after_push(core, worker)
         alarms = self.watchdog.observe_push(PushObservation(
@@ -131,6 +160,9 @@ class ShardObserver:
                     if w.live and not w.finished}
             alarms += self.watchdog.observe_clocks(live, time.monotonic())
         self._alarms(alarms)
+        self._held += 1
+        if self._held >= self.FOLD_EVERY:
+            self.fold()
         return grad
 
     def nonfinite(self, worker: int, loss: float | None) -> None:
@@ -142,10 +174,11 @@ class ShardObserver:
 
     def pull(self, worker: int, seconds: float, waited: float, nbytes: int) -> None:
         self._c("paramserver_pull_seconds", worker).observe(seconds)
-        self._c("paramserver_pull_bytes_total", worker).inc(nbytes)
+        labels = (worker,)
+        self._add(("paramserver_pull_bytes_total", labels), nbytes)
         if waited > 0:
-            self._c("paramserver_pulls_deferred_total", worker).inc()
-            self._c("paramserver_pull_wait_seconds_total", worker).inc(waited)
+            self._add(("paramserver_pulls_deferred_total", labels))
+            self._add(("paramserver_pull_wait_seconds_total", labels), waited)
 
     def _clocks_after_push(self, core: ShardCore, worker: int) -> None:
         """After a push only the pusher's clock moved; the others' lags move with the minimum."""
@@ -156,10 +189,11 @@ class ShardObserver:
             return
         clock = core.workers[worker].clock
         self.version = core.version
-        self._c("paramserver_shard_version").set(core.version)
-        self._c("paramserver_shard_clock_gap").set(high - low)
-        self._c("paramserver_clock", worker).set(clock)
-        self._c("paramserver_clock_lag", worker).set(clock - low)
+        gauges = self._gauges
+        gauges["paramserver_shard_version", ()] = core.version
+        gauges["paramserver_shard_clock_gap", ()] = high - low
+        gauges["paramserver_clock", (worker,)] = clock
+        gauges["paramserver_clock_lag", (worker,)] = clock - low
 
     def clocks(self, core: ShardCore) -> None:
         """Clocks, lags and liveness of every known worker (one pass over the workers)."""
@@ -168,19 +202,22 @@ class ShardObserver:
         low = min((w.clock for w in live), default=0)
         high = max((w.clock for w in live), default=0)
         self._min_clock, self._live_count = low, len(live)
-        self._c("paramserver_shard_version").set(core.version)
-        self._c("paramserver_shard_min_clock").set(low)
-        self._c("paramserver_shard_clock_gap").set(high - low)
-        self._c("paramserver_shard_live_workers").set(len(live))
+        gauges = self._gauges
+        gauges["paramserver_shard_version", ()] = core.version
+        gauges["paramserver_shard_min_clock", ()] = low
+        gauges["paramserver_shard_clock_gap", ()] = high - low
+        gauges["paramserver_shard_live_workers", ()] = len(live)
         for w in core.workers.values():
             is_live = w.live and not w.finished
-            self._c("paramserver_clock", w.worker).set(w.clock)
-            self._c("paramserver_clock_lag", w.worker).set(w.clock - low if is_live else 0)
-            self._c("paramserver_live", w.worker).set(1 if is_live else 0)
+            labels = (w.worker,)
+            gauges["paramserver_clock", labels] = w.clock
+            gauges["paramserver_clock_lag", labels] = w.clock - low if is_live else 0
+            gauges["paramserver_live", labels] = 1 if is_live else 0
 
     def forget(self, known: set[int]) -> None:
         """Drop the figures of workers that are no longer in the shard's table (evicted),
         so that labels do not pile up with every worker id ever seen."""
+        self.fold()  # (what is held for them must not bring their labels back)
         for key in [k for k in self._children
                     if k[1] and isinstance(k[1][0], int) and k[1][0] not in known]:
             name, labels = key
@@ -232,7 +269,13 @@ class ShardObserver:
         return alarms
 
     def tick(self, now: float, force: bool = False) -> None:
-        """Every ``interval`` seconds (or when forced): a ``metrics`` event and TensorBoard."""
+        """Held metrics into the registry, at most every FOLD_SECONDS between
+        FOLD_EVERY pushes; every ``interval`` seconds (or when forced): a
+        ``metrics`` event and TensorBoard."""
+        if (self._gauges or self._counts) and (force or now - self._folded_at
+                                               >= self.FOLD_SECONDS):
+            self._folded_at = now
+            self.fold()
         if not force and now - self._last_snapshot < self.interval:
             return
         self._last_snapshot = now
