@@ -191,6 +191,9 @@ class Message:
     seq: int = 0
     fields: dict[str, Any] = field(default_factory=dict)
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: the tensors made ready to send instead (paramserver/lanes.py): ``tensors``
+    #: is then empty, and encode sends these frames
+    prepared: PreparedTensors | None = None
 
     def __getitem__(self, name: str) -> Any:
         return self.fields[name]
@@ -200,7 +203,9 @@ class Message:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+        if self.prepared is not None:
+            return self.prepared.nbytes
+        return sum(t.nbytes for t in self.tensors.values())
 
 
 def reply(request: Message, tensors: Mapping[str, torch.Tensor] | None = None,
@@ -250,6 +255,15 @@ class PreparedTensors:
         descs, self.frames = _describe(tensors, copy=False)
         self.descs: bytes = msgpack.packb(descs, use_bin_type=True)
         self.nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+
+    @classmethod
+    def packed(cls, descs: bytes, frame: torch.Tensor, nbytes: int) -> PreparedTensors:
+        """One packed frame made by the caller (a contiguous CPU tensor of ``nbytes``)
+        with its descriptor list ``descs``, already msgpack'd: sent once, not kept."""
+        out = cls.__new__(cls)
+        out.key, out.descs, out.nbytes = (), descs, nbytes
+        out.frames = [_tensor_view(frame)]
+        return out
 
     def matches(self, tensors: Mapping[str, torch.Tensor]) -> bool:
         return self.key == _identity(tensors)
@@ -421,6 +435,8 @@ def encode(msg: Message, prepared: PreparedTensors | None = None, *,
     matches them; ``matched``: the caller has just checked that it does). The caller
     must not modify the tensors until ZeroMQ has sent them.
     """
+    if msg.prepared is not None:
+        prepared, matched = msg.prepared, True
     if prepared is not None and (matched or prepared.matches(msg.tensors)):
         # the same bytes as below: the map {"v", "op", "seq", "f", "t"} in this order
         # (packb, not the shared Packer: servers may run in threads of one process)

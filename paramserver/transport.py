@@ -325,7 +325,8 @@ class Channel:
                 extra["shm"], tensors = descs, {}
         if (msg.op is Op.PULL or fields.get("pull")) and "via_shm" not in fields:
             extra["via_shm"] = True
-        return Message(msg.op, msg.seq, {**fields, **extra}, tensors) if extra else msg
+        return Message(msg.op, msg.seq, {**fields, **extra}, tensors,
+                       msg.prepared) if extra else msg
 
     def recv_nowait(self) -> Message | None:
         if not self.socket.getsockopt(_EVENTS) & _POLLIN:

@@ -32,7 +32,8 @@ from paramserver.errors import (
     RemoteError,
     TransportError,
 )
-from paramserver.protocol import PROTOCOL_VERSION, Message, Op
+from paramserver.lanes import SmallShare
+from paramserver.protocol import PROTOCOL_VERSION, Message, Op, PreparedTensors
 from paramserver.sharding import DTYPES, ShardPlan
 from paramserver.shm import MIN_BYTES as SHM_MIN_BYTES
 from paramserver.shm import ShmLink
@@ -162,6 +163,10 @@ class PSClient:
         self._largest_share = max(
             (sum(s.numel * DTYPES[s.dtype].itemsize for s in sl) for sl in self._shard_slices),
             default=0)
+        # a small model's shares, gathered and landed in a few calls (paramserver/lanes.py);
+        # not where gradients are narrowed or pushes go in parts
+        whole = self.wire_dtype is None and (not part_bytes or self._largest_share <= part_bytes)
+        self._small = [SmallShare.of(plan, s) if whole else None for s in range(plan.num_shards)]
 
     # ------------------------------------------------------------------ session
 
@@ -221,7 +226,8 @@ class PSClient:
             if recover and isinstance(error, (NotRegisteredError, NotInitializedError)):
                 log.warning("%s: %s; registering again", peer, rep["reason"])
                 self._rejoin(shards[i])
-                retry = Message(msgs[i].op, 0, dict(msgs[i].fields), msgs[i].tensors)
+                retry = Message(msgs[i].op, 0, dict(msgs[i].fields), msgs[i].tensors,
+                                msgs[i].prepared)
                 replies[i] = self._call([retry], what, [shards[i]], recover=False,
                                         soft=soft)[0]
             else:
@@ -312,7 +318,23 @@ class PSClient:
         )
 
     def _land(self, params: Mapping[str, torch.Tensor], shard: int, rep: Message) -> bool:
+        share = self._small[shard]
+        if share is not None and "shm" not in rep.fields and share.land(params, rep.tensors):
+            return True
         return land(self.plan, self.channels[shard], params, rep)
+
+    def _packed_pushes(self, grads: Mapping[str, torch.Tensor]) -> list[PreparedTensors] | None:
+        """Each shard's gradients as one packed frame (a small model over TCP), or None:
+        the general path."""
+        out = []
+        for ch, share in zip(self.channels, self._small, strict=True):
+            if share is None or (ch.shm is not None and ch.shm.active):
+                return None
+            packed = share.pack(grads)
+            if packed is None:
+                return None
+            out.append(packed)
+        return out
 
     def _land_all(self, params: Mapping[str, torch.Tensor], replies: list[Message],
                   done: set[int], clock: int) -> None:
@@ -461,6 +483,19 @@ class PSClient:
         return [Message(Op.PUSH, 0, {**fields, "read_version": read_versions[s]},
                         dict(parts.get(s, {}))) for s in range(len(self.channels))]
 
+    def _small_push_msgs(self, grads: Mapping[str, torch.Tensor], read_versions: Sequence[int],
+                         num_samples: int, clock: int, loss: float | None
+                         ) -> list[Message] | None:
+        """:meth:`_whole_push_msgs` with each shard's gradients packed by its
+        :class:`SmallShare`; None where the general path must take the push."""
+        packed = self._packed_pushes(grads)
+        if packed is None:
+            return None
+        msgs = self._whole_push_msgs({}, read_versions, num_samples, clock, loss)
+        for m, p in zip(msgs, packed, strict=True):
+            m.prepared = p
+        return msgs
+
     @staticmethod
     def _push_result(msgs: Sequence[Message], outcomes: Sequence[dict[str, Any] | None],
                      t0: float) -> PushResult:
@@ -475,11 +510,14 @@ class PSClient:
         """Send gradient slices to every shard, tagged with the version each was read at
         (and the training loss of those samples, if given)."""
         t0 = time.perf_counter()
-        per_shard = self._split_grads(self._host_grads(grads))
-        groups = self._in_parts(per_shard)
-        if groups is not None:
-            return self._push_parts(groups, read_versions, num_samples, clock, loss, None)[0]
-        msgs = self._whole_push_msgs(per_shard, read_versions, num_samples, clock, loss)
+        msgs = self._small_push_msgs(grads, read_versions, num_samples, clock, loss)
+        if msgs is None:
+            per_shard = self._split_grads(self._host_grads(grads))
+            groups = self._in_parts(per_shard)
+            if groups is not None:
+                return self._push_parts(groups, read_versions, num_samples, clock, loss,
+                                        None)[0]
+            msgs = self._whole_push_msgs(per_shard, read_versions, num_samples, clock, loss)
         # a shard that restarted from an older checkpoint no longer has the
         # version our gradient was read at: that push is lost, not fatal
         replies = self._call(msgs, "PUSH", soft=(FutureVersionError,))
@@ -499,14 +537,16 @@ class PSClient:
         """
         t0 = time.perf_counter()
         self._params = params
-        per_shard = self._split_grads(self._host_grads(grads))
-        groups = self._in_parts(per_shard)
-        if groups is not None:
-            pushed, pulled = self._push_parts(groups, read_versions, num_samples, clock, loss,
-                                              params)
-            assert pulled is not None
-            return pushed, pulled
-        msgs = self._whole_push_msgs(per_shard, read_versions, num_samples, clock, loss)
+        msgs = self._small_push_msgs(grads, read_versions, num_samples, clock, loss)
+        if msgs is None:
+            per_shard = self._split_grads(self._host_grads(grads))
+            groups = self._in_parts(per_shard)
+            if groups is not None:
+                pushed, pulled = self._push_parts(groups, read_versions, num_samples, clock,
+                                                  loss, params)
+                assert pulled is not None
+                return pushed, pulled
+            msgs = self._whole_push_msgs(per_shard, read_versions, num_samples, clock, loss)
         for m in msgs:
             m.fields["pull"] = True
         done: set[int] = set()

@@ -1,0 +1,141 @@
+"""SmallShare (paramserver/lanes.py): a small model's push packed and its pull landed
+in a few calls, to the byte what the general path does, and None or False (the
+general path) for anything else."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paramserver.lanes import SmallShare
+from paramserver.protocol import PACK_BYTES, Message, Op, decode, encode
+from paramserver.sharding import ParamSpec, ShardPlan
+
+SHAPES = [(3, 4), (7,), (2, 2, 2), (5,)]
+
+
+def _plan(shapes: list[tuple[int, ...]] = SHAPES, shards: int = 1,
+          dtypes: list[str] | None = None, chunk_bytes: int = ShardPlan.DEFAULT_CHUNK_BYTES
+          ) -> ShardPlan:
+    dtypes = dtypes or ["float32"] * len(shapes)
+    return ShardPlan([ParamSpec(f"p{i}", s, d) for i, (s, d) in
+                      enumerate(zip(shapes, dtypes, strict=True))], shards, chunk_bytes)
+
+
+def _grads(plan: ShardPlan, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    # made one by one: not back to back in one buffer
+    return {p.name: torch.randn(p.shape, generator=g) for p in plan.params}
+
+
+def _push(tensors: dict[str, torch.Tensor] | None = None, prepared: object = None) -> Message:
+    return Message(Op.PUSH, 9, {"worker": 1, "push_id": 3, "clock": 2, "num_samples": 4,
+                                "read_version": 5}, tensors or {}, prepared)  # type: ignore
+
+
+def test_a_push_packed_by_the_share_is_the_general_paths_bytes() -> None:
+    plan = _plan()
+    share = SmallShare.of(plan, 0)
+    assert share is not None
+    grads = _grads(plan)
+    general = [bytes(f) for f in encode(_push(plan.split_tensors(grads)[0]))]
+    packed = share.pack(grads)
+    assert packed is not None
+    lane = [bytes(f) for f in encode(_push(prepared=packed))]
+    assert lane == general
+    assert _push(prepared=packed).nbytes == sum(t.nbytes for t in grads.values())
+    got = decode(lane)
+    for name, g in grads.items():
+        assert torch.equal(got.tensors[name].view(g.shape), g)
+
+
+def test_each_shard_of_a_spread_small_model_has_its_share() -> None:
+    plan = _plan([(8,)] * 8, shards=4)
+    grads = _grads(plan)
+    for shard in range(4):
+        share = SmallShare.of(plan, shard)
+        assert share is not None
+        packed = share.pack(grads)
+        assert packed is not None
+        general = [bytes(f) for f in encode(_push(plan.split_tensors(grads)[shard]))]
+        assert [bytes(f) for f in encode(_push(prepared=packed))] == general
+
+
+@pytest.mark.parametrize("plan", [
+    _plan([(16,)]),  # one tensor: sent as it is, nothing to pack
+    _plan([(4,), (4,)], dtypes=["float32", "float64"]),  # two dtypes
+    _plan([(PACK_BYTES // 4,), (4,)]),  # a tensor too large to pack
+    _plan([(64,), (64,)], chunk_bytes=128),  # parameters split into chunks
+], ids=["one-tensor", "two-dtypes", "too-large", "chunked"])
+def test_no_share_where_the_general_path_packs_otherwise(plan: ShardPlan) -> None:
+    assert SmallShare.of(plan, 0) is None
+
+
+def test_pack_leaves_what_it_cannot_take_to_the_general_path() -> None:
+    plan = _plan()
+    share = SmallShare.of(plan, 0)
+    assert share is not None
+    good = _grads(plan)
+    assert share.pack({k: v for k, v in good.items() if k != "p1"}) is None  # missing
+    assert share.pack({**good, "p0": torch.zeros(4, 3)}) is None  # other shape
+    assert share.pack({**good, "p1": torch.zeros(7, dtype=torch.float64)}) is None
+    assert share.pack({**good, "p1": torch.zeros(7, device="meta")}) is None  # not CPU
+
+
+def test_pack_takes_non_contiguous_and_grad_requiring_tensors() -> None:
+    plan = _plan()
+    share = SmallShare.of(plan, 0)
+    assert share is not None
+    grads = _grads(plan)
+    grads["p0"] = torch.randn(4, 3).t()  # non-contiguous, shape (3, 4)
+    grads["p1"] = torch.randn(7, requires_grad=True)
+    packed = share.pack(grads)
+    assert packed is not None
+    got = decode([bytes(f) for f in encode(_push(prepared=packed))])
+    for name, g in grads.items():
+        assert torch.equal(got.tensors[name].view(g.shape), g.detach())
+
+
+def _reply(plan: ShardPlan, values: dict[str, torch.Tensor]) -> Message:
+    """A shard's pull reply as a worker decodes it: one packed frame of 1-D slices."""
+    flat = torch.cat([values[p.name].reshape(-1) for p in plan.params])
+    views = dict(zip([p.name for p in plan.params],
+                     flat.split([p.numel for p in plan.params]), strict=True))
+    frames = [bytes(f) for f in encode(Message(Op.REPLY, 1, {"re": "pull"}, views))]
+    return decode(frames)
+
+
+def test_land_copies_a_reply_into_the_parameters_bit_for_bit() -> None:
+    plan = _plan()
+    share = SmallShare.of(plan, 0)
+    assert share is not None
+    weights = _grads(plan, seed=1)
+    params = {p.name: torch.nn.Parameter(torch.zeros(p.shape)) for p in plan.params}
+    assert share.land(params, _reply(plan, weights).tensors)
+    for name, w in weights.items():
+        assert torch.equal(params[name].detach(), w)
+
+
+def test_land_refuses_without_copying_what_is_not_its_share() -> None:
+    plan = _plan()
+    share = SmallShare.of(plan, 0)
+    assert share is not None
+    rep = _reply(plan, _grads(plan, seed=2))
+
+    def fresh() -> dict[str, torch.Tensor]:
+        return {p.name: torch.zeros(p.shape) for p in plan.params}
+
+    reordered = dict(reversed(list(rep.tensors.items())))
+    cases = {
+        "keys in another order": (fresh(), reordered),
+        "a key missing": (fresh(), {k: v for k, v in rep.tensors.items() if k != "p2"}),
+        "a parameter of another dtype": ({**fresh(), "p1": torch.zeros(7, dtype=torch.float64)},
+                                         rep.tensors),
+        "a non-contiguous parameter": ({**fresh(), "p0": torch.zeros(4, 3).t()}, rep.tensors),
+        "a parameter of another shape": ({**fresh(), "p3": torch.zeros(6)}, rep.tensors),
+    }
+    for what, (params, tensors) in cases.items():
+        before = {k: v.clone() for k, v in params.items()}
+        assert not share.land(params, tensors), what
+        for k, v in params.items():
+            assert torch.equal(v, before[k]), what
