@@ -254,6 +254,9 @@ class Probe:
         self._queue: list[Callable[[], None]] = []
         self._step_queued = False  # a step's measurement waits: the next step flushes first
         self._before: dict[str, torch.Tensor] = {}
+        # the weights as one span, and their addresses when it was made (a step moves no
+        # weight; copy-on-write does, and then the addresses differ)
+        self._weights: tuple[list[int], torch.Tensor | None] | None = None
         self._numel = sum(p.numel() for p in params.values())
         self.stride = sample_stride(self._numel)
         self._sampled_numel = sum(sample(p, self.stride).numel() for p in params.values())
@@ -430,12 +433,13 @@ class Probe:
 
     # ------------------------------------------------------------------ steps
 
-    def step_begins(self, optimizer: torch.optim.Optimizer,
-                    grad_scale: float = 1.0) -> _StepMeasure | None:
+    def step_begins(self, optimizer: torch.optim.Optimizer, grad_scale: float = 1.0,
+                    grads: Mapping[str, torch.Tensor] | None = None) -> _StepMeasure | None:
         """Before ``optimizer`` steps (gradients set, learning rates weighted): what
         measuring the step needs from before it, or None when it is not measured.
         ``grad_scale``: the step's gradient is ``grad_scale`` times the ``.grad`` set
-        (a sync round's sums, divided inside the step)."""
+        (a sync round's sums, divided inside the step). ``grads``: the step's
+        gradients by key, where they are not set as ``.grad`` (the fused step)."""
         if self._step_queued:  # an earlier step's weights are about to change: measure them
             self.flush()
         groups = optimizer.param_groups
@@ -452,13 +456,14 @@ class Probe:
         push: PushMeasure | None = None
         if measure and plain_sgd:
             measured = self._measured
-            if measured is not None and all(p.grad is measured[0].get(k)
-                                            for k, p in self.params.items()):
+            if grads is None:
+                grads = {k: p.grad for k, p in self.params.items() if p.grad is not None}
+            if measured is not None and all(grads.get(k) is measured[0].get(k)
+                                            for k in self.params):
                 push = measured[1]  # the pushed gradient itself, measured (or queued)
             else:
                 grad_sq = scale * grad_scale * grad_scale * sum(
-                    l2(sample(p.grad, stride)) ** 2
-                    for p in self.params.values() if p.grad is not None)
+                    l2(sample(grads[k], stride)) ** 2 for k in self.params if k in grads)
         elif measure:
             for key, p in self.params.items():
                 sampled = sample(p, self.stride)
@@ -478,6 +483,15 @@ class Probe:
         else:
             self._step_ended(m, version, applied_lr)
 
+    def _weights_span(self) -> torch.Tensor | None:
+        """:func:`span` of the weights, made again only when one of them moved."""
+        values = list(self.params.values())
+        ptrs = [p.data_ptr() for p in values]
+        kept = self._weights
+        if kept is None or kept[0] != ptrs:
+            kept = self._weights = (ptrs, span(values))
+        return kept[1]
+
     def _step_ended(self, m: _StepMeasure, version: int, applied_lr: float) -> None:
         assert self.observer is not None
         stride = self.stride
@@ -485,7 +499,7 @@ class Probe:
         grad_sq = m.grad_sq if m.push is None else math.sqrt(m.push.exact_sq) ** 2
         update, weights = applied_lr * applied_lr * grad_sq, 0.0
         # plain SGD on a shard's flat weights: their norm in one pass over the buffer
-        flat = span(list(self.params.values())) if m.plain_sgd and stride == 1 else None
+        flat = self._weights_span() if m.plain_sgd and stride == 1 else None
         if flat is not None:
             weights = l2(flat) ** 2
         if flat is None or not math.isfinite(weights):

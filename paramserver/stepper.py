@@ -127,12 +127,13 @@ class Stepper:
                 for grad in dense:
                     grad.div_(divisor)
             divisor = 1.0
-        for key, p in params.items():
-            p.grad = grads[key]  # per slice too: the probe measures them
-        if self.flat is not None and not fused:  # the fused step goes slice by slice
-            layout, flats = self.flat
-            for f in flats:
-                f.grad = layout.join(f.dtype, grads)
+        if not fused:  # (the fused step reads ``dense``, and the probe ``grads``)
+            for key, p in params.items():
+                p.grad = grads[key]
+            if self.flat is not None:
+                layout, flats = self.flat
+                for f in flats:
+                    f.grad = layout.join(f.dtype, grads)
         groups = self.optimizer.param_groups
         saved = [g["lr"] for g in groups]
         if self.lr_rule.active:
@@ -144,7 +145,8 @@ class Stepper:
         if weight != 1.0:
             for g in groups:
                 g["lr"] = g["lr"] * weight
-        measure = probe.step_begins(self.optimizer, grad_scale=1.0 / divisor)
+        measure = probe.step_begins(self.optimizer, grad_scale=1.0 / divisor,
+                                    grads=grads if fused else None)
         applied_lr = float(groups[0]["lr"])
         alpha = -applied_lr / divisor
         if not (fused and ahead is not None and ahead(alpha)):
@@ -157,11 +159,12 @@ class Stepper:
                 self.optimizer.step()
         for g, lr in zip(groups, saved, strict=True):
             g["lr"] = lr
-        for p in params.values():
-            p.grad = None
-        if self.flat is not None:
-            for f in self.flat[1]:
-                f.grad = None
+        if not fused:
+            for p in params.values():
+                p.grad = None
+            if self.flat is not None:
+                for f in self.flat[1]:
+                    f.grad = None
         if self.scheduler is not None:
             self.scheduler.step()
         if measure is not None:
