@@ -80,9 +80,7 @@ class SmallShare:
             if g is None or g.shape != shape or g.dtype is not dtype or not g.is_cpu:
                 return None
             flats.append(g if len(shape) == 1 else g.reshape(-1))
-        with torch.no_grad():  # (a gradient may require grad: the frame must not)
-            frame = torch.cat(flats)
-        return PreparedTensors.packed(self.descs, frame, self.nbytes)
+        return PreparedTensors.packed(self.descs, torch.cat(flats), self.nbytes)
 
     def land(self, params: Mapping[str, torch.Tensor],
              tensors: Mapping[str, torch.Tensor]) -> bool:

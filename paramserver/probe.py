@@ -458,8 +458,8 @@ class Probe:
             measured = self._measured
             if grads is None:
                 grads = {k: p.grad for k, p in self.params.items() if p.grad is not None}
-            if measured is not None and all(grads.get(k) is measured[0].get(k)
-                                            for k in self.params):
+            if measured is not None and (grads is measured[0] or all(
+                    grads.get(k) is measured[0].get(k) for k in self.params)):
                 push = measured[1]  # the pushed gradient itself, measured (or queued)
             else:
                 grad_sq = scale * grad_scale * grad_scale * sum(

@@ -262,7 +262,8 @@ class PreparedTensors:
         with its descriptor list ``descs``, already msgpack'd: sent once, not kept."""
         out = cls.__new__(cls)
         out.key, out.descs, out.nbytes = (), descs, nbytes
-        out.frames = [_tensor_view(frame)]
+        # (detached: a gradient may require grad, and then so does what cat made of it)
+        out.frames = [memoryview(frame.detach().view(torch.uint8).numpy())]
         return out
 
     def matches(self, tensors: Mapping[str, torch.Tensor]) -> bool:
