@@ -10,8 +10,9 @@ the packed frame's descriptor) so that a round costs a check per tensor, one
 ``torch.cat`` to push and one ``torch._foreach_copy_`` to land.
 
 It applies only where its result is the general path's to the byte: every
-slice of the shard is a whole parameter of one dtype, small enough to pack
-(:func:`SmallShare.of` says None otherwise), and each call checks the tensors
+slice of the shard is a whole parameter of one dtype, small enough to pack (one
+alone goes in a frame of its own, as the general path sends it;
+:func:`SmallShare.of` says None otherwise), and each call checks the tensors
 it is given; on anything else it returns None or False and the caller takes
 the general path, which gives the error.
 """
@@ -47,8 +48,8 @@ class SmallShare:
     def of(cls, plan: ShardPlan, shard: int) -> SmallShare | None:
         """The shard's share, or None when the general path must take it."""
         slices = plan.shard_slices(shard)
-        if len(slices) < 2:
-            return None  # one tensor: nothing to pack, the general path sends it as it is
+        if not slices:
+            return None
         dtypes = {sl.dtype for sl in slices}
         if len(dtypes) != 1:
             return None
@@ -67,8 +68,11 @@ class SmallShare:
             offset += spec.numel * dtype.itemsize
         if offset > MAX_PACKED_BYTES:
             return None
+        # one tensor: a frame of its own, as the general path sends it; several: packed
+        descs = ([[specs[0].name, name, [specs[0].numel]]] if len(specs) == 1
+                 else [[name, entries]])
         return cls([s.name for s in specs], [torch.Size(s.shape) for s in specs], dtype,
-                   msgpack.packb([[name, entries]], use_bin_type=True), offset)
+                   msgpack.packb(descs, use_bin_type=True), offset)
 
     def pack(self, grads: Mapping[str, torch.Tensor]) -> PreparedTensors | None:
         """The shard's gradients as one packed frame, ready to send; None when any is
@@ -80,7 +84,8 @@ class SmallShare:
             if g is None or g.shape != shape or g.dtype is not dtype or not g.is_cpu:
                 return None
             flats.append(g if len(shape) == 1 else g.reshape(-1))
-        return PreparedTensors.packed(self.descs, torch.cat(flats), self.nbytes)
+        frame = torch.cat(flats) if len(flats) > 1 else flats[0].contiguous()
+        return PreparedTensors.packed(self.descs, frame, self.nbytes)
 
     def land(self, params: Mapping[str, torch.Tensor],
              tensors: Mapping[str, torch.Tensor]) -> bool:

@@ -1,8 +1,9 @@
-"""Packed-frame layouts a peer sends again and again, checked once.
+"""One-frame layouts a peer sends again and again, checked once.
 
-A small message is a header and one packed frame, and the frame's descriptor
-``[[dtype, [[key, shape, offset], ...]]]`` repeats message after message: a
-worker's gradient slices, a shard's weights. Checking it entry by entry, and
+A small message is a header and one frame, a packed one or a single tensor's,
+and the frame's descriptor (``[[dtype, [[key, shape, offset], ...]]]`` or
+``[[key, dtype, shape]]``) repeats message after message: a worker's gradient
+slices, a shard's weights. Checking it entry by entry, and
 making a view per entry, is most of such a message's decode.
 :class:`LayoutCache` keeps the descriptors that passed
 :func:`paramserver.protocol.decode`'s checks, with the tensors' keys, shapes
@@ -33,7 +34,7 @@ _FIXMAP_5 = 0x85  # msgpack's first byte of a map of five pairs
 
 
 class PackedLayout:
-    """One checked descriptor list of a single packed frame, and what it gave."""
+    """One checked descriptor list of a single frame, and what it gave (not empty)."""
 
     __slots__ = ("descs", "dtype", "flat1d", "keys", "largest", "limits", "nbytes", "numels",
                  "raw", "shapes")
@@ -72,7 +73,7 @@ class PackedLayout:
 
 
 class LayoutCache:
-    """The single-frame layouts seen lately, by the length of their bytes; a few per
+    """The one-frame layouts seen lately, by the length of their bytes; a few per
     length, so that several peers' layouts (a shard's workers, a worker's shards)
     all stay. Shared by the threads of a process: a lookup that races an eviction
     misses, and the full check runs."""

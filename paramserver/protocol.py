@@ -263,7 +263,7 @@ class PreparedTensors:
         out = cls.__new__(cls)
         out.key, out.descs, out.nbytes = (), descs, nbytes
         # (detached: a gradient may require grad, and then so does what cat made of it)
-        out.frames = [memoryview(frame.detach().view(torch.uint8).numpy())]
+        out.frames = [memoryview(frame.detach().view(torch.uint8).numpy())]  # type: ignore[arg-type]
         return out
 
     def matches(self, tensors: Mapping[str, torch.Tensor]) -> bool:
@@ -538,8 +538,8 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
     if len(descs) > limits.max_tensors:
         raise ProtocolError(ErrorCode.TOO_LARGE, f"{len(descs)} tensors > {limits.max_tensors}")
     tensors: dict[str, torch.Tensor] = {}
-    one_packed = len(descs) == 1 and type(descs[0]) is list and len(descs[0]) == 2
-    if one_packed:  # a small message's one packed frame: its layout checked before?
+    one_frame = len(descs) == 1 and type(descs[0]) is list
+    if one_frame:  # a small message's one frame: its layout checked before?
         layout = _LAYOUTS.find(head, header, limits)
         if layout is not None and layout.views(_buffer(frames[1]), tensors, limits):
             return Message(op, seq, fields, tensors)
@@ -570,7 +570,7 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
             if len(shape) != 1:  # a reshape costs as much as the view itself
                 t = t.reshape(shape)
         tensors[key] = t
-    if one_packed and tensors:
+    if one_frame and tensors and total:
         _LAYOUTS.remember(descs, tensors, limits)
     return Message(op, seq, fields, tensors)
 

@@ -61,12 +61,27 @@ def test_each_shard_of_a_spread_small_model_has_its_share() -> None:
         assert [bytes(f) for f in encode(_push(prepared=packed))] == general
 
 
+@pytest.mark.parametrize("shape", [(16,), (4, 5)])
+def test_a_shard_of_one_tensor_sends_it_in_a_frame_of_its_own(shape: tuple[int, ...]) -> None:
+    plan = _plan([shape])
+    share = SmallShare.of(plan, 0)
+    assert share is not None
+    grads = _grads(plan)
+    packed = share.pack(grads)
+    assert packed is not None
+    general = [bytes(f) for f in encode(_push(plan.split_tensors(grads)[0]))]
+    assert [bytes(f) for f in encode(_push(prepared=packed))] == general
+    weights = _grads(plan, seed=3)
+    params = {"p0": torch.zeros(shape)}
+    assert share.land(params, _reply(plan, weights).tensors)
+    assert torch.equal(params["p0"], weights["p0"])
+
+
 @pytest.mark.parametrize("plan", [
-    _plan([(16,)]),  # one tensor: sent as it is, nothing to pack
     _plan([(4,), (4,)], dtypes=["float32", "float64"]),  # two dtypes
     _plan([(PACK_BYTES // 4,), (4,)]),  # a tensor too large to pack
     _plan([(64,), (64,)], chunk_bytes=128),  # parameters split into chunks
-], ids=["one-tensor", "two-dtypes", "too-large", "chunked"])
+], ids=["two-dtypes", "too-large", "chunked"])
 def test_no_share_where_the_general_path_packs_otherwise(plan: ShardPlan) -> None:
     assert SmallShare.of(plan, 0) is None
 
