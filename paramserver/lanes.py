@@ -105,5 +105,8 @@ class SmallShare:
                 return False
             targets.append(p if len(shape) == 1 else p.view(-1))
         with torch.no_grad():  # targets are often nn.Parameters that require grad
-            torch._foreach_copy_(targets, values)
+            if len(targets) == 1:
+                targets[0].copy_(values[0])
+            else:
+                torch._foreach_copy_(targets, values)
         return True

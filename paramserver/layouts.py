@@ -63,7 +63,10 @@ class PackedLayout:
             return False
         flat = torch.frombuffer(buf, dtype=self.dtype, count=self.nbytes // self.dtype.itemsize)
         if self.flat1d:
-            tensors.update(zip(self.keys, flat.split_with_sizes(self.numels), strict=True))
+            if len(self.keys) == 1:
+                tensors[self.keys[0]] = flat
+            else:
+                tensors.update(zip(self.keys, flat.split_with_sizes(self.numels), strict=True))
             return True
         at = 0
         for key, shape, numel in zip(self.keys, self.shapes, self.numels, strict=True):
