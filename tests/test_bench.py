@@ -291,3 +291,24 @@ def test_gpu_check_code_path_on_cpu(tmp_path: Path) -> None:
     assert all(r["ok"] for r in data["round_trip"])
     assert data["copy"]["pageable_gbps"] > 0 and "pinned_gbps" not in data["copy"]
     assert data["overlap"]["buckets"] >= 1
+
+
+def test_hotpath_times_applied_pushes_warm_and_cold(monkeypatch: pytest.MonkeyPatch) -> None:
+    from paramserver.benchmarks import hotpath
+
+    monkeypatch.setenv("PARAMSERVER_SHM", "0")
+    for case in hotpath.CASES:
+        r = hotpath.measure(case, pushes=20, repeats=2, thrash_mib=1)
+        assert r["case"] == case and r["pushes"] == 20
+        for label in ("warm", "cold"):
+            assert 0 < r[label]["min_us"] <= r[label]["median_us"] <= r[label]["max_us"]
+
+
+def test_hotpath_refuses_to_time_refused_pushes(monkeypatch: pytest.MonkeyPatch) -> None:
+    from paramserver.benchmarks import hotpath
+
+    monkeypatch.setenv("PARAMSERVER_SHM", "0")
+    monkeypatch.setattr(hotpath, "_requests", lambda server, session, count: [
+        [b"\x00not msgpack"] for _ in range(count)])
+    with pytest.raises(RuntimeError, match="refused"):
+        hotpath.measure("sync-1", pushes=5, repeats=1, thrash_mib=1)
