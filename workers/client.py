@@ -323,19 +323,6 @@ class PSClient:
             return True
         return land(self.plan, self.channels[shard], params, rep)
 
-    def _packed_pushes(self, grads: Mapping[str, torch.Tensor]) -> list[PreparedTensors] | None:
-        """Each shard's gradients as one packed frame (a small model over TCP), or None:
-        the general path."""
-        out = []
-        for ch, share in zip(self.channels, self._small, strict=True):
-            if share is None or (ch.shm is not None and ch.shm.active):
-                return None
-            packed = share.pack(grads)
-            if packed is None:
-                return None
-            out.append(packed)
-        return out
-
     def _land_all(self, params: Mapping[str, torch.Tensor], replies: list[Message],
                   done: set[int], clock: int) -> None:
         """Land every reply not in ``done``; shards whose board copies kept being
@@ -487,10 +474,15 @@ class PSClient:
                          num_samples: int, clock: int, loss: float | None
                          ) -> list[Message] | None:
         """:meth:`_whole_push_msgs` with each shard's gradients packed by its
-        :class:`SmallShare`; None where the general path must take the push."""
-        packed = self._packed_pushes(grads)
-        if packed is None:
-            return None
+        :class:`SmallShare` (a small model over TCP); None where the general path
+        must take the push."""
+        packed: list[PreparedTensors] = []
+        for ch, share in zip(self.channels, self._small, strict=True):
+            one = None if share is None or (ch.shm is not None and ch.shm.active) \
+                else share.pack(grads)
+            if one is None:
+                return None
+            packed.append(one)
         msgs = self._whole_push_msgs({}, read_versions, num_samples, clock, loss)
         for m, p in zip(msgs, packed, strict=True):
             m.prepared = p
