@@ -456,7 +456,7 @@ def _buffer(frame: Any) -> memoryview:
 
 
 _OPS = {op.value: op for op in Op}
-_LAYOUTS = LayoutCache()  # packed-frame descriptors that passed the checks below
+_LAYOUTS = LayoutCache()  # one-frame descriptors that passed the checks below
 _MISSING = object()
 # the schema as (name, is an integer, types, required) rows: the test per field the
 # same, without unpacking the schema's nested tuples per message
