@@ -154,3 +154,17 @@ def test_land_refuses_without_copying_what_is_not_its_share() -> None:
         assert not share.land(params, tensors), what
         for k, v in params.items():
             assert torch.equal(v, before[k]), what
+
+
+def test_a_scalar_parameter_travels_as_one_element() -> None:
+    plan = _plan([(), (3,)])
+    share = SmallShare.of(plan, 0)
+    assert share is not None
+    grads = {"p0": torch.tensor(2.5), "p1": torch.tensor([1.0, 2.0, 3.0])}
+    packed = share.pack(grads)
+    assert packed is not None
+    general = [bytes(f) for f in encode(_push(plan.split_tensors(grads)[0]))]
+    assert [bytes(f) for f in encode(_push(prepared=packed))] == general
+    params = {"p0": torch.tensor(0.0), "p1": torch.zeros(3)}
+    assert share.land(params, _reply(plan, grads).tensors)
+    assert params["p0"].item() == 2.5 and torch.equal(params["p1"], grads["p1"])
