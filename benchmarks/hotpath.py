@@ -85,6 +85,8 @@ def measure(case: str, pushes: int = 2000, repeats: int = 5, thrash_mib: int = 3
                            "thrash_mib": thrash_mib}
     try:
         errors = sum(n for k, n in server.counters.items() if k.startswith("error"))
+        assert server.core is not None
+        version = server.core.version
         requests = iter(_requests(server, session, 2 * repeats * pushes))
         for label, thrash in (("warm", False), ("cold", True)):
             times = []
@@ -101,8 +103,10 @@ def measure(case: str, pushes: int = 2000, repeats: int = 5, thrash_mib: int = 3
             out[label] = {"median_us": statistics.median(times), "min_us": min(times),
                           "max_us": max(times)}
         refused = sum(n for k, n in server.counters.items() if k.startswith("error")) - errors
-        if refused:  # a benchmark of refusals would measure nothing
-            raise RuntimeError(f"{refused} of the pushes were refused: {dict(server.counters)}")
+        applied = server.core.version - version
+        if refused or applied != 2 * repeats * pushes:  # refusals would measure nothing
+            raise RuntimeError(f"{refused} of the pushes were refused and {applied} of "
+                               f"{2 * repeats * pushes} applied: {dict(server.counters)}")
     finally:
         session.client.close()
         server.socket.close(linger=0)
