@@ -24,7 +24,7 @@ from collections.abc import Mapping
 import msgpack
 import torch
 
-from .protocol import _DTYPE_NAMES, MAX_PACKED_BYTES, PACK_BYTES, PreparedTensors
+from .protocol import PACK_BYTES, PreparedTensors, _describe
 from .sharding import ShardPlan
 
 __all__ = ["SmallShare"]
@@ -58,21 +58,16 @@ class SmallShare:
                for sl, spec in zip(slices, specs, strict=True)):
             return None  # a parameter split over shards or chunks
         dtype = specs[0].torch_dtype
-        name = _DTYPE_NAMES.get(dtype)
-        limit = PACK_BYTES // dtype.itemsize
-        if name is None or not all(0 < s.numel < limit for s in specs):
-            return None
-        entries, offset = [], 0
-        for spec in specs:
-            entries.append([spec.name, [spec.numel], offset])  # slices travel 1-D
-            offset += spec.numel * dtype.itemsize
-        if offset > MAX_PACKED_BYTES:
-            return None
-        # one tensor: a frame of its own, as the general path sends it; several: packed
-        descs = ([[specs[0].name, name, [specs[0].numel]]] if len(specs) == 1
-                 else [[name, entries]])
+        if not all(0 < s.numel < PACK_BYTES // dtype.itemsize for s in specs):
+            return None  # not small: the general path's frames of their own
+        # the descriptor is the general path's for such slices (1-D, in this order, not
+        # back to back): one frame, packed, or of its own for one tensor; else None
+        descs, _ = _describe({s.name: torch.empty(s.numel, dtype=dtype) for s in specs})
+        if len(descs) != 1:
+            return None  # more than one packed frame holds
         return cls([s.name for s in specs], [torch.Size(s.shape) for s in specs], dtype,
-                   msgpack.packb(descs, use_bin_type=True), offset)
+                   msgpack.packb(descs, use_bin_type=True),
+                   sum(s.numel for s in specs) * dtype.itemsize)
 
     def pack(self, grads: Mapping[str, torch.Tensor]) -> PreparedTensors | None:
         """The shard's gradients as one packed frame, ready to send; None when any is

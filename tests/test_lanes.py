@@ -81,7 +81,8 @@ def test_a_shard_of_one_tensor_sends_it_in_a_frame_of_its_own(shape: tuple[int, 
     _plan([(4,), (4,)], dtypes=["float32", "float64"]),  # two dtypes
     _plan([(PACK_BYTES // 4,), (4,)]),  # a tensor too large to pack
     _plan([(64,), (64,)], chunk_bytes=128),  # parameters split into chunks
-], ids=["two-dtypes", "too-large", "chunked"])
+    _plan([(15_000,)] * 70),  # each small, but more than one packed frame holds
+], ids=["two-dtypes", "too-large", "chunked", "over-a-frame"])
 def test_no_share_where_the_general_path_packs_otherwise(plan: ShardPlan) -> None:
     assert SmallShare.of(plan, 0) is None
 
