@@ -33,12 +33,11 @@ __all__ = ["SmallShare"]
 class SmallShare:
     """One shard's whole-parameter slices of a small model (see the module's text)."""
 
-    __slots__ = ("descs", "dtype", "keys", "names", "nbytes", "shapes")
+    __slots__ = ("descs", "dtype", "names", "nbytes", "shapes")
 
     def __init__(self, names: list[str], shapes: list[torch.Size], dtype: torch.dtype,
                  descs: bytes, nbytes: int) -> None:
-        self.names = names
-        self.keys = names  # a whole parameter's slice key is its name
+        self.names = names  # and the slices' keys: a whole parameter's key is its name
         self.shapes = shapes
         self.dtype = dtype
         self.descs = descs  # the packed frame's descriptor list, msgpack'd
@@ -87,7 +86,7 @@ class SmallShare:
         """Copy a reply's ``tensors`` (this share's keys, in order) into ``params``;
         False, with nothing copied, for anything but that and contiguous CPU
         parameters of the plan's shapes and dtype."""
-        if list(tensors) != self.keys:
+        if list(tensors) != self.names:
             return False
         values = list(tensors.values())
         dtype = self.dtype
