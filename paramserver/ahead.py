@@ -19,6 +19,12 @@ while the shard would otherwise wait, as during backward (the overlap
 benchmark); when parts come back to back (a 100 MiB push) it would make the
 shard the bottleneck.
 
+What was computed for a part can go back to the worker with that part's answer
+(:meth:`StepAhead.ready`, asked for with the part's ``early`` field), so the
+next weights travel while later parts still do; the round's answer then says
+whether the round made exactly those weights (it committed ahead, at
+:attr:`StepAhead.last_commit`) and carries only the rest, or carries them all.
+
 The second buffer is the round's aggregation buffer, which such a round does
 not use; or, once the weights live in the shard's weight board
 (paramserver/board.py), the board's other slot (:class:`AheadSlot`, given by
@@ -27,7 +33,7 @@ the server), held open in its seqlock until it is adopted or dropped.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -80,6 +86,7 @@ class StepAhead:
         self.keys: set[str] = set()
         self.on_board = False
         self.committed = 0  # rounds whose step was taken ahead
+        self.last_commit: int | None = None  # the version the last such step made
 
     def part(self, grads: Mapping[str, torch.Tensor], alpha: float | None, more: bool) -> None:
         """``w + alpha * g`` for the keys of one part of the round's lone push; ``more``:
@@ -143,7 +150,17 @@ class StepAhead:
         self.committed += done
         if done:
             self.misses = 0
+            self.last_commit = version
         return done
+
+    def ready(self, keys: Collection[str]) -> dict[str, torch.Tensor] | None:
+        """Copies of the next weights of ``keys``, if all of them were computed this
+        round (None: not, or the round is not stepped ahead). They are the weights
+        the round will make if it commits ahead; whoever takes them must learn at
+        the close whether it did (:attr:`last_commit`)."""
+        if not (self.active and keys) or not self.keys.issuperset(keys):
+            return None
+        return {key: self.next[key].clone() for key in keys}
 
     def _swap(self) -> None:
         """The weights' flat buffers and the round's buffer trade storage."""

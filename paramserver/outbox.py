@@ -47,6 +47,10 @@ class Outbox:
         # worker -> (token, push outcome) of its parked PUSH-with-pull; one per worker,
         # as the core keeps one parked pull per worker
         self.push_pulls: dict[int, tuple[Hashable, dict[str, Any]]] = {}
+        # worker -> (version, keys): the next weights of these keys went back early,
+        # with the parts of its parked push (StepAhead.ready); its answer leaves them
+        # out if the round made exactly those weights
+        self.early: dict[int, tuple[int, frozenset[str]]] = {}
         # the weights' descriptors and frames, made once for every pull reply
         self._weights: PreparedTensors | None = None
         # same-host peers' pulls are answered with a ticket to the weight board
@@ -117,9 +121,15 @@ class Outbox:
         """An observer's pull was parked: its answer feeds no worker metrics."""
         self.observer_pulls.add(token)
 
-    def park_push_pull(self, worker: int, token: Hashable, outcome: dict[str, Any]) -> None:
-        """A PUSH asked for the pull too: its answer is the pull's, with ``outcome`` in it."""
+    def park_push_pull(self, worker: int, token: Hashable, outcome: dict[str, Any],
+                       early: tuple[int, frozenset[str]] | None = None) -> None:
+        """A PUSH asked for the pull too: its answer is the pull's, with ``outcome`` in it.
+        ``early``: (version, keys) whose next weights went back with its earlier parts."""
         self.push_pulls[worker] = (token, outcome)
+        if early is None:
+            self.early.pop(worker, None)
+        else:
+            self.early[worker] = early
 
     def answer_pulls(self, core: ShardCore, now: float, observer: ShardObserver,
                      later: list[Callable[[], None]] | None = None) -> None:
@@ -130,15 +140,25 @@ class Outbox:
             fields: dict[str, Any] = {"re": Op.PULL.value, "version": ready.version,
                                       "clock": ready.clock, "waited": ready.waited}
             combined = self.push_pulls.get(ready.worker)
+            early = None
             if combined is not None and combined[0] == ready.token:
                 del self.push_pulls[ready.worker]
                 fields.update(re=Op.PUSH.value, push=combined[1])
+                early = self.early.pop(ready.worker, None)
             ticket = (self.shm.ticket(identity, seq, core.params, ready.version)
                       if self.shm is not None else None)
             if ticket is not None:
                 fields["shm"] = ticket
                 self.counters["shm_pulls"] += 1
                 nbytes = self.send(identity, Message(Op.REPLY, seq, fields, {}))
+            elif early is not None and early[0] == ready.version == core.ahead.last_commit:
+                # the round made the weights that went back early: the rest only
+                fields["early"] = len(early[1])
+                self.counters["early_answers"] += 1
+                rest = {k: p for k, p in core.params.items() if k not in early[1]}
+                if self.shm is not None:
+                    self.shm.before_tcp_reply(core)
+                nbytes = self.send(identity, Message(Op.REPLY, seq, fields, rest))
             else:
                 if self.shm is not None:
                     self.shm.before_tcp_reply(core)  # zmq never lends a board slot

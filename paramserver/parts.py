@@ -104,6 +104,25 @@ class StreamedParts:
     def __init__(self) -> None:
         # worker -> (push id, a part asked for the pull, bytes so far)
         self.pending: dict[int, tuple[int, bool, int]] = {}
+        # worker -> (push id, version, keys): next weights that went back with parts
+        # of its push before the round closed (StepAhead.ready)
+        self.early: dict[int, tuple[int, int, frozenset[str]]] = {}
+
+    def sent_early(self, msg: Message, version: int, keys: Collection[str]) -> None:
+        """The answer to this part of ``msg``'s push carried the next weights of
+        ``keys``, those the round makes at ``version`` if it commits ahead."""
+        worker, push_id = msg["worker"], msg["push_id"]
+        prior = self.early.get(worker)
+        if prior is None or prior[0] != push_id or prior[1] != version:
+            prior = (push_id, version, frozenset())
+        self.early[worker] = (push_id, version, prior[2] | frozenset(keys))
+
+    def early_of(self, msg: Message) -> tuple[int, frozenset[str]] | None:
+        """(version, keys) that went back early with ``msg``'s push's parts; forgotten."""
+        prior = self.early.pop(msg["worker"], None)
+        if prior is None or prior[0] != msg["push_id"]:
+            return None
+        return prior[1], prior[2]
 
     def tally(self, msg: Message, last: bool) -> tuple[bool, int]:
         """Count one part of ``msg``'s push in; (pull asked, bytes) of its parts so far.
@@ -120,7 +139,10 @@ class StreamedParts:
 
     def drop(self, worker: int) -> None:
         self.pending.pop(worker, None)
+        self.early.pop(worker, None)
 
     def forget(self, known: Collection[int]) -> None:
         for worker in [w for w in self.pending if w not in known]:
             del self.pending[worker]
+        for worker in [w for w in self.early if w not in known]:
+            del self.early[worker]

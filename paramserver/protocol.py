@@ -151,6 +151,9 @@ _SCHEMA: dict[Op, dict[str, tuple[tuple[type, ...], bool]]] = {
         "parts": (_INT, False),
         "shm": (_LIST, False),
         "via_shm": (_BOOL, False),
+        # a part of a push with "pull" to come: its answer may carry the part's next
+        # weights before the round closes (a lone contributor's round stepped ahead)
+        "early": (_BOOL, False),
     },
     Op.HEARTBEAT: {"worker": (_INT, True)},
     # tensors "ids:<table>" (int64 row ids) and, for SPUSH and SINIT, "val:<table>"

@@ -469,10 +469,11 @@ class ShardServer(PeerOps):
             # what the answer needs of the earlier parts is kept here
             pull, nbytes = self.streamed.tally(msg, last=out is not None)
             if out is None:
-                return reply(msg, partial=True)
+                return self._partial(core, msg)
+            early = self.streamed.early_of(msg)
             msg = Message(msg.op, msg.seq, {**msg.fields, "pull": pull})
         else:
-            nbytes = msg.nbytes
+            nbytes, early = msg.nbytes, None
         assert out is not None  # only a streamed part that is not the last has none
         if out.duplicate:
             self.counters["duplicate_pushes"] += 1
@@ -500,9 +501,24 @@ class ShardServer(PeerOps):
             # gate opens (in sync mode, when the round closes), with this outcome in it
             token = (identity, msg.seq)
             core.request_pull(msg["worker"], msg["clock"] + 1, token, time.monotonic())
-            self.outbox.park_push_pull(msg["worker"], token, out.as_dict())
+            self.outbox.park_push_pull(msg["worker"], token, out.as_dict(), early)
             return None
         return reply(msg, **out.as_dict())
+
+    def _partial(self, core: ShardCore, msg: Message) -> Message:
+        """The answer to a part that is not the last. With ``early`` (the worker takes
+        its weights over TCP and asked for the push's next weights), it carries the
+        next weights of the part's slices if the round steps ahead and computed them
+        (issue 17, item 4): they travel while later parts do, and the round's answer
+        leaves them out if it commits those very weights (Outbox.answer_pulls)."""
+        if msg.get("early") and msg.tensors:
+            ready = core.ahead.ready(msg.tensors.keys())
+            if ready is not None:
+                version = core.version + 1
+                self.streamed.sent_early(msg, version, ready.keys())
+                self.counters["early_parts"] += 1
+                return reply(msg, ready, partial=True, early=version)
+        return reply(msg, partial=True)
 
     def _require_sparse(self, msg: Message) -> SparseShard:
         return SparseShard.of_worker(self.sparse, self._require_core(), msg["worker"],

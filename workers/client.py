@@ -41,6 +41,7 @@ from paramserver.shm import enabled as shm_enabled
 from paramserver.transport import Channel, request_all
 from paramserver.workers.landing import land, land_over_tcp, ticket_bytes
 from paramserver.workers.liveness import Heartbeat, Patience
+from paramserver.workers.pushstream import PushStream
 
 __all__ = ["GRAD_WIRE_DTYPES", "PART_BYTES", "PSClient", "PullResult", "PushResult",
            "PushStream"]
@@ -451,7 +452,7 @@ class PSClient:
         """One push in parts, all sent at once (pipelined per shard); with ``params``
         the last part to each shard also asks for the next weights."""
         stream = PushStream(self, [len(g) for g in groups], read_versions, num_samples,
-                            clock, prefetch=params is not None)
+                            clock, prefetch=params is not None, early=False)
         stream.loss = loss
         stream.window = PART_WINDOW
         for shard, parts in enumerate(groups):
@@ -560,8 +561,13 @@ class PSClient:
         return pushed, self._pull_result(replies, t0)
 
     def push_stream(self, buckets: Sequence[Sequence[str]], read_versions: Sequence[int],
-                    num_samples: int, clock: int, *, prefetch: bool = True) -> PushStream:
+                    num_samples: int, clock: int, *, prefetch: bool = True,
+                    early: bool = True) -> PushStream:
         """A push sent bucket by bucket as the gradients become ready (see PushStream).
+
+        ``early`` (with ``prefetch``): where a shard's weights come over TCP, let it
+        send each bucket's next weights back before its round closes, when it can
+        (see PushStream); False: they all come with the round's answer.
 
         ``buckets`` lists parameter names; together they must cover the plan's
         parameters, each once, and be sent with :meth:`PushStream.send`.
@@ -573,127 +579,11 @@ class PSClient:
         for bucket in buckets:
             for shard in {sl.shard for n in bucket for sl in self.plan.slices_of(n)}:
                 parts[shard] += 1
-        return PushStream(self, parts, read_versions, num_samples, clock, prefetch)
+        return PushStream(self, parts, read_versions, num_samples, clock, prefetch, early)
 
     def stats(self) -> list[dict[str, Any]]:
         replies = self._call([Message(Op.STATS) for _ in self.channels], "STATS", recover=False)
         return [r.fields for r in replies]
-
-
-class PushStream:
-    """One push, sent to each shard in parts, bucket by bucket, as backward produces them.
-
-    Each :meth:`send` ships a bucket's gradients at once (a PUSH part to every
-    shard holding a slice of them) and returns without waiting, so the transfer
-    overlaps the rest of backward. A shard answers the last part with the
-    push's outcome; with ``prefetch`` that part also asks for the next weights,
-    which the shard sends when its pull gate opens, so the pull costs no extra
-    round trip. :meth:`finish` waits for every reply.
-    """
-
-    def __init__(self, client: PSClient, parts: Sequence[int],
-                 read_versions: Sequence[int], num_samples: int, clock: int,
-                 prefetch: bool) -> None:
-        self.client = client
-        self.prefetch = prefetch
-        self.parts = list(parts)  # parts each shard will get (0: one empty part at finish)
-        self.sent = [0] * client.plan.num_shards
-        client._push_id += 1
-        self.fields: dict[str, Any] = {"worker": client.worker, "push_id": client._push_id,
-                                       "clock": clock, "num_samples": num_samples}
-        self.read_versions = list(read_versions)
-        self.msgs: list[Message] = []
-        self.shards: list[int] = []
-        self.loss: float | None = None  # the step's training loss, sent with each part
-        # > 0: parts are not sent by send() but by finish(), this many outstanding per shard
-        self.window = 0
-        self.t0 = time.perf_counter()
-
-    def send(self, grads: Mapping[str, torch.Tensor]) -> None:
-        """Ship one bucket: the full gradients of some parameters (any device)."""
-        host = self.client._host_grads(grads)
-        per_shard: dict[int, dict[str, torch.Tensor]] = {}
-        for name, g in host.items():
-            spec = self.client.plan.param(name)
-            if tuple(g.shape) != spec.shape:
-                raise ConfigError(f"gradient {name!r}: shape {tuple(g.shape)}, the plan "
-                                  f"says {spec.shape}")
-            flat = g.reshape(-1)
-            for sl in self.client.plan.slices_of(name):
-                per_shard.setdefault(sl.shard, {})[sl.key] = flat[sl.start:sl.stop]
-        for shard, tensors in sorted(per_shard.items()):
-            self._send_part(shard, tensors)
-
-    def _send_part(self, shard: int, tensors: dict[str, torch.Tensor]) -> None:
-        parts = max(1, self.parts[shard])
-        part = self.sent[shard]
-        if part >= parts:
-            raise ConfigError(f"shard {shard} got more parts than its {parts} buckets")
-        fields = {**self.fields, "read_version": self.read_versions[shard], "part": part,
-                  "parts": parts}
-        if self.prefetch and part == parts - 1:
-            fields["pull"] = True
-        if self.loss is not None:
-            fields["loss"] = float(self.loss)
-        msg = Message(Op.PUSH, 0, fields, tensors)
-        if not self.window:
-            channel = self.client.channels[shard]
-            msg.seq = channel.next_seq()
-            channel.send(msg)
-        self.msgs.append(msg)
-        self.shards.append(shard)
-        self.sent[shard] += 1
-
-    def finish(self, params: Mapping[str, torch.Tensor] | None = None
-               ) -> tuple[PushResult, PullResult | None]:
-        """Wait for every shard's answer; with ``prefetch``, copy the weights into ``params``.
-
-        Shards without slices get their (empty) part now.
-        """
-        client = self.client
-        for shard, parts in enumerate(self.parts):
-            if parts == 0 and self.sent[shard] == 0:
-                self._send_part(shard, {})
-        unsent = [s for s, n in enumerate(self.sent) if n < max(1, self.parts[s])]
-        if unsent:
-            raise ConfigError(f"buckets not sent before finish(); shards waiting: {unsent}")
-        if self.prefetch and params is None:
-            raise ConfigError("a prefetching push stream needs params to pull into")
-        if params is not None:
-            client._params = params
-        replies = client._call(self.msgs, "PUSH", list(self.shards),
-                               soft=(FutureVersionError,), sent=not self.window,
-                               window=self.window)
-        finals: list[Message] = []
-        for shard in range(len(client.channels)):
-            idx = [i for i, s in enumerate(self.shards) if s == shard]
-            final = [replies[i] for i in idx if not replies[i].get("partial", False)]
-            if not final:  # the shard lost earlier parts (it restarted): all of them again
-                again = [Message(Op.PUSH, 0, dict(self.msgs[i].fields), self.msgs[i].tensors)
-                         for i in idx]
-                final = [r for r in client._call(again, "PUSH", [shard] * len(idx),
-                                                 soft=(FutureVersionError,),
-                                                 window=self.window)
-                         if not r.get("partial", False)]
-            finals.append(final[-1])
-        outcomes: list[dict[str, Any] | None] = []
-        for rep in finals:
-            if rep.op is Op.ERROR:
-                outcomes.append(None)
-            else:
-                outcomes.append(rep["push"] if "push" in rep.fields else rep.fields)
-        pushed = client._push_result(self.msgs, outcomes, self.t0)
-        if params is None:
-            return pushed, None
-        missing = [s for s, r in enumerate(finals) if r.op is Op.ERROR or "push" not in r.fields]
-        if missing:  # no weights came with these answers: ask for them
-            clock = self.fields["clock"] + 1
-            got = client._call([client._pull_msgs(clock)[s] for s in missing], "PULL", missing)
-            for s, r in zip(missing, got, strict=True):
-                finals[s] = r
-        with torch.no_grad():
-            client._land_all(params, finals, set(), self.fields["clock"] + 1)
-        return pushed, client._pull_result(finals, self.t0)
 
 
 #: moved to workers/admin.py; still importable from here

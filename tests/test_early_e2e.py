@@ -1,0 +1,192 @@
+"""Weights returned before a round closes (issue 17, item 4), over real shard processes.
+
+A lone worker's sync round is stepped ahead part by part (paramserver/ahead.py);
+with ``early`` each part's answer brings that part's next weights, and the
+round's answer only the rest. The weights must be exactly one SGD step either
+way, and a round that does not make what came early (a later part not finite)
+must leave the worker's weights as they were.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from paramserver.benchmarks.common import Agent, close_all
+from paramserver.errors import RemoteError
+from paramserver.protocol import Message, Op
+from paramserver.sharding import ShardPlan
+from paramserver.workers.admin import server_stats, shutdown_servers
+from paramserver.workers.client import PSClient
+from paramserver.workers.overlap import make_buckets
+from paramserver.workers.pushstream import take_early
+
+LR = 0.1
+
+
+@pytest.fixture
+def shards(request: pytest.FixtureRequest) -> Iterator[list[str]]:
+    """Sync shards for one worker, in agent processes (``parametrize`` the count)."""
+    count = getattr(request, "param", 1)
+    agents = [Agent(f"early{i}") for i in range(count)]
+    addrs: list[str] = []
+    try:
+        for i, a in enumerate(agents):
+            a.send("ps_serve", config={"shard": i, "num_shards": count, "mode": "sync",
+                                       "expected_workers": 1, "optimizer": "sgd",
+                                       "optimizer_args": {"lr": LR}, "heartbeat_timeout": 60})
+        addrs = [a.read(60)["address"] for a in agents]
+        yield addrs
+        shutdown_servers(addrs)
+        for a in agents:
+            a.read(60)
+        addrs = []
+    finally:
+        if addrs:
+            shutdown_servers(addrs, timeout=2)
+        close_all(agents)
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(40, 30), torch.nn.Linear(30, 20),
+                               torch.nn.Linear(20, 5))
+
+
+def _steps(addresses: list[str], early: bool, steps: int = 4
+           ) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """``steps`` pushes in parts (one per tensor, answered one at a time, so each
+    part finds the shard idle and the round is stepped ahead); checks each step."""
+    model = _model()
+    params = dict(model.named_parameters())
+    plan = ShardPlan.from_module(model, len(addresses), chunk_bytes=1 << 10)
+    buckets = make_buckets(list(params.items()), bucket_bytes=1)
+    with PSClient(addresses, plan, 0, timeout=60, shm=False) as client:
+        clock = client.connect()
+        client.initialize(params)
+        versions = client.pull(params, clock).versions
+        start = versions[0]
+        for step in range(steps):
+            gen = torch.Generator().manual_seed(step)
+            grads = {n: torch.randn(p.shape, generator=gen) for n, p in params.items()}
+            before = {n: p.detach().clone() for n, p in params.items()}
+            stream = client.push_stream(buckets, versions, 1, clock + step, early=early)
+            stream.window = 1  # each part waits for the answer to the one before
+            for bucket in buckets:
+                stream.send({n: grads[n] for n in bucket})
+            pushed, pulled = stream.finish(params)
+            assert pushed.accepted and pulled is not None
+            assert pulled.versions == tuple([start + step + 1] * len(addresses))
+            with torch.no_grad():
+                for n, p in params.items():
+                    torch.testing.assert_close(p, before[n].add(grads[n], alpha=-LR),
+                                               rtol=0, atol=0)
+            versions = pulled.versions
+        stats = server_stats(addresses)
+        client.bye()
+    return {n: p.detach().clone() for n, p in params.items()}, stats
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("shards", [1, 2], indirect=True)
+def test_early_weights_are_the_rounds_exactly(shards: list[str]) -> None:
+    _, stats = _steps(shards, early=True)
+    for s in stats:
+        counters = s["counters"]
+        # every part but the last came back with weights, and every answer took them in
+        assert counters.get("early_parts", 0) > 0, counters
+        assert counters.get("early_answers", 0) == 4, counters
+    counted = [s["counters"]["early_parts"] for s in stats]
+    # the same shards, 4 rounds on (each step checked exact again), nothing early
+    _, stats = _steps(shards, early=False)
+    assert [s["counters"]["early_parts"] for s in stats] == counted
+    assert [s["counters"]["early_answers"] for s in stats] == [4] * len(shards)
+
+
+@pytest.mark.integration
+def test_a_void_round_leaves_the_early_weights_unused(shards: list[str]) -> None:
+    """A later part that is not finite voids the round after earlier parts came back
+    with next weights: the worker's weights stay those of the version it read."""
+    model = _model()
+    params = dict(model.named_parameters())
+    plan = ShardPlan.from_module(model, 1, chunk_bytes=1 << 10)
+    buckets = make_buckets(list(params.items()), bucket_bytes=1)
+    with PSClient(shards, plan, 0, timeout=60, shm=False) as client:
+        clock = client.connect()
+        client.initialize(params)
+        versions = client.pull(params, clock).versions
+        before = {n: p.detach().clone() for n, p in params.items()}
+        grads = {n: torch.ones_like(p) for n, p in params.items()}
+        grads[buckets[-1][0]] = torch.full_like(params[buckets[-1][0]], float("nan"))
+        stream = client.push_stream(buckets, versions, 1, clock)
+        stream.window = 1
+        for bucket in buckets:
+            stream.send({n: grads[n] for n in bucket})
+        with pytest.raises(RemoteError, match="NaN"):
+            stream.finish(params)
+        counters = server_stats(shards)[0]["counters"]
+        assert counters.get("early_parts", 0) >= 1  # weights did come back early
+        for n, p in params.items():
+            assert torch.equal(p, before[n]), n
+        # and the shard's weights are the same: nothing was stepped
+        fresh = {n: torch.zeros_like(p) for n, p in params.items()}
+        assert client.pull(fresh, clock).versions == (0,)
+        for n, p in fresh.items():
+            assert torch.equal(p, before[n]), n
+        client.bye()
+
+
+def _reply(tensors: dict[str, torch.Tensor], **fields) -> Message:
+    return Message(Op.REPLY, 1, {"re": "push", **fields}, tensors)
+
+
+def test_take_early_merges_only_what_adds_up() -> None:
+    a, b, c = torch.ones(2), torch.zeros(3), torch.full((1,), 2.0)
+    keys = ["a", "b", "c"]
+    final = _reply({"c": c}, version=5, early=2)
+    assert take_early(final, [_reply({"a": a}, early=5), _reply({"b": b}, early=5)], keys)
+    assert list(final.tensors) == ["a", "b", "c"]
+    # no "early" in the answer: it holds every key, whatever came with the parts
+    whole = _reply({"a": a, "b": b, "c": c}, version=5)
+    assert take_early(whole, [_reply({"a": torch.zeros(2)}, early=5)], keys)
+    assert torch.equal(whole.tensors["a"], a)
+    refused = [
+        # a part's weights for another version
+        (_reply({"c": c}, version=5, early=2), [_reply({"a": a}, early=4),
+                                                 _reply({"b": b}, early=5)]),
+        # fewer came than the answer counts
+        (_reply({"c": c}, version=5, early=2), [_reply({"a": a}, early=5)]),
+        # the count is not an int, or the keys do not cover the shard
+        (_reply({"c": c}, version=5, early="2"), [_reply({"a": a, "b": b}, early=5)]),
+        (_reply({}, version=5, early=2), [_reply({"a": a, "b": b}, early=5)]),
+    ]
+    for answer, partials in refused:
+        assert not take_early(answer, partials, keys)
+        assert "a" not in answer.tensors  # left as it was
+
+
+@pytest.mark.integration
+def test_early_is_refused_unless_a_boolean(shards: list[str]) -> None:
+    """A part whose "early" is not a boolean is refused whole (the shard counts it and
+    serves on); the worker's next push goes through."""
+    model = _model()
+    params = dict(model.named_parameters())
+    plan = ShardPlan.from_module(model, 1)
+    with PSClient(shards, plan, 0, timeout=60, shm=False) as client:
+        clock = client.connect()
+        client.initialize(params)
+        versions = client.pull(params, clock).versions
+        bad = Message(Op.PUSH, 0, {"worker": 0, "push_id": 1, "clock": clock,
+                                   "read_version": 0, "num_samples": 1, "part": 0,
+                                   "parts": 2, "early": "yes"})
+        bad.seq = client.channels[0].next_seq()
+        client.channels[0].send(bad)
+        grads = {n: torch.ones_like(p) for n, p in params.items()}
+        # answered on the same connection after the bad part, so that one was handled
+        pushed, _ = client.push_pull(grads, versions, 1, clock, params)
+        assert pushed.accepted
+        refused = server_stats(shards)[0]["counters"]
+        assert refused.get("error_bad_field", 0) == 1, refused
+        client.bye()

@@ -1,0 +1,176 @@
+"""PushStream: one push sent to its shards in parts, as backward produces the buckets.
+
+With ``prefetch`` the last part to each shard also asks for the next weights.
+Where those come over TCP, the earlier parts ask for them too (``early``): a
+shard that steps its round ahead part by part (paramserver/ahead.py) answers a
+part with the next weights of that part's slices, so they travel while later
+parts are still being computed and sent (issue 17, item 4). They are only
+provisional: the round's answer says how many slices went back early
+(``early``) and carries the rest, and does so only if the round made exactly
+those weights. Otherwise, and whenever what came early does not add up, the
+answer's own weights (all of them) are used, as without ``early``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from paramserver.errors import ConfigError, FutureVersionError
+from paramserver.protocol import Message, Op
+
+if TYPE_CHECKING:
+    from paramserver.workers.client import PSClient, PullResult, PushResult
+
+__all__ = ["PushStream", "take_early"]
+
+
+def take_early(final: Message, partials: Sequence[Message], keys: Sequence[str]) -> bool:
+    """Put the weights that came early with ``partials`` into ``final`` (a shard's
+    answer to the last part, holding ``keys``' weights but those). False: they do
+    not add up (the answer must not be used alone; pull the shard again)."""
+    count = final.get("early")
+    if count is None:
+        return True  # the answer holds every key: nothing came early for it
+    version = final.get("version")
+    early: dict[str, torch.Tensor] = {}
+    for rep in partials:
+        if rep.get("early") == version and rep.op is Op.REPLY:
+            early.update(rep.tensors)
+    rest = set(keys) - set(final.tensors)
+    if not isinstance(count, int) or count != len(early) or set(early) != rest:
+        return False
+    final.tensors = {**early, **final.tensors}
+    return True
+
+
+class PushStream:
+    """One push, sent to each shard in parts, bucket by bucket, as backward produces them.
+
+    Each :meth:`send` ships a bucket's gradients at once (a PUSH part to every
+    shard holding a slice of them) and returns without waiting, so the transfer
+    overlaps the rest of backward. A shard answers the last part with the
+    push's outcome; with ``prefetch`` that part also asks for the next weights,
+    which the shard sends when its pull gate opens, so the pull costs no extra
+    round trip. :meth:`finish` waits for every reply.
+    """
+
+    def __init__(self, client: PSClient, parts: Sequence[int],
+                 read_versions: Sequence[int], num_samples: int, clock: int,
+                 prefetch: bool, early: bool = True) -> None:
+        self.client = client
+        self.prefetch = prefetch
+        self.early = early and prefetch
+        self.parts = list(parts)  # parts each shard will get (0: one empty part at finish)
+        self.sent = [0] * client.plan.num_shards
+        client._push_id += 1
+        self.fields: dict[str, Any] = {"worker": client.worker, "push_id": client._push_id,
+                                       "clock": clock, "num_samples": num_samples}
+        self.read_versions = list(read_versions)
+        self.msgs: list[Message] = []
+        self.shards: list[int] = []
+        self.loss: float | None = None  # the step's training loss, sent with each part
+        # > 0: parts are not sent by send() but by finish(), this many outstanding per shard
+        self.window = 0
+        self.t0 = time.perf_counter()
+
+    def send(self, grads: Mapping[str, torch.Tensor]) -> None:
+        """Ship one bucket: the full gradients of some parameters (any device)."""
+        host = self.client._host_grads(grads)
+        per_shard: dict[int, dict[str, torch.Tensor]] = {}
+        for name, g in host.items():
+            spec = self.client.plan.param(name)
+            if tuple(g.shape) != spec.shape:
+                raise ConfigError(f"gradient {name!r}: shape {tuple(g.shape)}, the plan "
+                                  f"says {spec.shape}")
+            flat = g.reshape(-1)
+            for sl in self.client.plan.slices_of(name):
+                per_shard.setdefault(sl.shard, {})[sl.key] = flat[sl.start:sl.stop]
+        for shard, tensors in sorted(per_shard.items()):
+            self._send_part(shard, tensors)
+
+    def _send_part(self, shard: int, tensors: dict[str, torch.Tensor]) -> None:
+        parts = max(1, self.parts[shard])
+        part = self.sent[shard]
+        if part >= parts:
+            raise ConfigError(f"shard {shard} got more parts than its {parts} buckets")
+        fields = {**self.fields, "read_version": self.read_versions[shard], "part": part,
+                  "parts": parts}
+        if self.prefetch and part == parts - 1:
+            fields["pull"] = True
+        elif self.early and self._over_tcp(shard):
+            fields["early"] = True
+        if self.loss is not None:
+            fields["loss"] = float(self.loss)
+        msg = Message(Op.PUSH, 0, fields, tensors)
+        if not self.window:
+            channel = self.client.channels[shard]
+            msg.seq = channel.next_seq()
+            channel.send(msg)
+        self.msgs.append(msg)
+        self.shards.append(shard)
+        self.sent[shard] += 1
+
+    def _over_tcp(self, shard: int) -> bool:
+        """Whether the shard's weights come to us in frames (not through its board)."""
+        link = self.client.channels[shard].shm
+        return link is None or not link.active
+
+    def finish(self, params: Mapping[str, torch.Tensor] | None = None
+               ) -> tuple[PushResult, PullResult | None]:
+        """Wait for every shard's answer; with ``prefetch``, copy the weights into ``params``.
+
+        Shards without slices get their (empty) part now.
+        """
+        client = self.client
+        for shard, parts in enumerate(self.parts):
+            if parts == 0 and self.sent[shard] == 0:
+                self._send_part(shard, {})
+        unsent = [s for s, n in enumerate(self.sent) if n < max(1, self.parts[s])]
+        if unsent:
+            raise ConfigError(f"buckets not sent before finish(); shards waiting: {unsent}")
+        if self.prefetch and params is None:
+            raise ConfigError("a prefetching push stream needs params to pull into")
+        if params is not None:
+            client._params = params
+        replies = client._call(self.msgs, "PUSH", list(self.shards),
+                               soft=(FutureVersionError,), sent=not self.window,
+                               window=self.window)
+        finals: list[Message] = []
+        repull: set[int] = set()  # what came early did not add up: pull these again
+        for shard in range(len(client.channels)):
+            idx = [i for i, s in enumerate(self.shards) if s == shard]
+            got = [replies[i] for i in idx]
+            if all(r.get("partial", False) for r in got):
+                # the shard lost earlier parts (it restarted): all of them again
+                again = [Message(Op.PUSH, 0, dict(self.msgs[i].fields), self.msgs[i].tensors)
+                         for i in idx]
+                got = client._call(again, "PUSH", [shard] * len(idx),
+                                   soft=(FutureVersionError,), window=self.window)
+            final = [r for r in got if not r.get("partial", False)]
+            finals.append(final[-1])
+            keys = [sl.key for sl in client.plan.shard_slices(shard)]
+            if not take_early(final[-1], [r for r in got if r.get("partial", False)], keys):
+                repull.add(shard)
+        outcomes: list[dict[str, Any] | None] = []
+        for rep in finals:
+            if rep.op is Op.ERROR:
+                outcomes.append(None)
+            else:
+                outcomes.append(rep["push"] if "push" in rep.fields else rep.fields)
+        pushed = client._push_result(self.msgs, outcomes, self.t0)
+        if params is None:
+            return pushed, None
+        missing = [s for s, r in enumerate(finals)
+                   if r.op is Op.ERROR or "push" not in r.fields or s in repull]
+        if missing:  # no weights came with these answers: ask for them
+            clock = self.fields["clock"] + 1
+            got = client._call([client._pull_msgs(clock)[s] for s in missing], "PULL", missing)
+            for s, r in zip(missing, got, strict=True):
+                finals[s] = r
+        with torch.no_grad():
+            client._land_all(params, finals, set(), self.fields["clock"] + 1)
+        return pushed, client._pull_result(finals, self.t0)
