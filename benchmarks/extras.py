@@ -257,7 +257,8 @@ def run_memory(workers: tuple[int, ...] = (1, 2, 4), nbytes: int = 64 << 20, rou
 def run_overlap(width: int = 1024, depth: int = 6, batch: int = 64, steps: int = 2,
                 repeats: int = 5, bucket_bytes: int = 4 << 20, device: str = "cpu",
                 lr: float = 1e-3, log_dir: Path | None = None,
-                server: dict[str, Any] | None = None, threads: int = 0) -> dict[str, Any]:
+                server: dict[str, Any] | None = None, threads: int = 0,
+                tcp: bool = False) -> dict[str, Any]:
     agents: list[Agent] = []
     addrs: list[str] = []
     try:
@@ -269,7 +270,7 @@ def run_overlap(width: int = 1024, depth: int = 6, batch: int = 64, steps: int =
         agents.append(worker)
         res = worker.call("overlap", _TIMEOUT, addresses=addrs, width=width, depth=depth,
                           batch=batch, steps=steps, repeats=repeats, bucket_bytes=bucket_bytes,
-                          device=device, threads=threads)
+                          device=device, threads=threads, tcp=tcp)
         shutdown_servers(addrs)
         addrs = []
         for a in servers:

@@ -11,6 +11,11 @@ backward takes a measurable time; it times, per step (medians over repeats):
   post-accumulate-grad hooks during backward, the next weights prefetched
   with the last part (:class:`paramserver.workers.overlap.BucketPusher`).
 
+With ``tcp`` the worker takes its weights over TCP even on the shard's host,
+as a worker on another host does, and ``overlap_late`` is timed beside
+``overlap``, interleaved: the same path without early weights (each bucket's
+next weights come with the round's answer instead of with the bucket's).
+
 The goal is ``overlap <= 1.15 x max(compute, comm)``. The same code runs on a
 CUDA device (``device``): gradients then go through pinned host buffers.
 """
@@ -74,9 +79,28 @@ def _median_step(fn: Callable[[], None], steps: int, repeats: int, device: torch
     return Stats.of(times).to_dict()
 
 
+def _paired(fns: dict[str, Callable[[], None]], steps: int, repeats: int,
+            device: torch.device) -> dict[str, dict[str, float]]:
+    """:func:`_median_step` of several ways of taking a step, interleaved repeat by
+    repeat, so that a change in the machine's load falls on all of them."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            _sync(device)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                fn()
+            _sync(device)
+            times[name].append((time.perf_counter() - t0) / steps)
+    return {name: Stats.of(t).to_dict() for name, t in times.items()}
+
+
 def run(args: dict[str, Any], announce: Any) -> dict[str, Any]:
     """``args``: addresses (one sync shard), width, depth, batch, steps, repeats,
-    bucket_bytes, device ("cpu" or "cuda[:N]"), wire_dtype (optional), threads."""
+    bucket_bytes, device ("cpu" or "cuda[:N]"), wire_dtype (optional), threads,
+    tcp (optional: weights over TCP, and ``overlap_late`` timed too)."""
     device = torch.device(args.get("device", "cpu"))
     if args.get("threads"):
         torch.set_num_threads(int(args["threads"]))
@@ -93,8 +117,9 @@ def run(args: dict[str, Any], announce: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"device": str(device), "model_bytes": nbytes,
                            "params": sum(p.numel() for p in params.values()),
                            "width": width, "depth": depth, "batch": batch}
+    tcp = bool(args.get("tcp", False))
     client = PSClient(args["addresses"], plan, 0, timeout=300.0, attempt_timeout=120.0,
-                      wire_dtype=args.get("wire_dtype"))
+                      wire_dtype=args.get("wire_dtype"), shm=not tcp)
     with client:
         clock = client.connect()
         client.initialize(params)
@@ -127,15 +152,30 @@ def run(args: dict[str, Any], announce: Any) -> dict[str, Any]:
 
         batches = forever()
 
-        def overlapped() -> None:
+        def overlapped(early: bool = True) -> None:
             model.zero_grad(set_to_none=True)
             step = pusher.step(client, task, model, batches, device, 1, state.versions,
-                               state.clock, straggler)
+                               state.clock, straggler, early=early)
             state.advance(step.pulled.versions)
 
-        for name, fn in (("compute", compute), ("comm", comm), ("sequential", sequential),
-                         ("overlap", overlapped)):
+        # the overlapped steps first: a push_pull's parts come back to back, and a
+        # shard that found itself busy stepping ahead rests for some rounds after
+        if tcp:
+            out.update(_paired({"overlap": overlapped,
+                                "overlap_late": lambda: overlapped(early=False)},
+                               steps, repeats, device))
+        else:
+            out["overlap"] = _median_step(overlapped, steps, repeats, device)
+        for name, fn in (("compute", compute), ("comm", comm), ("sequential", sequential)):
             out[name] = _median_step(fn, steps, repeats, device)
+        out["tcp"] = tcp
+        stats = client.stats()[0]
+        counters = stats.get("counters", {})
+        out["rounds_ahead"] = int(stats.get("rounds_ahead", 0))
+        out["ahead_found_busy"] = int(stats.get("ahead_found_busy", 0))
+        # how many parts came back with their next weights, and rounds that used them
+        out["early_parts"] = int(counters.get("early_parts", 0))
+        out["early_answers"] = int(counters.get("early_answers", 0))
         pusher.close()
         out["buckets"] = len(pusher.buckets)
         client.bye()
@@ -143,4 +183,6 @@ def run(args: dict[str, Any], announce: Any) -> dict[str, Any]:
     out["overlap_vs_bound"] = out["overlap"]["median"] / bound
     out["sequential_vs_bound"] = out["sequential"]["median"] / bound
     out["gain"] = out["sequential"]["median"] / out["overlap"]["median"]
+    if tcp:
+        out["early_gain"] = out["overlap_late"]["median"] / out["overlap"]["median"]
     return out

@@ -176,16 +176,23 @@ def print_report(result: dict[str, Any], console: Console | None = None) -> None
                       f"{m['expected_bytes'] / 2**20:.0f}", f"{m['peak_over_base'] / 2**20:.0f}",
                       f"{m['ratio']:.2f}")
         console.print(t)
-    ov = result.get("overlap")
-    if ov:
+    runs = [r for r in (result.get("overlap"), result.get("overlap_tcp")) if r]
+    if runs:
+        ov = runs[0]
         t = Table(title=f"overlap ({ov['params']} parameters, {ov['buckets']} buckets, "
                         f"{ov['device']})")
-        for col in ("compute ms", "comm ms", "sequential ms", "overlap ms",
-                    "overlap / max(compute, comm)", "gain"):
+        for col in ("weights", "compute ms", "comm ms", "sequential ms", "overlap ms",
+                    "overlap / max(compute, comm)", "gain", "no early weights ms",
+                    "rounds stepped ahead"):
             t.add_column(col, justify="right")
-        t.add_row(*(f"{ov[k]['median'] * 1e3:.1f}" for k in
-                    ("compute", "comm", "sequential", "overlap")),
-                  f"{ov['overlap_vs_bound']:.2f}", f"{ov['gain']:.2f}x")
+        for ov in runs:
+            late = ov.get("overlap_late")
+            t.add_row("TCP" if ov.get("tcp") else "same host",
+                      *(f"{ov[k]['median'] * 1e3:.1f}" for k in
+                        ("compute", "comm", "sequential", "overlap")),
+                      f"{ov['overlap_vs_bound']:.2f}", f"{ov['gain']:.2f}x",
+                      "-" if late is None else f"{late['median'] * 1e3:.1f}",
+                      str(ov.get("rounds_ahead", "-")))
         console.print(t)
     goals = result.get("goals") or evaluate_goals(result)
     t = Table(title="goals")

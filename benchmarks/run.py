@@ -219,9 +219,11 @@ def run_benchmarks(opts: BenchOptions, console: Console | None = None) -> dict[s
             result["memory"] += run_memory(**mem, server={"shm_release": False})  # type: ignore[arg-type]
     if "overlap" in opts.parts:
         console.print("overlap ...")
-        result["overlap"] = (run_overlap(width=256, depth=3, batch=32, steps=2, repeats=3,
-                                         bucket_bytes=256 * _KIB, log_dir=logs) if quick
-                             else run_overlap(log_dir=logs))
+        size: dict[str, Any] = (dict(width=256, depth=3, batch=32, steps=2, repeats=3,
+                                     bucket_bytes=256 * _KIB) if quick else {})
+        result["overlap"] = run_overlap(log_dir=logs, **size)
+        # weights over TCP, as from another host: with early weights and without
+        result["overlap_tcp"] = run_overlap(log_dir=logs, tcp=True, **size)
     result["seconds"] = time.perf_counter() - t0
     result["environment"]["load_after"] = os.getloadavg()
     result["goals"] = evaluate_goals(result)

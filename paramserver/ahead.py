@@ -86,6 +86,7 @@ class StepAhead:
         self.keys: set[str] = set()
         self.on_board = False
         self.committed = 0  # rounds whose step was taken ahead
+        self.found_busy = 0  # tries dropped because more work was waiting
         self.last_commit: int | None = None  # the version the last such step made
 
     def part(self, grads: Mapping[str, torch.Tensor], alpha: float | None, more: bool) -> None:
@@ -102,6 +103,7 @@ class StepAhead:
             return
         if self.busy is not None and self.busy():
             self.drop()
+            self.found_busy += 1
             self.rest = min(REST_ROUNDS, 1 << self.misses)
             self.misses += 1
             return
@@ -153,14 +155,24 @@ class StepAhead:
             self.last_commit = version
         return done
 
-    def ready(self, keys: Collection[str]) -> dict[str, torch.Tensor] | None:
-        """Copies of the next weights of ``keys``, if all of them were computed this
-        round (None: not, or the round is not stepped ahead). They are the weights
-        the round will make if it commits ahead; whoever takes them must learn at
-        the close whether it did (:attr:`last_commit`)."""
+    def ready(self, keys: Collection[str], lend: bool = False
+              ) -> dict[str, torch.Tensor] | None:
+        """The next weights of ``keys``, if all of them were computed this round (None:
+        not, or the round is not stepped ahead). They are the weights the round will
+        make if it commits ahead; whoever takes them must learn at the close whether
+        it did (:attr:`last_commit`). Copies, unless ``lend``: the round's worker is
+        the only live one, so the next step needs its next push (see below)."""
         if not (self.active and keys) or not self.keys.issuperset(keys):
             return None
-        return {key: self.next[key].clone() for key in keys}
+        if self.on_board or not lend:  # zmq never lends a board slot (it may be remapped)
+            return {key: self.next[key].clone() for key in keys}
+        # Lent as they are. Until the round closes only a round that is not this
+        # worker's alone any more writes them, and it drops them (its answer then
+        # carries all the weights). If the round commits, they become the weights,
+        # and with no other live worker the next step that writes those comes only
+        # after this worker's next push, sent once it holds all these answers (they
+        # go out before the round's answer: one connection keeps its order).
+        return {key: self.next[key] for key in keys}
 
     def _swap(self) -> None:
         """The weights' flat buffers and the round's buffer trade storage."""

@@ -55,6 +55,7 @@ def stats(core: ShardCore) -> dict[str, Any]:
         "rounds_voided": core.rounds_voided,
         "rounds_in_place": core.round.in_place,
         "rounds_ahead": core.ahead.committed,
+        "ahead_found_busy": core.ahead.found_busy,
         # in the weights' own dtype: a float64 copy of each slice would be a peak
         "weight_norm": math.sqrt(sum(l2(p.detach()) ** 2 for p in core.params.values())),
         # bounded whatever the table holds (a map over 4096 entries would not even

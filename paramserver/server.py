@@ -512,7 +512,8 @@ class ShardServer(PeerOps):
         (issue 17, item 4): they travel while later parts do, and the round's answer
         leaves them out if it commits those very weights (Outbox.answer_pulls)."""
         if msg.get("early") and msg.tensors:
-            ready = core.ahead.ready(msg.tensors.keys())
+            alone = all(w.worker == msg["worker"] for w in core.live())
+            ready = core.ahead.ready(msg.tensors.keys(), lend=alone)
             if ready is not None:
                 version = core.version + 1
                 self.streamed.sent_early(msg, version, ready.keys())

@@ -258,9 +258,14 @@ def test_async_memory_and_overlap_smoke() -> None:
     assert mem[0]["expected_bytes"] == 3 * (1 << 20)
     assert mem[0]["peak_rss"] >= mem[0]["rss_base"]
     ov = run_overlap(width=64, depth=2, batch=8, steps=1, repeats=2, bucket_bytes=8192)
-    assert ov["buckets"] > 1
+    assert ov["buckets"] > 1 and not ov["tcp"] and "overlap_late" not in ov
     for key in ("compute", "comm", "sequential", "overlap"):
         assert ov[key]["median"] > 0
+    tcp = run_overlap(width=64, depth=2, batch=8, steps=1, repeats=2, bucket_bytes=8192,
+                      tcp=True)
+    assert tcp["tcp"] and tcp["overlap_late"]["median"] > 0 and tcp["early_gain"] > 0
+    # each round took its early weights, or none came: never more answers than rounds
+    assert 0 <= tcp["early_answers"] <= tcp["rounds_ahead"]
 
 
 @pytest.mark.integration

@@ -341,6 +341,29 @@ def test_a_lone_contributor_is_stepped_ahead_part_by_part():
     assert all(torch.equal(p, expected[k]) for k, p in core.params.items())
 
 
+def test_ready_gives_a_parts_next_weights_the_round_then_makes():
+    """What StepAhead.ready hands out early (the next weights of a part's keys) is
+    what the round makes when it commits: lent as views, or copied."""
+    core = make_core(1, momentum=0.0)
+    g = gradient(0, 0)
+    parts = split(g, [2, 3])
+    assert core.ahead.ready(parts[0]) is None  # nothing stepped ahead yet
+    assert core.push(0, 1, 0, 0, 4, parts[0], 0.0, 0, 2) is None
+    assert core.ahead.ready(parts[1]) is None  # not computed: they have not come
+    copied = core.ahead.ready(parts[0])
+    lent = core.ahead.ready(parts[0], lend=True)
+    assert copied is not None and lent is not None and list(copied) == list(parts[0])
+    for k in parts[0]:
+        assert torch.equal(copied[k], lent[k])
+        assert copied[k].data_ptr() != lent[k].data_ptr() == core.ahead.next[k].data_ptr()
+    core.push(0, 1, 0, 0, 4, parts[1], 0.0, 1, 2)
+    assert core.ahead.last_commit == core.version == 1
+    for k in parts[0]:
+        assert torch.equal(core.params[k], copied[k])
+        assert core.params[k].data_ptr() == lent[k].data_ptr()  # they became the weights
+    assert core.ahead.ready(parts[0]) is None  # the round is over
+
+
 def test_a_rate_changed_half_way_drops_what_was_stepped_ahead():
     core = make_core(1, momentum=0.0)
     before = {k: p.clone() for k, p in core.params.items()}

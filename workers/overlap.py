@@ -162,15 +162,19 @@ class BucketPusher:
 
     def step(self, client: PSClient, task: Task, model: torch.nn.Module,
              batches: Iterator[Any], device: torch.device, micro_batches: int,
-             versions: Sequence[int], clock: int, straggler: Straggler) -> OverlapStep:
+             versions: Sequence[int], clock: int, straggler: Straggler,
+             early: bool = True) -> OverlapStep:
         """One training step with overlap: forward/backward over ``micro_batches``
         batches (the gradients of the last backward are sent as they appear),
-        then wait for the shards' answers, which bring the next weights."""
+        then wait for the shards' answers, which bring the next weights
+        (``early``: over TCP, those of a bucket may come back while later ones are
+        still computed, see paramserver/workers/pushstream.py)."""
         t0 = time.perf_counter()
         drawn = [next(batches) for _ in range(micro_batches)]
         sizes = [int(targets.shape[0]) for _, targets in drawn]
         total = sum(sizes)
-        stream = client.push_stream(self.buckets, versions, total, clock, prefetch=True)
+        stream = client.push_stream(self.buckets, versions, total, clock, prefetch=True,
+                                    early=early)
         self.arm(stream, micro_batches)
         loss_sum = 0.0
         for i, ((inputs, targets), n) in enumerate(zip(drawn, sizes, strict=True)):
