@@ -180,14 +180,15 @@ def print_report(result: dict[str, Any], console: Console | None = None) -> None
     if runs:
         ov = runs[0]
         t = Table(title=f"overlap ({ov['params']} parameters, {ov['buckets']} buckets, "
-                        f"{ov['device']})")
-        for col in ("weights", "compute ms", "comm ms", "sequential ms", "overlap ms",
-                    "overlap / max(compute, comm)", "gain", "no early weights ms",
-                    "rounds stepped ahead"):
+                        f"{ov['device']})",
+                  caption="vs bound: overlap / max(compute, comm); late: the overlapped "
+                          "step without early weights; ahead: rounds stepped ahead")
+        for col in ("via", "compute ms", "comm ms", "seq. ms", "overlap ms",
+                    "vs bound", "gain", "late ms", "ahead"):
             t.add_column(col, justify="right")
         for ov in runs:
             late = ov.get("overlap_late")
-            t.add_row("TCP" if ov.get("tcp") else "same host",
+            t.add_row("TCP" if ov.get("tcp") else "host",
                       *(f"{ov[k]['median'] * 1e3:.1f}" for k in
                         ("compute", "comm", "sequential", "overlap")),
                       f"{ov['overlap_vs_bound']:.2f}", f"{ov['gain']:.2f}x",
