@@ -78,6 +78,11 @@ class StepAhead:
         # more than the step at the close (it writes a second buffer), so it only
         # pays while the shard would otherwise wait for the next part
         self.busy: Callable[[], bool] | None = None
+        # the part being added asks for its next weights early (over TCP): stepped
+        # ahead even when more work waits, as their transfer then overlaps what comes
+        # after, which saves more than the second buffer costs (the overlap
+        # benchmark over TCP: 4-5 % faster steps with it, none early without it)
+        self.eager = False
         self.rest = 0  # rounds left not to try (parts came back to back lately)
         self.misses = 0  # tries in a row that found the shard busy
         self.active: bool | None = None  # None: not begun this round; False: dropped
@@ -98,10 +103,10 @@ class StepAhead:
         if alpha is None:
             self.drop()
             return
-        if self.active is None and (not more or self.rest > 0):
+        if self.active is None and (not more or (self.rest > 0 and not self.eager)):
             self.active = False
             return
-        if self.busy is not None and self.busy():
+        if self.busy is not None and not self.eager and self.busy():
             self.drop()
             self.found_busy += 1
             self.rest = min(REST_ROUNDS, 1 << self.misses)

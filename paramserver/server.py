@@ -456,6 +456,7 @@ class ShardServer(PeerOps):
         loss = msg.get("loss")
         loss = None if loss is None else float(loss)
         t0 = time.perf_counter()
+        core.ahead.eager = streamed and bool(msg.get("early"))
         try:
             out = core.push(msg["worker"], msg["push_id"], msg["clock"], read_version,
                             msg["num_samples"], msg.tensors, time.monotonic(), part, parts)
@@ -464,6 +465,8 @@ class ShardServer(PeerOps):
             if exc.code == ErrorCode.NONFINITE:
                 self.observer.nonfinite(msg["worker"], loss)
             raise
+        finally:
+            core.ahead.eager = False
         if streamed:
             # sync: each part was added into the round's buffer and its frames are free;
             # what the answer needs of the earlier parts is kept here
