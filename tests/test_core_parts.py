@@ -450,3 +450,20 @@ def test_a_busy_shard_does_not_step_ahead_and_rests_a_while():
     for step in range(6, 6 + 4):
         push_parts(core, 0, step + 1, split(gradient(0, step), [2, 3]), clock=step)
     assert core.ahead.committed >= 1 and core.ahead.misses == 0
+
+
+def test_a_part_asking_for_early_weights_is_stepped_ahead_even_when_busy():
+    """``eager`` (the server sets it for a part that asks for its next weights early):
+    neither more work waiting nor a rest after busy tries keeps it from stepping
+    ahead, since its weights' transfer is what it saves."""
+    core = make_core(1, momentum=0.0)
+    core.ahead.busy = lambda: True
+    for step in range(2):
+        push_parts(core, 0, step + 1, split(gradient(0, step), [2, 3]), clock=step)
+    assert core.ahead.committed == 0 and core.ahead.rest > 0  # busy: dropped, resting
+    core.ahead.eager = True
+    before = {k: p.clone() for k, p in core.params.items()}
+    g = gradient(0, 2)
+    push_parts(core, 0, 3, split(g, [2, 3]), clock=2)
+    assert core.ahead.committed == 1 and core.ahead.last_commit == core.version == 3
+    assert all(torch.equal(p, before[k].add(g[k], alpha=-0.1)) for k, p in core.params.items())
