@@ -128,6 +128,9 @@ class StepAhead:
         self.keys.update(grads)
 
     def _begin(self) -> bool:
+        # (a version may come again after a checkpoint is restored: only this
+        # round's commit may vouch for what it hands out)
+        self.last_commit = None
         self.on_board = self.slot is not None
         flats = self.slot.begin() if self.slot is not None else self.round.flat_buffer()
         if flats is None or not self.flats:

@@ -178,3 +178,5 @@ class Outbox:
         """Drop parked push-with-pull answers of workers the core no longer knows."""
         for worker in [w for w in self.push_pulls if w not in known]:
             del self.push_pulls[worker]
+        for worker in [w for w in self.early if w not in known]:
+            del self.early[worker]

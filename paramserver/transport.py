@@ -102,6 +102,8 @@ def _send_frames(sock: zmq.Socket[Any], frames: Sequence[Any], *, copy: bool,
 #: messages zmq queues per peer on a server before it stops reading from that peer
 #: (1 stalls CURVE handshakes that go through a ZAP handler, with libzmq 4.3.5)
 RECV_QUEUE = 2
+#: how long a request's send may wait for a connection to its peer (milliseconds)
+SEND_WAIT_MS = 500
 #: below this many tensor bytes a message is copied into zmq rather than lent to it
 ZERO_COPY_BYTES = 64 * 1024
 
@@ -268,12 +270,18 @@ class Channel:
         # flaky network would; retries and push ids must make up for it
         self.drop_rate = drop_rate
         self.dropped = 0
+        self.unsent = 0  # sends given up: no connection to the peer (SEND_WAIT_MS)
         self._rng = random.Random(seed)
         self._seq = 0
         self.socket = (context or _context()).socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.RECONNECT_IVL, 100)
         self.socket.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        # a DEALER blocks a send while it has no pipe to the peer, and after a failed
+        # handshake (a wrong CURVE key, a plaintext peer) it has none until one
+        # succeeds: a send that waits this long is given up as lost instead, and the
+        # request's own timeout and retries take over
+        self.socket.setsockopt(zmq.SNDTIMEO, SEND_WAIT_MS)
         if curve is not None:
             if curve.server_public is None:
                 raise TransportError(f"{peer}: CURVE needs the server's public key")
@@ -303,6 +311,10 @@ class Channel:
             msg = self._via_shm(msg, self.shm)
         try:
             _send_frames(self.socket, encode(msg), copy=False)
+        except zmq.Again:
+            self.unsent += 1
+            log.debug("%s: no connection to send on within %d ms; the request counts as "
+                      "lost", self.peer, SEND_WAIT_MS)
         except zmq.ZMQError as exc:
             raise TransportError(f"cannot send to {self.peer} at {self.address}: {exc}") from exc
 

@@ -33,6 +33,7 @@ from paramserver.workers.admin import shutdown_servers
 from paramserver.workers.client import PSClient
 from paramserver.workers.overlap import BucketPusher, make_buckets
 from paramserver.workers.worker import WorkerConfig, run_worker
+from tests.agent_shards import sync_shards
 
 LR = 0.05
 
@@ -40,24 +41,8 @@ LR = 0.05
 @pytest.fixture
 def servers(request: pytest.FixtureRequest) -> Iterator[list[str]]:
     """Sync shard servers in agent processes: ``@pytest.mark.parametrize`` the count."""
-    count = getattr(request, "param", 1)
-    agents = [Agent(f"shard{i}") for i in range(count)]
-    addrs: list[str] = []
-    try:
-        for i, a in enumerate(agents):
-            a.send("ps_serve", config={"shard": i, "num_shards": count, "mode": "sync",
-                                       "expected_workers": 1, "optimizer": "sgd",
-                                       "optimizer_args": {"lr": LR}, "heartbeat_timeout": 60})
-        addrs = [a.read(60)["address"] for a in agents]
+    with sync_shards(getattr(request, "param", 1), LR, "shard") as addrs:
         yield addrs
-        shutdown_servers(addrs)
-        for a in agents:
-            a.read(60)
-        addrs = []
-    finally:
-        if addrs:
-            shutdown_servers(addrs, timeout=2)
-        close_all(agents)
 
 
 # ------------------------------------------------------------------ units

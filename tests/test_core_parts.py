@@ -362,6 +362,13 @@ def test_ready_gives_a_parts_next_weights_the_round_then_makes():
         assert torch.equal(core.params[k], copied[k])
         assert core.params[k].data_ptr() == lent[k].data_ptr()  # they became the weights
     assert core.ahead.ready(parts[0]) is None  # the round is over
+    # a round begun ahead and then dropped vouches for nothing, even at a version
+    # an earlier round committed (one restored from a checkpoint comes again)
+    core.version = 0
+    assert core.push(0, 2, 1, 0, 4, parts[0], 0.0, 0, 2) is None
+    core.ahead.drop()
+    core.push(0, 2, 1, 0, 4, parts[1], 0.0, 1, 2)
+    assert core.version == 1 and core.ahead.last_commit is None
 
 
 def test_a_rate_changed_half_way_drops_what_was_stepped_ahead():

@@ -14,14 +14,14 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from paramserver.benchmarks.common import Agent, close_all
 from paramserver.errors import RemoteError
 from paramserver.protocol import Message, Op
 from paramserver.sharding import ShardPlan
-from paramserver.workers.admin import server_stats, shutdown_servers
+from paramserver.workers.admin import server_stats
 from paramserver.workers.client import PSClient
 from paramserver.workers.overlap import make_buckets
 from paramserver.workers.pushstream import take_early
+from tests.agent_shards import sync_shards
 
 LR = 0.1
 
@@ -29,24 +29,8 @@ LR = 0.1
 @pytest.fixture
 def shards(request: pytest.FixtureRequest) -> Iterator[list[str]]:
     """Sync shards for one worker, in agent processes (``parametrize`` the count)."""
-    count = getattr(request, "param", 1)
-    agents = [Agent(f"early{i}") for i in range(count)]
-    addrs: list[str] = []
-    try:
-        for i, a in enumerate(agents):
-            a.send("ps_serve", config={"shard": i, "num_shards": count, "mode": "sync",
-                                       "expected_workers": 1, "optimizer": "sgd",
-                                       "optimizer_args": {"lr": LR}, "heartbeat_timeout": 60})
-        addrs = [a.read(60)["address"] for a in agents]
+    with sync_shards(getattr(request, "param", 1), LR, "early") as addrs:
         yield addrs
-        shutdown_servers(addrs)
-        for a in agents:
-            a.read(60)
-        addrs = []
-    finally:
-        if addrs:
-            shutdown_servers(addrs, timeout=2)
-        close_all(agents)
 
 
 def _model() -> torch.nn.Module:
