@@ -151,8 +151,7 @@ _SCHEMA: dict[Op, dict[str, tuple[tuple[type, ...], bool]]] = {
         "parts": (_INT, False),
         "shm": (_LIST, False),
         "via_shm": (_BOOL, False),
-        # a part of a push with "pull" to come: its answer may carry the part's next
-        # weights before the round closes (a lone contributor's round stepped ahead)
+        # its answer may carry the part's next weights (workers/pushstream.py)
         "early": (_BOOL, False),
     },
     Op.HEARTBEAT: {"worker": (_INT, True)},
