@@ -8,6 +8,7 @@ import signal
 
 import pytest
 
+from paramserver.errors import RequestTimeoutError
 from paramserver.events import read_events
 from paramserver.server import ServerConfig
 from paramserver.workers.launch.cluster import ClusterSpec, LocalCluster, run_cluster
@@ -96,7 +97,9 @@ def test_restarted_worker_rejoins_and_completes(tmp_path):
 def test_shard_killed_and_restarted_from_checkpoint(tmp_path):
     base = spec("sync", steps=80)
     reference = run_cluster(base, tmp_path / "reference")
-    s = spec("sync", steps=80, restart_servers=True,
+    # run_timeout: a hung run fails with every process's last log lines, before the
+    # suite's per-test timeout would say only where the test was waiting
+    s = spec("sync", steps=80, restart_servers=True, run_timeout=120,
              server={"checkpoint_dir": str(tmp_path / "ckpt"), "checkpoint_every": 10})
     with LocalCluster(s, tmp_path / "run") as cluster:
         cluster.start_servers()
@@ -111,6 +114,21 @@ def test_shard_killed_and_restarted_from_checkpoint(tmp_path):
         shutdown_servers(cluster.addresses)
     want = reference["eval"]["loss"]
     assert abs(final["loss"] - want) <= 0.1 * want, (final, reference["eval"])
+
+
+def test_run_timeout_names_who_is_still_running_and_what_they_logged(tmp_path):
+    s = spec("async", workers=2, steps=100_000, run_timeout=1.5,
+             worker={"straggler": StragglerSpec(min_step_time=0.05)})
+    with LocalCluster(s, tmp_path) as cluster:
+        cluster.start_servers()
+        cluster.start_workers()
+        with pytest.raises(RequestTimeoutError) as err:
+            cluster.wait_workers(poll=0.05)
+    text = str(err.value)
+    assert text.startswith("workers still running after 1.5s: worker0, worker1")
+    for name in ("worker0", "worker1", "server0", "server1"):
+        assert f"--- {name} (" in text
+    assert "serving at" in text  # a shard's own log line, not just its name
 
 
 def test_lossy_network_sync_pushes_in_parts_added_once(tmp_path):

@@ -459,9 +459,17 @@ class LocalCluster:
             if on_progress is not None:
                 on_progress(self.progress())
             if deadline is not None and time.monotonic() > deadline:
-                raise RequestTimeoutError(
-                    f"workers still running after {self.spec.run_timeout:g}s: "
-                    + ", ".join(self.workers[r].name for r in sorted(pending)))
+                raise RequestTimeoutError(self._overdue(sorted(pending)))
+
+    def _overdue(self, pending: list[int]) -> str:
+        """What a run past ``run_timeout`` says: who is still running, and the last
+        lines each of them and each shard logged (what they were waiting for)."""
+        procs = [self.workers[r] for r in pending] + list(self.servers)
+        tails = "".join(f"\n--- {p.name} ({p.log_path}):\n{tail(p.log_path, 8)}"
+                        for p in procs)
+        return (f"workers still running after {self.spec.run_timeout:g}s: "
+                + ", ".join(self.workers[r].name for r in pending)
+                + "; the last lines of their logs and the shards':" + tails)
 
     def _report_dead(self, rank: int) -> None:
         """Best effort: the shards' heartbeat timeout still holds if this fails."""
