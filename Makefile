@@ -24,7 +24,7 @@ $(STAMP): setup.cfg pyproject.toml
 	touch $(STAMP)
 
 test: install
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=15 $(PYTEST_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check paramserver workers cli benchmarks tests
