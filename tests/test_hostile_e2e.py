@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import shutil
 import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -429,3 +431,65 @@ def test_packed_frames_from_a_hostile_peer(tmp_path: Path) -> None:
             stats = server_stats([address])[0]
             assert stats["version"] == version + 2
             assert "error_internal" not in stats["counters"]
+
+
+def test_parts_asking_for_early_weights_in_hostile_orders(tmp_path: Path) -> None:
+    """A lone sync worker's parts asking for early weights (the field ``early``), sent
+    as a hostile peer would: parts out of order, repeated or missing, a part index
+    out of range, a header changed half-way, non-finite values, stale and future read
+    versions. The shard answers every message, never with an internal error, steps
+    ahead and answers early where it may, and keeps finite weights."""
+    rng = random.Random(7)
+    with _cluster(tmp_path, mode="sync", expected_workers=1, optimizer="sgd",
+                  optimizer_args={"lr": 0.1}) as cluster:
+        (address,) = cluster.start_servers()
+        bad = Hostile(address)
+        try:
+            assert bad.hello(0) == "ok"
+            assert bad.code("init", {"worker": 0}, [("w", "float32", [128], _f32(128)),
+                                                    ("b", "float32", [16], _f32(16))]) == "ok"
+            codes: Counter[str] = Counter()
+            version, push_id = 0, 0
+            for _ in range(150):
+                push_id += rng.choice([1, 1, 1, 0, 2])
+                parts = rng.choice([2, 2, 2, 1, 3])
+                order = list(range(parts))
+                if rng.random() < 0.15:
+                    rng.shuffle(order)
+                if rng.random() < 0.1:
+                    order.append(rng.choice(order))  # a part again
+                if rng.random() < 0.1:
+                    order.pop()  # the push never completes
+                header = {"worker": 0, "push_id": push_id, "num_samples": rng.choice([1, 4]),
+                          "clock": rng.choice([version, version + 1]),
+                          "read_version": rng.choice([version] * 8 + [version - 1, version + 3])}
+                for part in order:
+                    key, n = ("w", 128) if part % 2 == 0 else ("b", 16)
+                    value = rng.choice([0.01] * 12 + [math.nan, math.inf])
+                    fields = {**header, "parts": parts, "part": part,
+                              "early": rng.random() < 0.8, "pull": rng.random() < 0.5}
+                    if rng.random() < 0.03:
+                        fields["part"] = rng.choice([-1, 7])
+                    if rng.random() < 0.03:
+                        fields["clock"] += 1  # differs from the push's first part
+                    head = bad.ask("push", fields, [(key, "float32", [n], _f32(n, value))])
+                    if head["op"] == "error":
+                        codes[str(head["f"]["code"])] += 1
+                    else:
+                        f = head["f"]
+                        # a part answered with its next weights, or a round's answer
+                        # that leaves out those that went back early
+                        kind = "ok" if "early" not in f else "early" if f.get("partial") \
+                            else "rest"
+                        codes[kind] += 1
+                        version = max(version, int(head["f"].get("version", version)))
+            assert cluster.servers[0].popen.poll() is None
+            stats = server_stats([address])[0]
+            assert "internal" not in codes and "error_internal" not in stats["counters"]
+            assert codes["early"] and stats["counters"]["early_parts"] == codes["early"]
+            assert stats["counters"].get("early_answers", 0) == codes["rest"]
+            assert stats["version"] > 5  # the well-formed pushes stepped
+            weights, _ = _weights(address)
+            assert all(bool(torch.isfinite(t).all()) for t in weights.values())
+        finally:
+            bad.close()
