@@ -215,6 +215,7 @@ def launch(ctx: click.Context, **opts: Any) -> None:
             stragglers=stragglers,
             startup_timeout=opts["startup_timeout"],
             run_timeout=opts["run_timeout"],
+            stall_warning=opts["stall_warning"],
             evaluate=opts["eval"],
             on_worker_failure="restart" if opts["restart_workers"] else opts["on_worker_failure"],
             restart_servers=opts["restart_servers"],

@@ -25,8 +25,8 @@ def spec(mode, workers=3, steps=60, **kw):
     worker = kw.pop("worker", {})
     return ClusterSpec(
         num_servers=2, num_workers=workers,
-        server=ServerConfig(mode=mode, staleness_bound=2, heartbeat_timeout=HEARTBEAT_TIMEOUT,
-                            **server),
+        server=ServerConfig(**{"mode": mode, "staleness_bound": 2,
+                               "heartbeat_timeout": HEARTBEAT_TIMEOUT, **server}),
         worker=WorkerConfig(**{"servers": [], "task": "digits-mlp", "steps": steps,
                                "request_timeout": 1.0, "heartbeat_interval": 0.25,
                                "straggler": StragglerSpec(min_step_time=0.01), **worker}),
@@ -129,6 +129,42 @@ def test_run_timeout_names_who_is_still_running_and_what_they_logged(tmp_path):
     for name in ("worker0", "worker1", "server0", "server1"):
         assert f"--- {name} (" in text
     assert "serving at" in text  # a shard's own log line, not just its name
+
+
+def test_a_stalled_run_is_reported_with_every_log_tail_and_so_is_its_resumption(
+        tmp_path, caplog):
+    # a worker frozen (SIGSTOP) while the shards still count it live holds every sync
+    # round: the launcher says so, naming who runs and what each logged last
+    s = spec("sync", workers=2, steps=40, stall_warning=2.0,
+             server={"heartbeat_timeout": 60.0})
+    frozen: dict[str, int] = {}
+    with LocalCluster(s, tmp_path) as cluster:
+        cluster.start_servers()
+        cluster.start_workers()
+
+        def cb(progress):
+            pid = cluster.workers[1].popen.pid
+            if not frozen and progress.steps.get(1, 0) >= 10:
+                os.kill(pid, signal.SIGSTOP)
+                frozen["at"] = progress.done_steps
+            elif frozen and "thawed" not in frozen and cluster.stalls:
+                os.kill(pid, signal.SIGCONT)
+                frozen["thawed"] = progress.done_steps
+
+        with caplog.at_level("WARNING", logger="paramserver.workers.launch.cluster"):
+            cluster.wait_workers(cb, poll=0.05)
+    assert "thawed" in frozen
+    kinds = [stall["stalled"] for stall in cluster.stalls]
+    assert kinds[:2] == [True, False]
+    assert cluster.stalls[0]["quiet"] >= 2.0
+    warning = next(r.getMessage() for r in caplog.records
+                   if r.getMessage().startswith("no worker has logged a step"))
+    assert "still running: worker0, worker1" in warning
+    for name in ("worker0", "worker1", "server0", "server1"):
+        assert f"--- {name} (" in warning
+    for rank in (0, 1):
+        end = read_events(tmp_path / "events" / f"worker{rank}.jsonl", "worker_end")
+        assert end and end[0]["steps"] == 40
 
 
 def test_lossy_network_sync_pushes_in_parts_added_once(tmp_path):

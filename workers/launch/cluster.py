@@ -46,6 +46,7 @@ from paramserver.workers.launch.processes import (
     tail,
     worker_summaries,
 )
+from paramserver.workers.launch.stall import StallNotice, StallWatch
 from paramserver.workers.launch.zygote import ForkedProcess, ZygoteError, fork_enabled, zygote_for
 from paramserver.workers.stragglers import StragglerSpec, parse_straggler_items
 from paramserver.workers.worker import WorkerConfig
@@ -98,6 +99,11 @@ class ClusterSpec:
                                     help="How long a server may take to report its address.")
     run_timeout: float | None = option(None, min=0, min_open=True, metavar="SECONDS",
                                        help="Stop everything if training takes longer.")
+    stall_warning: float = option(
+        60.0, min=0, metavar="SECONDS",
+        help="Warn, with the last lines of every worker's and shard's log, when no worker "
+             "has logged a step for this long, or for 10 times the run's usual time per "
+             "step if that is longer (0: never). Training goes on.")
     evaluate: bool = option(True, flag="eval", dest="eval",
                             help="Evaluate the final weights on held-out data.")
     #: what a worker's failure does: "fail" the run, "tolerate" it (the others go
@@ -267,6 +273,9 @@ class LocalCluster:
         self._t0 = time.time()
         self.failures: list[dict[str, Any]] = []
         self.restarts: list[dict[str, Any]] = []
+        #: times the run logged no step for long (StallWatch), and when it went on
+        self.stalls: list[dict[str, Any]] = []
+        self._stall = StallWatch(spec.stall_warning)
         #: every process started, restarts included; also in out_dir/processes.json
         self.processes: list[ProcessInfo] = []
         self._on_process = on_process
@@ -456,20 +465,39 @@ class LocalCluster:
                     f"{proc.name} exited early with code {code}; log tail "
                     f"({proc.log_path}):\n{tail(proc.log_path)}"
                 )
-            if on_progress is not None:
-                on_progress(self.progress())
+            if on_progress is not None or self.spec.stall_warning:
+                progress = self.progress()
+                notice = self._stall.update(progress.done_steps, time.monotonic())
+                if notice is not None:
+                    self._report_stall(notice, sorted(pending))
+                if on_progress is not None:
+                    on_progress(progress)
             if deadline is not None and time.monotonic() > deadline:
                 raise RequestTimeoutError(self._overdue(sorted(pending)))
 
-    def _overdue(self, pending: list[int]) -> str:
-        """What a run past ``run_timeout`` says: who is still running, and the last
-        lines each of them and each shard logged (what they were waiting for)."""
+    def _tails(self, pending: list[int]) -> str:
+        """The workers still running and the last lines each of them and each shard
+        logged: what they were waiting for."""
         procs = [self.workers[r] for r in pending] + list(self.servers)
-        tails = "".join(f"\n--- {p.name} ({p.log_path}):\n{tail(p.log_path, 8)}"
-                        for p in procs)
-        return (f"workers still running after {self.spec.run_timeout:g}s: "
-                + ", ".join(self.workers[r].name for r in pending)
-                + "; the last lines of their logs and the shards':" + tails)
+        return (", ".join(self.workers[r].name for r in pending)
+                + "; the last lines of their logs and the shards':"
+                + "".join(f"\n--- {p.name} ({p.log_path}):\n{tail(p.log_path, 8)}"
+                          for p in procs))
+
+    def _overdue(self, pending: list[int]) -> str:
+        """What a run past ``run_timeout`` says."""
+        return f"workers still running after {self.spec.run_timeout:g}s: {self._tails(pending)}"
+
+    def _report_stall(self, notice: StallNotice, pending: list[int]) -> None:
+        pace = f"; before it, a step every {notice.pace:.3g}s" if notice.pace else ""
+        self.stalls.append({"stalled": notice.stalled, "quiet": notice.quiet,
+                            "pace": notice.pace, "t": time.time()})
+        if notice.stalled:
+            log.warning("no worker has logged a step for %.0fs%s (--stall-warning %gs); "
+                        "still running: %s", notice.quiet, pace, self.spec.stall_warning,
+                        self._tails(pending))
+        else:
+            log.warning("steps resumed after %.0fs without one", notice.quiet)
 
     def _report_dead(self, rank: int) -> None:
         """Best effort: the shards' heartbeat timeout still holds if this fails."""
