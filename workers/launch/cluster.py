@@ -489,7 +489,8 @@ class LocalCluster:
         return f"workers still running after {self.spec.run_timeout:g}s: {self._tails(pending)}"
 
     def _report_stall(self, notice: StallNotice, pending: list[int]) -> None:
-        pace = f"; before it, a step every {notice.pace:.3g}s" if notice.pace else ""
+        pace = ("" if not notice.pace else f"; before it, {1 / notice.pace:.0f} steps a second"
+                if notice.pace < 1 else f"; before it, a step every {notice.pace:.1f}s")
         self.stalls.append({"stalled": notice.stalled, "quiet": notice.quiet,
                             "pace": notice.pace, "t": time.time()})
         if notice.stalled:
