@@ -165,6 +165,11 @@ def test_a_stalled_run_is_reported_with_every_log_tail_and_so_is_its_resumption(
     for rank in (0, 1):
         end = read_events(tmp_path / "events" / f"worker{rank}.jsonl", "worker_end")
         assert end and end[0]["steps"] == 40
+    logged = read_events(tmp_path / "events" / "launcher.jsonl", "stall")
+    assert [e["stalled"] for e in logged] == kinds
+    assert logged[0]["running"] == ["worker0", "worker1"]
+    end = read_events(tmp_path / "events" / "launcher.jsonl", "launcher_end")
+    assert end[0]["stalls"] == kinds.count(True)
 
 
 def test_lossy_network_sync_pushes_in_parts_added_once(tmp_path):

@@ -491,8 +491,10 @@ class LocalCluster:
     def _report_stall(self, notice: StallNotice, pending: list[int]) -> None:
         pace = ("" if not notice.pace else f"; before it, {1 / notice.pace:.0f} steps a second"
                 if notice.pace < 1 else f"; before it, a step every {notice.pace:.1f}s")
-        self.stalls.append({"stalled": notice.stalled, "quiet": notice.quiet,
-                            "pace": notice.pace, "t": time.time()})
+        record = {"stalled": notice.stalled, "quiet": notice.quiet, "pace": notice.pace}
+        self.stalls.append({**record, "t": time.time()})
+        self.observer.events.write("stall", **record,
+                                   running=[self.workers[r].name for r in pending])
         if notice.stalled:
             log.warning("no worker has logged a step for %.0fs%s (--stall-warning %gs); "
                         "still running: %s", notice.quiet, pace, self.spec.stall_warning,
@@ -582,6 +584,7 @@ class LocalCluster:
             if p.popen.stdout is not None:
                 p.popen.stdout.close()
         self.observer.close(failures=len(self.failures), restarts=len(self.restarts),
+                            stalls=sum(1 for s in self.stalls if s["stalled"]),
                             exit_codes={p.name: p.popen.returncode for p in procs})
 
     @property
