@@ -489,8 +489,11 @@ class LocalCluster:
         return f"workers still running after {self.spec.run_timeout:g}s: {self._tails(pending)}"
 
     def _report_stall(self, notice: StallNotice, pending: list[int]) -> None:
-        pace = ("" if not notice.pace else f"; before it, {1 / notice.pace:.0f} steps a second"
-                if notice.pace < 1 else f"; before it, a step every {notice.pace:.1f}s")
+        pace = ""
+        if notice.pace >= 1:
+            pace = f"; before it, a step every {notice.pace:.1f}s"
+        elif notice.pace:
+            pace = f"; before it, {1 / notice.pace:.0f} steps a second"
         record = {"stalled": notice.stalled, "quiet": notice.quiet, "pace": notice.pace}
         self.stalls.append({**record, "t": time.time()})
         self.observer.events.write("stall", **record,
