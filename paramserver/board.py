@@ -7,10 +7,16 @@ sequence, version, layout); the worker copies the slot into its model and
 checks the sequence afterwards, so a copy overlapped by a write is noticed
 and redone from the newest slot (:func:`read_guarded`), and after
 :data:`READ_ATTEMPTS` it pulls over TCP.
+
+A board holds a random token in its header page, made with it and told only
+to the workers it is granted to (the grant's ``token``): a worker maps a board
+only if it holds that token (:meth:`Segment.attach` ``proof``), so a grant
+cannot make it read some other job's or shard's board in its place.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -20,21 +26,24 @@ from .dtypes import copy_bytes
 from .errors import ErrorCode, ProtocolError
 from .flat import FlatLayout
 from .protocol import DTYPES, Limits
-from .segment import Segment, aligned, descs_to_tensors, layout
+from .segment import NONCE_BYTES, Segment, aligned, descs_to_tensors, layout
 
-__all__ = ["HEADER", "READ_ATTEMPTS", "BoardAhead", "BoardReader", "WeightBoard",
+__all__ = ["HEADER", "READ_ATTEMPTS", "TOKEN_AT", "BoardAhead", "BoardReader", "WeightBoard",
            "read_guarded"]
 
 #: copies of a board slot tried before a pull falls back to TCP
 READ_ATTEMPTS = 16
 HEADER = 4096  # the board's header page: per slot a sequence number and a version
+TOKEN_AT = 2048  # where in the header page the board's token lies (past the slots' words)
 
 
 class BoardReader:
     """A worker's mapping of a shard's weight board."""
 
-    def __init__(self, name: str, size: int) -> None:
-        self.seg = Segment.attach(name, size)
+    def __init__(self, name: str, size: int, token: bytes | None = None) -> None:
+        """Map board ``name`` if it holds ``token`` (the grant's); None only for a
+        board this process made itself (tests), which proves nothing."""
+        self.seg = Segment.attach(name, size, proof=None if token is None else (TOKEN_AT, token))
         self.slot_bytes = (self.seg.size - HEADER) // 2
         self.head = self.seg.data[:HEADER].view(torch.int64)
 
@@ -135,6 +144,8 @@ class WeightBoard:
                 (k, p.numel() * p.element_size()) for k, p in params.items())
         self.seg = Segment.create(tag, HEADER + 2 * self.slot_bytes)
         self.head = self.seg.data[:HEADER].view(torch.int64)
+        self.token = os.urandom(NONCE_BYTES)  # a grant's proof that the board is ours
+        self.seg.put(TOKEN_AT, self.token)
         names = {v: k for k, v in DTYPES.items()}
         self.descs = [[k, names[p.dtype], list(p.shape), self.offsets[k]]
                       for k, p in params.items()]

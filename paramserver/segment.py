@@ -7,6 +7,14 @@ neither refuses symlinks nor checks the owner and mode of what it attaches.
 A file opened with ``O_NOFOLLOW``, created ``0600`` with ``O_EXCL`` and checked
 with ``fstat`` on attach is the same kernel object (tmpfs) with those checks.
 
+A peer's *name* for a segment proves nothing: every process on the host can
+list ``/dev/shm``, and one user's jobs all pass the owner and mode checks. So
+a segment named by a peer is attached only with a *proof* (:meth:`Segment.attach`
+``proof``): bytes that whoever made the segment wrote into it at an agreed
+offset, read with ``pread`` on the opened file before it is mapped; a mismatch
+maps nothing (:class:`ProofError`). A shard challenges each worker with a fresh
+nonce (paramserver/shm.py); a worker checks the token a board was made with.
+
 Names carry the owner's uid, pid and the pid's start time, so a sweep
 (:func:`sweep`, at a process's first segment and at exit, and on a shard when
 a worker dies) removes the segments of processes that are gone, SIGKILL
@@ -19,6 +27,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import hmac
 import logging
 import math
 import mmap
@@ -39,8 +48,8 @@ import torch
 from .errors import ErrorCode, ProtocolError
 from .protocol import Limits, _check_desc
 
-__all__ = ["ALIGN", "ENV", "SHM_DIR", "Segment", "aligned", "descs_to_tensors", "enabled",
-           "host_identity", "layout", "sweep"]
+__all__ = ["ALIGN", "ENV", "NONCE_BYTES", "SHM_DIR", "ProofError", "Segment", "aligned",
+           "descs_to_tensors", "enabled", "host_identity", "layout", "sweep", "valid_name"]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +57,7 @@ log = logging.getLogger(__name__)
 ENV = "PARAMSERVER_SHM"
 SHM_DIR = Path("/dev/shm")
 ALIGN = 64  # each region starts on a cache line (and any dtype's alignment)
+NONCE_BYTES = 16  # an ownership proof: 128 random bits (guessing one is hopeless)
 _PREFIX = "paramserver-shm"
 _NAME = re.compile(rf"^{_PREFIX}\.(\d+)\.(\d+)\.(\d+)\.[0-9a-f]+\.[a-z0-9]+$")
 _RUN = uuid.uuid4().hex[:12]  # this process's run token, in each of its segment names
@@ -128,6 +138,11 @@ def _unlink_own() -> None:
     sweep()
 
 
+class ProofError(OSError):
+    """A segment did not hold the proof its namer had to write into it: it was not
+    made (or is not held) by that peer, and was neither mapped nor read further."""
+
+
 class Segment:
     """One mapped ``/dev/shm`` file; ``data`` is its bytes as a uint8 tensor."""
 
@@ -165,9 +180,13 @@ class Segment:
         return cls(path, mm, owner=True)
 
     @classmethod
-    def attach(cls, name: str, min_size: int, directory: Path = SHM_DIR) -> Segment:
-        """Map a peer's segment: a regular file of ours, 0600, at least ``min_size``."""
-        if not isinstance(name, str) or _NAME.match(name) is None:
+    def attach(cls, name: str, min_size: int, directory: Path = SHM_DIR,
+               proof: tuple[int, bytes] | None = None) -> Segment:
+        """Map a peer's segment: a regular file of ours, 0600, at least ``min_size``,
+        and with ``proof`` = ``(offset, data)``: holding ``data`` at ``offset``, read
+        from the opened file before anything is mapped (the mapping is of that same
+        file, whatever its name points at later). A mismatch raises :class:`ProofError`."""
+        if not isinstance(name, str) or not valid_name(name):
             raise OSError(f"not a segment name: {name!r}")
         fd = os.open(directory / name, os.O_RDWR | os.O_NOFOLLOW)
         try:
@@ -178,10 +197,23 @@ class Segment:
                 raise OSError(f"{name}: mode {st.st_mode & 0o777:o}, not 0600")
             if st.st_size < max(min_size, 1):
                 raise OSError(f"{name}: {st.st_size} bytes, need {min_size}")
+            if proof is not None:
+                at, want = proof
+                if not want or not hmac.compare_digest(os.pread(fd, len(want), at), want):
+                    raise ProofError(f"{name}: does not hold the proof its namer was to "
+                                     "write into it (not that peer's segment)")
             mm = mmap.mmap(fd, st.st_size)
         finally:
             os.close(fd)
         return cls(directory / name, mm, owner=False)
+
+    def holds(self, offset: int, data: bytes) -> bool:
+        """Whether this mapping holds ``data`` at ``offset`` (a proof, checked again)."""
+        return bool(data) and hmac.compare_digest(self.mm[offset:offset + len(data)], data)
+
+    def put(self, offset: int, data: bytes) -> None:
+        """Write ``data`` at ``offset`` of a segment this process made (a proof)."""
+        self.mm[offset:offset + len(data)] = data
 
     def region(self, offset: int, dtype: torch.dtype, shape: Iterable[int]) -> torch.Tensor:
         shape = tuple(shape)
@@ -197,6 +229,11 @@ class Segment:
         self.data = torch.empty(0, dtype=torch.uint8)
         with contextlib.suppress(BufferError):  # a tensor still views it: unmapped later
             self.mm.close()
+
+
+def valid_name(name: str) -> bool:
+    """Whether ``name`` has the form of a segment's name (no path, no other file)."""
+    return len(name) <= 255 and _NAME.match(name) is not None
 
 
 def aligned(n: int) -> int:

@@ -11,6 +11,16 @@ HELLO) move tensors through files in ``/dev/shm`` that both map
 * each shard owns a *weight board* (paramserver/board.py): two seqlocked
   slots; its weights live in one, and a pull reply carries a ticket to it.
 
+A segment's name is no proof of holding it (anyone on the host can list
+``/dev/shm``, and one user's jobs pass each other's owner checks), so HELLO
+takes two rounds: the shard answers an offer with a fresh nonce (``prove``),
+the worker writes it into its segment's first bytes and says HELLO again
+(``proved``), and only then does the shard map the segment (read through the
+file it opened, :meth:`Segment.attach` ``proof``) and grant its board, with
+the board's token for the worker to check in turn. A failed proof is refused
+(FORBIDDEN) and nothing of that segment is mapped; pushes naming tensors in a
+segment, and pulls asking for the board, count only from a proven connection.
+
 This module holds both ends of a connection: :class:`ShmLink` (a worker's
 channel) and :class:`ShmHub` (a shard's peers and its board).
 """
@@ -19,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -32,7 +43,9 @@ from .protocol import DTYPES, Limits, Message, Op
 from .segment import (
     ALIGN,
     ENV,
+    NONCE_BYTES,
     SHM_DIR,
+    ProofError,
     Segment,
     aligned,
     descs_to_tensors,
@@ -40,15 +53,18 @@ from .segment import (
     host_identity,
     layout,
     sweep,
+    valid_name,
 )
 
 __all__ = [
     "ENV",
     "MIN_BYTES",
+    "PROOF_AT",
     "READ_ATTEMPTS",
     "SHM_DIR",
     "BoardReader",
     "GradSegment",
+    "ProofError",
     "Segment",
     "ShmHub",
     "ShmLink",
@@ -67,6 +83,19 @@ log = logging.getLogger(__name__)
 #: were 15% slower through shared memory)
 MIN_BYTES = 64 * 1024
 _RELEASE_BYTES = 1 << 20  # a shard unmaps a used run of a worker's segment from this size
+#: a gradient segment's first cache line holds the shard's HELLO nonce, written back
+PROOF_AT = 0
+_MAX_PENDING = 1024  # challenged connections awaiting their proof (the oldest go first)
+
+
+def _nonce(value: Any) -> bytes | None:
+    """A nonce or token sent as hex, or None when it is not one."""
+    if not isinstance(value, str) or len(value) != 2 * NONCE_BYTES:
+        return None
+    try:
+        return bytes.fromhex(value)
+    except ValueError:
+        return None
 
 
 # --------------------------------------------------------------------------- worker side
@@ -77,7 +106,9 @@ class GradSegment:
 
     def __init__(self, slices: Iterable[tuple[str, int]], tag: str) -> None:
         slices = list(slices)
-        self.offsets, size = layout(slices)
+        offsets, size = layout(slices)  # after the proof's cache line (PROOF_AT)
+        self.offsets = {key: ALIGN + at for key, at in offsets.items()}
+        size += ALIGN
         # the bytes each region may hold (its key's slice in the parameter's dtype)
         self.room = {key: aligned(nbytes) for key, nbytes in slices}
         self.seg = Segment.create(tag, size)
@@ -116,6 +147,8 @@ class ShmLink:
         self.tag = tag
         self.grads: GradSegment | None = None
         self.board: BoardReader | None = None
+        # the shard's nonce is in our segment: the next HELLO says so (``proved``)
+        self.proving = False
 
     def offer(self) -> dict[str, Any] | None:
         """The HELLO field that offers our gradient segment (None: cannot make one)."""
@@ -125,21 +158,37 @@ class ShmLink:
             except OSError as exc:
                 log.info("no shared-memory segment (%s): this worker uses TCP", exc)
                 return None
-        return {"host": host_identity(), "seg": self.grads.seg.name,
-                "size": self.grads.seg.size}
+        offer: dict[str, Any] = {"host": host_identity(), "seg": self.grads.seg.name,
+                                 "size": self.grads.seg.size}
+        if self.proving:
+            offer["proved"] = True
+        return offer
 
     def granted(self, grant: Any) -> None:
-        """The shard's answer to the offer: its board, or None (TCP from now on)."""
-        name = grant.get("board") if isinstance(grant, dict) else None
+        """The shard's answer to the offer: a challenge (its nonce, written into our
+        segment for the next HELLO to prove we hold it), its board and the board's
+        token, or None (TCP from now on)."""
+        grant = grant if isinstance(grant, dict) else {}
+        name = grant.get("board")
         if self.board is not None and self.board.seg.name == name:
-            return
+            self.proving = False
+            return  # a proof HELLO repeated: the same board
         if self.board is not None:
             self.board.close()
             self.board = None
+        nonce = _nonce(grant.get("prove"))
+        self.proving = nonce is not None and self.grads is not None
+        if self.proving and self.grads is not None and nonce is not None:
+            self.grads.seg.put(PROOF_AT, nonce)
+            return
         if name is None:
             return
+        token = _nonce(grant.get("token"))
+        if token is None:
+            log.warning("the shard's board grant has no token to check it by: using TCP")
+            return
         try:
-            self.board = BoardReader(name, int(grant.get("size", 0)))
+            self.board = BoardReader(name, int(grant.get("size", 0)), token)
         except (OSError, ValueError) as exc:
             log.warning("cannot map the shard's weight board (%s): using TCP", exc)
 
@@ -186,9 +235,25 @@ def _is_local(peer: str, address: str) -> bool:
 
 
 class _Peer:
-    def __init__(self, worker: int, seg: Segment) -> None:
+    """A proven connection: its worker, its segment, and the nonce it wrote there."""
+
+    def __init__(self, worker: int, seg: Segment, nonce: bytes = b"") -> None:
         self.worker = worker
         self.seg = seg
+        self.nonce = nonce
+
+
+class _Pending:
+    """A challenged offer: the segment named, and the nonce it must come to hold."""
+
+    def __init__(self, worker: int, name: str, size: int) -> None:
+        self.worker = worker
+        self.name = name
+        self.size = size
+        self.nonce = os.urandom(NONCE_BYTES)
+
+    def same(self, worker: int, name: str, size: int) -> bool:
+        return (self.worker, self.name, self.size) == (worker, name, size)
 
 
 class ShmHub:
@@ -198,7 +263,8 @@ class ShmHub:
         self.shard = shard
         self.limits = limits
         self.host = host_identity()
-        self.peers: dict[bytes, _Peer] = {}
+        self.peers: dict[bytes, _Peer] = {}  # proven connections only
+        self.pending: dict[bytes, _Pending] = {}  # challenged, not proven yet
         self.board: WeightBoard | None = None
         self.pulls: dict[bytes, int] = {}  # routing id -> seq of a pull to answer via shm
 
@@ -207,27 +273,64 @@ class ShmHub:
               flats: Mapping[torch.dtype, torch.Tensor] | None = None,
               flat_layout: FlatLayout | None = None) -> dict[str, Any] | None:
         """Take a worker's offer (HELLO field ``shm``) if it is on this host, local and
-        trusted; the grant for the reply, or None (that worker then uses TCP). With
-        ``flats`` and their ``flat_layout`` the weights move into the board."""
-        self.drop(identity)
+        trusted; the field for the reply, or None (that worker then uses TCP).
+
+        An offer is first answered with a challenge (``prove``: a nonce, the same
+        for a repeated offer); an offer that says it wrote it (``proved``) is
+        granted the board if the segment it names holds that nonce, read from the
+        opened file before it is mapped. A proof that fails raises FORBIDDEN and
+        leaves the segment unmapped. With ``flats`` and their ``flat_layout`` the
+        weights move into the board."""
         if not (isinstance(offer, dict) and local and trusted and enabled()):
+            self.drop(identity)
             return None
-        if offer.get("host") != self.host:
+        size, name = offer.get("size"), offer.get("seg")
+        if (offer.get("host") != self.host or isinstance(size, bool) or not isinstance(size, int)
+                or size < 0 or not isinstance(name, str) or not valid_name(name)):
+            self.drop(identity)
             return None
-        size = offer.get("size")
-        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        peer = self.peers.get(identity)
+        if (offer.get("proved") is True and peer is not None and self.board is not None
+                and (peer.worker, peer.seg.name) == (worker, name)
+                and peer.seg.holds(PROOF_AT, peer.nonce)):
+            return self._grant()  # a proof repeated (its answer was lost): granted again
+        self.drop(identity)
+        pending = self.pending.pop(identity, None)
+        if offer.get("proved") is not True or pending is None or not pending.same(
+                worker, name, size):
+            if pending is None or not pending.same(worker, name, size):
+                pending = _Pending(worker, name, size)
+            self.pending[identity] = pending  # (re)inserted last: the oldest go first
+            while len(self.pending) > _MAX_PENDING:
+                del self.pending[next(iter(self.pending))]
+            return {"prove": pending.nonce.hex()}
+        try:
+            seg = Segment.attach(name, size, proof=(PROOF_AT, pending.nonce))
+        except ProofError as exc:
+            log.warning("shard %d: refused worker %d's shared-memory segment: %s",
+                        self.shard, worker, exc)
+            raise ProtocolError(ErrorCode.FORBIDDEN, f"shared-memory segment {name}: the "
+                                "ownership proof failed (it does not hold this shard's nonce)"
+                                ) from exc
+        except (OSError, ValueError) as exc:
+            log.info("shard %d: worker %d stays on TCP: %s", self.shard, worker, exc)
             return None
         try:
-            seg = Segment.attach(str(offer.get("seg")), size)
             if self.board is None:
                 self.board = WeightBoard(params, f"board{self.shard}", flats, flat_layout)
         except (OSError, ValueError) as exc:
+            seg.close()
             log.info("shard %d: worker %d stays on TCP: %s", self.shard, worker, exc)
             return None
         for other in [i for i, p in self.peers.items() if p.worker == worker]:
             self.drop(other)  # the worker's earlier connection
-        self.peers[identity] = _Peer(worker, seg)
-        return {"board": self.board.seg.name, "size": self.board.seg.size}
+        self.peers[identity] = _Peer(worker, seg, pending.nonce)
+        return self._grant()
+
+    def _grant(self) -> dict[str, Any]:
+        assert self.board is not None
+        return {"board": self.board.seg.name, "size": self.board.seg.size,
+                "token": self.board.token.hex()}
 
     def resolve(self, identity: bytes, fields: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """The tensors a message's ``shm`` descriptors name in its sender's segment."""
@@ -253,12 +356,14 @@ class ShmHub:
         grant = self.hello(identity, msg["worker"], msg.get("shm"), _is_local(peer, address),
                            trusted, core.params, core.flats, core.layout)
         if grant is not None:
-            answer.fields["shm"] = grant
-            slot = core.ahead.slot
-            if self.board is not None and self.board.layout is not None and not (
-                    isinstance(slot, BoardAhead) and slot.board is self.board):
-                core.ahead.slot = BoardAhead(self.board)  # the next weights go there
-        return grant is not None
+            answer.fields["shm"] = grant  # a challenge, or the board
+        if grant is None or "board" not in grant:
+            return False
+        slot = core.ahead.slot
+        if self.board is not None and self.board.layout is not None and not (
+                isinstance(slot, BoardAhead) and slot.board is self.board):
+            core.ahead.slot = BoardAhead(self.board)  # the next weights go there
+        return True
 
     def take(self, msg: Message, identity: bytes) -> None:
         """A request's shared-memory fields: its tensors from the sender's segment
@@ -337,8 +442,11 @@ class ShmHub:
         gone = [i for i, p in self.peers.items() if p.worker not in known]
         for identity in gone:
             self.drop(identity)
+        for identity in [i for i, p in self.pending.items() if p.worker not in known]:
+            del self.pending[identity]
 
     def close(self) -> None:
+        self.pending.clear()
         for identity in list(self.peers):
             self.drop(identity)
         if self.board is not None:

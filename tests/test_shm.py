@@ -122,7 +122,11 @@ def test_descriptors_are_bounded_by_the_segment() -> None:
         offer = {"host": shm.host_identity(), "seg": grads.seg.name, "size": grads.seg.size}
         assert hub.hello(b"id", 0, offer, local=False, trusted=True, params=_weights(0)) is None
         assert hub.hello(b"id", 0, offer, local=True, trusted=False, params=_weights(0)) is None
-        assert hub.hello(b"id", 0, offer, local=True, trusted=True, params=_weights(0))
+        challenge = hub.hello(b"id", 0, offer, local=True, trusted=True, params=_weights(0))
+        assert challenge is not None and "board" not in challenge  # a nonce to prove first
+        grads.seg.put(shm.PROOF_AT, bytes.fromhex(challenge["prove"]))
+        assert "board" in hub.hello(b"id", 0, {**offer, "proved": True}, local=True,
+                                    trusted=True, params=_weights(0))
         descs = grads.write({"w": torch.arange(100.0), "b": torch.tensor([1.0, 2.0])})
         assert descs is not None
         msg = Message(Op.PUSH, 1, {"shm": descs})

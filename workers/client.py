@@ -26,6 +26,7 @@ from paramserver.dtypes import GRAD_WIRE_DTYPES
 from paramserver.errors import (
     ConfigError,
     DuplicateWorkerError,
+    ForbiddenError,
     FutureVersionError,
     NotInitializedError,
     NotRegisteredError,
@@ -237,10 +238,28 @@ class PSClient:
 
     def _rejoin(self, shard: int) -> None:
         hello = self._call([self._hello()], "HELLO", [shard], recover=False)[0]
+        self._prove_shm([shard])
         if not hello["initialized"] and self._params is not None and self.role == "worker":
             log.warning("shard %d lost its weights; seeding it from this worker's copy", shard)
             msgs, dest = self._init([shard])
             self._call(msgs, "INIT", dest, recover=False)
+
+    def _prove_shm(self, shards: Sequence[int]) -> None:
+        """HELLO again to the shards that answered our shared-memory offer with a
+        challenge (its nonce is in our segment now, paramserver/shm.py): the reply
+        grants the board. A shard that refuses the proof leaves us on TCP."""
+        asked = [s for s in shards if (link := self.channels[s].shm) is not None
+                 and link.proving]
+        if not asked:
+            return
+        replies = self._call([self._hello() for _ in asked], "HELLO", asked, recover=False,
+                             soft=(DuplicateWorkerError, ForbiddenError))
+        for shard, rep in zip(asked, replies, strict=True):
+            link = self.channels[shard].shm
+            if link is not None and rep.op is Op.ERROR:
+                link.granted(None)
+                log.warning("shard %d refused our shared-memory segment (%s): using TCP",
+                            shard, rep["reason"])
 
     def connect(self) -> int:
         """HELLO to every shard. Returns the clock to resume at (0 for a new worker).
@@ -263,6 +282,7 @@ class PSClient:
                      self.worker, backoff)
             time.sleep(backoff)  # backoff before a retry, not synchronisation
             backoff = min(2.0, backoff * 2)
+        self._prove_shm(range(len(self.channels)))
         for index, hello in enumerate(replies):
             shard = hello.get("shard")
             if shard is not None and shard != index:
