@@ -164,3 +164,32 @@ def test_a_peer_naming_another_jobs_segments_is_refused_and_reads_none_of_them(
             mine.bye()
         stats = server_stats([b])[0]["counters"]
     assert stats["error_forbidden"] == 3 and stats["shm_peers"] == 2
+
+
+def test_a_worker_proves_its_segment_again_to_a_restarted_shard(tmp_path, monkeypatch):
+    """A shard that restarted knows no segment: the worker's next push through
+    shared memory is "not registered", its re-HELLO is challenged and proven
+    anew, and it trains on through the new shard's board."""
+    monkeypatch.setenv(shm.ENV, "1")
+    params = {k: v.clone() for k, v in SECRET.items()}
+    with _cluster(tmp_path, mode="async", heartbeat_timeout=60) as cluster:
+        (a,) = cluster.start_servers()
+        with PSClient([a], PLAN, 0, timeout=30, heartbeat_interval=0) as client:
+            client.connect()
+            client.initialize(params)
+            versions = client.pull(params).versions
+            link = client.channels[0].shm
+            assert link is not None and link.active and link.board is not None
+            before = link.board.seg.name
+            old = cluster.servers[0].popen
+            old.kill()
+            old.wait(10)
+            cluster._restart_server(0)  # same address, no checkpoint: empty
+            grad = {k: torch.ones_like(v) for k, v in params.items()}
+            pushed, pulled = client.push_pull(grad, versions, 1, 0, params)
+            assert pushed.accepted and pulled.versions == (1,)
+            assert link.active and link.board is not None and link.board.seg.name != before
+            assert params["w"].isfinite().all()
+            client.bye()
+            stats = server_stats([a])[0]["counters"]
+    assert stats["shm_peers"] == 1 and stats["shm_pulls"] >= 1 and "error_forbidden" not in stats
