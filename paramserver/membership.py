@@ -178,6 +178,13 @@ class Membership:
         state.deaths += 1
         self.pulls.drop(state.worker)
 
+    def holding(self, expected: int) -> list[int]:
+        """The workers the job still waits for here: each id in ``0 .. expected-1`` that
+        never said HELLO, and every live one. Empty once each has said BYE or died, as
+        this shard saw it over its own (under CURVE, authenticated) connections."""
+        return sorted({w for w in range(expected) if w not in self.workers}
+                      | {w.worker for w in self.live()})
+
     def live(self) -> list[WorkerState]:
         """The live set: workers neither dead nor finished."""
         return [w for w in self.workers.values() if w.live and not w.finished]

@@ -20,6 +20,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -124,6 +125,10 @@ class ShardServer(PeerOps):
         # critical path of a round trip ends at the reply); before the next message
         self._after_reply: list[Callable[[], None]] = []
         self.exit_code = 0
+        # set (any thread) when the rendezvous store says every worker is done (_job_over)
+        self.job_done = threading.Event()
+        self._secured = curve is not None
+        self._hint_held: list[int] | None = None
         if config.plan is not None:
             self._adopt_plan(ShardPlan.from_description(config.plan))
         if config.resume:
@@ -155,6 +160,9 @@ class ShardServer(PeerOps):
                     last_expire = now
                     self._periodic(now)
                 self._act_on_alarms()  # a death may have closed a sync round
+                if self.job_done.is_set() and self._job_over():
+                    log.info("shard %d: every worker is done; stopping", self.config.shard)
+                    self._running = False
                 try:
                     self.observer.tick(now)
                 except Exception as exc:  # metrics must not take the shard down either
@@ -389,6 +397,22 @@ class ShardServer(PeerOps):
             self._told.add(worker)
         raise ProtocolError(ErrorCode.STOPPED,
                             f"the divergence watchdog stopped training: {self.diverged.message}")
+
+    def _job_over(self) -> bool:
+        """Act on :attr:`job_done`? Without CURVE yes (the store is as trusted as the
+        wire); with it only once every expected worker said BYE over its key or died here:
+        the store is not authenticated, and a hostile client of it must not stop us."""
+        if not self._secured:
+            return True
+        expected = self.config.expected_workers
+        holding = self.core.holding(expected) if self.core else list(range(expected))
+        if holding and holding != self._hint_held:
+            self._hint_held = holding  # warn once per change, not every tick
+            log.warning("shard %d: the rendezvous store says every worker is done, but "
+                        "worker(s) %s did not say BYE here; serving on until they do (or an "
+                        "admin SHUTDOWN, or SIGTERM)", self.config.shard,
+                        ", ".join(map(str, holding)))
+        return not holding
 
     def _all_told(self) -> bool:
         if self.core is None:
@@ -630,15 +654,19 @@ def _ready(on_ready: Callable[..., None], address: str, metrics_port: int | None
         on_ready(address)
 
 
-def run_server(config: ServerConfig, on_ready: Callable[..., None] | None = None) -> int:
+def run_server(config: ServerConfig, on_ready: Callable[..., None] | None = None,
+               job_done: threading.Event | None = None) -> int:
     """Run one shard until SHUTDOWN, SIGTERM or SIGINT, or until the watchdog stops it.
 
     ``on_ready`` is called once the shard listens, with its address, and with its
     metrics port (None without one) as well if it takes a second argument.
+    ``job_done``: set by another thread when the job says every worker is done.
 
     Returns the process exit code: 0, or :data:`DIVERGED_EXIT_CODE`.
     """
     server = ShardServer(config)
+    if job_done is not None:
+        server.job_done = job_done
     _own_process(server)
     server.serve_forever(on_ready)
     return server.exit_code

@@ -23,7 +23,11 @@ step's node list. Keys (all under ``paramserver/``):
 ``finished``
     each server waits for this key and then stops as if it got SIGTERM. So the
     servers of a run end when the last worker ends, and the launcher sees
-    every rank exit.
+    every rank exit. The store is not authenticated: under CURVE a server takes
+    this key only as a hint, and stops once every worker has said BYE to it (over
+    its key) or died; a worker trusts the ``server/<i>`` addresses only as far as
+    the CURVE handshake with the server key it holds, and the shard number the
+    server then gives, confirm them.
 ``left`` and ``left/<rank>``
     every process checks out before it exits; the process that hosts the
     store (rank 0) waits, for a bounded time, until all have, so no rank loses
@@ -37,7 +41,6 @@ import logging
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import threading
@@ -457,14 +460,20 @@ def run_server_rank(config: ServerConfig, rdzv: Rendezvous,
                     on_ready: Callable[[str], None] | None = None) -> int:
     """Serve one shard: publish its address, stop when the last worker is done.
 
+    The store's ``finished`` (or losing the store) only tells the shard the job is
+    over: under CURVE anyone who reaches the store can set it, so a CURVE shard stops
+    once its own authenticated records agree (every worker said BYE or died; see
+    ``ShardServer._job_over``), and serves on otherwise.
+
     Returns :func:`~paramserver.server.run_server`'s exit code."""
     stopping = threading.Event()
+    job_done = threading.Event()
 
     def watch() -> None:
         rdzv.wait_finished(stopping)  # the last worker is done, or the store is gone
         if not stopping.is_set():
-            log.info("shard %d: every worker is done; stopping", config.shard)
-            os.kill(os.getpid(), signal.SIGTERM)  # run_server's handler ends the loop
+            log.info("shard %d: the rendezvous store says every worker is done", config.shard)
+            job_done.set()
 
     def ready(address: str) -> None:
         rdzv.publish_server(config.shard, address)
@@ -473,7 +482,7 @@ def run_server_rank(config: ServerConfig, rdzv: Rendezvous,
             on_ready(address)
 
     try:
-        return run_server(config, ready)
+        return run_server(config, ready, job_done)
     finally:
         stopping.set()
         rdzv.leave()
