@@ -68,6 +68,7 @@ _EXPORTS: dict[str, str] = {
     "available_tasks": "paramserver.workers.tasks",
     "WorkerConfig": "paramserver.workers.worker",
     "DistributedOptimizer": "paramserver.workers.optimizer",
+    "DistributedSampler": "paramserver.workers.optimizer",
     "ShardedEmbedding": "paramserver.workers.embedding",
     "ShardedEmbeddingBag": "paramserver.workers.embedding",
     "StepOutcome": "paramserver.workers.optimizer",
@@ -93,6 +94,7 @@ __all__ = [
     "ConfigError",
     "Decision",
     "DistributedOptimizer",
+    "DistributedSampler",
     "DuplicateWorkerError",
     "EpochBatches",
     "ErrorCode",
@@ -198,6 +200,10 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ lo
     from paramserver.workers.experiments.spec import ExperimentSpec, load_spec
     from paramserver.workers.launch.cluster import ClusterSpec, LocalCluster, run_cluster
     from paramserver.workers.launch.virtual import SimSpec, run_simulation
-    from paramserver.workers.optimizer import DistributedOptimizer, StepOutcome
+    from paramserver.workers.optimizer import (
+        DistributedOptimizer,
+        DistributedSampler,
+        StepOutcome,
+    )
     from paramserver.workers.tasks import EpochBatches, Task, available_tasks, register_task
     from paramserver.workers.worker import WorkerConfig, run_worker

@@ -135,6 +135,7 @@ class PSClient:
                               f"{barrier_timeout}")
         self.barrier_timeout = barrier_timeout
         self._params: Mapping[str, torch.Tensor] | None = None
+        self.initialized = False  # every shard held weights at connect()
         self.incarnation = uuid.uuid4().hex
         # a worker on a shard's host moves tensors through shared memory if the
         # shard agrees at HELLO (paramserver/shm.py); anything else goes over TCP
@@ -290,6 +291,8 @@ class PSClient:
                                   "give the addresses in shard order")
         if self._heartbeat is not None and not self._heartbeat.is_alive():
             self._heartbeat.start()
+        # every shard holds weights already (a rejoin, a resumed run): nobody seeds them
+        self.initialized = all(bool(r.get("initialized")) for r in replies)
         return max(r["clock"] for r in replies)
 
     def initialize(self, params: Mapping[str, torch.Tensor]) -> bool:

@@ -46,7 +46,8 @@ from paramserver.workers.client import PART_BYTES, PSClient, PullResult, PushRes
 from paramserver.workers.embedding import SparseClient, sparse_modules
 from paramserver.workers.overlap import BucketHooks
 
-__all__ = ["DistributedOptimizer", "StepOutcome", "read_plan", "servers_from_env"]
+__all__ = ["DistributedOptimizer", "DistributedSampler", "StepOutcome", "read_plan",
+           "servers_from_env"]
 
 log = logging.getLogger(__name__)
 
@@ -137,9 +138,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
       dropped on purpose, for tests) are the client's options, as for
       ``paramserver worker``.
 
-    Construction registers with every shard and agrees on the plan; the first
-    worker seeds the servers' weights and every rank then pulls them, so all
-    ranks start from the same weights whatever their local initialization.
+    Construction registers with every shard and agrees on the plan. Shards without
+    weights are seeded by the offering rank at its first ``step()`` (:meth:`seed`), from
+    its weights as they are then, so a snapshot loaded after construction is what
+    training resumes from; the other ranks wait for those weights at construction.
+    Shards that hold weights already (a rejoining worker, a resumed run) keep them, and
+    every rank pulls them at construction. So all ranks start from the same weights
+    whatever their local initialization.
     """
 
     def __init__(
@@ -217,11 +222,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if offer and pretrained and self.sparse is not None:
             # before the dense INIT: ranks that wait for the weights then find the rows in
             self.sparse.seed(pretrained, part_bytes or PART_BYTES)
-        self.seeded = self.client.initialize(self.params) if offer else False
-        with torch.no_grad():
-            pulled = self.client.pull(self.params, self.clock, wait_init=not offer)
-        self.versions = pulled.versions
-        self.clock = max(self.clock, pulled.clock)
+        self.seeded = False
+        self.versions: tuple[int, ...] = tuple(0 for _ in self.servers)
+        # servers without weights are seeded from this rank's weights as they are at its
+        # first step (or seed(), pull(), close()), not as they are now: a script that
+        # loads a snapshot into the model after building its optimizer (the PyTorch DDP
+        # tutorial's order) resumes from the snapshot. Servers that hold weights already
+        # (a rejoin, a resumed run) are never seeded over: every rank pulls theirs now.
+        self._seed_pending = offer and not self.client.initialized
+        if not self._seed_pending:
+            self._pull_start(wait_init=not offer)
         self.last: StepOutcome | None = None  # the outcome of the latest step()
         if self._own_events:
             self._events.write("worker_start", worker=self.rank, clock=self.clock,
@@ -250,8 +260,38 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._num_samples = int(num_samples)
         self._loss = None if loss is None else float(loss)
 
+    def seed(self) -> bool:
+        """Offer this rank's weights, as they are now, to the shards that have none (the
+        first offer wins), then pull what the shards hold; True if this rank seeded one.
+        Runs at the first :meth:`step` by itself; call it to seed earlier. Without a
+        pending seed (the shards had weights, or this rank waits for them) it does
+        nothing."""
+        return self._seed(pull=True)
+
+    def _seed(self, pull: bool) -> bool:
+        if self._seed_pending:
+            self._check_open()
+            self._seed_pending = False
+            self.seeded = self.client.initialize(self.params)
+            # the winning offer's weights, should another rank's have won (the shards
+            # also note what this worker read); `into` a copy where they must not change
+            self._pull_start(wait_init=False, into=None if pull else {
+                n: p.detach().clone() for n, p in self.params.items()})
+        return self.seeded
+
+    def _pull_start(self, wait_init: bool,
+                    into: Mapping[str, torch.Tensor] | None = None) -> None:
+        with torch.no_grad():
+            pulled = self.client.pull(self.params if into is None else into, self.clock,
+                                      wait_init=wait_init)
+        self.versions = pulled.versions
+        self.clock = max(self.clock, pulled.clock)
+
     def _open_stream(self) -> PushStream:
         assert self._buckets is not None
+        # before the first bucket leaves; inside backward the parameters must not change
+        # (autograd may still need them): the step's own pull brings the weights
+        self._seed(pull=False)
         stream = self.client.push_stream(self._buckets.buckets, self.versions,
                                          self._num_samples, self.clock, prefetch=True)
         stream.loss = self._loss  # every part carries it
@@ -268,6 +308,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         travels with the push for the servers' watchdog; ``log`` adds fields to the
         step's event record. Returns the closure's loss; the outcome is :attr:`last`."""
         self._check_open()
+        self.seed()  # before this step's gradients go: from the weights they were taken at
         result = None
         if closure is not None:
             with torch.enable_grad():
@@ -335,6 +376,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Fetch the servers' current weights into the parameters (e.g. to evaluate
         the latest model); returns the versions. Clocks do not move."""
         self._check_open()
+        self.seed()
         with torch.no_grad():
             pulled = self.client.pull(self.params, self.clock)
         self.versions = pulled.versions
@@ -364,6 +406,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Say goodbye to every shard (this worker is done) and close the sockets."""
         if self._closed:
             return
+        self.seed()  # the ranks waiting for this one's weights must not wait forever
         self._closed = True
         atexit.unregister(self._at_exit)
         if self._buckets is not None:
@@ -416,6 +459,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.close()
         else:  # leaving on an exception: this worker failed, it is not done
             self._abandon()
+
+
+class DistributedSampler(torch.utils.data.distributed.DistributedSampler):
+    """torch's ``DistributedSampler`` for the ranks of a paramserver run, which have no
+    process group: ``num_replicas`` and ``rank`` default to ``WORLD_SIZE`` and ``RANK``
+    (``paramserver launch -- COMMAND`` and ``paramserver run -- COMMAND`` set them, and
+    so does torchrun) instead of raising "Default process group has not been
+    initialized". With a process group, torch's own defaults apply. The rest
+    (``shuffle``, ``seed``, ``drop_last``, ``set_epoch``) is torch's."""
+
+    def __init__(self, dataset: Any, num_replicas: int | None = None,
+                 rank: int | None = None, shuffle: bool = True, seed: int = 0,
+                 drop_last: bool = False) -> None:
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            num_replicas = _int_from_env(num_replicas, ("WORLD_SIZE",), 1)
+            rank = _int_from_env(rank, ("RANK",), 0)
+        super().__init__(dataset, num_replicas, rank, shuffle, seed, drop_last)
 
 
 def read_plan(path: str | os.PathLike[str]) -> ShardPlan | None:
