@@ -269,6 +269,13 @@ class ServerConfig(ConfigRecord):
     heartbeat_timeout: float = option(10.0, min=0, min_open=True, metavar="SECONDS",
                                       help="A worker silent this long leaves the live set: no "
                                            "sync round or SSP bound waits for it.")
+    #: see CoreConfig.round_timeout and Membership.leave_out
+    round_timeout: float | None = option(
+        None, min=0, metavar="SECONDS",
+        help="A live worker that pushes nothing for this long while an open sync round or a "
+             "closed SSP gate waits on it is left out, as a straggler, until it pushes again "
+             "(0: wait forever) [default: the larger of 3 heartbeat timeouts and 10 times "
+             "the usual time between a worker's pushes].")
     check_finite: bool = option(True, help="Reject gradients that contain NaN or Inf.")
     shm_release: bool | None = option(
         None, help="Unmap each used part of a same-host worker's shared-memory gradient "
@@ -342,7 +349,7 @@ class ServerConfig(ConfigRecord):
     #: worker table size (None: max(64, 4 * expected_workers)); see ShardCore._evict
     max_workers: int | None = option(None, min=1, max=65536, metavar="N",
                                      help="Worker ids a shard keeps track of; a new one past N "
-                                          "evicts one that never pulled or pushed, or died long "
+                                          "evicts one that only said HELLO, or died long "
                                           "ago, else is refused [default: max(64, 4 x "
                                           "--expected-workers)].")
 
@@ -393,6 +400,7 @@ class ServerConfig(ConfigRecord):
             scheduler_args=dict(self.scheduler_args),
             expected_workers=self.expected_workers,
             heartbeat_timeout=self.heartbeat_timeout,
+            round_timeout=self.round_timeout,
             check_finite=self.check_finite,
             max_workers=self.max_workers,
             lr_scaling=self.lr_scaling,

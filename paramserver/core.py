@@ -114,6 +114,7 @@ class ShardCore(Membership):
         self.started = False  # the start barrier: expected_workers registered once
         self.workers: dict[int, WorkerState] = {}
         self.workers_evicted = 0  # entries dropped from a full table (see _evict)
+        self._init_membership()  # stragglers left out, the usual step (membership.py)
         self.pulls = PullQueue()  # parked pulls, answered when their gate opens
         # sync: the open round (its buffer, contributors and pushes arriving in parts)
         self.round = SyncRound(self.params, self.layout)
@@ -161,6 +162,7 @@ class ShardCore(Membership):
         part (or one sent again).
         """
         state = self._known(worker)  # only a registered worker may seed (and own INIT)
+        state.spoke = True  # a worker, not a bare HELLO: never evicted for a newcomer
         if not state.live:
             raise ProtocolError(ErrorCode.NOT_REGISTERED,
                                 f"worker {worker} is not in the live set; say HELLO")
@@ -398,7 +400,10 @@ class ShardCore(Membership):
             self.heartbeat(worker, now)
         state.last_seen = now
         if stream is None:
+            self.pushed(state, now)  # its pace; back in, if it was left out
             stream = self._open(state, push_id, clock, read_version, num_samples, parts)
+            if stream.decision is not None and self.mode.mode == "sync":
+                self.round.begin(now)  # the round's deadline runs from its first push
         stream.received.add(part)
         stream.keys.update(grads)
         if stream.measure is not None:
@@ -565,7 +570,7 @@ class ShardCore(Membership):
         """Close the open sync round when at most ``backup_workers`` live ones are missing."""
         if self.mode.mode != "sync" or not self.round.members:
             return False
-        missing = [w for w in self.live() if w.worker not in self.round.members]
+        missing = [w for w in self.pacing() if w.worker not in self.round.members]
         if len(missing) > self.mode.backup_workers:
             return False
         if self.round.in_flight():

@@ -15,6 +15,7 @@ boundary with ``raise ... from exc`` so callers need catch only these::
     │   ├── IncompatiblePlanError plan_mismatch
     │   ├── NotRegisteredError   not_registered
     │   ├── DuplicateWorkerError duplicate_worker
+    │   ├── WorkerInUseError     worker_in_use
     │   ├── NotInitializedError  not_initialized
     │   ├── FutureVersionError   future_version
     │   ├── NonFiniteError       nonfinite
@@ -73,6 +74,7 @@ __all__ = [
     "TooManyWorkersError",
     "TrainingStoppedError",
     "TransportError",
+    "WorkerInUseError",
 ]
 
 
@@ -92,7 +94,8 @@ class ErrorCode(StrEnum):
     PROTOCOL_VERSION = "protocol_version"
     PLAN_MISMATCH = "plan_mismatch"
     NOT_REGISTERED = "not_registered"
-    DUPLICATE_WORKER = "duplicate_worker"
+    DUPLICATE_WORKER = "duplicate_worker"  # another process holds the id: retry, it may be dead
+    WORKER_IN_USE = "worker_in_use"  # ... and it is live: a second process, final
     NOT_INITIALIZED = "not_initialized"
     UNKNOWN_KEY = "unknown_key"
     FUTURE_VERSION = "future_version"
@@ -200,6 +203,14 @@ class DuplicateWorkerError(RemoteError):
     codes = (ErrorCode.DUPLICATE_WORKER,)
 
 
+class WorkerInUseError(RemoteError):
+    """A live process holds this worker id (rank): this one is a duplicate, not a
+    restart; final (a restarted process gets DuplicateWorkerError until its old one
+    goes quiet)."""
+
+    codes = (ErrorCode.WORKER_IN_USE,)
+
+
 class NotInitializedError(RemoteError):
     """The shard has no weights yet: no worker has sent INIT."""
 
@@ -252,7 +263,8 @@ class RemoteInternalError(RemoteError):
 REMOTE_ERRORS: Mapping[ErrorCode, type[RemoteError]] = MappingProxyType({
     code: cls
     for cls in (BadRequestError, ProtocolVersionError, IncompatiblePlanError,
-                NotRegisteredError, DuplicateWorkerError, NotInitializedError,
+                NotRegisteredError, DuplicateWorkerError, WorkerInUseError,
+                NotInitializedError,
                 FutureVersionError, NonFiniteError, TrainingStoppedError,
                 TooManyWorkersError, BusyError, ForbiddenError, RemoteInternalError)
     for code in cls.codes

@@ -83,14 +83,16 @@ class PeerOps:
         clock = 0
         if role == "worker":
             evicted = self.core.workers_evicted
-            state = self.core.register(msg["worker"], msg["incarnation"], time.monotonic())
+            # as the worker says: shown by `status`; a host name is at most 253 characters
+            peer = {"host": str(msg.get("host", ""))[:253] or None, "pid": msg.get("pid")}
+            origin = f"pid {peer['pid']} on {peer['host']}" if peer["host"] else ""
+            state = self.core.register(msg["worker"], msg["incarnation"], time.monotonic(),
+                                       origin=origin[:300])
             clock = state.clock
             if self.core.workers_evicted != evicted:
                 self._forget_gone()
             if self.sparse is not None:
                 self.sparse.forget(msg["worker"], restart=True)
-            # as the worker says: shown by `status`; a host name is at most 253 characters
-            peer = {"host": str(msg.get("host", ""))[:253] or None, "pid": msg.get("pid")}
             self.peers[msg["worker"]] = peer
             self.events.write("worker_hello", shard=self.config.shard, worker=msg["worker"],
                               clock=clock, **peer)

@@ -111,6 +111,11 @@ class CoreConfig:
     #: asynchrony-aware momentum (stepsize.MomentumCompensation): the total momentum
     #: to keep, explicit plus the implicit momentum of the observed staleness (None: off)
     momentum_target: float | None = None
+    #: how long an open sync round or a closed SSP gate waits on a live member that
+    #: does not push before leaving it out, as a straggler (0: forever; None: the
+    #: larger of ROUND_TIMEOUT_BEATS heartbeat timeouts and ROUND_TIMEOUT_STEPS of
+    #: the usual time between a worker's pushes; see Membership.leave_out)
+    round_timeout: float | None = None
 
     @property
     def worker_limit(self) -> int:
@@ -130,6 +135,8 @@ class CoreConfig:
             raise ConfigError(f"expected workers must be >= 1, got {self.expected_workers}")
         if not self.heartbeat_timeout > 0:
             raise ConfigError(f"heartbeat timeout must be > 0, got {self.heartbeat_timeout}")
+        if self.round_timeout is not None and not self.round_timeout >= 0:
+            raise ConfigError(f"round timeout must be >= 0 (0: never), got {self.round_timeout}")
         if self.mode.backup_workers >= self.expected_workers:
             raise ConfigError(
                 f"backup workers ({self.mode.backup_workers}) must be fewer than the "
@@ -165,11 +172,23 @@ class WorkerState:
     #: whether last_push_id came from this process's own pushes; until then any push
     #: id is taken (a restarted shard, a fresh registration), afterwards only a window
     anchored: bool = False
+    #: it said something after HELLO (INIT, a heartbeat): a worker, not a bare HELLO
+    spoke: bool = False
+    #: when it last pushed (or registered): how long a round or gate has waited on it
+    pushed_at: float = -1.0
+    #: who runs it, as its HELLO said ("pid 12 on host"): named when its id is refused
+    origin: str = ""
+    #: other incarnations refused its id while it was live: incarnation -> first refusal
+    contenders: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.pushed_at < 0:
+            self.pushed_at = self.last_seen
 
     @property
     def active(self) -> bool:
-        """It did something beyond HELLO (pulled or pushed)."""
-        return self.pulls > 0 or self.pushes > 0
+        """It did something beyond HELLO (INIT, a heartbeat, a pull or a push)."""
+        return self.spoke or self.pulls > 0 or self.pushes > 0
 
     def restart(self, incarnation: str, now: float) -> None:
         """A new process took over this worker id: live, nothing pushed yet (its
@@ -180,7 +199,9 @@ class WorkerState:
         self.anchored = False
         self.last_outcome = None
         self.live, self.finished = True, False
-        self.last_seen = now
+        self.last_seen = self.pushed_at = now
+        self.spoke = False
+        self.contenders.clear()
 
     def opened(self, clock: int, staleness: int) -> None:
         """A new push (not a duplicate) at ``clock``, read ``staleness`` versions ago."""

@@ -75,6 +75,9 @@ class SyncRound:
         self.agg_flats: dict[torch.dtype, torch.Tensor] = {}
         self._made: dict[str, torch.Tensor] | None = None  # the views over agg_flats
         self.members: set[int] = set()  # workers that contributed to the open round
+        # when the open round's first push came (None: no round open): its deadline
+        # runs from then (Membership.leave_out)
+        self.opened: float | None = None
         self.samples = 0  # samples of the accepted gradients in the buffer
         self.accepted = 0  # workers whose accepted gradient is in the buffer
         self.agg: dict[str, torch.Tensor] = {}
@@ -86,6 +89,12 @@ class SyncRound:
         self.voided = 0  # rounds closed void
         self.in_place = 0  # rounds stepped straight from a lone contributor's tensors
         self.dropped = 0  # rounds closed with nothing to apply
+
+    def begin(self, now: float) -> None:
+        """A push that will count in a round came at ``now``: the round is open (from
+        the first such push since nothing was in it: one given up leaves nothing)."""
+        if self.opened is None or not (self.members or self.streams):
+            self.opened = now
 
     def in_flight(self) -> bool:
         """Whether a push in the making has parts in the buffer already."""
@@ -208,6 +217,7 @@ class SyncRound:
             raise
         finally:
             self.members.clear()
+            self.opened = None
             self.held.clear()
             self.samples = 0
             self.accepted = 0

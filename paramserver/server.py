@@ -196,6 +196,10 @@ class ShardServer(PeerOps):
                 self.joined.drop(worker)
                 self.events.write("worker_dead", shard=self.config.shard, worker=worker)
                 self.observer.left(self.core, worker)
+            # live members a round or SSP gate waited on past its deadline, silent
+            for worker in self.core.leave_out(now):
+                self.events.write("worker_left_out", shard=self.config.shard, worker=worker,
+                                  deadline=self.core.round_deadline())
         except Exception as exc:
             self._periodic_failed("expire", exc)
         try:

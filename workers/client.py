@@ -262,27 +262,39 @@ class PSClient:
                 log.warning("shard %d refused our shared-memory segment (%s): using TCP",
                             shard, rep["reason"])
 
-    def connect(self) -> int:
-        """HELLO to every shard. Returns the clock to resume at (0 for a new worker).
-
-        A restarted worker may find its previous incarnation still registered;
-        the shards take it over once that one misses its heartbeats, so the
-        HELLO is repeated with backoff until then (within ``timeout``).
-        """
-        deadline = time.monotonic() + self.timeout
+    def _hello_until_taken(self, shards: list[int], deadline: float) -> list[Message]:
+        """HELLO to ``shards``, repeated with backoff while one says another process
+        holds our id (``duplicate_worker``: it may be our dead predecessor)."""
         backoff = 0.1
         while True:
-            replies = self._call([self._hello() for _ in self.channels], "HELLO",
+            replies = self._call([self._hello() for _ in shards], "HELLO", shards,
                                  recover=False, soft=(DuplicateWorkerError,))
             refused = [r for r in replies if r.op is Op.ERROR]
             if not refused:
-                break
+                return replies
             if time.monotonic() + backoff > deadline:
                 raise RemoteError.from_reply("shards", refused[0]["code"], refused[0]["reason"])
             log.info("worker %d still registered by its previous process; retrying in %.1fs",
                      self.worker, backoff)
             time.sleep(backoff)  # backoff before a retry, not synchronisation
             backoff = min(2.0, backoff * 2)
+
+    def connect(self) -> int:
+        """HELLO to every shard. Returns the clock to resume at (0 for a new worker).
+
+        A restarted worker may find its previous incarnation still registered;
+        the shards take it over once that one misses its heartbeats, so the
+        HELLO is repeated with backoff until then (within ``timeout``). A second
+        process with a live worker's id is refused for good
+        (:class:`WorkerInUseError`, ``rank N is already in use by a live worker``).
+        Shard 0 is asked first, alone: of two processes with one id started at
+        once, the one it takes is the one every shard takes.
+        """
+        deadline = time.monotonic() + self.timeout
+        replies: list[Message] = []
+        for shards in ([0], list(range(1, len(self.channels)))):
+            if shards:
+                replies += self._hello_until_taken(shards, deadline)
         self._prove_shm(range(len(self.channels)))
         for index, hello in enumerate(replies):
             shard = hello.get("shard")

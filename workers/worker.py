@@ -23,7 +23,7 @@ import torch
 
 from paramserver.config import ConfigRecord, check_bounds, option
 from paramserver.dtypes import GRAD_WIRE_DTYPES
-from paramserver.errors import ConfigError
+from paramserver.errors import ConfigError, TooManyWorkersError, WorkerInUseError
 from paramserver.events import EventLog, write_json
 from paramserver.proctitle import set_title
 from paramserver.sharding import ShardPlan
@@ -360,7 +360,11 @@ def main(argv: list[str] | None = None) -> None:
         format=f"%(asctime)s worker{config.rank} %(levelname)s %(name)s: %(message)s",
     )
     worker_title(config)
-    run_worker(config)
+    try:
+        run_worker(config)
+    except (WorkerInUseError, TooManyWorkersError) as exc:
+        # a shard will not take this worker: one line that says why, exit status 1
+        raise SystemExit(f"worker {config.rank}: {exc.reason}") from exc
 
 
 if __name__ == "__main__":
