@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from paramserver.checkpoint import CheckpointError
+from paramserver.checkpoint import CheckpointDirInUse, CheckpointError
 from paramserver.errors import TransportError
 from paramserver.server import ServerConfig, announce_ready, run_server
 
@@ -73,6 +73,8 @@ def server(ctx: click.Context, **opts: Any) -> None:
     try:
         code = run_server(config, ready_printer(config))
     except TransportError as exc:  # e.g. the port is in use
+        raise click.ClickException(f"shard {config.shard}: {exc}") from exc
+    except CheckpointDirInUse as exc:  # an earlier run's checkpoints: --resume or --fresh
         raise click.ClickException(f"shard {config.shard}: {exc}") from exc
     except CheckpointError as exc:  # --resume from a bad checkpoint: one line, no traceback
         raise click.ClickException(f"shard {config.shard}: cannot resume: {exc}") from exc

@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import re
+import stat
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -41,10 +42,14 @@ from .sparse import owned_rows
 __all__ = [
     "CHECKPOINT_FORMAT",
     "WRITE_STEPS",
+    "CheckpointDirInUse",
     "CheckpointError",
+    "earlier_run",
     "export_model",
     "inspect_checkpoint",
+    "latest_path",
     "load_shard",
+    "move_aside",
     "save_shard",
     "set_write_hook",
 ]
@@ -56,6 +61,11 @@ CHECKPOINT_FORMAT = 1
 
 class CheckpointError(ParamServerError):
     """A checkpoint is missing, incomplete or does not match this run."""
+
+
+class CheckpointDirInUse(CheckpointError):
+    """The checkpoint directory holds an earlier run of the shard, neither resumed nor
+    moved aside (``--fresh``)."""
 
 
 #: the steps of :func:`save_shard`, in the order they complete
@@ -188,21 +198,88 @@ def _latest(folder: Path) -> dict[str, Any]:
     return dict(latest)
 
 
+def latest_path(directory: str | Path, shard: int) -> Path:
+    """The latest checkpoint of one shard, as ``DIR/shardN/vNNNNNNNNNN`` (its manifest
+    is that with ``.json``): where errors about its contents point."""
+    folder = Path(directory) / f"shard{shard}"
+    return folder / _latest(folder)["name"]
+
+
+def earlier_run(directory: str | Path, shard: int) -> str | None:
+    """What an earlier run left of one shard's checkpoints in ``directory``, in words
+    ("version 120", "files without LATEST"); None: nothing."""
+    folder = Path(directory) / f"shard{shard}"
+    if not folder.is_dir() and not folder.is_symlink():
+        return None
+    try:
+        return f"version {_latest(folder)['version']}"
+    except CheckpointError:
+        pass
+    names = [p.name for p in folder.glob("v*") if _NAME.match(p.name.split(".", 1)[0])]
+    return f"{len(names)} checkpoint file(s) without a usable LATEST" if names else None
+
+
+def move_aside(directory: str | Path, shard: int) -> Path:
+    """Rename one shard's checkpoint folder to ``shardN.before-<time>`` (a name no
+    checkpoint reader takes for a shard) and return where it went."""
+    folder = Path(directory) / f"shard{shard}"
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+    target, n = folder.with_name(f"shard{shard}.before-{stamp}"), 0
+    while target.exists():
+        n += 1
+        target = folder.with_name(f"shard{shard}.before-{stamp}-{n}")
+    os.rename(folder, target)
+    _fsync_dir(folder.parent)
+    return target
+
+
+def _regular(path: Path) -> None:
+    """A checkpoint's files are plain files of its folder: a symlink could make a
+    resume read (and pruning delete) something else."""
+    try:
+        st = path.lstat()
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"{path} is missing") from exc
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointError(f"{path} is {'a symlink' if path.is_symlink() else 'not a file'}"
+                              "; a checkpoint's files must be plain files")
+
+
 def load_shard(directory: str | Path, shard: int
                ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The latest complete checkpoint of one shard: (tensors, manifest)."""
+    """The latest complete checkpoint of one shard: (tensors, manifest). Refused
+    (:class:`CheckpointError`) if a file is a symlink, or the manifest's format, name
+    or size of the tensors file is not what was written; what the tensors and fields
+    hold is checked against the shard when it loads them (paramserver/snapshot.py)."""
     folder = Path(directory) / f"shard{shard}"
+    if folder.is_symlink():
+        raise CheckpointError(f"{folder} is a symlink; a checkpoint's folder must not be")
+    _regular(folder / "LATEST")
     name = _latest(folder)["name"]
+    manifest, tensors_path = folder / f"{name}.json", folder / f"{name}.safetensors"
+    _regular(manifest)
+    _regular(tensors_path)
     try:
-        meta = json.loads((folder / f"{name}.json").read_text())
-        tensors = load_file(str(folder / f"{name}.safetensors"))
-    except Exception as exc:  # safetensors and json raise assorted types
-        raise CheckpointError(f"checkpoint {folder / name} is unreadable: {exc}") from exc
+        meta = json.loads(manifest.read_text())
+    except Exception as exc:  # json raises assorted types
+        raise CheckpointError(f"checkpoint {manifest} is unreadable: {exc}") from exc
     if not isinstance(meta, dict):
-        raise CheckpointError(f"{folder / name}.json is not a JSON object")
+        raise CheckpointError(f"{manifest} is not a JSON object")
     if meta.get("format") != CHECKPOINT_FORMAT:
-        raise CheckpointError(f"{folder / name}: format {meta.get('format')!r}, "
+        raise CheckpointError(f"{manifest}: field 'format': format {meta.get('format')!r}, "
                               f"this version reads {CHECKPOINT_FORMAT}")
+    if meta.get("tensors_file") != tensors_path.name:
+        raise CheckpointError(f"{manifest}: field 'tensors_file' is "
+                              f"{str(meta.get('tensors_file'))[:80]!r}, want {tensors_path.name!r}")
+    size = tensors_path.stat().st_size
+    if meta.get("tensors_bytes") != size:
+        raise CheckpointError(f"checkpoint {tensors_path} is unreadable: it holds {size} "
+                              f"bytes, field 'tensors_bytes' of {manifest.name} says "
+                              f"{str(meta.get('tensors_bytes'))[:40]}")
+    try:
+        tensors = load_file(str(tensors_path))
+    except Exception as exc:  # safetensors raises assorted types
+        raise CheckpointError(f"checkpoint {tensors_path} is unreadable: {exc}") from exc
     return tensors, meta
 
 

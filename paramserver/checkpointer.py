@@ -8,11 +8,19 @@ CHECKPOINT op (only at a place inside the configured directory: the server
 never writes where a message tells it to) and at shutdown. It also reads a
 shard's checkpoint back for ``--resume``, refusing one whose plan is unusable
 or another's.
+
+It never writes a checkpoint that ``--resume`` would refuse (weights or state
+not finite, anything :func:`paramserver.snapshot.check` refuses): the last
+good one stays LATEST, and pruning, which keeps LATEST, never removes the
+newest resumable checkpoint. At startup (:meth:`Checkpointer.claim`) a
+directory holding an earlier run of this shard is refused unless the server
+resumes it or was told ``--fresh`` (the old run is then moved aside).
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -20,7 +28,16 @@ from typing import Any
 
 import torch
 
-from .checkpoint import CheckpointError, load_shard, save_shard
+from . import snapshot
+from .checkpoint import (
+    CheckpointDirInUse,
+    CheckpointError,
+    earlier_run,
+    latest_path,
+    load_shard,
+    move_aside,
+    save_shard,
+)
 from .core import ShardCore
 from .errors import ConfigError, ErrorCode, ParamServerError, ProtocolError
 from .events import EventLog
@@ -61,6 +78,15 @@ class Checkpointer:
         if core is None or plan is None:
             return None
         tensors, meta = core.state_dict()
+        try:  # what resume would refuse is not written: the last good one stays
+            snapshot.check(core, tensors, meta)
+        except (ConfigError, ProtocolError) as exc:
+            why = exc.reason if isinstance(exc, ProtocolError) else str(exc)
+            self.events.write("checkpoint_refused", shard=self.shard, version=core.version,
+                              error=why[:300])
+            raise CheckpointError(f"shard {self.shard}: the checkpoint at version "
+                                  f"{core.version} was not written, resume would refuse it: "
+                                  f"{why}") from exc
         meta.update(plan=plan.describe(), plan_hash=plan.hash, **extra)
         if sparse is not None:
             rows, meta["sparse"] = sparse.state_dict()
@@ -115,13 +141,43 @@ class Checkpointer:
 
     def unusable(self, directory: str, exc: BaseException) -> CheckpointError:
         """The error for a checkpoint a core could not be built from: one sentence
-        naming the file."""
+        naming the file (and the field, where the check names one)."""
         what = exc.reason if isinstance(exc, ProtocolError) else str(exc)
         return CheckpointError(f"{self._where(directory)}: {type(exc).__name__}: {what}")
 
+    def claim(self, resume: str | None, fresh: bool) -> Path | None:
+        """Before the shard serves: refuse (:class:`CheckpointDirInUse`) a checkpoint
+        directory holding an earlier run of this shard, which the new run's
+        checkpoints would replace and prune, unless the shard resumes that very run
+        (``resume``) or ``fresh`` (the run is then moved aside: returns where)."""
+        if self.directory is None:
+            return None
+        earlier = earlier_run(self.directory, self.shard)
+        if earlier is None:
+            return None
+        if resume is not None and Path(resume).resolve() == Path(self.directory).resolve():
+            return None
+        folder = Path(self.directory) / f"shard{self.shard}"
+        if not fresh:
+            raise CheckpointDirInUse(
+                f"{folder} holds an earlier run's checkpoints ({earlier}); resume it with "
+                f"--resume {self.directory}, or start afresh with --fresh (moves them aside)")
+        moved = move_aside(self.directory, self.shard)
+        log.warning("shard %d: --fresh: moved the earlier run's checkpoints (%s) to %s",
+                    self.shard, earlier, moved)
+        self.events.write("checkpoints_moved", shard=self.shard, earlier=earlier,
+                          path=str(moved))
+        return moved
+
     def resumed(self, directory: str, version: int) -> None:
         self.last = (time.monotonic(), version)
+        # stderr, whatever the logging setup: an operator must see which state serves
+        print(f"resumed shard {self.shard} from version {version} ({directory})",
+              file=sys.stderr, flush=True)
         log.info("shard %d resumed from %s at version %d", self.shard, directory, version)
 
     def _where(self, directory: str) -> str:
-        return f"checkpoint of shard {self.shard} in {directory}"
+        try:
+            return f"checkpoint {latest_path(directory, self.shard)}.json"
+        except CheckpointError:
+            return f"checkpoint of shard {self.shard} in {directory}"

@@ -19,6 +19,7 @@ derived from that one declaration:
 from __future__ import annotations
 
 import dataclasses
+import os
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -322,6 +323,11 @@ class ServerConfig(ConfigRecord):
     resume: str | None = option(None, kind="dir", metavar="DIR",
                                 help="Restore the shard(s) from the checkpoint directory DIR "
                                      "first.")
+    #: a --checkpoint-dir holding an earlier run is refused unless resumed or this
+    fresh: bool = option(False, negatable=False,
+                         help="Start afresh even if --checkpoint-dir holds an earlier run's "
+                              "checkpoints of this shard: they are moved aside to "
+                              "shardN.before-TIME, not deleted.")
     metrics_port: int | None = option(None, min=0, max=65535, metavar="PORT", per_process=True,
                                       help="Serve Prometheus metrics on PORT (0: any free "
                                            "port, printed at start).")
@@ -364,6 +370,9 @@ class ServerConfig(ConfigRecord):
             raise ConfigError("checkpoint_every and checkpoint_seconds must be >= 0")
         if (self.checkpoint_every or self.checkpoint_seconds) and not self.checkpoint_dir:
             raise ConfigError("periodic checkpoints need a checkpoint directory")
+        if self.fresh and self.resume and self.checkpoint_dir and \
+                os.path.realpath(self.resume) == os.path.realpath(self.checkpoint_dir):
+            raise ConfigError("--fresh moves aside the run --resume would resume: give one")
         if self.curve_clients_dir and not self.curve_secret_key:
             raise ConfigError("curve_clients_dir needs curve_secret_key (the server's key pair)")
         if self.admin_keys and not self.curve_secret_key:

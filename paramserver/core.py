@@ -108,6 +108,8 @@ class ShardCore(Membership):
         # memory to sends in flight protects them here (copy-on-write)
         self.before_step: Callable[[], None] | None = None
         self.after_step: Callable[[], None] | None = None  # once the version counts it
+        # told of a step undone because it made the weights or optimizer state NaN or Inf
+        self.on_refused: Callable[[int], None] | None = None
         self.version = 0
         self.initialized = False
         self.seeding = Seeding()  # INIT in parts: who is seeding, which parts are in
@@ -561,8 +563,11 @@ class ShardCore(Membership):
             self.probe.push_complete(state.worker, stream.measure, grads)
         if not decision.accept:
             return PushOutcome(False, 0.0, decision.reason, info.staleness, self.version, False)
-        self._step(self._widen(self._rewrite(info, grads)), decision.weight,
-                   staleness=info.staleness)
+        if not self._step(self._widen(self._rewrite(info, grads)), decision.weight,
+                          staleness=info.staleness):
+            state.uncount(decision, "nonfinite_step")
+            return PushOutcome(False, 0.0, "nonfinite_step", info.staleness, self.version,
+                               False)
         return PushOutcome(True, decision.weight, decision.reason, info.staleness,
                            self.version, True)
 
@@ -590,18 +595,30 @@ class ShardCore(Membership):
 
     def _step(self, grads: Mapping[str, torch.Tensor], weight: float, contributors: int = 1,
               staleness: int = 0, divisor: float = 1.0,
-              ahead: Callable[[float], bool] | None = None) -> None:
+              ahead: Callable[[float], bool] | None = None) -> bool:
         """One optimizer step on ``grads / divisor``, the learning rate scaled by
         ``weight`` (and by the step-size rules, for a step averaging ``contributors``
-        gradients)."""
+        gradients). False: it would have made the weights or the optimizer's state
+        NaN or Inf and was undone (the version stays; ``on_refused`` is told)."""
         prior = 0 if self.mode.mode == "sync" else max(0, len(self.live()) - 1)
-        self.stepper.step(self.params, grads, weight, contributors=contributors,
-                          version=self.version, staleness=staleness, prior_staleness=prior,
-                          probe=self.probe, before_step=self.before_step, divisor=divisor,
-                          ahead=ahead)
+        if not self.stepper.step(self.params, grads, weight, contributors=contributors,
+                                 version=self.version, staleness=staleness,
+                                 prior_staleness=prior, probe=self.probe,
+                                 before_step=self.before_step, divisor=divisor, ahead=ahead):
+            refused = self.stepper.refused
+            if not refused & (refused - 1):  # at 1, 2, 4, ...: a hostile stream must not flood
+                log.warning("shard %d: a step at version %d would have made the weights or the "
+                            "optimizer's state NaN or Inf; undone (%d so far)",
+                            self.config.shard, self.version, refused)
+            if self.after_step is not None:  # the weights were written, and back: the
+                self.after_step()  # driver's hook closes what before_step opened
+            if self.on_refused is not None:
+                self.on_refused(self.version)
+            return False
         self.version += 1
         if self.after_step is not None:
             self.after_step()
+        return True
 
     # ------------------------------------------------------------------ observability
 

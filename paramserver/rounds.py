@@ -184,11 +184,12 @@ class SyncRound:
             return True
         return False
 
-    def close(self, step: Callable[[Mapping[str, torch.Tensor], float], None],
+    def close(self, step: Callable[[Mapping[str, torch.Tensor], float], bool],
               borrow: bool = False) -> bool:
         """Close the round: ``step(sums, divisor)`` on the buffer's sample-weighted sums
         and the sample count that makes them the mean (the step divides), unless the
-        round is void or holds no accepted gradient. True when it stepped.
+        round is void or holds no accepted gradient. True when it stepped (a step that
+        returns False was refused: the round is dropped).
 
         ``borrow``: the step only reads its sums, so a lone contributor's held
         tensors are stepped from as they are (divided by ``samples / factor``): no
@@ -203,12 +204,12 @@ class SyncRound:
             elif self.samples > 0:
                 lone = self._borrowed() if borrow else None
                 if lone is not None:
-                    step(lone[0], self.samples / lone[1])
-                    self.in_place += 1
+                    stepped = step(lone[0], self.samples / lone[1])
+                    self.in_place += stepped
                 else:
                     self.settle()
-                    step({key: self.agg[key] for key in self.params}, self.samples)
-                stepped = True
+                    stepped = step({key: self.agg[key] for key in self.params}, self.samples)
+                self.dropped += not stepped
             else:
                 self.dropped += 1
         except Exception:

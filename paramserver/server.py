@@ -31,7 +31,7 @@ import torch
 import zmq
 
 from .access import Access, is_loopback, load_grants
-from .checkpoint import CheckpointError
+from .checkpoint import CheckpointDirInUse, CheckpointError
 from .checkpointer import RESTORE_ERRORS, Checkpointer
 from .config import ServerConfig
 from .core import ShardCore, SliceSpec
@@ -46,7 +46,6 @@ from .peers import PeerOps
 from .probe import MeasureBudget
 from .proctitle import set_title
 from .protocol import Message, Op, decode, error_reply, reply
-from .report import fit
 from .sharding import ShardPlan
 from .shm import ShmHub, sweep, take_shm
 from .shm import enabled as shm_enabled
@@ -132,6 +131,8 @@ class ShardServer(PeerOps):
         self._hint_held: list[int] | None = None
         if config.plan is not None:
             self._adopt_plan(ShardPlan.from_description(config.plan))
+        # an earlier run's checkpoints are resumed, or moved aside (--fresh), never taken over
+        self.checkpoints.claim(config.resume, config.fresh)
         if config.resume:
             self._restore(config.resume)
 
@@ -172,7 +173,10 @@ class ShardServer(PeerOps):
                     self._running = False
             # a diverged shard must not overwrite good checkpoints with its state
             if self.config.checkpoint_dir and self.diverged is None:
-                self.save_checkpoint()
+                try:
+                    self.save_checkpoint()
+                except CheckpointError as exc:  # the last good checkpoint stays LATEST
+                    log.error("%s", exc)
         finally:
             self.observer.close()
             self.exporter.close()
@@ -354,6 +358,19 @@ class ShardServer(PeerOps):
         if self.shm is not None and self.core is not None:
             self.shm.after_change(self.core.version)
 
+    def _step_refused(self, version: int) -> None:
+        """The core undid a step that made the weights or optimizer state NaN or Inf:
+        counted, and an alarm (acted on as --on-divergence says) at 1, 2, 4, ..."""
+        self.counters["steps_refused"] += 1
+        count = self.counters["steps_refused"]
+        if count & (count - 1):
+            return
+        self.observer.raise_alarm(Alarm(
+            "nonfinite_weights", self.config.shard, None, {"steps_refused": count},
+            f"a step at version {version} would have made the weights or the optimizer's "
+            f"state NaN or Inf (finite gradients that overflow them); it was undone, the "
+            f"weights are as before ({count} refused so far)", version))
+
     def _answer_pulls(self, now: float, later: list[Callable[[], None]] | None = None) -> None:
         """Send the pull replies whose gates opened; ``later``: see Outbox.answer_pulls."""
         assert self.core is not None
@@ -375,9 +392,8 @@ class ShardServer(PeerOps):
         self.core.probe.defer = True  # measured after the reply: see _run_after_reply
 
     def _act_on_alarms(self) -> None:
-        """Carry out --on-divergence for alarms raised while handling a message: only
-        for the model's own state (Alarm.divergence), never for a push it refused."""
-        alarms = [a for a in self.observer.take_alarms() if a.divergence]
+        """Carry out --on-divergence for alarms raised while handling a message."""
+        alarms = self.observer.take_alarms()
         action = self.config.on_divergence
         if not alarms or action == "warn" or self.diverged is not None:
             return
@@ -387,7 +403,10 @@ class ShardServer(PeerOps):
         path = None
         if action == "checkpoint-and-stop":
             assert self.config.checkpoint_dir is not None
-            path = self.save_checkpoint(str(Path(self.config.checkpoint_dir) / "diverged"))
+            try:
+                path = self.save_checkpoint(str(Path(self.config.checkpoint_dir) / "diverged"))
+            except CheckpointError as exc:  # weights not finite: resume would refuse it
+                log.error("%s", exc)
         self.events.write("diverged", shard=self.config.shard, action=action,
                           signal=first.signal, worker=first.worker, message=first.message,
                           version=self.core.version if self.core else 0, checkpoint=path)
@@ -441,6 +460,7 @@ class ShardServer(PeerOps):
         self.core = core  # (not before the plan's tables proved trainable)
         self.core.before_step = self._before_mutation
         self.core.after_step = self._after_mutation
+        self.core.on_refused = self._step_refused
         self.core.ahead.busy = self.socket.pending  # step ahead only while idle
         self._observe_core()
         self.plan = plan
@@ -623,7 +643,7 @@ class ShardServer(PeerOps):
         else:
             base.update(mode=self.config.mode_spec().describe(), version=0, workers={},
                         initialized=False, policy=self.policy.describe())
-        return fit(base)  # bounded, so that the reply decodes (report.fit)
+        return base
 
 
 def _own_process(server: ShardServer) -> None:
@@ -698,6 +718,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     try:
         server = ShardServer(config)
+    except CheckpointDirInUse as exc:  # an earlier run there: resume it or --fresh
+        sys.exit(f"shard {config.shard}: {exc}")
     except CheckpointError as exc:  # one line naming the file, no traceback
         sys.exit(f"shard {config.shard}: cannot resume: {exc}")
     except TransportError as exc:  # a port in use, a bad key file or allow-list line

@@ -541,8 +541,10 @@ class LocalCluster:
         if cfg.checkpoint_dir:
             try:
                 load_shard(cfg.checkpoint_dir, shard)
-                cfg.resume = cfg.checkpoint_dir
+                cfg.resume, cfg.fresh = cfg.checkpoint_dir, False
             except CheckpointError as exc:
+                # what is there cannot be resumed: it is moved aside, not taken over
+                cfg.fresh = True
                 log.warning("server%d restarts empty: %s", shard, exc)
         old = self.servers[shard]
         if old.popen.stdout is not None:
