@@ -48,7 +48,9 @@ def _worker_cell(workers: dict[str, Any]) -> str:
 def _counts(workers: dict[str, Any]) -> tuple[int, int, int]:
     applied = sum(w["applied"] for w in workers.values())
     rejected = sum(sum(w["rejected"].values()) for w in workers.values())
-    stale = max((int(tau) for w in workers.values() for tau, n in w["staleness"].items() if n),
+    # exact where the shard says it; the histogram's keys are buckets above 15
+    stale = max((w.get("staleness_max", max((int(t) for t, n in w["staleness"].items() if n),
+                                            default=0)) for w in workers.values()),
                 default=0)
     return applied, rejected, stale
 

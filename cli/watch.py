@@ -29,11 +29,16 @@ def _num(value: Any, fmt: str = ".3g") -> str:
     return format(value, fmt)
 
 
-def _staleness(hist: Mapping[str, int]) -> tuple[float | None, int | None]:
-    """(mean, max) of a ``{tau: count}`` histogram."""
+def _staleness(r: Mapping[str, Any]) -> tuple[float | None, int | None]:
+    """(mean, max) staleness of a worker row: exact from the shards' sums and maxima,
+    else (older servers) from the ``{tau: count}`` histogram."""
+    hist: Mapping[str, int] = r["stale"]
     total = sum(hist.values())
     if not total:
         return None, None
+    if r["stale_exact"]:
+        return r["stale_sum"] / total, r["stale_max"]
+    # keys are exact values, or (bucketed, records.staleness_bucket) a bucket's lower bound
     return sum(int(t) * n for t, n in hist.items()) / total, max(int(t) for t in hist)
 
 
@@ -77,7 +82,8 @@ def _worker_rows(stats: Sequence[Mapping[str, Any]]) -> dict[int, dict[str, Any]
         observed = s.get("observed", {}).get("workers", {})
         for key, w in s.get("workers", {}).items():
             r = rows.setdefault(int(key), {"clock": 0, "lag": 0, "pushes": 0, "applied": 0,
-                                           "rejected": 0, "stale": {}, "grad_sq": 0.0,
+                                           "rejected": 0, "stale": {}, "stale_sum": 0,
+                                           "stale_max": 0, "stale_exact": True, "grad_sq": 0.0,
                                            "cosines": [], "loss": None, "wait": 0.0,
                                            "live": True, "weight": [], "where": set()})
             r["clock"] = max(r["clock"], w.get("clock", 0))
@@ -95,6 +101,11 @@ def _worker_rows(stats: Sequence[Mapping[str, Any]]) -> dict[int, dict[str, Any]
                 r["weight"].append(w.get("mean_weight", 1.0))
             for tau, n in w.get("staleness", {}).items():
                 r["stale"][tau] = r["stale"].get(tau, 0) + n
+            if "staleness_sum" in w:
+                r["stale_sum"] += w["staleness_sum"]
+                r["stale_max"] = max(r["stale_max"], w.get("staleness_max", 0))
+            else:
+                r["stale_exact"] = False
             o = observed.get(key, {})
             if o.get("grad_norm") is not None:
                 r["grad_sq"] += o["grad_norm"] ** 2
@@ -112,7 +123,7 @@ def worker_table(stats: Sequence[Mapping[str, Any]]) -> Table:
                 "rejected", "mean weight", "grad norm", "cosine", "loss", "waited s"):
         table.add_column(col, justify="left" if col == "host:pid" else "right")
     for worker, r in sorted(_worker_rows(stats).items()):
-        mean, high = _staleness(r["stale"])
+        mean, high = _staleness(r)
         cosine = sum(r["cosines"]) / len(r["cosines"]) if r["cosines"] else None
         weight = sum(r["weight"]) / len(r["weight"]) if r["weight"] else None
         # shards that disagree (one saw the worker before a restart) show both

@@ -133,8 +133,11 @@ class ShardObserver:
             gauges["paramserver_push_weight_mean", labels] = (
                 self._weights[worker] / self._accepted[worker])
         else:
+            # labelled as the worker's counts name it: a bounded set of reasons
+            state = core.workers.get(worker)
+            reason = str(outcome["reason"] or "rejected")
             self._add(("paramserver_pushes_rejected_total",
-                       (worker, outcome["reason"] or "rejected")))
+                       (worker, reason if state is None else state.reason_key(reason))))
         last = self._last.setdefault(worker, {})
         last["staleness"] = staleness
         if grad is not None:

@@ -26,8 +26,11 @@ from .staleness import Decision
 
 __all__ = [
     "DTYPES",
+    "MAX_REASONS",
     "MAX_WORKERS",
     "MODES",
+    "OTHER_REASONS",
+    "STALENESS_EXACT",
     "STATS_WORKERS",
     "BoundTotals",
     "CoreConfig",
@@ -41,6 +44,7 @@ __all__ = [
     "check_header",
     "check_tensors",
     "slice_table",
+    "staleness_bucket",
 ]
 
 Mode = Literal["sync", "async", "ssp"]
@@ -50,6 +54,18 @@ DTYPES = FLOAT_DTYPES
 
 MAX_WORKERS = 65536  # the largest worker table a shard may be configured for
 STATS_WORKERS = 512  # per-worker summaries in stats(); the rest are counted, not listed
+#: staleness values a worker's histogram keeps exactly; above, one bucket per power of
+#: two keyed by its lower bound ([16, 32), [32, 64), ...): at most 75 keys whatever was
+#: pushed (tau < 2**62), far below the 4,096 a decoder takes in a map (protocol.decode)
+STALENESS_EXACT = 16
+MAX_REASONS = 32  # rejection reasons a worker's counts name; the rest are OTHER_REASONS
+OTHER_REASONS = "other reasons"
+
+
+def staleness_bucket(tau: int) -> int:
+    """The histogram key of staleness ``tau``: itself below :data:`STALENESS_EXACT`,
+    else the largest power of two not above it."""
+    return tau if tau < STALENESS_EXACT else 1 << (tau.bit_length() - 1)
 
 
 @dataclass(frozen=True)
@@ -159,7 +175,9 @@ class WorkerState:
     rejected: Counter[str] = field(default_factory=Counter)
     downweighted: int = 0
     weight_sum: float = 0.0
-    staleness: Counter[int] = field(default_factory=Counter)
+    staleness: Counter[int] = field(default_factory=Counter)  # by staleness_bucket
+    staleness_max: int = 0  # exact, beside the bucketed histogram
+    staleness_sum: int = 0
     last_push_id: int = -1
     last_outcome: PushOutcome | None = None
     pulls: int = 0
@@ -207,12 +225,14 @@ class WorkerState:
         """A new push (not a duplicate) at ``clock``, read ``staleness`` versions ago."""
         self.clock = max(self.clock, clock + 1)
         self.pushes += 1
-        self.staleness[staleness] += 1
+        self.staleness[staleness_bucket(staleness)] += 1
+        self.staleness_max = max(self.staleness_max, staleness)
+        self.staleness_sum += staleness
 
     def count(self, decision: Decision) -> None:
         """Count the policy's ``decision`` on one of its pushes."""
         if not decision.accept:
-            self.rejected[decision.reason] += 1
+            self.rejected[self.reason_key(decision.reason)] += 1
         else:
             self.applied += 1
             self.weight_sum += decision.weight
@@ -228,8 +248,16 @@ class WorkerState:
             if decision.weight < 1.0:
                 self.downweighted -= 1
         else:
-            self.rejected[decision.reason] -= 1
-        self.rejected[reason] += 1
+            self.rejected[self.reason_key(decision.reason)] -= 1
+        self.rejected[self.reason_key(reason)] += 1
+
+    def reason_key(self, reason: str) -> str:
+        """Where a rejection for ``reason`` is counted: under its own name for the first
+        :data:`MAX_REASONS` reasons, then under :data:`OTHER_REASONS` (a policy may name
+        the staleness in its reason: one key per value would not stay bounded)."""
+        if reason in self.rejected or len(self.rejected) < MAX_REASONS:
+            return reason
+        return OTHER_REASONS
 
     def answered(self, waited: float) -> None:
         """One of its pulls was answered after ``waited`` seconds parked."""
@@ -249,6 +277,8 @@ class WorkerState:
             "downweighted": self.downweighted,
             "mean_weight": self.weight_sum / self.applied if self.applied else 0.0,
             "staleness": {str(k): v for k, v in sorted(self.staleness.items())},
+            "staleness_max": self.staleness_max,
+            "staleness_sum": self.staleness_sum,
             "pulls": self.pulls,
             "deferred_pulls": self.deferred_pulls,
             "wait_seconds": self.wait_seconds,
@@ -263,6 +293,7 @@ class WorkerState:
             "rejected": dict(self.rejected), "downweighted": self.downweighted,
             "weight_sum": self.weight_sum,
             "staleness": {str(k): v for k, v in self.staleness.items()},
+            "staleness_max": self.staleness_max, "staleness_sum": self.staleness_sum,
             "last_push_id": self.last_push_id, "pulls": self.pulls,
             "deferred_pulls": self.deferred_pulls, "wait_seconds": self.wait_seconds,
             "deaths": self.deaths,
@@ -274,9 +305,16 @@ class WorkerState:
         state = cls(worker, w["incarnation"], now, clock=w["clock"])
         state.live, state.finished = w["live"], w["finished"]
         state.pushes, state.applied = w["pushes"], w["applied"]
-        state.rejected = Counter(w["rejected"])
+        for reason, n in w["rejected"].items():
+            state.rejected[state.reason_key(reason)] += n
         state.downweighted, state.weight_sum = w["downweighted"], w["weight_sum"]
-        state.staleness = Counter({int(k): v for k, v in w["staleness"].items()})
+        # (bucketed again: a checkpoint from before the buckets kept every value)
+        state.staleness = Counter()
+        for k, v in w["staleness"].items():
+            state.staleness[staleness_bucket(int(k))] += v
+        state.staleness_max = w.get("staleness_max", max(map(int, w["staleness"]), default=0))
+        state.staleness_sum = w.get("staleness_sum",
+                                    sum(int(k) * v for k, v in w["staleness"].items()))
         state.last_push_id, state.pulls = w["last_push_id"], w["pulls"]
         state.deferred_pulls, state.wait_seconds = w["deferred_pulls"], w["wait_seconds"]
         state.deaths = w["deaths"]

@@ -46,6 +46,7 @@ from .peers import PeerOps
 from .probe import MeasureBudget
 from .proctitle import set_title
 from .protocol import Message, Op, decode, error_reply, reply
+from .report import fit
 from .sharding import ShardPlan
 from .shm import ShmHub, sweep, take_shm
 from .shm import enabled as shm_enabled
@@ -392,8 +393,9 @@ class ShardServer(PeerOps):
         self.core.probe.defer = True  # measured after the reply: see _run_after_reply
 
     def _act_on_alarms(self) -> None:
-        """Carry out --on-divergence for alarms raised while handling a message."""
-        alarms = self.observer.take_alarms()
+        """Carry out --on-divergence for alarms raised while handling a message: only
+        for the model's own state (Alarm.divergence), never for a push it refused."""
+        alarms = [a for a in self.observer.take_alarms() if a.divergence]
         action = self.config.on_divergence
         if not alarms or action == "warn" or self.diverged is not None:
             return
@@ -643,7 +645,7 @@ class ShardServer(PeerOps):
         else:
             base.update(mode=self.config.mode_spec().describe(), version=0, workers={},
                         initialized=False, policy=self.policy.describe())
-        return base
+        return fit(base)  # bounded, so that the reply decodes (report.fit)
 
 
 def _own_process(server: ShardServer) -> None:

@@ -45,6 +45,15 @@ SPARSE_OPTIMIZERS = ("sgd", "adagrad", "adam", "sparseadam")
 _TABLE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 MAX_ROWS = 1 << 40
+#: bytes a shard keeps per table row besides its values: its id and the version
+#: of the last step that changed it (int64 each)
+ROW_OVERHEAD = 16
+#: row ids one SPULL, SPUSH or SINIT may carry, all its tables together: what a
+#: request may make a shard gather, step or answer is bounded by it (a reply of at
+#: most this many rows), whatever the request repeats
+MAX_REQUEST_ROWS = 1 << 18
+#: tables STATS lists (the rest are counted in tables_count)
+STATS_TABLES = 512
 
 
 @dataclass(frozen=True)
@@ -609,6 +618,9 @@ class SparseShard:
         self.pushed = {}
 
     def stats(self) -> dict[str, Any]:
+        # a plan may declare up to 65,536 tables; a decoder takes 4,096 entries per map
+        listed = list(self.tables.items())[:STATS_TABLES]
         return {"version": self.version, "rounds": self.rounds,
                 "tables": {n: {"rows": len(t.ids), "initialized": t.initialized}
-                           for n, t in self.tables.items()}}
+                           for n, t in listed},
+                "tables_count": len(self.tables)}

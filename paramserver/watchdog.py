@@ -20,6 +20,10 @@ says what each means and what to do):
 * ``gradient_disagrees``: one worker's gradient points away from the others'
   (cosine to the shard's running mean gradient).
 
+Only alarms about the model's own state (:data:`DIVERGENCE`, and a non-finite
+gradient that was applied) are divergence, which ``--on-divergence`` may stop a
+shard for; a push the shard refused is a peer's fault, alarmed and counted only.
+
 Each alarm fires once per (signal, worker) and then stays quiet for
 ``cooldown`` pushes, so a persistent condition is reported, not spammed. The
 loss rules work by episodes instead (hysteresis): ``loss_stalled`` fires once
@@ -41,6 +45,7 @@ from .errors import ConfigError
 
 __all__ = [
     "ACTIONS",
+    "DIVERGENCE",
     "HINTS",
     "SIGNALS",
     "Alarm",
@@ -69,6 +74,14 @@ SIGNALS: tuple[str, ...] = (
 
 #: informational events: written to the event log, never alarms (no --on-divergence)
 HINTS: tuple[str, ...] = ("loss_converged",)
+
+#: the signals about the model's own state (its weights, its steps, the training loss
+#: over blocks of pushes): the only alarms ``--on-divergence`` acts on. The others are
+#: about one peer (a push the shard refused, a worker's own report or pace) or the
+#: policy: reported, never a stop, or one worker key could stop the cluster
+DIVERGENCE: frozenset[str] = frozenset({
+    "nonfinite_weights", "update_ratio_low", "update_ratio_high", "loss_stalled",
+    "loss_rising"})
 
 
 @dataclass(frozen=True)
@@ -195,6 +208,9 @@ class Alarm:
     figures: Mapping[str, Any]
     message: str
     version: int | None = None  # the shard version when it fired
+    #: about the model's own state, so --on-divergence acts on it (DIVERGENCE); False:
+    #: a peer's fault or the server's own, reported and counted only
+    divergence: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return {"signal": self.signal, "shard": self.shard, "worker": self.worker,
@@ -298,8 +314,10 @@ class Watchdog:
         return self.config.enabled and signal not in self.config.disable
 
     def _fire(self, out: list[Alarm], signal: str, worker: int | None,
-              figures: Mapping[str, Any], message: str, *, episodic: bool = False) -> None:
-        """``episodic``: the rule itself fires once per episode; no cooldown on top."""
+              figures: Mapping[str, Any], message: str, *, episodic: bool = False,
+              divergence: bool | None = None) -> None:
+        """``episodic``: the rule itself fires once per episode; no cooldown on top.
+        ``divergence``: whether --on-divergence acts on it (None: ``signal in DIVERGENCE``)."""
         if not self._enabled(signal):
             return
         key = (signal, worker)
@@ -310,7 +328,8 @@ class Watchdog:
         where = f"shard {self.shard}" if self.shard is not None else "run"
         who = f", worker {worker}" if worker is not None else ""
         alarm = Alarm(signal, self.shard, worker, dict(figures),
-                      f"[{signal}] {where}{who}: {message}", self.version)
+                      f"[{signal}] {where}{who}: {message}", self.version,
+                      signal in DIVERGENCE if divergence is None else divergence)
         self.alarms.append(alarm)
         out.append(alarm)
 
@@ -346,10 +365,14 @@ class Watchdog:
         rejected = not obs.accepted
         if obs.grad_norm is not None and not math.isfinite(obs.grad_norm):
             fate = ("it was applied (--no-check-finite): the weights are broken now"
-                    if obs.accepted else "it was refused")
+                    if obs.accepted else "it was refused, the weights are unchanged (a fault of "
+                    "this worker, not divergence: --on-divergence does not stop for it)")
+            # refused, it is one peer's fault and the weights are as they were; applied,
+            # the weights are broken: that is the model diverging
             self._fire(out, "nonfinite_gradient", obs.worker, {"grad_norm": obs.grad_norm},
                        f"the pushed gradient holds NaN or Inf; {fate}. Look for overflow in "
-                       "this worker's loss, or a learning rate that blew the weights up")
+                       "this worker's loss, or a learning rate that blew the weights up",
+                       divergence=obs.accepted)
             rejected = True
         if obs.loss is not None and not math.isfinite(obs.loss):
             self._fire(out, "nonfinite_loss", obs.worker, {"loss": obs.loss},

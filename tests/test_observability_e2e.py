@@ -10,6 +10,7 @@ production code.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import io
 import math
 import os
@@ -23,7 +24,7 @@ from rich.console import Console
 
 from paramserver.cli.watch import render_status
 from paramserver.events import read_events
-from paramserver.server import DIVERGED_EXIT_CODE, ServerConfig
+from paramserver.server import ServerConfig
 from paramserver.workers.admin import shutdown_servers
 from paramserver.workers.launch.cluster import ClusterError, ClusterSpec, LocalCluster, run_cluster
 from paramserver.workers.stragglers import StragglerSpec
@@ -63,7 +64,8 @@ def first(found: list[dict], signal: str) -> dict:
 @pytest.mark.parametrize("mode,seed", [("sync", 0), ("sync", 1), ("async", 0), ("async", 1),
                                        ("ssp", 0), ("ssp", 1)])
 def test_healthy_digits_runs_raise_no_alarm(tmp_path, mode, seed):
-    # "stop": any alarm would end the run with a ClusterError naming it
+    # "stop": a divergence alarm would end the run with a ClusterError naming it (and
+    # any alarm at all fails the assertion below)
     s = spec(mode, steps=70, seed=seed, staleness_bound=2, on_divergence="stop")
     result = run_cluster(s, tmp_path)
     assert result["alarms"] == [] and alarms(tmp_path) == []
@@ -238,23 +240,25 @@ def test_nan_applied_without_the_finite_check_breaks_the_weights(tmp_path):
     assert first(found, "nonfinite_loss")["worker"] in (0, 1)  # on the broken weights
 
 
-def test_a_nan_gradient_names_its_worker_and_stop_ends_the_run(tmp_path):
-    s = spec("async", workers=2, steps=50, task=f"{FIXTURE}:digits_bad_ranks",
-             task_args={"nan_rank": 1}, on_divergence="stop")
+def test_a_nan_gradient_names_its_worker_and_is_not_divergence(tmp_path):
+    # "stop" acts on the model's own state only: a NaN push the shard refused is that
+    # worker's fault (one worker key must not stop the run), so the shard serves on
+    s = dataclasses.replace(spec("async", workers=2, steps=50, task=f"{FIXTURE}:digits_bad_ranks",
+                                 task_args={"nan_rank": 1}, on_divergence="stop"),
+                            on_worker_failure="tolerate")
     with LocalCluster(s, tmp_path) as cluster:
         cluster.start_servers()
         cluster.start_workers()
-        with pytest.raises(ClusterError, match=r"nonfinite_gradient.*worker 1"):
-            cluster.wait_workers()
-        # the shard tells the workers why, then exits by itself with the diverged code
-        assert cluster.servers[0].popen.wait(timeout=60) == DIVERGED_EXIT_CODE
+        cluster.wait_workers()  # worker 1 fails on its refused push; worker 0 finishes
+        assert cluster.servers[0].popen.poll() is None
+        assert [f["process"] for f in cluster.failures] == ["worker1"]
     found = alarms(tmp_path)
     assert found[0]["signal"] == "nonfinite_gradient" and found[0]["worker"] == 1
     assert "it was refused" in found[0]["message"]
     assert math.isnan(found[0]["figures"]["grad_norm"])
-    assert read_events(tmp_path / "events" / "server0.jsonl", "server_stop")
-    worker0 = (tmp_path / "logs" / "worker0.log").read_text()
-    assert "stopped: the divergence watchdog stopped training" in worker0
+    assert not read_events(tmp_path / "events" / "server0.jsonl", "diverged")
+    assert len(read_events(tmp_path / "events" / "worker0.jsonl", "step")) == 50
+    assert "nonfinite" in (tmp_path / "logs" / "worker1.log").read_text()
 
 
 def test_rejections_that_starve_training_and_a_worker_falling_behind(tmp_path):

@@ -9,6 +9,7 @@ import pytest
 
 from paramserver.errors import ConfigError
 from paramserver.watchdog import (
+    DIVERGENCE,
     SIGNALS,
     Alarm,
     PushObservation,
@@ -56,6 +57,24 @@ def test_nonfinite_gradient_names_the_worker_at_once():
     alarm = got[0]
     assert alarm.shard == 1 and "worker 2" in alarm.message and "shard 1" in alarm.message
     assert math.isnan(alarm.figures["grad_norm"])
+
+
+def test_only_the_models_own_state_is_divergence():
+    """--on-divergence acts on Alarm.divergence: a NaN push the shard refused is that
+    peer's fault (one worker key must not stop a shard); the same NaN applied is not."""
+    dog = Watchdog(0)
+    refused = dog.observe_push(push(2, accepted=False, reason="nonfinite", grad_norm=math.nan,
+                                    loss=math.nan))
+    assert signals(refused) == [("nonfinite_gradient", 2), ("nonfinite_loss", 2)]
+    assert not any(a.divergence for a in refused)
+    assert "it was refused" in refused[0].message
+    applied = dog.observe_push(push(3, accepted=True, grad_norm=math.inf))
+    assert signals(applied) == [("nonfinite_gradient", 3)] and applied[0].divergence
+    broken = dog.observe_step(StepObservation(2, math.nan, math.nan, 0.1))
+    assert signals(broken) == [("nonfinite_weights", None)] and broken[0].divergence
+    assert set(SIGNALS) >= DIVERGENCE
+    assert not {"worker_lag", "zero_gradient", "gradient_disagrees", "rejection_rate",
+                "nonfinite_loss", "nonfinite_gradient"} & DIVERGENCE
 
 
 def test_nonfinite_loss_and_weights():
