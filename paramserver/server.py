@@ -361,7 +361,8 @@ class ShardServer(PeerOps):
 
     def _step_refused(self, version: int) -> None:
         """The core undid a step that made the weights or optimizer state NaN or Inf:
-        counted, and an alarm (acted on as --on-divergence says) at 1, 2, 4, ..."""
+        counted, and an alarm at 1, 2, 4, ...; not divergence (Alarm.divergence): the
+        weights are as before, and one worker's push must not stop the shard"""
         self.counters["steps_refused"] += 1
         count = self.counters["steps_refused"]
         if count & (count - 1):
