@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from .errors import ErrorCode, ProtocolError
+from .errors import ErrorCode, ParamServerError, ProtocolError
 from .protocol import Limits, _check_desc
 
 __all__ = ["ALIGN", "ENV", "NONCE_BYTES", "SHM_DIR", "ProofError", "Segment", "aligned",
@@ -138,7 +138,7 @@ def _unlink_own() -> None:
     sweep()
 
 
-class ProofError(OSError):
+class ProofError(ParamServerError, OSError):
     """A segment did not hold the proof its namer had to write into it: it was not
     made (or is not held) by that peer, and was neither mapped nor read further."""
 
