@@ -29,7 +29,7 @@ from .coerce import MISSING, coerce, guess
 from .core import MODES, CoreConfig, ModeSpec
 from .errors import ConfigError
 from .optim import parse_kwargs
-from .sharding import PlanLimits
+from .sharding import PlanLimits, estimate_copies
 from .staleness import parse_policy_args
 from .stepsize import LR_SCALINGS
 from .watchdog import ACTIONS, WatchdogConfig
@@ -349,9 +349,15 @@ class ServerConfig(ConfigRecord):
     #: a plan from a peer declaring more bytes (all shards) is refused before anything
     #: is allocated from it
     max_model_bytes: int = option(PlanLimits.max_model_bytes, min=1, metavar="BYTES",
-                                  help="Refuse a worker's shard plan declaring more bytes than "
-                                       "this (whole model), before anything is allocated for "
-                                       "it.")
+                                  help="Refuse a worker's shard plan that would cost the shards "
+                                       "more bytes than this in all (weights, optimizer state, "
+                                       "sparse rows with their ids and versions), before "
+                                       "anything is allocated for it.")
+    #: pinned: a HELLO bringing another plan is refused, even on a fresh shard
+    plan_hash: str | None = option(None, metavar="HASH",
+                                   help="Accept only the shard plan with this hash (a worker's "
+                                        "`worker_start` event gives it): without it a fresh "
+                                        "shard adopts the first valid plan a HELLO brings.")
     #: worker table size (None: max(64, 4 * expected_workers)); see ShardCore._evict
     max_workers: int | None = option(None, min=1, max=65536, metavar="N",
                                      help="Worker ids a shard keeps track of; a new one past N "
@@ -387,6 +393,10 @@ class ServerConfig(ConfigRecord):
             raise ConfigError(f"metrics_port must be in 0..65535 (0: any free port), "
                               f"got {self.metrics_port}")
         self.plan_limits()
+        if self.plan_hash is not None and not (
+                len(self.plan_hash) == 64 and set(self.plan_hash) <= set("0123456789abcdef")):
+            raise ConfigError(f"plan_hash must be a shard plan's sha256 (64 lowercase hex "
+                              f"digits), got {self.plan_hash!r}")
         check_bounds(self)  # the rest of the bounds the fields declare
         self.watchdog_config()
 
@@ -394,7 +404,10 @@ class ServerConfig(ConfigRecord):
         return WatchdogConfig.from_dict(self.watchdog)
 
     def plan_limits(self) -> PlanLimits:
-        return PlanLimits(max_model_bytes=self.max_model_bytes)
+        dense, sparse = estimate_copies(self.optimizer, self.optimizer_args,
+                                        sync=self.mode == "sync")
+        return PlanLimits(max_model_bytes=self.max_model_bytes, dense_copies=dense,
+                          sparse_copies=sparse)
 
     def mode_spec(self) -> ModeSpec:
         return ModeSpec(self.mode, self.staleness_bound, self.backup_workers)

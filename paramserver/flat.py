@@ -19,9 +19,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
-__all__ = ["ELEMENTWISE", "JOIN_BYTES", "FlatLayout"]
+__all__ = ["ELEMENTWISE", "JOIN_BYTES", "FlatLayout", "lazy_zeros"]
 
 #: optimizers whose step on a flat tensor equals the steps on its slices
 #: (no per-tensor norm or shape-dependent rule)
@@ -30,6 +31,16 @@ ELEMENTWISE = frozenset({"sgd", "adam", "adamw", "adagrad", "rmsprop", "adamax",
 #: below this many bytes per dtype an asynchronous shard joins gradients into one
 #: tensor and steps it; above, the copy would cost more than the per-tensor steps
 JOIN_BYTES = 1 << 20
+
+
+def lazy_zeros(n: int, dtype: torch.dtype) -> torch.Tensor:
+    """``n`` zeros (64-byte aligned) whose pages the kernel maps only as they are
+    written: calloc (numpy's zeros) takes fresh zero pages for a large buffer where
+    torch.zeros writes every byte. A shard's weights so cost memory once seeded
+    (INIT), not when a HELLO's plan is adopted."""
+    raw = torch.from_numpy(np.zeros(n * dtype.itemsize + 64, dtype=np.uint8))
+    skip = -raw.data_ptr() % 64
+    return raw[skip:skip + n * dtype.itemsize].view(dtype)
 
 
 class FlatLayout:
@@ -47,7 +58,7 @@ class FlatLayout:
 
     def zeros(self) -> tuple[dict[torch.dtype, torch.Tensor], dict[str, torch.Tensor]]:
         """New zeroed flat buffers and the views of every slice, in slice order."""
-        flats = {d: torch.zeros(n, dtype=d) for d, n in self.sizes.items()}
+        flats = {d: lazy_zeros(n, d) for d, n in self.sizes.items()}
         return flats, self.views(flats, order=self.index)
 
     def empty(self) -> dict[str, torch.Tensor]:

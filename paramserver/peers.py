@@ -8,6 +8,7 @@ read and defines what they call back into (adopting a plan, the core).
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +30,26 @@ if TYPE_CHECKING:
     from .sparse import SparseShard
     from .staleness import StalenessPolicy
 
-__all__ = ["PeerOps"]
+__all__ = ["Observers", "PeerOps"]
+
+
+class Observers:
+    """The ZMQ identities that said HELLO as observers, the newest last: only they may
+    read as observers (SPULL). Bounded: past ``limit`` the oldest is forgotten, and
+    its next read is refused NOT_REGISTERED, which a client answers with a HELLO."""
+
+    def __init__(self, limit: int = 1024) -> None:
+        self.limit = limit
+        self._seen: OrderedDict[bytes, None] = OrderedDict()
+
+    def add(self, identity: bytes) -> None:
+        self._seen[identity] = None
+        self._seen.move_to_end(identity)
+        while len(self._seen) > self.limit:
+            self._seen.popitem(last=False)
+
+    def __contains__(self, identity: object) -> bool:
+        return identity in self._seen
 
 
 class PeerOps:
@@ -41,6 +61,7 @@ class PeerOps:
     sparse: SparseShard | None
     policy: StalenessPolicy
     peers: dict[int, dict[str, Any]]
+    observers: Observers
     events: EventLog
     observer: ShardObserver
     joined: JoinedParts
@@ -81,6 +102,8 @@ class PeerOps:
                 f"worker {msg['worker']}'s model or shard layout differs from the server's: {what}",
             )
         clock = 0
+        if role == "observer":
+            self.observers.add(identity)
         if role == "worker":
             evicted = self.core.workers_evicted
             # as the worker says: shown by `status`; a host name is at most 253 characters
@@ -103,11 +126,15 @@ class PeerOps:
     def _peer_plan(self, description: Any, plan_hash: str) -> ShardPlan:
         """A plan from a HELLO, validated and hash-checked before anything is built
         from it: the checks cost time in proportion to the message, and only a plan
-        within --max-model-bytes and the chunk limits whose hash matches is built."""
+        within --max-model-bytes (all it would cost) and the chunk limits whose hash
+        matches, and is the one --plan-hash pins if set, is built."""
+        pinned = self.config.plan_hash
+        if pinned is not None and plan_hash != pinned:
+            raise ProtocolError(ErrorCode.PLAN_MISMATCH, f"this shard accepts only the plan "
+                                f"{pinned[:12]}... (--plan-hash), not {plan_hash[:12]}...")
         try:
-            specs, shards, chunk, split = ShardPlan.checked(description,
-                                                           self.config.plan_limits())
-            sparse = ShardPlan.checked_sparse(description, self.config.plan_limits())
+            specs, shards, chunk, split, sparse = ShardPlan.checked_plan(
+                description, self.config.plan_limits())
         except ConfigError as exc:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"invalid plan: {exc}") from exc
         if shards != self.config.num_shards:

@@ -42,7 +42,7 @@ from .metrics import MetricsExporter, TensorBoardWriter
 from .observe import ShardObserver
 from .outbox import Outbox
 from .parts import JoinedParts, StreamedParts, part_of
-from .peers import PeerOps
+from .peers import Observers, PeerOps
 from .probe import MeasureBudget
 from .proctitle import set_title
 from .protocol import Message, Op, decode, error_reply, reply
@@ -52,6 +52,7 @@ from .shm import ShmHub, sweep, take_shm
 from .shm import enabled as shm_enabled
 from .sparse import SparseShard
 from .staleness import create_policy
+from .tables import TableBuilder
 from .transport import RouterSocket
 from .watchdog import Alarm, Watchdog
 
@@ -94,6 +95,7 @@ class ShardServer(PeerOps):
         self.plan: ShardPlan | None = None
         self.core: ShardCore | None = None
         self.sparse: SparseShard | None = None  # the plan's row-sparse tables, if any
+        self.tables: TableBuilder | None = None  # builds them once a live worker uses them
         self._running = False
         self.counters: Counter[str] = Counter()
         self.outbox = Outbox(self.socket, self.counters)
@@ -102,6 +104,7 @@ class ShardServer(PeerOps):
         self.outbox.shm = self.shm
         self.started_at = time.time()
         self.peers: dict[int, dict[str, Any]] = {}  # worker -> host and pid from its HELLO
+        self.observers = Observers()  # the identities that said HELLO as observers
         self.checkpoints = Checkpointer(
             config.shard, config.checkpoint_dir, self.events, keep=config.checkpoint_keep,
             every=config.checkpoint_every, seconds=config.checkpoint_seconds)
@@ -236,6 +239,8 @@ class ShardServer(PeerOps):
 
     def save_checkpoint(self, directory: str | None = None) -> str | None:
         """Write this shard's checkpoint now; returns the manifest path (None: nothing to save)."""
+        if self.tables is not None:
+            self.tables.ready()  # (the sparse tables are saved with it)
         return self.checkpoints.save(
             self.core, self.plan, {"optimizer_name": self.config.optimizer,
                                    "server": self.config.to_dict()}, directory,
@@ -255,7 +260,7 @@ class ShardServer(PeerOps):
                 self.sparse.load_state_dict(tensors, meta["sparse"])
         except RESTORE_ERRORS as exc:
             self.core = self.plan = None
-            self.sparse = None  # the server does not start from it
+            self.sparse = self.tables = None  # the server does not start from it
             raise self.checkpoints.unusable(directory, exc) from exc
         self.checkpoints.resumed(directory, self.core.version)
 
@@ -377,6 +382,8 @@ class ShardServer(PeerOps):
         """Send the pull replies whose gates opened; ``later``: see Outbox.answer_pulls."""
         assert self.core is not None
         self.outbox.answer_pulls(self.core, now, self.observer, later)
+        if self.tables is not None and self.tables.held:
+            self._answer_held_sparse()
         if self.sparse is not None:  # sync sparse pushes are answered when their round closes
             self.sparse.maybe_close()
             for (identity, seq), outcome in self.sparse.take_ready():
@@ -451,6 +458,10 @@ class ShardServer(PeerOps):
     # ------------------------------------------------------------------ ops
 
     def _adopt_plan(self, plan: ShardPlan) -> None:
+        pinned = self.config.plan_hash
+        if pinned is not None and plan.hash != pinned:  # (a HELLO's was checked before)
+            raise ConfigError(f"shard {self.config.shard}: the plan {plan.hash[:12]}... is not "
+                              f"the one --plan-hash pins ({pinned[:12]}...)")
         if plan.num_shards != self.config.num_shards:
             raise ProtocolError(
                 ErrorCode.PLAN_MISMATCH,
@@ -460,6 +471,7 @@ class ShardServer(PeerOps):
         slices = [SliceSpec(s.key, s.numel, s.dtype) for s in plan.shard_slices(self.config.shard)]
         core = ShardCore(slices, self.config.core_config(), self.policy)
         self.sparse = SparseShard.for_server(plan, self.config, core, self.policy)
+        self.tables = TableBuilder(self.sparse, self.config.shard) if self.sparse else None
         self.core = core  # (not before the plan's tables proved trainable)
         self.core.before_step = self._before_mutation
         self.core.after_step = self._after_mutation
@@ -478,6 +490,8 @@ class ShardServer(PeerOps):
             self._before_mutation()
         part, parts = part_of(msg)
         seeded = core.initialize_part(msg["worker"], msg.tensors, part, parts)
+        if core.initialized and self.tables is not None:
+            self.tables.start()  # the plan's owner seeded: its sparse tables are due now
         if seeded:
             self.events.write("init", shard=self.config.shard, worker=msg["worker"])
         if seeded is None:
@@ -577,22 +591,62 @@ class ShardServer(PeerOps):
                 return reply(msg, ready, partial=True, early=version)
         return reply(msg, partial=True)
 
-    def _require_sparse(self, msg: Message) -> SparseShard:
+    def _require_sparse(self, msg: Message, identity: bytes) -> SparseShard:
+        # only a SPULL reads as an observer, and only from a peer that said HELLO as one
+        observer = msg.op is Op.SPULL and msg.get("observer") is True
+        if observer and identity not in self.observers:
+            raise ProtocolError(ErrorCode.NOT_REGISTERED,
+                                "an observer's SPULL needs its HELLO (role observer) first")
         return SparseShard.of_worker(self.sparse, self._require_core(), msg["worker"],
-                                     time.monotonic(), bool(msg.get("observer", False)))
+                                     time.monotonic(), observer)
 
-    def _on_spull(self, msg: Message, identity: bytes) -> Message:
-        sparse = self._require_sparse(msg)
+    def _hold_sparse(self, msg: Message, identity: bytes,
+                     handler: Callable[[ShardServer, Message, bytes], Message | None]) -> bool:
+        """Whether ``msg`` waits for the sparse tables (held, answered once built). The
+        build starts at the dense INIT or at a live worker's first sparse request (a
+        HELLO alone costs nothing); an observer's read waits for it."""
+        assert self.tables is not None and self.sparse is not None
+        self.tables.check()
+        if self.sparse.built:
+            return False
+        if not msg.get("observer") and msg["worker"] in self.sparse.live():
+            self.tables.start()
+        self.tables.hold(identity, handler, msg)
+        return True
+
+    def _answer_held_sparse(self) -> None:
+        """Answer the sparse requests that waited for the tables, once they are built."""
+        assert self.tables is not None
+        for identity, (handler, msg) in self.tables.take():
+            try:
+                answer = handler(self, msg, identity)
+            except ProtocolError as exc:
+                answer = error_reply(msg.seq, exc.code, exc.reason)
+            except Exception as exc:  # as in _handle: one request never stops the shard
+                self.counters["error_internal"] += 1
+                log.exception("internal error while answering a held sparse request")
+                answer = error_reply(msg.seq, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            if answer is not None:
+                self.outbox.send(identity, answer)
+
+    def _on_spull(self, msg: Message, identity: bytes) -> Message | None:
+        sparse = self._require_sparse(msg, identity)
+        if self._hold_sparse(msg, identity, ShardServer._on_spull):
+            return None
         return reply(msg, sparse.pull(msg.tensors), version=sparse.version)
 
     def _on_spush(self, msg: Message, identity: bytes) -> Message | None:
-        sparse = self._require_sparse(msg)
+        sparse = self._require_sparse(msg, identity)
+        if self._hold_sparse(msg, identity, ShardServer._on_spush):
+            return None
         out = sparse.push(msg["worker"], msg["push_id"], msg["read_version"], msg["clock"],
                           msg["num_samples"], msg.tensors, (identity, msg.seq))
         return None if out is None else reply(msg, **out)
 
-    def _on_sinit(self, msg: Message, identity: bytes) -> Message:
-        sparse = self._require_sparse(msg)
+    def _on_sinit(self, msg: Message, identity: bytes) -> Message | None:
+        sparse = self._require_sparse(msg, identity)
+        if self._hold_sparse(msg, identity, ShardServer._on_sinit):
+            return None
         part, parts = part_of(msg)
         done = sparse.seed(msg["worker"], msg.tensors, part, parts)
         return reply(msg, initialized=done)

@@ -37,7 +37,7 @@ import torch
 
 from .dtypes import PARAM_DTYPES, copy_bytes, copy_to_address, dtype_name
 from .errors import ConfigError, RegistryError
-from .sparse import TableSpec
+from .sparse import ROW_OVERHEAD, TableSpec
 
 __all__ = [
     "DTYPES",
@@ -59,23 +59,57 @@ class PlanLimits:
     """Bounds on a plan that came from a peer, checked before anything is built from it.
 
     A plan description of a few hundred bytes can declare terabytes or millions
-    of chunks; :meth:`ShardPlan.checked` looks only at what the message holds
+    of chunks; :meth:`ShardPlan.checked_plan` looks only at what the message holds
     (the arithmetic of its declared sizes), so checking costs time in
     proportion to the message, and a plan within these bounds costs at most
-    ``max_chunks`` slices and ``max_model_bytes`` of weights to adopt.
+    ``max_chunks`` slices and ``max_model_bytes`` to hold (:meth:`cost`: every
+    byte its shards will keep for it, not only its weights).
     """
 
-    max_model_bytes: int = 4 << 30  # the whole model, every shard
+    max_model_bytes: int = 4 << 30  # what the plan costs its shards in all (see cost())
     max_params: int = 65536
     max_chunks: int = 65536  # slices over all shards (a PUSH carries at most 65,536 tensors)
     min_chunk_bytes: int = 64  # when split: smaller chunks only multiply the slices
     max_ndim: int = 8
+    #: weight-sized buffers a shard keeps per dense byte: the weights, the optimizer's
+    #: state, a sync round's sum (estimate_copies)
+    dense_copies: int = 1
+    #: the same per byte of a sparse table's rows: the rows and their optimizer state
+    sparse_copies: int = 1
 
     def __post_init__(self) -> None:
         for name in ("max_model_bytes", "max_params", "max_chunks", "min_chunk_bytes",
-                     "max_ndim"):
+                     "max_ndim", "dense_copies", "sparse_copies"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"plan limit {name} must be >= 1, got {getattr(self, name)}")
+
+    def cost(self, dense_bytes: int, tables: Sequence[TableSpec]) -> int:
+        """Bytes a plan of ``dense_bytes`` of weights and ``tables`` costs its shards in
+        all: each copy of the weights, and per table row its values and their
+        optimizer state, its id and the version of its last step (ROW_OVERHEAD)."""
+        return dense_bytes * self.dense_copies + sum(
+            t.rows * (t.dim * t.torch_dtype.itemsize * self.sparse_copies + ROW_OVERHEAD)
+            for t in tables)
+
+
+#: optimizer state per weight, in weights (torch.optim's; an unknown optimizer: 2)
+_STATE = {"sgd": 0, "adam": 2, "adamw": 2, "adamax": 2, "nadam": 2, "radam": 2,
+          "adadelta": 2, "adagrad": 1, "rmsprop": 1, "asgd": 1, "sparseadam": 2}
+
+
+def estimate_copies(optimizer: str, args: Mapping[str, Any], sync: bool) -> tuple[int, int]:
+    """(dense_copies, sparse_copies) of :class:`PlanLimits` for a shard that trains with
+    ``optimizer`` and ``args``: the weights, the optimizer's state (momentum adds
+    one), and in sync mode the round's sum of the dense gradients."""
+    name = optimizer.lower()
+    state = _STATE.get(name, 2)
+    if name in ("sgd", "rmsprop") and args.get("momentum"):
+        state += 1
+    if name == "rmsprop" and args.get("centered"):
+        state += 1
+    if name == "adam" and args.get("amsgrad"):
+        state += 1
+    return 1 + state + (1 if sync else 0), 1 + state
 
 
 
@@ -222,8 +256,23 @@ class ShardPlan:
                          ) -> ShardPlan:
         """Rebuild a plan from :meth:`describe` output; malformed input (or, with
         ``limits``, a plan over them) -> :class:`ConfigError`."""
+        return cls(*cls.checked_plan(d, limits))
+
+    @classmethod
+    def checked_plan(cls, d: Any, limits: PlanLimits | None = None
+                     ) -> tuple[list[ParamSpec], int, int, bool, tuple[TableSpec, ...]]:
+        """(params, num_shards, chunk_bytes, split, sparse tables) of a description,
+        validated without building the plan; with ``limits``, what it would cost its
+        shards in all (:meth:`PlanLimits.cost`) is bounded too. Raises ConfigError."""
         specs, num_shards, chunk_bytes, split = cls.checked(d, limits)
-        return cls(specs, num_shards, chunk_bytes, split, cls.checked_sparse(d, limits))
+        tables = cls.checked_sparse(d, limits)
+        if limits is not None:
+            cost = limits.cost(sum(p.nbytes for p in specs), tables)
+            if cost > limits.max_model_bytes:
+                raise ConfigError(f"the plan would cost its shards {cost} bytes (weights, "
+                                  f"optimizer state, table rows, ids and versions) > "
+                                  f"{limits.max_model_bytes} (--max-model-bytes)")
+        return specs, num_shards, chunk_bytes, split, tables
 
     @staticmethod
     def checked_sparse(d: Any, limits: PlanLimits | None = None) -> tuple[TableSpec, ...]:
@@ -235,8 +284,8 @@ class ShardPlan:
         if limits is not None and len(raw) > limits.max_params:
             raise ConfigError(f"{len(raw)} sparse tables > the limit {limits.max_params}")
         tables = tuple(TableSpec.from_description(t) for t in raw)
-        if limits is not None and sum(t.nbytes for t in tables) > limits.max_model_bytes:
-            raise ConfigError(f"the sparse tables declare over {limits.max_model_bytes} "
+        if limits is not None and limits.cost(0, tables) > limits.max_model_bytes:
+            raise ConfigError(f"the sparse tables would cost over {limits.max_model_bytes} "
                               f"bytes (--max-model-bytes)")
         return tables
 
@@ -282,9 +331,9 @@ class ShardPlan:
             total = chunks = 0
             for p in specs:
                 total += p.nbytes
-                if total > limits.max_model_bytes:
-                    raise ConfigError(f"the model declares over {limits.max_model_bytes} bytes "
-                                      f"(--max-model-bytes)")
+                if total * limits.dense_copies > limits.max_model_bytes:
+                    raise ConfigError(f"the model would cost over {limits.max_model_bytes} "
+                                      f"bytes (--max-model-bytes)")
                 n = 1
                 if split and p.nbytes > chunk_bytes:
                     n = -(-p.numel // max(1, chunk_bytes // p.itemsize))

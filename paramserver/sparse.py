@@ -300,17 +300,24 @@ class SparseShard:
     def __init__(self, specs: Sequence[TableSpec], num_shards: int, shard: int, *,
                  mode: str, optimizer: str, optimizer_args: Mapping[str, Any],
                  policy: StalenessPolicy, live: Callable[[], Collection[int]],
-                 min_clock: Callable[[], int] = lambda: 0, backup_workers: int = 0) -> None:
-        self.tables = {s.name: SparseTable(s, num_shards, shard) for s in specs}
-        self.index = {name: i for i, name in enumerate(self.tables)}
+                 min_clock: Callable[[], int] = lambda: 0, backup_workers: int = 0,
+                 build: bool = True) -> None:
+        self.specs = tuple(specs)
+        self.num_shards = num_shards
+        # the tables cost their rows, ids and version counters: made by build(), which
+        # a server runs once the plan's owner seeds (not when a HELLO brings the plan)
+        self.tables: dict[str, SparseTable] = {}
+        self.index = {s.name: i for i, s in enumerate(self.specs)}
         self.shard = shard
         self.mode = mode
         self.policy = policy
         self.live = live
         self.min_clock = min_clock
         self.backup_workers = backup_workers
-        self.stepper = SparseStepper(optimizer, optimizer_args,
-                                     [t.weight for t in self.tables.values()])
+        self._optimizer = (optimizer, dict(optimizer_args))
+        # (an optimizer that cannot train the tables is refused now, at no cost)
+        self.stepper = SparseStepper(optimizer, optimizer_args, [])
+        self.built = False
         self.version = 0
         self.round = _Round()
         self.pushed: dict[int, _Pushed] = {}
@@ -319,6 +326,19 @@ class SparseShard:
         # pretrained tables: the worker streaming them in, and (parts in, parts)
         self.seeder: int | None = None
         self.seed_parts: tuple[set[int], int] = (set(), 0)
+        if build:
+            self.build()
+
+    def build(self) -> None:
+        """Allocate and draw the tables and their optimizer: seconds for a large plan,
+        so a server runs it in a thread (``built`` turns True last, once all is in)."""
+        if self.built:
+            return
+        tables = {s.name: SparseTable(s, self.num_shards, self.shard) for s in self.specs}
+        name, args = self._optimizer
+        self.stepper = SparseStepper(name, args, [t.weight for t in tables.values()])
+        self.tables = tables
+        self.built = True
 
     @classmethod
     def for_server(cls, plan: Any, config: Any, core: Any, policy: StalenessPolicy
@@ -332,7 +352,8 @@ class SparseShard:
             return cls(plan.sparse, plan.num_shards, config.shard, mode=config.mode,
                        optimizer=config.optimizer, optimizer_args=config.optimizer_args,
                        policy=policy, live=lambda: [w.worker for w in core.live()],
-                       min_clock=core.min_clock, backup_workers=config.backup_workers)
+                       min_clock=core.min_clock, backup_workers=config.backup_workers,
+                       build=False)
         except ConfigError as exc:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"invalid plan: {exc}") from exc
 
@@ -364,10 +385,15 @@ class SparseShard:
               ) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
         """``ids:<table>`` and ``val:<table>`` tensors -> {table: (ids, values)}."""
         out: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
-        for key in tensors:
+        rows = 0
+        for key, t in tensors.items():
             kind, _, name = key.partition(":")
             if kind not in ("ids", "val") or not name:
                 raise ProtocolError(ErrorCode.BAD_TENSOR, f"{what}: unexpected tensor {key!r}")
+            rows += t.numel() if kind == "ids" else 0
+        if rows > MAX_REQUEST_ROWS:
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"{what}: {rows} row ids > the limit of "
+                                f"{MAX_REQUEST_ROWS} per request; send them in several")
         for key, ids in tensors.items():
             if key.startswith("ids:"):
                 name = key[4:]
@@ -396,7 +422,9 @@ class SparseShard:
             if not t.initialized:
                 raise ProtocolError(ErrorCode.NOT_INITIALIZED,
                                     f"table {name!r} waits for its pretrained rows")
-            pos = t.local(ids, "SPULL", unique=False)
+            # unique ids (as the client sends them): a repeated id would be answered
+            # by a copy of its row per repeat, so repeats are refused before any row is read
+            pos = t.local(ids, "SPULL")
             read = since.get(name)
             if read is None:
                 out[f"val:{name}"] = t.weight[pos]
@@ -426,6 +454,14 @@ class SparseShard:
             t = self.table(name)
             pos = t.local(ids, "SINIT")
             checked.append((t, pos, t.check_values(values, len(ids), "SINIT")))
+        live = set(self.live())
+        if worker not in live:  # a seeder that leaves or dies must be noticed (below)
+            raise ProtocolError(ErrorCode.NOT_REGISTERED,
+                                f"worker {worker} is not in the live set; say HELLO")
+        if self.seeder is not None and self.seeder not in live:
+            # the seeder said BYE, timed out or was reported dead before its last part:
+            # the next live worker's SINIT seeds the tables from the start (as INIT does)
+            self.seeder, self.seed_parts = None, (set(), 0)
         if self.initialized or (self.seeder is not None and self.seeder != worker):
             return self.initialized
         if self.seeder is None or self.seed_parts[1] != parts:
@@ -442,7 +478,7 @@ class SparseShard:
 
     @property
     def initialized(self) -> bool:
-        return all(t.initialized for t in self.tables.values())
+        return self.built and all(t.initialized for t in self.tables.values())
 
     # ------------------------------------------------------------------ updates
 
@@ -589,6 +625,7 @@ class SparseShard:
     def load_state_dict(self, tensors: Mapping[str, torch.Tensor],
                         meta: Mapping[str, Any]) -> None:
         """Put :meth:`state_dict`'s output back; refused (ConfigError) unless it fits."""
+        self.build()
         specs = [t.spec.describe() for t in self.tables.values()]
         if meta.get("tables") != specs:
             raise ConfigError("the checkpoint's sparse tables differ from the plan's")
@@ -620,7 +657,7 @@ class SparseShard:
     def stats(self) -> dict[str, Any]:
         # a plan may declare up to 65,536 tables; a decoder takes 4,096 entries per map
         listed = list(self.tables.items())[:STATS_TABLES]
-        return {"version": self.version, "rounds": self.rounds,
+        return {"version": self.version, "rounds": self.rounds, "built": self.built,
                 "tables": {n: {"rows": len(t.ids), "initialized": t.initialized}
                            for n, t in listed},
                 "tables_count": len(self.tables)}
