@@ -28,7 +28,7 @@ from paramserver.errors import (
     RemoteError,
 )
 from paramserver.protocol import Message, Op
-from paramserver.sparse import TableSpec, owned_rows, shard_of
+from paramserver.sparse import MAX_REQUEST_ROWS, TableSpec, owned_rows, shard_of
 from paramserver.transport import request_all
 from paramserver.workers.client import PART_BYTES, PSClient
 from paramserver.workers.liveness import Patience
@@ -148,7 +148,8 @@ class SparseClient:
             plans.append((name, tensor, [torch.nonzero(owner == s).squeeze(1)
                                          for s in range(self.num_shards)]))
         row_bytes = max(t.shape[1] * t.element_size() for t in tables.values())
-        step = max(1, part_bytes // row_bytes)
+        # a shard refuses a request of more than MAX_REQUEST_ROWS ids, all tables together
+        step = max(1, min(part_bytes // row_bytes, MAX_REQUEST_ROWS // len(plans)))
         longest = max(len(w) for _, _, ws in plans for w in ws)
         parts = max(1, -(-longest // step))
         for part in range(parts):
@@ -318,7 +319,7 @@ def pull_tables(client: PSClient, specs: Sequence[TableSpec], part_bytes: int = 
     for spec in specs:
         table = torch.empty(spec.rows, spec.dim, dtype=spec.torch_dtype)
         owned = [owned_rows(spec.rows, sparse.num_shards, s) for s in range(sparse.num_shards)]
-        step = max(1, part_bytes // (spec.dim * table.element_size()))
+        step = max(1, min(part_bytes // (spec.dim * table.element_size()), MAX_REQUEST_ROWS))
         for start in range(0, max(len(o) for o in owned), step):
             parts = [o[start:start + step] for o in owned]
             msgs = [Message(Op.SPULL, 0, {"worker": client.worker, "observer": True},
