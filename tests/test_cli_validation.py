@@ -113,9 +113,11 @@ def test_shard_addresses_out_of_order_are_named(monkeypatch):
     addresses = ["tcp://127.0.0.1:5600", "tcp://127.0.0.1:5601", "tcp://127.0.0.1:5602"]
     with PSClient(addresses, plan, worker=0, heartbeat_interval=0, timeout=1) as client:
         def answered_by(*shards: int) -> None:
+            # the address at place i is answered by shard shards[i]; connect() asks
+            # shard 0 alone first, then the rest
             hello = Message(Op.HELLO, 1)
-            monkeypatch.setattr(client, "_call", lambda msgs, *a, **k: [
-                reply(hello, shard=s, num_shards=3, clock=0) for s in shards])
+            monkeypatch.setattr(client, "_call", lambda msgs, op, asked, **k: [
+                reply(hello, shard=shards[i], num_shards=3, clock=0) for i in asked])
 
         answered_by(0, 1, 2)
         assert client.connect() == 0
