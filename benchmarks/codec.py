@@ -1,7 +1,7 @@
 """``python -m paramserver.benchmarks.codec``: header decoding, today's against msgspec's.
 
 Today a message's header is decoded by msgpack into dicts and lists, then checked
-field by field against the op's schema (:func:`paramserver.protocol.decode`).
+field by field against the op's schema (:func:`paramserver.wire.protocol.decode`).
 ``msgspec`` decodes msgpack straight into typed structs (one per op, a tagged
 union on ``"op"``), validating as it goes. This script measures both on the
 headers of the hot path, the same bytes (the wire format is msgpack either way):
@@ -13,7 +13,7 @@ headers of the hot path, the same bytes (the wire format is msgpack either way):
 * ``push-pull-reply``: the REPLY carrying the outcome and the 8 weight tensors.
 
 Three figures per header, medians over repeats of many decodes: ``today`` (the
-whole :func:`~paramserver.protocol.decode`: header, schema, tensor views),
+whole :func:`~paramserver.wire.protocol.decode`: header, schema, tensor views),
 ``msgspec`` (the same Message built from msgspec's structs: struct fields to the
 dict the server reads, the same tensor views) and ``msgspec-struct`` (the typed
 decode alone, what a server rewritten around structs would pay). msgspec is in
@@ -30,7 +30,7 @@ from typing import Annotated, Any, Literal
 
 import torch
 
-from paramserver.protocol import DTYPES, PROTOCOL_VERSION, Message, Op, decode, encode
+from paramserver.wire.protocol import DTYPES, PROTOCOL_VERSION, Message, Op, decode, encode
 
 __all__ = ["HEADERS", "main", "measure", "msgspec_decoder"]
 

@@ -5,7 +5,7 @@
 
 Every cell of (task x optimizer x mode x seed) is a healthy run of 2 shards and
 3 workers, simulated by :mod:`paramserver.workers.launch.virtual` (real gradients, the real
-shard core, virtual time), with each shard's :class:`~paramserver.watchdog.Watchdog`
+shard core, virtual time), with each shard's :class:`~paramserver.observe.watchdog.Watchdog`
 fed what a real shard feeds it: every push (loss, gradient norm and cosine,
 staleness, decision), every optimizer step (update and weight norms) and the live
 clocks. Healthy runs must raise no alarm; ``loss_converged`` hints are counted
@@ -23,9 +23,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from paramserver.core import GradStats, StepStats
-from paramserver.server import ServerConfig
-from paramserver.watchdog import PushObservation, StepObservation, Watchdog
+from paramserver.core.shard import GradStats, StepStats
+from paramserver.observe.watchdog import PushObservation, StepObservation, Watchdog
+from paramserver.server.loop import ServerConfig
 from paramserver.workers.launch.cluster import ClusterSpec
 from paramserver.workers.launch.virtual import SimSpec, Simulator
 from paramserver.workers.worker import WorkerConfig

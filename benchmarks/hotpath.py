@@ -1,6 +1,6 @@
 """``python -m paramserver.benchmarks.hotpath``: a shard's CPU per small push, warm and cold.
 
-A real :class:`~paramserver.server.ShardServer` in this process gets a worker
+A real :class:`~paramserver.server.loop.ShardServer` in this process gets a worker
 (a :class:`~paramserver.benchmarks.ps.PSSession` on loopback: HELLO, INIT, a
 few rounds), then its loop stops and its message handler alone is timed on
 push + pull requests made beforehand, the bytes a worker sends: decode,
@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from paramserver.protocol import Message, Op, encode
-from paramserver.server import ServerConfig, ShardServer
+from paramserver.server.loop import ServerConfig, ShardServer
+from paramserver.wire.protocol import Message, Op, encode
 
 from .ps import PSSession
 

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from paramserver.sharding import ShardPlan
+from paramserver.core.sharding import ShardPlan
 from paramserver.workers.client import PSClient
 from paramserver.workers.overlap import BucketPusher
 from paramserver.workers.stragglers import Straggler, StragglerSpec

@@ -1,10 +1,10 @@
 """This project under test: real shard servers and PSClient workers.
 
-``serve`` runs one :class:`~paramserver.server.ShardServer` in the agent's
+``serve`` runs one :class:`~paramserver.server.loop.ShardServer` in the agent's
 process until a SHUTDOWN arrives and reports its memory. A
 :class:`PSSession` is one worker's push + pull loop on a flat float32
 parameter of the payload size, split by the same
-:class:`~paramserver.sharding.ShardPlan` training uses (2 MiB chunks). Both
+:class:`~paramserver.core.sharding.ShardPlan` training uses (2 MiB chunks). Both
 sides go through the whole stack: msgpack headers, validation, versions,
 clocks, the sync barrier, the torch optimizer and its finite check.
 """
@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from paramserver.server import ServerConfig, ShardServer
-from paramserver.sharding import ParamSpec, ShardPlan
+from paramserver.core.sharding import ParamSpec, ShardPlan
+from paramserver.server.loop import ServerConfig, ShardServer
 from paramserver.workers.admin import shutdown_servers
 from paramserver.workers.client import PART_BYTES, PSClient
 

@@ -35,7 +35,7 @@ from typing import Any
 from rich.console import Console
 
 from paramserver.errors import ConfigError
-from paramserver.shm import enabled as shm_enabled
+from paramserver.shm.link import enabled as shm_enabled
 
 from .common import format_size
 from .extras import run_async, run_async_raw, run_async_ray, run_memory, run_overlap
@@ -55,7 +55,7 @@ PARTS: tuple[str, ...] = ("sweep", "async", "memory", "overlap", "hosts")
 DEFAULT_PARTS: tuple[str, ...] = ("sweep", "async", "memory", "overlap")
 PRESETS: tuple[str, ...] = ("quick", "default", "full")
 _KIB, _MIB = 1 << 10, 1 << 20
-# glibc keeps freed buffers of up to 32 MiB for reuse (see paramserver.transport.
+# glibc keeps freed buffers of up to 32 MiB for reuse (see paramserver.wire.transport.
 # tune_allocator); given to every system's processes alike, so none is handicapped
 TUNED_MALLOC = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
                 "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1)}

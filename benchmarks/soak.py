@@ -43,8 +43,8 @@ from rich.console import Console
 from rich.table import Table
 
 from paramserver.errors import ConfigError, RequestTimeoutError
-from paramserver.events import read_events
-from paramserver.server import ServerConfig
+from paramserver.observe.events import read_events
+from paramserver.server.loop import ServerConfig
 from paramserver.workers.admin import server_stats
 from paramserver.workers.launch.cluster import ClusterSpec, LocalCluster
 from paramserver.workers.stragglers import StragglerSpec

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from paramserver.server import ServerConfig
-from paramserver.sparse import owned_rows
+from paramserver.server.loop import ServerConfig
+from paramserver.sparse.shard import owned_rows
 from paramserver.workers.embedding import ShardedEmbedding
 from paramserver.workers.launch.cluster import ClusterSpec, LocalCluster
 from paramserver.workers.optimizer import DistributedOptimizer

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from paramserver.core.sharding import ShardPlan
 from paramserver.errors import RequestTimeoutError
-from paramserver.sharding import ShardPlan
 from paramserver.workers.admin import shutdown_servers
 
 from . import raw

@@ -1,7 +1,7 @@
 """``paramserver checkpoint inspect DIR`` and ``paramserver checkpoint export DIR OUT``.
 
 Only argument handling and display live here; the work is done by
-:mod:`paramserver.checkpoint`.
+:mod:`paramserver.persist.checkpoint`.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from paramserver.checkpoint import export_model, inspect_checkpoint
 from paramserver.errors import ParamServerError
+from paramserver.persist.checkpoint import export_model, inspect_checkpoint
 
 __all__ = ["checkpoint"]
 

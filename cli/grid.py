@@ -16,9 +16,9 @@ from paramserver.cli import options as cli_options
 from paramserver.cli.outdir import EXPERIMENT_MARKERS, claim_out_dir
 from paramserver.cli.progress import step_progress
 from paramserver.cli.tables import keep_figures
+from paramserver.core.optim import parse_kwargs
+from paramserver.core.stepsize import LR_SCALINGS
 from paramserver.errors import ConfigError, ParamServerError
-from paramserver.optim import parse_kwargs
-from paramserver.stepsize import LR_SCALINGS
 from paramserver.workers.experiments.render import summary_rows
 from paramserver.workers.experiments.report import ReportFiles
 from paramserver.workers.experiments.runner import ExperimentObserver, ExperimentResult, RunOutcome

@@ -1,7 +1,7 @@
 """``paramserver keys generate DIR``: CURVE key pairs for encrypted, authenticated runs.
 
 Only argument handling and display live here; the keys are made by
-:func:`paramserver.curve.generate_curve_keys`.
+:func:`paramserver.wire.curve.generate_curve_keys`.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from paramserver.curve import generate_curve_keys
 from paramserver.errors import ParamServerError
+from paramserver.wire.curve import generate_curve_keys
 
 __all__ = ["keys"]
 

@@ -15,7 +15,7 @@ from rich.progress import Progress
 
 from paramserver.cli.progress import step_progress
 from paramserver.errors import ParamServerError
-from paramserver.proctitle import set_title
+from paramserver.util.proctitle import set_title
 from paramserver.workers.launch.cluster import ClusterSpec, run_cluster
 from paramserver.workers.launch.cluster import Progress as ClusterProgress
 from paramserver.workers.launch.processes import ProcessInfo, worker_summaries

@@ -13,8 +13,8 @@ from rich.table import Table
 from rich.text import Text
 
 from paramserver.errors import RegistryError
-from paramserver.staleness import ENTRY_POINT_GROUP as POLICY_GROUP
-from paramserver.staleness import available_policies, policy_parameters, resolve_policy
+from paramserver.policies import ENTRY_POINT_GROUP as POLICY_GROUP
+from paramserver.policies import available_policies, policy_parameters, resolve_policy
 from paramserver.workers.tasks import ENTRY_POINT_GROUP as TASK_GROUP
 from paramserver.workers.tasks import (
     available_tasks,
@@ -95,7 +95,7 @@ Examples:
   paramserver launch --policy reject --policy-arg max_staleness=4
 
 \b
-A policy of your own: subclass paramserver.staleness.StalenessPolicy and name
+A policy of your own: subclass paramserver.policies.StalenessPolicy and name
 it as module:Class, or register it as an entry point in the group
 {POLICY_GROUP} to list it here by name.""")
 @click.argument("names", nargs=-1, metavar="[NAME|module:Class]...")

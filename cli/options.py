@@ -43,11 +43,11 @@ import click
 import tomli_w
 from click.core import ParameterSource
 
-from paramserver.coerce import MISSING
-from paramserver.config import Opt, ServerConfig, field_default, options_of
+from paramserver.core.optim import build_optimizer, build_scheduler
 from paramserver.errors import ConfigError
-from paramserver.optim import build_optimizer, build_scheduler
-from paramserver.staleness import create_policy
+from paramserver.policies import create_policy
+from paramserver.server.config import Opt, ServerConfig, field_default, options_of
+from paramserver.util.coerce import MISSING
 from paramserver.workers.launch.cluster import ClusterSpec
 from paramserver.workers.stragglers import StragglerSpec
 from paramserver.workers.tasks import check_task_args, resolve_task

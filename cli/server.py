@@ -6,9 +6,9 @@ from typing import Any
 
 import click
 
-from paramserver.checkpoint import CheckpointDirInUse, CheckpointError
 from paramserver.errors import TransportError
-from paramserver.server import ServerConfig, announce_ready, run_server
+from paramserver.persist.checkpoint import CheckpointDirInUse, CheckpointError
+from paramserver.server.loop import ServerConfig, announce_ready, run_server
 
 from . import options
 from .workercount import agree_worker_count

@@ -49,17 +49,17 @@ _EXPORTS: dict[str, str] = {
     "TooManyWorkersError": "paramserver.errors",
     "TrainingStoppedError": "paramserver.errors",
     # staleness policies: the plug-in point of the server's rules
-    "StalenessPolicy": "paramserver.staleness",
-    "Decision": "paramserver.staleness",
-    "UpdateInfo": "paramserver.staleness",
-    "register_policy": "paramserver.staleness",
-    "available_policies": "paramserver.staleness",
-    "create_policy": "paramserver.staleness",
+    "StalenessPolicy": "paramserver.policies",
+    "Decision": "paramserver.policies",
+    "UpdateInfo": "paramserver.policies",
+    "register_policy": "paramserver.policies",
+    "available_policies": "paramserver.policies",
+    "create_policy": "paramserver.policies",
     # the server
-    "ServerConfig": "paramserver.server",
-    "ShardServer": "paramserver.server",
-    "ShardPlan": "paramserver.sharding",
-    "TableSpec": "paramserver.sparse",
+    "ServerConfig": "paramserver.server.loop",
+    "ShardServer": "paramserver.server.loop",
+    "ShardPlan": "paramserver.core.sharding",
+    "TableSpec": "paramserver.sparse.shard",
     # the worker side
     "PSClient": "paramserver.workers.client",
     "Task": "paramserver.workers.tasks",
@@ -159,6 +159,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ loads these
+    from paramserver.core.sharding import ShardPlan
     from paramserver.errors import (
         BadRequestError,
         BusyError,
@@ -182,10 +183,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ lo
         TrainingStoppedError,
         TransportError,
     )
-    from paramserver.server import ServerConfig, ShardServer
-    from paramserver.sharding import ShardPlan
-    from paramserver.sparse import TableSpec
-    from paramserver.staleness import (
+    from paramserver.policies import (
         Decision,
         StalenessPolicy,
         UpdateInfo,
@@ -193,6 +191,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ lo
         create_policy,
         register_policy,
     )
+    from paramserver.server.loop import ServerConfig, ShardServer
+    from paramserver.sparse.shard import TableSpec
     from paramserver.workers.client import PSClient
     from paramserver.workers.embedding import ShardedEmbedding, ShardedEmbeddingBag
     from paramserver.workers.experiments.report import write_report

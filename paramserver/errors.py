@@ -28,7 +28,7 @@ boundary with ``raise ... from exc`` so callers need catch only these::
     │   ├── RequestTimeoutError (also the builtin TimeoutError)
     │   │   └── BarrierTimeoutError  a live shard held a pull past --barrier-timeout
     │   └── RendezvousError      (paramserver.workers.launch.rendezvous)
-    ├── CheckpointError          (paramserver.checkpoint)
+    ├── CheckpointError          (paramserver.persist.checkpoint)
     ├── ClusterError             (paramserver.workers.launch.cluster)
     ├── SimulationError          (paramserver.workers.launch.virtual)
     ├── ZygoteError (also RuntimeError) (paramserver.workers.launch.zygote)

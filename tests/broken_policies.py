@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from paramserver.staleness import Decision, StalenessPolicy, UpdateInfo
+from paramserver.policies import Decision, StalenessPolicy, UpdateInfo
 
 
 class BoomInit(StalenessPolicy):

@@ -14,7 +14,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from torch import nn
 
-from paramserver.staleness import Decision, StalenessPolicy, UpdateInfo
+from paramserver.policies import Decision, StalenessPolicy, UpdateInfo
 from paramserver.workers.tasks import Task, create_task
 
 

@@ -53,7 +53,7 @@ def main() -> None:
     args = ap.parse_args()
     rank = int(os.environ["RANK"])
     if args.pretrained:
-        from paramserver.sparse import full_table
+        from paramserver.sparse.shard import full_table
         emb = ShardedEmbedding.from_pretrained(full_table(spec()))
     else:
         emb = ShardedEmbedding(ROWS, DIM, dtype=torch.float64, std=STD, seed=SEED,

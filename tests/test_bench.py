@@ -88,7 +88,7 @@ def test_push_pull_and_stream_are_exact(servers: list[str]) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(300, 200), torch.nn.Linear(200, 5))
     params = dict(model.named_parameters())
     # 64 KiB chunks: the 240 KB weight is split over both shards
-    from paramserver.sharding import ShardPlan
+    from paramserver.core.sharding import ShardPlan
 
     plan = ShardPlan.from_module(model, 2, chunk_bytes=64 << 10)
     assert len(plan.slices) > len(params)
@@ -159,7 +159,7 @@ def _final_weights(tmp: Path, overlap: bool) -> dict[str, torch.Tensor]:
         model = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.ReLU(),
                                     torch.nn.Linear(48, 48), torch.nn.ReLU(),
                                     torch.nn.Linear(48, 1))
-        from paramserver.sharding import ShardPlan
+        from paramserver.core.sharding import ShardPlan
 
         params = dict(model.named_parameters())
         with PSClient(addrs, ShardPlan.from_module(model, 1), 0, role="observer",

@@ -21,7 +21,7 @@ from paramserver.benchmarks.hosts import run_hosts
 from paramserver.benchmarks.netns import existing, netns_problem, two_namespaces
 from paramserver.benchmarks.report import markdown
 from paramserver.cli.bench import bench
-from paramserver.shm import enabled as shm_enabled
+from paramserver.shm.link import enabled as shm_enabled
 
 needs_netns = pytest.mark.skipif(netns_problem() is not None, reason=str(netns_problem()))
 

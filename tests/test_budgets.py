@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from paramserver.errors import ConfigError
-from paramserver.events import read_events
+from paramserver.observe.events import read_events
 from paramserver.workers.experiments.runner import run_experiment, simulate_experiment
 from paramserver.workers.experiments.spec import ExperimentSpec, dump_spec, load_spec
 from paramserver.workers.launch.virtual import SimSpec

@@ -15,7 +15,10 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 from torch import nn
 
-from paramserver.checkpoint import (
+from paramserver.cli.checkpoint import checkpoint as checkpoint_cli
+from paramserver.core.shard import CoreConfig, ModeSpec, ShardCore, SliceSpec
+from paramserver.core.sharding import ShardPlan
+from paramserver.persist.checkpoint import (
     WRITE_STEPS,
     CheckpointError,
     export_model,
@@ -24,9 +27,6 @@ from paramserver.checkpoint import (
     save_shard,
     set_write_hook,
 )
-from paramserver.cli.checkpoint import checkpoint as checkpoint_cli
-from paramserver.core import CoreConfig, ModeSpec, ShardCore, SliceSpec
-from paramserver.sharding import ShardPlan
 
 
 def tensors(seed: int) -> dict[str, torch.Tensor]:

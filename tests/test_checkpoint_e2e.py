@@ -11,9 +11,9 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
-from paramserver.checkpoint import inspect_checkpoint, load_shard
 from paramserver.cli.checkpoint import checkpoint as checkpoint_cli
-from paramserver.server import ServerConfig
+from paramserver.persist.checkpoint import inspect_checkpoint, load_shard
+from paramserver.server.loop import ServerConfig
 from paramserver.workers.launch.cluster import ClusterSpec, run_cluster
 from paramserver.workers.stragglers import StragglerSpec
 from paramserver.workers.tasks import evaluate

@@ -33,13 +33,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from paramserver.checkpoint import CheckpointError, load_shard, save_shard
-from paramserver.checkpointer import RESTORE_ERRORS, Checkpointer
-from paramserver.core import CoreConfig, ModeSpec, ShardCore, SliceSpec
-from paramserver.events import EventLog
-from paramserver.probe import all_finite
-from paramserver.server import READY_PREFIX
-from paramserver.sharding import ParamSpec, ShardPlan
+from paramserver.core.probe import all_finite
+from paramserver.core.shard import CoreConfig, ModeSpec, ShardCore, SliceSpec
+from paramserver.core.sharding import ParamSpec, ShardPlan
+from paramserver.observe.events import EventLog
+from paramserver.persist.checkpoint import CheckpointError, load_shard, save_shard
+from paramserver.server.checkpointer import RESTORE_ERRORS, Checkpointer
+from paramserver.server.loop import READY_PREFIX
 from paramserver.workers.admin import server_stats, shutdown_servers
 from paramserver.workers.client import PSClient
 from tests.ports import free_port

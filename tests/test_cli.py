@@ -392,9 +392,9 @@ def test_console_script_is_cli_main():
 
 
 def test_installed_task_and_policy_plugins_are_listed(tmp_path, monkeypatch):
-    import paramserver.staleness as S
+    import paramserver.policies.registry as S
     import paramserver.workers.tasks as T
-    from paramserver import plugins
+    from paramserver.util import plugins
 
     dist = tmp_path / "myplugins-1.0.dist-info"
     dist.mkdir()
@@ -420,7 +420,7 @@ def test_installed_task_and_policy_plugins_are_listed(tmp_path, monkeypatch):
 
 def test_a_policy_module_in_the_working_directory_is_found(tmp_path, monkeypatch):
     (tmp_path / "localpolicy_xyz.py").write_text(textwrap.dedent("""
-        from paramserver.staleness import Decision, StalenessPolicy
+        from paramserver.policies import Decision, StalenessPolicy
 
         class Halve(StalenessPolicy):
             name = "halve-local"

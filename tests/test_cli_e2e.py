@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from paramserver.benchmarks.netns import netns_problem as _netns_problem
-from paramserver.events import read_events
+from paramserver.observe.events import read_events
 from tests.ports import free_port
 
 # Real processes on a shared, possibly busy machine: generous limits (one run takes

@@ -104,9 +104,9 @@ def test_shard_addresses_out_of_order_are_named(monkeypatch):
     address's place in --servers (no server needed: the replies are made here)."""
     import torch
 
+    from paramserver.core.sharding import ShardPlan
     from paramserver.errors import ConfigError
-    from paramserver.protocol import Message, Op, reply
-    from paramserver.sharding import ShardPlan
+    from paramserver.wire.protocol import Message, Op, reply
     from paramserver.workers.client import PSClient
 
     plan = ShardPlan.from_module(torch.nn.Linear(4, 3), 3)
@@ -144,7 +144,7 @@ def test_a_worker_killed_by_a_shards_internal_error_names_the_shard(tmp_path):
     servers[1].write_text(
         "ERROR internal error while handling a message\n"
         'Traceback (most recent call last):\n'
-        '  File "/x/paramserver/core.py", line 684, in _decide\n'
+        '  File "/x/paramserver/core/shard.py", line 684, in _decide\n'
         '    decision = self.policy.decide(info)\n'
         '               ^^^^^^^^^^^^^^^^^^^^^^^^\n'
         '  File "/x/mypkg/broken.py", line 26, in decide\n'

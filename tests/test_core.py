@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paramserver.core import CoreConfig, ModeSpec, ShardCore, SliceSpec
+from paramserver.core.shard import CoreConfig, ModeSpec, ShardCore, SliceSpec
 from paramserver.errors import ConfigError, ErrorCode, ProtocolError
-from paramserver.staleness import RejectPolicy
+from paramserver.policies import RejectPolicy
 
 KEYS = [SliceSpec("w", 4, "float64"), SliceSpec("b", 2, "float64")]
 
@@ -194,7 +194,7 @@ def test_policy_rejection_is_counted_and_weights_untouched():
 
 
 def test_weight_scales_the_learning_rate():
-    from paramserver.staleness import InversePolicy
+    from paramserver.policies import InversePolicy
 
     core = make_core("async", workers=2, policy=InversePolicy(), lr=1.0)
     push = Pusher(core)

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from paramserver.core import STATS_WORKERS, CoreConfig, ModeSpec, ShardCore, SliceSpec
+from paramserver.core.shard import STATS_WORKERS, CoreConfig, ModeSpec, ShardCore, SliceSpec
+from paramserver.core.sharding import ParamSpec, PlanLimits, ShardPlan
 from paramserver.errors import ConfigError, ErrorCode, ProtocolError
-from paramserver.sharding import ParamSpec, PlanLimits, ShardPlan
 
 SLICES = [SliceSpec("w", 128, "float32")]
 

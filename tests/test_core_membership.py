@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paramserver.core import CoreConfig, ModeSpec, ShardCore, SliceSpec
+from paramserver.core.membership import IN_USE_BEATS, ROUND_TIMEOUT_BEATS, ROUND_TIMEOUT_STEPS
+from paramserver.core.shard import CoreConfig, ModeSpec, ShardCore, SliceSpec
 from paramserver.errors import ConfigError, ErrorCode, ProtocolError
-from paramserver.membership import IN_USE_BEATS, ROUND_TIMEOUT_BEATS, ROUND_TIMEOUT_STEPS
 
 SLICES = [SliceSpec("w", 8, "float32")]
 G = {"w": torch.ones(8)}

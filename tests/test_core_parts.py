@@ -13,10 +13,10 @@ import random
 import pytest
 import torch
 
-from paramserver import probe as probe_module
-from paramserver.core import CoreConfig, ModeSpec, ShardCore, SliceSpec
+from paramserver.core import probe as probe_module
+from paramserver.core.shard import CoreConfig, ModeSpec, ShardCore, SliceSpec
 from paramserver.errors import ErrorCode, ProtocolError
-from paramserver.policies import DCASGDPolicy
+from paramserver.policies.research import DCASGDPolicy
 
 SLICES = [SliceSpec(f"k{i}", 3 + i, "float64") for i in range(5)]
 
@@ -439,7 +439,7 @@ def test_a_busy_shard_does_not_step_ahead_and_rests_a_while():
     """A part that finds more work waiting drops the try (stepping ahead costs more
     than the step at the close); the next tries back off (1, 2, 4, ... rounds) and
     a round stepped ahead again resets that. The results are the same either way."""
-    from paramserver.ahead import REST_ROUNDS
+    from paramserver.core.ahead import REST_ROUNDS
     core = make_core(1, momentum=0.0)
     busy = [True]
     core.ahead.busy = lambda: busy[0]

@@ -1,6 +1,6 @@
 """Weights returned before a round closes (issue 17, item 4), over real shard processes.
 
-A lone worker's sync round is stepped ahead part by part (paramserver/ahead.py);
+A lone worker's sync round is stepped ahead part by part (paramserver/core/ahead.py);
 with ``early`` each part's answer brings that part's next weights, and the
 round's answer only the rest. The weights must be exactly one SGD step either
 way, and a round that does not make what came early (a later part not finite)
@@ -14,9 +14,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from paramserver.core.sharding import ShardPlan
 from paramserver.errors import RemoteError
-from paramserver.protocol import Message, Op
-from paramserver.sharding import ShardPlan
+from paramserver.wire.protocol import Message, Op
 from paramserver.workers.admin import server_stats
 from paramserver.workers.client import PSClient
 from paramserver.workers.overlap import make_buckets

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from paramserver.events import EventLog, read_events
-from paramserver.observe import JsonlFollower
+from paramserver.observe.events import EventLog, read_events
+from paramserver.observe.recorder import JsonlFollower
 
 
 def test_event_log_after_a_killed_writer_keeps_every_new_record(tmp_path):

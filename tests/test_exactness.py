@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from paramserver.server import ServerConfig
+from paramserver.server.loop import ServerConfig
 from paramserver.workers.launch.cluster import ClusterSpec, run_cluster
 from paramserver.workers.worker import WorkerConfig
 from tests import exact_tasks as T

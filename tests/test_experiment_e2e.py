@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from paramserver.cli.experiment import experiment
-from paramserver.events import read_events
+from paramserver.observe.events import read_events
 from paramserver.workers.experiments.runner import run_experiment
 from paramserver.workers.experiments.spec import ExperimentSpec, load_spec
 

@@ -9,8 +9,8 @@ import signal
 import pytest
 
 from paramserver.errors import RequestTimeoutError
-from paramserver.events import read_events
-from paramserver.server import ServerConfig
+from paramserver.observe.events import read_events
+from paramserver.server.loop import ServerConfig
 from paramserver.workers.launch.cluster import ClusterSpec, LocalCluster, run_cluster
 from paramserver.workers.stragglers import StragglerSpec
 from paramserver.workers.worker import WorkerConfig

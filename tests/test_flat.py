@@ -1,4 +1,4 @@
-"""One flat buffer per shard and dtype (paramserver/flat.py): views, flat steps
+"""One flat buffer per shard and dtype (paramserver/util/flat.py): views, flat steps
 equal per-slice steps, checkpoints keep their per-slice format."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paramserver import core as core_module
-from paramserver.core import CoreConfig, ModeSpec, ShardCore, SliceSpec
+from paramserver.core import shard as core_module
+from paramserver.core.shard import CoreConfig, ModeSpec, ShardCore, SliceSpec
 
 SLICES = [SliceSpec("w", 12, "float32"), SliceSpec("h", 3, "float64"),
           SliceSpec("b", 5, "float32")]

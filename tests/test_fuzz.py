@@ -39,11 +39,11 @@ import zmq
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from paramserver.dtypes import FLOAT_DTYPES, WIRE_DTYPES
+from paramserver.core.sharding import ShardPlan
 from paramserver.errors import ErrorCode, ProtocolError
-from paramserver.protocol import MAX_HEADER_BYTES, PROTOCOL_VERSION, decode
-from paramserver.server import ServerConfig
-from paramserver.sharding import ShardPlan
+from paramserver.server.loop import ServerConfig
+from paramserver.util.dtypes import FLOAT_DTYPES, WIRE_DTYPES
+from paramserver.wire.protocol import MAX_HEADER_BYTES, PROTOCOL_VERSION, decode
 from paramserver.workers.admin import server_stats
 from paramserver.workers.client import PSClient
 from paramserver.workers.launch.cluster import ClusterSpec, LocalCluster

@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from paramserver.cli.main import main
-from paramserver.staleness import available_policies
+from paramserver.policies import available_policies
 
 
 def _commands(group: click.Group, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:

@@ -28,9 +28,9 @@ import pytest
 import torch
 import zmq
 
-from paramserver.protocol import PROTOCOL_VERSION
-from paramserver.server import ServerConfig
-from paramserver.sharding import ParamSpec, ShardPlan
+from paramserver.core.sharding import ParamSpec, ShardPlan
+from paramserver.server.loop import ServerConfig
+from paramserver.wire.protocol import PROTOCOL_VERSION
 from paramserver.workers.admin import server_stats
 from paramserver.workers.client import PSClient
 from paramserver.workers.launch.cluster import ClusterSpec, LocalCluster
@@ -331,7 +331,7 @@ def test_a_forged_push_id_cannot_silence_a_worker(tmp_path: Path) -> None:
 
 def _start_server(cfg: dict[str, Any], path: Path) -> subprocess.Popen[str]:
     path.write_text(json.dumps(cfg))
-    return subprocess.Popen([sys.executable, "-m", "paramserver.server", str(path)],
+    return subprocess.Popen([sys.executable, "-m", "paramserver.server.loop", str(path)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

@@ -13,10 +13,10 @@ import math
 import pytest
 import torch
 
-from paramserver import protocol
-from paramserver.probe import Probe, PushMeasure, span, total_norm
-from paramserver.protocol import Message, Op, decode, encode
-from paramserver.sharding import ParamSpec, ShardPlan
+from paramserver.core.probe import Probe, PushMeasure, span, total_norm
+from paramserver.core.sharding import ParamSpec, ShardPlan
+from paramserver.wire import protocol
+from paramserver.wire.protocol import Message, Op, decode, encode
 
 
 def _push(tensors: dict[str, torch.Tensor]) -> Message:

@@ -18,7 +18,10 @@ from click.testing import CliRunner
 from zmq.utils import z85
 
 from paramserver.cli.keys import keys as keys_cli
-from paramserver.curve import (
+from paramserver.core.sharding import ParamSpec, ShardPlan
+from paramserver.errors import ConfigError, TransportError
+from paramserver.server.loop import ServerConfig
+from paramserver.wire.curve import (
     ANY_KEY,
     CurveKeyFiles,
     CurveKeys,
@@ -27,10 +30,7 @@ from paramserver.curve import (
     load_allow_list,
     parse_allow_list,
 )
-from paramserver.errors import ConfigError, TransportError
-from paramserver.protocol import PROTOCOL_VERSION
-from paramserver.server import ServerConfig
-from paramserver.sharding import ParamSpec, ShardPlan
+from paramserver.wire.protocol import PROTOCOL_VERSION
 from paramserver.workers.admin import server_stats
 from paramserver.workers.client import PSClient
 from paramserver.workers.launch.cluster import ClusterSpec, LocalCluster

@@ -1,4 +1,4 @@
-"""SmallShare (paramserver/lanes.py): a small model's push packed and its pull landed
+"""SmallShare (paramserver/wire/lanes.py): a small model's push packed and its pull landed
 in a few calls, to the byte what the general path does, and None or False (the
 general path) for anything else."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paramserver.lanes import SmallShare
-from paramserver.protocol import PACK_BYTES, Message, Op, decode, encode
-from paramserver.sharding import ParamSpec, ShardPlan
+from paramserver.core.sharding import ParamSpec, ShardPlan
+from paramserver.wire.lanes import SmallShare
+from paramserver.wire.protocol import PACK_BYTES, Message, Op, decode, encode
 
 SHAPES = [(3, 4), (7,), (2, 2, 2), (5,)]
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from paramserver import lanes
-from paramserver.server import ServerConfig
-from paramserver.sharding import ShardPlan
+from paramserver.core.sharding import ShardPlan
+from paramserver.server.loop import ServerConfig
+from paramserver.wire import lanes
 from paramserver.workers.admin import server_stats
 from paramserver.workers.client import PSClient
 from paramserver.workers.launch.cluster import ClusterSpec, LocalCluster

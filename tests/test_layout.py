@@ -94,11 +94,43 @@ def _layers() -> list[list[str]]:
             for line in text.strip().splitlines()]
 
 
-def test_every_core_module_is_in_the_layers_contract():
-    core = {f"paramserver.{p.stem}" for p in (ROOT / "paramserver").glob("*.py")
-            if p.stem != "__init__"}
-    assert core, "no core modules found"
-    assert set(_layers()[-1]) == core
+def test_every_package_is_in_the_layers_contract():
+    """Each folder under paramserver/ (a layer) and each module left at its root is
+    named by the contract, and each names what it holds in its docstring."""
+    named = {m for layer in _layers() for m in layer}
+    inside = {f"paramserver.{p.name}" for p in (ROOT / "paramserver").iterdir()
+              if p.is_dir() and not p.is_symlink() and (p / "__init__.py").exists()}
+    inside |= {f"paramserver.{p.stem}" for p in (ROOT / "paramserver").glob("*.py")
+               if p.stem != "__init__"}
+    assert {"paramserver.core", "paramserver.wire", "paramserver.errors"} <= inside
+    assert inside <= named, sorted(inside - named)
+    for package in inside:
+        init = ROOT / package.replace(".", "/") / "__init__.py"
+        if init.exists():
+            assert init.read_text().startswith('"""'), package
+
+
+def test_the_core_is_kept_free_of_io(tmp_path):
+    """The forbidden contract holds, and it catches a clock read put into the core."""
+    kept = _lint_imports(ROOT / "setup.cfg")
+    assert kept.returncode == 0, kept.stdout + kept.stderr
+    tree = tmp_path / "tree"
+    shutil.copytree(ROOT / "paramserver", tree / "paramserver", ignore=shutil.ignore_patterns(
+        "workers", "cli", "benchmarks", "__pycache__"))
+    ahead = tree / "paramserver" / "core" / "ahead.py"
+    ahead.write_text(ahead.read_text() + "\nimport time  # noqa: E402\n")
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    pure = tmp_path / "pure.ini"
+    pure.write_text("[importlinter]\nroot_package = paramserver\ninclude_external_packages = "
+                    "True\n\n[importlinter:contract:pure]\n" + "".join(
+                        f"{k} = {v.replace(chr(10), chr(10) + '    ')}\n"
+                        for k, v in cfg["importlinter:contract:pure"].items()))
+    broken = subprocess.run([str(BIN / "lint-imports"), "--config", str(pure)], cwd=tree,
+                            text=True, capture_output=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": str(tree)})
+    assert broken.returncode != 0, broken.stdout + broken.stderr
+    assert "paramserver.core.ahead -> time" in broken.stdout
 
 
 def _lint_imports(config: Path) -> subprocess.CompletedProcess[str]:
@@ -125,7 +157,7 @@ def test_the_layers_contract_holds_and_catches_a_violation(tmp_path):
 def test_names_moved_out_of_a_module_stay_importable_from_it() -> None:
     """CURVE keys moved from transport.py to curve.py, the requests outside a session
     from workers/client.py to workers/admin.py: the old imports still work."""
-    from paramserver import curve, transport
+    from paramserver.wire import curve, transport
     from paramserver.workers import admin, client
 
     for name in curve.__all__:

@@ -1,4 +1,4 @@
-"""The packed-layout cache of decode (paramserver/layouts.py): a layout checked once
+"""The packed-layout cache of decode (paramserver/wire/layouts.py): a layout checked once
 gives the same tensors again without the per-entry checks, and nothing it keeps
 lets a message through that the full check refuses."""
 
@@ -8,10 +8,10 @@ import msgpack
 import pytest
 import torch
 
-from paramserver import protocol
 from paramserver.errors import ErrorCode, ProtocolError
-from paramserver.layouts import LayoutCache
-from paramserver.protocol import PROTOCOL_VERSION, Limits, Message, Op, decode, encode
+from paramserver.wire import protocol
+from paramserver.wire.layouts import LayoutCache
+from paramserver.wire.protocol import PROTOCOL_VERSION, Limits, Message, Op, decode, encode
 
 
 @pytest.fixture(autouse=True)

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from paramserver.server import ServerConfig
-from paramserver.sharding import ParamSpec, ShardPlan
-from paramserver.watchdog import WatchdogConfig
+from paramserver.core.sharding import ParamSpec, ShardPlan
+from paramserver.observe.watchdog import WatchdogConfig
+from paramserver.server.loop import ServerConfig
 from paramserver.workers.admin import server_stats
 from paramserver.workers.client import PSClient
 from paramserver.workers.launch.cluster import ClusterSpec, LocalCluster

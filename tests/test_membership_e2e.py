@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from paramserver.errors import TooManyWorkersError
-from paramserver.events import read_events
-from paramserver.protocol import PROTOCOL_VERSION
-from paramserver.server import ServerConfig
+from paramserver.observe.events import read_events
+from paramserver.server.loop import ServerConfig
+from paramserver.wire.protocol import PROTOCOL_VERSION
 from paramserver.workers.admin import server_stats
 from paramserver.workers.client import PSClient
 from paramserver.workers.launch.cluster import ClusterSpec, LocalCluster

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from paramserver.errors import ConfigError
-from paramserver.metrics import (
+from paramserver.observe.metrics import (
     CATALOGUE,
     MetricsExporter,
     MetricSpec,
@@ -17,7 +17,7 @@ from paramserver.metrics import (
     TensorBoardWriter,
     flatten,
 )
-from paramserver.watchdog import SIGNALS, WatchdogConfig
+from paramserver.observe.watchdog import SIGNALS, WatchdogConfig
 from tests.observability_fixture import scrape
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"

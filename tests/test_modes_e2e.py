@@ -6,12 +6,12 @@ import pytest
 import torch
 import zmq
 
+from paramserver.core.sharding import ShardPlan
 from paramserver.errors import IncompatiblePlanError
-from paramserver.events import read_events
-from paramserver.protocol import PROTOCOL_VERSION, Message, Op
-from paramserver.server import ServerConfig
-from paramserver.sharding import ShardPlan
-from paramserver.transport import Channel
+from paramserver.observe.events import read_events
+from paramserver.server.loop import ServerConfig
+from paramserver.wire.protocol import PROTOCOL_VERSION, Message, Op
+from paramserver.wire.transport import Channel
 from paramserver.workers.launch.cluster import ClusterSpec, LocalCluster, run_cluster
 from paramserver.workers.stragglers import StragglerSpec
 from paramserver.workers.worker import WorkerConfig

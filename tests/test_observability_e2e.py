@@ -23,8 +23,8 @@ import pytest
 from rich.console import Console
 
 from paramserver.cli.watch import render_status
-from paramserver.events import read_events
-from paramserver.server import ServerConfig
+from paramserver.observe.events import read_events
+from paramserver.server.loop import ServerConfig
 from paramserver.workers.admin import shutdown_servers
 from paramserver.workers.launch.cluster import ClusterError, ClusterSpec, LocalCluster, run_cluster
 from paramserver.workers.stragglers import StragglerSpec

@@ -6,8 +6,7 @@ import pytest
 import torch
 from torch.optim.lr_scheduler import LRScheduler, StepLR
 
-from paramserver.errors import ConfigError, RegistryError
-from paramserver.optim import (
+from paramserver.core.optim import (
     OPTIMIZERS,
     REQUIRED,
     SCHEDULERS,
@@ -19,6 +18,7 @@ from paramserver.optim import (
     resolve_scheduler,
     scheduler_parameters,
 )
+from paramserver.errors import ConfigError, RegistryError
 
 
 def _leaf() -> torch.Tensor:

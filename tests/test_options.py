@@ -12,12 +12,12 @@ import pytest
 
 from paramserver.cli.main import main
 from paramserver.cli.options import field_specs
-from paramserver.coerce import coerce
-from paramserver.config import OPTION, ServerConfig, check_bounds
+from paramserver.core.optim import build_optimizer
 from paramserver.errors import ConfigError, RegistryError
-from paramserver.optim import build_optimizer
-from paramserver.plugins import Registry
-from paramserver.staleness import create_policy
+from paramserver.policies import create_policy
+from paramserver.server.config import OPTION, ServerConfig, check_bounds
+from paramserver.util.coerce import coerce
+from paramserver.util.plugins import Registry
 from paramserver.workers.launch.cluster import ClusterSpec
 from paramserver.workers.stragglers import StragglerSpec
 from paramserver.workers.worker import WorkerConfig
@@ -125,7 +125,8 @@ def test_one_registry_class():
 
 
 def test_one_dtype_table():
-    from paramserver import dtypes, sharding
+    from paramserver.core import sharding
+    from paramserver.util import dtypes
     from paramserver.workers import client
 
     assert sharding.DTYPES is dtypes.PARAM_DTYPES
@@ -135,7 +136,7 @@ def test_one_dtype_table():
 
 
 def test_server_config_moved_but_still_importable():
-    from paramserver import server
+    from paramserver.server import loop as server
 
     assert server.ServerConfig is ServerConfig
     assert re.search(r"class ServerConfig", Path(server.__file__).read_text()) is None

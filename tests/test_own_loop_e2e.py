@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from paramserver import ClusterSpec, ServerConfig, WorkerConfig, run_cluster
-from paramserver.events import read_events
+from paramserver.observe.events import read_events
 from tests import exact_tasks as T
 from tests.ports import free_port
 

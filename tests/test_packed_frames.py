@@ -13,9 +13,9 @@ import msgpack
 import pytest
 import torch
 
-from paramserver import protocol
 from paramserver.errors import ErrorCode, ProtocolError
-from paramserver.protocol import (
+from paramserver.wire import protocol
+from paramserver.wire.protocol import (
     PACK_BYTES,
     PROTOCOL_VERSION,
     Limits,
@@ -89,7 +89,7 @@ def test_a_packed_frame_stays_under_the_frame_cap(monkeypatch: pytest.MonkeyPatc
 
 
 def test_a_gradient_packed_in_slice_order_decodes_as_consecutive_views() -> None:
-    """The shard joins a push's slices by viewing them (paramserver/flat.py) when they
+    """The shard joins a push's slices by viewing them (paramserver/util/flat.py) when they
     are consecutive ranges of one buffer: a packed frame decodes to exactly that."""
     grads = {f"p{i}": torch.randn(128) for i in range(8)}
     got = decode(encode(Message(Op.PUSH, 1, PUSH, grads))).tensors

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from paramserver.core.sharding import ParamSpec, ShardPlan
 from paramserver.errors import ConfigError
-from paramserver.server import ServerConfig
-from paramserver.sharding import ParamSpec, ShardPlan
-from paramserver.sparse import TableSpec
+from paramserver.server.loop import ServerConfig
+from paramserver.sparse.shard import TableSpec
 from paramserver.workers.admin import server_stats
 from tests.test_hostile_e2e import PLAN, Hostile, Legit, _cluster, _rss
 

@@ -10,24 +10,24 @@ import math
 import pytest
 import torch
 
-from paramserver.bounds import AdaptiveBound
-from paramserver.core import CoreConfig, ModeSpec, ShardCore, SliceSpec
+from paramserver.core.shard import CoreConfig, ModeSpec, ShardCore, SliceSpec
 from paramserver.errors import ConfigError
 from paramserver.policies import (
-    AdaptiveBoundPolicy,
-    DCASGDAdaptivePolicy,
-    DCASGDPolicy,
-    GapAwarePolicy,
-    decode_tensors,
-    encode_tensors,
-)
-from paramserver.staleness import (
     BoundStats,
     Decision,
     StalenessPolicy,
     UpdateInfo,
     available_policies,
     create_policy,
+)
+from paramserver.policies.bounds import AdaptiveBound
+from paramserver.policies.research import (
+    AdaptiveBoundPolicy,
+    DCASGDAdaptivePolicy,
+    DCASGDPolicy,
+    GapAwarePolicy,
+    decode_tensors,
+    encode_tensors,
 )
 
 INFO = UpdateInfo(worker=0, shard=0, staleness=3, read_version=1, version=4, clock=1,
@@ -216,7 +216,7 @@ def test_core_bound_none_keeps_the_configured_one_and_bad_values_are_refused():
 
 def test_bound_policy_outside_ssp_is_ignored_with_a_warning(caplog):
     policy = _Scripted([0])
-    with caplog.at_level(logging.WARNING, logger="paramserver.core"):
+    with caplog.at_level(logging.WARNING, logger="paramserver.core.shard"):
         core = make_core(policy, mode="async")
     assert "no effect" in caplog.text
     core.push(0, 1, 0, 0, 1, {"w": t(0, 0, 0)}, 0.0)

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 import paramserver
 from paramserver.cli.main import main
 from paramserver.errors import ConfigError, ParamServerError
-from paramserver.proctitle import PREFIX, is_paramserver_program, set_title
+from paramserver.util.proctitle import PREFIX, is_paramserver_program, set_title
 from tests.ports import free_port
 
 pytestmark = pytest.mark.usefixtures("clean_env")  # tests/conftest.py
@@ -28,7 +28,7 @@ PACKAGE = Path(paramserver.__file__).parent
 def test_paramserver_programs_are_recognised_by_argv0() -> None:
     # the console script, and `python -m` of a core module or of one in a linked folder
     assert is_paramserver_program(str(Path(sys.executable).parent / "paramserver"))
-    assert is_paramserver_program(str(PACKAGE / "server.py"))
+    assert is_paramserver_program(str(PACKAGE / "server" / "loop.py"))
     assert is_paramserver_program(str(PACKAGE / "workers" / "worker.py"))
     assert is_paramserver_program(str(PACKAGE / "workers" / "launch" / "zygote.py"))
     assert is_paramserver_program(str(PACKAGE / "cli" / "__main__.py"))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from paramserver.errors import ErrorCode, ProtocolError
-from paramserver.protocol import (
+from paramserver.wire.protocol import (
     PROTOCOL_VERSION,
     Limits,
     Message,
@@ -136,7 +136,7 @@ def test_never_pickles():
 
 
 def test_prepared_tensors_encode_the_same_bytes_and_follow_the_weights() -> None:
-    from paramserver.protocol import PreparedTensors, usable
+    from paramserver.wire.protocol import PreparedTensors, usable
 
     flat = torch.arange(8, dtype=torch.float32)  # a shard's flat buffer: slices are views
     weights = {"a": flat[:6].view(2, 3), "b": torch.ones(4, dtype=torch.bfloat16),

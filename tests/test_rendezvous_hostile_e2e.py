@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from torch.distributed import TCPStore
 
-from paramserver.curve import generate_curve_keys
+from paramserver.wire.curve import generate_curve_keys
 from tests.ports import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]

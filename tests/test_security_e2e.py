@@ -12,18 +12,18 @@ import zmq
 from click.testing import CliRunner
 
 from paramserver.cli.keys import keys as keys_cli
-from paramserver.curve import CurveKeys, generate_curve_keys
+from paramserver.core.sharding import ShardPlan
 from paramserver.errors import (
     ConfigError,
     ParamServerError,
     RequestTimeoutError,
     TransportError,
 )
-from paramserver.events import read_events
-from paramserver.protocol import Message, Op, encode
-from paramserver.server import ServerConfig
-from paramserver.sharding import ShardPlan
-from paramserver.transport import RouterSocket
+from paramserver.observe.events import read_events
+from paramserver.server.loop import ServerConfig
+from paramserver.wire.curve import CurveKeys, generate_curve_keys
+from paramserver.wire.protocol import Message, Op, encode
+from paramserver.wire.transport import RouterSocket
 from paramserver.workers.client import PSClient
 from paramserver.workers.launch.cluster import ClusterSpec, Progress, run_cluster
 from paramserver.workers.stragglers import StragglerSpec

@@ -14,8 +14,8 @@ import threading
 import pytest
 import zmq
 
-from paramserver.protocol import Message, Op
-from paramserver.transport import SEND_WAIT_MS, Channel
+from paramserver.wire.protocol import Message, Op
+from paramserver.wire.transport import SEND_WAIT_MS, Channel
 from tests.ports import free_port
 
 

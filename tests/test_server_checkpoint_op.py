@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from paramserver.errors import ErrorCode, ProtocolError
-from paramserver.protocol import Message, Op
-from paramserver.server import ServerConfig, ShardServer
+from paramserver.server.loop import ServerConfig, ShardServer
+from paramserver.wire.protocol import Message, Op
 
 
 @pytest.mark.parametrize("path", ["../elsewhere", "/etc", "sub/../../x"])

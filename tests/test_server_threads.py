@@ -13,8 +13,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 SCRIPT = """
 import sys, torch
-from paramserver.config import ServerConfig
-from paramserver.server import ShardServer, _own_process
+from paramserver.server.config import ServerConfig
+from paramserver.server.loop import ShardServer, _own_process
 before = torch.get_num_threads()
 config = ServerConfig.from_dict({"bind": "tcp://127.0.0.1:0", **eval(sys.argv[1])})
 server = ShardServer(config)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from paramserver.core.sharding import ParamSpec, ShardPlan, Slice
 from paramserver.errors import ConfigError, RegistryError
-from paramserver.sharding import ParamSpec, ShardPlan, Slice
 
 MiB = 1024 * 1024
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,7 +52,7 @@ def test_hash_is_identical_in_another_process() -> None:
     plan = ShardPlan.from_module(_mlp(), num_shards=3, chunk_bytes=64 * 1024)
     code = (
         "import json, sys, torch\n"
-        "from paramserver.sharding import ShardPlan\n"
+        "from paramserver.core.sharding import ShardPlan\n"
         "torch.manual_seed(123)\n"  # weights differ; the plan must not depend on them
         "m = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(),"
         " torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 10))\n"
@@ -338,7 +338,7 @@ def test_paramspec_properties() -> None:
 
 
 def test_copy_bytes_matches_copy_for_every_layout() -> None:
-    from paramserver.dtypes import copy_bytes
+    from paramserver.util.dtypes import copy_bytes
 
     src = torch.arange(24, dtype=torch.float32).reshape(4, 6)
     for source in (src, src.t(), src.reshape(-1)):  # contiguous, strided, flat

@@ -8,9 +8,9 @@ import os
 import pytest
 import torch
 
-from paramserver import shm
 from paramserver.errors import ProtocolError
-from paramserver.protocol import DEFAULT_LIMITS, Message, Op
+from paramserver.shm import link as shm
+from paramserver.wire.protocol import DEFAULT_LIMITS, Message, Op
 
 pytestmark = pytest.mark.skipif(not shm.SHM_DIR.is_dir(), reason="no /dev/shm")
 

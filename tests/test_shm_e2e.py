@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from paramserver import shm
-from paramserver.curve import CurveKeys, generate_curve_keys
-from paramserver.server import ServerConfig
-from paramserver.sharding import ShardPlan
+from paramserver.core.sharding import ShardPlan
+from paramserver.server.loop import ServerConfig
+from paramserver.shm import link as shm
+from paramserver.wire.curve import CurveKeys, generate_curve_keys
 from paramserver.workers.admin import server_stats
 from paramserver.workers.client import PSClient
 from paramserver.workers.launch.cluster import ClusterSpec, LocalCluster
@@ -121,7 +121,7 @@ def test_shared_memory_gives_the_results_of_tcp(tmp_path, monkeypatch, mode, wor
 
 _WORKER = """
 import sys, torch
-from paramserver.sharding import ShardPlan
+from paramserver.core.sharding import ShardPlan
 from paramserver.workers.client import PSClient
 torch.manual_seed(0)
 model = torch.nn.Linear(256, 128)  # over shm.MIN_BYTES

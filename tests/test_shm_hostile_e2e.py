@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 import torch
 
-from paramserver import shm
-from paramserver.board import HEADER
-from paramserver.protocol import PROTOCOL_VERSION, decode
-from paramserver.sharding import ParamSpec, ShardPlan
+from paramserver.core.sharding import ParamSpec, ShardPlan
+from paramserver.shm import link as shm
+from paramserver.shm.board import HEADER
+from paramserver.wire.protocol import PROTOCOL_VERSION, decode
 from paramserver.workers.admin import server_stats
 from paramserver.workers.client import PSClient
 from tests.test_hostile_e2e import Hostile, _cluster

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from paramserver import board, shm
-from paramserver.flat import FlatLayout
-from paramserver.protocol import DEFAULT_LIMITS
+from paramserver.shm import board
+from paramserver.shm import link as shm
+from paramserver.util.flat import FlatLayout
+from paramserver.wire.protocol import DEFAULT_LIMITS
 
 pytestmark = pytest.mark.skipif(not shm.SHM_DIR.is_dir(), reason="no /dev/shm")
 

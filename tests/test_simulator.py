@@ -14,8 +14,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from paramserver.events import read_events
-from paramserver.server import ServerConfig
+from paramserver.observe.events import read_events
+from paramserver.server.loop import ServerConfig
 from paramserver.workers.launch.cluster import ClusterSpec, Progress, run_cluster
 from paramserver.workers.launch.virtual import SimSpec, Simulator, run_simulation
 from paramserver.workers.stragglers import StragglerSpec

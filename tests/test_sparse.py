@@ -1,4 +1,4 @@
-"""The row-sparse core (paramserver/sparse.py) without sockets: placement, seeded
+"""The row-sparse core (paramserver/sparse/shard.py) without sockets: placement, seeded
 initialization, validation, sync rounds, async staleness, optimizers, checkpoints."""
 
 from __future__ import annotations
@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from paramserver.core.sharding import ParamSpec, ShardPlan
 from paramserver.errors import ConfigError, ProtocolError
-from paramserver.sharding import ParamSpec, ShardPlan
-from paramserver.sparse import (
+from paramserver.policies import Decision, NoPolicy, StalenessPolicy, UpdateInfo
+from paramserver.sparse.shard import (
     SparseShard,
     TableSpec,
     full_table,
@@ -16,7 +17,6 @@ from paramserver.sparse import (
     owned_rows,
     shard_of,
 )
-from paramserver.staleness import Decision, NoPolicy, StalenessPolicy, UpdateInfo
 
 SPEC = TableSpec("emb", 1000, 4, "float64", "normal", 0.5, seed=3)
 

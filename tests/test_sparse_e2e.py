@@ -26,10 +26,10 @@ from paramserver import (
     WorkerConfig,
     run_cluster,
 )
-from paramserver.checkpoint import load_shard
 from paramserver.cli.checkpoint import checkpoint as checkpoint_cli
-from paramserver.protocol import PROTOCOL_VERSION, Message, Op, decode, encode
-from paramserver.sparse import full_table, owned_rows
+from paramserver.persist.checkpoint import load_shard
+from paramserver.sparse.shard import full_table, owned_rows
+from paramserver.wire.protocol import PROTOCOL_VERSION, Message, Op, decode, encode
 from paramserver.workers.admin import server_stats, shutdown_servers
 from paramserver.workers.client import PSClient
 from paramserver.workers.embedding import pull_tables

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import torch
 
-from paramserver.protocol import Op, decode
-from paramserver.sharding import ParamSpec, ShardPlan
-from paramserver.sparse import MAX_REQUEST_ROWS, TableSpec
+from paramserver.core.sharding import ParamSpec, ShardPlan
+from paramserver.sparse.shard import MAX_REQUEST_ROWS, TableSpec
+from paramserver.wire.protocol import Op, decode
 from paramserver.workers.admin import report_dead, server_stats
 from tests.test_hostile_e2e import Hostile, _cluster, _f32, _rss
 

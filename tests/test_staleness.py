@@ -6,9 +6,10 @@ import sys
 
 import pytest
 
-from paramserver import plugins
-from paramserver import staleness as S
+from paramserver import policies as S
 from paramserver.errors import ConfigError, RegistryError
+from paramserver.policies import registry
+from paramserver.util import plugins
 
 
 def info(tau, worker=0):
@@ -75,7 +76,7 @@ def test_entry_point_plugin(tmp_path, monkeypatch):
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(plugins, "_loaded", set())
-    monkeypatch.setattr(S, "_REGISTRY", dict(S._REGISTRY))
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
     assert "halve" in S.available_policies()
     assert S.create_policy("halve").decide(info(3)).weight == 0.5
     assert "tests" in sys.modules

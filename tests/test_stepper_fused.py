@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paramserver.probe import Probe
-from paramserver.records import CoreConfig
-from paramserver.stepper import Stepper, is_plain_sgd
+from paramserver.core.probe import Probe
+from paramserver.core.records import CoreConfig
+from paramserver.core.stepper import Stepper, is_plain_sgd
 
 
 def _step(stepper: Stepper, params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor],

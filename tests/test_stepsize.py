@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from paramserver.config import ServerConfig
-from paramserver.core import CoreConfig, ModeSpec, ShardCore, SliceSpec
+from paramserver.core.shard import CoreConfig, ModeSpec, ShardCore, SliceSpec
+from paramserver.core.stepsize import LrRule, MomentumCompensation
 from paramserver.errors import ConfigError
-from paramserver.stepsize import LrRule, MomentumCompensation
+from paramserver.server.config import ServerConfig
 
 KEYS = [SliceSpec("w", 3, "float64")]
 

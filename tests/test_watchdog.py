@@ -8,7 +8,7 @@ import random
 import pytest
 
 from paramserver.errors import ConfigError
-from paramserver.watchdog import (
+from paramserver.observe.watchdog import (
     DIVERGENCE,
     SIGNALS,
     Alarm,
@@ -297,7 +297,7 @@ def test_alarm_as_dict_is_json_ready():
 def test_core_reports_exact_gradient_and_update_figures(optimizer, args):
     import torch
 
-    from paramserver.core import CoreConfig, GradStats, ShardCore, SliceSpec, StepStats
+    from paramserver.core.shard import CoreConfig, GradStats, ShardCore, SliceSpec, StepStats
 
     core = ShardCore([SliceSpec("a", 3, "float32"), SliceSpec("b", 2, "float32")],
                      CoreConfig(optimizer=optimizer, optimizer_args=args))
@@ -329,7 +329,7 @@ def test_core_reports_exact_gradient_and_update_figures(optimizer, args):
 def test_core_samples_one_push_in_n():
     import torch
 
-    from paramserver.core import CoreConfig, GradStats, ShardCore, SliceSpec
+    from paramserver.core.shard import CoreConfig, GradStats, ShardCore, SliceSpec
 
     core = ShardCore([SliceSpec("a", 4, "float32")], CoreConfig())
     seen: list = []
@@ -345,8 +345,8 @@ def test_core_samples_one_push_in_n():
 def test_core_measures_big_shards_one_push_in_n_by_default(monkeypatch):
     import torch
 
-    import paramserver.probe as probe_module
-    from paramserver.core import CoreConfig, GradStats, ShardCore, SliceSpec
+    import paramserver.core.probe as probe_module
+    from paramserver.core.shard import CoreConfig, GradStats, ShardCore, SliceSpec
 
     monkeypatch.setattr(probe_module, "_OBSERVE_ELEMENTS", 2)  # "big" = more than 2 elements
     core = ShardCore([SliceSpec("a", 5, "float32")], CoreConfig())
@@ -365,7 +365,14 @@ def test_a_shedding_core_measures_each_workers_pushes_in_turn():
     measure one worker only); every push still reports its exact norm."""
     import torch
 
-    from paramserver.core import CoreConfig, GradStats, ModeSpec, ShardCore, SliceSpec, StepStats
+    from paramserver.core.shard import (
+        CoreConfig,
+        GradStats,
+        ModeSpec,
+        ShardCore,
+        SliceSpec,
+        StepStats,
+    )
 
     core = ShardCore([SliceSpec("a", 4, "float32")],
                      CoreConfig(mode=ModeSpec("async"), expected_workers=2))
@@ -391,8 +398,8 @@ def test_a_shedding_core_measures_each_workers_pushes_in_turn():
 
 
 def test_the_measure_budget_sheds_past_its_share_and_comes_back():
+    from paramserver.core.probe import MeasureBudget
     from paramserver.errors import ConfigError
-    from paramserver.probe import MeasureBudget
 
     budget = MeasureBudget(0.1, window=1.0)
     now = 0.0
@@ -425,8 +432,15 @@ def test_big_shards_measure_cosine_and_updates_on_a_strided_sample(monkeypatch, 
                                                                     momentum, mode):
     import torch
 
-    import paramserver.probe as probe_module
-    from paramserver.core import CoreConfig, GradStats, ModeSpec, ShardCore, SliceSpec, StepStats
+    import paramserver.core.probe as probe_module
+    from paramserver.core.shard import (
+        CoreConfig,
+        GradStats,
+        ModeSpec,
+        ShardCore,
+        SliceSpec,
+        StepStats,
+    )
 
     monkeypatch.setattr(probe_module, "_SAMPLE_ELEMENTS", 1000)
     monkeypatch.setattr(probe_module, "_CAT_ELEMENTS", cat_elements)

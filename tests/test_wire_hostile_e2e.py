@@ -23,13 +23,13 @@ import torch
 from rich.console import Console
 
 from paramserver.cli.status import collect, render
-from paramserver.curve import generate_curve_keys
+from paramserver.core.records import MAX_REASONS, OTHER_REASONS, STATS_WORKERS, WorkerState
 from paramserver.errors import RemoteError
-from paramserver.protocol import DEFAULT_LIMITS, MAX_HEADER_BYTES, Message, Op, decode, encode
-from paramserver.records import MAX_REASONS, OTHER_REASONS, STATS_WORKERS, WorkerState
-from paramserver.report import STATS_BYTES, fit
-from paramserver.server import DIVERGED_EXIT_CODE, ServerConfig
-from paramserver.staleness import Decision
+from paramserver.policies import Decision
+from paramserver.server.loop import DIVERGED_EXIT_CODE, ServerConfig
+from paramserver.wire.curve import generate_curve_keys
+from paramserver.wire.protocol import DEFAULT_LIMITS, MAX_HEADER_BYTES, Message, Op, decode, encode
+from paramserver.wire.stats import STATS_BYTES, fit
 from paramserver.workers.admin import server_stats
 from paramserver.workers.launch.cluster import ClusterSpec, LocalCluster
 from paramserver.workers.worker import WorkerConfig

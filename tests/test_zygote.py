@@ -122,7 +122,7 @@ def test_a_launcher_killed_with_sigkill_leaves_no_child_behind():
 
 def run_tiny_cluster(tmp_path, mode="sync", workers=2, steps=5):
     """Run a small local cluster to the end; (the process handles' types, shard 0's STATS)."""
-    from paramserver.server import ServerConfig
+    from paramserver.server.loop import ServerConfig
     from paramserver.workers.admin import server_stats
     from paramserver.workers.launch.cluster import ClusterSpec, LocalCluster
     from paramserver.workers.worker import WorkerConfig

@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 
-from paramserver.curve import CurveKeys
+from paramserver.core.sharding import DTYPES, ShardPlan
 from paramserver.errors import RemoteError, TransportError
-from paramserver.protocol import Message, Op
-from paramserver.sharding import DTYPES, ShardPlan
-from paramserver.transport import Channel, request_all
+from paramserver.wire.curve import CurveKeys
+from paramserver.wire.protocol import Message, Op
+from paramserver.wire.transport import Channel, SideChannel, request_all
 
 from .client import PSClient
 
@@ -58,7 +58,7 @@ def shutdown_servers(addresses: Sequence[str], timeout: float = 10.0,
     """Ask each server to stop; returns the addresses that did not answer."""
     failed = []
     for i, addr in enumerate(addresses):
-        ch = Channel(addr, peer=f"shard {i}", curve=curve)
+        ch: Channel[SideChannel] = Channel(addr, peer=f"shard {i}", curve=curve)
         try:
             ch.request(Message(Op.SHUTDOWN), timeout)
         except (TransportError, RemoteError) as exc:
@@ -72,7 +72,8 @@ def shutdown_servers(addresses: Sequence[str], timeout: float = 10.0,
 def _ask_all(addresses: Sequence[str], make: Callable[[], Message], timeout: float,
              curve: CurveKeys | None, retries: int = 0) -> list[dict[str, Any]]:
     """One request to every server on fresh channels, without registering; the replies' fields."""
-    chans = [Channel(a, peer=f"shard {i}", curve=curve) for i, a in enumerate(addresses)]
+    chans: list[Channel[SideChannel]] = [Channel(a, peer=f"shard {i}", curve=curve)
+                                         for i, a in enumerate(addresses)]
     try:
         msgs = [make() for _ in chans]
         replies = request_all(chans, msgs, timeout, msgs[0].op.value.upper() if msgs else None,

@@ -21,8 +21,7 @@ from typing import Any
 
 import torch
 
-from paramserver.curve import CurveKeys
-from paramserver.dtypes import GRAD_WIRE_DTYPES
+from paramserver.core.sharding import DTYPES, ShardPlan
 from paramserver.errors import (
     ConfigError,
     DuplicateWorkerError,
@@ -33,13 +32,14 @@ from paramserver.errors import (
     RemoteError,
     TransportError,
 )
-from paramserver.lanes import SmallShare
-from paramserver.protocol import PROTOCOL_VERSION, Message, Op, PreparedTensors
-from paramserver.sharding import DTYPES, ShardPlan
-from paramserver.shm import MIN_BYTES as SHM_MIN_BYTES
-from paramserver.shm import ShmLink
-from paramserver.shm import enabled as shm_enabled
-from paramserver.transport import Channel, request_all
+from paramserver.shm.link import MIN_BYTES as SHM_MIN_BYTES
+from paramserver.shm.link import ShmLink
+from paramserver.shm.link import enabled as shm_enabled
+from paramserver.util.dtypes import GRAD_WIRE_DTYPES
+from paramserver.wire.curve import CurveKeys
+from paramserver.wire.lanes import SmallShare
+from paramserver.wire.protocol import PROTOCOL_VERSION, Message, Op, PreparedTensors
+from paramserver.wire.transport import Channel, request_all
 from paramserver.workers.landing import land, land_over_tcp, ticket_bytes
 from paramserver.workers.liveness import Heartbeat, Patience
 from paramserver.workers.pushstream import PushStream
@@ -138,10 +138,11 @@ class PSClient:
         self.initialized = False  # every shard held weights at connect()
         self.incarnation = uuid.uuid4().hex
         # a worker on a shard's host moves tensors through shared memory if the
-        # shard agrees at HELLO (paramserver/shm.py); anything else goes over TCP
+        # shard agrees at HELLO (paramserver/shm/link.py); anything else goes over TCP
         # (``shm=False``: TCP even then, as the benchmark's ps-tcp row measures)
         use_shm = shm and role == "worker" and shm_enabled()
-        self.channels = [Channel(a, peer=f"shard {i}", curve=curve, drop_rate=drop_rate,
+        self.channels: list[Channel[ShmLink]] = [
+            Channel(a, peer=f"shard {i}", curve=curve, drop_rate=drop_rate,
                                  seed=worker * 1000 + i,
                                  shm=ShmLink([(sl.key, sl.nbytes) for sl in plan.shard_slices(i)],
                                              f"w{worker}s{i}")
@@ -166,7 +167,7 @@ class PSClient:
         self._largest_share = max(
             (sum(s.numel * DTYPES[s.dtype].itemsize for s in sl) for sl in self._shard_slices),
             default=0)
-        # a small model's shares, gathered and landed in a few calls (paramserver/lanes.py);
+        # a small model's shares, gathered and landed in a few calls (paramserver/wire/lanes.py);
         # not where gradients are narrowed or pushes go in parts
         whole = self.wire_dtype is None and (not part_bytes or self._largest_share <= part_bytes)
         self._small = [SmallShare.of(plan, s) if whole else None for s in range(plan.num_shards)]
@@ -247,7 +248,7 @@ class PSClient:
 
     def _prove_shm(self, shards: Sequence[int]) -> None:
         """HELLO again to the shards that answered our shared-memory offer with a
-        challenge (its nonce is in our segment now, paramserver/shm.py): the reply
+        challenge (its nonce is in our segment now, paramserver/shm/link.py): the reply
         grants the board. A shard that refuses the proof leaves us on TCP."""
         asked = [s for s in shards if (link := self.channels[s].shm) is not None
                  and link.proving]

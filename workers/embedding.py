@@ -6,7 +6,7 @@ flight at once) and returns the looked-up embeddings with autograd connected
 to those rows. On :meth:`DistributedOptimizer.step` the rows' gradients are
 summed per unique id and pushed as (row ids, values) to their shards (one
 SPUSH per shard), before the dense push. Shards initialize the table from its
-rule and seed (:class:`paramserver.sparse.TableSpec`);
+rule and seed (:class:`paramserver.sparse.shard.TableSpec`);
 :meth:`ShardedEmbedding.from_pretrained` streams a given table in instead.
 """
 
@@ -27,9 +27,9 @@ from paramserver.errors import (
     NotRegisteredError,
     RemoteError,
 )
-from paramserver.protocol import Message, Op
-from paramserver.sparse import MAX_REQUEST_ROWS, TableSpec, owned_rows, shard_of
-from paramserver.transport import request_all
+from paramserver.sparse.shard import MAX_REQUEST_ROWS, TableSpec, owned_rows, shard_of
+from paramserver.wire.protocol import Message, Op
+from paramserver.wire.transport import request_all
 from paramserver.workers.client import PART_BYTES, PSClient
 from paramserver.workers.liveness import Patience
 

@@ -1,5 +1,5 @@
 """Pulled weights into the model: from a reply's frames, or from a shard's
-shared-memory weight board through the ticket the reply carries (paramserver/shm.py)."""
+shared-memory weight board through the ticket the reply carries (paramserver/shm/link.py)."""
 
 from __future__ import annotations
 
@@ -8,16 +8,17 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from paramserver.protocol import Message
-from paramserver.sharding import ShardPlan
-from paramserver.transport import Channel
+from paramserver.core.sharding import ShardPlan
+from paramserver.shm.link import ShmLink
+from paramserver.wire.protocol import Message
+from paramserver.wire.transport import Channel
 
 __all__ = ["land", "land_over_tcp", "ticket_bytes"]
 
 log = logging.getLogger(__name__)
 
 
-def land(plan: ShardPlan, channel: Channel, params: Mapping[str, torch.Tensor],
+def land(plan: ShardPlan, channel: Channel[ShmLink], params: Mapping[str, torch.Tensor],
          rep: Message) -> bool:
     """Copy one shard's weights from its reply into ``params``. A reply through
     shared memory is a ticket to the shard's board: copied under its seqlock, the

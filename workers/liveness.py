@@ -18,10 +18,11 @@ from typing import Any, Protocol
 
 import zmq
 
-from paramserver.curve import CurveKeys
 from paramserver.errors import BarrierTimeoutError, RequestTimeoutError
-from paramserver.protocol import Message, Op
-from paramserver.transport import Channel
+from paramserver.shm.link import ShmLink
+from paramserver.wire.curve import CurveKeys
+from paramserver.wire.protocol import Message, Op
+from paramserver.wire.transport import Channel, SideChannel
 
 __all__ = ["Heartbeat", "Patience", "Waiter", "span"]
 
@@ -35,7 +36,7 @@ class Waiter(Protocol):
     attempt_timeout: float
     barrier_timeout: float
     worker: int
-    channels: list[Channel]
+    channels: list[Channel[ShmLink]]
 
 
 class Heartbeat(threading.Thread):
@@ -59,7 +60,8 @@ class Heartbeat(threading.Thread):
 
     def run(self) -> None:
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        chans = [Channel(a, peer=f"shard {i}", curve=self.curve, context=ctx)
+        chans: list[Channel[SideChannel]] = [
+            Channel(a, peer=f"shard {i}", curve=self.curve, context=ctx)
                  for i, a in enumerate(self.addresses)]
         try:
             while not self._stop_event.wait(self.interval):

@@ -37,11 +37,11 @@ from typing import Any
 
 import torch
 
-from paramserver.curve import CurveKeys
+from paramserver.core.sharding import ParamSpec, ShardPlan, dtype_name
 from paramserver.errors import ConfigError
-from paramserver.events import EventLog, write_json
-from paramserver.sharding import ParamSpec, ShardPlan, dtype_name
-from paramserver.sparse import TableSpec
+from paramserver.observe.events import EventLog, write_json
+from paramserver.sparse.shard import TableSpec
+from paramserver.wire.curve import CurveKeys
 from paramserver.workers.client import PART_BYTES, PSClient, PullResult, PushResult, PushStream
 from paramserver.workers.embedding import SparseClient, sparse_modules
 from paramserver.workers.overlap import BucketHooks

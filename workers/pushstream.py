@@ -2,7 +2,7 @@
 
 With ``prefetch`` the last part to each shard also asks for the next weights.
 Where those come over TCP, the earlier parts ask for them too (``early``): a
-shard that steps its round ahead part by part (paramserver/ahead.py) answers a
+shard that steps its round ahead part by part (paramserver/core/ahead.py) answers a
 part with the next weights of that part's slices, so they travel while later
 parts are still being computed and sent (issue 17, item 4). They are only
 provisional: the round's answer says how many slices went back early
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from paramserver.errors import ConfigError, FutureVersionError
-from paramserver.protocol import Message, Op
+from paramserver.wire.protocol import Message, Op
 
 if TYPE_CHECKING:
     from paramserver.workers.client import PSClient, PullResult, PushResult

@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from paramserver.config import option
 from paramserver.errors import ConfigError
+from paramserver.server.config import option
 
 __all__ = ["DELAY_KINDS", "STRAGGLER_KEYS", "Straggler", "StragglerSpec", "parse_straggler_items"]
 

@@ -32,10 +32,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paramserver.coerce import coerce
-from paramserver.dtypes import TASK_DTYPES
 from paramserver.errors import ConfigError, RegistryError
-from paramserver.plugins import Registry
+from paramserver.util.coerce import coerce
+from paramserver.util.dtypes import TASK_DTYPES
+from paramserver.util.plugins import Registry
 
 __all__ = [
     "ENTRY_POINT_GROUP",

@@ -21,12 +21,12 @@ from typing import Any, ClassVar
 
 import torch
 
-from paramserver.config import ConfigRecord, check_bounds, option
-from paramserver.dtypes import GRAD_WIRE_DTYPES
+from paramserver.core.sharding import ShardPlan
 from paramserver.errors import ConfigError, TooManyWorkersError, WorkerInUseError
-from paramserver.events import EventLog, write_json
-from paramserver.proctitle import set_title
-from paramserver.sharding import ShardPlan
+from paramserver.observe.events import EventLog, write_json
+from paramserver.server.config import ConfigRecord, check_bounds, option
+from paramserver.util.dtypes import GRAD_WIRE_DTYPES
+from paramserver.util.proctitle import set_title
 from paramserver.workers.client import PART_BYTES
 from paramserver.workers.optimizer import DistributedOptimizer
 from paramserver.workers.stragglers import Straggler, StragglerSpec

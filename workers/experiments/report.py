@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from paramserver.errors import ConfigError
-from paramserver.events import read_events
+from paramserver.observe.events import read_events
 
 __all__ = [
     "ClaimCheck",

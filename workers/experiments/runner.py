@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from paramserver.errors import ConfigError, ParamServerError
-from paramserver.events import read_events
+from paramserver.observe.events import read_events
 from paramserver.workers.experiments.report import ReportFiles, write_report
 from paramserver.workers.experiments.spec import ExperimentSpec, RunPlan, dump_spec
 from paramserver.workers.launch.cluster import Progress, run_cluster

@@ -36,11 +36,11 @@ from typing import Any
 import tomli_w
 import torch
 
+from paramserver.core.optim import build_optimizer
+from paramserver.core.stepsize import LrRule
 from paramserver.errors import ConfigError
-from paramserver.optim import build_optimizer
-from paramserver.server import ServerConfig
-from paramserver.staleness import create_policy, parse_policy_args
-from paramserver.stepsize import LrRule
+from paramserver.policies import create_policy, parse_policy_args
+from paramserver.server.loop import ServerConfig
 from paramserver.workers.launch.cluster import ClusterSpec
 from paramserver.workers.stragglers import StragglerSpec
 from paramserver.workers.tasks import resolve_task, task_parameters

@@ -32,12 +32,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from paramserver.config import option
-from paramserver.curve import CurveKeys, admin_key_pair, public_key
 from paramserver.errors import ConfigError, ParamServerError, RequestTimeoutError
-from paramserver.events import write_json
-from paramserver.observe import JsonlFollower, LauncherObserver
-from paramserver.server import READY_PREFIX, ServerConfig
+from paramserver.observe.events import write_json
+from paramserver.observe.recorder import JsonlFollower, LauncherObserver
+from paramserver.server.config import option
+from paramserver.server.loop import READY_PREFIX, ServerConfig
+from paramserver.wire.curve import CurveKeys, admin_key_pair, public_key
 from paramserver.workers.launch.processes import (
     ProcessInfo,
     WorkerSummary,
@@ -307,7 +307,8 @@ class LocalCluster:
                 )
         finally:
             log_file.close()
-        self._started(ProcessInfo(name, "server" if module == "paramserver.server" else "worker",
+        role = "server" if module == "paramserver.server.loop" else "worker"
+        self._started(ProcessInfo(name, role,
                                   popen.pid, time.time()))
         return _Proc(name, popen, log_path)
 
@@ -343,7 +344,7 @@ class LocalCluster:
         self.observer.start(spec=self.spec.to_dict())
         for shard in range(self.spec.num_servers):
             cfg = self.spec.server_config(shard, self.out)
-            self.servers.append(self._spawn(f"server{shard}", "paramserver.server",
+            self.servers.append(self._spawn(f"server{shard}", "paramserver.server.loop",
                                             cfg.to_dict(), ready_pipe=True))
         deadline = time.monotonic() + self.spec.startup_timeout
         self.addresses = [self._await_ready(p, deadline) for p in self.servers]
@@ -534,7 +535,7 @@ class LocalCluster:
 
     def _restart_server(self, shard: int) -> None:
         """Same shard, same address, state from its latest checkpoint (if any)."""
-        from paramserver.checkpoint import CheckpointError, load_shard
+        from paramserver.persist.checkpoint import CheckpointError, load_shard
 
         cfg = self.spec.server_config(shard, self.out)
         cfg.bind = self.addresses[shard]
@@ -549,7 +550,7 @@ class LocalCluster:
         old = self.servers[shard]
         if old.popen.stdout is not None:
             old.popen.stdout.close()
-        proc = self._spawn(f"server{shard}", "paramserver.server", cfg.to_dict(),
+        proc = self._spawn(f"server{shard}", "paramserver.server.loop", cfg.to_dict(),
                            ready_pipe=True, append=True)
         self.servers[shard] = proc
         self._await_ready(proc, time.monotonic() + self.spec.startup_timeout)
@@ -614,7 +615,7 @@ def final_eval(spec: ClusterSpec, addresses: list[str], out: Path) -> dict[str, 
     (a state_dict for ``load_state_dict``) and evaluate them on held-out data."""
     from safetensors.torch import save_file
 
-    from paramserver.sharding import ShardPlan
+    from paramserver.core.sharding import ShardPlan
     from paramserver.workers.client import PSClient
     from paramserver.workers.tasks import evaluate
     from paramserver.workers.worker import build_task

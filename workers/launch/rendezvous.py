@@ -52,10 +52,10 @@ from typing import Any
 
 from torch.distributed import DistError, DistNetworkError, DistStoreError, TCPStore
 
-from paramserver.curve import CurveKeys
+from paramserver.core.sharding import ShardPlan
 from paramserver.errors import ConfigError, ParamServerError, TransportError
-from paramserver.server import ServerConfig, run_server
-from paramserver.sharding import ShardPlan
+from paramserver.server.loop import ServerConfig, run_server
+from paramserver.wire.curve import CurveKeys
 from paramserver.workers.admin import save_final_model
 from paramserver.workers.optimizer import read_plan
 from paramserver.workers.worker import WorkerConfig, build_task, run_worker, worker_title
@@ -465,7 +465,7 @@ def run_server_rank(config: ServerConfig, rdzv: Rendezvous,
     once its own authenticated records agree (every worker said BYE or died; see
     ``ShardServer._job_over``), and serves on otherwise.
 
-    Returns :func:`~paramserver.server.run_server`'s exit code."""
+    Returns :func:`~paramserver.server.loop.run_server`'s exit code."""
     stopping = threading.Event()
     job_done = threading.Event()
 

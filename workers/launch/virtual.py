@@ -3,8 +3,8 @@
 ``run_simulation(spec, out_dir)`` runs the configuration a
 :class:`~paramserver.workers.launch.cluster.ClusterSpec` describes, as
 :func:`~paramserver.workers.launch.cluster.run_cluster` would, but with no sockets and
-no processes: one :class:`~paramserver.core.ShardCore` per shard (split by the same
-:class:`~paramserver.sharding.ShardPlan`), the same torch optimizer, staleness policy
+no processes: one :class:`~paramserver.core.shard.ShardCore` per shard (split by the same
+:class:`~paramserver.core.sharding.ShardPlan`), the same torch optimizer, staleness policy
 and task, and M *virtual* workers whose steps take virtual time. So 64 or 256
 workers fit on a laptop, and a run is exactly reproducible from its seed.
 
@@ -44,11 +44,11 @@ from typing import IO, TYPE_CHECKING, Any
 
 import torch
 
-from paramserver.core import GradStats, ShardCore, SliceSpec, StepStats
+from paramserver.core.shard import GradStats, ShardCore, SliceSpec, StepStats
+from paramserver.core.sharding import ShardPlan
 from paramserver.errors import ConfigError, ParamServerError, ProtocolError
-from paramserver.events import write_json
-from paramserver.sharding import ShardPlan
-from paramserver.staleness import create_policy
+from paramserver.observe.events import write_json
+from paramserver.policies import create_policy
 from paramserver.workers.launch.cluster import ClusterSpec, Progress
 from paramserver.workers.stragglers import Straggler
 from paramserver.workers.tasks import Task, evaluate
@@ -128,7 +128,8 @@ def _torch_threads(n: int) -> Iterator[None]:
 
 
 class VirtualEventLog:
-    """JSONL event log like :class:`~paramserver.events.EventLog`, stamped with virtual time."""
+    """JSONL event log like :class:`~paramserver.observe.events.EventLog`, stamped with
+    virtual time."""
 
     def __init__(self, path: str | Path | None, clock: Callable[[], float]) -> None:
         self.path = Path(path) if path else None

@@ -55,7 +55,8 @@ log = logging.getLogger(__name__)
 #: Not the entry modules themselves: runpy runs those as __main__, fresh.
 PRELOAD = (
     "numpy", "torch", "torch.optim", "torch._dynamo", "zmq", "msgpack", "safetensors.torch",
-    "paramserver.core", "paramserver.transport", "paramserver.observe", "paramserver.checkpoint",
+    "paramserver.core.shard", "paramserver.wire.transport", "paramserver.observe.recorder",
+    "paramserver.persist.checkpoint",
     "paramserver.workers.client", "paramserver.workers.tasks",
 )
 _PR_SET_PDEATHSIG = 1
@@ -432,7 +433,7 @@ def _serve(fd: int) -> None:
 
 
 if __name__ == "__main__":
-    from paramserver.proctitle import set_title
+    from paramserver.util.proctitle import set_title
 
     # its children rename themselves at once; the zygote itself says what it is
     set_title(f"zygote (launcher pid {os.getppid()})")

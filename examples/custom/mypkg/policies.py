@@ -1,6 +1,6 @@
 """A custom staleness policy: full weight up to a tolerance, then a hinge decay.
 
-A policy subclasses :class:`paramserver.staleness.StalenessPolicy`, names itself
+A policy subclasses :class:`paramserver.policies.StalenessPolicy`, names itself
 with ``name`` and decides on every push in :meth:`decide`. It must be pure: no
 I/O, no clocks, no randomness it does not own. Constructor arguments are its
 ``--policy NAME:key=value`` arguments; annotate them so strings are converted.

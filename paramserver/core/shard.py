@@ -1,0 +1,673 @@
+"""The shard's state machine, with no I/O: every consistency rule lives here once.
+
+``ShardCore`` holds one shard's parameter slices as torch tensors and a
+torch.optim optimizer over them, the shard's ``version`` (optimizer steps
+applied), every worker's ``clock`` (pushes completed) and liveness, and the
+rules of the three modes:
+
+* ``sync`` (BSP): a round at version v closes when every live worker has
+  pushed a gradient read at v (or all but ``backup_workers``); one optimizer
+  step with the sample-weighted mean ``sum(n_i w_i g_i) / sum(n_i)``. A pull by
+  a worker that contributed to the open round waits for the round to close.
+  A push may come in parts, each added into the round's one buffer as it
+  arrives (the shard never holds a worker's whole gradient); a push given up
+  half-way (its worker died, a part was not finite) voids the round: it
+  closes without a step, since what was added cannot be taken back out.
+* ``async`` (ASP): every accepted push is its own optimizer step.
+* ``ssp``: as async, plus a pull by a worker at clock c is answered only when
+  ``c - min(clock of live workers) <= s``, where s is ``staleness_bound`` or,
+  if the policy overrides :meth:`StalenessPolicy.staleness_bound`, the bound
+  it returns from the shard's measured waiting and staleness (adaptive SSP).
+
+Time is an argument (``now``, seconds), never read from a clock, so the same
+core runs under the socket server, in unit tests and in a virtual-time
+simulator. Waiting is expressed as parked pull *tokens*; after any event the
+driver calls :meth:`ShardCore.ready_pulls` and answers what it returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
+from typing import Any
+
+import torch
+
+from paramserver.core import report, snapshot
+from paramserver.core.ahead import StepAhead
+from paramserver.core.membership import Membership
+from paramserver.core.probe import GradStats, Probe, StepStats, all_finite, norm_and_span
+from paramserver.core.records import (
+    DTYPES,
+    MAX_WORKERS,
+    MODES,
+    STATS_WORKERS,
+    BoundTotals,
+    CoreConfig,
+    ModeSpec,
+    PendingPull,
+    PullQueue,
+    PullReply,
+    PushOutcome,
+    SliceSpec,
+    WorkerState,
+    check_header,
+    check_tensors,
+    slice_table,
+)
+from paramserver.core.rounds import Seeding, Stream, SyncRound
+from paramserver.core.stepper import Stepper
+from paramserver.errors import ConfigError, ErrorCode, ProtocolError
+from paramserver.policies.base import BoundStats, Decision, NoPolicy, StalenessPolicy, UpdateInfo
+from paramserver.util.flat import ELEMENTWISE, JOIN_BYTES, FlatLayout
+
+# the records are defined in records.py, the measurements in probe.py; importable here
+__all__ = [
+    "DTYPES",
+    "MAX_WORKERS",
+    "MODES",
+    "STATS_WORKERS",
+    "CoreConfig",
+    "GradStats",
+    "ModeSpec",
+    "PullReply",
+    "PushOutcome",
+    "ShardCore",
+    "SliceSpec",
+    "StepStats",
+    "WorkerState",
+]
+
+log = logging.getLogger(__name__)
+
+
+class ShardCore(Membership):
+    """One shard's parameters, optimizer and consistency rules. No sockets, no msgpack."""
+
+    def __init__(
+        self,
+        slices: Sequence[SliceSpec],
+        config: CoreConfig | None = None,
+        policy: StalenessPolicy | None = None,
+    ) -> None:
+        self.config = config or CoreConfig()
+        self.mode = self.config.mode
+        self.policy = policy or NoPolicy()
+        self.specs = slice_table(slices)
+        # one flat buffer per dtype; each slice's parameters are a view into it
+        self.layout = FlatLayout([(s.key, s.numel, DTYPES[s.dtype])
+                                  for s in self.specs.values()])
+        self.flats, self.params = self.layout.zeros()
+        # the optimizer step itself: torch.optim, its scheduler, the step-size rules;
+        # on the flat buffers where that is the same step (flat.py)
+        self.stepper = Stepper(self.config, list(self.params.values()),
+                               flat=self._flat_step())
+        # called before every optimizer step: a driver that lends the weights'
+        # memory to sends in flight protects them here (copy-on-write)
+        self.before_step: Callable[[], None] | None = None
+        self.after_step: Callable[[], None] | None = None  # once the version counts it
+        # told of a step undone because it made the weights or optimizer state NaN or Inf
+        self.on_refused: Callable[[int], None] | None = None
+        self.version = 0
+        self.initialized = False
+        self.seeding = Seeding()  # INIT in parts: who is seeding, which parts are in
+        self.started = False  # the start barrier: expected_workers registered once
+        self.workers: dict[int, WorkerState] = {}
+        self.workers_evicted = 0  # entries dropped from a full table (see _evict)
+        self._init_membership()  # stragglers left out, the usual step (membership.py)
+        self.pulls = PullQueue()  # parked pulls, answered when their gate opens
+        # sync: the open round (its buffer, contributors and pushes arriving in parts)
+        self.round = SyncRound(self.params, self.layout)
+        # a lone contributor's round stepped part by part, out of place (ahead.py)
+        self.ahead = StepAhead(self.layout, self.flats, self.params, self.round)
+        # the weights each worker read, for policies that need them (needs_read_weights)
+        self.read_weights: dict[int, dict[str, torch.Tensor]] = {}
+        self.max_answered_gap = 0  # largest clock gap at which a pull was answered
+        # ssp: the bound in force; a policy overriding staleness_bound() moves it
+        self.bound = self.mode.staleness_bound
+        self.max_bound = self.bound  # the largest bound ever in force
+        self._bound_hook = (
+            type(self.policy).staleness_bound is not StalenessPolicy.staleness_bound
+        )
+        if self._bound_hook and self.mode.mode != "ssp":
+            log.warning("policy %s sets the SSP bound, but the mode is %s: it has no effect",
+                        self.policy.name, self.mode.mode)
+            self._bound_hook = False
+        self.totals = BoundTotals()  # cumulative measurements handed to that policy
+        # what a driver's observer (metrics, the watchdog) reads; off until observe()
+        self.probe = Probe(self.params, sync=self.mode.mode == "sync")
+
+    # ------------------------------------------------------------------ weights
+
+    def initialize(self, tensors: Mapping[str, torch.Tensor]) -> bool:
+        """Seed the weights (first INIT wins). Returns False if already initialized."""
+        if self.initialized:
+            return False
+        check_tensors(self.specs, tensors, "INIT")
+        with torch.no_grad():
+            for key, value in tensors.items():
+                self.params[key].copy_(value)
+        self.initialized = True
+        self.seeding.end()
+        return True
+
+    def initialize_part(self, worker: int, tensors: Mapping[str, torch.Tensor],
+                        part: int = 0, parts: int = 1) -> bool | None:
+        """:meth:`initialize` from INIT sent in ``parts``, each copied in as it arrives.
+
+        The first worker to send a part seeds the shard; parts from others are
+        refused (False) meanwhile, and pulls wait instead of failing. If that
+        worker dies or restarts before its last part, the next INIT starts over.
+        Returns True when this part completed the seeding, None for an earlier
+        part (or one sent again).
+        """
+        state = self._known(worker)  # only a registered worker may seed (and own INIT)
+        state.spoke = True  # a worker, not a bare HELLO: never evicted for a newcomer
+        if not state.live:
+            raise ProtocolError(ErrorCode.NOT_REGISTERED,
+                                f"worker {worker} is not in the live set; say HELLO")
+        if self.initialized:
+            return False
+        if parts == 1:
+            return self.initialize(tensors)
+        done = self.seeding.accept(worker, part, parts, tensors, self.specs, self.params)
+        if done:
+            self.initialized = True
+        return done
+
+    def check_part(self, tensors: Mapping[str, torch.Tensor],
+                   seen: AbstractSet[str] = frozenset()) -> None:
+        """Validate one part of a push that a driver joins (keys of this shard not in
+        ``seen``, each with its slice's shape and dtype), before it keeps it."""
+        check_tensors(self.specs, tensors, "PUSH", narrow_ok=True, whole=False, seen=seen)
+
+    def check_push_id(self, worker: int, push_id: int) -> WorkerState:
+        """The state of a registered ``worker`` (not gone with BYE) whose ``push_id``
+        lies within its window; else the ProtocolError :meth:`push` would raise."""
+        state = self._known(worker)
+        if state.finished:
+            raise ProtocolError(
+                ErrorCode.NOT_REGISTERED, f"worker {worker} said BYE; say HELLO to push again")
+        self._check_window(state, push_id)
+        return state
+
+    def _check_window(self, state: WorkerState, push_id: int) -> None:
+        window = self.config.push_id_window
+        if state.anchored and push_id > state.last_push_id + window:
+            raise ProtocolError(
+                ErrorCode.BAD_FIELD,
+                f"push_id {push_id} is more than {window} ahead of worker {state.worker}'s "
+                f"last ({state.last_push_id})",
+            )
+
+    def copy_on_write(self) -> None:
+        """Move the parameters to fresh storage, leaving the old for its readers.
+
+        The optimizer keeps working on the same tensor objects; only their
+        storage changes, so anything still reading the old memory (a zero-copy
+        send in flight) sees a consistent snapshot.
+        """
+        self.layout.rebind(self.flats, self.params)
+
+    def _flat_step(self) -> tuple[FlatLayout, list[torch.Tensor]] | None:
+        """The layout and flat buffers to step when the optimizer's update is
+        elementwise and the gradients come flat (sync) or the shard is small."""
+        if self.config.optimizer not in ELEMENTWISE or not self.flats:
+            return None
+        small = all(f.numel() * f.element_size() <= JOIN_BYTES for f in self.flats.values())
+        if self.mode.mode != "sync" and not small:
+            return None
+        return self.layout, list(self.flats.values())
+
+    # ------------------------------------------------------------------ pulls
+
+    def request_pull(
+        self, worker: int, clock: int, token: Hashable, now: float, observer: bool = False,
+        wait_init: bool = False,
+    ) -> None:
+        """Park a pull; it is answered through :meth:`ready_pulls` when its gate opens.
+
+        Observers (evaluators, status tools) are never gated and have no clock.
+        With ``wait_init`` a pull before any INIT waits for the weights (a worker
+        that leaves the seeding to another) instead of being refused.
+        """
+        if not self.initialized and self.seeding.owner is None and not wait_init:
+            raise ProtocolError(
+                ErrorCode.NOT_INITIALIZED, "no weights yet: the first worker must send INIT"
+            )
+        if not observer:
+            state = self._known(worker)
+            state.last_seen = now
+            if not state.live:
+                raise ProtocolError(
+                    ErrorCode.NOT_REGISTERED,
+                    f"worker {worker} is not in the live set (finished or timed out); say HELLO",
+                )
+            if clock < 0:
+                raise ProtocolError(ErrorCode.BAD_FIELD, f"clock must be >= 0, got {clock}")
+            state.clock = max(state.clock, clock)
+            state.pulls += 1
+        # a retried pull replaces the worker's parked one (one reply per worker)
+        self.pulls.park(PendingPull(worker, clock, token, now, observer))
+
+    def _gate_open(self, pull: PendingPull, min_clock: int) -> bool:
+        if not self.initialized:  # a worker is seeding the weights in parts
+            return False
+        if pull.observer:
+            return True
+        if not self.started:
+            return False
+        if self.mode.mode == "sync":
+            return pull.worker not in self.round.members
+        if self.mode.mode == "ssp":
+            state = self.workers[pull.worker]
+            return state.clock - min_clock <= self.bound
+        return True
+
+    def _update_bound(self, now: float) -> None:
+        """Ask the policy for the SSP bound, from what this shard measured so far."""
+        live = self.live()
+        clocks = [w.clock for w in live] or [0]
+        stats = BoundStats(
+            now=now, configured=self.mode.staleness_bound, current=self.bound,
+            live_workers=len(live), min_clock=min(clocks), max_clock=max(clocks),
+            pushes=self.totals.pushes, staleness_sum=self.totals.staleness_sum,
+            pulls=self.totals.pulls, wait_seconds=self.totals.wait_seconds,
+            blocked_pulls=self.pulls.blocked(),
+        )
+        bound = self.policy.staleness_bound(stats)
+        if bound is None:
+            bound = self.mode.staleness_bound
+        if isinstance(bound, bool) or not isinstance(bound, int) or bound < 0:
+            raise ConfigError(
+                f"policy {self.policy.name!r} returned SSP bound {bound!r}; need an int >= 0"
+            )
+        if bound != self.bound:
+            log.debug("shard %d: SSP bound %d -> %d", self.config.shard, self.bound, bound)
+            self.bound = bound
+            self.max_bound = max(self.max_bound, bound)
+
+    def ready_pulls(self, now: float) -> list[PullReply]:
+        """Pop every parked pull whose gate is open now, oldest first."""
+        if self._bound_hook:
+            self._update_bound(now)
+        ready: list[PullReply] = []
+        min_clock = self.min_clock()  # no clock moves while pulls are answered
+        for pull in self.pulls.take(lambda p: self._gate_open(p, min_clock)):
+            waited = now - pull.since
+            clock = pull.clock
+            if not pull.observer:
+                state = self.workers[pull.worker]
+                clock = state.clock
+                self.max_answered_gap = max(self.max_answered_gap, state.clock - min_clock)
+                self.totals.answered(waited)
+                state.answered(waited)
+                if self.policy.needs_read_weights:
+                    self.read_weights[pull.worker] = {
+                        k: p.detach().clone() for k, p in self.params.items()
+                    }
+            ready.append(PullReply(pull.worker, pull.token, self.version, clock, waited))
+        return ready
+
+    def pending_pulls(self) -> int:
+        return len(self.pulls)
+
+    # ------------------------------------------------------------------ pushes
+
+    def push(
+        self,
+        worker: int,
+        push_id: int,
+        clock: int,
+        read_version: int,
+        num_samples: int,
+        grads: Mapping[str, torch.Tensor],
+        now: float,
+        part: int = 0,
+        parts: int = 1,
+    ) -> PushOutcome | None:
+        """Decide on one gradient push and apply it (async/ssp) or buffer it (sync).
+
+        A push whose ``push_id`` was seen already is answered with the first
+        outcome and not applied again (exactly-once under retries). Invalid
+        input raises :class:`ProtocolError` before any state changes.
+
+        A push may come in ``parts`` (sync shards, see :attr:`streams_parts`;
+        a whole push always returns its outcome). Each part holds a subset of
+        the shard's slices, together all of them, each once, all with the same
+        header. The push is decided at its first part; every part is added
+        into the round's buffer as it arrives and can be released at once. A
+        part that is not the last returns None; a part sent again is not added
+        again. A push given up half-way (its worker
+        died or restarted, a newer push came, a part was not finite) voids the
+        open round.
+        """
+        state = self._known(worker)
+        if not self.initialized:
+            raise ProtocolError(ErrorCode.NOT_INITIALIZED, "push before INIT")
+        if push_id <= state.last_push_id:
+            prior = state.last_outcome if push_id == state.last_push_id else None
+            base = prior or PushOutcome(False, 0.0, "duplicate", 0, self.version, False)
+            return PushOutcome(**{**base.as_dict(), "duplicate": True})
+        self._check_window(state, push_id)
+        if parts != 1 and not self.streams_parts:
+            raise ProtocolError(ErrorCode.BAD_FIELD, "this shard takes pushes whole, not in "
+                                "parts (only sync shards without a rewriting policy do)")
+        if not 0 <= part < parts:
+            raise ProtocolError(ErrorCode.BAD_FIELD,
+                                f"push part {part} of {parts}: need 0 <= part < parts")
+        stream = self.round.streams.get(worker)
+        if stream is not None and push_id < stream.push_id:
+            # a part of a push its worker gave up on, arriving late: not added
+            return PushOutcome(False, 0.0, "superseded", 0, self.version, False, True)
+        if stream is not None and stream.push_id != push_id:
+            self._give_up(worker, "a newer push came before it was complete")
+            stream = None
+        if stream is None:
+            check_header(self.version, read_version, clock, num_samples)
+        else:
+            stream.check_header(part, clock, read_version, num_samples, parts)
+            if part in stream.received:
+                return None  # sent again after a lost reply: added already
+        seen: AbstractSet[str] = stream.keys if stream is not None else frozenset()
+        check_tensors(self.specs, grads, "PUSH", narrow_ok=True, whole=parts == 1, seen=seen)
+        if parts > 1 and len(stream.received if stream else ()) + 1 == parts:
+            missing = self.specs.keys() - grads.keys() - seen
+            if missing:
+                self._give_up(worker, "its parts did not cover the shard")
+                raise ProtocolError(ErrorCode.BAD_TENSOR,
+                                    f"PUSH: missing keys after the last part: "
+                                    f"{sorted(missing)[:5]}")
+        norm = None
+        flat: torch.Tensor | bool | None = False  # the slices as one span: not looked for
+        if self.config.check_finite:
+            # a finite norm proves every element finite, in one pass over all slices
+            norm, flat = norm_and_span(list(grads.values()))
+            if not math.isfinite(norm):
+                for key, g in grads.items():
+                    if not all_finite(g):
+                        if stream is not None:
+                            self._give_up(worker, "a part was not finite")
+                        raise ProtocolError(
+                            ErrorCode.NONFINITE, f"gradient {key!r} holds NaN or Inf; not applied"
+                        )
+        if state.finished:
+            raise ProtocolError(
+                ErrorCode.NOT_REGISTERED, f"worker {worker} said BYE; say HELLO to push again"
+            )
+        if not state.live:
+            # a push is a sign of life, as a heartbeat is
+            self.heartbeat(worker, now)
+        state.last_seen = now
+        if stream is None:
+            self.pushed(state, now)  # its pace; back in, if it was left out
+            stream = self._open(state, push_id, clock, read_version, num_samples, parts)
+            if stream.decision is not None and self.mode.mode == "sync":
+                self.round.begin(now)  # the round's deadline runs from its first push
+        stream.received.add(part)
+        stream.keys.update(grads)
+        if stream.measure is not None:
+            self.probe.measure(stream.measure, grads, norm, flat)
+        if self.mode.mode == "sync":
+            self._add_to_round(stream, grads)
+            if len(stream.received) < parts:
+                self.round.streams[worker] = stream  # in the making, until its last part
+                return None
+            self.round.streams.pop(worker, None)
+            outcome = self._close_push(state, stream)
+        else:
+            outcome = self._push_async(state, stream, grads)
+        state.last_push_id = push_id
+        state.anchored = True
+        state.last_outcome = outcome
+        self.probe.push_done()  # do not hold on to the push's frames
+        return outcome
+
+    @property
+    def streams_parts(self) -> bool:
+        """Whether this shard adds pushes part by part (sync, no rewriting policy);
+        otherwise a driver joins the parts and calls :meth:`push` with the whole."""
+        return self.mode.mode == "sync" and not self.policy_rewrites
+
+    def _open(self, state: WorkerState, push_id: int, clock: int, read_version: int,
+              num_samples: int, parts: int) -> Stream:
+        """Count a new push and decide on it (from its header alone)."""
+        tau = self.version - read_version
+        state.opened(clock, tau)
+        self.totals.pushed(tau)
+        info = UpdateInfo(
+            worker=state.worker, shard=self.config.shard, staleness=tau,
+            read_version=read_version, version=self.version, clock=clock,
+            min_clock=self.min_clock(), num_samples=num_samples,
+        )
+        decision: Decision | None = None
+        reason = ""
+        if self.mode.mode == "sync" and info.staleness > 0:
+            # a gradient for a round that already closed (a backup worker's or a
+            # rejoining worker's): dropped, and the worker moves on
+            reason = "late"
+        elif self.mode.mode == "sync" and state.worker in self.round.members:
+            reason = "duplicate_in_round"
+        else:
+            decision = self._decide(info)
+            state.count(decision)
+            reason = decision.reason
+        if decision is None:
+            state.rejected[reason] += 1
+        return Stream(push_id, parts, info, decision, reason,
+                      measure=self.probe.push_begins(state.worker))
+
+    def _drop_unfinished(self, worker: int, why: str) -> None:
+        """``worker`` is gone or starts over: its push in parts is given up, and if it
+        was seeding the weights in parts, the next INIT seeds them from the start."""
+        self._give_up(worker, why)
+        if self.seeding.owner == worker:
+            self.seeding.end()
+
+    def _give_up(self, worker: int, why: str) -> None:
+        """Drop ``worker``'s unfinished push; if some of it is in the round, void the round."""
+        stream = self.round.streams.pop(worker, None)
+        if stream is None:
+            return
+        if stream.decision is not None:
+            self.workers[worker].uncount(stream.decision, "incomplete")
+        if self.round.give_up(stream):
+            self.ahead.drop()
+            log.warning("worker %d's push %d was given up after %d of %d parts (%s): the "
+                        "open round is void and closes without a step", worker,
+                        stream.push_id, len(stream.received), stream.parts, why)
+
+    def _add_to_round(self, stream: Stream, grads: Mapping[str, torch.Tensor]) -> None:
+        decision = stream.decision
+        if self.round.void:
+            stream.voided = True
+        if decision is None or not decision.accept or stream.voided:
+            return
+        if self.policy_rewrites:
+            grads = self._rewrite(stream.info, grads)  # whole pushes only (streams_parts)
+        alpha = stream.info.num_samples * decision.weight
+        alone = self._alone(stream.info.worker)
+        self.round.add(stream, grads, alpha, borrow=alone)
+        if alone:
+            # the divisor the round will close with (SyncRound.close: samples / factor)
+            rate = self.stepper.fused_alpha(stream.info.num_samples / alpha)
+            self.ahead.part(grads, rate, more=len(stream.received) < stream.parts)
+        else:  # not alone (any more): the buffer may be written now
+            self.ahead.drop()
+
+    def _alone(self, worker: int) -> bool:
+        """Whether the open round would close on ``worker``'s push alone, to be stepped
+        by a step that only reads it (otherwise it is copied part by part, as usual)."""
+        if self.round.members or not self.stepper.reads_only(self.params):
+            return False
+        others = [w for w in self.live() if w.worker != worker]
+        return len(others) <= self.mode.backup_workers
+
+    def _close_push(self, state: WorkerState, stream: Stream) -> PushOutcome:
+        """The last part of a sync push is in: it joins the round."""
+        if stream.measure is not None:
+            self.probe.push_complete(state.worker, stream.measure)
+        decision = stream.decision
+        if stream.voided and not self.round.void and decision is not None:
+            # its round closed void while its parts were skipped: it is not in this one
+            state.uncount(decision, "round_void")
+            decision, stream.reason = None, "round_void"
+        if decision is None:
+            return PushOutcome(False, 0.0, stream.reason, stream.info.staleness,
+                               self.version, False)
+        self.round.join(state.worker, stream.info.num_samples if decision.accept else 0)
+        stepped = self._maybe_close_round()
+        if not stepped:
+            self.round.settle()  # its tensors are not ours once it is answered
+            self.ahead.drop()  # nor is the round its alone
+        return PushOutcome(decision.accept, decision.weight if decision.accept else 0.0,
+                           decision.reason, 0, self.version, stepped)
+
+    def _decide(self, info: UpdateInfo) -> Decision:
+        decision = self.policy.decide(info)
+        if not isinstance(decision, Decision):
+            raise ConfigError(f"policy {self.policy.name!r} returned {decision!r}, not a Decision")
+        if decision.accept and decision.weight == 0.0:
+            decision = Decision(False, 0.0, decision.reason or "weight 0")
+        return decision
+
+    def _widen(self, grads: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        """Gradients that arrived in 16 bits, in their parameter's dtype."""
+        if all(g.dtype == self.params[k].dtype for k, g in grads.items()):
+            return grads
+        return {k: g.to(self.params[k].dtype) for k, g in grads.items()}
+
+    def _rewrite(
+        self, info: UpdateInfo, grads: Mapping[str, torch.Tensor]
+    ) -> Mapping[str, torch.Tensor]:
+        if not self.policy_rewrites:
+            return grads
+        grads = self._widen(grads)
+        lr = self.stepper.lr
+        read = self.read_weights.get(info.worker)
+        return self.policy.rewrite_gradient(info, grads, self.params, read, lr)
+
+    @property
+    def policy_rewrites(self) -> bool:
+        """Whether the policy overrides rewrite_gradient (it then sees whole pushes)."""
+        return type(self.policy).rewrite_gradient is not StalenessPolicy.rewrite_gradient
+
+    def _push_async(
+        self, state: WorkerState, stream: Stream, grads: Mapping[str, torch.Tensor]
+    ) -> PushOutcome:
+        info, decision = stream.info, stream.decision
+        assert decision is not None
+        if stream.measure is not None:
+            self.probe.push_complete(state.worker, stream.measure, grads)
+        if not decision.accept:
+            return PushOutcome(False, 0.0, decision.reason, info.staleness, self.version, False)
+        if not self._step(self._widen(self._rewrite(info, grads)), decision.weight,
+                          staleness=info.staleness):
+            state.uncount(decision, "nonfinite_step")
+            return PushOutcome(False, 0.0, "nonfinite_step", info.staleness, self.version,
+                               False)
+        return PushOutcome(True, decision.weight, decision.reason, info.staleness,
+                           self.version, True)
+
+    def _maybe_close_round(self) -> bool:
+        """Close the open sync round when at most ``backup_workers`` live ones are missing."""
+        if self.mode.mode != "sync" or not self.round.members:
+            return False
+        missing = [w for w in self.pacing() if w.worker not in self.round.members]
+        if len(missing) > self.mode.backup_workers:
+            return False
+        if self.round.in_flight():
+            return False  # a backup's parts are in the buffer already: let it finish
+        contributors = self.round.accepted
+
+        def ahead(alpha: float) -> bool:
+            return self.ahead.commit(alpha, self.version + 1, self.before_step)
+
+        try:
+            return self.round.close(
+                lambda sums, divisor: self._step(sums, 1.0, contributors, divisor=divisor,
+                                                 ahead=ahead),
+                borrow=self.stepper.reads_only(self.params))
+        finally:
+            self.ahead.end_round()
+
+    def _step(self, grads: Mapping[str, torch.Tensor], weight: float, contributors: int = 1,
+              staleness: int = 0, divisor: float = 1.0,
+              ahead: Callable[[float], bool] | None = None) -> bool:
+        """One optimizer step on ``grads / divisor``, the learning rate scaled by
+        ``weight`` (and by the step-size rules, for a step averaging ``contributors``
+        gradients). False: it would have made the weights or the optimizer's state
+        NaN or Inf and was undone (the version stays; ``on_refused`` is told)."""
+        prior = 0 if self.mode.mode == "sync" else max(0, len(self.live()) - 1)
+        if not self.stepper.step(self.params, grads, weight, contributors=contributors,
+                                 version=self.version, staleness=staleness,
+                                 prior_staleness=prior, probe=self.probe,
+                                 before_step=self.before_step, divisor=divisor, ahead=ahead):
+            refused = self.stepper.refused
+            if not refused & (refused - 1):  # at 1, 2, 4, ...: a hostile stream must not flood
+                log.warning("shard %d: a step at version %d would have made the weights or the "
+                            "optimizer's state NaN or Inf; undone (%d so far)",
+                            self.config.shard, self.version, refused)
+            if self.after_step is not None:  # the weights were written, and back: the
+                self.after_step()  # driver's hook closes what before_step opened
+            if self.on_refused is not None:
+                self.on_refused(self.version)
+            return False
+        self.version += 1
+        if self.after_step is not None:
+            self.after_step()
+        return True
+
+    # ------------------------------------------------------------------ observability
+
+    def observe(self, observer: Callable[[GradStats | StepStats], None] | None, *,
+                cosine_decay: float | None = 0.97, every: int = 1) -> None:
+        """Report pushes' :class:`GradStats` and optimizer steps' :class:`StepStats`.
+
+        ``every``: measure one push in ``every`` (and the step it causes; sync
+        rounds are always measured), for shards too large to measure each time;
+        0: by the shard's size, every push up to 4M elements (16 MB of float32),
+        then one in ``ceil(elements / 4M)``, so that measuring stays a small
+        part of the work per push.
+        ``cosine_decay``: decay of the running mean gradient the cosine is taken
+        against (None: no cosine, and no memory for the mean).
+        """
+        self.probe.observe(observer, cosine_decay=cosine_decay, every=every)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Everything needed to resume this shard: (tensors, JSON-able metadata), in
+        the format paramserver/core/snapshot.py describes."""
+        return snapshot.save(self)
+
+    def load_state_dict(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, Any],
+                        now: float) -> None:
+        """Restore :meth:`state_dict`'s output. Workers get a fresh heartbeat
+        grace period (``now``) to reconnect. Nothing changes unless the weights fit the
+        slices, are finite, and the version is an integer >= 0."""
+        snapshot.load(self, tensors, meta)
+        self.workers = {int(wid): WorkerState.from_record(int(wid), w, now)
+                        for wid, w in meta["workers"].items()}
+        self.pulls.clear()
+
+    # ------------------------------------------------------------------ reporting
+
+    @property
+    def rounds_voided(self) -> int:
+        """Sync rounds closed without a step because a push was given up half-way."""
+        return self.round.voided
+
+    @property
+    def rounds_dropped(self) -> int:
+        """Sync rounds closed with nothing to apply (void ones included)."""
+        return self.round.dropped
+
+    @property
+    def lr(self) -> float:
+        return self.stepper.lr
+
+    def stats(self) -> dict[str, Any]:
+        return report.stats(self)

@@ -1,0 +1,639 @@
+"""The silent-divergence watchdog: pure rules over what one shard observes.
+
+A :class:`Watchdog` is fed observations by the shard server (each push, each
+optimizer step, the live workers' clocks) and returns :class:`Alarm` objects
+when a rule fires. It does no I/O, reads no clock and holds no lock, so the
+same rules run under the server, in unit tests and over recorded event logs.
+
+Signals (thresholds are fields of :class:`WatchdogConfig`; docs/observability.md
+says what each means and what to do):
+
+* ``nonfinite_gradient`` / ``nonfinite_weights`` / ``nonfinite_loss``: NaN or Inf.
+* ``update_ratio_low`` / ``update_ratio_high``: ``|update| / |weights|`` per
+  step out of band (nothing is learned / blow-up).
+* ``loss_stalled`` / ``loss_rising``: the reported training loss stops
+  improving before it ever fell much, or rises, while updates are applied. A
+  loss that fell and then flattens is a *hint* (``loss_converged``), not an alarm.
+* ``rejection_rate``: the staleness policy rejects so much that training starves.
+* ``worker_lag``: one worker's clock lag (async) or staleness grows without bound.
+* ``zero_gradient``: one worker pushes all-zero gradients while the others do not.
+* ``gradient_disagrees``: one worker's gradient points away from the others'
+  (cosine to the shard's running mean gradient).
+
+Only alarms about the model's own state (:data:`DIVERGENCE`, and a non-finite
+gradient that was applied) are divergence, which ``--on-divergence`` may stop a
+shard for; a push the shard refused is a peer's fault, alarmed and counted only.
+
+Each alarm fires once per (signal, worker) and then stays quiet for
+``cooldown`` pushes, so a persistent condition is reported, not spammed. The
+loss rules work by episodes instead (hysteresis): ``loss_stalled`` fires once
+when the stall begins and may fire again only after the loss has improved
+significantly in between.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from paramserver.errors import ConfigError
+
+__all__ = [
+    "ACTIONS",
+    "DIVERGENCE",
+    "HINTS",
+    "SIGNALS",
+    "Alarm",
+    "PushObservation",
+    "StepObservation",
+    "Watchdog",
+    "WatchdogConfig",
+]
+
+#: what ``--on-divergence`` may say
+ACTIONS: tuple[str, ...] = ("warn", "checkpoint-and-stop", "stop")
+
+SIGNALS: tuple[str, ...] = (
+    "nonfinite_gradient",
+    "nonfinite_weights",
+    "nonfinite_loss",
+    "update_ratio_low",
+    "update_ratio_high",
+    "loss_stalled",
+    "loss_rising",
+    "rejection_rate",
+    "worker_lag",
+    "zero_gradient",
+    "gradient_disagrees",
+)
+
+#: informational events: written to the event log, never alarms (no --on-divergence)
+HINTS: tuple[str, ...] = ("loss_converged",)
+
+#: the signals about the model's own state (its weights, its steps, the training loss
+#: over blocks of pushes): the only alarms ``--on-divergence`` acts on. The others are
+#: about one peer (a push the shard refused, a worker's own report or pace) or the
+#: policy: reported, never a stop, or one worker key could stop the cluster
+DIVERGENCE: frozenset[str] = frozenset({
+    "nonfinite_weights", "update_ratio_low", "update_ratio_high", "loss_stalled",
+    "loss_rising"})
+
+
+@dataclass(frozen=True)
+class WatchdogConfig:
+    """Thresholds of every rule; ``--watchdog-arg key=value`` overrides one."""
+
+    enabled: bool = True
+    disable: tuple[str, ...] = ()  # signals to leave out
+    cooldown: int = 1000  # pushes before the same (signal, worker) may fire again
+    observe_every: int = 0  # measure gradient and update norms on one push in N; 0: by size
+    # share of a shard's wall time measuring may take before pushes are sampled (0: no
+    # limit, every push measured: alarms then come within the same pushes on any load)
+    observe_budget: float = 0.0
+    # update-to-weight ratio per optimizer step
+    ratio_low: float = 1e-7  # below float32 resolution: updates round away
+    ratio_high: float = 0.2  # a fifth of the weights' norm in one step: blow-up
+    ratio_window: int = 10  # steps whose median is tested against ratio_low
+    ratio_high_window: int = 3  # steps whose median is tested against ratio_high
+    ratio_min_elements: int = 100  # smaller shards (a lone bias) swing too much for ratio_high
+    warmup_steps: int = 5  # steps before ratio_low is tested (schedulers warm up from 0)
+    # training loss reported by workers with their pushes
+    loss_window: int = 50  # losses per block (stall: block medians; rise: block means)
+    loss_patience: int = 3  # blocks in a row without improving on the best block
+    loss_min_improvement: float = 0.005  # relative improvement that counts as progress ...
+    loss_z: float = 3.0  # ... and it must exceed this many standard errors of a block median
+    # stalled only while the loss is within this share of where it started: a loss that
+    # has fallen further and then flattens has converged (a hint, not an alarm)
+    loss_progress: float = 0.2
+    loss_converged_pushes: int = 2000  # flat this long after progress: loss_converged hint
+    loss_rise: float = 0.25  # blocks this much (relative) above the best, ...
+    # ... loss_rise_patience in a row: async momentum wobbles 40 % up for 3 blocks and back
+    loss_rise_patience: int = 6
+    loss_blowup: float = 1.0  # ... or one block this much above it: rising
+    # staleness policy
+    reject_max: float = 0.9  # rejected fraction of pushes that starves training
+    reject_window: int = 50  # pushes (shard-wide; per worker: the worker's own)
+    # lagging workers (async; sync and ssp bound the lag by construction)
+    lag_limit: int = 50  # clocks behind the median live worker
+    lag_fraction: float = 0.5  # ... while having done less than this share of its clocks
+    lag_window: int = 20  # observations over which the lag must have grown
+    lag_seconds: float = 30.0  # ... all of it for this long (seconds)
+    staleness_limit: int = 50  # median staleness of a worker's recent pushes ...
+    staleness_window: int = 10  # ... over this many pushes, at least twice the previous
+    # per-worker gradients
+    zero_window: int = 5  # pushes in a row with a zero gradient
+    zero_rel: float = 1e-6  # "zero": norm below this share of the others' median norm
+    cosine_window: int = 20  # a worker's pushes whose mean cosine is tested
+    cosine_min: float = 0.0  # mean cosine to the running mean below this ...
+    cosine_gap: float = 0.3  # ... and this far below the other workers' median
+    cosine_t: float = 5.0  # ... by this many standard errors of the windows' means
+
+    def __post_init__(self) -> None:
+        unknown = set(self.disable) - set(SIGNALS)
+        if unknown:
+            raise ConfigError(
+                f"watchdog: unknown signal(s) to disable: {', '.join(sorted(unknown))}; "
+                f"signals: {', '.join(SIGNALS)}"
+            )
+        if self.observe_every < 0:
+            raise ConfigError("watchdog: observe_every must be >= 0 (0: by the shard's size)")
+        for name in ("cooldown", "ratio_window", "ratio_high_window", "loss_converged_pushes",
+                     "loss_rise_patience",
+                     "loss_window", "loss_patience", "reject_window", "lag_window",
+                     "staleness_window", "zero_window", "cosine_window"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"watchdog: {name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.observe_budget <= 1.0:
+            raise ConfigError("watchdog: observe_budget must be in [0, 1] (0: no limit)")
+        if not 0 <= self.ratio_low < self.ratio_high:
+            raise ConfigError("watchdog: need 0 <= ratio_low < ratio_high")
+        if not 0 < self.reject_max <= 1 or not 0 < self.lag_fraction <= 1:
+            raise ConfigError("watchdog: reject_max and lag_fraction must be in (0, 1]")
+        if self.ratio_min_elements < 0:
+            raise ConfigError("watchdog: ratio_min_elements must be >= 0")
+        if self.warmup_steps < 0 or self.lag_limit < 0 or self.staleness_limit < 0 or (
+                self.lag_seconds < 0):
+            raise ConfigError("watchdog: warmup_steps, lag_limit, staleness_limit must be >= 0")
+        if self.loss_z < 0 or not 0 <= self.loss_progress < 1:
+            raise ConfigError("watchdog: need loss_z >= 0 and 0 <= loss_progress < 1")
+        if self.loss_min_improvement < 0 or self.zero_rel < 0 or not (
+                0 < self.loss_rise <= self.loss_blowup):
+            raise ConfigError("watchdog: need loss_min_improvement, zero_rel >= 0 and "
+                              "0 < loss_rise <= loss_blowup")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None) -> WatchdogConfig:
+        """Build from ``{"ratio_high": 0.5, "disable": "loss_stalled,worker_lag"}``."""
+        data = dict(data or {})
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = set(data) - set(fields)
+        if unknown:
+            raise ConfigError(
+                f"unknown watchdog option(s): {', '.join(sorted(unknown))}; "
+                f"known: {', '.join(fields)}"
+            )
+        out: dict[str, Any] = {}
+        for key, value in data.items():
+            default = fields[key].default
+            if key == "disable":
+                items = value.split(",") if isinstance(value, str) else list(value)
+                out[key] = tuple(s.strip() for s in items if s.strip())
+            elif isinstance(default, bool):
+                if not isinstance(value, bool):
+                    raise ConfigError(f"watchdog: {key} must be true or false, got {value!r}")
+                out[key] = value
+            elif isinstance(default, int):
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise ConfigError(f"watchdog: {key} must be an integer, got {value!r}")
+                out[key] = value
+            else:
+                if isinstance(value, bool) or not isinstance(value, int | float):
+                    raise ConfigError(f"watchdog: {key} must be a number, got {value!r}")
+                out[key] = float(value)
+        return cls(**out)
+
+
+@dataclass(frozen=True)
+class Alarm:
+    """One rule that fired: which signal, where, the figures behind it, and a message."""
+
+    signal: str
+    shard: int | None
+    worker: int | None
+    figures: Mapping[str, Any]
+    message: str
+    version: int | None = None  # the shard version when it fired
+    #: about the model's own state, so --on-divergence acts on it (DIVERGENCE); False:
+    #: a peer's fault or the server's own, reported and counted only
+    divergence: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"signal": self.signal, "shard": self.shard, "worker": self.worker,
+                "version": self.version, "figures": dict(self.figures),
+                "message": self.message}
+
+
+@dataclass(frozen=True)
+class PushObservation:
+    """One push as the shard decided it (duplicates are not observed)."""
+
+    worker: int
+    version: int  # the shard's version after handling the push
+    accepted: bool
+    staleness: int = 0
+    reason: str = ""
+    weight: float = 1.0
+    grad_norm: float | None = None  # NaN/Inf: the gradient held non-finite values
+    cosine: float | None = None  # to the shard's running mean gradient (before this push)
+    loss: float | None = None  # training loss the worker reported with the push
+
+
+@dataclass(frozen=True)
+class StepObservation:
+    """One optimizer step: the norms of the update and of the weights after it."""
+
+    version: int
+    update_norm: float
+    weight_norm: float
+    lr: float = 0.0
+
+
+@dataclass
+class _WorkerWindow:
+    pushes: deque[bool] = field(default_factory=deque)  # rejected?
+    rejected: float = 0.0  # sum of pushes (kept with it: O(1) per push)
+    norms: deque[float] = field(default_factory=deque)
+    cosines: deque[float] = field(default_factory=deque)
+    cosine_sum: float = 0.0
+    cosine_sq: float = 0.0  # sum of squares, for the window's variance
+    staleness: deque[int] = field(default_factory=deque)
+    lags: deque[float] = field(default_factory=deque)
+    lag_since: float | None = None  # when its lag condition last became true
+
+
+def _push(window: deque[Any], value: Any, size: int) -> Any:
+    """Append; drop and return the oldest value beyond ``size`` (else 0)."""
+    window.append(value)
+    return window.popleft() if len(window) > size else 0
+
+
+def _variance(win: _WorkerWindow) -> float:
+    n = len(win.cosines)
+    if n < 2:
+        return 0.0
+    mean = win.cosine_sum / n
+    return max(0.0, (win.cosine_sq - n * mean * mean) / (n - 1))
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.3g}"
+
+
+class Watchdog:
+    """The rules for one shard. ``shard=None`` for a process-level instance."""
+
+    def __init__(self, shard: int | None = None, config: WatchdogConfig | None = None, *,
+                 bounded_lag: bool = False) -> None:
+        self.config = config or WatchdogConfig()
+        self.shard = shard
+        # sync and ssp bound every clock gap by construction: no lag can grow forever
+        self.bounded_lag = bounded_lag
+        self.elements: int | None = None  # weights the shard holds (the server sets it)
+        self.pushes = 0  # observed, shard-wide
+        self.steps = 0
+        self.version = 0
+        self.alarms: list[Alarm] = []
+        self._fired: dict[tuple[str, int | None], int] = {}  # key -> push count when fired
+        self._workers: dict[int, _WorkerWindow] = {}
+        self._rejected: deque[bool] = deque()
+        self._rejected_sum = 0.0
+        self._norm_ema: float | None = None  # running mean of every push's gradient norm
+        self._rejected_by: deque[int] = deque()
+        self._ratios: deque[float] = deque()
+        self._loss_block: list[float] = []
+        self._loss_blocks: list[float] = []  # block means
+        self._applied_in_block = 0
+        self._stale_blocks = 0  # blocks in a row that did not improve on the best
+        self._rising_blocks = 0  # blocks in a row well above the best
+        self._first_median: float | None = None  # of the first block: where the loss began
+        self._best_median: float | None = None  # best block median (significant gains only)
+        self._stalled = False  # a loss_stalled episode is open (until the loss improves)
+        self._converged = False  # a loss_converged hint was given (until it improves)
+        self._episodes: dict[str, int] = {}  # signal -> episodes opened
+        self.hints: list[Alarm] = []  # informational; the server logs them, nothing else
+        self._new_hints: list[Alarm] = []
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _enabled(self, signal: str) -> bool:
+        return self.config.enabled and signal not in self.config.disable
+
+    def _fire(self, out: list[Alarm], signal: str, worker: int | None,
+              figures: Mapping[str, Any], message: str, *, episodic: bool = False,
+              divergence: bool | None = None) -> None:
+        """``episodic``: the rule itself fires once per episode; no cooldown on top.
+        ``divergence``: whether --on-divergence acts on it (None: ``signal in DIVERGENCE``)."""
+        if not self._enabled(signal):
+            return
+        key = (signal, worker)
+        last = self._fired.get(key)
+        if not episodic and last is not None and self.pushes - last < self.config.cooldown:
+            return
+        self._fired[key] = self.pushes
+        where = f"shard {self.shard}" if self.shard is not None else "run"
+        who = f", worker {worker}" if worker is not None else ""
+        alarm = Alarm(signal, self.shard, worker, dict(figures),
+                      f"[{signal}] {where}{who}: {message}", self.version,
+                      signal in DIVERGENCE if divergence is None else divergence)
+        self.alarms.append(alarm)
+        out.append(alarm)
+
+    def _episode(self, signal: str) -> int:
+        """Open the next episode of ``signal``; its number is in the alarm's figures, so
+        that a launcher shows one line for the same episode on every shard."""
+        self._episodes[signal] = self._episodes.get(signal, 0) + 1
+        return self._episodes[signal]
+
+    def take_hints(self) -> list[Alarm]:
+        """Hints given since the last call (the server writes them as ``hint`` events)."""
+        hints, self._new_hints = self._new_hints, []
+        return hints
+
+    def _window(self, worker: int) -> _WorkerWindow:
+        win = self._workers.get(worker)
+        if win is None:
+            win = self._workers[worker] = _WorkerWindow()
+        return win
+
+    def forget(self, worker: int) -> None:
+        """A worker left or died: it no longer counts among "the others"."""
+        self._workers.pop(worker, None)
+
+    # ------------------------------------------------------------------ observations
+
+    def observe_push(self, obs: PushObservation) -> list[Alarm]:
+        cfg = self.config
+        out: list[Alarm] = []
+        self.pushes += 1
+        self.version = max(self.version, obs.version)
+        win = self._window(obs.worker)
+        rejected = not obs.accepted
+        if obs.grad_norm is not None and not math.isfinite(obs.grad_norm):
+            fate = ("it was applied (--no-check-finite): the weights are broken now"
+                    if obs.accepted else "it was refused, the weights are unchanged (a fault of "
+                    "this worker, not divergence: --on-divergence does not stop for it)")
+            # refused, it is one peer's fault and the weights are as they were; applied,
+            # the weights are broken: that is the model diverging
+            self._fire(out, "nonfinite_gradient", obs.worker, {"grad_norm": obs.grad_norm},
+                       f"the pushed gradient holds NaN or Inf; {fate}. Look for overflow in "
+                       "this worker's loss, or a learning rate that blew the weights up",
+                       divergence=obs.accepted)
+            rejected = True
+        if obs.loss is not None and not math.isfinite(obs.loss):
+            self._fire(out, "nonfinite_loss", obs.worker, {"loss": obs.loss},
+                       "the worker reports a NaN or Inf training loss")
+        win.rejected += rejected - _push(win.pushes, rejected, cfg.reject_window)
+        self._rejected_sum += rejected - _push(self._rejected, rejected, cfg.reject_window)
+        self._check_rejections(out, obs.worker, win)
+        _push(win.staleness, obs.staleness, 2 * cfg.staleness_window)
+        self._check_staleness(out, obs.worker, win)
+        if obs.grad_norm is not None and math.isfinite(obs.grad_norm):
+            self._norm_ema = obs.grad_norm if self._norm_ema is None \
+                else 0.9 * self._norm_ema + 0.1 * obs.grad_norm
+            _push(win.norms, obs.grad_norm, cfg.zero_window)
+            self._check_zero(out, obs.worker, win)
+        if obs.cosine is not None and math.isfinite(obs.cosine):
+            old = _push(win.cosines, obs.cosine, cfg.cosine_window)
+            win.cosine_sum += obs.cosine - old
+            win.cosine_sq += obs.cosine * obs.cosine - old * old
+            self._check_cosine(out, obs.worker, win)
+        if obs.loss is not None and math.isfinite(obs.loss):
+            self._observe_loss(out, obs.loss)
+        return out
+
+    def observe_step(self, obs: StepObservation) -> list[Alarm]:
+        cfg = self.config
+        out: list[Alarm] = []
+        self.steps += 1
+        self._applied_in_block += 1
+        self.version = max(self.version, obs.version)
+        if not (math.isfinite(obs.weight_norm) and math.isfinite(obs.update_norm)):
+            self._fire(out, "nonfinite_weights", None,
+                       {"weight_norm": obs.weight_norm, "update_norm": obs.update_norm,
+                        "lr": obs.lr},
+                       f"the weights hold NaN or Inf after step {obs.version}: training "
+                       "diverged; restart from a checkpoint with a lower learning rate")
+            return out
+        ratio = obs.update_norm / obs.weight_norm if obs.weight_norm > 0 else 0.0
+        _push(self._ratios, ratio, max(cfg.ratio_window, cfg.ratio_high_window))
+        recent = list(self._ratios)
+        high = statistics.median(recent[-cfg.ratio_high_window:])
+        big_enough = self.elements is None or self.elements >= cfg.ratio_min_elements
+        if len(recent) >= cfg.ratio_high_window and high > cfg.ratio_high and big_enough:
+            self._fire(out, "update_ratio_high", None,
+                       {"ratio": high, "threshold": cfg.ratio_high,
+                        "update_norm": obs.update_norm, "weight_norm": obs.weight_norm,
+                        "lr": obs.lr},
+                       f"update-to-weight ratio {_fmt(high)} (median of the last "
+                       f"{cfg.ratio_high_window} steps) is above {_fmt(cfg.ratio_high)}: each "
+                       "step rewrites a large part of the weights, a blow-up; lower the "
+                       "learning rate")
+        low = statistics.median(recent[-cfg.ratio_window:])
+        if (self.steps > cfg.warmup_steps and len(recent) >= cfg.ratio_window
+                and low < cfg.ratio_low):
+            self._fire(out, "update_ratio_low", None,
+                       {"ratio": low, "threshold": cfg.ratio_low,
+                        "update_norm": obs.update_norm, "weight_norm": obs.weight_norm,
+                        "lr": obs.lr},
+                       f"update-to-weight ratio {_fmt(low)} (median of the last "
+                       f"{cfg.ratio_window} steps) is below {_fmt(cfg.ratio_low)}: the updates "
+                       f"barely change the weights (learning rate {_fmt(obs.lr)}); nothing is "
+                       "learned")
+        return out
+
+    def observe_clocks(self, clocks: Mapping[int, int], now: float | None = None) -> list[Alarm]:
+        """The live workers' clocks (after a push), at time ``now`` (seconds, any origin;
+        None: time is not considered). Only async lags can grow without bound."""
+        out: list[Alarm] = []
+        if self.bounded_lag or len(clocks) < 2:
+            return out
+        cfg = self.config
+        # behind the median, not the fastest: one worker racing ahead is not the others' fault
+        median = statistics.median(clocks.values())
+        for worker, clock in clocks.items():
+            win = self._window(worker)
+            lag = median - clock
+            _push(win.lags, lag, cfg.lag_window)
+            if not (len(win.lags) >= cfg.lag_window and lag > cfg.lag_limit
+                    and clock < cfg.lag_fraction * median and lag > win.lags[0]):
+                win.lag_since = None
+                continue
+            # a worker starved for a moment (a busy host) is not "without bound": it must
+            # stay behind like this for lag_seconds
+            if now is not None:
+                if win.lag_since is None:
+                    win.lag_since = now
+                if now - win.lag_since < cfg.lag_seconds:
+                    continue
+            self._fire(out, "worker_lag", worker,
+                       {"clock": clock, "median_clock": median, "clock_lag": lag,
+                        "lag_before": win.lags[0], "lag_limit": cfg.lag_limit,
+                        "seconds": 0.0 if now is None or win.lag_since is None
+                        else now - win.lag_since},
+                       f"clock {clock} is {_fmt(lag)} behind the median live worker "
+                       f"({_fmt(median)}) and the gap keeps growing (it was "
+                       f"{_fmt(win.lags[0])}): this worker runs at under "
+                       f"{cfg.lag_fraction:.0%} of the others' pace and its gradients grow "
+                       "ever staler. Fix the straggler, or bound the gap with --mode ssp")
+        return out
+
+    # ------------------------------------------------------------------ rules
+
+    def _check_rejections(self, out: list[Alarm], worker: int, win: _WorkerWindow) -> None:
+        cfg = self.config
+        if len(self._rejected) >= cfg.reject_window:
+            rate = self._rejected_sum / len(self._rejected)
+            if rate > cfg.reject_max:
+                self._fire(out, "rejection_rate", None,
+                           {"rejected_fraction": rate, "window": len(self._rejected),
+                            "threshold": cfg.reject_max},
+                           f"{rate:.0%} of the last {len(self._rejected)} pushes were "
+                           f"rejected (threshold {cfg.reject_max:.0%}): the staleness policy "
+                           "starves training; relax the policy or bound staleness with ssp")
+                return
+        if len(win.pushes) >= cfg.reject_window:
+            rate = win.rejected / len(win.pushes)
+            if rate > cfg.reject_max:
+                self._fire(out, "rejection_rate", worker,
+                           {"rejected_fraction": rate, "window": len(win.pushes),
+                            "threshold": cfg.reject_max},
+                           f"{rate:.0%} of this worker's last {len(win.pushes)} pushes were "
+                           "rejected: its compute is wasted (a straggler the policy always "
+                           "refuses?)")
+
+    def _check_staleness(self, out: list[Alarm], worker: int, win: _WorkerWindow) -> None:
+        cfg = self.config
+        n = cfg.staleness_window
+        if self.bounded_lag or len(win.staleness) < 2 * n:
+            return
+        values = list(win.staleness)
+        before, recent = statistics.median(values[:n]), statistics.median(values[n:])
+        if recent > cfg.staleness_limit and recent >= 2 * max(before, 1):
+            self._fire(out, "worker_lag", worker,
+                       {"staleness": recent, "staleness_before": before,
+                        "staleness_limit": cfg.staleness_limit},
+                       f"median staleness of its last {n} pushes is {_fmt(recent)}, up from "
+                       f"{_fmt(before)}: its gradients are computed on ever older weights")
+
+    def _check_zero(self, out: list[Alarm], worker: int, win: _WorkerWindow) -> None:
+        cfg = self.config
+        if len(win.norms) < cfg.zero_window:
+            return
+        # cheap pre-check: far above the zero threshold of a typical norm (every worker's
+        # running mean), so it cannot be zero next to the others; skips the scan below
+        if self._norm_ema is not None and max(win.norms) > cfg.zero_rel * 1e3 * self._norm_ema:
+            return
+        others = [w.norms[-1] for k, w in self._workers.items() if k != worker and w.norms]
+        if not others:
+            return
+        reference = statistics.median(others)
+        if reference > 0 and max(win.norms) <= cfg.zero_rel * reference:
+            self._fire(out, "zero_gradient", worker,
+                       {"grad_norm": max(win.norms), "others_median_norm": reference,
+                        "pushes": len(win.norms)},
+                       f"its last {len(win.norms)} gradients are zero (norm "
+                       f"{_fmt(max(win.norms))}) while the other workers' are "
+                       f"{_fmt(reference)}: it learns nothing (a detached graph, dead "
+                       "activations, empty batches?)")
+
+    def _check_cosine(self, out: list[Alarm], worker: int, win: _WorkerWindow) -> None:
+        cfg = self.config
+        if len(win.cosines) < cfg.cosine_window:
+            return
+        mine = win.cosine_sum / len(win.cosines)
+        if mine >= cfg.cosine_min:  # the common case: no need to look at the others
+            return
+        others = [w for k, w in self._workers.items()
+                  if k != worker and len(w.cosines) >= cfg.cosine_window]
+        if len(others) < 2:  # with one other worker, who disagrees with whom is undecidable
+            return
+        theirs = statistics.median(w.cosine_sum / len(w.cosines) for w in others)
+        # significance: on a tiny slice (a bias of 2) cosines are +-1 noise, whose window
+        # means wander far apart by chance; a real disagreement stands out of that spread
+        spread = math.sqrt((_variance(win) + statistics.median(_variance(w) for w in others))
+                           / cfg.cosine_window)
+        t = (theirs - mine) / spread if spread > 0 else math.inf
+        if mine < cfg.cosine_min and theirs - mine > cfg.cosine_gap and t > cfg.cosine_t:
+            self._fire(out, "gradient_disagrees", worker,
+                       {"cosine": mine, "others_cosine": theirs, "t": t,
+                        "window": len(win.cosines)},
+                       f"mean cosine of its last {len(win.cosines)} gradients to the shard's "
+                       f"running mean gradient is {mine:.2f}, the other workers' "
+                       f"{theirs:.2f}: it pushes against the others (a sign error, wrong "
+                       "labels, corrupt data?)")
+
+    def _observe_loss(self, out: list[Alarm], loss: float) -> None:
+        cfg = self.config
+        self._loss_block.append(loss)
+        if len(self._loss_block) < cfg.loss_window:
+            return
+        block = self._loss_block
+        mean = statistics.fmean(block)
+        # the block mean's standard error: a rise must stand out of the batch-to-batch noise
+        se = statistics.stdev(block) / math.sqrt(len(block)) if len(block) > 1 else 0.0
+        # a stall is judged on medians (one wild batch moves a mean, not a median), with the
+        # median's standard error estimated robustly from the block's own spread (MAD)
+        median = statistics.median(block)
+        mad = statistics.median(abs(x - median) for x in block)
+        se_median = 1.2533 * 1.4826 * mad / math.sqrt(len(block))
+        applied = self._applied_in_block
+        self._loss_block = []
+        self._applied_in_block = 0
+        self._loss_blocks.append(mean)
+        if self._best_median is None or self._first_median is None:
+            self._first_median = self._best_median = median
+            return
+        if applied == 0:  # nothing applied: that is the rejection rule's business
+            return
+        # against the best *significant* level, not the lowest block: over a long run the
+        # lowest of hundreds of noisy blocks is an outlier, and the loss "rises" back from it
+        best = self._best_median
+        rise = (median - best) / abs(best) if best else math.inf
+        above = median - best > 3 * se_median
+        self._rising_blocks = self._rising_blocks + 1 if above and rise > cfg.loss_rise else 0
+        if above and (rise > cfg.loss_blowup or self._rising_blocks >= cfg.loss_rise_patience):
+            self._fire(out, "loss_rising", None,
+                       {"loss": median, "best_loss": best, "rise": rise, "blocks":
+                        self._rising_blocks, "window": cfg.loss_window, "mean": mean,
+                        "mean_se": se},
+                       f"median training loss of the last {cfg.loss_window} pushes is "
+                       f"{_fmt(median)}, {rise:.0%} above the best level ({_fmt(best)}), while "
+                       "updates are applied: training is diverging; lower the learning rate "
+                       "or bound staleness")
+        self._check_stall(out, median, se_median, applied, rising=rise > cfg.loss_rise)
+
+    def _check_stall(self, out: list[Alarm], median: float, se_median: float, applied: int,
+                     *, rising: bool) -> None:
+        """Stalled: no block median beat the best by more than its noise for loss_patience
+        blocks, while the loss is still near where it began. Once it has fallen, the same
+        flatness is convergence: a hint after loss_converged_pushes, not an alarm."""
+        cfg = self.config
+        assert self._best_median is not None and self._first_median is not None
+        best, first = self._best_median, self._first_median
+        # the reference moves only on a significant gain: a slow descent adds up until it
+        # clears the noise, while a flat loss never does
+        if best - median > max(cfg.loss_min_improvement * abs(best), cfg.loss_z * se_median):
+            self._best_median = median
+            self._stale_blocks = 0
+            self._stalled = self._converged = False  # the trend resumed: episodes close
+            return
+        self._stale_blocks += 1
+        flat = self._stale_blocks * cfg.loss_window
+        progressed = first - median > cfg.loss_progress * abs(first)
+        if not progressed:
+            if (self._stale_blocks >= cfg.loss_patience and not rising  # rising says more
+                    and not self._stalled and self._enabled("loss_stalled")):
+                self._stalled = True
+                self._fire(out, "loss_stalled", None,
+                           {"loss": median, "best_loss": best, "first_loss": first,
+                            "blocks": self._stale_blocks, "window": cfg.loss_window,
+                            "steps_applied": applied, "episode": self._episode("loss_stalled")},
+                           f"median training loss has not improved on {_fmt(best)} for "
+                           f"{flat} pushes (now {_fmt(median)}, {_fmt(first)} at the start) "
+                           "while updates are applied: learning stalled (a learning rate of 0 "
+                           "or too small?)", episodic=True)
+        elif flat >= cfg.loss_converged_pushes and not self._converged:
+            self._converged = True
+            hint = Alarm("loss_converged", self.shard, None,
+                         {"loss": median, "first_loss": first, "pushes": flat,
+                          "episode": self._episode("loss_converged")},
+                         f"[loss_converged] shard {self.shard}: loss flat at {_fmt(median)} "
+                         f"for {flat:,} pushes (from {_fmt(first)}): converged? (stop, or "
+                         "decay the learning rate)", self.version)
+            self.hints.append(hint)
+            self._new_hints.append(hint)

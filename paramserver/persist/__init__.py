@@ -1,0 +1,2 @@
+"""Checkpoints on disk: atomic safetensors + JSON manifests, read back with checks.
+"""

@@ -1,0 +1,102 @@
+"""Who may do what on a shard server: the per-message access check under CURVE.
+
+With CURVE each client key has a :class:`~paramserver.wire.curve.KeyGrant`
+(from the allow-list, and ``admin`` for ``--admin-key`` keys). :class:`Access`
+holds those grants and the binding of each worker id to the key whose HELLO
+registered it, and :meth:`Access.check` refuses, before a message reaches the
+core, a key acting for a worker id another key registered or outside its
+allow-listed ranks, and a non-admin key running an administrative op
+(SHUTDOWN, CHECKPOINT, BYE dead=true). Without CURVE no key is known and
+every peer is trusted with everything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection, Iterable
+
+from paramserver.errors import ErrorCode, ProtocolError
+from paramserver.wire.curve import ANY_KEY, KeyGrant, load_allow_list, public_key
+from paramserver.wire.protocol import Message, Op
+
+__all__ = ["ADMIN_OPS", "AS_WORKER", "Access", "is_loopback", "load_grants"]
+
+#: administrative ops: under CURVE, for admin keys only (BYE dead=true too)
+ADMIN_OPS = frozenset({Op.SHUTDOWN, Op.CHECKPOINT})
+#: ops that act as the worker id they name: under CURVE, for its registering key only
+AS_WORKER = frozenset({Op.INIT, Op.PULL, Op.PUSH, Op.HEARTBEAT, Op.BYE, Op.SPULL, Op.SPUSH,
+                       Op.SINIT})
+
+
+def load_grants(curve_clients_dir: str | None, admin_keys: Iterable[str]) -> dict[str, KeyGrant]:
+    """Each listed CURVE key's grant: the allow-list's, with admin added for
+    ``admin_keys`` (which are admitted even when the list does not name them)."""
+    # a bad list or key file is a TransportError, as an unreadable key was before
+    grants = load_allow_list(curve_clients_dir) if curve_clients_dir else {}
+    for key in (public_key(k) for k in admin_keys):
+        grants[key] = dataclasses.replace(grants.get(key, ANY_KEY), admin=True)
+    return grants
+
+
+def is_loopback(address: str) -> bool:
+    """Whether a bound address is reachable from this host only."""
+    host = address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    return host == "localhost" or host == "::1" or host.startswith("127.")
+
+
+class Access:
+    """The grants of a shard's CURVE keys (None: no CURVE, everyone is trusted) and
+    which key registered each worker id."""
+
+    def __init__(self, grants: dict[str, KeyGrant] | None) -> None:
+        self.grants = grants
+        # worker id -> the public key whose HELLO registered it; only that key may act
+        # as the worker (bounded with the core's worker table, see forget)
+        self.owners: dict[int, str] = {}
+
+    @property
+    def has_admin(self) -> bool:
+        return self.grants is not None and any(g.admin for g in self.grants.values())
+
+    def check(self, msg: Message, key: str | None) -> None:
+        """Under CURVE, refuse (``forbidden``) a key acting for a worker id another key
+        registered, or outside its allow-listed ranks, and a non-admin key running
+        SHUTDOWN, CHECKPOINT or BYE dead=true. Without CURVE everyone is trusted."""
+        if self.grants is None:
+            return
+        if key is None:  # every CURVE message passes the ZAP handler, which names its key
+            raise ProtocolError(ErrorCode.FORBIDDEN, "the message carries no CURVE key")
+        grant = self.grants.get(key, ANY_KEY)
+        if msg.op in ADMIN_OPS or (msg.op is Op.BYE and msg.get("dead")):
+            if not grant.admin:
+                what = "BYE dead=true" if msg.op is Op.BYE else msg.op.value.upper()
+                raise ProtocolError(ErrorCode.FORBIDDEN,
+                                    f"{what} needs an admin key; key {key} is not one")
+            return
+        if msg.op is Op.HELLO:
+            if msg["role"] != "worker":
+                return  # an observer acts for no worker
+        elif msg.op not in AS_WORKER or (msg.op is Op.PULL and msg.get("observer")):
+            return
+        worker = msg["worker"]
+        if grant.ranks is not None and worker not in grant.ranks:
+            raise ProtocolError(ErrorCode.FORBIDDEN, f"key {key} may act as worker(s) "
+                                f"{sorted(grant.ranks)} only, not {worker}")
+        owner = self.owners.get(worker)
+        if owner is None and msg.op is not Op.HELLO:
+            # e.g. a worker restored from a checkpoint: it says HELLO again first
+            raise ProtocolError(ErrorCode.NOT_REGISTERED,
+                                f"worker {worker} has not said HELLO to this shard with its key")
+        if owner is not None and owner != key:
+            raise ProtocolError(ErrorCode.FORBIDDEN, f"worker {worker} was registered by "
+                                f"another key; key {key} may not act for it")
+
+    def handled(self, msg: Message, key: str | None) -> None:
+        """``msg`` was handled without error: a worker's HELLO binds its id to ``key``."""
+        if key is not None and msg.op is Op.HELLO and msg["role"] == "worker":
+            self.owners[msg["worker"]] = key  # registered: the id is this key's now
+
+    def forget(self, known: Collection[int]) -> None:
+        """Unbind worker ids the core no longer knows: a key may register them anew."""
+        for worker in [w for w in self.owners if w not in known]:
+            del self.owners[worker]

@@ -1,0 +1,183 @@
+"""When and where a shard server checkpoints, and how it resumes from one.
+
+:class:`Checkpointer` writes a shard core's snapshot with
+:func:`~paramserver.persist.checkpoint.save_shard` (the file format lives in
+checkpoint.py, the snapshot's content in snapshot.py): every
+``checkpoint_every`` versions or ``checkpoint_seconds`` seconds, on the
+CHECKPOINT op (only at a place inside the configured directory: the server
+never writes where a message tells it to) and at shutdown. It also reads a
+shard's checkpoint back for ``--resume``, refusing one whose plan is unusable
+or another's.
+
+It never writes a checkpoint that ``--resume`` would refuse (weights or state
+not finite, anything :func:`paramserver.core.snapshot.check` refuses): the last
+good one stays LATEST, and pruning, which keeps LATEST, never removes the
+newest resumable checkpoint. At startup (:meth:`Checkpointer.claim`) a
+directory holding an earlier run of this shard is refused unless the server
+resumes it or was told ``--fresh`` (the old run is then moved aside).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from paramserver.core import snapshot
+from paramserver.core.shard import ShardCore
+from paramserver.core.sharding import ShardPlan
+from paramserver.errors import ConfigError, ErrorCode, ParamServerError, ProtocolError
+from paramserver.observe.events import EventLog
+from paramserver.persist.checkpoint import (
+    CheckpointDirInUse,
+    CheckpointError,
+    earlier_run,
+    latest_path,
+    load_shard,
+    move_aside,
+    save_shard,
+)
+from paramserver.sparse.shard import SparseShard
+
+__all__ = ["RESTORE_ERRORS", "Checkpointer"]
+
+log = logging.getLogger(__name__)
+
+#: what building a core from a checkpoint may raise: the checkpoint is unusable
+RESTORE_ERRORS = (ParamServerError, KeyError, TypeError, ValueError, AttributeError,
+                  IndexError, RuntimeError)
+
+
+class Checkpointer:
+    """Shard ``shard``'s checkpoints in ``directory`` (None: only where asked),
+    keeping ``keep``, due every ``every`` versions or ``seconds`` seconds (0: never)."""
+
+    def __init__(self, shard: int, directory: str | None, events: EventLog, *,
+                 keep: int = 2, every: int = 0, seconds: float = 0.0) -> None:
+        self.shard = shard
+        self.directory = directory
+        self.events = events
+        self.keep = keep
+        self.every = every
+        self.seconds = seconds
+        self.last = (time.monotonic(), -1)  # (when, version) of the latest one
+
+    def save(self, core: ShardCore | None, plan: ShardPlan | None, extra: Mapping[str, Any],
+             directory: str | None = None, sparse: SparseShard | None = None) -> str | None:
+        """Write ``core``'s checkpoint now, ``extra`` added to its metadata, and the
+        shard's sparse tables with it (one file, one atomic write); returns the
+        manifest path (None: nothing to save)."""
+        target = directory or self.directory
+        if target is None:
+            raise ConfigError("no checkpoint directory configured")
+        if core is None or plan is None:
+            return None
+        tensors, meta = core.state_dict()
+        try:  # what resume would refuse is not written: the last good one stays
+            snapshot.check(core, tensors, meta)
+        except (ConfigError, ProtocolError) as exc:
+            why = exc.reason if isinstance(exc, ProtocolError) else str(exc)
+            self.events.write("checkpoint_refused", shard=self.shard, version=core.version,
+                              error=why[:300])
+            raise CheckpointError(f"shard {self.shard}: the checkpoint at version "
+                                  f"{core.version} was not written, resume would refuse it: "
+                                  f"{why}") from exc
+        meta.update(plan=plan.describe(), plan_hash=plan.hash, **extra)
+        if sparse is not None:
+            rows, meta["sparse"] = sparse.state_dict()
+            tensors.update(rows)
+        path = save_shard(target, self.shard, tensors, meta, keep=self.keep)
+        self.last = (time.monotonic(), core.version)
+        self.events.write("checkpoint", shard=self.shard, version=core.version, path=str(path))
+        return str(path)
+
+    def due(self, core: ShardCore | None) -> bool:
+        """Whether a periodic checkpoint of ``core`` is due now."""
+        if core is None or not self.directory:
+            return False
+        when, version = self.last
+        if version == core.version:
+            return False
+        every, seconds = self.every, self.seconds
+        return bool((every and core.version % every == 0) or (
+            seconds and time.monotonic() - when >= seconds))
+
+    def target(self, path: str | None) -> str:
+        """Where the CHECKPOINT op writes: ``path`` inside the checkpoint directory
+        (the directory itself without one); anything else is refused."""
+        base = self.directory
+        if base is None:
+            raise ProtocolError(ErrorCode.BAD_FIELD,
+                                "this server has no checkpoint directory (--checkpoint-dir)")
+        if not path:
+            return base
+        try:
+            root = Path(base).resolve()
+            candidate = (root / path).resolve()
+        except (OSError, ValueError) as exc:  # a NUL byte, a loop of links
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"bad checkpoint path: {exc}") from exc
+        if candidate != root and root not in candidate.parents:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"checkpoint path must lie inside {base}")
+        return str(candidate)
+
+    def read(self, directory: str, plan: ShardPlan | None
+             ) -> tuple[ShardPlan, dict[str, torch.Tensor], dict[str, Any]]:
+        """This shard's latest checkpoint in ``directory``: (its plan, tensors, metadata).
+        Refused (:class:`CheckpointError`) if its plan is unusable or not ``plan``."""
+        tensors, meta = load_shard(directory, self.shard)
+        try:
+            theirs = ShardPlan.from_description(meta["plan"])
+        except (ConfigError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{self._where(directory)}: unusable plan: {exc}") from exc
+        if plan is not None and theirs.hash != plan.hash:
+            raise CheckpointError(f"checkpoint in {directory} has another plan: "
+                                  f"{plan.diff(meta['plan'])}")
+        return theirs, tensors, meta
+
+    def unusable(self, directory: str, exc: BaseException) -> CheckpointError:
+        """The error for a checkpoint a core could not be built from: one sentence
+        naming the file (and the field, where the check names one)."""
+        what = exc.reason if isinstance(exc, ProtocolError) else str(exc)
+        return CheckpointError(f"{self._where(directory)}: {type(exc).__name__}: {what}")
+
+    def claim(self, resume: str | None, fresh: bool) -> Path | None:
+        """Before the shard serves: refuse (:class:`CheckpointDirInUse`) a checkpoint
+        directory holding an earlier run of this shard, which the new run's
+        checkpoints would replace and prune, unless the shard resumes that very run
+        (``resume``) or ``fresh`` (the run is then moved aside: returns where)."""
+        if self.directory is None:
+            return None
+        earlier = earlier_run(self.directory, self.shard)
+        if earlier is None:
+            return None
+        if resume is not None and Path(resume).resolve() == Path(self.directory).resolve():
+            return None
+        folder = Path(self.directory) / f"shard{self.shard}"
+        if not fresh:
+            raise CheckpointDirInUse(
+                f"{folder} holds an earlier run's checkpoints ({earlier}); resume it with "
+                f"--resume {self.directory}, or start afresh with --fresh (moves them aside)")
+        moved = move_aside(self.directory, self.shard)
+        log.warning("shard %d: --fresh: moved the earlier run's checkpoints (%s) to %s",
+                    self.shard, earlier, moved)
+        self.events.write("checkpoints_moved", shard=self.shard, earlier=earlier,
+                          path=str(moved))
+        return moved
+
+    def resumed(self, directory: str, version: int) -> None:
+        self.last = (time.monotonic(), version)
+        # stderr, whatever the logging setup: an operator must see which state serves
+        print(f"resumed shard {self.shard} from version {version} ({directory})",
+              file=sys.stderr, flush=True)
+        log.info("shard %d resumed from %s at version %d", self.shard, directory, version)
+
+    def _where(self, directory: str) -> str:
+        try:
+            return f"checkpoint {latest_path(directory, self.shard)}.json"
+        except CheckpointError:
+            return f"checkpoint of shard {self.shard} in {directory}"

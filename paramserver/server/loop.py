@@ -1,0 +1,791 @@
+"""ShardServer: the socket loop around one :class:`~paramserver.core.shard.ShardCore`.
+
+One process per shard, one ROUTER socket, one event loop. The server decodes
+and validates messages, hands them to the pure core, sends replies (pull
+replies possibly much later, when the core's gates open) and writes the JSONL
+event log. It never lets one bad message stop it: every failure becomes an
+ERROR reply with a code, and the core's state is untouched.
+
+Its parts live beside it: peers.py (the HELLO, HEARTBEAT and BYE handlers),
+access.py (who may do what under CURVE), parts.py (pushes sent in parts),
+outbox.py (replies, parked pulls and the zero-copy sends of the weights) and
+checkpointer.py (checkpoints and resuming).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import zmq
+
+from paramserver.core.probe import MeasureBudget
+from paramserver.core.shard import ShardCore, SliceSpec
+from paramserver.core.sharding import ShardPlan
+from paramserver.errors import ConfigError, ErrorCode, ProtocolError, TransportError
+from paramserver.observe.events import EventLog
+from paramserver.observe.metrics import MetricsExporter, TensorBoardWriter
+from paramserver.observe.recorder import ShardObserver
+from paramserver.observe.watchdog import Alarm, Watchdog
+from paramserver.persist.checkpoint import CheckpointDirInUse, CheckpointError
+from paramserver.policies.registry import create_policy
+from paramserver.server.access import Access, is_loopback, load_grants
+from paramserver.server.checkpointer import RESTORE_ERRORS, Checkpointer
+from paramserver.server.config import ServerConfig
+from paramserver.server.outbox import Outbox
+from paramserver.server.parts import JoinedParts, StreamedParts, part_of
+from paramserver.server.peers import Observers, PeerOps
+from paramserver.server.tables import TableBuilder
+from paramserver.shm.link import ShmHub, sweep, take_shm
+from paramserver.shm.link import enabled as shm_enabled
+from paramserver.sparse.shard import SparseShard
+from paramserver.util.proctitle import set_title
+from paramserver.wire.curve import CurveKeys
+from paramserver.wire.protocol import Message, Op, decode, error_reply, reply
+from paramserver.wire.stats import fit
+from paramserver.wire.transport import RouterSocket
+
+__all__ = ["DIVERGED_EXIT_CODE", "READY_PREFIX", "ServerConfig", "ShardServer", "run_server"]
+
+log = logging.getLogger(__name__)
+
+READY_PREFIX = "PARAMSERVER_READY"
+DIVERGED_EXIT_CODE = 3  # the watchdog stopped training (--on-divergence stop/checkpoint-and-stop)
+
+
+class ShardServer(PeerOps):
+    """One shard's process: a ROUTER socket in front of a
+    :class:`~paramserver.core.shard.ShardCore`.
+
+    ``serve_forever()`` runs the event loop until SHUTDOWN, :meth:`stop` or the
+    divergence watchdog; the core holds every consistency rule, this class the I/O.
+    """
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        curve = CurveKeys.load(config.curve_secret_key) if config.curve_secret_key else None
+        self.policy = create_policy(config.policy, config.policy_args)
+        # CURVE: what each client key may do (None: any admitted key acts as a plain
+        # worker) and which key registered each worker id; without CURVE no key is
+        # known, and every peer is trusted
+        self.access = Access(load_grants(config.curve_clients_dir, config.admin_keys)
+                             if curve is not None else None)
+        if curve is not None and not self.access.has_admin:
+            log.warning("shard %d: no admin key (--admin-key): SHUTDOWN, CHECKPOINT and "
+                        "BYE dead=true are refused; stop the shard with SIGTERM", config.shard)
+        self.socket = RouterSocket(
+            config.bind, curve=curve,
+            allowed_clients=self.access.grants if config.curve_clients_dir else None)
+        self.address = self.socket.address
+        if curve is None and not is_loopback(self.address):
+            log.warning("shard %d binds %s without CURVE: anyone who reaches this port is "
+                        "trusted with every operation, SHUTDOWN included (docs/reliability.md)",
+                        config.shard, self.address)
+        self.events = EventLog(config.event_log)
+        self.plan: ShardPlan | None = None
+        self.core: ShardCore | None = None
+        self.sparse: SparseShard | None = None  # the plan's row-sparse tables, if any
+        self.tables: TableBuilder | None = None  # builds them once a live worker uses them
+        self._running = False
+        self.counters: Counter[str] = Counter()
+        self.outbox = Outbox(self.socket, self.counters)
+        # same-host workers' tensors through shared memory (paramserver/shm/link.py)
+        self.shm = ShmHub(config.shard, self.socket.limits) if shm_enabled() else None
+        self.outbox.shm = self.shm
+        self.started_at = time.time()
+        self.peers: dict[int, dict[str, Any]] = {}  # worker -> host and pid from its HELLO
+        self.observers = Observers()  # the identities that said HELLO as observers
+        self.checkpoints = Checkpointer(
+            config.shard, config.checkpoint_dir, self.events, keep=config.checkpoint_keep,
+            every=config.checkpoint_every, seconds=config.checkpoint_seconds)
+        self.watchdog = Watchdog(config.shard, config.watchdog_config(),
+                                 bounded_lag=config.mode != "async")
+        # how much of the pushes the probe measures, kept within a share of the time
+        self.measure_budget = MeasureBudget(self.watchdog.config.observe_budget)
+        self.observer = ShardObserver(
+            config.shard, self.events, self.watchdog, interval=config.metrics_interval,
+            tensorboard=(TensorBoardWriter(Path(config.tensorboard) / f"shard{config.shard}")
+                         if config.tensorboard else None),
+        )
+        self.exporter = MetricsExporter.for_bind(self.observer.registry, config.metrics_port,
+                                                 self.address)
+        self.metrics_port = self.exporter.start()
+        self.joined = JoinedParts(self.counters)  # pushes in parts the core takes whole
+        self.streamed = StreamedParts()  # pushes in parts the core adds part by part
+        self.diverged: Alarm | None = None
+        self._stop_at: float | None = None  # diverged: refuse requests until then, then exit
+        self._told: set[int] = set()  # workers refused since the watchdog stopped training
+        # a push's metrics, watchdog rules and event, run once its reply is out (the
+        # critical path of a round trip ends at the reply); before the next message
+        self._after_reply: list[Callable[[], None]] = []
+        self.exit_code = 0
+        # set (any thread) when the rendezvous store says every worker is done (_job_over)
+        self.job_done = threading.Event()
+        self._secured = curve is not None
+        self._hint_held: list[int] | None = None
+        if config.plan is not None:
+            self._adopt_plan(ShardPlan.from_description(config.plan))
+        # an earlier run's checkpoints are resumed, or moved aside (--fresh), never taken over
+        self.checkpoints.claim(config.resume, config.fresh)
+        if config.resume:
+            self._restore(config.resume)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def serve_forever(self, on_ready: Callable[..., None] | None = None,
+                      tick: float = 0.05) -> None:
+        self._running = True
+        self.events.write("server_start", shard=self.config.shard, address=self.address,
+                          metrics_port=self.metrics_port, config=self.config.to_dict())
+        log.info("shard %d/%d serving at %s (%s, policy %s)", self.config.shard,
+                 self.config.num_shards, self.address, self.config.mode_spec().describe(),
+                 self.policy.describe())
+        if on_ready is not None:
+            _ready(on_ready, self.address, self.metrics_port)
+        last_expire = 0.0
+        try:
+            while self._running:
+                got = self.socket.recv(int(tick * 1000))
+                while got is not None:
+                    self._handle(*got)
+                    if not self._running:
+                        break
+                    got = self.socket.recv_nowait()
+                now = time.monotonic()
+                if self.core is not None and now - last_expire >= tick:
+                    last_expire = now
+                    self._periodic(now)
+                self._act_on_alarms()  # a death may have closed a sync round
+                if self.job_done.is_set() and self._job_over():
+                    log.info("shard %d: every worker is done; stopping", self.config.shard)
+                    self._running = False
+                try:
+                    self.observer.tick(now)
+                except Exception as exc:  # metrics must not take the shard down either
+                    self._periodic_failed("metrics", exc)
+                if self._stop_at is not None and (now >= self._stop_at or self._all_told()):
+                    self._running = False
+            # a diverged shard must not overwrite good checkpoints with its state
+            if self.config.checkpoint_dir and self.diverged is None:
+                try:
+                    self.save_checkpoint()
+                except CheckpointError as exc:  # the last good checkpoint stays LATEST
+                    log.error("%s", exc)
+        finally:
+            self.observer.close()
+            self.exporter.close()
+            self.events.write("server_stop", shard=self.config.shard,
+                              version=self.core.version if self.core else 0)
+            self.events.close()
+            self.socket.close(linger=1.0)
+            if self.shm is not None:
+                self.shm.close()
+
+    def stop(self) -> None:
+        self._running = False
+
+    def _periodic(self, now: float) -> None:
+        """Expiry, parked pulls and timed checkpoints; an exception here (a sync round
+        closed by a death that cannot be stepped, say) is logged, counted and raised
+        as an alarm, and the shard serves on."""
+        assert self.core is not None
+        try:
+            for worker in self.core.expire(now):
+                sweep() if self.shm else None  # a worker died: its segments too
+                self.joined.drop(worker)
+                self.events.write("worker_dead", shard=self.config.shard, worker=worker)
+                self.observer.left(self.core, worker)
+            # live members a round or SSP gate waited on past its deadline, silent
+            for worker in self.core.leave_out(now):
+                self.events.write("worker_left_out", shard=self.config.shard, worker=worker,
+                                  deadline=self.core.round_deadline())
+        except Exception as exc:
+            self._periodic_failed("expire", exc)
+        try:
+            self._answer_pulls(now)
+        except Exception as exc:
+            self._periodic_failed("answer_pulls", exc)
+        try:
+            self._maybe_checkpoint()
+        except Exception as exc:
+            self._periodic_failed("checkpoint", exc)
+
+    def _periodic_failed(self, what: str, exc: Exception) -> None:
+        self.counters["error_periodic"] += 1
+        self.counters[f"error_periodic_{what}"] += 1
+        count = self.counters[f"error_periodic_{what}"]
+        if count & (count - 1):  # a failure repeating every tick: log and alarm at 1, 2, 4, ...
+            return
+        log.error("shard %d: periodic %s failed (%d times)", self.config.shard, what, count,
+                  exc_info=exc)
+        version = self.core.version if self.core else None
+        self.observer.raise_alarm(Alarm(
+            "internal_error", self.config.shard, None,
+            {"where": what, "error": f"{type(exc).__name__}: {exc}"[:500]},
+            f"shard {self.config.shard}: {what} failed: {type(exc).__name__}: {exc}"[:500],
+            version))
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self, directory: str | None = None) -> str | None:
+        """Write this shard's checkpoint now; returns the manifest path (None: nothing to save)."""
+        if self.tables is not None:
+            self.tables.ready()  # (the sparse tables are saved with it)
+        return self.checkpoints.save(
+            self.core, self.plan, {"optimizer_name": self.config.optimizer,
+                                   "server": self.config.to_dict()}, directory,
+            sparse=self.sparse)
+
+    def _maybe_checkpoint(self) -> None:
+        if self.checkpoints.due(self.core):
+            self.save_checkpoint()
+
+    def _restore(self, directory: str) -> None:
+        plan, tensors, meta = self.checkpoints.read(directory, self.plan)
+        try:
+            self._adopt_plan(plan)
+            assert self.core is not None
+            self.core.load_state_dict(tensors, meta, time.monotonic())
+            if self.sparse is not None:
+                self.sparse.load_state_dict(tensors, meta["sparse"])
+        except RESTORE_ERRORS as exc:
+            self.core = self.plan = None
+            self.sparse = self.tables = None  # the server does not start from it
+            raise self.checkpoints.unusable(directory, exc) from exc
+        self.checkpoints.resumed(directory, self.core.version)
+
+    # ------------------------------------------------------------------ dispatch
+
+    def _handle(self, identity: bytes, frames: list[zmq.Frame]) -> None:
+        seq = 0
+        lent: dict[str, torch.Tensor] = {}  # tensors read from the sender's segment
+        try:
+            msg = decode(frames, self.socket.limits)
+            seq = msg.seq
+            key = self.socket.user_id(frames)
+            self.access.check(msg, key)
+            if msg.op is not Op.HELLO and ("shm" in msg.fields or "via_shm" in msg.fields):
+                take_shm(self.shm, msg, identity)  # tensors in the sender's segment
+                if "shm" in msg.fields:
+                    lent = msg.tensors
+            self.outbox.acknowledged(identity, seq)
+            self.counters["messages"] += 1
+            self.counters["bytes_in"] += sum(len(f) for f in frames)
+            handler = self._handlers.get(msg.op)
+            if handler is None:
+                raise ProtocolError(ErrorCode.UNKNOWN_OP,
+                                    f"a server does not accept {msg.op.value}")
+            if self.diverged is not None and msg.op not in (Op.STATS, Op.SHUTDOWN):
+                self._refuse_diverged(msg)
+            answer = handler(self, msg, identity)
+            # a same-host worker's offer of shared memory: granted, or not
+            if (msg.op is Op.HELLO and answer is not None and self.shm and self.core
+                    and self.shm.answer_hello(identity, msg, frames[0], self.address, answer,
+                                              self.access.grants, key, self.core)):
+                self.counters["shm_peers"] += 1
+            self.access.handled(msg, key)
+        except ProtocolError as exc:
+            self.counters[f"error_{exc.code}"] += 1
+            self.observer.error(exc.code)
+            log.debug("refused a message: %s", exc)
+            answer = error_reply(seq, exc.code, exc.reason)
+        except ConfigError as exc:  # e.g. a plug-in policy misbehaving
+            self.counters["error_internal"] += 1
+            log.error("request failed: %s", exc)
+            answer = error_reply(seq, ErrorCode.INTERNAL, str(exc))
+        except Exception as exc:  # never let one message take the server down
+            self.counters["error_internal"] += 1
+            log.exception("internal error while handling a message")
+            answer = error_reply(seq, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+        self._act_on_alarms()  # before replying: the launcher learns of a stop first
+        if answer is not None:
+            self.outbox.send(identity, answer)
+        if self.core is not None:
+            self._answer_pulls(time.monotonic(), later=self._after_reply)
+        if self._after_reply or (self.core is not None and self.core.probe.pending):
+            self._run_after_reply()
+        if lent and self.shm is not None and self._releases():
+            self.shm.release(identity, lent)  # added or applied, and measured
+
+    def _releases(self) -> bool:
+        """Whether a same-host worker's used pages are unmapped after a message
+        (``shm_release``). Unset: yes, unless one worker's pages are what a plain-SGD
+        step reads in place; they then stand in for the aggregation buffer, and
+        unmapping them would cost a refault per push and lower no peak."""
+        if self.config.shm_release is not None:
+            return self.config.shm_release
+        core = self.core
+        return (self.shm is not None and len(self.shm.peers) > 1) or core is None \
+            or not core.stepper.reads_only(core.params)
+
+    def _run_after_reply(self) -> None:
+        """The deferred observation of pushes just answered (the core's measurements
+        first, then what reads them); an alarm it raises acts now, before the next
+        message is handled."""
+        if self.core is not None and self.core.probe.pending:
+            probe, budget = self.core.probe, self.measure_budget
+            t0 = time.perf_counter() if budget.share else 0.0
+            try:
+                probe.flush()
+            except Exception:  # observation must not take the server down
+                self.counters["error_internal"] += 1
+                log.exception("measuring a push failed")
+            if budget.share:  # (no clock read per message when there is no budget)
+                t1 = time.perf_counter()
+                probe.shed = budget.spent(t1 - t0, t1)
+        work, self._after_reply = self._after_reply, []
+        for fn in work:
+            try:
+                fn()
+            except Exception:  # observation must not take the server down
+                self.counters["error_internal"] += 1
+                log.exception("observing a push failed")
+        self._act_on_alarms()
+
+    def _before_mutation(self) -> None:
+        """Copy-on-write: parameters still being sent must not be written in place."""
+        self.outbox.settle(self.core)
+        if self.shm is not None and self.core is not None:
+            # the weights' board slot is written in place in sync mode: each worker
+            # read the round's weights before it pushed
+            self.shm.before_change(in_place=self.core.mode.mode == "sync")
+
+    def _after_mutation(self) -> None:
+        if self.shm is not None and self.core is not None:
+            self.shm.after_change(self.core.version)
+
+    def _step_refused(self, version: int) -> None:
+        """The core undid a step that made the weights or optimizer state NaN or Inf:
+        counted, and an alarm at 1, 2, 4, ...; not divergence (Alarm.divergence): the
+        weights are as before, and one worker's push must not stop the shard"""
+        self.counters["steps_refused"] += 1
+        count = self.counters["steps_refused"]
+        if count & (count - 1):
+            return
+        self.observer.raise_alarm(Alarm(
+            "nonfinite_weights", self.config.shard, None, {"steps_refused": count},
+            f"a step at version {version} would have made the weights or the optimizer's "
+            f"state NaN or Inf (finite gradients that overflow them); it was undone, the "
+            f"weights are as before ({count} refused so far)", version))
+
+    def _answer_pulls(self, now: float, later: list[Callable[[], None]] | None = None) -> None:
+        """Send the pull replies whose gates opened; ``later``: see Outbox.answer_pulls."""
+        assert self.core is not None
+        self.outbox.answer_pulls(self.core, now, self.observer, later)
+        if self.tables is not None and self.tables.held:
+            self._answer_held_sparse()
+        if self.sparse is not None:  # sync sparse pushes are answered when their round closes
+            self.sparse.maybe_close()
+            for (identity, seq), outcome in self.sparse.take_ready():
+                self.outbox.send(identity, Message(Op.REPLY, seq, {"re": "spush", **outcome}))
+
+    # ------------------------------------------------------------------ watchdog
+
+    def _observe_core(self) -> None:
+        assert self.core is not None
+        cfg = self.watchdog.config
+        self.watchdog.elements = sum(s.numel for s in self.core.specs.values())
+        cosine = cfg.enabled and "gradient_disagrees" not in cfg.disable
+        self.core.observe(self.observer.on_core, cosine_decay=0.97 if cosine else None,
+                          every=cfg.observe_every)
+        self.core.probe.defer = True  # measured after the reply: see _run_after_reply
+
+    def _act_on_alarms(self) -> None:
+        """Carry out --on-divergence for alarms raised while handling a message: only
+        for the model's own state (Alarm.divergence), never for a push it refused."""
+        alarms = [a for a in self.observer.take_alarms() if a.divergence]
+        action = self.config.on_divergence
+        if not alarms or action == "warn" or self.diverged is not None:
+            return
+        first = self.diverged = alarms[0]
+        log.error("the divergence watchdog stops training (--on-divergence %s): %s", action,
+                  first.message)
+        path = None
+        if action == "checkpoint-and-stop":
+            assert self.config.checkpoint_dir is not None
+            try:
+                path = self.save_checkpoint(str(Path(self.config.checkpoint_dir) / "diverged"))
+            except CheckpointError as exc:  # weights not finite: resume would refuse it
+                log.error("%s", exc)
+        self.events.write("diverged", shard=self.config.shard, action=action,
+                          signal=first.signal, worker=first.worker, message=first.message,
+                          version=self.core.version if self.core else 0, checkpoint=path)
+        self.events.flush()
+        self.exit_code = DIVERGED_EXIT_CODE
+        # linger a little, refusing every request, so workers learn why and stop
+        self._stop_at = time.monotonic() + min(10.0, self.config.heartbeat_timeout)
+
+    def _refuse_diverged(self, msg: Message) -> None:
+        assert self.diverged is not None
+        worker = msg.get("worker")
+        if isinstance(worker, int) and msg.op is not Op.HEARTBEAT:
+            self._told.add(worker)
+        raise ProtocolError(ErrorCode.STOPPED,
+                            f"the divergence watchdog stopped training: {self.diverged.message}")
+
+    def _job_over(self) -> bool:
+        """Act on :attr:`job_done`? Without CURVE yes (the store is as trusted as the
+        wire); with it only once every expected worker said BYE over its key or died here:
+        the store is not authenticated, and a hostile client of it must not stop us."""
+        if not self._secured:
+            return True
+        expected = self.config.expected_workers
+        holding = self.core.holding(expected) if self.core else list(range(expected))
+        if holding and holding != self._hint_held:
+            self._hint_held = holding  # warn once per change, not every tick
+            log.warning("shard %d: the rendezvous store says every worker is done, but "
+                        "worker(s) %s did not say BYE here; serving on until they do (or an "
+                        "admin SHUTDOWN, or SIGTERM)", self.config.shard,
+                        ", ".join(map(str, holding)))
+        return not holding
+
+    def _all_told(self) -> bool:
+        if self.core is None:
+            return True
+        return all(w.worker in self._told for w in self.core.workers.values()
+                   if w.live and not w.finished)
+
+    # ------------------------------------------------------------------ ops
+
+    def _adopt_plan(self, plan: ShardPlan) -> None:
+        pinned = self.config.plan_hash
+        if pinned is not None and plan.hash != pinned:  # (a HELLO's was checked before)
+            raise ConfigError(f"shard {self.config.shard}: the plan {plan.hash[:12]}... is not "
+                              f"the one --plan-hash pins ({pinned[:12]}...)")
+        if plan.num_shards != self.config.num_shards:
+            raise ProtocolError(
+                ErrorCode.PLAN_MISMATCH,
+                f"the worker's plan has {plan.num_shards} shards; this server is shard "
+                f"{self.config.shard} of {self.config.num_shards}",
+            )
+        slices = [SliceSpec(s.key, s.numel, s.dtype) for s in plan.shard_slices(self.config.shard)]
+        core = ShardCore(slices, self.config.core_config(), self.policy)
+        self.sparse = SparseShard.for_server(plan, self.config, core, self.policy)
+        self.tables = TableBuilder(self.sparse, self.config.shard) if self.sparse else None
+        self.core = core  # (not before the plan's tables proved trainable)
+        self.core.before_step = self._before_mutation
+        self.core.after_step = self._after_mutation
+        self.core.on_refused = self._step_refused
+        self.core.ahead.busy = self.socket.pending  # step ahead only while idle
+        self._observe_core()
+        self.plan = plan
+        self.joined.budget = (64 << 20) + (self.config.expected_workers + 1) * plan.shard_bytes(
+            self.config.shard)
+        log.info("shard %d holds %d slices, %d bytes", self.config.shard, len(slices),
+                 plan.shard_bytes(self.config.shard))
+
+    def _on_init(self, msg: Message, identity: bytes) -> Message:
+        core = self._require_core()
+        if not core.initialized:  # (steps protect the weights through core.before_step)
+            self._before_mutation()
+        part, parts = part_of(msg)
+        seeded = core.initialize_part(msg["worker"], msg.tensors, part, parts)
+        if core.initialized and self.tables is not None:
+            self.tables.start()  # the plan's owner seeded: its sparse tables are due now
+        if seeded:
+            self.events.write("init", shard=self.config.shard, worker=msg["worker"])
+        if seeded is None:
+            return reply(msg, seeded=False, partial=True, version=core.version)
+        return reply(msg, seeded=seeded, version=core.version)
+
+    def _on_pull(self, msg: Message, identity: bytes) -> None:
+        core = self._require_core()
+        observer = bool(msg.get("observer", False))
+        core.request_pull(msg["worker"], msg["clock"], (identity, msg.seq), time.monotonic(),
+                          observer=observer, wait_init=bool(msg.get("wait_init", False)))
+        if observer:
+            self.outbox.park_observer((identity, msg.seq))
+        return None  # answered by _answer_pulls, now or when the gate opens
+
+    def _on_push(self, msg: Message, identity: bytes) -> Message | None:
+        core = self._require_core()
+        part, parts = part_of(msg)
+        streamed = parts != 1 and core.streams_parts
+        if parts != 1:
+            self.counters["push_parts_streamed" if streamed else "push_parts_joined"] += 1
+        if parts != 1 and not streamed:
+            whole = self.joined.join(core, msg)
+            if whole is None:
+                return reply(msg, partial=True)  # the outcome comes with the last part
+            msg = whole
+            part, parts = 0, 1
+        read_version = msg["read_version"]
+        loss = msg.get("loss")
+        loss = None if loss is None else float(loss)
+        t0 = time.perf_counter()
+        core.ahead.eager = streamed and bool(msg.get("early"))
+        try:
+            out = core.push(msg["worker"], msg["push_id"], msg["clock"], read_version,
+                            msg["num_samples"], msg.tensors, time.monotonic(), part, parts)
+        except ProtocolError as exc:
+            self.streamed.drop(msg["worker"])
+            if exc.code == ErrorCode.NONFINITE:
+                self.observer.nonfinite(msg["worker"], loss)
+            raise
+        finally:
+            core.ahead.eager = False
+        if streamed:
+            # sync: each part was added into the round's buffer and its frames are free;
+            # what the answer needs of the earlier parts is kept here
+            pull, nbytes = self.streamed.tally(msg, last=out is not None)
+            if out is None:
+                return self._partial(core, msg)
+            early = self.streamed.early_of(msg)
+            msg = Message(msg.op, msg.seq, {**msg.fields, "pull": pull})
+        else:
+            nbytes, early = msg.nbytes, None
+        assert out is not None  # only a streamed part that is not the last has none
+        if out.duplicate:
+            self.counters["duplicate_pushes"] += 1
+        else:
+            seconds = time.perf_counter() - t0
+            worker, clock, samples = msg["worker"], msg["clock"], msg["num_samples"]
+
+            def observe() -> None:
+                grad = self.observer.push(core, worker, outcome, loss=loss, seconds=seconds,
+                                          nbytes=nbytes)
+                self.events.write(
+                    "push", shard=self.config.shard, worker=worker, clock=clock,
+                    read_version=read_version, version=out.version,
+                    staleness=out.staleness, accepted=out.accepted, weight=out.weight,
+                    reason=out.reason, num_samples=samples, loss=loss,
+                    grad_norm=grad.norm if grad else None,
+                    cosine=grad.cosine if grad else None)
+
+            outcome = out.as_dict()
+            self._after_reply.append(observe)
+        if out.applied and self.config.checkpoint_every:
+            self._maybe_checkpoint()
+        if msg.get("pull"):
+            # push + pull in one round trip: the answer is the pull's, sent when its
+            # gate opens (in sync mode, when the round closes), with this outcome in it
+            token = (identity, msg.seq)
+            core.request_pull(msg["worker"], msg["clock"] + 1, token, time.monotonic())
+            self.outbox.park_push_pull(msg["worker"], token, out.as_dict(), early)
+            return None
+        return reply(msg, **out.as_dict())
+
+    def _partial(self, core: ShardCore, msg: Message) -> Message:
+        """The answer to a part that is not the last. With ``early`` (the worker takes
+        its weights over TCP and asked for the push's next weights), it carries the
+        next weights of the part's slices if the round steps ahead and computed them
+        (issue 17, item 4): they travel while later parts do, and the round's answer
+        leaves them out if it commits those very weights (Outbox.answer_pulls)."""
+        if msg.get("early") and msg.tensors:
+            alone = all(w.worker == msg["worker"] for w in core.live())
+            ready = core.ahead.ready(msg.tensors.keys(), lend=alone)
+            if ready is not None:
+                version = core.version + 1
+                self.streamed.sent_early(msg, version, ready.keys())
+                self.counters["early_parts"] += 1
+                return reply(msg, ready, partial=True, early=version)
+        return reply(msg, partial=True)
+
+    def _require_sparse(self, msg: Message, identity: bytes) -> SparseShard:
+        # only a SPULL reads as an observer, and only from a peer that said HELLO as one
+        observer = msg.op is Op.SPULL and msg.get("observer") is True
+        if observer and identity not in self.observers:
+            raise ProtocolError(ErrorCode.NOT_REGISTERED,
+                                "an observer's SPULL needs its HELLO (role observer) first")
+        return SparseShard.of_worker(self.sparse, self._require_core(), msg["worker"],
+                                     time.monotonic(), observer)
+
+    def _hold_sparse(self, msg: Message, identity: bytes,
+                     handler: Callable[[ShardServer, Message, bytes], Message | None]) -> bool:
+        """Whether ``msg`` waits for the sparse tables (held, answered once built). The
+        build starts at the dense INIT or at a live worker's first sparse request (a
+        HELLO alone costs nothing); an observer's read waits for it."""
+        assert self.tables is not None and self.sparse is not None
+        self.tables.check()
+        if self.sparse.built:
+            return False
+        if not msg.get("observer") and msg["worker"] in self.sparse.live():
+            self.tables.start()
+        self.tables.hold(identity, handler, msg)
+        return True
+
+    def _answer_held_sparse(self) -> None:
+        """Answer the sparse requests that waited for the tables, once they are built."""
+        assert self.tables is not None
+        for identity, (handler, msg) in self.tables.take():
+            try:
+                answer = handler(self, msg, identity)
+            except ProtocolError as exc:
+                answer = error_reply(msg.seq, exc.code, exc.reason)
+            except Exception as exc:  # as in _handle: one request never stops the shard
+                self.counters["error_internal"] += 1
+                log.exception("internal error while answering a held sparse request")
+                answer = error_reply(msg.seq, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            if answer is not None:
+                self.outbox.send(identity, answer)
+
+    def _on_spull(self, msg: Message, identity: bytes) -> Message | None:
+        sparse = self._require_sparse(msg, identity)
+        if self._hold_sparse(msg, identity, ShardServer._on_spull):
+            return None
+        return reply(msg, sparse.pull(msg.tensors), version=sparse.version)
+
+    def _on_spush(self, msg: Message, identity: bytes) -> Message | None:
+        sparse = self._require_sparse(msg, identity)
+        if self._hold_sparse(msg, identity, ShardServer._on_spush):
+            return None
+        out = sparse.push(msg["worker"], msg["push_id"], msg["read_version"], msg["clock"],
+                          msg["num_samples"], msg.tensors, (identity, msg.seq))
+        return None if out is None else reply(msg, **out)
+
+    def _on_sinit(self, msg: Message, identity: bytes) -> Message | None:
+        sparse = self._require_sparse(msg, identity)
+        if self._hold_sparse(msg, identity, ShardServer._on_sinit):
+            return None
+        part, parts = part_of(msg)
+        done = sparse.seed(msg["worker"], msg.tensors, part, parts)
+        return reply(msg, initialized=done)
+
+    def _on_stats(self, msg: Message, identity: bytes) -> Message:
+        return reply(msg, **self.stats())
+
+    def _on_checkpoint(self, msg: Message, identity: bytes) -> Message:
+        # a peer may only choose a place inside the configured checkpoint
+        # directory: the server never writes where a message tells it to
+        path = self.save_checkpoint(self.checkpoints.target(msg.get("path")))
+        return reply(msg, path=path, version=self.core.version if self.core else 0)
+
+    def _on_shutdown(self, msg: Message, identity: bytes) -> Message:
+        log.info("shard %d: shutdown requested", self.config.shard)
+        self._running = False
+        return reply(msg)  # the socket closes with a linger, so that this still goes out
+
+    _handlers: dict[Op, Callable[[ShardServer, Message, bytes], Message | None]] = {
+        Op.HELLO: PeerOps._on_hello,
+        Op.INIT: _on_init,
+        Op.PULL: _on_pull,
+        Op.PUSH: _on_push,
+        Op.HEARTBEAT: PeerOps._on_heartbeat,
+        Op.BYE: PeerOps._on_bye,
+        Op.STATS: _on_stats,
+        Op.SHUTDOWN: _on_shutdown,
+        Op.CHECKPOINT: _on_checkpoint,
+        Op.SPULL: _on_spull,
+        Op.SPUSH: _on_spush,
+        Op.SINIT: _on_sinit,
+    }
+
+    def stats(self) -> dict[str, Any]:
+        base: dict[str, Any] = {
+            "shard": self.config.shard,
+            "num_shards": self.config.num_shards,
+            "address": self.address,
+            "uptime": time.time() - self.started_at,
+            "counters": dict(self.counters),
+            "metrics_port": self.metrics_port,
+            "measured_one_in": self.measure_budget.level,
+            "observed": self.observer.summary(),
+        }
+        if self.core is not None:
+            base.update(self.core.stats())
+            if self.sparse is not None:
+                base["sparse"] = self.sparse.stats()
+            for key, row in base["workers"].items():
+                row.update(self.peers.get(int(key), {}))
+        else:
+            base.update(mode=self.config.mode_spec().describe(), version=0, workers={},
+                        initialized=False, policy=self.policy.describe())
+        return fit(base)  # bounded, so that the reply decodes (wire.stats.fit)
+
+
+def _own_process(server: ShardServer) -> None:
+    """This process is the shard's: SIGTERM and SIGINT stop it, ``ps`` shows what it is."""
+    _stop_on_signals(server)
+    config = server.config
+    if config.threads:
+        # measured: a 100 MiB sync round beside one same-host worker took 426 ms with
+        # torch's default threads on 2 cores, 71 ms with one (docs/performance.md)
+        torch.set_num_threads(config.threads)
+    set_title(f"server {config.shard}/{config.num_shards} {server.address} "
+              f"({config.mode_spec().describe()})")
+
+
+def _stop_on_signals(server: ShardServer) -> None:
+    def _stop(signum: int, frame: Any) -> None:
+        log.info("shard %d: signal %d, stopping", server.config.shard, signum)
+        server.stop()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+
+
+def _ready(on_ready: Callable[..., None], address: str, metrics_port: int | None) -> None:
+    """Call ``on_ready(address)``, or ``on_ready(address, metrics_port)`` if it takes two."""
+    try:
+        params = list(inspect.signature(on_ready).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in params):
+        on_ready(address, metrics_port)
+    else:
+        on_ready(address)
+
+
+def run_server(config: ServerConfig, on_ready: Callable[..., None] | None = None,
+               job_done: threading.Event | None = None) -> int:
+    """Run one shard until SHUTDOWN, SIGTERM or SIGINT, or until the watchdog stops it.
+
+    ``on_ready`` is called once the shard listens, with its address, and with its
+    metrics port (None without one) as well if it takes a second argument.
+    ``job_done``: set by another thread when the job says every worker is done.
+
+    Returns the process exit code: 0, or :data:`DIVERGED_EXIT_CODE`.
+    """
+    server = ShardServer(config)
+    if job_done is not None:
+        server.job_done = job_done
+    _own_process(server)
+    server.serve_forever(on_ready)
+    return server.exit_code
+
+
+def announce_ready(address: str, metrics_port: int | None = None) -> None:
+    """Tell a parent process where we listen: one line on stdout
+    (``PARAMSERVER_READY <address> pid=N [metrics=PORT]``)."""
+    metrics = f" metrics={metrics_port}" if metrics_port is not None else ""
+    sys.stdout.write(f"{READY_PREFIX} {address} pid={os.getpid()}{metrics}\n")
+    sys.stdout.flush()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m paramserver.server.loop CONFIG.json``: the launcher's way to start a shard."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        raise SystemExit("usage: python -m paramserver.server.loop CONFIG.json")
+    config = ServerConfig.from_dict(json.loads(Path(args[0]).read_text()))
+    logging.basicConfig(
+        level=os.environ.get("PARAMSERVER_LOG_LEVEL", "INFO"),
+        format=f"%(asctime)s shard{config.shard} %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        server = ShardServer(config)
+    except CheckpointDirInUse as exc:  # an earlier run there: resume it or --fresh
+        sys.exit(f"shard {config.shard}: {exc}")
+    except CheckpointError as exc:  # one line naming the file, no traceback
+        sys.exit(f"shard {config.shard}: cannot resume: {exc}")
+    except TransportError as exc:  # a port in use, a bad key file or allow-list line
+        sys.exit(f"shard {config.shard}: {exc}")
+    _own_process(server)
+    server.serve_forever(announce_ready)
+    sys.exit(server.exit_code)
+
+
+if __name__ == "__main__":
+    main()

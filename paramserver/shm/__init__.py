@@ -1,0 +1,3 @@
+"""Same-host shared memory: workers' gradient segments and the shards' weight
+boards, and the proof that a peer holds the segment it names.
+"""

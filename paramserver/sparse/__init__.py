@@ -1,0 +1,3 @@
+"""Sparse embedding tables on a shard: the rows a shard owns and their storage.
+Pure like the core; the consistency rules they follow live in the core.
+"""

@@ -1,0 +1,663 @@
+"""Row-sparse embedding tables on the shards: placement, initialization, updates. No I/O.
+
+A table of ``rows x dim`` is split across the shards by row, by a hash of the
+row id (:func:`shard_of`): Zipfian ids (a few very hot rows, usually the small
+ids) spread evenly, where ranges would put every hot row on one shard. A shard
+holds only its rows, in ascending id order (:func:`owned_rows`), so a row's
+place on its shard is a binary search away and an id sent to the wrong shard is
+caught by the same search.
+
+Tables are initialized on the shards from the plan (:class:`TableSpec`: a
+rule and a seed), in blocks of :data:`INIT_BLOCK` global rows, each drawn from
+its own generator: a row's initial value does not depend on the number of
+shards, and :func:`full_table` reproduces the whole table for a reference run.
+``init="pretrained"`` tables wait for a worker to stream their rows in (SINIT).
+
+:class:`SparseShard` holds one shard's tables, their optimizer (torch.optim
+on ``torch.sparse_coo`` gradients: SGD, Adagrad, SparseAdam; SGD with momentum
+is applied lazily, to the rows a step touches) and the mode's rules for sparse
+pushes: sync sums a round's pushes sample-weighted and steps once when every
+live worker has pushed (the pushes are answered then); async and SSP step on
+each accepted push.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from paramserver.errors import ConfigError, ErrorCode, ProtocolError
+from paramserver.policies.base import Decision, StalenessPolicy, UpdateInfo
+
+__all__ = ["INIT_BLOCK", "INIT_RULES", "SPARSE_OPTIMIZERS", "SparseShard", "SparseTable",
+           "TableSpec", "full_table", "init_rows", "owned_rows", "shard_of"]
+
+#: rows drawn from one generator at initialization (the unit of determinism)
+INIT_BLOCK = 4096
+INIT_RULES = ("normal", "uniform", "zeros", "pretrained")
+#: server optimizer name -> how a sparse table trains with it
+SPARSE_OPTIMIZERS = ("sgd", "adagrad", "adam", "sparseadam")
+_TABLE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+MAX_ROWS = 1 << 40
+#: bytes a shard keeps per table row besides its values: its id and the version
+#: of the last step that changed it (int64 each)
+ROW_OVERHEAD = 16
+#: row ids one SPULL, SPUSH or SINIT may carry, all its tables together: what a
+#: request may make a shard gather, step or answer is bounded by it (a reply of at
+#: most this many rows), whatever the request repeats
+MAX_REQUEST_ROWS = 1 << 18
+#: tables STATS lists (the rest are counted in tables_count)
+STATS_TABLES = 512
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """A row-sparse table: ``rows x dim`` of ``dtype``, initialized on the shards by
+    ``init`` (normal(0, std), uniform(-bound, bound), zeros, or pretrained: streamed
+    in by a worker) from ``seed``."""
+
+    name: str
+    rows: int
+    dim: int
+    dtype: str = "float32"
+    init: str = "normal"
+    std: float = 1.0  # normal: the standard deviation; uniform: the bound
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name or "/" in self.name:
+            raise ConfigError(f"table name must be a non-empty string without '/', "
+                              f"got {self.name!r}")
+        for what in ("rows", "dim", "seed"):
+            v = getattr(self, what)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (1 if what != "seed" else 0):
+                raise ConfigError(f"table {self.name!r}: {what} must be a positive integer, "
+                                  f"got {v!r}")
+        if self.rows > MAX_ROWS:
+            raise ConfigError(f"table {self.name!r}: {self.rows} rows > {MAX_ROWS}")
+        if self.dtype not in _TABLE_DTYPES:
+            raise ConfigError(f"table {self.name!r}: dtype must be one of "
+                              f"{', '.join(_TABLE_DTYPES)}, got {self.dtype!r}")
+        if self.init not in INIT_RULES:
+            raise ConfigError(f"table {self.name!r}: init must be one of "
+                              f"{', '.join(INIT_RULES)}, got {self.init!r}")
+        if isinstance(self.std, bool) or not isinstance(self.std, int | float) or not (
+                math.isfinite(self.std) and self.std >= 0):
+            raise ConfigError(f"table {self.name!r}: std must be finite and >= 0")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _TABLE_DTYPES[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.dim * self.torch_dtype.itemsize
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "rows": self.rows, "dim": self.dim, "dtype": self.dtype,
+                "init": self.init, "std": float(self.std), "seed": self.seed}
+
+    @classmethod
+    def from_description(cls, d: Any) -> TableSpec:
+        try:
+            return cls(d["name"], d["rows"], d["dim"], d["dtype"], d["init"], d["std"],
+                       d["seed"])
+        except (KeyError, TypeError) as exc:
+            raise ConfigError(f"malformed sparse table description: {exc!r}") from exc
+
+
+# ---------------------------------------------------------------------- placement
+
+def shard_of(ids: torch.Tensor | np.ndarray, num_shards: int) -> np.ndarray:
+    """The shard of each row id: Fibonacci hashing (the high bits of id x 2^64/phi),
+    so consecutive hot ids land on different shards."""
+    a = np.asarray(ids, dtype=np.int64).astype(np.uint64)
+    with np.errstate(over="ignore"):
+        h = (a * _GOLDEN) >> np.uint64(32)
+    return (h % np.uint64(num_shards)).astype(np.int64)
+
+
+def owned_rows(rows: int, num_shards: int, shard: int) -> torch.Tensor:
+    """The ids shard ``shard`` holds, ascending (int64)."""
+    out = []
+    for start in range(0, rows, 1 << 20):  # bounded temporaries for large tables
+        ids = np.arange(start, min(rows, start + (1 << 20)), dtype=np.int64)
+        out.append(ids[shard_of(ids, num_shards) == shard])
+    return torch.from_numpy(np.concatenate(out) if out else np.zeros(0, np.int64))
+
+
+# ---------------------------------------------------------------------- initialization
+
+def _block(spec: TableSpec, block: int) -> torch.Tensor:
+    n = min(INIT_BLOCK, spec.rows - block * INIT_BLOCK)
+    out = torch.empty(n, spec.dim, dtype=spec.torch_dtype)
+    if spec.init in ("zeros", "pretrained"):
+        return out.zero_()
+    gen = torch.Generator().manual_seed((spec.seed * 1_000_003 + block) % (1 << 63))
+    if spec.init == "normal":
+        return out.normal_(0.0, float(spec.std), generator=gen)
+    return out.uniform_(-float(spec.std), float(spec.std), generator=gen)
+
+
+def init_rows(spec: TableSpec, ids: torch.Tensor) -> torch.Tensor:
+    """The initial values of rows ``ids`` (ascending), the same whatever the shard count."""
+    out = torch.empty(len(ids), spec.dim, dtype=spec.torch_dtype)
+    if len(ids) == 0:
+        return out
+    blocks = ids // INIT_BLOCK
+    bounds = torch.searchsorted(blocks, torch.unique(blocks), right=True)
+    lo = 0
+    for hi in bounds.tolist():
+        b = int(blocks[lo])
+        out[lo:hi] = _block(spec, b)[ids[lo:hi] - b * INIT_BLOCK]
+        lo = hi
+    return out
+
+
+def full_table(spec: TableSpec) -> torch.Tensor:
+    """The whole initial table (for reference runs and small tables)."""
+    return init_rows(spec, torch.arange(spec.rows))
+
+
+# ---------------------------------------------------------------------- one table
+
+def check_ids(ids: Any, what: str) -> torch.Tensor:
+    if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 or ids.dim() != 1:
+        raise ProtocolError(ErrorCode.BAD_TENSOR, f"{what}: row ids must be a 1-D int64 tensor")
+    return ids
+
+
+class SparseTable:
+    """One table's rows on one shard, and what its optimizer keeps per row."""
+
+    def __init__(self, spec: TableSpec, num_shards: int, shard: int) -> None:
+        self.spec = spec
+        self.ids = owned_rows(spec.rows, num_shards, shard)
+        self.num_shards, self.shard = num_shards, shard
+        self.weight = init_rows(spec, self.ids)
+        # the version of the shard's last step that changed each row (-1: never)
+        self.updated = torch.full((len(self.ids),), -1, dtype=torch.int64)
+        self.initialized = spec.init != "pretrained"
+
+    def local(self, ids: torch.Tensor, what: str, unique: bool = True) -> torch.Tensor:
+        """Positions of ``ids`` in this shard's rows; a bad, foreign or repeated id ->
+        :class:`ProtocolError` (BAD_TENSOR)."""
+        check_ids(ids, what)
+        if len(ids) == 0:
+            return ids
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= self.spec.rows:
+            raise ProtocolError(ErrorCode.BAD_TENSOR, f"{what}: row id out of range "
+                                f"0..{self.spec.rows - 1} in table {self.spec.name!r}")
+        pos = torch.searchsorted(self.ids, ids).clamp_(max=max(0, len(self.ids) - 1))
+        if len(self.ids) == 0 or not bool((self.ids[pos] == ids).all()):
+            raise ProtocolError(ErrorCode.BAD_TENSOR, f"{what}: a row id of table "
+                                f"{self.spec.name!r} belongs to another shard")
+        if unique and len(torch.unique(pos)) != len(pos):
+            raise ProtocolError(ErrorCode.BAD_TENSOR, f"{what}: row ids must be unique")
+        return pos
+
+    def check_values(self, values: Any, n: int, what: str) -> torch.Tensor:
+        if (not isinstance(values, torch.Tensor) or values.dtype != self.spec.torch_dtype
+                or tuple(values.shape) != (n, self.spec.dim)):
+            got = (f"{values.dtype} {tuple(values.shape)}" if isinstance(values, torch.Tensor)
+                   else type(values).__name__)
+            raise ProtocolError(ErrorCode.BAD_TENSOR, f"{what}: values of table "
+                                f"{self.spec.name!r} must be {self.spec.dtype} "
+                                f"({n}, {self.spec.dim}), got {got}")
+        if n and not bool(torch.isfinite(values).all()):
+            raise ProtocolError(ErrorCode.NONFINITE, f"{what}: values of table "
+                                f"{self.spec.name!r} hold NaN or Inf; not applied")
+        return values
+
+
+# ---------------------------------------------------------------------- the optimizer
+
+class SparseStepper:
+    """torch.optim over the tables' weights, fed ``sparse_coo`` gradients of the
+    touched rows only. SGD with momentum keeps a per-row buffer applied lazily
+    (a row's momentum decays only when the row is touched), as torch has no
+    sparse momentum."""
+
+    def __init__(self, name: str, args: Mapping[str, Any],
+                 weights: Sequence[torch.Tensor]) -> None:
+        name = name.lower()
+        if name not in SPARSE_OPTIMIZERS:
+            raise ConfigError(f"sparse tables train with {', '.join(SPARSE_OPTIMIZERS)}; "
+                              f"the shards run {name!r}")
+        args = dict(args)
+        self.lr = float(args.get("lr", 0.1 if name == "sgd" else 0.01))
+        self.momentum = float(args.get("momentum", 0.0)) if name == "sgd" else 0.0
+        params = list(weights) or [torch.zeros(1, 1)]
+        opt: torch.optim.Optimizer
+        if name == "sgd":
+            opt = torch.optim.SGD(params, lr=self.lr)
+        elif name == "adagrad":
+            keep: dict[str, Any] = {k: args[k] for k in
+                                    ("lr_decay", "initial_accumulator_value", "eps") if k in args}
+            opt = torch.optim.Adagrad(params, lr=self.lr, **keep)
+        else:
+            keep = {k: (tuple(args[k]) if k == "betas" else args[k])
+                    for k in ("betas", "eps") if k in args}
+            opt = torch.optim.SparseAdam(params, lr=self.lr, **keep)
+        self.optimizer = opt
+        self.buffers: dict[int, torch.Tensor] = {}  # lazy momentum, per table index
+
+    def step(self, index: int, weight: torch.Tensor, rows: torch.Tensor,
+             grad: torch.Tensor, scale: float) -> None:
+        """Rows ``rows`` (positions, unique) of table ``index`` step on ``grad``,
+        the learning rate scaled by ``scale``."""
+        if self.momentum:
+            buf = self.buffers.setdefault(index, torch.zeros_like(weight))
+            b = buf[rows].mul_(self.momentum).add_(grad)
+            buf[rows] = b
+            grad = b
+        weight.grad = torch.sparse_coo_tensor(rows.unsqueeze(0), grad, weight.shape,
+                                              check_invariants=False)
+        group = self.optimizer.param_groups[0]
+        saved = group["lr"]
+        group["lr"] = saved * scale
+        try:
+            # only this table has a gradient: torch.optim skips the others
+            self.optimizer.step()
+        finally:
+            group["lr"] = saved
+            weight.grad = None
+
+
+# ---------------------------------------------------------------------- one shard
+
+@dataclass
+class _Round:
+    """The open sync round: each member's samples, the weighted sums per table."""
+
+    samples: dict[int, int] = field(default_factory=dict)
+    rows: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    values: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    waiting: dict[int, Any] = field(default_factory=dict)  # worker -> reply token
+    clocks: dict[int, int] = field(default_factory=dict)  # worker -> its push's clock
+
+
+@dataclass
+class _Pushed:
+    push_id: int = -1
+    outcome: dict[str, Any] | None = None
+
+
+class SparseShard:
+    """One shard's sparse tables, their optimizer and the mode's rules for them.
+
+    ``live()`` names the workers a sync round waits for (the dense core's live set,
+    so one membership rules both); ``backup_workers`` of them may be missing.
+    """
+
+    def __init__(self, specs: Sequence[TableSpec], num_shards: int, shard: int, *,
+                 mode: str, optimizer: str, optimizer_args: Mapping[str, Any],
+                 policy: StalenessPolicy, live: Callable[[], Collection[int]],
+                 min_clock: Callable[[], int] = lambda: 0, backup_workers: int = 0,
+                 build: bool = True) -> None:
+        self.specs = tuple(specs)
+        self.num_shards = num_shards
+        # the tables cost their rows, ids and version counters: made by build(), which
+        # a server runs once the plan's owner seeds (not when a HELLO brings the plan)
+        self.tables: dict[str, SparseTable] = {}
+        self.index = {s.name: i for i, s in enumerate(self.specs)}
+        self.shard = shard
+        self.mode = mode
+        self.policy = policy
+        self.live = live
+        self.min_clock = min_clock
+        self.backup_workers = backup_workers
+        self._optimizer = (optimizer, dict(optimizer_args))
+        # (an optimizer that cannot train the tables is refused now, at no cost)
+        self.stepper = SparseStepper(optimizer, optimizer_args, [])
+        self.built = False
+        self.version = 0
+        self.round = _Round()
+        self.pushed: dict[int, _Pushed] = {}
+        self.ready: list[tuple[Any, dict[str, Any]]] = []  # answers due
+        self.rounds = 0
+        # pretrained tables: the worker streaming them in, and (parts in, parts)
+        self.seeder: int | None = None
+        self.seed_parts: tuple[set[int], int] = (set(), 0)
+        if build:
+            self.build()
+
+    def build(self) -> None:
+        """Allocate and draw the tables and their optimizer: seconds for a large plan,
+        so a server runs it in a thread (``built`` turns True last, once all is in)."""
+        if self.built:
+            return
+        tables = {s.name: SparseTable(s, self.num_shards, self.shard) for s in self.specs}
+        name, args = self._optimizer
+        self.stepper = SparseStepper(name, args, [t.weight for t in tables.values()])
+        self.tables = tables
+        self.built = True
+
+    @classmethod
+    def for_server(cls, plan: Any, config: Any, core: Any, policy: StalenessPolicy
+                   ) -> SparseShard | None:
+        """The sparse tables of a shard server's ``plan`` (None: it has none), ruled by
+        its ``config`` and the dense ``core``'s live set; a table the configured
+        optimizer cannot train -> ProtocolError (BAD_FIELD)."""
+        if not plan.sparse:
+            return None
+        try:
+            return cls(plan.sparse, plan.num_shards, config.shard, mode=config.mode,
+                       optimizer=config.optimizer, optimizer_args=config.optimizer_args,
+                       policy=policy, live=lambda: [w.worker for w in core.live()],
+                       min_clock=core.min_clock, backup_workers=config.backup_workers,
+                       build=False)
+        except ConfigError as exc:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"invalid plan: {exc}") from exc
+
+    @staticmethod
+    def of_worker(sparse: SparseShard | None, core: Any, worker: int, now: float,
+                  observer: bool = False) -> SparseShard:
+        """``sparse`` for a request of ``worker``, a registered worker that has not said
+        BYE (its request is a sign of life), or of an observer (a read that changes
+        nothing, such as the launcher's final pull); else the ProtocolError to answer."""
+        if sparse is None:
+            raise ProtocolError(ErrorCode.BAD_FIELD, "this shard's plan has no sparse tables")
+        if observer:
+            return sparse
+        state = core._known(worker)
+        if state.finished:
+            raise ProtocolError(ErrorCode.NOT_REGISTERED,
+                                f"worker {worker} said BYE; say HELLO first")
+        state.last_seen = now
+        return sparse
+
+    def table(self, name: Any) -> SparseTable:
+        t = self.tables.get(name) if isinstance(name, str) else None
+        if t is None:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"no sparse table {name!r} on this shard")
+        return t
+
+    @staticmethod
+    def split(tensors: Mapping[str, torch.Tensor], what: str
+              ) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+        """``ids:<table>`` and ``val:<table>`` tensors -> {table: (ids, values)}."""
+        out: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        rows = 0
+        for key, t in tensors.items():
+            kind, _, name = key.partition(":")
+            if kind not in ("ids", "val") or not name:
+                raise ProtocolError(ErrorCode.BAD_TENSOR, f"{what}: unexpected tensor {key!r}")
+            rows += t.numel() if kind == "ids" else 0
+        if rows > MAX_REQUEST_ROWS:
+            raise ProtocolError(ErrorCode.TOO_LARGE, f"{what}: {rows} row ids > the limit of "
+                                f"{MAX_REQUEST_ROWS} per request; send them in several")
+        for key, ids in tensors.items():
+            if key.startswith("ids:"):
+                name = key[4:]
+                out[name] = (ids, tensors.get(f"val:{name}"))
+        for key in tensors:
+            if key.startswith("val:") and key[4:] not in out:
+                raise ProtocolError(ErrorCode.BAD_TENSOR, f"{what}: {key!r} without its ids")
+        return out
+
+    # ------------------------------------------------------------------ reads
+
+    def pull(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Rows for each ``ids:<table>`` asked: {``val:<table>``: rows}.
+
+        With ``since:<table>`` (per id, the version a worker's cached copy was read at,
+        -1: none) only the rows changed since are sent: ``sel:<table>`` (their
+        positions in the ids) and ``val:<table>``; the others are still valid."""
+        since = {k[6:]: v for k, v in tensors.items() if k.startswith("since:")}
+        wanted = self.split({k: v for k, v in tensors.items() if not k.startswith("since:")},
+                            "SPULL")
+        if any(v is not None for _, v in wanted.values()) or set(since) - set(wanted):
+            raise ProtocolError(ErrorCode.BAD_TENSOR, "SPULL carries row ids (and since) only")
+        found = {name: (self.table(name), ids) for name, (ids, _) in wanted.items()}
+        out = {}
+        for name, (t, ids) in found.items():
+            if not t.initialized:
+                raise ProtocolError(ErrorCode.NOT_INITIALIZED,
+                                    f"table {name!r} waits for its pretrained rows")
+            # unique ids (as the client sends them): a repeated id would be answered
+            # by a copy of its row per repeat, so repeats are refused before any row is read
+            pos = t.local(ids, "SPULL")
+            read = since.get(name)
+            if read is None:
+                out[f"val:{name}"] = t.weight[pos]
+                continue
+            check_ids(read, "SPULL since")
+            if len(read) != len(ids):
+                raise ProtocolError(ErrorCode.BAD_TENSOR, "SPULL: since and ids differ in length")
+            # a copy read at a version this shard has not reached came from before it
+            # rewound to a checkpoint: it may hold lost steps, so it is sent afresh too
+            sel = torch.nonzero((read < 0) | (read > self.version)
+                                | (t.updated[pos] >= read)).squeeze(1)
+            out[f"sel:{name}"] = sel
+            out[f"val:{name}"] = t.weight[pos[sel]]
+        return out
+
+    # ------------------------------------------------------------------ pretrained rows
+
+    def seed(self, worker: int, tensors: Mapping[str, torch.Tensor], part: int,
+             parts: int) -> bool:
+        """A part of pretrained rows from ``worker`` (the first to send one seeds the
+        table; others are refused with False). True once every table is in."""
+        if not 0 <= part < parts:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"part {part} of {parts}")
+        given = self.split(tensors, "SINIT")
+        checked = []
+        for name, (ids, values) in given.items():
+            t = self.table(name)
+            pos = t.local(ids, "SINIT")
+            checked.append((t, pos, t.check_values(values, len(ids), "SINIT")))
+        live = set(self.live())
+        if worker not in live:  # a seeder that leaves or dies must be noticed (below)
+            raise ProtocolError(ErrorCode.NOT_REGISTERED,
+                                f"worker {worker} is not in the live set; say HELLO")
+        if self.seeder is not None and self.seeder not in live:
+            # the seeder said BYE, timed out or was reported dead before its last part:
+            # the next live worker's SINIT seeds the tables from the start (as INIT does)
+            self.seeder, self.seed_parts = None, (set(), 0)
+        if self.initialized or (self.seeder is not None and self.seeder != worker):
+            return self.initialized
+        if self.seeder is None or self.seed_parts[1] != parts:
+            self.seeder, self.seed_parts = worker, (set(), parts)
+        for t, pos, values in checked:
+            if not t.initialized:
+                t.weight[pos] = values
+        self.seed_parts[0].add(part)
+        if len(self.seed_parts[0]) == parts:
+            for t in self.tables.values():
+                t.initialized = True
+            self.seeder = None
+        return self.initialized
+
+    @property
+    def initialized(self) -> bool:
+        return self.built and all(t.initialized for t in self.tables.values())
+
+    # ------------------------------------------------------------------ updates
+
+    def push(self, worker: int, push_id: int, read_version: int, clock: int,
+             num_samples: int, tensors: Mapping[str, torch.Tensor], token: Any
+             ) -> dict[str, Any] | None:
+        """A worker's sparse gradients for this shard. Returns the outcome, or None
+        in sync mode until the round closes (then it is in :attr:`ready`)."""
+        prev = self.pushed.setdefault(worker, _Pushed())
+        if push_id <= prev.push_id:
+            if push_id == prev.push_id and prev.outcome is None:
+                self.round.waiting[worker] = token  # sent again while its round is open
+                return None
+            return {**(prev.outcome or {"accepted": False, "reason": "duplicate"}),
+                    "duplicate": True}
+        if num_samples < 1:
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"num_samples must be >= 1, got "
+                                f"{num_samples}")
+        if not 0 <= read_version <= self.version:
+            raise ProtocolError(ErrorCode.FUTURE_VERSION if read_version > self.version
+                                else ErrorCode.BAD_FIELD,
+                                f"read_version {read_version}, shard at {self.version}")
+        given = self.split(tensors, "SPUSH")
+        checked: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        for name, (ids, values) in given.items():
+            t = self.table(name)
+            if not t.initialized:
+                raise ProtocolError(ErrorCode.NOT_INITIALIZED, f"table {name!r} not seeded")
+            pos = t.local(ids, "SPUSH")
+            checked.append((name, pos, t.check_values(values, len(ids), "SPUSH")))
+        prev.push_id = push_id
+        prev.outcome = None
+        rows = sum(len(p) for _, p, _ in checked)
+        stale_rows = sum(int((self.tables[n].updated[p] >= read_version).sum())
+                         for n, p, _ in checked)
+        tau = self.version - read_version
+        if self.mode == "sync":
+            if tau > 0 or worker in self.round.samples:
+                prev.outcome = self._outcome(False, 0.0, "late", tau)
+                return prev.outcome
+            self.round.samples[worker] = num_samples
+            self.round.clocks[worker] = clock
+            for name, pos, values in checked:
+                self.round.rows.setdefault(name, []).append(pos)
+                self.round.values.setdefault(name, []).append(values * num_samples)
+            self.round.waiting[worker] = token
+            self.maybe_close()
+            return prev.outcome  # set if this push closed the round
+        info = UpdateInfo(worker=worker, shard=self.shard, staleness=tau,
+                          read_version=read_version, version=self.version, clock=clock,
+                          min_clock=self.min_clock(), num_samples=num_samples,
+                          rows=rows, stale_rows=stale_rows)
+        decision = self.policy.decide(info)
+        if not isinstance(decision, Decision):
+            raise ConfigError(f"policy returned {decision!r}, not a Decision")
+        if decision.accept and decision.weight > 0:
+            self._step([(n, p, v) for n, p, v in checked], decision.weight)
+            prev.outcome = self._outcome(True, decision.weight, decision.reason, tau)
+        else:
+            prev.outcome = self._outcome(False, 0.0, decision.reason or "rejected", tau)
+        return prev.outcome
+
+    def _outcome(self, accepted: bool, weight: float, reason: str, tau: int) -> dict[str, Any]:
+        return {"accepted": accepted, "weight": weight, "reason": reason, "staleness": tau,
+                "version": self.version, "duplicate": False}
+
+    def maybe_close(self) -> bool:
+        """Close the sync round when at most ``backup_workers`` live workers are
+        missing from it: one step on the sample-weighted mean; its pushes answered."""
+        r = self.round
+        if self.mode != "sync" or not r.samples:
+            return False
+        missing = [w for w in self.live() if w not in r.samples]
+        if len(missing) > self.backup_workers:
+            return False
+        total = sum(r.samples.values())
+        steps = []
+        for name, rows in r.rows.items():
+            t = self.tables[name]
+            g = torch.sparse_coo_tensor(torch.cat(rows).unsqueeze(0), torch.cat(r.values[name]),
+                                        t.weight.shape, check_invariants=False).coalesce()
+            steps.append((name, g.indices()[0], g.values() / total))
+        self._step(steps, 1.0)
+        done = self._outcome(True, 1.0, "", 0)
+        for worker, token in r.waiting.items():
+            self.pushed[worker].outcome = done
+            self.ready.append((token, done))
+        self.round = _Round()
+        self.rounds += 1
+        return True
+
+    def _step(self, steps: Sequence[tuple[str, torch.Tensor, torch.Tensor]],
+              scale: float) -> None:
+        for name, pos, values in steps:
+            t = self.tables[name]
+            if len(pos):
+                self.stepper.step(self.index[name], t.weight, pos, values, scale)
+                t.updated[pos] = self.version
+        self.version += 1
+
+    def forget(self, worker: int, restart: bool = False) -> None:
+        """A worker left, died or (``restart``) starts over with new push ids: its
+        parked answer goes; a gradient it put in the open round stays there."""
+        self.round.waiting.pop(worker, None)
+        if restart:
+            self.pushed.pop(worker, None)
+            if self.seeder == worker:
+                self.seeder, self.seed_parts = None, (set(), 0)
+
+    def holding(self, worker: int) -> dict[str, Any] | None:
+        """What ``worker``'s parked sync push waits for, or None if no push of its is
+        parked (its heartbeats are told, so its client waits rather than gives up)."""
+        if worker not in self.round.waiting:
+            return None
+        missing = sorted(w for w in self.live() if w not in self.round.samples)
+        return {"clock": self.round.clocks.get(worker, 0),
+                "why": f"sparse sync round: waiting for the pushes of workers {missing}"}
+
+    def take_ready(self) -> list[tuple[Any, dict[str, Any]]]:
+        out, self.ready = self.ready, []
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """(tensors, metadata) for the shard's checkpoint; the open sync round is not
+        saved (its pushes are sent again by their workers after a restart)."""
+        tensors: dict[str, torch.Tensor] = {}
+        for name, t in self.tables.items():
+            tensors[f"sparse/{name}/weight"] = t.weight
+            tensors[f"sparse/{name}/updated"] = t.updated
+        for index, buf in self.stepper.buffers.items():
+            tensors[f"sparse_momentum/{index}"] = buf
+        opt = self.stepper.optimizer.state_dict()
+        for i, entries in opt["state"].items():
+            for key, value in entries.items():
+                tensors[f"sparse_optim/{i}/{key}"] = value
+        meta = {"version": self.version, "rounds": self.rounds,
+                "initialized": {n: t.initialized for n, t in self.tables.items()},
+                "tables": [t.spec.describe() for t in self.tables.values()],
+                "param_groups": opt["param_groups"]}
+        return tensors, meta
+
+    def load_state_dict(self, tensors: Mapping[str, torch.Tensor],
+                        meta: Mapping[str, Any]) -> None:
+        """Put :meth:`state_dict`'s output back; refused (ConfigError) unless it fits."""
+        self.build()
+        specs = [t.spec.describe() for t in self.tables.values()]
+        if meta.get("tables") != specs:
+            raise ConfigError("the checkpoint's sparse tables differ from the plan's")
+        for name, t in self.tables.items():
+            w, u = tensors[f"sparse/{name}/weight"], tensors[f"sparse/{name}/updated"]
+            if w.shape != t.weight.shape or w.dtype != t.weight.dtype or u.shape != t.updated.shape:
+                raise ConfigError(f"sparse table {name!r} in the checkpoint does not fit")
+            if not bool(torch.isfinite(w).all()):
+                raise ConfigError(f"sparse table {name!r} in the checkpoint holds NaN or Inf")
+        state: dict[int, dict[str, Any]] = {}
+        for key, value in tensors.items():
+            if key.startswith("sparse_optim/"):
+                _, index, entry = key.split("/", 2)
+                state.setdefault(int(index), {})[entry] = value.clone()
+        self.stepper.optimizer.load_state_dict({"state": state,
+                                                "param_groups": meta["param_groups"]})
+        with torch.no_grad():
+            for name, t in self.tables.items():
+                t.weight.copy_(tensors[f"sparse/{name}/weight"])
+                t.updated.copy_(tensors[f"sparse/{name}/updated"])
+                t.initialized = bool(meta["initialized"][name])
+        self.stepper.buffers = {int(k.split("/", 1)[1]): v.clone() for k, v in tensors.items()
+                                if k.startswith("sparse_momentum/")}
+        self.version = int(meta["version"])
+        self.rounds = int(meta.get("rounds", 0))
+        self.round = _Round()
+        self.pushed = {}
+
+    def stats(self) -> dict[str, Any]:
+        # a plan may declare up to 65,536 tables; a decoder takes 4,096 entries per map
+        listed = list(self.tables.items())[:STATS_TABLES]
+        return {"version": self.version, "rounds": self.rounds, "built": self.built,
+                "tables": {n: {"rows": len(t.ids), "initialized": t.initialized}
+                           for n, t in listed},
+                "tables_count": len(self.tables)}
