@@ -28,10 +28,10 @@ from paramserver import (
 )
 from paramserver.cli.checkpoint import checkpoint as checkpoint_cli
 from paramserver.persist.checkpoint import load_shard
-from paramserver.sparse.shard import full_table, owned_rows
+from paramserver.sparse.shard import MAX_REQUEST_ROWS, full_table, owned_rows
 from paramserver.wire.protocol import PROTOCOL_VERSION, Message, Op, decode, encode
 from paramserver.workers.admin import server_stats, shutdown_servers
-from paramserver.workers.client import PSClient
+from paramserver.workers.client import PART_BYTES, PSClient
 from paramserver.workers.embedding import pull_tables
 from paramserver.workers.launch.cluster import LocalCluster
 from tests import sparse_script as S
@@ -355,3 +355,27 @@ def test_ssp_bounds_sparse_pushes_by_the_gate(tmp_path):
         assert not errors, errors
         assert done == [4, 4]
         assert server_stats(addresses)[0]["sparse"]["version"] == 8  # every push applied
+
+
+def test_a_table_of_more_rows_than_one_request_may_name_is_seeded_and_read_whole(tmp_path):
+    """A dim-1 table holds more rows per default part (PART_BYTES) than a shard takes
+    ids in one request (MAX_REQUEST_ROWS): the pretrained rows go in as several SINITs
+    and an observer reads them back in several SPULLs, none refused as too large."""
+    rows = MAX_REQUEST_ROWS + MAX_REQUEST_ROWS // 2
+    assert PART_BYTES // 4 > MAX_REQUEST_ROWS  # the defaults would have made one request
+    table = torch.arange(rows, dtype=torch.float32).unsqueeze(1)
+    model = nn.Sequential(ShardedEmbedding.from_pretrained(table), nn.Linear(1, 1))
+    with _cluster(tmp_path, 1, mode="async") as cluster:
+        addresses = cluster.start_servers()
+        opt = DistributedOptimizer(model, servers=addresses, rank=0, world_size=1,
+                                   heartbeat_interval=0.2, timeout=20)
+        try:
+            opt.seed()
+            plan = ShardPlan.from_module(model, 1)
+            with PSClient(addresses, plan, worker=0, role="observer", heartbeat_interval=0,
+                          timeout=20) as client:
+                client.connect()
+                pulled = pull_tables(client, plan.sparse)
+        finally:
+            opt.close()
+    assert torch.equal(pulled["0.weight"], table)
