@@ -42,7 +42,8 @@ a run failed. See docs/experiments.md.
 """
 
 
-@click.command("experiment", epilog=EPILOG)
+@click.command("experiment", epilog=EPILOG,
+               short_help="Compare sync, async and bounded-staleness training on one task.")
 @grid_options(virtual=False)
 @click.option("--assert-literature", is_flag=True,
               help="Exit with status 1 unless the results agree with Ho et al. 2013 and "

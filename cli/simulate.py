@@ -41,7 +41,8 @@ times in virtual seconds. See docs/research.md.
 """
 
 
-@click.command("simulate", epilog=EPILOG)
+@click.command("simulate", epilog=EPILOG,
+               short_help="Run an experiment grid in virtual time, in this process.")
 @grid_options(virtual=True)
 @click.option("--compute-time", type=click.FloatRange(min=0), default=0.01, show_default=True,
               help="Virtual seconds of a step's bare compute; the scenario's stragglers "
