@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import click
-from rich.console import Console
 
 from paramserver.cli.grid import build_spec, claim_grid_dir, grid_options, run_grid, spec_from_flags
 from paramserver.errors import ConfigError
@@ -55,6 +54,8 @@ def experiment(assert_literature: bool, **flags: Any) -> None:
     seed, with identical seeds and data, then writes report.md and report.html
     (tables and plots) into the experiment directory.
     """
+    from rich.console import Console  # here, not at the top: --help stays light
+
     console = Console(stderr=False)
     try:
         spec = spec_from_flags(flags)
