@@ -99,3 +99,11 @@ def test_listing_names_the_entry_point_groups_of_the_registries():
     from paramserver.workers.tasks import ENTRY_POINT_GROUP as task_group
 
     assert (policy_group, task_group) == (listing.POLICY_GROUP, listing.TASK_GROUP)
+
+
+@pytest.mark.parametrize("command", ["launch", "experiment", "simulate"])
+def test_help_of_commands_that_draw_loads_no_drawing_library(tmp_path, command):
+    """Their options come from the config classes (whose modules still load torch), but the
+    progress bars, tables and plots load only when the command runs."""
+    loaded = _loaded_after(_help(command), tmp_path)
+    assert not {"rich", "matplotlib", "sklearn"} & set(loaded), loaded
