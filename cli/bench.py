@@ -10,7 +10,6 @@ import logging
 from pathlib import Path
 
 import click
-from rich.console import Console
 
 from paramserver.errors import ConfigError, ParamServerError
 
@@ -52,7 +51,8 @@ See docs/performance.md for what each part measures and the goals it checks.
 """
 
 
-@click.command("bench", epilog=EPILOG)
+@click.command("bench", epilog=EPILOG,
+               short_help="Measure push + pull against raw pyzmq, torch rpc, gloo and Ray.")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path),
               default=Path("runs/bench"), show_default=True,
               help="Directory for result.json and the processes' logs.")
@@ -93,6 +93,8 @@ def bench(out: Path, quick: bool, full: bool, parts: tuple[str, ...],
     throughput, shard memory and overlap of communication with backward; on request
     (--part hosts) push + pull against raw pyzmq across two network namespaces. Writes
     OUT/result.json and prints the tables and the goals."""
+    from rich.console import Console
+
     from paramserver.benchmarks.common import parse_size
     from paramserver.benchmarks.run import (
         DEFAULT_PARTS,

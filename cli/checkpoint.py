@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import click
-from rich.console import Console
-from rich.table import Table
 
 from paramserver.errors import ParamServerError
-from paramserver.persist.checkpoint import export_model, inspect_checkpoint
+
+# rich, torch and safetensors are imported where a command runs, so that --help answers at
+# once (tests/test_cli_startup.py)
 
 __all__ = ["checkpoint"]
 
@@ -68,7 +68,7 @@ Examples:
 """
 
 
-@click.group(epilog=EPILOG)
+@click.group(epilog=EPILOG, short_help="Look into checkpoints and turn them into a model file.")
 def checkpoint() -> None:
     """Look into checkpoints and turn them into a model file."""
 
@@ -82,6 +82,11 @@ Examples:
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def inspect(directory: Path, as_json: bool) -> None:
     """Show each shard's latest checkpoint in DIRECTORY and whether they form a whole."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from paramserver.persist.checkpoint import inspect_checkpoint
+
     try:
         info = inspect_checkpoint(directory)
     except (ParamServerError, OSError, ValueError, KeyError) as exc:
@@ -125,6 +130,10 @@ def export(directory: Path, out: Path) -> None:
 
     Load it with model.load_state_dict(safetensors.torch.load_file(OUT)).
     """
+    from rich.console import Console
+
+    from paramserver.persist.checkpoint import export_model
+
     try:
         result = export_model(directory, out)
     except (ParamServerError, OSError, ValueError, KeyError) as exc:

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import click
-from rich.console import Console
 
 from paramserver.cli.grid import build_spec, claim_grid_dir, grid_options, run_grid, spec_from_flags
 from paramserver.errors import ConfigError
@@ -42,7 +41,8 @@ a run failed. See docs/experiments.md.
 """
 
 
-@click.command("experiment", epilog=EPILOG)
+@click.command("experiment", epilog=EPILOG,
+               short_help="Compare sync, async and bounded-staleness training on one task.")
 @grid_options(virtual=False)
 @click.option("--assert-literature", is_flag=True,
               help="Exit with status 1 unless the results agree with Ho et al. 2013 and "
@@ -54,6 +54,8 @@ def experiment(assert_literature: bool, **flags: Any) -> None:
     seed, with identical seeds and data, then writes report.md and report.html
     (tables and plots) into the experiment directory.
     """
+    from rich.console import Console  # here, not at the top: --help stays light
+
     console = Console(stderr=False)
     try:
         spec = spec_from_flags(flags)

@@ -5,21 +5,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
-from rich.console import Console
-from rich.progress import Progress
-from rich.table import Table
 
 from paramserver.cli import options as cli_options
 from paramserver.cli.outdir import EXPERIMENT_MARKERS, claim_out_dir
-from paramserver.cli.progress import step_progress
-from paramserver.cli.tables import keep_figures
 from paramserver.core.optim import parse_kwargs
 from paramserver.core.stepsize import LR_SCALINGS
 from paramserver.errors import ConfigError, ParamServerError
-from paramserver.workers.experiments.render import summary_rows
 from paramserver.workers.experiments.report import ReportFiles
 from paramserver.workers.experiments.runner import ExperimentObserver, ExperimentResult, RunOutcome
 from paramserver.workers.experiments.spec import (
@@ -30,6 +24,10 @@ from paramserver.workers.experiments.spec import (
     load_spec,
 )
 from paramserver.workers.launch.cluster import Progress as ClusterProgress
+
+if TYPE_CHECKING:  # rich and the report's plots load where a grid runs, not for --help
+    from rich.console import Console
+    from rich.progress import Progress
 
 __all__ = ["RichObserver", "build_spec", "claim_grid_dir", "grid_options", "print_summary",
            "run_grid", "spec_from_flags"]
@@ -202,6 +200,11 @@ def grid_options(*, virtual: bool) -> Callable[[F], F]:
 
 
 def print_summary(console: Console, files: ReportFiles) -> None:
+    from rich.table import Table
+
+    from paramserver.cli.tables import keep_figures
+    from paramserver.workers.experiments.render import summary_rows
+
     scenarios = list(dict.fromkeys(s.scenario for s in files.summaries))
     for scenario in scenarios:
         head, rows = summary_rows([s for s in files.summaries if s.scenario == scenario])
@@ -220,6 +223,8 @@ def print_summary(console: Console, files: ReportFiles) -> None:
 def run_grid(console: Console, spec: ExperimentSpec, out: Path, quiet: bool, what: str,
              run: Callable[[ExperimentObserver], ExperimentResult]) -> ExperimentResult:
     """Run the grid (``run`` given the progress observer), showing progress and the summary."""
+    from paramserver.cli.progress import step_progress
+
     plans = spec.runs()
     if not quiet:
         console.print(f"{len(spec.configurations())} configuration(s) x {len(spec.seeds)} "

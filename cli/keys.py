@@ -10,11 +10,11 @@ import logging
 from pathlib import Path
 
 import click
-from rich.console import Console
-from rich.table import Table
 
 from paramserver.errors import ParamServerError
-from paramserver.wire.curve import generate_curve_keys
+
+# rich and zmq are imported where a command runs, so that --help answers at
+# once (tests/test_cli_startup.py)
 
 __all__ = ["keys"]
 
@@ -36,7 +36,8 @@ See docs/reliability.md (security) for what each key allows.
 """
 
 
-@click.group(epilog=EPILOG)
+@click.group(epilog=EPILOG, short_help="CURVE keys: encryption and authentication between workers "
+                                          "and servers.")
 def keys() -> None:
     """CURVE keys: encryption and authentication between workers and servers."""
 
@@ -64,6 +65,11 @@ def generate(directory: Path, clients: tuple[str, ...], admins: tuple[str, ...],
     authorized_clients: servers take its public NAME.key with --admin-key.
     Secret files are readable by their owner only.
     """
+    from rich.console import Console
+    from rich.table import Table
+
+    from paramserver.wire.curve import generate_curve_keys
+
     try:
         made = generate_curve_keys(directory, clients or ("client",), admins=admins,
                                    force=force)

@@ -7,13 +7,10 @@ import signal
 import time
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
-from rich.console import Console
-from rich.progress import Progress
 
-from paramserver.cli.progress import step_progress
 from paramserver.errors import ParamServerError
 from paramserver.util.proctitle import set_title
 from paramserver.workers.launch.cluster import ClusterSpec, run_cluster
@@ -22,8 +19,11 @@ from paramserver.workers.launch.processes import ProcessInfo, worker_summaries
 
 from . import options
 from .outdir import RUN_MARKERS, claim_out_dir
-from .watch import format_alarm
 from .workercount import agree_worker_count
+
+if TYPE_CHECKING:  # rich loads where a cluster runs, not for --help
+    from rich.console import Console
+    from rich.progress import Progress
 
 __all__ = ["launch"]
 
@@ -128,6 +128,8 @@ class _AlarmLines:
         if key in self.shown:
             return
         self.shown.add(key)
+        from .watch import format_alarm
+
         self.console.print(format_alarm(alarm), no_wrap=True, overflow="ellipsis")
 
 
@@ -230,6 +232,10 @@ def launch(ctx: click.Context, **opts: Any) -> None:
             options.check_port_free("--metrics-port", port)
     out = _out_dir(opts["out"], opts.pop("overwrite"))
     steps = None if command else spec.worker.steps
+    from rich.console import Console
+
+    from paramserver.cli.progress import step_progress
+
     console = Console(stderr=True)
     bar = step_progress(console, "loss {task.fields[loss]}", "{task.fields[rate]} updates/s",
                         disable=opts["quiet"])

@@ -8,20 +8,17 @@ from collections.abc import Mapping
 from typing import Any
 
 import click
-from rich.console import Console
-from rich.table import Table
-from rich.text import Text
 
 from paramserver.errors import RegistryError
-from paramserver.policies import ENTRY_POINT_GROUP as POLICY_GROUP
-from paramserver.policies import available_policies, policy_parameters, resolve_policy
-from paramserver.workers.tasks import ENTRY_POINT_GROUP as TASK_GROUP
-from paramserver.workers.tasks import (
-    available_tasks,
-    resolve_task,
-    task_description,
-    task_parameters,
-)
+
+# heavy libraries (rich, torch, ...) are imported where a command runs, so that its
+# --help answers at once (tests/test_cli_startup.py)
+
+#: the entry-point groups listed here by name (paramserver.policies.ENTRY_POINT_GROUP and
+#: paramserver.workers.tasks.ENTRY_POINT_GROUP, which a test keeps equal): named, not
+#: imported, as those modules load torch
+POLICY_GROUP = "paramserver.staleness_policies"
+TASK_GROUP = "paramserver.tasks"
 
 __all__ = ["policies", "tasks"]
 
@@ -55,6 +52,10 @@ def _print(rows: list[dict[str, Any]], title: str, footer: str, as_json: bool) -
     if as_json:
         click.echo(json.dumps(rows, indent=2, default=repr))
         return
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
     table = Table(title=title, show_lines=False)
     for column in ("name", "parameters", "from", "description"):
         table.add_column(column, overflow="fold")
@@ -102,6 +103,8 @@ it as module:Class, or register it as an entry point in the group
 @click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
 def policies(names: tuple[str, ...], as_json: bool) -> None:
     """List the staleness policies (built-in and installed) and their parameters."""
+    from paramserver.policies import available_policies, policy_parameters, resolve_policy
+
     classes = _resolve_all(names, available_policies(), resolve_policy)
     rows = []
     for name, cls in classes.items():
@@ -126,6 +129,13 @@ to list it here by name.""")
 @click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
 def tasks(names: tuple[str, ...], as_json: bool) -> None:
     """List the tasks (built-in and installed) and their parameters."""
+    from paramserver.workers.tasks import (
+        available_tasks,
+        resolve_task,
+        task_description,
+        task_parameters,
+    )
+
     factories = _resolve_all(names, available_tasks(), resolve_task)
     rows = []
     for name, factory in factories.items():

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import click
-from rich.console import Console
 
 from paramserver.cli.grid import claim_grid_dir, grid_options, run_grid, spec_from_flags
 from paramserver.errors import ConfigError
@@ -41,7 +40,8 @@ times in virtual seconds. See docs/research.md.
 """
 
 
-@click.command("simulate", epilog=EPILOG)
+@click.command("simulate", epilog=EPILOG,
+               short_help="Run an experiment grid in virtual time, in this process.")
 @grid_options(virtual=True)
 @click.option("--compute-time", type=click.FloatRange(min=0), default=0.01, show_default=True,
               help="Virtual seconds of a step's bare compute; the scenario's stragglers "
@@ -56,6 +56,8 @@ def simulate(compute_time: float, latency: float, **flags: Any) -> None:
     the same logs and the same report.md / report.html as `paramserver
     experiment`, with times in virtual seconds (docs/research.md).
     """
+    from rich.console import Console  # here, not at the top: --help stays light
+
     console = Console(stderr=False)
     try:
         spec = spec_from_flags(flags)
