@@ -10,7 +10,7 @@ import statistics
 from collections import deque
 from typing import TYPE_CHECKING
 
-from paramserver.core.records import WorkerState
+from paramserver.core.records import Mode, WorkerState
 from paramserver.errors import ErrorCode, ProtocolError
 
 if TYPE_CHECKING:
@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
     from paramserver.core.records import CoreConfig, ModeSpec, PullQueue
     from paramserver.core.rounds import Seeding, SyncRound
+    from paramserver.core.rows import RowRules
 
 __all__ = ["IN_USE_BEATS", "ROUND_TIMEOUT_BEATS", "ROUND_TIMEOUT_STEPS", "Membership"]
 
@@ -48,6 +49,7 @@ class Membership:
     pulls: PullQueue
     seeding: Seeding
     round: SyncRound
+    rows: RowRules
     read_weights: dict[int, dict[str, torch.Tensor]]
     started: bool
 
@@ -90,6 +92,7 @@ class Membership:
             self.left_out.discard(worker)
             state.origin = origin
             self._drop_unfinished(worker, "its worker restarted")
+            self.rows.forget(worker)  # its sparse push ids start afresh too
             state.restart(incarnation, now)
             state.clock = self._rejoin_clock(state.clock, exclude=worker)
             log.info("worker %d rejoined at clock %d", worker, state.clock)
@@ -170,6 +173,7 @@ class Membership:
             return
         self.left_out.discard(worker)
         self._drop_unfinished(worker, "its entry was evicted")
+        self.rows.forget(worker)
         self.pulls.drop(worker)
         self.read_weights.pop(worker, None)
         if worker in self.round.members:
@@ -232,14 +236,14 @@ class Membership:
         wait = self.round_deadline()
         if not wait or not self.initialized or not self.started:
             return []
-        if self.mode.mode == "sync":
+        if self.mode.mode == Mode.SYNC:
             opened = self.round.opened
             if opened is None or not self.round.members or now - opened <= wait:
                 return []
             waited_on = [w for w in self.pacing()
                          if w.worker not in self.round.members
                          and w.worker not in self.round.streams]  # parts arriving: not silent
-        elif self.mode.mode == "ssp":
+        elif self.mode.mode == Mode.SSP:
             min_clock = self.min_clock()
             held = [self.workers[p.worker].clock for p in self.pulls.pulls
                     if not p.observer and p.worker in self.workers
@@ -257,7 +261,7 @@ class Membership:
             log.warning("worker %d is live but pushed nothing for %.1fs (round deadline "
                         "%gs): left out of the %s until it pushes again", worker,
                         now - self.workers[worker].pushed_at, wait,
-                        "round" if self.mode.mode == "sync" else "SSP gate")
+                        "round" if self.mode.mode == Mode.SYNC else "SSP gate")
         if silent:
             self._maybe_close_round()
         return silent
@@ -329,6 +333,22 @@ class Membership:
         (or all of them, if every one is)."""
         live = self.live()
         return [w for w in live if w.worker not in self.left_out] or live
+
+    def live_ids(self) -> list[int]:
+        return [w.worker for w in self.live()]
+
+    def pacing_ids(self) -> list[int]:
+        return [w.worker for w in self.pacing()]
+
+    def heard(self, worker: int, now: float) -> WorkerState:
+        """A request of ``worker`` (a sign of life): its state, if it is registered and
+        has not said BYE; else the ProtocolError to answer."""
+        state = self._known(worker)
+        if state.finished:
+            raise ProtocolError(ErrorCode.NOT_REGISTERED,
+                                f"worker {worker} said BYE; say HELLO first")
+        state.last_seen = now
+        return state
 
     def _known(self, worker: int) -> WorkerState:
         state = self.workers.get(worker)

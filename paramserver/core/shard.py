@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from paramserver.core import report, snapshot
+from paramserver.core import report, rules, snapshot
 from paramserver.core.ahead import StepAhead
 from paramserver.core.membership import Membership
 from paramserver.core.probe import GradStats, Probe, StepStats, all_finite, norm_and_span
@@ -46,6 +46,7 @@ from paramserver.core.records import (
     STATS_WORKERS,
     BoundTotals,
     CoreConfig,
+    Mode,
     ModeSpec,
     PendingPull,
     PullQueue,
@@ -58,9 +59,10 @@ from paramserver.core.records import (
     slice_table,
 )
 from paramserver.core.rounds import Seeding, Stream, SyncRound
+from paramserver.core.rows import RowRules
 from paramserver.core.stepper import Stepper
 from paramserver.errors import ConfigError, ErrorCode, ProtocolError
-from paramserver.policies.base import BoundStats, Decision, NoPolicy, StalenessPolicy, UpdateInfo
+from paramserver.policies.base import BoundStats, NoPolicy, StalenessPolicy, UpdateInfo
 from paramserver.util.flat import ELEMENTWISE, JOIN_BYTES, FlatLayout
 
 # the records are defined in records.py, the measurements in probe.py; importable here
@@ -71,6 +73,7 @@ __all__ = [
     "STATS_WORKERS",
     "CoreConfig",
     "GradStats",
+    "Mode",
     "ModeSpec",
     "PullReply",
     "PushOutcome",
@@ -131,13 +134,16 @@ class ShardCore(Membership):
         self._bound_hook = (
             type(self.policy).staleness_bound is not StalenessPolicy.staleness_bound
         )
-        if self._bound_hook and self.mode.mode != "ssp":
+        if self._bound_hook and self.mode.mode != Mode.SSP:
             log.warning("policy %s sets the SSP bound, but the mode is %s: it has no effect",
                         self.policy.name, self.mode.mode)
             self._bound_hook = False
         self.totals = BoundTotals()  # cumulative measurements handed to that policy
         # what a driver's observer (metrics, the watchdog) reads; off until observe()
-        self.probe = Probe(self.params, sync=self.mode.mode == "sync")
+        self.probe = Probe(self.params, sync=self.mode.mode == Mode.SYNC)
+        # the same rules for the pushes of the shard's sparse tables (rows.py)
+        self.rows = RowRules(self.mode, self.policy, self.config.shard, self,
+                             self.config.push_id_window)
 
     # ------------------------------------------------------------------ weights
 
@@ -194,13 +200,8 @@ class ShardCore(Membership):
         return state
 
     def _check_window(self, state: WorkerState, push_id: int) -> None:
-        window = self.config.push_id_window
-        if state.anchored and push_id > state.last_push_id + window:
-            raise ProtocolError(
-                ErrorCode.BAD_FIELD,
-                f"push_id {push_id} is more than {window} ahead of worker {state.worker}'s "
-                f"last ({state.last_push_id})",
-            )
+        rules.check_window(state.worker, push_id, state.last_push_id, state.anchored,
+                           self.config.push_id_window)
 
     def copy_on_write(self) -> None:
         """Move the parameters to fresh storage, leaving the old for its readers.
@@ -217,7 +218,7 @@ class ShardCore(Membership):
         if self.config.optimizer not in ELEMENTWISE or not self.flats:
             return None
         small = all(f.numel() * f.element_size() <= JOIN_BYTES for f in self.flats.values())
-        if self.mode.mode != "sync" and not small:
+        if self.mode.mode != Mode.SYNC and not small:
             return None
         return self.layout, list(self.flats.values())
 
@@ -259,9 +260,9 @@ class ShardCore(Membership):
             return True
         if not self.started:
             return False
-        if self.mode.mode == "sync":
+        if self.mode.mode == Mode.SYNC:
             return pull.worker not in self.round.members
-        if self.mode.mode == "ssp":
+        if self.mode.mode == Mode.SSP:
             state = self.workers[pull.worker]
             return state.clock - min_clock <= self.bound
         return True
@@ -347,10 +348,9 @@ class ShardCore(Membership):
         state = self._known(worker)
         if not self.initialized:
             raise ProtocolError(ErrorCode.NOT_INITIALIZED, "push before INIT")
-        if push_id <= state.last_push_id:
-            prior = state.last_outcome if push_id == state.last_push_id else None
-            base = prior or PushOutcome(False, 0.0, "duplicate", 0, self.version, False)
-            return PushOutcome(**{**base.as_dict(), "duplicate": True})
+        again = rules.replay(push_id, state.last_push_id, state.last_outcome, self.version)
+        if again is not None:
+            return again
         self._check_window(state, push_id)
         if parts != 1 and not self.streams_parts:
             raise ProtocolError(ErrorCode.BAD_FIELD, "this shard takes pushes whole, not in "
@@ -404,13 +404,13 @@ class ShardCore(Membership):
         if stream is None:
             self.pushed(state, now)  # its pace; back in, if it was left out
             stream = self._open(state, push_id, clock, read_version, num_samples, parts)
-            if stream.decision is not None and self.mode.mode == "sync":
+            if stream.decision is not None and self.mode.mode == Mode.SYNC:
                 self.round.begin(now)  # the round's deadline runs from its first push
         stream.received.add(part)
         stream.keys.update(grads)
         if stream.measure is not None:
             self.probe.measure(stream.measure, grads, norm, flat)
-        if self.mode.mode == "sync":
+        if self.mode.mode == Mode.SYNC:
             self._add_to_round(stream, grads)
             if len(stream.received) < parts:
                 self.round.streams[worker] = stream  # in the making, until its last part
@@ -429,7 +429,7 @@ class ShardCore(Membership):
     def streams_parts(self) -> bool:
         """Whether this shard adds pushes part by part (sync, no rewriting policy);
         otherwise a driver joins the parts and calls :meth:`push` with the whole."""
-        return self.mode.mode == "sync" and not self.policy_rewrites
+        return self.mode.mode == Mode.SYNC and not self.policy_rewrites
 
     def _open(self, state: WorkerState, push_id: int, clock: int, read_version: int,
               num_samples: int, parts: int) -> Stream:
@@ -442,20 +442,12 @@ class ShardCore(Membership):
             read_version=read_version, version=self.version, clock=clock,
             min_clock=self.min_clock(), num_samples=num_samples,
         )
-        decision: Decision | None = None
-        reason = ""
-        if self.mode.mode == "sync" and info.staleness > 0:
-            # a gradient for a round that already closed (a backup worker's or a
-            # rejoining worker's): dropped, and the worker moves on
-            reason = "late"
-        elif self.mode.mode == "sync" and state.worker in self.round.members:
-            reason = "duplicate_in_round"
-        else:
-            decision = self._decide(info)
-            state.count(decision)
-            reason = decision.reason
+        decision, reason = rules.judge(self.mode.mode, self.policy, info,
+                                       state.worker in self.round.members)
         if decision is None:
             state.rejected[reason] += 1
+        else:
+            state.count(decision)
         return Stream(push_id, parts, info, decision, reason,
                       measure=self.probe.push_begins(state.worker))
 
@@ -463,6 +455,7 @@ class ShardCore(Membership):
         """``worker`` is gone or starts over: its push in parts is given up, and if it
         was seeding the weights in parts, the next INIT seeds them from the start."""
         self._give_up(worker, why)
+        self.rows.drop_waiting(worker)
         if self.seeding.owner == worker:
             self.seeding.end()
 
@@ -515,23 +508,13 @@ class ShardCore(Membership):
             state.uncount(decision, "round_void")
             decision, stream.reason = None, "round_void"
         if decision is None:
-            return PushOutcome(False, 0.0, stream.reason, stream.info.staleness,
-                               self.version, False)
+            return rules.refused(stream.reason, stream.info.staleness, self.version)
         self.round.join(state.worker, stream.info.num_samples if decision.accept else 0)
         stepped = self._maybe_close_round()
         if not stepped:
             self.round.settle()  # its tensors are not ours once it is answered
             self.ahead.drop()  # nor is the round its alone
-        return PushOutcome(decision.accept, decision.weight if decision.accept else 0.0,
-                           decision.reason, 0, self.version, stepped)
-
-    def _decide(self, info: UpdateInfo) -> Decision:
-        decision = self.policy.decide(info)
-        if not isinstance(decision, Decision):
-            raise ConfigError(f"policy {self.policy.name!r} returned {decision!r}, not a Decision")
-        if decision.accept and decision.weight == 0.0:
-            decision = Decision(False, 0.0, decision.reason or "weight 0")
-        return decision
+        return rules.answered(decision, 0, self.version, stepped)
 
     def _widen(self, grads: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
         """Gradients that arrived in 16 bits, in their parameter's dtype."""
@@ -562,21 +545,17 @@ class ShardCore(Membership):
         if stream.measure is not None:
             self.probe.push_complete(state.worker, stream.measure, grads)
         if not decision.accept:
-            return PushOutcome(False, 0.0, decision.reason, info.staleness, self.version, False)
+            return rules.answered(decision, info.staleness, self.version, False)
         if not self._step(self._widen(self._rewrite(info, grads)), decision.weight,
                           staleness=info.staleness):
             state.uncount(decision, "nonfinite_step")
-            return PushOutcome(False, 0.0, "nonfinite_step", info.staleness, self.version,
-                               False)
-        return PushOutcome(True, decision.weight, decision.reason, info.staleness,
-                           self.version, True)
+            return rules.refused("nonfinite_step", info.staleness, self.version)
+        return rules.answered(decision, info.staleness, self.version, True)
 
     def _maybe_close_round(self) -> bool:
         """Close the open sync round when at most ``backup_workers`` live ones are missing."""
-        if self.mode.mode != "sync" or not self.round.members:
-            return False
-        missing = [w for w in self.pacing() if w.worker not in self.round.members]
-        if len(missing) > self.mode.backup_workers:
+        if self.mode.mode != Mode.SYNC or not rules.round_full(
+                self.round.members, self.pacing_ids(), self.mode.backup_workers):
             return False
         if self.round.in_flight():
             return False  # a backup's parts are in the buffer already: let it finish
@@ -600,7 +579,7 @@ class ShardCore(Membership):
         ``weight`` (and by the step-size rules, for a step averaging ``contributors``
         gradients). False: it would have made the weights or the optimizer's state
         NaN or Inf and was undone (the version stays; ``on_refused`` is told)."""
-        prior = 0 if self.mode.mode == "sync" else max(0, len(self.live()) - 1)
+        prior = 0 if self.mode.mode == Mode.SYNC else max(0, len(self.live()) - 1)
         if not self.stepper.step(self.params, grads, weight, contributors=contributors,
                                  version=self.version, staleness=staleness,
                                  prior_staleness=prior, probe=self.probe,
@@ -652,6 +631,7 @@ class ShardCore(Membership):
         self.workers = {int(wid): WorkerState.from_record(int(wid), w, now)
                         for wid, w in meta["workers"].items()}
         self.pulls.clear()
+        self.rows.reset()
 
     # ------------------------------------------------------------------ reporting
 

@@ -181,7 +181,7 @@ class PeerOps:
             fields["held"] = {"clock": held.clock, "waited": now - held.since,
                               "why": self._hold_reason(held.worker)}
         elif self.sparse is not None:  # a sync SPUSH parked in its round, if any
-            sparse_held = self.sparse.holding(msg["worker"])
+            sparse_held = self.core.rows.holding(msg["worker"]) if self.core else None
             if sparse_held:
                 fields["held"] = sparse_held
         return reply(msg, **fields)
