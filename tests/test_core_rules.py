@@ -28,7 +28,7 @@ def _core(mode: str, policy: StalenessPolicy) -> tuple[ShardCore, SparseShard]:
         core.register(w, f"inc{w}", 0.0)
     core.initialize({"w": torch.zeros(4, dtype=torch.float64)})
     table = SparseShard([TABLE], 1, 0, optimizer="sgd", optimizer_args={"lr": 0.1},
-                        live=core.live_ids)
+                        live=core.members.live_ids)
     return core, table
 
 

@@ -9,7 +9,8 @@ sparse rows (core/rows.py) differ only in what is stepped or held in a round.
   ``duplicate_in_round``, both dropped before the policy; every other push is the
   staleness policy's to decide, through :func:`decide`.
 * the round (:func:`round_full`): a sync round closes when at most
-  ``backup_workers`` of the workers it waits for have not pushed into it.
+  ``backup_workers`` of the workers it waits for have not pushed into it; the SSP
+  bound a policy sets is checked by :func:`ssp_bound`.
 * the answers (:func:`refused`, :func:`answered`): one :class:`PushOutcome` shape.
 """
 
@@ -19,9 +20,10 @@ from collections.abc import Collection, Iterable
 
 from paramserver.core.records import Mode, PushOutcome
 from paramserver.errors import ConfigError, ErrorCode, ProtocolError
-from paramserver.policies.base import Decision, StalenessPolicy, UpdateInfo
+from paramserver.policies.base import BoundStats, Decision, StalenessPolicy, UpdateInfo
 
-__all__ = ["answered", "check_window", "decide", "judge", "refused", "replay", "round_full"]
+__all__ = ["answered", "check_window", "decide", "judge", "refused", "replay", "round_full",
+           "ssp_bound"]
 
 #: the reasons a sync push is dropped before its policy sees it
 LATE = "late"
@@ -75,6 +77,16 @@ def judge(mode: Mode, policy: StalenessPolicy, info: UpdateInfo,
         return None, DUPLICATE_IN_ROUND
     decision = decide(policy, info)
     return decision, decision.reason
+
+
+def ssp_bound(policy: StalenessPolicy, stats: BoundStats, configured: int) -> int:
+    """The SSP bound ``policy`` sets from ``stats`` (None: the ``configured`` one)."""
+    bound = policy.staleness_bound(stats)
+    if bound is None:
+        return configured
+    if isinstance(bound, bool) or not isinstance(bound, int) or bound < 0:
+        raise ConfigError(f"policy {policy.name!r} returned SSP bound {bound!r}; need an int >= 0")
+    return bound
 
 
 def round_full(members: Collection[int], waited_for: Iterable[int], backup_workers: int

@@ -19,6 +19,10 @@ rules of the three modes:
   if the policy overrides :meth:`StalenessPolicy.staleness_bound`, the bound
   it returns from the shard's measured waiting and staleness (adaptive SSP).
 
+The push rules are written once in rules.py, for the dense slices here and the
+sparse tables' rows (rows.py); the workers' membership is a :class:`Membership`
+the core owns (membership.py).
+
 Time is an argument (``now``, seconds), never read from a clock, so the same
 core runs under the socket server, in unit tests and in a virtual-time
 simulator. Waiting is expressed as parked pull *tokens*; after any event the
@@ -61,32 +65,21 @@ from paramserver.core.records import (
 from paramserver.core.rounds import Seeding, Stream, SyncRound
 from paramserver.core.rows import RowRules
 from paramserver.core.stepper import Stepper
-from paramserver.errors import ConfigError, ErrorCode, ProtocolError
+from paramserver.errors import ErrorCode, ProtocolError
 from paramserver.policies.base import BoundStats, NoPolicy, StalenessPolicy, UpdateInfo
 from paramserver.util.flat import ELEMENTWISE, JOIN_BYTES, FlatLayout
 
 # the records are defined in records.py, the measurements in probe.py; importable here
 __all__ = [
-    "DTYPES",
-    "MAX_WORKERS",
-    "MODES",
-    "STATS_WORKERS",
-    "CoreConfig",
-    "GradStats",
-    "Mode",
-    "ModeSpec",
-    "PullReply",
-    "PushOutcome",
-    "ShardCore",
-    "SliceSpec",
-    "StepStats",
+    "DTYPES", "MAX_WORKERS", "MODES", "STATS_WORKERS", "CoreConfig", "GradStats", "Mode",
+    "ModeSpec", "PullReply", "PushOutcome", "ShardCore", "SliceSpec", "StepStats",
     "WorkerState",
 ]
 
 log = logging.getLogger(__name__)
 
 
-class ShardCore(Membership):
+class ShardCore:
     """One shard's parameters, optimizer and consistency rules. No sockets, no msgpack."""
 
     def __init__(
@@ -116,10 +109,6 @@ class ShardCore(Membership):
         self.version = 0
         self.initialized = False
         self.seeding = Seeding()  # INIT in parts: who is seeding, which parts are in
-        self.started = False  # the start barrier: expected_workers registered once
-        self.workers: dict[int, WorkerState] = {}
-        self.workers_evicted = 0  # entries dropped from a full table (see _evict)
-        self._init_membership()  # stragglers left out, the usual step (membership.py)
         self.pulls = PullQueue()  # parked pulls, answered when their gate opens
         # sync: the open round (its buffer, contributors and pushes arriving in parts)
         self.round = SyncRound(self.params, self.layout)
@@ -127,6 +116,9 @@ class ShardCore(Membership):
         self.ahead = StepAhead(self.layout, self.flats, self.params, self.round)
         # the weights each worker read, for policies that need them (needs_read_weights)
         self.read_weights: dict[int, dict[str, torch.Tensor]] = {}
+        # the workers: registration, liveness, clocks, stragglers (membership.py)
+        self.members = Membership(self.config, self, round=self.round, pulls=self.pulls,
+                                  seeding=self.seeding, read_weights=self.read_weights)
         self.max_answered_gap = 0  # largest clock gap at which a pull was answered
         # ssp: the bound in force; a policy overriding staleness_bound() moves it
         self.bound = self.mode.staleness_bound
@@ -142,7 +134,7 @@ class ShardCore(Membership):
         # what a driver's observer (metrics, the watchdog) reads; off until observe()
         self.probe = Probe(self.params, sync=self.mode.mode == Mode.SYNC)
         # the same rules for the pushes of the shard's sparse tables (rows.py)
-        self.rows = RowRules(self.mode, self.policy, self.config.shard, self,
+        self.rows = RowRules(self.mode, self.policy, self.config.shard, self.members,
                              self.config.push_id_window)
 
     # ------------------------------------------------------------------ weights
@@ -169,7 +161,7 @@ class ShardCore(Membership):
         Returns True when this part completed the seeding, None for an earlier
         part (or one sent again).
         """
-        state = self._known(worker)  # only a registered worker may seed (and own INIT)
+        state = self.members.known(worker)  # only a registered worker may seed (and own INIT)
         state.spoke = True  # a worker, not a bare HELLO: never evicted for a newcomer
         if not state.live:
             raise ProtocolError(ErrorCode.NOT_REGISTERED,
@@ -192,7 +184,7 @@ class ShardCore(Membership):
     def check_push_id(self, worker: int, push_id: int) -> WorkerState:
         """The state of a registered ``worker`` (not gone with BYE) whose ``push_id``
         lies within its window; else the ProtocolError :meth:`push` would raise."""
-        state = self._known(worker)
+        state = self.members.known(worker)
         if state.finished:
             raise ProtocolError(
                 ErrorCode.NOT_REGISTERED, f"worker {worker} said BYE; say HELLO to push again")
@@ -239,7 +231,7 @@ class ShardCore(Membership):
                 ErrorCode.NOT_INITIALIZED, "no weights yet: the first worker must send INIT"
             )
         if not observer:
-            state = self._known(worker)
+            state = self.members.known(worker)
             state.last_seen = now
             if not state.live:
                 raise ProtocolError(
@@ -258,18 +250,18 @@ class ShardCore(Membership):
             return False
         if pull.observer:
             return True
-        if not self.started:
+        if not self.members.started:
             return False
         if self.mode.mode == Mode.SYNC:
             return pull.worker not in self.round.members
         if self.mode.mode == Mode.SSP:
-            state = self.workers[pull.worker]
+            state = self.members.workers[pull.worker]
             return state.clock - min_clock <= self.bound
         return True
 
     def _update_bound(self, now: float) -> None:
         """Ask the policy for the SSP bound, from what this shard measured so far."""
-        live = self.live()
+        live = self.members.live()
         clocks = [w.clock for w in live] or [0]
         stats = BoundStats(
             now=now, configured=self.mode.staleness_bound, current=self.bound,
@@ -278,13 +270,7 @@ class ShardCore(Membership):
             pulls=self.totals.pulls, wait_seconds=self.totals.wait_seconds,
             blocked_pulls=self.pulls.blocked(),
         )
-        bound = self.policy.staleness_bound(stats)
-        if bound is None:
-            bound = self.mode.staleness_bound
-        if isinstance(bound, bool) or not isinstance(bound, int) or bound < 0:
-            raise ConfigError(
-                f"policy {self.policy.name!r} returned SSP bound {bound!r}; need an int >= 0"
-            )
+        bound = rules.ssp_bound(self.policy, stats, self.mode.staleness_bound)
         if bound != self.bound:
             log.debug("shard %d: SSP bound %d -> %d", self.config.shard, self.bound, bound)
             self.bound = bound
@@ -295,12 +281,12 @@ class ShardCore(Membership):
         if self._bound_hook:
             self._update_bound(now)
         ready: list[PullReply] = []
-        min_clock = self.min_clock()  # no clock moves while pulls are answered
+        min_clock = self.members.min_clock()  # no clock moves while pulls are answered
         for pull in self.pulls.take(lambda p: self._gate_open(p, min_clock)):
             waited = now - pull.since
             clock = pull.clock
             if not pull.observer:
-                state = self.workers[pull.worker]
+                state = self.members.workers[pull.worker]
                 clock = state.clock
                 self.max_answered_gap = max(self.max_answered_gap, state.clock - min_clock)
                 self.totals.answered(waited)
@@ -345,7 +331,7 @@ class ShardCore(Membership):
         died or restarted, a newer push came, a part was not finite) voids the
         open round.
         """
-        state = self._known(worker)
+        state = self.members.known(worker)
         if not self.initialized:
             raise ProtocolError(ErrorCode.NOT_INITIALIZED, "push before INIT")
         again = rules.replay(push_id, state.last_push_id, state.last_outcome, self.version)
@@ -399,10 +385,10 @@ class ShardCore(Membership):
             )
         if not state.live:
             # a push is a sign of life, as a heartbeat is
-            self.heartbeat(worker, now)
+            self.members.heartbeat(worker, now)
         state.last_seen = now
         if stream is None:
-            self.pushed(state, now)  # its pace; back in, if it was left out
+            self.members.pushed(state, now)  # its pace; back in, if it was left out
             stream = self._open(state, push_id, clock, read_version, num_samples, parts)
             if stream.decision is not None and self.mode.mode == Mode.SYNC:
                 self.round.begin(now)  # the round's deadline runs from its first push
@@ -440,7 +426,7 @@ class ShardCore(Membership):
         info = UpdateInfo(
             worker=state.worker, shard=self.config.shard, staleness=tau,
             read_version=read_version, version=self.version, clock=clock,
-            min_clock=self.min_clock(), num_samples=num_samples,
+            min_clock=self.members.min_clock(), num_samples=num_samples,
         )
         decision, reason = rules.judge(self.mode.mode, self.policy, info,
                                        state.worker in self.round.members)
@@ -451,11 +437,16 @@ class ShardCore(Membership):
         return Stream(push_id, parts, info, decision, reason,
                       measure=self.probe.push_begins(state.worker))
 
-    def _drop_unfinished(self, worker: int, why: str) -> None:
-        """``worker`` is gone or starts over: its push in parts is given up, and if it
-        was seeding the weights in parts, the next INIT seeds them from the start."""
+    def drop_unfinished(self, worker: int, why: str, restart: bool = False) -> None:
+        """``worker`` is gone or starts over: its push in parts is given up, its parked
+        sparse push is not answered (``restart``: its sparse push ids start afresh
+        too), and if it was seeding the weights in parts, the next INIT seeds them
+        from the start."""
         self._give_up(worker, why)
-        self.rows.drop_waiting(worker)
+        if restart:
+            self.rows.forget(worker)
+        else:
+            self.rows.drop_waiting(worker)
         if self.seeding.owner == worker:
             self.seeding.end()
 
@@ -465,7 +456,7 @@ class ShardCore(Membership):
         if stream is None:
             return
         if stream.decision is not None:
-            self.workers[worker].uncount(stream.decision, "incomplete")
+            self.members.workers[worker].uncount(stream.decision, "incomplete")
         if self.round.give_up(stream):
             self.ahead.drop()
             log.warning("worker %d's push %d was given up after %d of %d parts (%s): the "
@@ -495,7 +486,7 @@ class ShardCore(Membership):
         by a step that only reads it (otherwise it is copied part by part, as usual)."""
         if self.round.members or not self.stepper.reads_only(self.params):
             return False
-        others = [w for w in self.live() if w.worker != worker]
+        others = [w for w in self.members.live() if w.worker != worker]
         return len(others) <= self.mode.backup_workers
 
     def _close_push(self, state: WorkerState, stream: Stream) -> PushOutcome:
@@ -510,7 +501,7 @@ class ShardCore(Membership):
         if decision is None:
             return rules.refused(stream.reason, stream.info.staleness, self.version)
         self.round.join(state.worker, stream.info.num_samples if decision.accept else 0)
-        stepped = self._maybe_close_round()
+        stepped = self.maybe_close_round()
         if not stepped:
             self.round.settle()  # its tensors are not ours once it is answered
             self.ahead.drop()  # nor is the round its alone
@@ -552,10 +543,10 @@ class ShardCore(Membership):
             return rules.refused("nonfinite_step", info.staleness, self.version)
         return rules.answered(decision, info.staleness, self.version, True)
 
-    def _maybe_close_round(self) -> bool:
+    def maybe_close_round(self) -> bool:
         """Close the open sync round when at most ``backup_workers`` live ones are missing."""
         if self.mode.mode != Mode.SYNC or not rules.round_full(
-                self.round.members, self.pacing_ids(), self.mode.backup_workers):
+                self.round.members, self.members.pacing_ids(), self.mode.backup_workers):
             return False
         if self.round.in_flight():
             return False  # a backup's parts are in the buffer already: let it finish
@@ -579,7 +570,7 @@ class ShardCore(Membership):
         ``weight`` (and by the step-size rules, for a step averaging ``contributors``
         gradients). False: it would have made the weights or the optimizer's state
         NaN or Inf and was undone (the version stays; ``on_refused`` is told)."""
-        prior = 0 if self.mode.mode == Mode.SYNC else max(0, len(self.live()) - 1)
+        prior = 0 if self.mode.mode == Mode.SYNC else max(0, len(self.members.live()) - 1)
         if not self.stepper.step(self.params, grads, weight, contributors=contributors,
                                  version=self.version, staleness=staleness,
                                  prior_staleness=prior, probe=self.probe,
@@ -598,6 +589,59 @@ class ShardCore(Membership):
         if self.after_step is not None:
             self.after_step()
         return True
+
+    # ------------------------------------------------------------------ membership
+    # the membership's rules, as the server and the tests call them on the core
+
+    @property
+    def workers(self) -> dict[int, WorkerState]:
+        return self.members.workers
+
+    @property
+    def workers_evicted(self) -> int:
+        return self.members.workers_evicted
+
+    @property
+    def started(self) -> bool:
+        return self.members.started
+
+    @property
+    def left_out(self) -> set[int]:
+        return self.members.left_out
+
+    def register(self, worker: int, incarnation: str, now: float,
+                 origin: str = "") -> WorkerState:
+        return self.members.register(worker, incarnation, now, origin)
+
+    def heartbeat(self, worker: int, now: float) -> None:
+        self.members.heartbeat(worker, now)
+
+    def leave(self, worker: int, now: float) -> None:
+        self.members.leave(worker, now)
+
+    def expire(self, now: float) -> list[int]:
+        return self.members.expire(now)
+
+    def declare_dead(self, worker: int) -> bool:
+        return self.members.declare_dead(worker)
+
+    def leave_out(self, now: float) -> list[int]:
+        return self.members.leave_out(now)
+
+    def round_deadline(self) -> float:
+        return self.members.round_deadline()
+
+    def holding(self, expected: int) -> list[int]:
+        return self.members.holding(expected)
+
+    def live(self) -> list[WorkerState]:
+        return self.members.live()
+
+    def min_clock(self) -> int:
+        return self.members.min_clock()
+
+    def clock_gap(self) -> int:
+        return self.members.clock_gap()
 
     # ------------------------------------------------------------------ observability
 
@@ -628,8 +672,8 @@ class ShardCore(Membership):
         grace period (``now``) to reconnect. Nothing changes unless the weights fit the
         slices, are finite, and the version is an integer >= 0."""
         snapshot.load(self, tensors, meta)
-        self.workers = {int(wid): WorkerState.from_record(int(wid), w, now)
-                        for wid, w in meta["workers"].items()}
+        self.members.workers = {int(wid): WorkerState.from_record(int(wid), w, now)
+                                for wid, w in meta["workers"].items()}
         self.pulls.clear()
         self.rows.reset()
 

@@ -472,7 +472,7 @@ class ShardServer(PeerOps):
             )
         slices = [SliceSpec(s.key, s.numel, s.dtype) for s in plan.shard_slices(self.config.shard)]
         core = ShardCore(slices, self.config.core_config(), self.policy)
-        self.sparse = SparseShard.for_server(plan, self.config, core.live_ids)
+        self.sparse = SparseShard.for_server(plan, self.config, core.members.live_ids)
         self.tables = TableBuilder(self.sparse, self.config.shard) if self.sparse else None
         self.core = core  # (not before the plan's tables proved trainable)
         self.core.before_step = self._before_mutation
@@ -599,8 +599,8 @@ class ShardServer(PeerOps):
         if observer and identity not in self.observers:
             raise ProtocolError(ErrorCode.NOT_REGISTERED,
                                 "an observer's SPULL needs its HELLO (role observer) first")
-        return SparseShard.of_worker(self.sparse, self._require_core().heard, msg["worker"],
-                                     time.monotonic(), observer)
+        return SparseShard.of_worker(self.sparse, self._require_core().members.heard,
+                                     msg["worker"], time.monotonic(), observer)
 
     def _hold_sparse(self, msg: Message, identity: bytes,
                      handler: Callable[[ShardServer, Message, bytes], Message | None]) -> bool:

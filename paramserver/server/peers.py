@@ -204,7 +204,7 @@ class PeerOps:
 
     def _on_bye(self, msg: Message, identity: bytes) -> Message:
         core = self._require_core()
-        core._known(msg["worker"])
+        core.members.known(msg["worker"])
         self.joined.drop(msg["worker"])
         if msg.get("dead"):  # from a supervisor that saw the process die
             dead = core.declare_dead(msg["worker"])
