@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from paramserver.core.records import ModeSpec
+from paramserver.core.rows import RowRules
 from paramserver.core.sharding import ParamSpec, ShardPlan
 from paramserver.errors import ConfigError, ProtocolError
 from paramserver.policies import Decision, NoPolicy, StalenessPolicy, UpdateInfo
@@ -21,16 +23,42 @@ from paramserver.sparse.shard import (
 SPEC = TableSpec("emb", 1000, 4, "float64", "normal", 0.5, seed=3)
 
 
+class _Roster:
+    def __init__(self, live):
+        self.live = list(live)
+
+    def pacing_ids(self):
+        return self.live
+
+    def min_clock(self):
+        return 0
+
+
+class _Rig(SparseShard):
+    """A table of rows and the core's rules for its pushes (core/rows.py), as a shard
+    server drives them."""
+
+    def __init__(self, *args, mode, policy, live, **kwargs):
+        super().__init__(*args, live=lambda: list(live), **kwargs)
+        self.rules = RowRules(ModeSpec(mode), policy, self.shard, _Roster(live), 1024)
+
+    def push(self, *args):
+        return self.rules.push(self, *args)
+
+    def take_ready(self):
+        return [(token, outcome.row_fields()) for token, outcome in self.rules.ready(self)]
+
+
 def _shard(mode="sync", optimizer="sgd", args=None, live=(0, 1), shards=1, shard=0,
            policy=None, spec=SPEC):
-    return SparseShard([spec], shards, shard, mode=mode, optimizer=optimizer,
-                       optimizer_args=args or {"lr": 0.5}, policy=policy or NoPolicy(),
-                       live=lambda: list(live))
+    return _Rig([spec], shards, shard, mode=mode, optimizer=optimizer,
+                optimizer_args=args or {"lr": 0.5}, policy=policy or NoPolicy(), live=live)
 
 
 def _push(sp, worker, push_id, ids, values, n=1, read=None, token=None):
-    return sp.push(worker, push_id, sp.version if read is None else read, 0, n,
-                   {"ids:emb": torch.tensor(ids), "val:emb": values}, token or (worker,))
+    out = sp.push(worker, push_id, sp.version if read is None else read, 0, n,
+                  {"ids:emb": torch.tensor(ids), "val:emb": values}, token or (worker,))
+    return None if out is None else out.row_fields()
 
 
 def test_hash_placement_covers_every_row_once_and_balances_hot_ids():

@@ -1,6 +1,8 @@
 """Membership rules of a shard's core: who is registered, live, finished or dead,
-and the clock a worker resumes at. Part of :class:`~paramserver.core.shard.ShardCore`
-(a base class of it, kept apart for the size of core.py); pure, as the core is.
+left out as a straggler, and the clock a worker resumes at. A :class:`Membership`
+holds the worker table and is owned by a :class:`~paramserver.core.shard.ShardCore`,
+which hands it what it reads of the rest (the open round, the parked pulls, the
+seeding) and is told when a worker goes (:class:`Departures`); pure, as the core is.
 """
 
 from __future__ import annotations
@@ -8,18 +10,19 @@ from __future__ import annotations
 import logging
 import statistics
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from paramserver.core.records import WorkerState
+from paramserver.core.records import Mode, WorkerState
 from paramserver.errors import ErrorCode, ProtocolError
 
 if TYPE_CHECKING:
     import torch
 
-    from paramserver.core.records import CoreConfig, ModeSpec, PullQueue
+    from paramserver.core.records import CoreConfig, PullQueue
     from paramserver.core.rounds import Seeding, SyncRound
 
-__all__ = ["IN_USE_BEATS", "ROUND_TIMEOUT_BEATS", "ROUND_TIMEOUT_STEPS", "Membership"]
+__all__ = ["IN_USE_BEATS", "ROUND_TIMEOUT_BEATS", "ROUND_TIMEOUT_STEPS", "Departures",
+           "Membership"]
 
 log = logging.getLogger("paramserver.core.shard")
 
@@ -35,30 +38,47 @@ PACES = 32  # the recent push intervals the usual step time is the median of
 CONTENDERS = 4  # incarnations remembered per worker id as refused while it was live
 
 
+class Departures(Protocol):
+    """What a membership reads of its core and tells it (ShardCore)."""
+
+    @property
+    def initialized(self) -> bool:
+        """Whether the weights are seeded (no straggler is left out before)."""
+
+    @property
+    def bound(self) -> int:
+        """The SSP bound in force."""
+
+    def drop_unfinished(self, worker: int, why: str, restart: bool = False) -> None:
+        """``worker`` is gone or (``restart``) starts over with new push ids: what it
+        left unfinished (a push in parts, a seeding, a parked sparse push) goes."""
+
+    def maybe_close_round(self) -> bool:
+        """Close the open sync round if the workers it waits for changed so that it may."""
+
+
 class Membership:
-    """Registration, liveness and clocks of a shard's workers (see core.py)."""
+    """Registration, liveness and clocks of a shard's workers.
 
-    # the core's state these rules read and change (set in ShardCore.__init__)
-    config: CoreConfig
-    mode: ModeSpec
-    bound: int
-    initialized: bool
-    workers: dict[int, WorkerState]
-    workers_evicted: int
-    pulls: PullQueue
-    seeding: Seeding
-    round: SyncRound
-    read_weights: dict[int, dict[str, torch.Tensor]]
-    started: bool
+    ``config``: the core's configuration (mode, limits, timeouts); ``core``: told of
+    departures (:class:`Departures`); ``round``, ``pulls``, ``seeding`` and
+    ``read_weights``: the core's open sync round, parked pulls, INIT in parts and
+    the weights each worker read, which these rules read (and drop a gone
+    worker's pull and read weights from)."""
 
-    def _drop_unfinished(self, worker: int, why: str) -> None:
-        raise NotImplementedError  # the push rules' (ShardCore)
-
-    def _maybe_close_round(self) -> bool:
-        raise NotImplementedError  # the sync round's rules (ShardCore)
-
-    def _init_membership(self) -> None:
-        """The membership rules' own state (called by ShardCore.__init__)."""
+    def __init__(self, config: CoreConfig, core: Departures, *, round: SyncRound,
+                 pulls: PullQueue, seeding: Seeding,
+                 read_weights: dict[int, dict[str, torch.Tensor]]) -> None:
+        self.config = config
+        self.mode = config.mode
+        self.core = core
+        self.round = round
+        self.pulls = pulls
+        self.seeding = seeding
+        self.read_weights = read_weights
+        self.workers: dict[int, WorkerState] = {}
+        self.workers_evicted = 0  # entries dropped from a full table (see _evict)
+        self.started = False  # the start barrier: expected_workers registered once
         # live workers no round or SSP gate waits for any more (see leave_out)
         self.left_out: set[int] = set()
         self.paces: deque[float] = deque(maxlen=PACES)  # recent intervals between pushes
@@ -89,7 +109,7 @@ class Membership:
             self.pulls.drop(worker)
             self.left_out.discard(worker)
             state.origin = origin
-            self._drop_unfinished(worker, "its worker restarted")
+            self.core.drop_unfinished(worker, "its worker restarted", restart=True)
             state.restart(incarnation, now)
             state.clock = self._rejoin_clock(state.clock, exclude=worker)
             log.info("worker %d rejoined at clock %d", worker, state.clock)
@@ -169,20 +189,20 @@ class Membership:
         if state is None:
             return
         self.left_out.discard(worker)
-        self._drop_unfinished(worker, "its entry was evicted")
+        self.core.drop_unfinished(worker, "its entry was evicted", restart=True)
         self.pulls.drop(worker)
         self.read_weights.pop(worker, None)
         if worker in self.round.members:
             # it contributed to the open round: that gradient stays, counted
             log.info("worker %d evicted while in the open round", worker)
-        self._maybe_close_round()
+        self.core.maybe_close_round()
 
     def _rejoin_clock(self, own: int, exclude: int | None = None) -> int:
         clocks = [w.clock for w in self.pacing() if w.worker != exclude]
         return max(own, min(clocks)) if clocks else own
 
     def heartbeat(self, worker: int, now: float) -> None:
-        state = self._known(worker)
+        state = self.known(worker)
         if state.reported_dead:
             return
         state.last_seen = now
@@ -230,24 +250,24 @@ class Membership:
         the SSP gate stops counting their clocks. They are still live (they may be
         heartbeating) and rejoin when they push again (:meth:`pushed`). Returns them."""
         wait = self.round_deadline()
-        if not wait or not self.initialized or not self.started:
+        if not wait or not self.core.initialized or not self.started:
             return []
-        if self.mode.mode == "sync":
+        if self.mode.mode == Mode.SYNC:
             opened = self.round.opened
             if opened is None or not self.round.members or now - opened <= wait:
                 return []
             waited_on = [w for w in self.pacing()
                          if w.worker not in self.round.members
                          and w.worker not in self.round.streams]  # parts arriving: not silent
-        elif self.mode.mode == "ssp":
+        elif self.mode.mode == Mode.SSP:
             min_clock = self.min_clock()
             held = [self.workers[p.worker].clock for p in self.pulls.pulls
                     if not p.observer and p.worker in self.workers
                     and now - p.since > wait
-                    and self.workers[p.worker].clock - min_clock > self.bound]
+                    and self.workers[p.worker].clock - min_clock > self.core.bound]
             if not held:
                 return []
-            needed = max(held) - self.bound  # a member below this clock holds a pull
+            needed = max(held) - self.core.bound  # a member below this clock holds a pull
             waited_on = [w for w in self.pacing() if w.clock < needed]
         else:
             return []
@@ -257,22 +277,22 @@ class Membership:
             log.warning("worker %d is live but pushed nothing for %.1fs (round deadline "
                         "%gs): left out of the %s until it pushes again", worker,
                         now - self.workers[worker].pushed_at, wait,
-                        "round" if self.mode.mode == "sync" else "SSP gate")
+                        "round" if self.mode.mode == Mode.SYNC else "SSP gate")
         if silent:
-            self._maybe_close_round()
+            self.core.maybe_close_round()
         return silent
 
     def leave(self, worker: int, now: float) -> None:
         """A worker finished its work: it no longer holds anyone back."""
-        state = self._known(worker)
+        state = self.known(worker)
         state.last_seen = now
         self.left_out.discard(worker)
-        self._drop_unfinished(worker, "its worker said BYE")
+        self.core.drop_unfinished(worker, "its worker said BYE")
         state.finished = True
         state.live = False
         self.pulls.drop(worker)
         self.read_weights.pop(worker, None)  # it will pull again before it pushes again
-        self._maybe_close_round()
+        self.core.maybe_close_round()
 
     def expire(self, now: float) -> list[int]:
         """Declare workers silent for longer than the heartbeat timeout dead; return them."""
@@ -287,7 +307,7 @@ class Membership:
                     state.worker, now - state.last_seen, self.config.heartbeat_timeout,
                 )
         if dead:
-            self._maybe_close_round()
+            self.core.maybe_close_round()
         return dead
 
     def declare_dead(self, worker: int) -> bool:
@@ -303,11 +323,11 @@ class Membership:
         state.reported_dead = True
         log.warning("worker %d reported dead by its supervisor: removed from the live set",
                     worker)
-        self._maybe_close_round()
+        self.core.maybe_close_round()
         return True
 
     def _bury(self, state: WorkerState) -> None:
-        self._drop_unfinished(state.worker, "its worker died")
+        self.core.drop_unfinished(state.worker, "its worker died")
         self.left_out.discard(state.worker)
         state.live = False
         state.deaths += 1
@@ -330,7 +350,23 @@ class Membership:
         live = self.live()
         return [w for w in live if w.worker not in self.left_out] or live
 
-    def _known(self, worker: int) -> WorkerState:
+    def live_ids(self) -> list[int]:
+        return [w.worker for w in self.live()]
+
+    def pacing_ids(self) -> list[int]:
+        return [w.worker for w in self.pacing()]
+
+    def heard(self, worker: int, now: float) -> WorkerState:
+        """A request of ``worker`` (a sign of life): its state, if it is registered and
+        has not said BYE; else the ProtocolError to answer."""
+        state = self.known(worker)
+        if state.finished:
+            raise ProtocolError(ErrorCode.NOT_REGISTERED,
+                                f"worker {worker} said BYE; say HELLO first")
+        state.last_seen = now
+        return state
+
+    def known(self, worker: int) -> WorkerState:
         state = self.workers.get(worker)
         if state is None:
             raise ProtocolError(ErrorCode.NOT_REGISTERED, f"worker {worker} has not said HELLO")

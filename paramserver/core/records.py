@@ -16,7 +16,8 @@ from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from enum import StrEnum
+from typing import Any
 
 import torch
 
@@ -34,6 +35,7 @@ __all__ = [
     "STATS_WORKERS",
     "BoundTotals",
     "CoreConfig",
+    "Mode",
     "ModeSpec",
     "PendingPull",
     "PullQueue",
@@ -47,8 +49,18 @@ __all__ = [
     "staleness_bucket",
 ]
 
-Mode = Literal["sync", "async", "ssp"]
-MODES: tuple[str, ...] = ("sync", "async", "ssp")
+
+
+class Mode(StrEnum):
+    """The consistency model a shard enforces: a StrEnum, so that it compares equal to
+    its name and is written as that name (JSON, msgpack, logs)."""
+
+    SYNC = "sync"
+    ASYNC = "async"
+    SSP = "ssp"
+
+
+MODES: tuple[str, ...] = tuple(m.value for m in Mode)
 
 DTYPES = FLOAT_DTYPES
 
@@ -72,26 +84,27 @@ def staleness_bucket(tau: int) -> int:
 class ModeSpec:
     """Which consistency model a shard enforces."""
 
-    mode: str = "async"
+    mode: Mode = Mode.ASYNC  # a name ("sync") is taken too, and made a Mode
     staleness_bound: int = 0  # ssp: s
     backup_workers: int = 0  # sync: b, the slowest b gradients of a round are dropped
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(f"mode must be one of {', '.join(MODES)}; got {self.mode!r}")
+        object.__setattr__(self, "mode", Mode(self.mode))
         if self.staleness_bound < 0:
             raise ConfigError(f"staleness bound must be >= 0, got {self.staleness_bound}")
         if self.backup_workers < 0:
             raise ConfigError(f"backup workers must be >= 0, got {self.backup_workers}")
-        if self.backup_workers and self.mode != "sync":
+        if self.backup_workers and self.mode != Mode.SYNC:
             raise ConfigError("backup workers only apply to sync mode")
 
     def describe(self) -> str:
-        if self.mode == "ssp":
+        if self.mode == Mode.SSP:
             return f"ssp(s={self.staleness_bound})"
-        if self.mode == "sync" and self.backup_workers:
+        if self.mode == Mode.SYNC and self.backup_workers:
             return f"sync(b={self.backup_workers})"
-        return self.mode
+        return self.mode.value
 
 
 @dataclass(frozen=True)
@@ -343,6 +356,13 @@ class PushOutcome:
             "applied": self.applied,
             "duplicate": self.duplicate,
         }
+
+    def row_fields(self) -> dict[str, Any]:
+        """The fields of a SPUSH reply: :meth:`as_dict` but ``applied``, which its wire
+        format does not carry (an accepted sparse push is answered once stepped)."""
+        fields = self.as_dict()
+        del fields["applied"]
+        return fields
 
 
 @dataclass(frozen=True)

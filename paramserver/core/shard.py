@@ -19,6 +19,10 @@ rules of the three modes:
   if the policy overrides :meth:`StalenessPolicy.staleness_bound`, the bound
   it returns from the shard's measured waiting and staleness (adaptive SSP).
 
+The push rules are written once in rules.py, for the dense slices here and the
+sparse tables' rows (rows.py); the workers' membership is a :class:`Membership`
+the core owns (membership.py).
+
 Time is an argument (``now``, seconds), never read from a clock, so the same
 core runs under the socket server, in unit tests and in a virtual-time
 simulator. Waiting is expressed as parked pull *tokens*; after any event the
@@ -35,7 +39,7 @@ from typing import Any
 
 import torch
 
-from paramserver.core import report, snapshot
+from paramserver.core import report, rules, snapshot
 from paramserver.core.ahead import StepAhead
 from paramserver.core.membership import Membership
 from paramserver.core.probe import GradStats, Probe, StepStats, all_finite, norm_and_span
@@ -46,6 +50,7 @@ from paramserver.core.records import (
     STATS_WORKERS,
     BoundTotals,
     CoreConfig,
+    Mode,
     ModeSpec,
     PendingPull,
     PullQueue,
@@ -58,32 +63,23 @@ from paramserver.core.records import (
     slice_table,
 )
 from paramserver.core.rounds import Seeding, Stream, SyncRound
+from paramserver.core.rows import RowRules
 from paramserver.core.stepper import Stepper
-from paramserver.errors import ConfigError, ErrorCode, ProtocolError
-from paramserver.policies.base import BoundStats, Decision, NoPolicy, StalenessPolicy, UpdateInfo
+from paramserver.errors import ErrorCode, ProtocolError
+from paramserver.policies.base import BoundStats, NoPolicy, StalenessPolicy, UpdateInfo
 from paramserver.util.flat import ELEMENTWISE, JOIN_BYTES, FlatLayout
 
 # the records are defined in records.py, the measurements in probe.py; importable here
 __all__ = [
-    "DTYPES",
-    "MAX_WORKERS",
-    "MODES",
-    "STATS_WORKERS",
-    "CoreConfig",
-    "GradStats",
-    "ModeSpec",
-    "PullReply",
-    "PushOutcome",
-    "ShardCore",
-    "SliceSpec",
-    "StepStats",
+    "DTYPES", "MAX_WORKERS", "MODES", "STATS_WORKERS", "CoreConfig", "GradStats", "Mode",
+    "ModeSpec", "PullReply", "PushOutcome", "ShardCore", "SliceSpec", "StepStats",
     "WorkerState",
 ]
 
 log = logging.getLogger(__name__)
 
 
-class ShardCore(Membership):
+class ShardCore:
     """One shard's parameters, optimizer and consistency rules. No sockets, no msgpack."""
 
     def __init__(
@@ -113,10 +109,6 @@ class ShardCore(Membership):
         self.version = 0
         self.initialized = False
         self.seeding = Seeding()  # INIT in parts: who is seeding, which parts are in
-        self.started = False  # the start barrier: expected_workers registered once
-        self.workers: dict[int, WorkerState] = {}
-        self.workers_evicted = 0  # entries dropped from a full table (see _evict)
-        self._init_membership()  # stragglers left out, the usual step (membership.py)
         self.pulls = PullQueue()  # parked pulls, answered when their gate opens
         # sync: the open round (its buffer, contributors and pushes arriving in parts)
         self.round = SyncRound(self.params, self.layout)
@@ -124,6 +116,9 @@ class ShardCore(Membership):
         self.ahead = StepAhead(self.layout, self.flats, self.params, self.round)
         # the weights each worker read, for policies that need them (needs_read_weights)
         self.read_weights: dict[int, dict[str, torch.Tensor]] = {}
+        # the workers: registration, liveness, clocks, stragglers (membership.py)
+        self.members = Membership(self.config, self, round=self.round, pulls=self.pulls,
+                                  seeding=self.seeding, read_weights=self.read_weights)
         self.max_answered_gap = 0  # largest clock gap at which a pull was answered
         # ssp: the bound in force; a policy overriding staleness_bound() moves it
         self.bound = self.mode.staleness_bound
@@ -131,13 +126,16 @@ class ShardCore(Membership):
         self._bound_hook = (
             type(self.policy).staleness_bound is not StalenessPolicy.staleness_bound
         )
-        if self._bound_hook and self.mode.mode != "ssp":
+        if self._bound_hook and self.mode.mode != Mode.SSP:
             log.warning("policy %s sets the SSP bound, but the mode is %s: it has no effect",
                         self.policy.name, self.mode.mode)
             self._bound_hook = False
         self.totals = BoundTotals()  # cumulative measurements handed to that policy
         # what a driver's observer (metrics, the watchdog) reads; off until observe()
-        self.probe = Probe(self.params, sync=self.mode.mode == "sync")
+        self.probe = Probe(self.params, sync=self.mode.mode == Mode.SYNC)
+        # the same rules for the pushes of the shard's sparse tables (rows.py)
+        self.rows = RowRules(self.mode, self.policy, self.config.shard, self.members,
+                             self.config.push_id_window)
 
     # ------------------------------------------------------------------ weights
 
@@ -163,7 +161,7 @@ class ShardCore(Membership):
         Returns True when this part completed the seeding, None for an earlier
         part (or one sent again).
         """
-        state = self._known(worker)  # only a registered worker may seed (and own INIT)
+        state = self.members.known(worker)  # only a registered worker may seed (and own INIT)
         state.spoke = True  # a worker, not a bare HELLO: never evicted for a newcomer
         if not state.live:
             raise ProtocolError(ErrorCode.NOT_REGISTERED,
@@ -186,7 +184,7 @@ class ShardCore(Membership):
     def check_push_id(self, worker: int, push_id: int) -> WorkerState:
         """The state of a registered ``worker`` (not gone with BYE) whose ``push_id``
         lies within its window; else the ProtocolError :meth:`push` would raise."""
-        state = self._known(worker)
+        state = self.members.known(worker)
         if state.finished:
             raise ProtocolError(
                 ErrorCode.NOT_REGISTERED, f"worker {worker} said BYE; say HELLO to push again")
@@ -194,13 +192,8 @@ class ShardCore(Membership):
         return state
 
     def _check_window(self, state: WorkerState, push_id: int) -> None:
-        window = self.config.push_id_window
-        if state.anchored and push_id > state.last_push_id + window:
-            raise ProtocolError(
-                ErrorCode.BAD_FIELD,
-                f"push_id {push_id} is more than {window} ahead of worker {state.worker}'s "
-                f"last ({state.last_push_id})",
-            )
+        rules.check_window(state.worker, push_id, state.last_push_id, state.anchored,
+                           self.config.push_id_window)
 
     def copy_on_write(self) -> None:
         """Move the parameters to fresh storage, leaving the old for its readers.
@@ -217,7 +210,7 @@ class ShardCore(Membership):
         if self.config.optimizer not in ELEMENTWISE or not self.flats:
             return None
         small = all(f.numel() * f.element_size() <= JOIN_BYTES for f in self.flats.values())
-        if self.mode.mode != "sync" and not small:
+        if self.mode.mode != Mode.SYNC and not small:
             return None
         return self.layout, list(self.flats.values())
 
@@ -238,7 +231,7 @@ class ShardCore(Membership):
                 ErrorCode.NOT_INITIALIZED, "no weights yet: the first worker must send INIT"
             )
         if not observer:
-            state = self._known(worker)
+            state = self.members.known(worker)
             state.last_seen = now
             if not state.live:
                 raise ProtocolError(
@@ -257,18 +250,18 @@ class ShardCore(Membership):
             return False
         if pull.observer:
             return True
-        if not self.started:
+        if not self.members.started:
             return False
-        if self.mode.mode == "sync":
+        if self.mode.mode == Mode.SYNC:
             return pull.worker not in self.round.members
-        if self.mode.mode == "ssp":
-            state = self.workers[pull.worker]
+        if self.mode.mode == Mode.SSP:
+            state = self.members.workers[pull.worker]
             return state.clock - min_clock <= self.bound
         return True
 
     def _update_bound(self, now: float) -> None:
         """Ask the policy for the SSP bound, from what this shard measured so far."""
-        live = self.live()
+        live = self.members.live()
         clocks = [w.clock for w in live] or [0]
         stats = BoundStats(
             now=now, configured=self.mode.staleness_bound, current=self.bound,
@@ -277,13 +270,7 @@ class ShardCore(Membership):
             pulls=self.totals.pulls, wait_seconds=self.totals.wait_seconds,
             blocked_pulls=self.pulls.blocked(),
         )
-        bound = self.policy.staleness_bound(stats)
-        if bound is None:
-            bound = self.mode.staleness_bound
-        if isinstance(bound, bool) or not isinstance(bound, int) or bound < 0:
-            raise ConfigError(
-                f"policy {self.policy.name!r} returned SSP bound {bound!r}; need an int >= 0"
-            )
+        bound = rules.ssp_bound(self.policy, stats, self.mode.staleness_bound)
         if bound != self.bound:
             log.debug("shard %d: SSP bound %d -> %d", self.config.shard, self.bound, bound)
             self.bound = bound
@@ -294,12 +281,12 @@ class ShardCore(Membership):
         if self._bound_hook:
             self._update_bound(now)
         ready: list[PullReply] = []
-        min_clock = self.min_clock()  # no clock moves while pulls are answered
+        min_clock = self.members.min_clock()  # no clock moves while pulls are answered
         for pull in self.pulls.take(lambda p: self._gate_open(p, min_clock)):
             waited = now - pull.since
             clock = pull.clock
             if not pull.observer:
-                state = self.workers[pull.worker]
+                state = self.members.workers[pull.worker]
                 clock = state.clock
                 self.max_answered_gap = max(self.max_answered_gap, state.clock - min_clock)
                 self.totals.answered(waited)
@@ -344,13 +331,12 @@ class ShardCore(Membership):
         died or restarted, a newer push came, a part was not finite) voids the
         open round.
         """
-        state = self._known(worker)
+        state = self.members.known(worker)
         if not self.initialized:
             raise ProtocolError(ErrorCode.NOT_INITIALIZED, "push before INIT")
-        if push_id <= state.last_push_id:
-            prior = state.last_outcome if push_id == state.last_push_id else None
-            base = prior or PushOutcome(False, 0.0, "duplicate", 0, self.version, False)
-            return PushOutcome(**{**base.as_dict(), "duplicate": True})
+        again = rules.replay(push_id, state.last_push_id, state.last_outcome, self.version)
+        if again is not None:
+            return again
         self._check_window(state, push_id)
         if parts != 1 and not self.streams_parts:
             raise ProtocolError(ErrorCode.BAD_FIELD, "this shard takes pushes whole, not in "
@@ -399,18 +385,18 @@ class ShardCore(Membership):
             )
         if not state.live:
             # a push is a sign of life, as a heartbeat is
-            self.heartbeat(worker, now)
+            self.members.heartbeat(worker, now)
         state.last_seen = now
         if stream is None:
-            self.pushed(state, now)  # its pace; back in, if it was left out
+            self.members.pushed(state, now)  # its pace; back in, if it was left out
             stream = self._open(state, push_id, clock, read_version, num_samples, parts)
-            if stream.decision is not None and self.mode.mode == "sync":
+            if stream.decision is not None and self.mode.mode == Mode.SYNC:
                 self.round.begin(now)  # the round's deadline runs from its first push
         stream.received.add(part)
         stream.keys.update(grads)
         if stream.measure is not None:
             self.probe.measure(stream.measure, grads, norm, flat)
-        if self.mode.mode == "sync":
+        if self.mode.mode == Mode.SYNC:
             self._add_to_round(stream, grads)
             if len(stream.received) < parts:
                 self.round.streams[worker] = stream  # in the making, until its last part
@@ -429,7 +415,7 @@ class ShardCore(Membership):
     def streams_parts(self) -> bool:
         """Whether this shard adds pushes part by part (sync, no rewriting policy);
         otherwise a driver joins the parts and calls :meth:`push` with the whole."""
-        return self.mode.mode == "sync" and not self.policy_rewrites
+        return self.mode.mode == Mode.SYNC and not self.policy_rewrites
 
     def _open(self, state: WorkerState, push_id: int, clock: int, read_version: int,
               num_samples: int, parts: int) -> Stream:
@@ -440,29 +426,27 @@ class ShardCore(Membership):
         info = UpdateInfo(
             worker=state.worker, shard=self.config.shard, staleness=tau,
             read_version=read_version, version=self.version, clock=clock,
-            min_clock=self.min_clock(), num_samples=num_samples,
+            min_clock=self.members.min_clock(), num_samples=num_samples,
         )
-        decision: Decision | None = None
-        reason = ""
-        if self.mode.mode == "sync" and info.staleness > 0:
-            # a gradient for a round that already closed (a backup worker's or a
-            # rejoining worker's): dropped, and the worker moves on
-            reason = "late"
-        elif self.mode.mode == "sync" and state.worker in self.round.members:
-            reason = "duplicate_in_round"
-        else:
-            decision = self._decide(info)
-            state.count(decision)
-            reason = decision.reason
+        decision, reason = rules.judge(self.mode.mode, self.policy, info,
+                                       state.worker in self.round.members)
         if decision is None:
             state.rejected[reason] += 1
+        else:
+            state.count(decision)
         return Stream(push_id, parts, info, decision, reason,
                       measure=self.probe.push_begins(state.worker))
 
-    def _drop_unfinished(self, worker: int, why: str) -> None:
-        """``worker`` is gone or starts over: its push in parts is given up, and if it
-        was seeding the weights in parts, the next INIT seeds them from the start."""
+    def drop_unfinished(self, worker: int, why: str, restart: bool = False) -> None:
+        """``worker`` is gone or starts over: its push in parts is given up, its parked
+        sparse push is not answered (``restart``: its sparse push ids start afresh
+        too), and if it was seeding the weights in parts, the next INIT seeds them
+        from the start."""
         self._give_up(worker, why)
+        if restart:
+            self.rows.forget(worker)
+        else:
+            self.rows.drop_waiting(worker)
         if self.seeding.owner == worker:
             self.seeding.end()
 
@@ -472,7 +456,7 @@ class ShardCore(Membership):
         if stream is None:
             return
         if stream.decision is not None:
-            self.workers[worker].uncount(stream.decision, "incomplete")
+            self.members.workers[worker].uncount(stream.decision, "incomplete")
         if self.round.give_up(stream):
             self.ahead.drop()
             log.warning("worker %d's push %d was given up after %d of %d parts (%s): the "
@@ -502,7 +486,7 @@ class ShardCore(Membership):
         by a step that only reads it (otherwise it is copied part by part, as usual)."""
         if self.round.members or not self.stepper.reads_only(self.params):
             return False
-        others = [w for w in self.live() if w.worker != worker]
+        others = [w for w in self.members.live() if w.worker != worker]
         return len(others) <= self.mode.backup_workers
 
     def _close_push(self, state: WorkerState, stream: Stream) -> PushOutcome:
@@ -515,23 +499,13 @@ class ShardCore(Membership):
             state.uncount(decision, "round_void")
             decision, stream.reason = None, "round_void"
         if decision is None:
-            return PushOutcome(False, 0.0, stream.reason, stream.info.staleness,
-                               self.version, False)
+            return rules.refused(stream.reason, stream.info.staleness, self.version)
         self.round.join(state.worker, stream.info.num_samples if decision.accept else 0)
-        stepped = self._maybe_close_round()
+        stepped = self.maybe_close_round()
         if not stepped:
             self.round.settle()  # its tensors are not ours once it is answered
             self.ahead.drop()  # nor is the round its alone
-        return PushOutcome(decision.accept, decision.weight if decision.accept else 0.0,
-                           decision.reason, 0, self.version, stepped)
-
-    def _decide(self, info: UpdateInfo) -> Decision:
-        decision = self.policy.decide(info)
-        if not isinstance(decision, Decision):
-            raise ConfigError(f"policy {self.policy.name!r} returned {decision!r}, not a Decision")
-        if decision.accept and decision.weight == 0.0:
-            decision = Decision(False, 0.0, decision.reason or "weight 0")
-        return decision
+        return rules.answered(decision, 0, self.version, stepped)
 
     def _widen(self, grads: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
         """Gradients that arrived in 16 bits, in their parameter's dtype."""
@@ -562,21 +536,17 @@ class ShardCore(Membership):
         if stream.measure is not None:
             self.probe.push_complete(state.worker, stream.measure, grads)
         if not decision.accept:
-            return PushOutcome(False, 0.0, decision.reason, info.staleness, self.version, False)
+            return rules.answered(decision, info.staleness, self.version, False)
         if not self._step(self._widen(self._rewrite(info, grads)), decision.weight,
                           staleness=info.staleness):
             state.uncount(decision, "nonfinite_step")
-            return PushOutcome(False, 0.0, "nonfinite_step", info.staleness, self.version,
-                               False)
-        return PushOutcome(True, decision.weight, decision.reason, info.staleness,
-                           self.version, True)
+            return rules.refused("nonfinite_step", info.staleness, self.version)
+        return rules.answered(decision, info.staleness, self.version, True)
 
-    def _maybe_close_round(self) -> bool:
+    def maybe_close_round(self) -> bool:
         """Close the open sync round when at most ``backup_workers`` live ones are missing."""
-        if self.mode.mode != "sync" or not self.round.members:
-            return False
-        missing = [w for w in self.pacing() if w.worker not in self.round.members]
-        if len(missing) > self.mode.backup_workers:
+        if self.mode.mode != Mode.SYNC or not rules.round_full(
+                self.round.members, self.members.pacing_ids(), self.mode.backup_workers):
             return False
         if self.round.in_flight():
             return False  # a backup's parts are in the buffer already: let it finish
@@ -600,7 +570,7 @@ class ShardCore(Membership):
         ``weight`` (and by the step-size rules, for a step averaging ``contributors``
         gradients). False: it would have made the weights or the optimizer's state
         NaN or Inf and was undone (the version stays; ``on_refused`` is told)."""
-        prior = 0 if self.mode.mode == "sync" else max(0, len(self.live()) - 1)
+        prior = 0 if self.mode.mode == Mode.SYNC else max(0, len(self.members.live()) - 1)
         if not self.stepper.step(self.params, grads, weight, contributors=contributors,
                                  version=self.version, staleness=staleness,
                                  prior_staleness=prior, probe=self.probe,
@@ -619,6 +589,59 @@ class ShardCore(Membership):
         if self.after_step is not None:
             self.after_step()
         return True
+
+    # ------------------------------------------------------------------ membership
+    # the membership's rules, as the server and the tests call them on the core
+
+    @property
+    def workers(self) -> dict[int, WorkerState]:
+        return self.members.workers
+
+    @property
+    def workers_evicted(self) -> int:
+        return self.members.workers_evicted
+
+    @property
+    def started(self) -> bool:
+        return self.members.started
+
+    @property
+    def left_out(self) -> set[int]:
+        return self.members.left_out
+
+    def register(self, worker: int, incarnation: str, now: float,
+                 origin: str = "") -> WorkerState:
+        return self.members.register(worker, incarnation, now, origin)
+
+    def heartbeat(self, worker: int, now: float) -> None:
+        self.members.heartbeat(worker, now)
+
+    def leave(self, worker: int, now: float) -> None:
+        self.members.leave(worker, now)
+
+    def expire(self, now: float) -> list[int]:
+        return self.members.expire(now)
+
+    def declare_dead(self, worker: int) -> bool:
+        return self.members.declare_dead(worker)
+
+    def leave_out(self, now: float) -> list[int]:
+        return self.members.leave_out(now)
+
+    def round_deadline(self) -> float:
+        return self.members.round_deadline()
+
+    def holding(self, expected: int) -> list[int]:
+        return self.members.holding(expected)
+
+    def live(self) -> list[WorkerState]:
+        return self.members.live()
+
+    def min_clock(self) -> int:
+        return self.members.min_clock()
+
+    def clock_gap(self) -> int:
+        return self.members.clock_gap()
 
     # ------------------------------------------------------------------ observability
 
@@ -649,9 +672,10 @@ class ShardCore(Membership):
         grace period (``now``) to reconnect. Nothing changes unless the weights fit the
         slices, are finite, and the version is an integer >= 0."""
         snapshot.load(self, tensors, meta)
-        self.workers = {int(wid): WorkerState.from_record(int(wid), w, now)
-                        for wid, w in meta["workers"].items()}
+        self.members.workers = {int(wid): WorkerState.from_record(int(wid), w, now)
+                                for wid, w in meta["workers"].items()}
         self.pulls.clear()
+        self.rows.reset()
 
     # ------------------------------------------------------------------ reporting
 

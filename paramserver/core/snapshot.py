@@ -292,7 +292,7 @@ def load(core: ShardCore, tensors: Mapping[str, torch.Tensor],
     core.policy.load_state_dict(meta.get("policy", {}).get("state", {}))
     core.version = int(meta["version"])
     core.initialized = bool(meta["initialized"])
-    core.started = bool(meta["started"])
+    core.members.started = bool(meta["started"])
     core.max_answered_gap = int(meta.get("max_answered_gap", 0))
     sync = core.round
     sync.dropped = int(meta.get("rounds_dropped", 0))

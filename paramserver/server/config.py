@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
 from paramserver.core.optim import parse_kwargs
-from paramserver.core.shard import MODES, CoreConfig, ModeSpec
+from paramserver.core.shard import MODES, CoreConfig, Mode, ModeSpec
 from paramserver.core.sharding import PlanLimits, estimate_copies
 from paramserver.core.stepsize import LR_SCALINGS
 from paramserver.errors import ConfigError
@@ -410,7 +410,7 @@ class ServerConfig(ConfigRecord):
                           sparse_copies=sparse)
 
     def mode_spec(self) -> ModeSpec:
-        return ModeSpec(self.mode, self.staleness_bound, self.backup_workers)
+        return ModeSpec(Mode(self.mode), self.staleness_bound, self.backup_workers)
 
     def core_config(self) -> CoreConfig:
         return CoreConfig(

@@ -25,7 +25,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import zmq
@@ -386,9 +386,10 @@ class ShardServer(PeerOps):
         if self.tables is not None and self.tables.held:
             self._answer_held_sparse()
         if self.sparse is not None:  # sync sparse pushes are answered when their round closes
-            self.sparse.maybe_close()
-            for (identity, seq), outcome in self.sparse.take_ready():
-                self.outbox.send(identity, Message(Op.REPLY, seq, {"re": "spush", **outcome}))
+            for token, outcome in self.core.rows.ready(self.sparse):
+                identity, seq = cast("tuple[bytes, int]", token)
+                self.outbox.send(identity, Message(Op.REPLY, seq,
+                                                   {"re": "spush", **outcome.row_fields()}))
 
     # ------------------------------------------------------------------ watchdog
 
@@ -471,7 +472,7 @@ class ShardServer(PeerOps):
             )
         slices = [SliceSpec(s.key, s.numel, s.dtype) for s in plan.shard_slices(self.config.shard)]
         core = ShardCore(slices, self.config.core_config(), self.policy)
-        self.sparse = SparseShard.for_server(plan, self.config, core, self.policy)
+        self.sparse = SparseShard.for_server(plan, self.config, core.members.live_ids)
         self.tables = TableBuilder(self.sparse, self.config.shard) if self.sparse else None
         self.core = core  # (not before the plan's tables proved trainable)
         self.core.before_step = self._before_mutation
@@ -598,8 +599,8 @@ class ShardServer(PeerOps):
         if observer and identity not in self.observers:
             raise ProtocolError(ErrorCode.NOT_REGISTERED,
                                 "an observer's SPULL needs its HELLO (role observer) first")
-        return SparseShard.of_worker(self.sparse, self._require_core(), msg["worker"],
-                                     time.monotonic(), observer)
+        return SparseShard.of_worker(self.sparse, self._require_core().members.heard,
+                                     msg["worker"], time.monotonic(), observer)
 
     def _hold_sparse(self, msg: Message, identity: bytes,
                      handler: Callable[[ShardServer, Message, bytes], Message | None]) -> bool:
@@ -640,9 +641,10 @@ class ShardServer(PeerOps):
         sparse = self._require_sparse(msg, identity)
         if self._hold_sparse(msg, identity, ShardServer._on_spush):
             return None
-        out = sparse.push(msg["worker"], msg["push_id"], msg["read_version"], msg["clock"],
-                          msg["num_samples"], msg.tensors, (identity, msg.seq))
-        return None if out is None else reply(msg, **out)
+        out = self._require_core().rows.push(
+            sparse, msg["worker"], msg["push_id"], msg["read_version"], msg["clock"],
+            msg["num_samples"], msg.tensors, (identity, msg.seq))
+        return None if out is None else reply(msg, **out.row_fields())
 
     def _on_sinit(self, msg: Message, identity: bytes) -> Message | None:
         sparse = self._require_sparse(msg, identity)

@@ -181,7 +181,7 @@ class PeerOps:
             fields["held"] = {"clock": held.clock, "waited": now - held.since,
                               "why": self._hold_reason(held.worker)}
         elif self.sparse is not None:  # a sync SPUSH parked in its round, if any
-            sparse_held = self.sparse.holding(msg["worker"])
+            sparse_held = self.core.rows.holding(msg["worker"]) if self.core else None
             if sparse_held:
                 fields["held"] = sparse_held
         return reply(msg, **fields)
@@ -204,7 +204,7 @@ class PeerOps:
 
     def _on_bye(self, msg: Message, identity: bytes) -> Message:
         core = self._require_core()
-        core._known(msg["worker"])
+        core.members.known(msg["worker"])
         self.joined.drop(msg["worker"])
         if msg.get("dead"):  # from a supervisor that saw the process die
             dead = core.declare_dead(msg["worker"])

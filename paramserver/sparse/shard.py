@@ -15,10 +15,12 @@ shards, and :func:`full_table` reproduces the whole table for a reference run.
 
 :class:`SparseShard` holds one shard's tables, their optimizer (torch.optim
 on ``torch.sparse_coo`` gradients: SGD, Adagrad, SparseAdam; SGD with momentum
-is applied lazily, to the rows a step touches) and the mode's rules for sparse
-pushes: sync sums a round's pushes sample-weighted and steps once when every
-live worker has pushed (the pushes are answered then); async and SSP step on
-each accepted push.
+is applied lazily, to the rows a step touches) and what a push does to them:
+checked (:meth:`SparseShard.check_push`), stepped (:meth:`SparseShard.apply`), or
+held in the open sync round and stepped once as its sample-weighted mean
+(:meth:`SparseShard.hold`, :meth:`SparseShard.close_round`). Which push is
+applied, held, refused or answered again is not decided here: the shard core's
+rules decide it, as for dense slices (paramserver/core/rows.py, core/rules.py).
 """
 
 from __future__ import annotations
@@ -32,10 +34,9 @@ import numpy as np
 import torch
 
 from paramserver.errors import ConfigError, ErrorCode, ProtocolError
-from paramserver.policies.base import Decision, StalenessPolicy, UpdateInfo
 
-__all__ = ["INIT_BLOCK", "INIT_RULES", "SPARSE_OPTIMIZERS", "SparseShard", "SparseTable",
-           "TableSpec", "full_table", "init_rows", "owned_rows", "shard_of"]
+__all__ = ["INIT_BLOCK", "INIT_RULES", "SPARSE_OPTIMIZERS", "RowPush", "SparseShard",
+           "SparseTable", "TableSpec", "full_table", "init_rows", "owned_rows", "shard_of"]
 
 #: rows drawn from one generator at initialization (the unit of determinism)
 INIT_BLOCK = 4096
@@ -273,35 +274,35 @@ class SparseStepper:
 
 # ---------------------------------------------------------------------- one shard
 
-@dataclass
-class _Round:
-    """The open sync round: each member's samples, the weighted sums per table."""
+@dataclass(frozen=True)
+class RowPush:
+    """A sparse push checked against the tables: per table, the positions of its rows
+    and their gradient values; ``rows`` in all, ``stale_rows`` of them changed at or
+    after the version the push was read at (what a staleness policy is told)."""
 
-    samples: dict[int, int] = field(default_factory=dict)
+    steps: tuple[tuple[str, torch.Tensor, torch.Tensor], ...]
+    rows: int
+    stale_rows: int
+
+
+@dataclass
+class _Held:
+    """The open sync round's rows: per table, positions and weighted values."""
+
     rows: dict[str, list[torch.Tensor]] = field(default_factory=dict)
     values: dict[str, list[torch.Tensor]] = field(default_factory=dict)
-    waiting: dict[int, Any] = field(default_factory=dict)  # worker -> reply token
-    clocks: dict[int, int] = field(default_factory=dict)  # worker -> its push's clock
-
-
-@dataclass
-class _Pushed:
-    push_id: int = -1
-    outcome: dict[str, Any] | None = None
 
 
 class SparseShard:
-    """One shard's sparse tables, their optimizer and the mode's rules for them.
+    """One shard's sparse tables, their optimizer, and what a push does to them.
 
-    ``live()`` names the workers a sync round waits for (the dense core's live set,
-    so one membership rules both); ``backup_workers`` of them may be missing.
+    ``live()`` names the live workers (the dense core's live set): a pretrained
+    table's seeder that left it is replaced by the next live one.
     """
 
     def __init__(self, specs: Sequence[TableSpec], num_shards: int, shard: int, *,
-                 mode: str, optimizer: str, optimizer_args: Mapping[str, Any],
-                 policy: StalenessPolicy, live: Callable[[], Collection[int]],
-                 min_clock: Callable[[], int] = lambda: 0, backup_workers: int = 0,
-                 build: bool = True) -> None:
+                 optimizer: str, optimizer_args: Mapping[str, Any],
+                 live: Callable[[], Collection[int]], build: bool = True) -> None:
         self.specs = tuple(specs)
         self.num_shards = num_shards
         # the tables cost their rows, ids and version counters: made by build(), which
@@ -309,19 +310,13 @@ class SparseShard:
         self.tables: dict[str, SparseTable] = {}
         self.index = {s.name: i for i, s in enumerate(self.specs)}
         self.shard = shard
-        self.mode = mode
-        self.policy = policy
         self.live = live
-        self.min_clock = min_clock
-        self.backup_workers = backup_workers
         self._optimizer = (optimizer, dict(optimizer_args))
         # (an optimizer that cannot train the tables is refused now, at no cost)
         self.stepper = SparseStepper(optimizer, optimizer_args, [])
         self.built = False
         self.version = 0
-        self.round = _Round()
-        self.pushed: dict[int, _Pushed] = {}
-        self.ready: list[tuple[Any, dict[str, Any]]] = []  # answers due
+        self.held = _Held()  # the open sync round's rows
         self.rounds = 0
         # pretrained tables: the worker streaming them in, and (parts in, parts)
         self.seeder: int | None = None
@@ -341,37 +336,31 @@ class SparseShard:
         self.built = True
 
     @classmethod
-    def for_server(cls, plan: Any, config: Any, core: Any, policy: StalenessPolicy
+    def for_server(cls, plan: Any, config: Any, live: Callable[[], Collection[int]]
                    ) -> SparseShard | None:
-        """The sparse tables of a shard server's ``plan`` (None: it has none), ruled by
-        its ``config`` and the dense ``core``'s live set; a table the configured
-        optimizer cannot train -> ProtocolError (BAD_FIELD)."""
+        """The sparse tables of a shard server's ``plan`` (None: it has none), trained
+        by its ``config``'s optimizer, ``live`` the dense core's live set; a table the
+        configured optimizer cannot train -> ProtocolError (BAD_FIELD)."""
         if not plan.sparse:
             return None
         try:
-            return cls(plan.sparse, plan.num_shards, config.shard, mode=config.mode,
+            return cls(plan.sparse, plan.num_shards, config.shard,
                        optimizer=config.optimizer, optimizer_args=config.optimizer_args,
-                       policy=policy, live=lambda: [w.worker for w in core.live()],
-                       min_clock=core.min_clock, backup_workers=config.backup_workers,
-                       build=False)
+                       live=live, build=False)
         except ConfigError as exc:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"invalid plan: {exc}") from exc
 
     @staticmethod
-    def of_worker(sparse: SparseShard | None, core: Any, worker: int, now: float,
-                  observer: bool = False) -> SparseShard:
-        """``sparse`` for a request of ``worker``, a registered worker that has not said
-        BYE (its request is a sign of life), or of an observer (a read that changes
-        nothing, such as the launcher's final pull); else the ProtocolError to answer."""
+    def of_worker(sparse: SparseShard | None, heard: Callable[[int, float], object],
+                  worker: int, now: float, observer: bool = False) -> SparseShard:
+        """``sparse`` for a request of ``worker``, or of an observer (a read that changes
+        nothing, such as the launcher's final pull); else the ProtocolError to answer.
+        ``heard(worker, now)``: the core's check that a worker is registered and has not
+        said BYE, and its note of the sign of life (the request)."""
         if sparse is None:
             raise ProtocolError(ErrorCode.BAD_FIELD, "this shard's plan has no sparse tables")
-        if observer:
-            return sparse
-        state = core._known(worker)
-        if state.finished:
-            raise ProtocolError(ErrorCode.NOT_REGISTERED,
-                                f"worker {worker} said BYE; say HELLO first")
-        state.last_seen = now
+        if not observer:
+            heard(worker, now)
         return sparse
 
     def table(self, name: Any) -> SparseTable:
@@ -482,93 +471,47 @@ class SparseShard:
 
     # ------------------------------------------------------------------ updates
 
-    def push(self, worker: int, push_id: int, read_version: int, clock: int,
-             num_samples: int, tensors: Mapping[str, torch.Tensor], token: Any
-             ) -> dict[str, Any] | None:
-        """A worker's sparse gradients for this shard. Returns the outcome, or None
-        in sync mode until the round closes (then it is in :attr:`ready`)."""
-        prev = self.pushed.setdefault(worker, _Pushed())
-        if push_id <= prev.push_id:
-            if push_id == prev.push_id and prev.outcome is None:
-                self.round.waiting[worker] = token  # sent again while its round is open
-                return None
-            return {**(prev.outcome or {"accepted": False, "reason": "duplicate"}),
-                    "duplicate": True}
-        if num_samples < 1:
-            raise ProtocolError(ErrorCode.BAD_FIELD, f"num_samples must be >= 1, got "
-                                f"{num_samples}")
-        if not 0 <= read_version <= self.version:
-            raise ProtocolError(ErrorCode.FUTURE_VERSION if read_version > self.version
-                                else ErrorCode.BAD_FIELD,
-                                f"read_version {read_version}, shard at {self.version}")
+    def check_push(self, read_version: int, tensors: Mapping[str, torch.Tensor]) -> RowPush:
+        """A SPUSH's tensors checked against the tables (else a ProtocolError, and
+        nothing changed), with how many of its rows changed since ``read_version``."""
         given = self.split(tensors, "SPUSH")
-        checked: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        steps: list[tuple[str, torch.Tensor, torch.Tensor]] = []
         for name, (ids, values) in given.items():
             t = self.table(name)
             if not t.initialized:
                 raise ProtocolError(ErrorCode.NOT_INITIALIZED, f"table {name!r} not seeded")
             pos = t.local(ids, "SPUSH")
-            checked.append((name, pos, t.check_values(values, len(ids), "SPUSH")))
-        prev.push_id = push_id
-        prev.outcome = None
-        rows = sum(len(p) for _, p, _ in checked)
-        stale_rows = sum(int((self.tables[n].updated[p] >= read_version).sum())
-                         for n, p, _ in checked)
-        tau = self.version - read_version
-        if self.mode == "sync":
-            if tau > 0 or worker in self.round.samples:
-                prev.outcome = self._outcome(False, 0.0, "late", tau)
-                return prev.outcome
-            self.round.samples[worker] = num_samples
-            self.round.clocks[worker] = clock
-            for name, pos, values in checked:
-                self.round.rows.setdefault(name, []).append(pos)
-                self.round.values.setdefault(name, []).append(values * num_samples)
-            self.round.waiting[worker] = token
-            self.maybe_close()
-            return prev.outcome  # set if this push closed the round
-        info = UpdateInfo(worker=worker, shard=self.shard, staleness=tau,
-                          read_version=read_version, version=self.version, clock=clock,
-                          min_clock=self.min_clock(), num_samples=num_samples,
-                          rows=rows, stale_rows=stale_rows)
-        decision = self.policy.decide(info)
-        if not isinstance(decision, Decision):
-            raise ConfigError(f"policy returned {decision!r}, not a Decision")
-        if decision.accept and decision.weight > 0:
-            self._step([(n, p, v) for n, p, v in checked], decision.weight)
-            prev.outcome = self._outcome(True, decision.weight, decision.reason, tau)
-        else:
-            prev.outcome = self._outcome(False, 0.0, decision.reason or "rejected", tau)
-        return prev.outcome
+            steps.append((name, pos, t.check_values(values, len(ids), "SPUSH")))
+        stale = sum(int((self.tables[n].updated[p] >= read_version).sum()) for n, p, _ in steps)
+        return RowPush(tuple(steps), sum(len(p) for _, p, _ in steps), stale)
 
-    def _outcome(self, accepted: bool, weight: float, reason: str, tau: int) -> dict[str, Any]:
-        return {"accepted": accepted, "weight": weight, "reason": reason, "staleness": tau,
-                "version": self.version, "duplicate": False}
+    def apply(self, push: RowPush, scale: float) -> None:
+        """One step on ``push``'s rows, the learning rate scaled by ``scale``."""
+        self._step(push.steps, scale)
 
-    def maybe_close(self) -> bool:
-        """Close the sync round when at most ``backup_workers`` live workers are
-        missing from it: one step on the sample-weighted mean; its pushes answered."""
-        r = self.round
-        if self.mode != "sync" or not r.samples:
-            return False
-        missing = [w for w in self.live() if w not in r.samples]
-        if len(missing) > self.backup_workers:
-            return False
-        total = sum(r.samples.values())
+    def hold(self, push: RowPush, factor: float) -> None:
+        """Add ``factor`` times ``push``'s rows to the open sync round."""
+        for name, pos, values in push.steps:
+            self.held.rows.setdefault(name, []).append(pos)
+            self.held.values.setdefault(name, []).append(values * factor)
+
+    def close_round(self, divisor: float) -> None:
+        """One step on the open round's summed rows divided by ``divisor`` (the
+        round's sample count: the sums become the sample-weighted mean)."""
         steps = []
-        for name, rows in r.rows.items():
+        for name, rows in self.held.rows.items():
             t = self.tables[name]
-            g = torch.sparse_coo_tensor(torch.cat(rows).unsqueeze(0), torch.cat(r.values[name]),
+            g = torch.sparse_coo_tensor(torch.cat(rows).unsqueeze(0),
+                                        torch.cat(self.held.values[name]),
                                         t.weight.shape, check_invariants=False).coalesce()
-            steps.append((name, g.indices()[0], g.values() / total))
+            steps.append((name, g.indices()[0], g.values() / divisor))
         self._step(steps, 1.0)
-        done = self._outcome(True, 1.0, "", 0)
-        for worker, token in r.waiting.items():
-            self.pushed[worker].outcome = done
-            self.ready.append((token, done))
-        self.round = _Round()
+        self.held = _Held()
         self.rounds += 1
-        return True
+
+    def drop_round(self) -> None:
+        """The open round closes without a step (nothing in it was accepted)."""
+        self.held = _Held()
 
     def _step(self, steps: Sequence[tuple[str, torch.Tensor, torch.Tensor]],
               scale: float) -> None:
@@ -580,26 +523,11 @@ class SparseShard:
         self.version += 1
 
     def forget(self, worker: int, restart: bool = False) -> None:
-        """A worker left, died or (``restart``) starts over with new push ids: its
-        parked answer goes; a gradient it put in the open round stays there."""
-        self.round.waiting.pop(worker, None)
-        if restart:
-            self.pushed.pop(worker, None)
-            if self.seeder == worker:
-                self.seeder, self.seed_parts = None, (set(), 0)
-
-    def holding(self, worker: int) -> dict[str, Any] | None:
-        """What ``worker``'s parked sync push waits for, or None if no push of its is
-        parked (its heartbeats are told, so its client waits rather than gives up)."""
-        if worker not in self.round.waiting:
-            return None
-        missing = sorted(w for w in self.live() if w not in self.round.samples)
-        return {"clock": self.round.clocks.get(worker, 0),
-                "why": f"sparse sync round: waiting for the pushes of workers {missing}"}
-
-    def take_ready(self) -> list[tuple[Any, dict[str, Any]]]:
-        out, self.ready = self.ready, []
-        return out
+        """A worker left, died or (``restart``) starts over: a pretrained table it was
+        seeding is seeded afresh by the next live worker's SINIT. (Its parked push
+        and push ids are the core's rules' to forget: core/rows.py.)"""
+        if restart and self.seeder == worker:
+            self.seeder, self.seed_parts = None, (set(), 0)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -651,8 +579,7 @@ class SparseShard:
                                 if k.startswith("sparse_momentum/")}
         self.version = int(meta["version"])
         self.rounds = int(meta.get("rounds", 0))
-        self.round = _Round()
-        self.pushed = {}
+        self.held = _Held()
 
     def stats(self) -> dict[str, Any]:
         # a plan may declare up to 65,536 tables; a decoder takes 4,096 entries per map
