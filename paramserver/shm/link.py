@@ -54,7 +54,8 @@ from paramserver.shm.segment import (
 )
 from paramserver.util.dtypes import copy_bytes
 from paramserver.util.flat import FlatLayout
-from paramserver.wire.protocol import DTYPES, Limits, Message, Op
+from paramserver.wire.messages import Hello, Init, Pull, Push
+from paramserver.wire.protocol import DTYPES, Limits, Message
 
 __all__ = [
     "ENV",
@@ -217,11 +218,21 @@ class ShmLink:
 # --------------------------------------------------------------------------- shard side
 
 
+def lends(body: Any) -> bool:
+    """Whether a request's tensors lie in its sender's segment (PUSH, INIT)."""
+    return isinstance(body, (Push, Init)) and body.shm is not None
+
+
+def asks_board(body: Any) -> bool:
+    """Whether a request asks for its answer through the weight board (PULL, PUSH)."""
+    return isinstance(body, (Pull, Push)) and body.via_shm is True
+
+
 def take_shm(hub: ShmHub | None, msg: Message, identity: bytes) -> None:
     """A request's shared-memory fields on a shard (``hub`` None: it has none)."""
     if hub is not None:
         hub.take(msg, identity)
-    elif "shm" in msg.fields:  # e.g. this shard restarted without shared memory
+    elif lends(msg.body):  # e.g. this shard restarted without shared memory
         raise ProtocolError(ErrorCode.NOT_REGISTERED, "this shard takes no tensors through "
                             "shared memory; say HELLO")
 
@@ -332,13 +343,13 @@ class ShmHub:
         return {"board": self.board.seg.name, "size": self.board.seg.size,
                 "token": self.board.token.hex()}
 
-    def resolve(self, identity: bytes, fields: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    def resolve(self, identity: bytes, descs: list[Any]) -> dict[str, torch.Tensor]:
         """The tensors a message's ``shm`` descriptors name in its sender's segment."""
         peer = self.peers.get(identity)
         if peer is None:
             raise ProtocolError(ErrorCode.NOT_REGISTERED, "no shared-memory segment for this "
                                 "connection; say HELLO")
-        return descs_to_tensors(peer.seg, fields["shm"], self.limits)
+        return descs_to_tensors(peer.seg, descs, self.limits)
 
     def answer_hello(self, identity: bytes, msg: Message, frame: Any, address: str,
                      answer: Message, grants: Mapping[str, Any] | None, key: str | None,
@@ -346,17 +357,18 @@ class ShmHub:
         """Grant a worker's HELLO offer in ``answer`` (True), or leave it on TCP: only
         a peer connected from this host and, under CURVE (``grants`` not None), with
         a key on the allow-list gets a segment."""
-        if msg["role"] != "worker":
+        hello: Hello = msg.body
+        if hello.role != "worker":
             return False
         try:
             peer = str(frame.get("Peer-Address"))
         except Exception:  # zmq raises for a property the transport lacks
             peer = ""
         trusted = grants is None or (key is not None and key in grants)
-        grant = self.hello(identity, msg["worker"], msg.get("shm"), _is_local(peer, address),
+        grant = self.hello(identity, hello.worker, hello.shm, _is_local(peer, address),
                            trusted, core.params, core.flats, core.layout)
         if grant is not None:
-            answer.fields["shm"] = grant  # a challenge, or the board
+            answer.fields.update(shm=grant)  # a challenge, or the board (an outgoing field)
         if grant is None or "board" not in grant:
             return False
         slot = core.ahead.slot
@@ -368,12 +380,13 @@ class ShmHub:
     def take(self, msg: Message, identity: bytes) -> None:
         """A request's shared-memory fields: its tensors from the sender's segment
         (PUSH, INIT), and whether its answer goes through the board (PULL, PUSH)."""
-        if msg.op in (Op.PUSH, Op.INIT) and "shm" in msg.fields:
+        body = msg.body
+        if lends(body):
             if msg.tensors:
                 raise ProtocolError(ErrorCode.BAD_MESSAGE, "tensors both in frames and in "
                                     "shared memory")
-            msg.tensors = self.resolve(identity, msg.fields)
-        if msg.op in (Op.PUSH, Op.PULL) and msg.get("via_shm") is True:
+            msg.tensors = self.resolve(identity, body.shm)
+        if asks_board(body):
             self.wants(identity, msg.seq)
 
     def release(self, identity: bytes, tensors: Mapping[str, torch.Tensor]) -> None:
