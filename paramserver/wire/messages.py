@@ -209,6 +209,7 @@ class PullReply(msgspec.Struct, frozen=True):
     push: Outcome | None = None
     answers_push: bool = False
     early: int | None = None  # this many slices' weights came early, with the parts
+    lent: int = 0  # the bytes of weights the board ticket in ``shm`` lends (0: none)
 
 
 class HeartbeatReply(msgspec.Struct, frozen=True):
@@ -373,8 +374,10 @@ def _push_reply(f: Mapping[str, Any]) -> PushReply | PullReply:
 
 
 def _pull_reply(f: Mapping[str, Any]) -> PullReply:
+    ticket = _map(f, "shm")
     return PullReply(_int(f, "version"), _int(f, "clock"), _float(f, "waited", 0.0),
-                     _map(f, "shm"), None, False, _int(f, "early", None))
+                     ticket, None, False, _int(f, "early", None),
+                     0 if ticket is None else _int(ticket, "nbytes"))
 
 
 _REPLIES: dict[str, Any] = {
