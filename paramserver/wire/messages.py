@@ -13,8 +13,12 @@ A reply's fields are checked as loosely as before (it comes from a peer we
 called), but a field of the wrong type is refused here, not deep in the worker.
 The STATS reply keeps its free-form map (``msg.fields``).
 
-Records are frozen dataclasses with slots: measured against msgspec Structs on
-the per-message path (benchmarks/hotpath.py), see docs/performance.md.
+Records are msgspec frozen Structs, chosen by measurement: made from a PUSH's
+fields, a frozen Struct took 0.23 us, a frozen dataclass with slots 2.9 us (its
+``__init__`` sets each field through ``object.__setattr__``), a plain slotted
+dataclass 0.39 us; parsing a PUSH costs 1.7 us with Structs, 4.9 us with frozen
+dataclasses, against about 17 us for its whole decode (medians of 5 runs of
+200,000 on a loaded 2-core machine).
 """
 
 from __future__ import annotations
@@ -334,7 +338,7 @@ _REQUESTS: dict[Op, Any] = {
 
 def _get(f: Mapping[str, Any], name: str, types: type | tuple[type, ...], default: Any) -> Any:
     value = f.get(name, default)
-    if value is default or (isinstance(value, types) and not (
+    if value is default or type(value) is types or (isinstance(value, types) and not (
             types is int and isinstance(value, bool))):
         return value
     raise ProtocolError(ErrorCode.BAD_FIELD, f"reply: {name!r} must be "
@@ -366,17 +370,17 @@ def _push_reply(f: Mapping[str, Any]) -> PushReply | PullReply:
         push = f["push"]
         if push is not None and not isinstance(push, dict):
             raise ProtocolError(ErrorCode.BAD_FIELD, "reply: 'push' must be a map")
-        return replace(_pull_reply(f), push=None if push is None else Outcome.of(push),
-                       answers_push=True)
+        return _pull_reply(f, None if push is None else Outcome.of(push), True)
     if f.get("partial"):
         return PushReply(None, True, _int(f, "early", None))
     return PushReply(Outcome.of(f))
 
 
-def _pull_reply(f: Mapping[str, Any]) -> PullReply:
+def _pull_reply(f: Mapping[str, Any], push: Outcome | None = None,
+                answers_push: bool = False) -> PullReply:
     ticket = _map(f, "shm")
     return PullReply(_int(f, "version"), _int(f, "clock"), _float(f, "waited", 0.0),
-                     ticket, None, False, _int(f, "early", None),
+                     ticket, push, answers_push, _int(f, "early", None),
                      0 if ticket is None else _int(ticket, "nbytes"))
 
 
