@@ -54,7 +54,7 @@ from paramserver.shm.segment import (
 )
 from paramserver.util.dtypes import copy_bytes
 from paramserver.util.flat import FlatLayout
-from paramserver.wire.messages import Hello, Init, Pull, Push
+from paramserver.wire.messages import Hello, Init, Pull, Push, ShmGrant, ShmOffer
 from paramserver.wire.protocol import DTYPES, Limits, Message
 
 __all__ = [
@@ -169,27 +169,27 @@ class ShmLink:
         """The shard's answer to the offer: a challenge (its nonce, written into our
         segment for the next HELLO to prove we hold it), its board and the board's
         token, or None (TCP from now on)."""
-        grant = grant if isinstance(grant, dict) else {}
-        name = grant.get("board")
+        answer = ShmGrant.of(grant)
+        name = answer.board
         if self.board is not None and self.board.seg.name == name:
             self.proving = False
             return  # a proof HELLO repeated: the same board
         if self.board is not None:
             self.board.close()
             self.board = None
-        nonce = _nonce(grant.get("prove"))
+        nonce = _nonce(answer.prove)
         self.proving = nonce is not None and self.grads is not None
         if self.proving and self.grads is not None and nonce is not None:
             self.grads.seg.put(PROOF_AT, nonce)
             return
         if name is None:
             return
-        token = _nonce(grant.get("token"))
+        token = _nonce(answer.token)
         if token is None:
             log.warning("the shard's board grant has no token to check it by: using TCP")
             return
         try:
-            self.board = BoardReader(name, int(grant.get("size", 0)), token)
+            self.board = BoardReader(name, answer.size, token)
         except (OSError, ValueError) as exc:
             log.warning("cannot map the shard's weight board (%s): using TCP", exc)
 
@@ -292,22 +292,22 @@ class ShmHub:
         opened file before it is mapped. A proof that fails raises FORBIDDEN and
         leaves the segment unmapped. With ``flats`` and their ``flat_layout`` the
         weights move into the board."""
-        if not (isinstance(offer, dict) and local and trusted and enabled()):
+        offered = ShmOffer.of(offer)
+        if not (offered is not None and local and trusted and enabled()):
             self.drop(identity)
             return None
-        size, name = offer.get("size"), offer.get("seg")
-        if (offer.get("host") != self.host or isinstance(size, bool) or not isinstance(size, int)
-                or size < 0 or not isinstance(name, str) or not valid_name(name)):
+        size, name = offered.size, offered.seg
+        if offered.host != self.host or not valid_name(name):
             self.drop(identity)
             return None
         peer = self.peers.get(identity)
-        if (offer.get("proved") is True and peer is not None and self.board is not None
+        if (offered.proved and peer is not None and self.board is not None
                 and (peer.worker, peer.seg.name) == (worker, name)
                 and peer.seg.holds(PROOF_AT, peer.nonce)):
             return self._grant()  # a proof repeated (its answer was lost): granted again
         self.drop(identity)
         pending = self.pending.pop(identity, None)
-        if offer.get("proved") is not True or pending is None or not pending.same(
+        if not offered.proved or pending is None or not pending.same(
                 worker, name, size):
             if pending is None or not pending.same(worker, name, size):
                 pending = _Pending(worker, name, size)

@@ -38,7 +38,8 @@ __all__ = [
     "MAX_PARTS", "Body", "Bye", "ByeReply", "Checkpoint", "CheckpointReply", "Error",
     "Heartbeat", "HeartbeatReply", "Hello", "HelloReply", "Init", "InitReply", "Op",
     "Outcome", "Pull", "PullReply", "Push", "PushReply", "SInit", "SInitReply", "SPull",
-    "SPullReply", "SPush", "Shutdown", "Stats", "check_tensors", "parse", "replace",
+    "SPullReply", "SPush", "ShmGrant", "ShmOffer", "Shutdown", "Stats", "check_tensors",
+    "parse", "replace",
 ]
 
 #: parts one PUSH, INIT or SINIT may come in: bounds what a shard keeps per part
@@ -236,6 +237,48 @@ class SInitReply(msgspec.Struct, frozen=True):
 class CheckpointReply(msgspec.Struct, frozen=True):
     path: str | None
     version: int
+
+
+class ShmOffer(msgspec.Struct, frozen=True):
+    """A same-host worker's offer of its gradient segment (the HELLO's ``shm`` map)."""
+
+    host: str
+    seg: str
+    size: int
+    proved: bool = False  # it wrote the shard's challenge into the segment
+
+    @classmethod
+    def of(cls, offer: Any) -> ShmOffer | None:
+        """The offer, or None when it is not one (that worker then uses TCP)."""
+        if not isinstance(offer, dict):
+            return None
+        host, seg, size = offer.get("host"), offer.get("seg"), offer.get("size")
+        if (not isinstance(host, str) or not isinstance(seg, str) or type(size) is not int
+                or size < 0):
+            return None
+        return cls(host, seg, size, offer.get("proved") is True)
+
+
+class ShmGrant(msgspec.Struct, frozen=True):
+    """A shard's answer to the offer (the HELLO reply's ``shm`` map): a challenge
+    (``prove``, a nonce in hex), or its board's segment, size and token (hex)."""
+
+    board: str | None = None
+    size: int = 0
+    token: str | None = None
+    prove: str | None = None
+
+    @classmethod
+    def of(cls, grant: Any) -> ShmGrant:
+        """The grant; fields of the wrong type read as absent (an empty grant: TCP)."""
+        if not isinstance(grant, dict):
+            return cls()
+        board, size = grant.get("board"), grant.get("size", 0)
+        token, prove = grant.get("token"), grant.get("prove")
+        return cls(board if isinstance(board, str) else None,
+                   size if type(size) is int else 0,
+                   token if isinstance(token, str) else None,
+                   prove if isinstance(prove, str) else None)
 
 
 Body = (Hello | Init | Pull | Push | Heartbeat | Bye | Stats | Checkpoint | Shutdown | SPull
