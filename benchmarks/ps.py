@@ -102,7 +102,7 @@ class PSSession(FixedSizeSession):
                                                self.params)
         self.versions = pulled.versions
         self.clock += 1
-        self.applied += sum(1 for o in pushed.outcomes if o["applied"])
+        self.applied += sum(1 for o in pushed.outcomes if o.applied)
 
     def close(self) -> dict[str, Any]:
         # which path the tensors took: a shard grants shared memory only to a worker

@@ -101,7 +101,7 @@ def test_push_pull_and_stream_are_exact(servers: list[str]) -> None:
         client.initialize(params)
         versions = client.pull(params, clock).versions
         pushed, pulled = client.push_pull(g1, versions, 1, clock, params)
-        assert pushed.accepted and all(o["applied"] for o in pushed.outcomes)
+        assert pushed.accepted and all(o.applied for o in pushed.outcomes)
         assert pulled.versions == (1, 1)
         with torch.no_grad():
             for n, p in params.items():

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from paramserver.core.sharding import ShardPlan
-from paramserver.errors import RemoteError
+from paramserver.errors import ProtocolError, RemoteError
 from paramserver.wire.protocol import Message, Op
 from paramserver.workers.admin import server_stats
 from paramserver.workers.client import PSClient
@@ -122,33 +122,47 @@ def test_a_void_round_leaves_the_early_weights_unused(shards: list[str]) -> None
         client.bye()
 
 
-def _reply(tensors: dict[str, torch.Tensor], **fields) -> Message:
-    return Message(Op.REPLY, 1, {"re": "push", **fields}, tensors)
+_OUTCOME = {"accepted": True, "weight": 1.0, "reason": "", "staleness": 0, "version": 5,
+            "applied": True, "duplicate": False}
+
+
+def _answer(tensors: dict[str, torch.Tensor], **fields) -> Message:
+    """The answer to a push's last part that asked for the weights (its outcome in it)."""
+    return Message(Op.REPLY, 1, {"re": "push", "push": _OUTCOME, **fields}, tensors)
+
+
+def _part(tensors: dict[str, torch.Tensor], **fields) -> Message:
+    """The answer to an earlier part."""
+    return Message(Op.REPLY, 1, {"re": "push", "partial": True, **fields}, tensors)
 
 
 def test_take_early_merges_only_what_adds_up() -> None:
     a, b, c = torch.ones(2), torch.zeros(3), torch.full((1,), 2.0)
     keys = ["a", "b", "c"]
-    final = _reply({"c": c}, version=5, early=2)
-    assert take_early(final, [_reply({"a": a}, early=5), _reply({"b": b}, early=5)], keys)
+    final = _answer({"c": c}, version=5, early=2)
+    assert take_early(final, [_part({"a": a}, early=5), _part({"b": b}, early=5)], keys)
     assert list(final.tensors) == ["a", "b", "c"]
     # no "early" in the answer: it holds every key, whatever came with the parts
-    whole = _reply({"a": a, "b": b, "c": c}, version=5)
-    assert take_early(whole, [_reply({"a": torch.zeros(2)}, early=5)], keys)
+    whole = _answer({"a": a, "b": b, "c": c}, version=5)
+    assert take_early(whole, [_part({"a": torch.zeros(2)}, early=5)], keys)
     assert torch.equal(whole.tensors["a"], a)
     refused = [
         # a part's weights for another version
-        (_reply({"c": c}, version=5, early=2), [_reply({"a": a}, early=4),
-                                                 _reply({"b": b}, early=5)]),
+        (_answer({"c": c}, version=5, early=2), [_part({"a": a}, early=4),
+                                                 _part({"b": b}, early=5)]),
         # fewer came than the answer counts
-        (_reply({"c": c}, version=5, early=2), [_reply({"a": a}, early=5)]),
-        # the count is not an int, or the keys do not cover the shard
-        (_reply({"c": c}, version=5, early="2"), [_reply({"a": a, "b": b}, early=5)]),
-        (_reply({}, version=5, early=2), [_reply({"a": a, "b": b}, early=5)]),
+        (_answer({"c": c}, version=5, early=2), [_part({"a": a}, early=5)]),
+        # the keys do not cover the shard
+        (_answer({}, version=5, early=2), [_part({"a": a, "b": b}, early=5)]),
     ]
     for answer, partials in refused:
         assert not take_early(answer, partials, keys)
         assert "a" not in answer.tensors  # left as it was
+    # a count that is not an int is refused where the reply is parsed, before any merge
+    odd = _answer({"c": c}, version=5, early="2")
+    with pytest.raises(ProtocolError, match="'early' must be int"):
+        take_early(odd, [_part({"a": a, "b": b}, early=5)], keys)
+    assert "a" not in odd.tensors  # left as it was
 
 
 @pytest.mark.integration

@@ -326,7 +326,7 @@ def test_a_forged_push_id_cannot_silence_a_worker(tmp_path: Path) -> None:
             assert bad.code("push", forged, grads) == "bad_field"
             assert _weights(address)[1] == version
             out = legit.step()
-            assert out.accepted and not any(o.get("duplicate") for o in out.outcomes if o)
+            assert out.accepted and not any(o.duplicate for o in out.outcomes if o)
 
 
 def _start_server(cfg: dict[str, Any], path: Path) -> subprocess.Popen[str]:

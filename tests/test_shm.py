@@ -129,15 +129,17 @@ def test_descriptors_are_bounded_by_the_segment() -> None:
                                     trusted=True, params=_weights(0))
         descs = grads.write({"w": torch.arange(100.0), "b": torch.tensor([1.0, 2.0])})
         assert descs is not None
-        msg = Message(Op.PUSH, 1, {"shm": descs})
+        # (a PUSH's other fields: take() reads the typed body, as decode made it)
+        head = {"worker": 0, "push_id": 1, "clock": 0, "read_version": 0, "num_samples": 1}
+        msg = Message(Op.PUSH, 1, {**head, "shm": descs})
         hub.take(msg, b"id")
         assert torch.equal(msg.tensors["w"], torch.arange(100.0))
         for bad in ([["w", "float32", [100], grads.seg.size]], [["w", "float32", [100], 2]],
                     [["w", "float32", [100], -64]], [["w", "pickle", [1], 0]]):
             with pytest.raises(ProtocolError):
-                hub.take(Message(Op.PUSH, 1, {"shm": bad}), b"id")
+                hub.take(Message(Op.PUSH, 1, {**head, "shm": bad}), b"id")
         with pytest.raises(ProtocolError, match="HELLO"):
-            hub.take(Message(Op.PUSH, 1, {"shm": descs}), b"another connection")
+            hub.take(Message(Op.PUSH, 1, {**head, "shm": descs}), b"another connection")
         assert grads.write({"unknown": torch.zeros(1)}) is None  # goes over TCP instead
     finally:
         hub.close()

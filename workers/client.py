@@ -38,6 +38,7 @@ from paramserver.shm.link import enabled as shm_enabled
 from paramserver.util.dtypes import GRAD_WIRE_DTYPES
 from paramserver.wire.curve import CurveKeys
 from paramserver.wire.lanes import SmallShare
+from paramserver.wire.messages import Error, HelloReply, Outcome, PullReply, replace
 from paramserver.wire.protocol import PROTOCOL_VERSION, Message, Op, PreparedTensors
 from paramserver.wire.transport import Channel, request_all
 from paramserver.workers.landing import land, land_over_tcp, ticket_bytes
@@ -60,9 +61,8 @@ PART_WINDOW = 2
 
 # the outcome reported for a push a shard refused because it rewound to a checkpoint
 # older than the version our gradient was read at: lost, not fatal
-_REWOUND: dict[str, Any] = {"accepted": False, "weight": 0.0, "reason": "server rewound",
-                            "staleness": 0, "version": -1, "applied": False,
-                            "duplicate": False}
+_REWOUND = Outcome(accepted=False, weight=0.0, reason="server rewound", staleness=0,
+                   version=-1, applied=False, duplicate=False)
 
 log = logging.getLogger(__name__)
 
@@ -78,21 +78,21 @@ class PullResult:
 
 @dataclass(frozen=True)
 class PushResult:
-    outcomes: tuple[dict[str, Any], ...]  # per shard: accepted, weight, reason, staleness, ...
+    outcomes: tuple[Outcome, ...]  # per shard: accepted, weight, reason, staleness, ...
     seconds: float
     nbytes: int
 
     @property
     def accepted(self) -> bool:
-        return all(o["accepted"] for o in self.outcomes)
+        return all(o.accepted for o in self.outcomes)
 
     @property
     def staleness(self) -> int:
-        return max((o["staleness"] for o in self.outcomes), default=0)
+        return max((o.staleness for o in self.outcomes), default=0)
 
     @property
     def reasons(self) -> list[str]:
-        return sorted({o["reason"] for o in self.outcomes if not o["accepted"]})
+        return sorted({o.reason for o in self.outcomes if not o.accepted})
 
 
 class PSClient:
@@ -224,11 +224,12 @@ class PSClient:
             if rep.op is not Op.ERROR:
                 continue
             peer = f"{chans[i].peer} at {chans[i].address}"
-            error = RemoteError.from_reply(peer, rep["code"], rep["reason"])
+            refusal: Error = rep.body
+            error = RemoteError.from_reply(peer, refusal.code, refusal.reason)
             if isinstance(error, soft):
                 continue
             if recover and isinstance(error, (NotRegisteredError, NotInitializedError)):
-                log.warning("%s: %s; registering again", peer, rep["reason"])
+                log.warning("%s: %s; registering again", peer, refusal.reason)
                 self._rejoin(shards[i])
                 retry = Message(msgs[i].op, 0, dict(msgs[i].fields), msgs[i].tensors,
                                 msgs[i].prepared)
@@ -239,9 +240,9 @@ class PSClient:
         return replies
 
     def _rejoin(self, shard: int) -> None:
-        hello = self._call([self._hello()], "HELLO", [shard], recover=False)[0]
+        hello: HelloReply = self._call([self._hello()], "HELLO", [shard], recover=False)[0].body
         self._prove_shm([shard])
-        if not hello["initialized"] and self._params is not None and self.role == "worker":
+        if not hello.initialized and self._params is not None and self.role == "worker":
             log.warning("shard %d lost its weights; seeding it from this worker's copy", shard)
             msgs, dest = self._init([shard])
             self._call(msgs, "INIT", dest, recover=False)
@@ -261,7 +262,7 @@ class PSClient:
             if link is not None and rep.op is Op.ERROR:
                 link.granted(None)
                 log.warning("shard %d refused our shared-memory segment (%s): using TCP",
-                            shard, rep["reason"])
+                            shard, rep.body.reason)
 
     def _hello_until_taken(self, shards: list[int], deadline: float) -> list[Message]:
         """HELLO to ``shards``, repeated with backoff while one says another process
@@ -274,7 +275,8 @@ class PSClient:
             if not refused:
                 return replies
             if time.monotonic() + backoff > deadline:
-                raise RemoteError.from_reply("shards", refused[0]["code"], refused[0]["reason"])
+                first: Error = refused[0].body
+                raise RemoteError.from_reply("shards", first.code, first.reason)
             log.info("worker %d still registered by its previous process; retrying in %.1fs",
                      self.worker, backoff)
             time.sleep(backoff)  # backoff before a retry, not synchronisation
@@ -297,16 +299,17 @@ class PSClient:
             if shards:
                 replies += self._hello_until_taken(shards, deadline)
         self._prove_shm(range(len(self.channels)))
-        for index, hello in enumerate(replies):
-            shard = hello.get("shard")
+        hellos: list[HelloReply] = [r.body for r in replies]
+        for index, hello in enumerate(hellos):
+            shard = hello.shard
             if shard is not None and shard != index:
                 raise ConfigError(f"address {index} ({self.addresses[index]}) is shard {shard}; "
                                   "give the addresses in shard order")
         if self._heartbeat is not None and not self._heartbeat.is_alive():
             self._heartbeat.start()
         # every shard holds weights already (a rejoin, a resumed run): nobody seeds them
-        self.initialized = all(bool(r.get("initialized")) for r in replies)
-        return max(r["clock"] for r in replies)
+        self.initialized = all(h.initialized for h in hellos)
+        return max(h.clock for h in hellos)
 
     def initialize(self, params: Mapping[str, torch.Tensor]) -> bool:
         """Offer our weights to every shard; the first INIT per shard wins.
@@ -316,7 +319,7 @@ class PSClient:
         self._params = params
         msgs, shards = self._init(range(len(self.channels)))
         replies = self._call(msgs, "INIT", shards)
-        return any(r["seeded"] for r in replies)
+        return any(r.body.seeded for r in replies)  # (InitReply)
 
     def close(self) -> None:
         if self._heartbeat is not None:
@@ -346,17 +349,18 @@ class PSClient:
         return [Message(Op.PULL, 0, dict(fields)) for _ in self.channels]
 
     def _pull_result(self, replies: Sequence[Message], t0: float) -> PullResult:
+        bodies: list[PullReply] = [r.body for r in replies]
         return PullResult(
-            versions=tuple(r["version"] for r in replies),
-            clock=max(r["clock"] for r in replies),
-            waited=max(float(r.get("waited", 0.0)) for r in replies),
+            versions=tuple(b.version for b in bodies),
+            clock=max(b.clock for b in bodies),
+            waited=max(b.waited for b in bodies),
             seconds=time.perf_counter() - t0,
             nbytes=sum(r.nbytes or ticket_bytes(r) for r in replies),
         )
 
     def _land(self, params: Mapping[str, torch.Tensor], shard: int, rep: Message) -> bool:
         share = self._small[shard]
-        if share is not None and "shm" not in rep.fields and share.land(params, rep.tensors):
+        if share is not None and rep.body.shm is None and share.land(params, rep.tensors):
             return True
         return land(self.plan, self.channels[shard], params, rep)
 
@@ -526,7 +530,7 @@ class PSClient:
         return msgs
 
     @staticmethod
-    def _push_result(msgs: Sequence[Message], outcomes: Sequence[dict[str, Any] | None],
+    def _push_result(msgs: Sequence[Message], outcomes: Sequence[Outcome | None],
                      t0: float) -> PushResult:
         return PushResult(
             outcomes=tuple(_REWOUND if o is None else o for o in outcomes),
@@ -551,7 +555,7 @@ class PSClient:
         # version our gradient was read at: that push is lost, not fatal
         replies = self._call(msgs, "PUSH", soft=(FutureVersionError,))
         return self._push_result(
-            msgs, [None if r.op is Op.ERROR else r.fields for r in replies], t0)
+            msgs, [None if r.op is Op.ERROR else r.body.outcome for r in replies], t0)
 
     def push_pull(self, grads: Mapping[str, torch.Tensor], read_versions: Sequence[int],
                   num_samples: int, clock: int, params: Mapping[str, torch.Tensor],
@@ -591,9 +595,11 @@ class PSClient:
         if lost:
             pulls = self._call([self._pull_msgs(clock + 1)[i] for i in lost], "PULL", lost)
             for i, rep in zip(lost, pulls, strict=True):
-                replies[i] = Message(rep.op, rep.seq, {**rep.fields, "push": None}, rep.tensors)
+                # (the pull's answer, standing in for the lost push's: no outcome)
+                rep.body = replace(rep.body, push=None, answers_push=True)
+                replies[i] = rep
         self._land_all(params, replies, done, clock + 1)
-        pushed = self._push_result(msgs, [r["push"] for r in replies], t0)
+        pushed = self._push_result(msgs, [r.body.push for r in replies], t0)
         return pushed, self._pull_result(replies, t0)
 
     def push_stream(self, buckets: Sequence[Sequence[str]], read_versions: Sequence[int],

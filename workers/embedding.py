@@ -28,6 +28,7 @@ from paramserver.errors import (
     RemoteError,
 )
 from paramserver.sparse.shard import MAX_REQUEST_ROWS, TableSpec, owned_rows, shard_of
+from paramserver.wire.messages import Error, Outcome
 from paramserver.wire.protocol import Message, Op
 from paramserver.wire.transport import request_all
 from paramserver.workers.client import PART_BYTES, PSClient
@@ -37,6 +38,11 @@ __all__ = ["ShardedEmbedding", "ShardedEmbeddingBag", "SparseClient", "pull_tabl
            "sparse_modules"]
 
 log = logging.getLogger(__name__)
+
+# the outcome reported for a SPUSH a shard refused because it rewound to a checkpoint
+# older than our read: lost, not fatal; its version 0 makes the next push read anew
+_REWOUND = Outcome(accepted=False, weight=0.0, reason="server rewound", staleness=0, version=0,
+                   duplicate=False)
 
 
 class SparseClient:
@@ -67,17 +73,16 @@ class SparseClient:
             if rep.op is not Op.ERROR:
                 continue
             peer = f"{chans[i].peer} at {chans[i].address}"
-            error = RemoteError.from_reply(peer, rep["code"], rep["reason"])
+            refusal: Error = rep.body
+            error = RemoteError.from_reply(peer, refusal.code, refusal.reason)
             if isinstance(error, FutureVersionError) and msgs[i].op is Op.SPUSH:
                 # the shard rewound to a checkpoint older than our read: this push is
                 # lost, not fatal; its answer's version 0 makes the next push read anew
-                replies[i] = Message(Op.REPLY, 0, {"accepted": False, "weight": 0.0,
-                                                   "reason": "server rewound", "staleness": 0,
-                                                   "version": 0, "duplicate": False})
+                replies[i] = Message(Op.REPLY, 0, {}, {}, None, _REWOUND)
                 continue
             if not isinstance(error, NotRegisteredError):
                 raise error
-            log.warning("%s: %s; registering again", peer, rep["reason"])
+            log.warning("%s: %s; registering again", peer, refusal.reason)
             client._rejoin(shards[i])
             again = Message(msgs[i].op, 0, dict(msgs[i].fields), msgs[i].tensors)
             replies[i] = request_all([chans[i]], [again], client.attempt_timeout, what,
@@ -102,7 +107,7 @@ class SparseClient:
         replies = self._ask(msgs, shards, "SPULL")
         out = torch.empty(len(ids), dim, dtype=dtype)
         for s, (w, rep) in enumerate(zip(where, replies, strict=True)):
-            self.versions[s] = int(rep["version"])
+            self.versions[s] = rep.body.version  # (SPullReply)
             if cache is None:
                 out[w] = rep.tensors[f"val:{table}"]
                 continue
@@ -118,7 +123,7 @@ class SparseClient:
 
     def push(self, grads: dict[str, tuple[torch.Tensor, torch.Tensor]],
              read_versions: Sequence[int], num_samples: int, clock: int
-             ) -> list[dict[str, Any]]:
+             ) -> list[Outcome]:
         """Gradient rows {table: (ids, values)} to their shards, one SPUSH each (every
         shard gets one, empty or not: a sync round counts every worker's samples)."""
         self._push_id += 1
@@ -134,9 +139,9 @@ class SparseClient:
             "read_version": int(read_versions[s]), "num_samples": int(num_samples)}, per[s])
             for s in range(self.num_shards)]
         replies = self._ask(msgs, range(self.num_shards), "SPUSH")
-        outcomes = [dict(r.fields) for r in replies]
+        outcomes: list[Outcome] = [r.body for r in replies]
         for s, o in enumerate(outcomes):
-            self.versions[s] = int(o["version"])
+            self.versions[s] = o.version
         return outcomes
 
     def seed(self, tables: dict[str, torch.Tensor], part_bytes: int = PART_BYTES) -> None:

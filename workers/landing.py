@@ -10,6 +10,7 @@ import torch
 
 from paramserver.core.sharding import ShardPlan
 from paramserver.shm.link import ShmLink
+from paramserver.wire.messages import PullReply, replace
 from paramserver.wire.protocol import Message
 from paramserver.wire.transport import Channel
 
@@ -24,7 +25,8 @@ def land(plan: ShardPlan, channel: Channel[ShmLink], params: Mapping[str, torch.
     shared memory is a ticket to the shard's board: copied under its seqlock, the
     version read (never older than the ticket's) replaces the reply's. False:
     every copy was overlapped by a write; pull that shard over TCP."""
-    ticket = rep.get("shm")
+    body: PullReply = rep.body
+    ticket = body.shm
     if ticket is None:
         plan.assemble_into(params, rep.tensors)
         return True
@@ -33,7 +35,7 @@ def land(plan: ShardPlan, channel: Channel[ShmLink], params: Mapping[str, torch.
         ticket, lambda tensors: plan.assemble_into(params, tensors), channel.limits)
     if version is None:
         return False
-    rep.fields["version"] = version
+    rep.body = replace(body, version=version)
     return True
 
 
@@ -46,11 +48,12 @@ def land_over_tcp(plan: ShardPlan, params: Mapping[str, torch.Tensor],
              len(pulled))
     for rep, got in zip(replies, pulled, strict=True):
         plan.assemble_into(params, got.tensors)
-        rep.fields.update(version=got["version"], clock=got["clock"], shm=None)
+        fresh: PullReply = got.body
+        rep.body = replace(rep.body, version=fresh.version, clock=fresh.clock, shm=None, lent=0)
         rep.tensors = got.tensors
 
 
 def ticket_bytes(rep: Message) -> int:
     """The bytes of weights a reply lent through shared memory (0: none)."""
-    ticket = rep.get("shm")
-    return int(ticket.get("nbytes", 0)) if isinstance(ticket, dict) else 0
+    body = rep.body
+    return body.lent if isinstance(body, PullReply) else 0

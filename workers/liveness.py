@@ -21,6 +21,7 @@ import zmq
 from paramserver.errors import BarrierTimeoutError, RequestTimeoutError
 from paramserver.shm.link import ShmLink
 from paramserver.wire.curve import CurveKeys
+from paramserver.wire.messages import HeartbeatReply
 from paramserver.wire.protocol import Message, Op
 from paramserver.wire.transport import Channel, SideChannel
 
@@ -68,8 +69,9 @@ class Heartbeat(threading.Thread):
                 for i, ch in enumerate(chans):
                     try:
                         while (rep := ch.recv_nowait()) is not None:
-                            held = rep.get("held") if rep.op is Op.REPLY else None
-                            self.held[i] = held if isinstance(held, dict) else None
+                            body = rep.body if rep.op is Op.REPLY else None
+                            self.held[i] = (body.held if isinstance(body, HeartbeatReply)
+                                            else None)
                             self.last_reply[i] = time.monotonic()
                         ch.send(Message(Op.HEARTBEAT, ch.next_seq(), {"worker": self.worker}))
                     except Exception as exc:  # a heartbeat must never kill the worker

@@ -77,7 +77,7 @@ class StepOutcome:
     def of(cls, pushed: PushResult, pulled: PullResult, clock: int) -> StepOutcome:
         return cls(
             accepted=pushed.accepted, reasons=tuple(pushed.reasons),
-            weight=min((float(o["weight"]) for o in pushed.outcomes), default=1.0),
+            weight=min((o.weight for o in pushed.outcomes), default=1.0),
             staleness=pushed.staleness, versions=pulled.versions, clock=clock,
             push_seconds=pushed.seconds, pull_seconds=pulled.seconds, waited=pulled.waited,
             nbytes=pushed.nbytes + pulled.nbytes)

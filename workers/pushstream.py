@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from paramserver.errors import ConfigError, FutureVersionError
+from paramserver.wire.messages import Outcome, PullReply, PushReply
 from paramserver.wire.protocol import Message, Op
 
 if TYPE_CHECKING:
@@ -32,19 +33,26 @@ def take_early(final: Message, partials: Sequence[Message], keys: Sequence[str])
     """Put the weights that came early with ``partials`` into ``final`` (a shard's
     answer to the last part, holding ``keys``' weights but those). False: they do
     not add up (the answer must not be used alone; pull the shard again)."""
-    count = final.get("early")
+    body = final.body
+    count = body.early if isinstance(body, PullReply) else None
     if count is None:
         return True  # the answer holds every key: nothing came early for it
-    version = final.get("version")
     early: dict[str, torch.Tensor] = {}
     for rep in partials:
-        if rep.get("early") == version and rep.op is Op.REPLY:
+        part = rep.body
+        if isinstance(part, PushReply) and part.early == body.version:
             early.update(rep.tensors)
     rest = set(keys) - set(final.tensors)
-    if not isinstance(count, int) or count != len(early) or set(early) != rest:
+    if count != len(early) or set(early) != rest:
         return False
     final.tensors = {**early, **final.tensors}
     return True
+
+
+def _partial(rep: Message) -> bool:
+    """Whether ``rep`` answers a part of a push that is not the last."""
+    body = rep.body
+    return isinstance(body, PushReply) and body.partial
 
 
 class PushStream:
@@ -67,6 +75,7 @@ class PushStream:
         self.parts = list(parts)  # parts each shard will get (0: one empty part at finish)
         self.sent = [0] * client.plan.num_shards
         client._push_id += 1
+        self.clock = clock
         self.fields: dict[str, Any] = {"worker": client.worker, "push_id": client._push_id,
                                        "clock": clock, "num_samples": num_samples}
         self.read_versions = list(read_versions)
@@ -144,33 +153,34 @@ class PushStream:
         for shard in range(len(client.channels)):
             idx = [i for i, s in enumerate(self.shards) if s == shard]
             got = [replies[i] for i in idx]
-            if all(r.get("partial", False) for r in got):
+            if all(_partial(r) for r in got):
                 # the shard lost earlier parts (it restarted): all of them again
                 again = [Message(Op.PUSH, 0, dict(self.msgs[i].fields), self.msgs[i].tensors)
                          for i in idx]
                 got = client._call(again, "PUSH", [shard] * len(idx),
                                    soft=(FutureVersionError,), window=self.window)
-            final = [r for r in got if not r.get("partial", False)]
+            final = [r for r in got if not _partial(r)]
             finals.append(final[-1])
             keys = [sl.key for sl in client.plan.shard_slices(shard)]
-            if not take_early(final[-1], [r for r in got if r.get("partial", False)], keys):
+            if not take_early(final[-1], [r for r in got if _partial(r)], keys):
                 repull.add(shard)
-        outcomes: list[dict[str, Any] | None] = []
+        outcomes: list[Outcome | None] = []
         for rep in finals:
-            if rep.op is Op.ERROR:
-                outcomes.append(None)
-            else:
-                outcomes.append(rep["push"] if "push" in rep.fields else rep.fields)
+            body = rep.body
+            if isinstance(body, PullReply):  # the push's outcome with the next weights
+                outcomes.append(body.push)
+            else:  # its outcome alone (PushReply), or None for an ERROR
+                outcomes.append(body.outcome if isinstance(body, PushReply) else None)
         pushed = client._push_result(self.msgs, outcomes, self.t0)
         if params is None:
             return pushed, None
         missing = [s for s, r in enumerate(finals)
-                   if r.op is Op.ERROR or "push" not in r.fields or s in repull]
+                   if not isinstance(r.body, PullReply) or s in repull]
         if missing:  # no weights came with these answers: ask for them
-            clock = self.fields["clock"] + 1
+            clock = self.clock + 1
             got = client._call([client._pull_msgs(clock)[s] for s in missing], "PULL", missing)
             for s, r in zip(missing, got, strict=True):
                 finals[s] = r
         with torch.no_grad():
-            client._land_all(params, finals, set(), self.fields["clock"] + 1)
+            client._land_all(params, finals, set(), self.clock + 1)
         return pushed, client._pull_result(finals, self.t0)

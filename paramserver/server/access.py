@@ -17,6 +17,7 @@ from collections.abc import Collection, Iterable
 
 from paramserver.errors import ErrorCode, ProtocolError
 from paramserver.wire.curve import ANY_KEY, KeyGrant, load_allow_list, public_key
+from paramserver.wire.messages import Bye, Hello, Pull
 from paramserver.wire.protocol import Message, Op
 
 __all__ = ["ADMIN_OPS", "AS_WORKER", "Access", "is_loopback", "load_grants"]
@@ -67,18 +68,19 @@ class Access:
         if key is None:  # every CURVE message passes the ZAP handler, which names its key
             raise ProtocolError(ErrorCode.FORBIDDEN, "the message carries no CURVE key")
         grant = self.grants.get(key, ANY_KEY)
-        if msg.op in ADMIN_OPS or (msg.op is Op.BYE and msg.get("dead")):
+        body = msg.body
+        if msg.op in ADMIN_OPS or (isinstance(body, Bye) and body.dead):
             if not grant.admin:
                 what = "BYE dead=true" if msg.op is Op.BYE else msg.op.value.upper()
                 raise ProtocolError(ErrorCode.FORBIDDEN,
                                     f"{what} needs an admin key; key {key} is not one")
             return
-        if msg.op is Op.HELLO:
-            if msg["role"] != "worker":
+        if isinstance(body, Hello):
+            if body.role != "worker":
                 return  # an observer acts for no worker
-        elif msg.op not in AS_WORKER or (msg.op is Op.PULL and msg.get("observer")):
+        elif msg.op not in AS_WORKER or (isinstance(body, Pull) and body.observer):
             return
-        worker = msg["worker"]
+        worker: int = body.worker
         if grant.ranks is not None and worker not in grant.ranks:
             raise ProtocolError(ErrorCode.FORBIDDEN, f"key {key} may act as worker(s) "
                                 f"{sorted(grant.ranks)} only, not {worker}")
@@ -93,8 +95,9 @@ class Access:
 
     def handled(self, msg: Message, key: str | None) -> None:
         """``msg`` was handled without error: a worker's HELLO binds its id to ``key``."""
-        if key is not None and msg.op is Op.HELLO and msg["role"] == "worker":
-            self.owners[msg["worker"]] = key  # registered: the id is this key's now
+        body = msg.body
+        if key is not None and isinstance(body, Hello) and body.role == "worker":
+            self.owners[body.worker] = key  # registered: the id is this key's now
 
     def forget(self, known: Collection[int]) -> None:
         """Unbind worker ids the core no longer knows: a key may register them anew."""

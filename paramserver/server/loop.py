@@ -44,14 +44,15 @@ from paramserver.server.access import Access, is_loopback, load_grants
 from paramserver.server.checkpointer import RESTORE_ERRORS, Checkpointer
 from paramserver.server.config import ServerConfig
 from paramserver.server.outbox import Outbox
-from paramserver.server.parts import JoinedParts, StreamedParts, part_of
+from paramserver.server.parts import JoinedParts, StreamedParts
 from paramserver.server.peers import Observers, PeerOps
 from paramserver.server.tables import TableBuilder
-from paramserver.shm.link import ShmHub, sweep, take_shm
+from paramserver.shm.link import ShmHub, asks_board, lends, sweep, take_shm
 from paramserver.shm.link import enabled as shm_enabled
 from paramserver.sparse.shard import SparseShard
 from paramserver.util.proctitle import set_title
 from paramserver.wire.curve import CurveKeys
+from paramserver.wire.messages import Checkpoint, Init, Pull, Push, SInit, SPull, SPush, replace
 from paramserver.wire.protocol import Message, Op, decode, error_reply, reply
 from paramserver.wire.stats import fit
 from paramserver.wire.transport import RouterSocket
@@ -275,10 +276,11 @@ class ShardServer(PeerOps):
             seq = msg.seq
             key = self.socket.user_id(frames)
             self.access.check(msg, key)
-            if msg.op is not Op.HELLO and ("shm" in msg.fields or "via_shm" in msg.fields):
+            if lends(msg.body):
                 take_shm(self.shm, msg, identity)  # tensors in the sender's segment
-                if "shm" in msg.fields:
-                    lent = msg.tensors
+                lent = msg.tensors
+            elif asks_board(msg.body):
+                take_shm(self.shm, msg, identity)  # the answer through the weight board
             self.outbox.acknowledged(identity, seq)
             self.counters["messages"] += 1
             self.counters["bytes_in"] += sum(len(f) for f in frames)
@@ -429,8 +431,8 @@ class ShardServer(PeerOps):
 
     def _refuse_diverged(self, msg: Message) -> None:
         assert self.diverged is not None
-        worker = msg.get("worker")
-        if isinstance(worker, int) and msg.op is not Op.HEARTBEAT:
+        worker = getattr(msg.body, "worker", None)
+        if worker is not None and msg.op is not Op.HEARTBEAT:
             self._told.add(worker)
         raise ProtocolError(ErrorCode.STOPPED,
                             f"the divergence watchdog stopped training: {self.diverged.message}")
@@ -490,49 +492,46 @@ class ShardServer(PeerOps):
         core = self._require_core()
         if not core.initialized:  # (steps protect the weights through core.before_step)
             self._before_mutation()
-        part, parts = part_of(msg)
-        seeded = core.initialize_part(msg["worker"], msg.tensors, part, parts)
+        b: Init = msg.body
+        seeded = core.initialize_part(b.worker, msg.tensors, b.part, b.parts)
         if core.initialized and self.tables is not None:
             self.tables.start()  # the plan's owner seeded: its sparse tables are due now
         if seeded:
-            self.events.write("init", shard=self.config.shard, worker=msg["worker"])
+            self.events.write("init", shard=self.config.shard, worker=b.worker)
         if seeded is None:
             return reply(msg, seeded=False, partial=True, version=core.version)
         return reply(msg, seeded=seeded, version=core.version)
 
     def _on_pull(self, msg: Message, identity: bytes) -> None:
         core = self._require_core()
-        observer = bool(msg.get("observer", False))
-        core.request_pull(msg["worker"], msg["clock"], (identity, msg.seq), time.monotonic(),
-                          observer=observer, wait_init=bool(msg.get("wait_init", False)))
-        if observer:
+        b: Pull = msg.body
+        core.request_pull(b.worker, b.clock, (identity, msg.seq), time.monotonic(),
+                          observer=b.observer, wait_init=b.wait_init)
+        if b.observer:
             self.outbox.park_observer((identity, msg.seq))
         return None  # answered by _answer_pulls, now or when the gate opens
 
     def _on_push(self, msg: Message, identity: bytes) -> Message | None:
         core = self._require_core()
-        part, parts = part_of(msg)
-        streamed = parts != 1 and core.streams_parts
-        if parts != 1:
+        b: Push = msg.body
+        streamed = b.parts != 1 and core.streams_parts
+        if b.parts != 1:
             self.counters["push_parts_streamed" if streamed else "push_parts_joined"] += 1
-        if parts != 1 and not streamed:
+        if b.parts != 1 and not streamed:
             whole = self.joined.join(core, msg)
             if whole is None:
                 return reply(msg, partial=True)  # the outcome comes with the last part
-            msg = whole
-            part, parts = 0, 1
-        read_version = msg["read_version"]
-        loss = msg.get("loss")
-        loss = None if loss is None else float(loss)
+            msg, b = whole, whole.body
+        read_version, loss = b.read_version, b.loss
         t0 = time.perf_counter()
-        core.ahead.eager = streamed and bool(msg.get("early"))
+        core.ahead.eager = streamed and b.early
         try:
-            out = core.push(msg["worker"], msg["push_id"], msg["clock"], read_version,
-                            msg["num_samples"], msg.tensors, time.monotonic(), part, parts)
+            out = core.push(b.worker, b.push_id, b.clock, read_version, b.num_samples,
+                            msg.tensors, time.monotonic(), b.part, b.parts)
         except ProtocolError as exc:
-            self.streamed.drop(msg["worker"])
+            self.streamed.drop(b.worker)
             if exc.code == ErrorCode.NONFINITE:
-                self.observer.nonfinite(msg["worker"], loss)
+                self.observer.nonfinite(b.worker, loss)
             raise
         finally:
             core.ahead.eager = False
@@ -543,7 +542,7 @@ class ShardServer(PeerOps):
             if out is None:
                 return self._partial(core, msg)
             early = self.streamed.early_of(msg)
-            msg = Message(msg.op, msg.seq, {**msg.fields, "pull": pull})
+            b = replace(b, pull=pull)
         else:
             nbytes, early = msg.nbytes, None
         assert out is not None  # only a streamed part that is not the last has none
@@ -551,7 +550,7 @@ class ShardServer(PeerOps):
             self.counters["duplicate_pushes"] += 1
         else:
             seconds = time.perf_counter() - t0
-            worker, clock, samples = msg["worker"], msg["clock"], msg["num_samples"]
+            worker, clock, samples = b.worker, b.clock, b.num_samples
 
             def observe() -> None:
                 grad = self.observer.push(core, worker, outcome, loss=loss, seconds=seconds,
@@ -568,12 +567,12 @@ class ShardServer(PeerOps):
             self._after_reply.append(observe)
         if out.applied and self.config.checkpoint_every:
             self._maybe_checkpoint()
-        if msg.get("pull"):
+        if b.pull:
             # push + pull in one round trip: the answer is the pull's, sent when its
             # gate opens (in sync mode, when the round closes), with this outcome in it
             token = (identity, msg.seq)
-            core.request_pull(msg["worker"], msg["clock"] + 1, token, time.monotonic())
-            self.outbox.park_push_pull(msg["worker"], token, out.as_dict(), early)
+            core.request_pull(b.worker, b.clock + 1, token, time.monotonic())
+            self.outbox.park_push_pull(b.worker, token, out.as_dict(), early)
             return None
         return reply(msg, **out.as_dict())
 
@@ -583,8 +582,9 @@ class ShardServer(PeerOps):
         next weights of the part's slices if the round steps ahead and computed them
         (issue 17, item 4): they travel while later parts do, and the round's answer
         leaves them out if it commits those very weights (Outbox.answer_pulls)."""
-        if msg.get("early") and msg.tensors:
-            alone = all(w.worker == msg["worker"] for w in core.live())
+        b: Push = msg.body
+        if b.early and msg.tensors:
+            alone = all(w.worker == b.worker for w in core.live())
             ready = core.ahead.ready(msg.tensors.keys(), lend=alone)
             if ready is not None:
                 version = core.version + 1
@@ -595,12 +595,13 @@ class ShardServer(PeerOps):
 
     def _require_sparse(self, msg: Message, identity: bytes) -> SparseShard:
         # only a SPULL reads as an observer, and only from a peer that said HELLO as one
-        observer = msg.op is Op.SPULL and msg.get("observer") is True
+        b: SPull | SPush | SInit = msg.body
+        observer = isinstance(b, SPull) and b.observer
         if observer and identity not in self.observers:
             raise ProtocolError(ErrorCode.NOT_REGISTERED,
                                 "an observer's SPULL needs its HELLO (role observer) first")
         return SparseShard.of_worker(self.sparse, self._require_core().members.heard,
-                                     msg["worker"], time.monotonic(), observer)
+                                     msg.body.worker, time.monotonic(), observer)
 
     def _hold_sparse(self, msg: Message, identity: bytes,
                      handler: Callable[[ShardServer, Message, bytes], Message | None]) -> bool:
@@ -611,7 +612,8 @@ class ShardServer(PeerOps):
         self.tables.check()
         if self.sparse.built:
             return False
-        if not msg.get("observer") and msg["worker"] in self.sparse.live():
+        b: SPull | SPush | SInit = msg.body
+        if not (isinstance(b, SPull) and b.observer) and b.worker in self.sparse.live():
             self.tables.start()
         self.tables.hold(identity, handler, msg)
         return True
@@ -641,17 +643,18 @@ class ShardServer(PeerOps):
         sparse = self._require_sparse(msg, identity)
         if self._hold_sparse(msg, identity, ShardServer._on_spush):
             return None
+        b: SPush = msg.body
         out = self._require_core().rows.push(
-            sparse, msg["worker"], msg["push_id"], msg["read_version"], msg["clock"],
-            msg["num_samples"], msg.tensors, (identity, msg.seq))
+            sparse, b.worker, b.push_id, b.read_version, b.clock, b.num_samples,
+            msg.tensors, (identity, msg.seq))
         return None if out is None else reply(msg, **out.row_fields())
 
     def _on_sinit(self, msg: Message, identity: bytes) -> Message | None:
         sparse = self._require_sparse(msg, identity)
         if self._hold_sparse(msg, identity, ShardServer._on_sinit):
             return None
-        part, parts = part_of(msg)
-        done = sparse.seed(msg["worker"], msg.tensors, part, parts)
+        b: SInit = msg.body
+        done = sparse.seed(b.worker, msg.tensors, b.part, b.parts)
         return reply(msg, initialized=done)
 
     def _on_stats(self, msg: Message, identity: bytes) -> Message:
@@ -660,7 +663,8 @@ class ShardServer(PeerOps):
     def _on_checkpoint(self, msg: Message, identity: bytes) -> Message:
         # a peer may only choose a place inside the configured checkpoint
         # directory: the server never writes where a message tells it to
-        path = self.save_checkpoint(self.checkpoints.target(msg.get("path")))
+        b: Checkpoint = msg.body
+        path = self.save_checkpoint(self.checkpoints.target(b.path))
         return reply(msg, path=path, version=self.core.version if self.core else 0)
 
     def _on_shutdown(self, msg: Message, identity: bytes) -> Message:

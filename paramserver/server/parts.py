@@ -17,18 +17,10 @@ from typing import Any
 
 from paramserver.core.shard import ShardCore
 from paramserver.errors import ErrorCode, ProtocolError
+from paramserver.wire.messages import Push, replace
 from paramserver.wire.protocol import Message, Op
 
-__all__ = ["JoinedParts", "StreamedParts", "part_of"]
-
-
-def part_of(msg: Message) -> tuple[int, int]:
-    """(part, parts) of a PUSH or INIT; a message in several parts must say which."""
-    parts = msg.get("parts", 1)
-    part = msg.get("part", 0 if parts == 1 else None)
-    if part is None:
-        raise ProtocolError(ErrorCode.BAD_FIELD, f"{msg.op.value} in {parts} parts without part")
-    return part, parts
+__all__ = ["JoinedParts", "StreamedParts"]
 
 
 class JoinedParts:
@@ -49,10 +41,12 @@ class JoinedParts:
         unfinished older one. A part of a push the core already decided is
         passed through: the core answers it as the duplicate it is.
         """
-        worker, push_id, part, parts = msg["worker"], msg["push_id"], msg.get("part"), msg["parts"]
+        b: Push = msg.body
+        worker, push_id, part, parts = b.worker, b.push_id, b.part, b.parts
         # every part has a key of the shard's, so a push has at most that many parts
+        # (0 <= part < parts held at the wire, wire/messages.py)
         most = max(1, len(core.specs))
-        if part is None or not 1 <= parts <= most or not 0 <= part < parts:
+        if parts > most:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"push part {part} of {parts}: need "
                                 f"0 <= part < parts <= {most} (the shard's slices)")
         # held only for a registered, live worker, within its push id window: nothing
@@ -77,14 +71,13 @@ class JoinedParts:
                                 f"bytes of {self.budget}: retry later")
         self.pending[worker] = entry
         self.nbytes += nbytes
-        received[part] = bool(msg.get("pull", False))
+        received[part] = b.pull
         tensors.update(msg.tensors)
         if len(received) < parts:
             return None
         self.drop(worker)
-        fields = {k: v for k, v in msg.fields.items() if k not in ("part", "parts")}
-        fields["pull"] = any(received.values())
-        return Message(Op.PUSH, msg.seq, fields, tensors)
+        whole = replace(b, part=0, parts=1, pull=any(received.values()))
+        return Message(Op.PUSH, msg.seq, msg.fields, tensors, None, whole)
 
     def drop(self, worker: int) -> None:
         """Give up ``worker``'s unfinished push (it left, died or restarted)."""
@@ -111,7 +104,8 @@ class StreamedParts:
     def sent_early(self, msg: Message, version: int, keys: Collection[str]) -> None:
         """The answer to this part of ``msg``'s push carried the next weights of
         ``keys``, those the round makes at ``version`` if it commits ahead."""
-        worker, push_id = msg["worker"], msg["push_id"]
+        b: Push = msg.body
+        worker, push_id = b.worker, b.push_id
         prior = self.early.get(worker)
         if prior is None or prior[0] != push_id or prior[1] != version:
             prior = (push_id, version, frozenset())
@@ -119,22 +113,24 @@ class StreamedParts:
 
     def early_of(self, msg: Message) -> tuple[int, frozenset[str]] | None:
         """(version, keys) that went back early with ``msg``'s push's parts; forgotten."""
-        prior = self.early.pop(msg["worker"], None)
-        if prior is None or prior[0] != msg["push_id"]:
+        b: Push = msg.body
+        prior = self.early.pop(b.worker, None)
+        if prior is None or prior[0] != b.push_id:
             return None
         return prior[1], prior[2]
 
     def tally(self, msg: Message, last: bool) -> tuple[bool, int]:
         """Count one part of ``msg``'s push in; (pull asked, bytes) of its parts so far.
         The tally is kept until the ``last`` part."""
-        key = (msg["push_id"], bool(msg.get("pull", False)), msg.nbytes)
-        prior = self.pending.get(msg["worker"])
+        b: Push = msg.body
+        key = (b.push_id, b.pull, msg.nbytes)
+        prior = self.pending.get(b.worker)
         if prior is not None and prior[0] == key[0]:
             key = (key[0], key[1] or prior[1], key[2] + prior[2])
         if last:
-            self.pending.pop(msg["worker"], None)
+            self.pending.pop(b.worker, None)
         else:
-            self.pending[msg["worker"]] = key
+            self.pending[b.worker] = key
         return key[1], key[2]
 
     def drop(self, worker: int) -> None:

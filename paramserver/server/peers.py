@@ -16,6 +16,7 @@ from paramserver.core.shard import DTYPES as CORE_DTYPES
 from paramserver.core.sharding import ShardPlan
 from paramserver.errors import ConfigError, ErrorCode, ProtocolError
 from paramserver.shm.link import sweep
+from paramserver.wire.messages import Bye, Hello
 from paramserver.wire.protocol import PROTOCOL_VERSION, Message, reply
 
 if TYPE_CHECKING:
@@ -79,27 +80,27 @@ class PeerOps:
         return self.core
 
     def _on_hello(self, msg: Message, identity: bytes) -> Message:
-        if msg["protocol"] != PROTOCOL_VERSION:
+        b: Hello = msg.body
+        if b.protocol != PROTOCOL_VERSION:
             raise ProtocolError(
                 ErrorCode.PROTOCOL_VERSION,
-                f"peer speaks protocol {msg['protocol']}, server {PROTOCOL_VERSION}",
+                f"peer speaks protocol {b.protocol}, server {PROTOCOL_VERSION}",
             )
-        role = msg["role"]
+        role = b.role
         if role not in ("worker", "observer"):
             raise ProtocolError(ErrorCode.BAD_FIELD,
                                 f"role must be worker or observer, not {role!r}")
         if self.plan is None:
-            if role == "observer" or msg.get("plan") is None:
+            if role == "observer" or b.plan is None:
                 raise ProtocolError(ErrorCode.NOT_REGISTERED,
                                     "no plan yet: a worker must say HELLO with its plan first")
-            self._adopt_plan(self._peer_plan(msg["plan"], msg["plan_hash"]))
+            self._adopt_plan(self._peer_plan(b.plan, b.plan_hash))
         assert self.plan is not None and self.core is not None
-        if msg["plan_hash"] != self.plan.hash:
-            theirs = msg.get("plan")
-            what = self.plan.diff(theirs) if isinstance(theirs, dict) else "plan hash differs"
+        if b.plan_hash != self.plan.hash:
+            what = self.plan.diff(b.plan) if b.plan is not None else "plan hash differs"
             raise ProtocolError(
                 ErrorCode.PLAN_MISMATCH,
-                f"worker {msg['worker']}'s model or shard layout differs from the server's: {what}",
+                f"worker {b.worker}'s model or shard layout differs from the server's: {what}",
             )
         clock = 0
         if role == "observer":
@@ -107,17 +108,18 @@ class PeerOps:
         if role == "worker":
             evicted = self.core.workers_evicted
             # as the worker says: shown by `status`; a host name is at most 253 characters
-            peer = {"host": str(msg.get("host", ""))[:253] or None, "pid": msg.get("pid")}
-            origin = f"pid {peer['pid']} on {peer['host']}" if peer["host"] else ""
-            state = self.core.register(msg["worker"], msg["incarnation"], time.monotonic(),
+            host = (b.host or "")[:253] or None
+            origin = f"pid {b.pid} on {host}" if host else ""
+            peer = {"host": host, "pid": b.pid}
+            state = self.core.register(b.worker, b.incarnation, time.monotonic(),
                                        origin=origin[:300])
             clock = state.clock
             if self.core.workers_evicted != evicted:
                 self._forget_gone()
             if self.sparse is not None:
-                self.sparse.forget(msg["worker"], restart=True)
-            self.peers[msg["worker"]] = peer
-            self.events.write("worker_hello", shard=self.config.shard, worker=msg["worker"],
+                self.sparse.forget(b.worker, restart=True)
+            self.peers[b.worker] = peer
+            self.events.write("worker_hello", shard=self.config.shard, worker=b.worker,
                               clock=clock, **peer)
         return reply(msg, shard=self.config.shard, num_shards=self.config.num_shards,
                      version=self.core.version, clock=clock, initialized=self.core.initialized,
@@ -171,17 +173,18 @@ class PeerOps:
 
     def _on_heartbeat(self, msg: Message, identity: bytes) -> Message:
         now = time.monotonic()
-        if self.core is not None and msg["worker"] in self.core.workers:
-            self.core.heartbeat(msg["worker"], now)
+        worker = msg.body.worker  # (a Heartbeat)
+        if self.core is not None and worker in self.core.workers:
+            self.core.heartbeat(worker, now)
         fields: dict[str, Any] = {"version": self.core.version if self.core else 0}
         # the worker's pull parked at a gate: its client tells a shard that holds the
         # pull (waiting is legitimate) from one that does not answer
-        held = self.core.pulls.held(msg["worker"]) if self.core is not None else None
+        held = self.core.pulls.held(worker) if self.core is not None else None
         if held is not None:
             fields["held"] = {"clock": held.clock, "waited": now - held.since,
                               "why": self._hold_reason(held.worker)}
         elif self.sparse is not None:  # a sync SPUSH parked in its round, if any
-            sparse_held = self.core.rows.holding(msg["worker"]) if self.core else None
+            sparse_held = self.core.rows.holding(worker) if self.core else None
             if sparse_held:
                 fields["held"] = sparse_held
         return reply(msg, **fields)
@@ -204,19 +207,20 @@ class PeerOps:
 
     def _on_bye(self, msg: Message, identity: bytes) -> Message:
         core = self._require_core()
-        core.members.known(msg["worker"])
-        self.joined.drop(msg["worker"])
-        if msg.get("dead"):  # from a supervisor that saw the process die
-            dead = core.declare_dead(msg["worker"])
+        b: Bye = msg.body
+        core.members.known(b.worker)
+        self.joined.drop(b.worker)
+        if b.dead:  # from a supervisor that saw the process die
+            dead = core.declare_dead(b.worker)
             sweep() if self.shm else None
             if dead:
-                self.events.write("worker_dead", shard=self.config.shard, worker=msg["worker"],
+                self.events.write("worker_dead", shard=self.config.shard, worker=b.worker,
                                   reported=True)
-                self.observer.left(core, msg["worker"])
+                self.observer.left(core, b.worker)
             return reply(msg, dead=dead)
-        core.leave(msg["worker"], time.monotonic())
+        core.leave(b.worker, time.monotonic())
         if self.sparse is not None:
-            self.sparse.forget(msg["worker"])
-        self.events.write("worker_bye", shard=self.config.shard, worker=msg["worker"])
-        self.observer.left(core, msg["worker"])
+            self.sparse.forget(b.worker)
+        self.events.write("worker_bye", shard=self.config.shard, worker=b.worker)
+        self.observer.left(core, b.worker)
         return reply(msg)

@@ -54,7 +54,8 @@ from paramserver.shm.segment import (
 )
 from paramserver.util.dtypes import copy_bytes
 from paramserver.util.flat import FlatLayout
-from paramserver.wire.protocol import DTYPES, Limits, Message, Op
+from paramserver.wire.messages import Hello, Init, Pull, Push, ShmGrant, ShmOffer
+from paramserver.wire.protocol import DTYPES, Limits, Message
 
 __all__ = [
     "ENV",
@@ -168,27 +169,27 @@ class ShmLink:
         """The shard's answer to the offer: a challenge (its nonce, written into our
         segment for the next HELLO to prove we hold it), its board and the board's
         token, or None (TCP from now on)."""
-        grant = grant if isinstance(grant, dict) else {}
-        name = grant.get("board")
+        answer = ShmGrant.of(grant)
+        name = answer.board
         if self.board is not None and self.board.seg.name == name:
             self.proving = False
             return  # a proof HELLO repeated: the same board
         if self.board is not None:
             self.board.close()
             self.board = None
-        nonce = _nonce(grant.get("prove"))
+        nonce = _nonce(answer.prove)
         self.proving = nonce is not None and self.grads is not None
         if self.proving and self.grads is not None and nonce is not None:
             self.grads.seg.put(PROOF_AT, nonce)
             return
         if name is None:
             return
-        token = _nonce(grant.get("token"))
+        token = _nonce(answer.token)
         if token is None:
             log.warning("the shard's board grant has no token to check it by: using TCP")
             return
         try:
-            self.board = BoardReader(name, int(grant.get("size", 0)), token)
+            self.board = BoardReader(name, answer.size, token)
         except (OSError, ValueError) as exc:
             log.warning("cannot map the shard's weight board (%s): using TCP", exc)
 
@@ -217,11 +218,21 @@ class ShmLink:
 # --------------------------------------------------------------------------- shard side
 
 
+def lends(body: Any) -> bool:
+    """Whether a request's tensors lie in its sender's segment (PUSH, INIT)."""
+    return isinstance(body, (Push, Init)) and body.shm is not None
+
+
+def asks_board(body: Any) -> bool:
+    """Whether a request asks for its answer through the weight board (PULL, PUSH)."""
+    return isinstance(body, (Pull, Push)) and body.via_shm is True
+
+
 def take_shm(hub: ShmHub | None, msg: Message, identity: bytes) -> None:
     """A request's shared-memory fields on a shard (``hub`` None: it has none)."""
     if hub is not None:
         hub.take(msg, identity)
-    elif "shm" in msg.fields:  # e.g. this shard restarted without shared memory
+    elif lends(msg.body):  # e.g. this shard restarted without shared memory
         raise ProtocolError(ErrorCode.NOT_REGISTERED, "this shard takes no tensors through "
                             "shared memory; say HELLO")
 
@@ -281,22 +292,22 @@ class ShmHub:
         opened file before it is mapped. A proof that fails raises FORBIDDEN and
         leaves the segment unmapped. With ``flats`` and their ``flat_layout`` the
         weights move into the board."""
-        if not (isinstance(offer, dict) and local and trusted and enabled()):
+        offered = ShmOffer.of(offer)
+        if not (offered is not None and local and trusted and enabled()):
             self.drop(identity)
             return None
-        size, name = offer.get("size"), offer.get("seg")
-        if (offer.get("host") != self.host or isinstance(size, bool) or not isinstance(size, int)
-                or size < 0 or not isinstance(name, str) or not valid_name(name)):
+        size, name = offered.size, offered.seg
+        if offered.host != self.host or not valid_name(name):
             self.drop(identity)
             return None
         peer = self.peers.get(identity)
-        if (offer.get("proved") is True and peer is not None and self.board is not None
+        if (offered.proved and peer is not None and self.board is not None
                 and (peer.worker, peer.seg.name) == (worker, name)
                 and peer.seg.holds(PROOF_AT, peer.nonce)):
             return self._grant()  # a proof repeated (its answer was lost): granted again
         self.drop(identity)
         pending = self.pending.pop(identity, None)
-        if offer.get("proved") is not True or pending is None or not pending.same(
+        if not offered.proved or pending is None or not pending.same(
                 worker, name, size):
             if pending is None or not pending.same(worker, name, size):
                 pending = _Pending(worker, name, size)
@@ -332,13 +343,13 @@ class ShmHub:
         return {"board": self.board.seg.name, "size": self.board.seg.size,
                 "token": self.board.token.hex()}
 
-    def resolve(self, identity: bytes, fields: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    def resolve(self, identity: bytes, descs: list[Any]) -> dict[str, torch.Tensor]:
         """The tensors a message's ``shm`` descriptors name in its sender's segment."""
         peer = self.peers.get(identity)
         if peer is None:
             raise ProtocolError(ErrorCode.NOT_REGISTERED, "no shared-memory segment for this "
                                 "connection; say HELLO")
-        return descs_to_tensors(peer.seg, fields["shm"], self.limits)
+        return descs_to_tensors(peer.seg, descs, self.limits)
 
     def answer_hello(self, identity: bytes, msg: Message, frame: Any, address: str,
                      answer: Message, grants: Mapping[str, Any] | None, key: str | None,
@@ -346,17 +357,18 @@ class ShmHub:
         """Grant a worker's HELLO offer in ``answer`` (True), or leave it on TCP: only
         a peer connected from this host and, under CURVE (``grants`` not None), with
         a key on the allow-list gets a segment."""
-        if msg["role"] != "worker":
+        hello: Hello = msg.body
+        if hello.role != "worker":
             return False
         try:
             peer = str(frame.get("Peer-Address"))
         except Exception:  # zmq raises for a property the transport lacks
             peer = ""
         trusted = grants is None or (key is not None and key in grants)
-        grant = self.hello(identity, msg["worker"], msg.get("shm"), _is_local(peer, address),
+        grant = self.hello(identity, hello.worker, hello.shm, _is_local(peer, address),
                            trusted, core.params, core.flats, core.layout)
         if grant is not None:
-            answer.fields["shm"] = grant  # a challenge, or the board
+            answer.fields.update(shm=grant)  # a challenge, or the board (an outgoing field)
         if grant is None or "board" not in grant:
             return False
         slot = core.ahead.slot
@@ -368,12 +380,13 @@ class ShmHub:
     def take(self, msg: Message, identity: bytes) -> None:
         """A request's shared-memory fields: its tensors from the sender's segment
         (PUSH, INIT), and whether its answer goes through the board (PULL, PUSH)."""
-        if msg.op in (Op.PUSH, Op.INIT) and "shm" in msg.fields:
+        body = msg.body
+        if lends(body):
             if msg.tensors:
                 raise ProtocolError(ErrorCode.BAD_MESSAGE, "tensors both in frames and in "
                                     "shared memory")
-            msg.tensors = self.resolve(identity, msg.fields)
-        if msg.op in (Op.PUSH, Op.PULL) and msg.get("via_shm") is True:
+            msg.tensors = self.resolve(identity, body.shm)
+        if asks_board(body):
             self.wants(identity, msg.seq)
 
     def release(self, identity: bytes, tensors: Mapping[str, torch.Tensor]) -> None:

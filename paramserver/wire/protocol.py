@@ -35,7 +35,6 @@ import math
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any
 
 import msgpack
@@ -44,6 +43,7 @@ import torch
 from paramserver.errors import ErrorCode, ProtocolError
 from paramserver.util.dtypes import WIRE_DTYPES
 from paramserver.wire.layouts import LayoutCache
+from paramserver.wire.messages import Body, Op, check_tensors, parse
 
 __all__ = [
     "DTYPES",
@@ -51,6 +51,7 @@ __all__ = [
     "MAX_PACKED_BYTES",
     "PACK_BYTES",
     "PROTOCOL_VERSION",
+    "Body",
     "Limits",
     "Message",
     "Op",
@@ -84,24 +85,6 @@ warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 DTYPES = WIRE_DTYPES
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-
-
-class Op(StrEnum):
-    HELLO = "hello"
-    INIT = "init"
-    PULL = "pull"
-    PUSH = "push"
-    HEARTBEAT = "heartbeat"
-    BYE = "bye"
-    STATS = "stats"
-    CHECKPOINT = "checkpoint"
-    SHUTDOWN = "shutdown"
-    # row-sparse tables (paramserver/sparse/shard.py): rows by id, gradients of rows, seed rows
-    SPULL = "spull"
-    SPUSH = "spush"
-    SINIT = "sinit"
-    REPLY = "reply"
-    ERROR = "error"
 
 
 _INT = (int,)
@@ -196,6 +179,20 @@ class Message:
     #: the tensors made ready to send instead (paramserver/wire/lanes.py): ``tensors``
     #: is then empty, and encode sends these frames
     prepared: PreparedTensors | None = None
+    #: the typed record of ``fields`` (wire/messages.py): made by decode, else on first read
+    parsed: Body = field(default=None, repr=False, compare=False)
+
+    @property
+    def body(self) -> Any:
+        """The op's record (wire/messages.py), checked and bounded: what handlers read.
+        (Any: each handler names the record its op has, ``p: Push = msg.body``.)"""
+        if self.parsed is None:
+            self.parsed = parse(self.op, self.fields)
+        return self.parsed
+
+    @body.setter
+    def body(self, value: Body) -> None:
+        self.parsed = value
 
     def __getitem__(self, name: str) -> Any:
         return self.fields[name]
@@ -529,6 +526,7 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
     if isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq < _INT_BOUND:
         raise ProtocolError(ErrorCode.BAD_HEADER, "'seq' must be a non-negative integer")
     fields = _check_fields(op, header.get("f", {}))
+    body = parse(op, fields)  # the op's record, its ranges checked (wire/messages.py)
     descs = header.get("t", [])
     if not isinstance(descs, list):
         raise ProtocolError(ErrorCode.BAD_HEADER, "'t' must be a list")
@@ -544,7 +542,8 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
     if one_frame:  # a small message's one frame: its layout checked before?
         layout = _LAYOUTS.find(head, header, limits)
         if layout is not None and layout.views(_buffer(frames[1]), tensors, limits):
-            return Message(op, seq, fields, tensors)
+            check_tensors(op, tensors)
+            return Message(op, seq, fields, tensors, None, body)
     total = 0
     for desc, frame in zip(descs, frames[1:], strict=True):
         buf = _buffer(frame)
@@ -574,7 +573,8 @@ def decode(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> Message:
         tensors[key] = t
     if one_frame and tensors and total:
         _LAYOUTS.remember(descs, tensors, limits)
-    return Message(op, seq, fields, tensors)
+    check_tensors(op, tensors)
+    return Message(op, seq, fields, tensors, None, body)
 
 
 def _count(key: str, nbytes: int, total: int, limits: Limits) -> int:

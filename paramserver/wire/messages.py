@@ -1,0 +1,468 @@
+"""Typed messages: one record per op, made once at the wire from a checked header.
+
+:func:`~paramserver.wire.protocol.decode` checks each field's type against the
+protocol's schema, then :func:`parse` turns the fields into the op's record here,
+checking what a type cannot say: ranges (worker ids, clocks and versions >= 0,
+0 <= part < parts <= :data:`MAX_PARTS`) and, with :func:`check_tensors`, the sparse
+row ids one request may carry. A handler reads ``msg.body.clock``, never a field
+by name, and never checks a bound again: what reaches it is in range.
+
+Replies are parsed by the op they answer (their ``re``): a worker reads the
+push outcome, the pull's version and clock or an error's code as attributes too.
+A reply's fields are checked as loosely as before (it comes from a peer we
+called), but a field of the wrong type is refused here, not deep in the worker.
+The STATS reply keeps its free-form map (``msg.fields``).
+
+Records are msgspec frozen Structs, chosen by measurement: made from a PUSH's
+fields, a frozen Struct took 0.23 us, a frozen dataclass with slots 2.9 us (its
+``__init__`` sets each field through ``object.__setattr__``), a plain slotted
+dataclass 0.39 us; parsing a PUSH costs 1.7 us with Structs, 4.9 us with frozen
+dataclasses, against about 17 us for its whole decode (medians of 5 runs of
+200,000 on a loaded 2-core machine).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from enum import StrEnum
+from typing import Any
+
+import msgspec
+import torch
+from msgspec.structs import replace
+
+from paramserver.errors import ErrorCode, ProtocolError
+from paramserver.sparse.shard import MAX_REQUEST_ROWS
+
+__all__ = [
+    "MAX_PARTS", "Body", "Bye", "ByeReply", "Checkpoint", "CheckpointReply", "Error",
+    "Heartbeat", "HeartbeatReply", "Hello", "HelloReply", "Init", "InitReply", "Op",
+    "Outcome", "Pull", "PullReply", "Push", "PushReply", "SInit", "SInitReply", "SPull",
+    "SPullReply", "SPush", "ShmGrant", "ShmOffer", "Shutdown", "Stats", "check_tensors",
+    "parse", "replace",
+]
+
+#: parts one PUSH, INIT or SINIT may come in: bounds what a shard keeps per part
+#: before its last (handlers bound pushes tighter, by the shard's slices)
+MAX_PARTS = 1 << 20
+
+
+class Op(StrEnum):
+    HELLO = "hello"
+    INIT = "init"
+    PULL = "pull"
+    PUSH = "push"
+    HEARTBEAT = "heartbeat"
+    BYE = "bye"
+    STATS = "stats"
+    CHECKPOINT = "checkpoint"
+    SHUTDOWN = "shutdown"
+    # row-sparse tables (paramserver/sparse/shard.py): rows by id, gradients of rows, seed rows
+    SPULL = "spull"
+    SPUSH = "spush"
+    SINIT = "sinit"
+    REPLY = "reply"
+    ERROR = "error"
+
+
+# ---------------------------------------------------------------------- requests
+
+class Hello(msgspec.Struct, frozen=True):
+    worker: int
+    role: str
+    protocol: int
+    plan_hash: str
+    incarnation: str
+    plan: dict[str, Any] | None = None
+    host: str | None = None
+    pid: int | None = None
+    #: a same-host worker's offer of its gradient segment (paramserver/shm/link.py)
+    shm: dict[str, Any] | None = None
+
+
+class Init(msgspec.Struct, frozen=True):
+    worker: int
+    part: int = 0
+    parts: int = 1
+    shm: list[Any] | None = None  # the tensors lie in the sender's segment
+
+
+class Pull(msgspec.Struct, frozen=True):
+    worker: int
+    clock: int
+    observer: bool = False
+    wait_init: bool = False
+    via_shm: bool | None = None  # answer with a ticket to the weight board (None: as set up)
+
+
+class Push(msgspec.Struct, frozen=True):
+    worker: int
+    push_id: int
+    clock: int
+    read_version: int
+    num_samples: int
+    loss: float | None = None  # the worker's training loss on this push's samples
+    pull: bool = False  # answer with the weights for clock + 1 once the pull gate opens
+    part: int = 0
+    parts: int = 1
+    shm: list[Any] | None = None
+    via_shm: bool | None = None
+    early: bool = False  # a part's answer may carry the part's next weights
+
+
+class Heartbeat(msgspec.Struct, frozen=True):
+    worker: int
+
+
+class Bye(msgspec.Struct, frozen=True):
+    worker: int
+    dead: bool = False  # from a supervisor that saw the process die (admin)
+
+
+class Stats(msgspec.Struct, frozen=True):
+    pass
+
+
+class Checkpoint(msgspec.Struct, frozen=True):
+    path: str | None = None
+
+
+class Shutdown(msgspec.Struct, frozen=True):
+    pass
+
+
+class SPull(msgspec.Struct, frozen=True):
+    worker: int
+    observer: bool = False
+
+
+class SPush(msgspec.Struct, frozen=True):
+    worker: int
+    push_id: int
+    clock: int
+    read_version: int
+    num_samples: int
+
+
+class SInit(msgspec.Struct, frozen=True):
+    worker: int
+    part: int = 0
+    parts: int = 1
+
+
+class Error(msgspec.Struct, frozen=True):
+    code: str
+    reason: str
+
+
+# ---------------------------------------------------------------------- replies
+
+class Outcome(msgspec.Struct, frozen=True):
+    """A shard's answer to one push, as the worker reads it: the fields of
+    :class:`paramserver.core.records.PushOutcome` (a sparse table's outcome has no
+    ``applied``)."""
+
+    accepted: bool
+    weight: float
+    reason: str
+    staleness: int
+    version: int
+    applied: bool = False
+    duplicate: bool = False
+
+    @classmethod
+    def of(cls, f: Mapping[str, Any]) -> Outcome:
+        return cls(_bool(f, "accepted"), _float(f, "weight", 0.0), _str(f, "reason", ""),
+                   _int(f, "staleness", 0), _int(f, "version", 0), _bool(f, "applied"),
+                   _bool(f, "duplicate"))
+
+
+class HelloReply(msgspec.Struct, frozen=True):
+    shard: int | None
+    num_shards: int
+    version: int
+    clock: int
+    initialized: bool
+    mode: str
+    policy: str
+    shm: dict[str, Any] | None = None  # a shared-memory challenge, or the board
+
+
+class InitReply(msgspec.Struct, frozen=True):
+    seeded: bool
+    version: int
+    partial: bool = False
+
+
+class PushReply(msgspec.Struct, frozen=True):
+    """A PUSH answered without weights: the outcome, or a part that is not the last
+    (``partial``; ``early``: the version of the next weights it carries)."""
+
+    outcome: Outcome | None
+    partial: bool = False
+    early: int | None = None
+
+
+class PullReply(msgspec.Struct, frozen=True):
+    """Weights (in frames, or a ticket to the board in ``shm``) at ``version``; for a
+    PUSH that asked for them, its ``push`` outcome too (None: the push was lost)."""
+
+    version: int
+    clock: int
+    waited: float = 0.0
+    shm: dict[str, Any] | None = None
+    push: Outcome | None = None
+    answers_push: bool = False
+    early: int | None = None  # this many slices' weights came early, with the parts
+    lent: int = 0  # the bytes of weights the board ticket in ``shm`` lends (0: none)
+
+
+class HeartbeatReply(msgspec.Struct, frozen=True):
+    version: int
+    held: dict[str, Any] | None = None  # the pull (or sparse push) the shard holds for us
+
+
+class ByeReply(msgspec.Struct, frozen=True):
+    dead: bool | None = None
+
+
+class SPullReply(msgspec.Struct, frozen=True):
+    version: int
+
+
+class SInitReply(msgspec.Struct, frozen=True):
+    initialized: bool
+
+
+class CheckpointReply(msgspec.Struct, frozen=True):
+    path: str | None
+    version: int
+
+
+class ShmOffer(msgspec.Struct, frozen=True):
+    """A same-host worker's offer of its gradient segment (the HELLO's ``shm`` map)."""
+
+    host: str
+    seg: str
+    size: int
+    proved: bool = False  # it wrote the shard's challenge into the segment
+
+    @classmethod
+    def of(cls, offer: Any) -> ShmOffer | None:
+        """The offer, or None when it is not one (that worker then uses TCP)."""
+        if not isinstance(offer, dict):
+            return None
+        host, seg, size = offer.get("host"), offer.get("seg"), offer.get("size")
+        if (not isinstance(host, str) or not isinstance(seg, str) or type(size) is not int
+                or size < 0):
+            return None
+        return cls(host, seg, size, offer.get("proved") is True)
+
+
+class ShmGrant(msgspec.Struct, frozen=True):
+    """A shard's answer to the offer (the HELLO reply's ``shm`` map): a challenge
+    (``prove``, a nonce in hex), or its board's segment, size and token (hex)."""
+
+    board: str | None = None
+    size: int = 0
+    token: str | None = None
+    prove: str | None = None
+
+    @classmethod
+    def of(cls, grant: Any) -> ShmGrant:
+        """The grant; fields of the wrong type read as absent (an empty grant: TCP)."""
+        if not isinstance(grant, dict):
+            return cls()
+        board, size = grant.get("board"), grant.get("size", 0)
+        token, prove = grant.get("token"), grant.get("prove")
+        return cls(board if isinstance(board, str) else None,
+                   size if type(size) is int else 0,
+                   token if isinstance(token, str) else None,
+                   prove if isinstance(prove, str) else None)
+
+
+Body = (Hello | Init | Pull | Push | Heartbeat | Bye | Stats | Checkpoint | Shutdown | SPull
+        | SPush | SInit | Error | Outcome | HelloReply | InitReply | PushReply | PullReply
+        | HeartbeatReply | ByeReply | SPullReply | SInitReply | CheckpointReply | None)
+
+
+# ---------------------------------------------------------------------- parsing
+
+def _worker(op: str, f: Mapping[str, Any]) -> int:
+    worker: int = f["worker"]
+    if worker < 0:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"worker id must be >= 0, got {worker}")
+    return worker
+
+
+def _parts(op: str, f: Mapping[str, Any]) -> tuple[int, int]:
+    """(part, parts): a message in several parts must say which, within MAX_PARTS."""
+    parts = f.get("parts", 1)
+    part = f.get("part", 0 if parts == 1 else None)
+    if part is None:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"{op} in {parts} parts without part")
+    if not 0 <= part < parts <= MAX_PARTS:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"{op} part {part} of {parts}: need "
+                            f"0 <= part < parts <= {MAX_PARTS}")
+    return part, parts
+
+
+def _header(f: Mapping[str, Any]) -> tuple[int, int, int]:
+    """A push's (read_version, clock, num_samples), in range."""
+    read_version, clock, samples = f["read_version"], f["clock"], f["num_samples"]
+    if read_version < 0 or clock < 0 or samples < 1:
+        raise ProtocolError(
+            ErrorCode.BAD_FIELD, f"need read_version >= 0, clock >= 0, num_samples >= 1; "
+            f"got {read_version}, {clock}, {samples}")
+    return read_version, clock, samples
+
+
+def _hello(f: Mapping[str, Any]) -> Hello:
+    return Hello(_worker("hello", f), f["role"], f["protocol"], f["plan_hash"],
+                 f["incarnation"], f.get("plan"), f.get("host"), f.get("pid"), f.get("shm"))
+
+
+def _init(f: Mapping[str, Any]) -> Init:
+    part, parts = _parts("init", f)
+    return Init(_worker("init", f), part, parts, f.get("shm"))
+
+
+def _pull(f: Mapping[str, Any]) -> Pull:
+    clock = f["clock"]
+    if clock < 0:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"clock must be >= 0, got {clock}")
+    return Pull(_worker("pull", f), clock, f.get("observer") is True,
+                f.get("wait_init") is True, f.get("via_shm"))
+
+
+def _push(f: Mapping[str, Any]) -> Push:
+    worker = _worker("push", f)
+    push_id = f["push_id"]
+    if push_id < 0:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"push_id must be >= 0, got {push_id}")
+    read_version, clock, samples = _header(f)
+    part, parts = _parts("push", f)
+    loss = f.get("loss")
+    return Push(worker, push_id, clock, read_version, samples,
+                None if loss is None else float(loss), f.get("pull") is True, part, parts,
+                f.get("shm"), f.get("via_shm"), f.get("early") is True)
+
+
+def _spush(f: Mapping[str, Any]) -> SPush:
+    worker = _worker("spush", f)
+    push_id = f["push_id"]
+    if push_id < 0:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"push_id must be >= 0, got {push_id}")
+    read_version, clock, samples = _header(f)
+    return SPush(worker, push_id, clock, read_version, samples)
+
+
+def _sinit(f: Mapping[str, Any]) -> SInit:
+    part, parts = _parts("sinit", f)
+    return SInit(_worker("sinit", f), part, parts)
+
+
+_REQUESTS: dict[Op, Any] = {
+    Op.HELLO: _hello,
+    Op.INIT: _init,
+    Op.PULL: _pull,
+    Op.PUSH: _push,
+    Op.HEARTBEAT: lambda f: Heartbeat(_worker("heartbeat", f)),
+    Op.BYE: lambda f: Bye(_worker("bye", f), f.get("dead") is True),
+    Op.STATS: lambda f: Stats(),
+    Op.CHECKPOINT: lambda f: Checkpoint(f.get("path")),
+    Op.SHUTDOWN: lambda f: Shutdown(),
+    Op.SPULL: lambda f: SPull(_worker("spull", f), f.get("observer") is True),
+    Op.SPUSH: _spush,
+    Op.SINIT: _sinit,
+    Op.ERROR: lambda f: Error(f["code"], f["reason"]),
+}
+
+
+def _get(f: Mapping[str, Any], name: str, types: type | tuple[type, ...], default: Any) -> Any:
+    value = f.get(name, default)
+    if value is default or type(value) is types or (isinstance(value, types) and not (
+            types is int and isinstance(value, bool))):
+        return value
+    raise ProtocolError(ErrorCode.BAD_FIELD, f"reply: {name!r} must be "
+                        f"{getattr(types, '__name__', 'a number')}, got {type(value).__name__}")
+
+
+def _int(f: Mapping[str, Any], name: str, default: Any = 0) -> Any:
+    return _get(f, name, int, default)
+
+
+def _float(f: Mapping[str, Any], name: str, default: float) -> float:
+    return float(_get(f, name, (int, float), default))
+
+
+def _str(f: Mapping[str, Any], name: str, default: Any) -> Any:
+    return _get(f, name, str, default)
+
+
+def _bool(f: Mapping[str, Any], name: str) -> bool:
+    return bool(_get(f, name, (bool, int), False))
+
+
+def _map(f: Mapping[str, Any], name: str) -> dict[str, Any] | None:
+    return _get(f, name, dict, None)
+
+
+def _push_reply(f: Mapping[str, Any]) -> PushReply | PullReply:
+    if "push" in f:  # a PUSH that asked for the weights: the pull's answer, outcome in it
+        push = f["push"]
+        if push is not None and not isinstance(push, dict):
+            raise ProtocolError(ErrorCode.BAD_FIELD, "reply: 'push' must be a map")
+        return _pull_reply(f, None if push is None else Outcome.of(push), True)
+    if f.get("partial"):
+        return PushReply(None, True, _int(f, "early", None))
+    return PushReply(Outcome.of(f))
+
+
+def _pull_reply(f: Mapping[str, Any], push: Outcome | None = None,
+                answers_push: bool = False) -> PullReply:
+    ticket = _map(f, "shm")
+    return PullReply(_int(f, "version"), _int(f, "clock"), _float(f, "waited", 0.0),
+                     ticket, push, answers_push, _int(f, "early", None),
+                     0 if ticket is None else _int(ticket, "nbytes"))
+
+
+_REPLIES: dict[str, Any] = {
+    "hello": lambda f: HelloReply(_int(f, "shard", None), _int(f, "num_shards"),
+                                  _int(f, "version"), _int(f, "clock"),
+                                  _bool(f, "initialized"), _str(f, "mode", ""),
+                                  _str(f, "policy", ""), _map(f, "shm")),
+    "init": lambda f: InitReply(_bool(f, "seeded"), _int(f, "version"), _bool(f, "partial")),
+    "pull": _pull_reply,
+    "push": _push_reply,
+    "heartbeat": lambda f: HeartbeatReply(_int(f, "version"), _map(f, "held")),
+    "bye": lambda f: ByeReply(f.get("dead") if isinstance(f.get("dead"), bool) else None),
+    "spull": lambda f: SPullReply(_int(f, "version")),
+    "spush": Outcome.of,
+    "sinit": lambda f: SInitReply(_bool(f, "initialized")),
+    "checkpoint": lambda f: CheckpointReply(_str(f, "path", None), _int(f, "version")),
+}
+
+
+def parse(op: Op, fields: Mapping[str, Any]) -> Body:
+    """The record of ``op`` from its ``fields`` (their types already checked against
+    the schema, protocol._check_fields); a reply's by the op it answers (None for
+    STATS and SHUTDOWN, whose fields are read as they are). Raises ProtocolError."""
+    if op is Op.REPLY:
+        make = _REPLIES.get(fields.get("re", ""))
+        return None if make is None else make(fields)
+    return _REQUESTS[op](fields)
+
+
+_SPARSE = frozenset({Op.SPULL, Op.SPUSH, Op.SINIT})
+
+
+def check_tensors(op: Op, tensors: Mapping[str, torch.Tensor]) -> None:
+    """The bounds on a request's tensors that need no table: a sparse request carries
+    at most MAX_REQUEST_ROWS row ids, all its tables together."""
+    if op not in _SPARSE:
+        return
+    rows = sum(t.numel() for k, t in tensors.items() if k.startswith("ids:"))
+    if rows > MAX_REQUEST_ROWS:
+        raise ProtocolError(ErrorCode.TOO_LARGE, f"{op.value.upper()}: {rows} row ids > the "
+                            f"limit of {MAX_REQUEST_ROWS} per request; send them in several")
