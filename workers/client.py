@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from paramserver.core.records import PushOutcome
 from paramserver.core.sharding import DTYPES, ShardPlan
 from paramserver.errors import (
     ConfigError,
@@ -38,7 +39,7 @@ from paramserver.shm.link import enabled as shm_enabled
 from paramserver.util.dtypes import GRAD_WIRE_DTYPES
 from paramserver.wire.curve import CurveKeys
 from paramserver.wire.lanes import SmallShare
-from paramserver.wire.messages import Error, HelloReply, Outcome, PullReply, replace
+from paramserver.wire.messages import Error, HelloReply, PullReply, replace
 from paramserver.wire.protocol import PROTOCOL_VERSION, Message, Op, PreparedTensors
 from paramserver.wire.transport import Channel, request_all
 from paramserver.workers.landing import land, land_over_tcp, ticket_bytes
@@ -61,8 +62,8 @@ PART_WINDOW = 2
 
 # the outcome reported for a push a shard refused because it rewound to a checkpoint
 # older than the version our gradient was read at: lost, not fatal
-_REWOUND = Outcome(accepted=False, weight=0.0, reason="server rewound", staleness=0,
-                   version=-1, applied=False, duplicate=False)
+_REWOUND = PushOutcome(accepted=False, weight=0.0, reason="server rewound", staleness=0,
+                       version=-1, applied=False)
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ class PullResult:
 
 @dataclass(frozen=True)
 class PushResult:
-    outcomes: tuple[Outcome, ...]  # per shard: accepted, weight, reason, staleness, ...
+    outcomes: tuple[PushOutcome, ...]  # per shard: accepted, weight, reason, staleness, ...
     seconds: float
     nbytes: int
 
@@ -530,7 +531,7 @@ class PSClient:
         return msgs
 
     @staticmethod
-    def _push_result(msgs: Sequence[Message], outcomes: Sequence[Outcome | None],
+    def _push_result(msgs: Sequence[Message], outcomes: Sequence[PushOutcome | None],
                      t0: float) -> PushResult:
         return PushResult(
             outcomes=tuple(_REWOUND if o is None else o for o in outcomes),

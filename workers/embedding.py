@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from paramserver.core.records import PushOutcome
 from paramserver.errors import (
     ConfigError,
     FutureVersionError,
@@ -28,7 +29,7 @@ from paramserver.errors import (
     RemoteError,
 )
 from paramserver.sparse.shard import MAX_REQUEST_ROWS, TableSpec, owned_rows, shard_of
-from paramserver.wire.messages import Error, Outcome
+from paramserver.wire.messages import Error
 from paramserver.wire.protocol import Message, Op
 from paramserver.wire.transport import request_all
 from paramserver.workers.client import PART_BYTES, PSClient
@@ -41,8 +42,8 @@ log = logging.getLogger(__name__)
 
 # the outcome reported for a SPUSH a shard refused because it rewound to a checkpoint
 # older than our read: lost, not fatal; its version 0 makes the next push read anew
-_REWOUND = Outcome(accepted=False, weight=0.0, reason="server rewound", staleness=0, version=0,
-                   duplicate=False)
+_REWOUND = PushOutcome(accepted=False, weight=0.0, reason="server rewound", staleness=0,
+                       version=0, applied=False)
 
 
 class SparseClient:
@@ -123,7 +124,7 @@ class SparseClient:
 
     def push(self, grads: dict[str, tuple[torch.Tensor, torch.Tensor]],
              read_versions: Sequence[int], num_samples: int, clock: int
-             ) -> list[Outcome]:
+             ) -> list[PushOutcome]:
         """Gradient rows {table: (ids, values)} to their shards, one SPUSH each (every
         shard gets one, empty or not: a sync round counts every worker's samples)."""
         self._push_id += 1
@@ -139,7 +140,7 @@ class SparseClient:
             "read_version": int(read_versions[s]), "num_samples": int(num_samples)}, per[s])
             for s in range(self.num_shards)]
         replies = self._ask(msgs, range(self.num_shards), "SPUSH")
-        outcomes: list[Outcome] = [r.body for r in replies]
+        outcomes: list[PushOutcome] = [r.body for r in replies]
         for s, o in enumerate(outcomes):
             self.versions[s] = o.version
         return outcomes

@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from paramserver.core.records import PushOutcome
 from paramserver.errors import ConfigError, FutureVersionError
-from paramserver.wire.messages import Outcome, PullReply, PushReply
+from paramserver.wire.messages import PullReply, PushReply
 from paramserver.wire.protocol import Message, Op
 
 if TYPE_CHECKING:
@@ -164,7 +165,7 @@ class PushStream:
             keys = [sl.key for sl in client.plan.shard_slices(shard)]
             if not take_early(final[-1], [r for r in got if _partial(r)], keys):
                 repull.add(shard)
-        outcomes: list[Outcome | None] = []
+        outcomes: list[PushOutcome | None] = []
         for rep in finals:
             body = rep.body
             if isinstance(body, PullReply):  # the push's outcome with the next weights

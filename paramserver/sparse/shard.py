@@ -372,17 +372,14 @@ class SparseShard:
     @staticmethod
     def split(tensors: Mapping[str, torch.Tensor], what: str
               ) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
-        """``ids:<table>`` and ``val:<table>`` tensors -> {table: (ids, values)}."""
+        """``ids:<table>`` and ``val:<table>`` tensors -> {table: (ids, values)}. The
+        count of ids per request is bounded where the message is decoded
+        (paramserver.wire.messages.check_tensors)."""
         out: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
-        rows = 0
-        for key, t in tensors.items():
+        for key in tensors:
             kind, _, name = key.partition(":")
             if kind not in ("ids", "val") or not name:
                 raise ProtocolError(ErrorCode.BAD_TENSOR, f"{what}: unexpected tensor {key!r}")
-            rows += t.numel() if kind == "ids" else 0
-        if rows > MAX_REQUEST_ROWS:
-            raise ProtocolError(ErrorCode.TOO_LARGE, f"{what}: {rows} row ids > the limit of "
-                                f"{MAX_REQUEST_ROWS} per request; send them in several")
         for key, ids in tensors.items():
             if key.startswith("ids:"):
                 name = key[4:]

@@ -31,13 +31,14 @@ import msgspec
 import torch
 from msgspec.structs import replace
 
+from paramserver.core.records import PushOutcome
 from paramserver.errors import ErrorCode, ProtocolError
 from paramserver.sparse.shard import MAX_REQUEST_ROWS
 
 __all__ = [
     "MAX_PARTS", "Body", "Bye", "ByeReply", "Checkpoint", "CheckpointReply", "Error",
     "Heartbeat", "HeartbeatReply", "Hello", "HelloReply", "Init", "InitReply", "Op",
-    "Outcome", "Pull", "PullReply", "Push", "PushReply", "SInit", "SInitReply", "SPull",
+    "Pull", "PullReply", "Push", "PushReply", "SInit", "SInitReply", "SPull",
     "SPullReply", "SPush", "ShmGrant", "ShmOffer", "Shutdown", "Stats", "check_tensors",
     "parse", "replace",
 ]
@@ -157,24 +158,13 @@ class Error(msgspec.Struct, frozen=True):
 
 # ---------------------------------------------------------------------- replies
 
-class Outcome(msgspec.Struct, frozen=True):
-    """A shard's answer to one push, as the worker reads it: the fields of
-    :class:`paramserver.core.records.PushOutcome` (a sparse table's outcome has no
-    ``applied``)."""
-
-    accepted: bool
-    weight: float
-    reason: str
-    staleness: int
-    version: int
-    applied: bool = False
-    duplicate: bool = False
-
-    @classmethod
-    def of(cls, f: Mapping[str, Any]) -> Outcome:
-        return cls(_bool(f, "accepted"), _float(f, "weight", 0.0), _str(f, "reason", ""),
-                   _int(f, "staleness", 0), _int(f, "version", 0), _bool(f, "applied"),
-                   _bool(f, "duplicate"))
+def _outcome(f: Mapping[str, Any]) -> PushOutcome:
+    """A shard's answer to one push, as the worker reads it: the core's own
+    :class:`~paramserver.core.records.PushOutcome`, from its fields (a sparse
+    table's outcome has no ``applied``)."""
+    return PushOutcome(_bool(f, "accepted"), _float(f, "weight", 0.0), _str(f, "reason", ""),
+                       _int(f, "staleness", 0), _int(f, "version", 0), _bool(f, "applied"),
+                       _bool(f, "duplicate"))
 
 
 class HelloReply(msgspec.Struct, frozen=True):
@@ -198,7 +188,7 @@ class PushReply(msgspec.Struct, frozen=True):
     """A PUSH answered without weights: the outcome, or a part that is not the last
     (``partial``; ``early``: the version of the next weights it carries)."""
 
-    outcome: Outcome | None
+    outcome: PushOutcome | None
     partial: bool = False
     early: int | None = None
 
@@ -211,7 +201,7 @@ class PullReply(msgspec.Struct, frozen=True):
     clock: int
     waited: float = 0.0
     shm: dict[str, Any] | None = None
-    push: Outcome | None = None
+    push: PushOutcome | None = None
     answers_push: bool = False
     early: int | None = None  # this many slices' weights came early, with the parts
     lent: int = 0  # the bytes of weights the board ticket in ``shm`` lends (0: none)
@@ -282,7 +272,7 @@ class ShmGrant(msgspec.Struct, frozen=True):
 
 
 Body = (Hello | Init | Pull | Push | Heartbeat | Bye | Stats | Checkpoint | Shutdown | SPull
-        | SPush | SInit | Error | Outcome | HelloReply | InitReply | PushReply | PullReply
+        | SPush | SInit | Error | PushOutcome | HelloReply | InitReply | PushReply | PullReply
         | HeartbeatReply | ByeReply | SPullReply | SInitReply | CheckpointReply | None)
 
 
@@ -413,13 +403,13 @@ def _push_reply(f: Mapping[str, Any]) -> PushReply | PullReply:
         push = f["push"]
         if push is not None and not isinstance(push, dict):
             raise ProtocolError(ErrorCode.BAD_FIELD, "reply: 'push' must be a map")
-        return _pull_reply(f, None if push is None else Outcome.of(push), True)
+        return _pull_reply(f, None if push is None else _outcome(push), True)
     if f.get("partial"):
         return PushReply(None, True, _int(f, "early", None))
-    return PushReply(Outcome.of(f))
+    return PushReply(_outcome(f))
 
 
-def _pull_reply(f: Mapping[str, Any], push: Outcome | None = None,
+def _pull_reply(f: Mapping[str, Any], push: PushOutcome | None = None,
                 answers_push: bool = False) -> PullReply:
     ticket = _map(f, "shm")
     return PullReply(_int(f, "version"), _int(f, "clock"), _float(f, "waited", 0.0),
@@ -438,7 +428,7 @@ _REPLIES: dict[str, Any] = {
     "heartbeat": lambda f: HeartbeatReply(_int(f, "version"), _map(f, "held")),
     "bye": lambda f: ByeReply(f.get("dead") if isinstance(f.get("dead"), bool) else None),
     "spull": lambda f: SPullReply(_int(f, "version")),
-    "spush": Outcome.of,
+    "spush": _outcome,
     "sinit": lambda f: SInitReply(_bool(f, "initialized")),
     "checkpoint": lambda f: CheckpointReply(_str(f, "path", None), _int(f, "version")),
 }
