@@ -18,6 +18,15 @@ the step reads them directly, one pass over the shard fewer. What was added
 cannot be taken back out, so a push given up half-way makes the round *void*: it
 closes without a step.
 
+The buffer is summed in one fixed order, by worker id (and by part within a
+worker), not in arrival order: float addition is not associative, and a round
+summed as it arrives makes two identical runs end apart. A part may be added as
+it comes only when every worker the round waits for with a lower id has joined
+it; otherwise the part is copied aside (:attr:`SyncRound.waiting`) and folded in
+its turn. So an out-of-order arrival costs a copy of its part until its turn, at
+most the shard's size per worker ahead of a slower one. With backup workers the
+contributors themselves depend on timing, so the round sums in arrival order.
+
 :class:`Seeding` is the bookkeeping of an INIT sent in parts: who seeds the
 weights and which parts and keys are in; which parts are taken and when the
 weights count as seeded, core.py decides.
@@ -25,7 +34,7 @@ weights count as seeded, core.py decides.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -68,8 +77,15 @@ class SyncRound:
     """The open sync round of one shard whose weights are ``params``."""
 
     def __init__(self, params: Mapping[str, torch.Tensor],
-                 layout: FlatLayout | None = None) -> None:
+                 layout: FlatLayout | None = None,
+                 roster: Callable[[], Collection[int]] | None = None) -> None:
         self.params = params
+        # the workers the round waits for, whose ids set the order of the sum
+        # (None: sum in arrival order, see the module's docstring)
+        self.roster = roster
+        # worker -> its parts that came before their turn: (gradients, factor)
+        self.waiting: dict[int, list[tuple[dict[str, torch.Tensor], float]]] = {}
+        self.turn: set[int] = set()  # workers whose parts are added as they come
         # with a layout the buffer is one flat buffer per dtype, the slices views into it
         self.layout = layout
         self.agg_flats: dict[torch.dtype, torch.Tensor] = {}
@@ -97,8 +113,27 @@ class SyncRound:
             self.opened = now
 
     def in_flight(self) -> bool:
-        """Whether a push in the making has parts in the buffer already."""
-        return any(s.added for s in self.streams.values())
+        """Whether a push in the making has parts in the buffer already (or set
+        aside for their turn)."""
+        return (any(s.added for s in self.streams.values())
+                or any(w not in self.members for w in self.waiting))
+
+    def saved_sums(self) -> Mapping[str, torch.Tensor]:
+        """The round's sums with every joined worker's parts in, for a snapshot: the
+        buffer itself, or a copy with the parts still set aside added in their order
+        (the live round keeps its order)."""
+        joined = sorted(w for w in self.waiting if w in self.members)
+        if not joined:
+            return self.agg
+        scratch = SyncRound(self.params)
+        scratch._allocate()
+        for key in self.written:
+            scratch.agg[key].copy_(self.agg[key])
+        scratch.written = set(self.written)
+        for worker in joined:
+            for grads, alpha in self.waiting[worker]:
+                scratch._add(grads, alpha, False)
+        return scratch.agg
 
     def add(self, stream: Stream, grads: Mapping[str, torch.Tensor], alpha: float,
             borrow: bool = False) -> None:
@@ -108,7 +143,48 @@ class SyncRound:
         close on its last part): a key nobody wrote yet keeps a reference to the
         pushed tensor instead of a copy (:attr:`held`), valid while its push is being
         handled. :meth:`settle` copies what is held if the round stays open after
-        that; a second contributor's part settles its key first."""
+        that; a second contributor's part settles its key first.
+
+        A part that comes before its turn (:meth:`_my_turn`) is copied aside and
+        added by :meth:`fold`, with the same arithmetic, when its turn comes."""
+        worker = stream.info.worker
+        if not self._my_turn(worker):
+            self.waiting.setdefault(worker, []).append(
+                ({key: g.clone() for key, g in grads.items()}, alpha))
+            return
+        self._add(grads, alpha, borrow)
+        stream.added = True
+
+    def _my_turn(self, worker: int) -> bool:
+        """Whether ``worker``'s parts may be added now: every worker the round waits
+        for with a lower id has joined it (or the round sums in arrival order)."""
+        if self.roster is None or worker in self.turn:
+            return True
+        if worker in self.waiting:
+            return False
+        if any(w < worker and w not in self.members for w in self.roster()):
+            return False
+        self.turn.add(worker)
+        return True
+
+    def fold(self, every: bool = False) -> None:
+        """Add the parts set aside whose turn has come, lowest worker id first
+        (``every``: all of them, in that order: the round closes, or is saved)."""
+        for worker in sorted(self.waiting):
+            if not (every or self._lower_joined(worker)):
+                break
+            stream = self.streams.get(worker)
+            for grads, alpha in self.waiting.pop(worker):
+                self._add(grads, alpha, False)
+            self.turn.add(worker)
+            if stream is not None:
+                stream.added = True
+
+    def _lower_joined(self, worker: int) -> bool:
+        assert self.roster is not None
+        return all(w >= worker or w in self.members for w in self.roster())
+
+    def _add(self, grads: Mapping[str, torch.Tensor], alpha: float, borrow: bool) -> None:
         for key, g in grads.items():
             if key in self.held:
                 self._settle(key)
@@ -125,7 +201,6 @@ class SyncRound:
                     if alpha != 1.0:
                         buf.mul_(alpha)
         self.written.update(grads)
-        stream.added = True
 
     def _buffer(self, key: str) -> torch.Tensor:
         if not self.agg:
@@ -175,9 +250,12 @@ class SyncRound:
         self.samples += samples
         if samples > 0:
             self.accepted += 1
+        if self.waiting:
+            self.fold()
 
     def give_up(self, stream: Stream) -> bool:
         """``stream`` will not be completed; True when that made the round void now."""
+        self.waiting.pop(stream.info.worker, None)  # set aside: never added
         if stream.added and not self.void:
             self.void = True
             self.held.clear()  # never stepped: let the pushed tensors go
@@ -198,6 +276,7 @@ class SyncRound:
         later event, wedging the shard."""
         stepped = False
         try:
+            self.fold(every=True)  # a worker the round waited for did not come
             if self.void:
                 self.voided += 1
                 self.dropped += 1
@@ -223,6 +302,8 @@ class SyncRound:
             self.samples = 0
             self.accepted = 0
             self.written.clear()
+            self.waiting.clear()
+            self.turn.clear()
             self.void = False
         return stepped
 

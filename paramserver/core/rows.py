@@ -43,8 +43,9 @@ class RowTable(Protocol):
     def apply(self, push: RowPush, scale: float) -> None:
         """One step on the push's rows, the learning rate scaled by ``scale``."""
 
-    def hold(self, push: RowPush, factor: float) -> None:
-        """Add ``factor`` times the push's rows to the open sync round."""
+    def hold(self, worker: int, push: RowPush, factor: float) -> None:
+        """Add ``factor`` times ``worker``'s push's rows to the open sync round (summed
+        by worker id at its close, not in arrival order)."""
 
     def close_round(self, divisor: float) -> None:
         """One step on the open round's sums divided by ``divisor``."""
@@ -132,7 +133,7 @@ class RowRules:
             ledger.outcome = rules.refused(reason, tau, table.version)
         elif self.mode.mode == Mode.SYNC:
             if decision.accept:
-                table.hold(rows, num_samples * decision.weight)
+                table.hold(worker, rows, num_samples * decision.weight)
                 self.round.samples += num_samples
             self.round.members[worker] = _Member(decision, token, clock)
             self.close(table)

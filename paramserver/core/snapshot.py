@@ -55,7 +55,7 @@ def save(core: ShardCore) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
             else:
                 opt_meta["state"][str(index)][name] = value
     sync = core.round
-    for key, buf in sync.agg.items():
+    for key, buf in sync.saved_sums().items():
         tensors[f"agg/{key}"] = buf
     for worker, snap in core.read_weights.items():
         for key, t in snap.items():

@@ -287,10 +287,21 @@ class RowPush:
 
 @dataclass
 class _Held:
-    """The open sync round's rows: per table, positions and weighted values."""
+    """The open sync round's rows: per worker, per table, positions and weighted
+    values (summed by worker id, so that a seed gives the same rows bit for bit)."""
 
-    rows: dict[str, list[torch.Tensor]] = field(default_factory=dict)
-    values: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    rows: dict[int, dict[str, list[torch.Tensor]]] = field(default_factory=dict)
+    values: dict[int, dict[str, list[torch.Tensor]]] = field(default_factory=dict)
+
+    def ordered(self) -> dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]]:
+        """Per table, every worker's positions and values, lowest worker id first."""
+        out: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for worker in sorted(self.rows):
+            for name, pos in self.rows[worker].items():
+                rows, values = out.setdefault(name, ([], []))
+                rows += pos
+                values += self.values[worker][name]
+        return out
 
 
 class SparseShard:
@@ -486,20 +497,21 @@ class SparseShard:
         """One step on ``push``'s rows, the learning rate scaled by ``scale``."""
         self._step(push.steps, scale)
 
-    def hold(self, push: RowPush, factor: float) -> None:
-        """Add ``factor`` times ``push``'s rows to the open sync round."""
+    def hold(self, worker: int, push: RowPush, factor: float) -> None:
+        """Add ``factor`` times ``worker``'s ``push``'s rows to the open sync round."""
+        rows = self.held.rows.setdefault(worker, {})
+        held = self.held.values.setdefault(worker, {})
         for name, pos, values in push.steps:
-            self.held.rows.setdefault(name, []).append(pos)
-            self.held.values.setdefault(name, []).append(values * factor)
+            rows.setdefault(name, []).append(pos)
+            held.setdefault(name, []).append(values * factor)
 
     def close_round(self, divisor: float) -> None:
         """One step on the open round's summed rows divided by ``divisor`` (the
         round's sample count: the sums become the sample-weighted mean)."""
         steps = []
-        for name, rows in self.held.rows.items():
+        for name, (rows, values) in self.held.ordered().items():
             t = self.tables[name]
-            g = torch.sparse_coo_tensor(torch.cat(rows).unsqueeze(0),
-                                        torch.cat(self.held.values[name]),
+            g = torch.sparse_coo_tensor(torch.cat(rows).unsqueeze(0), torch.cat(values),
                                         t.weight.shape, check_invariants=False).coalesce()
             steps.append((name, g.indices()[0], g.values() / divisor))
         self._step(steps, 1.0)
