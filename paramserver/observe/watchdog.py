@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from paramserver.errors import ConfigError
+from paramserver.wire.stats import AlarmEntry
 
 __all__ = [
     "ACTIONS",
@@ -211,6 +212,11 @@ class Alarm:
     #: about the model's own state, so --on-divergence acts on it (DIVERGENCE); False:
     #: a peer's fault or the server's own, reported and counted only
     divergence: bool = False
+
+    def entry(self) -> AlarmEntry:
+        """As STATS lists it and an ``alarm`` event writes it."""
+        return AlarmEntry(self.signal, self.shard, self.worker, self.version,
+                          dict(self.figures), self.message)
 
     def as_dict(self) -> dict[str, Any]:
         return {"signal": self.signal, "shard": self.shard, "worker": self.worker,

@@ -54,7 +54,14 @@ from paramserver.util.proctitle import set_title
 from paramserver.wire.curve import CurveKeys
 from paramserver.wire.messages import Checkpoint, Init, Pull, Push, SInit, SPull, SPush, replace
 from paramserver.wire.protocol import Message, Op, decode, error_reply, reply
-from paramserver.wire.stats import fit
+from paramserver.wire.stats import (
+    CoreStats,
+    ShardStats,
+    SparseStats,
+    Unplanned,
+    fields,
+    fit,
+)
 from paramserver.wire.transport import RouterSocket
 
 __all__ = ["DIVERGED_EXIT_CODE", "READY_PREFIX", "ServerConfig", "ShardServer", "run_server"]
@@ -658,7 +665,7 @@ class ShardServer(PeerOps):
         return reply(msg, initialized=done)
 
     def _on_stats(self, msg: Message, identity: bytes) -> Message:
-        return reply(msg, **self.stats())
+        return reply(msg, **fields(self.stats()))
 
     def _on_checkpoint(self, msg: Message, identity: bytes) -> Message:
         # a peer may only choose a place inside the configured checkpoint
@@ -687,27 +694,25 @@ class ShardServer(PeerOps):
         Op.SINIT: _on_sinit,
     }
 
-    def stats(self) -> dict[str, Any]:
-        base: dict[str, Any] = {
-            "shard": self.config.shard,
-            "num_shards": self.config.num_shards,
-            "address": self.address,
-            "uptime": time.time() - self.started_at,
-            "counters": dict(self.counters),
-            "metrics_port": self.metrics_port,
-            "measured_one_in": self.measure_budget.level,
-            "observed": self.observer.summary(),
-        }
-        if self.core is not None:
-            base.update(self.core.stats())
+    def stats(self) -> ShardStats:
+        core = self.core
+        figures: CoreStats | Unplanned
+        sparse: SparseStats | None = None
+        if core is not None:
+            figures = core.stats()
+            # each listed worker with the host and pid its HELLO named
+            figures = replace(figures, workers={
+                key: w if (peer := self.peers.get(int(key))) is None
+                else replace(w, host=peer.get("host"), pid=peer.get("pid"))
+                for key, w in figures.workers.items()})
             if self.sparse is not None:
-                base["sparse"] = self.sparse.stats()
-            for key, row in base["workers"].items():
-                row.update(self.peers.get(int(key), {}))
+                sparse = SparseStats.of(self.sparse.stats())
         else:
-            base.update(mode=self.config.mode_spec().describe(), version=0, workers={},
-                        initialized=False, policy=self.policy.describe())
-        return fit(base)  # bounded, so that the reply decodes (wire.stats.fit)
+            figures = Unplanned(self.config.mode_spec().describe(), self.policy.describe())
+        stats = ShardStats(self.config.shard, self.config.num_shards, self.address,
+                           time.time() - self.started_at, dict(self.counters), self.metrics_port,
+                           self.measure_budget.level, self.observer.summary(), figures, sparse)
+        return fit(stats)  # bounded, so that the reply decodes (wire.stats.fit)
 
 
 def _own_process(server: ShardServer) -> None:
