@@ -4,6 +4,8 @@ a reply out of bounds is refused at the wire."""
 
 from __future__ import annotations
 
+import io
+import json
 import math
 import threading
 import time
@@ -14,7 +16,9 @@ from typing import Any
 import msgpack
 import pytest
 import torch
+from click.testing import CliRunner
 
+from paramserver.cli.status import status
 from paramserver.core.probe import l2
 from paramserver.core.records import STATS_WORKERS
 from paramserver.core.sharding import ShardPlan
@@ -24,6 +28,7 @@ from paramserver.server.loop import ShardServer
 from paramserver.wire.protocol import Message, Op, decode, encode
 from paramserver.wire.stats import CoreStats, ShardStats, Unplanned, fields
 from paramserver.wire.stats import decode as decode_stats
+from paramserver.wire.transport import Channel, SideChannel
 from paramserver.workers.admin import server_stats
 from paramserver.workers.client import PSClient
 
@@ -184,3 +189,47 @@ def test_a_stats_reply_out_of_bounds_is_refused_at_the_wire() -> None:
         with pytest.raises(ProtocolError, match="stats reply"):
             decode_stats(bad)
     assert time.monotonic() - started < 5
+
+
+def test_status_json_prints_the_reply_map_as_before() -> None:
+    """``paramserver status --json``: the STATS reply's map as the wire carried it
+    (``re`` first, then every key in its order), as when it printed the raw fields."""
+    with _shard(mode="ssp", staleness_bound=1) as server:
+        _train(server.address, workers=2, steps=2)
+        channel: Channel[SideChannel] = Channel(server.address, peer="shard 0")
+        try:
+            raw = channel.request(Message(Op.STATS), 10).fields  # what status printed
+        finally:
+            channel.close()
+        result = CliRunner().invoke(status, ["--servers", server.address, "--json"])
+    assert result.exit_code == 0, result.output
+    (printed,) = json.loads(result.stdout)
+    assert list(printed) == list(raw) and printed["re"] == "stats"
+    moving = ("uptime", "counters")  # a second STATS: later, one more message counted
+    assert {k: v for k, v in printed.items() if k not in moving} == \
+        json.loads(json.dumps({k: v for k, v in raw.items() if k not in moving}))
+
+
+def test_launch_shows_one_line_per_alarm_episode() -> None:
+    """The launcher's alarm lines read the alarm's record: the same loss episode seen
+    by two shards is one line, another episode or signal another."""
+    from rich.console import Console
+
+    from paramserver.cli.launch import _AlarmLines
+
+    out = Console(file=io.StringIO(), width=200, color_system=None)
+    lines = _AlarmLines(out)
+
+    def event(shard: int, signal: str, episode: int) -> dict[str, Any]:
+        return {"t": 1.0, "event": "alarm", "process": f"server{shard}", "signal": signal,
+                "shard": shard, "worker": None, "version": 40 + shard,
+                "figures": {"loss": 2.5, "episode": episode},
+                "message": f"[{signal}] shard {shard}: episode {episode}"}
+
+    for e in (event(0, "loss_stalled", 1), event(1, "loss_stalled", 1),
+              event(1, "loss_stalled", 2), event(0, "loss_rising", 1)):
+        lines(e)
+    text = out.file.getvalue()
+    assert text.count("ALARM") == 3, text
+    assert "shard 0: episode 1" in text and "shard 1: episode 1" not in text
+    assert "shard 1: episode 2" in text and "[loss_rising] shard 0" in text
