@@ -11,12 +11,13 @@ and their bounds are what a reader may rely on once the wire decoded them.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import msgspec
 
 from paramserver.core.probe import l2
 from paramserver.core.records import MAX_REASONS, STATS_WORKERS, WorkerState
+from paramserver.util.jsontypes import JSONObject
 
 if TYPE_CHECKING:  # core imports this module to report itself
     from paramserver.core.shard import ShardCore
@@ -101,9 +102,9 @@ class CoreStats(msgspec.Struct, frozen=True):
     workers_listed: Count
     workers_evicted: Count
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         """As the STATS map lists these figures, JSON-able (a simulated run's result.json)."""
-        out: dict[str, Any] = msgspec.to_builtins(self)
+        out: JSONObject = msgspec.to_builtins(self)
         return out
 
 

@@ -42,7 +42,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from paramserver.errors import ConfigError
-from paramserver.wire.stats import AlarmEntry
+from paramserver.util.jsontypes import JSONObject
+from paramserver.wire.stats import AlarmEntry, Figure
 
 __all__ = [
     "ACTIONS",
@@ -206,7 +207,7 @@ class Alarm:
     signal: str
     shard: int | None
     worker: int | None
-    figures: Mapping[str, Any]
+    figures: Mapping[str, Figure]
     message: str
     version: int | None = None  # the shard version when it fired
     #: about the model's own state, so --on-divergence acts on it (DIVERGENCE); False:
@@ -218,9 +219,10 @@ class Alarm:
         return AlarmEntry(self.signal, self.shard, self.worker, self.version,
                           dict(self.figures), self.message)
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> JSONObject:
+        """As an ``alarm`` event writes it (the keys of :meth:`entry`)."""
         return {"signal": self.signal, "shard": self.shard, "worker": self.worker,
-                "version": self.version, "figures": dict(self.figures),
+                "version": self.version, "figures": dict(self.figures.items()),
                 "message": self.message}
 
 
@@ -320,7 +322,7 @@ class Watchdog:
         return self.config.enabled and signal not in self.config.disable
 
     def _fire(self, out: list[Alarm], signal: str, worker: int | None,
-              figures: Mapping[str, Any], message: str, *, episodic: bool = False,
+              figures: Mapping[str, Figure], message: str, *, episodic: bool = False,
               divergence: bool | None = None) -> None:
         """``episodic``: the rule itself fires once per episode; no cooldown on top.
         ``divergence``: whether --on-divergence acts on it (None: ``signal in DIVERGENCE``)."""

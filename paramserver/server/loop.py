@@ -59,7 +59,7 @@ from paramserver.wire.stats import (
     ShardStats,
     SparseStats,
     Unplanned,
-    fields,
+    answer,
     fit,
 )
 from paramserver.wire.transport import RouterSocket
@@ -665,7 +665,7 @@ class ShardServer(PeerOps):
         return reply(msg, initialized=done)
 
     def _on_stats(self, msg: Message, identity: bytes) -> Message:
-        return reply(msg, **fields(self.stats()))
+        return answer(msg, self.stats())
 
     def _on_checkpoint(self, msg: Message, identity: bytes) -> Message:
         # a peer may only choose a place inside the configured checkpoint

@@ -20,12 +20,13 @@ from msgspec.structs import replace
 
 from paramserver.core.report import CoreStats, Count, WorkerStats
 from paramserver.errors import ErrorCode, ProtocolError
-from paramserver.wire.protocol import MAX_HEADER_BYTES
+from paramserver.util.jsontypes import JSONObject
+from paramserver.wire.protocol import MAX_HEADER_BYTES, Message, Op
 
 __all__ = [
-    "ALARMS_LISTED", "STATS_BYTES", "AlarmEntry", "CoreStats", "LastPush", "ObservedStats",
-    "ShardStats", "SparseStats", "StepFigures", "TableStats", "Unplanned", "WorkerStats",
-    "decode", "fields", "fit",
+    "ALARMS_LISTED", "STATS_BYTES", "AlarmEntry", "CoreStats", "Figure", "LastPush",
+    "ObservedStats", "ShardStats", "SparseStats", "StepFigures", "TableStats", "Unplanned",
+    "WorkerStats", "answer", "decode", "fields", "fit",
 ]
 
 #: what a STATS reply's fields may take of a header (the decoder refuses one over
@@ -153,7 +154,7 @@ class ShardStats(msgspec.Struct, frozen=True):
         """The core's figures (None: no plan yet)."""
         return self.core if isinstance(self.core, CoreStats) else None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         """The reply's map as the wire carried it (``re`` first), JSON-able: what
         ``paramserver status --json`` prints and result.json keeps."""
         return {"re": "stats", **fields(self)}
@@ -163,10 +164,10 @@ _SERVER = ("shard", "num_shards", "address", "uptime", "counters", "metrics_port
            "measured_one_in", "observed")
 
 
-def fields(stats: ShardStats) -> dict[str, Any]:
+def fields(stats: ShardStats) -> JSONObject:
     """The STATS reply's map of ``stats``: the server's figures, then the core's (or an
     unplanned shard's few), then the sparse tables', in the order they always had."""
-    out: dict[str, Any] = {k: msgspec.to_builtins(getattr(stats, k)) for k in _SERVER}
+    out: JSONObject = {k: msgspec.to_builtins(getattr(stats, k)) for k in _SERVER}
     if isinstance(stats.core, CoreStats):
         out.update(msgspec.to_builtins(stats.core))  # ("shard" keeps its place, first)
     else:
@@ -189,6 +190,11 @@ class _Head(msgspec.Struct, frozen=True):
     measured_one_in: Count
     observed: ObservedStats
     sparse: SparseStats | None = None
+
+
+def answer(request: Message, stats: ShardStats) -> Message:
+    """The REPLY to a STATS ``request``: ``re``, then the fields of ``stats``."""
+    return Message(Op.REPLY, request.seq, {"re": request.op.value, **fields(stats)})
 
 
 def decode(f: Mapping[str, Any]) -> ShardStats:
