@@ -183,8 +183,14 @@ def test_a_stats_reply_out_of_bounds_is_refused_at_the_wire() -> None:
     started = time.monotonic()
     assert decode_stats(good).to_dict() == {"re": "stats", **good}
     bad_worker = {**good["workers"]["0"], "clock": -1}
+    alarm = {"signal": "s", "shard": 0, "worker": None, "version": 1, "figures": {"x": 1.5},
+             "message": "m"}
+    assert len(decode_stats({**good, "observed": {**good["observed"], "alarms": [alarm] * 20}}
+                            ).observed.alarms) == 20
     for bad in ({**good, "version": -3}, {**good, "workers": {"0": bad_worker}},
-                {**good, "observed": {**good["observed"], "alarms": [good["observed"]] * 21}},
+                {**good, "observed": {**good["observed"], "alarms": [alarm] * 21}},
+                {**good, "observed": {**good["observed"], "workers": {
+                    str(w): {"staleness": 0} for w in range(STATS_WORKERS + 1)}}},
                 {**good, "mode": 7}):
         with pytest.raises(ProtocolError, match="stats reply"):
             decode_stats(bad)

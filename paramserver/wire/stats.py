@@ -18,8 +18,10 @@ import msgpack
 import msgspec
 from msgspec.structs import replace
 
+from paramserver.core.records import STATS_WORKERS
 from paramserver.core.report import CoreStats, Count, WorkerStats
 from paramserver.errors import ErrorCode, ProtocolError
+from paramserver.sparse.shard import STATS_TABLES
 from paramserver.util.jsontypes import JSONObject
 from paramserver.wire.protocol import MAX_HEADER_BYTES, Message, Op
 
@@ -80,7 +82,8 @@ class ObservedStats(msgspec.Struct, frozen=True):
     """The shard's observer: the last step, each listed worker's last push, alarms."""
 
     step: StepFigures = StepFigures()
-    workers: dict[str, LastPush] = {}
+    #: the workers the reply lists (fit() leaves out the others')
+    workers: Annotated[dict[str, LastPush], msgspec.Meta(max_length=STATS_WORKERS)] = {}
     alarms: Annotated[list[AlarmEntry], msgspec.Meta(max_length=ALARMS_LISTED)] = []
     alarm_count: Count = 0
 
@@ -97,7 +100,7 @@ class SparseStats(msgspec.Struct, frozen=True):
     version: Count
     rounds: Count
     built: bool
-    tables: dict[str, TableStats]
+    tables: Annotated[dict[str, TableStats], msgspec.Meta(max_length=STATS_TABLES)]
     tables_count: Count
 
     @classmethod
