@@ -28,7 +28,7 @@ from paramserver.wire.protocol import MAX_HEADER_BYTES, Message, Op
 __all__ = [
     "ALARMS_LISTED", "STATS_BYTES", "AlarmEntry", "CoreStats", "Figure", "LastPush",
     "ObservedStats", "ShardStats", "SparseStats", "StepFigures", "TableStats", "Unplanned",
-    "WorkerStats", "answer", "decode", "fields", "fit",
+    "WorkerStats", "answer", "decode", "fields", "fit", "heard",
 ]
 
 #: what a STATS reply's fields may take of a header (the decoder refuses one over
@@ -193,6 +193,15 @@ class _Head(msgspec.Struct, frozen=True):
     measured_one_in: Count
     observed: ObservedStats
     sparse: SparseStats | None = None
+
+
+def heard(core: CoreStats, peers: Mapping[int, Mapping[str, Any]]) -> CoreStats:
+    """``core``'s figures with each listed worker's host and pid as its HELLO named
+    them (``peers``: the server's, by worker id)."""
+    return replace(core, workers={
+        key: w if (peer := peers.get(int(key))) is None
+        else replace(w, host=peer.get("host"), pid=peer.get("pid"))
+        for key, w in core.workers.items()})
 
 
 def answer(request: Message, stats: ShardStats) -> Message:
