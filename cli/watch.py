@@ -47,9 +47,10 @@ def health_table(stats: Sequence[ShardStats]) -> Table:
         core = s.figures  # None: no plan yet
         step = s.observed.step
         alarms = s.observed.alarm_count
-        lr = step.lr if step.lr is not None or core is None else core.lr
-        norm = step.weight_norm if step.weight_norm is not None or core is None \
-            else core.weight_norm
+        # the last step's, else (none yet) the core's own
+        lr = step.lr if step.lr is not None else core.lr if core else None
+        norm = step.weight_norm if step.weight_norm is not None else \
+            core.weight_norm if core else None
         table.add_row(
             str(s.shard), s.mode, str(s.version),
             str(len(core.live_workers) if core else 0), str(core.min_clock if core else "-"),
