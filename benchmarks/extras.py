@@ -78,7 +78,7 @@ def _window(workers: list[Agent], pids: list[int], shard_pids: list[int], second
 
 def _versions(addrs: list[str]) -> float:
     """The versions of these shards, summed: the pushes they applied."""
-    return float(sum(st["version"] for st in server_stats(addrs)))
+    return float(sum(st.version for st in server_stats(addrs)))
 
 
 def run_async(workers: int = 4, shards: tuple[int, ...] = (1, 2, 4), nbytes: int = 4096,

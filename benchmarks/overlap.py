@@ -170,9 +170,9 @@ def run(args: dict[str, Any], announce: Any) -> dict[str, Any]:
             out[name] = _median_step(fn, steps, repeats, device)
         out["tcp"] = tcp
         stats = client.stats()[0]
-        counters = stats.get("counters", {})
-        out["rounds_ahead"] = int(stats.get("rounds_ahead", 0))
-        out["ahead_found_busy"] = int(stats.get("ahead_found_busy", 0))
+        counters, core = stats.counters, stats.figures
+        out["rounds_ahead"] = core.rounds_ahead if core else 0
+        out["ahead_found_busy"] = core.ahead_found_busy if core else 0
         # how many parts came back with their next weights, and rounds that used them
         out["early_parts"] = int(counters.get("early_parts", 0))
         out["early_answers"] = int(counters.get("early_answers", 0))

@@ -45,6 +45,7 @@ from rich.table import Table
 from paramserver.errors import ConfigError, RequestTimeoutError
 from paramserver.observe.events import read_events
 from paramserver.server.loop import ServerConfig
+from paramserver.wire.stats import ShardStats
 from paramserver.workers.admin import server_stats
 from paramserver.workers.launch.cluster import ClusterSpec, LocalCluster
 from paramserver.workers.stragglers import StragglerSpec
@@ -133,7 +134,7 @@ def run_soak(cfg: SoakConfig, on_sample: Any = None) -> dict[str, Any]:
                 "t": now - t0,
                 "server_rss": [rss_of(pid) for pid in server_pids],
                 "worker_rss": [rss_of(p.popen.pid) for p in cluster.workers],
-                "versions": [s["version"] for s in stats],
+                "versions": [s.version for s in stats],
                 "steps": {str(r): n for r, n in sorted(progress.steps.items())},
             }
             samples.append(sample)
@@ -151,7 +152,7 @@ def run_soak(cfg: SoakConfig, on_sample: Any = None) -> dict[str, Any]:
                 proc.popen.wait()
         # STATS is answered after every message that arrived before it, on each connection
         # of its own; give pushes already in the sockets a moment to be handled
-        final = _settled_stats(addresses)
+        final = [s.to_dict() for s in _settled_stats(addresses)]
     logged = {r: len(read_events(out / "events" / f"worker{r}.jsonl", "step"))
               for r in range(cfg.workers)}
     result = {"config": dataclasses.asdict(cfg), "samples": samples, "final": final,
@@ -170,15 +171,15 @@ def _check_alive(cluster: LocalCluster) -> None:
                                f"see {proc.log_path}")
 
 
-def _settled_stats(addresses: list[str]) -> list[dict[str, Any]]:
+def _settled_stats(addresses: list[str]) -> list[ShardStats]:
     """Server STATS once two readings a second apart agree (nothing left in flight)."""
     previous = server_stats(addresses, timeout=30.0)
     for _ in range(30):
         time.sleep(1.0)  # a reading interval, not a synchronisation
         current = server_stats(addresses, timeout=30.0)
-        if [s["version"] for s in current] == [s["version"] for s in previous] and all(
-                {w: v["pushes"] for w, v in c["workers"].items()}
-                == {w: v["pushes"] for w, v in p["workers"].items()}
+        if [s.version for s in current] == [s.version for s in previous] and all(
+                {w: v.pushes for w, v in c.workers.items()}
+                == {w: v.pushes for w, v in p.workers.items()}
                 for c, p in zip(current, previous, strict=True)):
             return current
         previous = current

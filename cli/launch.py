@@ -120,11 +120,14 @@ class _AlarmLines:
         self.console = console
         self.shown: set[tuple[Any, ...]] = set()
 
-    def __call__(self, alarm: dict[str, Any]) -> None:
-        figures = alarm.get("figures") or {}
+    def __call__(self, event: dict[str, Any]) -> None:
+        from paramserver.wire.stats import AlarmEntry
+
+        alarm = AlarmEntry.of(event)
+        figures = alarm.figures
         where = ("episode", figures["episode"]) if "episode" in figures else (
-            "shard", alarm.get("shard"), alarm.get("version"))
-        key = (alarm.get("signal"), alarm.get("worker"), *where)
+            "shard", alarm.shard, alarm.version)
+        key = (alarm.signal, alarm.worker, *where)
         if key in self.shown:
             return
         self.shown.add(key)

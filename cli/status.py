@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from collections.abc import Mapping
 
 import click
 from rich.console import Console, Group
@@ -13,6 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from paramserver.errors import RemoteError, RequestTimeoutError, TransportError
+from paramserver.wire.stats import ShardStats, WorkerStats
 from paramserver.workers.admin import server_stats
 
 from . import options
@@ -37,27 +38,24 @@ changes nothing. Exit code 1 if a shard did not answer within --timeout.
 """
 
 
-def _worker_cell(workers: dict[str, Any]) -> str:
+def _worker_cell(workers: Mapping[str, WorkerStats]) -> str:
     cells = []
     for wid, w in sorted(workers.items(), key=lambda kv: int(kv[0])):
-        state = "" if w["live"] else (" done" if w["finished"] else " dead")
-        cells.append(f"w{wid}:{w['clock']}{state}")
+        state = "" if w.live else (" done" if w.finished else " dead")
+        cells.append(f"w{wid}:{w.clock}{state}")
     return " ".join(cells) or "-"
 
 
-def _counts(workers: dict[str, Any]) -> tuple[int, int, int]:
-    applied = sum(w["applied"] for w in workers.values())
-    rejected = sum(sum(w["rejected"].values()) for w in workers.values())
-    # exact where the shard says it; the histogram's keys are buckets above 15
-    stale = max((w.get("staleness_max", max((int(t) for t, n in w["staleness"].items() if n),
-                                            default=0)) for w in workers.values()),
-                default=0)
+def _counts(workers: Mapping[str, WorkerStats]) -> tuple[int, int, int]:
+    applied = sum(w.applied for w in workers.values())
+    rejected = sum(sum(w.rejected.values()) for w in workers.values())
+    stale = max((w.staleness_max for w in workers.values()), default=0)  # exact
     return applied, rejected, stale
 
 
-def collect(addresses: list[str], timeout: float) -> tuple[list[dict[str, Any] | None], list[str]]:
+def collect(addresses: list[str], timeout: float) -> tuple[list[ShardStats | None], list[str]]:
     """Each shard's statistics (None where it did not answer) and the problems, in words."""
-    rows: list[dict[str, Any] | None] = []
+    rows: list[ShardStats | None] = []
     problems = []
     for i, address in enumerate(addresses):
         try:
@@ -70,8 +68,8 @@ def collect(addresses: list[str], timeout: float) -> tuple[list[dict[str, Any] |
             problem = str(exc)
         else:
             rows.append(row)
-            if row["shard"] != i:
-                problems.append(f"{address} is shard {row['shard']}, but was given in place {i}: "
+            if row.shard != i:
+                problems.append(f"{address} is shard {row.shard}, but was given in place {i}: "
                                 "give the addresses in shard order")
             continue
         rows.append(None)
@@ -79,7 +77,7 @@ def collect(addresses: list[str], timeout: float) -> tuple[list[dict[str, Any] |
     return rows, problems
 
 
-def render(addresses: list[str], rows: list[dict[str, Any] | None],
+def render(addresses: list[str], rows: list[ShardStats | None],
            problems: list[str], console: Console) -> Group:
     """The shards' table, then per shard and per worker figures: fitted to ``console``,
     never cutting an address or a figure."""
@@ -93,16 +91,14 @@ def render(addresses: list[str], rows: list[dict[str, Any] | None],
         if row is None:
             table.add_row(str(i), address, "[red]no reply[/red]", *["-"] * 8)
             continue
-        applied, rejected, stale = _counts(row["workers"])
-        observed = row.get("observed") or {}
-        alarms = observed.get("alarms") or []
+        applied, rejected, stale = _counts(row.workers)
+        alarms = row.observed.alarms
         if alarms:
-            notes.append(f"shard {row['shard']}: last alarm: "
-                         f"{alarms[-1].get('message', alarms[-1])}")
-        table.add_row(str(row["shard"]), address, str(row["mode"]), str(row["policy"]),
-                      str(row["version"]), _worker_cell(row["workers"]), str(applied),
-                      str(rejected), str(stale), str(row.get("pending_pulls", 0)),
-                      str(observed.get("alarm_count", "-")))
+            notes.append(f"shard {row.shard}: last alarm: {alarms[-1].message}")
+        core = row.figures  # None: no plan yet
+        table.add_row(str(row.shard), address, row.mode, row.policy, str(row.version),
+                      _worker_cell(row.workers), str(applied), str(rejected), str(stale),
+                      str(core.pending_pulls if core else 0), str(row.observed.alarm_count))
     answered = [row for row in rows if row is not None]
     figures = [health_table(answered), worker_table(answered)] if answered else []
     return Group(*(keep_figures(t, console, whole=("address", "host:pid"))
@@ -142,7 +138,8 @@ def status(servers: tuple[tuple[str, ...], ...], timeout: float, as_json: bool, 
                 return
     rows, problems = collect(addresses, timeout)
     if as_json:
-        click.echo(json.dumps([r if r is not None else {"address": a, "error": "no reply"}
+        click.echo(json.dumps([r.to_dict() if r is not None
+                               else {"address": a, "error": "no reply"}
                                for r, a in zip(rows, addresses, strict=True)], indent=2))
     else:
         console.print(render(addresses, rows, [] if problems else problems, console))

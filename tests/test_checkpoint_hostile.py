@@ -321,7 +321,7 @@ def test_a_shard_fed_overflowing_pushes_keeps_finite_weights_and_a_resumable_che
             client.close()
         assert all(all_finite(p) for p in params.values())
         stats = server_stats([address])[0]
-        assert stats["steps_refused"] > 0 and version == 12 - stats["steps_refused"]
+        assert stats.core.steps_refused > 0 and version == 12 - stats.core.steps_refused
         assert shutdown_servers([address]) == []
         assert proc.wait(timeout=60) == 0
     # every checkpoint kept holds finite weights, and the newest resumes
@@ -345,7 +345,7 @@ def test_a_rerun_without_resume_does_not_take_over_the_checkpoints(tmp_path: Pat
             _train(client, 0.01, 3, clock)
         finally:
             client.close()
-        assert server_stats([address])[0]["version"] == 3
+        assert server_stats([address])[0].version == 3
         assert load_shard(ckpt, 0)[1]["version"] == 3  # checkpoint_every 1: written
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
@@ -365,14 +365,14 @@ def test_a_rerun_without_resume_does_not_take_over_the_checkpoints(tmp_path: Pat
     assert _digest(ckpt / "shard0") == before
     # told to resume: it says so and serves from version 3
     with _server([*cmd, "--resume", str(ckpt)]) as (proc, address):
-        assert server_stats([address])[0]["version"] == 3
+        assert server_stats([address])[0].version == 3
         assert shutdown_servers([address]) == []
         _, err = proc.communicate(timeout=60)
     assert "resumed shard 0 from version 3" in err
     # told to start afresh: the old run is moved aside whole, not deleted
     before = _digest(ckpt / "shard0")
     with _server([*cmd, "--fresh"]) as (proc, address):
-        assert server_stats([address])[0]["version"] == 0
+        assert server_stats([address])[0].version == 0
         assert shutdown_servers([address]) == []
     (moved,) = [p for p in ckpt.iterdir() if p.name.startswith("shard0.before-")]
     assert _digest(moved) == before

@@ -7,9 +7,9 @@ from __future__ import annotations
 import io
 import re
 from pathlib import Path
-from typing import Any
 
 import pytest
+from msgspec.structs import replace
 from rich.console import Console
 from rich.table import Table
 
@@ -17,7 +17,10 @@ from paramserver.cli.grid import print_summary
 from paramserver.cli.status import render
 from paramserver.cli.tables import keep_figures
 from paramserver.cli.watch import render_status
+from paramserver.wire.stats import ObservedStats, ShardStats, StepFigures
 from paramserver.workers.experiments.report import ConfigSummary, ReportFiles, Stat
+from tests.stats_fixture import shard_stats as record
+from tests.stats_fixture import worker_stats
 
 
 def console(width: int) -> Console:
@@ -70,20 +73,16 @@ def shown_or_named(text: str, columns: dict[str, list[str]], always: list[str]) 
                 assert figure in text, (header, figure, text)
 
 
-def shard_stats(shard: int, workers: int) -> dict[str, Any]:
-    return {
-        "shard": shard, "mode": "ssp", "policy": "gap-aware", "version": 1234567 + shard,
-        "min_clock": 98765, "clock_gap": 3, "pending_pulls": 2,
-        "live_workers": list(range(workers)),
-        "workers": {str(w): {"clock": 98765 + w, "live": True, "finished": False,
-                             "applied": 123456, "rejected": {"stale": 42},
-                             "staleness": {"0": 10, "3": 5}, "pushes": 123500,
-                             "wait_seconds": 12.25, "mean_weight": 0.75,
-                             "host": f"gpu-node-{w:02d}.cluster.example.org", "pid": 4000000 + w}
-                    for w in range(workers)},
-        "observed": {"alarm_count": 0, "step": {"lr": 0.1, "update_ratio": 0.00123,
-                                                "weight_norm": 45.6}},
-    }
+def shard_stats(shard: int, workers: int) -> ShardStats:
+    rows = {str(w): worker_stats(w, clock=98765 + w, applied=123456, rejected={"stale": 42},
+                                 staleness={"0": 10, "3": 5}, staleness_sum=15,
+                                 staleness_max=3, pushes=123500, wait_seconds=12.25,
+                                 mean_weight=0.75,
+                                 host=f"gpu-node-{w:02d}.cluster.example.org", pid=4000000 + w)
+            for w in range(workers)}
+    return record(shard, rows, mode="ssp", policy="gap-aware", version=1234567 + shard,
+                  min_clock=98765, clock_gap=3, pending_pulls=2,
+                  observed=ObservedStats(StepFigures(None, 45.6, 0.00123, 0.1)))
 
 
 ADDRESSES = [f"tcp://[2001:db8:85a3::8a2e:370:{7000 + i}]:56{i:03d}" for i in range(3)]
@@ -117,7 +116,7 @@ def test_watch_view_keeps_figures() -> None:
 
 def test_watch_view_shows_a_shard_sampling_its_pushes() -> None:
     out = console(160)
-    stats = [shard_stats(0, 2), {**shard_stats(1, 2), "measured_one_in": 8}]
+    stats = [shard_stats(0, 2), replace(shard_stats(1, 2), measured_one_in=8)]
     out.print(render_status(stats, console=out))
     assert "1 in 8" in text_of(out)
 

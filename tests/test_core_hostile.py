@@ -95,9 +95,9 @@ def test_stats_stay_bounded() -> None:
     for i in range(STATS_WORKERS * 2):
         core.register(i, "x", float(i))
     stats = core.stats()
-    assert len(stats["workers"]) == STATS_WORKERS
-    assert stats["workers_known"] == STATS_WORKERS * 2
-    assert str(STATS_WORKERS * 2 - 1) in stats["workers"]  # the most recently seen
+    assert len(stats.workers) == STATS_WORKERS
+    assert stats.workers_known == STATS_WORKERS * 2
+    assert str(STATS_WORKERS * 2 - 1) in stats.workers  # the most recently seen
 
 
 def test_a_round_that_cannot_step_is_dropped_not_retried() -> None:

@@ -78,15 +78,15 @@ def _steps(addresses: list[str], early: bool, steps: int = 4
 def test_early_weights_are_the_rounds_exactly(shards: list[str]) -> None:
     _, stats = _steps(shards, early=True)
     for s in stats:
-        counters = s["counters"]
+        counters = s.counters
         # every part but the last came back with weights, and every answer took them in
         assert counters.get("early_parts", 0) > 0, counters
         assert counters.get("early_answers", 0) == 4, counters
-    counted = [s["counters"]["early_parts"] for s in stats]
+    counted = [s.counters["early_parts"] for s in stats]
     # the same shards, 4 rounds on (each step checked exact again), nothing early
     _, stats = _steps(shards, early=False)
-    assert [s["counters"]["early_parts"] for s in stats] == counted
-    assert [s["counters"]["early_answers"] for s in stats] == [4] * len(shards)
+    assert [s.counters["early_parts"] for s in stats] == counted
+    assert [s.counters["early_answers"] for s in stats] == [4] * len(shards)
 
 
 @pytest.mark.integration
@@ -110,7 +110,7 @@ def test_a_void_round_leaves_the_early_weights_unused(shards: list[str]) -> None
             stream.send({n: grads[n] for n in bucket})
         with pytest.raises(RemoteError, match="NaN"):
             stream.finish(params)
-        counters = server_stats(shards)[0]["counters"]
+        counters = server_stats(shards)[0].counters
         assert counters.get("early_parts", 0) >= 1  # weights did come back early
         for n, p in params.items():
             assert torch.equal(p, before[n]), n
@@ -185,6 +185,6 @@ def test_early_is_refused_unless_a_boolean(shards: list[str]) -> None:
         # answered on the same connection after the bad part, so that one was handled
         pushed, _ = client.push_pull(grads, versions, 1, clock, params)
         assert pushed.accepted
-        refused = server_stats(shards)[0]["counters"]
+        refused = server_stats(shards)[0].counters
         assert refused.get("error_bad_field", 0) == 1, refused
         client.bye()

@@ -467,7 +467,7 @@ def test_fuzzed_messages_leave_a_live_server_unchanged(tmp_path: Any) -> None:
                 assert accepted
             weights_before, version_before = _observer_weights(address, plan)
             before = server_stats([address])[0]
-            assert before["version"] == version_before == REAL_STEPS
+            assert before.version == version_before == REAL_STEPS
 
             fuzzer = Fuzzer(address)
             neutralised: Counter[str] = Counter()
@@ -500,10 +500,10 @@ def test_fuzzed_messages_leave_a_live_server_unchanged(tmp_path: Any) -> None:
             after = server_stats([address])[0]
             weights_after, version_after = _observer_weights(address, plan)
             # ---- state untouched
-            assert version_after == after["version"] == before["version"]
+            assert version_after == after.version == before.version
             for key, w in weights_before.items():
                 assert torch.equal(w.view(torch.uint8), weights_after[key].view(torch.uint8)), key
-            assert after["workers"]["0"]["applied"] == before["workers"]["0"]["applied"]
+            assert after.workers["0"].applied == before.workers["0"].applied
             # ---- every message answered, and refused with the decoder's own code
             sent = [s for per in fuzzer.sent for s in per]
             assert len(sent) >= N_MESSAGES
@@ -522,8 +522,8 @@ def test_fuzzed_messages_leave_a_live_server_unchanged(tmp_path: Any) -> None:
                         assert reply["duplicate"], reply.fields
             assert codes[ErrorCode.INTERNAL] == 0, codes
             # ---- the counters account for all of it
-            delta = Counter({k: v - before["counters"].get(k, 0)
-                             for k, v in after["counters"].items()})
+            delta = Counter({k: v - before.counters.get(k, 0)
+                             for k, v in after.counters.items()})
             errors = {k[len("error_"):]: v for k, v in delta.items()
                       if k.startswith("error_") and v}
             assert errors == {c: n for c, n in codes.items() if c != "ok"}
@@ -543,6 +543,6 @@ def test_fuzzed_messages_leave_a_live_server_unchanged(tmp_path: Any) -> None:
             # ---- and it still serves the real worker
             clock, accepted = _train_step(real, task, params, clock)
             assert accepted
-            assert server_stats([address])[0]["version"] == REAL_STEPS + 1
+            assert server_stats([address])[0].version == REAL_STEPS + 1
             real.bye()
 

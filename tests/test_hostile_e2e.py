@@ -176,9 +176,9 @@ def test_wrong_shape_is_refused_and_a_round_closed_by_timeout_steps(tmp_path: Pa
                 assert legit.step().accepted
             assert proc.poll() is None
             stats = server_stats([address])[0]
-            assert stats["version"] == version + 4
-            assert "error_internal" not in stats["counters"]
-            assert "error_periodic" not in stats["counters"]
+            assert stats.version == version + 4
+            assert "error_internal" not in stats.counters
+            assert "error_periodic" not in stats.counters
         # it stops cleanly, with its checkpoint written
         from paramserver.workers.admin import shutdown_servers
         assert shutdown_servers([address]) == []
@@ -272,7 +272,7 @@ def test_no_state_for_unregistered_peers_and_parts_are_bounded(tmp_path: Path) -
                 pulled = client.pull(params, clock)
                 assert client.push({"w": torch.full((1 << 20,), 0.1)}, pulled.versions, 1,
                                    clock).accepted
-            assert server_stats([address])[0]["version"] == 1
+            assert server_stats([address])[0].version == 1
         finally:
             bad.close()
 
@@ -297,9 +297,9 @@ def test_hello_flood_leaves_pulls_fast_and_stats_decodable(tmp_path: Path) -> No
                         bad.recv()
             rss_growth = _rss(pid) - rss0
             stats = server_stats([address])[0]  # the project's own decoder
-            assert stats["workers_known"] <= 64
-            assert stats["workers_evicted"] >= flood - 64
-            assert "0" in stats["workers"]
+            assert stats.core.workers_known <= 64
+            assert stats.core.workers_evicted >= flood - 64
+            assert "0" in stats.workers
             times = []
             for _ in range(5):
                 t0 = time.perf_counter()
@@ -429,8 +429,8 @@ def test_packed_frames_from_a_hostile_peer(tmp_path: Path) -> None:
             assert legit.step().accepted
             assert proc.poll() is None
             stats = server_stats([address])[0]
-            assert stats["version"] == version + 2
-            assert "error_internal" not in stats["counters"]
+            assert stats.version == version + 2
+            assert "error_internal" not in stats.counters
 
 
 def test_parts_asking_for_early_weights_in_hostile_orders(tmp_path: Path) -> None:
@@ -485,10 +485,10 @@ def test_parts_asking_for_early_weights_in_hostile_orders(tmp_path: Path) -> Non
                         version = max(version, int(head["f"].get("version", version)))
             assert cluster.servers[0].popen.poll() is None
             stats = server_stats([address])[0]
-            assert "internal" not in codes and "error_internal" not in stats["counters"]
-            assert codes["early"] and stats["counters"]["early_parts"] == codes["early"]
-            assert stats["counters"].get("early_answers", 0) == codes["rest"]
-            assert stats["version"] > 5  # the well-formed pushes stepped
+            assert "internal" not in codes and "error_internal" not in stats.counters
+            assert codes["early"] and stats.counters["early_parts"] == codes["early"]
+            assert stats.counters.get("early_answers", 0) == codes["rest"]
+            assert stats.version > 5  # the well-formed pushes stepped
             weights, _ = _weights(address)
             assert all(bool(torch.isfinite(t).all()) for t in weights.values())
         finally:

@@ -31,6 +31,7 @@ from paramserver.wire.curve import (
     parse_allow_list,
 )
 from paramserver.wire.protocol import PROTOCOL_VERSION
+from paramserver.wire.stats import WorkerStats
 from paramserver.workers.admin import server_stats
 from paramserver.workers.client import PSClient
 from paramserver.workers.launch.cluster import ClusterSpec, LocalCluster
@@ -92,8 +93,8 @@ def _cluster(tmp_path: Path, made: CurveKeyFiles, **server: Any) -> LocalCluster
     return LocalCluster(spec, tmp_path / "run")
 
 
-def _worker0(address: str, keys: CurveKeys) -> dict[str, Any]:
-    return dict(server_stats([address], curve=keys)[0]["workers"]["0"])
+def _worker0(address: str, keys: CurveKeys) -> WorkerStats:
+    return server_stats([address], curve=keys)[0].workers["0"]
 
 
 @pytest.mark.integration
@@ -112,9 +113,9 @@ def test_another_key_cannot_act_as_a_registered_worker(tmp_path: Path) -> None:
             owner.initialize(params)
             pulled = owner.pull(params, 0)
             assert owner.push({"w": torch.full((32,), 0.1)}, pulled.versions, 4, 0).accepted
-            version = server_stats([address], curve=a)[0]["version"]
+            version = server_stats([address], curve=a)[0].version
             before = _worker0(address, a)
-            assert before["clock"] == 1 and before["live"] and before["applied"] == 1
+            assert before.clock == 1 and before.live and before.applied == 1
 
             grad = [("w", torch.full((32,), 100.0).numpy().tobytes())]
             push = {"worker": 0, "push_id": 2, "clock": 1, "read_version": version,
@@ -135,16 +136,16 @@ def test_another_key_cannot_act_as_a_registered_worker(tmp_path: Path) -> None:
             assert "admin" in refused
 
             stats = server_stats([address], curve=b)[0]
-            assert stats["version"] == version
+            assert stats.version == version
             after = _worker0(address, b)
-            assert (after["clock"], after["live"], after["pushes"], after["applied"]) == (
-                before["clock"], True, before["pushes"], before["applied"])
-            assert stats["counters"]["error_forbidden"] == 10
+            assert (after.clock, after.live, after.pushes, after.applied) == (
+                before.clock, True, before.pushes, before.applied)
+            assert stats.counters["error_forbidden"] == 10
             # b's own id is b's; the owner still trains
             assert other.hello(1) == "ok"
             pulled = owner.pull(params, 1)
             assert owner.push({"w": torch.full((32,), 0.1)}, pulled.versions, 4, 1).accepted
-            assert server_stats([address], curve=b)[0]["version"] == version + 1
+            assert server_stats([address], curve=b)[0].version == version + 1
             assert proc.poll() is None
         finally:
             owner.close()

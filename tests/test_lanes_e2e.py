@@ -84,4 +84,4 @@ def test_the_lane_gives_the_general_paths_weights(tmp_path: Path, mode: str, sha
         assert torch.equal(fast[name], value), name
     assert not torch.equal(fast["0.weight"], dict(_model().named_parameters())["0.weight"])
     for a, b in zip(fast_stats, slow_stats, strict=True):
-        assert a["version"] == b["version"] > 0
+        assert a.version == b.version > 0

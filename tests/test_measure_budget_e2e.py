@@ -42,7 +42,7 @@ def _level_after_pushes(tmp_path: Path, budget: float, pushes: int) -> list[int]
                 _, pulled = client.push_pull(grads, versions, 1, clock + i, params)
                 versions = pulled.versions
                 if i % 100 == 99:
-                    levels.append(server_stats(addresses)[0]["measured_one_in"])
+                    levels.append(server_stats(addresses)[0].measured_one_in)
                     if levels[-1] > 1 or time.monotonic() > deadline:
                         break
             client.bye()

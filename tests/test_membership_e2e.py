@@ -70,7 +70,7 @@ def test_a_hello_flood_does_not_evict_a_worker_between_its_init_and_first_pull(
             # bare HELLOs evict each other; the worker keeps its place
             assert codes == {"ok": 5000}
             stats = server_stats([address])[0]
-            assert "0" in stats["workers"] and stats["workers_known"] <= 64
+            assert "0" in stats.workers and stats.core.workers_known <= 64
             # its pull (sent raw: the client would say HELLO again on not_registered)
             assert bad.code("pull", {"worker": 0, "clock": clock}) == "ok"
             pulled = client.pull(params, clock)
@@ -94,7 +94,7 @@ def test_a_full_table_of_live_workers_refuses_a_newcomer_too_many_workers(
                 second.connect()
             assert "the worker table is full (1 of 1, all live workers)" in str(exc.value)
             assert "--max-workers" in str(exc.value)
-            assert "0" in server_stats([address])[0]["workers"]
+            assert "0" in server_stats([address])[0].workers
         finally:
             second.close()
             first.close()
@@ -125,11 +125,11 @@ def test_a_silent_member_is_left_out_at_the_round_deadline(tmp_path: Path, mode:
                 out = legit.push(_grads(), pulled.versions, 4, clock)
                 assert out.accepted
             stats = server_stats([address])[0]
-            assert stats["workers"]["1"]["live"]
+            assert stats.workers["1"].live
             left = read_events(tmp_path / "events" / "server0.jsonl", "worker_left_out")
             assert [e["worker"] for e in left] == [1]
             assert left[0]["deadline"] == 1.0
-            assert stats["version"] == 3  # every push stepped
+            assert stats.version == 3  # every push stepped
         finally:
             silent.close()
             legit.close()

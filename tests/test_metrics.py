@@ -121,16 +121,14 @@ def test_watch_status_redraws_and_survives_an_unreachable_server():
     from rich.console import Console
 
     from paramserver.cli.watch import watch_status
+    from paramserver.wire.stats import AlarmEntry, LastPush, ObservedStats, StepFigures
+    from tests.stats_fixture import shard_stats, worker_stats
 
-    stats = [{"shard": 0, "mode": "async", "version": 7, "live_workers": [0], "min_clock": 3,
-              "clock_gap": 0, "lr": 0.1,
-              "workers": {"0": {"clock": 3, "live": True, "pushes": 3, "applied": 3,
-                                "rejected": {}, "mean_weight": 1.0, "staleness": {"0": 2, "2": 1},
-                                "wait_seconds": 0.0}},
-              "observed": {"step": {"update_ratio": 0.01, "weight_norm": 2.0, "lr": 0.1},
-                           "workers": {"0": {"grad_norm": 0.5, "cosine": 0.3, "loss": 1.25}},
-                           "alarms": [{"message": "[zero_gradient] shard 0, worker 0: x"}],
-                           "alarm_count": 1}}]
+    row = worker_stats(0, clock=3, pushes=3, applied=3, mean_weight=1.0,
+                       staleness={"0": 2, "2": 1}, staleness_sum=2, staleness_max=2)
+    alarm = AlarmEntry("zero_gradient", 0, 0, 3, {}, "[zero_gradient] shard 0, worker 0: x")
+    stats = [shard_stats(0, {"0": row}, version=7, min_clock=3, observed=ObservedStats(
+        StepFigures(None, 2.0, 0.01, 0.1), {"0": LastPush(0, 0.5, 0.3, 1.25)}, [alarm], 1))]
 
     def down():
         raise RuntimeError("shard 0 at tcp://x did not answer")

@@ -25,6 +25,7 @@ from rich.console import Console
 from paramserver.cli.watch import render_status
 from paramserver.observe.events import read_events
 from paramserver.server.loop import ServerConfig
+from paramserver.wire.stats import decode as decode_stats
 from paramserver.workers.admin import shutdown_servers
 from paramserver.workers.launch.cluster import ClusterError, ClusterSpec, LocalCluster, run_cluster
 from paramserver.workers.stragglers import StragglerSpec
@@ -177,7 +178,7 @@ def test_zero_and_negated_workers_are_named(tmp_path):
     assert len(read_events(tmp_path / "events" / "launcher.jsonl", "alarm")) == len(found)
     # the live view shows both workers' figures and the alarms, from the STATS replies
     console = Console(file=io.StringIO(), width=200, color_system=None)
-    console.print(render_status(result["servers"]))
+    console.print(render_status([decode_stats(s) for s in result["servers"]]))
     text = console.file.getvalue()
     assert "[zero_gradient] shard 0, worker 1" in text
     assert "[gradient_disagrees] shard 0, worker 2" in text

@@ -47,8 +47,8 @@ def test_a_hellos_plan_costs_no_memory_until_its_weights_are_seeded(tmp_path: Pa
             stats = server_stats([address])[0]
             grown = _rss(pid) - rss0
             assert grown < 64 * MiB, f"the shard grew by {grown >> 20} MiB"
-            assert stats["sparse"]["built"] is False
-            assert not stats["initialized"]
+            assert stats.sparse.built is False
+            assert not stats.initialized
             assert cluster.servers[0].popen.poll() is None
         finally:
             bad.close()
@@ -73,7 +73,7 @@ def test_every_byte_a_plan_costs_counts_against_the_limit(tmp_path: Path) -> Non
                              sparse=[TableSpec("emb", 1 << 18, 8, "float32")])
             assert bad.hello(1, both) == "bad_field"
             assert bad.hello(1, _dense(32 * MiB)) == "bad_field"  # 96 MiB with Adam
-            assert server_stats([address])[0]["initialized"] is False
+            assert server_stats([address])[0].initialized is False
             assert _rss(pid) - rss0 < 32 * MiB
             legit = Legit(address)
             try:
@@ -95,7 +95,7 @@ def test_plan_hash_pins_the_plan_a_fresh_shard_accepts(tmp_path: Path) -> None:
             # the first HELLO brings another (valid, small) plan: refused, not adopted
             other = ShardPlan([ParamSpec("x", (4,), "float32")], 1)
             assert bad.hello(1, other) == "plan_mismatch"
-            assert server_stats([address])[0]["workers"] == {}
+            assert server_stats([address])[0].workers == {}
             legit = Legit(address)
             try:
                 legit.seed()

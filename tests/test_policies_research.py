@@ -198,7 +198,7 @@ def test_core_asks_the_policy_for_the_ssp_bound():
     core.push(0, 1, 0, 0, 1, {"w": t(0, 0, 0)}, 0.0)
     core.push(0, 2, 1, 1, 1, {"w": t(0, 0, 0)}, 0.5)  # worker 0 at clock 2, worker 1 at 0
     assert pull(core, 0, clock=2, now=1.0) == [0]  # gap 2 <= 2, though the configured s is 0
-    assert core.stats()["staleness_bound"] == 2
+    assert core.stats().staleness_bound == 2
     stats = policy.seen[-1]
     assert (stats.configured, stats.pushes, stats.staleness_sum, stats.min_clock,
             stats.max_clock, stats.live_workers) == (0, 2, 0, 0, 2, 2)

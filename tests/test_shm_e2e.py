@@ -108,15 +108,15 @@ def test_shared_memory_gives_the_results_of_tcp(tmp_path, monkeypatch, mode, wor
             assert torch.equal(on[r][name], value), name
     assert not torch.equal(on[0]["0.weight"], dict(_model().named_parameters())["0.weight"])
     for s_on, s_off in zip(on_stats, off_stats, strict=True):
-        assert s_on["version"] == s_off["version"] == (STEPS if mode == "sync"
+        assert s_on.version == s_off.version == (STEPS if mode == "sync"
                                                         else STEPS * workers)
-        assert s_on["counters"]["shm_pulls"] >= STEPS and "shm_pulls" not in s_off["counters"]
+        assert s_on.counters["shm_pulls"] >= STEPS and "shm_pulls" not in s_off.counters
         # headers only: far fewer bytes came in over the socket
-        assert s_on["counters"]["bytes_in"] * 10 < s_off["counters"]["bytes_in"]
+        assert s_on.counters["bytes_in"] * 10 < s_off.counters["bytes_in"]
         # a lone worker's plain-SGD round steps from its own tensors, whatever the path
         lone = mode == "sync" and workers == 1 and momentum == 0.0
-        assert (s_on["rounds_in_place"] == s_on["version"]) == lone
-        assert (s_off["rounds_in_place"] == s_off["version"]) == lone
+        assert (s_on.core.rounds_in_place == s_on.version) == lone
+        assert (s_off.core.rounds_in_place == s_off.version) == lone
 
 
 _WORKER = """
@@ -192,8 +192,8 @@ def test_curve_peer_without_an_allow_list_entry_gets_no_segment(tmp_path, monkey
                 assert client.channels[0].shm is not None
                 assert client.channels[0].shm.active is granted
                 stats = server_stats([address], curve=client_keys)[0]
-                assert stats["counters"].get("shm_peers", 0) == int(granted)
-                assert stats["counters"].get("shm_pulls", 0) == int(granted)
+                assert stats.counters.get("shm_peers", 0) == int(granted)
+                assert stats.counters.get("shm_pulls", 0) == int(granted)
                 client.bye()
 
 
@@ -215,7 +215,7 @@ def test_a_pull_whose_board_copies_are_always_overtaken_comes_over_tcp(tmp_path,
             _, pulled = client.push_pull(grads, versions, 1, clock, params)
             assert pulled.versions == (1,)
             client.bye()
-        counters = server_stats([address])[0]["counters"]
+        counters = server_stats([address])[0].counters
     assert counters["shm_pulls"] == 2  # answered with tickets, then pulled again by frames
     for n, p in params.items():  # the first SGD step (momentum starts at the gradient)
         assert torch.equal(p.detach(), start[n] - 0.05 * grads[n]), n

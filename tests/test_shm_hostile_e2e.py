@@ -162,7 +162,7 @@ def test_a_peer_naming_another_jobs_segments_is_refused_and_reads_none_of_them(
             assert mine.channels[0].shm is not None and mine.channels[0].shm.active
             assert not got["w"].any()
             mine.bye()
-        stats = server_stats([b])[0]["counters"]
+        stats = server_stats([b])[0].counters
     assert stats["error_forbidden"] == 3 and stats["shm_peers"] == 2
 
 
@@ -191,5 +191,5 @@ def test_a_worker_proves_its_segment_again_to_a_restarted_shard(tmp_path, monkey
             assert link.active and link.board is not None and link.board.seg.name != before
             assert params["w"].isfinite().all()
             client.bye()
-            stats = server_stats([a])[0]["counters"]
+            stats = server_stats([a])[0].counters
     assert stats["shm_peers"] == 1 and stats["shm_pulls"] >= 1 and "error_forbidden" not in stats

@@ -216,7 +216,7 @@ def _hostile(address: str, num_shards: int) -> None:
         assert raw.code(Op.BYE, {"worker": 5}, {}) == "ok"
     finally:
         raw.close()
-    assert "error_internal" not in server_stats([address])[0]["counters"]
+    assert "error_internal" not in server_stats([address])[0].counters
 
 
 def _plan(num_shards: int) -> ShardPlan:
@@ -287,7 +287,7 @@ def test_sync_sparse_waits_at_its_round_past_the_timeout_and_equals_torch(tmp_pa
             for t in threads:
                 t.join(120)
         assert not errors, errors
-        assert server_stats(addresses)[0]["sparse"]["rounds"] == STEPS
+        assert server_stats(addresses)[0].sparse.rounds == STEPS
     assert "(clock 0)" in holding()[0]
     want = _reference(3, torch.optim.Adagrad, {"lr": 0.2})
     for rank in range(3):
@@ -329,7 +329,7 @@ def test_ssp_bounds_sparse_pushes_by_the_gate(tmp_path):
 
     def gated() -> bool:  # worker 0 is past step 0 and the shard holds its pull (or, were
         # the gate open, worker 0 finished); worker 1 sends none meanwhile
-        return done[0] == 4 or (done[0] >= 1 and server_stats(addresses)[0]["pending_pulls"] > 0)
+        return done[0] == 4 or (done[0] >= 1 and server_stats(addresses)[0].core.pending_pulls > 0)
 
     spec = ClusterSpec(num_servers=1, num_workers=2,
                        server=ServerConfig(mode="ssp", staleness_bound=1, optimizer="sgd",
@@ -347,14 +347,14 @@ def test_ssp_bounds_sparse_pushes_by_the_gate(tmp_path):
                 time.sleep(0.1)
             assert not errors, errors
             assert done == [1, 0]  # step 1 pushed, its pull held
-            assert server_stats(addresses)[0]["sparse"]["version"] == 2
+            assert server_stats(addresses)[0].sparse.version == 2
         finally:
             go.set()
             for t in threads:
                 t.join(60)
         assert not errors, errors
         assert done == [4, 4]
-        assert server_stats(addresses)[0]["sparse"]["version"] == 8  # every push applied
+        assert server_stats(addresses)[0].sparse.version == 8  # every push applied
 
 
 def test_a_table_of_more_rows_than_one_request_may_name_is_seeded_and_read_whole(tmp_path):

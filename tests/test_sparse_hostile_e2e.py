@@ -83,7 +83,7 @@ def test_spull_ids_are_capped_unique_and_need_a_registered_peer(tmp_path: Path) 
             finally:
                 watcher.close()
             stats = server_stats([address])[0]
-            assert "error_internal" not in stats["counters"]
+            assert "error_internal" not in stats.counters
         finally:
             bad.close()
 
@@ -144,8 +144,8 @@ def test_a_seeder_that_times_out_leaves_the_seeding_to_the_next(tmp_path: Path) 
             try:
                 while True:
                     assert watch.code("heartbeat", {"worker": 2}) == "ok"
-                    rows = server_stats([address])[0]["workers"]
-                    if not rows["1"]["live"]:
+                    rows = server_stats([address])[0].workers
+                    if not rows["1"].live:
                         break
                     assert watch.sock.poll(200) == 0  # paces the polling; nothing arrives
                 # (worker 2 may have timed out too on a busy machine: it says HELLO again)

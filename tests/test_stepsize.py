@@ -119,7 +119,7 @@ def test_linear_scaling_makes_a_sync_round_of_k_the_step_of_k_times_the_lr():
     assert torch.allclose(core.params["w"], torch.full((3,), -0.4, dtype=torch.float64))
     assert core.stepper.lr_factor == 4.0
     assert core.lr == pytest.approx(0.1)  # the configured lr is left as it was
-    assert core.stats()["lr_factor"] == 4.0 and core.stats()["lr_scaling"] == "linear"
+    assert core.stats().lr_factor == 4.0 and core.stats().lr_scaling == "linear"
 
 
 def test_without_scaling_a_sync_round_runs_at_the_configured_lr():
@@ -178,11 +178,11 @@ def test_compensated_momentum_is_set_from_staleness_and_reported():
     for _ in range(100):
         push(1, max(0, core.version - 3))  # staleness 3 from the fourth on
     stats = core.stats()
-    assert stats["mean_staleness_estimate"] == pytest.approx(3.0, rel=1e-2)
-    assert stats["momentum_implicit"] == pytest.approx(0.75, rel=1e-2)
+    assert stats.mean_staleness_estimate == pytest.approx(3.0, rel=1e-2)
+    assert stats.momentum_implicit == pytest.approx(0.75, rel=1e-2)
     # (1 - 0.9) / (1 - 0.75) = 0.4 -> explicit 0.6
     assert core.stepper.optimizer.param_groups[0]["momentum"] == pytest.approx(0.6, abs=0.01)
-    assert stats["momentum_explicit"] == pytest.approx(0.6, abs=0.01)
+    assert stats.momentum_explicit == pytest.approx(0.6, abs=0.01)
 
 
 def test_compensated_momentum_sets_adams_first_beta():

@@ -20,19 +20,22 @@ from pathlib import Path
 import msgpack
 import pytest
 import torch
+from msgspec.structs import replace
 from rich.console import Console
 
 from paramserver.cli.status import collect, render
 from paramserver.core.records import MAX_REASONS, OTHER_REASONS, STATS_WORKERS, WorkerState
+from paramserver.core.report import worker_stats
 from paramserver.errors import RemoteError
 from paramserver.policies import Decision
 from paramserver.server.loop import DIVERGED_EXIT_CODE, ServerConfig
 from paramserver.wire.curve import generate_curve_keys
 from paramserver.wire.protocol import DEFAULT_LIMITS, MAX_HEADER_BYTES, Message, Op, decode, encode
-from paramserver.wire.stats import STATS_BYTES, fit
+from paramserver.wire.stats import STATS_BYTES, LastPush, ObservedStats, fields, fit
 from paramserver.workers.admin import server_stats
 from paramserver.workers.launch.cluster import ClusterSpec, LocalCluster
 from paramserver.workers.worker import WorkerConfig
+from tests.stats_fixture import shard_stats
 from tests.test_hostile_e2e import Legit, MiB, _cluster, _f32, _rss, _two_peers, _weights
 
 # ----------------------------------------------------------------------- item 4: a message
@@ -142,12 +145,12 @@ def test_stats_decode_after_pushes_at_thousands_of_staleness_values(tmp_path: Pa
                         codes[head["op"] if head["op"] != "error" else head["f"]["code"]] += 1
             assert codes == {"reply": pushes}
             stats = server_stats([address])[0]  # the project's own decoder
-            mine = stats["workers"]["1"]
-            assert mine["pushes"] == pushes
-            assert sum(mine["staleness"].values()) == pushes
-            assert len(mine["staleness"]) <= 32
-            assert mine["staleness_max"] == version0 + pushes - 1
-            assert mine["staleness_sum"] == sum(range(version0, version0 + pushes))
+            mine = stats.workers["1"]
+            assert mine.pushes == pushes
+            assert sum(mine.staleness.values()) == pushes
+            assert len(mine.staleness) <= 32
+            assert mine.staleness_max == version0 + pushes - 1
+            assert mine.staleness_sum == sum(range(version0, version0 + pushes))
             # the readers: `paramserver status` and the launcher's live tables
             rows, problems = collect([address], 20)
             assert problems == [] and rows[0] is not None
@@ -192,17 +195,17 @@ def test_a_full_stats_reply_fits_the_decoder() -> None:
         state = WorkerState(w, "i", 0.0)
         for tau in [*range(16), *(1 << b for b in range(4, 62))]:
             _pushed(state, tau, f"a policy's reason that names its staleness, {tau:>20}")
-        workers[str(w)] = {**state.summary(), "host": "h" * 253, "pid": 1 << 30}
-    reply = {"version": 1, "workers": workers, "workers_listed": len(workers),
-             "observed": {"workers": {str(w): {"staleness": 1, "loss": 0.5}
-                                      for w in range(10 * STATS_WORKERS)}}}
+        workers[str(w)] = replace(worker_stats(state), host="h" * 253, pid=1 << 30)
+    reply = shard_stats(0, workers, version=1, observed=ObservedStats(workers={
+        str(w): LastPush(1, loss=0.5) for w in range(10 * STATS_WORKERS)}))
     fitted = fit(reply)
-    assert len(msgpack.packb(fitted)) <= STATS_BYTES < MAX_HEADER_BYTES
-    assert 0 < fitted["workers_listed"] == len(fitted["workers"]) < STATS_WORKERS
-    assert set(fitted["observed"]["workers"]) == set(fitted["workers"])
-    frames = encode(Message(Op.REPLY, 1, {"re": "stats", **fitted}))
+    assert len(msgpack.packb(fields(fitted))) <= STATS_BYTES < MAX_HEADER_BYTES
+    assert fitted.figures is not None
+    assert 0 < fitted.figures.workers_listed == len(fitted.workers) < STATS_WORKERS
+    assert set(fitted.observed.workers) == set(fitted.workers)
+    frames = encode(Message(Op.REPLY, 1, {"re": "stats", **fields(fitted)}))
     back = decode([bytes(f) for f in frames], DEFAULT_LIMITS)
-    assert back["workers_listed"] == fitted["workers_listed"]
+    assert back.body == fitted
 
 
 # ------------------------------------------------------- item 11: a refused push is no divergence
@@ -228,12 +231,12 @@ def test_a_refused_nan_push_does_not_stop_a_shard_that_stops_on_divergence(
                 assert legit.step().accepted
             assert proc.poll() is None
             stats = server_stats([address])[0]
-            assert stats["counters"]["error_nonfinite"] == 1
-            found = {a["signal"]: a for a in stats["observed"]["alarms"]}
-            assert found["nonfinite_gradient"]["worker"] == 1  # counted and alarmed ...
-            assert "it was refused" in found["nonfinite_gradient"]["message"]
+            assert stats.counters["error_nonfinite"] == 1
+            found = {a.signal: a for a in stats.observed.alarms}
+            assert found["nonfinite_gradient"].worker == 1  # counted and alarmed ...
+            assert "it was refused" in found["nonfinite_gradient"].message
             assert "nonfinite_loss" in found  # ... as that peer's fault, not divergence
-            assert stats["version"] == version + 3
+            assert stats.version == version + 3
             after, _ = _weights(address)
             assert all(bool(torch.isfinite(t).all()) for t in after.values())
 

@@ -146,7 +146,7 @@ def test_a_local_run_is_the_same_forked_or_executed(tmp_path, monkeypatch, spawn
     monkeypatch.setenv("PARAMSERVER_SPAWN", spawn_mode)
     kinds, stats = run_tiny_cluster(tmp_path)
     assert kinds == {ForkedProcess if spawn_mode == "fork" else subprocess.Popen}
-    assert stats["version"] == 5
+    assert stats.version == 5
 
 
 def test_a_run_falls_back_to_cold_starts_when_the_zygote_cannot_fork(tmp_path, monkeypatch,
@@ -158,5 +158,5 @@ def test_a_run_falls_back_to_cold_starts_when_the_zygote_cannot_fork(tmp_path, m
 
     monkeypatch.setattr(Zygote, "spawn", refuse)
     kinds, stats = run_tiny_cluster(tmp_path, mode="async", workers=1, steps=3)
-    assert kinds == {subprocess.Popen} and stats["version"] == 3
+    assert kinds == {subprocess.Popen} and stats.version == 3
     assert "starting processes without it" in caplog.text

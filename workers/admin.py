@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -16,6 +15,7 @@ from paramserver.core.sharding import DTYPES, ShardPlan
 from paramserver.errors import RemoteError, TransportError
 from paramserver.wire.curve import CurveKeys
 from paramserver.wire.protocol import Message, Op
+from paramserver.wire.stats import ShardStats
 from paramserver.wire.transport import Channel, SideChannel, request_all
 
 from .client import PSClient
@@ -70,24 +70,25 @@ def shutdown_servers(addresses: Sequence[str], timeout: float = 10.0,
 
 
 def _ask_all(addresses: Sequence[str], make: Callable[[], Message], timeout: float,
-             curve: CurveKeys | None, retries: int = 0) -> list[dict[str, Any]]:
-    """One request to every server on fresh channels, without registering; the replies' fields."""
+             curve: CurveKeys | None, retries: int = 0) -> list[Message]:
+    """One request to every server on fresh channels, without registering; the replies."""
     chans: list[Channel[SideChannel]] = [Channel(a, peer=f"shard {i}", curve=curve)
                                          for i, a in enumerate(addresses)]
     try:
         msgs = [make() for _ in chans]
         replies = request_all(chans, msgs, timeout, msgs[0].op.value.upper() if msgs else None,
                               retries=retries)
-        return [r.fields for r in replies]
+        return replies
     finally:
         for ch in chans:
             ch.close()
 
 
 def server_stats(addresses: Sequence[str], timeout: float = 10.0,
-                 curve: CurveKeys | None = None) -> list[dict[str, Any]]:
-    """STATS from each server, without registering (for status tools)."""
-    return _ask_all(addresses, lambda: Message(Op.STATS), timeout, curve)
+                 curve: CurveKeys | None = None) -> list[ShardStats]:
+    """STATS from each server, without registering (for status tools): each reply
+    decoded once, at the wire (wire/stats.py)."""
+    return [r.body for r in _ask_all(addresses, lambda: Message(Op.STATS), timeout, curve)]
 
 
 def report_dead(addresses: Sequence[str], worker: int, timeout: float = 2.0,

@@ -41,6 +41,7 @@ from paramserver.wire.curve import CurveKeys
 from paramserver.wire.lanes import SmallShare
 from paramserver.wire.messages import Error, HelloReply, PullReply, replace
 from paramserver.wire.protocol import PROTOCOL_VERSION, Message, Op, PreparedTensors
+from paramserver.wire.stats import ShardStats
 from paramserver.wire.transport import Channel, request_all
 from paramserver.workers.landing import land, land_over_tcp, ticket_bytes
 from paramserver.workers.liveness import Heartbeat, Patience
@@ -624,9 +625,10 @@ class PSClient:
                 parts[shard] += 1
         return PushStream(self, parts, read_versions, num_samples, clock, prefetch, early)
 
-    def stats(self) -> list[dict[str, Any]]:
+    def stats(self) -> list[ShardStats]:
+        """Each shard's STATS, as the wire decoded it."""
         replies = self._call([Message(Op.STATS) for _ in self.channels], "STATS", recover=False)
-        return [r.fields for r in replies]
+        return [r.body for r in replies]
 
 
 #: moved to workers/admin.py; still importable from here

@@ -699,5 +699,5 @@ class ShardCore:
     def lr(self) -> float:
         return self.stepper.lr
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> report.CoreStats:
         return report.stats(self)

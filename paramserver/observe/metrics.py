@@ -23,7 +23,7 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Required, TypedDict
 
 from paramserver.errors import ConfigError
 
@@ -36,6 +36,8 @@ __all__ = [
     "MetricsExporter",
     "MetricsRegistry",
     "RegistryCollector",
+    "Sample",
+    "Snapshot",
     "TensorBoardWriter",
     "flatten",
 ]
@@ -154,6 +156,21 @@ CATALOGUE: dict[str, MetricSpec] = _specs(
 )
 
 
+class Sample(TypedDict, total=False):
+    """One labelled value of a snapshot: a counter's or gauge's ``value``, or a
+    histogram's cumulative ``buckets`` ({"le": count}), ``count`` and ``sum``."""
+
+    labels: Required[dict[str, str]]
+    value: float
+    buckets: dict[str, int]
+    count: int
+    sum: float
+
+
+#: a registry's values by metric name (metrics without values left out)
+Snapshot = dict[str, list[Sample]]
+
+
 class _Hist:
     __slots__ = ("counts", "sum")
 
@@ -209,14 +226,14 @@ class MetricsRegistry:
             value = self._values[name].get(key)
         return None if value is None or isinstance(value, _Hist) else float(value)
 
-    def snapshot(self) -> dict[str, list[dict[str, Any]]]:
+    def snapshot(self) -> Snapshot:
         """Every value, JSON-able: ``{name: [{"labels": {...}, "value": v}, ...]}``.
 
         Histograms give cumulative ``buckets`` ({"le": count}, as Prometheus
         does), ``count`` and ``sum`` instead of ``value``. Metrics without
         values are left out.
         """
-        out: dict[str, list[dict[str, Any]]] = {}
+        out: Snapshot = {}
         with self._lock:
             for name, values in self._values.items():
                 if not values:
@@ -224,14 +241,15 @@ class MetricsRegistry:
                 spec = self.specs[name]
                 rows = []
                 for key, value in sorted(values.items()):
-                    row: dict[str, Any] = {"labels": dict(zip(spec.labels, key, strict=True))}
+                    row: Sample = {"labels": dict(zip(spec.labels, key, strict=True))}
                     if isinstance(value, _Hist):
-                        cumulative, total = {}, 0
+                        cumulative: dict[str, int] = {}
+                        total = 0
                         for bound, n in zip((*spec.buckets, math.inf), value.counts,
                                             strict=True):
                             total += n
                             cumulative[_le(bound)] = total
-                        row.update(buckets=cumulative, count=total, sum=value.sum)
+                        row["buckets"], row["count"], row["sum"] = cumulative, total, value.sum
                     else:
                         row["value"] = value
                     rows.append(row)
@@ -269,7 +287,7 @@ class Child:
             hist.sum += value
 
 
-def flatten(snapshot: Mapping[str, Sequence[Mapping[str, Any]]]) -> dict[str, float]:
+def flatten(snapshot: Mapping[str, Sequence[Sample]]) -> dict[str, float]:
     """Scalars of a snapshot: ``"name/label=value,..."`` -> value; histograms give their mean."""
     out: dict[str, float] = {}
     for name, rows in snapshot.items():
@@ -411,7 +429,7 @@ class TensorBoardWriter:
         self.logdir = Path(logdir)
         self._writer = SummaryWriter(log_dir=str(self.logdir))
 
-    def add_snapshot(self, snapshot: Mapping[str, Sequence[Mapping[str, Any]]], step: int,
+    def add_snapshot(self, snapshot: Mapping[str, Sequence[Sample]], step: int,
                      walltime: float | None = None) -> None:
         for tag, value in flatten(snapshot).items():
             if math.isfinite(value):

@@ -22,6 +22,7 @@ from paramserver.core.shard import GradStats, ShardCore, StepStats
 from paramserver.observe.events import EventLog
 from paramserver.observe.metrics import Child, MetricsExporter, MetricsRegistry, TensorBoardWriter
 from paramserver.observe.watchdog import Alarm, PushObservation, StepObservation, Watchdog
+from paramserver.wire.stats import ALARMS_LISTED, LastPush, ObservedStats, StepFigures
 
 __all__ = ["JsonlFollower", "LauncherObserver", "ShardObserver"]
 
@@ -55,11 +56,11 @@ class ShardObserver:
         self._accepted: dict[int, int] = {}
         self._last_snapshot = time.monotonic()
         self.pending_alarms: list[Alarm] = []  # raised, not yet acted on by the server
-        self._step: dict[str, float] = {}  # the last step's figures
+        self._step = StepFigures()  # the last step's
         self._pushes = 0
         self._min_clock = -1  # as of the last full clocks() pass
         self._live_count = 0
-        self._last: dict[int, dict[str, float]] = {}  # worker -> its last push's figures
+        self._last: dict[int, LastPush] = {}  # worker -> its last push's figures
         self._children: dict[tuple[str, tuple[Any, ...]], Child] = {}
         # gauges and counters of pushes, pulls and steps, held in plain dicts and folded
         # into the registry every FOLD_EVERY pushes and at each tick of the server's
@@ -98,8 +99,7 @@ class ShardObserver:
             return
         self.version = stats.version
         ratio = stats.update_norm / stats.weight_norm if stats.weight_norm > 0 else 0.0
-        self._step = {"update_norm": stats.update_norm, "weight_norm": stats.weight_norm,
-                      "update_ratio": ratio, "lr": stats.lr}
+        self._step = StepFigures(stats.update_norm, stats.weight_norm, ratio, stats.lr)
         gauges = self._gauges
         gauges["paramserver_shard_version", ()] = stats.version
         gauges["paramserver_shard_lr", ()] = stats.lr
@@ -138,17 +138,17 @@ class ShardObserver:
             reason = str(outcome["reason"] or "rejected")
             self._add(("paramserver_pushes_rejected_total",
                        (worker, reason if state is None else state.reason_key(reason))))
-        last = self._last.setdefault(worker, {})
-        last["staleness"] = staleness
+        # a figure this push did not measure keeps its last value
+        last = self._last.get(worker) or LastPush(staleness)
+        norm, cosine = last.grad_norm, last.cosine
         if grad is not None:
-            gauges["paramserver_push_grad_norm", labels] = grad.norm
-            last["grad_norm"] = grad.norm
+            gauges["paramserver_push_grad_norm", labels] = norm = grad.norm
             if grad.cosine is not None:
-                gauges["paramserver_push_grad_cosine", labels] = grad.cosine
-                last["cosine"] = grad.cosine
+                gauges["paramserver_push_grad_cosine", labels] = cosine = grad.cosine
         if loss is not None:
             gauges["paramserver_push_loss", labels] = loss
-            last["loss"] = loss
+        self._last[worker] = LastPush(staleness, norm, cosine,
+                                      last.loss if loss is None else loss)
         self._clocks_after_push(core, worker)
         alarms = self.watchdog.observe_push(PushObservation(
             worker=worker, version=int(outcome["version"]), accepted=bool(outcome["accepted"]),
@@ -252,14 +252,12 @@ class ShardObserver:
         if alarms:
             self.events.flush()  # the launcher tails this log: show alarms at once
 
-    def summary(self) -> dict[str, Any]:
-        """The last figures, for STATS (``paramserver status``): msgpack-able."""
-        return {
-            "step": dict(self._step),
-            "workers": {str(w): dict(v) for w, v in self._last.items()},
-            "alarms": [a.as_dict() for a in self.watchdog.alarms[-20:]],
-            "alarm_count": len(self.watchdog.alarms),
-        }
+    def summary(self) -> ObservedStats:
+        """The last figures, for STATS (``paramserver status``)."""
+        return ObservedStats(
+            self._step, {str(w): v for w, v in self._last.items()},
+            [a.entry() for a in self.watchdog.alarms[-ALARMS_LISTED:]],
+            len(self.watchdog.alarms))
 
     def raise_alarm(self, alarm: Alarm) -> None:
         """An alarm from the server itself (not a watchdog rule), e.g. a failure in

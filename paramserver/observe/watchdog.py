@@ -42,6 +42,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from paramserver.errors import ConfigError
+from paramserver.util.jsontypes import JSONObject
+from paramserver.wire.stats import AlarmEntry, Figure
 
 __all__ = [
     "ACTIONS",
@@ -205,16 +207,22 @@ class Alarm:
     signal: str
     shard: int | None
     worker: int | None
-    figures: Mapping[str, Any]
+    figures: Mapping[str, Figure]
     message: str
     version: int | None = None  # the shard version when it fired
     #: about the model's own state, so --on-divergence acts on it (DIVERGENCE); False:
     #: a peer's fault or the server's own, reported and counted only
     divergence: bool = False
 
-    def as_dict(self) -> dict[str, Any]:
+    def entry(self) -> AlarmEntry:
+        """As STATS lists it and an ``alarm`` event writes it."""
+        return AlarmEntry(self.signal, self.shard, self.worker, self.version,
+                          dict(self.figures), self.message)
+
+    def as_dict(self) -> JSONObject:
+        """As an ``alarm`` event writes it (the keys of :meth:`entry`)."""
         return {"signal": self.signal, "shard": self.shard, "worker": self.worker,
-                "version": self.version, "figures": dict(self.figures),
+                "version": self.version, "figures": dict(self.figures.items()),
                 "message": self.message}
 
 
@@ -314,7 +322,7 @@ class Watchdog:
         return self.config.enabled and signal not in self.config.disable
 
     def _fire(self, out: list[Alarm], signal: str, worker: int | None,
-              figures: Mapping[str, Any], message: str, *, episodic: bool = False,
+              figures: Mapping[str, Figure], message: str, *, episodic: bool = False,
               divergence: bool | None = None) -> None:
         """``episodic``: the rule itself fires once per episode; no cooldown on top.
         ``divergence``: whether --on-divergence acts on it (None: ``signal in DIVERGENCE``)."""

@@ -51,10 +51,10 @@ from paramserver.shm.link import ShmHub, asks_board, lends, sweep, take_shm
 from paramserver.shm.link import enabled as shm_enabled
 from paramserver.sparse.shard import SparseShard
 from paramserver.util.proctitle import set_title
+from paramserver.wire import stats as wstats
 from paramserver.wire.curve import CurveKeys
 from paramserver.wire.messages import Checkpoint, Init, Pull, Push, SInit, SPull, SPush, replace
 from paramserver.wire.protocol import Message, Op, decode, error_reply, reply
-from paramserver.wire.stats import fit
 from paramserver.wire.transport import RouterSocket
 
 __all__ = ["DIVERGED_EXIT_CODE", "READY_PREFIX", "ServerConfig", "ShardServer", "run_server"]
@@ -658,7 +658,7 @@ class ShardServer(PeerOps):
         return reply(msg, initialized=done)
 
     def _on_stats(self, msg: Message, identity: bytes) -> Message:
-        return reply(msg, **self.stats())
+        return wstats.answer(msg, self.stats())
 
     def _on_checkpoint(self, msg: Message, identity: bytes) -> Message:
         # a peer may only choose a place inside the configured checkpoint
@@ -687,27 +687,15 @@ class ShardServer(PeerOps):
         Op.SINIT: _on_sinit,
     }
 
-    def stats(self) -> dict[str, Any]:
-        base: dict[str, Any] = {
-            "shard": self.config.shard,
-            "num_shards": self.config.num_shards,
-            "address": self.address,
-            "uptime": time.time() - self.started_at,
-            "counters": dict(self.counters),
-            "metrics_port": self.metrics_port,
-            "measured_one_in": self.measure_budget.level,
-            "observed": self.observer.summary(),
-        }
-        if self.core is not None:
-            base.update(self.core.stats())
-            if self.sparse is not None:
-                base["sparse"] = self.sparse.stats()
-            for key, row in base["workers"].items():
-                row.update(self.peers.get(int(key), {}))
-        else:
-            base.update(mode=self.config.mode_spec().describe(), version=0, workers={},
-                        initialized=False, policy=self.policy.describe())
-        return fit(base)  # bounded, so that the reply decodes (wire.stats.fit)
+    def stats(self) -> wstats.ShardStats:
+        core, sparse = self.core, self.sparse
+        figures = (wstats.Unplanned(self.config.mode_spec().describe(), self.policy.describe())
+                   if core is None else wstats.heard(core.stats(), self.peers))
+        return wstats.fit(wstats.ShardStats(  # bounded, so that the reply decodes
+            self.config.shard, self.config.num_shards, self.address,
+            time.time() - self.started_at, dict(self.counters), self.metrics_port,
+            self.measure_budget.level, self.observer.summary(), figures,
+            None if core is None or sparse is None else wstats.SparseStats.of(sparse.stats())))
 
 
 def _own_process(server: ShardServer) -> None:

@@ -688,15 +688,15 @@ def run_cluster(spec: ClusterSpec, out_dir: str | Path,
             if deaths:
                 record.update(exit_code=deaths[-1]["exit_code"], reason=deaths[-1]["reason"])
             workers.append(record)
-    applied = sum(w["applied"] for w in stats[0]["workers"].values()) if stats else 0
+    applied = sum(w.applied for w in stats[0].workers.values()) if stats else 0
     result: dict[str, Any] = {
         "spec": spec.to_dict(),
         "addresses": addresses,
         "seconds": train_seconds,
         "eval": final,
         "workers": workers,
-        "servers": stats,
-        "updates_applied": [s["version"] for s in stats],
+        "servers": [s.to_dict() for s in stats],
+        "updates_applied": [s.version for s in stats],
         "pushes_applied_shard0": applied,
         "failures": cluster.failures,
         "restarts": cluster.restarts,

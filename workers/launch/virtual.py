@@ -507,7 +507,7 @@ class Simulator:
         for k, core in enumerate(self.cores):
             stats.append({
                 "shard": k, "num_shards": len(self.cores), "address": SIM_ADDRESS.format(k),
-                "uptime": self.now, "counters": {}, **core.stats(),
+                "uptime": self.now, "counters": {}, **core.stats().to_dict(),
             })
         return stats
 
