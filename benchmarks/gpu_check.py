@@ -35,7 +35,7 @@ from paramserver.workers.admin import shutdown_servers
 from paramserver.workers.client import PSClient
 
 from . import overlap
-from .common import Agent, close_all
+from .common import Agent, close_all, text
 from .ps import flat_plan
 
 __all__ = ["check_round_trip", "copy_bandwidth", "main", "run_check"]
@@ -90,7 +90,7 @@ def _server(label: str, lr: float) -> tuple[Agent, str]:
         agent.send("ps_serve", config={"mode": "sync", "expected_workers": 1,
                                        "optimizer": "sgd", "optimizer_args": {"lr": lr},
                                        "heartbeat_timeout": 60.0})
-        return agent, agent.read(120)["address"]
+        return agent, text(agent.read(120), "address")
     except BaseException:
         close_all([agent])
         raise
