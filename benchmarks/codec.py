@@ -24,7 +24,6 @@ rewritten around structs would pay). ``--quick`` is a smoke run (tests/test_benc
 
 import argparse
 import math
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,6 +33,8 @@ import torch
 
 from paramserver.wire.messages import parse
 from paramserver.wire.protocol import DTYPES, PROTOCOL_VERSION, Message, Op, decode, encode
+
+from .common import Timing
 
 __all__ = ["HEADERS", "main", "measure", "msgspec_decoder"]
 
@@ -203,22 +204,6 @@ def _time(fn: Callable[[], Any], number: int, repeats: int) -> list[float]:
 
 
 @dataclass(frozen=True)
-class Timing:
-    """Microseconds per decode over the repeats."""
-
-    median_us: float
-    min_us: float
-    max_us: float
-
-    @classmethod
-    def of(cls, seconds: Sequence[float]) -> "Timing":
-        return cls(statistics.median(seconds) * 1e6, min(seconds) * 1e6, max(seconds) * 1e6)
-
-    def cell(self) -> str:
-        return f"{self.median_us:.2f} [{self.min_us:.2f}-{self.max_us:.2f}]"
-
-
-@dataclass(frozen=True)
 class HeaderTiming:
     """One header's three decodes (``today``, ``msgspec``, ``msgspec-struct``)."""
 
@@ -252,8 +237,8 @@ def measure(number: int = 2000, repeats: int = 15) -> list[HeaderTiming]:
             for key in order:
                 times[key] += _time(fns[key], number, 1)
         rows.append(HeaderTiming(name, len(frames[0]), len(frames) - 1,
-                                 Timing.of(times["today"]), Timing.of(times["msgspec"]),
-                                 Timing.of(times["msgspec-struct"])))
+                                 *(Timing.of_seconds(times[k]) for k in
+                                   ("today", "msgspec", "msgspec-struct"))))
     return rows
 
 

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -34,8 +34,10 @@ __all__ = [
     "PREFIX",
     "Agent",
     "AgentError",
+    "Announce",
     "FixedSizeSession",
     "Stats",
+    "Timing",
     "close_all",
     "cpu_seconds",
     "descendants",
@@ -151,7 +153,11 @@ class FixedSizeSession:
         return (time.perf_counter() - t0) / iters
 
 
-def rounds_until_stopped(one_round: Any, args: JSONObject, announce: Any,
+#: how an agent's op sends a line before its answer (e.g. ``{"address": ...}``)
+Announce = Callable[[JSONObject], None]
+
+
+def rounds_until_stopped(one_round: Any, args: JSONObject, announce: Announce,
                          batch: int = 50, on_start: Any = None) -> tuple[int, float]:
     """An async worker's loop: ``args["warmup"]`` rounds (default ``batch``), then
     ``{"running": true}`` announced (the parent starts its window once all are
@@ -218,6 +224,29 @@ class Stats:
             raise ValueError(f"statistics must be an object, got {value!r}")
         return cls(number(value, "median"), number(value, "lo"), number(value, "hi"),
                    number(value, "q1"), number(value, "q3"), integer(value, "n"))
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Microseconds per operation over repeats: median [min-max]."""
+
+    median_us: float
+    min_us: float
+    max_us: float
+
+    @classmethod
+    def of_seconds(cls, seconds: Sequence[float]) -> Timing:
+        return cls.of_us([s * 1e6 for s in seconds])
+
+    @classmethod
+    def of_us(cls, micros: Sequence[float]) -> Timing:
+        return cls(statistics.median(micros), min(micros), max(micros))
+
+    def cell(self, digits: int = 2) -> str:
+        return f"{self.median_us:.{digits}f} [{self.min_us:.{digits}f}-{self.max_us:.{digits}f}]"
+
+    def to_json(self) -> JSONObject:
+        return {"median_us": self.median_us, "min_us": self.min_us, "max_us": self.max_us}
 
 
 def parse_size(text: str | int) -> int:

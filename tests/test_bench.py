@@ -298,9 +298,9 @@ def test_hotpath_times_applied_pushes_warm_and_cold(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("PARAMSERVER_SHM", "0")
     for case in hotpath.CASES:
         r = hotpath.measure(case, pushes=20, repeats=2, thrash_mib=1)
-        assert r["case"] == case and r["pushes"] == 20
-        for label in ("warm", "cold"):
-            assert 0 < r[label]["min_us"] <= r[label]["median_us"] <= r[label]["max_us"]
+        assert r.case == case and r.pushes == 20
+        for t in (r.warm, r.cold):
+            assert 0 < t.min_us <= t.median_us <= t.max_us
 
 
 def test_hotpath_refuses_to_time_refused_pushes(monkeypatch: pytest.MonkeyPatch) -> None:
