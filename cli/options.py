@@ -37,7 +37,7 @@ import typing
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypedDict, TypeVar
 
 import click
 import tomli_w
@@ -170,6 +170,18 @@ def _scalar(hint: Any) -> Any:
     return hint if hint in (int, float, str, bool) else str
 
 
+class _FieldOption(TypedDict, total=False):
+    """The click.option arguments a config field's flag sets (Spec adds the rest)."""
+
+    help: str
+    metavar: str
+    is_flag: bool
+    default: Any  # the field's own type
+    type: click.ParamType | type
+    multiple: bool
+    required: bool
+
+
 def field_specs(cls: type, *, per_process: bool | None = None) -> list[Spec]:
     """The flags of a config dataclass's fields, from their :class:`Opt` metadata.
 
@@ -189,7 +201,7 @@ def field_specs(cls: type, *, per_process: bool | None = None) -> list[Spec]:
         flag = "--" + (opt.flag or f.name.replace("_", "-"))
         dest = opt.dest or f.name
         default = opt.cli_default if opt.cli_default is not MISSING else field_default(f)
-        kwargs: dict[str, Any] = {"help": opt.help}
+        kwargs: _FieldOption = {"help": opt.help}
         if opt.metavar:
             kwargs["metavar"] = opt.metavar
         multiple = typing.get_origin(hint) in (list, dict) or opt.kind == "pairs"
