@@ -69,8 +69,9 @@ class AgentError(ParamServerError):
     """A benchmark child process failed; the message carries its stderr tail."""
 
 
-# An agent's commands and answers are JSON lines, a different shape per op: read as
-# open JSON, each value checked as it is taken (a wrong type is the agent's bug).
+# An agent's commands and answers are JSON lines, a different shape per op, and
+# result.json is read back into records (records.py): open JSON, each value checked
+# as it is taken (ValueError: a bug of the writer, or a file edited by hand).
 _NO = object()
 
 
@@ -78,12 +79,12 @@ def _take(d: JSONObject, key: str, default: object) -> JSON:
     if key in d:
         return d[key]
     if default is _NO:
-        raise AgentError(f"no {key!r} in {sorted(d)}")
+        raise ValueError(f"no {key!r} in {sorted(d)}")
     return default  # type: ignore[return-value]  # the caller's default, of its type
 
 
-def _wrong(key: str, value: JSON, what: str) -> AgentError:
-    return AgentError(f"{key!r} must be {what}, got {value!r}")
+def _wrong(key: str, value: JSON, what: str) -> ValueError:
+    return ValueError(f"{key!r} must be {what}, got {value!r}")
 
 
 def text(d: JSONObject, key: str, default: object = _NO) -> str:

@@ -14,62 +14,33 @@ from typing import Literal, Protocol
 
 from paramserver.util.jsontypes import JSON, JSONObject
 
-from .common import Stats
+from .common import Stats, integer, number, numbers, text
 
 __all__ = ["AsyncRow", "BenchResult", "Environment", "Goal", "HostsResult", "MemoryRow",
-           "OverlapResult", "ShmPath", "SweepRow", "stats_from_json"]
+           "OverlapResult", "ShmPath", "SweepRow"]
 
-
-# ---------------------------------------------------------------- reading open JSON
 
 def _obj(value: JSON) -> JSONObject:
     if not isinstance(value, dict):
-        raise ValueError(f"expected a JSON object, got {type(value).__name__}")
+        raise ValueError(f"expected a JSON object, got {value!r}")
     return value
 
 
-def _num(value: JSON) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"expected a number, got {value!r}")
-    return float(value)
-
-
-def _int(value: JSON) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"expected an integer, got {value!r}")
-    return value
-
-
-def _str(value: JSON) -> str:
-    if not isinstance(value, str):
-        raise ValueError(f"expected a string, got {value!r}")
-    return value
-
-
-def _opt_int(value: JSON) -> int | None:
-    return None if value is None else _int(value)
-
-
-def _opt_num(value: JSON) -> float | None:
-    return None if value is None else _num(value)
-
-
-def _nums(value: JSON) -> tuple[float, ...]:
-    if not isinstance(value, list):
-        raise ValueError(f"expected a list, got {value!r}")
-    return tuple(_num(v) for v in value)
-
-
-def stats_from_json(value: JSON) -> Stats:
-    return Stats.from_json(value)
-
-
-def _opt_stats(value: JSON) -> Stats | None:
+def _opt_stats(d: JSONObject, key: str) -> Stats | None:
+    value = d.get(key)
     return None if value is None else Stats.from_json(value)
 
 
-def _stats_json(s: Stats) -> JSONObject:
-    return s.to_json()
+def _opt_int(d: JSONObject, key: str) -> int | None:
+    return None if d.get(key) is None else integer(d, key)
+
+
+def _opt_num(d: JSONObject, key: str) -> float | None:
+    return None if d.get(key) is None else number(d, key)
+
+
+def _nums(d: JSONObject, key: str) -> tuple[float, ...]:
+    return tuple(numbers(d, key))
 
 
 # ---------------------------------------------------------------- the sweep
@@ -107,25 +78,25 @@ class SweepRow:
     def to_json(self) -> JSONObject:
         out: JSONObject = {
             "workers": self.workers, "shards": self.shards, "bytes": self.bytes,
-            "system": self.system, "round_s": _stats_json(self.round_s),
-            "gbps": _stats_json(self.gbps), "repeats_round_s": list(self.repeats_round_s),
-            "cpu_s": None if self.cpu_s is None else _stats_json(self.cpu_s)}
+            "system": self.system, "round_s": self.round_s.to_json(),
+            "gbps": self.gbps.to_json(), "repeats_round_s": list(self.repeats_round_s),
+            "cpu_s": None if self.cpu_s is None else self.cpu_s.to_json()}
         if self.shm is not None:
             out.update({"shm_peers": self.shm.shm_peers, "shm_used": self.shm.shm_used,
                         "shm_offered": self.shm.shm_offered})
         if self.ratio_to_limit is not None:
-            out["ratio_to_limit"] = _stats_json(self.ratio_to_limit)
+            out["ratio_to_limit"] = self.ratio_to_limit.to_json()
         return out
 
     @classmethod
     def from_json(cls, value: JSON) -> SweepRow:
         d = _obj(value)
-        shm = (ShmPath(_int(d["shm_peers"]), _int(d["shm_used"]), _int(d["shm_offered"]))
+        shm = (ShmPath(integer(d, "shm_peers"), integer(d, "shm_used"), integer(d, "shm_offered"))
                if "shm_peers" in d else None)
-        return cls(_int(d["workers"]), _opt_int(d["shards"]), _int(d["bytes"]),
-                   _str(d["system"]), stats_from_json(d["round_s"]),
-                   stats_from_json(d["gbps"]), _nums(d["repeats_round_s"]),
-                   _opt_stats(d.get("cpu_s")), shm, _opt_stats(d.get("ratio_to_limit")))
+        return cls(integer(d, "workers"), _opt_int(d, "shards"), integer(d, "bytes"),
+                   text(d, "system"), Stats.from_json(d["round_s"]),
+                   Stats.from_json(d["gbps"]), _nums(d, "repeats_round_s"),
+                   _opt_stats(d, "cpu_s"), shm, _opt_stats(d, "ratio_to_limit"))
 
 
 def find(rows: Sequence[SweepRow], system: str, workers: int, nbytes: int,
@@ -155,10 +126,10 @@ class Link:
     @classmethod
     def from_json(cls, value: JSON) -> Link:
         d = _obj(value)
-        transport = _str(d["transport"])
+        transport = text(d, "transport")
         if transport not in ("tcp", "shared memory"):
             raise ValueError(f"transport {transport!r}")
-        return cls(_str(d["ns_a"]), _str(d["ip_a"]), _str(d["ns_b"]), _str(d["ip_b"]),
+        return cls(text(d, "ns_a"), text(d, "ip_a"), text(d, "ns_b"), text(d, "ip_b"),
                    "tcp" if transport == "tcp" else "shared memory")
 
 
@@ -182,13 +153,13 @@ class HostsResult:
     def from_json(cls, value: JSON) -> HostsResult:
         d = _obj(value)
         if "skipped" in d:
-            return cls(skipped=_str(d["skipped"]))
+            return cls(skipped=text(d, "skipped"))
         rows = d.get("rows") or []
         problems = d.get("problems") or []
         assert isinstance(rows, list) and isinstance(problems, list)
         return cls(None, None if d.get("link") is None else Link.from_json(d["link"]),
                    tuple(SweepRow.from_json(r) for r in rows),
-                   tuple(_str(p) for p in problems))
+                   tuple(str(p) for p in problems))
 
 
 # ---------------------------------------------------------------- async, memory, overlap
@@ -229,12 +200,12 @@ class AsyncRow:
     @classmethod
     def from_json(cls, value: JSON) -> AsyncRow:
         d = _obj(value)
-        return cls(_int(d["workers"]), _opt_int(d["shards"]), _int(d["bytes"]),
-                   _int(d["tensors"]), _str(d.get("system", "ps")),
-                   _num(d["model_updates_per_s"]), _num(d["shard_updates_per_s"]),
-                   _num(d["cpu_s_per_model_update"]), _nums(d["worker_pushes_per_s"]),
-                   _num(d["window_s"]), _opt_num(d.get("shard_cpu_s_per_model_update")),
-                   _opt_num(d.get("shard_busy")))
+        return cls(integer(d, "workers"), _opt_int(d, "shards"), integer(d, "bytes"),
+                   integer(d, "tensors"), text(d, "system", "ps"),
+                   number(d, "model_updates_per_s"), number(d, "shard_updates_per_s"),
+                   number(d, "cpu_s_per_model_update"), _nums(d, "worker_pushes_per_s"),
+                   number(d, "window_s"), _opt_num(d, "shard_cpu_s_per_model_update"),
+                   _opt_num(d, "shard_busy"))
 
 
 @dataclass(frozen=True)
@@ -271,11 +242,11 @@ class MemoryRow:
     def from_json(cls, value: JSON) -> MemoryRow:
         d = _obj(value)
         release = d.get("shm_release")
-        return cls(_int(d["workers"]), _int(d["bytes"]), _num(d["momentum"]),
-                   _int(d["weight_bytes"]), _int(d["optimizer_state_bytes"]),
-                   _int(d["aggregation_bytes"]), _int(d["expected_bytes"]),
-                   _int(d["rss_base"]), _int(d["peak_rss"]), _int(d["peak_over_base"]),
-                   _num(d["ratio"]), _int(d["copy_on_write"]), _int(d["shm_peers"]),
+        return cls(integer(d, "workers"), integer(d, "bytes"), number(d, "momentum"),
+                   integer(d, "weight_bytes"), integer(d, "optimizer_state_bytes"),
+                   integer(d, "aggregation_bytes"), integer(d, "expected_bytes"),
+                   integer(d, "rss_base"), integer(d, "peak_rss"), integer(d, "peak_over_base"),
+                   number(d, "ratio"), integer(d, "copy_on_write"), integer(d, "shm_peers"),
                    release if isinstance(release, bool) else None)
 
 
@@ -314,10 +285,10 @@ class OverlapResult:
     def to_json(self) -> JSONObject:
         out: JSONObject = {"device": self.device}
         out.update({k: getattr(self, k) for k in _OVERLAP_INTS[:5]})
-        out["overlap"] = _stats_json(self.overlap)
+        out["overlap"] = self.overlap.to_json()
         if self.overlap_late is not None:
-            out["overlap_late"] = _stats_json(self.overlap_late)
-        out.update({k: _stats_json(getattr(self, k)) for k in _OVERLAP_STATS[1:]})
+            out["overlap_late"] = self.overlap_late.to_json()
+        out.update({k: getattr(self, k).to_json() for k in _OVERLAP_STATS[1:]})
         out["tcp"] = self.tcp
         out.update({k: getattr(self, k) for k in _OVERLAP_INTS[5:]})
         out.update({"overlap_vs_bound": self.overlap_vs_bound,
@@ -330,13 +301,13 @@ class OverlapResult:
     def from_json(cls, value: JSON) -> OverlapResult:
         d = _obj(value)
         return cls(
-            _str(d["device"]), _int(d["model_bytes"]), _int(d["params"]), _int(d["width"]),
-            _int(d["depth"]), _int(d["batch"]), stats_from_json(d["overlap"]),
-            stats_from_json(d["compute"]), stats_from_json(d["comm"]),
-            stats_from_json(d["sequential"]), d["tcp"] is True, _int(d["rounds_ahead"]),
-            _int(d["ahead_found_busy"]), _int(d["early_parts"]), _int(d["early_answers"]),
-            _int(d["buckets"]), _num(d["overlap_vs_bound"]), _num(d["sequential_vs_bound"]),
-            _num(d["gain"]), _opt_stats(d.get("overlap_late")), _opt_num(d.get("early_gain")))
+            text(d, "device"), integer(d, "model_bytes"), integer(d, "params"), integer(d, "width"),
+            integer(d, "depth"), integer(d, "batch"), Stats.from_json(d["overlap"]),
+            Stats.from_json(d["compute"]), Stats.from_json(d["comm"]),
+            Stats.from_json(d["sequential"]), d["tcp"] is True, integer(d, "rounds_ahead"),
+            integer(d, "ahead_found_busy"), integer(d, "early_parts"), integer(d, "early_answers"),
+            integer(d, "buckets"), number(d, "overlap_vs_bound"), number(d, "sequential_vs_bound"),
+            number(d, "gain"), _opt_stats(d, "overlap_late"), _opt_num(d, "early_gain"))
 
 
 # ---------------------------------------------------------------- the whole result
@@ -362,12 +333,12 @@ class Goal:
     @classmethod
     def from_json(cls, value: JSON) -> Goal:
         d = _obj(value)
-        status = _str(d["status"])
+        status = text(d, "status")
         if status not in ("met", "missed", "n/a"):
             raise ValueError(f"goal status {status!r}")
-        return cls(_str(d["goal"]), _opt_num(d["measured"]), _str(d["target"]),
+        return cls(text(d, "goal"), _opt_num(d, "measured"), text(d, "target"),
                    "met" if status == "met" else "missed" if status == "missed" else "n/a",
-                   _str(d.get("detail", "")))
+                   text(d, "detail", ""))
 
 
 @dataclass(frozen=True)
@@ -395,10 +366,10 @@ class Environment:
     @classmethod
     def from_json(cls, value: JSON) -> Environment:
         d = _obj(value)
-        after = d.get("load_after")
-        return cls(_str(d["python"]), _str(d["torch"]), _str(d["pyzmq"]), _str(d["libzmq"]),
-                   _str(d["numpy"]), _opt_int(d.get("cpus")), _str(d["machine"]),
-                   _nums(d["load_before"]), None if after is None else _nums(after))
+        return cls(text(d, "python"), text(d, "torch"), text(d, "pyzmq"), text(d, "libzmq"),
+                   text(d, "numpy"), _opt_int(d, "cpus"), text(d, "machine"),
+                   _nums(d, "load_before"),
+                   None if d.get("load_after") is None else _nums(d, "load_after"))
 
 
 @dataclass(frozen=True)
@@ -463,6 +434,6 @@ class BenchResult:
             None if overlap is None else OverlapResult.from_json(overlap),
             None if overlap_tcp is None else OverlapResult.from_json(overlap_tcp),
             tuple(Goal.from_json(g) for g in rows("goals")),
-            _str(d.get("command", "")), _str(d.get("preset", "")), _str(d.get("malloc", "")),
-            _num(d.get("started", 0.0)), _num(d.get("seconds", 0.0)),
+            text(d, "command", ""), text(d, "preset", ""), text(d, "malloc", ""),
+            number(d, "started", 0.0), number(d, "seconds", 0.0),
             None if env is None else Environment.from_json(env))
