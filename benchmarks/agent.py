@@ -19,9 +19,11 @@ import os
 import sys
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
-from .common import PREFIX
+from paramserver.util.jsontypes import JSONObject
+
+from .common import PREFIX, Announce, integer, text
 
 __all__ = ["OPS", "SESSIONS", "main"]
 
@@ -50,17 +52,27 @@ SESSIONS: dict[str, str] = {
     "gloo": "paramserver.benchmarks.gloo:GlooSession",
     "ray": "paramserver.benchmarks.rayps:RaySession",
 }
-_open: dict[str, Any] = {}
-
-Announce = Callable[[dict[str, Any]], None]
 
 
-def _emit(data: dict[str, Any]) -> None:
+class Session(Protocol):
+    """A system's worker session (raw.RawSession, ps.PSSession, ...)."""
+
+    def measure(self, numel: int, iters: int) -> float: ...
+
+    def close(self) -> JSONObject: ...
+
+
+_open: dict[str, Session] = {}
+#: an op: its command's arguments and a way to announce lines -> its answer
+Op = Callable[[JSONObject, Announce], JSONObject]
+
+
+def _emit(data: JSONObject) -> None:
     sys.stdout.write(PREFIX + json.dumps(data) + "\n")
     sys.stdout.flush()
 
 
-def report_rss(args: dict[str, Any], announce: Announce) -> dict[str, Any]:
+def report_rss(args: JSONObject, announce: Announce) -> JSONObject:
     from .common import peak_rss, rss
 
     return {"rss": rss(), "peak_rss": peak_rss()}
@@ -71,8 +83,9 @@ def _load(target: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-def _session_op(op: str, cmd: dict[str, Any]) -> dict[str, Any]:
-    system = cmd.pop("system")
+def _session_op(op: str, cmd: JSONObject) -> JSONObject:
+    system = text(cmd, "system")
+    del cmd["system"]
     if op == "open":
         if system not in SESSIONS:
             raise KeyError(f"unknown system {system!r}; known: {', '.join(SESSIONS)}")
@@ -84,18 +97,17 @@ def _session_op(op: str, cmd: dict[str, Any]) -> dict[str, Any]:
     if session is None:
         raise KeyError(f"no open {system} session")
     if op == "measure":
-        return {"round_s": session.measure(int(cmd["numel"]), int(cmd["iters"]))}
-    result: dict[str, Any] = _open.pop(system).close()
-    return result
+        return {"round_s": session.measure(integer(cmd, "numel"), integer(cmd, "iters"))}
+    return _open.pop(system).close()
 
 
-def _run(op: str, cmd: dict[str, Any]) -> dict[str, Any]:
+def _run(op: str, cmd: JSONObject) -> JSONObject:
     if op in ("open", "measure", "close"):
         return _session_op(op, cmd)
     target = OPS.get(op)
     if target is None:
         raise KeyError(f"unknown op {op!r}; known: open, measure, close, {', '.join(OPS)}")
-    fn: Callable[[dict[str, Any], Announce], dict[str, Any]] = _load(target)
+    fn: Op = _load(target)
     return fn(cmd, _emit)
 
 
@@ -107,9 +119,13 @@ def main() -> None:
     for line in sys.stdin:
         if not line.strip():
             continue
+        result: JSONObject
         try:
             cmd = json.loads(line)
-            op = cmd.pop("op")
+            if not isinstance(cmd, dict):
+                raise ValueError(f"a command is a JSON object, not {line!r}")
+            op = text(cmd, "op")
+            del cmd["op"]
             if op == "exit":
                 break
             result = _run(op, cmd)

@@ -22,30 +22,40 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any
 
 from paramserver.errors import ConfigError, ParamServerError, RequestTimeoutError
+from paramserver.util.jsontypes import JSON, JSONObject
 
 __all__ = [
     "PREFIX",
     "Agent",
     "AgentError",
+    "Announce",
     "FixedSizeSession",
     "Stats",
+    "Timing",
     "close_all",
     "cpu_seconds",
     "descendants",
+    "flag",
     "format_size",
     "free_port",
+    "integer",
+    "number",
+    "numbers",
+    "obj",
     "parse_size",
     "peak_rss",
     "reset_peak_rss",
     "rounds_until_stopped",
     "rss",
     "split_range",
+    "strings",
+    "text",
 ]
 
 log = logging.getLogger(__name__)
@@ -57,6 +67,73 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 
 
 class AgentError(ParamServerError):
     """A benchmark child process failed; the message carries its stderr tail."""
+
+
+# An agent's commands and answers are JSON lines, a different shape per op, and
+# result.json is read back into records (records.py): open JSON, each value checked
+# as it is taken (ValueError: a bug of the writer, or a file edited by hand).
+_NO = object()
+
+
+def _take(d: JSONObject, key: str, default: object) -> JSON:
+    if key in d:
+        return d[key]
+    if default is _NO:
+        raise ValueError(f"no {key!r} in {sorted(d)}")
+    return default  # type: ignore[return-value]  # the caller's default, of its type
+
+
+def _wrong(key: str, value: JSON, what: str) -> ValueError:
+    return ValueError(f"{key!r} must be {what}, got {value!r}")
+
+
+def text(d: JSONObject, key: str, default: object = _NO) -> str:
+    v = _take(d, key, default)
+    if not isinstance(v, str):
+        raise _wrong(key, v, "a string")
+    return v
+
+
+def integer(d: JSONObject, key: str, default: object = _NO) -> int:
+    v = _take(d, key, default)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _wrong(key, v, "an integer")
+    return v
+
+
+def number(d: JSONObject, key: str, default: object = _NO) -> float:
+    v = _take(d, key, default)
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise _wrong(key, v, "a number")
+    return float(v)
+
+
+def flag(d: JSONObject, key: str, default: bool = False) -> bool:
+    v = _take(d, key, default)
+    if not isinstance(v, bool):
+        raise _wrong(key, v, "true or false")
+    return v
+
+
+def obj(d: JSONObject, key: str, default: object = _NO) -> JSONObject:
+    v = _take(d, key, default)
+    if not isinstance(v, dict):
+        raise _wrong(key, v, "an object")
+    return v
+
+
+def strings(d: JSONObject, key: str) -> list[str]:
+    v = _take(d, key, _NO)
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise _wrong(key, v, "a list of strings")
+    return [x for x in v if isinstance(x, str)]
+
+
+def numbers(d: JSONObject, key: str) -> list[float]:
+    v = _take(d, key, _NO)
+    if not isinstance(v, list):
+        raise _wrong(key, v, "a list of numbers")
+    return [number({"": x}, "") for x in v]
 
 
 class FixedSizeSession:
@@ -77,15 +154,19 @@ class FixedSizeSession:
         return (time.perf_counter() - t0) / iters
 
 
-def rounds_until_stopped(one_round: Any, args: dict[str, Any], announce: Any,
+#: how an agent's op sends a line before its answer (e.g. ``{"address": ...}``)
+Announce = Callable[[JSONObject], None]
+
+
+def rounds_until_stopped(one_round: Any, args: JSONObject, announce: Announce,
                          batch: int = 50, on_start: Any = None) -> tuple[int, float]:
     """An async worker's loop: ``args["warmup"]`` rounds (default ``batch``), then
     ``{"running": true}`` announced (the parent starts its window once all are
     running) and ``on_start()`` called, then rounds in batches until
     ``args["stop_file"]`` exists. Returns the rounds after the announcement and
     the seconds they took."""
-    stop_file = Path(args["stop_file"])
-    for _ in range(int(args.get("warmup", batch))):
+    stop_file = Path(text(args, "stop_file"))
+    for _ in range(integer(args, "warmup", batch)):
         one_round()
     announce({"running": True})
     if on_start is not None:
@@ -132,6 +213,41 @@ class Stats:
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
+
+    def to_json(self) -> JSONObject:
+        return {"median": self.median, "lo": self.lo, "hi": self.hi, "q1": self.q1,
+                "q3": self.q3, "n": self.n}
+
+    @classmethod
+    def from_json(cls, value: JSON) -> Stats:
+        """From :meth:`to_json` (or ``to_dict``)."""
+        if not isinstance(value, dict):
+            raise ValueError(f"statistics must be an object, got {value!r}")
+        return cls(number(value, "median"), number(value, "lo"), number(value, "hi"),
+                   number(value, "q1"), number(value, "q3"), integer(value, "n"))
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Microseconds per operation over repeats: median [min-max]."""
+
+    median_us: float
+    min_us: float
+    max_us: float
+
+    @classmethod
+    def of_seconds(cls, seconds: Sequence[float]) -> Timing:
+        return cls.of_us([s * 1e6 for s in seconds])
+
+    @classmethod
+    def of_us(cls, micros: Sequence[float]) -> Timing:
+        return cls(statistics.median(micros), min(micros), max(micros))
+
+    def cell(self, digits: int = 2) -> str:
+        return f"{self.median_us:.{digits}f} [{self.min_us:.{digits}f}-{self.max_us:.{digits}f}]"
+
+    def to_json(self) -> JSONObject:
+        return {"median_us": self.median_us, "min_us": self.min_us, "max_us": self.max_us}
 
 
 def parse_size(text: str | int) -> int:
@@ -286,20 +402,22 @@ class Agent:
         except BrokenPipeError as exc:
             raise AgentError(f"{self.name} has exited: {self._tail()}") from exc
 
-    def read(self, timeout: float) -> dict[str, Any]:
+    def read(self, timeout: float) -> JSONObject:
         """The next ``BENCH`` line as a dict; other stdout lines are logged and skipped."""
         deadline = time.monotonic() + timeout
         assert self.popen.stdout is not None
         while True:
             while b"\n" in self._buf:
                 line, self._buf = self._buf.split(b"\n", 1)
-                text = line.decode(errors="replace")
-                if text.startswith(PREFIX):
-                    data: dict[str, Any] = json.loads(text[len(PREFIX):])
+                line_text = line.decode(errors="replace")
+                if line_text.startswith(PREFIX):
+                    data = json.loads(line_text[len(PREFIX):])
+                    if not isinstance(data, dict):
+                        raise AgentError(f"{self.name}: not a JSON object: {line_text}")
                     if "error" in data:
                         raise AgentError(f"{self.name}: {data['error']}")
                     return data
-                log.debug("%s: %s", self.name, text)
+                log.debug("%s: %s", self.name, line_text)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise RequestTimeoutError(f"{self.name} did not answer within {timeout:g}s")
@@ -312,7 +430,7 @@ class Agent:
                     )
                 self._buf += chunk
 
-    def call(self, op: str, timeout: float, **args: Any) -> dict[str, Any]:
+    def call(self, op: str, timeout: float, **args: Any) -> JSONObject:
         self.send(op, **args)
         return self.read(timeout)
 

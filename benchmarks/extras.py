@@ -25,25 +25,26 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
 
+from paramserver.util.jsontypes import JSONObject
 from paramserver.workers.admin import server_stats, shutdown_servers
 
-from .common import Agent, close_all, cpu_seconds, descendants
+from .common import Agent, close_all, cpu_seconds, descendants, integer, number, obj, text
 from .raw import stop as raw_stop
+from .records import AsyncRow, MemoryRow, OverlapResult
 
 __all__ = ["run_async", "run_async_raw", "run_async_ray", "run_memory", "run_overlap"]
 
 _TIMEOUT = 600.0
 
 
-def _start_servers(label: str, shards: int, config: dict[str, Any], log_dir: Path | None
+def _start_servers(label: str, shards: int, config: JSONObject, log_dir: Path | None
                    ) -> tuple[list[Agent], list[str]]:
     servers = [Agent(f"{label}-server{i}", log_dir) for i in range(shards)]
     try:
         for i, a in enumerate(servers):
             a.send("ps_serve", config={"shard": i, "num_shards": shards, **config})
-        return servers, [a.read(_TIMEOUT)["address"] for a in servers]
+        return servers, [text(a.read(_TIMEOUT), "address") for a in servers]
     except BaseException:
         close_all(servers)
         raise
@@ -57,7 +58,7 @@ class _Window:
     cpu: float  # CPU seconds of every process measured
     shard_cpu: float  # ... of the shards' among them
     seconds: float
-    results: list[dict[str, Any]]  # each worker's return
+    results: list[JSONObject]  # each worker's return
 
 
 def _window(workers: list[Agent], pids: list[int], shard_pids: list[int], seconds: float,
@@ -76,6 +77,11 @@ def _window(workers: list[Agent], pids: list[int], shard_pids: list[int], second
     return _Window(v1 - v0, c1 - c0, s1 - s0, t1 - t0, [a.read(_TIMEOUT) for a in workers])
 
 
+def _rates(results: list[JSONObject]) -> tuple[float, ...]:
+    """Each worker's pushes per second over its window."""
+    return tuple(number(r, "pushes") / number(r, "seconds") for r in results)
+
+
 def _versions(addrs: list[str]) -> float:
     """The versions of these shards, summed: the pushes they applied."""
     return float(sum(st.version for st in server_stats(addrs)))
@@ -83,8 +89,8 @@ def _versions(addrs: list[str]) -> float:
 
 def run_async(workers: int = 4, shards: tuple[int, ...] = (1, 2, 4), nbytes: int = 4096,
               pieces: int = 8, seconds: float = 3.0, lr: float = 1e-3,
-              log_dir: Path | None = None, server: dict[str, Any] | None = None
-              ) -> list[dict[str, Any]]:
+              log_dir: Path | None = None, server: JSONObject | None = None
+              ) -> list[AsyncRow]:
     """One record per shard count: model updates/s, shard updates/s, CPU per update."""
     out = []
     for s in shards:
@@ -109,18 +115,15 @@ def run_async(workers: int = 4, shards: tuple[int, ...] = (1, 2, 4), nbytes: int
                 a.read(_TIMEOUT)
             addrs = []
             model_updates = max(1e-9, w.counted / s)  # one push applied on every shard
-            out.append({
-                "workers": workers, "shards": s, "bytes": nbytes, "tensors": pieces,
-                "system": "ps",
-                "model_updates_per_s": w.counted / s / w.seconds,
-                "shard_updates_per_s": w.counted / w.seconds,
-                "cpu_s_per_model_update": w.cpu / model_updates,
+            out.append(AsyncRow(
+                workers, s, nbytes, pieces, "ps",
+                model_updates_per_s=w.counted / s / w.seconds,
+                shard_updates_per_s=w.counted / w.seconds,
+                cpu_s_per_model_update=w.cpu / model_updates,
+                worker_pushes_per_s=_rates(w.results), window_s=w.seconds,
                 # the shards' part of it (the rest: the workers'): which side is the limit
-                "shard_cpu_s_per_model_update": w.shard_cpu / model_updates,
-                "shard_busy": w.shard_cpu / s / w.seconds,  # per shard, 1.0: a core all the time
-                "worker_pushes_per_s": [r["pushes"] / r["seconds"] for r in w.results],
-                "window_s": w.seconds,
-            })
+                shard_cpu_s_per_model_update=w.shard_cpu / model_updates,
+                shard_busy=w.shard_cpu / s / w.seconds))  # per shard, 1.0: a core all the time
         finally:
             stop.touch()
             if addrs:
@@ -132,13 +135,13 @@ def run_async(workers: int = 4, shards: tuple[int, ...] = (1, 2, 4), nbytes: int
 
 def run_async_ray(workers: int = 4, nbytes: int = 4096, pieces: int = 8,
                   seconds: float = 3.0, lr: float = 1e-3, log_dir: Path | None = None
-                  ) -> dict[str, Any]:
+                  ) -> AsyncRow:
     """Model updates/s of Ray's actor parameter server, as :func:`run_async` counts them."""
     head = Agent("async-ray-head", log_dir)
     agents = [head]
     stop = Path(tempfile.mkdtemp(prefix="ps-bench-")) / "stop"
     try:
-        address = head.call("ray_serve", _TIMEOUT, workers=1, lr=lr)["address"]
+        address = text(head.call("ray_serve", _TIMEOUT, workers=1, lr=lr), "address")
         ws = [Agent(f"async-ray-worker{r}", log_dir) for r in range(workers)]
         agents += ws
         for a in ws:
@@ -146,14 +149,13 @@ def run_async_ray(workers: int = 4, nbytes: int = 4096, pieces: int = 8,
                    stop_file=str(stop))
         pids = [a.pid for a in ws] + descendants(head.pid)  # with Ray's own processes
         w = _window(ws, pids, [], seconds, stop,
-                    lambda: head.call("ray_version", _TIMEOUT)["version"])
+                    lambda: number(head.call("ray_version", _TIMEOUT), "version"))
         head.call("ray_stop", _TIMEOUT)
-        return {"workers": workers, "shards": None, "bytes": nbytes, "tensors": pieces,
-                "system": "ray", "model_updates_per_s": w.counted / w.seconds,
-                "shard_updates_per_s": w.counted / w.seconds,
-                "cpu_s_per_model_update": w.cpu / max(1, w.counted),
-                "worker_pushes_per_s": [r["pushes"] / r["seconds"] for r in w.results],
-                "window_s": w.seconds}
+        return AsyncRow(workers, None, nbytes, pieces, "ray",
+                        model_updates_per_s=w.counted / w.seconds,
+                        shard_updates_per_s=w.counted / w.seconds,
+                        cpu_s_per_model_update=w.cpu / max(1, w.counted),
+                        worker_pushes_per_s=_rates(w.results), window_s=w.seconds)
     finally:
         stop.touch()
         close_all(agents)
@@ -161,7 +163,7 @@ def run_async_ray(workers: int = 4, nbytes: int = 4096, pieces: int = 8,
 
 
 def run_async_raw(workers: int = 4, nbytes: int = 4096, seconds: float = 3.0,
-                  lr: float = 1e-3, log_dir: Path | None = None) -> dict[str, Any]:
+                  lr: float = 1e-3, log_dir: Path | None = None) -> AsyncRow:
     """Model updates/s of the raw pyzmq loop, as :func:`run_async` counts them: a raw
     shard that steps on every push (raw.serve with one worker per step) and
     ``workers`` raw workers pushing + pulling as fast as they can. Counted on the
@@ -175,22 +177,20 @@ def run_async_raw(workers: int = 4, nbytes: int = 4096, seconds: float = 3.0,
     address = None
     try:
         server.send("raw_serve", workers=1, lr=lr)
-        address = server.read(_TIMEOUT)["address"]
+        address = text(server.read(_TIMEOUT), "address")
         ws = [Agent(f"async-raw-worker{r}", log_dir) for r in range(workers)]
         agents += ws
         for a in ws:
             a.send("raw_async", addresses=[address], numel=nbytes // 4, warmup=20,
                    stop_file=str(stop))
         w = _window(ws, [a.pid for a in agents], [server.pid], seconds, stop)
-        rates = [r["pushes"] / r["seconds"] for r in w.results]
+        rates = _rates(w.results)
         updates = max(1e-9, sum(rates) * w.seconds)
-        return {"workers": workers, "shards": 1, "bytes": nbytes, "tensors": 1,
-                "system": "raw", "model_updates_per_s": sum(rates),
-                "shard_updates_per_s": sum(rates),
-                "cpu_s_per_model_update": w.cpu / updates,
-                "shard_cpu_s_per_model_update": w.shard_cpu / updates,
-                "shard_busy": w.shard_cpu / w.seconds,
-                "worker_pushes_per_s": rates, "window_s": w.seconds}
+        return AsyncRow(workers, 1, nbytes, 1, "raw", model_updates_per_s=sum(rates),
+                        shard_updates_per_s=sum(rates), cpu_s_per_model_update=w.cpu / updates,
+                        worker_pushes_per_s=rates, window_s=w.seconds,
+                        shard_cpu_s_per_model_update=w.shard_cpu / updates,
+                        shard_busy=w.shard_cpu / w.seconds)
     finally:
         stop.touch()
         if address is not None:
@@ -201,8 +201,8 @@ def run_async_raw(workers: int = 4, nbytes: int = 4096, seconds: float = 3.0,
 
 def run_memory(workers: tuple[int, ...] = (1, 2, 4), nbytes: int = 64 << 20, rounds: int = 4,
                momentum: float = 0.9, lr: float = 1e-3, log_dir: Path | None = None,
-               server: dict[str, Any] | None = None, worker: dict[str, Any] | None = None
-               ) -> list[dict[str, Any]]:
+               server: JSONObject | None = None, worker: JSONObject | None = None
+               ) -> list[MemoryRow]:
     """One record per worker count: the shard's peak RSS over its start, and the budget.
 
     ``server``: extra ShardServer settings; ``worker``: extra PSSession ones
@@ -234,19 +234,19 @@ def run_memory(workers: tuple[int, ...] = (1, 2, 4), nbytes: int = 64 << 20, rou
             shutdown_servers(addrs)
             addrs = []
             rep = servers[0].read(_TIMEOUT)
-            weights, state = rep["weight_bytes"], rep["optimizer_state_bytes"]
+            weights = integer(rep, "weight_bytes")
+            state = integer(rep, "optimizer_state_bytes")
             expected = 2 * weights + state  # weights, optimizer state, one aggregation buffer
-            grown = rep["peak_rss"] - rep["rss_base"]
-            out.append({
-                "workers": n, "bytes": nbytes, "momentum": momentum,
-                "weight_bytes": weights, "optimizer_state_bytes": state,
-                "aggregation_bytes": weights, "expected_bytes": expected,
-                "rss_base": rep["rss_base"], "peak_rss": rep["peak_rss"],
-                "peak_over_base": grown, "ratio": grown / expected,
-                "copy_on_write": rep["counters"].get("copy_on_write", 0),
-                "shm_peers": rep["counters"].get("shm_peers", 0),
-                "shm_release": (server or {}).get("shm_release"),  # None: the default
-            })
+            base, peak = integer(rep, "rss_base"), integer(rep, "peak_rss")
+            counters = obj(rep, "counters", {})
+            release = (server or {}).get("shm_release")  # None: the default
+            out.append(MemoryRow(
+                n, nbytes, momentum, weights, state, aggregation_bytes=weights,
+                expected_bytes=expected, rss_base=base, peak_rss=peak,
+                peak_over_base=peak - base, ratio=(peak - base) / expected,
+                copy_on_write=integer(counters, "copy_on_write", 0),
+                shm_peers=integer(counters, "shm_peers", 0),
+                shm_release=release if isinstance(release, bool) else None))
         finally:
             if addrs:
                 shutdown_servers(addrs, timeout=2.0)
@@ -257,8 +257,8 @@ def run_memory(workers: tuple[int, ...] = (1, 2, 4), nbytes: int = 64 << 20, rou
 def run_overlap(width: int = 1024, depth: int = 6, batch: int = 64, steps: int = 2,
                 repeats: int = 5, bucket_bytes: int = 4 << 20, device: str = "cpu",
                 lr: float = 1e-3, log_dir: Path | None = None,
-                server: dict[str, Any] | None = None, threads: int = 0,
-                tcp: bool = False) -> dict[str, Any]:
+                server: JSONObject | None = None, threads: int = 0,
+                tcp: bool = False) -> OverlapResult:
     agents: list[Agent] = []
     addrs: list[str] = []
     try:
@@ -275,7 +275,7 @@ def run_overlap(width: int = 1024, depth: int = 6, batch: int = 64, steps: int =
         addrs = []
         for a in servers:
             a.read(_TIMEOUT)
-        return res
+        return OverlapResult.from_json(res)
     finally:
         if addrs:
             shutdown_servers(addrs, timeout=2.0)

@@ -18,14 +18,17 @@ import argparse
 import itertools
 import json
 import logging
+import math
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from paramserver.core.shard import GradStats, StepStats
 from paramserver.observe.watchdog import PushObservation, StepObservation, Watchdog
 from paramserver.server.loop import ServerConfig
+from paramserver.util.jsontypes import JSONObject
 from paramserver.workers.launch.cluster import ClusterSpec
 from paramserver.workers.launch.virtual import SimSpec, Simulator
 from paramserver.workers.worker import WorkerConfig
@@ -33,7 +36,7 @@ from paramserver.workers.worker import WorkerConfig
 log = logging.getLogger(__name__)
 
 #: (name, optimizer, its arguments): the learning rates the docs' healthy runs use
-OPTIMIZERS: dict[str, tuple[str, dict[str, Any]]] = {
+OPTIMIZERS: dict[str, tuple[str, dict[str, float]]] = {
     "sgd": ("sgd", {"lr": 0.1}),
     "momentum": ("sgd", {"lr": 0.05, "momentum": 0.9}),
     "adam": ("adam", {"lr": 1e-3}),
@@ -72,22 +75,49 @@ class WatchedSimulator(Simulator):
             def tee(event: str, _write: Any = write, _shard: int = shard, **fields: Any) -> None:
                 _write(event, **fields)
                 if event == "push":
-                    self._observe_push(_shard, fields)
+                    self._observe_push(_shard, **fields)
             events.write = tee  # type: ignore[method-assign]
 
-    def _observe_push(self, shard: int, rec: dict[str, Any]) -> None:
+    def _observe_push(self, on: int, /, *, worker: int, version: int, accepted: bool,
+                      staleness: int, reason: str, weight: float, grad_norm: float | None,
+                      cosine: float | None, loss: float | None, **_: object) -> None:
+        """A push event's fields (the rest of them not needed here) to shard ``on``'s dog."""
+        shard = on
         dog = self._dog(shard)
-        dog.observe_push(PushObservation(
-            worker=rec["worker"], version=rec["version"], accepted=rec["accepted"],
-            staleness=rec["staleness"], reason=rec["reason"], weight=rec["weight"],
-            grad_norm=rec["grad_norm"], cosine=rec["cosine"], loss=rec["loss"]))
+        dog.observe_push(PushObservation(worker, version, accepted, staleness, reason, weight,
+                                         grad_norm, cosine, loss))
         live = {w.worker: w.clock for w in self.cores[shard].workers.values()
                 if w.live and not w.finished}
         if dog.pushes % max(1, len(live)) == 0:  # about once a round, as the server does
             dog.observe_clocks(live, self.now)
 
 
-def run_cell(task: str, optimizer: str, mode: str, seed: int, steps: int) -> dict[str, Any]:
+@dataclass(frozen=True)
+class CellRun:
+    """One healthy run and the alarms and hints its watchdogs raised."""
+
+    task: str
+    optimizer: str
+    mode: str
+    seed: int
+    steps: int
+    alarms: int
+    signals: dict[str, int]  # alarms by signal
+    alarm_messages: tuple[str, ...]  # the first few
+    hints: int
+    final_train_loss: tuple[float, ...]  # each worker's
+    wall_seconds: float
+
+    def to_json(self) -> JSONObject:
+        return {"task": self.task, "optimizer": self.optimizer, "mode": self.mode,
+                "seed": self.seed, "steps": self.steps, "alarms": self.alarms,
+                "signals": {k: v for k, v in self.signals.items()},
+                "alarm_messages": list(self.alarm_messages), "hints": self.hints,
+                "final_train_loss": list(self.final_train_loss),
+                "wall_seconds": self.wall_seconds}
+
+
+def run_cell(task: str, optimizer: str, mode: str, seed: int, steps: int) -> CellRun:
     name, args = OPTIMIZERS[optimizer]
     spec = ClusterSpec(
         num_servers=2, num_workers=3,
@@ -101,11 +131,11 @@ def run_cell(task: str, optimizer: str, mode: str, seed: int, steps: int) -> dic
     dogs: dict[int, Watchdog] = sim.__dict__.get("dogs", {})
     alarms = [a for d in dogs.values() for a in d.alarms]
     hints = [h for d in dogs.values() for h in d.hints]
-    losses = [w.get("final_train_loss") for w in result["workers"]]
-    return {"task": task, "optimizer": optimizer, "mode": mode, "seed": seed, "steps": steps,
-            "alarms": len(alarms), "signals": dict(Counter(a.signal for a in alarms)),
-            "alarm_messages": [a.message for a in alarms][:5], "hints": len(hints),
-            "final_train_loss": losses, "wall_seconds": time.perf_counter() - t0}
+    losses = tuple(float(w.get("final_train_loss", math.nan)) for w in result["workers"])
+    return CellRun(task, optimizer, mode, seed, steps, len(alarms),
+                   dict(Counter(a.signal for a in alarms)),
+                   tuple(a.message for a in alarms)[:5], len(hints), losses,
+                   time.perf_counter() - t0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,19 +154,19 @@ def main(argv: list[str] | None = None) -> int:
     for task, optimizer, mode, seed in grid:
         row = run_cell(task, optimizer, mode, seed, opts.steps)
         rows.append(row)
-        print(f"{task:18} {optimizer:9} {mode:6} seed {seed}: {row['alarms']} alarm(s) "
-              f"{row['signals'] or ''} {row['hints']} hint(s), final loss "
-              f"{min(row['final_train_loss']):.4g}..{max(row['final_train_loss']):.4g} "
-              f"({row['wall_seconds']:.0f}s)", flush=True)
-    total = sum(r["alarms"] for r in rows)
+        print(f"{task:18} {optimizer:9} {mode:6} seed {seed}: {row.alarms} alarm(s) "
+              f"{row.signals or ''} {row.hints} hint(s), final loss "
+              f"{min(row.final_train_loss):.4g}..{max(row.final_train_loss):.4g} "
+              f"({row.wall_seconds:.0f}s)", flush=True)
+    total = sum(r.alarms for r in rows)
     print(f"{len(rows)} healthy runs x {opts.steps} steps: {total} alarm(s), "
-          f"{sum(1 for r in rows if r['alarms'])} run(s) with any; "
-          f"{sum(r['hints'] for r in rows)} loss_converged hint(s)")
+          f"{sum(1 for r in rows if r.alarms)} run(s) with any; "
+          f"{sum(r.hints for r in rows)} loss_converged hint(s)")
     if opts.out:
         out = Path(opts.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "false_alarms.json").write_text(json.dumps(
-            {"args": vars(opts), "runs": rows}, indent=2))
+            {"args": vars(opts), "runs": [r.to_json() for r in rows]}, indent=2))
     return 1 if total else 0
 
 
@@ -145,4 +175,4 @@ if __name__ == "__main__":
     raise SystemExit(main())
 
 
-__all__ = ["WatchedSimulator", "main", "run_cell"]
+__all__ = ["CellRun", "WatchedSimulator", "main", "run_cell"]

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from paramserver.util.jsontypes import JSONObject
+
+from .common import integer, number
 
 __all__ = ["GlooSession"]
 
@@ -24,11 +27,11 @@ class GlooSession:
     measure the same payload at the same time.
     """
 
-    def __init__(self, args: dict[str, Any]) -> None:
-        self.world = int(args["world"])
-        self.lr = float(args["lr"])
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{int(args['port'])}",
-                                rank=int(args["rank"]), world_size=self.world,
+    def __init__(self, args: JSONObject) -> None:
+        self.world = integer(args, "world")
+        self.lr = number(args, "lr")
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{integer(args, 'port')}",
+                                rank=integer(args, "rank"), world_size=self.world,
                                 timeout=timedelta(seconds=300))
         self.numel = -1
         self.grad = self.weights = torch.zeros(0)
@@ -46,6 +49,6 @@ class GlooSession:
             self.weights.add_(self.grad, alpha=-self.lr)
         return (time.perf_counter() - t0) / iters
 
-    def close(self) -> dict[str, Any]:
+    def close(self) -> JSONObject:
         dist.destroy_process_group()
         return {}

@@ -17,9 +17,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 from .netns import NetnsUnavailable, exec_prefix, netns_problem, two_namespaces
+from .records import HostsResult, Link, SweepRow
 from .suite import Cell, Placement, PSVariant, SweepConfig, run_sweep
 
 __all__ = ["DEFAULT_SIZES", "run_hosts"]
@@ -32,16 +32,16 @@ DEFAULT_SIZES: tuple[int, ...] = (1 << 20, 16 << 20, 100 << 20)
 def run_hosts(sizes: Sequence[int] = DEFAULT_SIZES, workers: Sequence[int] = (1,),
               shards: Sequence[int] = (1,), repeats: int = 5, repeat_seconds: float = 0.25,
               log_dir: Path | None = None,
-              on_row: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+              on_row: Callable[[SweepRow], None] | None = None) -> HostsResult:
     """Raw pyzmq and this project across two namespaces for every (workers, shards, size).
 
-    Returns ``{"skipped": reason}`` where namespaces cannot be made (no root, no
-    iproute2), else ``{"link": ..., "rows": [...], "problems": [...]}``; a problem
-    is a row of this project that moved tensors through shared memory.
+    Returns a result ``skipped`` (and why) where namespaces cannot be made (no root, no
+    iproute2), else its link, rows and problems; a problem is a row of this project
+    that moved tensors through shared memory.
     """
     problem = netns_problem()
     if problem:
-        return {"skipped": problem}
+        return HostsResult(skipped=problem)
     try:
         with two_namespaces() as link:
             placement = Placement(server_prefix=tuple(exec_prefix(link.ns_a)),
@@ -54,13 +54,13 @@ def run_hosts(sizes: Sequence[int] = DEFAULT_SIZES, workers: Sequence[int] = (1,
                               log_dir=log_dir, placement=placement)
             rows = run_sweep(cfg, on_row)
     except NetnsUnavailable as exc:
-        return {"skipped": str(exc)}
-    problems = [f"{r['workers']}w {r['shards']}s {r['bytes']} B: {r['system']} used shared "
-                f"memory across namespaces (shard peers {r['shm_peers']}, client links "
-                f"{r['shm_used']})" for r in rows
-                if r["system"] != "raw" and (r.get("shm_peers") or r.get("shm_used"))]
+        return HostsResult(skipped=str(exc))
+    problems = [f"{r.workers}w {r.shards}s {r.bytes} B: {r.system} used shared "
+                f"memory across namespaces (shard peers {r.shm.shm_peers}, client links "
+                f"{r.shm.shm_used})" for r in rows
+                if r.system != "raw" and r.shm is not None and r.used_shm]
     for p in problems:
         log.error("%s", p)
-    return {"link": {**link.to_dict(), "transport": "shared memory" if problems else "tcp"},
-            "rows": rows,
-            "problems": problems}
+    return HostsResult(None, Link(link.ns_a, link.ip_a, link.ns_b, link.ip_b,
+                                  "shared memory" if problems else "tcp"),
+                       tuple(rows), tuple(problems))

@@ -23,16 +23,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import threading
 import time
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
 from paramserver.server.loop import ServerConfig, ShardServer
 from paramserver.wire.protocol import Message, Op, encode
 
+from .common import Timing
 from .ps import PSSession
 
 __all__ = ["CASES", "main", "measure"]
@@ -74,15 +74,26 @@ def _requests(server: ShardServer, session: PSSession, count: int) -> list[list[
     return out
 
 
+@dataclass(frozen=True)
+class HotPath:
+    """One case's shard CPU per push + pull, warm and cold."""
+
+    case: str
+    pushes: int
+    repeats: int
+    thrash_mib: int
+    warm: Timing
+    cold: Timing
+
+
 def measure(case: str, pushes: int = 2000, repeats: int = 5, thrash_mib: int = 32
-            ) -> dict[str, Any]:
+            ) -> HotPath:
     """Median us per push + pull for ``case``, warm and cold (``thrash_mib`` written
     before each request), each over ``repeats`` batches of ``pushes``."""
     mode, numel, pieces = CASES[case]
     server, session = _server(mode, numel, pieces)
     junk = torch.zeros(thrash_mib << 18)  # float32: MiB * 2^20 / 4
-    out: dict[str, Any] = {"case": case, "pushes": pushes, "repeats": repeats,
-                           "thrash_mib": thrash_mib}
+    timings: dict[str, Timing] = {}
     try:
         errors = sum(n for k, n in server.counters.items() if k.startswith("error"))
         assert server.core is not None
@@ -100,8 +111,7 @@ def measure(case: str, pushes: int = 2000, repeats: int = 5, thrash_mib: int = 3
                     server._handle(_IDENTITY, frames)  # type: ignore[arg-type]
                     spent += time.perf_counter() - t0
                 times.append(spent / pushes * 1e6)
-            out[label] = {"median_us": statistics.median(times), "min_us": min(times),
-                          "max_us": max(times)}
+            timings[label] = Timing.of_us(times)
         refused = sum(n for k, n in server.counters.items() if k.startswith("error")) - errors
         applied = server.core.version - version
         if refused or applied != 2 * repeats * pushes:  # refusals would measure nothing
@@ -110,7 +120,7 @@ def measure(case: str, pushes: int = 2000, repeats: int = 5, thrash_mib: int = 3
     finally:
         session.client.close()
         server.socket.close(linger=0)
-    return out
+    return HotPath(case, pushes, repeats, thrash_mib, timings["warm"], timings["cold"])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -127,10 +137,8 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---|---|---|")
     for case in args.case or list(CASES):
         r = measure(case, args.pushes, args.repeats)
-        cells = [f"{r[k]['median_us']:.1f} [{r[k]['min_us']:.1f}-{r[k]['max_us']:.1f}]"
-                 for k in ("warm", "cold")]
-        print(f"| {case} | {' | '.join(cells)} | "
-              f"{r['cold']['median_us'] / r['warm']['median_us']:.2f} |")
+        print(f"| {case} | {r.warm.cell(1)} | {r.cold.cell(1)} | "
+              f"{r.cold.median_us / r.warm.median_us:.2f} |")
 
 
 if __name__ == "__main__":

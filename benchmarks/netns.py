@@ -22,7 +22,7 @@ import sys
 import threading
 import uuid
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from paramserver.errors import ParamServerError
@@ -45,9 +45,6 @@ class Link:
     ip_a: str
     ns_b: str
     ip_b: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "kind": "veth"}
 
 
 def netns_problem() -> str | None:

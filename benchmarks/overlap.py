@@ -31,12 +31,14 @@ import torch
 from torch import nn
 
 from paramserver.core.sharding import ShardPlan
+from paramserver.util.jsontypes import JSONObject
 from paramserver.workers.client import PSClient
 from paramserver.workers.overlap import BucketPusher
 from paramserver.workers.stragglers import Straggler, StragglerSpec
 from paramserver.workers.tasks import Task
 
-from .common import Stats
+from .common import Announce, Stats, flag, integer, strings, text
+from .records import OverlapResult
 
 __all__ = ["build_model", "run"]
 
@@ -66,7 +68,7 @@ def _sync(device: torch.device) -> None:
 
 
 def _median_step(fn: Callable[[], None], steps: int, repeats: int, device: torch.device
-                 ) -> dict[str, float]:
+                 ) -> Stats:
     fn()  # warm-up: allocations, connections, page faults
     times = []
     for _ in range(repeats):
@@ -76,11 +78,11 @@ def _median_step(fn: Callable[[], None], steps: int, repeats: int, device: torch
             fn()
         _sync(device)
         times.append((time.perf_counter() - t0) / steps)
-    return Stats.of(times).to_dict()
+    return Stats.of(times)
 
 
 def _paired(fns: dict[str, Callable[[], None]], steps: int, repeats: int,
-            device: torch.device) -> dict[str, dict[str, float]]:
+            device: torch.device) -> dict[str, Stats]:
     """:func:`_median_step` of several ways of taking a step, interleaved repeat by
     repeat, so that a change in the machine's load falls on all of them."""
     for fn in fns.values():
@@ -94,32 +96,33 @@ def _paired(fns: dict[str, Callable[[], None]], steps: int, repeats: int,
                 fn()
             _sync(device)
             times[name].append((time.perf_counter() - t0) / steps)
-    return {name: Stats.of(t).to_dict() for name, t in times.items()}
+    return {name: Stats.of(t) for name, t in times.items()}
 
 
-def run(args: dict[str, Any], announce: Any) -> dict[str, Any]:
+def run(args: JSONObject, announce: Announce) -> JSONObject:
     """``args``: addresses (one sync shard), width, depth, batch, steps, repeats,
     bucket_bytes, device ("cpu" or "cuda[:N]"), wire_dtype (optional), threads,
     tcp (optional: weights over TCP, and ``overlap_late`` timed too)."""
-    device = torch.device(args.get("device", "cpu"))
+    device = torch.device(text(args, "device", "cpu"))
     if args.get("threads"):
-        torch.set_num_threads(int(args["threads"]))
-    width, depth, batch = int(args["width"]), int(args["depth"]), int(args["batch"])
-    steps, repeats = int(args.get("steps", 3)), int(args.get("repeats", 5))
+        torch.set_num_threads(integer(args, "threads"))
+    width, depth = integer(args, "width"), integer(args, "depth")
+    batch = integer(args, "batch")
+    steps, repeats = integer(args, "steps", 3), integer(args, "repeats", 5)
+    addresses = strings(args, "addresses")
+    wire_dtype = args.get("wire_dtype")
     model = build_model(width, depth).to(device)
     params = dict(model.named_parameters())
     x = torch.randn(batch, width, device=device)
     y = torch.randn(batch, 1, device=device)
     loss_fn = nn.functional.mse_loss
     task = Task(model=model, batches=[(x, y)], loss_fn=loss_fn)
-    plan = ShardPlan.from_module(model, len(args["addresses"]))
+    plan = ShardPlan.from_module(model, len(addresses))
     nbytes = sum(p.numel() * p.element_size() for p in params.values())
-    out: dict[str, Any] = {"device": str(device), "model_bytes": nbytes,
-                           "params": sum(p.numel() for p in params.values()),
-                           "width": width, "depth": depth, "batch": batch}
-    tcp = bool(args.get("tcp", False))
-    client = PSClient(args["addresses"], plan, 0, timeout=300.0, attempt_timeout=120.0,
-                      wire_dtype=args.get("wire_dtype"), shm=not tcp)
+    tcp = flag(args, "tcp", False)
+    client = PSClient(addresses, plan, 0, timeout=300.0, attempt_timeout=120.0,
+                      wire_dtype=wire_dtype if isinstance(wire_dtype, str) else None,
+                      shm=not tcp)
     with client:
         clock = client.connect()
         client.initialize(params)
@@ -143,7 +146,7 @@ def run(args: dict[str, Any], announce: Any) -> dict[str, Any]:
             _, pulled = client.push_pull(g, state.versions, batch, state.clock, params)
             state.advance(pulled.versions)
 
-        pusher = BucketPusher(model, int(args.get("bucket_bytes", 4 << 20)))
+        pusher = BucketPusher(model, integer(args, "bucket_bytes", 4 << 20))
         straggler = Straggler(StragglerSpec(), seed=(0, 0))
 
         def forever() -> Any:
@@ -160,29 +163,30 @@ def run(args: dict[str, Any], announce: Any) -> dict[str, Any]:
 
         # the overlapped steps first: a push_pull's parts come back to back, and a
         # shard that found itself busy stepping ahead rests for some rounds after
+        late: Stats | None = None
         if tcp:
-            out.update(_paired({"overlap": overlapped,
-                                "overlap_late": lambda: overlapped(early=False)},
-                               steps, repeats, device))
+            paired = _paired({"overlap": overlapped,
+                              "overlap_late": lambda: overlapped(early=False)},
+                             steps, repeats, device)
+            over, late = paired["overlap"], paired["overlap_late"]
         else:
-            out["overlap"] = _median_step(overlapped, steps, repeats, device)
-        for name, fn in (("compute", compute), ("comm", comm), ("sequential", sequential)):
-            out[name] = _median_step(fn, steps, repeats, device)
-        out["tcp"] = tcp
+            over = _median_step(overlapped, steps, repeats, device)
+        comp, com, seq = (_median_step(fn, steps, repeats, device)
+                          for fn in (compute, comm, sequential))
         stats = client.stats()[0]
         counters, core = stats.counters, stats.figures
-        out["rounds_ahead"] = core.rounds_ahead if core else 0
-        out["ahead_found_busy"] = core.ahead_found_busy if core else 0
-        # how many parts came back with their next weights, and rounds that used them
-        out["early_parts"] = int(counters.get("early_parts", 0))
-        out["early_answers"] = int(counters.get("early_answers", 0))
         pusher.close()
-        out["buckets"] = len(pusher.buckets)
         client.bye()
-    bound = max(out["compute"]["median"], out["comm"]["median"])
-    out["overlap_vs_bound"] = out["overlap"]["median"] / bound
-    out["sequential_vs_bound"] = out["sequential"]["median"] / bound
-    out["gain"] = out["sequential"]["median"] / out["overlap"]["median"]
-    if tcp:
-        out["early_gain"] = out["overlap_late"]["median"] / out["overlap"]["median"]
-    return out
+    bound = max(comp.median, com.median)
+    return OverlapResult(
+        str(device), nbytes, sum(p.numel() for p in params.values()), width, depth, batch,
+        overlap=over, compute=comp, comm=com, sequential=seq, tcp=tcp,
+        rounds_ahead=core.rounds_ahead if core else 0,
+        ahead_found_busy=core.ahead_found_busy if core else 0,
+        # how many parts came back with their next weights, and rounds that used them
+        early_parts=int(counters.get("early_parts", 0)),
+        early_answers=int(counters.get("early_answers", 0)),
+        buckets=len(pusher.buckets), overlap_vs_bound=over.median / bound,
+        sequential_vs_bound=seq.median / bound, gain=seq.median / over.median,
+        overlap_late=late, early_gain=None if late is None else late.median / over.median,
+    ).to_json()

@@ -11,22 +11,26 @@ clocks, the sync barrier, the torch optimizer and its finite check.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from paramserver.core.sharding import ParamSpec, ShardPlan
 from paramserver.server.loop import ServerConfig, ShardServer
+from paramserver.util.jsontypes import JSONObject
 from paramserver.workers.admin import shutdown_servers
 from paramserver.workers.client import PART_BYTES, PSClient
 
 from .common import (
+    Announce,
     FixedSizeSession,
+    flag,
+    integer,
+    obj,
     peak_rss,
     reset_peak_rss,
     rounds_until_stopped,
     rss,
     split_range,
+    strings,
 )
 
 __all__ = ["PSSession", "async_run", "flat_plan", "serve", "stop_op"]
@@ -43,14 +47,14 @@ def flat_plan(numel: int, shards: int, chunk_bytes: int = ShardPlan.DEFAULT_CHUN
                      shards, chunk_bytes)
 
 
-def serve(args: dict[str, Any], announce: Any) -> dict[str, Any]:
+def serve(args: JSONObject, announce: Announce) -> JSONObject:
     """One shard server; ``args["config"]`` is a ServerConfig dict.
 
     Reports the process's RSS when it started listening (``rss_base``: the
     interpreter, torch with torch._dynamo, and zmq; no weights yet) and its peak
     RSS since then.
     """
-    config = ServerConfig.from_dict(args["config"])
+    config = ServerConfig.from_dict(obj(args, "config"))
     server = ShardServer(config)
     # code, not data: torch.optim imports torch._dynamo on first use (~70 MB of modules);
     # a shard forked from the zygote has it loaded already, so it belongs to the base
@@ -65,7 +69,8 @@ def serve(args: dict[str, Any], announce: Any) -> dict[str, Any]:
             state += sum(v.numel() * v.element_size() for v in per_param.values()
                          if isinstance(v, torch.Tensor))
     return {
-        "rss_base": base, "peak_rss": peak_rss(), "counters": dict(server.counters),
+        "rss_base": base, "peak_rss": peak_rss(),
+        "counters": {k: v for k, v in server.counters.items()},
         "version": core.version if core else 0,
         "weight_bytes": sum(p.numel() * p.element_size() for p in core.params.values())
         if core else 0,
@@ -80,16 +85,18 @@ class PSSession(FixedSizeSession):
     (False: TCP even with a same-host shard).
     """
 
-    def __init__(self, args: dict[str, Any]) -> None:
-        self.numel = int(args["numel"])
-        plan = flat_plan(self.numel, len(args["addresses"]),
-                         int(args.get("chunk_bytes", ShardPlan.DEFAULT_CHUNK_BYTES)),
-                         int(args.get("pieces", 1)))
-        self.client = PSClient(args["addresses"], plan, int(args.get("rank", 0)),
+    def __init__(self, args: JSONObject) -> None:
+        self.numel = integer(args, "numel")
+        addresses = strings(args, "addresses")
+        plan = flat_plan(self.numel, len(addresses),
+                         integer(args, "chunk_bytes", ShardPlan.DEFAULT_CHUNK_BYTES),
+                         integer(args, "pieces", 1))
+        wire_dtype = args.get("wire_dtype")
+        self.client = PSClient(addresses, plan, integer(args, "rank", 0),
                                timeout=300.0, attempt_timeout=120.0,
-                               wire_dtype=args.get("wire_dtype"),
-                               part_bytes=int(args.get("part_bytes", PART_BYTES)),
-                               shm=bool(args.get("shm", True)))
+                               wire_dtype=wire_dtype if isinstance(wire_dtype, str) else None,
+                               part_bytes=integer(args, "part_bytes", PART_BYTES),
+                               shm=flag(args, "shm", True))
         self.params = {p.name: torch.zeros(p.shape) for p in plan.params}
         self.grads = {p.name: torch.full(p.shape, 1e-3) for p in plan.params}
         self.clock = self.client.connect()
@@ -104,11 +111,11 @@ class PSSession(FixedSizeSession):
         self.clock += 1
         self.applied += sum(1 for o in pushed.outcomes if o.applied)
 
-    def close(self) -> dict[str, Any]:
+    def close(self) -> JSONObject:
         # which path the tensors took: a shard grants shared memory only to a worker
         # connected from its own host (offered: this client asked for it at HELLO)
         links = [ch.shm for ch in self.client.channels]
-        shm = {"shm_offered": sum(link is not None for link in links),
+        shm: JSONObject = {"shm_offered": sum(link is not None for link in links),
                "shm_used": sum(link is not None and link.active for link in links)}
         try:
             self.client.bye()
@@ -118,7 +125,7 @@ class PSSession(FixedSizeSession):
         return {"checksum": float(first[:16].sum()), "clock": self.clock, **shm}
 
 
-def async_run(args: dict[str, Any], announce: Any) -> dict[str, Any]:
+def async_run(args: JSONObject, announce: Announce) -> JSONObject:
     """Async throughput: push + pull rounds, as fast as possible, until ``stop_file`` exists.
 
     Announces ``{"running": true}`` after the warm-up; returns this worker's
@@ -136,7 +143,7 @@ def async_run(args: dict[str, Any], announce: Any) -> dict[str, Any]:
         session.close()
 
 
-def stop_op(args: dict[str, Any], announce: Any) -> dict[str, Any]:
+def stop_op(args: JSONObject, announce: Announce) -> JSONObject:
     """SHUTDOWN to shard servers, sent by an agent (one that can reach them: another
     namespace's); returns the addresses that did not answer."""
-    return {"failed": shutdown_servers(list(args["addresses"]))}
+    return {"failed": list(shutdown_servers(strings(args, "addresses")))}

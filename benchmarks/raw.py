@@ -22,7 +22,18 @@ from typing import Any
 import numpy as np
 import zmq
 
-from .common import FixedSizeSession, rounds_until_stopped, split_range
+from paramserver.util.jsontypes import JSONObject
+
+from .common import (
+    Announce,
+    FixedSizeSession,
+    integer,
+    number,
+    rounds_until_stopped,
+    split_range,
+    strings,
+    text,
+)
 
 __all__ = ["RawSession", "async_run", "serve", "stop", "stop_op"]
 
@@ -36,15 +47,15 @@ def _frames(a: int, b: int, chunk_elems: int) -> list[tuple[int, int]]:
     return [(a + lo, a + hi) for lo, hi in split_range(b - a, n)]
 
 
-def serve(args: dict[str, Any], announce: Any) -> dict[str, Any]:
+def serve(args: JSONObject, announce: Announce) -> JSONObject:
     """One raw shard until an empty message arrives. ``args``: workers, lr, host (the
     address to bind, default loopback)."""
-    workers = int(args["workers"])
-    lr = np.float32(args.get("lr", 1e-3))
+    workers = integer(args, "workers")
+    lr = np.float32(number(args, "lr", 1e-3))
     ctx: zmq.Context[Any] = zmq.Context.instance()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.bind(f"tcp://{args.get('host', '127.0.0.1')}:*")
+    sock.bind(f"tcp://{text(args, 'host', '127.0.0.1')}:*")
     announce({"address": sock.getsockopt_string(zmq.LAST_ENDPOINT)})
     p = scratch = agg = np.zeros(0, dtype=_F32)
     views: list[np.ndarray] = []
@@ -98,12 +109,12 @@ class RawSession(FixedSizeSession):
     ``args``: addresses (one per shard), numel, chunk_bytes.
     """
 
-    def __init__(self, args: dict[str, Any]) -> None:
-        self.numel = int(args["numel"])
-        chunk_elems = max(1, int(args.get("chunk_bytes", 2 << 20)) // 4)
+    def __init__(self, args: JSONObject) -> None:
+        self.numel = integer(args, "numel")
+        chunk_elems = max(1, integer(args, "chunk_bytes", 2 << 20) // 4)
         ctx: zmq.Context[Any] = zmq.Context.instance()
         self.socks = []
-        for addr in args["addresses"]:
+        for addr in strings(args, "addresses"):
             s = ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
             s.setsockopt(zmq.RCVTIMEO, _TIMEOUT_MS)
@@ -122,13 +133,13 @@ class RawSession(FixedSizeSession):
             for f, (a, b) in zip(reply, pieces, strict=True):
                 np.copyto(self.weights[a:b], np.frombuffer(f.buffer, dtype=_F32))
 
-    def close(self) -> dict[str, Any]:
+    def close(self) -> JSONObject:
         for s in self.socks:
             s.close(0)
         return {"checksum": float(self.weights[:16].sum())}
 
 
-def async_run(args: dict[str, Any], announce: Any) -> dict[str, Any]:
+def async_run(args: JSONObject, announce: Announce) -> JSONObject:
     """The async limit: one raw worker's push + pull rounds, as fast as it can, against
     a raw shard serving one worker at a time (``workers`` 1: a step per push), until
     ``stop_file`` exists. Announces ``{"running": true}`` after the warm-up; returns
@@ -158,7 +169,8 @@ def stop(addresses: list[str], timeout_ms: int = 10_000) -> None:
             s.close(0)
 
 
-def stop_op(args: dict[str, Any], announce: Any) -> dict[str, Any]:
+def stop_op(args: JSONObject, announce: Announce) -> JSONObject:
     """:func:`stop` run by an agent (one that can reach the shards: another namespace's)."""
-    stop(list(args["addresses"]), int(args.get("timeout_ms", 10_000)))
-    return {"stopped": len(args["addresses"])}
+    addresses = strings(args, "addresses")
+    stop(addresses, integer(args, "timeout_ms", 10_000))
+    return {"stopped": len(addresses)}

@@ -25,11 +25,14 @@ import shutil
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from .common import rounds_until_stopped
+from paramserver.util.jsontypes import JSONObject
+
+from .common import Announce, integer, number, rounds_until_stopped, text
 
 __all__ = ["ParameterServer", "RaySession", "async_run", "available", "serve", "stop",
            "version"]
@@ -39,8 +42,17 @@ log = logging.getLogger(__name__)
 NAMESPACE = "paramserver-bench"
 _ACTOR = "ps"
 _F32 = np.dtype(np.float32)
-#: the head agent's Ray session: its temp dir and the actor handle
-_HEAD: dict[str, Any] = {}
+
+
+@dataclass
+class _Head:
+    """The head agent's Ray session: its temp dir and the actor handle (None: none)."""
+
+    temp_dir: str | None = None
+    actor: Any = None  # a Ray actor handle (Ray is typed loosely: it may be absent)
+
+
+_HEAD = _Head()
 
 
 def _ray() -> Any:
@@ -122,16 +134,16 @@ def _init_head(cpus: int) -> tuple[str, str]:
 
 
 def _shutdown() -> None:
-    if not _HEAD:
+    if _HEAD.temp_dir is None:
         return
     ray = _ray()
 
     ray.shutdown()
-    shutil.rmtree(_HEAD.pop("temp_dir"), ignore_errors=True)
-    _HEAD.clear()
+    shutil.rmtree(_HEAD.temp_dir, ignore_errors=True)
+    _HEAD.temp_dir = _HEAD.actor = None
 
 
-def serve(args: dict[str, Any], announce: Any) -> dict[str, Any]:
+def serve(args: JSONObject, announce: Announce) -> JSONObject:
     """Start a Ray head in this agent and the parameter-server actor; return at once.
 
     ``args``: workers (the round's size; 1 steps on every push), lr, cpus. The
@@ -139,26 +151,25 @@ def serve(args: dict[str, Any], announce: Any) -> dict[str, Any]:
     """
     ray = _ray()
 
-    if _HEAD:
-        _shutdown()
-    address, temp_dir = _init_head(int(args.get("cpus", 2)))
-    _HEAD["temp_dir"] = temp_dir
-    workers = int(args["workers"])
+    _shutdown()
+    address, temp_dir = _init_head(integer(args, "cpus", 2))
+    _HEAD.temp_dir = temp_dir
+    workers = integer(args, "workers")
     actor = ray.remote(ParameterServer).options(
-        name=_ACTOR, max_concurrency=max(1, workers)).remote(workers, float(args["lr"]))
+        name=_ACTOR, max_concurrency=max(1, workers)).remote(workers, number(args, "lr"))
     ray.get(actor.ready.remote())
-    _HEAD["actor"] = actor
+    _HEAD.actor = actor
     return {"address": address, "temp_dir": temp_dir}
 
 
-def version(args: dict[str, Any], announce: Any) -> dict[str, Any]:
+def version(args: JSONObject, announce: Announce) -> JSONObject:
     """The actor's step count (asked of the head agent)."""
     ray = _ray()
 
-    return {"version": int(ray.get(_HEAD["actor"].steps.remote()))}
+    return {"version": int(ray.get(_HEAD.actor.steps.remote()))}
 
 
-def stop(args: dict[str, Any], announce: Any) -> dict[str, Any]:
+def stop(args: JSONObject, announce: Announce) -> JSONObject:
     _shutdown()
     return {"stopped": True}
 
@@ -182,9 +193,9 @@ class RaySession:
     """One worker, a driver of the head's cluster. ``args``: address, pieces (arrays per
     push; 1: the payload as one array)."""
 
-    def __init__(self, args: dict[str, Any]) -> None:
-        self.actor = _connect(str(args["address"]))
-        self.pieces = int(args.get("pieces", 1))
+    def __init__(self, args: JSONObject) -> None:
+        self.actor = _connect(text(args, "address"))
+        self.pieces = integer(args, "pieces", 1)
         self.numel = -1
         self.grads: list[np.ndarray] = []
         self.weights: list[np.ndarray] = []
@@ -213,7 +224,7 @@ class RaySession:
             self.one_round()
         return (time.perf_counter() - t0) / iters
 
-    def close(self) -> dict[str, Any]:
+    def close(self) -> JSONObject:
         ray = _ray()
 
         first = self.weights[0] if self.weights else np.zeros(0, dtype=_F32)
@@ -221,12 +232,12 @@ class RaySession:
         return {"checksum": float(first[:16].sum())}
 
 
-def async_run(args: dict[str, Any], announce: Any) -> dict[str, Any]:
+def async_run(args: JSONObject, announce: Announce) -> JSONObject:
     """Push + pull as fast as possible until ``stop_file`` exists (as ``ps_async``).
 
     ``args``: address, numel, pieces, warmup, stop_file."""
     session = RaySession(args)
-    session._payload(int(args["numel"]))
+    session._payload(integer(args, "numel"))
     try:
         rounds, seconds = rounds_until_stopped(session.one_round, args, announce, batch=20)
         return {"pushes": rounds, "seconds": seconds}

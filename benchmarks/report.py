@@ -3,125 +3,126 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from .common import format_size
+from .common import Stats, format_size
+from .records import BenchResult, Goal, SweepRow, find
 
 __all__ = ["evaluate_goals", "markdown", "print_report"]
 
 _MIB100 = 100 << 20
 
 
-def _find(rows: Sequence[dict[str, Any]], **match: Any) -> dict[str, Any] | None:
-    for r in rows:
-        if all(r.get(k) == v for k, v in match.items()):
-            return r
-    return None
-
-
-def _ms(stats: dict[str, float]) -> str:
-    v, lo, hi = stats["median"] * 1e3, stats["lo"] * 1e3, stats["hi"] * 1e3
+def _ms(stats: Stats) -> str:
+    v, lo, hi = stats.median * 1e3, stats.lo * 1e3, stats.hi * 1e3
     digits = 3 if v < 1 else 2 if v < 10 else 1
     return f"{v:.{digits}f} [{lo:.{digits}f}-{hi:.{digits}f}]"
 
 
-def _ratio(stats: dict[str, float] | None) -> str:
+def _ratio(stats: Stats | None) -> str:
     if not stats:
         return "1"
-    return f"{stats['median']:.2f} [{stats['lo']:.2f}-{stats['hi']:.2f}]"
+    return f"{stats.median:.2f} [{stats.lo:.2f}-{stats.hi:.2f}]"
 
 
-def evaluate_goals(result: dict[str, Any]) -> list[dict[str, Any]]:
+def _paired(row: SweepRow | None) -> float | None:
+    """The row's median ratio to its paired raw loop (None: no row, or the raw loop)."""
+    return None if row is None or row.ratio_to_limit is None else row.ratio_to_limit.median
+
+
+def evaluate_goals(result: BenchResult) -> list[Goal]:
     """The issue's goals, each with the measured value, the target and met / missed / n/a."""
-    rows = result.get("sweep", [])
-    goals: list[dict[str, Any]] = []
+    rows = result.sweep or ()
+    goals: list[Goal] = []
 
     def add(name: str, measured: float | None, target: str, met: bool | None,
             detail: str = "") -> None:
-        goals.append({"goal": name, "measured": measured, "target": target,
-                      "status": "n/a" if met is None else "met" if met else "missed",
-                      "detail": detail})
+        goals.append(Goal(name, measured, target,
+                          "n/a" if met is None else "met" if met else "missed", detail))
 
-    ps = _find(rows, system="ps", workers=1, shards=1, bytes=_MIB100)
-    rpc = _find(rows, system="rpc", workers=1, bytes=_MIB100)
-    ratio = ps["ratio_to_limit"]["median"] if ps else None
+    ps = find(rows, "ps", 1, _MIB100, shards=1)
+    rpc = find(rows, "rpc", 1, _MIB100)
+    ratio = _paired(ps)
     add("100 MiB, 1 worker, 1 shard: push+pull vs raw pyzmq", ratio, ">= 0.9x",
         None if ratio is None else ratio >= 0.9)
     vs_rpc = None
-    if ps and rpc:
+    rpc_ratio = _paired(rpc)
+    if ratio is not None and rpc_ratio is not None:
         # each against the raw loop it was interleaved with: cancels load drift between phases
-        vs_rpc = ps["ratio_to_limit"]["median"] / rpc["ratio_to_limit"]["median"]
+        vs_rpc = ratio / rpc_ratio
     add("100 MiB, 1 worker, 1 shard: push+pull vs torch RPC", vs_rpc, ">= 1.5x",
         None if vs_rpc is None else vs_rpc >= 1.5,
         "ratio of the two ratios to their paired raw loops")
-    ray = _find(rows, system="ray", workers=1, bytes=_MIB100)
+    ray = find(rows, "ray", 1, _MIB100)
     vs_ray = None
-    if ps and ray and ray.get("shards") is None and ray.get("ratio_to_limit"):
+    ray_ratio = _paired(ray)
+    if ratio is not None and ray is not None and ray.shards is None and ray_ratio:
         # project time / Ray time, each paired with the raw loop of the same cell
-        vs_ray = ray["ratio_to_limit"]["median"] / ps["ratio_to_limit"]["median"]
+        vs_ray = ray_ratio / ratio
     add("100 MiB, 1 worker, 1 shard: push+pull time vs Ray actor PS", vs_ray, "<= 0.8x",
         None if vs_ray is None else vs_ray <= 0.8,
         "project time / Ray time, through their paired raw ratios")
-    ps22 = _find(rows, system="ps", workers=2, shards=2, bytes=_MIB100)
-    gloo = _find(rows, system="gloo", workers=2, bytes=_MIB100)
+    ps22 = find(rows, "ps", 2, _MIB100, shards=2)
+    gloo = find(rows, "gloo", 2, _MIB100)
     vs_gloo = None
     if ps22 and gloo:
-        vs_gloo = gloo["round_s"]["median"] / ps22["round_s"]["median"]
+        vs_gloo = gloo.round_s.median / ps22.round_s.median
     add("sync step 2 workers x 2 shards, 100 MiB vs gloo all_reduce + step", vs_gloo,
         ">= 1.0x (no slower)", None if vs_gloo is None else vs_gloo >= 1.0,
         "gloo step time / project step time, same cell")
-    ps1k = _find(rows, system="ps", workers=1, shards=1, bytes=1024)
-    lat = 1.0 / ps1k["ratio_to_limit"]["median"] if ps1k else None
+    ps1k = find(rows, "ps", 1, 1024, shards=1)
+    ps1k_ratio = _paired(ps1k)
+    lat = 1.0 / ps1k_ratio if ps1k_ratio else None
     add("1 KiB round trip vs raw pyzmq", lat, "<= 1.5x", None if lat is None else lat <= 1.5,
-        f"{ps1k['round_s']['median'] * 1e6:.0f} us" if ps1k else "")
-    asy = {a["shards"]: a for a in result.get("async", []) if a.get("system", "ps") == "ps"}
-    rate = asy[1]["model_updates_per_s"] if 1 in asy else None
-    raw_async = _find(result.get("async", []), system="raw")
+        f"{ps1k.round_s.median * 1e6:.0f} us" if ps1k else "")
+    async_rows = result.async_rows or ()
+    asy = {a.shards: a for a in async_rows if a.system == "ps"}
+    rate = asy[1].model_updates_per_s if 1 in asy else None
+    raw_async = next((a for a in async_rows if a.system == "raw"), None)
     limit = ""
     if raw_async:
-        raw_rate = raw_async["model_updates_per_s"]
+        raw_rate = raw_async.model_updates_per_s
         limit = f"raw pyzmq loop (the limit) {raw_rate:.0f}/s"
         if rate is not None:
             limit += f", this project {rate / raw_rate:.2f}x of it"
     add("async updates/s, 4 workers, 4 KiB model, 1 shard", rate, ">= 5000",
         None if rate is None else rate >= 5000, limit)
-    rate4 = asy[4]["model_updates_per_s"] if 4 in asy else None
+    rate4 = asy[4].model_updates_per_s if 4 in asy else None
     add("async updates/s, 4 workers, 4 KiB model, 4 shards", rate4, ">= 2500",
         None if rate4 is None else rate4 >= 2500)
-    ray_async = _find(result.get("async", []), system="ray")
-    vs_ray_async = (rate / ray_async["model_updates_per_s"]
+    ray_async = next((a for a in async_rows if a.system == "ray"), None)
+    vs_ray_async = (rate / ray_async.model_updates_per_s
                     if rate is not None and ray_async else None)
     add("async updates/s, 1 shard vs Ray actor PS", vs_ray_async, ">= 4x",
         None if vs_ray_async is None else vs_ray_async >= 4)
     for release in (None, False):  # the default, and never unmapping (informative)
-        mem = [m for m in result.get("memory", []) if m.get("shm_release") is release]
+        mem = [m for m in result.memory or () if m.shm_release is release]
         if release is not None and not mem:
             continue
-        worst = max((m["peak_over_base"] / m["expected_bytes"] for m in mem), default=None)
+        worst = max((m.peak_over_base / m.expected_bytes for m in mem), default=None)
         add("sync shard peak RSS vs weights + optimizer state + aggregation buffer"
             + (", --no-shm-release" if release is False else ""), worst,
             "<= 1.15x for every N",
             None if worst is None or release is False else worst <= 1.15,
             "peak RSS above the RSS at start, worst N")
-    ov = result.get("overlap")
-    val = ov["overlap_vs_bound"] if ov else None
+    val = result.overlap.overlap_vs_bound if result.overlap else None
     add("overlap: step time vs max(compute, communication)", val, "<= 1.15x",
         None if val is None else val <= 1.15)
-    hosts = result.get("hosts") or {}
-    xh = _find(hosts.get("rows", []), system="ps", workers=1, shards=1, bytes=_MIB100)
-    xratio = xh["ratio_to_limit"]["median"] if xh else None
+    hosts = result.hosts
+    xh = find(hosts.rows, "ps", 1, _MIB100, shards=1) if hosts else None
+    xratio = _paired(xh)
     # a figure that came through shared memory is no measure of the network path
-    tcp = xh is not None and not (xh.get("shm_peers") or xh.get("shm_used"))
+    tcp = xh is not None and not xh.used_shm
+    skipped = (hosts.skipped if hosts else None) or ""
     add("across hosts (two namespaces, veth): 100 MiB push+pull vs raw pyzmq", xratio,
         ">= 0.9x", None if xratio is None else xratio >= 0.9 and tcp,
-        hosts.get("skipped", "") if not xh else "over TCP" if tcp else "used shared memory")
+        skipped if not xh else "over TCP" if tcp else "used shared memory")
     return goals
 
 
-def _sweep_table(rows: Sequence[dict[str, Any]],
+def _sweep_table(rows: Sequence[SweepRow],
                  title: str = "push + pull round trips (median [min-max] over repeats)"
                  ) -> Table:
     t = Table(title=title)
@@ -129,106 +130,105 @@ def _sweep_table(rows: Sequence[dict[str, Any]],
                 "x raw limit", "CPU ms/round"):
         t.add_column(col, justify="right" if col not in ("system",) else "left")
     for r in rows:
-        t.add_row(str(r["workers"]), "-" if r["shards"] is None else str(r["shards"]),
-                  format_size(r["bytes"]), r["system"], _ms(r["round_s"]),
-                  f"{r['gbps']['median']:.3f}", _ratio(r.get("ratio_to_limit")),
-                  f"{r['cpu_s']['median'] * 1e3:.2f}" if r.get("cpu_s") else "")
+        t.add_row(str(r.workers), "-" if r.shards is None else str(r.shards),
+                  format_size(r.bytes), r.system, _ms(r.round_s),
+                  f"{r.gbps.median:.3f}", _ratio(r.ratio_to_limit),
+                  f"{r.cpu_s.median * 1e3:.2f}" if r.cpu_s else "")
     return t
 
 
-def print_report(result: dict[str, Any], console: Console | None = None) -> None:
+def print_report(result: BenchResult, console: Console | None = None) -> None:
     console = console or Console()
-    if result.get("sweep"):
-        console.print(_sweep_table(result["sweep"]))
-    hosts = result.get("hosts") or {}
-    if hosts.get("rows"):
-        link = hosts["link"]
-        console.print(_sweep_table(hosts["rows"], f"across hosts: shards in {link['ns_a']} "
-                                   f"({link['ip_a']}), workers in {link['ns_b']} over veth, "
-                                   f"{link['transport']} (median [min-max] over repeats)"))
-    if result.get("async"):
+    if result.sweep:
+        console.print(_sweep_table(result.sweep))
+    hosts = result.hosts
+    if hosts is not None and hosts.rows and hosts.link is not None:
+        link = hosts.link
+        console.print(_sweep_table(hosts.rows, f"across hosts: shards in {link.ns_a} "
+                                   f"({link.ip_a}), workers in {link.ns_b} over veth, "
+                                   f"{link.transport} (median [min-max] over repeats)"))
+    if result.async_rows:
         t = Table(title="async: updates applied per second (model: bytes/tensors; CPU ms "
                         "per model update, all processes, and the shards' part; shard busy: "
                         "the share of a core each shard used)", collapse_padding=True)
         for col in ("system", "workers", "shards", "model", "model upd/s",
                     "shard upd/s", "CPU ms", "shards ms", "shard busy"):
             t.add_column(col, justify="right", min_width=len(col) if " " not in col else None)
-        for a in result["async"]:
-            shard_cpu, busy = a.get("shard_cpu_s_per_model_update"), a.get("shard_busy")
-            t.add_row(a.get("system", "ps"), str(a["workers"]),
-                      "-" if a["shards"] is None else str(a["shards"]),
-                      f"{format_size(a['bytes'])}/{a['tensors']}",
-                      f"{a['model_updates_per_s']:.0f}", f"{a['shard_updates_per_s']:.0f}",
-                      f"{a['cpu_s_per_model_update'] * 1e3:.2f}",
+        for a in result.async_rows:
+            shard_cpu, busy = a.shard_cpu_s_per_model_update, a.shard_busy
+            t.add_row(a.system, str(a.workers), "-" if a.shards is None else str(a.shards),
+                      f"{format_size(a.bytes)}/{a.tensors}",
+                      f"{a.model_updates_per_s:.0f}", f"{a.shard_updates_per_s:.0f}",
+                      f"{a.cpu_s_per_model_update * 1e3:.2f}",
                       "-" if shard_cpu is None else f"{shard_cpu * 1e3:.2f}",
                       "-" if busy is None else f"{busy:.2f}")
         console.print(t)
-    if result.get("memory"):
+    if result.memory:
         t = Table(title="sync shard memory (peak RSS above RSS at start)")
         for col in ("workers", "shard", "model", "weights+state+agg MiB",
                     "peak over start MiB", "ratio"):
             t.add_column(col, justify="right")
-        for m in result["memory"]:
-            how = ("TCP" if not m.get("shm_peers") else "shared memory"
-                   + {True: ", --shm-release", False: ", --no-shm-release"}.get(
-                       m.get("shm_release"), ""))
-            t.add_row(str(m["workers"]), how, format_size(m["bytes"]),
-                      f"{m['expected_bytes'] / 2**20:.0f}", f"{m['peak_over_base'] / 2**20:.0f}",
-                      f"{m['ratio']:.2f}")
+        for m in result.memory:
+            release = ("" if m.shm_release is None
+                       else ", --shm-release" if m.shm_release else ", --no-shm-release")
+            how = "TCP" if not m.shm_peers else "shared memory" + release
+            t.add_row(str(m.workers), how, format_size(m.bytes),
+                      f"{m.expected_bytes / 2**20:.0f}", f"{m.peak_over_base / 2**20:.0f}",
+                      f"{m.ratio:.2f}")
         console.print(t)
-    runs = [r for r in (result.get("overlap"), result.get("overlap_tcp")) if r]
+    runs = [r for r in (result.overlap, result.overlap_tcp) if r]
     if runs:
-        ov = runs[0]
-        t = Table(title=f"overlap ({ov['params']} parameters, {ov['buckets']} buckets, "
-                        f"{ov['device']})",
+        first = runs[0]
+        t = Table(title=f"overlap ({first.params} parameters, {first.buckets} buckets, "
+                        f"{first.device})",
                   caption="vs bound: overlap / max(compute, comm); late: the overlapped "
                           "step without early weights; ahead: rounds stepped ahead")
         for col in ("via", "compute ms", "comm ms", "seq. ms", "overlap ms",
                     "vs bound", "gain", "late ms", "ahead"):
             t.add_column(col, justify="right")
         for ov in runs:
-            late = ov.get("overlap_late")
-            t.add_row("TCP" if ov.get("tcp") else "host",
-                      *(f"{ov[k]['median'] * 1e3:.1f}" for k in
-                        ("compute", "comm", "sequential", "overlap")),
-                      f"{ov['overlap_vs_bound']:.2f}", f"{ov['gain']:.2f}x",
-                      "-" if late is None else f"{late['median'] * 1e3:.1f}",
-                      str(ov.get("rounds_ahead", "-")))
+            late = ov.overlap_late
+            t.add_row("TCP" if ov.tcp else "host",
+                      *(f"{s.median * 1e3:.1f}" for s in
+                        (ov.compute, ov.comm, ov.sequential, ov.overlap)),
+                      f"{ov.overlap_vs_bound:.2f}", f"{ov.gain:.2f}x",
+                      "-" if late is None else f"{late.median * 1e3:.1f}",
+                      str(ov.rounds_ahead))
         console.print(t)
-    goals = result.get("goals") or evaluate_goals(result)
+    goals = result.goals or evaluate_goals(result)
     t = Table(title="goals")
     for col in ("goal", "measured", "target", "status"):
         t.add_column(col)
     for g in goals:
-        v = g["measured"]
-        t.add_row(g["goal"], "-" if v is None else f"{v:.2f}", g["target"], g["status"])
+        v = g.measured
+        t.add_row(g.goal, "-" if v is None else f"{v:.2f}", g.target, g.status)
     console.print(t)
 
 
-def _markdown_rows(rows: Sequence[dict[str, Any]]) -> list[str]:
+def _markdown_rows(rows: Sequence[SweepRow]) -> list[str]:
     lines = ["| workers | shards | payload | system | round trip ms, median [min-max] | GB/s "
              "| x raw limit | CPU ms/round |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        cpu = f"{r['cpu_s']['median'] * 1e3:.2f}" if r.get("cpu_s") else ""
+        cpu = f"{r.cpu_s.median * 1e3:.2f}" if r.cpu_s else ""
         lines.append(
-            f"| {r['workers']} | {'-' if r['shards'] is None else r['shards']} | "
-            f"{format_size(r['bytes'])} | {r['system']} | {_ms(r['round_s'])} | "
-            f"{r['gbps']['median']:.3f} | {_ratio(r.get('ratio_to_limit'))} | {cpu} |")
+            f"| {r.workers} | {'-' if r.shards is None else r.shards} | "
+            f"{format_size(r.bytes)} | {r.system} | {_ms(r.round_s)} | "
+            f"{r.gbps.median:.3f} | {_ratio(r.ratio_to_limit)} | {cpu} |")
     return lines
 
 
-def markdown(result: dict[str, Any]) -> str:
+def markdown(result: BenchResult) -> str:
     """The sweep (and the across-hosts rows) and the goals as Markdown tables (for
     docs/performance.md)."""
-    sweep = result.get("sweep", [])
-    hosts = (result.get("hosts") or {}).get("rows")
+    sweep = result.sweep or ()
+    hosts = result.hosts.rows if result.hosts else ()
     lines = [*_markdown_rows(sweep), ""] if sweep or not hosts else []
     if hosts:
         lines += ["Across hosts (two network namespaces over veth):", "",
                   *_markdown_rows(hosts), ""]
     lines += ["| goal | measured | target | status |", "|---|---|---|---|"]
-    for g in result.get("goals") or evaluate_goals(result):
-        v = g["measured"]
-        lines.append(f"| {g['goal']} | {'-' if v is None else f'{v:.2f}'} | {g['target']} "
-                     f"| {g['status']} |")
+    for g in result.goals or evaluate_goals(result):
+        v = g.measured
+        lines.append(f"| {g.goal} | {'-' if v is None else f'{v:.2f}'} | {g.target} "
+                     f"| {g.status} |")
     return "\n".join(lines) + "\n"

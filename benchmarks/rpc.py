@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
 
 import torch
 import torch.distributed.rpc as rpc
+
+from paramserver.util.jsontypes import JSONObject
+
+from .common import integer, number, numbers, strings
 
 __all__ = ["BatchUpdateParameterServer", "RPCSession"]
 
@@ -63,19 +66,18 @@ class RPCSession:
     Opening blocks until every rank has joined.
     """
 
-    def __init__(self, args: dict[str, Any]) -> None:
-        self.rank, world = int(args["rank"]), int(args["world"])
+    def __init__(self, args: JSONObject) -> None:
+        self.rank, world = integer(args, "rank"), integer(args, "world")
         if self.rank == 0:
-            for numel in (int(n) for n in args["sizes"]):
-                _SERVERS[numel] = BatchUpdateParameterServer(numel, world - 1, float(args["lr"]))
-        extra: dict[str, Any] = {}
-        if args.get("transports"):
-            extra["_transports"] = list(args["transports"])
-        if args.get("channels"):
-            extra["_channels"] = list(args["channels"])
+            for numel in numbers(args, "sizes"):
+                _SERVERS[int(numel)] = BatchUpdateParameterServer(int(numel), world - 1,
+                                                                  number(args, "lr"))
+        # TensorPipe's own choices, where given (None: its defaults)
+        transports = strings(args, "transports") if args.get("transports") else None
+        channels = strings(args, "channels") if args.get("channels") else None
         options = rpc.TensorPipeRpcBackendOptions(
-            init_method=f"tcp://127.0.0.1:{int(args['port'])}", rpc_timeout=300,
-            num_worker_threads=max(4, world), **extra,
+            init_method=f"tcp://127.0.0.1:{integer(args, 'port')}", rpc_timeout=300,
+            num_worker_threads=max(4, world), _transports=transports, _channels=channels,
         )
         name = "ps" if self.rank == 0 else f"worker{self.rank}"
         rpc.init_rpc(name, rank=self.rank, world_size=world, rpc_backend_options=options)
@@ -94,6 +96,6 @@ class RPCSession:
             )
         return (time.perf_counter() - t0) / iters
 
-    def close(self) -> dict[str, Any]:
+    def close(self) -> JSONObject:
         rpc.shutdown(graceful=True)
         return {}

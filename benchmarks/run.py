@@ -28,9 +28,8 @@ import os
 import platform
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
 from rich.console import Console
 
@@ -42,6 +41,7 @@ from .extras import run_async, run_async_raw, run_async_ray, run_memory, run_ove
 from .hosts import DEFAULT_SIZES as HOSTS_SIZES
 from .hosts import run_hosts
 from .rayps import available as ray_available
+from .records import BenchResult, Environment, HostsResult, SweepRow
 from .report import evaluate_goals, print_report
 from .suite import SYSTEMS, Cell, PSVariant, SweepConfig, run_sweep
 
@@ -74,7 +74,6 @@ class BenchOptions:
     wire_dtype: str | None = None  # also measure gradients sent in 16 bits (bfloat16, ...)
     lean: bool = True  # also measure the project with its divergence watchdog off
     malloc: str = "tuned"  # tuned: every process keeps freed buffers; default: glibc's own
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
@@ -90,6 +89,18 @@ class BenchOptions:
                               "(make bench installs it)")
         if self.malloc not in ("tuned", "default"):
             raise ConfigError(f"malloc must be tuned or default; got {self.malloc!r}")
+
+
+@dataclass(frozen=True)
+class OverlapSize:
+    """The overlap part's model and timing (run_overlap's defaults unless quick)."""
+
+    width: int = 1024
+    depth: int = 6
+    batch: int = 64
+    steps: int = 2
+    repeats: int = 5
+    bucket_bytes: int = 4 << 20
 
 
 def default_systems() -> tuple[str, ...]:
@@ -131,26 +142,24 @@ def _variants(opts: BenchOptions) -> list[PSVariant]:
     return variants
 
 
-def _environment() -> dict[str, Any]:
+def _environment() -> Environment:
     import numpy
     import torch
     import zmq
 
-    return {"python": platform.python_version(), "torch": torch.__version__,
-            "pyzmq": zmq.__version__, "libzmq": zmq.zmq_version(), "numpy": numpy.__version__,
-            "cpus": os.cpu_count(), "machine": platform.machine(),
-            "load_before": os.getloadavg()}
+    return Environment(platform.python_version(), torch.__version__, zmq.__version__,
+                       zmq.zmq_version(), numpy.__version__, os.cpu_count(),
+                       platform.machine(), os.getloadavg())
 
 
-def _row_line(r: dict[str, Any]) -> str:
-    ratio = r.get("ratio_to_limit")
-    return (f"  {r['workers']}w {r['shards'] or '-'}s {format_size(r['bytes']):>7} "
-            f"{r['system']:<14} {r['round_s']['median'] * 1e3:10.3f} ms "
-            f"x{ratio['median'] if ratio else 1:.2f}")
+def _row_line(r: SweepRow) -> str:
+    ratio = r.ratio_to_limit
+    return (f"  {r.workers}w {r.shards or '-'}s {format_size(r.bytes):>7} "
+            f"{r.system:<14} {r.round_s.median * 1e3:10.3f} ms "
+            f"x{ratio.median if ratio else 1:.2f}")
 
 
-def _run_hosts(opts: BenchOptions, result: dict[str, Any], console: Console,
-               logs: Path) -> None:
+def _run_hosts(opts: BenchOptions, console: Console, logs: Path) -> HostsResult:
     """The across-hosts part: two network namespaces, or one line saying why not."""
     quick = opts.preset == "quick"
     sizes = opts.sizes or ([64 * _KIB] if quick else list(HOSTS_SIZES))
@@ -160,14 +169,14 @@ def _run_hosts(opts: BenchOptions, result: dict[str, Any], console: Console,
                       repeats=opts.repeats or (2 if quick else 9),
                       repeat_seconds=0.05 if quick else 0.25, log_dir=logs / "hosts",
                       on_row=lambda r: console.print(_row_line(r)))
-    if "skipped" in hosts:
-        console.print(f"across hosts: skipped: {hosts['skipped']}")
-    for problem in hosts.get("problems", []):
+    if hosts.skipped is not None:
+        console.print(f"across hosts: skipped: {hosts.skipped}")
+    for problem in hosts.problems:
         console.print(f"[red]across hosts: {problem}[/red]")
-    result["hosts"] = hosts
+    return hosts
 
 
-def run_benchmarks(opts: BenchOptions, console: Console | None = None) -> dict[str, Any]:
+def run_benchmarks(opts: BenchOptions, console: Console | None = None) -> BenchResult:
     """Run the chosen parts, write ``out/result.json``, print the tables; return the result."""
     console = console or Console()
     out = opts.out
@@ -180,13 +189,11 @@ def run_benchmarks(opts: BenchOptions, console: Console | None = None) -> dict[s
         os.environ["PARAMSERVER_MALLOC_TUNING"] = "0"
         for key in TUNED_MALLOC:
             os.environ.pop(key, None)
-    result: dict[str, Any] = {
-        "command": " ".join(["paramserver bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"]
-        else " ".join(sys.argv),
-        "preset": opts.preset, "malloc": opts.malloc, "started": time.time(),
-        "environment": _environment(),
-    }
+    command = (" ".join(["paramserver bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"]
+               else " ".join(sys.argv))
+    started, environment = time.time(), _environment()
     t0 = time.perf_counter()
+    sweep = hosts = async_rows = memory = overlap = overlap_tcp = None
     if "sweep" in opts.parts:
         cells = cells_for(opts)
         cfg = SweepConfig(cells=cells, systems=opts.systems, variants=_variants(opts),
@@ -196,38 +203,43 @@ def run_benchmarks(opts: BenchOptions, console: Console | None = None) -> dict[s
                       f"({', '.join(opts.systems)}) + variants "
                       f"{', '.join(v.label for v in cfg.variants[1:]) or 'none'}")
 
-        result["sweep"] = run_sweep(cfg, lambda r: console.print(_row_line(r)))
+        sweep = tuple(run_sweep(cfg, lambda r: console.print(_row_line(r))))
     if "hosts" in opts.parts:
-        _run_hosts(opts, result, console, logs)
+        hosts = _run_hosts(opts, console, logs)
     if "async" in opts.parts:
         console.print("async throughput ...")
-        result["async"] = run_async(workers=2 if quick else 4,
-                                    shards=(2,) if quick else (1, 2, 4),
-                                    seconds=0.5 if quick else 3.0, log_dir=logs)
+        seconds = 0.5 if quick else 3.0
+        rows = run_async(workers=2 if quick else 4, shards=(2,) if quick else (1, 2, 4),
+                         seconds=seconds, log_dir=logs)
         # the limit: the raw pyzmq loop, a step per push (always in, as in the sweep)
-        result["async"].append(run_async_raw(workers=2 if quick else 4,
-                                             seconds=0.5 if quick else 3.0, log_dir=logs))
+        rows.append(run_async_raw(workers=2 if quick else 4, seconds=seconds, log_dir=logs))
         if "ray" in opts.systems:
-            result["async"].append(run_async_ray(workers=2 if quick else 4,
-                                                 seconds=0.5 if quick else 3.0, log_dir=logs))
+            rows.append(run_async_ray(workers=2 if quick else 4, seconds=seconds,
+                                      log_dir=logs))
+        async_rows = tuple(rows)
     if "memory" in opts.parts:
         console.print("shard memory ...")
-        mem = {"workers": (2,) if quick else (1, 2, 4), "nbytes": (4 if quick else 64) * _MIB,
-               "rounds": 2 if quick else 4, "log_dir": logs}
-        result["memory"] = run_memory(**mem)  # type: ignore[arg-type]
+        workers, nbytes = (2,) if quick else (1, 2, 4), (4 if quick else 64) * _MIB
+        rounds = 2 if quick else 4
+        mem = run_memory(workers, nbytes, rounds, log_dir=logs)
         if shm_enabled():  # the shard maps same-host workers' gradients: also never unmapping
-            result["memory"] += run_memory(**mem, server={"shm_release": False})  # type: ignore[arg-type]
+            mem += run_memory(workers, nbytes, rounds, log_dir=logs,
+                              server={"shm_release": False})
+        memory = tuple(mem)
     if "overlap" in opts.parts:
         console.print("overlap ...")
-        size: dict[str, Any] = (dict(width=256, depth=3, batch=32, steps=2, repeats=3,
-                                     bucket_bytes=256 * _KIB) if quick else {})
-        result["overlap"] = run_overlap(log_dir=logs, **size)
+        size = (OverlapSize(width=256, depth=3, batch=32, steps=2, repeats=3,
+                            bucket_bytes=256 * _KIB) if quick else OverlapSize())
+        overlap = run_overlap(log_dir=logs, **asdict(size))
         # weights over TCP, as from another host: with early weights and without
-        result["overlap_tcp"] = run_overlap(log_dir=logs, tcp=True, **size)
-    result["seconds"] = time.perf_counter() - t0
-    result["environment"]["load_after"] = os.getloadavg()
-    result["goals"] = evaluate_goals(result)
-    (out / "result.json").write_text(json.dumps(result, indent=2))
+        overlap_tcp = run_overlap(log_dir=logs, tcp=True, **asdict(size))
+    result = BenchResult(
+        sweep, hosts, async_rows, memory, overlap, overlap_tcp, command=command,
+        preset=opts.preset, malloc=opts.malloc, started=started,
+        seconds=time.perf_counter() - t0,
+        environment=replace(environment, load_after=os.getloadavg()))
+    result = replace(result, goals=tuple(evaluate_goals(result)))
+    (out / "result.json").write_text(json.dumps(result.to_json(), indent=2))
     print_report(result, console)
-    console.print(f"wrote {out / 'result.json'} ({result['seconds']:.0f} s)")
+    console.print(f"wrote {out / 'result.json'} ({result.seconds:.0f} s)")
     return result

@@ -34,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,13 +46,14 @@ from rich.table import Table
 from paramserver.errors import ConfigError, RequestTimeoutError
 from paramserver.observe.events import read_events
 from paramserver.server.loop import ServerConfig
+from paramserver.util.jsontypes import JSONObject
 from paramserver.wire.stats import ShardStats
 from paramserver.workers.admin import server_stats
 from paramserver.workers.launch.cluster import ClusterSpec, LocalCluster
 from paramserver.workers.stragglers import StragglerSpec
 from paramserver.workers.worker import WorkerConfig
 
-__all__ = ["SoakConfig", "main", "rss_of", "run_soak"]
+__all__ = ["Sample", "SoakChecks", "SoakConfig", "SoakResult", "main", "rss_of", "run_soak"]
 
 log = logging.getLogger(__name__)
 
@@ -109,11 +111,130 @@ def _spec(cfg: SoakConfig) -> ClusterSpec:
     )
 
 
-def run_soak(cfg: SoakConfig, on_sample: Any = None) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Sample:
+    """One reading during the soak: seconds since the start, RSS of every process, each
+    shard's version and each worker's steps (by rank, as a string: JSON's keys)."""
+
+    t: float
+    server_rss: tuple[int, ...]
+    worker_rss: tuple[int, ...]
+    versions: tuple[int, ...]
+    steps: dict[str, int]
+
+    def to_json(self) -> JSONObject:
+        return {"t": self.t, "server_rss": list(self.server_rss),
+                "worker_rss": list(self.worker_rss), "versions": list(self.versions),
+                "steps": {k: v for k, v in self.steps.items()}}
+
+
+@dataclass(frozen=True)
+class ProgressCheck:
+    """No deadlock: every shard advanced in every window; every worker in the second half."""
+
+    ok: bool
+    windows: int
+    stalled_windows: int
+    idle_workers_second_half: tuple[str, ...]
+    min_versions_per_window: int
+    updates_per_second: float
+
+    def to_json(self) -> JSONObject:
+        return {"ok": self.ok, "windows": self.windows, "stalled_windows": self.stalled_windows,
+                "idle_workers_second_half": list(self.idle_workers_second_half),
+                "min_versions_per_window": self.min_versions_per_window,
+                "updates_per_second": self.updates_per_second}
+
+
+@dataclass(frozen=True)
+class ShardMemory:
+    """One shard's median RSS in each half of the run and its trend in the second."""
+
+    shard: int
+    first_half_mib: float
+    second_half_mib: float
+    growth: float
+    slope_mib_per_min: float
+    ok: bool
+
+    def to_json(self) -> JSONObject:
+        return {"shard": self.shard, "first_half_mib": self.first_half_mib,
+                "second_half_mib": self.second_half_mib, "growth": self.growth,
+                "slope_mib_per_min": self.slope_mib_per_min, "ok": self.ok}
+
+
+@dataclass(frozen=True)
+class MemoryCheck:
+    ok: bool
+    servers: tuple[ShardMemory, ...]
+    workers_total_first_half_mib: float
+    workers_total_second_half_mib: float
+
+    def to_json(self) -> JSONObject:
+        return {"ok": self.ok, "servers": [m.to_json() for m in self.servers],
+                "workers_total_first_half_mib": self.workers_total_first_half_mib,
+                "workers_total_second_half_mib": self.workers_total_second_half_mib}
+
+
+@dataclass(frozen=True)
+class CountersCheck:
+    """The shards' counters reconcile with each other and with the workers' logs."""
+
+    ok: bool
+    problems: tuple[str, ...]
+    pushes: tuple[int, ...]
+    applied: tuple[int, ...]
+    rejected: tuple[int, ...]
+    versions: tuple[int, ...]
+    worker_steps_logged: int
+
+    def to_json(self) -> JSONObject:
+        return {"ok": self.ok, "problems": list(self.problems), "pushes": list(self.pushes),
+                "applied": list(self.applied), "rejected": list(self.rejected),
+                "versions": list(self.versions),
+                "worker_steps_logged": self.worker_steps_logged}
+
+
+@dataclass(frozen=True)
+class SoakChecks:
+    progress: ProgressCheck
+    memory: MemoryCheck
+    counters: CountersCheck
+
+    @property
+    def ok(self) -> bool:
+        return self.progress.ok and self.memory.ok and self.counters.ok
+
+    def to_json(self) -> JSONObject:
+        return {"progress": self.progress.to_json(), "memory": self.memory.to_json(),
+                "counters": self.counters.to_json(), "ok": self.ok}
+
+
+@dataclass(frozen=True)
+class SoakResult:
+    """``soak.json``: the configuration, the samples, the shards' last STATS (as they
+    answered), the steps each worker logged and the checks."""
+
+    config: SoakConfig
+    samples: tuple[Sample, ...]
+    final: list[ShardStats]  # the shards' last STATS
+    worker_steps_logged: dict[int, int]
+    checks: SoakChecks
+
+    def to_json(self) -> JSONObject:
+        return {"config": {k: v for k, v in dataclasses.asdict(self.config).items()},
+                "samples": [s.to_json() for s in self.samples],
+                "final": [st.to_dict() for st in self.final],
+                "worker_steps_logged": {str(r): n for r, n in self.worker_steps_logged.items()},
+                "checks": self.checks.to_json()}
+
+
+def run_soak(cfg: SoakConfig, on_sample: Callable[[Sample], None] | None = None
+             ) -> SoakResult:
     """Run the soak; returns the samples and the verdict of every check."""
     out = Path(cfg.out)
     spec = _spec(cfg)
-    samples: list[dict[str, Any]] = []
+    samples: list[Sample] = []
     with LocalCluster(spec, out) as cluster:
         addresses = cluster.start_servers()
         server_pids = [p.popen.pid for p in cluster.servers]
@@ -130,13 +251,10 @@ def run_soak(cfg: SoakConfig, on_sample: Any = None) -> dict[str, Any]:
             _check_alive(cluster)
             stats = server_stats(addresses, timeout=30.0)
             progress = cluster.progress()
-            sample = {
-                "t": now - t0,
-                "server_rss": [rss_of(pid) for pid in server_pids],
-                "worker_rss": [rss_of(p.popen.pid) for p in cluster.workers],
-                "versions": [s.version for s in stats],
-                "steps": {str(r): n for r, n in sorted(progress.steps.items())},
-            }
+            sample = Sample(now - t0, tuple(rss_of(pid) for pid in server_pids),
+                            tuple(rss_of(p.popen.pid) for p in cluster.workers),
+                            tuple(s.version for s in stats),
+                            {str(r): n for r, n in sorted(progress.steps.items())})
             samples.append(sample)
             if on_sample is not None:
                 on_sample(sample)
@@ -152,13 +270,12 @@ def run_soak(cfg: SoakConfig, on_sample: Any = None) -> dict[str, Any]:
                 proc.popen.wait()
         # STATS is answered after every message that arrived before it, on each connection
         # of its own; give pushes already in the sockets a moment to be handled
-        final = [s.to_dict() for s in _settled_stats(addresses)]
+        final = _settled_stats(addresses)
     logged = {r: len(read_events(out / "events" / f"worker{r}.jsonl", "step"))
               for r in range(cfg.workers)}
-    result = {"config": dataclasses.asdict(cfg), "samples": samples, "final": final,
-              "worker_steps_logged": logged}
-    result["checks"] = _checks(cfg, samples, final, logged)
-    (out / "soak.json").write_text(json.dumps(result, indent=1))
+    result = SoakResult(cfg, tuple(samples), final, logged,
+                        _checks(cfg, samples, final, logged))
+    (out / "soak.json").write_text(json.dumps(result.to_json(), indent=1))
     _plot(samples, out / "soak.png")
     return result
 
@@ -186,95 +303,83 @@ def _settled_stats(addresses: list[str]) -> list[ShardStats]:
     return previous
 
 
-def _checks(cfg: SoakConfig, samples: list[dict[str, Any]], final: list[dict[str, Any]],
-            logged: dict[int, int]) -> dict[str, Any]:
-    checks: dict[str, Any] = {}
+def _checks(cfg: SoakConfig, samples: list[Sample], final: list[ShardStats],
+            logged: dict[int, int]) -> SoakChecks:
     # ---- progress: every shard advanced in every window; every worker in the second half
-    per_window = [min(b - a for a, b in zip(samples[j]["versions"], samples[i]["versions"],
+    per_window = [min(b - a for a, b in zip(samples[j].versions, samples[i].versions,
                                              strict=True))
                   for j, i in _windows(samples, cfg.window)]
     stalls = sum(1 for n in per_window if n <= 0)
     half = samples[len(samples) // 2]
-    idle = [r for r in map(str, range(cfg.workers))
-            if samples[-1]["steps"].get(r, 0) <= half["steps"].get(r, 0)]
-    checks["progress"] = {
-        "ok": bool(per_window) and not stalls and not idle,
-        "windows": len(per_window),
-        "stalled_windows": stalls,
-        "idle_workers_second_half": idle,
-        "min_versions_per_window": min(per_window, default=0),
-        "updates_per_second": (samples[-1]["versions"][0] - samples[0]["versions"][0])
-        / max(1e-9, samples[-1]["t"] - samples[0]["t"]),
-    }
+    idle = tuple(r for r in map(str, range(cfg.workers))
+                 if samples[-1].steps.get(r, 0) <= half.steps.get(r, 0))
+    progress = ProgressCheck(
+        bool(per_window) and not stalls and not idle, len(per_window), stalls, idle,
+        min(per_window, default=0),
+        (samples[-1].versions[0] - samples[0].versions[0])
+        / max(1e-9, samples[-1].t - samples[0].t))
     # ---- memory
-    body = [s for s in samples if s["t"] >= cfg.warmup * cfg.duration]
+    body = [s for s in samples if s.t >= cfg.warmup * cfg.duration]
     mid = len(body) // 2
     memory = []
     for shard in range(cfg.servers):
-        first = statistics.median(s["server_rss"][shard] for s in body[:mid])
-        second = statistics.median(s["server_rss"][shard] for s in body[mid:])
-        slope = _slope([s["t"] / 60 for s in body[mid:]],
-                       [s["server_rss"][shard] / MiB for s in body[mid:]])
-        memory.append({"shard": shard, "first_half_mib": first / MiB,
-                       "second_half_mib": second / MiB, "growth": second / first - 1,
-                       "slope_mib_per_min": slope,
-                       "ok": second / first - 1 <= cfg.max_growth and slope <= cfg.max_slope})
-    wfirst = statistics.median(sum(s["worker_rss"]) for s in body[:mid])
-    wsecond = statistics.median(sum(s["worker_rss"]) for s in body[mid:])
-    checks["memory"] = {"ok": all(m["ok"] for m in memory), "servers": memory,
-                        "workers_total_first_half_mib": wfirst / MiB,
-                        "workers_total_second_half_mib": wsecond / MiB}
+        first = statistics.median(s.server_rss[shard] for s in body[:mid])
+        second = statistics.median(s.server_rss[shard] for s in body[mid:])
+        slope = _slope([s.t / 60 for s in body[mid:]],
+                       [s.server_rss[shard] / MiB for s in body[mid:]])
+        memory.append(ShardMemory(
+            shard, first / MiB, second / MiB, second / first - 1, slope,
+            second / first - 1 <= cfg.max_growth and slope <= cfg.max_slope))
+    wfirst = statistics.median(sum(s.worker_rss) for s in body[:mid])
+    wsecond = statistics.median(sum(s.worker_rss) for s in body[mid:])
+    mem = MemoryCheck(all(m.ok for m in memory), tuple(memory), wfirst / MiB, wsecond / MiB)
     # ---- counters
     problems = []
     for shard, st in enumerate(final):
         applied = 0
-        for w, ws in st["workers"].items():
-            rejected = sum(ws["rejected"].values())
-            applied += ws["applied"]
-            if ws["pushes"] != ws["applied"] + rejected:
-                problems.append(f"shard {shard} worker {w}: pushes {ws['pushes']} != applied "
-                                f"{ws['applied']} + rejected {rejected}")
+        for w, ws in st.workers.items():
+            rejected = sum(ws.rejected.values())
+            applied += ws.applied
+            if ws.pushes != ws.applied + rejected:
+                problems.append(f"shard {shard} worker {w}: pushes {ws.pushes} != applied "
+                                f"{ws.applied} + rejected {rejected}")
             # a worker is stopped between two steps or with one push in flight
-            seen = ws["pushes"] - logged[int(w)]
+            seen = ws.pushes - logged[int(w)]
             if not 0 <= seen <= 1:
-                problems.append(f"shard {shard} worker {w}: server saw {ws['pushes']} pushes, "
+                problems.append(f"shard {shard} worker {w}: server saw {ws.pushes} pushes, "
                                 f"the worker logged {logged[int(w)]}")
-        if cfg.mode == "async" and st["version"] != applied:
-            problems.append(f"shard {shard}: version {st['version']} != applied {applied}")
-    checks["counters"] = {
-        "ok": not problems, "problems": problems,
-        "pushes": [sum(w["pushes"] for w in st["workers"].values()) for st in final],
-        "applied": [sum(w["applied"] for w in st["workers"].values()) for st in final],
-        "rejected": [sum(sum(w["rejected"].values()) for w in st["workers"].values())
-                     for st in final],
-        "versions": [st["version"] for st in final],
-        "worker_steps_logged": sum(logged.values()),
-    }
-    checks["ok"] = all(checks[k]["ok"] for k in ("progress", "memory", "counters"))
-    return checks
+        if cfg.mode == "async" and st.version != applied:
+            problems.append(f"shard {shard}: version {st.version} != applied {applied}")
+    counters = CountersCheck(
+        not problems, tuple(problems),
+        tuple(sum(w.pushes for w in st.workers.values()) for st in final),
+        tuple(sum(w.applied for w in st.workers.values()) for st in final),
+        tuple(sum(sum(w.rejected.values()) for w in st.workers.values()) for st in final),
+        tuple(st.version for st in final), sum(logged.values()))
+    return SoakChecks(progress, mem, counters)
 
 
-def _windows(samples: list[dict[str, Any]], window: float) -> list[tuple[int, int]]:
+def _windows(samples: list[Sample], window: float) -> list[tuple[int, int]]:
     """Index pairs (start, end) of consecutive non-overlapping windows."""
     out, start = [], 0
     for i, s in enumerate(samples):
-        if s["t"] - samples[start]["t"] >= window:
+        if s.t - samples[start].t >= window:
             out.append((start, i))
             start = i
     return out
 
 
-def _plot(samples: list[dict[str, Any]], path: Path) -> None:
+def _plot(samples: list[Sample], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    t = [s["t"] for s in samples]
+    t = [s.t for s in samples]
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-    for shard in range(len(samples[0]["server_rss"])):
-        ax1.plot(t, [s["server_rss"][shard] / MiB for s in samples], label=f"shard {shard}")
-        ax2.plot(t, [s["versions"][shard] for s in samples], label=f"shard {shard}")
+    for shard in range(len(samples[0].server_rss)):
+        ax1.plot(t, [s.server_rss[shard] / MiB for s in samples], label=f"shard {shard}")
+        ax2.plot(t, [s.versions[shard] for s in samples], label=f"shard {shard}")
     ax1.set_ylabel("server RSS (MiB)")
     ax2.set_ylabel("version (updates applied)")
     ax2.set_xlabel("seconds")
@@ -285,27 +390,28 @@ def _plot(samples: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def _report(result: dict[str, Any], console: Console) -> None:
-    c = result["checks"]
+def _report(result: SoakResult, console: Console) -> None:
+    c = result.checks
     table = Table(title="soak")
     table.add_column("check")
     table.add_column("ok")
     table.add_column("figures")
-    p = c["progress"]
-    table.add_row("no deadlock", str(p["ok"]),
-                  f"{p['updates_per_second']:.0f} updates/s per shard; fewest updates in a "
-                  f"{result['config']['window']:g}s window: {p['min_versions_per_window']}; "
-                  f"stalled windows: {p['stalled_windows']}")
-    for m in c["memory"]["servers"]:
-        table.add_row(f"memory shard {m['shard']}", str(m["ok"]),
-                      f"{m['first_half_mib']:.1f} -> {m['second_half_mib']:.1f} MiB "
-                      f"({m['growth'] * 100:+.2f}%), trend {m['slope_mib_per_min']:+.2f} MiB/min")
-    k = c["counters"]
-    table.add_row("counters reconcile", str(k["ok"]),
-                  f"pushes {k['pushes']} = applied {k['applied']} + rejected {k['rejected']}; "
-                  f"versions {k['versions']}; worker steps logged {k['worker_steps_logged']}")
+    p = c.progress
+    table.add_row("no deadlock", str(p.ok),
+                  f"{p.updates_per_second:.0f} updates/s per shard; fewest updates in a "
+                  f"{result.config.window:g}s window: {p.min_versions_per_window}; "
+                  f"stalled windows: {p.stalled_windows}")
+    for m in c.memory.servers:
+        table.add_row(f"memory shard {m.shard}", str(m.ok),
+                      f"{m.first_half_mib:.1f} -> {m.second_half_mib:.1f} MiB "
+                      f"({m.growth * 100:+.2f}%), trend {m.slope_mib_per_min:+.2f} MiB/min")
+    k = c.counters
+    table.add_row("counters reconcile", str(k.ok),
+                  f"pushes {list(k.pushes)} = applied {list(k.applied)} + rejected "
+                  f"{list(k.rejected)}; versions {list(k.versions)}; worker steps logged "
+                  f"{k.worker_steps_logged}")
     console.print(table)
-    for problem in k["problems"][:20]:
+    for problem in k.problems[:20]:
         console.print(f"[red]{problem}[/]", highlight=False)
 
 
@@ -331,15 +437,15 @@ def main(**options: Any) -> None:
     cfg = SoakConfig(**options)
     console = Console()
     with console.status("soaking") as status:
-        def show(sample: dict[str, Any]) -> None:
-            status.update(f"{sample['t']:.0f}/{cfg.duration:g}s  versions {sample['versions']}"
-                          f"  server RSS {[round(r / MiB, 1) for r in sample['server_rss']]}"
+        def show(sample: Sample) -> None:
+            status.update(f"{sample.t:.0f}/{cfg.duration:g}s  versions {list(sample.versions)}"
+                          f"  server RSS {[round(r / MiB, 1) for r in sample.server_rss]}"
                           " MiB")
         result = run_soak(cfg, show)
     _report(result, console)
     console.print(f"samples and verdicts: {Path(cfg.out) / 'soak.json'}, plot: "
                   f"{Path(cfg.out) / 'soak.png'}", highlight=False)
-    sys.exit(0 if result["checks"]["ok"] else 1)
+    sys.exit(0 if result.checks.ok else 1)
 
 
 if __name__ == "__main__":

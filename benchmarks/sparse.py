@@ -22,6 +22,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +31,13 @@ from torch import nn
 
 from paramserver.server.loop import ServerConfig
 from paramserver.sparse.shard import owned_rows
+from paramserver.util.jsontypes import JSONObject
 from paramserver.workers.embedding import ShardedEmbedding
 from paramserver.workers.launch.cluster import ClusterSpec, LocalCluster
 from paramserver.workers.optimizer import DistributedOptimizer
 from paramserver.workers.worker import WorkerConfig
 
-from .common import format_size, peak_rss, reset_peak_rss, rss
+from .common import format_size, integer, number, peak_rss, reset_peak_rss, rss
 
 __all__ = ["main", "scale", "traffic"]
 
@@ -61,8 +63,62 @@ def _cluster(out: Path, servers: int, workers: int, mode: str, optimizer: str,
     return LocalCluster(spec, out)
 
 
+@dataclass(frozen=True)
+class Traffic:
+    """One (handling, fraction of rows touched): bytes and time per step, worker RSS."""
+
+    handling: str  # "sparse" or "dense"
+    fraction: float
+    rows_touched: int
+    bytes_per_step: float
+    step_s: float
+    worker_rss_growth: int
+
+    def to_json(self) -> JSONObject:
+        return {"handling": self.handling, "fraction": self.fraction,
+                "rows_touched": self.rows_touched, "bytes_per_step": self.bytes_per_step,
+                "step_s": self.step_s, "worker_rss_growth": self.worker_rss_growth}
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """One worker rank of the scale run (its ``rank{N}.json``)."""
+
+    rank: int
+    baseline_rss: int
+    peak_rss: int
+    seconds: float
+    steps: int
+
+    def to_json(self) -> JSONObject:
+        return {"rank": self.rank, "baseline_rss": self.baseline_rss,
+                "peak_rss": self.peak_rss, "seconds": self.seconds, "steps": self.steps}
+
+    @classmethod
+    def from_json(cls, d: JSONObject) -> RankMemory:
+        return cls(integer(d, "rank"), integer(d, "baseline_rss"), integer(d, "peak_rss"),
+                   number(d, "seconds"), integer(d, "steps"))
+
+
+@dataclass(frozen=True)
+class ShardMemory:
+    """One shard of the scale run: its rows, what they need, how much its RSS grew."""
+
+    shard: int
+    rows: int
+    need: int
+    growth: int
+
+
+@dataclass(frozen=True)
+class Scale:
+    workers: tuple[RankMemory, ...]
+    shards: tuple[ShardMemory, ...]
+    ok: bool
+
+
 def _measure(addresses: list[str], sparse: bool, rows: int, dim: int, fractions: list[float],
-             steps: int) -> list[dict[str, Any]]:
+             steps: int) -> list[Traffic]:
     emb = ShardedEmbedding(rows, dim, std=0.1) if sparse else nn.Embedding(rows, dim)
     model = _model = _Model(emb, dim)
     base = rss()
@@ -85,17 +141,17 @@ def _measure(addresses: list[str], sparse: bool, rows: int, dim: int, fractions:
                     assert opt.last is not None
                     nbytes += opt.last.nbytes + (
                         opt.sparse.nbytes - before if opt.sparse is not None else 0)
-            out.append({"handling": "sparse" if sparse else "dense", "fraction": fraction,
-                        "rows_touched": touched, "bytes_per_step": nbytes / steps,
-                        "step_s": sorted(seconds)[len(seconds) // 2],
-                        "worker_rss_growth": rss() - base})
+            out.append(Traffic("sparse" if sparse else "dense", fraction, touched,
+                               nbytes / steps, sorted(seconds)[len(seconds) // 2],
+                               rss() - base))
     finally:
         opt.close()
     return out
 
 
-def traffic(rows: int, dim: int, fractions: list[float], steps: int, out: Path) -> list[dict]:
-    results: list[dict[str, Any]] = []
+def traffic(rows: int, dim: int, fractions: list[float], steps: int, out: Path
+            ) -> list[Traffic]:
+    results: list[Traffic] = []
     for sparse in (False, True):
         with _cluster(out / ("sparse" if sparse else "dense"), 2, 1, "async", "sgd") as c:
             addresses = c.start_servers()
@@ -105,13 +161,13 @@ def traffic(rows: int, dim: int, fractions: list[float], steps: int, out: Path) 
     print(f"{'touched':>8} {'dense B/step':>14} {'sparse B/step':>14} {'ratio':>8} "
           f"{'dense s':>8} {'sparse s':>8} {'sparse RSS+':>12} {'dense RSS+':>12}")
     for f in fractions:
-        d = next(r for r in results if r["handling"] == "dense" and r["fraction"] == f)
-        s = next(r for r in results if r["handling"] == "sparse" and r["fraction"] == f)
-        print(f"{f:>8.2%} {format_size(int(d['bytes_per_step'])):>14} "
-              f"{format_size(int(s['bytes_per_step'])):>14} "
-              f"{d['bytes_per_step'] / s['bytes_per_step']:>7.1f}x {d['step_s']:>8.3f} "
-              f"{s['step_s']:>8.3f} {format_size(max(0, s['worker_rss_growth'])):>12} "
-              f"{format_size(max(0, d['worker_rss_growth'])):>12}")
+        d = next(r for r in results if r.handling == "dense" and r.fraction == f)
+        s = next(r for r in results if r.handling == "sparse" and r.fraction == f)
+        print(f"{f:>8.2%} {format_size(int(d.bytes_per_step)):>14} "
+              f"{format_size(int(s.bytes_per_step)):>14} "
+              f"{d.bytes_per_step / s.bytes_per_step:>7.1f}x {d.step_s:>8.3f} "
+              f"{s.step_s:>8.3f} {format_size(max(0, s.worker_rss_growth)):>12} "
+              f"{format_size(max(0, d.worker_rss_growth)):>12}")
     return results
 
 
@@ -134,8 +190,7 @@ def _worker(rows: int, dim: int, steps: int, batch: int, out: Path) -> None:
     opt.close()
     Path(out).mkdir(parents=True, exist_ok=True)
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(
-        {"rank": rank, "baseline_rss": base, "peak_rss": peak_rss(), "seconds": seconds,
-         "steps": steps}))
+        RankMemory(rank, base, peak_rss(), seconds, steps).to_json()))
 
 
 def _proc_kib(pid: int, field: str) -> int:
@@ -146,7 +201,7 @@ def _proc_kib(pid: int, field: str) -> int:
 
 
 def scale(rows: int, dim: int, servers: int, workers: int, steps: int, batch: int,
-          out: Path) -> dict[str, Any]:
+          out: Path) -> Scale:
     command = [sys.executable, "-m", "paramserver.benchmarks.sparse", "worker",
                "--rows", str(rows), "--dim", str(dim), "--steps", str(steps),
                "--batch", str(batch), "--out", str(out / "ranks")]
@@ -164,16 +219,17 @@ def scale(rows: int, dim: int, servers: int, workers: int, steps: int, batch: in
         cluster.start_workers()
         cluster.wait_workers(on_progress=watch)
         watch(None)
-    ranks = [json.loads((out / "ranks" / f"rank{r}.json").read_text()) for r in range(workers)]
+    ranks = [RankMemory.from_json(json.loads((out / "ranks" / f"rank{r}.json").read_text()))
+             for r in range(workers)]
     print(f"table {rows} x {dim} float32 = {format_size(table)}, {servers} sync Adagrad "
           f"shards, {workers} workers, {steps} steps of {batch} ids")
     ok = True
     for r in ranks:
-        growth = r["peak_rss"] - r["baseline_rss"]
+        growth = r.peak_rss - r.baseline_rss
         ok &= growth < 0.10 * table
-        print(f"worker {r['rank']}: baseline {format_size(r['baseline_rss'])}, peak "
-              f"{format_size(r['peak_rss'])}, growth {format_size(growth)} = "
-              f"{growth / table:.2%} of the table (goal < 10%), {r['seconds']:.1f}s")
+        print(f"worker {r.rank}: baseline {format_size(r.baseline_rss)}, peak "
+              f"{format_size(r.peak_rss)}, growth {format_size(growth)} = "
+              f"{growth / table:.2%} of the table (goal < 10%), {r.seconds:.1f}s")
     shards = []
     for k in range(servers):
         n = len(owned_rows(rows, servers, k))
@@ -181,11 +237,11 @@ def scale(rows: int, dim: int, servers: int, workers: int, steps: int, batch: in
         need = n * dim * 4 * 2 + n * 16
         growth = peak[k] - base[k]
         ok &= growth <= need * 1.15
-        shards.append({"shard": k, "rows": n, "need": need, "growth": growth})
+        shards.append(ShardMemory(k, n, need, growth))
         print(f"shard {k}: {n} rows, table+state+bookkeeping {format_size(need)}, peak growth "
               f"{format_size(growth)} = {growth / need:.2f}x (goal <= 1.15x)")
     print("goals met" if ok else "GOALS NOT MET")
-    return {"workers": ranks, "shards": shards, "ok": ok}
+    return Scale(tuple(ranks), tuple(shards), ok)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,11 +262,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.what == "scale":
         result = scale(args.rows or 4_000_000, args.dim, 4, 2, args.steps or 20, args.batch,
                        out)
-        return 0 if result["ok"] else 1
+        return 0 if result.ok else 1
     fractions = [float(f) for f in args.fractions.split(",")]
     results = traffic(args.rows or 200_000, args.dim, fractions, args.steps or 5, out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "results.json").write_text(json.dumps([r.to_json() for r in results], indent=1))
     return 0
 
 

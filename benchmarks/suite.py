@@ -27,10 +27,10 @@ import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from paramserver.core.sharding import ShardPlan
 from paramserver.errors import RequestTimeoutError
+from paramserver.util.jsontypes import JSONObject
 from paramserver.workers.admin import shutdown_servers
 
 from . import raw
@@ -42,7 +42,12 @@ from .common import (
     cpu_seconds,
     descendants,
     free_port,
+    integer,
+    number,
+    obj,
+    text,
 )
+from .records import ShmPath, SweepRow
 
 __all__ = ["SYSTEMS", "Cell", "PSVariant", "Placement", "SweepConfig", "run_sweep"]
 
@@ -66,8 +71,10 @@ class PSVariant:
     """A configuration of this project measured as its own row."""
 
     label: str
-    session: dict[str, Any] = field(default_factory=dict)  # PSSession args, e.g. wire_dtype
-    server: dict[str, Any] = field(default_factory=dict)  # ServerConfig overrides
+    # free-form overrides, passed on as they are: PSSession args (e.g. wire_dtype), and
+    # ServerConfig fields (e.g. {"watchdog": {"enabled": false}})
+    session: JSONObject = field(default_factory=dict)
+    server: JSONObject = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -111,8 +118,8 @@ def _groups(cells: Iterable[Cell]) -> dict[int, dict[int, list[int]]]:
     return {n: dict(sorted(v.items())) for n, v in sorted(out.items())}
 
 
-def _broadcast(agents: Sequence[Agent], op: str, args: Sequence[dict[str, Any]] | dict[str, Any],
-               timeout: float = _TIMEOUT) -> list[dict[str, Any]]:
+def _broadcast(agents: Sequence[Agent], op: str, args: Sequence[JSONObject] | JSONObject,
+               timeout: float = _TIMEOUT) -> list[JSONObject]:
     """Send one command to every agent, then read every answer (they run together)."""
     per_agent = list(args) if isinstance(args, Sequence) else [args] * len(agents)
     for agent, a in zip(agents, per_agent, strict=True):
@@ -131,7 +138,7 @@ class _System:
         self.pids = [a.pid for a in self.members] + [a.pid for a in servers]
         self.cpu_per_round: list[float] = []
 
-    def open(self, args: Sequence[dict[str, Any]]) -> None:
+    def open(self, args: Sequence[JSONObject]) -> None:
         _broadcast(self.workers, "open", [{"system": self.session, **a} for a in args])
 
     def measure(self, numel: int, iters: int) -> float:
@@ -139,9 +146,9 @@ class _System:
         res = _broadcast(self.workers, "measure",
                          {"system": self.session, "numel": numel, "iters": iters})
         self.cpu_per_round.append((cpu_seconds(self.pids) - cpu0) / iters)
-        return max(float(r["round_s"]) for r in res)  # the round ends when the slowest has it
+        return max(number(r, "round_s") for r in res)  # the round ends when the slowest has it
 
-    def close(self) -> list[dict[str, Any]]:
+    def close(self) -> list[JSONObject]:
         return _broadcast(self.members, "close", {"system": self.session})
 
 
@@ -166,25 +173,17 @@ def _measure(systems: Sequence[_System], numel: int, cfg: SweepConfig) -> dict[s
 
 
 def _record(cell: Cell, system: str, rounds: list[float], limit: list[float] | None,
-            cpu: list[float], extra: dict[str, Any] | None = None) -> dict[str, Any]:
+            cpu: list[float], shm: ShmPath | None = None) -> SweepRow:
     moved = 2 * cell.nbytes * cell.workers
-    rec: dict[str, Any] = {
+    return SweepRow(
         # torch RPC has one server and gloo none: no shards to speak of
-        "workers": cell.workers, "shards": None if system in UNSHARDED else cell.shards,
-        "bytes": cell.nbytes, "system": system,
-        "round_s": Stats.of(rounds).to_dict(),
-        "gbps": Stats.of([moved / t / 1e9 for t in rounds]).to_dict(),
-        "repeats_round_s": rounds,
+        cell.workers, None if system in UNSHARDED else cell.shards, cell.nbytes, system,
+        Stats.of(rounds), Stats.of([moved / t / 1e9 for t in rounds]), tuple(rounds),
         # CPU seconds per round of all its processes (workers and servers): what a
         # round costs, whatever else the machine was doing
-        "cpu_s": Stats.of(cpu).to_dict() if cpu else None,
-        **(extra or {}),
-    }
-    if limit:
+        Stats.of(cpu) if cpu else None, shm,
         # paired per repeat (they ran back to back): limit time / system time = throughput ratio
-        rec["ratio_to_limit"] = Stats.of([a / b for a, b in zip(limit, rounds, strict=True)]
-                                         ).to_dict()
-    return rec
+        Stats.of([a / b for a, b in zip(limit, rounds, strict=True)]) if limit else None)
 
 
 class _Group:
@@ -198,7 +197,7 @@ class _Group:
             self.raw_servers = self._spawn("raw-server", s, server=True)
             for a in self.raw_servers:
                 a.send("raw_serve", workers=n, lr=cfg.lr, host=cfg.placement.server_host)
-            self.raw_addrs = [a.read(_TIMEOUT)["address"] for a in self.raw_servers]
+            self.raw_addrs = [text(a.read(_TIMEOUT), "address") for a in self.raw_servers]
             self.raw = _System("raw", self._spawn("raw-worker", n), "raw",
                                servers=self.raw_servers)
             self.ps: list[tuple[PSVariant, list[Agent], _System]] = []
@@ -230,9 +229,9 @@ class _Group:
         elif via is not None:
             via.workers[0].call(op, 60.0, addresses=addresses, timeout_ms=5000)
 
-    def cell(self, nbytes: int, peers: list[_System]) -> list[dict[str, Any]]:
+    def cell(self, nbytes: int, peers: list[_System]) -> list[SweepRow]:
         n, s, cfg, numel = self.n, self.s, self.cfg, nbytes // 4
-        self.raw.open([{"addresses": self.raw_addrs, "numel": numel,
+        self.raw.open([{"addresses": list(self.raw_addrs), "numel": numel,
                         "chunk_bytes": cfg.chunk_bytes}] * n)
         systems = [self.raw]
         ps_addrs: list[str] = []
@@ -244,29 +243,28 @@ class _Group:
                     "shard": i, "num_shards": s, "mode": "sync", "expected_workers": n,
                     "optimizer": "sgd", "optimizer_args": {"lr": cfg.lr},
                     "heartbeat_timeout": 60.0, **bind, **v.server})
-            addrs = [a.read(_TIMEOUT)["address"] for a in servers]
+            addrs = [text(a.read(_TIMEOUT), "address") for a in servers]
             ps_addrs += addrs
-            system.open([{"addresses": addrs, "numel": numel, "rank": r,
+            system.open([{"addresses": list(addrs), "numel": numel, "rank": r,
                           "chunk_bytes": cfg.chunk_bytes, **v.session} for r in range(n)])
             systems.append(system)
         rounds = _measure(systems + peers, numel, cfg)
         closed = {system.name: system.close() for system in systems}
-        extra: dict[str, dict[str, Any]] = {}
+        shm: dict[str, ShmPath] = {}
         if self.ps:
             self._stop("ps_stop", ps_addrs, self.ps[0][2])
         for v, servers, _ in self.ps:
             served = [a.read(_TIMEOUT) for a in servers]
             # the path the tensors took: shards that granted shared memory, and the
             # workers' side of it (a shard grants it only to a same-host worker)
-            extra[v.label] = {
-                "shm_peers": sum(int(r.get("counters", {}).get("shm_peers", 0))
-                                 for r in served),
-                "shm_used": sum(int(r.get("shm_used", 0)) for r in closed[v.label]),
-                "shm_offered": sum(int(r.get("shm_offered", 0)) for r in closed[v.label])}
+            shm[v.label] = ShmPath(
+                sum(integer(obj(r, "counters", {}), "shm_peers", 0) for r in served),
+                sum(integer(r, "shm_used", 0) for r in closed[v.label]),
+                sum(integer(r, "shm_offered", 0) for r in closed[v.label]))
         cpu = {x.name: x.cpu_per_round for x in systems + peers}
         cell = Cell(n, s, nbytes)
         return [_record(cell, name, r, rounds["raw"] if name != "raw" else None, cpu[name],
-                        extra.get(name)) for name, r in rounds.items()]
+                        shm.get(name)) for name, r in rounds.items()]
 
     def close(self) -> None:
         try:
@@ -299,7 +297,7 @@ def _open_ray(n: int, cfg: SweepConfig) -> tuple[_System, list[Agent]]:
     head = Agent(f"ray-head-n{n}", cfg.log_dir)
     agents = [head]
     try:
-        address = head.call("ray_serve", _TIMEOUT, workers=n, lr=cfg.lr)["address"]
+        address = text(head.call("ray_serve", _TIMEOUT, workers=n, lr=cfg.lr), "address")
         agents += [Agent(f"ray-worker{r}-n{n}", cfg.log_dir) for r in range(n)]
         system = _System("ray", agents[1:], "ray", members=agents[1:], servers=[head])
         system.open([{"address": address}] * n)
@@ -321,15 +319,15 @@ def _close_world(world: _System, agents: list[Agent]) -> None:
         close_all(agents)
 
 
-def run_sweep(cfg: SweepConfig, on_row: Callable[[dict[str, Any]], None] | None = None
-              ) -> list[dict[str, Any]]:
+def run_sweep(cfg: SweepConfig, on_row: Callable[[SweepRow], None] | None = None
+              ) -> list[SweepRow]:
     """Measure every cell; returns one record per (cell, system)."""
     unknown = set(cfg.systems) - set(SYSTEMS)
     if unknown or "raw" not in cfg.systems:
         raise ValueError(f"systems must include raw and be among {SYSTEMS}; got {cfg.systems}")
-    records: list[dict[str, Any]] = []
+    records: list[SweepRow] = []
 
-    def emit(recs: list[dict[str, Any]]) -> None:
+    def emit(recs: list[SweepRow]) -> None:
         for rec in recs:
             records.append(rec)
             if on_row is not None:
@@ -365,7 +363,7 @@ def run_sweep(cfg: SweepConfig, on_row: Callable[[dict[str, Any]], None] | None 
                     try:
                         for nbytes in sorted(b for b, fs in first.items() if fs == s):
                             emit([r for r in group.cell(nbytes, [rpc[0]])
-                                  if r["system"] == "rpc"])
+                                  if r.system == "rpc"])
                     finally:
                         group.close()
             finally:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypedDict, TypeVar
 
 import click
 
@@ -111,7 +111,14 @@ def claim_grid_dir(flags: dict[str, Any], default: Path) -> Path:
                          overwrite=flags["overwrite"])
 
 
-def _budgets(seconds: float | None, gradients: int | None) -> dict[str, Any]:
+class _Budgets(TypedDict):
+    """The spec's budgets as the flags give them (None: not given, the spec's own)."""
+
+    budget_seconds: float | None
+    budget_gradients: int | None
+
+
+def _budgets(seconds: float | None, gradients: int | None) -> _Budgets:
     """The budget flags; one given alone replaces the spec file's other budget (both
     given: the spec says that is one too many)."""
     if seconds and not gradients:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import inspect
 import json
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import click
 
 from paramserver.errors import RegistryError
+from paramserver.util.jsontypes import JSON, JSONObject
 
 # heavy libraries (rich, torch, ...) are imported where a command runs, so that its
 # --help answers at once (tests/test_cli_startup.py)
@@ -48,9 +50,40 @@ def _first_line(obj: Any) -> str:
     return doc.splitlines()[0] if doc else ""
 
 
-def _print(rows: list[dict[str, Any]], title: str, footer: str, as_json: bool) -> None:
+def _jsonable(value: object) -> JSON:
+    """A parameter's default as ``json.dumps(..., default=repr)`` writes it."""
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return {k: _jsonable(v) for k, v in value.items()}
+    return repr(value)
+
+
+@dataclass(frozen=True)
+class Listed:
+    """One policy or task: its name, parameters, where it comes from, what it does."""
+
+    name: str
+    parameters: Mapping[str, inspect.Parameter]
+    source: str  # "built-in" or the module
+    description: str
+
+    def to_json(self) -> JSONObject:
+        params: JSONObject = {}
+        for key, p in self.parameters.items():
+            entry: JSONObject = {"type": _annotation(p.annotation)}
+            if p.default is not p.empty:
+                entry["default"] = _jsonable(p.default)
+            params[key] = entry
+        return {"name": self.name, "parameters": params, "from": self.source,
+                "description": self.description}
+
+
+def _print(rows: list[Listed], title: str, footer: str, as_json: bool) -> None:
     if as_json:
-        click.echo(json.dumps(rows, indent=2, default=repr))
+        click.echo(json.dumps([r.to_json() for r in rows], indent=2))
         return
     from rich.console import Console
     from rich.table import Table
@@ -60,27 +93,21 @@ def _print(rows: list[dict[str, Any]], title: str, footer: str, as_json: bool) -
     for column in ("name", "parameters", "from", "description"):
         table.add_column(column, overflow="fold")
     for row in rows:
-        params = "\n".join(_param_text(k, p["type"], p.get("default", inspect.Parameter.empty))
-                           for k, p in row["parameters"].items()) or "-"
+        params = "\n".join(_param_text(k, p.annotation, p.default)
+                           for k, p in row.parameters.items()) or "-"
         # text, not rich markup: "[s_min, s_max]" in a description would vanish as a tag
         table.add_row(*(Text(str(cell)) for cell in
-                        (row["name"], params, row["from"], row["description"])))
+                        (row.name, params, row.source, row.description)))
     console = Console()
     console.print(table)
     console.print(footer, highlight=False)
 
 
-def _parameters(params: Mapping[str, inspect.Parameter]) -> dict[str, dict[str, Any]]:
-    out = {}
-    for name, p in params.items():
-        entry: dict[str, Any] = {"type": _annotation(p.annotation)}
-        if p.default is not p.empty:
-            entry["default"] = p.default
-        out[name] = entry
-    return out
+T = TypeVar("T")
 
 
-def _resolve_all(names: tuple[str, ...], known: Mapping[str, Any], resolve: Any) -> dict[str, Any]:
+def _resolve_all(names: tuple[str, ...], known: Mapping[str, T], resolve: Callable[[str], T]
+                 ) -> dict[str, T]:
     if not names:
         return dict(known)
     try:
@@ -109,8 +136,7 @@ def policies(names: tuple[str, ...], as_json: bool) -> None:
     rows = []
     for name, cls in classes.items():
         params = policy_parameters(cls)
-        rows.append({"name": name, "parameters": _parameters(params), "from": _source(cls),
-                     "description": _first_line(cls)})
+        rows.append(Listed(name, params, _source(cls), _first_line(cls)))
     _print(rows, "staleness policies", "Use: --policy NAME --policy-arg KEY=VALUE", as_json)
 
 
@@ -141,8 +167,7 @@ def tasks(names: tuple[str, ...], as_json: bool) -> None:
     for name, factory in factories.items():
         sig = inspect.signature(factory)
         params = {k: sig.parameters[k] for k in task_parameters(factory) if k in sig.parameters}
-        rows.append({"name": name, "parameters": _parameters(params), "from": _source(factory),
-                     "description": task_description(name)})
+        rows.append(Listed(name, params, _source(factory), task_description(name)))
     _print(rows, "tasks", "Use: --task NAME --task-arg KEY=VALUE (rank and world_size are "
            "given by the launcher)", as_json)
 

@@ -37,20 +37,17 @@ import typing
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypedDict, TypeVar
 
 import click
 import tomli_w
 from click.core import ParameterSource
 
-from paramserver.core.optim import build_optimizer, build_scheduler
 from paramserver.errors import ConfigError
-from paramserver.policies import create_policy
 from paramserver.server.config import Opt, ServerConfig, field_default, options_of
 from paramserver.util.coerce import MISSING
 from paramserver.workers.launch.cluster import ClusterSpec
 from paramserver.workers.stragglers import StragglerSpec
-from paramserver.workers.tasks import check_task_args, resolve_task
 from paramserver.workers.worker import WorkerConfig
 
 from .paramtypes import AddressList, KeyValue, flatten_addresses
@@ -170,6 +167,18 @@ def _scalar(hint: Any) -> Any:
     return hint if hint in (int, float, str, bool) else str
 
 
+class _FieldOption(TypedDict, total=False):
+    """The click.option arguments a config field's flag sets (Spec adds the rest)."""
+
+    help: str
+    metavar: str
+    is_flag: bool
+    default: Any  # the field's own type
+    type: click.ParamType | type
+    multiple: bool
+    required: bool
+
+
 def field_specs(cls: type, *, per_process: bool | None = None) -> list[Spec]:
     """The flags of a config dataclass's fields, from their :class:`Opt` metadata.
 
@@ -189,7 +198,7 @@ def field_specs(cls: type, *, per_process: bool | None = None) -> list[Spec]:
         flag = "--" + (opt.flag or f.name.replace("_", "-"))
         dest = opt.dest or f.name
         default = opt.cli_default if opt.cli_default is not MISSING else field_default(f)
-        kwargs: dict[str, Any] = {"help": opt.help}
+        kwargs: _FieldOption = {"help": opt.help}
         if opt.metavar:
             kwargs["metavar"] = opt.metavar
         multiple = typing.get_origin(hint) in (list, dict) or opt.kind == "pairs"
@@ -584,7 +593,12 @@ def config_values(cls: type, opts: Mapping[str, Any]) -> dict[str, Any]:
 
 def server_config(opts: Mapping[str, Any], **fixed: Any) -> ServerConfig:
     """A validated ServerConfig from the SERVER group (and SHARD where given), plus ``fixed``."""
+    # the optimizer and policy registries load torch: imported to check a config, not
+    # to list the options (--help)
     import torch
+
+    from paramserver.core.optim import build_optimizer, build_scheduler
+    from paramserver.policies import create_policy
 
     values = config_values(ServerConfig, opts)
     values["optimizer_args"] = {"lr": opts["lr"], **values["optimizer_args"]}
@@ -659,6 +673,8 @@ def straggler_overrides(opts: Mapping[str, Any]) -> dict[int, StragglerSpec]:
 
 def worker_config(ctx: click.Context, opts: Mapping[str, Any], **fixed: Any) -> WorkerConfig:
     """A validated WorkerConfig from the WORKER group (and WORKER_PROCESS where given)."""
+    from paramserver.workers.tasks import check_task_args, resolve_task  # loads torch
+
     steps, epochs = _steps_or_epochs(ctx, opts)
     values = config_values(WorkerConfig, opts)
     values.update(steps=steps, epochs=epochs, straggler=straggler_spec(opts))

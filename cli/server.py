@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from paramserver.errors import TransportError
-from paramserver.persist.checkpoint import CheckpointDirInUse, CheckpointError
-from paramserver.server.loop import ServerConfig, announce_ready, run_server
 
 from . import options
 from .workercount import agree_worker_count
+
+if TYPE_CHECKING:
+    from paramserver.server.config import ServerConfig
 
 __all__ = ["server"]
 
@@ -39,6 +40,7 @@ for scripts, and a sentence on stderr for you. It serves until Ctrl-C
 
 def ready_printer(config: ServerConfig) -> Any:
     """on_ready callback: the machine-readable line on stdout, a sentence on stderr."""
+    from paramserver.server.loop import announce_ready
 
     def on_ready(address: str, metrics_port: int | None = None) -> None:
         announce_ready(address, metrics_port)
@@ -65,6 +67,10 @@ def server(ctx: click.Context, **opts: Any) -> None:
     Start one per shard (--shard 0 .. --num-shards - 1); every worker talks to
     all of them. It binds 127.0.0.1 unless --host says otherwise.
     """
+    # the server's loop, zmq and the checkpoints load only when one runs, not for --help
+    from paramserver.persist.checkpoint import CheckpointDirInUse, CheckpointError
+    from paramserver.server.loop import run_server
+
     agree_worker_count(ctx, opts, "expected_workers")
     config = options.server_config(opts)
     options.maybe_print_config(ctx, opts)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from paramserver.benchmarks.common import Agent, close_all
+from paramserver.benchmarks.common import Agent, close_all, text
 from paramserver.workers.admin import shutdown_servers
 
 
@@ -20,7 +20,7 @@ def sync_shards(count: int, lr: float, label: str = "shard") -> Iterator[list[st
             a.send("ps_serve", config={"shard": i, "num_shards": count, "mode": "sync",
                                        "expected_workers": 1, "optimizer": "sgd",
                                        "optimizer_args": {"lr": lr}, "heartbeat_timeout": 60})
-        addrs = [a.read(60)["address"] for a in agents]
+        addrs = [text(a.read(60), "address") for a in agents]
         yield addrs
         shutdown_servers(addrs)
         for a in agents:

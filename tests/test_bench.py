@@ -23,9 +23,11 @@ from paramserver.benchmarks.common import (
     format_size,
     parse_size,
     split_range,
+    text,
 )
 from paramserver.benchmarks.extras import run_async, run_async_raw, run_memory, run_overlap
 from paramserver.benchmarks.ps import flat_plan
+from paramserver.benchmarks.records import BenchResult, SweepRow
 from paramserver.benchmarks.report import evaluate_goals, markdown, print_report
 from paramserver.benchmarks.suite import Cell, PSVariant, SweepConfig, run_sweep
 from paramserver.errors import ConfigError
@@ -149,7 +151,7 @@ def _final_weights(tmp: Path, overlap: bool) -> dict[str, torch.Tensor]:
             a.send("ps_serve", config={"shard": i, "num_shards": 1, "mode": "sync",
                                        "expected_workers": 1, "optimizer": "sgd",
                                        "optimizer_args": {"lr": LR}, "heartbeat_timeout": 60})
-        addrs = [a.read(60)["address"] for a in agents]
+        addrs = [text(a.read(60), "address") for a in agents]
         cfg = WorkerConfig(servers=addrs, task="synthetic-mlp", steps=3, push_every=2,
                            task_args={"width": 48, "depth": 2, "samples": 256},
                            batch_size=16, device="cpu", overlap=overlap, bucket_bytes=4096,
@@ -204,18 +206,19 @@ def test_sweep_smoke_pairs_every_system_with_the_limit() -> None:
                       variants=[PSVariant("ps-lean", server={"watchdog": {"enabled": False}})],
                       repeats=2, repeat_seconds=0.02)
     rows = run_sweep(cfg)
-    by = {r["system"]: r for r in rows}
+    by = {r.system: r for r in rows}
     assert set(by) == {"raw", "ps-lean", "gloo"}
     for name, r in by.items():
-        assert r["workers"] == 2 and r["bytes"] == 4096 and r["round_s"]["n"] == 2
-        assert r["gbps"]["median"] > 0 and r["cpu_s"]["median"] >= 0
-        assert (name == "raw") == ("ratio_to_limit" not in r)
-    assert by["gloo"]["shards"] is None and by["ps-lean"]["shards"] == 1
-    result = {"sweep": rows}
+        assert r.workers == 2 and r.bytes == 4096 and r.round_s.n == 2
+        assert r.gbps.median > 0 and r.cpu_s is not None and r.cpu_s.median >= 0
+        assert (name == "raw") == ("ratio_to_limit" not in r.to_json())
+        assert SweepRow.from_json(json.loads(json.dumps(r.to_json()))) == r
+    assert by["gloo"].shards is None and by["ps-lean"].shards == 1
+    result = BenchResult(sweep=tuple(rows))
     text = markdown(result)
     assert "| 2 | 1 | 4KiB | ps-lean |" in text
     goals = evaluate_goals(result)
-    assert {g["status"] for g in goals} == {"n/a"}  # none of the goal cells was measured
+    assert {g.status for g in goals} == {"n/a"}  # none of the goal cells was measured
     print_report(result)
 
 
@@ -224,33 +227,39 @@ def test_sweep_smoke_pairs_every_system_with_the_limit() -> None:
 def test_rpc_session_smoke() -> None:
     rows = run_sweep(SweepConfig(cells=[Cell(1, 1, 4096)], systems=("raw", "rpc"),
                                  repeats=2, repeat_seconds=0.02))
-    assert [r["system"] for r in rows] == ["raw", "rpc"]
-    assert rows[1]["ratio_to_limit"]["median"] > 0
+    assert [r.system for r in rows] == ["raw", "rpc"]
+    ratio = rows[1].ratio_to_limit
+    assert ratio is not None and ratio.median > 0
 
 
 @pytest.mark.integration
 @pytest.mark.slow
 def test_async_memory_and_overlap_smoke() -> None:
     asy = run_async(workers=2, shards=(2,), nbytes=4096, pieces=4, seconds=0.3)
-    assert asy[0]["model_updates_per_s"] > 0 and asy[0]["shards"] == 2
-    assert 0 < asy[0]["shard_cpu_s_per_model_update"] < asy[0]["cpu_s_per_model_update"]
-    assert asy[0]["shard_busy"] > 0
+    assert asy[0].model_updates_per_s > 0 and asy[0].shards == 2
+    shard_cpu = asy[0].shard_cpu_s_per_model_update
+    assert shard_cpu is not None and 0 < shard_cpu < asy[0].cpu_s_per_model_update
+    assert asy[0].shard_busy is not None and asy[0].shard_busy > 0
     raw = run_async_raw(workers=2, seconds=0.3)  # the limit, a step per push
-    assert raw["system"] == "raw" and len(raw["worker_pushes_per_s"]) == 2
-    assert min(raw["worker_pushes_per_s"]) > 0 and raw["cpu_s_per_model_update"] > 0
+    assert raw.system == "raw" and len(raw.worker_pushes_per_s) == 2
+    assert min(raw.worker_pushes_per_s) > 0 and raw.cpu_s_per_model_update > 0
     mem = run_memory(workers=(1,), nbytes=1 << 20, rounds=2)
     # SGD with momentum: one buffer of state, plus one aggregation buffer
-    assert mem[0]["expected_bytes"] == 3 * (1 << 20)
-    assert mem[0]["peak_rss"] >= mem[0]["rss_base"]
+    assert mem[0].expected_bytes == 3 * (1 << 20)
+    assert mem[0].peak_rss >= mem[0].rss_base
     ov = run_overlap(width=64, depth=2, batch=8, steps=1, repeats=2, bucket_bytes=8192)
-    assert ov["buckets"] > 1 and not ov["tcp"] and "overlap_late" not in ov
-    for key in ("compute", "comm", "sequential", "overlap"):
-        assert ov[key]["median"] > 0
+    assert ov.buckets > 1 and not ov.tcp and "overlap_late" not in ov.to_json()
+    for stats in (ov.compute, ov.comm, ov.sequential, ov.overlap):
+        assert stats.median > 0
     tcp = run_overlap(width=64, depth=2, batch=8, steps=1, repeats=2, bucket_bytes=8192,
                       tcp=True)
-    assert tcp["tcp"] and tcp["overlap_late"]["median"] > 0 and tcp["early_gain"] > 0
+    assert tcp.tcp and tcp.overlap_late is not None and tcp.overlap_late.median > 0
+    assert tcp.early_gain is not None and tcp.early_gain > 0
     # each round took its early weights, or none came: never more answers than rounds
-    assert 0 <= tcp["early_answers"] <= tcp["rounds_ahead"]
+    assert 0 <= tcp.early_answers <= tcp.rounds_ahead
+    result = BenchResult(async_rows=(*asy, raw), memory=tuple(mem), overlap=ov,
+                         overlap_tcp=tcp)
+    assert BenchResult.from_json(json.loads(json.dumps(result.to_json()))) == result
 
 
 @pytest.mark.integration
@@ -289,9 +298,9 @@ def test_hotpath_times_applied_pushes_warm_and_cold(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("PARAMSERVER_SHM", "0")
     for case in hotpath.CASES:
         r = hotpath.measure(case, pushes=20, repeats=2, thrash_mib=1)
-        assert r["case"] == case and r["pushes"] == 20
-        for label in ("warm", "cold"):
-            assert 0 < r[label]["min_us"] <= r[label]["median_us"] <= r[label]["max_us"]
+        assert r.case == case and r.pushes == 20
+        for t in (r.warm, r.cold):
+            assert 0 < t.min_us <= t.median_us <= t.max_us
 
 
 def test_hotpath_refuses_to_time_refused_pushes(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -19,6 +19,7 @@ from click.testing import CliRunner
 
 from paramserver.benchmarks.hosts import run_hosts
 from paramserver.benchmarks.netns import existing, netns_problem, two_namespaces
+from paramserver.benchmarks.records import BenchResult, HostsResult
 from paramserver.benchmarks.report import markdown
 from paramserver.cli.bench import bench
 from paramserver.shm.link import enabled as shm_enabled
@@ -55,13 +56,14 @@ def test_hosts_part_measures_raw_and_ps_over_tcp_between_namespaces(tmp_path: Pa
     assert hosts["link"]["ip_a"].startswith("10.")
     assert not {hosts["link"]["ns_a"], hosts["link"]["ns_b"]} & existing()
     assert "across hosts" in res.output
-    assert "| 1 | 1 | 64KiB | ps |" in markdown(data).split("Across hosts")[1]
+    text = markdown(BenchResult.from_json(data))
+    assert "| 1 | 1 | 64KiB | ps |" in text.split("Across hosts")[1]
 
 
 def test_hosts_part_is_skipped_without_root(tmp_path: Path,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
-    assert run_hosts([4096]) == {"skipped": "creating network namespaces needs root"}
+    assert run_hosts([4096]) == HostsResult(skipped="creating network namespaces needs root")
     res = CliRunner().invoke(bench, ["--out", str(tmp_path), "--part", "hosts", "--quick"])
     assert res.exit_code == 0, res.output
     assert "across hosts: skipped: creating network namespaces needs root" in res.output

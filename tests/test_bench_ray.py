@@ -85,12 +85,13 @@ def test_ray_peer_in_the_sweep_and_async() -> None:
     before = _ray_processes()
     rows = run_sweep(SweepConfig(cells=[Cell(2, 1, 4096)], systems=("raw", "ray"),
                                  repeats=2, repeat_seconds=0.02, max_iters=20))
-    assert [r["system"] for r in rows] == ["raw", "ray"]
+    assert [r.system for r in rows] == ["raw", "ray"]
     ray = rows[1]
-    assert ray["shards"] is None and ray["workers"] == 2
-    assert ray["ratio_to_limit"]["median"] > 0 and ray["cpu_s"]["median"] > 0
+    assert ray.shards is None and ray.workers == 2
+    assert ray.ratio_to_limit is not None and ray.ratio_to_limit.median > 0
+    assert ray.cpu_s is not None and ray.cpu_s.median > 0
     asy = run_async_ray(workers=2, nbytes=1024, pieces=2, seconds=0.3)
-    assert asy["system"] == "ray" and asy["model_updates_per_s"] > 0
-    assert all(rate > 0 for rate in asy["worker_pushes_per_s"])
+    assert asy.system == "ray" and asy.model_updates_per_s > 0
+    assert all(rate > 0 for rate in asy.worker_pushes_per_s)
     # the clusters' own processes (GCS, raylet, actor) are gone, not orphaned
     assert _ray_processes() - before == set()

@@ -107,3 +107,15 @@ def test_help_of_commands_that_draw_loads_no_drawing_library(tmp_path, command):
     progress bars, tables and plots load only when the command runs."""
     loaded = _loaded_after(_help(command), tmp_path)
     assert not {"rich", "matplotlib", "sklearn"} & set(loaded), loaded
+
+
+# issue 30 item 3, not done yet: these commands' options come from config dataclasses whose
+# modules load torch on import (server/config.py -> core/shard.py, core/optim.py;
+# workers/worker.py, workers/launch/cluster.py -> server/loop.py; cli/status.py ->
+# workers/admin.py; cli/distributed.py -> torch.distributed). Strict: once one answers
+# without torch, its mark must go, so that the check then guards it.
+@pytest.mark.parametrize("command", ["server", "worker", "launch", "run", "experiment",
+                                     "simulate", "status"])
+@pytest.mark.xfail(strict=True, reason="config modules import torch at module level")
+def test_help_of_commands_that_need_a_config_class_loads_no_torch(tmp_path, command):
+    assert "torch" not in _loaded_after(_help(command), tmp_path)
