@@ -17,7 +17,7 @@ from collections.abc import Callable, Hashable, Iterable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 import torch
 
@@ -35,6 +35,7 @@ __all__ = [
     "STATS_WORKERS",
     "BoundTotals",
     "CoreConfig",
+    "HoldNote",
     "Mode",
     "ModeSpec",
     "PendingPull",
@@ -363,6 +364,15 @@ class PushOutcome:
         fields = self.as_dict()
         del fields["applied"]
         return fields
+
+
+class HoldNote(TypedDict):
+    """What a heartbeat's reply says a shard holds for the worker: its parked pull
+    (or sync sparse push), at which clock, for how long, and why, in a few words."""
+
+    clock: int
+    waited: NotRequired[float]  # (a parked pull's; a sparse push's round is not timed)
+    why: str
 
 
 @dataclass(frozen=True)
