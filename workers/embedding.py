@@ -33,7 +33,6 @@ from paramserver.wire.messages import Error
 from paramserver.wire.protocol import Message, Op
 from paramserver.wire.transport import request_all
 from paramserver.workers.client import PART_BYTES, PSClient
-from paramserver.workers.liveness import Patience
 
 __all__ = ["ShardedEmbedding", "ShardedEmbeddingBag", "SparseClient", "pull_tables",
            "sparse_modules"]
@@ -65,9 +64,7 @@ class SparseClient:
         self.nbytes += sum(m.nbytes for m in msgs)
         # as for dense requests: a shard whose heartbeats say it holds our push (a sync
         # round waiting for others) is waited for past `timeout`; a silent one is named
-        heartbeat = client._heartbeat
-        patience = (Patience(client, heartbeat, what, list(shards))
-                    if heartbeat is not None and heartbeat.is_alive() else None)
+        patience = client.patience(what, list(shards))
         replies = request_all(chans, list(msgs), client.attempt_timeout, what,
                               retries=client.retries, raise_errors=False, patience=patience)
         for i, rep in enumerate(replies):
@@ -84,7 +81,7 @@ class SparseClient:
             if not isinstance(error, NotRegisteredError):
                 raise error
             log.warning("%s: %s; registering again", peer, refusal.reason)
-            client._rejoin(shards[i])
+            client.rejoin(shards[i])
             again = Message(msgs[i].op, 0, dict(msgs[i].fields), msgs[i].tensors)
             replies[i] = request_all([chans[i]], [again], client.attempt_timeout, what,
                                      retries=client.retries)[0]
