@@ -151,7 +151,7 @@ class ShmLink:
         # the shard's nonce is in our segment: the next HELLO says so (``proved``)
         self.proving = False
 
-    def offer(self) -> dict[str, Any] | None:
+    def offer(self) -> ShmOffer | None:
         """The HELLO field that offers our gradient segment (None: cannot make one)."""
         if self.grads is None:
             try:
@@ -159,11 +159,8 @@ class ShmLink:
             except OSError as exc:
                 log.info("no shared-memory segment (%s): this worker uses TCP", exc)
                 return None
-        offer: dict[str, Any] = {"host": host_identity(), "seg": self.grads.seg.name,
-                                 "size": self.grads.seg.size}
-        if self.proving:
-            offer["proved"] = True
-        return offer
+        return ShmOffer(host_identity(), self.grads.seg.name, self.grads.seg.size,
+                        proved=self.proving)
 
     def granted(self, grant: Any) -> None:
         """The shard's answer to the offer: a challenge (its nonce, written into our

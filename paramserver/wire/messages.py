@@ -229,8 +229,9 @@ class CheckpointReply(msgspec.Struct, frozen=True):
     version: int
 
 
-class ShmOffer(msgspec.Struct, frozen=True):
-    """A same-host worker's offer of its gradient segment (the HELLO's ``shm`` map)."""
+class ShmOffer(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A same-host worker's offer of its gradient segment (the HELLO's ``shm`` map;
+    ``proved`` sent only when true, as before it was a field here)."""
 
     host: str
     seg: str
