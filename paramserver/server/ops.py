@@ -161,7 +161,7 @@ class DataOps:
             # gate opens (in sync mode, when the round closes), with this outcome in it
             token = (identity, msg.seq)
             core.request_pull(b.worker, b.clock + 1, token, time.monotonic())
-            self.outbox.park_push_pull(b.worker, token, out.as_dict(), early)
+            self.outbox.park_push_pull(b.worker, token, out, early)
             return None
         return reply(msg, **out.as_dict())
 

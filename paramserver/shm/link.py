@@ -33,6 +33,7 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+import msgspec
 import torch
 
 from paramserver.errors import ErrorCode, ProtocolError
@@ -279,7 +280,7 @@ class ShmHub:
     def hello(self, identity: bytes, worker: int, offer: Any, local: bool, trusted: bool,
               params: Mapping[str, torch.Tensor],
               flats: Mapping[torch.dtype, torch.Tensor] | None = None,
-              flat_layout: FlatLayout | None = None) -> dict[str, Any] | None:
+              flat_layout: FlatLayout | None = None) -> ShmGrant | None:
         """Take a worker's offer (HELLO field ``shm``) if it is on this host, local and
         trusted; the field for the reply, or None (that worker then uses TCP).
 
@@ -311,7 +312,7 @@ class ShmHub:
             self.pending[identity] = pending  # (re)inserted last: the oldest go first
             while len(self.pending) > _MAX_PENDING:
                 del self.pending[next(iter(self.pending))]
-            return {"prove": pending.nonce.hex()}
+            return ShmGrant(prove=pending.nonce.hex())
         try:
             seg = Segment.attach(name, size, proof=(PROOF_AT, pending.nonce))
         except ProofError as exc:
@@ -335,10 +336,9 @@ class ShmHub:
         self.peers[identity] = _Peer(worker, seg, pending.nonce)
         return self._grant()
 
-    def _grant(self) -> dict[str, Any]:
+    def _grant(self) -> ShmGrant:
         assert self.board is not None
-        return {"board": self.board.seg.name, "size": self.board.seg.size,
-                "token": self.board.token.hex()}
+        return ShmGrant(self.board.seg.name, self.board.seg.size, self.board.token.hex())
 
     def resolve(self, identity: bytes, descs: list[Any]) -> dict[str, torch.Tensor]:
         """The tensors a message's ``shm`` descriptors name in its sender's segment."""
@@ -365,8 +365,9 @@ class ShmHub:
         grant = self.hello(identity, hello.worker, hello.shm, _is_local(peer, address),
                            trusted, core.params, core.flats, core.layout)
         if grant is not None:
-            answer.fields.update(shm=grant)  # a challenge, or the board (an outgoing field)
-        if grant is None or "board" not in grant:
+            # a challenge, or the board (an outgoing field: the set fields only)
+            answer.fields.update(shm=msgspec.to_builtins(grant))
+        if grant is None or grant.board is None:
             return False
         slot = core.ahead.slot
         if self.board is not None and self.board.layout is not None and not (

@@ -250,7 +250,7 @@ class ShmOffer(msgspec.Struct, frozen=True, omit_defaults=True):
         return cls(host, seg, size, offer.get("proved") is True)
 
 
-class ShmGrant(msgspec.Struct, frozen=True):
+class ShmGrant(msgspec.Struct, frozen=True, omit_defaults=True):
     """A shard's answer to the offer (the HELLO reply's ``shm`` map): a challenge
     (``prove``, a nonce in hex), or its board's segment, size and token (hex)."""
 
