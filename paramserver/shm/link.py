@@ -37,7 +37,14 @@ import msgspec
 import torch
 
 from paramserver.errors import ErrorCode, ProtocolError
-from paramserver.shm.board import READ_ATTEMPTS, BoardAhead, BoardReader, WeightBoard, read_guarded
+from paramserver.shm.board import (
+    READ_ATTEMPTS,
+    BoardAhead,
+    BoardReader,
+    Ticket,
+    WeightBoard,
+    read_guarded,
+)
 from paramserver.shm.segment import (
     ALIGN,
     ENV,
@@ -416,7 +423,7 @@ class ShmHub:
             self.pulls[identity] = seq
 
     def ticket(self, identity: bytes, seq: int, params: Mapping[str, torch.Tensor],
-               version: int) -> dict[str, Any] | None:
+               version: int) -> Ticket | None:
         """The board ticket answering ``(identity, seq)``, or None to answer over TCP."""
         if self.pulls.get(identity) != seq or self.board is None:
             return None
