@@ -12,6 +12,7 @@ rule and seed (:class:`paramserver.sparse.shard.TableSpec`);
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -224,9 +225,9 @@ class ShardedEmbedding(nn.Module):
         names = {torch.float32: "float32", torch.float64: "float64"}
         if dtype not in names:
             raise ConfigError(f"ShardedEmbedding dtype must be float32 or float64, got {dtype}")
-        self._spec: dict[str, Any] = dict(rows=self.num_embeddings, dim=self.embedding_dim,
-                          dtype=names[dtype], init=init, std=float(std), seed=int(seed))
-        TableSpec("check", **self._spec)  # refuse bad arguments here, not at the servers
+        # (checked here, not at the servers; named once the model's attribute is known)
+        self._spec = TableSpec("check", rows=self.num_embeddings, dim=self.embedding_dim,
+                               dtype=names[dtype], init=init, std=float(std), seed=int(seed))
         self.pretrained: torch.Tensor | None = None
         self.table_name: str | None = None
         self.client: SparseClient | None = None
@@ -246,7 +247,7 @@ class ShardedEmbedding(nn.Module):
         return module
 
     def table_spec(self, name: str) -> TableSpec:
-        return TableSpec(name, **self._spec)
+        return dataclasses.replace(self._spec, name=name)
 
     def attach(self, name: str, client: SparseClient) -> None:
         self.table_name, self.client = name, client
