@@ -9,7 +9,8 @@ ERROR reply with a code, and the core's state is untouched.
 Its parts live beside it: peers.py (the HELLO, HEARTBEAT and BYE handlers),
 ops.py (INIT, PULL, PUSH and the sparse ops), access.py (who may do what under
 CURVE), parts.py (pushes sent in parts), outbox.py (replies, parked pulls and
-the zero-copy sends of the weights) and checkpointer.py (checkpoints and resuming).
+the zero-copy sends of the weights), checkpointer.py (checkpoints and resuming)
+and stopping.py (what --on-divergence does).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from paramserver.server.ops import DataOps, Handler
 from paramserver.server.outbox import Outbox
 from paramserver.server.parts import JoinedParts, StreamedParts
 from paramserver.server.peers import PeerInfo, Peers
+from paramserver.server.stopping import DIVERGED_EXIT_CODE, Divergence
 from paramserver.server.tables import TableBuilder
 from paramserver.shm.link import ShmHub, asks_board, lends, sweep, take_shm
 from paramserver.shm.link import enabled as shm_enabled
@@ -63,7 +65,6 @@ __all__ = ["DIVERGED_EXIT_CODE", "READY_PREFIX", "ServerConfig", "ShardServer", 
 log = logging.getLogger(__name__)
 
 READY_PREFIX = "PARAMSERVER_READY"
-DIVERGED_EXIT_CODE = 3  # the watchdog stopped training (--on-divergence stop/checkpoint-and-stop)
 
 
 class ShardServer:
@@ -141,13 +142,10 @@ class ShardServer:
             Op.SPUSH: self.ops.on_spush,
             Op.SINIT: self.ops.on_sinit,
         }
-        self.diverged: Alarm | None = None
-        self._stop_at: float | None = None  # diverged: refuse requests until then, then exit
-        self._told: set[int] = set()  # workers refused since the watchdog stopped training
+        self.divergence = Divergence(config, self.events, self.observer, self.save_checkpoint)
         # a push's metrics, watchdog rules and event, run once its reply is out (the
         # critical path of a round trip ends at the reply); before the next message
         self._after_reply: list[Callable[[], None]] = []
-        self.exit_code = 0
         # set (any thread) when the rendezvous store says every worker is done (_job_over)
         self.job_done = threading.Event()
         self._secured = curve is not None
@@ -192,10 +190,10 @@ class ShardServer:
                     self.observer.tick(now)
                 except Exception as exc:  # metrics must not take the shard down either
                     self._periodic_failed("metrics", exc)
-                if self._stop_at is not None and (now >= self._stop_at or self._all_told()):
+                if self.divergence.over(now, self.core.workers.values() if self.core else None):
                     self._running = False
             # a diverged shard must not overwrite good checkpoints with its state
-            if self.config.checkpoint_dir and self.diverged is None:
+            if self.config.checkpoint_dir and self.divergence.alarm is None:
                 try:
                     self.save_checkpoint()
                 except CheckpointError as exc:  # the last good checkpoint stays LATEST
@@ -305,8 +303,8 @@ class ShardServer:
             if handler is None:
                 raise ProtocolError(ErrorCode.UNKNOWN_OP,
                                     f"a server does not accept {msg.op.value}")
-            if self.diverged is not None and msg.op not in (Op.STATS, Op.SHUTDOWN):
-                self._refuse_diverged(msg)
+            if self.divergence.alarm is not None and msg.op not in (Op.STATS, Op.SHUTDOWN):
+                self.divergence.refuse(msg)
             answer = handler(msg, identity)
             # a same-host worker's offer of shared memory: granted, or not
             if (msg.op is Op.HELLO and answer is not None and self.shm and self.core
@@ -395,7 +393,7 @@ class ShardServer:
         if self.shm is not None:
             self.shm.forget(known)
         self.peer_ops.forget(known)
-        self._told &= set(known)
+        self.divergence.forget(known)
         self.observer.forget(set(known))
 
     @property
@@ -445,37 +443,12 @@ class ShardServer:
         self.core.probe.defer = True  # measured after the reply: see _run_after_reply
 
     def _act_on_alarms(self) -> None:
-        """Carry out --on-divergence for alarms raised while handling a message: only
-        for the model's own state (Alarm.divergence), never for a push it refused."""
-        alarms = [a for a in self.observer.take_alarms() if a.divergence]
-        action = self.config.on_divergence
-        if not alarms or action == "warn" or self.diverged is not None:
-            return
-        first = self.diverged = alarms[0]
-        log.error("the divergence watchdog stops training (--on-divergence %s): %s", action,
-                  first.message)
-        path = None
-        if action == "checkpoint-and-stop":
-            assert self.config.checkpoint_dir is not None
-            try:
-                path = self.save_checkpoint(str(Path(self.config.checkpoint_dir) / "diverged"))
-            except CheckpointError as exc:  # weights not finite: resume would refuse it
-                log.error("%s", exc)
-        self.events.write("diverged", shard=self.config.shard, action=action,
-                          signal=first.signal, worker=first.worker, message=first.message,
-                          version=self.core.version if self.core else 0, checkpoint=path)
-        self.events.flush()
-        self.exit_code = DIVERGED_EXIT_CODE
-        # linger a little, refusing every request, so workers learn why and stop
-        self._stop_at = time.monotonic() + min(10.0, self.config.heartbeat_timeout)
+        self.divergence.act(self.core.version if self.core else 0)
 
-    def _refuse_diverged(self, msg: Message) -> None:
-        assert self.diverged is not None
-        worker = getattr(msg.body, "worker", None)
-        if worker is not None and msg.op is not Op.HEARTBEAT:
-            self._told.add(worker)
-        raise ProtocolError(ErrorCode.STOPPED,
-                            f"the divergence watchdog stopped training: {self.diverged.message}")
+    @property
+    def exit_code(self) -> int:
+        """The process's: 0, or DIVERGED_EXIT_CODE once the watchdog stopped training."""
+        return self.divergence.exit_code
 
     def _job_over(self) -> bool:
         """Act on :attr:`job_done`? Without CURVE yes (the store is as trusted as the
@@ -492,12 +465,6 @@ class ShardServer:
                         "admin SHUTDOWN, or SIGTERM)", self.config.shard,
                         ", ".join(map(str, holding)))
         return not holding
-
-    def _all_told(self) -> bool:
-        if self.core is None:
-            return True
-        return all(w.worker in self._told for w in self.core.workers.values()
-                   if w.live and not w.finished)
 
     # ------------------------------------------------------------------ ops
 
