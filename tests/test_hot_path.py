@@ -15,7 +15,7 @@ import torch
 
 from paramserver.core.probe import Probe, PushMeasure, span, total_norm
 from paramserver.core.sharding import ParamSpec, ShardPlan
-from paramserver.wire import protocol
+from paramserver.wire import frames
 from paramserver.wire.protocol import Message, Op, decode, encode
 
 
@@ -36,19 +36,19 @@ def test_a_small_message_packs_as_the_general_path_does(
         tensors: dict[str, torch.Tensor], monkeypatch: pytest.MonkeyPatch) -> None:
     fast = _bytes(encode(_push(tensors)))
     assert len(fast) == 2  # one header, one packed frame
-    monkeypatch.setattr(protocol, "_pack_small", lambda tensors: None)
+    monkeypatch.setattr(frames, "_pack_small", lambda tensors: None)
     assert fast == _bytes(encode(_push(tensors)))
 
 
 def test_the_fast_packing_leaves_runs_mixed_dtypes_and_large_tensors_alone() -> None:
     buf = torch.arange(12.0)
     run = {"a": buf[:4], "b": buf[4:8], "c": torch.ones(3)}  # a and b back to back
-    assert protocol._pack_small(run) is None
-    assert protocol._pack_small({"a": torch.ones(3), "b": torch.ones(3, dtype=torch.float64)}) \
+    assert frames._pack_small(run) is None
+    assert frames._pack_small({"a": torch.ones(3), "b": torch.ones(3, dtype=torch.float64)}) \
         is None
-    big = protocol.PACK_BYTES // 4
-    assert protocol._pack_small({"a": torch.ones(3), "b": torch.ones(big)}) is None
-    assert protocol._pack_small({"a": torch.ones(3), "b": torch.ones(0)}) is None
+    big = frames.PACK_BYTES // 4
+    assert frames._pack_small({"a": torch.ones(3), "b": torch.ones(big)}) is None
+    assert frames._pack_small({"a": torch.ones(3), "b": torch.ones(0)}) is None
     # and what they become still decodes to the same values
     got = decode(encode(_push(run))).tensors
     assert all(torch.equal(got[k], v.reshape(-1)) for k, v in run.items())

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from paramserver.errors import ErrorCode, ProtocolError
-from paramserver.wire import protocol
+from paramserver.wire import frames, protocol
 from paramserver.wire.layouts import LayoutCache
 from paramserver.wire.protocol import PROTOCOL_VERSION, Limits, Message, Op, decode, encode
 
@@ -17,7 +17,7 @@ from paramserver.wire.protocol import PROTOCOL_VERSION, Limits, Message, Op, dec
 @pytest.fixture(autouse=True)
 def fresh_cache(monkeypatch: pytest.MonkeyPatch) -> LayoutCache:
     cache = LayoutCache()
-    monkeypatch.setattr(protocol, "_LAYOUTS", cache)
+    monkeypatch.setattr(frames, "_LAYOUTS", cache)
     return cache
 
 
@@ -50,7 +50,7 @@ def test_a_second_decode_gives_the_same_tensors_without_the_full_check(
     def full_check(*args: object) -> int:
         raise AssertionError("the full check ran for a layout it had passed")
 
-    monkeypatch.setattr(protocol, "_unpack", full_check)
+    monkeypatch.setattr(frames, "_unpack", full_check)
     second = decode(_push(sent, 2))
     assert second.seq == 2 and second["push_id"] == 2
     assert list(second.tensors) == list(first.tensors) == list(sent)
@@ -62,13 +62,13 @@ def test_a_second_decode_gives_the_same_tensors_without_the_full_check(
 def test_a_layout_of_other_keys_is_checked_in_full(monkeypatch: pytest.MonkeyPatch) -> None:
     decode(_push(_tensors([(4,), (4,)])))
     calls = []
-    real = protocol._unpack
+    real = frames._unpack
 
     def counted(*args: object) -> int:
         calls.append(1)
         return real(*args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(protocol, "_unpack", counted)
+    monkeypatch.setattr(frames, "_unpack", counted)
     other = {"a": torch.ones(4), "b": torch.ones(4)}
     assert list(decode(_push(other)).tensors) == ["a", "b"]
     assert calls == [1]

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from paramserver.errors import ErrorCode, ProtocolError
-from paramserver.wire import protocol
+from paramserver.wire import frames as wire_frames
 from paramserver.wire.protocol import (
     PACK_BYTES,
     PROTOCOL_VERSION,
@@ -77,7 +77,7 @@ def test_slices_of_one_buffer_go_as_that_buffer_without_a_copy() -> None:
 def test_a_packed_frame_stays_under_the_frame_cap(monkeypatch: pytest.MonkeyPatch) -> None:
     """zmq drops a peer whose frame passes the receiver's size limit: packing must not
     build one (a shard's flat buffer, or many small tensors, over the cap)."""
-    monkeypatch.setattr(protocol, "MAX_PACKED_BYTES", 64)
+    monkeypatch.setattr(wire_frames, "MAX_PACKED_BYTES", 64)
     flat = torch.arange(40, dtype=torch.float32)
     views = {f"s{i}": flat[i * 8:(i + 1) * 8] for i in range(5)}  # 32 bytes each
     apart = {f"a{i}": torch.full((8,), float(i)) for i in range(5)}

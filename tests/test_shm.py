@@ -123,10 +123,12 @@ def test_descriptors_are_bounded_by_the_segment() -> None:
         assert hub.hello(b"id", 0, offer, local=False, trusted=True, params=_weights(0)) is None
         assert hub.hello(b"id", 0, offer, local=True, trusted=False, params=_weights(0)) is None
         challenge = hub.hello(b"id", 0, offer, local=True, trusted=True, params=_weights(0))
-        assert challenge is not None and "board" not in challenge  # a nonce to prove first
-        grads.seg.put(shm.PROOF_AT, bytes.fromhex(challenge["prove"]))
-        assert "board" in hub.hello(b"id", 0, {**offer, "proved": True}, local=True,
-                                    trusted=True, params=_weights(0))
+        assert challenge is not None and challenge.board is None  # a nonce to prove first
+        assert challenge.prove is not None
+        grads.seg.put(shm.PROOF_AT, bytes.fromhex(challenge.prove))
+        granted = hub.hello(b"id", 0, {**offer, "proved": True}, local=True, trusted=True,
+                            params=_weights(0))
+        assert granted is not None and granted.board is not None
         descs = grads.write({"w": torch.arange(100.0), "b": torch.tensor([1.0, 2.0])})
         assert descs is not None
         # (a PUSH's other fields: take() reads the typed body, as decode made it)

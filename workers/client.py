@@ -16,12 +16,10 @@ import socket
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from paramserver.core.records import PushOutcome
 from paramserver.core.sharding import DTYPES, ShardPlan
 from paramserver.errors import (
     ConfigError,
@@ -39,13 +37,13 @@ from paramserver.shm.link import enabled as shm_enabled
 from paramserver.util.dtypes import GRAD_WIRE_DTYPES
 from paramserver.wire.curve import CurveKeys
 from paramserver.wire.lanes import SmallShare
-from paramserver.wire.messages import Error, HelloReply, PullReply, replace
+from paramserver.wire.messages import Error, HelloReply, replace
 from paramserver.wire.protocol import PROTOCOL_VERSION, Message, Op, PreparedTensors
 from paramserver.wire.stats import ShardStats
 from paramserver.wire.transport import Channel, request_all
-from paramserver.workers.landing import land, land_over_tcp, ticket_bytes
+from paramserver.workers.landing import land, land_over_tcp
 from paramserver.workers.liveness import Heartbeat, Patience
-from paramserver.workers.pushstream import PushStream
+from paramserver.workers.pushstream import PullResult, PushResult, PushStream
 
 __all__ = ["GRAD_WIRE_DTYPES", "PART_BYTES", "PSClient", "PullResult", "PushResult",
            "PushStream"]
@@ -61,40 +59,7 @@ SHM_PART_BYTES = 8 << 20
 #: shard holds about this many parts per worker (two keep it busy while one travels)
 PART_WINDOW = 2
 
-# the outcome reported for a push a shard refused because it rewound to a checkpoint
-# older than the version our gradient was read at: lost, not fatal
-_REWOUND = PushOutcome(accepted=False, weight=0.0, reason="server rewound", staleness=0,
-                       version=-1, applied=False)
-
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PullResult:
-    versions: tuple[int, ...]  # per shard, the version the weights were read at
-    clock: int  # the worker's clock as the shards see it (max over shards)
-    waited: float  # longest time a shard held the pull back (sync barrier / SSP gate)
-    seconds: float  # wall time of the whole pull
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class PushResult:
-    outcomes: tuple[PushOutcome, ...]  # per shard: accepted, weight, reason, staleness, ...
-    seconds: float
-    nbytes: int
-
-    @property
-    def accepted(self) -> bool:
-        return all(o.accepted for o in self.outcomes)
-
-    @property
-    def staleness(self) -> int:
-        return max((o.staleness for o in self.outcomes), default=0)
-
-    @property
-    def reasons(self) -> list[str]:
-        return sorted({o.reason for o in self.outcomes if not o.accepted})
 
 
 class PSClient:
@@ -200,10 +165,19 @@ class PSClient:
                 dest.append(shard)
         return msgs, dest
 
-    def _call(self, msgs: list[Message], what: str, shards: list[int] | None = None,
-              recover: bool = True, soft: tuple[type[RemoteError], ...] = (),
-              on_reply: Callable[[int, Message], None] | None = None,
-              sent: bool = False, window: int = 0) -> list[Message]:
+    def seed_from(self, params: Mapping[str, torch.Tensor]) -> None:
+        """The weights a shard that lost its own is seeded from when we rejoin it."""
+        self._params = params
+
+    def next_push_id(self) -> int:
+        """A fresh push id: a shard applies each (worker, push id) once."""
+        self._push_id += 1
+        return self._push_id
+
+    def call(self, msgs: list[Message], what: str, shards: list[int] | None = None,
+             recover: bool = True, soft: tuple[type[RemoteError], ...] = (),
+             on_reply: Callable[[int, Message], None] | None = None,
+             sent: bool = False, window: int = 0) -> list[Message]:
         """Send one message per shard and collect the replies.
 
         A shard that answers "not registered" (it restarted without our state,
@@ -216,9 +190,7 @@ class PSClient:
         """
         shards = list(range(len(self.channels))) if shards is None else shards
         chans = [self.channels[s] for s in shards]
-        heartbeat = self._heartbeat
-        patience = (Patience(self, heartbeat, what, shards)
-                    if heartbeat is not None and heartbeat.is_alive() else None)
+        patience = self.patience(what, shards)
         replies = request_all(chans, msgs, self.attempt_timeout, what, retries=self.retries,
                               raise_errors=False, on_reply=on_reply, sent=sent,
                               window=window, patience=patience)
@@ -232,22 +204,32 @@ class PSClient:
                 continue
             if recover and isinstance(error, (NotRegisteredError, NotInitializedError)):
                 log.warning("%s: %s; registering again", peer, refusal.reason)
-                self._rejoin(shards[i])
+                self.rejoin(shards[i])
                 retry = Message(msgs[i].op, 0, dict(msgs[i].fields), msgs[i].tensors,
                                 msgs[i].prepared)
-                replies[i] = self._call([retry], what, [shards[i]], recover=False,
+                replies[i] = self.call([retry], what, [shards[i]], recover=False,
                                         soft=soft)[0]
             else:
                 raise error
         return replies
 
-    def _rejoin(self, shard: int) -> None:
-        hello: HelloReply = self._call([self._hello()], "HELLO", [shard], recover=False)[0].body
+    def patience(self, what: str, shards: list[int]) -> Patience | None:
+        """How long a request to ``shards`` is waited for: past ``timeout`` while the
+        heartbeats say a shard holds it (workers/liveness.py); None without them."""
+        heartbeat = self._heartbeat
+        if heartbeat is None or not heartbeat.is_alive():
+            return None
+        return Patience(self, heartbeat, what, shards)
+
+    def rejoin(self, shard: int) -> None:
+        """HELLO ``shard`` again (it restarted, or timed us out), and seed it from our
+        weights if it lost its own."""
+        hello: HelloReply = self.call([self._hello()], "HELLO", [shard], recover=False)[0].body
         self._prove_shm([shard])
         if not hello.initialized and self._params is not None and self.role == "worker":
             log.warning("shard %d lost its weights; seeding it from this worker's copy", shard)
             msgs, dest = self._init([shard])
-            self._call(msgs, "INIT", dest, recover=False)
+            self.call(msgs, "INIT", dest, recover=False)
 
     def _prove_shm(self, shards: Sequence[int]) -> None:
         """HELLO again to the shards that answered our shared-memory offer with a
@@ -257,7 +239,7 @@ class PSClient:
                  and link.proving]
         if not asked:
             return
-        replies = self._call([self._hello() for _ in asked], "HELLO", asked, recover=False,
+        replies = self.call([self._hello() for _ in asked], "HELLO", asked, recover=False,
                              soft=(DuplicateWorkerError, ForbiddenError))
         for shard, rep in zip(asked, replies, strict=True):
             link = self.channels[shard].shm
@@ -271,7 +253,7 @@ class PSClient:
         holds our id (``duplicate_worker``: it may be our dead predecessor)."""
         backoff = 0.1
         while True:
-            replies = self._call([self._hello() for _ in shards], "HELLO", shards,
+            replies = self.call([self._hello() for _ in shards], "HELLO", shards,
                                  recover=False, soft=(DuplicateWorkerError,))
             refused = [r for r in replies if r.op is Op.ERROR]
             if not refused:
@@ -320,7 +302,7 @@ class PSClient:
         """
         self._params = params
         msgs, shards = self._init(range(len(self.channels)))
-        replies = self._call(msgs, "INIT", shards)
+        replies = self.call(msgs, "INIT", shards)
         return any(r.body.seeded for r in replies)  # (InitReply)
 
     def close(self) -> None:
@@ -332,7 +314,7 @@ class PSClient:
             ch.close()
 
     def bye(self) -> None:
-        self._call([Message(Op.BYE, 0, {"worker": self.worker}) for _ in self.channels], "BYE",
+        self.call([Message(Op.BYE, 0, {"worker": self.worker}) for _ in self.channels], "BYE",
                    recover=False)
 
     def __enter__(self) -> PSClient:
@@ -343,22 +325,17 @@ class PSClient:
 
     # ------------------------------------------------------------------ data
 
-    def _pull_msgs(self, clock: int, wait_init: bool = False) -> list[Message]:
-        observer = self.role != "worker"
-        fields: dict[str, Any] = {"worker": self.worker, "clock": clock, "observer": observer}
+    def pull_msgs(self, clock: int, wait_init: bool = False,
+                  via_shm: bool | None = None) -> list[Message]:
+        """A PULL at ``clock`` for every shard; ``via_shm=False``: the weights in
+        frames even from a shard that lends us its board (None: the shard's choice)."""
+        fields: dict[str, Any] = {"worker": self.worker, "clock": clock,
+                                  "observer": self.role != "worker"}
         if wait_init:
             fields["wait_init"] = True
+        if via_shm is not None:
+            fields["via_shm"] = via_shm
         return [Message(Op.PULL, 0, dict(fields)) for _ in self.channels]
-
-    def _pull_result(self, replies: Sequence[Message], t0: float) -> PullResult:
-        bodies: list[PullReply] = [r.body for r in replies]
-        return PullResult(
-            versions=tuple(b.version for b in bodies),
-            clock=max(b.clock for b in bodies),
-            waited=max(b.waited for b in bodies),
-            seconds=time.perf_counter() - t0,
-            nbytes=sum(r.nbytes or ticket_bytes(r) for r in replies),
-        )
 
     def _land(self, params: Mapping[str, torch.Tensor], shard: int, rep: Message) -> bool:
         share = self._small[shard]
@@ -366,17 +343,15 @@ class PSClient:
             return True
         return land(self.plan, self.channels[shard], params, rep)
 
-    def _land_all(self, params: Mapping[str, torch.Tensor], replies: list[Message],
+    def land_all(self, params: Mapping[str, torch.Tensor], replies: list[Message],
                   done: set[int], clock: int) -> None:
         """Land every reply not in ``done``; shards whose board copies kept being
         overwritten are pulled again at ``clock`` over TCP."""
         again = [i for i, rep in enumerate(replies) if i not in done
                  and not self._land(params, i, rep)]
         if again:
-            msgs = self._pull_msgs(clock)
-            for m in msgs:
-                m.fields["via_shm"] = False  # frames, not another ticket
-            got = self._call([msgs[i] for i in again], "PULL (TCP)", again)
+            msgs = self.pull_msgs(clock, via_shm=False)  # frames, not another ticket
+            got = self.call([msgs[i] for i in again], "PULL (TCP)", again)
             land_over_tcp(self.plan, params, [replies[i] for i in again], got)
 
     def pull(self, params: Mapping[str, torch.Tensor], clock: int = 0,
@@ -389,7 +364,7 @@ class PSClient:
         observer = self.role != "worker"
         if not observer and not wait_init:
             self._params = params
-        msgs = self._pull_msgs(clock, wait_init)
+        msgs = self.pull_msgs(clock, wait_init)
         done: set[int] = set()
 
         def assemble(i: int, rep: Message) -> None:
@@ -397,12 +372,12 @@ class PSClient:
             if self._land(params, i, rep):
                 done.add(i)
 
-        replies = self._call(msgs, "PULL", recover=not observer, on_reply=assemble)
+        replies = self.call(msgs, "PULL", recover=not observer, on_reply=assemble)
         # answered only after a recovery, or to be pulled over TCP
-        self._land_all(params, replies, done, clock)
-        return self._pull_result(replies, t0)
+        self.land_all(params, replies, done, clock)
+        return PullResult.of(replies, t0)
 
-    def _host_grads(self, grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def host_grads(self, grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Gradients as CPU tensors in the wire dtype; no copy for CPU ones that need none.
 
         CUDA gradients go through pinned host buffers (kept between calls), so
@@ -493,29 +468,34 @@ class PSClient:
                     ) -> tuple[PushResult, PullResult | None]:
         """One push in parts, all sent at once (pipelined per shard); with ``params``
         the last part to each shard also asks for the next weights."""
-        stream = PushStream(self, [len(g) for g in groups], read_versions, num_samples,
-                            clock, prefetch=params is not None, early=False)
-        stream.loss = loss
-        stream.window = PART_WINDOW
+        stream = PushStream(self, self.worker, self.next_push_id(), [len(g) for g in groups],
+                            read_versions, num_samples, clock, prefetch=params is not None,
+                            early=False, loss=loss, window=PART_WINDOW)
         for shard, parts in enumerate(groups):
             for tensors in parts:
-                stream._send_part(shard, tensors)
+                stream.send_part(shard, tensors)
         return stream.finish(params)
 
     def _whole_push_msgs(self, parts: Mapping[int, Mapping[str, torch.Tensor]],
                          read_versions: Sequence[int], num_samples: int, clock: int,
-                         loss: float | None = None) -> list[Message]:
-        self._push_id += 1
-        fields: dict[str, Any] = {"worker": self.worker, "push_id": self._push_id,
-                                  "clock": clock, "num_samples": num_samples}
+                         loss: float | None = None, pull: bool = False) -> list[Message]:
+        """One PUSH per shard; ``pull``: each asks for the next weights back (push and
+        pull in one round trip)."""
+        head: dict[str, Any] = {"worker": self.worker, "push_id": self.next_push_id(),
+                                "clock": clock, "num_samples": num_samples}
         if loss is not None:  # the servers' divergence watchdog follows the training loss
-            fields["loss"] = float(loss)
-        return [Message(Op.PUSH, 0, {**fields, "read_version": read_versions[s]},
-                        dict(parts.get(s, {}))) for s in range(len(self.channels))]
+            head["loss"] = float(loss)
+        msgs = []
+        for s in range(len(self.channels)):
+            fields = {**head, "read_version": read_versions[s]}
+            if pull:
+                fields["pull"] = True
+            msgs.append(Message(Op.PUSH, 0, fields, dict(parts.get(s, {}))))
+        return msgs
 
     def _small_push_msgs(self, grads: Mapping[str, torch.Tensor], read_versions: Sequence[int],
-                         num_samples: int, clock: int, loss: float | None
-                         ) -> list[Message] | None:
+                         num_samples: int, clock: int, loss: float | None,
+                         pull: bool = False) -> list[Message] | None:
         """:meth:`_whole_push_msgs` with each shard's gradients packed by its
         :class:`SmallShare` (a small model over TCP); None where the general path
         must take the push."""
@@ -526,19 +506,10 @@ class PSClient:
             if one is None:
                 return None
             packed.append(one)
-        msgs = self._whole_push_msgs({}, read_versions, num_samples, clock, loss)
+        msgs = self._whole_push_msgs({}, read_versions, num_samples, clock, loss, pull)
         for m, p in zip(msgs, packed, strict=True):
             m.prepared = p
         return msgs
-
-    @staticmethod
-    def _push_result(msgs: Sequence[Message], outcomes: Sequence[PushOutcome | None],
-                     t0: float) -> PushResult:
-        return PushResult(
-            outcomes=tuple(_REWOUND if o is None else o for o in outcomes),
-            seconds=time.perf_counter() - t0,
-            nbytes=sum(m.nbytes for m in msgs),
-        )
 
     def push(self, grads: Mapping[str, torch.Tensor], read_versions: Sequence[int],
              num_samples: int, clock: int, loss: float | None = None) -> PushResult:
@@ -547,7 +518,7 @@ class PSClient:
         t0 = time.perf_counter()
         msgs = self._small_push_msgs(grads, read_versions, num_samples, clock, loss)
         if msgs is None:
-            per_shard = self._split_grads(self._host_grads(grads))
+            per_shard = self._split_grads(self.host_grads(grads))
             groups = self._in_parts(per_shard)
             if groups is not None:
                 return self._push_parts(groups, read_versions, num_samples, clock, loss,
@@ -555,8 +526,8 @@ class PSClient:
             msgs = self._whole_push_msgs(per_shard, read_versions, num_samples, clock, loss)
         # a shard that restarted from an older checkpoint no longer has the
         # version our gradient was read at: that push is lost, not fatal
-        replies = self._call(msgs, "PUSH", soft=(FutureVersionError,))
-        return self._push_result(
+        replies = self.call(msgs, "PUSH", soft=(FutureVersionError,))
+        return PushResult.of(
             msgs, [None if r.op is Op.ERROR else r.body.outcome for r in replies], t0)
 
     def push_pull(self, grads: Mapping[str, torch.Tensor], read_versions: Sequence[int],
@@ -571,38 +542,38 @@ class PSClient:
         returns.
         """
         t0 = time.perf_counter()
-        self._params = params
-        msgs = self._small_push_msgs(grads, read_versions, num_samples, clock, loss)
+        self.seed_from(params)
+        msgs = self._small_push_msgs(grads, read_versions, num_samples, clock, loss,
+                                     pull=True)
         if msgs is None:
-            per_shard = self._split_grads(self._host_grads(grads))
+            per_shard = self._split_grads(self.host_grads(grads))
             groups = self._in_parts(per_shard)
             if groups is not None:
                 pushed, pulled = self._push_parts(groups, read_versions, num_samples, clock,
                                                   loss, params)
                 assert pulled is not None
                 return pushed, pulled
-            msgs = self._whole_push_msgs(per_shard, read_versions, num_samples, clock, loss)
-        for m in msgs:
-            m.fields["pull"] = True
+            msgs = self._whole_push_msgs(per_shard, read_versions, num_samples, clock, loss,
+                                         pull=True)
         done: set[int] = set()
 
         def assemble(i: int, rep: Message) -> None:
             if self._land(params, i, rep):
                 done.add(i)
 
-        replies = self._call(msgs, "PUSH+PULL", soft=(FutureVersionError,),
+        replies = self.call(msgs, "PUSH+PULL", soft=(FutureVersionError,),
                              on_reply=assemble)
         # a shard that rewound refused the push (soft error) and sent no weights
         lost = [i for i, r in enumerate(replies) if r.op is Op.ERROR]
         if lost:
-            pulls = self._call([self._pull_msgs(clock + 1)[i] for i in lost], "PULL", lost)
+            pulls = self.call([self.pull_msgs(clock + 1)[i] for i in lost], "PULL", lost)
             for i, rep in zip(lost, pulls, strict=True):
                 # (the pull's answer, standing in for the lost push's: no outcome)
                 rep.body = replace(rep.body, push=None, answers_push=True)
                 replies[i] = rep
-        self._land_all(params, replies, done, clock + 1)
-        pushed = self._push_result(msgs, [r.body.push for r in replies], t0)
-        return pushed, self._pull_result(replies, t0)
+        self.land_all(params, replies, done, clock + 1)
+        pushed = PushResult.of(msgs, [r.body.push for r in replies], t0)
+        return pushed, PullResult.of(replies, t0)
 
     def push_stream(self, buckets: Sequence[Sequence[str]], read_versions: Sequence[int],
                     num_samples: int, clock: int, *, prefetch: bool = True,
@@ -623,11 +594,12 @@ class PSClient:
         for bucket in buckets:
             for shard in {sl.shard for n in bucket for sl in self.plan.slices_of(n)}:
                 parts[shard] += 1
-        return PushStream(self, parts, read_versions, num_samples, clock, prefetch, early)
+        return PushStream(self, self.worker, self.next_push_id(), parts, read_versions,
+                          num_samples, clock, prefetch, early)
 
     def stats(self) -> list[ShardStats]:
         """Each shard's STATS, as the wire decoded it."""
-        replies = self._call([Message(Op.STATS) for _ in self.channels], "STATS", recover=False)
+        replies = self.call([Message(Op.STATS) for _ in self.channels], "STATS", recover=False)
         return [r.body for r in replies]
 
 

@@ -12,6 +12,7 @@ rule and seed (:class:`paramserver.sparse.shard.TableSpec`);
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -33,7 +34,6 @@ from paramserver.wire.messages import Error
 from paramserver.wire.protocol import Message, Op
 from paramserver.wire.transport import request_all
 from paramserver.workers.client import PART_BYTES, PSClient
-from paramserver.workers.liveness import Patience
 
 __all__ = ["ShardedEmbedding", "ShardedEmbeddingBag", "SparseClient", "pull_tables",
            "sparse_modules"]
@@ -65,9 +65,7 @@ class SparseClient:
         self.nbytes += sum(m.nbytes for m in msgs)
         # as for dense requests: a shard whose heartbeats say it holds our push (a sync
         # round waiting for others) is waited for past `timeout`; a silent one is named
-        heartbeat = client._heartbeat
-        patience = (Patience(client, heartbeat, what, list(shards))
-                    if heartbeat is not None and heartbeat.is_alive() else None)
+        patience = client.patience(what, list(shards))
         replies = request_all(chans, list(msgs), client.attempt_timeout, what,
                               retries=client.retries, raise_errors=False, patience=patience)
         for i, rep in enumerate(replies):
@@ -84,7 +82,7 @@ class SparseClient:
             if not isinstance(error, NotRegisteredError):
                 raise error
             log.warning("%s: %s; registering again", peer, refusal.reason)
-            client._rejoin(shards[i])
+            client.rejoin(shards[i])
             again = Message(msgs[i].op, 0, dict(msgs[i].fields), msgs[i].tensors)
             replies[i] = request_all([chans[i]], [again], client.attempt_timeout, what,
                                      retries=client.retries)[0]
@@ -227,9 +225,9 @@ class ShardedEmbedding(nn.Module):
         names = {torch.float32: "float32", torch.float64: "float64"}
         if dtype not in names:
             raise ConfigError(f"ShardedEmbedding dtype must be float32 or float64, got {dtype}")
-        self._spec: dict[str, Any] = dict(rows=self.num_embeddings, dim=self.embedding_dim,
-                          dtype=names[dtype], init=init, std=float(std), seed=int(seed))
-        TableSpec("check", **self._spec)  # refuse bad arguments here, not at the servers
+        # (checked here, not at the servers; named once the model's attribute is known)
+        self._spec = TableSpec("check", rows=self.num_embeddings, dim=self.embedding_dim,
+                               dtype=names[dtype], init=init, std=float(std), seed=int(seed))
         self.pretrained: torch.Tensor | None = None
         self.table_name: str | None = None
         self.client: SparseClient | None = None
@@ -249,7 +247,7 @@ class ShardedEmbedding(nn.Module):
         return module
 
     def table_spec(self, name: str) -> TableSpec:
-        return TableSpec(name, **self._spec)
+        return dataclasses.replace(self._spec, name=name)
 
     def attach(self, name: str, client: SparseClient) -> None:
         self.table_name, self.client = name, client

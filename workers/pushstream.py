@@ -9,25 +9,115 @@ provisional: the round's answer says how many slices went back early
 (``early``) and carries the rest, and does so only if the round made exactly
 those weights. Otherwise, and whenever what came early does not add up, the
 answer's own weights (all of them) are used, as without ``early``.
+
+A stream is given what it needs of its client (workers/client.py's PSClient)
+through :class:`StreamClient`: the plan, the channels, and the few things only
+the client does (its request loop with recovery, landing pulled weights). The
+results a push and a pull report (:class:`PushResult`, :class:`PullResult`) are
+here too, since a stream makes both; PSClient re-exports them.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
 from paramserver.core.records import PushOutcome
-from paramserver.errors import ConfigError, FutureVersionError
+from paramserver.core.sharding import ShardPlan
+from paramserver.errors import ConfigError, FutureVersionError, RemoteError
 from paramserver.wire.messages import PullReply, PushReply
 from paramserver.wire.protocol import Message, Op
+from paramserver.wire.transport import Channel
+from paramserver.workers.landing import ticket_bytes
 
-if TYPE_CHECKING:
-    from paramserver.workers.client import PSClient, PullResult, PushResult
+__all__ = ["PullResult", "PushResult", "PushStream", "StreamClient", "take_early"]
 
-__all__ = ["PushStream", "take_early"]
+# the outcome reported for a push a shard refused because it rewound to a checkpoint
+# older than the version our gradient was read at: lost, not fatal
+REWOUND = PushOutcome(accepted=False, weight=0.0, reason="server rewound", staleness=0,
+                      version=-1, applied=False)
+
+
+@dataclass(frozen=True)
+class PullResult:
+    versions: tuple[int, ...]  # per shard, the version the weights were read at
+    clock: int  # the worker's clock as the shards see it (max over shards)
+    waited: float  # longest time a shard held the pull back (sync barrier / SSP gate)
+    seconds: float  # wall time of the whole pull
+    nbytes: int
+
+    @classmethod
+    def of(cls, replies: Sequence[Message], t0: float) -> PullResult:
+        """What the shards' pull answers ``replies`` say, for a pull begun at ``t0``."""
+        bodies: list[PullReply] = [r.body for r in replies]
+        return cls(
+            versions=tuple(b.version for b in bodies),
+            clock=max(b.clock for b in bodies),
+            waited=max(b.waited for b in bodies),
+            seconds=time.perf_counter() - t0,
+            nbytes=sum(r.nbytes or ticket_bytes(r) for r in replies),
+        )
+
+
+@dataclass(frozen=True)
+class PushResult:
+    outcomes: tuple[PushOutcome, ...]  # per shard: accepted, weight, reason, staleness, ...
+    seconds: float
+    nbytes: int
+
+    @classmethod
+    def of(cls, msgs: Sequence[Message], outcomes: Sequence[PushOutcome | None],
+           t0: float) -> PushResult:
+        """A push of ``msgs`` begun at ``t0``; an outcome None: a shard that rewound."""
+        return cls(
+            outcomes=tuple(REWOUND if o is None else o for o in outcomes),
+            seconds=time.perf_counter() - t0,
+            nbytes=sum(m.nbytes for m in msgs),
+        )
+
+    @property
+    def accepted(self) -> bool:
+        return all(o.accepted for o in self.outcomes)
+
+    @property
+    def staleness(self) -> int:
+        return max((o.staleness for o in self.outcomes), default=0)
+
+    @property
+    def reasons(self) -> list[str]:
+        return sorted({o.reason for o in self.outcomes if not o.accepted})
+
+
+class StreamClient(Protocol):
+    """What a push stream needs of the client that opened it (PSClient)."""
+
+    @property
+    def plan(self) -> ShardPlan: ...
+
+    @property
+    def channels(self) -> Sequence[Channel[Any]]: ...
+
+    def host_grads(self, grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Gradients as CPU tensors in the wire dtype."""
+
+    def seed_from(self, params: Mapping[str, torch.Tensor]) -> None:
+        """The weights a shard that lost its own is seeded from, should one rejoin."""
+
+    def call(self, msgs: list[Message], what: str, shards: list[int], *,
+             soft: tuple[type[RemoteError], ...] = (), sent: bool = False,
+             window: int = 0) -> list[Message]:
+        """Send each message to its shard, collect the replies (with recovery)."""
+
+    def pull_msgs(self, clock: int) -> list[Message]:
+        """A PULL at ``clock`` for every shard."""
+
+    def land_all(self, params: Mapping[str, torch.Tensor], replies: list[Message],
+                 done: set[int], clock: int) -> None:
+        """Copy the pulled weights of ``replies`` (but those in ``done``) into ``params``."""
 
 
 def take_early(final: Message, partials: Sequence[Message], keys: Sequence[str]) -> bool:
@@ -67,29 +157,30 @@ class PushStream:
     round trip. :meth:`finish` waits for every reply.
     """
 
-    def __init__(self, client: PSClient, parts: Sequence[int],
+    def __init__(self, client: StreamClient, worker: int, push_id: int, parts: Sequence[int],
                  read_versions: Sequence[int], num_samples: int, clock: int,
-                 prefetch: bool, early: bool = True) -> None:
+                 prefetch: bool, early: bool = True, loss: float | None = None,
+                 window: int = 0) -> None:
         self.client = client
+        self.worker = worker
+        self.push_id = push_id  # (the client's next: pushes are numbered per worker)
         self.prefetch = prefetch
         self.early = early and prefetch
         self.parts = list(parts)  # parts each shard will get (0: one empty part at finish)
         self.sent = [0] * client.plan.num_shards
-        client._push_id += 1
         self.clock = clock
-        self.fields: dict[str, Any] = {"worker": client.worker, "push_id": client._push_id,
-                                       "clock": clock, "num_samples": num_samples}
+        self.num_samples = num_samples
         self.read_versions = list(read_versions)
         self.msgs: list[Message] = []
         self.shards: list[int] = []
-        self.loss: float | None = None  # the step's training loss, sent with each part
+        self.loss = loss  # the step's training loss, sent with each part
         # > 0: parts are not sent by send() but by finish(), this many outstanding per shard
-        self.window = 0
+        self.window = window
         self.t0 = time.perf_counter()
 
     def send(self, grads: Mapping[str, torch.Tensor]) -> None:
         """Ship one bucket: the full gradients of some parameters (any device)."""
-        host = self.client._host_grads(grads)
+        host = self.client.host_grads(grads)
         per_shard: dict[int, dict[str, torch.Tensor]] = {}
         for name, g in host.items():
             spec = self.client.plan.param(name)
@@ -100,15 +191,19 @@ class PushStream:
             for sl in self.client.plan.slices_of(name):
                 per_shard.setdefault(sl.shard, {})[sl.key] = flat[sl.start:sl.stop]
         for shard, tensors in sorted(per_shard.items()):
-            self._send_part(shard, tensors)
+            self.send_part(shard, tensors)
 
-    def _send_part(self, shard: int, tensors: dict[str, torch.Tensor]) -> None:
+    def send_part(self, shard: int, tensors: dict[str, torch.Tensor]) -> None:
         parts = max(1, self.parts[shard])
         part = self.sent[shard]
         if part >= parts:
             raise ConfigError(f"shard {shard} got more parts than its {parts} buckets")
-        fields = {**self.fields, "read_version": self.read_versions[shard], "part": part,
-                  "parts": parts}
+        """Ship ``tensors`` as the next of ``shard``'s parts (now, or at finish with a
+        window)."""
+        fields: dict[str, Any] = {
+            "worker": self.worker, "push_id": self.push_id, "clock": self.clock,
+            "num_samples": self.num_samples, "read_version": self.read_versions[shard],
+            "part": part, "parts": parts}
         if self.prefetch and part == parts - 1:
             fields["pull"] = True
         elif self.early and self._over_tcp(shard):
@@ -138,15 +233,15 @@ class PushStream:
         client = self.client
         for shard, parts in enumerate(self.parts):
             if parts == 0 and self.sent[shard] == 0:
-                self._send_part(shard, {})
+                self.send_part(shard, {})
         unsent = [s for s, n in enumerate(self.sent) if n < max(1, self.parts[s])]
         if unsent:
             raise ConfigError(f"buckets not sent before finish(); shards waiting: {unsent}")
         if self.prefetch and params is None:
             raise ConfigError("a prefetching push stream needs params to pull into")
         if params is not None:
-            client._params = params
-        replies = client._call(self.msgs, "PUSH", list(self.shards),
+            client.seed_from(params)
+        replies = client.call(self.msgs, "PUSH", list(self.shards),
                                soft=(FutureVersionError,), sent=not self.window,
                                window=self.window)
         finals: list[Message] = []
@@ -158,7 +253,7 @@ class PushStream:
                 # the shard lost earlier parts (it restarted): all of them again
                 again = [Message(Op.PUSH, 0, dict(self.msgs[i].fields), self.msgs[i].tensors)
                          for i in idx]
-                got = client._call(again, "PUSH", [shard] * len(idx),
+                got = client.call(again, "PUSH", [shard] * len(idx),
                                    soft=(FutureVersionError,), window=self.window)
             final = [r for r in got if not _partial(r)]
             finals.append(final[-1])
@@ -172,16 +267,16 @@ class PushStream:
                 outcomes.append(body.push)
             else:  # its outcome alone (PushReply), or None for an ERROR
                 outcomes.append(body.outcome if isinstance(body, PushReply) else None)
-        pushed = client._push_result(self.msgs, outcomes, self.t0)
+        pushed = PushResult.of(self.msgs, outcomes, self.t0)
         if params is None:
             return pushed, None
         missing = [s for s, r in enumerate(finals)
                    if not isinstance(r.body, PullReply) or s in repull]
         if missing:  # no weights came with these answers: ask for them
             clock = self.clock + 1
-            got = client._call([client._pull_msgs(clock)[s] for s in missing], "PULL", missing)
+            got = client.call([client.pull_msgs(clock)[s] for s in missing], "PULL", missing)
             for s, r in zip(missing, got, strict=True):
                 finals[s] = r
         with torch.no_grad():
-            client._land_all(params, finals, set(), self.clock + 1)
-        return pushed, client._pull_result(finals, self.t0)
+            client.land_all(params, finals, set(), self.clock + 1)
+        return pushed, PullResult.of(finals, self.t0)

@@ -17,7 +17,7 @@ from collections.abc import Callable, Hashable, Iterable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 import torch
 
@@ -35,6 +35,7 @@ __all__ = [
     "STATS_WORKERS",
     "BoundTotals",
     "CoreConfig",
+    "HoldNote",
     "Mode",
     "ModeSpec",
     "PendingPull",
@@ -42,6 +43,7 @@ __all__ = [
     "PullReply",
     "PushOutcome",
     "SliceSpec",
+    "WorkerRecord",
     "WorkerState",
     "check_header",
     "check_tensors",
@@ -173,6 +175,30 @@ class CoreConfig:
             )
 
 
+class WorkerRecord(TypedDict):
+    """What a checkpoint's metadata keeps of a worker (:meth:`WorkerState.record`);
+    read back by :meth:`WorkerState.from_record`, which also takes older records
+    (without the staleness maximum and sum)."""
+
+    incarnation: str
+    clock: int
+    live: bool
+    finished: bool
+    pushes: int
+    applied: int
+    rejected: dict[str, int]
+    downweighted: int
+    weight_sum: float
+    staleness: dict[str, int]  # staleness bucket (as text: a JSON key) -> pushes
+    staleness_max: int
+    staleness_sum: int
+    last_push_id: int
+    pulls: int
+    deferred_pulls: int
+    wait_seconds: float
+    deaths: int
+
+
 @dataclass
 class WorkerState:
     """What one shard knows of one worker."""
@@ -298,19 +324,19 @@ class WorkerState:
             "deaths": self.deaths,
         }
 
-    def record(self) -> dict[str, Any]:
+    def record(self) -> WorkerRecord:
         """What a checkpoint keeps of this worker (see paramserver/core/snapshot.py)."""
-        return {
-            "incarnation": self.incarnation, "clock": self.clock, "live": self.live,
-            "finished": self.finished, "pushes": self.pushes, "applied": self.applied,
-            "rejected": dict(self.rejected), "downweighted": self.downweighted,
-            "weight_sum": self.weight_sum,
-            "staleness": {str(k): v for k, v in self.staleness.items()},
-            "staleness_max": self.staleness_max, "staleness_sum": self.staleness_sum,
-            "last_push_id": self.last_push_id, "pulls": self.pulls,
-            "deferred_pulls": self.deferred_pulls, "wait_seconds": self.wait_seconds,
-            "deaths": self.deaths,
-        }
+        return WorkerRecord(
+            incarnation=self.incarnation, clock=self.clock, live=self.live,
+            finished=self.finished, pushes=self.pushes, applied=self.applied,
+            rejected=dict(self.rejected), downweighted=self.downweighted,
+            weight_sum=self.weight_sum,
+            staleness={str(k): v for k, v in self.staleness.items()},
+            staleness_max=self.staleness_max, staleness_sum=self.staleness_sum,
+            last_push_id=self.last_push_id, pulls=self.pulls,
+            deferred_pulls=self.deferred_pulls, wait_seconds=self.wait_seconds,
+            deaths=self.deaths,
+        )
 
     @classmethod
     def from_record(cls, worker: int, w: Mapping[str, Any], now: float) -> WorkerState:
@@ -363,6 +389,15 @@ class PushOutcome:
         fields = self.as_dict()
         del fields["applied"]
         return fields
+
+
+class HoldNote(TypedDict):
+    """What a heartbeat's reply says a shard holds for the worker: its parked pull
+    (or sync sparse push), at which clock, for how long, and why, in a few words."""
+
+    clock: int
+    waited: NotRequired[float]  # (a parked pull's; a sparse push's round is not timed)
+    why: str
 
 
 @dataclass(frozen=True)

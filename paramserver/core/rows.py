@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 
 from paramserver.core import rules
-from paramserver.core.records import Mode, ModeSpec, PushOutcome, check_header
+from paramserver.core.records import HoldNote, Mode, ModeSpec, PushOutcome, check_header
 from paramserver.policies.base import Decision, StalenessPolicy, UpdateInfo
 from paramserver.sparse.shard import RowPush
 
@@ -174,15 +174,15 @@ class RowRules:
         out, self.ready_answers = self.ready_answers, []
         return out
 
-    def holding(self, worker: int) -> dict[str, object] | None:
+    def holding(self, worker: int) -> HoldNote | None:
         """What ``worker``'s parked sync push waits for, or None if no push of its is
         parked (its heartbeats are told, so its client waits rather than gives up)."""
         member = self.round.members.get(worker)
         if member is None or member.token is None:
             return None
         missing = sorted(w for w in self.roster.pacing_ids() if w not in self.round.members)
-        return {"clock": member.clock,
-                "why": f"sparse sync round: waiting for the pushes of workers {missing}"}
+        return HoldNote(clock=member.clock,
+                        why=f"sparse sync round: waiting for the pushes of workers {missing}")
 
     def drop_waiting(self, worker: int) -> None:
         """``worker`` left or died: no answer is sent to its parked push (the rows it

@@ -31,17 +31,19 @@ import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 import torch
 
 from paramserver.errors import ConfigError, RegistryError
-from paramserver.sparse.shard import ROW_OVERHEAD, TableSpec
+from paramserver.sparse.shard import ROW_OVERHEAD, TableDescription, TableSpec
 from paramserver.util.dtypes import PARAM_DTYPES, copy_bytes, copy_to_address, dtype_name
 
 __all__ = [
     "DTYPES",
+    "ParamDescription",
     "ParamSpec",
+    "PlanDescription",
     "PlanLimits",
     "ShardPlan",
     "Slice",
@@ -179,6 +181,24 @@ class Slice:
     @property
     def nbytes(self) -> int:
         return self.numel * DTYPES[self.dtype].itemsize
+
+
+
+class ParamDescription(TypedDict):
+    name: str
+    shape: list[int]
+    dtype: str
+
+
+class PlanDescription(TypedDict):
+    """A plan as JSON (:meth:`ShardPlan.describe`): what HELLO carries, a checkpoint
+    keeps and the plan's hash is taken of."""
+
+    params: list[ParamDescription]
+    num_shards: int
+    chunk_bytes: int
+    split: bool
+    sparse: NotRequired[list[TableDescription]]  # only a plan with tables has it
 
 
 class ShardPlan:
@@ -349,15 +369,7 @@ class ShardPlan:
     def description_hash(specs: Sequence[ParamSpec], num_shards: int, chunk_bytes: int,
                          split: bool, sparse: Sequence[TableSpec] = ()) -> str:
         """:attr:`hash` of the plan these would build, without building it."""
-        desc: dict[str, Any] = {
-            "params": [{"name": p.name, "shape": list(p.shape), "dtype": p.dtype}
-                       for p in specs],
-            "num_shards": num_shards,
-            "chunk_bytes": chunk_bytes,
-            "split": bool(split),
-        }
-        if sparse:  # a plan without tables hashes as it always did
-            desc["sparse"] = [t.describe() for t in sparse]
+        desc = ShardPlan.description(specs, num_shards, chunk_bytes, split, sparse)
         blob = json.dumps(desc, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
@@ -428,18 +440,21 @@ class ShardPlan:
     def shard_bytes(self, shard: int) -> int:
         return sum(s.nbytes for s in self.shard_slices(shard))
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> PlanDescription:
         """Canonical JSON-able description; everything the plan is computed from."""
-        out: dict[str, Any] = {
-            "params": [
-                {"name": p.name, "shape": list(p.shape), "dtype": p.dtype} for p in self.params
-            ],
-            "num_shards": self.num_shards,
-            "chunk_bytes": self.chunk_bytes,
-            "split": self.split,
-        }
-        if self.sparse:
-            out["sparse"] = [t.describe() for t in self.sparse]
+        return self.description(self.params, self.num_shards, self.chunk_bytes, self.split,
+                                self.sparse)
+
+    @staticmethod
+    def description(specs: Sequence[ParamSpec], num_shards: int, chunk_bytes: int,
+                    split: bool, sparse: Sequence[TableSpec] = ()) -> PlanDescription:
+        """:meth:`describe` of the plan these would build, without building it."""
+        out = PlanDescription(
+            params=[ParamDescription(name=p.name, shape=list(p.shape), dtype=p.dtype)
+                    for p in specs],
+            num_shards=num_shards, chunk_bytes=chunk_bytes, split=bool(split))
+        if sparse:  # a plan without tables describes (and hashes) as it always did
+            out["sparse"] = [t.describe() for t in sparse]
         return out
 
     @property

@@ -30,7 +30,7 @@ import stat
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -183,7 +183,17 @@ def _prune(folder: Path, latest: str, keep: int) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _latest(folder: Path) -> dict[str, Any]:
+class Latest(TypedDict, total=False):
+    """A shard folder's LATEST file: the checkpoint it names (checked: a name, never
+    a path), and that checkpoint's version and time (as written; older files may
+    lack them)."""
+
+    name: str
+    version: int
+    created: float
+
+
+def _latest(folder: Path) -> Latest:
     try:
         latest = json.loads((folder / "LATEST").read_text())
     except FileNotFoundError as exc:
@@ -195,7 +205,13 @@ def _latest(folder: Path) -> dict[str, Any]:
     if not isinstance(name, str) or not _NAME.match(name):
         raise CheckpointError(f"{folder / 'LATEST'} does not name a checkpoint "
                               f"(want {{\"name\": \"v0000000120\"}}, got {str(latest)[:80]})")
-    return dict(latest)
+    out = Latest(name=name)
+    version, created = latest.get("version"), latest.get("created")
+    if type(version) is int:
+        out["version"] = version
+    if isinstance(created, int | float) and not isinstance(created, bool):
+        out["created"] = float(created)
+    return out
 
 
 def latest_path(directory: str | Path, shard: int) -> Path:
@@ -212,7 +228,7 @@ def earlier_run(directory: str | Path, shard: int) -> str | None:
     if not folder.is_dir() and not folder.is_symlink():
         return None
     try:
-        return f"version {_latest(folder)['version']}"
+        return f"version {_latest(folder).get('version', '?')}"
     except CheckpointError:
         pass
     names = [p.name for p in folder.glob("v*") if _NAME.match(p.name.split(".", 1)[0])]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import base64
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 import torch
@@ -35,6 +35,7 @@ __all__ = [
     "AdaptiveBoundPolicy",
     "DCASGDAdaptivePolicy",
     "DCASGDPolicy",
+    "EncodedTensor",
     "GapAwarePolicy",
     "decode_tensors",
     "encode_tensors",
@@ -44,16 +45,24 @@ __all__ = [
 _ACCEPT = Decision(True)
 
 
-def encode_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
+class EncodedTensor(TypedDict):
+    """One tensor in a policy's JSON state: exact, no pickle."""
+
+    dtype: str  # a FLOAT_DTYPES name
+    shape: list[int]
+    data: str  # base64 of the raw bytes
+
+
+def encode_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, EncodedTensor]:
     """Tensors as JSON-able dicts (dtype, shape, base64 of the raw bytes): exact, no pickle."""
-    out: dict[str, dict[str, Any]] = {}
+    out: dict[str, EncodedTensor] = {}
     names = {v: k for k, v in FLOAT_DTYPES.items()}
     for key, t in tensors.items():
         if t.dtype not in names:
             raise ConfigError(f"cannot encode tensor {key!r} of dtype {t.dtype}")
         raw = t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
-        out[key] = {"dtype": names[t.dtype], "shape": list(t.shape),
-                    "data": base64.b64encode(raw).decode("ascii")}
+        out[key] = EncodedTensor(dtype=names[t.dtype], shape=list(t.shape),
+                                 data=base64.b64encode(raw).decode("ascii"))
     return out
 
 

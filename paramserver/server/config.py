@@ -105,12 +105,12 @@ class Opt:
 def option(default: Any = MISSING, *, default_factory: Any = MISSING, help: str = "",
            **meta: Any) -> Any:
     """A dataclass field with its option metadata (see :class:`Opt`)."""
-    kwargs: dict[str, Any] = {"metadata": {OPTION: Opt(help=help, **meta)}}
+    metadata = {OPTION: Opt(help=help, **meta)}
     if default_factory is not MISSING:
-        kwargs["default_factory"] = default_factory
-    elif default is not MISSING:
-        kwargs["default"] = default
-    return field(**kwargs)
+        return field(default_factory=default_factory, metadata=metadata)
+    if default is not MISSING:
+        return field(default=default, metadata=metadata)
+    return field(metadata=metadata)
 
 
 def options_of(cls: type) -> list[tuple[dataclasses.Field[Any], Opt, Any]]:

@@ -7,9 +7,10 @@ event log. It never lets one bad message stop it: every failure becomes an
 ERROR reply with a code, and the core's state is untouched.
 
 Its parts live beside it: peers.py (the HELLO, HEARTBEAT and BYE handlers),
-access.py (who may do what under CURVE), parts.py (pushes sent in parts),
-outbox.py (replies, parked pulls and the zero-copy sends of the weights) and
-checkpointer.py (checkpoints and resuming).
+ops.py (INIT, PULL, PUSH and the sparse ops), access.py (who may do what under
+CURVE), parts.py (pushes sent in parts), outbox.py (replies, parked pulls and
+the zero-copy sends of the weights), checkpointer.py (checkpoints and resuming)
+and stopping.py (what --on-divergence does).
 """
 
 from __future__ import annotations
@@ -43,9 +44,11 @@ from paramserver.policies.registry import create_policy
 from paramserver.server.access import Access, is_loopback, load_grants
 from paramserver.server.checkpointer import RESTORE_ERRORS, Checkpointer
 from paramserver.server.config import ServerConfig
+from paramserver.server.ops import DataOps, Handler
 from paramserver.server.outbox import Outbox
 from paramserver.server.parts import JoinedParts, StreamedParts
-from paramserver.server.peers import Observers, PeerOps
+from paramserver.server.peers import PeerInfo, Peers
+from paramserver.server.stopping import DIVERGED_EXIT_CODE, Divergence
 from paramserver.server.tables import TableBuilder
 from paramserver.shm.link import ShmHub, asks_board, lends, sweep, take_shm
 from paramserver.shm.link import enabled as shm_enabled
@@ -53,7 +56,7 @@ from paramserver.sparse.shard import SparseShard
 from paramserver.util.proctitle import set_title
 from paramserver.wire import stats as wstats
 from paramserver.wire.curve import CurveKeys
-from paramserver.wire.messages import Checkpoint, Init, Pull, Push, SInit, SPull, SPush, replace
+from paramserver.wire.messages import Checkpoint
 from paramserver.wire.protocol import Message, Op, decode, error_reply, reply
 from paramserver.wire.transport import RouterSocket
 
@@ -62,10 +65,9 @@ __all__ = ["DIVERGED_EXIT_CODE", "READY_PREFIX", "ServerConfig", "ShardServer", 
 log = logging.getLogger(__name__)
 
 READY_PREFIX = "PARAMSERVER_READY"
-DIVERGED_EXIT_CODE = 3  # the watchdog stopped training (--on-divergence stop/checkpoint-and-stop)
 
 
-class ShardServer(PeerOps):
+class ShardServer:
     """One shard's process: a ROUTER socket in front of a
     :class:`~paramserver.core.shard.ShardCore`.
 
@@ -105,8 +107,6 @@ class ShardServer(PeerOps):
         self.shm = ShmHub(config.shard, self.socket.limits) if shm_enabled() else None
         self.outbox.shm = self.shm
         self.started_at = time.time()
-        self.peers: dict[int, dict[str, Any]] = {}  # worker -> host and pid from its HELLO
-        self.observers = Observers()  # the identities that said HELLO as observers
         self.checkpoints = Checkpointer(
             config.shard, config.checkpoint_dir, self.events, keep=config.checkpoint_keep,
             every=config.checkpoint_every, seconds=config.checkpoint_seconds)
@@ -124,19 +124,34 @@ class ShardServer(PeerOps):
         self.metrics_port = self.exporter.start()
         self.joined = JoinedParts(self.counters)  # pushes in parts the core takes whole
         self.streamed = StreamedParts()  # pushes in parts the core adds part by part
-        self.diverged: Alarm | None = None
-        self._stop_at: float | None = None  # diverged: refuse requests until then, then exit
-        self._told: set[int] = set()  # workers refused since the watchdog stopped training
+        self.peer_ops = Peers(self, config, self.policy, self.events, self.observer,
+                              self.joined, shm=self.shm is not None)
+        self.ops = DataOps(self, config, self.counters, self.events, self.observer,
+                           self.outbox, self.joined, self.streamed, self.peer_ops.observers)
+        self._handlers: dict[Op, Handler] = {
+            Op.HELLO: self.peer_ops.on_hello,
+            Op.INIT: self.ops.on_init,
+            Op.PULL: self.ops.on_pull,
+            Op.PUSH: self.ops.on_push,
+            Op.HEARTBEAT: self.peer_ops.on_heartbeat,
+            Op.BYE: self.peer_ops.on_bye,
+            Op.STATS: self._on_stats,
+            Op.SHUTDOWN: self._on_shutdown,
+            Op.CHECKPOINT: self._on_checkpoint,
+            Op.SPULL: self.ops.on_spull,
+            Op.SPUSH: self.ops.on_spush,
+            Op.SINIT: self.ops.on_sinit,
+        }
+        self.divergence = Divergence(config, self.events, self.observer, self.save_checkpoint)
         # a push's metrics, watchdog rules and event, run once its reply is out (the
         # critical path of a round trip ends at the reply); before the next message
         self._after_reply: list[Callable[[], None]] = []
-        self.exit_code = 0
         # set (any thread) when the rendezvous store says every worker is done (_job_over)
         self.job_done = threading.Event()
         self._secured = curve is not None
         self._hint_held: list[int] | None = None
         if config.plan is not None:
-            self._adopt_plan(ShardPlan.from_description(config.plan))
+            self.adopt_plan(ShardPlan.from_description(config.plan))
         # an earlier run's checkpoints are resumed, or moved aside (--fresh), never taken over
         self.checkpoints.claim(config.resume, config.fresh)
         if config.resume:
@@ -175,10 +190,10 @@ class ShardServer(PeerOps):
                     self.observer.tick(now)
                 except Exception as exc:  # metrics must not take the shard down either
                     self._periodic_failed("metrics", exc)
-                if self._stop_at is not None and (now >= self._stop_at or self._all_told()):
+                if self.divergence.over(now, self.core.workers.values() if self.core else None):
                     self._running = False
             # a diverged shard must not overwrite good checkpoints with its state
-            if self.config.checkpoint_dir and self.diverged is None:
+            if self.config.checkpoint_dir and self.divergence.alarm is None:
                 try:
                     self.save_checkpoint()
                 except CheckpointError as exc:  # the last good checkpoint stays LATEST
@@ -218,7 +233,7 @@ class ShardServer(PeerOps):
         except Exception as exc:
             self._periodic_failed("answer_pulls", exc)
         try:
-            self._maybe_checkpoint()
+            self.maybe_checkpoint()
         except Exception as exc:
             self._periodic_failed("checkpoint", exc)
 
@@ -248,14 +263,14 @@ class ShardServer(PeerOps):
                                    "server": self.config.to_dict()}, directory,
             sparse=self.sparse)
 
-    def _maybe_checkpoint(self) -> None:
+    def maybe_checkpoint(self) -> None:
         if self.checkpoints.due(self.core):
             self.save_checkpoint()
 
     def _restore(self, directory: str) -> None:
         plan, tensors, meta = self.checkpoints.read(directory, self.plan)
         try:
-            self._adopt_plan(plan)
+            self.adopt_plan(plan)
             assert self.core is not None
             self.core.load_state_dict(tensors, meta, time.monotonic())
             if self.sparse is not None:
@@ -288,9 +303,9 @@ class ShardServer(PeerOps):
             if handler is None:
                 raise ProtocolError(ErrorCode.UNKNOWN_OP,
                                     f"a server does not accept {msg.op.value}")
-            if self.diverged is not None and msg.op not in (Op.STATS, Op.SHUTDOWN):
-                self._refuse_diverged(msg)
-            answer = handler(self, msg, identity)
+            if self.divergence.alarm is not None and msg.op not in (Op.STATS, Op.SHUTDOWN):
+                self.divergence.refuse(msg)
+            answer = handler(msg, identity)
             # a same-host worker's offer of shared memory: granted, or not
             if (msg.op is Op.HELLO and answer is not None and self.shm and self.core
                     and self.shm.answer_hello(identity, msg, frames[0], self.address, answer,
@@ -355,13 +370,36 @@ class ShardServer(PeerOps):
                 log.exception("observing a push failed")
         self._act_on_alarms()
 
-    def _before_mutation(self) -> None:
+    def before_mutation(self) -> None:
         """Copy-on-write: parameters still being sent must not be written in place."""
         self.outbox.settle(self.core)
         if self.shm is not None and self.core is not None:
             # the weights' board slot is written in place in sync mode: each worker
             # read the round's weights before it pushed
             self.shm.before_change(in_place=self.core.mode.mode == "sync")
+
+    def defer(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` once the reply to the message being handled is out."""
+        self._after_reply.append(fn)
+
+    def forget_gone(self) -> None:
+        """Drop the server's own per-worker state of workers the core evicted."""
+        assert self.core is not None
+        known = self.core.workers
+        self.joined.forget(known)
+        self.streamed.forget(known)
+        self.outbox.forget(known)
+        self.access.forget(known)
+        if self.shm is not None:
+            self.shm.forget(known)
+        self.peer_ops.forget(known)
+        self.divergence.forget(known)
+        self.observer.forget(set(known))
+
+    @property
+    def peers(self) -> dict[int, PeerInfo]:
+        """Each worker's host and pid, from its HELLO (shown by STATS)."""
+        return self.peer_ops.known
 
     def _after_mutation(self) -> None:
         if self.shm is not None and self.core is not None:
@@ -386,7 +424,7 @@ class ShardServer(PeerOps):
         assert self.core is not None
         self.outbox.answer_pulls(self.core, now, self.observer, later)
         if self.tables is not None and self.tables.held:
-            self._answer_held_sparse()
+            self.ops.answer_held_sparse()
         if self.sparse is not None:  # sync sparse pushes are answered when their round closes
             for token, outcome in self.core.rows.ready(self.sparse):
                 identity, seq = cast("tuple[bytes, int]", token)
@@ -405,37 +443,12 @@ class ShardServer(PeerOps):
         self.core.probe.defer = True  # measured after the reply: see _run_after_reply
 
     def _act_on_alarms(self) -> None:
-        """Carry out --on-divergence for alarms raised while handling a message: only
-        for the model's own state (Alarm.divergence), never for a push it refused."""
-        alarms = [a for a in self.observer.take_alarms() if a.divergence]
-        action = self.config.on_divergence
-        if not alarms or action == "warn" or self.diverged is not None:
-            return
-        first = self.diverged = alarms[0]
-        log.error("the divergence watchdog stops training (--on-divergence %s): %s", action,
-                  first.message)
-        path = None
-        if action == "checkpoint-and-stop":
-            assert self.config.checkpoint_dir is not None
-            try:
-                path = self.save_checkpoint(str(Path(self.config.checkpoint_dir) / "diverged"))
-            except CheckpointError as exc:  # weights not finite: resume would refuse it
-                log.error("%s", exc)
-        self.events.write("diverged", shard=self.config.shard, action=action,
-                          signal=first.signal, worker=first.worker, message=first.message,
-                          version=self.core.version if self.core else 0, checkpoint=path)
-        self.events.flush()
-        self.exit_code = DIVERGED_EXIT_CODE
-        # linger a little, refusing every request, so workers learn why and stop
-        self._stop_at = time.monotonic() + min(10.0, self.config.heartbeat_timeout)
+        self.divergence.act(self.core.version if self.core else 0)
 
-    def _refuse_diverged(self, msg: Message) -> None:
-        assert self.diverged is not None
-        worker = getattr(msg.body, "worker", None)
-        if worker is not None and msg.op is not Op.HEARTBEAT:
-            self._told.add(worker)
-        raise ProtocolError(ErrorCode.STOPPED,
-                            f"the divergence watchdog stopped training: {self.diverged.message}")
+    @property
+    def exit_code(self) -> int:
+        """The process's: 0, or DIVERGED_EXIT_CODE once the watchdog stopped training."""
+        return self.divergence.exit_code
 
     def _job_over(self) -> bool:
         """Act on :attr:`job_done`? Without CURVE yes (the store is as trusted as the
@@ -453,15 +466,9 @@ class ShardServer(PeerOps):
                         ", ".join(map(str, holding)))
         return not holding
 
-    def _all_told(self) -> bool:
-        if self.core is None:
-            return True
-        return all(w.worker in self._told for w in self.core.workers.values()
-                   if w.live and not w.finished)
-
     # ------------------------------------------------------------------ ops
 
-    def _adopt_plan(self, plan: ShardPlan) -> None:
+    def adopt_plan(self, plan: ShardPlan) -> None:
         pinned = self.config.plan_hash
         if pinned is not None and plan.hash != pinned:  # (a HELLO's was checked before)
             raise ConfigError(f"shard {self.config.shard}: the plan {plan.hash[:12]}... is not "
@@ -477,7 +484,7 @@ class ShardServer(PeerOps):
         self.sparse = SparseShard.for_server(plan, self.config, core.members.live_ids)
         self.tables = TableBuilder(self.sparse, self.config.shard) if self.sparse else None
         self.core = core  # (not before the plan's tables proved trainable)
-        self.core.before_step = self._before_mutation
+        self.core.before_step = self.before_mutation
         self.core.after_step = self._after_mutation
         self.core.on_refused = self._step_refused
         self.core.ahead.busy = self.socket.pending  # step ahead only while idle
@@ -487,175 +494,6 @@ class ShardServer(PeerOps):
             self.config.shard)
         log.info("shard %d holds %d slices, %d bytes", self.config.shard, len(slices),
                  plan.shard_bytes(self.config.shard))
-
-    def _on_init(self, msg: Message, identity: bytes) -> Message:
-        core = self._require_core()
-        if not core.initialized:  # (steps protect the weights through core.before_step)
-            self._before_mutation()
-        b: Init = msg.body
-        seeded = core.initialize_part(b.worker, msg.tensors, b.part, b.parts)
-        if core.initialized and self.tables is not None:
-            self.tables.start()  # the plan's owner seeded: its sparse tables are due now
-        if seeded:
-            self.events.write("init", shard=self.config.shard, worker=b.worker)
-        if seeded is None:
-            return reply(msg, seeded=False, partial=True, version=core.version)
-        return reply(msg, seeded=seeded, version=core.version)
-
-    def _on_pull(self, msg: Message, identity: bytes) -> None:
-        core = self._require_core()
-        b: Pull = msg.body
-        core.request_pull(b.worker, b.clock, (identity, msg.seq), time.monotonic(),
-                          observer=b.observer, wait_init=b.wait_init)
-        if b.observer:
-            self.outbox.park_observer((identity, msg.seq))
-        return None  # answered by _answer_pulls, now or when the gate opens
-
-    def _on_push(self, msg: Message, identity: bytes) -> Message | None:
-        core = self._require_core()
-        b: Push = msg.body
-        streamed = b.parts != 1 and core.streams_parts
-        if b.parts != 1:
-            self.counters["push_parts_streamed" if streamed else "push_parts_joined"] += 1
-        if b.parts != 1 and not streamed:
-            whole = self.joined.join(core, msg)
-            if whole is None:
-                return reply(msg, partial=True)  # the outcome comes with the last part
-            msg, b = whole, whole.body
-        read_version, loss = b.read_version, b.loss
-        t0 = time.perf_counter()
-        core.ahead.eager = streamed and b.early
-        try:
-            out = core.push(b.worker, b.push_id, b.clock, read_version, b.num_samples,
-                            msg.tensors, time.monotonic(), b.part, b.parts)
-        except ProtocolError as exc:
-            self.streamed.drop(b.worker)
-            if exc.code == ErrorCode.NONFINITE:
-                self.observer.nonfinite(b.worker, loss)
-            raise
-        finally:
-            core.ahead.eager = False
-        if streamed:
-            # sync: each part was added into the round's buffer and its frames are free;
-            # what the answer needs of the earlier parts is kept here
-            pull, nbytes = self.streamed.tally(msg, last=out is not None)
-            if out is None:
-                return self._partial(core, msg)
-            early = self.streamed.early_of(msg)
-            b = replace(b, pull=pull)
-        else:
-            nbytes, early = msg.nbytes, None
-        assert out is not None  # only a streamed part that is not the last has none
-        if out.duplicate:
-            self.counters["duplicate_pushes"] += 1
-        else:
-            seconds = time.perf_counter() - t0
-            worker, clock, samples = b.worker, b.clock, b.num_samples
-
-            def observe() -> None:
-                grad = self.observer.push(core, worker, outcome, loss=loss, seconds=seconds,
-                                          nbytes=nbytes)
-                self.events.write(
-                    "push", shard=self.config.shard, worker=worker, clock=clock,
-                    read_version=read_version, version=out.version,
-                    staleness=out.staleness, accepted=out.accepted, weight=out.weight,
-                    reason=out.reason, num_samples=samples, loss=loss,
-                    grad_norm=grad.norm if grad else None,
-                    cosine=grad.cosine if grad else None)
-
-            outcome = out.as_dict()
-            self._after_reply.append(observe)
-        if out.applied and self.config.checkpoint_every:
-            self._maybe_checkpoint()
-        if b.pull:
-            # push + pull in one round trip: the answer is the pull's, sent when its
-            # gate opens (in sync mode, when the round closes), with this outcome in it
-            token = (identity, msg.seq)
-            core.request_pull(b.worker, b.clock + 1, token, time.monotonic())
-            self.outbox.park_push_pull(b.worker, token, out.as_dict(), early)
-            return None
-        return reply(msg, **out.as_dict())
-
-    def _partial(self, core: ShardCore, msg: Message) -> Message:
-        """The answer to a part that is not the last. With ``early`` (the worker takes
-        its weights over TCP and asked for the push's next weights), it carries the
-        next weights of the part's slices if the round steps ahead and computed them
-        (issue 17, item 4): they travel while later parts do, and the round's answer
-        leaves them out if it commits those very weights (Outbox.answer_pulls)."""
-        b: Push = msg.body
-        if b.early and msg.tensors:
-            alone = all(w.worker == b.worker for w in core.live())
-            ready = core.ahead.ready(msg.tensors.keys(), lend=alone)
-            if ready is not None:
-                version = core.version + 1
-                self.streamed.sent_early(msg, version, ready.keys())
-                self.counters["early_parts"] += 1
-                return reply(msg, ready, partial=True, early=version)
-        return reply(msg, partial=True)
-
-    def _require_sparse(self, msg: Message, identity: bytes) -> SparseShard:
-        # only a SPULL reads as an observer, and only from a peer that said HELLO as one
-        b: SPull | SPush | SInit = msg.body
-        observer = isinstance(b, SPull) and b.observer
-        if observer and identity not in self.observers:
-            raise ProtocolError(ErrorCode.NOT_REGISTERED,
-                                "an observer's SPULL needs its HELLO (role observer) first")
-        return SparseShard.of_worker(self.sparse, self._require_core().members.heard,
-                                     msg.body.worker, time.monotonic(), observer)
-
-    def _hold_sparse(self, msg: Message, identity: bytes,
-                     handler: Callable[[ShardServer, Message, bytes], Message | None]) -> bool:
-        """Whether ``msg`` waits for the sparse tables (held, answered once built). The
-        build starts at the dense INIT or at a live worker's first sparse request (a
-        HELLO alone costs nothing); an observer's read waits for it."""
-        assert self.tables is not None and self.sparse is not None
-        self.tables.check()
-        if self.sparse.built:
-            return False
-        b: SPull | SPush | SInit = msg.body
-        if not (isinstance(b, SPull) and b.observer) and b.worker in self.sparse.live():
-            self.tables.start()
-        self.tables.hold(identity, handler, msg)
-        return True
-
-    def _answer_held_sparse(self) -> None:
-        """Answer the sparse requests that waited for the tables, once they are built."""
-        assert self.tables is not None
-        for identity, (handler, msg) in self.tables.take():
-            try:
-                answer = handler(self, msg, identity)
-            except ProtocolError as exc:
-                answer = error_reply(msg.seq, exc.code, exc.reason)
-            except Exception as exc:  # as in _handle: one request never stops the shard
-                self.counters["error_internal"] += 1
-                log.exception("internal error while answering a held sparse request")
-                answer = error_reply(msg.seq, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
-            if answer is not None:
-                self.outbox.send(identity, answer)
-
-    def _on_spull(self, msg: Message, identity: bytes) -> Message | None:
-        sparse = self._require_sparse(msg, identity)
-        if self._hold_sparse(msg, identity, ShardServer._on_spull):
-            return None
-        return reply(msg, sparse.pull(msg.tensors), version=sparse.version)
-
-    def _on_spush(self, msg: Message, identity: bytes) -> Message | None:
-        sparse = self._require_sparse(msg, identity)
-        if self._hold_sparse(msg, identity, ShardServer._on_spush):
-            return None
-        b: SPush = msg.body
-        out = self._require_core().rows.push(
-            sparse, b.worker, b.push_id, b.read_version, b.clock, b.num_samples,
-            msg.tensors, (identity, msg.seq))
-        return None if out is None else reply(msg, **out.row_fields())
-
-    def _on_sinit(self, msg: Message, identity: bytes) -> Message | None:
-        sparse = self._require_sparse(msg, identity)
-        if self._hold_sparse(msg, identity, ShardServer._on_sinit):
-            return None
-        b: SInit = msg.body
-        done = sparse.seed(b.worker, msg.tensors, b.part, b.parts)
-        return reply(msg, initialized=done)
 
     def _on_stats(self, msg: Message, identity: bytes) -> Message:
         return wstats.answer(msg, self.stats())
@@ -671,21 +509,6 @@ class ShardServer(PeerOps):
         log.info("shard %d: shutdown requested", self.config.shard)
         self._running = False
         return reply(msg)  # the socket closes with a linger, so that this still goes out
-
-    _handlers: dict[Op, Callable[[ShardServer, Message, bytes], Message | None]] = {
-        Op.HELLO: PeerOps._on_hello,
-        Op.INIT: _on_init,
-        Op.PULL: _on_pull,
-        Op.PUSH: _on_push,
-        Op.HEARTBEAT: PeerOps._on_heartbeat,
-        Op.BYE: PeerOps._on_bye,
-        Op.STATS: _on_stats,
-        Op.SHUTDOWN: _on_shutdown,
-        Op.CHECKPOINT: _on_checkpoint,
-        Op.SPULL: _on_spull,
-        Op.SPUSH: _on_spush,
-        Op.SINIT: _on_sinit,
-    }
 
     def stats(self) -> wstats.ShardStats:
         core, sparse = self.core, self.sparse

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import zmq
 
+from paramserver.core.records import PushOutcome
 from paramserver.core.shard import ShardCore
 from paramserver.observe.recorder import ShardObserver
 from paramserver.wire.protocol import Message, Op, PreparedTensors, usable
@@ -46,7 +47,7 @@ class Outbox:
         self.observer_pulls: set[Hashable] = set()  # tokens of observer pulls
         # worker -> (token, push outcome) of its parked PUSH-with-pull; one per worker,
         # as the core keeps one parked pull per worker
-        self.push_pulls: dict[int, tuple[Hashable, dict[str, Any]]] = {}
+        self.push_pulls: dict[int, tuple[Hashable, PushOutcome]] = {}
         # worker -> (version, keys): the next weights of these keys went back early,
         # with the parts of its parked push (StepAhead.ready); its answer leaves them
         # out if the round made exactly those weights
@@ -121,7 +122,7 @@ class Outbox:
         """An observer's pull was parked: its answer feeds no worker metrics."""
         self.observer_pulls.add(token)
 
-    def park_push_pull(self, worker: int, token: Hashable, outcome: dict[str, Any],
+    def park_push_pull(self, worker: int, token: Hashable, outcome: PushOutcome,
                        early: tuple[int, frozenset[str]] | None = None) -> None:
         """A PUSH asked for the pull too: its answer is the pull's, with ``outcome`` in it.
         ``early``: (version, keys) whose next weights went back with its earlier parts."""
@@ -143,7 +144,7 @@ class Outbox:
             early = None
             if combined is not None and combined[0] == ready.token:
                 del self.push_pulls[ready.worker]
-                fields.update(re=Op.PUSH.value, push=combined[1])
+                fields.update(re=Op.PUSH.value, push=combined[1].as_dict())
                 early = self.early.pop(ready.worker, None)
             ticket = (self.shm.ticket(identity, seq, core.params, ready.version)
                       if self.shm is not None else None)

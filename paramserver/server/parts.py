@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Collection
-from typing import Any
+
+import torch
 
 from paramserver.core.shard import ShardCore
 from paramserver.errors import ErrorCode, ProtocolError
@@ -29,7 +30,7 @@ class JoinedParts:
     def __init__(self, counters: Counter[str]) -> None:
         self.counters = counters
         # worker -> (push id, {part: asked for the pull}, tensors so far)
-        self.pending: dict[int, tuple[int, dict[int, bool], dict[str, Any]]] = {}
+        self.pending: dict[int, tuple[int, dict[int, bool], dict[str, torch.Tensor]]] = {}
         self.nbytes = 0  # held in pending, over every worker
         self.budget = 0  # set with the plan: what the expected workers need at once
 

@@ -1,21 +1,24 @@
 """What a shard answers about its peers: HELLO (the plan, the worker's
 registration), HEARTBEAT (liveness, and why a parked pull waits) and BYE
-(leaving, or reported dead). :class:`PeerOps` is a base of
-:class:`~paramserver.server.loop.ShardServer`, which holds the state these handlers
-read and defines what they call back into (adopting a plan, the core).
+(leaving, or reported dead). :class:`Peers` holds what these learn (each worker's
+host and pid, the identities that said HELLO as observers) and is given the rest:
+the server's constant parts at construction, and what changes with the plan
+(the core, the sparse tables) through the small :class:`PeerHost` Protocol.
 """
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Container
+from typing import TYPE_CHECKING, Protocol, TypedDict
 
+from paramserver.core.records import HoldNote
 from paramserver.core.shard import DTYPES as CORE_DTYPES
 from paramserver.core.sharding import ShardPlan
 from paramserver.errors import ConfigError, ErrorCode, ProtocolError
 from paramserver.shm.link import sweep
+from paramserver.util.jsontypes import JSONObject
 from paramserver.wire.messages import Bye, Hello
 from paramserver.wire.protocol import PROTOCOL_VERSION, Message, reply
 
@@ -24,14 +27,45 @@ if TYPE_CHECKING:
     from paramserver.observe.events import EventLog
     from paramserver.observe.recorder import ShardObserver
     from paramserver.policies.base import StalenessPolicy
-    from paramserver.server.access import Access
     from paramserver.server.config import ServerConfig
-    from paramserver.server.outbox import Outbox
-    from paramserver.server.parts import JoinedParts, StreamedParts
-    from paramserver.shm.link import ShmHub
+    from paramserver.server.parts import JoinedParts
     from paramserver.sparse.shard import SparseShard
 
-__all__ = ["Observers", "PeerOps"]
+__all__ = ["Observers", "PeerHost", "PeerInfo", "Peers", "require_core"]
+
+
+class PeerInfo(TypedDict):
+    """Where a worker runs, as its HELLO says: shown by `status` (STATS), logged."""
+
+    host: str | None
+    pid: int | None
+
+
+class PeerHost(Protocol):
+    """What the peer handlers read of the server that owns them: what a plan builds
+    (None before one is adopted), and the two things they ask of it."""
+
+    @property
+    def plan(self) -> ShardPlan | None: ...
+
+    @property
+    def core(self) -> ShardCore | None: ...
+
+    @property
+    def sparse(self) -> SparseShard | None: ...
+
+    def adopt_plan(self, plan: ShardPlan) -> None:
+        """Build the core (and sparse tables) of ``plan``."""
+
+    def forget_gone(self) -> None:
+        """Drop the server's per-worker state of workers the core evicted."""
+
+
+def require_core(core: ShardCore | None) -> ShardCore:
+    """``core``, or the NOT_REGISTERED every op but HELLO gets before a plan."""
+    if core is None:
+        raise ProtocolError(ErrorCode.NOT_REGISTERED, "no worker has said HELLO yet")
+    return core
 
 
 class Observers:
@@ -53,33 +87,28 @@ class Observers:
         return identity in self._seen
 
 
-class PeerOps:
-    """The HELLO, HEARTBEAT and BYE handlers of a shard server."""
+class Peers:
+    """The HELLO, HEARTBEAT and BYE handlers of a shard server, and what they learn."""
 
-    config: ServerConfig
-    plan: ShardPlan | None
-    core: ShardCore | None
-    sparse: SparseShard | None
-    policy: StalenessPolicy
-    peers: dict[int, dict[str, Any]]
-    observers: Observers
-    events: EventLog
-    observer: ShardObserver
-    joined: JoinedParts
-    streamed: StreamedParts
-    outbox: Outbox
-    access: Access
-    shm: ShmHub | None
-    _told: set[int]
+    def __init__(self, host: PeerHost, config: ServerConfig, policy: StalenessPolicy,
+                 events: EventLog, observer: ShardObserver, joined: JoinedParts,
+                 shm: bool) -> None:
+        self.host = host
+        self.config = config
+        self.policy = policy
+        self.events = events
+        self.observer = observer
+        self.joined = joined  # a leaving worker's pushes in parts are dropped
+        self.shm = shm  # same-host workers' segments are swept when one dies
+        self.known: dict[int, PeerInfo] = {}  # worker -> host and pid from its HELLO
+        self.observers = Observers()  # the identities that said HELLO as observers
 
-    _adopt_plan: Callable[[ShardPlan], None]  # the server builds its core from a plan
+    def forget(self, known: Container[int]) -> None:
+        """Keep only the workers in ``known`` (the core's, after an eviction)."""
+        for worker in [w for w in self.known if w not in known]:
+            del self.known[worker]
 
-    def _require_core(self) -> ShardCore:
-        if self.core is None:
-            raise ProtocolError(ErrorCode.NOT_REGISTERED, "no worker has said HELLO yet")
-        return self.core
-
-    def _on_hello(self, msg: Message, identity: bytes) -> Message:
+    def on_hello(self, msg: Message, identity: bytes) -> Message:
         b: Hello = msg.body
         if b.protocol != PROTOCOL_VERSION:
             raise ProtocolError(
@@ -90,14 +119,15 @@ class PeerOps:
         if role not in ("worker", "observer"):
             raise ProtocolError(ErrorCode.BAD_FIELD,
                                 f"role must be worker or observer, not {role!r}")
-        if self.plan is None:
+        if self.host.plan is None:
             if role == "observer" or b.plan is None:
                 raise ProtocolError(ErrorCode.NOT_REGISTERED,
                                     "no plan yet: a worker must say HELLO with its plan first")
-            self._adopt_plan(self._peer_plan(b.plan, b.plan_hash))
-        assert self.plan is not None and self.core is not None
-        if b.plan_hash != self.plan.hash:
-            what = self.plan.diff(b.plan) if b.plan is not None else "plan hash differs"
+            self.host.adopt_plan(self._peer_plan(b.plan, b.plan_hash))
+        plan, core = self.host.plan, self.host.core
+        assert plan is not None and core is not None
+        if b.plan_hash != plan.hash:
+            what = plan.diff(b.plan) if b.plan is not None else "plan hash differs"
             raise ProtocolError(
                 ErrorCode.PLAN_MISMATCH,
                 f"worker {b.worker}'s model or shard layout differs from the server's: {what}",
@@ -106,26 +136,27 @@ class PeerOps:
         if role == "observer":
             self.observers.add(identity)
         if role == "worker":
-            evicted = self.core.workers_evicted
+            evicted = core.workers_evicted
             # as the worker says: shown by `status`; a host name is at most 253 characters
             host = (b.host or "")[:253] or None
             origin = f"pid {b.pid} on {host}" if host else ""
-            peer = {"host": host, "pid": b.pid}
-            state = self.core.register(b.worker, b.incarnation, time.monotonic(),
-                                       origin=origin[:300])
+            peer = PeerInfo(host=host, pid=b.pid)
+            state = core.register(b.worker, b.incarnation, time.monotonic(),
+                                  origin=origin[:300])
             clock = state.clock
-            if self.core.workers_evicted != evicted:
-                self._forget_gone()
-            if self.sparse is not None:
-                self.sparse.forget(b.worker, restart=True)
-            self.peers[b.worker] = peer
+            if core.workers_evicted != evicted:
+                self.host.forget_gone()
+            sparse = self.host.sparse
+            if sparse is not None:
+                sparse.forget(b.worker, restart=True)
+            self.known[b.worker] = peer
             self.events.write("worker_hello", shard=self.config.shard, worker=b.worker,
-                              clock=clock, **peer)
+                              clock=clock, host=host, pid=b.pid)
         return reply(msg, shard=self.config.shard, num_shards=self.config.num_shards,
-                     version=self.core.version, clock=clock, initialized=self.core.initialized,
-                     mode=self.core.mode.describe(), policy=self.policy.describe())
+                     version=core.version, clock=clock, initialized=core.initialized,
+                     mode=core.mode.describe(), policy=self.policy.describe())
 
-    def _peer_plan(self, description: Any, plan_hash: str) -> ShardPlan:
+    def _peer_plan(self, description: JSONObject, plan_hash: str) -> ShardPlan:
         """A plan from a HELLO, validated and hash-checked before anything is built
         from it: the checks cost time in proportion to the message, and only a plan
         within --max-model-bytes (all it would cost) and the chunk limits whose hash
@@ -156,43 +187,29 @@ class PeerOps:
         except ConfigError as exc:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"invalid plan: {exc}") from exc
 
-    def _forget_gone(self) -> None:
-        """Drop the server's own per-worker state of workers the core evicted."""
-        assert self.core is not None
-        known = self.core.workers
-        self.joined.forget(known)
-        self.streamed.forget(known)
-        self.outbox.forget(known)
-        self.access.forget(known)
-        if self.shm is not None:
-            self.shm.forget(known)
-        for worker in [w for w in self.peers if w not in known]:
-            del self.peers[worker]
-        self._told &= set(known)
-        self.observer.forget(set(known))
-
-    def _on_heartbeat(self, msg: Message, identity: bytes) -> Message:
+    def on_heartbeat(self, msg: Message, identity: bytes) -> Message:
         now = time.monotonic()
         worker = msg.body.worker  # (a Heartbeat)
-        if self.core is not None and worker in self.core.workers:
-            self.core.heartbeat(worker, now)
-        fields: dict[str, Any] = {"version": self.core.version if self.core else 0}
+        core = self.host.core
+        if core is not None and worker in core.workers:
+            core.heartbeat(worker, now)
+        version = core.version if core is not None else 0
         # the worker's pull parked at a gate: its client tells a shard that holds the
         # pull (waiting is legitimate) from one that does not answer
-        held = self.core.pulls.held(worker) if self.core is not None else None
-        if held is not None:
-            fields["held"] = {"clock": held.clock, "waited": now - held.since,
-                              "why": self._hold_reason(held.worker)}
-        elif self.sparse is not None:  # a sync SPUSH parked in its round, if any
-            sparse_held = self.core.rows.holding(worker) if self.core else None
-            if sparse_held:
-                fields["held"] = sparse_held
-        return reply(msg, **fields)
+        held = core.pulls.held(worker) if core is not None else None
+        note: HoldNote | None = None
+        if core is not None and held is not None:
+            note = HoldNote(clock=held.clock, waited=now - held.since,
+                            why=self._hold_reason(core))
+        elif core is not None and self.host.sparse is not None:
+            note = core.rows.holding(worker)  # a sync SPUSH parked in its round, if any
+        if note:
+            return reply(msg, version=version, held=note)
+        return reply(msg, version=version)
 
-    def _hold_reason(self, worker: int) -> str:
-        """Why ``worker``'s parked pull is not answered yet, in a few words."""
-        core = self.core
-        assert core is not None
+    @staticmethod
+    def _hold_reason(core: ShardCore) -> str:
+        """Why a worker's parked pull is not answered yet, in a few words."""
         if not core.initialized:
             return "waiting for the weights (INIT)"
         if not core.started:
@@ -205,8 +222,8 @@ class PeerOps:
             return f"SSP gate: slowest worker at clock {core.min_clock()}, bound {core.bound}"
         return "gate closed"
 
-    def _on_bye(self, msg: Message, identity: bytes) -> Message:
-        core = self._require_core()
+    def on_bye(self, msg: Message, identity: bytes) -> Message:
+        core = require_core(self.host.core)
         b: Bye = msg.body
         core.members.known(b.worker)
         self.joined.drop(b.worker)
@@ -219,8 +236,9 @@ class PeerOps:
                 self.observer.left(core, b.worker)
             return reply(msg, dead=dead)
         core.leave(b.worker, time.monotonic())
-        if self.sparse is not None:
-            self.sparse.forget(b.worker)
+        sparse = self.host.sparse
+        if sparse is not None:
+            sparse.forget(b.worker)
         self.events.write("worker_bye", shard=self.config.shard, worker=b.worker)
         self.observer.left(core, b.worker)
         return reply(msg)

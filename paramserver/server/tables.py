@@ -14,7 +14,6 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
 
 from paramserver.errors import ErrorCode, ProtocolError
 from paramserver.sparse.shard import SparseShard
@@ -25,7 +24,7 @@ __all__ = ["TableBuilder"]
 log = logging.getLogger(__name__)
 
 #: a held request: the handler to run again once built, the message, its sender
-Held = tuple[Callable[[Any, Message, bytes], Message | None], Message]
+Held = tuple[Callable[[Message, bytes], Message | None], Message]
 
 
 class TableBuilder:
@@ -67,7 +66,7 @@ class TableBuilder:
             raise ProtocolError(ErrorCode.INTERNAL,
                                 f"the shard's sparse tables could not be built: {self.error}")
 
-    def hold(self, identity: bytes, handler: Callable[[Any, Message, bytes], Message | None],
+    def hold(self, identity: bytes, handler: Callable[[Message, bytes], Message | None],
              msg: Message) -> None:
         """Answer ``msg`` once the tables are built (the oldest held one is dropped
         past ``limit``: its client sends it again)."""

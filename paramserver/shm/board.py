@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
@@ -28,8 +28,8 @@ from paramserver.util.dtypes import copy_bytes
 from paramserver.util.flat import FlatLayout
 from paramserver.wire.protocol import DTYPES, Limits
 
-__all__ = ["HEADER", "READ_ATTEMPTS", "TOKEN_AT", "BoardAhead", "BoardReader", "WeightBoard",
-           "read_guarded"]
+__all__ = ["HEADER", "READ_ATTEMPTS", "TOKEN_AT", "BoardAhead", "BoardReader", "Ticket",
+           "WeightBoard", "read_guarded"]
 
 #: copies of a board slot tried before a pull falls back to TCP
 READ_ATTEMPTS = 16
@@ -107,6 +107,18 @@ def _inside(p: torch.Tensor, flats: Mapping[torch.dtype, torch.Tensor]) -> bool:
             and p.storage_offset() + p.numel() <= flat.storage_offset() + flat.numel())
 
 
+class Ticket(TypedDict):
+    """A pull's answer through the board (the reply's ``shm`` field): which slot holds
+    the weights, its sequence when published, their version, their descriptors
+    ([key, dtype, shape, offset]) and bytes."""
+
+    slot: int
+    seq: int
+    version: int
+    t: list[list[Any]]
+    nbytes: int
+
+
 class WeightBoard:
     """A shard's double-buffered, seqlocked copy of its weights for same-host pulls.
 
@@ -150,7 +162,7 @@ class WeightBoard:
         self.descs = [[k, names[p.dtype], list(p.shape), self.offsets[k]]
                       for k, p in params.items()]
         self.nbytes = sum(p.numel() * p.element_size() for p in params.values())
-        self.ticket: dict[str, Any] | None = None  # the latest publication, while current
+        self.ticket: Ticket | None = None  # the latest publication, while current
         self.published = 0
         # the weights live in a slot (None: they are copied into one per publication)
         self.layout = flat_layout if self.flats else None
@@ -280,7 +292,7 @@ class WeightBoard:
             self._close(home, version)
         self.ticket = None
 
-    def publish(self, params: Mapping[str, torch.Tensor], version: int) -> dict[str, Any]:
+    def publish(self, params: Mapping[str, torch.Tensor], version: int) -> Ticket:
         """The ticket of a slot holding ``params`` at ``version``: the slot they live
         in, or one written now unless the latest publication is still current. The
         slot written is the one not published last, so the latest stays readable
@@ -313,8 +325,8 @@ class WeightBoard:
                 self.lent = True
         self.published += 1
         at = 8 + slot * 8
-        self.ticket = {"slot": slot, "seq": int(self.head[at]), "version": version,
-                       "t": self.descs, "nbytes": self.nbytes}
+        self.ticket = Ticket(slot=slot, seq=int(self.head[at]), version=version,
+                             t=self.descs, nbytes=self.nbytes)
         return self.ticket
 
     def close(self) -> None:

@@ -33,10 +33,18 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+import msgspec
 import torch
 
 from paramserver.errors import ErrorCode, ProtocolError
-from paramserver.shm.board import READ_ATTEMPTS, BoardAhead, BoardReader, WeightBoard, read_guarded
+from paramserver.shm.board import (
+    READ_ATTEMPTS,
+    BoardAhead,
+    BoardReader,
+    Ticket,
+    WeightBoard,
+    read_guarded,
+)
 from paramserver.shm.segment import (
     ALIGN,
     ENV,
@@ -151,7 +159,7 @@ class ShmLink:
         # the shard's nonce is in our segment: the next HELLO says so (``proved``)
         self.proving = False
 
-    def offer(self) -> dict[str, Any] | None:
+    def offer(self) -> ShmOffer | None:
         """The HELLO field that offers our gradient segment (None: cannot make one)."""
         if self.grads is None:
             try:
@@ -159,11 +167,8 @@ class ShmLink:
             except OSError as exc:
                 log.info("no shared-memory segment (%s): this worker uses TCP", exc)
                 return None
-        offer: dict[str, Any] = {"host": host_identity(), "seg": self.grads.seg.name,
-                                 "size": self.grads.seg.size}
-        if self.proving:
-            offer["proved"] = True
-        return offer
+        return ShmOffer(host_identity(), self.grads.seg.name, self.grads.seg.size,
+                        proved=self.proving)
 
     def granted(self, grant: Any) -> None:
         """The shard's answer to the offer: a challenge (its nonce, written into our
@@ -282,7 +287,7 @@ class ShmHub:
     def hello(self, identity: bytes, worker: int, offer: Any, local: bool, trusted: bool,
               params: Mapping[str, torch.Tensor],
               flats: Mapping[torch.dtype, torch.Tensor] | None = None,
-              flat_layout: FlatLayout | None = None) -> dict[str, Any] | None:
+              flat_layout: FlatLayout | None = None) -> ShmGrant | None:
         """Take a worker's offer (HELLO field ``shm``) if it is on this host, local and
         trusted; the field for the reply, or None (that worker then uses TCP).
 
@@ -314,7 +319,7 @@ class ShmHub:
             self.pending[identity] = pending  # (re)inserted last: the oldest go first
             while len(self.pending) > _MAX_PENDING:
                 del self.pending[next(iter(self.pending))]
-            return {"prove": pending.nonce.hex()}
+            return ShmGrant(prove=pending.nonce.hex())
         try:
             seg = Segment.attach(name, size, proof=(PROOF_AT, pending.nonce))
         except ProofError as exc:
@@ -338,10 +343,9 @@ class ShmHub:
         self.peers[identity] = _Peer(worker, seg, pending.nonce)
         return self._grant()
 
-    def _grant(self) -> dict[str, Any]:
+    def _grant(self) -> ShmGrant:
         assert self.board is not None
-        return {"board": self.board.seg.name, "size": self.board.seg.size,
-                "token": self.board.token.hex()}
+        return ShmGrant(self.board.seg.name, self.board.seg.size, self.board.token.hex())
 
     def resolve(self, identity: bytes, descs: list[Any]) -> dict[str, torch.Tensor]:
         """The tensors a message's ``shm`` descriptors name in its sender's segment."""
@@ -368,8 +372,9 @@ class ShmHub:
         grant = self.hello(identity, hello.worker, hello.shm, _is_local(peer, address),
                            trusted, core.params, core.flats, core.layout)
         if grant is not None:
-            answer.fields.update(shm=grant)  # a challenge, or the board (an outgoing field)
-        if grant is None or "board" not in grant:
+            # a challenge, or the board (an outgoing field: the set fields only)
+            answer.fields.update(shm=msgspec.to_builtins(grant))
+        if grant is None or grant.board is None:
             return False
         slot = core.ahead.slot
         if self.board is not None and self.board.layout is not None and not (
@@ -418,7 +423,7 @@ class ShmHub:
             self.pulls[identity] = seq
 
     def ticket(self, identity: bytes, seq: int, params: Mapping[str, torch.Tensor],
-               version: int) -> dict[str, Any] | None:
+               version: int) -> Ticket | None:
         """The board ticket answering ``(identity, seq)``, or None to answer over TCP."""
         if self.pulls.get(identity) != seq or self.board is None:
             return None

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from paramserver.errors import ErrorCode, ParamServerError, ProtocolError
-from paramserver.wire.protocol import Limits, _check_desc
+from paramserver.wire.frames import Limits, check_desc
 
 __all__ = ["ALIGN", "ENV", "NONCE_BYTES", "SHM_DIR", "ProofError", "Segment", "aligned",
            "descs_to_tensors", "enabled", "host_identity", "layout", "sweep", "valid_name"]
@@ -262,7 +262,7 @@ def descs_to_tensors(seg: Segment, descs: Any, limits: Limits, base: int = 0,
     for desc in descs:
         if not isinstance(desc, list) or len(desc) != 4:
             raise ProtocolError(ErrorCode.BAD_TENSOR, "shm descriptor: [key, dtype, shape, offset]")
-        key, dtype, shape = _check_desc(desc[:3], limits)
+        key, dtype, shape = check_desc(desc[:3], limits)
         offset = desc[3]
         if key in tensors:
             raise ProtocolError(ErrorCode.BAD_TENSOR, f"tensor key {key!r} appears twice")

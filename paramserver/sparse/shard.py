@@ -28,15 +28,16 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 import torch
 
 from paramserver.errors import ConfigError, ErrorCode, ProtocolError
 
-__all__ = ["INIT_BLOCK", "INIT_RULES", "SPARSE_OPTIMIZERS", "RowPush", "SparseShard",
-           "SparseTable", "TableSpec", "full_table", "init_rows", "owned_rows", "shard_of"]
+__all__ = ["INIT_BLOCK", "INIT_RULES", "SPARSE_OPTIMIZERS", "RowPush", "SparseMeta",
+           "SparseShard", "SparseTable", "TableDescription", "TableSpec", "full_table",
+           "init_rows", "owned_rows", "shard_of"]
 
 #: rows drawn from one generator at initialization (the unit of determinism)
 INIT_BLOCK = 4096
@@ -55,6 +56,29 @@ ROW_OVERHEAD = 16
 MAX_REQUEST_ROWS = 1 << 18
 #: tables STATS lists (the rest are counted in tables_count)
 STATS_TABLES = 512
+
+
+class TableDescription(TypedDict):
+    """A table in a plan's description (JSON: HELLO, the config, a checkpoint)."""
+
+    name: str
+    rows: int
+    dim: int
+    dtype: str
+    init: str
+    std: float
+    seed: int
+
+
+class SparseMeta(TypedDict):
+    """What a checkpoint's metadata keeps of a shard's sparse tables, beside their
+    tensors (:meth:`SparseShard.state_dict`)."""
+
+    version: int
+    rounds: int
+    initialized: dict[str, bool]  # table -> seeded
+    tables: list[TableDescription]
+    param_groups: list[dict[str, Any]]  # the optimizer's, as torch's state_dict has them
 
 
 @dataclass(frozen=True)
@@ -100,9 +124,9 @@ class TableSpec:
     def nbytes(self) -> int:
         return self.rows * self.dim * self.torch_dtype.itemsize
 
-    def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "rows": self.rows, "dim": self.dim, "dtype": self.dtype,
-                "init": self.init, "std": float(self.std), "seed": self.seed}
+    def describe(self) -> TableDescription:
+        return TableDescription(name=self.name, rows=self.rows, dim=self.dim, dtype=self.dtype,
+                                init=self.init, std=float(self.std), seed=self.seed)
 
     @classmethod
     def from_description(cls, d: Any) -> TableSpec:
@@ -540,7 +564,7 @@ class SparseShard:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], SparseMeta]:
         """(tensors, metadata) for the shard's checkpoint; the open sync round is not
         saved (its pushes are sent again by their workers after a restart)."""
         tensors: dict[str, torch.Tensor] = {}
@@ -553,10 +577,10 @@ class SparseShard:
         for i, entries in opt["state"].items():
             for key, value in entries.items():
                 tensors[f"sparse_optim/{i}/{key}"] = value
-        meta = {"version": self.version, "rounds": self.rounds,
-                "initialized": {n: t.initialized for n, t in self.tables.items()},
-                "tables": [t.spec.describe() for t in self.tables.values()],
-                "param_groups": opt["param_groups"]}
+        meta = SparseMeta(version=self.version, rounds=self.rounds,
+                          initialized={n: t.initialized for n, t in self.tables.items()},
+                          tables=[t.spec.describe() for t in self.tables.values()],
+                          param_groups=opt["param_groups"])
         return tensors, meta
 
     def load_state_dict(self, tensors: Mapping[str, torch.Tensor],

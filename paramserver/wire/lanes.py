@@ -1,6 +1,6 @@
 """A small model's share of a shard, gathered and landed with a few calls per message.
 
-A small model's push is one packed frame per shard (protocol.PACK_BYTES), and
+A small model's push is one packed frame per shard (frames.PACK_BYTES), and
 its pulled weights come back as one. The general path splits every gradient
 into slices, checks each slice, packs them and, for the reply, checks and
 copies slice by slice: some sixty Python calls per message, which on a busy
@@ -25,7 +25,7 @@ import msgpack
 import torch
 
 from paramserver.core.sharding import ShardPlan
-from paramserver.wire.protocol import PACK_BYTES, PreparedTensors, _describe
+from paramserver.wire.frames import PACK_BYTES, PreparedTensors, describe
 
 __all__ = ["SmallShare"]
 
@@ -61,7 +61,7 @@ class SmallShare:
             return None  # not small: the general path's frames of their own
         # the descriptor is the general path's for such slices (1-D, in this order, not
         # back to back): one frame, packed, or of its own for one tensor; else None
-        descs, _ = _describe({s.name: torch.empty(s.numel, dtype=dtype) for s in specs})
+        descs, _ = describe({s.name: torch.empty(s.numel, dtype=dtype) for s in specs})
         if len(descs) != 1:
             return None  # more than one packed frame holds
         return cls([s.name for s in specs], [torch.Size(s.shape) for s in specs], dtype,

@@ -234,8 +234,9 @@ class CheckpointReply(msgspec.Struct, frozen=True):
     version: int
 
 
-class ShmOffer(msgspec.Struct, frozen=True):
-    """A same-host worker's offer of its gradient segment (the HELLO's ``shm`` map)."""
+class ShmOffer(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A same-host worker's offer of its gradient segment (the HELLO's ``shm`` map;
+    ``proved`` sent only when true, as before it was a field here)."""
 
     host: str
     seg: str
@@ -254,7 +255,7 @@ class ShmOffer(msgspec.Struct, frozen=True):
         return cls(host, seg, size, offer.get("proved") is True)
 
 
-class ShmGrant(msgspec.Struct, frozen=True):
+class ShmGrant(msgspec.Struct, frozen=True, omit_defaults=True):
     """A shard's answer to the offer (the HELLO reply's ``shm`` map): a challenge
     (``prove``, a nonce in hex), or its board's segment, size and token (hex)."""
 

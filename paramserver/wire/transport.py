@@ -20,12 +20,14 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
+import msgspec
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
 from paramserver.errors import RemoteError, RequestTimeoutError, TransportError
 from paramserver.wire.curve import CurveKeys, KeyGrant, load_allow_list, start_authenticator
+from paramserver.wire.messages import ShmOffer
 from paramserver.wire.protocol import (
     DEFAULT_LIMITS,
     Limits,
@@ -48,7 +50,7 @@ class SideChannel(Protocol):
     @property
     def active(self) -> bool: ...
 
-    def offer(self) -> dict[str, Any] | None: ...
+    def offer(self) -> ShmOffer | None: ...
 
     def granted(self, grant: Any) -> None: ...
 
@@ -355,7 +357,8 @@ class Channel(Generic[SideT]):
         fields = msg.fields
         if msg.op is Op.HELLO and fields.get("role") == "worker":
             offer = link.offer()
-            return msg if offer is None else Message(msg.op, msg.seq, {**fields, "shm": offer})
+            return msg if offer is None else Message(msg.op, msg.seq, {
+                **fields, "shm": msgspec.to_builtins(offer)})
         if not link.active:
             return msg
         extra: dict[str, Any] = {}
