@@ -111,10 +111,7 @@ class ShardCore:
         self.seeding = Seeding()  # INIT in parts: who is seeding, which parts are in
         self.pulls = PullQueue()  # parked pulls, answered when their gate opens
         # sync: the open round (its buffer, contributors and pushes arriving in parts)
-        # summed by worker id, so that a seed gives the same weights bit for bit; with
-        # backup workers who contributes depends on timing: summed as pushes come
-        self.round = SyncRound(self.params, self.layout,
-                               roster=None if self.mode.backup_workers else self._pacing_ids)
+        self.round = SyncRound(self.params, self.layout)
         # a lone contributor's round stepped part by part, out of place (ahead.py)
         self.ahead = StepAhead(self.layout, self.flats, self.params, self.round)
         # the weights each worker read, for policies that need them (needs_read_weights)
@@ -122,6 +119,8 @@ class ShardCore:
         # the workers: registration, liveness, clocks, stragglers (membership.py)
         self.members = Membership(self.config, self, round=self.round, pulls=self.pulls,
                                   seeding=self.seeding, read_weights=self.read_weights)
+        if not self.mode.backup_workers:  # a round summed by worker id: bit-reproducible
+            self.round.roster = self.members.pacing_ids  # (with backups: as pushes come)
         self.max_answered_gap = 0  # largest clock gap at which a pull was answered
         # ssp: the bound in force; a policy overriding staleness_bound() moves it
         self.bound = self.mode.staleness_bound
@@ -545,9 +544,6 @@ class ShardCore:
             state.uncount(decision, "nonfinite_step")
             return rules.refused("nonfinite_step", info.staleness, self.version)
         return rules.answered(decision, info.staleness, self.version, True)
-
-    def _pacing_ids(self) -> list[int]:
-        return self.members.pacing_ids()
 
     def maybe_close_round(self) -> bool:
         """Close the open sync round when at most ``backup_workers`` live ones are missing."""
