@@ -101,7 +101,7 @@ def run_cell(task: str, optimizer: str, mode: str, seed: int, steps: int) -> dic
     dogs: dict[int, Watchdog] = sim.__dict__.get("dogs", {})
     alarms = [a for d in dogs.values() for a in d.alarms]
     hints = [h for d in dogs.values() for h in d.hints]
-    losses = [w.get("final_train_loss") for w in result["workers"]]
+    losses = [w.final_train_loss for w in result.finished]
     return {"task": task, "optimizer": optimizer, "mode": mode, "seed": seed, "steps": steps,
             "alarms": len(alarms), "signals": dict(Counter(a.signal for a in alarms)),
             "alarm_messages": [a.message for a in alarms][:5], "hints": len(hints),
