@@ -243,7 +243,7 @@ def test_backup_workers_are_a_mode_of_the_experiment_grid():
     spec = ExperimentSpec(modes=["sync", "sync:b=1"], workers=[8], scenarios=["none"])
     configs = spec.configurations()
     assert [c.label for c in configs] == ["sync", "sync b=1"]
-    assert configs[1].to_dict()["backups"] == 1 and configs[1].id == "none-sync-b1-none-w8"
+    assert spec.entry(configs[1]).backups == 1 and configs[1].id == "none-sync-b1-none-w8"
     cluster = spec.cluster_spec(configs[1], seed=0)
     assert cluster.server.mode == "sync" and cluster.server.backup_workers == 1
     assert ModeChoice.parse(str(configs[1].mode)) == configs[1].mode  # spec.toml round trip

@@ -41,6 +41,7 @@ from paramserver.core.stepsize import LrRule
 from paramserver.errors import ConfigError
 from paramserver.policies import create_policy, parse_policy_args
 from paramserver.server.loop import ServerConfig
+from paramserver.workers.experiments.index import ConfigEntry, ScenarioEntry, StepSettings
 from paramserver.workers.launch.cluster import ClusterSpec
 from paramserver.workers.stragglers import StragglerSpec
 from paramserver.workers.tasks import resolve_task, task_parameters
@@ -261,12 +262,9 @@ class Scenario:
     def stragglers(self, num_workers: int) -> dict[int, StragglerSpec]:
         return {r: spec for r, spec in self.ranks if r < num_workers}
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "description": self.description,
-            "all": dataclasses.asdict(self.all),
-            "ranks": {str(r): dataclasses.asdict(s) for r, s in self.ranks},
-        }
+    def entry(self) -> ScenarioEntry:
+        """This scenario's entry in experiment.json."""
+        return ScenarioEntry(self.description, self.all, {str(r): s for r, s in self.ranks})
 
     @classmethod
     def from_table(cls, name: str, table: Mapping[str, Any], min_step_time: float) -> Scenario:
@@ -334,12 +332,6 @@ class Configuration:
     def id(self) -> str:
         return f"{self.scenario}-{self.mode.slug}-{self.policy.slug}-w{self.workers}"
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "scenario": self.scenario, "label": self.label,
-                "mode": self.mode.mode, "bound": self.mode.bound, "mode_spec": str(self.mode),
-                "backups": self.mode.backups,
-                "policy": self.policy.name, "policy_args": dict(self.policy.args),
-                "workers": self.workers}
 
 
 @dataclass(frozen=True)
@@ -520,8 +512,8 @@ class ExperimentSpec:
             backup_workers=config.mode.backups, expected_workers=config.workers,
             policy=config.policy.name, policy_args=dict(config.policy.args),
             optimizer=self.optimizer, optimizer_args=optimizer_args,
-            lr_scaling=step["lr_scaling"], warmup_steps=step["warmup_steps"],
-            momentum_target=step["momentum_target"],
+            lr_scaling=step.lr_scaling, warmup_steps=step.warmup_steps,
+            momentum_target=step.momentum_target,
         )
         worker = WorkerConfig(
             servers=[], task=self.task, task_args=dict(self.task_args),
@@ -533,17 +525,27 @@ class ExperimentSpec:
                            worker=worker, stragglers=scenario.stragglers(config.workers),
                            run_timeout=self.run_timeout)
 
-    def step_settings(self, mode: ModeChoice) -> dict[str, Any]:
+    def step_settings(self, mode: ModeChoice) -> StepSettings:
         """The step-size rules ``mode`` runs with: its own, else the spec's."""
         momentum = mode.momentum if mode.momentum is not None \
             else self.optimizer_args.get("momentum", 0.0)
-        return {
-            "lr_scaling": mode.lr_scaling or self.lr_scaling,
-            "warmup_steps": mode.warmup if mode.warmup is not None else self.warmup_steps,
-            "momentum_target": mode.momentum_target if mode.momentum_target is not None
+        return StepSettings(
+            lr_scaling=mode.lr_scaling or self.lr_scaling,
+            warmup_steps=mode.warmup if mode.warmup is not None else self.warmup_steps,
+            momentum_target=mode.momentum_target if mode.momentum_target is not None
             else self.momentum_target,
-            "momentum": momentum,
-        }
+            momentum=momentum)
+
+    def entry(self, config: Configuration) -> ConfigEntry:
+        """``config``'s entry in experiment.json, with the step-size rules it runs with."""
+        mode, step = config.mode, self.step_settings(config.mode)
+        return ConfigEntry(
+            id=config.id, scenario=config.scenario, label=config.label, mode=mode.mode,
+            bound=mode.bound, mode_spec=str(mode), backups=mode.backups,
+            policy=config.policy.name, policy_args=dict(config.policy.args),
+            workers=config.workers, lr_scaling=step.lr_scaling,
+            warmup_steps=step.warmup_steps, momentum_target=step.momentum_target,
+            momentum=step.momentum)
 
     def to_toml_dict(self) -> dict[str, Any]:
         used = {k: v for k, v in self.custom_scenarios.items() if k in self.scenarios}
