@@ -3,9 +3,10 @@
 :class:`ConfigEntry` is one point of the grid with the step-size rules it ran
 with (:class:`StepSettings`), :class:`RunEntry` one run (configuration x seed)
 and how it ended, :class:`ScenarioEntry` a straggler scenario, and
-:class:`ExperimentIndex` the whole file. The runner writes them with ``to_json()``; the report reads
-them back with ``from_json()`` (keys a file lacks take their defaults: an
-experiment from before a key was recorded).
+:class:`ExperimentIndex` the whole file. :class:`EnvironmentInfo` is
+``environment.json``, what it takes to reproduce the experiment. The runner
+writes them with ``to_json()``; the report reads them back (keys a file lacks
+take their defaults: an experiment from before a key was recorded).
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from paramserver.util.jsontypes import JSON, JSONObject
 from paramserver.workers.launch.virtual import SimSpec
 from paramserver.workers.stragglers import StragglerSpec
 
-__all__ = ["ConfigEntry", "ExperimentIndex", "PolicyArg", "RunEntry", "ScenarioEntry",
-           "StepSettings"]
+__all__ = ["ConfigEntry", "EnvironmentInfo", "ExperimentIndex", "PolicyArg", "RunEntry",
+           "ScenarioEntry", "StepSettings"]
 
 _T = TypeVar("_T")
 _D = TypeVar("_D")
@@ -219,5 +220,41 @@ class ExperimentIndex:
             raise ConfigError(f"{out_dir} holds no experiment.json: not an experiment directory")
         try:
             return cls.from_json(json.loads(path.read_text()))
+        except (ValueError, msgspec.ValidationError) as exc:
+            raise ConfigError(f"{path}: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class EnvironmentInfo:
+    """``environment.json``: versions, git commit, platform, command (None: not known)."""
+
+    python: str | None = None
+    implementation: str | None = None
+    platform: str | None = None
+    machine: str | None = None
+    cpus: int | None = None
+    packages: dict[str, str | None] = field(default_factory=dict)  # None: not installed
+    git_commit: str | None = None
+    git_dirty: bool | None = None
+    argv: tuple[str, ...] = ()
+    torch_threads: int | None = None
+    cuda: bool | None = None
+
+    def to_json(self) -> JSONObject:
+        return {"python": self.python, "implementation": self.implementation,
+                "platform": self.platform, "machine": self.machine, "cpus": self.cpus,
+                "packages": {k: v for k, v in self.packages.items()},
+                "git_commit": self.git_commit, "git_dirty": self.git_dirty,
+                "argv": [a for a in self.argv], "torch_threads": self.torch_threads,
+                "cuda": self.cuda}
+
+    @classmethod
+    def read(cls, out_dir: str | Path) -> EnvironmentInfo:
+        """An experiment's ``environment.json`` (all unknown if there is none)."""
+        path = Path(out_dir) / "environment.json"
+        if not path.exists():
+            return cls()
+        try:
+            return msgspec.convert(json.loads(path.read_text()), type=cls)
         except (ValueError, msgspec.ValidationError) as exc:
             raise ConfigError(f"{path}: {exc}") from exc

@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import html
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,8 +21,9 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
+from paramserver.workers.experiments.index import EnvironmentInfo, ExperimentIndex
+
 if TYPE_CHECKING:
-    from paramserver.workers.experiments.index import ExperimentIndex
     from paramserver.workers.experiments.report import ClaimCheck, ConfigSummary, Stat
     from paramserver.workers.stragglers import StragglerSpec
 
@@ -387,8 +387,7 @@ def render_report(out_dir: Path, exp: ExperimentIndex, summaries: Sequence[Confi
     """Write the figures, report.md and report.html; return their paths."""
     images_dir = out_dir / "images"
     images_dir.mkdir(exist_ok=True)
-    env_path = out_dir / "environment.json"
-    env = json.loads(env_path.read_text()) if env_path.exists() else {}
+    env = EnvironmentInfo.read(out_dir)
     colors = _colors(summaries)
     target = exp.target_loss
     step_ms = 1000 * exp.min_step_time
@@ -407,11 +406,11 @@ def render_report(out_dir: Path, exp: ExperimentIndex, summaries: Sequence[Confi
             f"emulates a model heavier than the task's own (about 1 ms a step on "
             f"digits-mlp), so that straggler effects stand out above process noise. Straggler "
             f"slowdowns multiply this time.")))
-    pkgs = env.get("packages", {})
+    pkgs = env.packages
     blocks.append(("p", (
-        f"Environment: Python {env.get('python', '?')}, torch {pkgs.get('torch', '?')}, pyzmq "
-        f"{pkgs.get('pyzmq', '?')}, {env.get('cpus', '?')} CPUs, git commit "
-        f"{env.get('git_commit') or 'unknown'}{' (modified)' if env.get('git_dirty') else ''}. "
+        f"Environment: Python {env.python or '?'}, torch {pkgs.get('torch', '?')}, pyzmq "
+        f"{pkgs.get('pyzmq', '?')}, {env.cpus or '?'} CPUs, git commit "
+        f"{env.git_commit or 'unknown'}{' (modified)' if env.git_dirty else ''}. "
         f"Rerun with: paramserver experiment --spec spec.toml")))
     if exp.simulated is not None:
         sim = exp.simulated
@@ -421,7 +420,7 @@ def render_report(out_dir: Path, exp: ExperimentIndex, summaries: Sequence[Confi
             f"--spec spec.toml --compute-time {sim.compute_time} --latency "
             f"{sim.latency}")))
     loads = [r.load for r in exp.runs if r.load is not None]
-    cpus = env.get("cpus") or 0
+    cpus = env.cpus or 0
     if loads and cpus:
         text = (f"Machine load: the 1-minute load average was {min(loads):.1f} to "
                 f"{max(loads):.1f} at the end of the runs, on {cpus} CPUs.")

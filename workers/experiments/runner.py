@@ -24,13 +24,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from paramserver.errors import ConfigError, ParamServerError
 from paramserver.observe.events import read_events
-from paramserver.workers.experiments.index import ExperimentIndex, RunEntry
+from paramserver.workers.experiments.index import EnvironmentInfo, ExperimentIndex, RunEntry
 from paramserver.workers.experiments.report import ReportFiles, write_report
 from paramserver.workers.experiments.spec import ExperimentSpec, RunPlan, dump_spec
 from paramserver.workers.launch.cluster import Progress, run_cluster
@@ -49,7 +48,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-def environment_info() -> dict[str, Any]:
+def environment_info() -> EnvironmentInfo:
     """What it takes to reproduce a result: versions, git commit, platform, command."""
     packages: dict[str, str | None] = {}
     for dist in ("paramserver", "torch", "pyzmq", "numpy", "msgpack", "scikit-learn",
@@ -68,13 +67,11 @@ def environment_info() -> dict[str, Any]:
         dirty = bool(status.strip())
     except (OSError, subprocess.SubprocessError):
         pass  # not a git checkout (an installed wheel): versions must do
-    return {
-        "python": sys.version.split()[0], "implementation": platform.python_implementation(),
-        "platform": platform.platform(), "machine": platform.machine(),
-        "cpus": os.cpu_count(), "packages": packages, "git_commit": commit, "git_dirty": dirty,
-        "argv": list(sys.argv), "torch_threads": torch.get_num_threads(),
-        "cuda": torch.cuda.is_available(),
-    }
+    return EnvironmentInfo(
+        python=sys.version.split()[0], implementation=platform.python_implementation(),
+        platform=platform.platform(), machine=platform.machine(), cpus=os.cpu_count(),
+        packages=packages, git_commit=commit, git_dirty=dirty, argv=tuple(sys.argv),
+        torch_threads=torch.get_num_threads(), cuda=torch.cuda.is_available())
 
 
 @dataclass
@@ -178,7 +175,7 @@ def run_experiment(spec: ExperimentSpec, out_dir: str | os.PathLike[str],
     out = Path(out_dir)
     prepare_dir(out)
     (out / "spec.toml").write_text(dump_spec(spec), encoding="utf-8")
-    (out / "environment.json").write_text(json.dumps(environment_info(), indent=2))
+    (out / "environment.json").write_text(json.dumps(environment_info().to_json(), indent=2))
     if sim is not None:
         (out / "simulation.json").write_text(json.dumps(dataclasses.asdict(sim), indent=2))
     plans = spec.runs()

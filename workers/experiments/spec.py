@@ -41,6 +41,7 @@ from paramserver.core.stepsize import LrRule
 from paramserver.errors import ConfigError
 from paramserver.policies import create_policy, parse_policy_args
 from paramserver.server.loop import ServerConfig
+from paramserver.util.jsontypes import JSONObject
 from paramserver.workers.experiments.index import ConfigEntry, ScenarioEntry, StepSettings
 from paramserver.workers.launch.cluster import ClusterSpec
 from paramserver.workers.stragglers import StragglerSpec
@@ -547,9 +548,10 @@ class ExperimentSpec:
             warmup_steps=step.warmup_steps, momentum_target=step.momentum_target,
             momentum=step.momentum)
 
-    def to_toml_dict(self) -> dict[str, Any]:
+    def to_toml_dict(self) -> JSONObject:
+        """The spec as the TOML document dump_spec writes (None values left out there)."""
         used = {k: v for k, v in self.custom_scenarios.items() if k in self.scenarios}
-        data: dict[str, Any] = {
+        data: JSONObject = {
             "name": self.name, "task": self.task, "steps": self.steps,
             "batch_size": self.batch_size, "seeds": list(self.seeds), "num_servers": self.servers,
             "workers": list(self.workers), "modes": [str(m) for m in self.modes],
@@ -600,8 +602,8 @@ def _renamed_keys(data: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _scenario_table(s: Scenario) -> dict[str, Any]:
-    base = dataclasses.asdict(s.all)
+def _scenario_table(s: Scenario) -> JSONObject:
+    base: JSONObject = dataclasses.asdict(s.all)
     return {"description": s.description, "all": base,
             "ranks": {str(r): {k: v for k, v in dataclasses.asdict(o).items() if base[k] != v}
                       for r, o in s.ranks}}
@@ -620,8 +622,9 @@ def _int(value: Any, what: str, low: int) -> int:
     return value
 
 
-#: named specs; ``demo`` is ``make demo``, ``literature`` checks the published claims
-PRESETS: dict[str, dict[str, Any]] = {
+#: named specs, as the partial TOML documents from_dict reads; ``demo`` is ``make demo``,
+#: ``literature`` checks the published claims
+PRESETS: dict[str, JSONObject] = {
     "demo": {"name": "demo"},
     # lr 0.05: the claim on updates to target is about small lr x staleness (see the docs)
     "literature": {"name": "literature", "modes": ["sync", "ssp:1", "ssp:3", "async"],
