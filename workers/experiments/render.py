@@ -142,7 +142,11 @@ def _band(curves: Sequence[Sequence[tuple[float, float]]], points: int = 160
     return grid, np.median(ys, axis=0), ys.min(axis=0), ys.max(axis=0)
 
 
-def _colors(summaries: Sequence[ConfigSummary]) -> dict[str, Any]:
+#: a configuration's colour on the plots: a matplotlib name ("tab:blue") or RGBA
+Color = str | tuple[float, float, float, float]
+
+
+def _colors(summaries: Sequence[ConfigSummary]) -> dict[str, Color]:
     from matplotlib import colormaps
 
     labels = list(dict.fromkeys(s.label for s in summaries))
@@ -193,12 +197,12 @@ def loss_frame(scenario: str, values: Sequence[float], target: float,
     return LossFrame((lo / pad, hi * pad), show, title)
 
 
-def plot_loss(scenario: str, group: Sequence[ConfigSummary], colors: dict[str, Any],
+def plot_loss(scenario: str, group: Sequence[ConfigSummary], colors: dict[str, Color],
               target: float, path: Path) -> Path:
     return _save(loss_figure(scenario, group, colors, target), path)
 
 
-def loss_figure(scenario: str, group: Sequence[ConfigSummary], colors: dict[str, Any],
+def loss_figure(scenario: str, group: Sequence[ConfigSummary], colors: dict[str, Color],
                 target: float) -> Figure:
     """Held-out loss against time and against updates applied: a median line per
     configuration (its mode's style), a min-max band where it has two seeds or more."""
@@ -239,7 +243,7 @@ def loss_figure(scenario: str, group: Sequence[ConfigSummary], colors: dict[str,
     return fig
 
 
-def plot_staleness(scenario: str, group: Sequence[ConfigSummary], colors: dict[str, Any],
+def plot_staleness(scenario: str, group: Sequence[ConfigSummary], colors: dict[str, Color],
                    path: Path) -> Path:
     fig = Figure(figsize=(max(4.0, 3.6 * len(group)), 3.8), layout="constrained")
     axes = np.atleast_1d(fig.subplots(1, len(group), squeeze=False)[0])
