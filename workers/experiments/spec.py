@@ -365,7 +365,7 @@ class ExperimentSpec:
 
     name: str = "experiment"
     task: str = "digits-mlp"
-    task_args: dict[str, Any] = field(default_factory=dict)
+    task_args: JSONObject = field(default_factory=dict)  # the task's own arguments
     steps: int = 250  # per worker, the same for every worker and configuration
     batch_size: int | None = None  # None: the task's default
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
@@ -377,7 +377,7 @@ class ExperimentSpec:
     scenarios: list[str] = field(default_factory=lambda: ["transient"])
     custom_scenarios: dict[str, Scenario] = field(default_factory=dict)
     optimizer: str = "sgd"
-    optimizer_args: dict[str, Any] = field(default_factory=lambda: {"lr": 0.1})
+    optimizer_args: JSONObject = field(default_factory=lambda: {"lr": 0.1})
     target_loss: float = 0.5  # held-out loss for "time to target"
     eval_every: int = 5  # worker 0 evaluates held-out data every N of its steps
     min_step_time: float = 0.015  # s; emulates a model heavier than the task's
@@ -528,8 +528,9 @@ class ExperimentSpec:
 
     def step_settings(self, mode: ModeChoice) -> StepSettings:
         """The step-size rules ``mode`` runs with: its own, else the spec's."""
+        given = self.optimizer_args.get("momentum", 0.0)  # a number: build_optimizer checked
         momentum = mode.momentum if mode.momentum is not None \
-            else self.optimizer_args.get("momentum", 0.0)
+            else float(given) if isinstance(given, int | float) else 0.0
         return StepSettings(
             lr_scaling=mode.lr_scaling or self.lr_scaling,
             warmup_steps=mode.warmup if mode.warmup is not None else self.warmup_steps,
