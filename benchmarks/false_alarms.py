@@ -131,7 +131,8 @@ def run_cell(task: str, optimizer: str, mode: str, seed: int, steps: int) -> Cel
     dogs: dict[int, Watchdog] = sim.__dict__.get("dogs", {})
     alarms = [a for d in dogs.values() for a in d.alarms]
     hints = [h for d in dogs.values() for h in d.hints]
-    losses = tuple(float(w.get("final_train_loss", math.nan)) for w in result["workers"])
+    losses = tuple(math.nan if w.final_train_loss is None else w.final_train_loss
+                   for w in result.finished)
     return CellRun(task, optimizer, mode, seed, steps, len(alarms),
                    dict(Counter(a.signal for a in alarms)),
                    tuple(a.message for a in alarms)[:5], len(hints), losses,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import json
 import signal
 import time
 from pathlib import Path
@@ -12,10 +13,12 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from paramserver.errors import ParamServerError
+from paramserver.util.jsontypes import JSON, JSONObject
 from paramserver.util.proctitle import set_title
 from paramserver.workers.launch.cluster import ClusterSpec, run_cluster
 from paramserver.workers.launch.cluster import Progress as ClusterProgress
-from paramserver.workers.launch.processes import ProcessInfo, worker_summaries
+from paramserver.workers.launch.processes import ProcessInfo
+from paramserver.workers.launch.results import ClusterResult, worker_summaries
 
 from . import options
 from .outdir import RUN_MARKERS, claim_out_dir
@@ -136,21 +139,21 @@ class _AlarmLines:
         self.console.print(format_alarm(alarm), no_wrap=True, overflow="ellipsis")
 
 
-def _summary(spec: ClusterSpec, result: dict[str, Any], out: Path) -> str:
+def _summary(spec: ClusterSpec, result: ClusterResult, out: Path) -> str:
     workers = worker_summaries(result)
     # a worker that died and stayed dead wrote no counts: it adds 0 here
     pushes = sum(w.pushes for w in workers)
     accepted = sum(w.accepted for w in workers)
     rejected = sum(w.rejected for w in workers)
-    seconds = result["seconds"]
+    seconds = result.seconds
     what = " ".join(spec.command) if spec.command else spec.worker.task
     lines = [f"finished in {seconds:.1f}s: {spec.server.mode_spec().describe()}, "
              f"{spec.num_servers} server(s) x {spec.num_workers} worker(s), {what}"]
-    if result["eval"]:
-        lines.append("held-out " + ", ".join(f"{k} {v:.4f}" for k, v in result["eval"].items()))
+    if result.eval:
+        lines.append("held-out " + ", ".join(f"{k} {v:.4f}" for k, v in result.eval.items()))
     lines.append(f"pushes {pushes} ({accepted} accepted, {rejected} rejected), "
                  f"{pushes / seconds if seconds else 0:.1f}/s; shard versions "
-                 f"{', '.join(str(v) for v in result['updates_applied'])}")
+                 f"{', '.join(str(v) for v in result.updates_applied)}")
     dead = [w for w in workers if not w.finished]
     restarted = [w for w in workers if w.finished and w.restarts]
     if dead or restarted:
@@ -159,13 +162,21 @@ def _summary(spec: ClusterSpec, result: dict[str, Any], out: Path) -> str:
                      f"{len(dead)} dead, {restarts} restart(s) "
                      f"(--on-worker-failure {spec.on_worker_failure})")
         lines += [f"  {w.describe()}" for w in dead + restarted]
-    if result.get("alarms"):
-        episodes = {(a.get("signal"), a.get("worker"), (a.get("figures") or {}).get("episode",
-                     (a.get("shard"), a.get("version")))) for a in result["alarms"]}
-        lines.append(f"watchdog alarms: {len(episodes)} ({len(result['alarms'])} on all shards;"
+    if result.alarms:
+        episodes = {_episode(a) for a in result.alarms}
+        lines.append(f"watchdog alarms: {len(episodes)} ({len(result.alarms)} on all shards;"
                      " events/server*.jsonl; docs/observability.md says what each means)")
     lines.append(f"result: {out / 'result.json'} (logs in {out / 'logs'})")
     return "\n".join(lines)
+
+
+def _episode(alarm: JSONObject) -> tuple[JSON, ...]:
+    """One alarm's episode: every shard raises its own alarm for the same one."""
+    figures = alarm.get("figures")
+    episode = figures.get("episode") if isinstance(figures, dict) else None
+    if episode is None:
+        episode = [alarm.get("shard"), alarm.get("version")]
+    return (alarm.get("signal"), alarm.get("worker"), json.dumps(episode))
 
 
 def _process_line(info: ProcessInfo) -> str:

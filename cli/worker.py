@@ -7,7 +7,7 @@ from typing import Any
 import click
 
 from paramserver.errors import ConfigError, RemoteError, RequestTimeoutError, TransportError
-from paramserver.workers.worker import run_worker, worker_title
+from paramserver.workers.worker import WorkerResult, run_worker, worker_title
 
 from . import options
 from .workercount import agree_worker_count
@@ -36,11 +36,11 @@ worker prints its counts and loss (worker 0 also the held-out accuracy);
 """
 
 
-def summary(result: dict[str, Any]) -> str:
-    text = (f"worker {result['worker']}: {result['steps']} steps ({result['accepted']} "
-            f"accepted, {result['rejected']} rejected), final train loss "
-            f"{result['final_train_loss']:.4f}, {result['seconds']:.1f}s")
-    metrics = result.get("eval") or {}
+def summary(result: WorkerResult) -> str:
+    text = (f"worker {result.worker}: {result.steps} steps ({result.accepted} "
+            f"accepted, {result.rejected} rejected), final train loss "
+            f"{result.final_train_loss or 0.0:.4f}, {result.seconds:.1f}s")
+    metrics = result.eval or {}
     if metrics:
         text += ", held-out " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
     return text

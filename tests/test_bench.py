@@ -157,7 +157,7 @@ def _final_weights(tmp: Path, overlap: bool) -> dict[str, torch.Tensor]:
                            batch_size=16, device="cpu", overlap=overlap, bucket_bytes=4096,
                            heartbeat_interval=0, event_log=str(tmp / f"w{overlap}.jsonl"))
         result = run_worker(cfg)
-        assert result["steps"] == 3 and result["rejected"] == 0
+        assert result.steps == 3 and result.rejected == 0
         model = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.ReLU(),
                                     torch.nn.Linear(48, 48), torch.nn.ReLU(),
                                     torch.nn.Linear(48, 1))

@@ -32,12 +32,12 @@ def test_exported_checkpoint_scores_what_the_run_reported(tmp_path):
                             straggler=StragglerSpec(min_step_time=0.01)),
     )
     result = run_cluster(spec, tmp_path / "run")
-    reported = result["eval"]
+    reported = result.eval
     assert reported["accuracy"] > 0.5
 
     # the shards saved at shutdown, at the versions the run ended with
     info = inspect_checkpoint(ckpt)
-    assert info["complete"] and info["versions"] == result["updates_applied"]
+    assert info["complete"] and info["versions"] == list(result.updates_applied)
     for shard in range(2):
         _, meta = load_shard(ckpt, shard)
         assert meta["optimizer_name"] == "adam" and meta["optimizer"]["state"]
@@ -47,11 +47,11 @@ def test_exported_checkpoint_scores_what_the_run_reported(tmp_path):
     cli = CliRunner().invoke(checkpoint_cli, ["export", str(ckpt), str(out)])
     assert cli.exit_code == 0, cli.output
     listing = CliRunner().invoke(checkpoint_cli, ["inspect", str(ckpt), "--json"])
-    assert json.loads(listing.output)["versions"] == result["updates_applied"]
+    assert json.loads(listing.output)["versions"] == list(result.updates_applied)
 
     # a fresh model of the task, as the launcher's evaluation builds it
     cfg = dataclasses.replace(spec.worker, rank=0, world_size=spec.num_workers,
-                              servers=result["addresses"])
+                              servers=list(result.addresses))
     task = build_task(cfg)
     before = evaluate(task)
     task.model.load_state_dict(load_file(str(out)))

@@ -18,6 +18,7 @@ from paramserver.cli.status import render
 from paramserver.cli.tables import keep_figures
 from paramserver.cli.watch import render_status
 from paramserver.wire.stats import ObservedStats, ShardStats, StepFigures
+from paramserver.workers.experiments.index import ConfigEntry
 from paramserver.workers.experiments.report import ConfigSummary, ReportFiles, Stat
 from tests.stats_fixture import shard_stats as record
 from tests.stats_fixture import worker_stats
@@ -39,7 +40,8 @@ def summary(label: str, *, target: Stat, rate: float, wait: float) -> ConfigSumm
     stats = {"time_to_target": target, "final_accuracy": stat(0.9213),
              "updates_per_s": stat(rate), "pct_rejected": stat(12.5),
              "staleness_p95": stat(17), "max_clock_gap": stat(3), "wait_s": stat(wait)}
-    return ConfigSummary({"label": label, "scenario": "transient"}, [], [], stats)
+    return ConfigSummary(ConfigEntry(id=label, scenario="transient", label=label, mode="async",
+                                     workers=2), [], [], stats)
 
 
 @pytest.mark.parametrize("width", [80, 100])

@@ -65,7 +65,7 @@ def _assert_equal(got, want):
 )
 def test_sync_equals_single_process(tmp_path, optimizer, cls, args, unequal):
     result, weights = _run(tmp_path, "sync", 3, optimizer, args, unequal)
-    assert result["updates_applied"] == [STEPS, STEPS]
+    assert list(result.updates_applied) == [STEPS, STEPS]
     _assert_equal(weights, _reference(3, cls, args, unequal))
 
 
@@ -77,15 +77,15 @@ def test_pushes_in_parts_equal_single_process(tmp_path, mode):
     workers = 3 if mode == "sync" else 1
     result, weights = _run(tmp_path, mode, workers, "sgd", args, unequal=mode == "sync",
                            part_bytes=1, chunk_bytes=256)
-    assert result["updates_applied"] == [STEPS, STEPS]
+    assert list(result.updates_applied) == [STEPS, STEPS]
     _assert_equal(weights, _reference(workers, torch.optim.SGD, args, unequal=mode == "sync"))
     # the shards did get parts, and took them as their mode does
     kind = "push_parts_streamed" if mode == "sync" else "push_parts_joined"
-    assert all(s["counters"].get(kind, 0) >= 2 * STEPS * workers for s in result["servers"])
+    assert all(s["counters"].get(kind, 0) >= 2 * STEPS * workers for s in result.servers)
 
 
 def test_async_one_worker_equals_single_process(tmp_path):
     args = {"lr": 0.05, "momentum": 0.9}
     result, weights = _run(tmp_path, "async", 1, "sgd", args)
-    assert result["updates_applied"] == [STEPS, STEPS]
+    assert list(result.updates_applied) == [STEPS, STEPS]
     _assert_equal(weights, _reference(1, torch.optim.SGD, args))

@@ -61,7 +61,7 @@ def test_worker_killed_mid_run_the_others_finish(tmp_path, mode):
         cb, state = kill_when(cluster, lambda c: c.workers[2], at_steps=45)
         cluster.wait_workers(cb, poll=0.05)
         assert state["killed"] == "worker2"
-        assert [f["process"] for f in cluster.failures] == ["worker2"]
+        assert [f.process for f in cluster.failures] == ["worker2"]
     for rank in (0, 1):
         end = read_events(tmp_path / "events" / f"worker{rank}.jsonl", "worker_end")
         assert end and end[0]["steps"] == 60
@@ -84,7 +84,7 @@ def test_restarted_worker_rejoins_and_completes(tmp_path):
         # and its event log holds the torn tail a SIGKILL leaves, whatever the others do
         cb, _ = kill_when(cluster, lambda c: c.workers[1], at_steps=25, rank=1)
         cluster.wait_workers(cb, poll=0.05)
-        assert [r["process"] for r in cluster.restarts] == ["worker1"]
+        assert [r.process for r in cluster.restarts] == ["worker1"]
     hellos = read_events(tmp_path / "events" / "server0.jsonl", "worker_hello")
     rejoin = [h for h in hellos if h["worker"] == 1][-1]
     assert rejoin["clock"] > 0  # resumed where the live workers were, not from 0
@@ -107,13 +107,13 @@ def test_shard_killed_and_restarted_from_checkpoint(tmp_path):
         cb, state = kill_when(cluster, lambda c: c.servers[1], at_steps=120)
         cluster.wait_workers(cb, poll=0.05)
         assert state["killed"] == "server1"
-        assert cluster.restarts and cluster.restarts[0]["resumed"]
+        assert cluster.restarts and cluster.restarts[0].resumed
         from paramserver.workers.launch.cluster import final_eval
         final = final_eval(s, cluster.addresses, tmp_path / "run")
         from paramserver.workers.admin import shutdown_servers
         shutdown_servers(cluster.addresses)
-    want = reference["eval"]["loss"]
-    assert abs(final["loss"] - want) <= 0.1 * want, (final, reference["eval"])
+    want = reference.eval["loss"]
+    assert abs(final["loss"] - want) <= 0.1 * want, (final, reference.eval)
 
 
 def test_run_timeout_names_who_is_still_running_and_what_they_logged(tmp_path):
@@ -154,9 +154,9 @@ def test_a_stalled_run_is_reported_with_every_log_tail_and_so_is_its_resumption(
         with caplog.at_level("WARNING", logger="paramserver.workers.launch.cluster"):
             cluster.wait_workers(cb, poll=0.05)
     assert "thawed" in frozen
-    kinds = [stall["stalled"] for stall in cluster.stalls]
+    kinds = [stall.stalled for stall in cluster.stalls]
     assert kinds[:2] == [True, False]
-    assert cluster.stalls[0]["quiet"] >= 2.0
+    assert cluster.stalls[0].quiet >= 2.0
     warning = next(r.getMessage() for r in caplog.records
                    if r.getMessage().startswith("no worker has logged a step"))
     assert "still running: worker0, worker1" in warning
@@ -177,7 +177,7 @@ def test_lossy_network_sync_pushes_in_parts_added_once(tmp_path):
     s = spec("sync", workers=2, steps=20, worker={"drop_rate": 0.1, "request_timeout": 0.25,
                                                   "part_bytes": 1, "chunk_bytes": 8192})
     result = run_cluster(s, tmp_path)
-    for shard in result["servers"]:
+    for shard in result.servers:
         assert shard["counters"]["push_parts_streamed"] >= 2 * 20 * 2
         assert shard["version"] == 20 and shard["rounds_voided"] == 0
         for w in shard["workers"].values():
@@ -188,7 +188,7 @@ def test_lossy_network_every_push_applied_once(tmp_path):
     # a lost message costs one request timeout: short, so that the test is too
     s = spec("async", workers=2, steps=40, worker={"drop_rate": 0.1, "request_timeout": 0.25})
     result = run_cluster(s, tmp_path)
-    for shard in result["servers"]:
+    for shard in result.servers:
         for w in shard["workers"].values():
             rejected = sum(w["rejected"].values())
             assert w["pushes"] == 40 == w["applied"] + rejected

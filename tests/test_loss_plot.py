@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from matplotlib.collections import PolyCollection
 
+from paramserver.workers.experiments.index import ConfigEntry
 from paramserver.workers.experiments.render import (
     MODE_STYLES,
     loss_figure,
@@ -70,7 +71,8 @@ def _summary(label: str, mode: str, curves: list[list[tuple[float, float, float]
                        staleness_max=0, max_clock_gap=0, server_max_gap=None, wait_s=0.0,
                        time_to_target=None, updates_to_target=None, final_loss=None,
                        final_accuracy=None, curve=c) for i, c in enumerate(curves)]
-    return ConfigSummary({"label": label, "mode": mode, "scenario": "s"}, runs, [], {})
+    return ConfigSummary(ConfigEntry(id=label, scenario="s", label=label, mode=mode, workers=2),
+                         runs, [], {})
 
 
 def _curve(scale: float) -> list[tuple[float, float, float]]:

@@ -32,7 +32,7 @@ def test_ssp_bound_holds_with_a_5x_straggler(tmp_path):
     s = spec("ssp", workers=3, steps=30, staleness_bound=2)
     s.stragglers = {0: StragglerSpec(min_step_time=0.01, slowdown=5.0)}
     result = run_cluster(s, tmp_path)
-    for shard in result["servers"]:
+    for shard in result.servers:
         assert shard["max_answered_gap"] <= 2
         fast = [shard["workers"][w] for w in ("1", "2")]
         assert all(w["deferred_pulls"] > 0 and w["wait_seconds"] > 0 for w in fast)
@@ -45,7 +45,7 @@ def test_reject_policy_accounts_for_every_push(tmp_path):
     s = spec("async", workers=4, steps=25, policy="reject", policy_args={"max_staleness": 0})
     result = run_cluster(s, tmp_path)
     total_rejected = 0
-    for shard in result["servers"]:
+    for shard in result.servers:
         for w in shard["workers"].values():
             rejected = sum(w["rejected"].values())
             assert w["pushes"] == 25 == w["applied"] + rejected
@@ -61,12 +61,12 @@ def test_custom_policy_changes_what_is_applied(tmp_path):
     s = spec("async", workers=2, steps=10,
              policy="tests.policies_fixture:OnlyWorker", policy_args={"worker": 1})
     result = run_cluster(s, tmp_path)
-    for shard in result["servers"]:
+    for shard in result.servers:
         assert shard["workers"]["1"]["applied"] == 10
         assert shard["workers"]["0"]["applied"] == 0
         assert shard["workers"]["0"]["rejected"] == {"not worker 1": 10}
         assert shard["version"] == 10
-    assert result["workers"][0]["rejected"] == 10
+    assert result.workers[0].rejected == 10
 
 
 def test_server_refuses_bad_peers_and_keeps_serving(tmp_path):

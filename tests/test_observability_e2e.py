@@ -69,7 +69,7 @@ def test_healthy_digits_runs_raise_no_alarm(tmp_path, mode, seed):
     # any alarm at all fails the assertion below)
     s = spec(mode, steps=70, seed=seed, staleness_bound=2, on_divergence="stop")
     result = run_cluster(s, tmp_path)
-    assert result["alarms"] == [] and alarms(tmp_path) == []
+    assert result.alarms == () and alarms(tmp_path) == []
     pushes = read_events(tmp_path / "events" / "server0.jsonl", "push")
     # long enough for every rule but the lag rule to have judged
     assert len(pushes) == 210
@@ -174,11 +174,11 @@ def test_zero_and_negated_workers_are_named(tmp_path):
     # the launcher handed each alarm to its callback as it came, and logged it
     assert [(a["signal"], a["worker"]) for a in seen] == [(a["signal"], a["worker"])
                                                           for a in found]
-    assert [a["signal"] for a in result["alarms"]] == [a["signal"] for a in found]
+    assert [a["signal"] for a in result.alarms] == [a["signal"] for a in found]
     assert len(read_events(tmp_path / "events" / "launcher.jsonl", "alarm")) == len(found)
     # the live view shows both workers' figures and the alarms, from the STATS replies
     console = Console(file=io.StringIO(), width=200, color_system=None)
-    console.print(render_status([decode_stats(s) for s in result["servers"]]))
+    console.print(render_status([decode_stats(s) for s in result.servers]))
     text = console.file.getvalue()
     assert "[zero_gradient] shard 0, worker 1" in text
     assert "[gradient_disagrees] shard 0, worker 2" in text
@@ -252,7 +252,7 @@ def test_a_nan_gradient_names_its_worker_and_is_not_divergence(tmp_path):
         cluster.start_workers()
         cluster.wait_workers()  # worker 1 fails on its refused push; worker 0 finishes
         assert cluster.servers[0].popen.poll() is None
-        assert [f["process"] for f in cluster.failures] == ["worker1"]
+        assert [f.process for f in cluster.failures] == ["worker1"]
     found = alarms(tmp_path)
     assert found[0]["signal"] == "nonfinite_gradient" and found[0]["worker"] == 1
     assert "it was refused" in found[0]["message"]

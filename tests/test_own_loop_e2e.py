@@ -88,7 +88,7 @@ def test_sync_through_the_users_loop_equals_single_process_torch(tmp_path, optim
     want = _reference(3, cls, args, halve=optimizer == "adam")
     _assert_equal(load_file(str(tmp_path / "ranks" / "rank0.safetensors")), want)
     _assert_equal(load_file(str(out / "final_model.safetensors")), want)
-    assert result["updates_applied"] == [STEPS, STEPS]
+    assert list(result.updates_applied) == [STEPS, STEPS]
     for rank in range(3):  # every rank holds the servers' weights, whatever its init
         _assert_equal(load_file(str(tmp_path / "ranks" / f"rank{rank}.safetensors")), want)
         steps = read_events(out / "events" / f"worker{rank}.jsonl", "step")
@@ -110,7 +110,7 @@ def test_overlap_and_accumulation_give_the_same_sync_training(tmp_path):
 
 def test_ssp_keeps_its_bound_with_a_slowed_rank(tmp_path):
     result, _ = _run(tmp_path, "ssp", 3, "--slow-rank", "0", staleness_bound=1)
-    for shard in result["servers"]:
+    for shard in result.servers:
         assert shard["max_answered_gap"] <= 1
     stale = [int(o[2]) for r in (1, 2) for o in _outcomes(tmp_path, r)]
     assert max(stale) > 0  # the fast ranks did run ahead, as far as the bound lets them
@@ -122,14 +122,14 @@ def test_a_staleness_policy_acts_on_the_users_pushes(tmp_path):
                      policy_args={"max_staleness": 0}, servers=1)
     accepted = [o[1] == "True" for r in range(3) for o in _outcomes(tmp_path, r)]
     assert not all(accepted) and any(accepted)  # stale pushes refused, fresh ones applied
-    shard = result["servers"][0]
+    shard = result.servers[0]
     rejected = sum(sum(w["rejected"].values()) for w in shard["workers"].values())
     assert rejected == accepted.count(False)
 
 
 def test_gradscaler_skips_a_step_with_inf_gradients(tmp_path):
     result, out = _run(tmp_path, "async", 1, "--scaler", "--inf-at", "3", servers=1)
-    assert result["updates_applied"] == [STEPS - 1]  # the inf step pushed nothing
+    assert list(result.updates_applied) == [STEPS - 1]  # the inf step pushed nothing
     assert len(read_events(out / "events" / "worker0.jsonl", "step")) == STEPS - 1
 
 

@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from paramserver.workers.experiments.index import ConfigEntry
 from paramserver.workers.experiments.render import TABLE_COLUMNS, summary_rows
 from paramserver.workers.experiments.report import (
     ClaimCheck,
+    PushEvent,
     Stat,
     aggregate,
     check_literature,
@@ -23,6 +25,7 @@ from paramserver.workers.experiments.report import (
     write_report,
 )
 from paramserver.workers.experiments.report import _clock_gaps as clock_gaps
+from paramserver.workers.launch.results import ClusterResult
 
 T0 = 1_000.0
 
@@ -82,9 +85,13 @@ def fake_run(run: Path, *, mode: str = "async", workers: int = 2, steps: int = 6
         _write(run / "events" / f"server{shard}.jsonl",
                [{"t": T0 - 1, "event": "server_start", "shard": shard}]
                + [p for p in pushes if p["shard"] == shard])
-    result = {"eval": final if final is not None else {}, "servers": [
-        {"shard": s, "version": version, "max_answered_gap": max_gap} for s in range(shards)]}
-    (run / "result.json").write_text(json.dumps(result))
+    servers = tuple({"shard": s, "version": version, "max_answered_gap": max_gap}
+                    for s in range(shards))
+    result = ClusterResult(spec={}, addresses=(), seconds=steps * workers * dt,
+                           eval=final if final is not None else {}, workers=(),
+                           servers=servers, updates_applied=(version,) * shards,
+                           pushes_applied_shard0=0)
+    (run / "result.json").write_text(json.dumps(result.to_json()))
 
 
 def test_async_run_metrics_are_exact(tmp_path):
@@ -128,7 +135,8 @@ def test_sync_run_has_one_update_per_round_and_no_staleness(tmp_path):
     ([(0, 0), (0, 1), (0, 2), (1, 0), (0, 3)], [0, 1, 2, 0, 2]),  # worker 0 runs ahead
 ])
 def test_clock_gap_is_the_lead_over_the_slowest_worker(clocks, expected):
-    pushes = [{"worker": w, "clock": c} for w, c in clocks]
+    pushes = [PushEvent(t=0.0, worker=w, clock=c, version=0, staleness=0, accepted=True)
+              for w, c in clocks]
     assert clock_gaps(pushes, [0, 1]) == expected
 
 
@@ -145,7 +153,8 @@ def test_aggregate_takes_median_min_max_over_seeds(tmp_path):
     for seed, dt in enumerate([0.1, 0.2, 0.4]):
         fake_run(tmp_path / f"s{seed}", dt=dt)
         runs.append(run_metrics(load_run(tmp_path / f"s{seed}"), seed, 1.5))
-    summary = aggregate({"label": "async", "scenario": "none"}, runs)
+    summary = aggregate(ConfigEntry(id="async", scenario="none", label="async", mode="async",
+                                    workers=2), runs)
     ups = sorted(r.updates_per_s for r in runs)
     assert summary.stats["updates_per_s"] == Stat(ups[1], ups[0], ups[2], 3, 0)
     assert summary.stats["updates"].median == 12
@@ -231,10 +240,10 @@ def test_progress_claim_counts_gradients_for_a_model_with_sparse_tables(tmp_path
     fake_experiment(tmp_path / "a", dts=GOOD, scenarios=("none",))
     summaries = summarize(tmp_path / "a")
     for s in summaries:
-        workers = s.config["workers"]
+        workers = s.config.workers
         for run in s.runs:  # equal work to the target; a sync round is N gradients
-            run.gradients_to_target = 60.0 * (1.05 if s.config["mode"] == "async" else 1.0)
-            run.updates_to_target = 60.0 / (workers if s.config["mode"] == "sync" else 1)
+            run.gradients_to_target = 60.0 * (1.05 if s.config.mode == "async" else 1.0)
+            run.updates_to_target = 60.0 / (workers if s.config.mode == "sync" else 1)
 
     def claim(sparse: bool) -> ClaimCheck:
         for s in summaries:
@@ -247,7 +256,7 @@ def test_progress_claim_counts_gradients_for_a_model_with_sparse_tables(tmp_path
     sparse = claim(True)  # in gradients every mode did the same work (async 5% more)
     assert sparse.status == "pass" and "gradients: sync 60" in sparse.detail, sparse
     for s in summaries:  # 20% more: the sparse unit still fails a mode that needs more
-        if s.config["mode"] == "async":
+        if s.config.mode == "async":
             for run in s.runs:
                 run.gradients_to_target = 72.0
     assert claim(True).status == "fail"

@@ -169,12 +169,12 @@ def test_curve_run_admits_only_the_right_keys(tmp_path):
     assert isinstance(seen["good"], tuple)
     # training completed over CURVE, and the launcher's own connections (stats,
     # final evaluation, shutdown) used the keys too
-    assert [w["steps"] for w in result["workers"]] == [40, 40]
-    assert result["servers"][0]["version"] == 80
-    assert result["eval"]["accuracy"] > 0.5
+    assert [w.steps for w in result.workers] == [40, 40]
+    assert result.servers[0]["version"] == 80
+    assert result.eval["accuracy"] > 0.5
     assert "shutdown requested" in (out / "logs" / "server0.log").read_text()
     stop = read_events(Path(out) / "events" / "server0.jsonl", "server_stop")
     assert stop and stop[0]["version"] == 80
     # nothing a refused peer sent reached the server's message loop
-    counters = result["servers"][0]["counters"]
+    counters = result.servers[0]["counters"]
     assert not [k for k in counters if k.startswith("error_")], counters

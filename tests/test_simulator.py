@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 from paramserver.observe.events import read_events
 from paramserver.server.loop import ServerConfig
-from paramserver.workers.launch.cluster import ClusterSpec, Progress, run_cluster
+from paramserver.workers.launch.cluster import ClusterResult, ClusterSpec, Progress, run_cluster
 from paramserver.workers.launch.virtual import SimSpec, Simulator, run_simulation
 from paramserver.workers.stragglers import StragglerSpec
 from paramserver.workers.worker import WorkerConfig
@@ -50,16 +50,18 @@ def test_run_directory_has_the_layout_and_events_of_a_real_run(tmp_path):
     for name in ("result.json", "final_model.safetensors", "configs/simulation.json",
                  "events/server0.jsonl", "events/server1.jsonl", "results/worker2.json"):
         assert (tmp_path / name).exists(), name
-    assert json.loads((tmp_path / "result.json").read_text()) == json.loads(json.dumps(result))
-    assert result["updates_applied"] == [18, 18] and result["simulated"] is True
-    assert {w["worker"]: w["steps"] for w in result["workers"]} == {0: 6, 1: 6, 2: 6}
+    written = json.loads((tmp_path / "result.json").read_text())
+    assert written == json.loads(json.dumps(result.to_json()))
+    assert ClusterResult.from_json(written).to_json() == written  # read back, the same
+    assert result.updates_applied == (18, 18) and result.simulated is True
+    assert {w.worker: w.steps for w in result.workers} == {0: 6, 1: 6, 2: 6}
     kinds = [e["event"] for e in read_events(tmp_path / "events" / "worker0.jsonl")]
     assert kinds[0] == "worker_start" and kinds[-1] == "worker_end"
     assert kinds.count("step") == 6 and kinds.count("eval") == 3  # clocks 0, 3 and the end
     pushes = read_events(tmp_path / "events" / "server1.jsonl", "push")
     assert len(pushes) == 18 and all(p["accepted"] for p in pushes)
     times = [p["t"] for p in pushes]
-    assert times == sorted(times) and 0 < times[-1] == pytest.approx(result["seconds"])
+    assert times == sorted(times) and 0 < times[-1] == pytest.approx(result.seconds)
 
 
 def test_a_seed_fixes_the_whole_run(tmp_path):
@@ -81,9 +83,9 @@ def test_update_counts_follow_the_policy(tmp_path):
                                       policy_args={"max_staleness": 1}), tmp_path)
     pushes = read_events(tmp_path / "events" / "server0.jsonl", "push")
     accepted = sum(p["accepted"] for p in pushes)
-    assert 0 < accepted < 40 and result["updates_applied"] == [accepted]
+    assert 0 < accepted < 40 and result.updates_applied == (accepted,)
     assert all(p["staleness"] > 1 for p in pushes if not p["accepted"])
-    assert sum(w["rejected"] for w in result["workers"]) == 40 - accepted
+    assert sum(w.rejected for w in result.workers) == 40 - accepted
 
 
 def test_progress_is_reported_in_virtual_time():
@@ -98,9 +100,9 @@ def test_latency_adds_four_message_times_per_step():
     base = Simulator(make_spec(workers=1, steps=5, straggler=fixed), SimSpec(0.01)).run()
     slow = Simulator(make_spec(workers=1, steps=5, straggler=fixed),
                      SimSpec(0.01, latency=0.002)).run()
-    assert base["seconds"] == pytest.approx(0.05)
+    assert base.seconds == pytest.approx(0.05)
     # pull + reply, push + reply per step; the final pull and its reply
-    assert slow["seconds"] == pytest.approx(0.05 + 5 * 4 * 0.002 + 2 * 0.002)
+    assert slow.seconds == pytest.approx(0.05 + 5 * 4 * 0.002 + 2 * 0.002)
 
 
 # ---------------------------------------------------------------- the core's rules, simulated
@@ -110,8 +112,8 @@ def test_ssp_gap_never_exceeds_the_bound_and_fast_workers_wait(tmp_path):
     spec = make_spec(workers=4, mode="ssp", s=2, steps=15,
                      stragglers={3: StragglerSpec(slowdown=4.0, delay="exp:0.005")})
     result = run_simulation(spec, tmp_path)
-    assert result["servers"][0]["max_answered_gap"] == 2  # binding, never beyond
-    waits = {w["worker"]: w["wait_seconds"] for w in result["workers"]}
+    assert result.servers[0]["max_answered_gap"] == 2  # binding, never beyond
+    waits = {w.worker: w.wait_seconds for w in result.workers}
     assert min(waits[r] for r in (0, 1, 2)) > 0.1 and waits[3] < 0.05
 
 
@@ -125,10 +127,10 @@ def test_backup_workers_drop_late_gradients_and_late_workers_move_on(tmp_path):
     assert all(s["reasons"] == ["late"] and s["staleness"] >= 1 for s in late)
     reads = [s["read_versions"][0] for s in slow]
     assert reads == sorted(set(reads))  # each step starts from a newer version: it moves on
-    server = result["servers"][0]["workers"]["3"]
+    server = result.servers[0]["workers"]["3"]
     assert server["rejected"] == {"late": len(late)}
-    assert result["updates_applied"][0] >= 12  # a round never waits for the straggler
-    assert all(w["clock"] == 12 for w in result["workers"])
+    assert result.updates_applied[0] >= 12  # a round never waits for the straggler
+    assert all(w.clock == 12 for w in result.workers)
 
 
 def test_dc_asgd_with_lambda_zero_is_plain_async_in_the_simulator():
@@ -138,7 +140,7 @@ def test_dc_asgd_with_lambda_zero_is_plain_async_in_the_simulator():
                                   policy_args=args))
         result = sim.run()
         runs.append(([core.params[k].clone() for core in sim.cores for k in core.params],
-                     result["eval"]["loss"]))
+                     result.eval["loss"]))
     (plain, plain_loss), (zero, zero_loss), (dc, _) = runs
     assert all(torch.equal(a, b) for a, b in zip(plain, zero, strict=True))
     assert plain_loss == zero_loss
@@ -153,8 +155,8 @@ def test_adaptive_bound_loosens_under_transient_stragglers_within_its_range():
         sim = Simulator(make_spec(workers=12, mode="ssp", s=1, steps=40, policy=policy,
                                   policy_args=args, straggler=transient), SimSpec(0.0))
         result = sim.run()
-        stats = result["servers"][0]
-        rates[name] = stats["version"] / result["seconds"]
+        stats = result.servers[0]
+        rates[name] = stats["version"] / result.seconds
         if policy == "ssp-adaptive":
             assert 1 < stats["staleness_bound_max"] <= 4
             assert stats["max_answered_gap"] <= 4
@@ -174,7 +176,7 @@ CLAIM_UPDATES = 960
 @functools.cache
 def final_loss(workers: int, policy: str, seed: int) -> float:
     spec = make_spec(workers=workers, steps=CLAIM_UPDATES // workers, policy=policy, seed=seed)
-    return float(Simulator(spec).run()["eval"]["loss"])
+    return float(Simulator(spec).run().eval["loss"])
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -205,7 +207,7 @@ def test_one_backup_worker_of_8_cuts_time_per_step_by_a_quarter_with_heavy_tails
         for b in (0, 1):
             result = Simulator(make_spec(workers=8, mode="sync", b=b, steps=60, seed=seed,
                                          straggler=heavy)).run()
-            per_step.append(result["seconds"] / result["updates_applied"][0])
+            per_step.append(result.seconds / result.updates_applied[0])
         ratios.append(per_step[1] / per_step[0])
     assert statistics.median(ratios) <= 0.75 and max(ratios) <= 0.8, ratios
 
@@ -241,7 +243,7 @@ def test_backup_workers_are_a_mode_of_the_experiment_grid():
     spec = ExperimentSpec(modes=["sync", "sync:b=1"], workers=[8], scenarios=["none"])
     configs = spec.configurations()
     assert [c.label for c in configs] == ["sync", "sync b=1"]
-    assert configs[1].to_dict()["backups"] == 1 and configs[1].id == "none-sync-b1-none-w8"
+    assert spec.entry(configs[1]).backups == 1 and configs[1].id == "none-sync-b1-none-w8"
     cluster = spec.cluster_spec(configs[1], seed=0)
     assert cluster.server.mode == "sync" and cluster.server.backup_workers == 1
     assert ModeChoice.parse(str(configs[1].mode)) == configs[1].mode  # spec.toml round trip
@@ -284,7 +286,7 @@ def test_sync_real_and_simulated_runs_agree_exactly(tmp_path):
                      straggler=StragglerSpec(min_step_time=0.01))
     real = run_cluster(spec, tmp_path / "real")
     sim = run_simulation(spec, tmp_path / "sim", SimSpec(compute_time=0.0))
-    assert real["updates_applied"] == sim["updates_applied"] == [15, 15]
+    assert real.updates_applied == sim.updates_applied == (15, 15)
     assert [c for c, _ in _evals(tmp_path / "real")] == [c for c, _ in _evals(tmp_path / "sim")]
     for (_, a), (_, b) in zip(_evals(tmp_path / "real"), _evals(tmp_path / "sim"), strict=True):
         assert b == pytest.approx(a, rel=1e-5)
@@ -292,7 +294,7 @@ def test_sync_real_and_simulated_runs_agree_exactly(tmp_path):
         losses = [s["loss"] for s in steps_of(tmp_path / "sim", rank)]
         assert losses == pytest.approx([s["loss"] for s in steps_of(tmp_path / "real", rank)],
                                        rel=1e-5)
-    assert sim["eval"]["loss"] == pytest.approx(real["eval"]["loss"], rel=1e-5)
+    assert sim.eval["loss"] == pytest.approx(real.eval["loss"], rel=1e-5)
     _compare_events(tmp_path / "real", tmp_path / "sim")
 
 
@@ -304,12 +306,12 @@ def test_async_real_and_simulated_runs_agree_within_tolerance(tmp_path):
                      policy="gap-aware", straggler=StragglerSpec(min_step_time=0.01))
     real = run_cluster(spec, tmp_path / "real")
     sim = run_simulation(spec, tmp_path / "sim", SimSpec(compute_time=0.0))
-    assert real["updates_applied"] == sim["updates_applied"] == [60]
+    assert real.updates_applied == sim.updates_applied == (60,)
     real_evals, sim_evals = _evals(tmp_path / "real"), _evals(tmp_path / "sim")
     assert [c for c, _ in real_evals] == [c for c, _ in sim_evals]
     for (_, a), (_, b) in zip(real_evals, sim_evals, strict=True):
         assert abs(b - a) <= 0.10 * a
-    assert abs(sim["eval"]["loss"] - real["eval"]["loss"]) <= 0.10 * real["eval"]["loss"]
+    assert abs(sim.eval["loss"] - real.eval["loss"]) <= 0.10 * real.eval["loss"]
     _compare_events(tmp_path / "real", tmp_path / "sim")
 
 
@@ -320,7 +322,7 @@ def test_backup_workers_real_and_simulated_runs_agree(tmp_path):
                      stragglers={2: StragglerSpec(min_step_time=0.05, slowdown=4.0)})
     real = run_cluster(spec, tmp_path / "real")
     sim = run_simulation(spec, tmp_path / "sim", SimSpec(compute_time=0.0))
-    versions = real["updates_applied"][0], sim["updates_applied"][0]
+    versions = real.updates_applied[0], sim.updates_applied[0]
     assert abs(versions[0] - versions[1]) <= 0.15 * versions[1], versions
     for run in ("real", "sim"):
         slow = steps_of(tmp_path / run, 2)
@@ -338,7 +340,7 @@ def _momentum_loss(workers: int, momentum: float, target: float | None) -> float
     worker = WorkerConfig(servers=[], task="digits-mlp", steps=960 // workers, seed=0,
                           eval_every=0, straggler=JITTER)
     spec = ClusterSpec(num_servers=1, num_workers=workers, server=server, worker=worker)
-    return float(Simulator(spec).run()["eval"]["loss"])
+    return float(Simulator(spec).run().eval["loss"])
 
 
 def test_compensated_momentum_matches_no_momentum_where_plain_momentum_diverges():

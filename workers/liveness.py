@@ -13,9 +13,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
+import msgspec
 import zmq
 
 from paramserver.errors import BarrierTimeoutError, RequestTimeoutError
@@ -25,7 +27,7 @@ from paramserver.wire.messages import HeartbeatReply
 from paramserver.wire.protocol import Message, Op
 from paramserver.wire.transport import Channel, SideChannel
 
-__all__ = ["Heartbeat", "Patience", "Waiter", "span"]
+__all__ = ["Heartbeat", "HeldPull", "Patience", "Waiter", "span"]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +42,25 @@ class Waiter(Protocol):
     channels: list[Channel[ShmLink]]
 
 
+@dataclass(frozen=True)
+class HeldPull:
+    """What a shard's heartbeat answer says it holds for us: a pull parked at its gate
+    (or a sparse push in its round), at which clock, and why."""
+
+    clock: int | None = None
+    waited: float | None = None  # seconds it has held it
+    why: str | None = None
+
+    @classmethod
+    def of(cls, held: Mapping[str, Any] | None) -> HeldPull | None:
+        if held is None:
+            return None
+        try:
+            return msgspec.convert(held, type=cls)
+        except msgspec.ValidationError:  # held all the same: the shard says no more
+            return cls()
+
+
 class Heartbeat(threading.Thread):
     """Sends HEARTBEAT to every shard every ``interval`` s from its own sockets."""
 
@@ -52,9 +73,9 @@ class Heartbeat(threading.Thread):
         # per shard: when it last answered a heartbeat, and the pull of ours it said it
         # holds then (clock, waited, why), or None
         self.last_reply: dict[int, float] = {}
-        self.held: dict[int, dict[str, Any] | None] = {}
+        self.held: dict[int, HeldPull | None] = {}
 
-    def status(self, shard: int) -> tuple[float | None, dict[str, Any] | None]:
+    def status(self, shard: int) -> tuple[float | None, HeldPull | None]:
         """When ``shard`` last answered a heartbeat (monotonic; None: never) and the
         pull it said it holds for us then."""
         return self.last_reply.get(shard), self.held.get(shard)
@@ -70,8 +91,8 @@ class Heartbeat(threading.Thread):
                     try:
                         while (rep := ch.recv_nowait()) is not None:
                             body = rep.body if rep.op is Op.REPLY else None
-                            self.held[i] = (body.held if isinstance(body, HeartbeatReply)
-                                            else None)
+                            self.held[i] = HeldPull.of(body.held if isinstance(
+                                body, HeartbeatReply) else None)
                             self.last_reply[i] = time.monotonic()
                         ch.send(Message(Op.HEARTBEAT, ch.next_seq(), {"worker": self.worker}))
                     except Exception as exc:  # a heartbeat must never kill the worker
@@ -123,7 +144,7 @@ class Patience:
 
     def __call__(self, lost: list[int]) -> bool:
         client, now = self.client, time.monotonic()
-        holding: list[tuple[int, dict[str, Any]]] = []
+        holding: list[tuple[int, HeldPull]] = []
         resend = False
         for shard in sorted({self.shards[i] for i in lost}):
             heard, held = self.heartbeat.status(shard)
@@ -152,8 +173,8 @@ class Patience:
             waited = now - self.started
             shard, held = holding[0]
             what = (f"{self.label}: shard {shard} is alive and holding your pull for worker "
-                    f"{client.worker} (clock {held.get('clock', '?')}), waited {span(waited)}: "
-                    f"{held.get('why', 'its gate is closed')}")
+                    f"{client.worker} (clock {'?' if held.clock is None else held.clock}), "
+                    f"waited {span(waited)}: {held.why or 'its gate is closed'}")
             if client.barrier_timeout and waited > client.barrier_timeout:
                 raise BarrierTimeoutError(f"{what}; giving up after --barrier-timeout "
                                           f"{client.barrier_timeout:g}s")

@@ -35,19 +35,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 
 from paramserver.core.sharding import ParamSpec, ShardPlan, dtype_name
 from paramserver.errors import ConfigError
 from paramserver.observe.events import EventLog, write_json
 from paramserver.sparse.shard import TableSpec
+from paramserver.util.jsontypes import JSON, JSONObject
 from paramserver.wire.curve import CurveKeys
 from paramserver.workers.client import PART_BYTES, PSClient, PullResult, PushResult, PushStream
 from paramserver.workers.embedding import SparseClient, sparse_modules
 from paramserver.workers.overlap import BucketHooks
 
-__all__ = ["DistributedOptimizer", "DistributedSampler", "StepOutcome", "read_plan",
-           "servers_from_env"]
+__all__ = ["DistributedOptimizer", "DistributedSampler", "PushCounts", "StepOutcome",
+           "WorkerResult", "read_plan", "servers_from_env"]
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,67 @@ SERVERS_ENV = "PARAMSERVER_SERVERS"
 #: where a launched worker logs its steps, writes its result, and rank 0 the plan
 EVENT_LOG_ENV, RESULT_FILE_ENV, PLAN_FILE_ENV = (
     "PARAMSERVER_EVENT_LOG", "PARAMSERVER_RESULT_FILE", "PARAMSERVER_PLAN_FILE")
+
+
+def drop_none(data: JSONObject) -> JSONObject:
+    """Optional fields are left out of the file, not written as null (as before records)."""
+    return {k: v for k, v in data.items() if v is not None}
+
+
+@dataclass(frozen=True)
+class WorkerResult:
+    """What one worker did: its counts, loss, timings and, on rank 0, held-out figures.
+
+    The built-in loop (``run_worker``, the simulator) fills every field; a user's
+    own loop (``DistributedOptimizer.close``) has no train loss, budget or eval,
+    and its file leaves those keys out."""
+
+    worker: int
+    steps: int  # pushes of this incarnation (a restarted worker resumes: clock >= steps)
+    clock: int
+    pushes: int
+    accepted: int
+    rejected: int
+    seconds: float
+    wait_seconds: float
+    final_versions: tuple[int, ...]
+    final_train_loss: float | None = None  # mean of the last 10 steps' loss
+    train_seconds: float | None = None  # from the first step (the budget's clock)
+    budget_seconds: float | None = None
+    budget_spent: bool | None = None
+    eval: dict[str, float] | None = None  # rank 0's final held-out figures
+
+    def to_json(self) -> JSONObject:
+        return drop_none({
+            "worker": self.worker, "steps": self.steps, "clock": self.clock,
+            "pushes": self.pushes, "accepted": self.accepted, "rejected": self.rejected,
+            "final_train_loss": self.final_train_loss, "seconds": self.seconds,
+            "train_seconds": self.train_seconds, "budget_seconds": self.budget_seconds,
+            "budget_spent": self.budget_spent, "wait_seconds": self.wait_seconds,
+            "final_versions": [v for v in self.final_versions],
+            "eval": None if self.eval is None else {k: v for k, v in self.eval.items()},
+        })
+
+    @classmethod
+    def from_json(cls, data: JSON) -> WorkerResult:
+        return msgspec.convert(data, type=cls)
+
+    @classmethod
+    def read(cls, path: str | Path) -> WorkerResult:
+        """A ``results/worker<r>.json``."""
+        return cls.from_json(json.loads(Path(path).read_text()))
+
+
+@dataclass(frozen=True)
+class PushCounts:
+    """A worker's pushes so far, and how many every shard accepted or some shard rejected."""
+
+    pushes: int = 0
+    accepted: int = 0
+    rejected: int = 0
+
+    def add(self, accepted: bool) -> PushCounts:
+        return PushCounts(self.pushes + 1, self.accepted + accepted, self.rejected + (not accepted))
 
 
 @dataclass(frozen=True)
@@ -203,7 +266,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                drop_rate=drop_rate, barrier_timeout=barrier_timeout)
         self._closed = False
         self._t0 = time.time()
-        self._counts = {"pushes": 0, "accepted": 0, "rejected": 0}
+        self._counts = PushCounts()
         self._waited = 0.0
         # the records of this worker's start and end are ours only in our own log
         self._own_events = events is None
@@ -336,8 +399,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.clock = max(self.clock + 1, pulled.clock)
         self.versions = pulled.versions
         self.last = out = StepOutcome.of(pushed, pulled, self.clock)
-        self._counts["pushes"] += 1
-        self._counts["accepted" if out.accepted else "rejected"] += 1
+        self._counts = self._counts.add(out.accepted)
         self._waited += out.waited
         self._events.write(
             "step", worker=self.rank, clock=self.clock, read_versions=list(read),
@@ -363,9 +425,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.sparse.push(grads, versions, self._num_samples, self.clock)
 
     @property
-    def counts(self) -> dict[str, int]:
+    def counts(self) -> PushCounts:
         """Pushes so far, and how many every shard accepted or some shard rejected."""
-        return dict(self._counts)
+        return self._counts
 
     @property
     def waited(self) -> float:
@@ -417,14 +479,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.client.close()
         if not self._own_events:
             return
-        result = {"worker": self.rank, "steps": self._counts["pushes"], "clock": self.clock,
-                  **self._counts, "seconds": time.time() - self._t0,
-                  "wait_seconds": self._waited, "final_versions": list(self.versions)}
+        result = self.result(time.time() - self._t0).to_json()
         self._events.write("worker_end", **result)
         self._events.close()
         result_file = os.environ.get(RESULT_FILE_ENV)
         if result_file:
             write_json(result_file, result)
+
+    def result(self, seconds: float) -> WorkerResult:
+        """This worker's counts, clock and versions so far, after ``seconds``."""
+        c = self._counts
+        return WorkerResult(worker=self.rank, steps=c.pushes, clock=self.clock,
+                            pushes=c.pushes, accepted=c.accepted, rejected=c.rejected,
+                            seconds=seconds, wait_seconds=self._waited,
+                            final_versions=tuple(self.versions))
 
     def _at_exit(self) -> None:
         # after an uncaught exception the worker failed: no BYE, so that its

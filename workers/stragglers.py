@@ -19,7 +19,6 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -216,9 +215,9 @@ class Straggler:
 STRAGGLER_KEYS = ("slowdown", "slow_prob", "slow_factor", "delay", "min_step_time")
 
 
-def parse_straggler_items(items: Sequence[str]) -> dict[str, Any]:
+def parse_straggler_items(items: Sequence[str]) -> dict[str, float | str]:
     """``["RANK:KEY=VALUE"]`` -> ``{"RANK:KEY": value}`` (a number, or the delay's text)."""
-    out: dict[str, Any] = {}
+    out: dict[str, float | str] = {}
     for item in items:
         rank, sep, rest = item.partition(":")
         key, sep2, value = rest.partition("=")

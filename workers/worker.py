@@ -8,6 +8,7 @@ pushes; a (re)joining worker resumes at the clock its shards give it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -28,7 +29,7 @@ from paramserver.server.config import ConfigRecord, check_bounds, option
 from paramserver.util.dtypes import GRAD_WIRE_DTYPES
 from paramserver.util.proctitle import set_title
 from paramserver.workers.client import PART_BYTES
-from paramserver.workers.optimizer import DistributedOptimizer
+from paramserver.workers.optimizer import DistributedOptimizer, WorkerResult
 from paramserver.workers.stragglers import Straggler, StragglerSpec
 from paramserver.workers.tasks import (
     Task,
@@ -39,7 +40,7 @@ from paramserver.workers.tasks import (
     task_parameters,
 )
 
-__all__ = ["WorkerConfig", "resolve_device", "run_worker"]
+__all__ = ["WorkerConfig", "WorkerResult", "resolve_device", "run_worker"]
 
 log = logging.getLogger(__name__)
 
@@ -231,7 +232,7 @@ def worker_title(config: WorkerConfig) -> None:
     set_title(f"worker {config.rank}/{config.world_size} ({config.task})")
 
 
-def run_worker(config: WorkerConfig) -> dict[str, Any]:
+def run_worker(config: WorkerConfig) -> WorkerResult:
     """Train until ``steps`` pushes are done (or ``budget_seconds`` have passed since the
     first step); return (and write) the worker's result.
 
@@ -284,31 +285,21 @@ def run_worker(config: WorkerConfig) -> dict[str, Any]:
             opt.step(num_samples=total, loss=loss_value,
                      log={"compute_s": compute, "sleep_s": slept})
         final_versions = opt.pull()
-        counts, waited, clock = opt.counts, opt.waited, opt.clock
+        clock = opt.clock
         train_seconds = time.monotonic() - t_train
         # evaluated while connected: a ShardedEmbedding pulls its rows from the shards
         final_eval = (_log_eval(events, task, model, config.rank, clock, final_versions)
                       if config.rank == 0 else None)
-    elapsed = time.time() - t_start
-    result: dict[str, Any] = {
-        "worker": config.rank,
-        "steps": counts["pushes"],
-        "clock": clock,
-        **counts,
-        "final_train_loss": sum(losses[-10:]) / max(1, len(losses[-10:])),
-        "seconds": elapsed,
-        "train_seconds": train_seconds,
-        "budget_seconds": config.budget_seconds,
-        "budget_spent": budget_spent,
-        "wait_seconds": waited,
-        "final_versions": list(final_versions),
-    }
-    if final_eval is not None:
-        result["eval"] = final_eval
-    events.write("worker_end", **result)
+    result = dataclasses.replace(
+        opt.result(time.time() - t_start),
+        final_train_loss=sum(losses[-10:]) / max(1, len(losses[-10:])),
+        train_seconds=train_seconds, budget_seconds=config.budget_seconds,
+        budget_spent=budget_spent, eval=final_eval)
+    data = result.to_json()
+    events.write("worker_end", **data)
     events.close()
     if config.result_file:
-        write_json(config.result_file, result)
+        write_json(config.result_file, data)
     return result
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import html
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,8 +21,11 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
+from paramserver.workers.experiments.index import EnvironmentInfo, ExperimentIndex
+
 if TYPE_CHECKING:
     from paramserver.workers.experiments.report import ClaimCheck, ConfigSummary, Stat
+    from paramserver.workers.stragglers import StragglerSpec
 
 __all__ = ["MODE_STYLES", "TABLE_COLUMNS", "LossFrame", "loss_figure", "loss_frame", "mode_style",
            "render_report", "summary_rows", "table_rows"]
@@ -78,14 +80,14 @@ def _step_settings(summaries: Sequence[ConfigSummary]) -> str:
     parts = []
     for s in summaries:
         c = s.config
-        if "lr_scaling" not in c:
+        if c.lr_scaling is None:
             continue  # an experiment from before these settings were recorded
-        text = f"lr scaling {c['lr_scaling']}"
-        if c.get("warmup_steps"):
-            text += f", warmup {c['warmup_steps']} steps"
-        text += f", momentum {c.get('momentum') or 0:g}"
-        if c.get("momentum_target") is not None:
-            text += f" set per step for a total of {c['momentum_target']:g} (asynchrony-aware)"
+        text = f"lr scaling {c.lr_scaling}"
+        if c.warmup_steps:
+            text += f", warmup {c.warmup_steps} steps"
+        text += f", momentum {c.momentum or 0:g}"
+        if c.momentum_target is not None:
+            text += f" set per step for a total of {c.momentum_target:g} (asynchrony-aware)"
         parts.append(f"{s.label}: {text}")
     return ("Step-size rules: " + "; ".join(parts) + ".") if parts else ""
 
@@ -140,7 +142,11 @@ def _band(curves: Sequence[Sequence[tuple[float, float]]], points: int = 160
     return grid, np.median(ys, axis=0), ys.min(axis=0), ys.max(axis=0)
 
 
-def _colors(summaries: Sequence[ConfigSummary]) -> dict[str, Any]:
+#: a configuration's colour on the plots: a matplotlib name ("tab:blue") or RGBA
+Color = str | tuple[float, float, float, float]
+
+
+def _colors(summaries: Sequence[ConfigSummary]) -> dict[str, Color]:
     from matplotlib import colormaps
 
     labels = list(dict.fromkeys(s.label for s in summaries))
@@ -191,12 +197,12 @@ def loss_frame(scenario: str, values: Sequence[float], target: float,
     return LossFrame((lo / pad, hi * pad), show, title)
 
 
-def plot_loss(scenario: str, group: Sequence[ConfigSummary], colors: dict[str, Any],
+def plot_loss(scenario: str, group: Sequence[ConfigSummary], colors: dict[str, Color],
               target: float, path: Path) -> Path:
     return _save(loss_figure(scenario, group, colors, target), path)
 
 
-def loss_figure(scenario: str, group: Sequence[ConfigSummary], colors: dict[str, Any],
+def loss_figure(scenario: str, group: Sequence[ConfigSummary], colors: dict[str, Color],
                 target: float) -> Figure:
     """Held-out loss against time and against updates applied: a median line per
     configuration (its mode's style), a min-max band where it has two seeds or more."""
@@ -213,7 +219,7 @@ def loss_figure(scenario: str, group: Sequence[ConfigSummary], colors: dict[str,
             if band is None:
                 continue
             x, med, lo, hi = band
-            line, marker = mode_style(str(s.config.get("mode", "")))
+            line, marker = mode_style(s.config.mode)
             ax.plot(x, med, color=colors[s.label], lw=1.8, ls=line, marker=marker,
                     markersize=4, markevery=(2 * n % 16, 16),
                     label=f"{s.label} (median)" if seeds >= 2 else s.label)
@@ -237,7 +243,7 @@ def loss_figure(scenario: str, group: Sequence[ConfigSummary], colors: dict[str,
     return fig
 
 
-def plot_staleness(scenario: str, group: Sequence[ConfigSummary], colors: dict[str, Any],
+def plot_staleness(scenario: str, group: Sequence[ConfigSummary], colors: dict[str, Color],
                    path: Path) -> Path:
     fig = Figure(figsize=(max(4.0, 3.6 * len(group)), 3.8), layout="constrained")
     axes = np.atleast_1d(fig.subplots(1, len(group), squeeze=False)[0])
@@ -282,7 +288,7 @@ def plot_clocks(s: ConfigSummary, path: Path) -> Path | None:
     if run.gaps:
         xs, gaps = zip(*run.gaps, strict=True)
         bottom.scatter(xs, gaps, s=5, color="tab:blue", label="gap of each push")
-    bound = s.config.get("bound", 0)
+    bound = s.config.bound
     bottom.axhline(bound, color="tab:red", ls="--", lw=1, label=f"bound s = {bound}")
     bottom.set_xlabel("wall-clock time since training started (s)")
     bottom.set_ylabel("clock gap (clocks)")
@@ -380,24 +386,23 @@ _DEFINITIONS = [
 ]
 
 
-def render_report(out_dir: Path, exp: dict[str, Any], summaries: Sequence[ConfigSummary],
+def render_report(out_dir: Path, exp: ExperimentIndex, summaries: Sequence[ConfigSummary],
                   claims: Sequence[ClaimCheck]) -> tuple[Path, Path, list[Path]]:
     """Write the figures, report.md and report.html; return their paths."""
     images_dir = out_dir / "images"
     images_dir.mkdir(exist_ok=True)
-    env_path = out_dir / "environment.json"
-    env = json.loads(env_path.read_text()) if env_path.exists() else {}
+    env = EnvironmentInfo.read(out_dir)
     colors = _colors(summaries)
-    target = float(exp["target_loss"])
-    step_ms = 1000 * float(exp.get("min_step_time", 0.0))
-    blocks: list[Block] = [("h1", f"Experiment '{exp['name']}'")]
-    finished = exp.get("finished") or exp.get("started") or 0
-    opt_args = ", ".join(f"{k}={v}" for k, v in exp.get("optimizer_args", {}).items())
+    target = exp.target_loss
+    step_ms = 1000 * exp.min_step_time
+    blocks: list[Block] = [("h1", f"Experiment '{exp.name}'")]
+    finished = exp.finished or exp.started or 0
+    opt_args = ", ".join(f"{k}={v}" for k, v in exp.optimizer_args.items())
     blocks.append(("p", (
-        f"Task {exp['task']}, budget: {_budget_text(exp)}, {exp['servers']} server(s), "
-        f"seeds {', '.join(map(str, exp['seeds']))}, optimizer {exp['optimizer']}"
+        f"Task {exp.task}, budget: {_budget_text(exp)}, {exp.servers} server(s), "
+        f"seeds {', '.join(map(str, exp.seeds))}, optimizer {exp.optimizer}"
         f"({opt_args}), target held-out loss {target:g}, evaluation every "
-        f"{exp['eval_every']} steps of worker 0. Finished "
+        f"{exp.eval_every} steps of worker 0. Finished "
         f"{dt.datetime.fromtimestamp(finished).isoformat(timespec='seconds')}.")))
     if step_ms > 0:
         blocks.append(("p", (
@@ -405,21 +410,21 @@ def render_report(out_dir: Path, exp: dict[str, Any], summaries: Sequence[Config
             f"emulates a model heavier than the task's own (about 1 ms a step on "
             f"digits-mlp), so that straggler effects stand out above process noise. Straggler "
             f"slowdowns multiply this time.")))
-    pkgs = env.get("packages", {})
+    pkgs = env.packages
     blocks.append(("p", (
-        f"Environment: Python {env.get('python', '?')}, torch {pkgs.get('torch', '?')}, pyzmq "
-        f"{pkgs.get('pyzmq', '?')}, {env.get('cpus', '?')} CPUs, git commit "
-        f"{env.get('git_commit') or 'unknown'}{' (modified)' if env.get('git_dirty') else ''}. "
+        f"Environment: Python {env.python or '?'}, torch {pkgs.get('torch', '?')}, pyzmq "
+        f"{pkgs.get('pyzmq', '?')}, {env.cpus or '?'} CPUs, git commit "
+        f"{env.git_commit or 'unknown'}{' (modified)' if env.git_dirty else ''}. "
         f"Rerun with: paramserver experiment --spec spec.toml")))
-    if exp.get("simulated"):
-        sim = exp["simulated"]
+    if exp.simulated is not None:
+        sim = exp.simulated
         blocks.append(("p", (
             f"Simulated in virtual time (paramserver simulate, docs/research.md): every time "
             f"here, wall-clock included, is virtual seconds. Rerun with: paramserver simulate "
-            f"--spec spec.toml --compute-time {sim.get('compute_time')} --latency "
-            f"{sim.get('latency')}")))
-    loads = [r["load"] for r in exp["runs"] if r.get("load") is not None]
-    cpus = env.get("cpus") or 0
+            f"--spec spec.toml --compute-time {sim.compute_time} --latency "
+            f"{sim.latency}")))
+    loads = [r.load for r in exp.runs if r.load is not None]
+    cpus = env.cpus or 0
     if loads and cpus:
         text = (f"Machine load: the 1-minute load average was {min(loads):.1f} to "
                 f"{max(loads):.1f} at the end of the runs, on {cpus} CPUs.")
@@ -428,23 +433,22 @@ def render_report(out_dir: Path, exp: dict[str, Any], summaries: Sequence[Config
                      "updates/s, waiting) carry the scheduler's noise; the figures per update "
                      "do not.")
         blocks.append(("p", text))
-    failed = [r for r in exp["runs"] if not r["ok"]]
+    failed = [r for r in exp.runs if not r.ok]
     if failed:
         blocks.append(("h2", "Failed runs"))
-        blocks.append(("ul", [f"{r['path']}: {r['error']}" for r in failed]))
+        blocks.append(("ul", [f"{r.path}: {r.error}" for r in failed]))
     blocks += [("h2", "Columns"), ("ul", _DEFINITIONS)]
     images: list[Path] = []
     head = ["configuration"] + [c[0] for c in TABLE_COLUMNS]
-    for scenario, info in exp["scenarios"].items():
+    for scenario, info in exp.scenarios.items():
         group = [s for s in summaries if s.scenario == scenario]
         if not group:
             continue
-        blocks += [("h2", f"Scenario '{scenario}'"), ("p", info.get("description") or "")]
-        overrides = info.get("ranks") or {}
-        if overrides:
+        blocks += [("h2", f"Scenario '{scenario}'"), ("p", info.description)]
+        if info.ranks:
             blocks.append(("p", "Per-worker settings: " + "; ".join(
-                f"worker {r}: {_straggler_text(o)}" for r, o in overrides.items())))
-        blocks.append(("p", f"Every worker: {_straggler_text(info.get('all', {}))}."))
+                f"worker {r}: {_straggler_text(o)}" for r, o in info.ranks.items())))
+        blocks.append(("p", f"Every worker: {_straggler_text(info.all)}."))
         blocks.append(("table", head, table_rows(group)))
         steps_text = _step_settings(group)
         if steps_text:
@@ -457,8 +461,8 @@ def render_report(out_dir: Path, exp: dict[str, Any], summaries: Sequence[Config
                 images.append(path)
                 blocks.append(("img", f"images/{path.name}", f"{scenario}: {alt}"))
         for s in group:
-            if s.config["mode"] == "ssp":
-                clocks = plot_clocks(s, images_dir / f"{s.config['id']}-clocks.png")
+            if s.config.mode == "ssp":
+                clocks = plot_clocks(s, images_dir / f"{s.config.id}-clocks.png")
                 if clocks is not None:
                     images.append(clocks)
                     blocks.append(("img", f"images/{clocks.name}", f"{s.label}: clocks"))
@@ -466,30 +470,30 @@ def render_report(out_dir: Path, exp: dict[str, Any], summaries: Sequence[Config
     blocks.append(("ul", [f"{c.status.upper()}: {c.claim}. {c.detail}" for c in claims]))
     md_path, html_path = out_dir / "report.md", out_dir / "report.html"
     md_path.write_text(_md(blocks), encoding="utf-8")
-    html_path.write_text(_html(blocks, out_dir, f"Experiment {exp['name']}"), encoding="utf-8")
+    html_path.write_text(_html(blocks, out_dir, f"Experiment {exp.name}"), encoding="utf-8")
     return md_path, html_path, images
 
 
-def _budget_text(exp: dict[str, Any]) -> str:
+def _budget_text(exp: ExperimentIndex) -> str:
     """What every run trained for: a time or gradients budget, else steps per worker."""
-    if exp.get("budget_seconds"):
-        return (f"{exp['budget_seconds']:g} s of training per worker from its first step "
+    if exp.budget_seconds:
+        return (f"{exp.budget_seconds:g} s of training per worker from its first step "
                 f"(every mode stops within one step of it)")
-    if exp.get("budget_gradients"):
-        return (f"{exp['budget_gradients']} gradients in total, an equal share per worker "
+    if exp.budget_gradients:
+        return (f"{exp.budget_gradients} gradients in total, an equal share per worker "
                 f"(faster workers finish their share early and idle)")
-    return f"{exp['steps']} steps per worker"
+    return f"{exp.steps} steps per worker"
 
 
-def _straggler_text(spec: dict[str, Any]) -> str:
+def _straggler_text(spec: StragglerSpec) -> str:
     parts = []
-    if spec.get("slowdown", 1.0) != 1.0:
-        parts.append(f"{spec['slowdown']:g}x slower")
-    if spec.get("slow_prob", 0.0) and spec.get("slow_factor", 1.0) != 1.0:
-        parts.append(f"{spec['slow_factor']:g}x slow steps with probability "
-                     f"{spec['slow_prob']:g}")
-    if spec.get("delay"):
-        parts.append(f"extra delay {spec['delay']} s")
-    if spec.get("min_step_time"):
-        parts.append(f"steps of at least {1000 * spec['min_step_time']:g} ms")
+    if spec.slowdown != 1.0:
+        parts.append(f"{spec.slowdown:g}x slower")
+    if spec.slow_prob and spec.slow_factor != 1.0:
+        parts.append(f"{spec.slow_factor:g}x slow steps with probability "
+                     f"{spec.slow_prob:g}")
+    if spec.delay:
+        parts.append(f"extra delay {spec.delay} s")
+    if spec.min_step_time:
+        parts.append(f"steps of at least {1000 * spec.min_step_time:g} ms")
     return ", ".join(parts) or "no injected slowness"

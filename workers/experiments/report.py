@@ -25,7 +25,6 @@ Definitions (docs/experiments.md explains them for users):
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import math
 import statistics
@@ -33,20 +32,27 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
+import msgspec
 import numpy as np
 
 from paramserver.errors import ConfigError
 from paramserver.observe.events import read_events
+from paramserver.util.jsontypes import JSONObject
+from paramserver.workers.experiments.index import ConfigEntry, ExperimentIndex
+from paramserver.workers.launch.results import ClusterResult
 
 __all__ = [
     "ClaimCheck",
     "ConfigSummary",
+    "EvalEvent",
+    "PushEvent",
     "ReportFiles",
     "RunLogs",
     "RunMetrics",
     "Stat",
+    "StepEvent",
     "aggregate",
     "check_literature",
     "load_experiment",
@@ -68,16 +74,64 @@ UPDATES_TOLERANCE = 0.10
 # --------------------------------------------------------------------------- loading
 
 
+# The fields of each event kind (docs/events.md) that the report reads; a record's
+# other fields are left out, as readers of the event logs should.
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """A worker's ``step``."""
+
+    t: float
+    clock: int  # the worker's clock after the step
+    wait_s: float = 0.0  # held at a sync barrier or SSP gate
+
+
+@dataclass(frozen=True)
+class EvalEvent:
+    """Rank 0's held-out ``eval``."""
+
+    t: float
+    versions: tuple[int, ...]  # per shard, the weights evaluated
+    loss: float | None = None
+    accuracy: float | None = None
+
+
+@dataclass(frozen=True)
+class PushEvent:
+    """A shard's decision on one push (``push``)."""
+
+    t: float
+    worker: int
+    clock: int  # the worker's clock before this push
+    version: int  # the shard's version after it
+    staleness: int
+    accepted: bool
+
+
+@dataclass(frozen=True)
+class _Start:
+    t: float  # a worker's ``worker_start``: when it joined
+
+
+_E = TypeVar("_E")
+
+
+def _events(path: Path, event: str, kind: type[_E]) -> list[_E]:
+    """The ``event`` records of one log, as ``kind`` (a ValueError names a bad one)."""
+    return [msgspec.convert(r, type=kind) for r in read_events(path, event)]
+
+
 @dataclass
 class RunLogs:
     """The recorded events of one run."""
 
     path: Path
-    steps: dict[int, list[dict[str, Any]]]  # rank -> step events in order
-    evals: list[dict[str, Any]]  # rank 0's held-out evaluations
+    steps: dict[int, list[StepEvent]]  # rank -> step events in order
+    evals: list[EvalEvent]  # rank 0's held-out evaluations
     starts: dict[int, float]  # rank -> worker_start time
-    pushes: dict[int, list[dict[str, Any]]]  # shard -> push events in order
-    result: dict[str, Any] | None  # result.json (None if the run did not finish)
+    pushes: dict[int, list[PushEvent]]  # shard -> push events in order
+    result: ClusterResult | None  # result.json (None if the run did not finish)
 
 
 def load_run(path: str | Path) -> RunLogs:
@@ -86,24 +140,22 @@ def load_run(path: str | Path) -> RunLogs:
     events = run / "events"
     if not events.is_dir():
         raise ConfigError(f"{run} has no events/ directory: not a run of an experiment")
-    steps: dict[int, list[dict[str, Any]]] = {}
-    evals: list[dict[str, Any]] = []
+    steps: dict[int, list[StepEvent]] = {}
+    evals: list[EvalEvent] = []
     starts: dict[int, float] = {}
-    pushes: dict[int, list[dict[str, Any]]] = {}
+    pushes: dict[int, list[PushEvent]] = {}
     for file in sorted(events.glob("worker*.jsonl")):
         rank = int(file.stem.removeprefix("worker"))
-        records = read_events(file)
-        steps[rank] = [r for r in records if r["event"] == "step"]
-        for r in records:
-            if r["event"] == "worker_start":
-                starts[rank] = r["t"]
+        steps[rank] = _events(file, "step", StepEvent)
+        for start in _events(file, "worker_start", _Start):
+            starts[rank] = start.t
         if rank == 0:
-            evals = [r for r in records if r["event"] == "eval"]
+            evals = _events(file, "eval", EvalEvent)
     for file in sorted(events.glob("server*.jsonl")):
         shard = int(file.stem.removeprefix("server"))
-        pushes[shard] = read_events(file, "push")
+        pushes[shard] = _events(file, "push", PushEvent)
     result_path = run / "result.json"
-    result = json.loads(result_path.read_text()) if result_path.exists() else None
+    result = ClusterResult.read(result_path) if result_path.exists() else None
     return RunLogs(run, steps, evals, starts, pushes, result)
 
 
@@ -151,11 +203,17 @@ class RunMetrics:
     sparse_tables: bool = False
 
 
+def _int(stats: JSONObject, key: str) -> int | None:
+    """An int figure of a shard's STATS reply (None: absent or not a number)."""
+    value = stats.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 def _quantile(values: Sequence[int], q: float) -> float:
     return float(np.quantile(np.asarray(values), q, method="inverted_cdf")) if values else 0.0
 
 
-def _clock_gaps(pushes: Sequence[dict[str, Any]], ranks: Iterable[int]) -> list[int]:
+def _clock_gaps(pushes: Sequence[PushEvent], ranks: Iterable[int]) -> list[int]:
     """For each push in the shard's order: its clock minus the slowest worker's clock.
 
     A worker's clock is the number of its pushes the shard has decided on; that
@@ -165,8 +223,8 @@ def _clock_gaps(pushes: Sequence[dict[str, Any]], ranks: Iterable[int]) -> list[
     done = dict.fromkeys(ranks, 0)
     gaps = []
     for p in pushes:
-        gaps.append(p["clock"] - min(done.values()))
-        done[p["worker"]] = max(done.get(p["worker"], 0), p["clock"] + 1)
+        gaps.append(p.clock - min(done.values()))
+        done[p.worker] = max(done.get(p.worker, 0), p.clock + 1)
     return gaps
 
 
@@ -188,35 +246,35 @@ def run_metrics(logs: RunLogs, seed: int, target_loss: float) -> RunMetrics:
     all_steps = [s for steps in logs.steps.values() for s in steps]
     if not all_steps:
         raise ConfigError(f"{logs.path}: no step events; the run did not train")
-    t0 = max(logs.starts.values()) if logs.starts else min(s["t"] for s in all_steps)
-    t_end = max(s["t"] for s in all_steps)
+    t0 = max(logs.starts.values()) if logs.starts else min(s.t for s in all_steps)
+    t_end = max(s.t for s in all_steps)
     train = max(t_end - t0, 1e-9)
     first = logs.pushes.get(0) or next(iter(logs.pushes.values()), [])
-    updates = max((p["version"] for p in first), default=0)
+    updates = max((p.version for p in first), default=0)
     every_push = [p for shard in logs.pushes.values() for p in shard]
-    rejected = sum(1 for p in every_push if not p["accepted"])
-    staleness = [int(p["staleness"]) for p in first]
+    rejected = sum(1 for p in every_push if not p.accepted)
+    staleness = [p.staleness for p in first]
     gaps = _clock_gaps(first, logs.steps)
     max_gap = max((max(_clock_gaps(shard, logs.steps), default=0)
                    for shard in logs.pushes.values()), default=0)
-    curve = [(max(0.0, e["t"] - t0), float(e["versions"][0]), float(e["loss"]))
-             for e in logs.evals if "loss" in e]
+    curve = [(max(0.0, e.t - t0), float(e.versions[0]), e.loss)
+             for e in logs.evals if e.loss is not None]
     final_loss = final_acc = None
-    final = (logs.result or {}).get("eval") or {}
+    final = logs.result.eval if logs.result is not None else {}
     if "loss" in final:
-        final_loss, final_acc = float(final["loss"]), final.get("accuracy")
+        final_loss, final_acc = final["loss"], final.get("accuracy")
         curve.append((train, float(updates), final_loss))
     elif logs.evals:
-        final_loss, final_acc = logs.evals[-1].get("loss"), logs.evals[-1].get("accuracy")
+        final_loss, final_acc = logs.evals[-1].loss, logs.evals[-1].accuracy
     curve.sort(key=lambda c: c[0])
     time_to, updates_to = _crossing(curve, target_loss)
-    servers = (logs.result or {}).get("servers") or []
-    step_times = sorted(s["t"] for s in all_steps)
-    last = {r: steps[-1]["t"] for r, steps in logs.steps.items() if steps}
+    servers = logs.result.servers if logs.result is not None else ()
+    step_times = sorted(s.t for s in all_steps)
+    last = {r: steps[-1].t for r, steps in logs.steps.items() if steps}
     active_end = min(last.values())
     active = max(active_end - t0, 1e-9)
     in_window = sum(1 for t in step_times if t <= active_end)
-    active_updates = max((p["version"] for p in first if p["t"] <= active_end), default=0)
+    active_updates = max((p.version for p in first if p.t <= active_end), default=0)
     idle = {r: t_end - t for r, t in sorted(last.items())}
     gradients_to = None
     if time_to is not None:
@@ -226,17 +284,17 @@ def run_metrics(logs: RunLogs, seed: int, target_loss: float) -> RunMetrics:
         pct_rejected=100.0 * rejected / len(every_push) if every_push else 0.0,
         staleness_p50=_quantile(staleness, 0.5), staleness_p95=_quantile(staleness, 0.95),
         staleness_max=max(staleness, default=0), max_clock_gap=max_gap,
-        server_max_gap=max((s.get("max_answered_gap", 0) for s in servers), default=None),
-        wait_s=statistics.fmean(sum(s["wait_s"] for s in steps)
+        server_max_gap=max((_int(s, "max_answered_gap") or 0 for s in servers), default=None),
+        wait_s=statistics.fmean(sum(s.wait_s for s in steps)
                                 for steps in logs.steps.values()),
         time_to_target=time_to, updates_to_target=updates_to,
         final_loss=final_loss, final_accuracy=final_acc, curve=curve,
         staleness_hist=dict(sorted(Counter(staleness).items())),
-        clocks={r: [(s["t"] - t0, int(s["clock"])) for s in steps]
+        clocks={r: [(s.t - t0, s.clock) for s in steps]
                 for r, steps in sorted(logs.steps.items())},
-        gaps=[(p["t"] - t0, g) for p, g in zip(first, gaps, strict=False)],
-        bound_max=max((s["staleness_bound_max"] for s in servers
-                       if s.get("staleness_bound_max") is not None), default=None),
+        gaps=[(p.t - t0, g) for p, g in zip(first, gaps, strict=False)],
+        bound_max=max((b for s in servers if (b := _int(s, "staleness_bound_max")) is not None),
+                      default=None),
         gradients=len(all_steps), gradients_per_s=len(all_steps) / train,
         active_seconds=active, active_updates_per_s=active_updates / active,
         active_gradients_per_s=in_window / active, idle=idle,
@@ -282,51 +340,48 @@ _STAT_FIELDS = ("train_seconds", "updates", "updates_per_s", "pct_rejected", "st
 class ConfigSummary:
     """One configuration of the grid over all its seeds."""
 
-    config: dict[str, Any]  # experiment.json's configuration entry
+    config: ConfigEntry  # experiment.json's configuration entry
     runs: list[RunMetrics]
     failed: list[int]  # seeds whose run failed or left no usable logs
     stats: dict[str, Stat]
 
     @property
     def label(self) -> str:
-        return str(self.config["label"])
+        return self.config.label
 
     @property
     def scenario(self) -> str:
-        return str(self.config["scenario"])
+        return self.config.scenario
 
 
-def aggregate(config: dict[str, Any], runs: Sequence[RunMetrics],
+def aggregate(config: ConfigEntry, runs: Sequence[RunMetrics],
               failed: Sequence[int] = ()) -> ConfigSummary:
     """Median, min and max over seeds of every figure of :class:`RunMetrics`."""
     stats = {name: Stat.of(getattr(r, name) for r in runs) for name in _STAT_FIELDS}
-    return ConfigSummary(dict(config), list(runs), list(failed), stats)
+    return ConfigSummary(config, list(runs), list(failed), stats)
 
 
-def load_experiment(out_dir: str | Path) -> dict[str, Any]:
-    path = Path(out_dir) / "experiment.json"
-    if not path.exists():
-        raise ConfigError(f"{out_dir} holds no experiment.json: not an experiment directory")
-    data: dict[str, Any] = json.loads(path.read_text())
-    return data
+def load_experiment(out_dir: str | Path) -> ExperimentIndex:
+    """An experiment directory's ``experiment.json`` (ConfigError if there is none)."""
+    return ExperimentIndex.read(out_dir)
 
 
 def summarize(out_dir: str | Path) -> list[ConfigSummary]:
     """Load every run of an experiment directory and aggregate each configuration."""
     exp = load_experiment(out_dir)
     summaries = []
-    for config in exp["configurations"]:
+    for config in exp.configurations:
         runs, failed = [], []
-        for run in (r for r in exp["runs"] if r["config"] == config["id"]):
-            if not run["ok"]:
-                failed.append(run["seed"])
+        for run in (r for r in exp.runs if r.config == config.id):
+            if not run.ok:
+                failed.append(run.seed)
                 continue
             try:
-                logs = load_run(Path(out_dir) / run["path"])
-                runs.append(run_metrics(logs, run["seed"], exp["target_loss"]))
+                logs = load_run(Path(out_dir) / run.path)
+                runs.append(run_metrics(logs, run.seed, exp.target_loss))
             except (ConfigError, OSError, KeyError, ValueError) as exc:
-                log.warning("run %s: unusable logs: %s", run["path"], exc)
-                failed.append(run["seed"])
+                log.warning("run %s: unusable logs: %s", run.path, exc)
+                failed.append(run.seed)
         summaries.append(aggregate(config, runs, failed))
     return summaries
 
@@ -345,21 +400,21 @@ def _by_group(summaries: Sequence[ConfigSummary], scenario: str
               ) -> dict[tuple[str, int], list[ConfigSummary]]:
     groups: dict[tuple[str, int], list[ConfigSummary]] = {}
     for s in summaries:
-        if s.scenario == scenario and s.config["policy"] == "none" and s.runs \
-                and not s.config.get("backups") and _plain_steps(s.config):
-            groups.setdefault(("none", s.config["workers"]), []).append(s)
+        if s.scenario == scenario and s.config.policy == "none" and s.runs \
+                and not s.config.backups and _plain_steps(s.config):
+            groups.setdefault(("none", s.config.workers), []).append(s)
     return groups
 
 
-def _plain_steps(config: dict[str, Any]) -> bool:
+def _plain_steps(config: ConfigEntry) -> bool:
     """Whether a configuration runs the optimizer as configured: no learning-rate rule, no
     asynchrony-aware momentum, no momentum of its own (the published claims 1-3 assume it)."""
-    return (config.get("lr_scaling", "none") == "none" and config.get("momentum_target") is None
-            and "momentum=" not in str(config.get("mode_spec", "")))
+    return (config.lr_scaling in (None, "none") and config.momentum_target is None
+            and "momentum=" not in config.mode_spec)
 
 
-def _mode_rank(config: dict[str, Any]) -> float:
-    return {"sync": -1.0, "async": math.inf}.get(config["mode"], float(config["bound"]))
+def _mode_rank(config: ConfigEntry) -> float:
+    return {"sync": -1.0, "async": math.inf}.get(config.mode, float(config.bound))
 
 
 def _claim_throughput(summaries: Sequence[ConfigSummary]) -> ClaimCheck:
@@ -368,14 +423,14 @@ def _claim_throughput(summaries: Sequence[ConfigSummary]) -> ClaimCheck:
     checked, bad = [], []
     for (_, workers), group in _by_group(summaries, "transient").items():
         group = sorted(group, key=lambda s: _mode_rank(s.config))
-        modes = {s.config["mode"] for s in group}
+        modes = {s.config.mode for s in group}
         if "sync" not in modes or "ssp" not in modes:
             continue
         chain = " < ".join(f"{s.label} {s.stats['updates_per_s'].median:.1f}" for s in group)
         checked.append(f"{workers} workers: {chain}")
         for lo, hi in itertools.pairwise(group):
             a, b = lo.stats["updates_per_s"].median, hi.stats["updates_per_s"].median
-            ok = (b >= a * (1 - ASYNC_TOLERANCE)) if hi.config["mode"] == "async" else b > a
+            ok = (b >= a * (1 - ASYNC_TOLERANCE)) if hi.config.mode == "async" else b > a
             if not ok:
                 bad.append(f"{hi.label} ({b:.1f}/s) is not above {lo.label} ({a:.1f}/s)"
                            f" with {workers} workers")
@@ -418,10 +473,10 @@ def _claim_gap(summaries: Sequence[ConfigSummary]) -> ClaimCheck:
     claim = "under ssp the largest observed clock gap never exceeds s"
     checked, bad = [], []
     for s in summaries:
-        if s.config["mode"] != "ssp":
+        if s.config.mode != "ssp":
             continue
         for r in s.runs:
-            bound = max(s.config["bound"], r.bound_max or 0)  # ssp-adaptive moves it
+            bound = max(s.config.bound, r.bound_max or 0)  # ssp-adaptive moves it
             worst = max(r.max_clock_gap, r.server_max_gap or 0)
             checked.append(worst)
             if worst > bound:
@@ -446,13 +501,13 @@ def _claim_large_batch(summaries: Sequence[ConfigSummary]) -> ClaimCheck:
              "seeds); sync at the one-worker lr does not")
     checked, bad = [], []
     group = [s for s in summaries if s.scenario == "persistent" and s.runs
-             and s.config["policy"] == "none" and not s.config.get("backups")]
-    for workers in sorted({s.config["workers"] for s in group}):
-        mine = [s for s in group if s.config["workers"] == workers]
-        scaled = [s for s in mine if s.config["mode"] == "sync"
-                  and s.config.get("lr_scaling") == "linear" and s.config.get("warmup_steps")]
-        plain = [s for s in mine if s.config["mode"] == "sync" and _plain_steps(s.config)]
-        ssp = [s for s in mine if s.config["mode"] == "ssp" and _plain_steps(s.config)]
+             and s.config.policy == "none" and not s.config.backups]
+    for workers in sorted({s.config.workers for s in group}):
+        mine = [s for s in group if s.config.workers == workers]
+        scaled = [s for s in mine if s.config.mode == "sync"
+                  and s.config.lr_scaling == "linear" and s.config.warmup_steps]
+        plain = [s for s in mine if s.config.mode == "sync" and _plain_steps(s.config)]
+        ssp = [s for s in mine if s.config.mode == "ssp" and _plain_steps(s.config)]
         if not (scaled and plain and ssp):
             continue
         best_ssp = min(ssp, key=_median_gradients_to_target)
@@ -485,15 +540,15 @@ def _claim_momentum(summaries: Sequence[ConfigSummary]) -> ClaimCheck:
              "within 25% of the final loss without momentum at 8 and more workers, while plain "
              "momentum stays near the starting loss at 32 and more")
     checked, bad = [], []
-    asyn = [s for s in summaries if s.config["mode"] == "async" and s.runs
-            and s.config["policy"] == "none"]
-    for scenario, workers in sorted({(s.scenario, s.config["workers"]) for s in asyn}):
-        mine = [s for s in asyn if (s.scenario, s.config["workers"]) == (scenario, workers)]
-        comp = [s for s in mine if s.config.get("momentum_target") is not None]
-        none = [s for s in mine if s.config.get("momentum_target") is None
-                and not s.config.get("momentum")]
-        plain = [s for s in mine if s.config.get("momentum_target") is None
-                 and s.config.get("momentum")]
+    asyn = [s for s in summaries if s.config.mode == "async" and s.runs
+            and s.config.policy == "none"]
+    for scenario, workers in sorted({(s.scenario, s.config.workers) for s in asyn}):
+        mine = [s for s in asyn if (s.scenario, s.config.workers) == (scenario, workers)]
+        comp = [s for s in mine if s.config.momentum_target is not None]
+        none = [s for s in mine if s.config.momentum_target is None
+                and not s.config.momentum]
+        plain = [s for s in mine if s.config.momentum_target is None
+                 and s.config.momentum]
         if workers < 8 or not (comp and none):
             continue
         ref = none[0].stats["final_loss"].median
@@ -541,6 +596,6 @@ def write_report(out_dir: str | Path) -> ReportFiles:
     out = Path(out_dir)
     exp = load_experiment(out)
     summaries = summarize(out)
-    claims = check_literature(summaries, exp["target_loss"])
+    claims = check_literature(summaries, exp.target_loss)
     md, html, images = render_report(out, exp, summaries, claims)
     return ReportFiles(md, html, images, summaries, claims)

@@ -24,12 +24,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from paramserver.errors import ConfigError, ParamServerError
 from paramserver.observe.events import read_events
+from paramserver.workers.experiments.index import EnvironmentInfo, ExperimentIndex, RunEntry
 from paramserver.workers.experiments.report import ReportFiles, write_report
 from paramserver.workers.experiments.spec import ExperimentSpec, RunPlan, dump_spec
 from paramserver.workers.launch.cluster import Progress, run_cluster
@@ -48,7 +48,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-def environment_info() -> dict[str, Any]:
+def environment_info() -> EnvironmentInfo:
     """What it takes to reproduce a result: versions, git commit, platform, command."""
     packages: dict[str, str | None] = {}
     for dist in ("paramserver", "torch", "pyzmq", "numpy", "msgpack", "scikit-learn",
@@ -67,13 +67,11 @@ def environment_info() -> dict[str, Any]:
         dirty = bool(status.strip())
     except (OSError, subprocess.SubprocessError):
         pass  # not a git checkout (an installed wheel): versions must do
-    return {
-        "python": sys.version.split()[0], "implementation": platform.python_implementation(),
-        "platform": platform.platform(), "machine": platform.machine(),
-        "cpus": os.cpu_count(), "packages": packages, "git_commit": commit, "git_dirty": dirty,
-        "argv": list(sys.argv), "torch_threads": torch.get_num_threads(),
-        "cuda": torch.cuda.is_available(),
-    }
+    return EnvironmentInfo(
+        python=sys.version.split()[0], implementation=platform.python_implementation(),
+        platform=platform.platform(), machine=platform.machine(), cpus=os.cpu_count(),
+        packages=packages, git_commit=commit, git_dirty=dirty, argv=tuple(sys.argv),
+        torch_threads=torch.get_num_threads(), cuda=torch.cuda.is_available())
 
 
 @dataclass
@@ -144,25 +142,23 @@ def merge_steps(run_dir: Path, workers: int) -> None:
 
 
 def _index(spec: ExperimentSpec, outcomes: Sequence[RunOutcome], started: float,
-           finished: bool) -> dict[str, Any]:
-    return {
-        "name": spec.name, "task": spec.task, "task_args": spec.task_args, "steps": spec.steps,
-        "servers": spec.servers, "seeds": spec.seeds, "target_loss": spec.target_loss,
-        "eval_every": spec.eval_every, "min_step_time": spec.min_step_time,
-        "optimizer": spec.optimizer, "optimizer_args": spec.optimizer_args,
-        "batch_size": spec.batch_size,
-        "budget_seconds": spec.budget_seconds, "budget_gradients": spec.budget_gradients,
-        "budget": spec.budget,
-        "scenarios": {n: spec.scenario(n).to_dict() for n in spec.scenarios},
-        "configurations": [{**c.to_dict(), **spec.step_settings(c.mode)}
-                           for c in spec.configurations()],
-        "runs": [{"config": o.plan.config.id, "seed": o.plan.seed, "path": o.plan.path,
-                  "budget": spec.budget,
-                  "ok": o.ok, "seconds": round(o.seconds, 3), "error": o.error,
-                  "load": o.load}
-                 for o in outcomes],
-        "started": started, "finished": time.time() if finished else None,
-    }
+           finished: bool, sim: SimSpec | None) -> ExperimentIndex:
+    return ExperimentIndex(
+        name=spec.name, task=spec.task, task_args=spec.task_args, steps=spec.steps,
+        servers=spec.servers, seeds=tuple(spec.seeds), target_loss=spec.target_loss,
+        eval_every=spec.eval_every, min_step_time=spec.min_step_time,
+        optimizer=spec.optimizer, optimizer_args=spec.optimizer_args,
+        batch_size=spec.batch_size,
+        budget_seconds=spec.budget_seconds, budget_gradients=spec.budget_gradients,
+        budget=spec.budget,
+        scenarios={n: spec.scenario(n).entry() for n in spec.scenarios},
+        configurations=tuple(spec.entry(c) for c in spec.configurations()),
+        runs=tuple(RunEntry(config=o.plan.config.id, seed=o.plan.seed, path=o.plan.path,
+                            budget=spec.budget, ok=o.ok, seconds=round(o.seconds, 3),
+                            error=o.error, load=o.load)
+                   for o in outcomes),
+        started=started, finished=time.time() if finished else None, simulated=sim,
+    )
 
 
 def run_experiment(spec: ExperimentSpec, out_dir: str | os.PathLike[str],
@@ -179,7 +175,7 @@ def run_experiment(spec: ExperimentSpec, out_dir: str | os.PathLike[str],
     out = Path(out_dir)
     prepare_dir(out)
     (out / "spec.toml").write_text(dump_spec(spec), encoding="utf-8")
-    (out / "environment.json").write_text(json.dumps(environment_info(), indent=2))
+    (out / "environment.json").write_text(json.dumps(environment_info().to_json(), indent=2))
     if sim is not None:
         (out / "simulation.json").write_text(json.dumps(dataclasses.asdict(sim), indent=2))
     plans = spec.runs()
@@ -187,9 +183,7 @@ def run_experiment(spec: ExperimentSpec, out_dir: str | os.PathLike[str],
     started = time.time()
 
     def index(finished: bool) -> None:
-        data = _index(spec, outcomes, started, finished=finished)
-        if sim is not None:
-            data["simulated"] = dataclasses.asdict(sim)
+        data = _index(spec, outcomes, started, finished, sim).to_json()
         (out / "experiment.json").write_text(json.dumps(data, indent=2))
 
     index(False)

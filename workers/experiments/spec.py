@@ -41,6 +41,8 @@ from paramserver.core.stepsize import LrRule
 from paramserver.errors import ConfigError
 from paramserver.policies import create_policy, parse_policy_args
 from paramserver.server.loop import ServerConfig
+from paramserver.util.jsontypes import JSONObject
+from paramserver.workers.experiments.index import ConfigEntry, ScenarioEntry, StepSettings
 from paramserver.workers.launch.cluster import ClusterSpec
 from paramserver.workers.stragglers import StragglerSpec
 from paramserver.workers.tasks import resolve_task, task_parameters
@@ -261,12 +263,9 @@ class Scenario:
     def stragglers(self, num_workers: int) -> dict[int, StragglerSpec]:
         return {r: spec for r, spec in self.ranks if r < num_workers}
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "description": self.description,
-            "all": dataclasses.asdict(self.all),
-            "ranks": {str(r): dataclasses.asdict(s) for r, s in self.ranks},
-        }
+    def entry(self) -> ScenarioEntry:
+        """This scenario's entry in experiment.json."""
+        return ScenarioEntry(self.description, self.all, {str(r): s for r, s in self.ranks})
 
     @classmethod
     def from_table(cls, name: str, table: Mapping[str, Any], min_step_time: float) -> Scenario:
@@ -334,12 +333,6 @@ class Configuration:
     def id(self) -> str:
         return f"{self.scenario}-{self.mode.slug}-{self.policy.slug}-w{self.workers}"
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "scenario": self.scenario, "label": self.label,
-                "mode": self.mode.mode, "bound": self.mode.bound, "mode_spec": str(self.mode),
-                "backups": self.mode.backups,
-                "policy": self.policy.name, "policy_args": dict(self.policy.args),
-                "workers": self.workers}
 
 
 @dataclass(frozen=True)
@@ -372,7 +365,7 @@ class ExperimentSpec:
 
     name: str = "experiment"
     task: str = "digits-mlp"
-    task_args: dict[str, Any] = field(default_factory=dict)
+    task_args: JSONObject = field(default_factory=dict)  # the task's own arguments
     steps: int = 250  # per worker, the same for every worker and configuration
     batch_size: int | None = None  # None: the task's default
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
@@ -384,7 +377,7 @@ class ExperimentSpec:
     scenarios: list[str] = field(default_factory=lambda: ["transient"])
     custom_scenarios: dict[str, Scenario] = field(default_factory=dict)
     optimizer: str = "sgd"
-    optimizer_args: dict[str, Any] = field(default_factory=lambda: {"lr": 0.1})
+    optimizer_args: JSONObject = field(default_factory=lambda: {"lr": 0.1})
     target_loss: float = 0.5  # held-out loss for "time to target"
     eval_every: int = 5  # worker 0 evaluates held-out data every N of its steps
     min_step_time: float = 0.015  # s; emulates a model heavier than the task's
@@ -520,8 +513,8 @@ class ExperimentSpec:
             backup_workers=config.mode.backups, expected_workers=config.workers,
             policy=config.policy.name, policy_args=dict(config.policy.args),
             optimizer=self.optimizer, optimizer_args=optimizer_args,
-            lr_scaling=step["lr_scaling"], warmup_steps=step["warmup_steps"],
-            momentum_target=step["momentum_target"],
+            lr_scaling=step.lr_scaling, warmup_steps=step.warmup_steps,
+            momentum_target=step.momentum_target,
         )
         worker = WorkerConfig(
             servers=[], task=self.task, task_args=dict(self.task_args),
@@ -533,21 +526,33 @@ class ExperimentSpec:
                            worker=worker, stragglers=scenario.stragglers(config.workers),
                            run_timeout=self.run_timeout)
 
-    def step_settings(self, mode: ModeChoice) -> dict[str, Any]:
+    def step_settings(self, mode: ModeChoice) -> StepSettings:
         """The step-size rules ``mode`` runs with: its own, else the spec's."""
+        given = self.optimizer_args.get("momentum", 0.0)  # a number: build_optimizer checked
         momentum = mode.momentum if mode.momentum is not None \
-            else self.optimizer_args.get("momentum", 0.0)
-        return {
-            "lr_scaling": mode.lr_scaling or self.lr_scaling,
-            "warmup_steps": mode.warmup if mode.warmup is not None else self.warmup_steps,
-            "momentum_target": mode.momentum_target if mode.momentum_target is not None
+            else float(given) if isinstance(given, int | float) else 0.0
+        return StepSettings(
+            lr_scaling=mode.lr_scaling or self.lr_scaling,
+            warmup_steps=mode.warmup if mode.warmup is not None else self.warmup_steps,
+            momentum_target=mode.momentum_target if mode.momentum_target is not None
             else self.momentum_target,
-            "momentum": momentum,
-        }
+            momentum=momentum)
 
-    def to_toml_dict(self) -> dict[str, Any]:
+    def entry(self, config: Configuration) -> ConfigEntry:
+        """``config``'s entry in experiment.json, with the step-size rules it runs with."""
+        mode, step = config.mode, self.step_settings(config.mode)
+        return ConfigEntry(
+            id=config.id, scenario=config.scenario, label=config.label, mode=mode.mode,
+            bound=mode.bound, mode_spec=str(mode), backups=mode.backups,
+            policy=config.policy.name, policy_args=dict(config.policy.args),
+            workers=config.workers, lr_scaling=step.lr_scaling,
+            warmup_steps=step.warmup_steps, momentum_target=step.momentum_target,
+            momentum=step.momentum)
+
+    def to_toml_dict(self) -> JSONObject:
+        """The spec as the TOML document dump_spec writes (None values left out there)."""
         used = {k: v for k, v in self.custom_scenarios.items() if k in self.scenarios}
-        data: dict[str, Any] = {
+        data: JSONObject = {
             "name": self.name, "task": self.task, "steps": self.steps,
             "batch_size": self.batch_size, "seeds": list(self.seeds), "num_servers": self.servers,
             "workers": list(self.workers), "modes": [str(m) for m in self.modes],
@@ -598,8 +603,8 @@ def _renamed_keys(data: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _scenario_table(s: Scenario) -> dict[str, Any]:
-    base = dataclasses.asdict(s.all)
+def _scenario_table(s: Scenario) -> JSONObject:
+    base: JSONObject = dataclasses.asdict(s.all)
     return {"description": s.description, "all": base,
             "ranks": {str(r): {k: v for k, v in dataclasses.asdict(o).items() if base[k] != v}
                       for r, o in s.ranks}}
@@ -618,8 +623,9 @@ def _int(value: Any, what: str, low: int) -> int:
     return value
 
 
-#: named specs; ``demo`` is ``make demo``, ``literature`` checks the published claims
-PRESETS: dict[str, dict[str, Any]] = {
+#: named specs, as the partial TOML documents from_dict reads; ``demo`` is ``make demo``,
+#: ``literature`` checks the published claims
+PRESETS: dict[str, JSONObject] = {
     "demo": {"name": "demo"},
     # lr 0.05: the claim on updates to target is about small lr x staleness (see the docs)
     "literature": {"name": "literature", "modes": ["sync", "ssp:1", "ssp:3", "async"],

@@ -35,25 +35,32 @@ from typing import Any, BinaryIO
 from paramserver.errors import ConfigError, ParamServerError, RequestTimeoutError
 from paramserver.observe.events import write_json
 from paramserver.observe.recorder import JsonlFollower, LauncherObserver
-from paramserver.server.config import option
-from paramserver.server.loop import READY_PREFIX, ServerConfig
-from paramserver.wire.curve import CurveKeys, admin_key_pair, public_key
+from paramserver.server.loop import READY_PREFIX
+from paramserver.util.jsontypes import JSONObject
+from paramserver.wire.curve import admin_key_pair
+from paramserver.workers.launch.clusterspec import FAILURE_POLICIES, ClusterSpec, Progress
 from paramserver.workers.launch.processes import (
     ProcessInfo,
-    WorkerSummary,
     exit_reason,
     shard_cause,
     tail,
+)
+from paramserver.workers.launch.results import (
+    ClusterResult,
+    FailureRecord,
+    LostWorker,
+    RestartRecord,
+    WorkerResult,
+    WorkerSummary,
     worker_summaries,
 )
-from paramserver.workers.launch.stall import StallNotice, StallWatch
+from paramserver.workers.launch.stall import StallNotice, StallRecord, StallWatch
 from paramserver.workers.launch.zygote import ForkedProcess, ZygoteError, fork_enabled, zygote_for
-from paramserver.workers.stragglers import StragglerSpec, parse_straggler_items
-from paramserver.workers.worker import WorkerConfig
 
 __all__ = [
     "FAILURE_POLICIES",
     "ClusterError",
+    "ClusterResult",
     "ClusterSpec",
     "LocalCluster",
     "ProcessInfo",
@@ -68,162 +75,10 @@ log = logging.getLogger(__name__)
 
 
 WORKER_MODULE = "paramserver.workers.worker"  # what each worker process runs as __main__
-FAILURE_POLICIES = ("fail", "tolerate", "restart")
 
 
 class ClusterError(ParamServerError):
     """A process of the cluster failed; the message names it and shows its log's tail."""
-
-
-@dataclass
-class ClusterSpec:
-    """A local run: templates for every server and worker, plus per-worker stragglers."""
-
-    num_servers: int = option(2, min=1, aliases=("-s",), metavar="S",
-                              help="Server (shard) processes.")
-    num_workers: int = option(2, min=1, aliases=("--workers", "-n"), metavar="N",
-                              help="Worker processes.")
-    server: ServerConfig = option(default_factory=ServerConfig, nested=True,
-                                  help="Every shard's template (the server options).")
-    worker: WorkerConfig = option(default_factory=lambda: WorkerConfig(),
-                                  nested=True,
-                                  help="Every worker's template (the worker options).")
-    #: rank -> spec
-    stragglers: dict[int, StragglerSpec] = option(
-        default_factory=dict, flag="straggler", kind="pairs", table=False,
-        parse=parse_straggler_items,
-        metavar="RANK:KEY=VALUE",
-        help="Slow down one worker only, e.g. 1:slowdown=3 or 2:delay=exp:0.05 (repeatable; "
-             "keys as the straggler options).")
-    startup_timeout: float = option(120.0, min=0, min_open=True, metavar="SECONDS",
-                                    help="How long a server may take to report its address.")
-    run_timeout: float | None = option(None, min=0, min_open=True, metavar="SECONDS",
-                                       help="Stop everything if training takes longer.")
-    stall_warning: float = option(
-        60.0, min=0, metavar="SECONDS",
-        help="Warn, with the last lines of every worker's and shard's log, when no worker "
-             "has logged a step for this long, or for 10 times the run's usual time per "
-             "step if that is longer (0: never). Training goes on.")
-    evaluate: bool = option(True, flag="eval", dest="eval",
-                            help="Evaluate the final weights on held-out data.")
-    #: what a worker's failure does: "fail" the run, "tolerate" it (the others go
-    #: on; the server drops it from the live set after the heartbeat timeout) or
-    #: "restart" the worker (it registers again and resumes at the minimum clock)
-    on_worker_failure: str = option("fail", choices=FAILURE_POLICIES,
-                                    help="A worker that dies: fail the run, tolerate it (the "
-                                         "others go on) or restart it.")
-    #: restart a shard that dies, at the same address, from its latest checkpoint
-    restart_servers: bool = option(False,
-                                   help="Restart a shard that dies, at its address, from its "
-                                        "latest checkpoint.")
-    max_restarts: int = option(3, min=0, metavar="K", help="Restarts allowed per process.")
-    #: the launcher's Prometheus port (0: any free port); shard i serves on port + 1 + i
-    #: (any free port when 0). None: the launcher serves none, shards as the template says
-    metrics_port: int | None = option(None, min=0, max=65535, metavar="PORT",
-                                      help="Prometheus metrics: the launcher's on PORT, shard "
-                                           "i's on PORT + 1 + i (0: any free ports).")
-    #: TensorBoard log directory for the launcher and shards
-    tensorboard: str | None = option(None, kind="dir",
-                                     internal="the server option --tensorboard",
-                                     help="TensorBoard log directory for the launcher and "
-                                          "shards.")
-    #: under CURVE, the launcher's admin secret key file (SHUTDOWN, BYE dead=true); the
-    #: shards admit its public key as an admin. None: LocalCluster makes one in out_dir/keys
-    admin_key: str | None = option(None, kind="file",
-                                   internal="made by the launcher under CURVE",
-                                   help="The launcher's admin secret key file.")
-    #: run this command once per worker instead of the built-in loop (the user's own
-    #: script on DistributedOptimizer), with PARAMSERVER_SERVERS, RANK, WORLD_SIZE,
-    #: LOCAL_RANK set; its gradient steps, results and plan land in the run folder
-    command: list[str] | None = option(
-        None, internal="the arguments after `--` of launch",
-        help="Run this command once per worker instead of the built-in loop.")
-
-    def __post_init__(self) -> None:
-        if self.on_worker_failure not in FAILURE_POLICIES:
-            raise ConfigError(f"on_worker_failure must be one of {', '.join(FAILURE_POLICIES)}; "
-                              f"got {self.on_worker_failure!r}")
-        if self.num_servers < 1 or self.num_workers < 1:
-            raise ConfigError("a cluster needs at least one server and one worker")
-        if self.metrics_port is not None and not (
-                self.metrics_port >= 0 and self.metrics_port + self.num_servers <= 65535):
-            raise ConfigError(f"metrics_port must be 0 (any free port) or leave room for "
-                              f"{self.num_servers} shard ports above it; got {self.metrics_port}")
-        if bool(self.server.curve_secret_key) != bool(self.worker.curve_key):
-            raise ConfigError("CURVE is on for one side only: give the servers curve_secret_key "
-                              "and the workers curve_key + curve_server_key, or neither")
-        if self.admin_key and not self.server.curve_secret_key:
-            raise ConfigError("admin_key needs CURVE (without it everyone is trusted)")
-
-    def client_curve(self) -> CurveKeys | None:
-        """The workers' CURVE keys, for the launcher's own connections (stats, eval, stop)."""
-        if not self.worker.curve_key:
-            return None
-        return CurveKeys.load(self.worker.curve_key, self.worker.curve_server_key)
-
-    def admin_curve(self) -> CurveKeys | None:
-        """The launcher's admin keys, for SHUTDOWN and death reports (None: no CURVE);
-        without an admin key, the workers' (which a shard then refuses)."""
-        if not self.admin_key:
-            return self.client_curve()
-        return CurveKeys.load(self.admin_key, self.worker.curve_server_key)
-
-    def server_config(self, shard: int, out: Path) -> ServerConfig:
-        observe: dict[str, Any] = {}
-        if self.metrics_port is not None:
-            observe["metrics_port"] = self.metrics_port + 1 + shard if self.metrics_port else 0
-        if self.tensorboard:
-            observe["tensorboard"] = self.tensorboard
-        admins = list(self.server.admin_keys)
-        if self.admin_key:  # the public half, as text: no secret file goes to a shard
-            admins.append(public_key(self.admin_key))
-        return dataclasses.replace(
-            self.server, shard=shard, num_shards=self.num_servers,
-            expected_workers=self.num_workers,
-            event_log=str(out / "events" / f"server{shard}.jsonl"), admin_keys=admins,
-            **observe,
-        )
-
-    def command_env(self, rank: int, servers: list[str], out: Path) -> dict[str, str]:
-        """What a worker's command finds in its environment (see DistributedOptimizer)."""
-        env = {"PARAMSERVER_SERVERS": ",".join(servers), "RANK": str(rank),
-               "WORLD_SIZE": str(self.num_workers), "LOCAL_RANK": str(rank),
-               "LOCAL_WORLD_SIZE": str(self.num_workers),
-               "PARAMSERVER_EVENT_LOG": str(out / "events" / f"worker{rank}.jsonl"),
-               "PARAMSERVER_RESULT_FILE": str(out / "results" / f"worker{rank}.json"),
-               "PARAMSERVER_PLAN_FILE": str(out / "plan.json")}
-        if self.worker.curve_key:
-            env["PARAMSERVER_CURVE_KEY"] = self.worker.curve_key
-            env["PARAMSERVER_CURVE_SERVER_KEY"] = self.worker.curve_server_key or ""
-        return env
-
-    def worker_config(self, rank: int, servers: list[str], out: Path) -> WorkerConfig:
-        return dataclasses.replace(
-            self.worker, rank=rank, world_size=self.num_workers, servers=servers,
-            straggler=self.stragglers.get(rank, self.worker.straggler),
-            event_log=str(out / "events" / f"worker{rank}.jsonl"),
-            result_file=str(out / "results" / f"worker{rank}.json"),
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
-        data["stragglers"] = {str(k): dataclasses.asdict(v) for k, v in self.stragglers.items()}
-        return data
-
-
-@dataclass
-class Progress:
-    """What the launcher knows while workers run (read from their event logs)."""
-
-    steps: dict[int, int]
-    total_steps: int
-    last_loss: dict[int, float]
-    applied: int
-    elapsed: float
-
-    @property
-    def done_steps(self) -> int:
-        return sum(self.steps.values())
 
 
 @dataclass
@@ -271,10 +126,10 @@ class LocalCluster:
         self._progress_steps: dict[int, int] = {}
         self._progress_loss: dict[int, float] = {}
         self._t0 = time.time()
-        self.failures: list[dict[str, Any]] = []
-        self.restarts: list[dict[str, Any]] = []
+        self.failures: list[FailureRecord] = []
+        self.restarts: list[RestartRecord] = []
         #: times the run logged no step for long (StallWatch), and when it went on
-        self.stalls: list[dict[str, Any]] = []
+        self.stalls: list[StallRecord] = []
         self._stall = StallWatch(spec.stall_warning)
         #: every process started, restarts included; also in out_dir/processes.json
         self.processes: list[ProcessInfo] = []
@@ -282,7 +137,7 @@ class LocalCluster:
 
     # ------------------------------------------------------------------ processes
 
-    def _spawn(self, name: str, module: str, config: dict[str, Any], *,
+    def _spawn(self, name: str, module: str, config: JSONObject, *,
                ready_pipe: bool, append: bool = False) -> _Proc:
         """Start ``python -m module config.json``; output goes to the log file, except
         stdout of a server, which announces its address on it."""
@@ -433,8 +288,7 @@ class LocalCluster:
                     pending.discard(rank)
                     continue
                 self._raise_if_diverged()  # a stopped shard's refusal, not the worker's fault
-                self.failures.append({"process": proc.name, "exit_code": code,
-                                      "reason": exit_reason(code), "t": time.time()})
+                self._failed(proc.name, code)
                 self._report_dead(rank)
                 policy = self.spec.on_worker_failure
                 if policy == "restart" and self._restarts(proc.name) < self.spec.max_restarts:
@@ -455,8 +309,7 @@ class LocalCluster:
                 if code is None:
                     continue
                 self._raise_if_diverged()  # a watchdog stop is not restarted
-                self.failures.append({"process": proc.name, "exit_code": code,
-                                      "reason": exit_reason(code), "t": time.time()})
+                self._failed(proc.name, code)
                 if self.spec.restart_servers and (
                         self._restarts(proc.name) < self.spec.max_restarts):
                     log.warning("%s died (exit code %d); restarting it", proc.name, code)
@@ -495,9 +348,9 @@ class LocalCluster:
             pace = f"; before it, a step every {notice.pace:.1f}s"
         elif notice.pace:
             pace = f"; before it, {1 / notice.pace:.0f} steps a second"
-        record = {"stalled": notice.stalled, "quiet": notice.quiet, "pace": notice.pace}
-        self.stalls.append({**record, "t": time.time()})
-        self.observer.events.write("stall", **record,
+        self.stalls.append(StallRecord(notice.stalled, notice.quiet, notice.pace, time.time()))
+        self.observer.events.write("stall", stalled=notice.stalled, quiet=notice.quiet,
+                                   pace=notice.pace,
                                    running=[self.workers[r].name for r in pending])
         if notice.stalled:
             log.warning("no worker has logged a step for %.0fs%s (--stall-warning %gs); "
@@ -526,12 +379,15 @@ class LocalCluster:
                 f"(--on-divergence {rec['action']}): {rec['message']}{saved}"
             )
 
+    def _failed(self, name: str, code: int) -> None:
+        self.failures.append(FailureRecord(name, code, exit_reason(code), time.time()))
+
     def _restarts(self, name: str) -> int:
-        return sum(1 for r in self.restarts if r["process"] == name)
+        return sum(1 for r in self.restarts if r.process == name)
 
     def _restart_worker(self, rank: int) -> None:
         self.workers[rank] = self._start_worker(rank, append=True)
-        self.restarts.append({"process": f"worker{rank}", "t": time.time()})
+        self.restarts.append(RestartRecord(f"worker{rank}", time.time()))
 
     def _restart_server(self, shard: int) -> None:
         """Same shard, same address, state from its latest checkpoint (if any)."""
@@ -554,8 +410,8 @@ class LocalCluster:
                            ready_pipe=True, append=True)
         self.servers[shard] = proc
         self._await_ready(proc, time.monotonic() + self.spec.startup_timeout)
-        self.restarts.append({"process": f"server{shard}", "t": time.time(),
-                              "resumed": cfg.resume is not None})
+        self.restarts.append(RestartRecord(f"server{shard}", time.time(),
+                                           resumed=cfg.resume is not None))
 
     def progress(self) -> Progress:
         """Steps and last loss per worker, read incrementally from the event logs."""
@@ -590,7 +446,7 @@ class LocalCluster:
             if p.popen.stdout is not None:
                 p.popen.stdout.close()
         self.observer.close(failures=len(self.failures), restarts=len(self.restarts),
-                            stalls=sum(1 for s in self.stalls if s["stalled"]),
+                            stalls=sum(1 for s in self.stalls if s.stalled),
                             exit_codes={p.name: p.popen.returncode for p in procs})
 
     @property
@@ -658,8 +514,9 @@ def _save_command_weights(spec: ClusterSpec, addresses: list[str], out: Path) ->
 def run_cluster(spec: ClusterSpec, out_dir: str | Path,
                 on_progress: Callable[[Progress], None] | None = None,
                 on_alarm: Callable[[dict[str, Any]], None] | None = None,
-                on_process: Callable[[ProcessInfo], None] | None = None) -> dict[str, Any]:
-    """Start, run to completion, evaluate, stop. Returns (and writes) ``result.json``.
+                on_process: Callable[[ProcessInfo], None] | None = None) -> ClusterResult:
+    """Start, run to completion, evaluate, stop. Returns the result, also written as
+    ``result.json``.
 
     ``on_alarm`` gets each watchdog alarm (an ``alarm`` event of a shard's log) as
     it happens; ``on_process`` each process started (restarts included).
@@ -677,32 +534,29 @@ def run_cluster(spec: ClusterSpec, out_dir: str | Path,
         stats = server_stats(addresses, curve=admin)
         final = final_eval(spec, addresses, out) if spec.evaluate else {}
         shutdown_servers(addresses, curve=admin)
-    workers = []
+    workers: list[WorkerResult | LostWorker] = []
     for rank in range(spec.num_workers):
         path = out / "results" / f"worker{rank}.json"
         if path.exists():
-            workers.append(json.loads(path.read_text()))
+            workers.append(WorkerResult.read(path))
         else:  # a tolerated failure
-            record: dict[str, Any] = {"worker": rank, "failed": True}
-            deaths = [f for f in cluster.failures if f["process"] == f"worker{rank}"]
-            if deaths:
-                record.update(exit_code=deaths[-1]["exit_code"], reason=deaths[-1]["reason"])
-            workers.append(record)
-    applied = sum(w.applied for w in stats[0].workers.values()) if stats else 0
-    result: dict[str, Any] = {
-        "spec": spec.to_dict(),
-        "addresses": addresses,
-        "seconds": train_seconds,
-        "eval": final,
-        "workers": workers,
-        "servers": [s.to_dict() for s in stats],
-        "updates_applied": [s.version for s in stats],
-        "pushes_applied_shard0": applied,
-        "failures": cluster.failures,
-        "restarts": cluster.restarts,
-        "alarms": cluster.observer.alarms,
-        "metrics_ports": cluster.metrics_ports,
-        "processes": [p.as_dict() for p in cluster.processes],
-    }
-    write_json(out / "result.json", result)
+            deaths = [f for f in cluster.failures if f.process == f"worker{rank}"]
+            workers.append(LostWorker(rank, deaths[-1].exit_code, deaths[-1].reason)
+                           if deaths else LostWorker(rank))
+    result = ClusterResult(
+        spec=spec.to_dict(),
+        addresses=tuple(addresses),
+        seconds=train_seconds,
+        eval=final,
+        workers=tuple(workers),
+        servers=tuple(s.to_dict() for s in stats),
+        updates_applied=tuple(s.version for s in stats),
+        pushes_applied_shard0=sum(w.applied for w in stats[0].workers.values()) if stats else 0,
+        failures=tuple(cluster.failures),
+        restarts=tuple(cluster.restarts),
+        alarms=tuple(cluster.observer.alarms),
+        metrics_ports=cluster.metrics_ports,
+        processes=tuple(cluster.processes),
+    )
+    write_json(out / "result.json", result.to_json())
     return result

@@ -1,24 +1,22 @@
 """What the launcher knows and says about the processes it ran.
 
 :class:`ProcessInfo` (name, role, pid) is recorded as each process starts
-(``processes.json``, ``result.json``); :class:`WorkerSummary` reads what became
-of each worker from ``result.json``'s records; :func:`shard_cause` finds the
+(``processes.json``, ``result.json``); :func:`shard_cause` finds the
 shard error behind a worker's failure, with the last frame of the shard's
 traceback, so that a launcher names the real culprit.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import signal
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-__all__ = ["ProcessInfo", "WorkerSummary", "exit_reason", "shard_cause", "tail",
-           "worker_summaries"]
+from paramserver.util.jsontypes import JSONObject
+
+__all__ = ["ProcessInfo", "exit_reason", "shard_cause", "tail"]
 
 
 @dataclass(frozen=True)
@@ -30,8 +28,8 @@ class ProcessInfo:
     pid: int
     started: float  # time.time()
 
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+    def as_dict(self) -> JSONObject:
+        return {"name": self.name, "role": self.role, "pid": self.pid, "started": self.started}
 
 
 def exit_reason(code: int) -> str:
@@ -42,61 +40,6 @@ def exit_reason(code: int) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exit code {code}"
-
-
-@dataclass(frozen=True)
-class WorkerSummary:
-    """What became of one worker, from ``result.json``'s records.
-
-    ``finished``: its last incarnation ran to the end (a restarted worker
-    included); otherwise it died and the death was tolerated. ``deaths`` holds
-    the exit code of every death, ``restarts`` how many times it was started again.
-    """
-
-    rank: int
-    finished: bool
-    steps: int = 0  # pushes of its last incarnation
-    clock: int = 0  # where it ended (a restarted worker resumes, so clock >= steps)
-    pushes: int = 0
-    accepted: int = 0
-    rejected: int = 0
-    deaths: tuple[int, ...] = ()
-    restarts: int = 0
-
-    @property
-    def reason(self) -> str:
-        """Why it last died ("" if it never did)."""
-        return exit_reason(self.deaths[-1]) if self.deaths else ""
-
-    @classmethod
-    def from_result(cls, record: dict[str, Any], failures: list[dict[str, Any]],
-                    restarts: list[dict[str, Any]]) -> WorkerSummary:
-        rank = int(record["worker"])
-        name = f"worker{rank}"
-        deaths = tuple(int(f["exit_code"]) for f in failures if f["process"] == name)
-        restarted = sum(1 for r in restarts if r["process"] == name)
-        if record.get("failed"):  # no result file: it died and stayed dead
-            return cls(rank, False, deaths=deaths, restarts=restarted)
-        return cls(rank, True, steps=int(record["steps"]),
-                   clock=int(record.get("clock", record["steps"])), pushes=int(record["pushes"]),
-                   accepted=int(record["accepted"]), rejected=int(record["rejected"]),
-                   deaths=deaths, restarts=restarted)
-
-    def describe(self) -> str:
-        if not self.finished:
-            return f"worker {self.rank} dead ({self.reason or 'no result'}), tolerated"
-        if self.restarts:
-            times = "once" if self.restarts == 1 else f"{self.restarts} times"
-            return (f"worker {self.rank} restarted {times} (last death: {self.reason}), "
-                    f"then finished at clock {self.clock}")
-        return f"worker {self.rank} finished {self.steps} steps"
-
-
-def worker_summaries(result: dict[str, Any]) -> list[WorkerSummary]:
-    """The typed per-worker view of a :func:`run_cluster` result."""
-    failures = result.get("failures", [])
-    restarts = result.get("restarts", [])
-    return [WorkerSummary.from_result(w, failures, restarts) for w in result["workers"]]
 
 
 _INTERNAL = re.compile(r"\bshard (\d+)(?: at \S+)? refused the request: internal: (.+)")

@@ -48,7 +48,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 from torch.distributed import DistError, DistNetworkError, DistStoreError, TCPStore
 
@@ -58,7 +57,13 @@ from paramserver.server.loop import ServerConfig, run_server
 from paramserver.wire.curve import CurveKeys
 from paramserver.workers.admin import save_final_model
 from paramserver.workers.optimizer import read_plan
-from paramserver.workers.worker import WorkerConfig, build_task, run_worker, worker_title
+from paramserver.workers.worker import (
+    WorkerConfig,
+    WorkerResult,
+    build_task,
+    run_worker,
+    worker_title,
+)
 
 __all__ = [
     "LaunchEnv",
@@ -489,7 +494,7 @@ def run_server_rank(config: ServerConfig, rdzv: Rendezvous,
 
 
 def run_worker_rank(config: WorkerConfig, rdzv: Rendezvous, num_servers: int,
-                    timeout: float | None = None, out: Path | None = None) -> dict[str, Any]:
+                    timeout: float | None = None, out: Path | None = None) -> WorkerResult:
     """Wait for every server's address, train, and count this worker done, even when it
     fails, so that the servers never wait for a worker that is gone. The last worker
     done saves the servers' final weights as ``out/final_model.safetensors``."""

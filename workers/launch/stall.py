@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["PACE_FACTOR", "StallNotice", "StallWatch"]
+__all__ = ["PACE_FACTOR", "StallNotice", "StallRecord", "StallWatch"]
 
 #: quiet longer than this many of the run's usual seconds per step is a stall
 PACE_FACTOR = 10
@@ -28,6 +28,16 @@ class StallNotice:
     stalled: bool  # True: no step for ``quiet`` seconds; False: steps resumed after it
     quiet: float  # seconds without a step
     pace: float  # the run's seconds per step before the quiet (0: not known yet)
+
+
+@dataclass(frozen=True)
+class StallRecord:
+    """A notice the launcher gave (a stall, or steps resuming) and when."""
+
+    stalled: bool
+    quiet: float
+    pace: float
+    t: float  # time.time()
 
 
 class StallWatch:

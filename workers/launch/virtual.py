@@ -44,12 +44,20 @@ from typing import IO, TYPE_CHECKING, Any
 
 import torch
 
+from paramserver.core.records import PushOutcome
 from paramserver.core.shard import GradStats, ShardCore, SliceSpec, StepStats
 from paramserver.core.sharding import ShardPlan
 from paramserver.errors import ConfigError, ParamServerError, ProtocolError
 from paramserver.observe.events import write_json
 from paramserver.policies import create_policy
-from paramserver.workers.launch.cluster import ClusterSpec, Progress
+from paramserver.util.jsontypes import JSONObject
+from paramserver.workers.launch.clusterspec import ClusterSpec, Progress
+from paramserver.workers.launch.results import (
+    ClusterResult,
+    SimSummary,
+    WorkerResult,
+    shard_figures,
+)
 from paramserver.workers.stragglers import Straggler
 from paramserver.workers.tasks import Task, evaluate
 from paramserver.workers.worker import (
@@ -179,7 +187,7 @@ class _VWorker:
     compute_s: float = 0.0
     sleep_s: float = 0.0
     push_started: float = 0.0
-    outcomes: dict[int, dict[str, Any]] = field(default_factory=dict)
+    outcomes: dict[int, PushOutcome] = field(default_factory=dict)
     # totals for the result file
     pushes: int = 0
     accepted: int = 0
@@ -188,7 +196,7 @@ class _VWorker:
     losses: list[float] = field(default_factory=list)
     started: float = 0.0
     budget_spent: bool = False
-    result: dict[str, Any] | None = None
+    result: WorkerResult | None = None
 
 
 class Simulator:
@@ -281,7 +289,7 @@ class Simulator:
 
     # ------------------------------------------------------------------ running
 
-    def run(self, on_progress: Callable[[Progress], None] | None = None) -> dict[str, Any]:
+    def run(self, on_progress: Callable[[Progress], None] | None = None) -> ClusterResult:
         """Simulate to the end; returns (and, with an out_dir, writes) the result."""
         self._on_progress = on_progress
         wall0 = time.perf_counter()
@@ -430,15 +438,15 @@ class Simulator:
                 weight=out.weight, reason=out.reason, num_samples=w.num_samples, loss=w.loss,
                 grad_norm=grad.norm if grad else None, cosine=grad.cosine if grad else None,
             )
-        self._at(self.sim.latency, self._push_reply, w, shard, out.as_dict())
+        self._at(self.sim.latency, self._push_reply, w, shard, out)
         self._answer(shard)
 
-    def _push_reply(self, w: _VWorker, shard: int, outcome: dict[str, Any]) -> None:
+    def _push_reply(self, w: _VWorker, shard: int, outcome: PushOutcome) -> None:
         w.outcomes[shard] = outcome
         if len(w.outcomes) < len(self.cores):
             return
         outcomes = [w.outcomes[k] for k in range(len(self.cores))]
-        accepted = all(o["accepted"] for o in outcomes)
+        accepted = all(o.accepted for o in outcomes)
         w.clock += 1
         w.pushes += 1
         w.accepted += accepted
@@ -446,9 +454,9 @@ class Simulator:
         w.losses.append(w.loss)
         w.events.write(
             "step", worker=w.rank, clock=w.clock, read_versions=list(w.read_versions),
-            staleness=max(o["staleness"] for o in outcomes), accepted=accepted,
-            reasons=sorted({o["reason"] for o in outcomes if not o["accepted"]}),
-            weight=min(o["weight"] for o in outcomes), loss=w.loss, num_samples=w.num_samples,
+            staleness=max(o.staleness for o in outcomes), accepted=accepted,
+            reasons=sorted({o.reason for o in outcomes if not o.accepted}),
+            weight=min(o.weight for o in outcomes), loss=w.loss, num_samples=w.num_samples,
             compute_s=w.compute_s, sleep_s=w.sleep_s, pull_s=w.pull_s,
             push_s=self.now - w.push_started, wait_s=w.wait_s,
             bytes=2 * sum(self._nbytes(k) for k in range(len(self.cores))),
@@ -466,28 +474,19 @@ class Simulator:
         """After the final pull: say BYE, evaluate on rank 0, write the result."""
         for k in range(len(self.cores)):
             self._at(self.sim.latency, self._bye_arrives, w, k)
-        result: dict[str, Any] = {
-            "worker": w.rank,
-            "steps": w.pushes,
-            "clock": w.clock,
-            "pushes": w.pushes,
-            "accepted": w.accepted,
-            "rejected": w.rejected,
-            "final_train_loss": sum(w.losses[-10:]) / max(1, len(w.losses[-10:])),
-            "seconds": self.now - w.started,
-            "train_seconds": self.now - w.started,
-            "budget_seconds": self.spec.worker.budget_seconds,
-            "budget_spent": w.budget_spent,
-            "wait_seconds": w.waited,
-            "final_versions": list(w.read_versions),
-        }
-        if w.rank == 0:
-            result["eval"] = self._eval(w)
-        w.result = result
+        w.result = result = WorkerResult(
+            worker=w.rank, steps=w.pushes, clock=w.clock, pushes=w.pushes,
+            accepted=w.accepted, rejected=w.rejected,
+            final_train_loss=sum(w.losses[-10:]) / max(1, len(w.losses[-10:])),
+            seconds=self.now - w.started, train_seconds=self.now - w.started,
+            budget_seconds=self.spec.worker.budget_seconds, budget_spent=w.budget_spent,
+            wait_seconds=w.waited, final_versions=tuple(w.read_versions),
+            eval=self._eval(w) if w.rank == 0 else None)
         self._end = max(self._end, self.now)
-        w.events.write("worker_end", **result)
+        data = result.to_json()
+        w.events.write("worker_end", **data)
         if self.out is not None:
-            write_json(self.out / "results" / f"worker{w.rank}.json", result)
+            write_json(self.out / "results" / f"worker{w.rank}.json", data)
 
     def _bye_arrives(self, w: _VWorker, shard: int) -> None:
         self.cores[shard].leave(w.rank, self.now)
@@ -502,7 +501,7 @@ class Simulator:
 
     # ------------------------------------------------------------------ the end
 
-    def _server_stats(self) -> list[dict[str, Any]]:
+    def _server_stats(self) -> list[JSONObject]:
         stats = []
         for k, core in enumerate(self.cores):
             stats.append({
@@ -511,7 +510,7 @@ class Simulator:
             })
         return stats
 
-    def _finish(self, wall_seconds: float) -> dict[str, Any]:
+    def _finish(self, wall_seconds: float) -> ClusterResult:
         for k, core in enumerate(self.cores):
             self.server_events[k].write("server_stop", shard=k, version=core.version)
         final: dict[str, float] = {}
@@ -522,27 +521,24 @@ class Simulator:
         if self.spec.evaluate:
             final = evaluate(self.task, self.model)
         stats = self._server_stats()
-        result: dict[str, Any] = {
-            "spec": self.spec.to_dict(),
-            "addresses": [SIM_ADDRESS.format(k) for k in range(len(self.cores))],
-            "seconds": self._end,
-            "eval": final,
-            "workers": [w.result for w in self.workers],
-            "servers": stats,
-            "updates_applied": [s["version"] for s in stats],
-            "pushes_applied_shard0": sum(w["applied"] for w in stats[0]["workers"].values()),
-            "failures": [],
-            "restarts": [],
-            "simulated": True,
-            "sim": {**dataclasses.asdict(self.sim), "wall_seconds": wall_seconds,
-                    "steps": self._steps_done},
-        }
+        result = ClusterResult(
+            spec=self.spec.to_dict(),
+            addresses=tuple(SIM_ADDRESS.format(k) for k in range(len(self.cores))),
+            seconds=self._end,
+            eval=final,
+            workers=tuple(w.result for w in self.workers if w.result is not None),
+            servers=tuple(stats),
+            updates_applied=tuple(shard_figures(s)[0] for s in stats),
+            pushes_applied_shard0=shard_figures(stats[0])[1],
+            sim=SimSummary(**dataclasses.asdict(self.sim), wall_seconds=wall_seconds,
+                           steps=self._steps_done),
+        )
         if self.out is not None:
             from safetensors.torch import save_file
 
             state = {k: v.detach().contiguous() for k, v in self.model.state_dict().items()}
             save_file(state, str(self.out / "final_model.safetensors"))
-            write_json(self.out / "result.json", result)
+            write_json(self.out / "result.json", result.to_json())
         log.info("simulated %d steps of %d workers: %.2fs virtual in %.2fs", self._steps_done,
                  len(self.workers), self.now, wall_seconds)
         return result
@@ -550,7 +546,7 @@ class Simulator:
 
 def run_simulation(spec: ClusterSpec, out_dir: str | Path | None = None,
                    sim: SimSpec | None = None,
-                   on_progress: Callable[[Progress], None] | None = None) -> dict[str, Any]:
+                   on_progress: Callable[[Progress], None] | None = None) -> ClusterResult:
     """Run ``spec`` in virtual time; like
     :func:`~paramserver.workers.launch.cluster.run_cluster`, it returns the result and,
     given ``out_dir``, writes the same run directory (``seconds`` and every ``t`` are

@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import importlib
-import json
 import logging
 import os
 import runpy
@@ -43,7 +42,10 @@ import threading
 import time
 import traceback
 from collections.abc import Mapping, Sequence
-from typing import Any, BinaryIO
+from dataclasses import dataclass
+from typing import BinaryIO
+
+import msgspec
 
 from paramserver.errors import ParamServerError
 
@@ -75,6 +77,40 @@ def fork_enabled() -> bool:
 
 class ZygoteError(ParamServerError, RuntimeError):
     """The zygote cannot fork this process (it died, or is not single-threaded)."""
+
+
+@dataclass(frozen=True)
+class SpawnRequest:
+    """What the launcher asks the zygote to fork: ``python -m module *args``."""
+
+    module: str
+    args: tuple[str, ...]
+    env: dict[str, str]
+    cwd: str
+
+    def encode(self) -> bytes:
+        return msgspec.json.encode(self) + b"\n"
+
+
+@dataclass(frozen=True)
+class ZygoteNote:
+    """What the zygote says: the pid of a child it started, a child's exit (pid and
+    exit code), or why it could not start one."""
+
+    pid: int | None = None
+    exit: int | None = None
+    error: str | None = None
+
+    def encode(self) -> bytes:
+        fields = {"pid": self.pid, "exit": self.exit, "error": self.error}
+        return msgspec.json.encode({k: v for k, v in fields.items() if v is not None}) + b"\n"
+
+
+def _request(line: bytes) -> SpawnRequest | None:
+    try:
+        return msgspec.json.decode(line, type=SpawnRequest)
+    except msgspec.DecodeError:  # a launcher of another version, say
+        return None
 
 
 class ForkedProcess:
@@ -130,7 +166,7 @@ class Zygote:
         self._lock = threading.Lock()  # one request at a time: its answer is the next pid
         self._pids: dict[int, ForkedProcess] = {}
         self._early: dict[int, int] = {}  # exits reported before their pid was claimed
-        self._answers: list[dict[str, Any]] = []
+        self._answers: list[ZygoteNote] = []
         self._answered = threading.Condition()
         self._reader = threading.Thread(target=self._read, name="zygote-reader", daemon=True)
         self._reader.start()
@@ -149,21 +185,20 @@ class Zygote:
               stdout: int, stderr: int, stdout_pipe: BinaryIO | None = None,
               timeout: float = 120.0) -> ForkedProcess:
         """Fork ``python -m module *args`` with these stdout/stderr descriptors."""
-        request = {"module": module, "args": list(args), "env": dict(env), "cwd": os.getcwd()}
+        request = SpawnRequest(module, tuple(args), dict(env), os.getcwd())
         with self._lock:
-            payload = (json.dumps(request) + "\n").encode()
-            socket.send_fds(self._sock, [payload], [stdout, stderr])
+            socket.send_fds(self._sock, [request.encode()], [stdout, stderr])
             answer = self._next_answer(timeout)
-            if "error" in answer:
-                raise ZygoteError(f"the zygote could not start {module}: {answer['error']}")
-            proc = ForkedProcess(int(answer["pid"]), self, stdout_pipe)
+            if answer.error is not None or answer.pid is None:
+                raise ZygoteError(f"the zygote could not start {module}: {answer.error}")
+            proc = ForkedProcess(answer.pid, self, stdout_pipe)
             with self._answered:
                 self._pids[proc.pid] = proc
                 if proc.pid in self._early:
                     proc._exited(self._early.pop(proc.pid))
         return proc
 
-    def _next_answer(self, timeout: float) -> dict[str, Any]:
+    def _next_answer(self, timeout: float) -> ZygoteNote:
         deadline = time.monotonic() + timeout
         with self._answered:
             while not self._answers:
@@ -184,7 +219,7 @@ class Zygote:
                 buf += chunk
                 while b"\n" in buf:
                     line, buf = buf.split(b"\n", 1)
-                    self._dispatch(json.loads(line))
+                    self._dispatch(msgspec.json.decode(line, type=ZygoteNote))
         except OSError:
             pass
         finally:  # the zygote is gone, and its children with it (PDEATHSIG)
@@ -194,10 +229,10 @@ class Zygote:
                         proc._exited(-signal.SIGKILL)
                 self._answered.notify_all()
 
-    def _dispatch(self, msg: dict[str, Any]) -> None:
+    def _dispatch(self, msg: ZygoteNote) -> None:
         with self._answered:
-            if "exit" in msg:
-                pid, code = int(msg["pid"]), int(msg["exit"])
+            if msg.exit is not None and msg.pid is not None:
+                pid, code = msg.pid, msg.exit
                 proc = self._pids.pop(pid, None)
                 if proc is None:
                     self._early[pid] = code
@@ -276,7 +311,7 @@ def _set_pdeathsig(sig: int) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
 
 
-def _run_child(sock: socket.socket, wake: tuple[int, int], request: dict[str, Any],
+def _run_child(sock: socket.socket, wake: tuple[int, int], request: SpawnRequest,
                fds: list[int]) -> None:
     """In the forked child: become ``python -m module args`` and never return."""
     code = 1
@@ -296,20 +331,20 @@ def _run_child(sock: socket.socket, wake: tuple[int, int], request: dict[str, An
         for fd in {devnull, *fds}:
             os.close(fd)
         os.environ.clear()
-        os.environ.update(request["env"])
-        os.chdir(request["cwd"])
+        os.environ.update(request.env)
+        os.chdir(request.cwd)
         # as `python -m` would: the working directory first on sys.path, files that
         # appeared since the zygote started visible
         if sys.path and sys.path[0] == _START_DIR:
-            sys.path[0] = request["cwd"]
+            sys.path[0] = request.cwd
         importlib.invalidate_caches()
         # a fresh interpreter seeds numpy's global generator from the OS; a fork would
         # otherwise give every child the zygote's (Python's random reseeds by itself)
         numpy = sys.modules.get("numpy")
         if numpy is not None:
             numpy.random.seed()
-        module = request["module"]
-        sys.argv = [module, *request["args"]]
+        module = request.module
+        sys.argv = [module, *request.args]
         try:
             runpy.run_module(module, run_name="__main__", alter_sys=True)
             code = 0
@@ -373,11 +408,10 @@ def _serve(fd: int) -> None:
                 return
             children.discard(pid)
             with contextlib.suppress(OSError):
-                sock.sendall((json.dumps({"pid": pid, "exit": os.waitstatus_to_exitcode(
-                    status)}) + "\n").encode())
+                sock.sendall(ZygoteNote(pid=pid, exit=os.waitstatus_to_exitcode(status)).encode())
 
-    def answer(msg: dict[str, Any]) -> None:
-        sock.sendall((json.dumps(msg) + "\n").encode())
+    def answer(msg: ZygoteNote) -> None:
+        sock.sendall(msg.encode())
 
     while open_:
         for key, _ in sel.select(timeout=1.0):
@@ -398,18 +432,21 @@ def _serve(fd: int) -> None:
                 line, _, buf = buf.partition(b"\n")
                 fds, pending = pending[:2], pending[2:]
                 if len(fds) != 2:
-                    answer({"error": "expected stdout and stderr descriptors"})
+                    answer(ZygoteNote(error="expected stdout and stderr descriptors"))
+                elif (request := _request(line)) is None:
+                    answer(ZygoteNote(error=f"cannot read the request {line[:200]!r}"))
                 elif len(os.listdir("/proc/self/task")) != 1:
-                    answer({"error": "the zygote is not single-threaded; cannot fork safely"})
+                    answer(ZygoteNote(error="the zygote is not single-threaded; cannot fork "
+                                            "safely"))
                 elif _cuda_initialized():
-                    answer({"error": "CUDA is initialized in the zygote; a forked child "
-                                     "could not use it"})
+                    answer(ZygoteNote(error="CUDA is initialized in the zygote; a forked "
+                                            "child could not use it"))
                 else:
                     pid = os.fork()
                     if pid == 0:
-                        _run_child(sock, (wake_r, wake_w), json.loads(line), fds)
+                        _run_child(sock, (wake_r, wake_w), request, fds)
                     children.add(pid)
-                    answer({"pid": pid})
+                    answer(ZygoteNote(pid=pid))
                 for fd in fds:
                     os.close(fd)
         reap()
