@@ -6,13 +6,15 @@ The names a user writes, all importable from here::
 
 Each is loaded on first use, so ``import paramserver`` stays light: it imports
 neither torch nor any plotting, data-set or terminal library until a name that
-needs one is touched. The package's layers, from the bottom:
+needs one is touched. The package's layers, from the bottom (docs/design.md
+has the map; import-linter keeps it):
 
-* ``paramserver.*`` (core): protocol, transport, sharding, the pure shard core,
-  policies, optimizers, checkpoints, observability, the server;
-* ``paramserver.workers``: the worker side (client, training loop, tasks);
-* ``paramserver.workers.launch``: local clusters, rendezvous, virtual time;
-* ``paramserver.workers.experiments``: experiment grids and reports;
+* ``errors``, ``util``, ``policies``, ``sparse`` and ``core``: the pure rules,
+  no I/O;
+* ``wire`` (typed messages, frames, sockets), ``shm``, ``observe``,
+  ``persist``, then ``server``;
+* ``paramserver.workers``: the worker side (client, DistributedOptimizer,
+  training loop, tasks), then ``workers.launch`` and ``workers.experiments``;
 * ``paramserver.benchmarks``, then ``paramserver.cli`` on top.
 """
 
@@ -73,10 +75,13 @@ _EXPORTS: dict[str, str] = {
     "ShardedEmbeddingBag": "paramserver.workers.embedding",
     "StepOutcome": "paramserver.workers.optimizer",
     "run_worker": "paramserver.workers.worker",
+    "WorkerResult": "paramserver.workers.optimizer",
     # launching
     "ClusterSpec": "paramserver.workers.launch.cluster",
     "LocalCluster": "paramserver.workers.launch.cluster",
     "run_cluster": "paramserver.workers.launch.cluster",
+    "ClusterResult": "paramserver.workers.launch.results",
+    "ShardStats": "paramserver.wire.stats",
     "SimSpec": "paramserver.workers.launch.virtual",
     "run_simulation": "paramserver.workers.launch.virtual",
     # experiments
@@ -90,6 +95,7 @@ _EXPORTS: dict[str, str] = {
 __all__ = [
     "BadRequestError",
     "BusyError",
+    "ClusterResult",
     "ClusterSpec",
     "ConfigError",
     "Decision",
@@ -117,6 +123,7 @@ __all__ = [
     "ServerConfig",
     "ShardPlan",
     "ShardServer",
+    "ShardStats",
     "ShardedEmbedding",
     "ShardedEmbeddingBag",
     "SimSpec",
@@ -129,6 +136,7 @@ __all__ = [
     "TransportError",
     "UpdateInfo",
     "WorkerConfig",
+    "WorkerResult",
     "__version__",
     "available_policies",
     "available_tasks",
@@ -193,17 +201,20 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ lo
     )
     from paramserver.server.loop import ServerConfig, ShardServer
     from paramserver.sparse.shard import TableSpec
+    from paramserver.wire.stats import ShardStats
     from paramserver.workers.client import PSClient
     from paramserver.workers.embedding import ShardedEmbedding, ShardedEmbeddingBag
     from paramserver.workers.experiments.report import write_report
     from paramserver.workers.experiments.runner import run_experiment, simulate_experiment
     from paramserver.workers.experiments.spec import ExperimentSpec, load_spec
     from paramserver.workers.launch.cluster import ClusterSpec, LocalCluster, run_cluster
+    from paramserver.workers.launch.results import ClusterResult
     from paramserver.workers.launch.virtual import SimSpec, run_simulation
     from paramserver.workers.optimizer import (
         DistributedOptimizer,
         DistributedSampler,
         StepOutcome,
+        WorkerResult,
     )
     from paramserver.workers.tasks import EpochBatches, Task, available_tasks, register_task
     from paramserver.workers.worker import WorkerConfig, run_worker
