@@ -243,6 +243,8 @@ SHARD = _insert_after(
               "to accept workers from other hosts."),
     Spec("--port", type=click.IntRange(0, 65535), default=0,
          help="Port to listen on; 0 picks a free one. The address is printed at start."),
+    Spec("--quiet", "-q", is_flag=True, default=False, help="No lines on the run's story "
+         "(joins, deaths, checkpoints, all done) on stderr; warnings and errors still print."),
 )
 
 #: options that set how workers train: for ``worker``, ``launch`` and ``run`` (WorkerConfig's
