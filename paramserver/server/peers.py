@@ -166,8 +166,8 @@ class Peers:
             if core.started and not started:
                 self.training_since = time.monotonic()
                 self.events.write("training_start", shard=self.config.shard,
-                                  mode=core.mode.describe(), workers=core.members.live_ids(),
-                                  version=core.version)
+                                  mode=core.mode.describe(),
+                                  workers=sorted(core.members.live_ids()), version=core.version)
         return reply(msg, shard=self.config.shard, num_shards=self.config.num_shards,
                      version=core.version, clock=clock, initialized=core.initialized,
                      mode=core.mode.describe(), policy=self.policy.describe())
