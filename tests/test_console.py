@@ -7,7 +7,7 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
-from paramserver.observe.console import CONSOLE_EVENTS, Console, render
+from paramserver.observe.console import CONSOLE_EVENTS, Console, Progress, render
 from paramserver.observe.events import EventLog, read_events
 
 
@@ -51,3 +51,35 @@ def test_an_event_log_shows_its_console_what_it_writes(tmp_path: Path) -> None:
     EventLog(None, console=Console(lines.append)).write("worker_bye", shard=0, worker=1,
                                                         clock=2)
     assert lines == ["worker 1 finished at clock 2"]
+
+
+def _step(worker: int, clock: int, loss: float) -> dict[str, object]:
+    return {"worker": worker, "clock": clock, "loss": loss}
+
+
+def test_progress_off_a_terminal_is_a_line_every_few_seconds() -> None:
+    out = io.StringIO()  # not a terminal
+    progress = Progress(out, every=5.0)
+    assert not progress.live
+    for i in range(1, 31):  # 30 steps, 0.5 s apart: the rate from step 1, a line 5 s on
+        progress.show("step", _step(0, i, 1.0 / i), 100.0 + 0.5 * i)
+    progress.show("worker_end", {"worker": 0}, 116.0)
+    lines = [line.split(" ", 2)[2] for line in out.getvalue().splitlines()]
+    assert lines == ["worker 0: step 11 (clock 11), loss 0.09091, 2.0 steps/s",
+                     "worker 0: step 21 (clock 21), loss 0.04762, 2.0 steps/s"]
+
+
+def test_progress_on_a_terminal_is_one_live_line() -> None:
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    out = Tty()
+    progress = Progress(out, every=5.0, tty_every=1.0)
+    assert progress.live
+    for i in range(1, 6):
+        progress.show("step", _step(1, i, 0.5), 10.0 + i)
+    progress.show("worker_end", {"worker": 1}, 16.0)
+    text = out.getvalue()
+    assert text.count("\r\x1b[K") == 4 and text.endswith("steps/s\n")
+    assert "\n" not in text[:-1]  # rewritten in place, ended once

@@ -138,23 +138,28 @@ def test_the_server_console_tells_join_death_rejoin_and_done_in_order(
 
 def test_quiet_prints_none_of_it(
         server: Callable[..., tuple[subprocess.Popen[str], str, Path]], tmp_path: Path) -> None:
+    """A quiet server and two quiet `paramserver worker` processes: nothing on stderr,
+    though the records are written and the workers' summaries are on stdout."""
     events = tmp_path / "server.jsonl"
     proc, address, err = server("--quiet", "--event-log", str(events))
-    clients = [PSClient([address], PLAN, worker=w, heartbeat_interval=0.1, timeout=20)
-               for w in range(2)]
+    errs = [tmp_path / f"worker{r}.err" for r in range(2)]
+    workers = [subprocess.Popen(
+        [sys.executable, "-m", "paramserver.cli", "worker", "--quiet", "--servers", address,
+         "--rank", str(r), "--world-size", "2", "--steps", "3", "--device", "cpu"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=errs[r].open("w"), text=True)
+        for r in range(2)]
     try:
-        for c in clients:
-            c.connect()
-        clients[0].initialize(_params())
-        for c in clients:
-            _train(c, 1, 0)
-            c.bye()  # (answered once the shard wrote its records)
+        outs = [w.communicate(timeout=LIMIT)[0] for w in workers]
     finally:
-        for c in clients:
-            c.close()
+        for w in workers:
+            if w.poll() is None:
+                w.kill()
+                w.wait(LIMIT)
+    assert [w.returncode for w in workers] == [0, 0], [e.read_text() for e in errs]
+    assert all("3 steps" in out for out in outs), outs
     proc.send_signal(signal.SIGINT)
     assert proc.wait(LIMIT) == 0, err.read_text()
     # the records are there, and not one line of them on the console
     assert {"server_start", "training_start", "worker_bye", "all_done", "server_stop"} <= \
         {r["event"] for r in read_events(events)}
-    assert err.read_text() == ""
+    assert [err.read_text(), *(e.read_text() for e in errs)] == ["", "", ""]

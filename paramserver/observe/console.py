@@ -13,11 +13,22 @@ import logging
 import sys
 from collections.abc import Callable, Mapping
 from datetime import datetime
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
-__all__ = ["CONSOLE_EVENTS", "Console", "render"]
+__all__ = ["CONSOLE_EVENTS", "Console", "Progress", "Sink", "render"]
 
 log = logging.getLogger(__name__)
+
+
+class Sink(Protocol):
+    """What an :class:`~paramserver.observe.events.EventLog` shows its records to."""
+
+    @property
+    def events(self) -> frozenset[str]:
+        """The record kinds it wants (the others are not handed to it)."""
+
+    def show(self, event: str, fields: Mapping[str, Any], t: float) -> None:
+        """The record ``event`` with ``fields``, written at ``t`` (epoch seconds)."""
 
 
 def _ids(workers: list[int]) -> str:
@@ -170,3 +181,53 @@ class Console:
     def to_log(cls, logger: logging.Logger | None = None) -> Console:
         """Lines as INFO records (a launched shard's log file has the time and shard)."""
         return cls((logger or log).info)
+
+
+class Progress:
+    """A worker's progress from its ``step`` records: on a terminal one live line,
+    rewritten at most every ``tty_every`` seconds and ended by ``worker_end``; elsewhere
+    (a log file, a pipe) one line every ``every`` seconds."""
+
+    events = frozenset({"step", "worker_end"})
+
+    def __init__(self, stream: IO[str] | None = None, *, every: float = 5.0,
+                 tty_every: float = 0.5) -> None:
+        self._stream = stream
+        out = self.out
+        self.live = bool(getattr(out, "isatty", lambda: False)())
+        self.every = tty_every if self.live else every
+        self._last: tuple[float, int] | None = None  # (t, steps) of the last line
+        self._steps = 0
+        self._drawn = False  # a live line is on the screen
+
+    @property
+    def out(self) -> IO[str]:
+        return self._stream if self._stream is not None else sys.stderr
+
+    def show(self, event: str, fields: Mapping[str, Any], t: float) -> None:
+        if event == "worker_end":
+            if self._drawn:
+                self.out.write("\n")
+                self.out.flush()
+                self._drawn = False
+            return
+        self._steps += 1
+        if self._last is None:  # the rate counts from the first step on
+            self._last = (t, self._steps)
+            return
+        since, steps = self._last
+        if t - since < self.every:
+            return
+        self._last = (t, self._steps)
+        rate = (self._steps - steps) / (t - since)
+        loss = fields.get("loss")
+        line = (f"worker {fields['worker']}: step {self._steps} (clock {fields['clock']}), "
+                f"loss {loss:.4g}, {rate:.1f} steps/s" if isinstance(loss, float) else
+                f"worker {fields['worker']}: step {self._steps} (clock {fields['clock']}), "
+                f"{rate:.1f} steps/s")
+        if self.live:
+            self.out.write(f"\r\x1b[K{line}")
+            self._drawn = True
+        else:
+            self.out.write(f"paramserver: {datetime.fromtimestamp(t):%H:%M:%S} {line}\n")
+        self.out.flush()

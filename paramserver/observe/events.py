@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from paramserver.observe.console import Console
+    from paramserver.observe.console import Sink
 
 __all__ = ["EventLog", "read_events", "write_json"]
 
@@ -27,7 +27,7 @@ class EventLog:
     console tell the same story."""
 
     def __init__(self, path: str | Path | None, *, flush_every: float = 0.5,
-                 console: Console | None = None) -> None:
+                 console: Sink | None = None) -> None:
         self.path = Path(path) if path else None
         self.console = console
         self._fh: IO[str] | None = None
