@@ -24,7 +24,7 @@ import torch
 
 from paramserver.core.sharding import ShardPlan
 from paramserver.errors import ConfigError, TooManyWorkersError, WorkerInUseError
-from paramserver.observe.console import Sink
+from paramserver.observe.console import Progress, Sink
 from paramserver.observe.events import EventLog, write_json
 from paramserver.server.config import ConfigRecord, check_bounds, option
 from paramserver.util.dtypes import GRAD_WIRE_DTYPES
@@ -354,7 +354,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     worker_title(config)
     try:
-        run_worker(config)
+        run_worker(config, Progress())  # a line every few seconds in the worker's log
     except (WorkerInUseError, TooManyWorkersError) as exc:
         # a shard will not take this worker: one line that says why, exit status 1
         raise SystemExit(f"worker {config.rank}: {exc.reason}") from exc
