@@ -18,6 +18,7 @@ import torch
 
 from paramserver.observe.console import render
 from paramserver.observe.events import read_events
+from paramserver.wire.protocol import Message, Op
 from paramserver.workers.client import PSClient
 from tests.test_hostile_e2e import PLAN
 
@@ -136,30 +137,57 @@ def test_the_server_console_tells_join_death_rejoin_and_done_in_order(
     assert [f"paramserver: {x}" for x in rendered if x is not None] == lines
 
 
+def test_a_worker_declared_dead_that_heartbeats_again_is_back(
+        server: Callable[..., tuple[subprocess.Popen[str], str, Path]]) -> None:
+    """The same process, silent past the timeout and then heard again: no new HELLO,
+    a worker_back record, and the clock it resumes at."""
+    proc, address, err = server("--heartbeat-timeout", "0.5")
+    w0 = PSClient([address], PLAN, worker=0, heartbeat_interval=0.1, timeout=20)
+    w1 = PSClient([address], PLAN, worker=1, heartbeat_interval=600, timeout=20)  # silent
+    try:
+        w0.connect(), w1.connect()
+        w0.initialize(_params())
+        clock1, clock0 = _train(w1, 1, 0), _train(w0, 3, 0)
+        _until("worker 1 declared dead", lambda: "worker 1 dead" in err.read_text(), proc)
+        w1.call([Message(Op.HEARTBEAT, 0, {"worker": 1})], "HEARTBEAT")
+        w1.bye()
+        w0.bye()
+    finally:
+        w0.close()
+        w1.close()
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(LIMIT) == 0, err.read_text()
+    lines = _console(err)
+    dead = lines.index(f"paramserver: worker 1 dead at clock {clock1}: no heartbeat for 0.5s")
+    assert lines[dead + 1:dead + 3] == [
+        f"paramserver: worker 1 heartbeats again after it was declared dead: rejoined at "
+        f"clock {clock1} -> resumes at {clock0}, the slowest live worker's clock",
+        f"paramserver: worker 1 finished at clock {clock0}"], "\n".join(lines)
+
+
 def test_quiet_prints_none_of_it(
         server: Callable[..., tuple[subprocess.Popen[str], str, Path]], tmp_path: Path) -> None:
-    """A quiet server and two quiet `paramserver worker` processes: nothing on stderr,
-    though the records are written and the workers' summaries are on stdout."""
+    """A quiet server and a quiet `paramserver worker` process: nothing on stderr, though
+    the records are written and the worker's summary is on stdout."""
     events = tmp_path / "server.jsonl"
-    proc, address, err = server("--quiet", "--event-log", str(events))
-    errs = [tmp_path / f"worker{r}.err" for r in range(2)]
-    workers = [subprocess.Popen(
+    # (a later flag wins: one worker, one process less to start)
+    proc, address, err = server("--quiet", "--event-log", str(events), "--expected-workers", "1")
+    worker_err = tmp_path / "worker.err"
+    worker = subprocess.Popen(
         [sys.executable, "-m", "paramserver.cli", "worker", "--quiet", "--servers", address,
-         "--rank", str(r), "--world-size", "2", "--steps", "3", "--device", "cpu"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=errs[r].open("w"), text=True)
-        for r in range(2)]
+         "--rank", "0", "--world-size", "1", "--steps", "3", "--device", "cpu"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=worker_err.open("w"), text=True)
     try:
-        outs = [w.communicate(timeout=LIMIT)[0] for w in workers]
+        out = worker.communicate(timeout=LIMIT)[0]
     finally:
-        for w in workers:
-            if w.poll() is None:
-                w.kill()
-                w.wait(LIMIT)
-    assert [w.returncode for w in workers] == [0, 0], [e.read_text() for e in errs]
-    assert all("3 steps" in out for out in outs), outs
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait(LIMIT)
+    assert worker.returncode == 0, worker_err.read_text()
+    assert "worker 0: 3 steps" in out, out
     proc.send_signal(signal.SIGINT)
     assert proc.wait(LIMIT) == 0, err.read_text()
     # the records are there, and not one line of them on the console
     assert {"server_start", "training_start", "worker_bye", "all_done", "server_stop"} <= \
         {r["event"] for r in read_events(events)}
-    assert [err.read_text(), *(e.read_text() for e in errs)] == ["", "", ""]
+    assert [err.read_text(), worker_err.read_text()] == ["", ""]
