@@ -143,9 +143,12 @@ class Peers:
             host = (b.host or "")[:253] or None
             origin = f"pid {b.pid} on {host}" if host else ""
             peer = PeerInfo(host=host, pid=b.pid)
+            # how it joins, read before register changes the worker's entry
             before = core.workers.get(b.worker)
-            was = (before.clock, before.incarnation, before.live and not before.finished) \
-                if before is not None else None
+            from_clock = before.clock if before is not None else None
+            joined = ("new" if before is None else "restart"
+                      if before.incarnation != b.incarnation else "again"
+                      if before.live and not before.finished else "back")
             started = core.started
             state = core.register(b.worker, b.incarnation, time.monotonic(),
                                   origin=origin[:300])
@@ -156,11 +159,9 @@ class Peers:
             if sparse is not None:
                 sparse.forget(b.worker, restart=True)
             self.known[b.worker] = peer
-            joined = ("new" if was is None else "restart" if was[1] != b.incarnation
-                      else "again" if was[2] else "back")
             self.events.write("worker_hello", shard=self.config.shard, worker=b.worker,
                               clock=clock, host=host, pid=b.pid, joined=joined,
-                              from_clock=was[0] if was is not None else None)
+                              from_clock=from_clock)
             if joined != "again":
                 self._all_done = False
             if core.started and not started:
