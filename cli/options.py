@@ -234,6 +234,10 @@ SERVER = _insert_after(
          help="Learning rate (an lr in --optimizer-arg wins)."),
 )
 
+#: ``server`` and ``worker``: no story or progress lines on stderr
+QUIET = Spec("--quiet", "-q", is_flag=True, default=False, help="No lines on stderr about "
+             "the run as it goes (joins, deaths, progress); warnings and errors still print.")
+
 #: options of one shard process: ``server`` only (``launch`` and ``run`` set them per
 #: process); --host and --port make ServerConfig.bind
 SHARD = _insert_after(
@@ -243,6 +247,7 @@ SHARD = _insert_after(
               "to accept workers from other hosts."),
     Spec("--port", type=click.IntRange(0, 65535), default=0,
          help="Port to listen on; 0 picks a free one. The address is printed at start."),
+    QUIET,
 )
 
 #: options that set how workers train: for ``worker``, ``launch`` and ``run`` (WorkerConfig's
@@ -250,7 +255,7 @@ SHARD = _insert_after(
 WORKER = field_specs(WorkerConfig, per_process=False)
 
 #: options of one worker process: ``worker`` only
-WORKER_PROCESS = field_specs(WorkerConfig, per_process=True)
+WORKER_PROCESS = [*field_specs(WorkerConfig, per_process=True), QUIET]
 
 #: ``launch`` only: ClusterSpec's fields, and what the command itself does
 LAUNCH = [

@@ -32,18 +32,23 @@ Examples:
 \b
 The server prints one line on stdout when it listens,
   PARAMSERVER_READY tcp://HOST:PORT pid=PID [metrics=PORT]
-for scripts, and a sentence on stderr for you. It serves until Ctrl-C
+for scripts, and the run's story on stderr for you: listening, training
+started, each worker joined, dead or rejoined (and at which clock),
+checkpoints, all workers done (--quiet: none of it). It serves until Ctrl-C
 (SIGINT) or SIGTERM, then exits with code 0. Workers connect with
 `paramserver worker --servers ADDR0,ADDR1,...` (addresses in shard order).
 """
 
 
-def ready_printer(config: ServerConfig) -> Any:
-    """on_ready callback: the machine-readable line on stdout, a sentence on stderr."""
+def ready_printer(config: ServerConfig, sentence: bool = True) -> Any:
+    """on_ready callback: the machine-readable line on stdout, and (``sentence``) one on
+    stderr for people; ``paramserver server``'s console says it instead (its server_start)."""
     from paramserver.server.loop import announce_ready
 
     def on_ready(address: str, metrics_port: int | None = None) -> None:
         announce_ready(address, metrics_port)
+        if not sentence:
+            return
         metrics = (f" Metrics: http://{address.split('://')[-1].rsplit(':', 1)[0]}:"
                    f"{metrics_port}/metrics." if metrics_port is not None else "")
         click.echo(
@@ -68,22 +73,25 @@ def server(ctx: click.Context, **opts: Any) -> None:
     all of them. It binds 127.0.0.1 unless --host says otherwise.
     """
     # the server's loop, zmq and the checkpoints load only when one runs, not for --help
+    from paramserver.observe.console import Console
     from paramserver.persist.checkpoint import CheckpointDirInUse, CheckpointError
     from paramserver.server.loop import run_server
 
+    quiet = opts.pop("quiet")
     agree_worker_count(ctx, opts, "expected_workers")
     config = options.server_config(opts)
     options.maybe_print_config(ctx, opts)
     options.check_port_free("--metrics-port", config.metrics_port,
                             config.bind.split("://", 1)[-1].rsplit(":", 1)[0])
     try:
-        code = run_server(config, ready_printer(config))
+        # the run's story on stderr, one line per event that matters (--quiet: none)
+        code = run_server(config, ready_printer(config, sentence=False),
+                          console=None if quiet else Console.to_stream())
     except TransportError as exc:  # e.g. the port is in use
         raise click.ClickException(f"shard {config.shard}: {exc}") from exc
     except CheckpointDirInUse as exc:  # an earlier run's checkpoints: --resume or --fresh
         raise click.ClickException(f"shard {config.shard}: {exc}") from exc
     except CheckpointError as exc:  # --resume from a bad checkpoint: one line, no traceback
         raise click.ClickException(f"shard {config.shard}: cannot resume: {exc}") from exc
-    click.echo(f"paramserver: shard {config.shard} stopped", err=True)
     ctx.exit(code)  # 0, or 3 when the watchdog stopped training (--on-divergence)
 

@@ -69,6 +69,9 @@ def worker(ctx: click.Context, **opts: Any) -> None:
     share --world-size and have distinct --rank values, which pick their part
     of the data.
     """
+    from paramserver.observe.console import Progress
+
+    quiet = opts.pop("quiet")
     agree_worker_count(ctx, opts, "world_size")
     config = options.worker_config(ctx, opts)
     options.maybe_print_config(ctx, opts)
@@ -76,11 +79,13 @@ def worker(ctx: click.Context, **opts: Any) -> None:
         f"{config.epochs:g} epochs" if config.epochs else "no step cap")
     if config.budget_seconds:
         length += f", a budget of {config.budget_seconds:g}s"
-    click.echo(f"paramserver: worker {config.rank} of {config.world_size}, {config.task}, "
-               f"{length}; shards at {', '.join(config.servers)}", err=True)
+    if not quiet:
+        click.echo(f"paramserver: worker {config.rank} of {config.world_size}, {config.task}, "
+                   f"{length}; shards at {', '.join(config.servers)}", err=True)
     try:
         worker_title(config)
-        result = run_worker(config)
+        # progress from the step records (--quiet: none)
+        result = run_worker(config, None if quiet else Progress())
     except ConfigError as exc:  # raised inside the task factory, say
         raise click.UsageError(str(exc)) from exc
     except (TransportError, RemoteError) as exc:

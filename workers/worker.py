@@ -24,6 +24,7 @@ import torch
 
 from paramserver.core.sharding import ShardPlan
 from paramserver.errors import ConfigError, TooManyWorkersError, WorkerInUseError
+from paramserver.observe.console import Progress, Sink
 from paramserver.observe.events import EventLog, write_json
 from paramserver.server.config import ConfigRecord, check_bounds, option
 from paramserver.util.dtypes import GRAD_WIRE_DTYPES
@@ -232,9 +233,10 @@ def worker_title(config: WorkerConfig) -> None:
     set_title(f"worker {config.rank}/{config.world_size} ({config.task})")
 
 
-def run_worker(config: WorkerConfig) -> WorkerResult:
+def run_worker(config: WorkerConfig, console: Sink | None = None) -> WorkerResult:
     """Train until ``steps`` pushes are done (or ``budget_seconds`` have passed since the
-    first step); return (and write) the worker's result.
+    first step); return (and write) the worker's result. ``console``: shown the event
+    records as they are written (e.g. a progress line).
 
     The task's loop on :class:`~paramserver.workers.optimizer.DistributedOptimizer`:
     the same push and pull a user's own loop makes."""
@@ -244,7 +246,7 @@ def run_worker(config: WorkerConfig) -> WorkerResult:
     task = build_task(config)
     model = task.model.to(device)
     straggler = Straggler(config.straggler, seed=(config.seed, config.rank))
-    events = EventLog(config.event_log)
+    events = EventLog(config.event_log, console=console)
     steps = num_steps(config, task)
     batches = cycle_batches(task)
     losses: list[float] = []
@@ -352,7 +354,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     worker_title(config)
     try:
-        run_worker(config)
+        run_worker(config, Progress())  # a line every few seconds in the worker's log
     except (WorkerInUseError, TooManyWorkersError) as exc:
         # a shard will not take this worker: one line that says why, exit status 1
         raise SystemExit(f"worker {config.rank}: {exc.reason}") from exc

@@ -7,19 +7,29 @@ kind) and the fields of that kind; see docs/events.md for the schema.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from paramserver.observe.console import Sink
 
 __all__ = ["EventLog", "read_events", "write_json"]
 
+log = logging.getLogger(__name__)
+
 
 class EventLog:
-    """Append-only JSONL writer; a no-op when ``path`` is None."""
+    """Append-only JSONL writer; a no-op when ``path`` is None. A ``console`` is shown
+    the records it prints a line for (with or without a file): the log and the
+    console tell the same story."""
 
-    def __init__(self, path: str | Path | None, *, flush_every: float = 0.5) -> None:
+    def __init__(self, path: str | Path | None, *, flush_every: float = 0.5,
+                 console: Sink | None = None) -> None:
         self.path = Path(path) if path else None
+        self.console = console
         self._fh: IO[str] | None = None
         self._flush_every = flush_every
         self._last_flush = 0.0
@@ -32,14 +42,21 @@ class EventLog:
                 self._fh.write("\n")
 
     def write(self, event: str, **fields: Any) -> None:
-        if self._fh is None:
+        console = self.console
+        if self._fh is None and console is None:
             return
         now = time.time()
-        self._fh.write(json.dumps({"t": now, "event": event, **fields}, separators=(",", ":"))
-                       + "\n")
-        if now - self._last_flush >= self._flush_every:
-            self._fh.flush()
-            self._last_flush = now
+        if self._fh is not None:
+            self._fh.write(json.dumps({"t": now, "event": event, **fields},
+                                      separators=(",", ":")) + "\n")
+            if now - self._last_flush >= self._flush_every:
+                self._fh.flush()
+                self._last_flush = now
+        if console is not None and event in console.events:
+            try:
+                console.show(event, fields, now)
+            except Exception:  # a console must not take the process down
+                log.exception("console line for %r failed", event)
 
     def flush(self) -> None:
         if self._fh is not None:

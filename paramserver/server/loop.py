@@ -35,6 +35,7 @@ from paramserver.core.probe import MeasureBudget
 from paramserver.core.shard import ShardCore, SliceSpec
 from paramserver.core.sharding import ShardPlan
 from paramserver.errors import ConfigError, ErrorCode, ProtocolError, TransportError
+from paramserver.observe.console import Console
 from paramserver.observe.events import EventLog
 from paramserver.observe.metrics import MetricsExporter, TensorBoardWriter
 from paramserver.observe.recorder import ShardObserver
@@ -75,7 +76,7 @@ class ShardServer:
     divergence watchdog; the core holds every consistency rule, this class the I/O.
     """
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, console: Console | None = None) -> None:
         self.config = config
         curve = CurveKeys.load(config.curve_secret_key) if config.curve_secret_key else None
         self.policy = create_policy(config.policy, config.policy_args)
@@ -95,7 +96,8 @@ class ShardServer:
             log.warning("shard %d binds %s without CURVE: anyone who reaches this port is "
                         "trusted with every operation, SHUTDOWN included (docs/reliability.md)",
                         config.shard, self.address)
-        self.events = EventLog(config.event_log)
+        # what the console says comes from the records of the event log
+        self.events = EventLog(config.event_log, console=console)
         self.plan: ShardPlan | None = None
         self.core: ShardCore | None = None
         self.sparse: SparseShard | None = None  # the plan's row-sparse tables, if any
@@ -163,7 +165,10 @@ class ShardServer:
                       tick: float = 0.05) -> None:
         self._running = True
         self.events.write("server_start", shard=self.config.shard, address=self.address,
-                          metrics_port=self.metrics_port, config=self.config.to_dict())
+                          metrics_port=self.metrics_port, mode=self.config.mode_spec().describe(),
+                          policy=self.policy.describe(),
+                          expected_workers=self.config.expected_workers,
+                          config=self.config.to_dict())
         log.info("shard %d/%d serving at %s (%s, policy %s)", self.config.shard,
                  self.config.num_shards, self.address, self.config.mode_spec().describe(),
                  self.policy.describe())
@@ -220,8 +225,11 @@ class ShardServer:
             for worker in self.core.expire(now):
                 sweep() if self.shm else None  # a worker died: its segments too
                 self.joined.drop(worker)
-                self.events.write("worker_dead", shard=self.config.shard, worker=worker)
+                self.events.write("worker_dead", shard=self.config.shard, worker=worker,
+                                  clock=self.core.workers[worker].clock,
+                                  timeout=self.config.heartbeat_timeout)
                 self.observer.left(self.core, worker)
+                self.peer_ops.maybe_all_done(self.core)
             # live members a round or SSP gate waited on past its deadline, silent
             for worker in self.core.leave_out(now):
                 self.events.write("worker_left_out", shard=self.config.shard, worker=worker,
@@ -556,16 +564,17 @@ def _ready(on_ready: Callable[..., None], address: str, metrics_port: int | None
 
 
 def run_server(config: ServerConfig, on_ready: Callable[..., None] | None = None,
-               job_done: threading.Event | None = None) -> int:
+               job_done: threading.Event | None = None, console: Console | None = None) -> int:
     """Run one shard until SHUTDOWN, SIGTERM or SIGINT, or until the watchdog stops it.
 
     ``on_ready`` is called once the shard listens, with its address, and with its
     metrics port (None without one) as well if it takes a second argument.
     ``job_done``: set by another thread when the job says every worker is done.
+    ``console``: prints the run's story (joins, deaths, checkpoints) as it happens.
 
     Returns the process exit code: 0, or :data:`DIVERGED_EXIT_CODE`.
     """
-    server = ShardServer(config)
+    server = ShardServer(config, console)
     if job_done is not None:
         server.job_done = job_done
     _own_process(server)
@@ -592,7 +601,8 @@ def main(argv: list[str] | None = None) -> None:
         format=f"%(asctime)s shard{config.shard} %(levelname)s %(name)s: %(message)s",
     )
     try:
-        server = ShardServer(config)
+        # the story in the shard's log file, among its other records
+        server = ShardServer(config, Console.to_log())
     except CheckpointDirInUse as exc:  # an earlier run there: resume it or --fresh
         sys.exit(f"shard {config.shard}: {exc}")
     except CheckpointError as exc:  # one line naming the file, no traceback

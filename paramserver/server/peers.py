@@ -102,6 +102,8 @@ class Peers:
         self.shm = shm  # same-host workers' segments are swept when one dies
         self.known: dict[int, PeerInfo] = {}  # worker -> host and pid from its HELLO
         self.observers = Observers()  # the identities that said HELLO as observers
+        self.training_since: float | None = None  # when the start barrier passed
+        self._all_done = False  # all_done was written, and no worker came since
 
     def forget(self, known: Container[int]) -> None:
         """Keep only the workers in ``known`` (the core's, after an eviction)."""
@@ -141,6 +143,13 @@ class Peers:
             host = (b.host or "")[:253] or None
             origin = f"pid {b.pid} on {host}" if host else ""
             peer = PeerInfo(host=host, pid=b.pid)
+            # how it joins, read before register changes the worker's entry
+            before = core.workers.get(b.worker)
+            from_clock = before.clock if before is not None else None
+            joined = ("new" if before is None else "restart"
+                      if before.incarnation != b.incarnation else "again"
+                      if before.live and not before.finished else "back")
+            started = core.started
             state = core.register(b.worker, b.incarnation, time.monotonic(),
                                   origin=origin[:300])
             clock = state.clock
@@ -151,7 +160,15 @@ class Peers:
                 sparse.forget(b.worker, restart=True)
             self.known[b.worker] = peer
             self.events.write("worker_hello", shard=self.config.shard, worker=b.worker,
-                              clock=clock, host=host, pid=b.pid)
+                              clock=clock, host=host, pid=b.pid, joined=joined,
+                              from_clock=from_clock)
+            if joined != "again":
+                self._all_done = False
+            if core.started and not started:
+                self.training_since = time.monotonic()
+                self.events.write("training_start", shard=self.config.shard,
+                                  mode=core.mode.describe(),
+                                  workers=sorted(core.members.live_ids()), version=core.version)
         return reply(msg, shard=self.config.shard, num_shards=self.config.num_shards,
                      version=core.version, clock=clock, initialized=core.initialized,
                      mode=core.mode.describe(), policy=self.policy.describe())
@@ -192,7 +209,13 @@ class Peers:
         worker = msg.body.worker  # (a Heartbeat)
         core = self.host.core
         if core is not None and worker in core.workers:
+            state = core.workers[worker]
+            dead, was = not state.live and not state.finished, state.clock
             core.heartbeat(worker, now)
+            if dead and state.live:  # declared dead, and alive after all: it is back
+                self._all_done = False
+                self.events.write("worker_back", shard=self.config.shard, worker=worker,
+                                  from_clock=was, clock=state.clock)
         version = core.version if core is not None else 0
         # the worker's pull parked at a gate: its client tells a shard that holds the
         # pull (waiting is legitimate) from one that does not answer
@@ -232,13 +255,29 @@ class Peers:
             sweep() if self.shm else None
             if dead:
                 self.events.write("worker_dead", shard=self.config.shard, worker=b.worker,
-                                  reported=True)
+                                  reported=True, clock=core.workers[b.worker].clock)
                 self.observer.left(core, b.worker)
+                self.maybe_all_done(core)
             return reply(msg, dead=dead)
         core.leave(b.worker, time.monotonic())
         sparse = self.host.sparse
         if sparse is not None:
             sparse.forget(b.worker)
-        self.events.write("worker_bye", shard=self.config.shard, worker=b.worker)
+        self.events.write("worker_bye", shard=self.config.shard, worker=b.worker,
+                          clock=core.workers[b.worker].clock)
         self.observer.left(core, b.worker)
+        self.maybe_all_done(core)
         return reply(msg)
+
+    def maybe_all_done(self, core: ShardCore) -> None:
+        """After a worker left or died: once training started and no expected worker is
+        still awaited or live, say so (once, until a worker comes again)."""
+        if self._all_done or not core.started or core.holding(self.config.expected_workers):
+            return
+        self._all_done = True
+        gone = sorted(core.workers.values(), key=lambda w: w.worker)
+        since = self.training_since
+        self.events.write("all_done", shard=self.config.shard, version=core.version,
+                          seconds=time.monotonic() - since if since is not None else 0.0,
+                          finished=[w.worker for w in gone if w.finished],
+                          dead=[w.worker for w in gone if not w.finished])

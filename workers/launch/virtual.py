@@ -322,7 +322,8 @@ class Simulator:
                 state = core.register(w.rank, f"sim-{w.rank}", self.now)
                 # the same record as a real shard's; a virtual worker has no host or pid
                 self.server_events[k].write("worker_hello", shard=k, worker=w.rank,
-                                            clock=state.clock, host=None, pid=None)
+                                            clock=state.clock, host=None, pid=None,
+                                            joined="new", from_clock=None)
             if core.initialize({key: t.clone() for key, t in init[k].items()}):
                 self.server_events[k].write("init", shard=k, worker=0)
         for w in self.workers:
@@ -490,7 +491,8 @@ class Simulator:
 
     def _bye_arrives(self, w: _VWorker, shard: int) -> None:
         self.cores[shard].leave(w.rank, self.now)
-        self.server_events[shard].write("worker_bye", shard=shard, worker=w.rank)
+        self.server_events[shard].write("worker_bye", shard=shard, worker=w.rank,
+                                        clock=self.cores[shard].workers[w.rank].clock)
         self._answer(shard)
 
     def _progress(self) -> Progress:
