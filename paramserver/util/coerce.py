@@ -25,7 +25,7 @@ from typing import Any
 from paramserver.errors import ConfigError
 
 __all__ = ["FALSE", "MISSING", "TRUE", "coerce", "guess", "parse_bool", "parse_kwargs",
-           "parse_policy_args", "target_type"]
+           "parse_policy_args", "parse_task_args", "target_type"]
 
 TRUE = frozenset({"1", "true", "yes", "on"})
 FALSE = frozenset({"0", "false", "no", "off"})
@@ -234,5 +234,16 @@ def parse_policy_args(items: list[str] | tuple[str, ...]) -> dict[str, str]:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"policy argument {item!r} must look like key=value")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def parse_task_args(items: list[str]) -> dict[str, str]:
+    """``key=value`` -> {key: "value"}; the task converts by its factory's annotations."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip().isidentifier():
+            raise ConfigError(f"task argument {item!r} must look like key=value (e.g. hidden=128)")
         out[key.strip()] = value.strip()
     return out

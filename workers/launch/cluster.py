@@ -35,9 +35,9 @@ from typing import Any, BinaryIO
 from paramserver.errors import ConfigError, ParamServerError, RequestTimeoutError
 from paramserver.observe.events import write_json
 from paramserver.observe.recorder import JsonlFollower, LauncherObserver
-from paramserver.server.config import option
-from paramserver.server.loop import READY_PREFIX, ServerConfig
-from paramserver.wire.curve import CurveKeys, admin_key_pair, public_key
+from paramserver.server.loop import READY_PREFIX
+from paramserver.wire.curve import admin_key_pair
+from paramserver.workers.launch.clusterspec import FAILURE_POLICIES, ClusterSpec
 from paramserver.workers.launch.processes import (
     ProcessInfo,
     WorkerSummary,
@@ -48,8 +48,6 @@ from paramserver.workers.launch.processes import (
 )
 from paramserver.workers.launch.stall import StallNotice, StallWatch
 from paramserver.workers.launch.zygote import ForkedProcess, ZygoteError, fork_enabled, zygote_for
-from paramserver.workers.stragglers import StragglerSpec, parse_straggler_items
-from paramserver.workers.worker import WorkerConfig
 
 __all__ = [
     "FAILURE_POLICIES",
@@ -68,147 +66,10 @@ log = logging.getLogger(__name__)
 
 
 WORKER_MODULE = "paramserver.workers.worker"  # what each worker process runs as __main__
-FAILURE_POLICIES = ("fail", "tolerate", "restart")
 
 
 class ClusterError(ParamServerError):
     """A process of the cluster failed; the message names it and shows its log's tail."""
-
-
-@dataclass
-class ClusterSpec:
-    """A local run: templates for every server and worker, plus per-worker stragglers."""
-
-    num_servers: int = option(2, min=1, aliases=("-s",), metavar="S",
-                              help="Server (shard) processes.")
-    num_workers: int = option(2, min=1, aliases=("--workers", "-n"), metavar="N",
-                              help="Worker processes.")
-    server: ServerConfig = option(default_factory=ServerConfig, nested=True,
-                                  help="Every shard's template (the server options).")
-    worker: WorkerConfig = option(default_factory=lambda: WorkerConfig(),
-                                  nested=True,
-                                  help="Every worker's template (the worker options).")
-    #: rank -> spec
-    stragglers: dict[int, StragglerSpec] = option(
-        default_factory=dict, flag="straggler", kind="pairs", table=False,
-        parse=parse_straggler_items,
-        metavar="RANK:KEY=VALUE",
-        help="Slow down one worker only, e.g. 1:slowdown=3 or 2:delay=exp:0.05 (repeatable; "
-             "keys as the straggler options).")
-    startup_timeout: float = option(120.0, min=0, min_open=True, metavar="SECONDS",
-                                    help="How long a server may take to report its address.")
-    run_timeout: float | None = option(None, min=0, min_open=True, metavar="SECONDS",
-                                       help="Stop everything if training takes longer.")
-    stall_warning: float = option(
-        60.0, min=0, metavar="SECONDS",
-        help="Warn, with the last lines of every worker's and shard's log, when no worker "
-             "has logged a step for this long, or for 10 times the run's usual time per "
-             "step if that is longer (0: never). Training goes on.")
-    evaluate: bool = option(True, flag="eval", dest="eval",
-                            help="Evaluate the final weights on held-out data.")
-    #: what a worker's failure does: "fail" the run, "tolerate" it (the others go
-    #: on; the server drops it from the live set after the heartbeat timeout) or
-    #: "restart" the worker (it registers again and resumes at the minimum clock)
-    on_worker_failure: str = option("fail", choices=FAILURE_POLICIES,
-                                    help="A worker that dies: fail the run, tolerate it (the "
-                                         "others go on) or restart it.")
-    #: restart a shard that dies, at the same address, from its latest checkpoint
-    restart_servers: bool = option(False,
-                                   help="Restart a shard that dies, at its address, from its "
-                                        "latest checkpoint.")
-    max_restarts: int = option(3, min=0, metavar="K", help="Restarts allowed per process.")
-    #: the launcher's Prometheus port (0: any free port); shard i serves on port + 1 + i
-    #: (any free port when 0). None: the launcher serves none, shards as the template says
-    metrics_port: int | None = option(None, min=0, max=65535, metavar="PORT",
-                                      help="Prometheus metrics: the launcher's on PORT, shard "
-                                           "i's on PORT + 1 + i (0: any free ports).")
-    #: TensorBoard log directory for the launcher and shards
-    tensorboard: str | None = option(None, kind="dir",
-                                     internal="the server option --tensorboard",
-                                     help="TensorBoard log directory for the launcher and "
-                                          "shards.")
-    #: under CURVE, the launcher's admin secret key file (SHUTDOWN, BYE dead=true); the
-    #: shards admit its public key as an admin. None: LocalCluster makes one in out_dir/keys
-    admin_key: str | None = option(None, kind="file",
-                                   internal="made by the launcher under CURVE",
-                                   help="The launcher's admin secret key file.")
-    #: run this command once per worker instead of the built-in loop (the user's own
-    #: script on DistributedOptimizer), with PARAMSERVER_SERVERS, RANK, WORLD_SIZE,
-    #: LOCAL_RANK set; its gradient steps, results and plan land in the run folder
-    command: list[str] | None = option(
-        None, internal="the arguments after `--` of launch",
-        help="Run this command once per worker instead of the built-in loop.")
-
-    def __post_init__(self) -> None:
-        if self.on_worker_failure not in FAILURE_POLICIES:
-            raise ConfigError(f"on_worker_failure must be one of {', '.join(FAILURE_POLICIES)}; "
-                              f"got {self.on_worker_failure!r}")
-        if self.num_servers < 1 or self.num_workers < 1:
-            raise ConfigError("a cluster needs at least one server and one worker")
-        if self.metrics_port is not None and not (
-                self.metrics_port >= 0 and self.metrics_port + self.num_servers <= 65535):
-            raise ConfigError(f"metrics_port must be 0 (any free port) or leave room for "
-                              f"{self.num_servers} shard ports above it; got {self.metrics_port}")
-        if bool(self.server.curve_secret_key) != bool(self.worker.curve_key):
-            raise ConfigError("CURVE is on for one side only: give the servers curve_secret_key "
-                              "and the workers curve_key + curve_server_key, or neither")
-        if self.admin_key and not self.server.curve_secret_key:
-            raise ConfigError("admin_key needs CURVE (without it everyone is trusted)")
-
-    def client_curve(self) -> CurveKeys | None:
-        """The workers' CURVE keys, for the launcher's own connections (stats, eval, stop)."""
-        if not self.worker.curve_key:
-            return None
-        return CurveKeys.load(self.worker.curve_key, self.worker.curve_server_key)
-
-    def admin_curve(self) -> CurveKeys | None:
-        """The launcher's admin keys, for SHUTDOWN and death reports (None: no CURVE);
-        without an admin key, the workers' (which a shard then refuses)."""
-        if not self.admin_key:
-            return self.client_curve()
-        return CurveKeys.load(self.admin_key, self.worker.curve_server_key)
-
-    def server_config(self, shard: int, out: Path) -> ServerConfig:
-        observe: dict[str, Any] = {}
-        if self.metrics_port is not None:
-            observe["metrics_port"] = self.metrics_port + 1 + shard if self.metrics_port else 0
-        if self.tensorboard:
-            observe["tensorboard"] = self.tensorboard
-        admins = list(self.server.admin_keys)
-        if self.admin_key:  # the public half, as text: no secret file goes to a shard
-            admins.append(public_key(self.admin_key))
-        return dataclasses.replace(
-            self.server, shard=shard, num_shards=self.num_servers,
-            expected_workers=self.num_workers,
-            event_log=str(out / "events" / f"server{shard}.jsonl"), admin_keys=admins,
-            **observe,
-        )
-
-    def command_env(self, rank: int, servers: list[str], out: Path) -> dict[str, str]:
-        """What a worker's command finds in its environment (see DistributedOptimizer)."""
-        env = {"PARAMSERVER_SERVERS": ",".join(servers), "RANK": str(rank),
-               "WORLD_SIZE": str(self.num_workers), "LOCAL_RANK": str(rank),
-               "LOCAL_WORLD_SIZE": str(self.num_workers),
-               "PARAMSERVER_EVENT_LOG": str(out / "events" / f"worker{rank}.jsonl"),
-               "PARAMSERVER_RESULT_FILE": str(out / "results" / f"worker{rank}.json"),
-               "PARAMSERVER_PLAN_FILE": str(out / "plan.json")}
-        if self.worker.curve_key:
-            env["PARAMSERVER_CURVE_KEY"] = self.worker.curve_key
-            env["PARAMSERVER_CURVE_SERVER_KEY"] = self.worker.curve_server_key or ""
-        return env
-
-    def worker_config(self, rank: int, servers: list[str], out: Path) -> WorkerConfig:
-        return dataclasses.replace(
-            self.worker, rank=rank, world_size=self.num_workers, servers=servers,
-            straggler=self.stragglers.get(rank, self.worker.straggler),
-            event_log=str(out / "events" / f"worker{rank}.jsonl"),
-            result_file=str(out / "results" / f"worker{rank}.json"),
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
-        data["stragglers"] = {str(k): dataclasses.asdict(v) for k, v in self.stragglers.items()}
-        return data
 
 
 @dataclass
