@@ -13,8 +13,8 @@ import click
 
 from paramserver.errors import ParamServerError
 from paramserver.util.proctitle import set_title
-from paramserver.workers.launch.cluster import ClusterSpec, run_cluster
-from paramserver.workers.launch.cluster import Progress as ClusterProgress
+from paramserver.workers.launch.clusterspec import ClusterSpec
+from paramserver.workers.launch.clusterspec import Progress as ClusterProgress
 from paramserver.workers.launch.processes import ProcessInfo, worker_summaries
 
 from . import options
@@ -238,6 +238,7 @@ def launch(ctx: click.Context, **opts: Any) -> None:
     from rich.console import Console
 
     from paramserver.cli.progress import step_progress
+    from paramserver.workers.launch.cluster import run_cluster  # torch, zmq: not for --help
 
     console = Console(stderr=True)
     bar = step_progress(console, "loss {task.fields[loss]}", "{task.fields[rate]} updates/s",

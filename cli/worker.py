@@ -7,7 +7,6 @@ from typing import Any
 import click
 
 from paramserver.errors import ConfigError, RemoteError, RequestTimeoutError, TransportError
-from paramserver.workers.worker import run_worker, worker_title
 
 from . import options
 from .workercount import agree_worker_count
@@ -69,6 +68,9 @@ def worker(ctx: click.Context, **opts: Any) -> None:
     share --world-size and have distinct --rank values, which pick their part
     of the data.
     """
+    # the training loop and torch load only when a worker runs, not for --help
+    from paramserver.workers.worker import run_worker, worker_title
+
     agree_worker_count(ctx, opts, "world_size")
     config = options.worker_config(ctx, opts)
     options.maybe_print_config(ctx, opts)

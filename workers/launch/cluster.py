@@ -37,7 +37,7 @@ from paramserver.observe.events import write_json
 from paramserver.observe.recorder import JsonlFollower, LauncherObserver
 from paramserver.server.loop import READY_PREFIX
 from paramserver.wire.curve import admin_key_pair
-from paramserver.workers.launch.clusterspec import FAILURE_POLICIES, ClusterSpec
+from paramserver.workers.launch.clusterspec import FAILURE_POLICIES, ClusterSpec, Progress
 from paramserver.workers.launch.processes import (
     ProcessInfo,
     WorkerSummary,
@@ -70,21 +70,6 @@ WORKER_MODULE = "paramserver.workers.worker"  # what each worker process runs as
 
 class ClusterError(ParamServerError):
     """A process of the cluster failed; the message names it and shows its log's tail."""
-
-
-@dataclass
-class Progress:
-    """What the launcher knows while workers run (read from their event logs)."""
-
-    steps: dict[int, int]
-    total_steps: int
-    last_loss: dict[int, float]
-    applied: int
-    elapsed: float
-
-    @property
-    def done_steps(self) -> int:
-        return sum(self.steps.values())
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""What a local cluster is: :class:`ClusterSpec`, the ``paramserver launch`` options.
+"""What a local cluster is: :class:`ClusterSpec`, the ``paramserver launch`` options, and
+the :class:`Progress` a launcher reports.
 
 Apart from cluster.py (the launcher, which starts the server loop, ZeroMQ and torch)
 so that the CLI declares ``launch``'s options without loading them; the CURVE helpers
@@ -21,7 +22,7 @@ from paramserver.workers.stragglerspec import StragglerSpec, parse_straggler_ite
 if TYPE_CHECKING:
     from paramserver.wire.curve import CurveKeys
 
-__all__ = ["FAILURE_POLICIES", "ClusterSpec"]
+__all__ = ["FAILURE_POLICIES", "ClusterSpec", "Progress"]
 
 FAILURE_POLICIES = ("fail", "tolerate", "restart")
 
@@ -166,3 +167,18 @@ class ClusterSpec:
         data = dataclasses.asdict(self)
         data["stragglers"] = {str(k): dataclasses.asdict(v) for k, v in self.stragglers.items()}
         return data
+
+
+@dataclass
+class Progress:
+    """What the launcher knows while workers run (read from their event logs)."""
+
+    steps: dict[int, int]
+    total_steps: int
+    last_loss: dict[int, float]
+    applied: int
+    elapsed: float
+
+    @property
+    def done_steps(self) -> int:
+        return sum(self.steps.values())
