@@ -137,7 +137,7 @@ def test_the_names_the_light_modules_list_are_the_registries_own():
     from paramserver.workers.config import GRAD_WIRE_DTYPE_NAMES, WorkerConfig
     from paramserver.workers.experiments.spec import PRESETS, SCENARIOS
 
-    assert PRESET_NAMES == tuple(sorted(PRESETS))
-    assert SCENARIO_NAMES == tuple(SCENARIOS)
-    assert GRAD_WIRE_DTYPE_NAMES == tuple(GRAD_WIRE_DTYPES)
+    assert tuple(sorted(PRESETS)) == PRESET_NAMES
+    assert tuple(SCENARIOS) == SCENARIO_NAMES
+    assert tuple(GRAD_WIRE_DTYPES) == GRAD_WIRE_DTYPE_NAMES
     assert WorkerConfig(servers=["127.0.0.1:1"]).part_bytes == PART_BYTES
