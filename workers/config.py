@@ -25,7 +25,7 @@ __all__ = ["GRAD_WIRE_DTYPE_NAMES", "WorkerConfig"]
 GRAD_WIRE_DTYPE_NAMES: tuple[str, ...] = ("bfloat16", "float16")
 
 #: what --device may say; whether a CUDA device is here is torch's to tell
-_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+_DEVICE = re.compile(r"auto|(cpu|cuda)(:\d+)?")
 
 
 @dataclass
