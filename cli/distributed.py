@@ -14,16 +14,6 @@ from typing import Any
 import click
 
 from paramserver.errors import ConfigError, ParamServerError, RemoteError, TransportError
-from paramserver.workers.launch.rendezvous import (
-    Rendezvous,
-    RendezvousError,
-    assign_role,
-    default_host,
-    launch_env,
-    run_command_rank,
-    run_server_rank,
-    run_worker_rank,
-)
 
 from . import options
 from .server import ready_printer
@@ -83,6 +73,19 @@ def run(ctx: click.Context, **opts: Any) -> None:
     of workers) and LOCAL_RANK set. The last worker to finish saves the
     servers' final weights as OUT/final_model.safetensors.
     """
+    # the rendezvous (torch.distributed's store), the server loop and the training loop
+    # load only when a rank runs, not for --help
+    from paramserver.workers.launch.rendezvous import (
+        Rendezvous,
+        RendezvousError,
+        assign_role,
+        default_host,
+        launch_env,
+        run_command_rank,
+        run_server_rank,
+        run_worker_rank,
+    )
+
     command = list(opts.pop("command") or ())
     out = Path(opts["out"]) if opts["out"] else None
     # every option is checked before the launcher's environment is even read

@@ -14,7 +14,6 @@ import click
 
 from paramserver.cli.grid import build_spec, claim_grid_dir, grid_options, run_grid, spec_from_flags
 from paramserver.errors import ConfigError
-from paramserver.workers.experiments.runner import run_experiment
 
 __all__ = ["build_spec", "experiment"]
 
@@ -55,6 +54,8 @@ def experiment(assert_literature: bool, **flags: Any) -> None:
     (tables and plots) into the experiment directory.
     """
     from rich.console import Console  # here, not at the top: --help stays light
+
+    from paramserver.workers.experiments.runner import run_experiment
 
     console = Console(stderr=False)
     try:

@@ -11,55 +11,28 @@ import click
 
 from paramserver.cli import options as cli_options
 from paramserver.cli.outdir import EXPERIMENT_MARKERS, claim_out_dir
-from paramserver.core.optim import parse_kwargs
 from paramserver.core.stepsize import LR_SCALINGS
 from paramserver.errors import ConfigError, ParamServerError
-from paramserver.workers.experiments.report import ReportFiles
-from paramserver.workers.experiments.runner import ExperimentObserver, ExperimentResult, RunOutcome
-from paramserver.workers.experiments.spec import (
-    PRESETS,
-    SCENARIOS,
-    ExperimentSpec,
-    RunPlan,
-    load_spec,
-)
-from paramserver.workers.launch.cluster import Progress as ClusterProgress
+from paramserver.util.coerce import parse_kwargs
 
-if TYPE_CHECKING:  # rich and the report's plots load where a grid runs, not for --help
+if TYPE_CHECKING:  # rich, the runner and its report load where a grid runs, not for --help
     from rich.console import Console
-    from rich.progress import Progress
 
-__all__ = ["RichObserver", "build_spec", "claim_grid_dir", "grid_options", "print_summary",
-           "run_grid", "spec_from_flags"]
+    from paramserver.workers.experiments.report import ReportFiles
+    from paramserver.workers.experiments.runner import ExperimentObserver, ExperimentResult
+    from paramserver.workers.experiments.spec import ExperimentSpec
+
+__all__ = ["PRESET_NAMES", "SCENARIO_NAMES", "build_spec", "claim_grid_dir", "grid_options",
+           "print_summary", "run_grid", "spec_from_flags"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-
-class RichObserver(ExperimentObserver):
-    """One progress bar over the grid, counted in worker steps."""
-
-    def __init__(self, progress: Progress, total_steps: int, runs: int) -> None:
-        self.progress = progress
-        self.task = progress.add_task("starting", total=total_steps)
-        self.runs = runs
-        self.base = 0  # steps of the runs already finished
-        self.steps = 0  # steps of the current run
-
-    def run_started(self, index: int, total: int, plan: RunPlan, steps: int) -> None:
-        self.steps = steps
-        self.progress.update(self.task, description=f"[{index + 1}/{total}] {plan.name}",
-                             completed=self.base)
-
-    def run_progress(self, plan: RunPlan, progress: ClusterProgress) -> None:
-        self.progress.update(self.task, completed=self.base + min(progress.done_steps,
-                                                                  self.steps))
-
-    def run_finished(self, outcome: RunOutcome) -> None:
-        self.base += self.steps
-        self.progress.update(self.task, completed=self.base)
-        if not outcome.ok:
-            self.progress.console.print(f"[red]run {outcome.plan.name} failed:[/red] "
-                                        f"{outcome.error}")
+# The names of workers.experiments.spec's PRESETS and SCENARIOS, which --preset and
+# --scenario offer: that module loads torch, and --help should not wait for it (a test
+# keeps these equal to the tables).
+PRESET_NAMES: tuple[str, ...] = ("demo", "large-batch", "literature", "momentum", "recsys",
+                                 "scenarios")
+SCENARIO_NAMES: tuple[str, ...] = ("none", "persistent", "transient", "heavy-tail")
 
 
 def _seeds(text: str) -> int | list[int]:
@@ -75,6 +48,8 @@ def _seeds(text: str) -> int | list[int]:
 def build_spec(*, spec_file: str | None, preset_name: str | None,
                overrides: dict[str, Any]) -> ExperimentSpec:
     """Flags override the spec file (or preset), which overrides the defaults."""
+    from paramserver.workers.experiments.spec import PRESETS, ExperimentSpec, load_spec
+
     if spec_file and preset_name:
         raise ConfigError("give --spec or --preset, not both")
     given = {k: v for k, v in overrides.items() if v not in (None, (), [], {})}
@@ -151,7 +126,7 @@ def grid_options(*, virtual: bool) -> Callable[[F], F]:
                      help="Number of shard servers (default 2)."),
         cli_options.SERVERS_COUNT,
         click.option("--scenario", "scenarios", multiple=True, metavar="NAME",
-                     help=f"Straggler scenario (repeatable): {', '.join(SCENARIOS)}, or one "
+                     help=f"Straggler scenario (repeatable): {', '.join(SCENARIO_NAMES)}, or one "
                           "defined in the --spec file. Default: transient."),
         click.option("--seeds", help="How many seeds (3: seeds 0, 1, 2) or a list (0,5,7)."),
         click.option("--steps", type=click.IntRange(min=1), help="Steps per worker "
@@ -189,7 +164,7 @@ def grid_options(*, virtual: bool) -> Callable[[F], F]:
         click.option("--min-step-time", type=click.FloatRange(min=0), help=step_time_help),
         click.option("--spec", "spec_file", type=click.Path(exists=True, dir_okay=False),
                      help="TOML spec file (docs/experiments.md); flags override its keys."),
-        click.option("--preset", "preset_name", type=click.Choice(sorted(PRESETS)),
+        click.option("--preset", "preset_name", type=click.Choice(PRESET_NAMES),
                      help="A named spec: demo (make demo), literature, scenarios, large-batch, "
                           "momentum."),
         click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
@@ -230,6 +205,7 @@ def print_summary(console: Console, files: ReportFiles) -> None:
 def run_grid(console: Console, spec: ExperimentSpec, out: Path, quiet: bool, what: str,
              run: Callable[[ExperimentObserver], ExperimentResult]) -> ExperimentResult:
     """Run the grid (``run`` given the progress observer), showing progress and the summary."""
+    from paramserver.cli.gridview import RichObserver
     from paramserver.cli.progress import step_progress
 
     plans = spec.runs()

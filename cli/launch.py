@@ -15,18 +15,19 @@ import click
 from paramserver.errors import ParamServerError
 from paramserver.util.jsontypes import JSON, JSONObject
 from paramserver.util.proctitle import set_title
-from paramserver.workers.launch.cluster import ClusterSpec, run_cluster
-from paramserver.workers.launch.cluster import Progress as ClusterProgress
+from paramserver.workers.launch.clusterspec import ClusterSpec
+from paramserver.workers.launch.clusterspec import Progress as ClusterProgress
 from paramserver.workers.launch.processes import ProcessInfo
-from paramserver.workers.launch.results import ClusterResult, worker_summaries
 
 from . import options
 from .outdir import RUN_MARKERS, claim_out_dir
 from .workercount import agree_worker_count
 
-if TYPE_CHECKING:  # rich loads where a cluster runs, not for --help
+if TYPE_CHECKING:  # rich and the run's records load where a cluster runs, not for --help
     from rich.console import Console
     from rich.progress import Progress
+
+    from paramserver.workers.launch.results import ClusterResult
 
 __all__ = ["launch"]
 
@@ -140,6 +141,8 @@ class _AlarmLines:
 
 
 def _summary(spec: ClusterSpec, result: ClusterResult, out: Path) -> str:
+    from paramserver.workers.launch.results import worker_summaries  # torch: not for --help
+
     workers = worker_summaries(result)
     # a worker that died and stayed dead wrote no counts: it adds 0 here
     pushes = sum(w.pushes for w in workers)
@@ -249,6 +252,7 @@ def launch(ctx: click.Context, **opts: Any) -> None:
     from rich.console import Console
 
     from paramserver.cli.progress import step_progress
+    from paramserver.workers.launch.cluster import run_cluster  # torch, zmq: not for --help
 
     console = Console(stderr=True)
     bar = step_progress(console, "loss {task.fields[loss]}", "{task.fields[rate]} updates/s",

@@ -46,9 +46,9 @@ from click.core import ParameterSource
 from paramserver.errors import ConfigError
 from paramserver.server.config import Opt, ServerConfig, field_default, options_of
 from paramserver.util.coerce import MISSING
-from paramserver.workers.launch.cluster import ClusterSpec
-from paramserver.workers.stragglers import StragglerSpec
-from paramserver.workers.worker import WorkerConfig
+from paramserver.workers.config import WorkerConfig
+from paramserver.workers.launch.clusterspec import ClusterSpec
+from paramserver.workers.stragglerspec import StragglerSpec
 
 from .paramtypes import AddressList, KeyValue, flatten_addresses
 from .workercount import file_worker_counts

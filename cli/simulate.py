@@ -16,8 +16,6 @@ import click
 
 from paramserver.cli.grid import claim_grid_dir, grid_options, run_grid, spec_from_flags
 from paramserver.errors import ConfigError
-from paramserver.workers.experiments.runner import simulate_experiment
-from paramserver.workers.launch.virtual import SimSpec, check_simulable
 
 __all__ = ["simulate"]
 
@@ -57,6 +55,9 @@ def simulate(compute_time: float, latency: float, **flags: Any) -> None:
     experiment`, with times in virtual seconds (docs/research.md).
     """
     from rich.console import Console  # here, not at the top: --help stays light
+
+    from paramserver.workers.experiments.runner import simulate_experiment
+    from paramserver.workers.launch.virtual import SimSpec, check_simulable
 
     console = Console(stderr=False)
     try:

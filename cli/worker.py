@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from paramserver.errors import ConfigError, RemoteError, RequestTimeoutError, TransportError
-from paramserver.workers.worker import WorkerResult, run_worker, worker_title
+
+if TYPE_CHECKING:
+    from paramserver.workers.optimizer import WorkerResult
 
 from . import options
 from .workercount import agree_worker_count
@@ -69,7 +71,9 @@ def worker(ctx: click.Context, **opts: Any) -> None:
     share --world-size and have distinct --rank values, which pick their part
     of the data.
     """
+    # the training loop and torch load only when a worker runs, not for --help
     from paramserver.observe.console import Progress
+    from paramserver.workers.worker import run_worker, worker_title
 
     quiet = opts.pop("quiet")
     agree_worker_count(ctx, opts, "world_size")

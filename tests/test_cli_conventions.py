@@ -118,7 +118,7 @@ def started(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Path, list[str]]
         seen.append((what, out, sorted(p.name for p in out.iterdir())))
         raise click.exceptions.Exit(0)
 
-    monkeypatch.setattr("paramserver.cli.launch.run_cluster",
+    monkeypatch.setattr("paramserver.workers.launch.cluster.run_cluster",
                         lambda spec, out, **kw: record("launch", out))
     for module in (experiment_cli, simulate_cli):
         monkeypatch.setattr(module, "run_grid",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
-import paramserver.cli.launch
+import paramserver.workers.launch.cluster
 from paramserver.cli.main import main
 
 
@@ -25,7 +25,7 @@ def test_restart_workers_flag(monkeypatch, tmp_path, args, expected):
         seen["policy"] = spec.on_worker_failure
         raise _Stop
 
-    monkeypatch.setattr(paramserver.cli.launch, "run_cluster", fake_run_cluster)
+    monkeypatch.setattr(paramserver.workers.launch.cluster, "run_cluster", fake_run_cluster)
     CliRunner().invoke(main, ["launch", "-s", "1", "-n", "1", "--steps", "2", "--quiet",
                               "--out", str(tmp_path), *args])
     assert seen["policy"] == expected

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from paramserver.cli.grid import print_summary
-from paramserver.cli.status import render
+from paramserver.cli.statusview import render
 from paramserver.cli.tables import keep_figures
 from paramserver.cli.watch import render_status
 from paramserver.wire.stats import ObservedStats, ShardStats, StepFigures

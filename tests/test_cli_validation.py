@@ -116,7 +116,7 @@ def test_shard_addresses_out_of_order_are_named(monkeypatch):
             # the address at place i is answered by shard shards[i]; connect() asks
             # shard 0 alone first, then the rest
             hello = Message(Op.HELLO, 1)
-            monkeypatch.setattr(client, "_call", lambda msgs, op, asked, **k: [
+            monkeypatch.setattr(client, "call", lambda msgs, op, asked, **k: [
                 reply(hello, shard=shards[i], num_shards=3, clock=0) for i in asked])
 
         answered_by(0, 1, 2)

@@ -67,11 +67,11 @@ def test_commands_invoked_in_process_leave_the_host_title(
         command: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[str] = []
     if command == "launch":
-        monkeypatch.setattr("paramserver.cli.launch.run_cluster",
+        monkeypatch.setattr("paramserver.workers.launch.cluster.run_cluster",
                             _stop_here(seen, ParamServerError))
         args = ["launch", "--quiet", "--steps", "1", "--out", str(tmp_path / "run")]
     else:
-        monkeypatch.setattr("paramserver.cli.worker.run_worker", _stop_here(seen, ConfigError))
+        monkeypatch.setattr("paramserver.workers.worker.run_worker", _stop_here(seen, ConfigError))
         args = ["worker", "--servers", f"127.0.0.1:{free_port()}", "--steps", "1"]
     before = setproctitle.getproctitle()
     assert not before.startswith(PREFIX)

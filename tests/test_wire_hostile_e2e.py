@@ -23,7 +23,7 @@ import torch
 from msgspec.structs import replace
 from rich.console import Console
 
-from paramserver.cli.status import collect, render
+from paramserver.cli.statusview import collect, render
 from paramserver.core.records import MAX_REASONS, OTHER_REASONS, STATS_WORKERS, WorkerState
 from paramserver.core.report import worker_stats
 from paramserver.errors import RemoteError

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paramserver.errors import ConfigError, RegistryError
-from paramserver.util.coerce import coerce
+from paramserver.util.coerce import coerce, parse_task_args
 from paramserver.util.dtypes import TASK_DTYPES
 from paramserver.util.plugins import Registry
 
@@ -224,17 +224,6 @@ def task_parameters(factory: TaskFactory) -> dict[str, Any]:
         for key, p in _signature(factory).parameters.items()
         if p.kind in kinds and key not in _CONTEXT_ARGS
     }
-
-
-def parse_task_args(items: list[str]) -> dict[str, str]:
-    """``key=value`` -> {key: "value"}; the task converts by its factory's annotations."""
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip().isidentifier():
-            raise ConfigError(f"task argument {item!r} must look like key=value (e.g. hidden=128)")
-        out[key.strip()] = value.strip()
-    return out
 
 
 def _convert(value: Any, param: inspect.Parameter | None, task: str, key: str) -> Any:

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
 from paramserver.errors import ConfigError, RegistryError
-from paramserver.util.coerce import MISSING, coerce, guess
+from paramserver.util.coerce import MISSING, coerce, parse_kwargs
 from paramserver.util.plugins import Registry
 
 __all__ = [
@@ -252,23 +252,3 @@ def build_scheduler(
         ) from exc
     logger.debug("built lr scheduler %s with %s", cls.__name__, options)
     return scheduler
-
-
-def parse_kwargs(items: Sequence[str]) -> dict[str, Any]:
-    """``["lr=0.1", "nesterov=true", "betas=0.9,0.999"]`` -> typed keyword arguments.
-
-    Values become int, float, bool (true/false), None (none/null), a tuple of
-    numbers (comma list; ``"10,"`` is a one-element tuple), else stay str.
-    """
-    if isinstance(items, str):
-        raise ConfigError(f"expected a list of key=value strings, got the string {items!r}")
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        key = key.strip()
-        if not sep or not key.isidentifier():
-            raise ConfigError(f"argument {item!r} must look like key=value (e.g. lr=0.1)")
-        if key in out:
-            raise ConfigError(f"argument {key!r} is given twice")
-        out[key] = guess(value)
-    return out

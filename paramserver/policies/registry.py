@@ -27,7 +27,7 @@ from paramserver.policies.research import (
     DCASGDPolicy,
     GapAwarePolicy,
 )
-from paramserver.util.coerce import MISSING, coerce
+from paramserver.util.coerce import MISSING, coerce, parse_policy_args
 from paramserver.util.plugins import Registry
 
 __all__ = [
@@ -93,17 +93,6 @@ def policy_parameters(cls: type[StalenessPolicy]) -> dict[str, inspect.Parameter
     sig = inspect.signature(cls.__init__)
     return {k: p for k, p in sig.parameters.items() if (k != "self" and p.kind is p.KEYWORD_ONLY)
             or (k != "self" and p.kind is p.POSITIONAL_OR_KEYWORD)}
-
-
-def parse_policy_args(items: list[str] | tuple[str, ...]) -> dict[str, str]:
-    """Parse ``key=value`` strings into a dict (values stay strings)."""
-    out: dict[str, str] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"policy argument {item!r} must look like key=value")
-        out[key.strip()] = value.strip()
-    return out
 
 
 def create_policy(name: str, args: Mapping[str, Any] | None = None) -> StalenessPolicy:

@@ -25,14 +25,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
-from paramserver.core.optim import parse_kwargs
-from paramserver.core.shard import MODES, CoreConfig, Mode, ModeSpec
-from paramserver.core.sharding import PlanLimits, estimate_copies
+# only light modules: the CLI declares its options from these classes, and `--help`
+# must not wait for torch (tests/test_cli_startup.py)
+from paramserver.core.limits import PlanLimits, estimate_copies
+from paramserver.core.modes import MODES, CoreConfig, Mode, ModeSpec
 from paramserver.core.stepsize import LR_SCALINGS
 from paramserver.errors import ConfigError
-from paramserver.observe.watchdog import ACTIONS, WatchdogConfig
-from paramserver.policies.registry import parse_policy_args
-from paramserver.util.coerce import MISSING, coerce, guess
+from paramserver.observe.thresholds import ACTIONS, WatchdogConfig
+from paramserver.util.coerce import MISSING, coerce, guess, parse_kwargs, parse_policy_args
 
 __all__ = [
     "OPTION",

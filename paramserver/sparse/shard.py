@@ -124,6 +124,11 @@ class TableSpec:
     def nbytes(self) -> int:
         return self.rows * self.dim * self.torch_dtype.itemsize
 
+    def held_bytes(self, copies: int) -> int:
+        """What a shard keeps for this table: ``copies`` of its values (the rows and
+        their optimizer state), and per row its id and last step's version."""
+        return self.nbytes * copies + self.rows * ROW_OVERHEAD
+
     def describe(self) -> TableDescription:
         return TableDescription(name=self.name, rows=self.rows, dim=self.dim, dtype=self.dtype,
                                 init=self.init, std=float(self.std), seed=self.seed)

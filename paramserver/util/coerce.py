@@ -19,12 +19,13 @@ import inspect
 import re
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from paramserver.errors import ConfigError
 
-__all__ = ["FALSE", "MISSING", "TRUE", "coerce", "guess", "parse_bool", "target_type"]
+__all__ = ["FALSE", "MISSING", "TRUE", "coerce", "guess", "parse_bool", "parse_kwargs",
+           "parse_policy_args", "parse_task_args", "target_type"]
 
 TRUE = frozenset({"1", "true", "yes", "on"})
 FALSE = frozenset({"0", "false", "no", "off"})
@@ -200,3 +201,49 @@ def coerce(value: Any, annotation: Any = MISSING, default: Any = MISSING, *,
         # "momentum must be a number, not 'abc'"; else "argument x: 'abc' is not a valid int"
         sep = " " if str(exc).startswith("must ") else ": "
         raise ConfigError(f"{what}{sep}{exc}") from None
+
+
+# The key=value parsers of the flags live here, not beside what they configure (torch's
+# optimizers, the policies), so that declaring a flag loads neither.
+
+
+def parse_kwargs(items: Sequence[str]) -> dict[str, Any]:
+    """``["lr=0.1", "nesterov=true", "betas=0.9,0.999"]`` -> typed keyword arguments.
+
+    Values become int, float, bool (true/false), None (none/null), a tuple of
+    numbers (comma list; ``"10,"`` is a one-element tuple), else stay str.
+    """
+    if isinstance(items, str):
+        raise ConfigError(f"expected a list of key=value strings, got the string {items!r}")
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or not key.isidentifier():
+            raise ConfigError(f"argument {item!r} must look like key=value (e.g. lr=0.1)")
+        if key in out:
+            raise ConfigError(f"argument {key!r} is given twice")
+        out[key] = guess(value)
+    return out
+
+
+def parse_policy_args(items: list[str] | tuple[str, ...]) -> dict[str, str]:
+    """Parse ``key=value`` strings into a dict (values stay strings)."""
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"policy argument {item!r} must look like key=value")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def parse_task_args(items: list[str]) -> dict[str, str]:
+    """``key=value`` -> {key: "value"}; the task converts by its factory's annotations."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip().isidentifier():
+            raise ConfigError(f"task argument {item!r} must look like key=value (e.g. hidden=128)")
+        out[key.strip()] = value.strip()
+    return out

@@ -1,6 +1,10 @@
 """What a local run is: :class:`ClusterSpec` (every server's and worker's template,
 the stragglers, the failure policy) and :class:`Progress`, what the launcher knows
 while workers run. :mod:`~paramserver.workers.launch.cluster` runs it.
+
+Apart from cluster.py (the launcher, which starts the server loop, ZeroMQ and torch)
+so that the CLI declares ``launch``'s options without loading them; the CURVE helpers
+(ZeroMQ) load only when a spec's keys are used.
 """
 
 from __future__ import annotations
@@ -8,14 +12,16 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from paramserver.errors import ConfigError
-from paramserver.server.config import option
-from paramserver.server.loop import ServerConfig
+from paramserver.server.config import ServerConfig, option
 from paramserver.util.jsontypes import JSONObject
-from paramserver.wire.curve import CurveKeys, public_key
-from paramserver.workers.stragglers import StragglerSpec, parse_straggler_items
-from paramserver.workers.worker import WorkerConfig
+from paramserver.workers.config import WorkerConfig
+from paramserver.workers.stragglerspec import StragglerSpec, parse_straggler_items
+
+if TYPE_CHECKING:
+    from paramserver.wire.curve import CurveKeys
 
 __all__ = ["FAILURE_POLICIES", "ClusterSpec", "Progress"]
 
@@ -104,6 +110,8 @@ class ClusterSpec:
 
     def client_curve(self) -> CurveKeys | None:
         """The workers' CURVE keys, for the launcher's own connections (stats, eval, stop)."""
+        from paramserver.wire.curve import CurveKeys  # zmq: when a cluster runs, not --help
+
         if not self.worker.curve_key:
             return None
         return CurveKeys.load(self.worker.curve_key, self.worker.curve_server_key)
@@ -111,11 +119,15 @@ class ClusterSpec:
     def admin_curve(self) -> CurveKeys | None:
         """The launcher's admin keys, for SHUTDOWN and death reports (None: no CURVE);
         without an admin key, the workers' (which a shard then refuses)."""
+        from paramserver.wire.curve import CurveKeys
+
         if not self.admin_key:
             return self.client_curve()
         return CurveKeys.load(self.admin_key, self.worker.curve_server_key)
 
     def server_config(self, shard: int, out: Path) -> ServerConfig:
+        from paramserver.wire.curve import public_key
+
         metrics_port = self.server.metrics_port
         if self.metrics_port is not None:  # 0: any free port, for the launcher and shards
             metrics_port = self.metrics_port + 1 + shard if self.metrics_port else 0

@@ -1,0 +1,152 @@
+"""What one worker is told: :class:`WorkerConfig`, declared like ``ServerConfig``.
+
+Apart from worker.py (the training loop, which loads torch) so that the CLI can
+declare the worker options from it without loading torch: every module it imports
+is light. Importable from ``paramserver.workers.worker`` too.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from paramserver.core.limits import DEFAULT_CHUNK_BYTES
+from paramserver.errors import ConfigError
+from paramserver.server.config import ConfigRecord, check_bounds, option
+from paramserver.util.coerce import parse_task_args
+from paramserver.workers.stragglerspec import StragglerSpec
+
+__all__ = ["GRAD_WIRE_DTYPE_NAMES", "WorkerConfig"]
+
+#: the names of paramserver.util.dtypes.GRAD_WIRE_DTYPES, the 16-bit dtypes gradients may
+#: travel in (a test keeps the two equal; that table is torch's dtypes)
+GRAD_WIRE_DTYPE_NAMES: tuple[str, ...] = ("bfloat16", "float16")
+
+#: what --device may say; whether a CUDA device is here is torch's to tell
+_DEVICE = re.compile(r"auto|(cpu|cuda)(:\d+)?")
+
+
+@dataclass
+class WorkerConfig(ConfigRecord):
+    """Everything one worker needs; validated on construction."""
+
+    WHAT: ClassVar[str] = "worker"
+
+    rank: int = option(0, min=0, per_process=True,
+                       help="This worker's rank, 0 .. world-size - 1 (selects its part of the "
+                            "data).")
+    world_size: int = option(1, min=1, metavar="N", per_process=True,
+                             help="How many workers share the data.")
+    servers: list[str] = option(default_factory=list, kind="address", per_process=True,
+                                required=True,
+                                help="Every shard's address, in shard order: comma-separated "
+                                     "or repeated.")
+    task: str = option("digits-mlp", metavar="NAME|module:function",
+                       help="What to train: a registered task (see `paramserver tasks`) or "
+                            "your factory.")
+    task_args: dict[str, Any] = option(default_factory=dict, flag="task-arg", kind="pairs",
+                                       parse=parse_task_args,
+                                       help="Task parameter, e.g. hidden=128 (repeatable).")
+    device: str = option("auto", metavar="auto|cpu|cuda[:N]",
+                         help="Where the model replica computes; auto takes CUDA when present.")
+    steps: int | None = option(100, min=1, metavar="N", help="Updates (pushes) per worker.")
+    epochs: float | None = option(None, min=0, min_open=True, metavar="E",
+                                  help="Train for E passes over the worker's data instead of "
+                                       "--steps.")
+    #: wall-clock budget from the worker's first step; checked before each step
+    budget_seconds: float = option(0.0, min=0, metavar="SECONDS",
+                                   help="Stop pushing once this many seconds have passed since "
+                                        "the worker's first step (checked before each step, so "
+                                        "the last step ends at most one step later); then say "
+                                        "BYE as usual. With it, --steps/--epochs are a cap "
+                                        "and may be left out (0: no budget).")
+    #: passed to the task if it takes batch_size
+    batch_size: int | None = option(None, min=1, metavar="N",
+                                    help="Mini-batch size (default: the task's).")
+    #: passed to the task if it takes seed; also seeds straggler draws
+    seed: int = option(0, min=0, metavar="N",
+                       help="Seed of the task's data order and of the straggler draws.")
+    push_every: int = option(1, min=1, metavar="K", help="Accumulate K mini-batches per push.")
+    straggler: StragglerSpec = option(default_factory=StragglerSpec, nested=True,
+                                      help="How this worker is slowed down (the straggler "
+                                           "options).")
+    eval_every: int = option(0, min=0, metavar="N",
+                             help="Worker 0 evaluates held-out data every N clocks (0: at the "
+                                  "end only).")
+    chunk_bytes: int = option(DEFAULT_CHUNK_BYTES, min=1, metavar="BYTES",
+                              help="Tensors larger than this are split across shards.")
+    # a shard's share of a push above this goes in parts, added as they arrive (0: whole);
+    # the default is workers.client.PART_BYTES, the default chunk
+    part_bytes: int = option(DEFAULT_CHUNK_BYTES, min=0, metavar="BYTES",
+                             help="A shard's share of a push larger than this is sent in parts "
+                                  "of about this size (whole chunks), which a sync shard adds "
+                                  "up as they arrive, so its memory does not grow with the "
+                                  "number of workers (0: always whole).")
+    timeout: float = option(60.0, min=0, min_open=True, metavar="SECONDS",
+                            help="How long to wait for a server, first contact included "
+                                 "(servers may start after workers), before giving up with the "
+                                 "address waited for.")
+    request_timeout: float = option(5.0, min=0, min_open=True, metavar="SECONDS",
+                                    help="A request unanswered this long is sent again (until "
+                                         "--timeout).")
+    barrier_timeout: float = option(0.0, min=0, metavar="SECONDS",
+                                    help="How long a pull may wait at a live shard's sync "
+                                         "barrier or SSP gate (slow peers: data loading, "
+                                         "evaluation, restarts) before giving up (0: no "
+                                         "bound; a progress line is logged meanwhile). A shard "
+                                         "that does not answer at all fails after --timeout.")
+    heartbeat_interval: float = option(1.0, min=0, metavar="SECONDS",
+                                       help="Seconds between heartbeats to every shard (0: "
+                                            "none).")
+    drop_rate: float = option(0.0, min=0, max=1, max_open=True, metavar="P",
+                              help="Chaos testing: lose this fraction of requests and replies.")
+    # push gradients in buckets from inside backward and get the next weights with the
+    # last one (workers/overlap.py); wire_dtype: send gradients in 16 bits
+    overlap: bool = option(False,
+                           help="Push gradients in buckets from inside backward and get the "
+                                "next weights with the last one (docs/performance.md).")
+    bucket_bytes: int = option(4 << 20, min=1, metavar="BYTES",
+                               help="--overlap: gradients are pushed in buckets of about this "
+                                    "many bytes.")
+    wire_dtype: str | None = option(None, choices=GRAD_WIRE_DTYPE_NAMES,
+                                    help="Send gradients in this 16-bit dtype (default: as "
+                                         "they are).")
+    event_log: str | None = option(None, kind="file", metavar="FILE", per_process=True,
+                                   help="Append JSONL events (one per step) to FILE.")
+    result_file: str | None = option(None, kind="file", metavar="FILE", per_process=True,
+                                     help="Write this worker's result (counts, loss, timings) "
+                                          "as JSON to FILE.")
+    curve_key: str | None = option(None, kind="file", metavar="FILE",
+                                   help="CURVE: this worker's secret key file.")
+    curve_server_key: str | None = option(None, kind="file", metavar="FILE",
+                                          help="CURVE: the servers' public key file.")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.straggler, Mapping):
+            self.straggler = StragglerSpec(**self.straggler)
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"rank must be in [0, {self.world_size}), got {self.rank}")
+        if self.steps is None and self.epochs is None and not self.budget_seconds:
+            raise ConfigError("give steps, epochs or budget_seconds")
+        if bool(self.curve_key) != bool(self.curve_server_key):
+            raise ConfigError("CURVE needs both curve_key (this client's .key_secret file) and "
+                              "curve_server_key (the server's public .key file)")
+        if self.timeout <= 0 or self.request_timeout <= 0:
+            raise ConfigError("timeout and request_timeout must be > 0")
+        if not 0.0 <= self.drop_rate < 1.0:
+            raise ConfigError(f"drop_rate must be in [0, 1), got {self.drop_rate}")
+        if self.part_bytes < 0:
+            raise ConfigError(f"part_bytes must be >= 0 (0: pushes go whole), "
+                              f"got {self.part_bytes}")
+        if self.wire_dtype not in (None, *GRAD_WIRE_DTYPE_NAMES):
+            raise ConfigError(f"wire_dtype must be one of {', '.join(GRAD_WIRE_DTYPE_NAMES)} or "
+                              f"None (gradients as they are); got {self.wire_dtype!r}")
+        check_bounds(self)  # the rest of the bounds the fields declare
+        if not _DEVICE.fullmatch(self.device):
+            raise ConfigError(f"device must be auto, cpu or cuda:N; got {self.device!r}")
+        if self.device.startswith("cuda"):  # is it here? torch knows, so ask it only then
+            from paramserver.workers.worker import resolve_device
+
+            resolve_device(self.device)
