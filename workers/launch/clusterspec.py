@@ -14,6 +14,7 @@ from paramserver.server.config import option
 from paramserver.server.loop import ServerConfig
 from paramserver.util.jsontypes import JSONObject
 from paramserver.wire.curve import CurveKeys, public_key
+from paramserver.workers.optimizer import OPTIONS_ENV, LaunchOptions
 from paramserver.workers.stragglers import StragglerSpec, parse_straggler_items
 from paramserver.workers.worker import WorkerConfig
 
@@ -136,11 +137,29 @@ class ClusterSpec:
                "LOCAL_WORLD_SIZE": str(self.num_workers),
                "PARAMSERVER_EVENT_LOG": str(out / "events" / f"worker{rank}.jsonl"),
                "PARAMSERVER_RESULT_FILE": str(out / "results" / f"worker{rank}.json"),
-               "PARAMSERVER_PLAN_FILE": str(out / "plan.json")}
+               "PARAMSERVER_PLAN_FILE": str(out / "plan.json"),
+               "PARAMSERVER_SEED": str(self.worker.seed),
+               # the launcher's worker options, this rank's straggler among them
+               OPTIONS_ENV: str(self.options_file(rank, out))}
         if self.worker.curve_key:
             env["PARAMSERVER_CURVE_KEY"] = self.worker.curve_key
             env["PARAMSERVER_CURVE_SERVER_KEY"] = self.worker.curve_server_key or ""
         return env
+
+    @staticmethod
+    def options_file(rank: int, out: Path) -> Path:
+        """Where a command run's worker ``rank`` finds its :meth:`launch_options`."""
+        return out / "configs" / f"worker{rank}.json"
+
+    def launch_options(self, rank: int) -> LaunchOptions:
+        """What acts on worker ``rank``'s DistributedOptimizer in a command run."""
+        w = self.worker
+        return LaunchOptions(
+            straggler=self.stragglers.get(rank, w.straggler), seed=w.seed, timeout=w.timeout,
+            request_timeout=w.request_timeout, heartbeat_interval=w.heartbeat_interval,
+            barrier_timeout=w.barrier_timeout, chunk_bytes=w.chunk_bytes,
+            part_bytes=w.part_bytes, wire_dtype=w.wire_dtype, drop_rate=w.drop_rate,
+            curve_key=w.curve_key, curve_server_key=w.curve_server_key)
 
     def worker_config(self, rank: int, servers: list[str], out: Path) -> WorkerConfig:
         return dataclasses.replace(
