@@ -16,6 +16,9 @@ from safetensors.torch import load_file
 from paramserver import ClusterSpec, ServerConfig, WorkerConfig, run_cluster
 from paramserver.cli.launch import NOT_FOR_COMMANDS
 from paramserver.observe.events import read_events
+from paramserver.workers.experiments.spec import builtin_scenario
+from paramserver.workers.optimizer import OPTIONS_ENV, LaunchOptions
+from paramserver.workers.stragglers import StragglerSpec
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -96,10 +99,33 @@ def test_stragglers_seed_and_client_options_act_and_opt_log_reports(tmp_path):
     assert "held-out loss" in proc.stdout  # the summary line shows it too
 
 
+@pytest.mark.parametrize("name", ["persistent", "transient", "heavy-tail"])
+def test_an_experiment_scenario_reaches_each_ranks_optimizer(tmp_path, monkeypatch, name):
+    scenario = builtin_scenario(name, 0.02)
+    spec = ClusterSpec(num_workers=3, worker=WorkerConfig(servers=[], straggler=scenario.all,
+                                                          seed=5),
+                       stragglers=scenario.stragglers(3), command=["python", "train.py"])
+    for rank in range(3):
+        path = spec.options_file(rank, tmp_path)
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(json.dumps(spec.launch_options(rank).to_json()))
+        monkeypatch.setenv(OPTIONS_ENV, spec.command_env(rank, [], tmp_path)[OPTIONS_ENV])
+        got = LaunchOptions.from_env()
+        assert got.seed == 5
+        assert got.straggler == dict(scenario.ranks).get(rank, scenario.all)
+        assert got.straggler.active
+
+
 def test_no_eval_skips_the_evaluation_but_saves_the_final_model(tmp_path):
+    # the built-in loop, with its straggler injected by DistributedOptimizer.step()
     spec = ClusterSpec(num_servers=1, num_workers=1, server=ServerConfig(mode="async"),
-                       worker=WorkerConfig(servers=[], steps=3), evaluate=False)
+                       worker=WorkerConfig(servers=[], steps=3), evaluate=False,
+                       stragglers={0: StragglerSpec(min_step_time=0.03)})
     result = run_cluster(spec, tmp_path / "run")
     assert result.eval == {}
     weights = load_file(str(tmp_path / "run" / "final_model.safetensors"))
     assert weights and all(t.numel() for t in weights.values())
+    steps = read_events(tmp_path / "run" / "events" / "worker0.jsonl", "step")
+    assert len(steps) == 3
+    assert all(s["sleep_s"] == pytest.approx(max(0.0, 0.03 - s["compute_s"]), abs=1e-9)
+               for s in steps)
