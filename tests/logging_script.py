@@ -15,6 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tests` as a package
 
 from paramserver import DistributedOptimizer
+from paramserver.errors import ConfigError
 from tests import exact_tasks as T
 
 
@@ -26,6 +27,11 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     model = T.make_model()
     opt = DistributedOptimizer(model)
+    try:  # training figures describe the latest step: there is none yet
+        opt.log(loss=1.0)
+        early_log_refused = False
+    except ConfigError:
+        early_log_refused = True
     with opt:
         for k in range(args.steps):
             x, y = T.batch(rank, k, 5)
@@ -39,7 +45,7 @@ def main() -> None:
                     x, y = T.batch(99, k, 8)
                     opt.log(eval_loss=float(torch.nn.functional.mse_loss(model(x), y)),
                             eval_accuracy=k / 10)
-        seen = {"seed": os.environ.get("PARAMSERVER_SEED"),
+        seen = {"seed": os.environ.get("PARAMSERVER_SEED"), "early_log_refused": early_log_refused,
                 "chunk_bytes": opt.plan.chunk_bytes,
                 "slowdown": opt.straggler.spec.slowdown if opt.straggler else None,
                 "min_step_time": opt.straggler.spec.min_step_time if opt.straggler else None}

@@ -79,7 +79,7 @@ def test_stragglers_seed_and_client_options_act_and_opt_log_reports(tmp_path):
     seen = [json.loads((tmp_path / "seen" / f"seen{r}.json").read_text()) for r in (0, 1)]
     assert [s["slowdown"] for s in seen] == [1.0, 4.0]  # only rank 1 is the straggler
     assert all(s["min_step_time"] == 0.05 and s["seed"] == "3" and s["chunk_bytes"] == 4096
-               for s in seen)
+               and s["early_log_refused"] for s in seen)
     for rank, slowdown in ((0, 1), (1, 4)):
         steps = read_events(out / "events" / f"worker{rank}.jsonl", "step")
         assert len(steps) == 4

@@ -53,7 +53,8 @@ class ClusterSpec:
              "has logged a step for this long, or for 10 times the run's usual time per "
              "step if that is longer (0: never). Training goes on.")
     evaluate: bool = option(True, flag="eval", dest="eval",
-                            help="Evaluate the final weights on held-out data.")
+                            help="Evaluate the final weights on held-out data (DIR/final_model."
+                                 "safetensors is saved either way).")
     #: what a worker's failure does: "fail" the run, "tolerate" it (the others go
     #: on; the server drops it from the live set after the heartbeat timeout) or
     #: "restart" the worker (it registers again and resumes at the minimum clock)
