@@ -449,6 +449,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         step's event record. Returns the closure's loss; the outcome is :attr:`last`."""
         self._check_open()
         compute = time.perf_counter() - self._t_compute  # not the seeding below
+        self._flush()  # the previous step's record, before this one may wait at a barrier
         self.seed()  # before this step's gradients go: from the weights they were taken at
         result = None
         if closure is not None:
@@ -483,7 +484,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.last = out = StepOutcome.of(pushed, pulled, self.clock)
         self._counts = self._counts.add(out.accepted)
         self._waited += out.waited
-        self._flush()
         # written at the next step(), log() or close(), so log(loss=...) after this
         # step lands in its record; `t` is now, when the step ended
         self._pending = dict(
