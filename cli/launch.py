@@ -11,6 +11,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import click
+from click.core import ParameterSource
 
 from paramserver.errors import ParamServerError
 from paramserver.util.jsontypes import JSON, JSONObject
@@ -47,10 +48,14 @@ Examples:
   paramserver launch -s 2 -n 3 --mode sync --out runs/mine -- python train.py --epochs 2
 \b
 After "--", COMMAND runs once per worker instead of the built-in loop, with
-PARAMSERVER_SERVERS, RANK, WORLD_SIZE and LOCAL_RANK set; --task, --steps and
-the other options of the built-in loop are then ignored, failures are handled
-per --on-worker-failure, and DIR/final_model.safetensors holds the servers'
-final weights.
+PARAMSERVER_SERVERS, RANK, WORLD_SIZE, LOCAL_RANK and PARAMSERVER_SEED set. Its
+DistributedOptimizer takes the straggler options (--straggler, --min-step-time,
+...: step() injects the delay), --seed and the client options (timeouts,
+--wire-dtype, ...); the options of the built-in loop (--task, --steps,
+--epochs, --device, --eval-every, --no-eval, --overlap, ...) are refused.
+Failures are handled per --on-worker-failure, result.json's eval is what the
+script logged with opt.log(eval_loss=..., eval_accuracy=...), and
+DIR/final_model.safetensors holds the servers' final weights.
 
 \b
 Each process logs to DIR/logs/<name>.log and writes JSONL events to
@@ -182,6 +187,46 @@ def _episode(alarm: JSONObject) -> tuple[JSON, ...]:
     return (alarm.get("signal"), alarm.get("worker"), json.dumps(episode))
 
 
+_OWN_LOOP = "your script runs its own loop (give it its own argument after --)"
+_OWN_MODEL = "your script builds its model and loads its data"
+_OWN_OVERLAP = ("pass overlap=True, bucket_bytes=... to DistributedOptimizer in your script "
+                "(which then calls set_num_samples() before backward)")
+#: the built-in loop's options that a command run cannot honour, and why (the rest act)
+NOT_FOR_COMMANDS: dict[str, str] = {
+    "task": _OWN_MODEL, "task_args": _OWN_MODEL, "batch_size": _OWN_MODEL,
+    "device": "your script places its model on a device",
+    "steps": _OWN_LOOP, "epochs": _OWN_LOOP, "budget_seconds": _OWN_LOOP,
+    "push_every": "your script accumulates its gradients (DistributedOptimizer's "
+                  "backward_passes_per_step)",
+    "eval_every": "your script evaluates when it likes: opt.log(eval_loss=..., "
+                  "eval_accuracy=...)",
+    "eval": "result.json's eval is what your script logs with opt.log(eval_loss=...), and "
+            "the final model is saved either way",
+    "overlap": _OWN_OVERLAP, "bucket_bytes": _OWN_OVERLAP,
+}
+
+def refuse_for_command(ctx: click.Context) -> None:
+    """A one-line UsageError for the first option given as a flag or in --config that
+    does not act on a command run. One set in the environment (PARAMSERVER_STEPS, kept
+    for built-in runs) is not refused, but said on stderr: never silently ignored."""
+    for param in ctx.command.params:
+        why = NOT_FOR_COMMANDS.get(param.name or "")
+        source = ctx.get_parameter_source(param.name or "")
+        if why is None or source in (None, ParameterSource.DEFAULT):
+            continue
+        off = isinstance(param, click.Option) and param.secondary_opts and \
+            not ctx.params.get(param.name or "")
+        flag = param.secondary_opts[0] if off else param.opts[0]
+        if source is ParameterSource.ENVIRONMENT:
+            envvar = getattr(param, "envvar", None) or flag
+            click.echo(f"paramserver launch: {envvar} is set but does not act on a command "
+                       f"run: {why}", err=True)
+            continue
+        given = " (in --config)" if source is ParameterSource.DEFAULT_MAP else ""
+        raise click.UsageError(f"{flag}{given} does not act on a command run (after --): "
+                               f"{why}", ctx)
+
+
 def _process_line(info: ProcessInfo) -> str:
     return f"{info.name} pid {info.pid}"
 
@@ -217,6 +262,8 @@ def launch(ctx: click.Context, **opts: Any) -> None:
     script runs as each worker instead (see DistributedOptimizer).
     """
     command = list(opts.pop("command") or ()) or None
+    if command:
+        refuse_for_command(ctx)
     options.take_deprecated(ctx, opts, "--servers", "num_servers")
     num_servers = opts["num_servers"]
     num_workers = agree_worker_count(ctx, opts, "num_workers")

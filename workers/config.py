@@ -7,18 +7,24 @@ is light. Importable from ``paramserver.workers.worker`` too.
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
+
+import msgspec
 
 from paramserver.core.limits import DEFAULT_CHUNK_BYTES
 from paramserver.errors import ConfigError
 from paramserver.server.config import ConfigRecord, check_bounds, option
 from paramserver.util.coerce import parse_task_args
+from paramserver.util.jsontypes import JSONObject
 from paramserver.workers.stragglerspec import StragglerSpec
 
-__all__ = ["GRAD_WIRE_DTYPE_NAMES", "WorkerConfig"]
+__all__ = ["GRAD_WIRE_DTYPE_NAMES", "OPTIONS_ENV", "LaunchOptions", "WorkerConfig"]
 
 #: the names of paramserver.util.dtypes.GRAD_WIRE_DTYPES, the 16-bit dtypes gradients may
 #: travel in (a test keeps the two equal; that table is torch's dtypes)
@@ -150,3 +156,43 @@ class WorkerConfig(ConfigRecord):
             from paramserver.workers.worker import resolve_device
 
             resolve_device(self.device)
+
+
+#: the launcher's worker options for a command run (a LaunchOptions JSON file)
+OPTIONS_ENV = "PARAMSERVER_WORKER_OPTIONS"
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """The launcher's worker options that act on a command run: what
+    ``paramserver launch [flags] -- COMMAND`` hands each rank's DistributedOptimizer
+    (arguments the script passes win). ``straggler`` is this rank's scenario,
+    injected by ``step()``, its draws seeded by ``(seed, rank)``."""
+
+    straggler: StragglerSpec = field(default_factory=StragglerSpec)
+    seed: int = 0
+    timeout: float = 60.0
+    request_timeout: float = 5.0
+    heartbeat_interval: float = 1.0
+    barrier_timeout: float = 0.0
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    part_bytes: int = DEFAULT_CHUNK_BYTES  # workers.client.PART_BYTES
+    wire_dtype: str | None = None
+    drop_rate: float = 0.0
+    curve_key: str | None = None
+    curve_server_key: str | None = None
+
+    def to_json(self) -> JSONObject:
+        data: JSONObject = msgspec.to_builtins(self)
+        return data
+
+    @classmethod
+    def from_env(cls) -> LaunchOptions:
+        """The file ``PARAMSERVER_WORKER_OPTIONS`` names; the defaults without one."""
+        path = os.environ.get(OPTIONS_ENV)
+        if not path:
+            return cls()
+        try:
+            return msgspec.convert(json.loads(Path(path).read_text()), type=cls)
+        except (OSError, ValueError, msgspec.ValidationError) as exc:
+            raise ConfigError(f"{OPTIONS_ENV}={path}: {exc}") from None

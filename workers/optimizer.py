@@ -19,7 +19,11 @@ calls ``state_dict()``::
 
 Arguments not given come from the environment that ``paramserver launch --
 COMMAND`` (or ``paramserver run``) sets: ``PARAMSERVER_SERVERS`` (addresses,
-comma-separated, in shard order), ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``.
+comma-separated, in shard order), ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``, and
+the launcher's worker options (timeouts, wire options, this rank's straggler
+scenario) from the file ``PARAMSERVER_WORKER_OPTIONS`` names. ``opt.log(loss=...,
+eval_loss=..., eval_accuracy=...)`` records what the script measures in the
+worker's event log, where result.json and the experiment report read it.
 """
 
 from __future__ import annotations
@@ -45,13 +49,16 @@ from paramserver.sparse.shard import TableSpec
 from paramserver.util.jsontypes import JSON, JSONObject
 from paramserver.wire.curve import CurveKeys
 from paramserver.workers.client import PART_BYTES, PSClient, PullResult, PushResult, PushStream
+from paramserver.workers.config import LaunchOptions
 from paramserver.workers.embedding import SparseClient, sparse_modules
 from paramserver.workers.overlap import BucketHooks
+from paramserver.workers.stragglers import Straggler
 
-__all__ = ["DistributedOptimizer", "DistributedSampler", "PushCounts", "StepOutcome",
-           "WorkerResult", "read_plan", "servers_from_env"]
+__all__ = ["DistributedOptimizer", "DistributedSampler", "LaunchOptions", "PushCounts",
+           "StepOutcome", "WorkerResult", "read_plan", "servers_from_env"]
 
 log = logging.getLogger(__name__)
+
 
 #: the environment variables a launcher sets for each worker process
 SERVERS_ENV = "PARAMSERVER_SERVERS"
@@ -70,8 +77,8 @@ class WorkerResult:
     """What one worker did: its counts, loss, timings and, on rank 0, held-out figures.
 
     The built-in loop (``run_worker``, the simulator) fills every field; a user's
-    own loop (``DistributedOptimizer.close``) has no train loss, budget or eval,
-    and its file leaves those keys out."""
+    own loop (``DistributedOptimizer.close``) has no train loss or budget, and its
+    ``eval`` is the last one it logged (``opt.log(eval_loss=...)``), if any."""
 
     worker: int
     steps: int  # pushes of this incarnation (a restarted worker resumes: clock >= steps)
@@ -86,7 +93,7 @@ class WorkerResult:
     train_seconds: float | None = None  # from the first step (the budget's clock)
     budget_seconds: float | None = None
     budget_spent: bool | None = None
-    eval: dict[str, float] | None = None  # rank 0's final held-out figures
+    eval: dict[str, float] | None = None  # its final (or last logged) held-out figures
 
     def to_json(self) -> JSONObject:
         return drop_none({
@@ -107,6 +114,14 @@ class WorkerResult:
     def read(cls, path: str | Path) -> WorkerResult:
         """A ``results/worker<r>.json``."""
         return cls.from_json(json.loads(Path(path).read_text()))
+
+
+def _metric(name: str, value: object) -> float:
+    """A logged figure as a float (a 0-d tensor included)."""
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ConfigError(f"log({name}=...) must be a number, got {value!r}") from None
 
 
 @dataclass(frozen=True)
@@ -199,7 +214,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
       ``curve_server_key``, ``barrier_timeout``: the longest a live shard may hold a
       pull at the barrier or SSP gate, 0 for no limit, ``drop_rate``: messages
       dropped on purpose, for tests) are the client's options, as for
-      ``paramserver worker``.
+      ``paramserver worker``. Left as None, they take the launcher's values
+      (``PARAMSERVER_WORKER_OPTIONS``), else the worker's defaults.
+    * ``straggler``: slow this rank down on purpose; ``step()`` sleeps what it
+      injects on top of the compute time since ``zero_grad()`` (or the previous
+      step) and logs it apart (``sleep_s`` beside ``compute_s``). Default: this
+      rank's scenario from the launcher (``--straggler``, ``--min-step-time``, an
+      experiment's scenario), else none.
 
     Construction registers with every shard and agrees on the plan. Shards without
     weights are seeded by the offering rank at its first ``step()`` (:meth:`seed`), from
@@ -220,18 +241,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
         backward_passes_per_step: int = 1,
         overlap: bool = False,
         bucket_bytes: int = 4 * 1024 * 1024,
-        timeout: float = 60.0,
-        request_timeout: float = 5.0,
-        heartbeat_interval: float = 1.0,
-        chunk_bytes: int = ShardPlan.DEFAULT_CHUNK_BYTES,
-        part_bytes: int = PART_BYTES,
+        timeout: float | None = None,
+        request_timeout: float | None = None,
+        heartbeat_interval: float | None = None,
+        chunk_bytes: int | None = None,
+        part_bytes: int | None = None,
         wire_dtype: str | None = None,
         curve_key: str | None = None,
         curve_server_key: str | None = None,
         offer_weights: bool | None = None,
         events: EventLog | None = None,
-        drop_rate: float = 0.0,
-        barrier_timeout: float = 0.0,
+        drop_rate: float | None = None,
+        barrier_timeout: float | None = None,
+        straggler: Straggler | None = None,
     ) -> None:
         named: list[tuple[str, torch.Tensor]]
         # ShardedEmbedding tables: on the shards by row, pushed by step() beside the dense
@@ -256,14 +278,33 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ConfigError(f"rank must be in [0, {self.world_size}), got {self.rank}")
         self.backward_passes_per_step = backward_passes_per_step
         self.params: dict[str, torch.Tensor] = dict(named)
+        # what the script passes wins; else the launcher's options (launch [flags] -- ...)
+        given = LaunchOptions.from_env()
+        chunk_bytes = given.chunk_bytes if chunk_bytes is None else chunk_bytes
+        part_bytes = given.part_bytes if part_bytes is None else part_bytes
+        if curve_key is None and given.curve_key:
+            curve_key, curve_server_key = given.curve_key, given.curve_server_key
         self.plan = _plan(named, len(self.servers), chunk_bytes,
                           [m.table_spec(name) for name, m in tables])
         curve = CurveKeys.load(curve_key, curve_server_key) if curve_key else None
-        self.client = PSClient(self.servers, self.plan, self.rank, timeout=timeout,
-                               attempt_timeout=request_timeout,
-                               heartbeat_interval=heartbeat_interval, curve=curve,
-                               wire_dtype=wire_dtype, part_bytes=part_bytes,
-                               drop_rate=drop_rate, barrier_timeout=barrier_timeout)
+        self.client = PSClient(
+            self.servers, self.plan, self.rank,
+            timeout=given.timeout if timeout is None else timeout,
+            attempt_timeout=given.request_timeout if request_timeout is None
+            else request_timeout,
+            heartbeat_interval=given.heartbeat_interval if heartbeat_interval is None
+            else heartbeat_interval, curve=curve,
+            wire_dtype=given.wire_dtype if wire_dtype is None else wire_dtype,
+            part_bytes=part_bytes, drop_rate=given.drop_rate if drop_rate is None else drop_rate,
+            barrier_timeout=given.barrier_timeout if barrier_timeout is None
+            else barrier_timeout)
+        # this rank's straggler scenario: step() sleeps the injected delay, logged apart
+        if straggler is None and given.straggler.active:
+            straggler = Straggler(given.straggler, seed=(given.seed, self.rank))
+        self.straggler = straggler
+        self._t_compute = time.perf_counter()  # since zero_grad() or the last step()
+        self._pending: dict[str, Any] | None = None  # the latest step's record, unwritten
+        self.last_eval: dict[str, float] | None = None  # the latest figures log() got
         self._closed = False
         self._t0 = time.time()
         self._counts = PushCounts()
@@ -371,12 +412,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
         travels with the push for the servers' watchdog; ``log`` adds fields to the
         step's event record. Returns the closure's loss; the outcome is :attr:`last`."""
         self._check_open()
+        compute = time.perf_counter() - self._t_compute  # not the seeding below
+        self._flush()  # the previous step's record, before this one may wait at a barrier
         self.seed()  # before this step's gradients go: from the weights they were taken at
         result = None
         if closure is not None:
+            t_closure = time.perf_counter()
             with torch.enable_grad():
                 result = closure()
             loss = float(result)  # a tensor, as torch's closures return
+            compute += time.perf_counter() - t_closure
+        # the scenario's slowness stands for compute on slower hardware: before the push
+        injected = self.straggler.inject(compute) if self.straggler is not None else 0.0
         if num_samples is not None:
             self.set_num_samples(num_samples, self._loss if loss is None else loss)
         loss = self._loss if loss is None else float(loss)
@@ -401,16 +448,63 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.last = out = StepOutcome.of(pushed, pulled, self.clock)
         self._counts = self._counts.add(out.accepted)
         self._waited += out.waited
-        self._events.write(
-            "step", worker=self.rank, clock=self.clock, read_versions=list(read),
+        # written at the next step(), log() or close(), so log(loss=...) after this
+        # step lands in its record; `t` is now, when the step ended
+        self._pending = dict(
+            t=time.time(), worker=self.rank, clock=self.clock, read_versions=list(read),
             staleness=out.staleness, accepted=out.accepted, reasons=list(out.reasons),
-            weight=out.weight, loss=loss,
-            num_samples=self._num_samples, pull_s=out.pull_seconds, push_s=out.push_seconds,
-            wait_s=out.waited, bytes=out.nbytes, **(log or {}))
+            weight=out.weight, loss=loss, num_samples=self._num_samples,
+            compute_s=compute, sleep_s=injected, pull_s=out.pull_seconds,
+            push_s=out.push_seconds, wait_s=out.waited, bytes=out.nbytes, **(log or {}))
         if self._buckets is None:
             self._num_samples = 1
         self._loss = None
+        self._t_compute = time.perf_counter()
         return result
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's, and the start of the next step's compute time (for the straggler
+        scenario and the step's ``compute_s``)."""
+        self._t_compute = time.perf_counter()
+        super().zero_grad(set_to_none)
+
+    def log(self, loss: float | None = None, eval_loss: float | None = None,
+            eval_accuracy: float | None = None, **metrics: float) -> None:
+        """Record what the script measured in this worker's event log, from which
+        result.json's ``eval``, the experiment report's curves and time-to-target,
+        TensorBoard and Prometheus are built.
+
+        ``loss`` and the other training figures describe the latest :meth:`step`
+        (they join its ``step`` record); ``eval_loss``, ``eval_accuracy`` and any
+        ``eval_NAME`` are held-out figures of the weights now in the model: an
+        ``eval`` record (``loss``, ``accuracy``, ``NAME``) at this worker's clock.
+        Figures are numbers (a 0-d tensor is fine)."""
+        self._check_open()
+        train = {k: _metric(k, v) for k, v in metrics.items() if not k.startswith("eval_")}
+        held_out = {k[len("eval_"):]: _metric(k, v) for k, v in metrics.items()
+                    if k.startswith("eval_")}
+        if loss is not None:
+            train["loss"] = _metric("loss", loss)
+        if eval_accuracy is not None:
+            held_out = {"accuracy": _metric("eval_accuracy", eval_accuracy), **held_out}
+        if eval_loss is not None:
+            held_out = {"loss": _metric("eval_loss", eval_loss), **held_out}
+        if train:
+            if self._pending is None:
+                raise ConfigError(f"log({', '.join(train)}=...) describes the latest step(): "
+                                  "call it after step() (held-out figures: eval_NAME=...)")
+            self._pending.update(train)
+        self._flush()
+        if held_out:
+            self._events.write("eval", worker=self.rank, clock=self.clock,
+                               versions=list(self.versions), **held_out)
+            self.last_eval = held_out
+
+    def _flush(self) -> None:
+        """Write the latest step's record, if not written yet."""
+        if self._pending is not None:
+            self._events.write("step", **self._pending)
+            self._pending = None
 
     def _push_sparse(self) -> None:
         """Every ShardedEmbedding's row gradients, summed per id, to their shards (in
@@ -473,6 +567,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         atexit.unregister(self._at_exit)
         if self._buckets is not None:
             self._buckets.remove()
+        self._flush()
         try:
             self.client.bye()
         finally:
@@ -492,7 +587,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return WorkerResult(worker=self.rank, steps=c.pushes, clock=self.clock,
                             pushes=c.pushes, accepted=c.accepted, rejected=c.rejected,
                             seconds=seconds, wait_seconds=self._waited,
-                            final_versions=tuple(self.versions))
+                            final_versions=tuple(self.versions), eval=self.last_eval)
 
     def _at_exit(self) -> None:
         # after an uncaught exception the worker failed: no BYE, so that its
@@ -511,6 +606,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         atexit.unregister(self._at_exit)
         if self._buckets is not None:
             self._buckets.remove()
+        self._flush()  # the steps it made stay on record
         if self._own_events:
             self._events.close()
         self.client.close()

@@ -135,7 +135,8 @@ def run_worker(config: WorkerConfig, console: Sink | None = None) -> WorkerResul
         chunk_bytes=config.chunk_bytes, part_bytes=config.part_bytes,
         wire_dtype=config.wire_dtype, curve_key=config.curve_key,
         curve_server_key=config.curve_server_key, offer_weights=True, events=events,
-        drop_rate=config.drop_rate, barrier_timeout=config.barrier_timeout)
+        drop_rate=config.drop_rate, barrier_timeout=config.barrier_timeout,
+        straggler=straggler)
     with opt:
         opt.seed()  # now, not at the first step: the budget's clock starts there
         events.write("worker_start", worker=config.rank, clock=opt.clock, seeded=opt.seeded,
@@ -155,18 +156,15 @@ def run_worker(config: WorkerConfig, console: Sink | None = None) -> WorkerResul
                          config.budget_seconds, opt.clock)
                 break
             if config.rank == 0 and config.eval_every and opt.clock % config.eval_every == 0:
-                _log_eval(events, task, model, config.rank, opt.clock, opt.versions)
-            total, loss_value, compute, slept = _compute(opt, task, model, batches, device,
-                                                         config.push_every, straggler)
+                _log_eval(opt, task, model)
+            # step() injects this worker's straggler delay and logs it apart
+            total, loss_value = _compute(opt, task, model, batches, device, config.push_every)
             losses.append(loss_value)
-            opt.step(num_samples=total, loss=loss_value,
-                     log={"compute_s": compute, "sleep_s": slept})
-        final_versions = opt.pull()
-        clock = opt.clock
+            opt.step(num_samples=total, loss=loss_value)
+        opt.pull()  # the final weights, evaluated below
         train_seconds = time.monotonic() - t_train
         # evaluated while connected: a ShardedEmbedding pulls its rows from the shards
-        final_eval = (_log_eval(events, task, model, config.rank, clock, final_versions)
-                      if config.rank == 0 else None)
+        final_eval = _log_eval(opt, task, model) if config.rank == 0 else None
     result = dataclasses.replace(
         opt.result(time.time() - t_start),
         final_train_loss=sum(losses[-10:]) / max(1, len(losses[-10:])),
@@ -184,12 +182,11 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 def _compute(opt: DistributedOptimizer, task: Task, model: torch.nn.Module,
-             batches: Iterator[Batch], device: torch.device, micro_batches: int,
-             straggler: Straggler) -> tuple[int, float, float, float]:
+             batches: Iterator[Batch], device: torch.device,
+             micro_batches: int) -> tuple[int, float]:
     """The step's gradient: the sample-weighted mean over ``micro_batches`` batches
     (with overlap, its buckets leave during the last backward). Returns (samples,
-    mean loss, compute seconds, injected sleep)."""
-    t0 = time.perf_counter()
+    mean loss); the compute time runs from ``zero_grad()``, in the optimizer."""
     model.train()
     opt.zero_grad(set_to_none=True)
     drawn = [next(batches) for _ in range(micro_batches)]
@@ -205,15 +202,14 @@ def _compute(opt: DistributedOptimizer, task: Task, model: torch.nn.Module,
         # scaled so that the accumulated gradient is the mean over all samples as it
         # is produced (with overlap there is no pass afterwards to divide it)
         (loss * (n / total)).backward()
-    compute = time.perf_counter() - t0
-    return total, loss_sum / total, compute, straggler.inject(compute)
+    return total, loss_sum / total
 
 
-def _log_eval(events: EventLog, task: Task, model: torch.nn.Module, rank: int, clock: int,
-              versions: tuple[int, ...]) -> dict[str, float]:
+def _log_eval(opt: DistributedOptimizer, task: Task,
+              model: torch.nn.Module) -> dict[str, float]:
+    """Held-out figures of the model now, logged as a user's loop logs them."""
     metrics = evaluate(task, model)
-    if metrics:
-        events.write("eval", worker=rank, clock=clock, versions=list(versions), **metrics)
+    opt.log(**{f"eval_{k}": v for k, v in metrics.items()})
     return metrics
 
 

@@ -73,12 +73,17 @@ def main() -> None:
                 loss.backward()
                 nn.utils.clip_grad_norm_(model.parameters(), args.clip)
                 opt.step(num_samples=len(targets))  # push, then pull the new weights
+                opt.log(loss=loss.item())  # into the worker's event log (report, curves)
                 step += 1
                 if rank == 0 and step % args.eval_every == 0:
+                    accuracy = evaluate()
+                    opt.log(eval_accuracy=accuracy)
                     print(f"epoch {epoch} step {step}: loss {loss.item():.4f}, "
-                          f"held-out accuracy {evaluate():.3f}, "
+                          f"held-out accuracy {accuracy:.3f}, "
                           f"staleness {opt.last.staleness if opt.last else 0}", flush=True)
         final = evaluate()
+        if rank == 0:  # result.json's eval: the last one rank 0 logged
+            opt.log(eval_accuracy=final)
     if rank == 0:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

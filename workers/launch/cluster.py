@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from paramserver.errors import ConfigError, ParamServerError, RequestTimeoutError
-from paramserver.observe.events import write_json
+from paramserver.observe.events import read_events, write_json
 from paramserver.observe.recorder import JsonlFollower, LauncherObserver
 from paramserver.server.loop import READY_PREFIX
 from paramserver.util.jsontypes import JSONObject
@@ -254,6 +254,8 @@ class LocalCluster:
         assert self.spec.command
         name = f"worker{rank}"
         log_path = self.out / "logs" / f"{name}.log"
+        write_json(self.spec.options_file(rank, self.out),
+                   self.spec.launch_options(rank).to_json())
         env = {**self._env, **self.spec.command_env(rank, self.addresses, self.out)}
         with log_path.open("ab" if append else "wb") as log_file:
             try:
@@ -468,7 +470,9 @@ class LocalCluster:
 
 def final_eval(spec: ClusterSpec, addresses: list[str], out: Path) -> dict[str, float]:
     """Pull the final weights as an observer, save them as ``final_model.safetensors``
-    (a state_dict for ``load_state_dict``) and evaluate them on held-out data."""
+    (a state_dict for ``load_state_dict``) and, unless ``spec.evaluate`` is off,
+    evaluate them on held-out data. A command run's figures are what its script
+    logged (:func:`logged_eval`): the launcher has no task to evaluate."""
     from safetensors.torch import save_file
 
     from paramserver.core.sharding import ShardPlan
@@ -478,7 +482,7 @@ def final_eval(spec: ClusterSpec, addresses: list[str], out: Path) -> dict[str, 
 
     if spec.command:
         _save_command_weights(spec, addresses, out)
-        return {}  # the user's script evaluates its model itself
+        return logged_eval(out, spec.num_workers)
     cfg = dataclasses.replace(spec.worker, rank=0, world_size=spec.num_workers,
                               servers=addresses)
     task = build_task(cfg)
@@ -491,10 +495,26 @@ def final_eval(spec: ClusterSpec, addresses: list[str], out: Path) -> dict[str, 
         if plan.sparse:  # the tables too, under nn.Embedding's names, in parts of rows
             from paramserver.workers.embedding import pull_tables
             state.update(pull_tables(client, plan.sparse))
-    save_file(state, str(out / "final_model.safetensors"))
-    if plan.sparse:  # its tables stay on the shards; worker 0 evaluated it while connected
+    save_file(state, str(out / "final_model.safetensors"))  # with or without --no-eval
+    if plan.sparse or not spec.evaluate:  # sparse: worker 0 evaluated it while connected
         return {}
     return evaluate(task)
+
+
+#: the fields of an ``eval`` event that say where and when, not how well
+_EVAL_CONTEXT = ("t", "event", "worker", "clock", "versions")
+
+
+def logged_eval(out: Path, num_workers: int) -> dict[str, float]:
+    """A command run's held-out figures: the last ``eval`` record (``opt.log(eval_...)``)
+    of the evaluating rank, the lowest that logged one ({}: none did)."""
+    for rank in range(num_workers):
+        path = out / "events" / f"worker{rank}.jsonl"
+        evals = read_events(path, "eval") if path.exists() else []
+        if evals:
+            return {k: float(v) for k, v in evals[-1].items() if k not in _EVAL_CONTEXT
+                    and isinstance(v, int | float) and not isinstance(v, bool)}
+    return {}
 
 
 def _save_command_weights(spec: ClusterSpec, addresses: list[str], out: Path) -> None:
@@ -532,7 +552,7 @@ def run_cluster(spec: ClusterSpec, out_dir: str | Path,
         train_seconds = time.time() - t0
         admin = cluster.spec.admin_curve()
         stats = server_stats(addresses, curve=admin)
-        final = final_eval(spec, addresses, out) if spec.evaluate else {}
+        final = final_eval(spec, addresses, out)  # saves the model even without eval
         shutdown_servers(addresses, curve=admin)
     workers: list[WorkerResult | LostWorker] = []
     for rank in range(spec.num_workers):

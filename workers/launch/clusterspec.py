@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from paramserver.errors import ConfigError
 from paramserver.server.config import ServerConfig, option
 from paramserver.util.jsontypes import JSONObject
-from paramserver.workers.config import WorkerConfig
+from paramserver.workers.config import OPTIONS_ENV, LaunchOptions, WorkerConfig
 from paramserver.workers.stragglerspec import StragglerSpec, parse_straggler_items
 
 if TYPE_CHECKING:
@@ -58,7 +58,8 @@ class ClusterSpec:
              "has logged a step for this long, or for 10 times the run's usual time per "
              "step if that is longer (0: never). Training goes on.")
     evaluate: bool = option(True, flag="eval", dest="eval",
-                            help="Evaluate the final weights on held-out data.")
+                            help="Evaluate the final weights on held-out data (DIR/final_model."
+                                 "safetensors is saved either way).")
     #: what a worker's failure does: "fail" the run, "tolerate" it (the others go
     #: on; the server drops it from the live set after the heartbeat timeout) or
     #: "restart" the worker (it registers again and resumes at the minimum clock)
@@ -148,11 +149,29 @@ class ClusterSpec:
                "LOCAL_WORLD_SIZE": str(self.num_workers),
                "PARAMSERVER_EVENT_LOG": str(out / "events" / f"worker{rank}.jsonl"),
                "PARAMSERVER_RESULT_FILE": str(out / "results" / f"worker{rank}.json"),
-               "PARAMSERVER_PLAN_FILE": str(out / "plan.json")}
+               "PARAMSERVER_PLAN_FILE": str(out / "plan.json"),
+               "PARAMSERVER_SEED": str(self.worker.seed),
+               # the launcher's worker options, this rank's straggler among them
+               OPTIONS_ENV: str(self.options_file(rank, out))}
         if self.worker.curve_key:
             env["PARAMSERVER_CURVE_KEY"] = self.worker.curve_key
             env["PARAMSERVER_CURVE_SERVER_KEY"] = self.worker.curve_server_key or ""
         return env
+
+    @staticmethod
+    def options_file(rank: int, out: Path) -> Path:
+        """Where a command run's worker ``rank`` finds its :meth:`launch_options`."""
+        return out / "configs" / f"worker{rank}.json"
+
+    def launch_options(self, rank: int) -> LaunchOptions:
+        """What acts on worker ``rank``'s DistributedOptimizer in a command run."""
+        w = self.worker
+        return LaunchOptions(
+            straggler=self.stragglers.get(rank, w.straggler), seed=w.seed, timeout=w.timeout,
+            request_timeout=w.request_timeout, heartbeat_interval=w.heartbeat_interval,
+            barrier_timeout=w.barrier_timeout, chunk_bytes=w.chunk_bytes,
+            part_bytes=w.part_bytes, wire_dtype=w.wire_dtype, drop_rate=w.drop_rate,
+            curve_key=w.curve_key, curve_server_key=w.curve_server_key)
 
     def worker_config(self, rank: int, servers: list[str], out: Path) -> WorkerConfig:
         return dataclasses.replace(
