@@ -49,13 +49,13 @@ from paramserver.sparse.shard import TableSpec
 from paramserver.util.jsontypes import JSON, JSONObject
 from paramserver.wire.curve import CurveKeys
 from paramserver.workers.client import PART_BYTES, PSClient, PullResult, PushResult, PushStream
-from paramserver.workers.config import LaunchOptions
+from paramserver.workers.config import OPTIONS_ENV, LaunchOptions
 from paramserver.workers.embedding import SparseClient, sparse_modules
 from paramserver.workers.overlap import BucketHooks
 from paramserver.workers.stragglers import Straggler
 
-__all__ = ["DistributedOptimizer", "DistributedSampler", "LaunchOptions", "PushCounts",
-           "StepOutcome", "WorkerResult", "read_plan", "servers_from_env"]
+__all__ = ["OPTIONS_ENV", "DistributedOptimizer", "DistributedSampler", "LaunchOptions",
+           "PushCounts", "StepOutcome", "WorkerResult", "read_plan", "servers_from_env"]
 
 log = logging.getLogger(__name__)
 
