@@ -9,6 +9,12 @@ then writes the report (:mod:`paramserver.workers.experiments.report`)::
     spec = ExperimentSpec(modes=["sync", "async", "ssp:3"], scenarios=["transient"])
     result = run_experiment(spec, "runs/demo")
 
+With ``command`` (``paramserver experiment ... -- python train.py``) every cell
+runs the user's own script once per worker instead of the built-in loop, as
+``launch -- COMMAND`` does; the keys of the built-in loop
+(:data:`NOT_FOR_COMMANDS`) are refused then, and ``steps`` becomes a hint the
+script finds as ``PARAMSERVER_STEPS``.
+
 Fairness: every configuration of one seed trains the same model from the same
 initial weights on the same data partition with the same straggler draws
 (seeded by ``(seed, rank)``), and every worker runs the same number of steps,
@@ -26,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shlex
 import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -54,6 +61,7 @@ from paramserver.workers.tasks import resolve_task, task_parameters
 from paramserver.workers.worker import WorkerConfig
 
 __all__ = [
+    "NOT_FOR_COMMANDS",
     "PRESETS",
     "SCENARIOS",
     "Configuration",
@@ -106,7 +114,18 @@ _SPEC_KEYS = ("name", "task", "task_args", "steps", "batch_size", "seeds", "num_
               "modes", "policies", "scenarios", "custom_scenarios", "optimizer",
               "optimizer_args", "target_loss", "eval_every", "min_step_time", "device",
               "run_timeout", "lr_scaling", "warmup_steps", "momentum_target",
-              "budget_seconds", "budget_gradients")
+              "budget_seconds", "budget_gradients", "command")
+
+_OWN_MODEL = "the script builds its own model and loads its own data"
+_OWN_LOOP = "the script runs its own loop (steps is passed on as PARAMSERVER_STEPS, a hint)"
+#: the keys of the built-in loop that a command cell cannot honour, and why (every other
+#: key acts: the servers' optimizer and step-size rules, scenarios, the report's target)
+NOT_FOR_COMMANDS: dict[str, str] = {
+    "task": _OWN_MODEL, "task_args": _OWN_MODEL, "batch_size": _OWN_MODEL,
+    "device": "the script places its own model on a device",
+    "eval_every": "the script evaluates when it likes",
+    "budget_seconds": _OWN_LOOP, "budget_gradients": _OWN_LOOP,
+}
 
 
 @dataclass
@@ -145,8 +164,12 @@ class ExperimentSpec:
     #: step (``steps`` is then ignored), or computes budget_gradients / workers gradients
     budget_seconds: float = 0.0
     budget_gradients: int = 0
+    #: the user's own script, run once per worker of every cell instead of the built-in
+    #: loop (``launch -- COMMAND``); a string is split as a shell would (shlex)
+    command: list[str] | None = None
 
     def __post_init__(self) -> None:
+        self._check_command()
         self.modes = [ModeChoice.parse(m) for m in _as_list(self.modes, "modes")]
         self.policies = [PolicyChoice.parse(p) for p in _as_list(self.policies, "policies")]
         self.workers = [_int(w, "workers", 1) for w in _as_list(self.workers, "workers")]
@@ -188,7 +211,8 @@ class ExperimentSpec:
         LrRule(self.lr_scaling, self.warmup_steps)
         if self.momentum_target is not None and not 0 <= self.momentum_target < 1:
             raise ConfigError(f"momentum_target must be in [0, 1), got {self.momentum_target!r}")
-        self._check_task()
+        if self.command is None:
+            self._check_task()
         build_optimizer(self.optimizer, [torch.zeros(1, requires_grad=True)],
                         dict(self.optimizer_args))
 
@@ -214,6 +238,8 @@ class ExperimentSpec:
             return f"{self.budget_seconds:g} s of training per worker"
         if self.budget_gradients:
             return f"{self.budget_gradients} gradients in total"
+        if self.command:
+            return f"the script's own loop (PARAMSERVER_STEPS={self.steps}, a hint)"
         return f"{self.steps} steps per worker"
 
     def worker_steps(self, workers: int) -> int | None:
@@ -223,6 +249,30 @@ class ExperimentSpec:
         if self.budget_gradients:
             return self.budget_gradients // workers
         return self.steps
+
+    def _check_command(self) -> None:
+        """A command is a non-empty list of strings; the built-in loop's keys stay at their
+        defaults with it (one line says which is not and why)."""
+        if self.command is None:
+            return
+        if isinstance(self.command, str):
+            self.command = shlex.split(self.command)
+        if not (isinstance(self.command, Sequence) and self.command
+                and all(isinstance(a, str) for a in self.command)):
+            raise ConfigError(f"command must be a non-empty list of strings, e.g. "
+                              f'["python", "train.py"]; got {self.command!r}')
+        self.command = list(self.command)
+        defaults = {f.name: f for f in dataclasses.fields(self)}
+        for key, why in NOT_FOR_COMMANDS.items():
+            f = defaults[key]
+            default = f.default_factory() if callable(f.default_factory) else f.default
+            if getattr(self, key) != default:
+                raise ConfigError(f"{key} does not apply with a command: {why}")
+
+    @property
+    def workload(self) -> str:
+        """What every cell trains: the task's name, or the command as a shell line."""
+        return shlex.join(self.command) if self.command else self.task
 
     def _check_task(self) -> None:
         accepted = task_parameters(resolve_task(self.task))
@@ -278,7 +328,8 @@ class ExperimentSpec:
         )
         return ClusterSpec(num_servers=self.servers, num_workers=config.workers, server=server,
                            worker=worker, stragglers=scenario.stragglers(config.workers),
-                           run_timeout=self.run_timeout)
+                           run_timeout=self.run_timeout, command=self.command,
+                           cell=f"{config.id}/seed{seed}" if self.command else None)
 
     def step_settings(self, mode: ModeChoice) -> StepSettings:
         """The step-size rules ``mode`` runs with: its own, else the spec's."""
@@ -320,6 +371,10 @@ class ExperimentSpec:
             "momentum_target": self.momentum_target,
             "budget_seconds": self.budget_seconds, "budget_gradients": self.budget_gradients,
         }
+        if self.command:  # the built-in loop's keys are not part of a command's grid
+            for key in NOT_FOR_COMMANDS:
+                data.pop(key, None)
+            data["command"] = list(self.command)
         return data
 
     @classmethod
