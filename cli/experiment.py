@@ -53,7 +53,7 @@ a run failed. See docs/experiments.md.
 
 
 @click.command("experiment", epilog=EPILOG,
-               short_help="Compare sync, async and bounded-staleness training on one task.")
+               short_help="Compare sync, async and bounded-staleness training on a task or script.")
 @grid_options(virtual=False)
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, metavar="[-- COMMAND [ARGS]...]")
 @click.option("--assert-literature", is_flag=True,
