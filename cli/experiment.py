@@ -33,6 +33,17 @@ Examples:
   # check the published claims (Ho et al. 2013, Cui et al. 2014)
   paramserver experiment --preset literature --assert-literature
 \b
+  # your own script (DistributedOptimizer) as every worker of every cell
+  paramserver experiment --mode sync --mode async --mode ssp:2 --workers 2 \\
+      --scenario persistent --seeds 2 --steps 100 --out runs/mine \\
+      -- python train.py --lr 0.1
+\b
+After "--", COMMAND runs once per worker of every cell, as `launch -- COMMAND`
+runs it, with RANK, WORLD_SIZE, PARAMSERVER_SEED (the cell's seed),
+PARAMSERVER_CELL (its folder under OUT/runs/) and PARAMSERVER_STEPS (--steps,
+a hint: the script owns its loop) set. --task, --task-arg, --eval-every and
+the budgets are refused with it. The key `command` of a spec file does the same.
+\b
 Writes OUT/report.md and OUT/report.html (tables and plots), OUT/spec.toml (the
 resolved spec: --spec OUT/spec.toml reruns it), and every run's logs under
 OUT/runs/. Exit codes: 0 done, 1 --assert-literature failed, 2 bad options or
@@ -41,17 +52,19 @@ a run failed. See docs/experiments.md.
 
 
 @click.command("experiment", epilog=EPILOG,
-               short_help="Compare sync, async and bounded-staleness training on one task.")
+               short_help="Compare sync, async and bounded-staleness training on a task or script.")
 @grid_options(virtual=False)
+@click.argument("command", nargs=-1, type=click.UNPROCESSED, metavar="[-- COMMAND [ARGS]...]")
 @click.option("--assert-literature", is_flag=True,
               help="Exit with status 1 unless the results agree with Ho et al. 2013 and "
                    "Cui et al. 2014 (see docs/experiments.md).")
 def experiment(assert_literature: bool, **flags: Any) -> None:
-    """Compare sync, async and bounded-staleness training on one task.
+    """Compare sync, async and bounded-staleness training on one task or script.
 
     Runs every combination of scenario x mode x policy x worker count for every
     seed, with identical seeds and data, then writes report.md and report.html
-    (tables and plots) into the experiment directory.
+    (tables and plots) into the experiment directory. After `--`, your own
+    script (on DistributedOptimizer) runs as each worker instead of a task.
     """
     from rich.console import Console  # here, not at the top: --help stays light
 

@@ -62,6 +62,14 @@ def build_spec(*, spec_file: str | None, preset_name: str | None,
 def spec_from_flags(flags: dict[str, Any]) -> ExperimentSpec:
     """The spec the :func:`grid_options` flags describe (ConfigError if they are bad)."""
     cli_options.take_deprecated(click.get_current_context(), flags, "--servers", "num_servers")
+    command = list(flags.get("command") or ()) or None
+    if command:  # a flag the script cannot honour says so (the spec checks values only)
+        from paramserver.workers.experiments.spec import NOT_FOR_COMMANDS
+
+        for name, flag in _NOT_FOR_COMMANDS.items():
+            if flags[name] not in (None, ()):
+                raise ConfigError(f"{flag} does not apply with a command (after --): "
+                                  f"{NOT_FOR_COMMANDS[name]}")
     seeds = flags["seeds"]
     return build_spec(spec_file=flags["spec_file"], preset_name=flags["preset_name"],
                       overrides={
@@ -74,8 +82,14 @@ def spec_from_flags(flags: dict[str, Any]) -> ExperimentSpec:
         "target_loss": flags["target_loss"], "eval_every": flags["eval_every"],
         "min_step_time": flags["min_step_time"], "lr_scaling": flags["lr_scaling"],
         "warmup_steps": flags["warmup_steps"], "momentum_target": flags["momentum_target"],
-        **_budgets(flags["budget_seconds"], flags["budget_gradients"]),
+        **_budgets(flags["budget_seconds"], flags["budget_gradients"]), "command": command,
     })
+
+
+#: the grid's flags of the built-in loop (a command is refused with them), by spec key
+_NOT_FOR_COMMANDS = {"task": "--task", "task_args": "--task-arg", "eval_every": "--eval-every",
+                     "budget_seconds": "--budget-seconds",
+                     "budget_gradients": "--budget-gradients"}
 
 
 def claim_grid_dir(flags: dict[str, Any], default: Path) -> Path:
@@ -130,7 +144,8 @@ def grid_options(*, virtual: bool) -> Callable[[F], F]:
                           "defined in the --spec file. Default: transient."),
         click.option("--seeds", help="How many seeds (3: seeds 0, 1, 2) or a list (0,5,7)."),
         click.option("--steps", type=click.IntRange(min=1), help="Steps per worker "
-                     "(default 250)."),
+                     "(default 250)." + ("" if virtual else " After -- COMMAND: the script's "
+                                         "PARAMSERVER_STEPS, a hint (it owns its loop).")),
         click.option("--budget-seconds", type=click.FloatRange(min=0, min_open=True),
                      help=("Virtual seconds" if virtual else "Seconds")
                      + " of training per worker, from its first step, instead of --steps: "
@@ -211,7 +226,7 @@ def run_grid(console: Console, spec: ExperimentSpec, out: Path, quiet: bool, wha
     plans = spec.runs()
     if not quiet:
         console.print(f"{len(spec.configurations())} configuration(s) x {len(spec.seeds)} "
-                      f"seed(s) = {len(plans)} {what} of {spec.task} -> {out}")
+                      f"seed(s) = {len(plans)} {what} of {spec.workload} -> {out}")
     total_steps = sum((spec.worker_steps(p.config.workers) or spec.steps) * p.config.workers
                       for p in plans)
     try:

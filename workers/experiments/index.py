@@ -156,6 +156,8 @@ class ExperimentIndex:
     runs: tuple[RunEntry, ...] = ()
     finished: float | None = None  # None: still running (or stopped)
     simulated: SimSpec | None = None  # in virtual time, with this time model
+    #: every cell ran this script once per worker (``task`` is then its shell line)
+    command: tuple[str, ...] | None = None
 
     def to_json(self) -> JSONObject:
         data: JSONObject = {
@@ -171,6 +173,8 @@ class ExperimentIndex:
             "runs": [r.to_json() for r in self.runs],
             "started": self.started, "finished": self.finished,
         }
+        if self.command is not None:
+            data["command"] = list(self.command)
         if self.simulated is not None:
             sim: JSONObject = dataclasses.asdict(self.simulated)
             data["simulated"] = sim
@@ -211,6 +215,7 @@ class ExperimentIndex:
             runs=get("runs", tuple[RunEntry, ...], ()),
             finished=get("finished", float, None),
             simulated=get("simulated", SimSpec, None),
+            command=get("command", tuple[str, ...], None),
         )
 
     @classmethod

@@ -398,11 +398,12 @@ def render_report(out_dir: Path, exp: ExperimentIndex, summaries: Sequence[Confi
     blocks: list[Block] = [("h1", f"Experiment '{exp.name}'")]
     finished = exp.finished or exp.started or 0
     opt_args = ", ".join(f"{k}={v}" for k, v in exp.optimizer_args.items())
+    evaluation = ("evaluation as the script logs it" if exp.command else
+                  f"evaluation every {exp.eval_every} steps of worker 0")
     blocks.append(("p", (
-        f"Task {exp.task}, budget: {_budget_text(exp)}, {exp.servers} server(s), "
-        f"seeds {', '.join(map(str, exp.seeds))}, optimizer {exp.optimizer}"
-        f"({opt_args}), target held-out loss {target:g}, evaluation every "
-        f"{exp.eval_every} steps of worker 0. Finished "
+        f"{'Command' if exp.command else 'Task'} {exp.task}, budget: {_budget_text(exp)}, "
+        f"{exp.servers} server(s), seeds {', '.join(map(str, exp.seeds))}, optimizer "
+        f"{exp.optimizer}({opt_args}), target held-out loss {target:g}, {evaluation}. Finished "
         f"{dt.datetime.fromtimestamp(finished).isoformat(timespec='seconds')}.")))
     if step_ms > 0:
         blocks.append(("p", (
@@ -482,6 +483,8 @@ def _budget_text(exp: ExperimentIndex) -> str:
     if exp.budget_gradients:
         return (f"{exp.budget_gradients} gradients in total, an equal share per worker "
                 f"(faster workers finish their share early and idle)")
+    if exp.command:
+        return f"the script's own loop (PARAMSERVER_STEPS={exp.steps}, a hint)"
     return f"{exp.steps} steps per worker"
 
 

@@ -144,7 +144,7 @@ def merge_steps(run_dir: Path, workers: int) -> None:
 def _index(spec: ExperimentSpec, outcomes: Sequence[RunOutcome], started: float,
            finished: bool, sim: SimSpec | None) -> ExperimentIndex:
     return ExperimentIndex(
-        name=spec.name, task=spec.task, task_args=spec.task_args, steps=spec.steps,
+        name=spec.name, task=spec.workload, task_args=spec.task_args, steps=spec.steps,
         servers=spec.servers, seeds=tuple(spec.seeds), target_loss=spec.target_loss,
         eval_every=spec.eval_every, min_step_time=spec.min_step_time,
         optimizer=spec.optimizer, optimizer_args=spec.optimizer_args,
@@ -158,6 +158,7 @@ def _index(spec: ExperimentSpec, outcomes: Sequence[RunOutcome], started: float,
                             error=o.error, load=o.load)
                    for o in outcomes),
         started=started, finished=time.time() if finished else None, simulated=sim,
+        command=tuple(spec.command) if spec.command else None,
     )
 
 
@@ -224,6 +225,9 @@ def simulate_experiment(spec: ExperimentSpec, out_dir: str | os.PathLike[str],
                         observer: ExperimentObserver | None = None,
                         report: bool = True) -> ExperimentResult:
     """:func:`run_experiment` in virtual time (every time in the report is virtual seconds)."""
+    if spec.command:
+        raise ConfigError("a command runs as real processes: use paramserver experiment "
+                          "(simulate runs the built-in loop in virtual time)")
     plans = spec.runs()
     if plans:  # one task for the whole grid: refuse it before any folder is written
         check_simulable(spec.cluster_spec(plans[0].config, plans[0].seed))

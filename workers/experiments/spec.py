@@ -9,6 +9,12 @@ then writes the report (:mod:`paramserver.workers.experiments.report`)::
     spec = ExperimentSpec(modes=["sync", "async", "ssp:3"], scenarios=["transient"])
     result = run_experiment(spec, "runs/demo")
 
+With ``command`` (``paramserver experiment ... -- python train.py``) every cell
+runs the user's own script once per worker instead of the built-in loop, as
+``launch -- COMMAND`` does; the keys of the built-in loop
+(:data:`NOT_FOR_COMMANDS`) are refused then, and ``steps`` becomes a hint the
+script finds as ``PARAMSERVER_STEPS``.
+
 Fairness: every configuration of one seed trains the same model from the same
 initial weights on the same data partition with the same straggler draws
 (seeded by ``(seed, rank)``), and every worker runs the same number of steps,
@@ -25,8 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
+import shlex
 import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -39,16 +45,23 @@ import torch
 from paramserver.core.optim import build_optimizer
 from paramserver.core.stepsize import LrRule
 from paramserver.errors import ConfigError
-from paramserver.policies import create_policy, parse_policy_args
 from paramserver.server.loop import ServerConfig
 from paramserver.util.jsontypes import JSONObject
-from paramserver.workers.experiments.index import ConfigEntry, ScenarioEntry, StepSettings
+from paramserver.workers.experiments.axes import (
+    SCENARIOS,
+    ModeChoice,
+    PolicyChoice,
+    Scenario,
+    builtin_scenario,
+    slug,
+)
+from paramserver.workers.experiments.index import ConfigEntry, StepSettings
 from paramserver.workers.launch.cluster import ClusterSpec
-from paramserver.workers.stragglers import StragglerSpec
 from paramserver.workers.tasks import resolve_task, task_parameters
 from paramserver.workers.worker import WorkerConfig
 
 __all__ = [
+    "NOT_FOR_COMMANDS",
     "PRESETS",
     "SCENARIOS",
     "Configuration",
@@ -64,257 +77,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-#: built-in straggler scenarios; each also applies the spec's ``min_step_time`` to every worker
-SCENARIOS: dict[str, str] = {
-    "none": "no stragglers: every step takes the emulated compute time",
-    "persistent": "worker 0 is persistently 4x slower than the others",
-    "transient": "every step of every worker is 5x slower with probability 10%",
-    "heavy-tail": "every step gets an extra Pareto(alpha=1.5) delay: usually small, sometimes huge",
-}
-_STRAGGLER_FIELDS = {f.name for f in dataclasses.fields(StragglerSpec)}
-
-
-# --------------------------------------------------------------------------- grid axes
-
-
-@dataclass(frozen=True)
-class ModeChoice:
-    """A consistency mode: ``sync``, ``sync:b=B`` (B backup workers), ``async`` or ``ssp:S``
-    (S = staleness bound), optionally with step-size settings of its own that override
-    the spec's: ``lr=none|linear|sqrt`` (learning-rate scaling), ``warmup=N``,
-    ``momentum=MU`` (the optimizer's momentum) and ``target=MU`` (asynchrony-aware
-    momentum), e.g. ``sync:lr=linear,warmup=20`` or ``async:momentum=0.9,target=0.9``."""
-
-    mode: str
-    bound: int = 0
-    backups: int = 0  # sync: a round closes without the slowest `backups` workers
-    lr_scaling: str | None = None  # None: the spec's
-    warmup: int | None = None
-    momentum: float | None = None
-    momentum_target: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.mode not in ("sync", "async", "ssp"):
-            raise ConfigError(f"mode must be sync, async or ssp:S; got {self.mode!r}")
-        if isinstance(self.bound, bool) or not isinstance(self.bound, int) or self.bound < 0:
-            raise ConfigError(f"the ssp staleness bound must be an int >= 0, got {self.bound!r}")
-        if self.mode != "ssp" and self.bound:
-            raise ConfigError(f"only ssp takes a staleness bound; got {self.mode}:{self.bound}")
-        if isinstance(self.backups, bool) or not isinstance(self.backups, int) \
-                or self.backups < 0 or (self.backups and self.mode != "sync"):
-            raise ConfigError(f"backup workers (sync:b=B) need sync and an int B >= 0; "
-                              f"got {self.mode} with {self.backups!r}")
-        LrRule(self.lr_scaling or "none", self.warmup or 0)  # says what is wrong
-        for what, mu in (("momentum", self.momentum), ("target", self.momentum_target)):
-            if mu is not None and not 0.0 <= mu < 1.0:
-                raise ConfigError(f"mode {self.mode}: {what} must be in [0, 1), got {mu}")
-
-    @classmethod
-    def parse(cls, text: str | ModeChoice) -> ModeChoice:
-        """``"sync"``, ``"sync:b=1"``, ``"async"``, ``"ssp:3"`` or ``"ssp:s=3"``, each
-        optionally with ``lr=``, ``warmup=``, ``momentum=``, ``target=`` (comma-separated)."""
-        if isinstance(text, ModeChoice):
-            return text
-        if not isinstance(text, str):
-            raise ConfigError(f"a mode must be a string like sync, async or ssp:3; got {text!r}")
-        name, sep, arg = text.strip().lower().partition(":")
-        if sep and not arg.strip():
-            raise ConfigError(f"mode {text!r}: nothing after ':'")
-        kwargs: dict[str, Any] = {}
-        for i, item in enumerate(a.strip() for a in arg.split(",") if sep):
-            key, eq, value = item.partition("=")
-            key, value = key.strip(), value.strip()
-            if not eq and i == 0 and name == "ssp":
-                key, value = "s", key
-            try:
-                if key == "s" and name == "ssp" and value.isdigit():
-                    kwargs["bound"] = int(value)
-                elif key == "b" and name == "sync" and value.isdigit():
-                    kwargs["backups"] = int(value)
-                elif key == "lr":
-                    kwargs["lr_scaling"] = value
-                elif key == "warmup" and value.isdigit():
-                    kwargs["warmup"] = int(value)
-                elif key in ("momentum", "target"):
-                    kwargs["momentum" if key == "momentum" else "momentum_target"] = float(value)
-                else:
-                    raise ValueError(item)
-            except ValueError:
-                what = ("ssp's staleness bound and sync's backup workers must be a count"
-                        if key in ("b", "s") and name in ("sync", "ssp")
-                        else "only ssp:S and sync:b=B take a number")
-                raise ConfigError(
-                    f"mode {text!r}: cannot read {item!r}: {what} (ssp:3, sync:b=1); any "
-                    "mode takes lr=none|linear|sqrt, warmup=N, momentum=MU, target=MU"
-                ) from None
-        if name == "ssp" and "bound" not in kwargs:
-            raise ConfigError(f"mode {text!r}: ssp needs its staleness bound, e.g. ssp:3")
-        return cls(name, **kwargs)
-
-    def _extras(self) -> list[tuple[str, Any]]:
-        return [(k, v) for k, v in (("lr", self.lr_scaling), ("warmup", self.warmup),
-                                    ("momentum", self.momentum),
-                                    ("target", self.momentum_target)) if v is not None]
-
-    def __str__(self) -> str:
-        if self.backups:
-            base = f"sync:b={self.backups}"
-        else:
-            base = f"ssp:{self.bound}" if self.mode == "ssp" else self.mode
-        extras = ",".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
-                          for k, v in self._extras())
-        return base + ((":" if ":" not in base else ",") + extras if extras else "")
-
-    @property
-    def label(self) -> str:
-        if self.backups:
-            base = f"sync b={self.backups}"
-        else:
-            base = f"ssp s={self.bound}" if self.mode == "ssp" else self.mode
-        words = {"lr": "lr {}", "warmup": "warmup {}", "momentum": "momentum {:g}",
-                 "target": "target momentum {:g}"}
-        extras = [words[k].format(v) for k, v in self._extras()]
-        return base + (f" ({', '.join(extras)})" if extras else "")
-
-    @property
-    def slug(self) -> str:
-        if self.backups:
-            base = f"sync-b{self.backups}"
-        else:
-            base = f"ssp{self.bound}" if self.mode == "ssp" else self.mode
-        return _slug(base + "".join(f"-{k}{v:g}" if isinstance(v, float) else f"-{k}{v}"
-                                    for k, v in self._extras()))
-
-    @property
-    def rank(self) -> float:
-        """Order by how much staleness is allowed: sync < ssp:0 < ssp:1 < ... < async."""
-        return {"sync": -1.0, "async": math.inf}.get(self.mode, float(self.bound))
-
-
-@dataclass(frozen=True)
-class PolicyChoice:
-    """A staleness policy with its arguments; validated by building it once."""
-
-    name: str = "none"
-    args: tuple[tuple[str, Any], ...] = ()
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise ConfigError(f"a policy needs a name, got {self.name!r}")
-        create_policy(self.name, dict(self.args))  # unknown name or bad args: say so now
-
-    @classmethod
-    def parse(cls, value: str | Mapping[str, Any] | PolicyChoice) -> PolicyChoice:
-        """``"none"``, ``"reject:max_staleness=4"``, ``"mypkg.policies:MyPolicy:factor=0.5"``
-        or a table ``{name = "...", args = {...}}``."""
-        if isinstance(value, PolicyChoice):
-            return value
-        if isinstance(value, Mapping):
-            extra = set(value) - {"name", "args"}
-            if extra or "name" not in value:
-                raise ConfigError(f"a policy table has keys name and args; got {dict(value)}")
-            args = value.get("args", {})
-            if not isinstance(args, Mapping):
-                raise ConfigError(f"policy args must be a table, got {args!r}")
-            return cls(str(value["name"]), tuple(sorted(args.items())))
-        if not isinstance(value, str):
-            raise ConfigError(f"a policy must be NAME[:key=value,...]; got {value!r}")
-        head, sep, tail = value.strip().rpartition(":")
-        if sep and "=" in tail:  # the last ':'-part holds the arguments
-            args = parse_policy_args([a for a in tail.split(",") if a.strip()])
-            return cls(head, tuple(sorted(args.items())))
-        return cls(value.strip())
-
-    def __str__(self) -> str:
-        if not self.args:
-            return self.name
-        return self.name + ":" + ",".join(f"{k}={v}" for k, v in self.args)
-
-    @property
-    def label(self) -> str:
-        short = self.name.rpartition(":")[2] if ":" in self.name else self.name
-        if not self.args:
-            return short
-        return f"{short}({', '.join(f'{k}={v}' for k, v in self.args)})"
-
-    @property
-    def slug(self) -> str:
-        return _slug(self.label)
-
-    def to_toml(self) -> dict[str, Any]:
-        return {"name": self.name, "args": dict(self.args)}
-
-
-def _slug(text: str) -> str:
-    keep = "".join(c if c.isalnum() or c in "._" else "-" for c in text.lower())
-    return "-".join(part for part in keep.split("-") if part)
-
-
-@dataclass(frozen=True)
-class Scenario:
-    """Stragglers for every worker (``all``) with per-rank overrides (``ranks``)."""
-
-    name: str
-    description: str = ""
-    all: StragglerSpec = field(default_factory=StragglerSpec)
-    ranks: tuple[tuple[int, StragglerSpec], ...] = ()
-
-    def stragglers(self, num_workers: int) -> dict[int, StragglerSpec]:
-        return {r: spec for r, spec in self.ranks if r < num_workers}
-
-    def entry(self) -> ScenarioEntry:
-        """This scenario's entry in experiment.json."""
-        return ScenarioEntry(self.description, self.all, {str(r): s for r, s in self.ranks})
-
-    @classmethod
-    def from_table(cls, name: str, table: Mapping[str, Any], min_step_time: float) -> Scenario:
-        """A ``[custom_scenarios.NAME]`` table: ``description``, ``all`` and ``ranks``."""
-        extra = set(table) - {"description", "all", "ranks"}
-        if extra:
-            raise ConfigError(f"scenario {name!r}: unknown key(s) {sorted(extra)}; "
-                              "allowed: description, all, ranks")
-        base = {"min_step_time": min_step_time, **_straggler_fields(name, table.get("all", {}))}
-        ranks = []
-        for key, override in dict(table.get("ranks", {})).items():
-            if not str(key).isdigit():
-                raise ConfigError(f"scenario {name!r}: ranks keys are worker ranks, got {key!r}")
-            ranks.append((int(key), StragglerSpec(**{**base,
-                                                     **_straggler_fields(name, override)})))
-        return cls(name, str(table.get("description", "")), StragglerSpec(**base),
-                   tuple(sorted(ranks)))
-
-
-def _straggler_fields(scenario: str, value: Any) -> dict[str, Any]:
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"scenario {scenario!r}: straggler settings must be a table")
-    unknown = set(value) - _STRAGGLER_FIELDS
-    if unknown:
-        raise ConfigError(f"scenario {scenario!r}: unknown straggler field(s) {sorted(unknown)};"
-                          f" allowed: {', '.join(sorted(_STRAGGLER_FIELDS))}")
-    return dict(value)
-
-
-def builtin_scenario(name: str, min_step_time: float) -> Scenario:
-    """One of :data:`SCENARIOS`, with every step taking at least ``min_step_time`` seconds."""
-    m = min_step_time
-    base = StragglerSpec(min_step_time=m)
-    if name == "none":
-        return Scenario(name, SCENARIOS[name], base)
-    if name == "persistent":
-        return Scenario(name, SCENARIOS[name], base,
-                        ((0, StragglerSpec(min_step_time=m, slowdown=4.0)),))
-    if name == "transient":
-        return Scenario(name, SCENARIOS[name],
-                        StragglerSpec(min_step_time=m, slow_prob=0.1, slow_factor=5.0))
-    if name == "heavy-tail":
-        # type I Pareto, alpha 1.5 (infinite variance), scale m/4: mean 0.75 m, p99 ~5 m
-        scale = max(m, 0.004) / 4
-        return Scenario(name, SCENARIOS[name],
-                        StragglerSpec(min_step_time=m, delay=f"pareto:1.5,{scale:.6g}"))
-    raise ConfigError(f"unknown scenario {name!r}; built-in: {', '.join(SCENARIOS)} "
-                      "(or define it under [custom_scenarios.NAME] in the spec)")
-
 
 # --------------------------------------------------------------------------- the spec
 
@@ -352,7 +114,18 @@ _SPEC_KEYS = ("name", "task", "task_args", "steps", "batch_size", "seeds", "num_
               "modes", "policies", "scenarios", "custom_scenarios", "optimizer",
               "optimizer_args", "target_loss", "eval_every", "min_step_time", "device",
               "run_timeout", "lr_scaling", "warmup_steps", "momentum_target",
-              "budget_seconds", "budget_gradients")
+              "budget_seconds", "budget_gradients", "command")
+
+_OWN_MODEL = "the script builds its own model and loads its own data"
+_OWN_LOOP = "the script runs its own loop (steps is passed on as PARAMSERVER_STEPS, a hint)"
+#: the keys of the built-in loop that a command cell cannot honour, and why (every other
+#: key acts: the servers' optimizer and step-size rules, scenarios, the report's target)
+NOT_FOR_COMMANDS: dict[str, str] = {
+    "task": _OWN_MODEL, "task_args": _OWN_MODEL, "batch_size": _OWN_MODEL,
+    "device": "the script places its own model on a device",
+    "eval_every": "the script evaluates when it likes",
+    "budget_seconds": _OWN_LOOP, "budget_gradients": _OWN_LOOP,
+}
 
 
 @dataclass
@@ -391,8 +164,12 @@ class ExperimentSpec:
     #: step (``steps`` is then ignored), or computes budget_gradients / workers gradients
     budget_seconds: float = 0.0
     budget_gradients: int = 0
+    #: the user's own script, run once per worker of every cell instead of the built-in
+    #: loop (``launch -- COMMAND``); a string is split as a shell would (shlex)
+    command: list[str] | None = None
 
     def __post_init__(self) -> None:
+        self._check_command()
         self.modes = [ModeChoice.parse(m) for m in _as_list(self.modes, "modes")]
         self.policies = [PolicyChoice.parse(p) for p in _as_list(self.policies, "policies")]
         self.workers = [_int(w, "workers", 1) for w in _as_list(self.workers, "workers")]
@@ -423,7 +200,7 @@ class ExperimentSpec:
                               f"got {self.run_timeout!r}")
         self.run_timeout = self.run_timeout or None  # TOML has no null: 0 means no limit
         self._check_budgets()
-        if not isinstance(self.name, str) or not _slug(self.name):
+        if not isinstance(self.name, str) or not slug(self.name):
             raise ConfigError(f"name must be a non-empty string, got {self.name!r}")
         self.custom_scenarios = {
             k: v if isinstance(v, Scenario) else Scenario.from_table(k, v, self.min_step_time)
@@ -434,7 +211,8 @@ class ExperimentSpec:
         LrRule(self.lr_scaling, self.warmup_steps)
         if self.momentum_target is not None and not 0 <= self.momentum_target < 1:
             raise ConfigError(f"momentum_target must be in [0, 1), got {self.momentum_target!r}")
-        self._check_task()
+        if self.command is None:
+            self._check_task()
         build_optimizer(self.optimizer, [torch.zeros(1, requires_grad=True)],
                         dict(self.optimizer_args))
 
@@ -460,6 +238,8 @@ class ExperimentSpec:
             return f"{self.budget_seconds:g} s of training per worker"
         if self.budget_gradients:
             return f"{self.budget_gradients} gradients in total"
+        if self.command:
+            return f"the script's own loop (PARAMSERVER_STEPS={self.steps}, a hint)"
         return f"{self.steps} steps per worker"
 
     def worker_steps(self, workers: int) -> int | None:
@@ -469,6 +249,30 @@ class ExperimentSpec:
         if self.budget_gradients:
             return self.budget_gradients // workers
         return self.steps
+
+    def _check_command(self) -> None:
+        """A command is a non-empty list of strings; the built-in loop's keys stay at their
+        defaults with it (one line says which is not and why)."""
+        if self.command is None:
+            return
+        if isinstance(self.command, str):
+            self.command = shlex.split(self.command)
+        if not (isinstance(self.command, Sequence) and self.command
+                and all(isinstance(a, str) for a in self.command)):
+            raise ConfigError(f"command must be a non-empty list of strings, e.g. "
+                              f'["python", "train.py"]; got {self.command!r}')
+        self.command = list(self.command)
+        defaults = {f.name: f for f in dataclasses.fields(self)}
+        for key, why in NOT_FOR_COMMANDS.items():
+            f = defaults[key]
+            default = f.default_factory() if callable(f.default_factory) else f.default
+            if getattr(self, key) != default:
+                raise ConfigError(f"{key} does not apply with a command: {why}")
+
+    @property
+    def workload(self) -> str:
+        """What every cell trains: the task's name, or the command as a shell line."""
+        return shlex.join(self.command) if self.command else self.task
 
     def _check_task(self) -> None:
         accepted = task_parameters(resolve_task(self.task))
@@ -524,7 +328,8 @@ class ExperimentSpec:
         )
         return ClusterSpec(num_servers=self.servers, num_workers=config.workers, server=server,
                            worker=worker, stragglers=scenario.stragglers(config.workers),
-                           run_timeout=self.run_timeout)
+                           run_timeout=self.run_timeout, command=self.command,
+                           cell=f"{config.id}/seed{seed}" if self.command else None)
 
     def step_settings(self, mode: ModeChoice) -> StepSettings:
         """The step-size rules ``mode`` runs with: its own, else the spec's."""
@@ -566,6 +371,10 @@ class ExperimentSpec:
             "momentum_target": self.momentum_target,
             "budget_seconds": self.budget_seconds, "budget_gradients": self.budget_gradients,
         }
+        if self.command:  # the built-in loop's keys are not part of a command's grid
+            for key in NOT_FOR_COMMANDS:
+                data.pop(key, None)
+            data["command"] = list(self.command)
         return data
 
     @classmethod

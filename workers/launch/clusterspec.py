@@ -92,6 +92,10 @@ class ClusterSpec:
     command: list[str] | None = option(
         None, internal="the arguments after `--` of launch",
         help="Run this command once per worker instead of the built-in loop.")
+    #: a cell of `paramserver experiment` (its run folder under runs/): a command then
+    #: also finds PARAMSERVER_CELL and PARAMSERVER_STEPS (the grid's steps, a hint)
+    cell: str | None = option(None, internal="set by paramserver experiment for each run",
+                              help="The experiment cell this run is.")
 
     def __post_init__(self) -> None:
         if self.on_worker_failure not in FAILURE_POLICIES:
@@ -156,6 +160,10 @@ class ClusterSpec:
         if self.worker.curve_key:
             env["PARAMSERVER_CURVE_KEY"] = self.worker.curve_key
             env["PARAMSERVER_CURVE_SERVER_KEY"] = self.worker.curve_server_key or ""
+        if self.cell is not None:  # the script owns its loop: the steps are a hint
+            env["PARAMSERVER_CELL"] = self.cell
+            if self.worker.steps is not None:
+                env["PARAMSERVER_STEPS"] = str(self.worker.steps)
         return env
 
     @staticmethod
