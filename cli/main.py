@@ -36,7 +36,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "tasks": ("paramserver.cli.listing", "Tasks and their parameters."),
     "run": ("paramserver.cli.distributed", "One rank of a torchrun or Slurm job."),
     "experiment": ("paramserver.cli.experiment",
-                   "Compare sync, async and bounded-staleness training on one task."),
+                   "Compare sync, async and bounded-staleness training on a task or script."),
     "bench": ("paramserver.cli.bench",
               "Measure push + pull against raw pyzmq, torch rpc, gloo and Ray."),
     "checkpoint": ("paramserver.cli.checkpoint",
