@@ -112,3 +112,13 @@ def test_local_optimizer_must_own_the_models_parameters():
                    dict(T.make_model().named_parameters()))
     with pytest.raises(ConfigError, match="sync_every needs local_optimizer"):
         WorkerConfig(servers=["127.0.0.1:1"], sync_every=4)
+
+
+def test_the_simulator_refuses_local_steps_rather_than_ignoring_them():
+    from paramserver.workers.launch.virtual import SimSpec, run_simulation
+
+    spec = ClusterSpec(num_servers=1, num_workers=2, worker=WorkerConfig(
+        task="tests.exact_tasks:make_task", steps=4, local_optimizer="sgd",
+        local_args={"lr": 0.1}, sync_every=2))
+    with pytest.raises(ConfigError, match="no local steps"):
+        run_simulation(spec, sim=SimSpec())
