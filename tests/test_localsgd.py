@@ -122,3 +122,30 @@ def test_the_simulator_refuses_local_steps_rather_than_ignoring_them():
         local_args={"lr": 0.1}, sync_every=2))
     with pytest.raises(ConfigError, match="no local steps"):
         run_simulation(spec, sim=SimSpec())
+
+
+def test_own_loop_with_sync_every_per_worker(tmp_path):
+    """Rank 0 pushes every 2 steps, rank 1 every 4 (async): one push per round, with the
+    round's samples; the inner AdamW's state is the worker's, in its state_dict()."""
+    import json
+    import sys
+    from pathlib import Path
+
+    from paramserver.observe.events import read_events
+
+    script = Path(__file__).resolve().parent / "localsgd_script.py"
+    out = tmp_path / "run"
+    spec = ClusterSpec(
+        num_servers=2, num_workers=2,
+        server=ServerConfig(mode="async", optimizer="sgd", optimizer_args={"lr": 1.0}),
+        worker=WorkerConfig(servers=[]),
+        command=[sys.executable, str(script), str(tmp_path / "ranks"), "--steps", "8"])
+    result = run_cluster(spec, out)
+    assert list(result.updates_applied) == [4 + 2, 4 + 2]
+    for rank, h in ((0, 2), (1, 4)):
+        got = json.loads((tmp_path / "ranks" / f"rank{rank}.json").read_text())
+        assert got["sync_every"] == h
+        assert got["clocks"] == [(k + 1) // h for k in range(8)]  # a push ends each round
+        assert got["taken"] == 0 and got["inner_steps"] == [8] * 4  # every local step
+        steps = read_events(out / "events" / f"worker{rank}.jsonl", "step")
+        assert [s["num_samples"] for s in steps] == [T.batch_size(rank, True) * h] * (8 // h)
