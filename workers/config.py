@@ -20,7 +20,7 @@ import msgspec
 from paramserver.core.limits import DEFAULT_CHUNK_BYTES
 from paramserver.errors import ConfigError
 from paramserver.server.config import ConfigRecord, check_bounds, option
-from paramserver.util.coerce import parse_task_args
+from paramserver.util.coerce import parse_kwargs, parse_task_args
 from paramserver.util.jsontypes import JSONObject
 from paramserver.workers.stragglerspec import StragglerSpec
 
@@ -75,6 +75,21 @@ class WorkerConfig(ConfigRecord):
     seed: int = option(0, min=0, metavar="N",
                        help="Seed of the task's data order and of the straggler draws.")
     push_every: int = option(1, min=1, metavar="K", help="Accumulate K mini-batches per push.")
+    # local SGD / DiLoCo (workers/localsgd.py): the inner optimizer runs here, the
+    # servers' optimizer is the outer one
+    local_optimizer: str | None = option(None, metavar="NAME|module:Class",
+                                         help="Local SGD / DiLoCo: step this torch.optim "
+                                              "optimizer (sgd, adamw, ...) on the worker and "
+                                              "push the weights' change every --sync-every "
+                                              "steps (docs/research.md).")
+    local_args: dict[str, Any] = option(default_factory=dict, flag="local-arg", kind="pairs",
+                                        parse=parse_kwargs,
+                                        help="Local optimizer keyword argument, e.g. lr=0.001 "
+                                             "(repeatable).")
+    sync_every: int = option(1, min=1, metavar="H",
+                             help="With --local-optimizer: push (and pull) every H local "
+                                  "steps; --steps counts local steps, so a worker pushes "
+                                  "ceil(steps / H) times.")
     straggler: StragglerSpec = option(default_factory=StragglerSpec, nested=True,
                                       help="How this worker is slowed down (the straggler "
                                            "options).")
@@ -149,6 +164,10 @@ class WorkerConfig(ConfigRecord):
         if self.wire_dtype not in (None, *GRAD_WIRE_DTYPE_NAMES):
             raise ConfigError(f"wire_dtype must be one of {', '.join(GRAD_WIRE_DTYPE_NAMES)} or "
                               f"None (gradients as they are); got {self.wire_dtype!r}")
+        if self.sync_every != 1 and self.local_optimizer is None:
+            raise ConfigError("sync_every needs local_optimizer (--local-optimizer)")
+        if self.local_optimizer is not None and self.overlap:
+            raise ConfigError("local_optimizer pushes once per round: not with overlap")
         check_bounds(self)  # the rest of the bounds the fields declare
         if not _DEVICE.fullmatch(self.device):
             raise ConfigError(f"device must be auto, cpu or cuda:N; got {self.device!r}")

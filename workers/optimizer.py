@@ -51,6 +51,7 @@ from paramserver.wire.curve import CurveKeys
 from paramserver.workers.client import PART_BYTES, PSClient, PullResult, PushResult, PushStream
 from paramserver.workers.config import OPTIONS_ENV, LaunchOptions
 from paramserver.workers.embedding import SparseClient, sparse_modules
+from paramserver.workers.localsgd import LocalSteps
 from paramserver.workers.overlap import BucketHooks
 from paramserver.workers.stragglers import Straggler
 
@@ -221,6 +222,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
       step) and logs it apart (``sleep_s`` beside ``compute_s``). Default: this
       rank's scenario from the launcher (``--straggler``, ``--min-step-time``, an
       experiment's scenario), else none.
+    * ``local``, ``sync_every``: local SGD / DiLoCo. ``step()`` steps ``local`` (an
+      optimizer over the model's parameters, e.g. AdamW) and only every
+      ``sync_every``-th step pushes the pseudo-gradient (the weights last pulled minus
+      the local ones; samples summed over the round), then pulls. The servers'
+      optimizer is the outer one; :attr:`clock` counts pushes (outer steps).
 
     Construction registers with every shard and agrees on the plan. Shards without
     weights are seeded by the offering rank at its first ``step()`` (:meth:`seed`), from
@@ -254,6 +260,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         drop_rate: float | None = None,
         barrier_timeout: float | None = None,
         straggler: Straggler | None = None,
+        local: torch.optim.Optimizer | None = None,
+        sync_every: int = 1,
     ) -> None:
         named: list[tuple[str, torch.Tensor]]
         # ShardedEmbedding tables: on the shards by row, pushed by step() beside the dense
@@ -278,6 +286,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ConfigError(f"rank must be in [0, {self.world_size}), got {self.rank}")
         self.backward_passes_per_step = backward_passes_per_step
         self.params: dict[str, torch.Tensor] = dict(named)
+        if local is None and sync_every != 1:
+            raise ConfigError("sync_every needs a local optimizer (local=...)")
+        if local is not None and (overlap or tables):
+            raise ConfigError("local steps push weights' changes once per round: not with "
+                              "overlap or ShardedEmbedding tables")
+        self.local = None if local is None else LocalSteps(local, sync_every, self.params)
         # what the script passes wins; else the launcher's options (launch [flags] -- ...)
         given = LaunchOptions.from_env()
         chunk_bytes = given.chunk_bytes if chunk_bytes is None else chunk_bytes
@@ -429,7 +443,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
         loss = self._loss if loss is None else float(loss)
         if self.sparse is not None:
             self._push_sparse()
-        if self._buckets is not None:
+        num = self._num_samples
+        if self.local is not None:
+            if not self.local.step(num, compute, injected):  # a local step: no push yet
+                self._num_samples, self._loss = 1, None
+                self._t_compute = time.perf_counter()
+                return result
+            grads, num = self.local.pseudo_gradient(), self.local.samples
+            compute, injected = self.local.compute, self.local.slept
+            pushed, pulled = self.client.push_pull(grads, self.versions, num, self.clock,
+                                                   self.params, loss=loss)
+            self.local.mark()  # the pulled weights start the next round
+        elif self._buckets is not None:
             stream = self._buckets.flush()
             if loss is not None and stream.loss is None:
                 stream.loss = loss
@@ -453,7 +478,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._pending = dict(
             t=time.time(), worker=self.rank, clock=self.clock, read_versions=list(read),
             staleness=out.staleness, accepted=out.accepted, reasons=list(out.reasons),
-            weight=out.weight, loss=loss, num_samples=self._num_samples,
+            weight=out.weight, loss=loss, num_samples=num,
             compute_s=compute, sleep_s=injected, pull_s=out.pull_seconds,
             push_s=out.push_seconds, wait_s=out.waited, bytes=out.nbytes, **(log or {}))
         if self._buckets is None:
@@ -536,6 +561,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             pulled = self.client.pull(self.params, self.clock)
         self.versions = pulled.versions
+        if self.local is not None:  # the local steps since the last push are dropped
+            self.local.mark()
         return pulled.versions
 
     # ------------------------------------------------------------------ state
@@ -545,9 +572,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
         The optimizer's own state (momentum, Adam moments, the learning-rate
         schedule) lives on the servers and is saved by their checkpoints
-        (``--checkpoint-dir``), not here."""
-        return {"clock": self.clock, "versions": list(self.versions), "rank": self.rank,
-                "server_side": True}
+        (``--checkpoint-dir``), not here; a ``local`` optimizer's is here (``local``)."""
+        state = {"clock": self.clock, "versions": list(self.versions), "rank": self.rank,
+                 "server_side": True}
+        if self.local is not None:  # the inner optimizer's state is the worker's own
+            state["local"] = self.local.state_dict()
+        return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Accepts what :meth:`state_dict` gave; the clock is where the shards say it is
@@ -555,6 +585,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not state_dict.get("server_side"):
             raise ConfigError("not a DistributedOptimizer state_dict: this optimizer's state "
                               "lives on the servers (their checkpoints hold it)")
+        if self.local is not None and state_dict.get("local") is not None:
+            self.local.load_state_dict(state_dict["local"])
 
     # ------------------------------------------------------------------ lifetime
 

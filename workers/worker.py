@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from paramserver.core.optim import build_optimizer
 from paramserver.errors import ConfigError, TooManyWorkersError, WorkerInUseError
 from paramserver.observe.console import Progress, Sink
 from paramserver.observe.events import EventLog, write_json
@@ -123,6 +124,10 @@ def run_worker(config: WorkerConfig, console: Sink | None = None) -> WorkerResul
     straggler = Straggler(config.straggler, seed=(config.seed, config.rank))
     events = EventLog(config.event_log, console=console)
     steps = num_steps(config, task)
+    # local steps: --steps counts gradients computed, the clock counts pushes
+    pushes = steps if steps == UNCAPPED else math.ceil(steps / config.sync_every)
+    local = (None if config.local_optimizer is None else
+             build_optimizer(config.local_optimizer, model.parameters(), config.local_args))
     batches = cycle_batches(task)
     losses: list[float] = []
     t_start = time.time()
@@ -136,7 +141,7 @@ def run_worker(config: WorkerConfig, console: Sink | None = None) -> WorkerResul
         wire_dtype=config.wire_dtype, curve_key=config.curve_key,
         curve_server_key=config.curve_server_key, offer_weights=True, events=events,
         drop_rate=config.drop_rate, barrier_timeout=config.barrier_timeout,
-        straggler=straggler)
+        straggler=straggler, local=local, sync_every=config.sync_every)
     with opt:
         opt.seed()  # now, not at the first step: the budget's clock starts there
         events.write("worker_start", worker=config.rank, clock=opt.clock, seeded=opt.seeded,
@@ -149,13 +154,14 @@ def run_worker(config: WorkerConfig, console: Sink | None = None) -> WorkerResul
         t_train = time.monotonic()
         deadline = t_train + config.budget_seconds if config.budget_seconds else math.inf
         budget_spent = False
-        while opt.clock < steps:  # the clock counts pushes; a rejoining worker resumes
+        while opt.clock < pushes:  # the clock counts pushes; a rejoining worker resumes
             if time.monotonic() >= deadline:
                 budget_spent = True
                 log.info("worker %d: budget of %gs spent at clock %d", config.rank,
                          config.budget_seconds, opt.clock)
                 break
-            if config.rank == 0 and config.eval_every and opt.clock % config.eval_every == 0:
+            if (config.rank == 0 and config.eval_every and opt.clock % config.eval_every == 0
+                    and (opt.local is None or opt.local.taken == 0)):  # not mid-round
                 _log_eval(opt, task, model)
             # step() injects this worker's straggler delay and logs it apart
             total, loss_value = _compute(opt, task, model, batches, device, config.push_every)

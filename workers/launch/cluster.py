@@ -427,7 +427,8 @@ class LocalCluster:
                     self._progress_steps[rank] = self._progress_steps.get(rank, 0) + 1
                     if rec.get("loss") is not None:
                         self._progress_loss[rank] = rec["loss"]
-        steps = self.spec.worker.steps or 0
+        # pushes: with local steps a worker pushes once per --sync-every of its steps
+        steps = -(-(self.spec.worker.steps or 0) // self.spec.worker.sync_every)
         return Progress(dict(self._progress_steps), steps * self.spec.num_workers,
                         dict(self._progress_loss), 0, time.time() - self._t0)
 

@@ -100,8 +100,16 @@ def refuse_sparse(model: torch.nn.Module, task: str) -> None:
                           "paramserver experiment")
 
 
+def refuse_local_steps(local_optimizer: str | None) -> None:
+    """The simulated workers push every step: local SGD is refused, not ignored."""
+    if local_optimizer is not None:
+        raise ConfigError("the simulator has no local steps yet (issue 33): run "
+                          "--local-optimizer with paramserver launch or experiment")
+
+
 def check_simulable(cluster: ClusterSpec) -> None:
     """Refuse up front, before any run, what the simulator cannot run."""
+    refuse_local_steps(cluster.worker.local_optimizer)
     config = dataclasses.replace(cluster.worker, rank=0, world_size=cluster.num_workers)
     refuse_sparse(build_task(config).model, config.task)
 
@@ -226,6 +234,7 @@ class Simulator:
         self.task: Task = build_task(config0)
         self.model = self.task.model.cpu()
         refuse_sparse(self.model, config0.task)
+        refuse_local_steps(config0.local_optimizer)
         self.params = dict(self.model.named_parameters())
         self.plan = ShardPlan.from_module(self.model, spec.num_servers, config0.chunk_bytes)
         self._nbytes = self.plan.shard_bytes  # per shard, for the step events' byte counts
