@@ -132,3 +132,37 @@ def test_new_plots_are_written_and_linked(tmp_path: Path) -> None:
         assert f"](images/{name})" in md
         assert (tmp_path / "images" / name).read_bytes()[:4] == b"\x89PNG"
     assert files.html.read_text().count("data:image/png;base64,") == len(files.images)
+
+
+def test_work_curve_counts_gradients_and_samples_at_each_evaluation(tmp_path: Path) -> None:
+    from paramserver.workers.experiments.report import load_run, run_metrics
+    from tests.test_report import fake_run
+
+    fake_run(tmp_path, workers=2, steps=6, dt=0.1, final={"loss": 1.0, "accuracy": 0.75})
+    m = run_metrics(load_run(tmp_path), seed=0, target_loss=1.65)
+    # worker 0 evaluates before each of its steps: after 2k steps of 32 samples, then the
+    # final evaluation after all 12
+    assert m.evaluator == 0
+    assert [(g, n) for g, n, _ in m.work_curve] == [(2.0 * k, 64.0 * k) for k in range(6)] \
+        + [(12.0, 384.0)]
+    assert [loss for _, _, loss in m.work_curve] == [loss for _, _, loss in m.curve]
+    assert [a for _, a in m.accuracy_curve] == [0.5] * 6
+    # every worker steps every 0.2 s after its first; worker 0 started 0.05 s before T0
+    assert m.step_times[1][1:] == pytest.approx([0.2] * 5)
+    assert m.step_times[0][0] == pytest.approx(0.151)
+    assert [v for _, v in m.versions] == sorted(v for _, v in m.versions)
+
+
+@pytest.mark.parametrize("straggler", [0, 1])
+def test_the_report_names_the_evaluator_and_whether_it_is_the_straggler(
+        tmp_path: Path, straggler: int) -> None:
+    fake_experiment(tmp_path, dts=GOOD, scenarios=("none",), seeds=(0,))
+    path = tmp_path / "experiment.json"
+    exp = json.loads(path.read_text())
+    exp["scenarios"]["none"]["ranks"] = {
+        str(straggler): {"min_step_time": 0.01, "slowdown": 4.0}}
+    path.write_text(json.dumps(exp))
+    md = write_report(tmp_path).markdown.read_text()
+    assert "Held-out evaluation: worker 0 evaluates" in md
+    said = "Worker 0, the evaluator, is also this scenario's straggler (4x slower"
+    assert (said in md) == (straggler == 0)
