@@ -17,6 +17,7 @@ import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter
 
 if TYPE_CHECKING:
     from paramserver.workers.experiments.report import ConfigSummary, RunMetrics
@@ -64,6 +65,13 @@ def band(curves: Sequence[Sequence[tuple[float, float]]], points: int = 160
     return grid, np.median(ys, axis=0), ys.min(axis=0), ys.max(axis=0)
 
 
+def _plain_log(ax: Axes) -> None:
+    """A log y-axis labelled 0.5, 2, 600 rather than 5x10^-1, 2x10^0, 6x10^2."""
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+    ax.yaxis.set_minor_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+
+
 def _median_lines(ax: Axes, group: Sequence[ConfigSummary], colors: dict[str, Color],
                   curves: dict[str, list[list[tuple[float, float]]]]) -> int:
     """A median line per configuration (its mode's style) and a min-max band over seeds;
@@ -100,7 +108,7 @@ def work_figure(scenario: str, group: Sequence[ConfigSummary],
                   for s in group}
         _median_lines(ax, group, colors, curves)
         ax.set_xlabel(xlabel)
-        ax.set_yscale("log")
+        _plain_log(ax)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize="small")
     axes[0].set_ylabel("held-out loss (log scale)")
@@ -177,7 +185,7 @@ def step_time_figure(scenario: str, group: Sequence[ConfigSummary]) -> Figure | 
                 for rank in ranks]
         ax.boxplot(data, tick_labels=[str(rank) for rank in ranks], showfliers=True,
                    flierprops={"markersize": 2, "alpha": 0.4})
-        ax.set_yscale("log")
+        _plain_log(ax)
         ax.set_title(s.label)
         ax.set_xlabel("worker")
         ax.grid(True, axis="y", which="both", alpha=0.3)
