@@ -380,3 +380,6 @@ def test_rates_idle_and_all_active_window_under_a_known_persistent_straggler(tmp
     for name, _, _ in TABLE_COLUMNS:
         assert f"| {name} " in md or f"| {name} |" in md
     assert "all active" in md and "Step-size rules: async: lr scaling none" in md
+    # the built-in loop's evaluator is worker 0, which 'persistent' slows: the report says so
+    assert "Held-out evaluation: worker 0 evaluates" in md
+    assert "Worker 0, the evaluator, is also this scenario's straggler (4x slower" in md
