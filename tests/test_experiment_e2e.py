@@ -23,11 +23,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _table(md: str, scenario: str) -> dict[str, dict[str, str]]:
-    """The rows of one scenario's table, by configuration label, each by column name."""
+    """The rows of one scenario's tables (outcome, dynamics), by configuration label, each
+    by column name."""
     section = md.split(f"## Scenario '{scenario}'")[1].split("\n## ")[0]
-    rows = [line for line in section.splitlines() if line.startswith("| ")]
-    header, *cells = [[c.strip() for c in row.strip().strip("|").split("|")] for row in rows]
-    return {c[0]: dict(zip(header, c, strict=True)) for c in cells if set(c[0]) != {"-"}}
+    merged: dict[str, dict[str, str]] = {}
+    for table in re.findall(r"(?:^\|.*\n?)+", section, flags=re.M):
+        header, _, *cells = [[c.strip() for c in row.strip().strip("|").split("|")]
+                             for row in table.strip().splitlines()]
+        for c in cells:
+            merged.setdefault(c[0], {}).update(zip(header, c, strict=True))
+    return merged
 
 
 def _median(cell: str) -> float:
@@ -58,7 +63,10 @@ def test_small_grid_end_to_end(tmp_path):
                  "transient-ssp1-none-w2-clocks.png"):
         assert (out / "images" / name).read_bytes()[:4] == b"\x89PNG"
     html = (out / "report.html").read_text()
-    assert html.count("data:image/png;base64,") == 3
+    # every figure inlined: the three above and the work, throughput, step-time and
+    # accuracy plots
+    assert html.count("data:image/png;base64,") == len(list((out / "images").glob("*.png")))
+    assert len(list((out / "images").glob("*.png"))) == 3 + 4
 
     # every step of every worker is in steps.jsonl, with what the issue asks for
     table = _table((out / "report.md").read_text(), "transient")

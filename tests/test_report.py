@@ -269,6 +269,18 @@ def test_checks_are_skipped_without_their_configurations(tmp_path):
     assert claims["throughput"].status == "pass"
 
 
+def _rows(md: str, scenario: str) -> dict[str, dict[str, str]]:
+    """One scenario's tables (outcome, dynamics) merged: label -> column -> cell."""
+    section = md.split(f"## Scenario '{scenario}'")[1].split("\n## ")[0]
+    merged: dict[str, dict[str, str]] = {}
+    for table in re.findall(r"(?:^\|.*\n?)+", section, flags=re.M):
+        header, _, *cells = [[c.strip() for c in row.strip().strip("|").split("|")]
+                             for row in table.strip().splitlines()]
+        for c in cells:
+            merged.setdefault(c[0], {}).update(zip(header, c, strict=True))
+    return merged
+
+
 def test_report_files_tables_and_plots(tmp_path):
     fake_experiment(tmp_path, dts=GOOD, gap=1, failed=("transient-async-none-w2", 2))
     files = write_report(tmp_path)
@@ -277,8 +289,10 @@ def test_report_files_tables_and_plots(tmp_path):
     assert files.markdown == tmp_path / "report.md" and files.html == tmp_path / "report.html"
     # header: the emulated step time and the environment are stated
     assert "at least 10 ms" in md and "abc123" in md
-    # one table per scenario with every configuration, and a note on the failed run
+    # two tables per scenario (outcome, dynamics) with every configuration, and a note on
+    # the failed run
     assert md.count("| configuration | time to target (s)") == 2
+    assert md.count("| configuration | updates/s, all active") == 2
     assert "runs/transient-async-none-w2/seed2: worker1 failed" in md
     assert "| async (1 failed) |" in md
     # figures of the table match the synthetic logs: sync in 'transient' did one update
@@ -287,19 +301,22 @@ def test_report_files_tables_and_plots(tmp_path):
     row = next(line for line in transient.splitlines() if line.startswith("| sync |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     expected = sorted(6 / (12 * 0.4 * (1 + 0.01 * s) + 0.001) for s in range(3))
-    col = {name: i + 1 for i, (name, _, _) in enumerate(TABLE_COLUMNS)}
-    assert cells[col["updates/s"]] == f"{expected[1]:.1f}"  # seeds differ by < the precision
+    sync = _rows(md, "transient")["sync"]
+    assert set(sync) == {"configuration"} | {name for name, _, _ in TABLE_COLUMNS}
+    assert sync["updates/s"] == f"{expected[1]:.1f}"  # seeds differ by < the precision
     trains = sorted(12 * 0.4 * (1 + 0.01 * s) + 0.001 for s in range(3))
-    assert cells[col["training (s)"]] == f"{trains[1]:.1f} [{trains[0]:.1f}-{trains[2]:.1f}]"
-    assert cells[3] == "0.400" and cells[4] == "90.0"
-    assert cells[col["staleness p50/p95/max"]] == "0 / 0 / 0"
-    assert cells[col["rejected (%)"]] == "0.0"
-    # images: loss and staleness per scenario, clocks per ssp configuration
+    assert sync["training (s)"] == f"{trains[1]:.1f} [{trains[0]:.1f}-{trains[2]:.1f}]"
+    assert cells[3] == "0.400" and cells[4] == "90.0"  # the outcome table's first row
+    assert sync["staleness p50/p95/max"] == "0 / 0 / 0"
+    assert sync["rejected (%)"] == "0.0"
+    # images: loss, staleness, work, throughput, step times and accuracy per scenario,
+    # clocks per ssp configuration
     names = sorted(p.name for p in files.images)
-    assert names == sorted(["none-loss.png", "none-staleness.png", "transient-loss.png",
-                            "transient-staleness.png", "none-ssp1-none-w2-clocks.png",
-                            "none-ssp3-none-w2-clocks.png", "transient-ssp1-none-w2-clocks.png",
-                            "transient-ssp3-none-w2-clocks.png"])
+    per_scenario = ["loss", "staleness", "work", "throughput", "step-times", "accuracy"]
+    assert names == sorted([f"{s}-{n}.png" for s in ("none", "transient") for n in per_scenario]
+                           + ["none-ssp1-none-w2-clocks.png", "none-ssp3-none-w2-clocks.png",
+                              "transient-ssp1-none-w2-clocks.png",
+                              "transient-ssp3-none-w2-clocks.png"])
     for path in files.images:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"](images/{path.name})" in md
@@ -363,3 +380,6 @@ def test_rates_idle_and_all_active_window_under_a_known_persistent_straggler(tmp
     for name, _, _ in TABLE_COLUMNS:
         assert f"| {name} " in md or f"| {name} |" in md
     assert "all active" in md and "Step-size rules: async: lr scaling none" in md
+    # the built-in loop's evaluator is worker 0, which 'persistent' slows: the report says so
+    assert "Held-out evaluation: worker 0 evaluates" in md
+    assert "Worker 0, the evaluator, is also this scenario's straggler (4x slower" in md

@@ -11,47 +11,72 @@ import base64
 import datetime as dt
 import html
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
+from paramserver.workers.experiments import plots
 from paramserver.workers.experiments.index import EnvironmentInfo, ExperimentIndex
+from paramserver.workers.experiments.plots import MODE_STYLES, Color, mode_style
+from paramserver.workers.experiments.plots import band as _band
+from paramserver.workers.experiments.plots import save as _save
 
 if TYPE_CHECKING:
+    from paramserver.workers.experiments.index import ScenarioEntry
     from paramserver.workers.experiments.report import ClaimCheck, ConfigSummary, Stat
     from paramserver.workers.stragglers import StragglerSpec
 
-__all__ = ["MODE_STYLES", "TABLE_COLUMNS", "LossFrame", "loss_figure", "loss_frame", "mode_style",
-           "render_report", "summary_rows", "table_rows"]
+__all__ = ["DYNAMICS_COLUMNS", "MODE_STYLES", "OUTCOME_COLUMNS", "TABLE_COLUMNS", "Column",
+           "LossFrame", "loss_figure", "loss_frame", "mode_style", "render_report",
+           "summary_rows", "table_rows"]
 
-#: ("h1"|"h2"|"h3"|"p"|"ul"|"code", text) | ("table", head, rows) | ("img", path, alt)
+#: ("h1"|"h2"|"h3"|"p"|"ul"|"code", text) | ("table", head, rows, html head) |
+#: ("legend", text): HTML only | ("img", path, alt)
 Block = tuple[Any, ...]
 
-#: (column title, stat name, format) of the per-scenario tables; see docs/experiments.md
+
+@dataclass(frozen=True)
+class Column:
+    """A column of the per-scenario tables (docs/experiments.md defines each)."""
+
+    title: str  # report.md's header
+    short: str  # report.html's header, "\n" a line break: a narrow column, named in a legend
+    stat: str  # the Stat's name in ConfigSummary.stats ("staleness": p50/p95/max)
+    pattern: str  # format of its values ("pct": a fraction shown in %)
+
+
+#: what each configuration achieved: its progress to the target, where it ended, how fast
+OUTCOME_COLUMNS: tuple[Column, ...] = (
+    Column("time to target (s)", "to target\n(s)", "time_to_target", "{:.1f}"),
+    Column("updates to target", "updates\nto target", "updates_to_target", "{:.0f}"),
+    Column("final held-out loss", "final\nloss", "final_loss", "{:.3f}"),
+    Column("final accuracy (%)", "final\nacc. (%)", "final_accuracy", "pct"),
+    Column("gradients to target", "gradients\nto target", "gradients_to_target", "{:.0f}"),
+    Column("updates/s", "updates/s", "updates_per_s", "{:.1f}"),
+    Column("gradients/s", "gradients/s", "gradients_per_s", "{:.1f}"),
+    Column("training (s)", "training\n(s)", "train_seconds", "{:.1f}"),
+)
+#: how the run went: rates while all trained, idling, rejections, staleness, gates
+DYNAMICS_COLUMNS: tuple[Column, ...] = (
+    Column("updates/s, all active", "updates/s\nall active", "active_updates_per_s", "{:.1f}"),
+    Column("gradients/s, all active", "grad./s\nall active", "active_gradients_per_s",
+           "{:.1f}"),
+    Column("idle (s/worker) mean", "idle (s)\nmean", "idle_s", "{:.2f}"),
+    Column("idle (s) max", "idle (s)\nmax", "idle_max_s", "{:.2f}"),
+    Column("rejected (%)", "rejected\n(%)", "pct_rejected", "{:.1f}"),
+    Column("staleness p50/p95/max", "staleness\np50/p95/max", "staleness", ""),
+    Column("max clock gap", "max clock\ngap", "max_clock_gap", "{:.0f}"),
+    Column("waiting (s/worker)", "waiting\n(s/worker)", "wait_s", "{:.2f}"),
+)
+#: (column title, stat name, format) of both tables, outcome first
 TABLE_COLUMNS: list[tuple[str, str, str]] = [
-    ("time to target (s)", "time_to_target", "{:.1f}"),
-    ("updates to target", "updates_to_target", "{:.0f}"),
-    ("final held-out loss", "final_loss", "{:.3f}"),
-    ("final accuracy (%)", "final_accuracy", "pct"),
-    ("gradients to target", "gradients_to_target", "{:.0f}"),
-    ("updates/s", "updates_per_s", "{:.1f}"),
-    ("gradients/s", "gradients_per_s", "{:.1f}"),
-    ("updates/s, all active", "active_updates_per_s", "{:.1f}"),
-    ("gradients/s, all active", "active_gradients_per_s", "{:.1f}"),
-    ("idle (s/worker) mean", "idle_s", "{:.2f}"),
-    ("idle (s) max", "idle_max_s", "{:.2f}"),
-    ("rejected (%)", "pct_rejected", "{:.1f}"),
-    ("staleness p50/p95/max", "staleness", ""),
-    ("max clock gap", "max_clock_gap", "{:.0f}"),
-    ("waiting (s/worker)", "wait_s", "{:.2f}"),
-    ("training (s)", "train_seconds", "{:.1f}"),
-]
+    (c.title, c.stat, c.pattern) for c in OUTCOME_COLUMNS + DYNAMICS_COLUMNS]
 
 
 def _fmt(stat: Stat, pattern: str, spread: bool = True, never: str = "not reached") -> str:
@@ -92,13 +117,15 @@ def _step_settings(summaries: Sequence[ConfigSummary]) -> str:
     return ("Step-size rules: " + "; ".join(parts) + ".") if parts else ""
 
 
-def table_rows(summaries: Sequence[ConfigSummary], spread: bool = True) -> list[list[str]]:
+def table_rows(summaries: Sequence[ConfigSummary], spread: bool = True,
+               columns: Sequence[Column] = OUTCOME_COLUMNS + DYNAMICS_COLUMNS
+               ) -> list[list[str]]:
     rows = []
     for s in summaries:
         row = [s.label + (f" ({len(s.failed)} failed)" if s.failed else "")]
-        for _, name, pattern in TABLE_COLUMNS:
-            row.append(_staleness(s) if name == "staleness"
-                       else _fmt(s.stats[name], pattern, spread))
+        for c in columns:
+            row.append(_staleness(s) if c.stat == "staleness"
+                       else _fmt(s.stats[c.stat], c.pattern, spread))
         rows.append(row)
     return rows
 
@@ -124,48 +151,9 @@ def summary_rows(summaries: Sequence[ConfigSummary]) -> tuple[list[str], list[li
 # --------------------------------------------------------------------------- figures
 
 
-def _save(fig: Figure, path: Path) -> Path:
-    FigureCanvasAgg(fig)
-    fig.savefig(path, dpi=110)
-    return path
-
-
-def _band(curves: Sequence[Sequence[tuple[float, float]]], points: int = 160
-          ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
-    """Median and min/max over seeds on a common x grid (up to the shortest curve)."""
-    curves = [c for c in curves if c]
-    if not curves:
-        return None
-    end = min(c[-1][0] for c in curves)
-    grid = np.linspace(0.0, end, points) if end > 0 else np.zeros(1)
-    ys = np.array([np.interp(grid, [p[0] for p in c], [p[1] for p in c]) for c in curves])
-    return grid, np.median(ys, axis=0), ys.min(axis=0), ys.max(axis=0)
-
-
-#: a configuration's colour on the plots: a matplotlib name ("tab:blue") or RGBA
-Color = str | tuple[float, float, float, float]
-
-
-def _colors(summaries: Sequence[ConfigSummary]) -> dict[str, Color]:
-    from matplotlib import colormaps
-
-    labels = list(dict.fromkeys(s.label for s in summaries))
-    cmap = colormaps["tab10"]
-    return {label: cmap(i % 10) for i, label in enumerate(labels)}
-
-
-#: line style and marker of each mode on the loss plot: curves that coincide (sync and
-#: async against updates applied) stay told apart
-MODE_STYLES: dict[str, tuple[str, str]] = {"sync": ("-", "o"), "async": ("--", "s"),
-                                           "ssp": ("-.", "^")}
 #: the target line is drawn (and the y-range stretched to it) only within this factor of
 #: the runs' losses; further off it would squeeze every curve into a sliver
 TARGET_NEAR = 1.5
-
-
-def mode_style(mode: str) -> tuple[str, str]:
-    """(line style, marker) of a mode; one not listed gets a dotted line and diamonds."""
-    return MODE_STYLES.get(mode, (":", "D"))
 
 
 @dataclass(frozen=True)
@@ -325,11 +313,28 @@ def _md(blocks: Sequence[Block]) -> str:
     return "\n\n".join(out) + "\n"
 
 
+# A table never overflows the page: it is at most as wide as the body, and a cell may
+# break anywhere (overflow-wrap:anywhere makes its min-content width one character), which
+# a browser does only when the columns' natural widths do not fit; headers are short and
+# on two lines, and a cell's spread over seeds goes on a small second line, so that they
+# fit at 1,400 px (tests/test_report_layout.py estimates every table's width).
 _CSS = """body{font-family:system-ui,sans-serif;max-width:1300px;margin:2em auto;padding:0 1em;
-color:#222}table{border-collapse:collapse;font-size:.9em;margin:1em 0}th,td{border:1px solid
-#ccc;padding:.3em .6em;text-align:right}th:first-child,td:first-child{text-align:left}
-th{background:#f3f3f3}img{max-width:100%;border:1px solid #eee}code,pre{background:#f6f6f6}
+color:#222}table{border-collapse:collapse;font-size:.9em;margin:1em 0 .3em;max-width:100%}
+th,td{border:1px solid #ccc;padding:.3em .6em;text-align:right;overflow-wrap:anywhere}
+th:first-child,td:first-child{text-align:left}th{background:#f3f3f3;font-weight:600}
+td small{color:#555}p.legend{font-size:.8em;color:#555;margin:0 0 1em}
+img{max-width:100%;border:1px solid #eee}code,pre{background:#f6f6f6}
 pre{padding:.6em;overflow-x:auto}"""
+
+#: where a cell's text goes on a second, smaller line in HTML: before its spread over seeds
+#: "[lo-hi]" and a note "(2/3 reached)", "(1 failed)"
+_NOTE = re.compile(r" (?=[\[(])")
+
+
+def _html_cell(text: str) -> str:
+    first, *notes = _NOTE.split(text, maxsplit=1)
+    esc = html.escape(first)
+    return esc + "".join(f"<br><small>{html.escape(n)}</small>" for n in notes)
 
 
 def _html(blocks: Sequence[Block], out_dir: Path, title: str) -> str:
@@ -340,13 +345,17 @@ def _html(blocks: Sequence[Block], out_dir: Path, title: str) -> str:
         kind = block[0]
         if kind in ("h1", "h2", "h3", "p"):
             parts.append(f"<{kind}>{esc(block[1])}</{kind}>")
+        elif kind == "legend":
+            parts.append(f"<p class='legend'>{esc(block[1])}</p>")
         elif kind == "ul":
             parts.append("<ul>" + "".join(f"<li>{esc(i)}</li>" for i in block[1]) + "</ul>")
         elif kind == "code":
             parts.append(f"<pre><code>{esc(block[1])}</code></pre>")
         elif kind == "table":
-            head = "".join(f"<th>{esc(h)}</th>" for h in block[1])
-            body = "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in r) + "</tr>"
+            titles = block[3] if len(block) > 3 else block[1]
+            head = "".join("<th>" + "<br>".join(esc(line) for line in h.split("\n")) + "</th>"
+                           for h in titles)
+            body = "".join("<tr>" + "".join(f"<td>{_html_cell(c)}</td>" for c in r) + "</tr>"
                            for r in block[2])
             parts.append(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
         elif kind == "img":
@@ -358,9 +367,12 @@ def _html(blocks: Sequence[Block], out_dir: Path, title: str) -> str:
 
 
 _DEFINITIONS = [
+    "two tables per scenario: outcome (progress to the target, where training ended, how "
+    "fast) and dynamics (rates while every worker trained, idling, rejections, staleness, "
+    "gates)",
     "time to target: wall-clock seconds from the start of training until the held-out loss "
-    "(evaluated by worker 0 every few steps) first reaches the target; interpolated between "
-    "evaluations",
+    "(evaluated by the worker each scenario names) first reaches the target; interpolated "
+    "between evaluations",
     "updates to target: optimizer steps applied by the servers until then (a sync round is "
     "one update, however many workers it averages)",
     "final held-out loss / accuracy: of the final weights, after every worker finished",
@@ -392,7 +404,7 @@ def render_report(out_dir: Path, exp: ExperimentIndex, summaries: Sequence[Confi
     images_dir = out_dir / "images"
     images_dir.mkdir(exist_ok=True)
     env = EnvironmentInfo.read(out_dir)
-    colors = _colors(summaries)
+    colors = plots.colors_of(summaries)
     target = exp.target_loss
     step_ms = 1000 * exp.min_step_time
     blocks: list[Block] = [("h1", f"Experiment '{exp.name}'")]
@@ -440,7 +452,11 @@ def render_report(out_dir: Path, exp: ExperimentIndex, summaries: Sequence[Confi
         blocks.append(("ul", [f"{r.path}: {r.error}" for r in failed]))
     blocks += [("h2", "Columns"), ("ul", _DEFINITIONS)]
     images: list[Path] = []
-    head = ["configuration"] + [c[0] for c in TABLE_COLUMNS]
+    tables = [(cols, ["configuration"] + [c.title for c in cols],
+               ["configuration"] + [c.short for c in cols],
+               "; ".join(f"{c.short.replace(chr(10), ' ')}: {c.title}" for c in cols
+                         if c.short.replace("\n", " ") != c.title))
+              for cols in (OUTCOME_COLUMNS, DYNAMICS_COLUMNS)]
     for scenario, info in exp.scenarios.items():
         group = [s for s in summaries if s.scenario == scenario]
         if not group:
@@ -450,7 +466,11 @@ def render_report(out_dir: Path, exp: ExperimentIndex, summaries: Sequence[Confi
             blocks.append(("p", "Per-worker settings: " + "; ".join(
                 f"worker {r}: {_straggler_text(o)}" for r, o in info.ranks.items())))
         blocks.append(("p", f"Every worker: {_straggler_text(info.all)}."))
-        blocks.append(("table", head, table_rows(group)))
+        blocks.append(("p", _evaluator_text(group, info)))
+        for (cols, head, short, legend), name in zip(tables, ("Outcome", "Dynamics"),
+                                                     strict=True):
+            blocks += [("h3", name), ("table", head, table_rows(group, columns=cols), short),
+                       ("legend", legend)]
         steps_text = _step_settings(group)
         if steps_text:
             blocks.append(("p", steps_text))
@@ -461,6 +481,19 @@ def render_report(out_dir: Path, exp: ExperimentIndex, summaries: Sequence[Confi
             for path, alt in ((loss, "held-out loss"), (stale, "staleness histograms")):
                 images.append(path)
                 blocks.append(("img", f"images/{path.name}", f"{scenario}: {alt}"))
+            for name, alt, fig in (
+                    ("work", "held-out loss against gradients computed and samples",
+                     plots.work_figure(scenario, group, colors)),
+                    ("throughput", "updates/s and gradients/s over time",
+                     plots.throughput_figure(scenario, group, colors)),
+                    ("step-times", "step time per worker",
+                     plots.step_time_figure(scenario, group)),
+                    ("accuracy", "held-out accuracy over time",
+                     plots.accuracy_figure(scenario, group, colors))):
+                if fig is not None:
+                    path = _save(fig, images_dir / f"{scenario}-{name}.png")
+                    images.append(path)
+                    blocks.append(("img", f"images/{path.name}", f"{scenario}: {alt}"))
         for s in group:
             if s.config.mode == "ssp":
                 clocks = plot_clocks(s, images_dir / f"{s.config.id}-clocks.png")
@@ -486,6 +519,24 @@ def _budget_text(exp: ExperimentIndex) -> str:
     if exp.command:
         return f"the script's own loop (PARAMSERVER_STEPS={exp.steps}, a hint)"
     return f"{exp.steps} steps per worker"
+
+
+def _evaluator_text(group: Sequence[ConfigSummary], info: ScenarioEntry) -> str:
+    """Which worker's held-out evaluations the curves and the target come from, and whether
+    this scenario slows it: then the curves get a point only at the straggler's pace."""
+    evaluators = sorted({r.evaluator for s in group for r in s.runs if r.evaluator is not None})
+    if not evaluators:
+        return ("No worker logged a held-out evaluation: time to target and the loss and "
+                "accuracy curves are empty.")
+    who = " and ".join(f"worker {e}" for e in evaluators)
+    text = f"Held-out evaluation: {who} evaluates (the lowest rank that logs one)."
+    slowed = [e for e in evaluators if (spec := info.ranks.get(str(e))) is not None
+              and spec != info.all]
+    for e in slowed:
+        text += (f" Worker {e}, the evaluator, is also this scenario's straggler "
+                 f"({_straggler_text(info.ranks[str(e)])}): the held-out curves get a point "
+                 f"only at its pace, and the time it spends evaluating lengthens its steps.")
+    return text
 
 
 def _straggler_text(spec: StragglerSpec) -> str:

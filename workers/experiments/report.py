@@ -85,11 +85,12 @@ class StepEvent:
     t: float
     clock: int  # the worker's clock after the step
     wait_s: float = 0.0  # held at a sync barrier or SSP gate
+    num_samples: int = 0
 
 
 @dataclass(frozen=True)
 class EvalEvent:
-    """Rank 0's held-out ``eval``."""
+    """A held-out ``eval`` of the evaluating worker."""
 
     t: float
     versions: tuple[int, ...]  # per shard, the weights evaluated
@@ -128,10 +129,13 @@ class RunLogs:
 
     path: Path
     steps: dict[int, list[StepEvent]]  # rank -> step events in order
-    evals: list[EvalEvent]  # rank 0's held-out evaluations
+    evals: list[EvalEvent]  # the evaluating worker's held-out evaluations
     starts: dict[int, float]  # rank -> worker_start time
     pushes: dict[int, list[PushEvent]]  # shard -> push events in order
     result: ClusterResult | None  # result.json (None if the run did not finish)
+    #: the lowest rank that logged an evaluation (result.json's ``eval`` is its last one);
+    #: None: no worker evaluated
+    evaluator: int | None = None
 
 
 def load_run(path: str | Path) -> RunLogs:
@@ -142,21 +146,23 @@ def load_run(path: str | Path) -> RunLogs:
         raise ConfigError(f"{run} has no events/ directory: not a run of an experiment")
     steps: dict[int, list[StepEvent]] = {}
     evals: list[EvalEvent] = []
+    evaluator: int | None = None
     starts: dict[int, float] = {}
     pushes: dict[int, list[PushEvent]] = {}
-    for file in sorted(events.glob("worker*.jsonl")):
-        rank = int(file.stem.removeprefix("worker"))
+    files = {int(f.stem.removeprefix("worker")): f for f in events.glob("worker*.jsonl")}
+    for rank, file in sorted(files.items()):  # by rank: worker10 sorts after worker9
         steps[rank] = _events(file, "step", StepEvent)
         for start in _events(file, "worker_start", _Start):
             starts[rank] = start.t
-        if rank == 0:
+        if evaluator is None:
             evals = _events(file, "eval", EvalEvent)
+            evaluator = rank if evals else None
     for file in sorted(events.glob("server*.jsonl")):
         shard = int(file.stem.removeprefix("server"))
         pushes[shard] = _events(file, "push", PushEvent)
     result_path = run / "result.json"
     result = ClusterResult.read(result_path) if result_path.exists() else None
-    return RunLogs(run, steps, evals, starts, pushes, result)
+    return RunLogs(run, steps, evals, starts, pushes, result, evaluator)
 
 
 # --------------------------------------------------------------------------- per run
@@ -201,6 +207,15 @@ class RunMetrics:
     gradients_to_target: float | None = None  # gradients computed when the target was reached
     #: the model has row-sparse tables (ShardedEmbedding): an update steps only its pushes' rows
     sparse_tables: bool = False
+    evaluator: int | None = None  # the worker whose held-out evaluations make the curve
+    #: the held-out loss curve against work done: (gradients computed, samples, loss)
+    work_curve: list[tuple[float, float, float]] = field(default_factory=list)
+    accuracy_curve: list[tuple[float, float]] = field(default_factory=list)  # (s, accuracy)
+    #: every step of every worker in time order: (s, samples); shard 0's versions: (s, version)
+    step_log: list[tuple[float, int]] = field(default_factory=list)
+    versions: list[tuple[float, int]] = field(default_factory=list)
+    #: rank -> seconds between its consecutive steps (its first from its worker_start)
+    step_times: dict[int, list[float]] = field(default_factory=dict)
 
 
 def _int(stats: JSONObject, key: str) -> int | None:
@@ -279,6 +294,14 @@ def run_metrics(logs: RunLogs, seed: int, target_loss: float) -> RunMetrics:
     gradients_to = None
     if time_to is not None:
         gradients_to = float(sum(1 for t in step_times if t - t0 <= time_to))
+    step_log = sorted((s.t - t0, s.num_samples) for s in all_steps)
+    done_at = np.array([t for t, _ in step_log])
+    samples_done = np.cumsum([n for _, n in step_log])
+
+    def work(s: float) -> tuple[float, float]:
+        """Gradients and samples computed by all workers in the first ``s`` s of training."""
+        k = int(np.searchsorted(done_at, s, side="right"))
+        return float(k), float(samples_done[k - 1]) if k else 0.0
     return RunMetrics(
         seed=seed, train_seconds=train, updates=updates, updates_per_s=updates / train,
         pct_rejected=100.0 * rejected / len(every_push) if every_push else 0.0,
@@ -301,7 +324,20 @@ def run_metrics(logs: RunLogs, seed: int, target_loss: float) -> RunMetrics:
         idle_s=statistics.fmean(idle.values()), idle_max_s=max(idle.values()),
         gradients_to_target=gradients_to,
         sparse_tables=any("sparse" in s for s in servers),
+        evaluator=logs.evaluator,
+        work_curve=[(*work(t), loss) for t, _, loss in curve],
+        accuracy_curve=[(max(0.0, e.t - t0), e.accuracy) for e in logs.evals
+                        if e.accuracy is not None],
+        step_log=step_log, versions=[(p.t - t0, p.version) for p in first],
+        step_times={r: _intervals(logs.starts.get(r), [s.t for s in steps])
+                    for r, steps in sorted(logs.steps.items())},
     )
+
+
+def _intervals(start: float | None, times: Sequence[float]) -> list[float]:
+    """Seconds between consecutive steps (the first from the worker's start, when known)."""
+    points = ([start] if start is not None else []) + list(times)
+    return [b - a for a, b in itertools.pairwise(points)]
 
 
 # --------------------------------------------------------------------------- over seeds
