@@ -233,6 +233,9 @@ class Watchdog:
         self.version = max(self.version, obs.version)
         win = self._window(obs.worker)
         rejected = not obs.accepted
+        # counted from the pushes, not the steps: a step is observed only when measured,
+        # and a sampled shard's blocks of losses must not look like nothing was applied
+        self._applied_in_block += obs.accepted
         if obs.grad_norm is not None and not math.isfinite(obs.grad_norm):
             fate = ("it was applied (--no-check-finite): the weights are broken now"
                     if obs.accepted else "it was refused, the weights are unchanged (a fault of "
@@ -270,7 +273,6 @@ class Watchdog:
         cfg = self.config
         out: list[Alarm] = []
         self.steps += 1
-        self._applied_in_block += 1
         self.version = max(self.version, obs.version)
         if not (math.isfinite(obs.weight_norm) and math.isfinite(obs.update_norm)):
             self._fire(out, "nonfinite_weights", None,
@@ -492,7 +494,7 @@ class Watchdog:
                 self._fire(out, "loss_stalled", None,
                            {"loss": median, "best_loss": best, "first_loss": first,
                             "blocks": self._stale_blocks, "window": cfg.loss_window,
-                            "steps_applied": applied, "episode": self._episode("loss_stalled")},
+                            "pushes_applied": applied, "episode": self._episode("loss_stalled")},
                            f"median training loss has not improved on {_fmt(best)} for "
                            f"{flat} pushes (now {_fmt(median)}, {_fmt(first)} at the start) "
                            "while updates are applied: learning stalled (a learning rate of 0 "
