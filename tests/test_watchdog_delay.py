@@ -263,3 +263,20 @@ def test_every_rule_has_a_delay_and_sampling_only_delays_what_it_samples():
     assert delay("zero_gradient").pushes(MAX) == 5  # the finite check's norm: every push
     with pytest.raises(KeyError):
         delay("no_such_rule")
+
+
+def test_the_docs_list_each_rules_delay_as_the_code_states_it():
+    from pathlib import Path
+
+    from paramserver.observe.watchdog import Reads, delays
+
+    def cell(d, level: int) -> str:
+        sync = (f" (sync: {d.pushes(level, sync=True)})"
+                if d.reads is Reads.STEP and level > 1 else "")
+        return f"{d.pushes(level):,}{sync}"
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "observability.md").read_text()
+    for d in delays():
+        row = (f"| `{d.signal}` | {d.needs} | {d.scope.value} | {cell(d, 1)} | "
+               f"{cell(d, MAX)} | {cell(d, MAX)} |")
+        assert row in doc, row
