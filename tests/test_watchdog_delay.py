@@ -280,3 +280,20 @@ def test_the_docs_list_each_rules_delay_as_the_code_states_it():
         row = (f"| `{d.signal}` | {d.needs} | {d.scope.value} | {cell(d, 1)} | "
                f"{cell(d, MAX)} | {cell(d, MAX)} |")
         assert row in doc, row
+
+
+def test_observe_option_sets_the_watchdogs_budget_and_keeps_the_old_spelling():
+    from paramserver.errors import ConfigError
+    from paramserver.server.config import ServerConfig
+
+    assert ServerConfig().observe == "budget:0.05"
+    assert ServerConfig().watchdog_config().observe_budget == DEFAULT_BUDGET
+    assert ServerConfig(observe="every").watchdog_config().observe_budget == 0.0
+    assert ServerConfig(observe="budget:0.1").watchdog_config().observe_budget == 0.1
+    old = ServerConfig(watchdog={"observe_budget": 0.2})  # the spelling before --observe
+    assert old.watchdog_config().observe_budget == 0.2
+    for bad in ("sometimes", "budget:", "budget:0", "budget:1.5", "budget:x", "every:1"):
+        with pytest.raises(ConfigError, match="--observe"):
+            ServerConfig(observe=bad)
+    with pytest.raises(ConfigError, match="disagree"):
+        ServerConfig(observe="every", watchdog={"observe_budget": 0.2})
