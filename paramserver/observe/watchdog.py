@@ -24,6 +24,9 @@ Only alarms about the model's own state (:data:`DIVERGENCE`, and a non-finite
 gradient that was applied) are divergence, which ``--on-divergence`` may stop a
 shard for; a push the shard refused is a peer's fault, alarmed and counted only.
 
+Each rule states the longest delay, in pushes, within which it fires on a failure
+that persists, at any measuring budget (:func:`delay`; docs/observability.md, Cost).
+
 Each alarm fires once per (signal, worker) and then stays quiet for
 ``cooldown`` pushes, so a persistent condition is reported, not spammed. The
 loss rules work by episodes instead (hysteresis): ``loss_stalled`` fires once
