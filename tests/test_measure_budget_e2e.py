@@ -1,4 +1,4 @@
-"""A real shard keeps measuring pushes within its ``observe_budget`` (STATS says how)."""
+"""A real shard keeps measuring pushes within its ``--observe`` budget (STATS says how)."""
 
 from __future__ import annotations
 
@@ -19,13 +19,13 @@ from paramserver.workers.worker import WorkerConfig
 pytestmark = pytest.mark.integration
 
 
-def _level_after_pushes(tmp_path: Path, budget: float, pushes: int) -> list[int]:
+def _level_after_pushes(tmp_path: Path, observe: str, pushes: int) -> list[int]:
     """Push a small model ``pushes`` times (stopping early once the level moved);
     the levels STATS reported along the way."""
     spec = ClusterSpec(num_servers=1, num_workers=1,
                        server=ServerConfig(mode="async", optimizer="sgd",
                                            optimizer_args={"lr": 1e-3},
-                                           watchdog={"observe_budget": budget}),
+                                           observe=observe),
                        worker=WorkerConfig(servers=[], task="digits-mlp"), evaluate=False)
     plan = ShardPlan([ParamSpec("w", (256,), "float32")], 1)
     params = {"w": torch.zeros(256)}
@@ -51,10 +51,13 @@ def _level_after_pushes(tmp_path: Path, budget: float, pushes: int) -> list[int]
 
 def test_a_shard_over_its_measuring_budget_samples_pushes(tmp_path: Path) -> None:
     # a budget no measurement fits in: the level doubles every 0.25 s window
-    levels = _level_after_pushes(tmp_path, 1e-9, 20_000)
+    levels = _level_after_pushes(tmp_path, "budget:1e-9", 20_000)
     assert levels[-1] > 1, levels
 
 
-def test_by_default_every_push_is_measured(tmp_path: Path) -> None:
-    levels = _level_after_pushes(tmp_path, WatchdogConfig().observe_budget, 600)
+def test_observe_every_measures_every_push(tmp_path: Path) -> None:
+    # what the default was before issue 34 (a budget of 5 % now: WatchdogConfig)
+    assert WatchdogConfig().observe_budget == 0.05
+    assert ServerConfig(observe="every").watchdog_config().observe_budget == 0.0
+    levels = _level_after_pushes(tmp_path, "every", 600)
     assert levels == [1] * 6

@@ -38,10 +38,12 @@ FIXTURE = "tests.observability_fixture"
 
 
 def spec(mode="async", *, workers=3, shards=1, steps=40, seed=0, task="digits-mlp",
-         task_args=None, stragglers=None, metrics_port=None, **server):
+         task_args=None, stragglers=None, metrics_port=None, observe="every", **server):
+    # every push measured: the delays asserted here are those of --observe every (the
+    # default before issue 34); a budget's are tests/test_watchdog_delay.py's
     return ClusterSpec(
         num_servers=shards, num_workers=workers,
-        server=ServerConfig(mode=mode, **server),
+        server=ServerConfig(mode=mode, observe=observe, **server),
         worker=WorkerConfig(servers=[], task=task, task_args=task_args or {},
                             steps=steps, seed=seed),
         stragglers=stragglers or {}, evaluate=False, metrics_port=metrics_port,

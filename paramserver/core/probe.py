@@ -181,6 +181,20 @@ class MeasureBudget:
             self._spent, self._since = 0.0, now
         return self.level
 
+    def flush(self, probe: Probe, clock: Callable[[], float]) -> None:
+        """Run ``probe``'s deferred measurements and set its level from what they took
+        (``clock``: seconds; no reading at all without a budget). The shard's path,
+        and the watchdog tests' (tests/test_watchdog_delay.py)."""
+        if not self.share:
+            probe.flush()
+            return
+        t0 = clock()
+        try:
+            probe.flush()
+        finally:
+            t1 = clock()
+            probe.shed = self.spent(t1 - t0, t1)
+
 
 @dataclass(frozen=True)
 class GradStats:
@@ -234,10 +248,9 @@ class Probe:
         self._sync = sync  # every sync round's step is measured
         self.observer: Callable[[GradStats | StepStats], None] | None = None
         self._every = 1
-        self._observed = 0  # pushes seen by the observer hook (sampling counter)
         # measure one push in ``shed`` per worker (set from a MeasureBudget; 1: all)
         self.shed = 1
-        self._seen: dict[int, int] = {}  # worker -> pushes seen (the shed's counter)
+        self._seen: dict[int, int] = {}  # worker -> pushes seen (every's and shed's counter)
         self._measure_step = False
         self._decay: float | None = None
         self._grad_ema: torch.Tensor | None = None  # the running mean, sampled and flat
@@ -284,19 +297,22 @@ class Probe:
 
     def push_begins(self, worker: int) -> PushMeasure | None:
         """A new push from ``worker``: where to sum its statistics, or None when it is
-        not measured (one in ``every``). Of those, one in ``shed`` of each worker's is
+        not measured (one in ``every`` of each worker's). Of those, one in ``shed`` is
         measured in full (counted per worker, so that workers pushing in turn are all
         measured); the others report their norm only."""
         if self.observer is None:
             return None
-        self._observed += 1
-        if self._observed % self._every:
+        # counted per worker, for ``every`` too: a shard-wide count in step with workers
+        # pushing in turn would never observe some of them (no bound on an alarm's delay)
+        seen = self._seen[worker] = self._seen.get(worker, 0) + 1
+        every = self._every
+        if seen % every:
             self._measure_step = False
             return None
-        full = True
-        if self.shed > 1:
-            seen = self._seen[worker] = self._seen.get(worker, 0) + 1
-            full = seen % self.shed == 0
+        # full on a multiple of every x shed: the shed is a power of two up to MAX_LEVEL,
+        # so each worker's every x MAX_LEVEL-th push is measured in full at any level
+        # (thresholds.delay states the rules' delays from this)
+        full = self.shed == 1 or (seen // every) % self.shed == 0
         self._measure_step = full
         return PushMeasure(full=full)
 

@@ -8,13 +8,36 @@ because ``ServerConfig`` declares its options from these; importable from
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from paramserver.errors import ConfigError
 
-__all__ = ["ACTIONS", "DIVERGENCE", "HINTS", "SIGNALS", "WatchdogConfig"]
+__all__ = ["ACTIONS", "DEFAULT_BUDGET", "DEFAULT_OBSERVE", "DIVERGENCE", "HINTS", "SIGNALS",
+           "WatchdogConfig", "parse_observe"]
+
+#: ``--observe``'s default: measuring may take about 5 % of a shard's wall time
+DEFAULT_OBSERVE = "budget:0.05"
+DEFAULT_BUDGET = 0.05
+
+
+def parse_observe(text: str) -> float:
+    """``--observe every|budget:F`` -> the measuring budget (0.0: every push measured)."""
+    value = text.strip()
+    if value == "every":
+        return 0.0
+    kind, sep, share = value.partition(":")
+    try:
+        budget = float(share) if kind == "budget" and sep else math.nan
+    except ValueError:
+        budget = math.nan
+    if not 0.0 < budget <= 1.0:  # (NaN fails too)
+        raise ConfigError(f"--observe must be 'every' or 'budget:F' with F in (0, 1] (a share "
+                          f"of the shard's wall time), got {text!r}")
+    return budget
+
 
 #: what ``--on-divergence`` may say
 ACTIONS: tuple[str, ...] = ("warn", "checkpoint-and-stop", "stop")
@@ -54,8 +77,9 @@ class WatchdogConfig:
     cooldown: int = 1000  # pushes before the same (signal, worker) may fire again
     observe_every: int = 0  # measure gradient and update norms on one push in N; 0: by size
     # share of a shard's wall time measuring may take before pushes are sampled (0: no
-    # limit, every push measured: alarms then come within the same pushes on any load)
-    observe_budget: float = 0.0
+    # limit, every push measured); set by ``--observe`` (ServerConfig.observe). Sampled,
+    # each rule still fires within its delay (:func:`delay`)
+    observe_budget: float = DEFAULT_BUDGET
     # update-to-weight ratio per optimizer step
     ratio_low: float = 1e-7  # below float32 resolution: updates round away
     ratio_high: float = 0.2  # a fifth of the weights' norm in one step: blow-up

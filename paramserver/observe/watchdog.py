@@ -24,6 +24,9 @@ Only alarms about the model's own state (:data:`DIVERGENCE`, and a non-finite
 gradient that was applied) are divergence, which ``--on-divergence`` may stop a
 shard for; a push the shard refused is a peer's fault, alarmed and counted only.
 
+Each rule states the longest delay, in pushes, within which it fires on a failure
+that persists, at any measuring budget (:func:`delay`; docs/observability.md, Cost).
+
 Each alarm fires once per (signal, worker) and then stays quiet for
 ``cooldown`` pushes, so a persistent condition is reported, not spammed. The
 loss rules work by episodes instead (hysteresis): ``loss_stalled`` fires once
@@ -38,6 +41,7 @@ import statistics
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from paramserver.observe.thresholds import ACTIONS, DIVERGENCE, HINTS, SIGNALS, WatchdogConfig
@@ -50,10 +54,15 @@ __all__ = [
     "HINTS",
     "SIGNALS",
     "Alarm",
+    "Delay",
     "PushObservation",
+    "Reads",
+    "Scope",
     "StepObservation",
     "Watchdog",
     "WatchdogConfig",
+    "delay",
+    "delays",
 ]
 
 @dataclass(frozen=True)
@@ -227,6 +236,9 @@ class Watchdog:
         self.version = max(self.version, obs.version)
         win = self._window(obs.worker)
         rejected = not obs.accepted
+        # counted from the pushes, not the steps: a step is observed only when measured,
+        # and a sampled shard's blocks of losses must not look like nothing was applied
+        self._applied_in_block += obs.accepted
         if obs.grad_norm is not None and not math.isfinite(obs.grad_norm):
             fate = ("it was applied (--no-check-finite): the weights are broken now"
                     if obs.accepted else "it was refused, the weights are unchanged (a fault of "
@@ -264,7 +276,6 @@ class Watchdog:
         cfg = self.config
         out: list[Alarm] = []
         self.steps += 1
-        self._applied_in_block += 1
         self.version = max(self.version, obs.version)
         if not (math.isfinite(obs.weight_norm) and math.isfinite(obs.update_norm)):
             self._fire(out, "nonfinite_weights", None,
@@ -486,7 +497,7 @@ class Watchdog:
                 self._fire(out, "loss_stalled", None,
                            {"loss": median, "best_loss": best, "first_loss": first,
                             "blocks": self._stale_blocks, "window": cfg.loss_window,
-                            "steps_applied": applied, "episode": self._episode("loss_stalled")},
+                            "pushes_applied": applied, "episode": self._episode("loss_stalled")},
                            f"median training loss has not improved on {_fmt(best)} for "
                            f"{flat} pushes (now {_fmt(median)}, {_fmt(first)} at the start) "
                            "while updates are applied: learning stalled (a learning rate of 0 "
@@ -501,3 +512,102 @@ class Watchdog:
                          "decay the learning rate)", self.version)
             self.hints.append(hint)
             self._new_hints.append(hint)
+
+
+# ---------------------------------------------------------------------- delays
+
+
+class Reads(Enum):
+    """What a rule reads of a push, and so how often the budget lets it see one."""
+
+    PUSH = "every push"  # the decision, its staleness, the loss, the finite check
+    NORM = "each observed push's norm"  # one push in observe_every of each worker's
+    FULL = "a push measured in full"  # one in observe_every x level of each worker's
+    STEP = "a measured step"  # async: a fully measured push's step; sync: every round
+
+
+class Scope(Enum):
+    """Whose pushes a delay counts."""
+
+    WORKER = "pushes of that worker"
+    SHARD = "pushes to the shard"
+    ONE = "pushes of any one worker (sync: rounds)"
+
+
+@dataclass(frozen=True)
+class Delay:
+    """The longest delay of one rule on a failure that persists: it fires within
+    :meth:`pushes` pushes (of :attr:`scope`) after the failure began, and also needs
+    :attr:`seconds` of wall time when that is not 0."""
+
+    signal: str
+    needs: str  # what it reads, in words (the docs' table)
+    count: int  # observations of that kind it needs
+    reads: Reads
+    scope: Scope
+    seconds: float = 0.0
+
+    def pushes(self, level: int = 1, every: int = 1, *, sync: bool = False) -> int:
+        """The bound at a sampling ``level`` (1: every push measured; at most
+        MeasureBudget.MAX_LEVEL) with ``observe_every`` = ``every``. A worker's
+        pushes are measured in full on the multiples of every x level of its count
+        (paramserver.core.probe.Probe.push_begins), and the level is a power of two up
+        to MAX_LEVEL: its every x MAX_LEVEL-th push is measured at any level."""
+        per = {Reads.PUSH: 1, Reads.NORM: every, Reads.FULL: every * level,
+               Reads.STEP: 1 if sync else every * level}[self.reads]
+        return self.count * per
+
+
+def delay(signal: str, config: WatchdogConfig | None = None, *,
+          check_finite: bool = True) -> Delay:
+    """The longest delay of ``signal``'s rule under ``config``'s thresholds, once the
+    failure it exists for persists (docs/observability.md lists them, from this)."""
+    c = config or WatchdogConfig()
+    table = {
+        "nonfinite_gradient": Delay(
+            signal, "the finite check of each push (refused: ERROR nonfinite)", 1,
+            Reads.PUSH, Scope.WORKER) if check_finite else Delay(
+            signal, "each observed push's norm (--no-check-finite)", 1, Reads.NORM,
+            Scope.WORKER),
+        "nonfinite_loss": Delay(signal, "the loss a push reports", 1, Reads.PUSH, Scope.WORKER),
+        "nonfinite_weights": Delay(
+            signal, "a step the core undoes (it would make the weights NaN or Inf)", 1,
+            Reads.PUSH, Scope.ONE) if check_finite else Delay(
+            signal, "a measured step's norms (--no-check-finite)", 1, Reads.STEP, Scope.ONE),
+        "update_ratio_high": Delay(
+            signal, f"the median ratio of {c.ratio_high_window} measured steps",
+            c.ratio_high_window, Reads.STEP, Scope.ONE),
+        "update_ratio_low": Delay(
+            signal, f"the median ratio of {c.ratio_window} measured steps, after "
+            f"{c.warmup_steps} of warm-up", max(c.ratio_window, c.warmup_steps + 1),
+            Reads.STEP, Scope.ONE),
+        "loss_stalled": Delay(
+            signal, f"a first block and {c.loss_patience} flat blocks of {c.loss_window} "
+            "reported losses", (c.loss_patience + 1) * c.loss_window, Reads.PUSH,
+            Scope.SHARD),
+        "loss_rising": Delay(
+            signal, f"after a first block: one block of {c.loss_window} losses "
+            f"{c.loss_blowup:.0%} above the best (a rise of {c.loss_rise:.0%} needs "
+            f"{c.loss_rise_patience} blocks)", 2 * c.loss_window, Reads.PUSH, Scope.SHARD),
+        "rejection_rate": Delay(
+            signal, f"the decisions on the last {c.reject_window} pushes", c.reject_window,
+            Reads.PUSH, Scope.SHARD),
+        "worker_lag": Delay(
+            signal, f"the staleness of its last {2 * c.staleness_window} pushes (async; or "
+            f"its clock lag, held {c.lag_seconds:g} s)", 2 * c.staleness_window,
+            Reads.PUSH, Scope.WORKER),
+        "zero_gradient": Delay(
+            signal, f"the norms of its last {c.zero_window} pushes", c.zero_window,
+            Reads.NORM, Scope.WORKER),
+        "gradient_disagrees": Delay(
+            signal, f"the cosines of its (and 2 others') last {c.cosine_window} fully "
+            "measured pushes", c.cosine_window, Reads.FULL, Scope.WORKER),
+    }
+    if signal not in table:
+        raise KeyError(f"no rule {signal!r}; rules: {', '.join(SIGNALS)}")
+    return table[signal]
+
+
+def delays(config: WatchdogConfig | None = None, *, check_finite: bool = True) -> list[Delay]:
+    """:func:`delay` of every rule, in :data:`SIGNALS` order."""
+    return [delay(s, config, check_finite=check_finite) for s in SIGNALS]

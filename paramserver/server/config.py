@@ -31,7 +31,12 @@ from paramserver.core.limits import PlanLimits, estimate_copies
 from paramserver.core.modes import MODES, CoreConfig, Mode, ModeSpec
 from paramserver.core.stepsize import LR_SCALINGS
 from paramserver.errors import ConfigError
-from paramserver.observe.thresholds import ACTIONS, WatchdogConfig
+from paramserver.observe.thresholds import (
+    ACTIONS,
+    DEFAULT_OBSERVE,
+    WatchdogConfig,
+    parse_observe,
+)
 from paramserver.util.coerce import MISSING, coerce, guess, parse_kwargs, parse_policy_args
 
 __all__ = [
@@ -346,6 +351,12 @@ class ServerConfig(ConfigRecord):
         parse=parse_watchdog_args,
         help="Watchdog threshold, e.g. ratio_high=0.5, disable=worker_lag or enabled=false "
              "(repeatable; docs/observability.md lists them).")
+    observe: str = option(DEFAULT_OBSERVE, metavar="every|budget:F",
+                          help="How much of a shard's time measuring pushes (norms, cosines, "
+                               "update ratios) may take: every (every push measured) or "
+                               "budget:F, a share F of its wall time, past which each "
+                               "worker's pushes are sampled; every alarm still fires within "
+                               "its stated delay (docs/observability.md).")
     #: a plan from a peer declaring more bytes (all shards) is refused before anything
     #: is allocated from it
     max_model_bytes: int = option(PlanLimits.max_model_bytes, min=1, metavar="BYTES",
@@ -401,7 +412,16 @@ class ServerConfig(ConfigRecord):
         self.watchdog_config()
 
     def watchdog_config(self) -> WatchdogConfig:
-        return WatchdogConfig.from_dict(self.watchdog)
+        """The watchdog's thresholds, with ``observe`` as its ``observe_budget``; the older
+        spelling ``--watchdog-arg observe_budget=F`` still works (0: every)."""
+        budget = parse_observe(self.observe)
+        if "observe_budget" in self.watchdog:
+            given = self.watchdog["observe_budget"]
+            if self.observe != DEFAULT_OBSERVE and given != budget:
+                raise ConfigError(f"--observe {self.observe} and --watchdog-arg "
+                                  f"observe_budget={given} disagree: give one")
+            return WatchdogConfig.from_dict(self.watchdog)
+        return WatchdogConfig.from_dict({**self.watchdog, "observe_budget": budget})
 
     def plan_limits(self) -> PlanLimits:
         dense, sparse = estimate_copies(self.optimizer, self.optimizer_args,

@@ -359,16 +359,11 @@ class ShardServer:
         first, then what reads them); an alarm it raises acts now, before the next
         message is handled."""
         if self.core is not None and self.core.probe.pending:
-            probe, budget = self.core.probe, self.measure_budget
-            t0 = time.perf_counter() if budget.share else 0.0
             try:
-                probe.flush()
+                self.measure_budget.flush(self.core.probe, time.perf_counter)
             except Exception:  # observation must not take the server down
                 self.counters["error_internal"] += 1
                 log.exception("measuring a push failed")
-            if budget.share:  # (no clock read per message when there is no budget)
-                t1 = time.perf_counter()
-                probe.shed = budget.spent(t1 - t0, t1)
         work, self._after_reply = self._after_reply, []
         for fn in work:
             try:
