@@ -11,7 +11,7 @@ import json
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -177,6 +177,13 @@ class WorkerConfig(ConfigRecord):
             resolve_device(self.device)
 
 
+def _worker_default(name: str) -> Any:
+    """WorkerConfig's default for its option ``name``."""
+    default = WorkerConfig.__dataclass_fields__[name].default
+    assert default is not MISSING, name
+    return default
+
+
 #: the launcher's worker options for a command run (a LaunchOptions JSON file)
 OPTIONS_ENV = "PARAMSERVER_WORKER_OPTIONS"
 
@@ -188,18 +195,25 @@ class LaunchOptions:
     (arguments the script passes win). ``straggler`` is this rank's scenario,
     injected by ``step()``, its draws seeded by ``(seed, rank)``."""
 
+    # the same options as WorkerConfig's, with its defaults (declared once, there)
     straggler: StragglerSpec = field(default_factory=StragglerSpec)
-    seed: int = 0
-    timeout: float = 60.0
-    request_timeout: float = 5.0
-    heartbeat_interval: float = 1.0
-    barrier_timeout: float = 0.0
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    part_bytes: int = DEFAULT_CHUNK_BYTES  # workers.client.PART_BYTES
-    wire_dtype: str | None = None
-    drop_rate: float = 0.0
-    curve_key: str | None = None
-    curve_server_key: str | None = None
+    seed: int = _worker_default("seed")
+    timeout: float = _worker_default("timeout")
+    request_timeout: float = _worker_default("request_timeout")
+    heartbeat_interval: float = _worker_default("heartbeat_interval")
+    barrier_timeout: float = _worker_default("barrier_timeout")
+    chunk_bytes: int = _worker_default("chunk_bytes")
+    part_bytes: int = _worker_default("part_bytes")
+    wire_dtype: str | None = _worker_default("wire_dtype")
+    drop_rate: float = _worker_default("drop_rate")
+    curve_key: str | None = _worker_default("curve_key")
+    curve_server_key: str | None = _worker_default("curve_server_key")
+
+    @classmethod
+    def of(cls, worker: WorkerConfig, straggler: StragglerSpec) -> LaunchOptions:
+        """``worker``'s values of these options, with this rank's ``straggler``."""
+        return cls(straggler=straggler, **{
+            f.name: getattr(worker, f.name) for f in fields(cls) if f.name != "straggler"})
 
     def to_json(self) -> JSONObject:
         data: JSONObject = msgspec.to_builtins(self)

@@ -43,6 +43,8 @@ class EventLog:
 
     def write(self, event: str, **fields: Any) -> None:
         console = self.console
+        if console is not None and event not in console.events:
+            console = None  # (a push's record, on the hot path: not a console line)
         if self._fh is None and console is None:
             return
         now = time.time()
@@ -52,7 +54,7 @@ class EventLog:
             if now - self._last_flush >= self._flush_every:
                 self._fh.flush()
                 self._last_flush = now
-        if console is not None and event in console.events:
+        if console is not None:
             try:
                 console.show(event, fields, now)
             except Exception:  # a console must not take the process down

@@ -173,13 +173,7 @@ class ClusterSpec:
 
     def launch_options(self, rank: int) -> LaunchOptions:
         """What acts on worker ``rank``'s DistributedOptimizer in a command run."""
-        w = self.worker
-        return LaunchOptions(
-            straggler=self.stragglers.get(rank, w.straggler), seed=w.seed, timeout=w.timeout,
-            request_timeout=w.request_timeout, heartbeat_interval=w.heartbeat_interval,
-            barrier_timeout=w.barrier_timeout, chunk_bytes=w.chunk_bytes,
-            part_bytes=w.part_bytes, wire_dtype=w.wire_dtype, drop_rate=w.drop_rate,
-            curve_key=w.curve_key, curve_server_key=w.curve_server_key)
+        return LaunchOptions.of(self.worker, self.stragglers.get(rank, self.worker.straggler))
 
     def worker_config(self, rank: int, servers: list[str], out: Path) -> WorkerConfig:
         return dataclasses.replace(
