@@ -15,6 +15,7 @@ from typing import Literal, Protocol
 from paramserver.util.jsontypes import JSON, JSONObject
 
 from .common import Stats, integer, number, numbers, text
+from .netns import Link as VethLink
 
 __all__ = ["AsyncRow", "BenchResult", "Environment", "Goal", "HostsResult", "MemoryRow",
            "OverlapResult", "ShmPath", "SweepRow"]
@@ -110,13 +111,9 @@ def find(rows: Sequence[SweepRow], system: str, workers: int, nbytes: int,
 
 
 @dataclass(frozen=True)
-class Link:
+class Link(VethLink):
     """The two namespaces of the across-hosts part (netns.Link) and the transport used."""
 
-    ns_a: str
-    ip_a: str
-    ns_b: str
-    ip_b: str
     transport: Literal["tcp", "shared memory"]
 
     def to_json(self) -> JSONObject:
