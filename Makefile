@@ -5,6 +5,9 @@ STAMP := $(VENV)/.installed-stamp
 # The CPU build of torch; an unpinned torch would pull a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 PYTEST_ARGS ?=
+# test processes: the suite is mostly interpreters starting and waiting on sockets, so
+# one per core keeps both cores busy; a test module runs whole on one of them
+TEST_WORKERS ?= auto
 
 .PHONY: install test lint demo bench clean help
 
@@ -24,7 +27,7 @@ $(STAMP): setup.cfg pyproject.toml
 	touch $(STAMP)
 
 test: install
-	$(PY) -m pytest -q --durations=15 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check paramserver workers cli benchmarks tests

@@ -90,3 +90,17 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
                 "MASTER_PORT"):
             monkeypatch.delenv(key)
     monkeypatch.setenv("PARAMSERVER_LOG_LEVEL", "WARNING")  # restored after the test
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config,
+                                  items: list[pytest.Item]) -> None:
+    """The longest modules first: the documents' blocks, then those with ``slow`` grids.
+    With test processes side by side (``make test`` runs ``-n auto --dist loadfile``)
+    none of them then starts last and runs alone. Whole modules move, each in its own
+    order, so module-scoped fixtures are still set up once."""
+    def module(item: pytest.Item) -> str:
+        return item.nodeid.split("::", 1)[0]
+
+    slow = {module(item) for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: (not module(item).endswith("test_docs.py"),
+                                 module(item) not in slow))
