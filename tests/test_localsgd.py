@@ -179,6 +179,7 @@ def test_own_loop_with_sync_every_per_worker(tmp_path):
         assert got["taken"] == 0 and got["inner_steps"] == [8] * 4  # every local step
         steps = read_events(out / "events" / f"worker{rank}.jsonl", "step")
         assert [s["num_samples"] for s in steps] == [T.batch_size(rank, True) * h] * (8 // h)
+        assert [s["local_steps"] for s in steps] == [h] * (8 // h)  # gradients per push
     # staleness counts outer steps: each pseudo-gradient is one version, so a push of
     # rank 0 is at most rank 1's 2 pushes stale (in local steps it would be 4 or 8)
     for shard in (0, 1):
