@@ -143,14 +143,30 @@ def test_local_optimizer_must_own_the_models_parameters():
         WorkerConfig(servers=["127.0.0.1:1"], sync_every=4)
 
 
-def test_the_simulator_refuses_local_steps_rather_than_ignoring_them():
+def test_the_simulator_runs_diloco_as_the_single_process_replay(tmp_path):
+    """In virtual time each worker's H inner steps run with its own inner optimizer
+    (its state kept across rounds): sync DiLoCo lands where the replay does."""
+    from paramserver.observe.events import read_events
     from paramserver.workers.launch.virtual import SimSpec, run_simulation
 
-    spec = ClusterSpec(num_servers=1, num_workers=2, worker=WorkerConfig(
-        task="tests.exact_tasks:make_task", steps=4, local_optimizer="sgd",
-        local_args={"lr": 0.1}, sync_every=2))
-    with pytest.raises(ConfigError, match="no local steps"):
-        run_simulation(spec, sim=SimSpec())
+    h = 4
+    inner_args = {"lr": 0.01, "weight_decay": 0.1}
+    outer_args = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+    spec = ClusterSpec(
+        num_servers=2, num_workers=WORKERS,
+        server=ServerConfig(mode="sync", optimizer="sgd", optimizer_args=outer_args),
+        worker=WorkerConfig(
+            servers=[], task="tests.exact_tasks:make_task",
+            task_args={"steps": STEPS, "unequal": True}, steps=STEPS,
+            local_optimizer="adamw", local_args=inner_args, sync_every=h))
+    result = run_simulation(spec, tmp_path, SimSpec(compute_time=0.01))
+    assert list(result.updates_applied) == [STEPS // h, STEPS // h]
+    _assert_equal(load_file(str(tmp_path / "final_model.safetensors")),
+                  _diloco_reference(h, torch.optim.AdamW, inner_args, outer_args))
+    steps = read_events(tmp_path / "events" / "worker1.jsonl", "step")
+    assert [s["local_steps"] for s in steps] == [h] * (STEPS // h)
+    assert [s["num_samples"] for s in steps] == [T.batch_size(1, True) * h] * (STEPS // h)
+    assert steps[0]["t"] == pytest.approx(h * 0.01)  # a round takes its H steps' time
 
 
 def test_own_loop_with_sync_every_per_worker(tmp_path):
