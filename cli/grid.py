@@ -30,8 +30,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 # The names of workers.experiments.spec's PRESETS and SCENARIOS, which --preset and
 # --scenario offer: that module loads torch, and --help should not wait for it (a test
 # keeps these equal to the tables).
-PRESET_NAMES: tuple[str, ...] = ("demo", "large-batch", "literature", "momentum", "recsys",
-                                 "scenarios")
+PRESET_NAMES: tuple[str, ...] = ("demo", "large-batch", "literature", "local-sgd", "momentum",
+                                 "recsys", "scenarios")
 SCENARIO_NAMES: tuple[str, ...] = ("none", "persistent", "transient", "heavy-tail")
 
 
@@ -127,8 +127,9 @@ def grid_options(*, virtual: bool) -> Callable[[F], F]:
     default_out = "runs/<name>-sim" if virtual else "runs/<name>"
     options = [
         click.option("--mode", "modes", multiple=True, metavar="MODE",
-                     help="sync, sync:b=B (B backup workers), async or ssp:S (repeatable). "
-                          "Default: sync, async, ssp:3."),
+                     help="sync, sync:b=B (B backup workers), async or ssp:S (repeatable); "
+                          "h=H makes it local SGD (sync:h=32 is DiLoCo, "
+                          "async:h=32,outer=delayed-nesterov). Default: sync, async, ssp:3."),
         click.option("--policy", "policies", multiple=True, metavar="NAME[:k=v,...]",
                      help="Staleness policy with arguments, e.g. reject:max_staleness=4, "
                           "gap-aware, dc-asgd:lam=0.1 or mypkg.policies:MyPolicy:factor=0.5 "
@@ -181,7 +182,7 @@ def grid_options(*, virtual: bool) -> Callable[[F], F]:
                      help="TOML spec file (docs/experiments.md); flags override its keys."),
         click.option("--preset", "preset_name", type=click.Choice(PRESET_NAMES),
                      help="A named spec: demo (make demo), literature, scenarios, large-batch, "
-                          "momentum."),
+                          "momentum, recsys, local-sgd."),
         click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
                      help=f"Experiment directory (default {default_out}); must be new "
                           "or empty unless --overwrite is given."),

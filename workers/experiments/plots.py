@@ -118,6 +118,27 @@ def work_figure(scenario: str, group: Sequence[ConfigSummary],
     return fig
 
 
+def bytes_figure(scenario: str, group: Sequence[ConfigSummary],
+                 colors: dict[str, Color]) -> Figure | None:
+    """Held-out loss against bytes communicated per worker: what local SGD saves (a push
+    every H steps) at the loss it reaches."""
+    if not any(r.bytes_curve for s in group for r in s.runs):
+        return None
+    fig = Figure(figsize=(7.5, 4.4), layout="constrained")
+    ax = fig.subplots()
+    curves = {s.label: [[(b / 1e6, loss) for b, loss in r.bytes_curve if b > 0]
+                        for r in s.runs] for s in group}
+    _median_lines(ax, group, colors, curves)
+    ax.set_xscale("log")
+    ax.set_xlabel("MB communicated per worker (pushed and pulled; log scale)")
+    _plain_log(ax)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize="small")
+    ax.set_ylabel("held-out loss (log scale)")
+    ax.set_title(f"Scenario '{scenario}': held-out loss against bytes, median over seeds")
+    return fig
+
+
 def _rate(times: Sequence[float], counts: Sequence[float], end: float, bins: int
           ) -> list[tuple[float, float]]:
     """Events per second in ``bins`` equal windows of [0, end]: (window middle, rate)."""
@@ -155,7 +176,8 @@ def throughput_figure(scenario: str, group: Sequence[ConfigSummary],
         for r in s.runs:
             ups.setdefault(s.label, []).append(_rate(*_update_times(r), r.train_seconds, bins))
             grads.setdefault(s.label, []).append(_rate(
-                [t for t, _ in r.step_log], [1.0] * len(r.step_log), r.train_seconds, bins))
+                [t for t, _, _ in r.step_log], [float(g) for _, _, g in r.step_log],
+                r.train_seconds, bins))
     for ax, curves, what in ((axes[0], ups, "updates/s (shard 0's version)"),
                              (axes[1], grads, "gradients/s (all workers)")):
         _median_lines(ax, group, colors, curves)
