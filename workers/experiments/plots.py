@@ -126,9 +126,26 @@ def bytes_figure(scenario: str, group: Sequence[ConfigSummary],
         return None
     fig = Figure(figsize=(7.5, 4.4), layout="constrained")
     ax = fig.subplots()
-    curves = {s.label: [[(b / 1e6, loss) for b, loss in r.bytes_curve if b > 0]
-                        for r in s.runs] for s in group}
-    _median_lines(ax, group, colors, curves)
+    for s in group:
+        # on a log grid from where every seed has sent something: band()'s linear grid
+        # from 0 would draw flat lines across the decades before the first push
+        curves = [[(b / 1e6, loss) for b, loss in r.bytes_curve if b > 0] for r in s.runs]
+        curves = [c for c in curves if c]
+        if not curves:
+            continue
+        start, end = max(c[0][0] for c in curves), min(c[-1][0] for c in curves)
+        grid = np.geomspace(start, end, 80) if end > start else np.array([end])
+        ys = np.array([np.interp(np.log(grid), np.log([p[0] for p in c]), [p[1] for p in c])
+                       for c in curves])
+        line, marker = mode_style(s.config.mode)
+        ax.plot(grid, np.median(ys, axis=0), color=colors[s.label], lw=1.6, ls=line,
+                label=s.label)
+        for c in curves:  # the evaluations themselves
+            ax.plot([p[0] for p in c], [p[1] for p in c], ls="none", marker=marker,
+                    markersize=3, color=colors[s.label])
+        if len(curves) > 1:
+            ax.fill_between(grid, ys.min(axis=0), ys.max(axis=0), color=colors[s.label],
+                            alpha=0.15, lw=0)
     ax.set_xscale("log")
     ax.set_xlabel("MB communicated per worker (pushed and pulled; log scale)")
     _plain_log(ax)
