@@ -82,6 +82,9 @@ def spec_from_flags(flags: dict[str, Any]) -> ExperimentSpec:
         "target_loss": flags["target_loss"], "eval_every": flags["eval_every"],
         "min_step_time": flags["min_step_time"], "lr_scaling": flags["lr_scaling"],
         "warmup_steps": flags["warmup_steps"], "momentum_target": flags["momentum_target"],
+        "local_optimizer": flags["local_optimizer"],
+        "local_args": parse_kwargs(list(flags["local_args"])),
+        "outer_args": parse_kwargs(list(flags["outer_args"])),
         **_budgets(flags["budget_seconds"], flags["budget_gradients"]), "command": command,
     })
 
@@ -173,6 +176,15 @@ def grid_options(*, virtual: bool) -> Callable[[F], F]:
                      help="Asynchrony-aware momentum: total momentum, explicit plus the "
                           "implicit momentum of staleness (a mode may set its own: "
                           "async:target=0.9)."),
+        click.option("--local-optimizer", metavar="NAME",
+                     help="Local SGD (modes with h=H): every worker's inner optimizer "
+                          "(default adamw)."),
+        click.option("--local-arg", "local_args", multiple=True, metavar="KEY=VALUE",
+                     help="Inner optimizer argument (repeatable; default lr=0.001)."),
+        click.option("--outer-arg", "outer_args", multiple=True, metavar="KEY=VALUE",
+                     help="Local SGD's outer (server) optimizer argument, for the modes "
+                          "with h=H (repeatable; default lr=0.7, momentum=0.9, "
+                          "nesterov=true: DiLoCo's; given ones replace them all)."),
         click.option("--target-loss", type=float, help="Held-out loss for 'time to target' "
                      "(default 0.5)."),
         click.option("--eval-every", type=click.IntRange(min=1),
@@ -228,8 +240,9 @@ def run_grid(console: Console, spec: ExperimentSpec, out: Path, quiet: bool, wha
     if not quiet:
         console.print(f"{len(spec.configurations())} configuration(s) x {len(spec.seeds)} "
                       f"seed(s) = {len(plans)} {what} of {spec.workload} -> {out}")
-    total_steps = sum((spec.worker_steps(p.config.workers) or spec.steps) * p.config.workers
-                      for p in plans)
+    # the workers' clocks count pushes: one per H steps with local SGD
+    total_steps = sum((spec.worker_steps(p.config.workers) or spec.steps)
+                      // (p.config.mode.sync_every or 1) * p.config.workers for p in plans)
     try:
         with step_progress(console, "steps", disable=quiet) as bar:
             result = run(RichObserver(bar, total_steps, len(plans)))
