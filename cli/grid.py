@@ -30,8 +30,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 # The names of workers.experiments.spec's PRESETS and SCENARIOS, which --preset and
 # --scenario offer: that module loads torch, and --help should not wait for it (a test
 # keeps these equal to the tables).
-PRESET_NAMES: tuple[str, ...] = ("demo", "large-batch", "literature", "momentum", "recsys",
-                                 "scenarios")
+PRESET_NAMES: tuple[str, ...] = ("demo", "large-batch", "literature", "local-sgd", "momentum",
+                                 "recsys", "scenarios")
 SCENARIO_NAMES: tuple[str, ...] = ("none", "persistent", "transient", "heavy-tail")
 
 
@@ -82,6 +82,9 @@ def spec_from_flags(flags: dict[str, Any]) -> ExperimentSpec:
         "target_loss": flags["target_loss"], "eval_every": flags["eval_every"],
         "min_step_time": flags["min_step_time"], "lr_scaling": flags["lr_scaling"],
         "warmup_steps": flags["warmup_steps"], "momentum_target": flags["momentum_target"],
+        "local_optimizer": flags["local_optimizer"],
+        "local_args": parse_kwargs(list(flags["local_args"])),
+        "outer_args": parse_kwargs(list(flags["outer_args"])),
         **_budgets(flags["budget_seconds"], flags["budget_gradients"]), "command": command,
     })
 
@@ -127,8 +130,9 @@ def grid_options(*, virtual: bool) -> Callable[[F], F]:
     default_out = "runs/<name>-sim" if virtual else "runs/<name>"
     options = [
         click.option("--mode", "modes", multiple=True, metavar="MODE",
-                     help="sync, sync:b=B (B backup workers), async or ssp:S (repeatable). "
-                          "Default: sync, async, ssp:3."),
+                     help="sync, sync:b=B (B backup workers), async or ssp:S (repeatable); "
+                          "h=H makes it local SGD (sync:h=32 is DiLoCo, "
+                          "async:h=32,outer=delayed-nesterov). Default: sync, async, ssp:3."),
         click.option("--policy", "policies", multiple=True, metavar="NAME[:k=v,...]",
                      help="Staleness policy with arguments, e.g. reject:max_staleness=4, "
                           "gap-aware, dc-asgd:lam=0.1 or mypkg.policies:MyPolicy:factor=0.5 "
@@ -172,6 +176,15 @@ def grid_options(*, virtual: bool) -> Callable[[F], F]:
                      help="Asynchrony-aware momentum: total momentum, explicit plus the "
                           "implicit momentum of staleness (a mode may set its own: "
                           "async:target=0.9)."),
+        click.option("--local-optimizer", metavar="NAME",
+                     help="Local SGD (modes with h=H): every worker's inner optimizer "
+                          "(default adamw)."),
+        click.option("--local-arg", "local_args", multiple=True, metavar="KEY=VALUE",
+                     help="Inner optimizer argument (repeatable; default lr=0.001)."),
+        click.option("--outer-arg", "outer_args", multiple=True, metavar="KEY=VALUE",
+                     help="Local SGD's outer (server) optimizer argument, for the modes "
+                          "with h=H (repeatable; default lr=0.7, momentum=0.9, "
+                          "nesterov=true: DiLoCo's; given ones replace them all)."),
         click.option("--target-loss", type=float, help="Held-out loss for 'time to target' "
                      "(default 0.5)."),
         click.option("--eval-every", type=click.IntRange(min=1),
@@ -181,7 +194,7 @@ def grid_options(*, virtual: bool) -> Callable[[F], F]:
                      help="TOML spec file (docs/experiments.md); flags override its keys."),
         click.option("--preset", "preset_name", type=click.Choice(PRESET_NAMES),
                      help="A named spec: demo (make demo), literature, scenarios, large-batch, "
-                          "momentum."),
+                          "momentum, recsys, local-sgd."),
         click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
                      help=f"Experiment directory (default {default_out}); must be new "
                           "or empty unless --overwrite is given."),
@@ -227,8 +240,9 @@ def run_grid(console: Console, spec: ExperimentSpec, out: Path, quiet: bool, wha
     if not quiet:
         console.print(f"{len(spec.configurations())} configuration(s) x {len(spec.seeds)} "
                       f"seed(s) = {len(plans)} {what} of {spec.workload} -> {out}")
-    total_steps = sum((spec.worker_steps(p.config.workers) or spec.steps) * p.config.workers
-                      for p in plans)
+    # the workers' clocks count pushes: one per H steps with local SGD
+    total_steps = sum((spec.worker_steps(p.config.workers) or spec.steps)
+                      // (p.config.mode.sync_every or 1) * p.config.workers for p in plans)
     try:
         with step_progress(console, "steps", disable=quiet) as bar:
             result = run(RichObserver(bar, total_steps, len(plans)))

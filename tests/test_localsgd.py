@@ -29,24 +29,27 @@ STEPS = 12  # local steps (gradients computed) per worker
 WORKERS = 3
 
 
-def _run(tmp_path, sync_every, local, local_args, outer_args):
+def _run(tmp_path, sync_every, local, local_args, outer_args, outer="sgd", wire_dtype=None):
     spec = ClusterSpec(
         num_servers=2, num_workers=WORKERS,
-        server=ServerConfig(mode="sync", optimizer="sgd", optimizer_args=outer_args),
+        server=ServerConfig(mode="sync", optimizer=outer, optimizer_args=outer_args),
         worker=WorkerConfig(
             servers=[], task="tests.exact_tasks:make_task",
             task_args={"steps": STEPS, "unequal": True}, steps=STEPS,
-            local_optimizer=local, local_args=local_args, sync_every=sync_every),
+            local_optimizer=local, local_args=local_args, sync_every=sync_every,
+            wire_dtype=wire_dtype),
     )
     result = run_cluster(spec, tmp_path)
     return result, load_file(str(tmp_path / "final_model.safetensors"))
 
 
-def _diloco_reference(sync_every, inner_cls, inner_args, outer_args):
+def _diloco_reference(sync_every, inner_cls, inner_args, outer_args,
+                      outer_cls=torch.optim.SGD, wire=None):
     """One process: per round, each worker's H inner steps from the global weights, then
-    the outer step on the sample-weighted mean of the pseudo-gradients."""
+    the outer step on the sample-weighted mean of the pseudo-gradients (each rounded to
+    the ``wire`` dtype first, as the push narrows it)."""
     model = T.make_model()
-    outer = torch.optim.SGD(model.parameters(), **outer_args)
+    outer = outer_cls(model.parameters(), **outer_args)
     replicas = [copy.deepcopy(model) for _ in range(WORKERS)]
     inners = [inner_cls(m.parameters(), **inner_args) for m in replicas]
     for start in range(0, STEPS, sync_every):
@@ -59,8 +62,9 @@ def _diloco_reference(sync_every, inner_cls, inner_args, outer_args):
                 inner.zero_grad()
                 torch.nn.functional.mse_loss(replica(x), y).backward()
                 inner.step()
-            deltas.append([g.detach() - p.detach() for g, p in
-                           zip(model.parameters(), replica.parameters(), strict=True)])
+            delta = [g.detach() - p.detach() for g, p in
+                     zip(model.parameters(), replica.parameters(), strict=True)]
+            deltas.append([d.to(wire).to(d.dtype) if wire else d for d in delta])
             counts.append(n * sync_every)
         outer.zero_grad()
         for i, p in enumerate(model.parameters()):
@@ -84,6 +88,31 @@ def test_diloco_equals_single_process_replay(tmp_path):
     pushes = [w.pushes for w in result.workers if isinstance(w, WorkerResult)]
     assert pushes == [STEPS // h] * WORKERS
     _assert_equal(weights, _diloco_reference(h, torch.optim.AdamW, inner_args, outer_args))
+
+
+def test_bf16_pseudo_gradients_under_delayed_nesterov_equal_the_replay(tmp_path):
+    """Pseudo-gradients travel in the wire dtype as gradients do: each is rounded to
+    bfloat16 once, and the server's delayed-Nesterov outer step (momentum on every
+    second round) lands where the replay of the same rounding and rule does."""
+    from paramserver.core.outer import DelayedNesterov
+    from paramserver.observe.events import read_events
+
+    h = 3
+    inner_args = {"lr": 0.01}
+    outer_args = {"lr": 0.7, "momentum": 0.9, "delay": 2}
+    result, weights = _run(tmp_path, h, "adamw", inner_args, outer_args,
+                           outer="delayed-nesterov", wire_dtype="bfloat16")
+    assert list(result.updates_applied) == [STEPS // h, STEPS // h]
+    want = _diloco_reference(h, torch.optim.AdamW, inner_args, outer_args,
+                             outer_cls=DelayedNesterov, wire=torch.bfloat16)
+    _assert_equal(weights, want)
+    exact = _diloco_reference(h, torch.optim.AdamW, inner_args, outer_args,
+                              outer_cls=DelayedNesterov)
+    assert any(not torch.allclose(exact[k], want[k], rtol=0, atol=1e-9) for k in want)
+    # 2 bytes a parameter pushed, the float64 weights (8 bytes) pulled back, every round
+    n = sum(t.numel() for t in weights.values())
+    steps = read_events(tmp_path / "events" / "worker0.jsonl", "step")
+    assert [s["bytes"] for s in steps] == [n * 2 + n * 8] * (STEPS // h)
 
 
 def test_local_steps_state_round_trips():
@@ -114,14 +143,30 @@ def test_local_optimizer_must_own_the_models_parameters():
         WorkerConfig(servers=["127.0.0.1:1"], sync_every=4)
 
 
-def test_the_simulator_refuses_local_steps_rather_than_ignoring_them():
+def test_the_simulator_runs_diloco_as_the_single_process_replay(tmp_path):
+    """In virtual time each worker's H inner steps run with its own inner optimizer
+    (its state kept across rounds): sync DiLoCo lands where the replay does."""
+    from paramserver.observe.events import read_events
     from paramserver.workers.launch.virtual import SimSpec, run_simulation
 
-    spec = ClusterSpec(num_servers=1, num_workers=2, worker=WorkerConfig(
-        task="tests.exact_tasks:make_task", steps=4, local_optimizer="sgd",
-        local_args={"lr": 0.1}, sync_every=2))
-    with pytest.raises(ConfigError, match="no local steps"):
-        run_simulation(spec, sim=SimSpec())
+    h = 4
+    inner_args = {"lr": 0.01, "weight_decay": 0.1}
+    outer_args = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+    spec = ClusterSpec(
+        num_servers=2, num_workers=WORKERS,
+        server=ServerConfig(mode="sync", optimizer="sgd", optimizer_args=outer_args),
+        worker=WorkerConfig(
+            servers=[], task="tests.exact_tasks:make_task",
+            task_args={"steps": STEPS, "unequal": True}, steps=STEPS,
+            local_optimizer="adamw", local_args=inner_args, sync_every=h))
+    result = run_simulation(spec, tmp_path, SimSpec(compute_time=0.01))
+    assert list(result.updates_applied) == [STEPS // h, STEPS // h]
+    _assert_equal(load_file(str(tmp_path / "final_model.safetensors")),
+                  _diloco_reference(h, torch.optim.AdamW, inner_args, outer_args))
+    steps = read_events(tmp_path / "events" / "worker1.jsonl", "step")
+    assert [s["local_steps"] for s in steps] == [h] * (STEPS // h)
+    assert [s["num_samples"] for s in steps] == [T.batch_size(1, True) * h] * (STEPS // h)
+    assert steps[0]["t"] == pytest.approx(h * 0.01)  # a round takes its H steps' time
 
 
 def test_own_loop_with_sync_every_per_worker(tmp_path):
@@ -137,7 +182,8 @@ def test_own_loop_with_sync_every_per_worker(tmp_path):
     out = tmp_path / "run"
     spec = ClusterSpec(
         num_servers=2, num_workers=2,
-        server=ServerConfig(mode="async", optimizer="sgd", optimizer_args={"lr": 1.0}),
+        server=ServerConfig(mode="async", optimizer="delayed-nesterov",
+                            optimizer_args={"lr": 1.0, "delay": 2}),
         worker=WorkerConfig(servers=[]),
         command=[sys.executable, str(script), str(tmp_path / "ranks"), "--steps", "8"])
     result = run_cluster(spec, out)
@@ -149,3 +195,11 @@ def test_own_loop_with_sync_every_per_worker(tmp_path):
         assert got["taken"] == 0 and got["inner_steps"] == [8] * 4  # every local step
         steps = read_events(out / "events" / f"worker{rank}.jsonl", "step")
         assert [s["num_samples"] for s in steps] == [T.batch_size(rank, True) * h] * (8 // h)
+        assert [s["local_steps"] for s in steps] == [h] * (8 // h)  # gradients per push
+    # staleness counts outer steps: each pseudo-gradient is one version, so a push of
+    # rank 0 is at most rank 1's 2 pushes stale (in local steps it would be 4 or 8)
+    for shard in (0, 1):
+        pushes = read_events(out / "events" / f"server{shard}.jsonl", "push")
+        assert [p["version"] for p in pushes] == list(range(1, 7))
+        for p in pushes:
+            assert 0 <= p["staleness"] <= (2 if p["worker"] == 0 else 4)

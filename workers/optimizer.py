@@ -451,6 +451,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 return result
             grads, num = self.local.pseudo_gradient(), self.local.samples
             compute, injected = self.local.compute, self.local.slept
+            log = {**(log or {}), "local_steps": self.local.taken}  # gradients this push holds
             pushed, pulled = self.client.push_pull(grads, self.versions, num, self.clock,
                                                    self.params, loss=loss)
             self.local.mark()  # the pulled weights start the next round

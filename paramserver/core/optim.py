@@ -1,9 +1,10 @@
 """Server-side optimizers and learning-rate schedulers, built from torch by name.
 
-We never hand-write optimizer math: torch.optim is the reference users trust,
-and its state_dict is what checkpoints save. This module only turns names and
-``key=value`` strings (CLI, configs) into torch objects, with errors that say
-which names and parameters exist.
+We never hand-write optimizer math torch has: torch.optim is the reference users
+trust, and its state_dict is what checkpoints save (the one rule torch lacks,
+local SGD's delayed Nesterov, is a torch.optim.Optimizer in :mod:`.outer`). This
+module only turns names and ``key=value`` strings (CLI, configs) into torch
+objects, with errors that say which names and parameters exist.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
+from paramserver.core.outer import DelayedNesterov
 from paramserver.errors import ConfigError, RegistryError
 from paramserver.util.coerce import MISSING, coerce, parse_kwargs
 from paramserver.util.plugins import Registry
@@ -150,6 +152,8 @@ for _short, _cls_name in OPTIMIZERS.items():
     OPTIMIZER_REGISTRY.register(_short, getattr(torch.optim, _cls_name))
 for _short, _cls_name in SCHEDULERS.items():
     SCHEDULER_REGISTRY.register(_short, getattr(torch.optim.lr_scheduler, _cls_name))
+# local SGD's outer rule for stale pseudo-gradients (Liu et al. 2024); torch has none
+OPTIMIZER_REGISTRY.register("delayed-nesterov", DelayedNesterov)
 
 
 def resolve_optimizer(name: str) -> type[torch.optim.Optimizer]:

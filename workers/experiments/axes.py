@@ -40,7 +40,13 @@ class ModeChoice:
     (S = staleness bound), optionally with step-size settings of its own that override
     the spec's: ``lr=none|linear|sqrt`` (learning-rate scaling), ``warmup=N``,
     ``momentum=MU`` (the optimizer's momentum) and ``target=MU`` (asynchrony-aware
-    momentum), e.g. ``sync:lr=linear,warmup=20`` or ``async:momentum=0.9,target=0.9``."""
+    momentum), e.g. ``sync:lr=linear,warmup=20`` or ``async:momentum=0.9,target=0.9``.
+
+    ``h=H`` makes it local SGD: every worker takes H steps of the spec's
+    ``local_optimizer`` and pushes the weights' change, which the servers apply with
+    the outer optimizer ``outer=NAME`` (default ``sgd``) and the spec's
+    ``outer_args``: ``sync:h=32`` is DiLoCo, ``async:h=32,outer=delayed-nesterov``
+    asynchronous local SGD with Liu et al.'s delayed Nesterov."""
 
     mode: str
     bound: int = 0
@@ -49,6 +55,8 @@ class ModeChoice:
     warmup: int | None = None
     momentum: float | None = None
     momentum_target: float | None = None
+    sync_every: int | None = None  # local SGD: H inner steps per push; None: a push a step
+    outer: str | None = None  # local SGD's outer (server) optimizer; None: sgd
 
     def __post_init__(self) -> None:
         if self.mode not in ("sync", "async", "ssp"):
@@ -62,6 +70,13 @@ class ModeChoice:
             raise ConfigError(f"backup workers (sync:b=B) need sync and an int B >= 0; "
                               f"got {self.mode} with {self.backups!r}")
         LrRule(self.lr_scaling or "none", self.warmup or 0)  # says what is wrong
+        if self.sync_every is not None and (isinstance(self.sync_every, bool) or not isinstance(
+                self.sync_every, int) or self.sync_every < 1):
+            raise ConfigError(f"mode {self.mode}: h (local steps per push) must be an int "
+                              f">= 1, got {self.sync_every!r}")
+        if self.outer is not None and self.sync_every is None:
+            raise ConfigError(f"mode {self.mode}: outer={self.outer} is local SGD's outer "
+                              "optimizer: give h=H too")
         for what, mu in (("momentum", self.momentum), ("target", self.momentum_target)):
             if mu is not None and not 0.0 <= mu < 1.0:
                 raise ConfigError(f"mode {self.mode}: {what} must be in [0, 1), got {mu}")
@@ -94,6 +109,10 @@ class ModeChoice:
                     kwargs["warmup"] = int(value)
                 elif key in ("momentum", "target"):
                     kwargs["momentum" if key == "momentum" else "momentum_target"] = float(value)
+                elif key == "h" and value.isdigit():
+                    kwargs["sync_every"] = int(value)
+                elif key == "outer" and value:
+                    kwargs["outer"] = value
                 else:
                     raise ValueError(item)
             except ValueError:
@@ -102,14 +121,16 @@ class ModeChoice:
                         else "only ssp:S and sync:b=B take a number")
                 raise ConfigError(
                     f"mode {text!r}: cannot read {item!r}: {what} (ssp:3, sync:b=1); any "
-                    "mode takes lr=none|linear|sqrt, warmup=N, momentum=MU, target=MU"
+                    "mode takes lr=none|linear|sqrt, warmup=N, momentum=MU, target=MU, "
+                    "h=H, outer=NAME"
                 ) from None
         if name == "ssp" and "bound" not in kwargs:
             raise ConfigError(f"mode {text!r}: ssp needs its staleness bound, e.g. ssp:3")
         return cls(name, **kwargs)
 
     def _extras(self) -> list[tuple[str, Any]]:
-        return [(k, v) for k, v in (("lr", self.lr_scaling), ("warmup", self.warmup),
+        return [(k, v) for k, v in (("h", self.sync_every), ("outer", self.outer),
+                                    ("lr", self.lr_scaling), ("warmup", self.warmup),
                                     ("momentum", self.momentum),
                                     ("target", self.momentum_target)) if v is not None]
 
@@ -128,8 +149,8 @@ class ModeChoice:
             base = f"sync b={self.backups}"
         else:
             base = f"ssp s={self.bound}" if self.mode == "ssp" else self.mode
-        words = {"lr": "lr {}", "warmup": "warmup {}", "momentum": "momentum {:g}",
-                 "target": "target momentum {:g}"}
+        words = {"h": "H={}", "outer": "outer {}", "lr": "lr {}", "warmup": "warmup {}",
+                 "momentum": "momentum {:g}", "target": "target momentum {:g}"}
         extras = [words[k].format(v) for k, v in self._extras()]
         return base + (f" ({', '.join(extras)})" if extras else "")
 

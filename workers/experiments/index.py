@@ -63,9 +63,14 @@ class ConfigEntry:
     warmup_steps: int | None = None
     momentum_target: float | None = None
     momentum: float | None = None
+    #: local SGD (a mode's h=, outer=): inner steps per push and the servers' outer
+    #: optimizer; None: a push every step with the spec's optimizer
+    sync_every: int | None = None
+    outer: str | None = None
 
     def to_json(self) -> JSONObject:
         return {"id": self.id, "scenario": self.scenario, "label": self.label,
+                "sync_every": self.sync_every, "outer": self.outer,
                 "mode": self.mode, "bound": self.bound, "mode_spec": self.mode_spec,
                 "backups": self.backups, "policy": self.policy,
                 "policy_args": {k: v for k, v in self.policy_args.items()},

@@ -118,6 +118,46 @@ def work_figure(scenario: str, group: Sequence[ConfigSummary],
     return fig
 
 
+def bytes_figure(scenario: str, group: Sequence[ConfigSummary],
+                 colors: dict[str, Color]) -> Figure | None:
+    """Held-out loss against bytes communicated per worker: what local SGD saves (a push
+    every H steps) at the loss it reaches. Only with local SGD in the group: otherwise every
+    configuration sends the same bytes per update, and the loss plot says it all."""
+    if not any(s.config.sync_every is not None for s in group) \
+            or not any(r.bytes_curve for s in group for r in s.runs):
+        return None
+    fig = Figure(figsize=(7.5, 4.4), layout="constrained")
+    ax = fig.subplots()
+    for s in group:
+        # on a log grid from where every seed has sent something: band()'s linear grid
+        # from 0 would draw flat lines across the decades before the first push
+        curves = [[(b / 1e6, loss) for b, loss in r.bytes_curve if b > 0] for r in s.runs]
+        curves = [c for c in curves if c]
+        if not curves:
+            continue
+        start, end = max(c[0][0] for c in curves), min(c[-1][0] for c in curves)
+        grid = np.geomspace(start, end, 80) if end > start else np.array([end])
+        ys = np.array([np.interp(np.log(grid), np.log([p[0] for p in c]), [p[1] for p in c])
+                       for c in curves])
+        line, marker = mode_style(s.config.mode)
+        ax.plot(grid, np.median(ys, axis=0), color=colors[s.label], lw=1.6, ls=line,
+                label=s.label)
+        for c in curves:  # the evaluations themselves
+            ax.plot([p[0] for p in c], [p[1] for p in c], ls="none", marker=marker,
+                    markersize=3, color=colors[s.label])
+        if len(curves) > 1:
+            ax.fill_between(grid, ys.min(axis=0), ys.max(axis=0), color=colors[s.label],
+                            alpha=0.15, lw=0)
+    ax.set_xscale("log")
+    ax.set_xlabel("MB communicated per worker (pushed and pulled; log scale)")
+    _plain_log(ax)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize="small")
+    ax.set_ylabel("held-out loss (log scale)")
+    ax.set_title(f"Scenario '{scenario}': held-out loss against bytes, median over seeds")
+    return fig
+
+
 def _rate(times: Sequence[float], counts: Sequence[float], end: float, bins: int
           ) -> list[tuple[float, float]]:
     """Events per second in ``bins`` equal windows of [0, end]: (window middle, rate)."""
@@ -155,7 +195,8 @@ def throughput_figure(scenario: str, group: Sequence[ConfigSummary],
         for r in s.runs:
             ups.setdefault(s.label, []).append(_rate(*_update_times(r), r.train_seconds, bins))
             grads.setdefault(s.label, []).append(_rate(
-                [t for t, _ in r.step_log], [1.0] * len(r.step_log), r.train_seconds, bins))
+                [t for t, _, _ in r.step_log], [float(g) for _, _, g in r.step_log],
+                r.train_seconds, bins))
     for ax, curves, what in ((axes[0], ups, "updates/s (shard 0's version)"),
                              (axes[1], grads, "gradients/s (all workers)")):
         _median_lines(ax, group, colors, curves)

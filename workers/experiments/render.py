@@ -61,6 +61,8 @@ OUTCOME_COLUMNS: tuple[Column, ...] = (
     Column("updates/s", "updates/s", "updates_per_s", "{:.1f}"),
     Column("gradients/s", "gradients/s", "gradients_per_s", "{:.1f}"),
     Column("training (s)", "training\n(s)", "train_seconds", "{:.1f}"),
+    Column("bytes communicated per worker (MB)", "MB per\nworker", "bytes_per_worker", "MB"),
+    Column("communication rounds", "comm.\nrounds", "rounds", "{:.0f}"),
 )
 #: how the run went: rates while all trained, idling, rejections, staleness, gates
 DYNAMICS_COLUMNS: tuple[Column, ...] = (
@@ -82,8 +84,8 @@ TABLE_COLUMNS: list[tuple[str, str, str]] = [
 def _fmt(stat: Stat, pattern: str, spread: bool = True, never: str = "not reached") -> str:
     if stat.n == 0:
         return never if stat.missing else "—"
-    scale = 100.0 if pattern == "pct" else 1.0
-    pattern = "{:.1f}" if pattern == "pct" else pattern
+    scale = {"pct": 100.0, "MB": 1e-6}.get(pattern, 1.0)
+    pattern = {"pct": "{:.1f}", "MB": "{:.3g}"}.get(pattern, pattern)
     text = never if math.isinf(stat.median) else pattern.format(stat.median * scale)
     low, high = pattern.format(stat.low * scale), pattern.format(stat.high * scale)
     if spread and stat.n + stat.missing > 1 and low != high:
@@ -394,6 +396,10 @@ _DEFINITIONS = [
     "max clock gap: the most clocks a worker was ahead of the slowest worker when it "
     "computed an update (SSP bounds it by s)",
     "waiting: seconds per worker held at a sync barrier or an SSP gate",
+    "bytes communicated per worker: bytes pushed and pulled, as each worker counted them on "
+    "the wire (its step events), mean over workers",
+    "communication rounds: pushes per worker (one per step, one per H steps with local SGD "
+    "mode h=H)",
     "cells: median over seeds [min-max]",
 ]
 
@@ -484,6 +490,8 @@ def render_report(out_dir: Path, exp: ExperimentIndex, summaries: Sequence[Confi
             for name, alt, fig in (
                     ("work", "held-out loss against gradients computed and samples",
                      plots.work_figure(scenario, group, colors)),
+                    ("bytes", "held-out loss against bytes communicated per worker",
+                     plots.bytes_figure(scenario, group, colors)),
                     ("throughput", "updates/s and gradients/s over time",
                      plots.throughput_figure(scenario, group, colors)),
                     ("step-times", "step time per worker",
@@ -500,7 +508,10 @@ def render_report(out_dir: Path, exp: ExperimentIndex, summaries: Sequence[Confi
                 if clocks is not None:
                     images.append(clocks)
                     blocks.append(("img", f"images/{clocks.name}", f"{s.label}: clocks"))
-    blocks.append(("h2", "Literature checks (Ho et al. 2013; Cui et al. 2014)"))
+    blocks.append(("h2", "Literature checks (Ho et al. 2013; Cui et al. 2014)" if not any(
+        s.config.sync_every is not None for s in summaries)
+        else "Literature checks (Ho et al. 2013; Cui et al. 2014; Douillard et al. 2023; "
+             "Liu et al. 2024)"))
     blocks.append(("ul", [f"{c.status.upper()}: {c.claim}. {c.detail}" for c in claims]))
     md_path, html_path = out_dir / "report.md", out_dir / "report.html"
     md_path.write_text(_md(blocks), encoding="utf-8")

@@ -86,6 +86,8 @@ class StepEvent:
     clock: int  # the worker's clock after the step
     wait_s: float = 0.0  # held at a sync barrier or SSP gate
     num_samples: int = 0
+    bytes: int = 0  # pushed and pulled, as the worker counted them on the wire
+    local_steps: int = 1  # local SGD: the gradients computed for this one push
 
 
 @dataclass(frozen=True)
@@ -211,11 +213,18 @@ class RunMetrics:
     #: the held-out loss curve against work done: (gradients computed, samples, loss)
     work_curve: list[tuple[float, float, float]] = field(default_factory=list)
     accuracy_curve: list[tuple[float, float]] = field(default_factory=list)  # (s, accuracy)
-    #: every step of every worker in time order: (s, samples); shard 0's versions: (s, version)
-    step_log: list[tuple[float, int]] = field(default_factory=list)
+    #: every step (push) of every worker in time order: (s, samples, gradients computed);
+    #: shard 0's versions: (s, version)
+    step_log: list[tuple[float, int, int]] = field(default_factory=list)
     versions: list[tuple[float, int]] = field(default_factory=list)
     #: rank -> seconds between its consecutive steps (its first from its worker_start)
     step_times: dict[int, list[float]] = field(default_factory=dict)
+    #: communication, from the workers' step events: bytes pushed and pulled, and pushes
+    #: (rounds: one per step, one per H steps with local SGD), mean over workers
+    bytes_per_worker: float = 0.0
+    rounds: float = 0.0
+    #: the held-out loss against bytes communicated so far per worker: (bytes, loss)
+    bytes_curve: list[tuple[float, float]] = field(default_factory=list)
 
 
 def _int(stats: JSONObject, key: str) -> int | None:
@@ -284,24 +293,33 @@ def run_metrics(logs: RunLogs, seed: int, target_loss: float) -> RunMetrics:
     curve.sort(key=lambda c: c[0])
     time_to, updates_to = _crossing(curve, target_loss)
     servers = logs.result.servers if logs.result is not None else ()
-    step_times = sorted(s.t for s in all_steps)
     last = {r: steps[-1].t for r, steps in logs.steps.items() if steps}
     active_end = min(last.values())
     active = max(active_end - t0, 1e-9)
-    in_window = sum(1 for t in step_times if t <= active_end)
+    in_window = sum(s.local_steps for s in all_steps if s.t <= active_end)
     active_updates = max((p.version for p in first if p.t <= active_end), default=0)
     idle = {r: t_end - t for r, t in sorted(last.items())}
+    gradients = sum(s.local_steps for s in all_steps)
     gradients_to = None
     if time_to is not None:
-        gradients_to = float(sum(1 for t in step_times if t - t0 <= time_to))
-    step_log = sorted((s.t - t0, s.num_samples) for s in all_steps)
-    done_at = np.array([t for t, _ in step_log])
-    samples_done = np.cumsum([n for _, n in step_log])
+        gradients_to = float(sum(s.local_steps for s in all_steps if s.t - t0 <= time_to))
+    step_log = sorted((s.t - t0, s.num_samples, s.local_steps) for s in all_steps)
+    done_at = np.array([t for t, _, _ in step_log])
+    samples_done = np.cumsum([n for _, n, _ in step_log])
+    gradients_done = np.cumsum([g for _, _, g in step_log])
+    workers = max(1, len(logs.steps))
+    bytes_done = np.cumsum([s.bytes for s in sorted(all_steps, key=lambda s: s.t)]) / workers
 
     def work(s: float) -> tuple[float, float]:
-        """Gradients and samples computed by all workers in the first ``s`` s of training."""
+        """Gradients and samples computed by all workers in the first ``s`` s of training
+        (a local-SGD round's gradients count when its push is sent)."""
         k = int(np.searchsorted(done_at, s, side="right"))
-        return float(k), float(samples_done[k - 1]) if k else 0.0
+        return (float(gradients_done[k - 1]), float(samples_done[k - 1])) if k else (0.0, 0.0)
+
+    def sent(s: float) -> float:
+        """Bytes per worker communicated in the first ``s`` s of training."""
+        k = int(np.searchsorted(done_at, s, side="right"))
+        return float(bytes_done[k - 1]) if k else 0.0
     return RunMetrics(
         seed=seed, train_seconds=train, updates=updates, updates_per_s=updates / train,
         pct_rejected=100.0 * rejected / len(every_push) if every_push else 0.0,
@@ -318,7 +336,7 @@ def run_metrics(logs: RunLogs, seed: int, target_loss: float) -> RunMetrics:
         gaps=[(p.t - t0, g) for p, g in zip(first, gaps, strict=False)],
         bound_max=max((b for s in servers if (b := _int(s, "staleness_bound_max")) is not None),
                       default=None),
-        gradients=len(all_steps), gradients_per_s=len(all_steps) / train,
+        gradients=gradients, gradients_per_s=gradients / train,
         active_seconds=active, active_updates_per_s=active_updates / active,
         active_gradients_per_s=in_window / active, idle=idle,
         idle_s=statistics.fmean(idle.values()), idle_max_s=max(idle.values()),
@@ -331,6 +349,8 @@ def run_metrics(logs: RunLogs, seed: int, target_loss: float) -> RunMetrics:
         step_log=step_log, versions=[(p.t - t0, p.version) for p in first],
         step_times={r: _intervals(logs.starts.get(r), [s.t for s in steps])
                     for r, steps in sorted(logs.steps.items())},
+        bytes_per_worker=float(bytes_done[-1]), rounds=len(all_steps) / workers,
+        bytes_curve=[(sent(t), loss) for t, _, loss in curve],
     )
 
 
@@ -369,7 +389,8 @@ _STAT_FIELDS = ("train_seconds", "updates", "updates_per_s", "pct_rejected", "st
                 "staleness_p95", "staleness_max", "max_clock_gap", "wait_s", "time_to_target",
                 "updates_to_target", "final_loss", "final_accuracy", "gradients",
                 "gradients_per_s", "active_seconds", "active_updates_per_s",
-                "active_gradients_per_s", "idle_s", "idle_max_s", "gradients_to_target")
+                "active_gradients_per_s", "idle_s", "idle_max_s", "gradients_to_target",
+                "bytes_per_worker", "rounds")
 
 
 @dataclass
@@ -446,7 +467,7 @@ def _plain_steps(config: ConfigEntry) -> bool:
     """Whether a configuration runs the optimizer as configured: no learning-rate rule, no
     asynchrony-aware momentum, no momentum of its own (the published claims 1-3 assume it)."""
     return (config.lr_scaling in (None, "none") and config.momentum_target is None
-            and "momentum=" not in config.mode_spec)
+            and "momentum=" not in config.mode_spec and config.sync_every is None)
 
 
 def _mode_rank(config: ConfigEntry) -> float:
@@ -577,7 +598,7 @@ def _claim_momentum(summaries: Sequence[ConfigSummary]) -> ClaimCheck:
              "momentum stays near the starting loss at 32 and more")
     checked, bad = [], []
     asyn = [s for s in summaries if s.config.mode == "async" and s.runs
-            and s.config.policy == "none"]
+            and s.config.policy == "none" and s.config.sync_every is None]
     for scenario, workers in sorted({(s.scenario, s.config.workers) for s in asyn}):
         mine = [s for s in asyn if (s.scenario, s.config.workers) == (scenario, workers)]
         comp = [s for s in mine if s.config.momentum_target is not None]
@@ -627,11 +648,12 @@ class ReportFiles:
 
 def write_report(out_dir: str | Path) -> ReportFiles:
     """Write ``report.md``, ``report.html`` (images inlined) and ``images/*.png``."""
+    from paramserver.workers.experiments.localclaims import check_local_sgd
     from paramserver.workers.experiments.render import render_report
 
     out = Path(out_dir)
     exp = load_experiment(out)
     summaries = summarize(out)
-    claims = check_literature(summaries, exp.target_loss)
+    claims = check_literature(summaries, exp.target_loss) + check_local_sgd(summaries)
     md, html, images = render_report(out, exp, summaries, claims)
     return ReportFiles(md, html, images, summaries, claims)

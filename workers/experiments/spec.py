@@ -114,7 +114,8 @@ _SPEC_KEYS = ("name", "task", "task_args", "steps", "batch_size", "seeds", "num_
               "modes", "policies", "scenarios", "custom_scenarios", "optimizer",
               "optimizer_args", "target_loss", "eval_every", "min_step_time", "device",
               "run_timeout", "lr_scaling", "warmup_steps", "momentum_target",
-              "budget_seconds", "budget_gradients", "command")
+              "budget_seconds", "budget_gradients", "command", "local_optimizer", "local_args",
+              "outer_args")
 
 _OWN_MODEL = "the script builds its own model and loads its own data"
 _OWN_LOOP = "the script runs its own loop (steps is passed on as PARAMSERVER_STEPS, a hint)"
@@ -167,6 +168,12 @@ class ExperimentSpec:
     #: the user's own script, run once per worker of every cell instead of the built-in
     #: loop (``launch -- COMMAND``); a string is split as a shell would (shlex)
     command: list[str] | None = None
+    #: local SGD, for the modes with h=H: each worker's inner optimizer, and the outer
+    #: (servers') optimizer's arguments (the mode's outer=NAME, else sgd): DiLoCo's
+    local_optimizer: str = "adamw"
+    local_args: JSONObject = field(default_factory=lambda: {"lr": 0.001})
+    outer_args: JSONObject = field(
+        default_factory=lambda: {"lr": 0.7, "momentum": 0.9, "nesterov": True})
 
     def __post_init__(self) -> None:
         self._check_command()
@@ -215,6 +222,31 @@ class ExperimentSpec:
             self._check_task()
         build_optimizer(self.optimizer, [torch.zeros(1, requires_grad=True)],
                         dict(self.optimizer_args))
+        self._check_local()
+
+    def _check_local(self) -> None:
+        """Modes with h=H: their optimizers build, and every worker's steps are whole
+        rounds (a partial last round is dropped: the modes would compute unequal gradients)."""
+        for mode in (m for m in self.modes if m.sync_every is not None):
+            assert mode.sync_every is not None
+            if self.command is not None:
+                raise ConfigError(f"mode {mode}: local steps (h=) need the built-in loop")
+            build_optimizer(self.local_optimizer, [torch.zeros(1, requires_grad=True)],
+                            dict(self.local_args))
+            build_optimizer(mode.outer or "sgd", [torch.zeros(1, requires_grad=True)],
+                            self.outer_optimizer_args(mode))
+            for n in self.workers:
+                steps = self.worker_steps(n)
+                if steps is not None and steps % mode.sync_every:
+                    raise ConfigError(f"mode {mode}: {steps} steps per worker ({n} workers) "
+                                      f"are not whole rounds of {mode.sync_every}")
+
+    def outer_optimizer_args(self, mode: ModeChoice) -> dict[str, Any]:
+        """The outer optimizer's arguments for a local-SGD mode (its momentum= wins)."""
+        args = dict(self.outer_args)
+        if mode.momentum is not None:
+            args["momentum"] = mode.momentum
+        return args
 
     def _check_budgets(self) -> None:
         if isinstance(self.budget_seconds, bool) \
@@ -312,11 +344,15 @@ class ExperimentSpec:
         optimizer_args = dict(self.optimizer_args)
         if config.mode.momentum is not None:
             optimizer_args["momentum"] = config.mode.momentum
+        local = config.mode.sync_every is not None
+        if local:  # the servers' optimizer is the outer one
+            optimizer_args = self.outer_optimizer_args(config.mode)
         server = ServerConfig(
             mode=config.mode.mode, staleness_bound=config.mode.bound,
             backup_workers=config.mode.backups, expected_workers=config.workers,
             policy=config.policy.name, policy_args=dict(config.policy.args),
-            optimizer=self.optimizer, optimizer_args=optimizer_args,
+            optimizer=(config.mode.outer or "sgd") if local else self.optimizer,
+            optimizer_args=optimizer_args,
             lr_scaling=step.lr_scaling, warmup_steps=step.warmup_steps,
             momentum_target=step.momentum_target,
         )
@@ -325,6 +361,9 @@ class ExperimentSpec:
             device=self.device, steps=self.worker_steps(config.workers),
             budget_seconds=float(self.budget_seconds), batch_size=self.batch_size, seed=seed,
             eval_every=self.eval_every, straggler=scenario.all,
+            local_optimizer=self.local_optimizer if local else None,
+            local_args=dict(self.local_args) if local else {},
+            sync_every=config.mode.sync_every or 1,
         )
         return ClusterSpec(num_servers=self.servers, num_workers=config.workers, server=server,
                            worker=worker, stragglers=scenario.stragglers(config.workers),
@@ -333,7 +372,8 @@ class ExperimentSpec:
 
     def step_settings(self, mode: ModeChoice) -> StepSettings:
         """The step-size rules ``mode`` runs with: its own, else the spec's."""
-        given = self.optimizer_args.get("momentum", 0.0)  # a number: build_optimizer checked
+        given = (self.outer_args if mode.sync_every is not None else self.optimizer_args
+                 ).get("momentum", 0.0)  # a number: build_optimizer checked
         momentum = mode.momentum if mode.momentum is not None \
             else float(given) if isinstance(given, int | float) else 0.0
         return StepSettings(
@@ -352,7 +392,8 @@ class ExperimentSpec:
             policy=config.policy.name, policy_args=dict(config.policy.args),
             workers=config.workers, lr_scaling=step.lr_scaling,
             warmup_steps=step.warmup_steps, momentum_target=step.momentum_target,
-            momentum=step.momentum)
+            momentum=step.momentum, sync_every=mode.sync_every,
+            outer=(mode.outer or "sgd") if mode.sync_every is not None else None)
 
     def to_toml_dict(self) -> JSONObject:
         """The spec as the TOML document dump_spec writes (None values left out there)."""
@@ -370,6 +411,8 @@ class ExperimentSpec:
             "lr_scaling": self.lr_scaling, "warmup_steps": self.warmup_steps,
             "momentum_target": self.momentum_target,
             "budget_seconds": self.budget_seconds, "budget_gradients": self.budget_gradients,
+            "local_optimizer": self.local_optimizer, "local_args": dict(self.local_args),
+            "outer_args": dict(self.outer_args),
         }
         if self.command:  # the built-in loop's keys are not part of a command's grid
             for key in NOT_FOR_COMMANDS:
@@ -457,6 +500,13 @@ PRESETS: dict[str, JSONObject] = {
                      "description": "every step gets an exponential extra delay of mean 5 ms, "
                                     "so workers drift apart as real ones do",
                      "all": {"delay": "exp:0.005"}}}},
+    # local SGD at equal gradients computed (steps): sync SGD (a push a step) against
+    # DiLoCo (Douillard et al. 2023: AdamW inner, Nesterov outer) at H = 8, 32, 128, and
+    # asynchronous local SGD, plain and with delayed Nesterov (Liu et al. 2024)
+    "local-sgd": {"name": "local-sgd", "scenarios": ["none", "persistent"], "steps": 256,
+                  "seeds": [0], "num_servers": 1, "eval_every": 2, "min_step_time": 0.005,
+                  "modes": ["sync", "sync:h=8", "sync:h=32", "sync:h=128", "async:h=32",
+                            "async:h=32,outer=delayed-nesterov"]},
     # embedding tables on the shards (ShardedEmbedding): sync, SSP and async on the recsys
     # task's Zipfian interactions; sizes up to 10M rows with --task-arg users=... items=...
     "recsys": {"name": "recsys", "task": "recsys", "steps": 60, "seeds": [0], "workers": [3],

@@ -20,6 +20,10 @@ The model of time (all in virtual seconds):
   answer instantly (no queueing at a shard).
 * the gradient itself is computed for real, on the weights the worker read,
   at the moment its pull completes; it is pushed when the step's time is up.
+* with local SGD (``local_optimizer``, ``sync_every`` H) a worker's H inner steps
+  run at once when its pull completes, with its own inner optimizer (its state
+  kept across rounds, as a real worker keeps it); the pseudo-gradient is pushed
+  after H step times, each drawn from the straggler scenario.
 
 Events are processed in time order; ties in the order they were scheduled, so
 a run is deterministic. The run directory has the layout of a real run
@@ -36,6 +40,7 @@ import heapq
 import itertools
 import json
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -44,6 +49,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 import torch
 
+from paramserver.core.optim import build_optimizer
 from paramserver.core.records import PushOutcome
 from paramserver.core.shard import GradStats, ShardCore, SliceSpec, StepStats
 from paramserver.core.sharding import ShardPlan
@@ -61,6 +67,7 @@ from paramserver.workers.launch.results import (
 from paramserver.workers.stragglers import Straggler
 from paramserver.workers.tasks import Task, evaluate
 from paramserver.workers.worker import (
+    UNCAPPED,
     WorkerConfig,
     build_task,
     cycle_batches,
@@ -100,16 +107,8 @@ def refuse_sparse(model: torch.nn.Module, task: str) -> None:
                           "paramserver experiment")
 
 
-def refuse_local_steps(local_optimizer: str | None) -> None:
-    """The simulated workers push every step: local SGD is refused, not ignored."""
-    if local_optimizer is not None:
-        raise ConfigError("the simulator has no local steps yet (issue 33): run "
-                          "--local-optimizer with paramserver launch or experiment")
-
-
 def check_simulable(cluster: ClusterSpec) -> None:
     """Refuse up front, before any run, what the simulator cannot run."""
-    refuse_local_steps(cluster.worker.local_optimizer)
     config = dataclasses.replace(cluster.worker, rank=0, world_size=cluster.num_workers)
     refuse_sparse(build_task(config).model, config.task)
 
@@ -178,6 +177,10 @@ class _VWorker:
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     straggler: Straggler
     events: VirtualEventLog
+    #: local SGD: this worker's inner optimizer (over the shared model's parameters; its
+    #: state is its own) and the inner steps per push; None and 1 push every step
+    inner: torch.optim.Optimizer | None = None
+    sync_every: int = 1
     clock: int = 0
     push_id: int = 0
     final: bool = False  # the pull in flight is the one after the last step
@@ -234,7 +237,6 @@ class Simulator:
         self.task: Task = build_task(config0)
         self.model = self.task.model.cpu()
         refuse_sparse(self.model, config0.task)
-        refuse_local_steps(config0.local_optimizer)
         self.params = dict(self.model.named_parameters())
         self.plan = ShardPlan.from_module(self.model, spec.num_servers, config0.chunk_bytes)
         self._nbytes = self.plan.shard_bytes  # per shard, for the step events' byte counts
@@ -265,9 +267,16 @@ class Simulator:
             # other ranks' models are dropped: only their data and loss are used
             task = self.task if rank == 0 else build_task(config)
             straggler = Straggler(config.straggler, seed=(config.seed, rank))
+            steps = num_steps(config, task)
+            inner = None
+            if config.local_optimizer is not None:  # steps count gradients, the clock pushes
+                inner = build_optimizer(config.local_optimizer, self.model.parameters(),
+                                        config.local_args)
+                steps = steps if steps == UNCAPPED else math.ceil(steps / config.sync_every)
             self.workers.append(_VWorker(
-                rank=rank, steps=num_steps(config, task), batches=cycle_batches(task),
+                rank=rank, steps=steps, batches=cycle_batches(task),
                 loss_fn=task.loss_fn, straggler=straggler, events=self._log(f"worker{rank}"),
+                inner=inner, sync_every=config.sync_every if inner is not None else 1,
             ))
 
     # ------------------------------------------------------------------ plumbing
@@ -387,13 +396,16 @@ class Simulator:
         if w.rank == 0 and config.eval_every and w.clock % config.eval_every == 0:
             self._eval(w)
         self._compute(w)
-        step_time = w.straggler.step_time(self.sim.compute_time)
-        w.compute_s = self.sim.compute_time
-        w.sleep_s = step_time - self.sim.compute_time
+        # a round of local SGD takes its H steps' times, each drawn as a real step's is
+        step_time = sum(w.straggler.step_time(self.sim.compute_time)
+                        for _ in range(w.sync_every))
+        w.compute_s = self.sim.compute_time * w.sync_every
+        w.sleep_s = step_time - w.compute_s
         self._at(step_time, self._push, w)
 
-    def _compute(self, w: _VWorker) -> None:
-        """The worker's gradient on the weights it read, exactly as a real worker computes it."""
+    def _gradient(self, w: _VWorker) -> tuple[int, float]:
+        """One step's mean gradient into the parameters' ``.grad``, exactly as a real
+        worker computes it; (samples, their summed loss)."""
         model = self.model  # in train mode; evaluate() restores it; grads are None
         total, loss_sum = 0, 0.0
         for _ in range(self.spec.worker.push_every):
@@ -403,12 +415,38 @@ class Simulator:
             (loss * n).backward()
             total += n
             loss_sum += float(loss.detach()) * n
+        for p in self.params.values():
+            if p.grad is not None:
+                p.grad.div_(total)
+        return total, loss_sum
+
+    def _compute(self, w: _VWorker) -> None:
+        """What the worker pushes, from the weights it read: a gradient, or with local
+        SGD the pseudo-gradient ``pulled - local`` after H inner steps."""
+        if w.inner is not None:
+            self._local_round(w, w.inner)
+            return
+        total, loss_sum = self._gradient(w)
         grads = {}
         for name, p in self.params.items():
-            g = p.grad if p.grad is not None else torch.zeros_like(p)
-            grads[name] = g.div_(total)
-        model.zero_grad(set_to_none=True)  # the tensors now belong to this step's push
+            grads[name] = p.grad if p.grad is not None else torch.zeros_like(p)
+        self.model.zero_grad(set_to_none=True)  # the tensors now belong to this step's push
         w.grads = self.plan.split_tensors(grads)
+        w.loss = loss_sum / total
+        w.num_samples = total
+
+    def _local_round(self, w: _VWorker, inner: torch.optim.Optimizer) -> None:
+        with torch.no_grad():
+            anchor = {n: p.detach().clone() for n, p in self.params.items()}
+        total, loss_sum = 0, 0.0
+        for _ in range(w.sync_every):
+            n, summed = self._gradient(w)
+            inner.step()
+            self.model.zero_grad(set_to_none=True)
+            total, loss_sum = total + n, loss_sum + summed
+        with torch.no_grad():
+            pseudo = {n: anchor[n] - p for n, p in self.params.items()}
+        w.grads = self.plan.split_tensors(pseudo)
         w.loss = loss_sum / total
         w.num_samples = total
 
@@ -470,6 +508,7 @@ class Simulator:
             compute_s=w.compute_s, sleep_s=w.sleep_s, pull_s=w.pull_s,
             push_s=self.now - w.push_started, wait_s=w.wait_s,
             bytes=2 * sum(self._nbytes(k) for k in range(len(self.cores))),
+            **({"local_steps": w.sync_every} if w.inner is not None else {}),
         )
         w.grads = {}
         self._steps_done += 1
