@@ -252,7 +252,7 @@ def test_allow_list_lines(tmp_path: Path) -> None:
     (f"{Z85_A} rank=1 rank=2", "unknown"),
     ("nosuch.key", "neither a Z85"),
     (f"{Z85_A}\n{Z85_A} role=admin", "listed twice"),
-])
+], ids=lambda v: v.replace(Z85_A, "KEY"))  # the key is fresh per process: ids must agree
 def test_allow_list_refuses_bad_lines(tmp_path: Path, line: str, error: str) -> None:
     with pytest.raises(TransportError, match=error):
         parse_allow_list(line, tmp_path, "list")
