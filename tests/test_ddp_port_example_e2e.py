@@ -14,9 +14,11 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
+from paramserver import ClusterSpec, ServerConfig, WorkerConfig, run_cluster
 from paramserver.observe.events import read_events
 from paramserver.workers.experiments.spec import load_spec
 from tests.ports import free_port
@@ -26,32 +28,39 @@ EXAMPLE = ROOT / "examples" / "ddp_port"
 EPOCHS, STEPS_PER_EPOCH = 2, 8  # 256 samples, 2 ranks, batches of 16
 
 
-def _env() -> dict[str, str]:
+def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("PARAMSERVER_", "TORCHELASTIC_"))
            and k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **extra)
     return env
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The example under torchrun + DDP and under paramserver launch (sync), side by side."""
+    """The example under DDP (2 processes with torchrun's environment, as torchrun would
+    start them) and, meanwhile, under paramserver's launcher (sync; run here, in-process)."""
     tmp = tmp_path_factory.mktemp("ddp-port")
-    script = [str(EXAMPLE / "train.py"), "--epochs", str(EPOCHS)]
-    ddp = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
-         "2", "--master-port", str(free_port()), *script, "--ddp", "--lr", "0.05",
-         "--losses", str(tmp / "ddp")],
-        cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    ps = subprocess.Popen(
-        [sys.executable, "-m", "paramserver.cli", "launch", "-s", "1", "-n", "2", "--mode",
-         "sync", "--lr", "0.05", "--quiet", "--out", str(tmp / "run"), "--", sys.executable,
-         *script, "--losses", str(tmp / "ps"), "--snapshot", str(tmp / "snapshot.safetensors")],
-        cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for proc in (ddp, ps):
-        output, _ = proc.communicate(timeout=240)
-        assert proc.returncode == 0, output[-3000:]
+    script = [sys.executable, str(EXAMPLE / "train.py"), "--epochs", str(EPOCHS)]
+    port = str(free_port())
+    ddp = [subprocess.Popen(
+        [*script, "--ddp", "--lr", "0.05", "--losses", str(tmp / "ddp")], cwd=ROOT,
+        env=_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    try:
+        spec = ClusterSpec(
+            num_servers=1, num_workers=2,
+            server=ServerConfig(mode="sync", optimizer="sgd", optimizer_args={"lr": 0.05}),
+            worker=WorkerConfig(servers=[]),
+            command=[*script, "--losses", str(tmp / "ps"),
+                     "--snapshot", str(tmp / "snapshot.safetensors")])
+        with mock.patch.dict(os.environ, _env(), clear=True):  # the workers' environment
+            run_cluster(spec, tmp / "run")
+    finally:
+        for proc in ddp:
+            output, _ = proc.communicate(timeout=240)
+            assert proc.returncode == 0, output[-3000:]
     return tmp
 
 
