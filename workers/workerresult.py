@@ -22,7 +22,7 @@ def drop_none(data: JSONObject) -> JSONObject:
 
 @dataclass(frozen=True)
 class WorkerResult:
-    """What one worker did: its counts, loss, timings and, on rank 0, held-out figures.
+    """What one worker did: its counts, loss, timings and, on the evaluator, held-out figures.
 
     The built-in loop (``run_worker``, the simulator) fills every field; a user's
     own loop (``DistributedOptimizer.close``) has no train loss or budget, and its
