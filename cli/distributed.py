@@ -8,14 +8,24 @@ rank this is. The role mapping and the rendezvous live in
 from __future__ import annotations
 
 import dataclasses
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import click
 
 from paramserver.errors import ConfigError, ParamServerError, RemoteError, TransportError
+from paramserver.workers.config import (
+    EVALUATOR_ENV,
+    OPTIONS_ENV,
+    LaunchOptions,
+    WorkerConfig,
+    check_evaluator,
+)
+from paramserver.workers.launch.clusterspec import ClusterSpec
 
 from . import options
+from .launch import refuse_for_command
 from .server import ready_printer
 from .worker import fail, summary
 from .workercount import check_job_workers
@@ -55,6 +65,19 @@ server stops, so the launcher sees all ranks exit. See docs/multihost.md.
 """
 
 
+def command_env(worker: WorkerConfig, out: Path) -> dict[str, str]:
+    """What ``launch -- COMMAND`` also hands a rank's script, for ``run -- COMMAND``: the
+    worker options that act on its DistributedOptimizer (LaunchOptions: the straggler
+    options, the client's), in ``out/configs/worker<rank>.json``, its seed and evaluator."""
+    import json
+
+    path = ClusterSpec.options_file(worker.rank, out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(LaunchOptions.of(worker, worker.straggler).to_json()))
+    return {OPTIONS_ENV: str(path), "PARAMSERVER_SEED": str(worker.seed),
+            EVALUATOR_ENV: str(worker.evaluator)}
+
+
 def _nth_port(base: int, index: int) -> int:
     """Shard ``index``'s port from a base port (0 stays 0: any free port)."""
     return base + index if base else 0
@@ -70,8 +93,11 @@ def run(ctx: click.Context, **opts: Any) -> None:
 
     After `--`, worker ranks run your own script instead of the built-in loop,
     with PARAMSERVER_SERVERS, RANK (among the workers), WORLD_SIZE (the number
-    of workers) and LOCAL_RANK set. The last worker to finish saves the
-    servers' final weights as OUT/final_model.safetensors.
+    of workers), LOCAL_RANK, PARAMSERVER_SEED and PARAMSERVER_EVALUATOR set. As
+    for `launch -- COMMAND`, the straggler and client options act on its
+    DistributedOptimizer and the built-in loop's options (--task, --steps,
+    ...) are refused. The last worker to finish saves the servers' final
+    weights as OUT/final_model.safetensors.
     """
     # the rendezvous (torch.distributed's store), the server loop and the training loop
     # load only when a rank runs, not for --help
@@ -87,6 +113,8 @@ def run(ctx: click.Context, **opts: Any) -> None:
     )
 
     command = list(opts.pop("command") or ())
+    if command:  # the same refusals as launch -- COMMAND: one table decides
+        refuse_for_command(ctx)
     out = Path(opts["out"]) if opts["out"] else None
     # every option is checked before the launcher's environment is even read
     server_template = options.server_config(opts, bind="tcp://127.0.0.1:0")
@@ -99,6 +127,8 @@ def run(ctx: click.Context, **opts: Any) -> None:
     check_job_workers(ctx, role.num_workers,
                       f"{role.num_workers} worker ranks in this job ({env.world_size} ranks - "
                       f"--num-servers {opts['num_servers']})")
+    with options.user_errors("--evaluator"):
+        check_evaluator(worker_template.evaluator, role.num_workers)
     click.echo(f"paramserver run: rank {env.rank} of {env.world_size} ({env.launcher}) is "
                f"{role.describe()}; rendezvous at {env.store}", err=True)
     if role.kind == "server":
@@ -133,8 +163,11 @@ def run(ctx: click.Context, **opts: Any) -> None:
             click.echo(f"paramserver: shard {role.index} stopped", err=True)
             ctx.exit(code)
         elif command:
-            code = run_command_rank(command, rdzv, role.num_servers, role.index,
-                                    role.num_workers, env.local_rank, out)
+            with tempfile.TemporaryDirectory(prefix="paramserver-run-") as tmp:
+                extra = command_env(wconfig, out or Path(tmp))
+                code = run_command_rank(command, rdzv, role.num_servers, role.index,
+                                        role.num_workers, env.local_rank, out,
+                                        extra_env=extra)
             ctx.exit(code)
         else:
             result = run_worker_rank(wconfig, rdzv, role.num_servers, out=out)

@@ -40,8 +40,9 @@ Examples:
 \b
 After "--", COMMAND runs once per worker of every cell, as `launch -- COMMAND`
 runs it, with RANK, WORLD_SIZE, PARAMSERVER_SEED (the cell's seed),
-PARAMSERVER_CELL (its folder under OUT/runs/) and PARAMSERVER_STEPS (--steps,
-a hint: the script owns its loop) set. --task, --task-arg, --eval-every and
+PARAMSERVER_CELL (its folder under OUT/runs/), PARAMSERVER_STEPS (--steps,
+a hint: the script owns its loop) and PARAMSERVER_EVALUATOR (--evaluator; by
+default the lowest rank the scenario does not slow) set. --task, --task-arg, --eval-every and
 the budgets are refused with it. The key `command` of a spec file does the same.
 \b
 Writes OUT/report.md and OUT/report.html (tables and plots), OUT/spec.toml (the

@@ -80,6 +80,7 @@ def spec_from_flags(flags: dict[str, Any]) -> ExperimentSpec:
         "task_args": parse_kwargs(list(flags["task_args"])), "optimizer": flags["optimizer"],
         "optimizer_args": parse_kwargs(list(flags["optimizer_args"])),
         "target_loss": flags["target_loss"], "eval_every": flags["eval_every"],
+        "evaluator": flags["evaluator"],
         "min_step_time": flags["min_step_time"], "lr_scaling": flags["lr_scaling"],
         "warmup_steps": flags["warmup_steps"], "momentum_target": flags["momentum_target"],
         "local_optimizer": flags["local_optimizer"],
@@ -188,7 +189,11 @@ def grid_options(*, virtual: bool) -> Callable[[F], F]:
         click.option("--target-loss", type=float, help="Held-out loss for 'time to target' "
                      "(default 0.5)."),
         click.option("--eval-every", type=click.IntRange(min=1),
-                     help="Worker 0 evaluates held-out data every N steps (default 5)."),
+                     help="The evaluator evaluates held-out data every N steps (default 5)."),
+        click.option("--evaluator", type=click.IntRange(min=0), metavar="RANK",
+                     help="The worker that evaluates held-out data in every cell (a "
+                          "script finds it as PARAMSERVER_EVALUATOR). Default: the lowest "
+                          "rank the scenario does not slow."),
         click.option("--min-step-time", type=click.FloatRange(min=0), help=step_time_help),
         click.option("--spec", "spec_file", type=click.Path(exists=True, dir_okay=False),
                      help="TOML spec file (docs/experiments.md); flags override its keys."),

@@ -191,7 +191,11 @@ _OWN_LOOP = "your script runs its own loop (give it its own argument after --)"
 _OWN_MODEL = "your script builds its model and loads its data"
 _OWN_OVERLAP = ("pass overlap=True, bucket_bytes=... to DistributedOptimizer in your script "
                 "(which then calls set_num_samples() before backward)")
-#: the built-in loop's options that a command run cannot honour, and why (the rest act)
+_OWN_LOCAL = ("pass local=torch.optim.AdamW(model.parameters(), ...), sync_every=H to "
+              "DistributedOptimizer in your script")
+#: the built-in loop's options that a command run cannot honour, and why (the rest act:
+#: on the servers, the launcher, or the script's DistributedOptimizer through
+#: LaunchOptions, PARAMSERVER_SEED and PARAMSERVER_EVALUATOR); `launch` and `run` share it
 NOT_FOR_COMMANDS: dict[str, str] = {
     "task": _OWN_MODEL, "task_args": _OWN_MODEL, "batch_size": _OWN_MODEL,
     "device": "your script places its model on a device",
@@ -203,7 +207,9 @@ NOT_FOR_COMMANDS: dict[str, str] = {
     "eval": "result.json's eval is what your script logs with opt.log(eval_loss=...), and "
             "the final model is saved either way",
     "overlap": _OWN_OVERLAP, "bucket_bytes": _OWN_OVERLAP,
+    "local_optimizer": _OWN_LOCAL, "local_args": _OWN_LOCAL, "sync_every": _OWN_LOCAL,
 }
+
 
 def refuse_for_command(ctx: click.Context) -> None:
     """A one-line UsageError for the first option given as a flag or in --config that
@@ -219,8 +225,8 @@ def refuse_for_command(ctx: click.Context) -> None:
         flag = param.secondary_opts[0] if off else param.opts[0]
         if source is ParameterSource.ENVIRONMENT:
             envvar = getattr(param, "envvar", None) or flag
-            click.echo(f"paramserver launch: {envvar} is set but does not act on a command "
-                       f"run: {why}", err=True)
+            click.echo(f"paramserver {ctx.info_name}: {envvar} is set but does not act on a "
+                       f"command run: {why}", err=True)
             continue
         given = " (in --config)" if source is ParameterSource.DEFAULT_MAP else ""
         raise click.UsageError(f"{flag}{given} does not act on a command run (after --): "

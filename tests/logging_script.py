@@ -40,12 +40,13 @@ def main() -> None:
             loss.backward()
             opt.step(num_samples=5)
             opt.log(loss=loss.detach(), grad_norm=1.5)  # joins this step's record
-            if rank == 0 and k % 2 == 1:  # held-out figures: the latest one is the result's
+            if opt.evaluates and k % 2 == 1:  # held-out figures: the latest is the result's
                 with torch.no_grad():
                     x, y = T.batch(99, k, 8)
                     opt.log(eval_loss=float(torch.nn.functional.mse_loss(model(x), y)),
                             eval_accuracy=k / 10)
         seen = {"seed": os.environ.get("PARAMSERVER_SEED"), "early_log_refused": early_log_refused,
+                "evaluator": os.environ.get("PARAMSERVER_EVALUATOR"), "evaluates": opt.evaluates,
                 "chunk_bytes": opt.plan.chunk_bytes,
                 "slowdown": opt.straggler.spec.slowdown if opt.straggler else None,
                 "min_step_time": opt.straggler.spec.min_step_time if opt.straggler else None}

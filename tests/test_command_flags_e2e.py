@@ -43,12 +43,14 @@ def _launch(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str
 REFUSED = [("--task", "digits-mlp"), ("--task-arg", "hidden=8"), ("--batch-size", "4"),
            ("--device", "cpu"), ("--steps", "7"), ("--epochs", "1"),
            ("--budget-seconds", "5"), ("--push-every", "2"), ("--eval-every", "2"),
-           ("--no-eval",), ("--overlap",), ("--bucket-bytes", "1024")]
+           ("--no-eval",), ("--overlap",), ("--bucket-bytes", "1024"),
+           ("--local-optimizer", "sgd"), ("--local-arg", "lr=0.1"), ("--sync-every", "2")]
 
 
 def test_every_refused_option_is_listed():
     names = {args[0].lstrip("-").replace("-", "_") for args in REFUSED}
-    assert names - {"no_eval", "task_arg"} | {"eval", "task_args"} == set(NOT_FOR_COMMANDS)
+    assert names - {"no_eval", "task_arg", "local_arg"} | {"eval", "task_args", "local_args"} \
+        == set(NOT_FOR_COMMANDS)
 
 
 @pytest.mark.parametrize("given", REFUSED, ids=lambda g: g[0])

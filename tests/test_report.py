@@ -359,7 +359,8 @@ def test_rates_idle_and_all_active_window_under_a_known_persistent_straggler(tmp
 
     steps, m = 20, 0.01
     spec = ExperimentSpec(modes=["async"], scenarios=["persistent"], seeds=[0], steps=steps,
-                          workers=[4], servers=1, min_step_time=m, eval_every=10)
+                          workers=[4], servers=1, min_step_time=m, eval_every=10,
+                          evaluator=0)  # the straggler evaluates: the report must say so
     simulate_experiment(spec, tmp_path, SimSpec(compute_time=0.0))
     (summary,) = summarize(tmp_path)
     (run,) = summary.runs
@@ -380,6 +381,6 @@ def test_rates_idle_and_all_active_window_under_a_known_persistent_straggler(tmp
     for name, _, _ in TABLE_COLUMNS:
         assert f"| {name} " in md or f"| {name} |" in md
     assert "all active" in md and "Step-size rules: async: lr scaling none" in md
-    # the built-in loop's evaluator is worker 0, which 'persistent' slows: the report says so
+    # the spec made worker 0, which 'persistent' slows, the evaluator: the report says so
     assert "Held-out evaluation: worker 0 evaluates" in md
     assert "Worker 0, the evaluator, is also this scenario's straggler (4x slower" in md

@@ -24,7 +24,8 @@ from paramserver.util.coerce import parse_kwargs, parse_task_args
 from paramserver.util.jsontypes import JSONObject
 from paramserver.workers.stragglerspec import StragglerSpec
 
-__all__ = ["GRAD_WIRE_DTYPE_NAMES", "OPTIONS_ENV", "LaunchOptions", "WorkerConfig"]
+__all__ = ["EVALUATOR_ENV", "GRAD_WIRE_DTYPE_NAMES", "OPTIONS_ENV", "LaunchOptions",
+           "WorkerConfig", "check_evaluator"]
 
 #: the names of paramserver.util.dtypes.GRAD_WIRE_DTYPES, the 16-bit dtypes gradients may
 #: travel in (a test keeps the two equal; that table is torch's dtypes)
@@ -94,8 +95,12 @@ class WorkerConfig(ConfigRecord):
                                       help="How this worker is slowed down (the straggler "
                                            "options).")
     eval_every: int = option(0, min=0, metavar="N",
-                             help="Worker 0 evaluates held-out data every N clocks (0: at the "
-                                  "end only).")
+                             help="The evaluator (--evaluator) evaluates held-out data every "
+                                  "N clocks (0: at the end only).")
+    #: checked against the number of workers where that is known (ClusterSpec, the worker)
+    evaluator: int = option(0, min=0, metavar="RANK",
+                            help="The worker that evaluates held-out data; a command finds it "
+                                 "as PARAMSERVER_EVALUATOR (DistributedOptimizer.evaluates).")
     chunk_bytes: int = option(DEFAULT_CHUNK_BYTES, min=1, metavar="BYTES",
                               help="Tensors larger than this are split across shards.")
     # a shard's share of a push above this goes in parts, added as they arrive (0: whole);
@@ -186,6 +191,15 @@ def _worker_default(name: str) -> Any:
 
 #: the launcher's worker options for a command run (a LaunchOptions JSON file)
 OPTIONS_ENV = "PARAMSERVER_WORKER_OPTIONS"
+#: the rank that evaluates held-out data, as a launcher tells a command (``--evaluator``)
+EVALUATOR_ENV = "PARAMSERVER_EVALUATOR"
+
+
+def check_evaluator(evaluator: int, workers: int) -> None:
+    """One line, where the number of workers is known, for an evaluator that is none."""
+    if not 0 <= evaluator < workers:
+        raise ConfigError(f"evaluator must be a worker rank, 0 .. {workers - 1} with "
+                          f"{workers} worker(s); got {evaluator}")
 
 
 @dataclass(frozen=True)

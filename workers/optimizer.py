@@ -39,21 +39,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import torch
 
 from paramserver.core.sharding import ParamSpec, ShardPlan, dtype_name
 from paramserver.errors import ConfigError
 from paramserver.observe.events import EventLog, write_json
 from paramserver.sparse.shard import TableSpec
-from paramserver.util.jsontypes import JSON, JSONObject
 from paramserver.wire.curve import CurveKeys
 from paramserver.workers.client import PART_BYTES, PSClient, PullResult, PushResult, PushStream
-from paramserver.workers.config import OPTIONS_ENV, LaunchOptions
+from paramserver.workers.config import (
+    EVALUATOR_ENV,
+    OPTIONS_ENV,
+    LaunchOptions,
+    check_evaluator,
+)
 from paramserver.workers.embedding import SparseClient, sparse_modules
 from paramserver.workers.localsgd import LocalSteps
 from paramserver.workers.overlap import BucketHooks
 from paramserver.workers.stragglers import Straggler
+from paramserver.workers.workerresult import PushCounts, WorkerResult
 
 __all__ = ["OPTIONS_ENV", "DistributedOptimizer", "DistributedSampler", "LaunchOptions",
            "PushCounts", "StepOutcome", "WorkerResult", "read_plan", "servers_from_env"]
@@ -68,73 +72,12 @@ EVENT_LOG_ENV, RESULT_FILE_ENV, PLAN_FILE_ENV = (
     "PARAMSERVER_EVENT_LOG", "PARAMSERVER_RESULT_FILE", "PARAMSERVER_PLAN_FILE")
 
 
-def drop_none(data: JSONObject) -> JSONObject:
-    """Optional fields are left out of the file, not written as null (as before records)."""
-    return {k: v for k, v in data.items() if v is not None}
-
-
-@dataclass(frozen=True)
-class WorkerResult:
-    """What one worker did: its counts, loss, timings and, on rank 0, held-out figures.
-
-    The built-in loop (``run_worker``, the simulator) fills every field; a user's
-    own loop (``DistributedOptimizer.close``) has no train loss or budget, and its
-    ``eval`` is the last one it logged (``opt.log(eval_loss=...)``), if any."""
-
-    worker: int
-    steps: int  # pushes of this incarnation (a restarted worker resumes: clock >= steps)
-    clock: int
-    pushes: int
-    accepted: int
-    rejected: int
-    seconds: float
-    wait_seconds: float
-    final_versions: tuple[int, ...]
-    final_train_loss: float | None = None  # mean of the last 10 steps' loss
-    train_seconds: float | None = None  # from the first step (the budget's clock)
-    budget_seconds: float | None = None
-    budget_spent: bool | None = None
-    eval: dict[str, float] | None = None  # its final (or last logged) held-out figures
-
-    def to_json(self) -> JSONObject:
-        return drop_none({
-            "worker": self.worker, "steps": self.steps, "clock": self.clock,
-            "pushes": self.pushes, "accepted": self.accepted, "rejected": self.rejected,
-            "final_train_loss": self.final_train_loss, "seconds": self.seconds,
-            "train_seconds": self.train_seconds, "budget_seconds": self.budget_seconds,
-            "budget_spent": self.budget_spent, "wait_seconds": self.wait_seconds,
-            "final_versions": [v for v in self.final_versions],
-            "eval": None if self.eval is None else {k: v for k, v in self.eval.items()},
-        })
-
-    @classmethod
-    def from_json(cls, data: JSON) -> WorkerResult:
-        return msgspec.convert(data, type=cls)
-
-    @classmethod
-    def read(cls, path: str | Path) -> WorkerResult:
-        """A ``results/worker<r>.json``."""
-        return cls.from_json(json.loads(Path(path).read_text()))
-
-
 def _metric(name: str, value: object) -> float:
     """A logged figure as a float (a 0-d tensor included)."""
     try:
         return float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
         raise ConfigError(f"log({name}=...) must be a number, got {value!r}") from None
-
-
-@dataclass(frozen=True)
-class PushCounts:
-    """A worker's pushes so far, and how many every shard accepted or some shard rejected."""
-
-    pushes: int = 0
-    accepted: int = 0
-    rejected: int = 0
-
-    def add(self, accepted: bool) -> PushCounts:
-        return PushCounts(self.pushes + 1, self.accepted + accepted, self.rejected + (not accepted))
 
 
 @dataclass(frozen=True)
@@ -222,6 +165,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
       step) and logs it apart (``sleep_s`` beside ``compute_s``). Default: this
       rank's scenario from the launcher (``--straggler``, ``--min-step-time``, an
       experiment's scenario), else none.
+    * ``evaluator``: the rank that evaluates held-out data (:attr:`evaluates`); default
+      ``PARAMSERVER_EVALUATOR`` (the launcher's ``--evaluator``, an experiment's
+      ``evaluator``, by default a rank its scenario does not slow), else 0.
     * ``local``, ``sync_every``: local SGD / DiLoCo. ``step()`` steps ``local`` (an
       optimizer over the model's parameters, e.g. AdamW) and only every
       ``sync_every``-th step pushes the pseudo-gradient (the weights last pulled minus
@@ -262,6 +208,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         straggler: Straggler | None = None,
         local: torch.optim.Optimizer | None = None,
         sync_every: int = 1,
+        evaluator: int | None = None,
     ) -> None:
         named: list[tuple[str, torch.Tensor]]
         # ShardedEmbedding tables: on the shards by row, pushed by step() beside the dense
@@ -284,6 +231,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.world_size = _int_from_env(world_size, ("WORLD_SIZE",), 1)
         if not 0 <= self.rank < self.world_size:
             raise ConfigError(f"rank must be in [0, {self.world_size}), got {self.rank}")
+        #: the rank that evaluates held-out data (:attr:`evaluates`)
+        self.evaluator = _int_from_env(evaluator, (EVALUATOR_ENV,), 0)
+        check_evaluator(self.evaluator, self.world_size)
         self.backward_passes_per_step = backward_passes_per_step
         self.params: dict[str, torch.Tensor] = dict(named)
         if local is None and sync_every != 1:
@@ -543,6 +493,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if read is not None:
                 versions = [min(a, b) for a, b in zip(versions, read, strict=True)]
         self.sparse.push(grads, versions, self._num_samples, self.clock)
+
+    @property
+    def evaluates(self) -> bool:
+        """Whether this rank is the one that evaluates held-out data (``opt.log(eval_...)``):
+        the run's curves, time to target and result.json's ``eval`` come from it."""
+        return self.rank == self.evaluator
 
     @property
     def counts(self) -> PushCounts:

@@ -141,7 +141,8 @@ def run_worker(config: WorkerConfig, console: Sink | None = None) -> WorkerResul
         wire_dtype=config.wire_dtype, curve_key=config.curve_key,
         curve_server_key=config.curve_server_key, offer_weights=True, events=events,
         drop_rate=config.drop_rate, barrier_timeout=config.barrier_timeout,
-        straggler=straggler, local=local, sync_every=config.sync_every)
+        straggler=straggler, local=local, sync_every=config.sync_every,
+        evaluator=config.evaluator)
     with opt:
         opt.seed()  # now, not at the first step: the budget's clock starts there
         events.write("worker_start", worker=config.rank, clock=opt.clock, seeded=opt.seeded,
@@ -160,7 +161,7 @@ def run_worker(config: WorkerConfig, console: Sink | None = None) -> WorkerResul
                 log.info("worker %d: budget of %gs spent at clock %d", config.rank,
                          config.budget_seconds, opt.clock)
                 break
-            if (config.rank == 0 and config.eval_every and opt.clock % config.eval_every == 0
+            if (opt.evaluates and config.eval_every and opt.clock % config.eval_every == 0
                     and (opt.local is None or opt.local.taken == 0)):  # not mid-round
                 _log_eval(opt, task, model)
             # step() injects this worker's straggler delay and logs it apart
@@ -170,7 +171,7 @@ def run_worker(config: WorkerConfig, console: Sink | None = None) -> WorkerResul
         opt.pull()  # the final weights, evaluated below
         train_seconds = time.monotonic() - t_train
         # evaluated while connected: a ShardedEmbedding pulls its rows from the shards
-        final_eval = _log_eval(opt, task, model) if config.rank == 0 else None
+        final_eval = _log_eval(opt, task, model) if opt.evaluates else None
     result = dataclasses.replace(
         opt.result(time.time() - t_start),
         final_train_loss=sum(losses[-10:]) / max(1, len(losses[-10:])),

@@ -23,7 +23,7 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Required, TypedDict
+from typing import Any, ClassVar, Required, TypedDict
 
 from paramserver.errors import ConfigError
 
@@ -31,7 +31,10 @@ __all__ = [
     "CATALOGUE",
     "LATENCY_BUCKETS",
     "STALENESS_BUCKETS",
+    "STEP_FIELDS",
     "Child",
+    "FigureExporter",
+    "LoggedFigures",
     "MetricSpec",
     "MetricsExporter",
     "MetricsRegistry",
@@ -139,6 +142,9 @@ CATALOGUE: dict[str, MetricSpec] = _specs(
     MetricSpec("paramserver_worker_eval_loss", "gauge", "last held-out loss", ("worker",)),
     MetricSpec("paramserver_worker_eval_accuracy", "gauge", "last held-out accuracy",
                ("worker",)),
+    MetricSpec("paramserver_worker_logged", "gauge",
+               "last value of any other figure the worker logged (opt.log(NAME=...), "
+               "opt.log(eval_NAME=...)), by the name it was logged as", ("worker", "name")),
     MetricSpec("paramserver_worker_staleness", "histogram",
                "staleness of each step as the worker saw it (max over shards)", ("worker",),
                STALENESS_BUCKETS),
@@ -445,3 +451,64 @@ class TensorBoardWriter:
 
     def close(self) -> None:
         self._writer.close()
+
+
+#: the fields of a worker's ``step`` record that DistributedOptimizer writes itself
+#: (docs/events.md); any other number in it is a figure the script logged after the step
+STEP_FIELDS = frozenset({
+    "t", "event", "worker", "clock", "read_versions", "staleness", "accepted", "reasons",
+    "weight", "num_samples", "compute_s", "sleep_s", "pull_s", "push_s", "wait_s", "bytes"})
+#: the fields of an ``eval`` record that are not held-out figures
+_EVAL_FIELDS = frozenset({"t", "event", "worker", "clock", "versions"})
+
+
+@dataclass(frozen=True)
+class LoggedFigures:
+    """What a worker logged in one ``step`` or ``eval`` record of its event log, by the name
+    given to ``opt.log`` (``loss``, ``NAME``; ``eval_loss``, ``eval_accuracy``,
+    ``eval_NAME``): the built-in loop logs through the same call."""
+
+    worker: int
+    clock: int
+    t: float | None
+    figures: dict[str, float]
+
+    @classmethod
+    def of(cls, record: Mapping[str, Any]) -> LoggedFigures | None:
+        """The figures of a ``step`` or ``eval`` record (None: another record)."""
+        kind = record.get("event")
+        if kind not in ("step", "eval"):
+            return None
+        known, prefix = (STEP_FIELDS, "") if kind == "step" else (_EVAL_FIELDS, "eval_")
+        figures = {prefix + k: float(v) for k, v in record.items()
+                   if k not in known and isinstance(v, int | float) and not isinstance(v, bool)}
+        return cls(int(record["worker"]), int(record.get("clock", 0)), record.get("t"), figures)
+
+
+class FigureExporter:
+    """The one path from what workers log to Prometheus (a registry) and TensorBoard:
+    ``loss``, ``eval_loss`` and ``eval_accuracy`` have gauges of their own, every other
+    figure is ``paramserver_worker_logged{name=...}``; TensorBoard's tags are
+    ``NAME/worker<r>`` for training figures and ``eval/NAME`` for held-out ones, at the
+    worker's clock."""
+
+    GAUGES: ClassVar[dict[str, str]] = {
+        "loss": "paramserver_worker_loss", "eval_loss": "paramserver_worker_eval_loss",
+        "eval_accuracy": "paramserver_worker_eval_accuracy"}
+
+    def __init__(self, registry: MetricsRegistry,
+                 tensorboard: TensorBoardWriter | None = None) -> None:
+        self.registry = registry
+        self.tensorboard = tensorboard
+
+    def export(self, logged: LoggedFigures) -> None:
+        for name, value in logged.figures.items():
+            gauge = self.GAUGES.get(name)
+            if gauge is not None:
+                self.registry.set(gauge, (logged.worker,), value)
+            else:
+                self.registry.set("paramserver_worker_logged", (logged.worker, name), value)
+            if self.tensorboard is not None:
+                tag = f"eval/{name[len('eval_'):]}" if name.startswith("eval_") \
+                    else f"{name}/worker{logged.worker}"
+                self.tensorboard.add_scalar(tag, value, logged.clock, walltime=logged.t)

@@ -20,7 +20,14 @@ from typing import Any
 
 from paramserver.core.shard import GradStats, ShardCore, StepStats
 from paramserver.observe.events import EventLog
-from paramserver.observe.metrics import Child, MetricsExporter, MetricsRegistry, TensorBoardWriter
+from paramserver.observe.metrics import (
+    Child,
+    FigureExporter,
+    LoggedFigures,
+    MetricsExporter,
+    MetricsRegistry,
+    TensorBoardWriter,
+)
 from paramserver.observe.watchdog import Alarm, PushObservation, StepObservation, Watchdog
 from paramserver.wire.stats import ALARMS_LISTED, LastPush, ObservedStats, StepFigures
 
@@ -336,6 +343,7 @@ class LauncherObserver:
         self.tensorboard = TensorBoardWriter(Path(tensorboard) / "launcher") if tensorboard \
             else None
         self.events = EventLog(self.events_dir / "launcher.jsonl")
+        self.figures = FigureExporter(self.registry, self.tensorboard)
         self.on_alarm = on_alarm
         self.interval = interval
         self.alarms: list[dict[str, Any]] = []
@@ -367,7 +375,7 @@ class LauncherObserver:
                 if kind == "step":
                     self._step(rec)
                 elif kind == "eval":
-                    self._eval(rec)
+                    self._logged(rec)
                 elif kind == "alarm":
                     rec = {**rec, "process": name}
                     self.alarms.append(rec)
@@ -391,30 +399,19 @@ class LauncherObserver:
         r.inc("paramserver_worker_steps_total", w)
         if not rec.get("accepted", True):
             r.inc("paramserver_worker_rejected_total", w)
-        loss = rec.get("loss")  # a user's own loop may not tell its loss
-        if loss is not None:
-            r.set("paramserver_worker_loss", w, float(loss))
         r.observe("paramserver_worker_staleness", w, float(rec.get("staleness", 0)))
         r.observe("paramserver_worker_push_seconds", w, float(rec.get("push_s", 0.0)))
         r.observe("paramserver_worker_pull_seconds", w, float(rec.get("pull_s", 0.0)))
         r.inc("paramserver_worker_wait_seconds_total", w, float(rec.get("wait_s", 0.0)))
         r.inc("paramserver_worker_compute_seconds_total", w, float(rec.get("compute_s", 0.0)))
         r.inc("paramserver_worker_bytes_total", w, float(rec.get("bytes", 0)))
-        if self.tensorboard is not None and loss is not None:
-            self.tensorboard.add_scalar(f"loss/worker{rec['worker']}", float(loss),
-                                        int(rec.get("clock", 0)), walltime=rec.get("t"))
+        self._logged(rec)
 
-    def _eval(self, rec: Mapping[str, Any]) -> None:
-        w = (rec["worker"],)
-        if "loss" in rec:
-            self.registry.set("paramserver_worker_eval_loss", w, float(rec["loss"]))
-        if "accuracy" in rec:
-            self.registry.set("paramserver_worker_eval_accuracy", w, float(rec["accuracy"]))
-        if self.tensorboard is not None:
-            for key in ("loss", "accuracy"):
-                if key in rec:
-                    self.tensorboard.add_scalar(f"eval/{key}", float(rec[key]),
-                                                int(rec.get("clock", 0)), walltime=rec.get("t"))
+    def _logged(self, rec: Mapping[str, Any]) -> None:
+        """What the worker logged (opt.log, the built-in loop's too): one path to both."""
+        logged = LoggedFigures.of(rec)
+        if logged is not None:
+            self.figures.export(logged)
 
     def tick(self, now: float, force: bool = False) -> None:
         if not force and now - self._last_snapshot < self.interval:

@@ -47,6 +47,7 @@ from paramserver.core.stepsize import LrRule
 from paramserver.errors import ConfigError
 from paramserver.server.loop import ServerConfig
 from paramserver.util.jsontypes import JSONObject
+from paramserver.workers.config import check_evaluator
 from paramserver.workers.experiments.axes import (
     SCENARIOS,
     ModeChoice,
@@ -115,7 +116,7 @@ _SPEC_KEYS = ("name", "task", "task_args", "steps", "batch_size", "seeds", "num_
               "optimizer_args", "target_loss", "eval_every", "min_step_time", "device",
               "run_timeout", "lr_scaling", "warmup_steps", "momentum_target",
               "budget_seconds", "budget_gradients", "command", "local_optimizer", "local_args",
-              "outer_args")
+              "outer_args", "evaluator")
 
 _OWN_MODEL = "the script builds its own model and loads its own data"
 _OWN_LOOP = "the script runs its own loop (steps is passed on as PARAMSERVER_STEPS, a hint)"
@@ -153,7 +154,7 @@ class ExperimentSpec:
     optimizer: str = "sgd"
     optimizer_args: JSONObject = field(default_factory=lambda: {"lr": 0.1})
     target_loss: float = 0.5  # held-out loss for "time to target"
-    eval_every: int = 5  # worker 0 evaluates held-out data every N of its steps
+    eval_every: int = 5  # the evaluator evaluates held-out data every N of its steps
     min_step_time: float = 0.015  # s; emulates a model heavier than the task's
     device: str = "cpu"
     run_timeout: float | None = 900.0  # s per run; 0 or None: no limit
@@ -174,6 +175,9 @@ class ExperimentSpec:
     local_args: JSONObject = field(default_factory=lambda: {"lr": 0.001})
     outer_args: JSONObject = field(
         default_factory=lambda: {"lr": 0.7, "momentum": 0.9, "nesterov": True})
+    #: the rank that evaluates held-out data in every cell (a command's script finds it as
+    #: PARAMSERVER_EVALUATOR); None: the lowest rank the cell's scenario does not slow
+    evaluator: int | None = None
 
     def __post_init__(self) -> None:
         self._check_command()
@@ -215,6 +219,9 @@ class ExperimentSpec:
         }
         for name in self.scenarios:
             self.scenario(name)
+        if self.evaluator is not None:
+            _int(self.evaluator, "evaluator", 0)
+            check_evaluator(self.evaluator, min(self.workers))
         LrRule(self.lr_scaling, self.warmup_steps)
         if self.momentum_target is not None and not 0 <= self.momentum_target < 1:
             raise ConfigError(f"momentum_target must be in [0, 1), got {self.momentum_target!r}")
@@ -338,6 +345,15 @@ class ExperimentSpec:
         return [RunPlan(c, seed, f"runs/{c.id}/seed{seed}")
                 for seed in self.seeds for c in self.configurations()]
 
+    def evaluator_of(self, config: Configuration) -> int:
+        """The rank that evaluates in ``config``: the spec's, else the lowest rank that the
+        scenario does not slow more than the others (all slowed: 0)."""
+        if self.evaluator is not None:
+            return self.evaluator
+        scenario = self.scenario(config.scenario)
+        slowed = {r for r, s in scenario.stragglers(config.workers).items() if s != scenario.all}
+        return min(set(range(config.workers)) - slowed, default=0)
+
     def cluster_spec(self, config: Configuration, seed: int) -> ClusterSpec:
         scenario = self.scenario(config.scenario)
         step = self.step_settings(config.mode)
@@ -364,6 +380,7 @@ class ExperimentSpec:
             local_optimizer=self.local_optimizer if local else None,
             local_args=dict(self.local_args) if local else {},
             sync_every=config.mode.sync_every or 1,
+            evaluator=self.evaluator_of(config),
         )
         return ClusterSpec(num_servers=self.servers, num_workers=config.workers, server=server,
                            worker=worker, stragglers=scenario.stragglers(config.workers),
@@ -413,6 +430,7 @@ class ExperimentSpec:
             "budget_seconds": self.budget_seconds, "budget_gradients": self.budget_gradients,
             "local_optimizer": self.local_optimizer, "local_args": dict(self.local_args),
             "outer_args": dict(self.outer_args),
+            "evaluator": self.evaluator,
         }
         if self.command:  # the built-in loop's keys are not part of a command's grid
             for key in NOT_FOR_COMMANDS:

@@ -17,7 +17,13 @@ from typing import TYPE_CHECKING
 from paramserver.errors import ConfigError
 from paramserver.server.config import ServerConfig, option
 from paramserver.util.jsontypes import JSONObject
-from paramserver.workers.config import OPTIONS_ENV, LaunchOptions, WorkerConfig
+from paramserver.workers.config import (
+    EVALUATOR_ENV,
+    OPTIONS_ENV,
+    LaunchOptions,
+    WorkerConfig,
+    check_evaluator,
+)
 from paramserver.workers.stragglerspec import StragglerSpec, parse_straggler_items
 
 if TYPE_CHECKING:
@@ -103,6 +109,7 @@ class ClusterSpec:
                               f"got {self.on_worker_failure!r}")
         if self.num_servers < 1 or self.num_workers < 1:
             raise ConfigError("a cluster needs at least one server and one worker")
+        check_evaluator(self.worker.evaluator, self.num_workers)
         if self.metrics_port is not None and not (
                 self.metrics_port >= 0 and self.metrics_port + self.num_servers <= 65535):
             raise ConfigError(f"metrics_port must be 0 (any free port) or leave room for "
@@ -155,6 +162,7 @@ class ClusterSpec:
                "PARAMSERVER_RESULT_FILE": str(out / "results" / f"worker{rank}.json"),
                "PARAMSERVER_PLAN_FILE": str(out / "plan.json"),
                "PARAMSERVER_SEED": str(self.worker.seed),
+               EVALUATOR_ENV: str(self.worker.evaluator),
                # the launcher's worker options, this rank's straggler among them
                OPTIONS_ENV: str(self.options_file(rank, out))}
         if self.worker.curve_key:

@@ -513,14 +513,16 @@ def run_worker_rank(config: WorkerConfig, rdzv: Rendezvous, num_servers: int,
 
 def run_command_rank(command: list[str], rdzv: Rendezvous, num_servers: int, rank: int,
                      world_size: int, local_rank: int, out: Path | None = None,
-                     timeout: float | None = None) -> int:
+                     timeout: float | None = None,
+                     extra_env: Mapping[str, str] | None = None) -> int:
     """Run the user's ``command`` as worker ``rank`` (its script builds a
-    DistributedOptimizer from the environment set here); returns its exit code."""
+    DistributedOptimizer from the environment set here, ``extra_env`` included: the
+    launcher's worker options); returns its exit code."""
     addresses: list[str] = []
     try:
         addresses = rdzv.wait_servers(num_servers, timeout)
         env = {**os.environ, "PARAMSERVER_SERVERS": ",".join(addresses), "RANK": str(rank),
-               "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(local_rank)}
+               "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(local_rank), **(extra_env or {})}
         if out is not None:  # without one there is no final model, so no plan either
             env.update(PARAMSERVER_EVENT_LOG=str(out / "events" / f"worker{rank}.jsonl"),
                        PARAMSERVER_RESULT_FILE=str(out / "results" / f"worker{rank}.json"),

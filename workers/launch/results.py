@@ -21,7 +21,7 @@ import msgspec
 
 from paramserver.util.jsontypes import JSON, JSONObject
 from paramserver.workers.launch.processes import ProcessInfo, exit_reason
-from paramserver.workers.optimizer import WorkerResult, drop_none
+from paramserver.workers.workerresult import WorkerResult, drop_none
 
 __all__ = [
     "ClusterResult",

@@ -393,7 +393,8 @@ class Simulator:
         if w.final:
             self._finish_worker(w)
             return
-        if w.rank == 0 and config.eval_every and w.clock % config.eval_every == 0:
+        if (w.rank == config.evaluator and config.eval_every
+                and w.clock % config.eval_every == 0):
             self._eval(w)
         self._compute(w)
         # a round of local SGD takes its H steps' times, each drawn as a real step's is
@@ -520,7 +521,7 @@ class Simulator:
         self._start_pull(w)
 
     def _finish_worker(self, w: _VWorker) -> None:
-        """After the final pull: say BYE, evaluate on rank 0, write the result."""
+        """After the final pull: say BYE, evaluate on the evaluator, write the result."""
         for k in range(len(self.cores)):
             self._at(self.sim.latency, self._bye_arrives, w, k)
         w.result = result = WorkerResult(
@@ -530,7 +531,7 @@ class Simulator:
             seconds=self.now - w.started, train_seconds=self.now - w.started,
             budget_seconds=self.spec.worker.budget_seconds, budget_spent=w.budget_spent,
             wait_seconds=w.waited, final_versions=tuple(w.read_versions),
-            eval=self._eval(w) if w.rank == 0 else None)
+            eval=self._eval(w) if w.rank == self.spec.worker.evaluator else None)
         self._end = max(self._end, self.now)
         data = result.to_json()
         w.events.write("worker_end", **data)
