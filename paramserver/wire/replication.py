@@ -78,8 +78,11 @@ _decoder = msgspec.msgpack.Decoder(Record)
 
 def is_replication(frames: Sequence[Any]) -> bool:
     """Whether ``frames`` (without the ROUTER identity) are a replication message."""
-    return bool(frames) and bytes(frames[0].buffer if hasattr(frames[0], "buffer")
-                                  else frames[0])[:len(MAGIC)] == MAGIC
+    if not frames:
+        return False
+    head = frames[0]
+    view = memoryview(head.buffer if hasattr(head, "buffer") else head)
+    return bytes(view[:len(MAGIC)]) == MAGIC  # (a prefix: a large header is not copied)
 
 
 def encode(record: Record) -> list[bytes]:

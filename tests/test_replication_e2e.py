@@ -1,0 +1,108 @@
+"""Replicated shards over real processes and loopback sockets (issue 32): a primary
+SIGKILLed mid-run loses nothing. Async: every push a worker saw acknowledged is in the
+final version count exactly once. Sync: the final weights are bit-identical to the
+same run without the failure. No worker restarts either way."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from paramserver.observe.events import read_events
+from paramserver.server.config import ServerConfig
+from paramserver.workers.config import WorkerConfig
+from paramserver.workers.launch.cluster import ClusterSpec, Progress, ProcessInfo, run_cluster
+from paramserver.workers.launch.results import ClusterResult
+from paramserver.workers.stragglerspec import StragglerSpec
+
+pytestmark = pytest.mark.integration
+
+
+def _spec(mode: str, servers: int, workers: int, steps: int, step_time: float,
+          replicas: int) -> ClusterSpec:
+    return ClusterSpec(
+        num_servers=servers, num_workers=workers, evaluate=False,
+        server=ServerConfig(mode=mode, replicas=replicas, failover_timeout=1.0),
+        # paced, so that the kill lands while pushes stream
+        worker=WorkerConfig(steps=steps, straggler=StragglerSpec(min_step_time=step_time)))
+
+
+def _run_killing_primary(spec: ClusterSpec, out: Path, after_steps: int
+                         ) -> tuple[ClusterResult, list[int]]:
+    """Run ``spec``; SIGKILL shard 0's primary once the workers logged ``after_steps``
+    steps in all. Returns the result and the pid killed (none: the run ended first)."""
+    pids: dict[str, int] = {}
+    killed: list[int] = []
+
+    def on_process(info: ProcessInfo) -> None:
+        pids[info.name] = info.pid
+
+    def on_progress(progress: Progress) -> None:
+        if not killed and progress.done_steps >= after_steps:
+            os.kill(pids["server0"], signal.SIGKILL)
+            killed.append(pids["server0"])
+
+    result = run_cluster(spec, out, on_progress=on_progress, on_process=on_process)
+    return result, killed
+
+
+def _failovers(out: Path) -> list[dict]:
+    return read_events(out / "events" / "server0r1.jsonl", "failover")
+
+
+def _pushes_after_takeover(out: Path) -> int:
+    """Pushes the new primary took after it took over: the kill was mid-run."""
+    (event,) = _failovers(out)
+    return sum(1 for p in read_events(out / "events" / "server0r1.jsonl", "push")
+               if p["t"] > event["t"])
+
+
+@pytest.fixture(scope="module")
+def async_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[ClusterResult, list[int], Path]:
+    out = tmp_path_factory.mktemp("async")
+    result, killed = _run_killing_primary(_spec("async", 1, 2, 200, 0.01, 1), out, 20)
+    return result, killed, out
+
+
+def test_async_failover_keeps_every_acknowledged_push_exactly_once(async_run):
+    result, killed, out = async_run
+    assert killed, "the run ended before the primary could be killed"
+    # every push a worker saw acknowledged (accepted) is in the final version, once
+    acknowledged = sum(w.accepted for w in result.workers)
+    assert acknowledged == 2 * 200
+    assert result.updates_applied == (acknowledged,)
+    # the backup took over (one failover, at epoch 1) and no worker restarted
+    (event,) = _failovers(out)
+    assert event["epoch"] == 1 and event["seconds"] < 5
+    assert _pushes_after_takeover(out) > 0
+    assert result.restarts == ()
+    assert [f.process for f in result.failures] == ["server0"]
+    # both workers had requests in flight and moved to the new primary themselves
+    for rank in (0, 1):
+        assert "its primary is now" in (out / "logs" / f"worker{rank}.log").read_text()
+
+
+@pytest.fixture(scope="module")
+def sync_runs(tmp_path_factory: pytest.TempPathFactory
+              ) -> tuple[Path, Path, ClusterResult, list[int]]:
+    plain = tmp_path_factory.mktemp("sync-plain")
+    run_cluster(_spec("sync", 2, 3, 30, 0.03, 0), plain)
+    failed = tmp_path_factory.mktemp("sync-failover")
+    result, killed = _run_killing_primary(_spec("sync", 2, 3, 30, 0.03, 1), failed, 15)
+    return plain, failed, result, killed
+
+
+def test_sync_failover_ends_bit_identical_to_the_run_without_failure(sync_runs):
+    plain, failed, result, killed = sync_runs
+    assert killed, "the run ended before the primary could be killed"
+    assert len(_failovers(failed)) == 1 and _pushes_after_takeover(failed) > 0
+    assert result.restarts == () and result.updates_applied == (30, 30)
+    first = load_file(plain / "final_model.safetensors")
+    second = load_file(failed / "final_model.safetensors")
+    assert first.keys() == second.keys() and first
+    for key in first:
+        assert first[key].equal(second[key]), key
