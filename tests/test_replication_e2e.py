@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from paramserver.observe.events import read_events
 from paramserver.server.config import ServerConfig
 from paramserver.workers.config import WorkerConfig
-from paramserver.workers.launch.cluster import ClusterSpec, Progress, ProcessInfo, run_cluster
+from paramserver.workers.launch.cluster import ClusterSpec, ProcessInfo, Progress, run_cluster
 from paramserver.workers.launch.results import ClusterResult
 from paramserver.workers.stragglerspec import StragglerSpec
 
