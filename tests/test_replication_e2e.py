@@ -5,13 +5,17 @@ same run without the failure. No worker restarts either way."""
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import signal
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 from safetensors.torch import load_file
 
+from paramserver.cli.statusview import collect, find_primaries, render
 from paramserver.observe.events import read_events
 from paramserver.server.config import ServerConfig
 from paramserver.workers.config import WorkerConfig
@@ -31,20 +35,31 @@ def _spec(mode: str, servers: int, workers: int, steps: int, step_time: float,
         worker=WorkerConfig(steps=steps, straggler=StragglerSpec(min_step_time=step_time)))
 
 
-def _run_killing_primary(spec: ClusterSpec, out: Path, after_steps: int
-                         ) -> tuple[ClusterResult, list[int]]:
+def _run_killing_primary(spec: ClusterSpec, out: Path, after_steps: int,
+                         status: list[str] | None = None) -> tuple[ClusterResult, list[int]]:
     """Run ``spec``; SIGKILL shard 0's primary once the workers logged ``after_steps``
-    steps in all. Returns the result and the pid killed (none: the run ended first)."""
+    steps in all. Returns the result and the pid killed (none: the run ended first).
+    ``status``: gets what `paramserver status` draws once the backup took over."""
     pids: dict[str, int] = {}
     killed: list[int] = []
+    entries: list[str] = []
 
     def on_process(info: ProcessInfo) -> None:
         pids[info.name] = info.pid
+        if info.name == "worker0":  # the servers are up: what workers are given
+            entries.extend(json.loads((out / "configs" / "worker0.json").read_text())
+                           ["servers"])
 
     def on_progress(progress: Progress) -> None:
         if not killed and progress.done_steps >= after_steps:
             os.kill(pids["server0"], signal.SIGKILL)
             killed.append(pids["server0"])
+        elif killed and status is not None and not status:
+            addresses, roles = find_primaries(entries, 2.0)
+            if addresses[0] != entries[0].split("|")[0]:  # the backup took over
+                console = Console(file=io.StringIO(), width=250)
+                console.print(render(addresses, *collect(addresses, 2.0), console, roles))
+                status.append(console.file.getvalue())
 
     result = run_cluster(spec, out, on_progress=on_progress, on_process=on_process)
     return result, killed
@@ -62,14 +77,17 @@ def _pushes_after_takeover(out: Path) -> int:
 
 
 @pytest.fixture(scope="module")
-def async_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[ClusterResult, list[int], Path]:
+def async_run(tmp_path_factory: pytest.TempPathFactory
+              ) -> tuple[ClusterResult, list[int], Path, list[str]]:
     out = tmp_path_factory.mktemp("async")
-    result, killed = _run_killing_primary(_spec("async", 1, 2, 200, 0.01, 1), out, 20)
-    return result, killed, out
+    status: list[str] = []
+    result, killed = _run_killing_primary(_spec("async", 1, 2, 200, 0.01, 1), out, 20,
+                                          status)
+    return result, killed, out, status
 
 
 def test_async_failover_keeps_every_acknowledged_push_exactly_once(async_run):
-    result, killed, out = async_run
+    result, killed, out, _ = async_run
     assert killed, "the run ended before the primary could be killed"
     # every push a worker saw acknowledged (accepted) is in the final version, once
     acknowledged = sum(w.accepted for w in result.workers)
@@ -84,6 +102,17 @@ def test_async_failover_keeps_every_acknowledged_push_exactly_once(async_run):
     # both workers had requests in flight and moved to the new primary themselves
     for rank in (0, 1):
         assert "its primary is now" in (out / "logs" / f"worker{rank}.log").read_text()
+
+
+def test_status_shows_the_new_primary_its_epoch_and_the_failover(async_run):
+    _, _, out, status = async_run
+    assert status, "the run ended before the status could be read after the takeover"
+    (text,) = status
+    assert "replicas" in text and "no reply" in text  # the dead primary
+    (row,) = [line for line in text.splitlines() if "primary" in line]
+    assert row.split("│")[4].strip() == "1"  # epoch
+    (event,) = read_events(out / "events" / "launcher.jsonl", "failover")
+    assert event["process"] == "server0r1" and event["epoch"] == 1
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ from paramserver.wire.transport import Channel, SideChannel
 from paramserver.workers.liveness import Heartbeat, HeldPull, Patience, Waiter
 
 __all__ = ["SEPARATOR", "Failover", "FailoverHeartbeat", "FailoverPatience", "ask_roles",
-           "current_primaries", "join_replicas", "move"]
+           "current_primaries", "join_replicas", "move", "primary_of"]
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ def ask_roles(addresses: Sequence[str], timeout: float = PROBE_TIMEOUT
     return out
 
 
-def _primary(roles: dict[str, wrepl.RoleReply | None]) -> tuple[str, int] | None:
+def primary_of(roles: dict[str, wrepl.RoleReply | None]) -> tuple[str, int] | None:
     """The address and epoch of the primary of the highest epoch (None: none says so)."""
     primaries = [(r.epoch, a) for a, r in roles.items() if r is not None and r.role == "primary"]
     if not primaries:
@@ -101,7 +101,7 @@ def current_primaries(entries: Sequence[str], timeout: float = 5.0) -> list[str]
         found = None
         deadline = time.monotonic() + timeout
         while len(replicas) > 1 and found is None:
-            found = _primary(ask_roles(replicas))
+            found = primary_of(ask_roles(replicas))
             if found is None and time.monotonic() > deadline:
                 break
         out.append(found[0] if found else replicas[0])
@@ -152,7 +152,7 @@ class Failover:
         if len(self.replicas[shard]) < 2:
             return False
         channel = client.channels[shard]
-        found = _primary(ask_roles(self.replicas[shard]))
+        found = primary_of(ask_roles(self.replicas[shard]))
         if found is None or found[0] == channel.address:
             return False
         address, epoch = found

@@ -271,7 +271,8 @@ class Replication:
         return wrepl.RoleReply(
             self.state.role.value, self.state.epoch, self.state.applied,
             self.replica, [b.address for b in self.backups],
-            [round(now - b.acked_at, 3) for b in self.backups], self.failovers)
+            [round(now - b.acked_at, 3) for b in self.backups], self.failovers,
+            [self.state.applied - b.acked for b in self.backups])
 
     def close(self) -> None:
         for b in self.backups:

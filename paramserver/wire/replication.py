@@ -68,6 +68,7 @@ class RoleReply(msgspec.Struct, tag="role", frozen=True):
     backups: Annotated[list[Address], msgspec.Meta(max_length=16)] = []
     lag: Annotated[list[float], msgspec.Meta(max_length=16)] = []  # each backup's last ack, s
     failovers: Count = 0
+    behind: Annotated[list[int], msgspec.Meta(max_length=16)] = []  # inputs it has not acked
 
 
 Record = Apply | Ack | WhoIs | RoleReply

@@ -131,6 +131,7 @@ class LocalCluster:
         self.backups: list[list[_Proc]] = []
         self.replica_sets: list[list[str]] = []
         self._gone: set[str] = set()  # replicas whose death was recorded
+        self._failover_offsets: dict[str, int] = {}  # backup -> bytes of its events read
         self._env = _child_env()
         self._cold_starts = False  # set when the zygote cannot fork: python -m per process
         self._followers: dict[int, JsonlFollower] = {}
@@ -359,6 +360,7 @@ class LocalCluster:
                 for proc in [self.servers[shard], *backups] if backups else []:
                     if (code := proc.popen.poll()) is not None:
                         self._replica_died(shard, proc, code)
+                    self._report_failovers(proc.name)
             for shard, proc in enumerate(self.servers):
                 code = proc.popen.poll()
                 if code is None or self.spec.server.replicas:
@@ -483,6 +485,30 @@ class LocalCluster:
                 shutdown_servers(backups, curve=self.spec.admin_curve())
             except ParamServerError as exc:  # a dead one: stop() reaps the others
                 log.debug("stopping the backups: %s", exc)
+
+    def _report_failovers(self, name: str) -> None:
+        """A line and a launcher event for each failover a replica's event log records
+        since the last call (its other records are not parsed)."""
+        path = self.out / "events" / f"{name}.jsonl"
+        offset = self._failover_offsets.get(name, 0)
+        try:
+            with path.open("rb") as fh:
+                fh.seek(offset)
+                data = fh.read()
+        except OSError:
+            return
+        end = data.rfind(b"\n") + 1  # a torn last line waits for the next call
+        self._failover_offsets[name] = offset + end
+        for line in data[:end].splitlines():
+            if b'"event":"failover"' not in line:
+                continue
+            rec = json.loads(line)
+            log.warning("shard %s failed over: %s (replica %s, %s) is its primary at epoch "
+                        "%s, %.2fs after the old primary's last word", rec["shard"], name,
+                        rec["replica"], rec["address"], rec["epoch"], rec["seconds"])
+            self.observer.events.write("failover", process=name, shard=rec["shard"],
+                                       replica=rec["replica"], address=rec["address"],
+                                       epoch=rec["epoch"], seconds=rec["seconds"])
 
     def progress(self) -> Progress:
         """Steps and last loss per worker, read incrementally from the event logs."""
