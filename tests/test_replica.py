@@ -11,7 +11,7 @@ from paramserver.wire import replication as wrepl
 
 
 def test_a_backup_applies_inputs_in_order_once():
-    backup = ReplicaState.starting(1, now=0.0)
+    backup = ReplicaState.starting(1)
     assert backup.role is Role.BACKUP and not backup.writable
     assert backup.receive(0, 1, now=1.0) is Verdict.APPLY
     assert backup.receive(0, 1, now=1.1) is Verdict.AGAIN  # a resend: acknowledged only
@@ -22,15 +22,16 @@ def test_a_backup_applies_inputs_in_order_once():
 
 
 def test_the_primary_numbers_its_inputs_and_a_backup_does_not_send():
-    primary = ReplicaState.starting(0, now=0.0)
+    primary = ReplicaState.starting(0)
     assert primary.writable
     assert [primary.next_seq() for _ in range(3)] == [1, 2, 3]
     with pytest.raises(RuntimeError):
-        ReplicaState.starting(1, now=0.0).next_seq()
+        ReplicaState.starting(1).next_seq()
 
 
 def test_a_silent_primary_is_replaced_at_a_higher_epoch():
-    backup = ReplicaState.starting(1, now=0.0)
+    backup = ReplicaState.starting(1)
+    assert not backup.silent(99.0, timeout=1.5)  # no primary heard yet: still starting
     backup.receive(0, 1, now=1.0)
     assert not backup.silent(2.0, timeout=1.5)
     assert backup.silent(2.6, timeout=1.5)
@@ -41,8 +42,8 @@ def test_a_silent_primary_is_replaced_at_a_higher_epoch():
 
 
 def test_fencing_a_promoted_backup_refuses_the_old_primary_which_steps_down():
-    old = ReplicaState.starting(0, now=0.0)
-    new = ReplicaState.starting(1, now=0.0)
+    old = ReplicaState.starting(0)
+    new = ReplicaState.starting(1)
     new.receive(old.epoch, old.next_seq(), now=0.5)
     new.promote()
     # the old primary was only paused: its next input carries epoch 0
@@ -57,7 +58,7 @@ def test_fencing_a_promoted_backup_refuses_the_old_primary_which_steps_down():
 
 
 def test_two_primaries_of_one_epoch_cannot_be():
-    primary = ReplicaState.starting(0, now=0.0)
+    primary = ReplicaState.starting(0)
     assert primary.receive(0, 1, now=1.0) is Verdict.STALE
     assert primary.writable
 

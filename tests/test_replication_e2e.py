@@ -9,6 +9,7 @@ import io
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,13 @@ from paramserver.cli.statusview import collect, find_primaries, render
 from paramserver.observe.events import read_events
 from paramserver.server.config import ServerConfig
 from paramserver.workers.config import WorkerConfig
-from paramserver.workers.launch.cluster import ClusterSpec, ProcessInfo, Progress, run_cluster
+from paramserver.workers.launch.cluster import (
+    ClusterSpec,
+    LocalCluster,
+    ProcessInfo,
+    Progress,
+    run_cluster,
+)
 from paramserver.workers.launch.results import ClusterResult
 from paramserver.workers.stragglerspec import StragglerSpec
 
@@ -135,3 +142,26 @@ def test_sync_failover_ends_bit_identical_to_the_run_without_failure(sync_runs):
     assert first.keys() == second.keys() and first
     for key in first:
         assert first[key].equal(second[key]), key
+
+
+def test_a_paused_primary_that_comes_back_steps_down(tmp_path):
+    """Fencing: SIGSTOP the primary past the failover timeout; the backup takes over at
+    epoch 1; SIGCONT: the old primary's first word to it is refused, and it stops."""
+    spec = _spec("async", 1, 1, 1, 0.0, 1)
+    with LocalCluster(spec, tmp_path) as cluster:
+        cluster.start_servers()
+        (entry,) = cluster.worker_addresses()
+        old = cluster.servers[0].popen
+        os.kill(old.pid, signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 20
+            while find_primaries([entry], 1.0)[0] == [cluster.addresses[0]]:
+                assert time.monotonic() < deadline, "no takeover while the primary was paused"
+        finally:
+            os.kill(old.pid, signal.SIGCONT)
+        assert old.wait(timeout=20) == 0  # it stepped down, and stopped
+        (down,) = read_events(tmp_path / "events" / "server0.jsonl", "stepped_down")
+        assert down["epoch"] == 1
+        addresses, roles = find_primaries([entry], 1.0)
+        assert addresses == [cluster.replica_sets[0][1]]
+        assert [r.epoch for _, r in roles[0] if r is not None] == [1]

@@ -220,14 +220,15 @@ class PSClient:
                 raise error
         return replies
 
-    def patience(self, what: str, shards: list[int]) -> Patience | None:
+    def patience(self, what: str, shards: list[int]) -> Callable[[list[int]], bool] | None:
         """How long a request to ``shards`` is waited for: past ``timeout`` while the
         heartbeats say a shard holds it (workers/liveness.py); None without them."""
         heartbeat = self._heartbeat
-        if heartbeat is None or not heartbeat.is_alive():
+        alive = heartbeat is not None and heartbeat.is_alive()
+        if self.failover is not None:  # (it follows the primary without heartbeats too)
+            return self.failover.patience(self, heartbeat if alive else None, what, shards)
+        if heartbeat is None or not alive:
             return None
-        if self.failover is not None:
-            return self.failover.patience(self, heartbeat, what, shards)
         return Patience(self, heartbeat, what, shards)
 
     def rejoin(self, shard: int) -> None:

@@ -16,11 +16,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
 
+from paramserver.errors import RequestTimeoutError
 from paramserver.wire import replication as wrepl
 from paramserver.wire.curve import CurveKeys
 from paramserver.wire.messages import HeartbeatReply
@@ -28,8 +29,8 @@ from paramserver.wire.protocol import Message, Op
 from paramserver.wire.transport import Channel, SideChannel
 from paramserver.workers.liveness import Heartbeat, HeldPull, Patience, Waiter
 
-__all__ = ["SEPARATOR", "Failover", "FailoverHeartbeat", "FailoverPatience", "ask_roles",
-           "current_primaries", "join_replicas", "move", "primary_of"]
+__all__ = ["SEPARATOR", "Failover", "FailoverHeartbeat", "FailoverPatience", "FollowOnly",
+           "ask_roles", "current_primaries", "join_replicas", "move", "primary_of"]
 
 log = logging.getLogger(__name__)
 
@@ -142,8 +143,12 @@ class Failover:
                   ) -> FailoverHeartbeat:
         return FailoverHeartbeat(self.targets, worker, interval, curve)
 
-    def patience(self, client: Waiter, heartbeat: Heartbeat, label: str,
-                 shards: Sequence[int]) -> FailoverPatience:
+    def patience(self, client: Waiter, heartbeat: Heartbeat | None, label: str,
+                 shards: Sequence[int]) -> Callable[[list[int]], bool]:
+        """What judges a request that is taking long (``heartbeat`` None: before the
+        heartbeats start, or an observer's): it moves a shard to its new primary."""
+        if heartbeat is None:
+            return FollowOnly(self, client, label, shards)
         return FailoverPatience(self, client, heartbeat, label, shards)
 
     def follow(self, client: Waiter, shard: int) -> bool:
@@ -183,6 +188,26 @@ class FailoverPatience(Patience):
                 # the new primary's heartbeat answers count from now
                 self.heartbeat.last_reply[shard] = time.monotonic()
         return True if moved else super().__call__(lost)
+
+
+class FollowOnly:
+    """Without heartbeats (a HELLO, an observer): move a shard that answers nothing to
+    its new primary and send again; give up after the client's ``timeout``."""
+
+    def __init__(self, failover: Failover, client: Waiter, label: str,
+                 shards: Sequence[int]) -> None:
+        self.failover, self.client, self.label, self.shards = failover, client, label, shards
+        self.started = time.monotonic()
+
+    def __call__(self, lost: list[int]) -> bool:
+        shards = sorted({self.shards[i] for i in lost})
+        for shard in shards:
+            self.failover.follow(self.client, shard)
+        if time.monotonic() - self.started > self.client.timeout:
+            where = ", ".join(f"shard {s} at {self.client.channels[s].address}" for s in shards)
+            raise RequestTimeoutError(f"{self.label}: no reply within "
+                                      f"{self.client.timeout:g}s from {where}")
+        return True
 
 
 class FailoverHeartbeat(Heartbeat):

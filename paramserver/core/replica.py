@@ -45,11 +45,13 @@ class ReplicaState:
     role: Role
     epoch: int = 0
     applied: int = 0  # sequence number of the last input applied (primary: sent)
-    heard_at: float = 0.0  # when the primary last spoke to this backup
+    #: when the primary last spoke to this backup (None: never yet; a backup takes
+    #: over only from a primary it heard, not from one still starting)
+    heard_at: float | None = None
 
     @classmethod
-    def starting(cls, replica: int, now: float) -> ReplicaState:
-        return cls(Role.PRIMARY if replica == 0 else Role.BACKUP, heard_at=now)
+    def starting(cls, replica: int) -> ReplicaState:
+        return cls(Role.PRIMARY if replica == 0 else Role.BACKUP)
 
     @property
     def writable(self) -> bool:
@@ -81,7 +83,8 @@ class ReplicaState:
 
     def silent(self, now: float, timeout: float) -> bool:
         """Whether a backup has heard nothing from its primary for ``timeout`` seconds."""
-        return self.role is Role.BACKUP and now - self.heard_at > timeout
+        return (self.role is Role.BACKUP and self.heard_at is not None
+                and now - self.heard_at > timeout)
 
     def promote(self) -> int:
         """This backup becomes the primary, at a new epoch; returns it."""

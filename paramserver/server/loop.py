@@ -496,6 +496,9 @@ class ShardServer:
     def _answer_pulls(self, now: float, later: list[Callable[[], None]] | None = None) -> None:
         """Send the pull replies whose gates opened; ``later``: see Outbox.answer_pulls."""
         assert self.core is not None
+        if self.replication is not None and not self.replication.writable:
+            Replication.close_pulls(self.core, self.outbox, now)  # a backup answers no one
+            return
         self.outbox.answer_pulls(self.core, now, self.observer, later)
         if self.tables is not None and self.tables.held:
             self.ops.answer_held_sparse()

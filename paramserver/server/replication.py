@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from paramserver.core.replica import ReplicaState, Role, Verdict
 from paramserver.errors import ConfigError, ProtocolError
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
     from paramserver.core.shard import ShardCore
     from paramserver.observe.events import EventLog
     from paramserver.server.config import ServerConfig
+    from paramserver.server.outbox import Outbox
 
 __all__ = ["REPLAYED", "REPLICATED_OPS", "Replication", "ReplicationHost"]
 
@@ -69,23 +71,43 @@ class ReplicationHost(Protocol):
 
 
 class _Backup:
-    """The primary's connection to one backup."""
+    """The primary's connection to one backup.
+
+    A backup is dropped only once its connection has been down for the failover
+    timeout (its process died): one that is merely slow, or paused, is waited for,
+    since a backup dropped while alive would take over beside us."""
 
     def __init__(self, address: str, context: zmq.Context[Any]) -> None:
         self.address = address
         self.socket = context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.SNDTIMEO, 1000)
+        self.socket.setsockopt(zmq.SNDTIMEO, 100)
+        self.monitor = self.socket.get_monitor_socket(
+            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self.socket.connect(address)
         self.acked = 0  # the last sequence number it acknowledged
         self.acked_at = time.monotonic()
+        self.down_since: float | None = self.acked_at  # (until the first connection)
 
-    def send(self, frames: Sequence[Any]) -> bool:
+    def send(self, frames: Sequence[Any], wait: bool = True) -> bool:
         try:
-            self.socket.send_multipart(frames, copy=False)
+            self.socket.send_multipart(frames, 0 if wait else zmq.NOBLOCK, copy=False)
             return True
-        except zmq.Again:  # no pipe to it within SNDTIMEO: it counts as silent
+        except zmq.Again:  # no pipe to it (yet), or its queue is full
             return False
+
+    def dead(self, now: float, timeout: float) -> bool:
+        """Whether its connection has been down for ``timeout`` seconds."""
+        while True:
+            try:
+                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self.down_since = self.down_since or now
+            elif event["event"] == zmq.EVENT_CONNECTED:
+                self.down_since = None
+        return self.down_since is not None and now - self.down_since > timeout
 
     def read(self) -> wrepl.Ack | None:
         """One acknowledgement if one is waiting."""
@@ -97,6 +119,8 @@ class _Backup:
         return record if isinstance(record, wrepl.Ack) else None
 
     def close(self) -> None:
+        self.socket.disable_monitor()
+        self.monitor.close(0)
         self.socket.close(0)
 
 
@@ -116,12 +140,14 @@ class Replication:
         self.timeout = config.failover_timeout
         self.ping_every = self.timeout / 5
         now = time.monotonic()
-        self.state = ReplicaState.starting(config.replica, now)
+        self.state = ReplicaState.starting(config.replica)
         self._context: zmq.Context[Any] = zmq.Context.instance()
         self.backups = [_Backup(a, self._context) for a in config.replica_peers]
         self._pinged = now
         self.failovers = 0
         self.lost: list[str] = []  # backups dropped for silence
+        if self.backups:
+            self._announce()
 
     # ------------------------------------------------------------------ primary
 
@@ -139,10 +165,28 @@ class Replication:
         head = wrepl.encode(wrepl.Apply(self.state.epoch, seq, now, kind,  # type: ignore[arg-type]
                                         worker))
         for b in list(self.backups):
-            if not b.send([*head, *frames]):
-                self._drop(b, "no connection")
+            self._deliver(b, [*head, *frames])
         self._pinged = now
         return seq
+
+    def _deliver(self, b: _Backup, frames: list[Any]) -> None:
+        """Send ``frames`` to ``b``, waiting while it is alive (dropped once dead)."""
+        while not b.send(frames):
+            if b.dead(time.monotonic(), self.timeout):
+                self._drop(b, f"its connection was down for {self.timeout:g}s")
+                return
+
+    def _announce(self) -> None:
+        """Before the primary serves, each backup hears of it (and so takes over should
+        it die from its first message on)."""
+        head = wrepl.encode(wrepl.Apply(self.state.epoch, 0, time.monotonic(), "ping"))
+        for b in list(self.backups):
+            self._deliver(b, head)
+            while b in self.backups and not self._drain(b):
+                if b.dead(time.monotonic(), self.timeout):
+                    self._drop(b, f"it did not answer within {self.timeout:g}s of the start")
+                    break
+                zmq.select([b.socket, b.monitor], [], [], 0.1)
 
     def wait(self, seq: int) -> bool:
         """Wait until every backup acknowledged ``seq``; False when a backup refused it
@@ -150,18 +194,22 @@ class Replication:
         if not seq:
             return self.writable
         for b in list(self.backups):
-            deadline = time.monotonic() + self.timeout
-            while b.acked < seq:
-                if not self._drain(b) and b.acked < seq:
-                    if not self.writable:
-                        return False
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        self._drop(b, f"no acknowledgement within {self.timeout:g}s")
-                        break
-                    b.socket.poll(max(1, int(left * 1000)))
-            if not self.writable:
-                return False
+            since = time.monotonic()
+            while b.acked < seq and b in self.backups:
+                got = self._drain(b)
+                if not self.writable:
+                    return False  # fenced
+                if got:
+                    continue
+                now = time.monotonic()
+                if b.dead(now, self.timeout):
+                    self._drop(b, f"its connection was down for {self.timeout:g}s")
+                elif now - since > self.timeout:
+                    since = now
+                    log.warning("shard %d: backup %s has not acknowledged input %d yet; "
+                                "waiting (a live backup is never dropped)", self.shard,
+                                b.address, seq)
+                zmq.select([b.socket, b.monitor], [], [], 0.1)
         return self.writable
 
     def _drain(self, b: _Backup) -> bool:
@@ -207,18 +255,19 @@ class Replication:
         if self.state.role is Role.PRIMARY:
             for b in list(self.backups):
                 self._drain(b)
+                if b in self.backups and b.dead(now, self.timeout):
+                    self._drop(b, f"its connection was down for {self.timeout:g}s")
             if self.backups and now - self._pinged >= self.ping_every:
                 self._pinged = now
                 head = wrepl.encode(wrepl.Apply(self.state.epoch, 0, now, "ping"))
-                for b in list(self.backups):
-                    if not b.send(head):
-                        self._drop(b, "no connection")
+                for b in self.backups:
+                    b.send(head, wait=False)  # (a full queue: it has pings enough)
             return
         if self.state.silent(now, self.timeout):
             self._take_over(now)
 
     def _take_over(self, now: float) -> None:
-        silent = now - self.state.heard_at
+        silent = now - (self.state.heard_at or now)
         epoch = self.state.promote()
         self.failovers += 1
         core = self.host.core
@@ -250,20 +299,21 @@ class Replication:
         if isinstance(record, wrepl.WhoIs):
             send(identity, wrepl.encode(self.role_reply()))
         elif isinstance(record, wrepl.Apply):
-            send(identity, wrepl.encode(self._apply(record, rest)))
+            verdict = self.state.receive(record.epoch, record.seq, time.monotonic())
+            # acknowledged once held, then applied: the primary applies it meanwhile
+            send(identity, wrepl.encode(self._ack(record, verdict)))
+            if verdict is Verdict.APPLY:
+                if record.kind == "msg":
+                    self.host.replay(rest)
+                elif record.kind in ("dead", "left_out"):
+                    self.host.replay_death(record.kind, record.worker)
 
-    def _apply(self, record: wrepl.Apply, rest: list[Any]) -> wrepl.Ack:
-        verdict = self.state.receive(record.epoch, record.seq, time.monotonic())
+    def _ack(self, record: wrepl.Apply, verdict: Verdict) -> wrepl.Ack:
         if verdict is Verdict.STALE:
             return wrepl.Ack(self.state.epoch, record.seq, False, "a lower epoch")
         if verdict is Verdict.GAP:
             return wrepl.Ack(self.state.epoch, record.seq, False,
                              f"input {record.seq} after {self.state.applied}: inputs missing")
-        if verdict is Verdict.APPLY:
-            if record.kind == "msg":
-                self.host.replay(rest)
-            elif record.kind in ("dead", "left_out"):
-                self.host.replay_death(record.kind, record.worker)
         return wrepl.Ack(self.state.epoch, record.seq, True)
 
     def role_reply(self) -> wrepl.RoleReply:
@@ -273,6 +323,17 @@ class Replication:
             self.replica, [b.address for b in self.backups],
             [round(now - b.acked_at, 3) for b in self.backups], self.failovers,
             [self.state.applied - b.acked for b in self.backups])
+
+    @staticmethod
+    def close_pulls(core: ShardCore, outbox: Outbox, now: float) -> None:
+        """A backup's pulls whose gates opened: closed as the primary's were answered,
+        but no reply is made (no one waits for it here), nor a copy of the weights."""
+        for ready in core.ready_pulls(now):
+            parked = outbox.push_pulls.get(ready.worker)
+            if parked is not None and parked[0] == ready.token:
+                del outbox.push_pulls[ready.worker]
+                outbox.early.pop(ready.worker, None)
+            outbox.observer_pulls.discard(ready.token)
 
     def close(self) -> None:
         for b in self.backups:
