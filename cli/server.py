@@ -81,7 +81,8 @@ def server(ctx: click.Context, **opts: Any) -> None:
     agree_worker_count(ctx, opts, "expected_workers")
     config = options.server_config(opts)
     if config.replicas:  # a shard's backups are started and wired by the launcher
-        raise ConfigError("--replicas works with `paramserver launch` only, for now")
+        with options.user_errors():
+            raise ConfigError("--replicas works with `paramserver launch` only, for now")
     options.maybe_print_config(ctx, opts)
     options.check_port_free("--metrics-port", config.metrics_port,
                             config.bind.split("://", 1)[-1].rsplit(":", 1)[0])

@@ -76,3 +76,29 @@ def test_wire_records_round_trip_and_are_bounded():
     with pytest.raises(ProtocolError):
         wrepl.decode([wrepl.MAGIC, wrepl.encode(wrepl.RoleReply("primary", 0, 0, 0,
                                                                  ["a"] * 17))[1]])
+
+
+def test_what_does_not_work_yet_is_refused_in_one_line():
+    from paramserver.errors import ConfigError
+    from paramserver.server.config import ServerConfig
+    from paramserver.workers.launch.clusterspec import ClusterSpec
+
+    with pytest.raises(ConfigError, match="only --replicas 1 works"):
+        ServerConfig(replicas=2)
+    with pytest.raises(ConfigError, match="async or sync"):
+        ServerConfig(mode="ssp", replicas=1)
+    with pytest.raises(ConfigError, match="CURVE"):
+        ServerConfig(replicas=1, curve_secret_key="k")
+    with pytest.raises(ConfigError, match="--restart-servers"):
+        ClusterSpec(server=ServerConfig(replicas=1), restart_servers=True)
+    ServerConfig(mode="sync", replicas=1)  # what works
+
+
+def test_the_server_command_says_replicas_need_launch():
+    from click.testing import CliRunner
+
+    from paramserver.cli.main import main
+
+    result = CliRunner().invoke(main, ["server", "--replicas", "1"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "--replicas works with `paramserver launch` only" in result.output
