@@ -439,9 +439,9 @@ class ServerConfig(ConfigRecord):
                               f"for now (one backup per shard)")
         if self.curve_secret_key:
             raise ConfigError("--replicas does not work with CURVE yet: run without it")
-        if self.mode == "ssp" or self.backup_workers or self.policy != "none":
-            raise ConfigError("--replicas works with --mode async or sync, without backup "
-                              "workers or a staleness policy, for now")
+        if self.backup_workers or self.policy != "none":
+            raise ConfigError("--replicas works without backup workers or a staleness "
+                              "policy, for now")
 
     def watchdog_config(self) -> WatchdogConfig:
         """The watchdog's thresholds, with ``observe`` as its ``observe_budget``; the older
