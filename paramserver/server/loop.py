@@ -232,8 +232,9 @@ class ShardServer:
         if self.replication is not None and not self.replication.writable:
             return  # a backup's timers are its primary's: deaths come forwarded
         try:
-            for worker in self.core.expire(now):
-                self._forward_timer("dead", worker)
+            dead = self.core.expire(now)
+            self._forward_timer("dead", dead)
+            for worker in dead:
                 sweep() if self.shm else None  # a worker died: its segments too
                 self.joined.drop(worker)
                 self.events.write("worker_dead", shard=self.config.shard, worker=worker,
@@ -242,8 +243,9 @@ class ShardServer:
                 self.observer.left(self.core, worker)
                 self.peer_ops.maybe_all_done(self.core)
             # live members a round or SSP gate waited on past its deadline, silent
-            for worker in self.core.leave_out(now):
-                self._forward_timer("left_out", worker)
+            left_out = self.core.leave_out(now)
+            self._forward_timer("left_out", left_out)
+            for worker in left_out:
                 self.events.write("worker_left_out", shard=self.config.shard, worker=worker,
                                   deadline=self.core.round_deadline())
         except Exception as exc:
@@ -380,28 +382,32 @@ class ShardServer:
         """A backup handles a message its primary forwarded, as the primary did."""
         self._handle(REPLAYED, frames)
 
-    def replay_death(self, kind: str, worker: int) -> None:
-        """A backup applies a death or a leave-out its primary's timers decided."""
+    def replay_death(self, kind: str, workers: list[int]) -> None:
+        """A backup applies the deaths or leave-outs its primary's timers decided in one
+        tick: all of them, then the round closes if it can, as ShardCore.expire and
+        leave_out do."""
         core = self.core
-        if core is None or worker not in core.workers:
+        if core is None:
             return
-        if kind == "dead":
-            core.declare_dead(worker)
-            core.workers[worker].reported_dead = False  # timed out, as on the primary
-            self.joined.drop(worker)
-            self.events.write("worker_dead", shard=self.config.shard, worker=worker,
-                              clock=core.workers[worker].clock,
-                              timeout=self.config.heartbeat_timeout)
-        else:
-            core.members.left_out.add(worker)
-            core.maybe_close_round()
+        for worker in workers:
+            state = core.workers.get(worker)
+            if state is None:
+                continue
+            if kind == "left_out":
+                core.members.left_out.add(worker)
+            elif state.live:
+                core.members._bury(state)  # (expire's own step, without its clock)
+                self.joined.drop(worker)
+                self.events.write("worker_dead", shard=self.config.shard, worker=worker,
+                                  clock=state.clock, timeout=self.config.heartbeat_timeout)
+        core.maybe_close_round()
         self._answer_pulls(time.monotonic())
 
-    def _forward_timer(self, kind: str, worker: int) -> None:
-        """The primary's timers decided a death or leave-out: the backups apply it too,
-        before any answer it unblocks goes out."""
+    def _forward_timer(self, kind: str, workers: list[int]) -> None:
+        """The primary's timers decided deaths or leave-outs: the backups apply them
+        too, before any answer they unblock goes out."""
         repl = self.replication
-        if repl is not None and not repl.wait(repl.forward([], kind, worker)):
+        if workers and repl is not None and not repl.wait(repl.forward([], kind, workers)):
             self._running = False
 
     def _tick_replication(self, now: float) -> None:

@@ -66,8 +66,9 @@ class ReplicationHost(Protocol):
     def replay(self, frames: list[Any]) -> None:
         """Handle a forwarded data message as if a peer sent it (answers go nowhere)."""
 
-    def replay_death(self, kind: str, worker: int) -> None:
-        """Apply a death (``dead``) or a leave-out (``left_out``) the primary decided."""
+    def replay_death(self, kind: str, workers: list[int]) -> None:
+        """Apply the deaths (``dead``) or leave-outs (``left_out``) the primary decided
+        in one tick, as one."""
 
 
 class _Backup:
@@ -155,7 +156,8 @@ class Replication:
     def writable(self) -> bool:
         return self.state.writable
 
-    def forward(self, frames: Sequence[Any], kind: str = "msg", worker: int = -1) -> int:
+    def forward(self, frames: Sequence[Any], kind: str = "msg",
+                workers: Sequence[int] = ()) -> int:
         """Send one input to every backup (not waiting); its sequence number (0: no
         backup to send it to)."""
         if not self.backups:
@@ -163,7 +165,7 @@ class Replication:
         now = time.monotonic()
         seq = self.state.next_seq()
         head = wrepl.encode(wrepl.Apply(self.state.epoch, seq, now, kind,  # type: ignore[arg-type]
-                                        worker))
+                                        list(workers)))
         for b in list(self.backups):
             self._deliver(b, [*head, *frames])
         self._pinged = now
@@ -306,7 +308,7 @@ class Replication:
                 if record.kind == "msg":
                     self.host.replay(rest)
                 elif record.kind in ("dead", "left_out"):
-                    self.host.replay_death(record.kind, record.worker)
+                    self.host.replay_death(record.kind, record.workers)
 
     def _ack(self, record: wrepl.Apply, verdict: Verdict) -> wrepl.Ack:
         if verdict is Verdict.STALE:

@@ -34,14 +34,15 @@ class Apply(msgspec.Struct, tag="apply", frozen=True):
     """Primary -> backup: apply input ``seq`` of ``epoch`` (``seq`` 0: only a keep-alive).
 
     ``kind``: ``msg`` (the data message follows in frames), ``dead`` (the primary's
-    heartbeat timeout removed ``worker``), ``left_out`` (a round deadline left ``worker``
-    out). ``now``: the primary's monotonic time when it applied it."""
+    heartbeat timeout removed ``workers``), ``left_out`` (a round deadline left them
+    out; the workers one tick of its timer decided on, applied as one). ``now``: the
+    primary's monotonic time when it applied it."""
 
     epoch: Count
     seq: Count
     now: float
     kind: Literal["msg", "dead", "left_out", "ping"]
-    worker: int = -1
+    workers: Annotated[list[int], msgspec.Meta(max_length=65536)] = []
 
 
 class Ack(msgspec.Struct, tag="ack", frozen=True):
