@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from paramserver.errors import TransportError
+from paramserver.errors import ConfigError, TransportError
 
 from . import options
 from .workercount import agree_worker_count
@@ -72,14 +72,17 @@ def server(ctx: click.Context, **opts: Any) -> None:
     Start one per shard (--shard 0 .. --num-shards - 1); every worker talks to
     all of them. It binds 127.0.0.1 unless --host says otherwise.
     """
+    quiet = opts.pop("quiet")
+    agree_worker_count(ctx, opts, "expected_workers")
+    config = options.server_config(opts)
+    if config.replicas:  # a shard's backups are started and wired by the launcher
+        with options.user_errors():
+            raise ConfigError("--replicas works with `paramserver launch` only, for now")
     # the server's loop, zmq and the checkpoints load only when one runs, not for --help
     from paramserver.observe.console import Console
     from paramserver.persist.checkpoint import CheckpointDirInUse, CheckpointError
     from paramserver.server.loop import run_server
 
-    quiet = opts.pop("quiet")
-    agree_worker_count(ctx, opts, "expected_workers")
-    config = options.server_config(opts)
     options.maybe_print_config(ctx, opts)
     options.check_port_free("--metrics-port", config.metrics_port,
                             config.bind.split("://", 1)[-1].rsplit(":", 1)[0])

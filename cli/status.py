@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Any
 
 import click
 
 from . import options
+from .paramtypes import Address
 
 __all__ = ["status"]
 
@@ -17,21 +19,43 @@ Examples:
   paramserver status --servers 127.0.0.1:5600,127.0.0.1:5601 --watch
   PARAMSERVER_SERVERS="127.0.0.1:5600 127.0.0.1:5601" paramserver status
   paramserver status --servers 10.0.0.5:5600 --json | jq '.[0].version'
+  # shards with replicas (launch --replicas 1): each shard's replicas joined by |
+  paramserver status --servers '127.0.0.1:5600|127.0.0.1:5602,127.0.0.1:5601|127.0.0.1:5603'
 
 \b
 Per shard: its version (optimizer steps applied), mode and policy, the
 workers it knows with their clocks (pushes done) and state (live, done,
 dead), the pushes it applied and rejected, the largest staleness it saw, and
-watchdog alarms. Reading the status does not register with the shard and
-changes nothing. Exit code 1 if a shard did not answer within --timeout.
+watchdog alarms; for a shard given with its replicas, which one is primary,
+the epoch, and how long ago each backup acknowledged. Reading the status does
+not register with the shard and changes nothing. Exit code 1 if a shard did
+not answer within --timeout.
 """
+
+
+class ShardList(Address):
+    """Comma-separated shards, each one address or its replicas' joined by ``|`` ->
+    a tuple of ``tcp://HOST:PORT[|tcp://HOST:PORT...]``."""
+
+    name = "HOST:PORT[|HOST:PORT][,...]"
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> Any:
+        if isinstance(value, tuple):
+            return value
+        entries = [e for e in str(value).replace(",", " ").split() if e]
+        if not entries:
+            self.fail("give at least one server address", param, ctx)
+        return tuple("|".join(super(ShardList, self).convert(a, param, ctx)
+                              for a in e.split("|")) for e in entries)
 
 
 @click.command("status", epilog=EPILOG,
                short_help="Each shard's version, workers, clocks, counts.")
-@click.option("--servers", type=options.AddressList(), multiple=True, required=True,
+@click.option("--servers", type=ShardList(), multiple=True, required=True,
               envvar=options.envvar("servers"), show_envvar=True,
-              help="Every shard's address: comma-separated or repeated.")
+              help="Every shard's address: comma-separated or repeated; a shard with "
+                   "replicas as its replicas' addresses joined by |.")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=5.0,
               show_default=True, metavar="SECONDS", help="How long to wait for each shard.")
 @click.option("--json", "as_json", is_flag=True, help="Print the raw statistics as JSON.")
@@ -45,30 +69,36 @@ def status(servers: tuple[tuple[str, ...], ...], timeout: float, as_json: bool, 
     from rich.console import Console
     from rich.live import Live
 
-    from .statusview import collect, render
+    from .statusview import collect, find_primaries, render, replica_roles
 
-    addresses = options.flatten_addresses(servers)
+    def draw() -> Any:
+        addresses, roles = find_primaries(entries, timeout)
+        rows, problems = collect(addresses, timeout)
+        return render(addresses, rows, problems, console, roles)
+
+    entries = options.flatten_addresses(servers)
     if as_json and watch:
         raise click.UsageError("--watch draws a table; use --json without it")
     console = Console()
     if not console.is_terminal:  # a pipe or a file: no need to squeeze into 80 columns
         console = Console(width=200)
     if watch:
-        with Live(render(addresses, *collect(addresses, timeout), console), console=console,
-                  auto_refresh=False) as live:
+        with Live(draw(), console=console, auto_refresh=False) as live:
             try:
                 while True:
-                    time.sleep(interval)
-                    live.update(render(addresses, *collect(addresses, timeout), console),
-                                refresh=True)
+                    time.sleep(interval)  # the refresh period, not a synchronisation
+                    live.update(draw(), refresh=True)
             except KeyboardInterrupt:
                 return
+    addresses, roles = find_primaries(entries, timeout)
     rows, problems = collect(addresses, timeout)
     if as_json:
-        click.echo(json.dumps([r.to_dict() if r is not None
-                               else {"address": a, "error": "no reply"}
-                               for r, a in zip(rows, addresses, strict=True)], indent=2))
+        click.echo(json.dumps([{**(r.to_dict() if r is not None
+                                   else {"address": a, "error": "no reply"}),
+                                **({"replicas": replica_roles(shard)} if shard else {})}
+                               for r, a, shard in zip(rows, addresses, roles, strict=True)],
+                              indent=2))
     else:
-        console.print(render(addresses, rows, [] if problems else problems, console))
+        console.print(render(addresses, rows, [] if problems else problems, console, roles))
     if problems:
         raise click.ClickException("; ".join(problems))

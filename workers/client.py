@@ -41,6 +41,7 @@ from paramserver.wire.messages import Error, HelloReply, replace
 from paramserver.wire.protocol import PROTOCOL_VERSION, Message, Op, PreparedTensors
 from paramserver.wire.stats import ShardStats
 from paramserver.wire.transport import Channel, request_all
+from paramserver.workers.failover import ATTEMPT_TIMEOUT, Failover
 from paramserver.workers.landing import land, land_over_tcp
 from paramserver.workers.liveness import Heartbeat, Patience
 from paramserver.workers.pushstream import PullResult, PushResult, PushStream
@@ -86,6 +87,11 @@ class PSClient:
             raise TransportError(
                 f"{len(addresses)} server addresses given but the plan has {plan.num_shards} shards"
             )
+        # a shard given as its replicas (A|B): requests follow its primary (failover.py)
+        self.failover = Failover.of(addresses)
+        if self.failover is not None:
+            addresses = self.failover.primaries
+            attempt_timeout = min(attempt_timeout, ATTEMPT_TIMEOUT)
         self.addresses = list(addresses)
         self.plan = plan
         self.worker = worker
@@ -117,7 +123,8 @@ class PSClient:
                          for i, a in enumerate(addresses)]
         self._push_id = 0
         self._heartbeat = (
-            Heartbeat(addresses, worker, heartbeat_interval, curve)
+            (self.failover.heartbeat(worker, heartbeat_interval, curve) if self.failover
+             else Heartbeat(addresses, worker, heartbeat_interval, curve))
             if role == "worker" and heartbeat_interval > 0 else None
         )
         self._shard_slices = [plan.shard_slices(s) for s in range(plan.num_shards)]
@@ -213,11 +220,14 @@ class PSClient:
                 raise error
         return replies
 
-    def patience(self, what: str, shards: list[int]) -> Patience | None:
+    def patience(self, what: str, shards: list[int]) -> Callable[[list[int]], bool] | None:
         """How long a request to ``shards`` is waited for: past ``timeout`` while the
         heartbeats say a shard holds it (workers/liveness.py); None without them."""
         heartbeat = self._heartbeat
-        if heartbeat is None or not heartbeat.is_alive():
+        alive = heartbeat is not None and heartbeat.is_alive()
+        if self.failover is not None:  # (it follows the primary without heartbeats too)
+            return self.failover.patience(self, heartbeat if alive else None, what, shards)
+        if heartbeat is None or not alive:
             return None
         return Patience(self, heartbeat, what, shards)
 

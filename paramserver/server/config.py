@@ -375,6 +375,21 @@ class ServerConfig(ConfigRecord):
                                           "evicts one that only said HELLO, or died long "
                                           "ago, else is refused [default: max(64, 4 x "
                                           "--expected-workers)].")
+    replicas: int = option(0, min=0, metavar="R",
+                           help="Backup processes per shard, each applying every input its "
+                                "primary accepts before the worker is answered; one takes over "
+                                "when the primary stops answering (docs/reliability.md). "
+                                "launch only, R <= 1 for now.")
+    failover_timeout: float = option(2.0, min=0, min_open=True, metavar="SECONDS",
+                                     help="With --replicas: a backup takes over after its "
+                                          "primary was silent this long.")
+    #: this process's index among its shard's replicas (0 starts as the primary)
+    replica: int = option(0, min=0, per_process=True, internal="set by launch per replica",
+                          help="This process's index among its shard's replicas.")
+    #: the primary's backups, by address
+    replica_peers: list[str] = option(default_factory=list, per_process=True,
+                                      internal="set by launch for each primary",
+                                      help="The addresses of this primary's backups.")
 
     def __post_init__(self) -> None:
         if self.num_shards < 1:
@@ -409,7 +424,24 @@ class ServerConfig(ConfigRecord):
             raise ConfigError(f"plan_hash must be a shard plan's sha256 (64 lowercase hex "
                               f"digits), got {self.plan_hash!r}")
         check_bounds(self)  # the rest of the bounds the fields declare
+        self._check_replicas()
         self.watchdog_config()
+
+    def _check_replicas(self) -> None:
+        """--replicas works for what paramserver/server/replication.py was built and
+        tested for; anything else is refused in one line naming what works."""
+        from paramserver.core.replica import MAX_REPLICAS
+
+        if not self.replicas:
+            return
+        if self.replicas > MAX_REPLICAS:
+            raise ConfigError(f"--replicas {self.replicas}: only --replicas {MAX_REPLICAS} works "
+                              f"for now (one backup per shard)")
+        if self.curve_secret_key:
+            raise ConfigError("--replicas does not work with CURVE yet: run without it")
+        if self.backup_workers or self.policy != "none":
+            raise ConfigError("--replicas works without backup workers or a staleness "
+                              "policy, for now")
 
     def watchdog_config(self) -> WatchdogConfig:
         """The watchdog's thresholds, with ``observe`` as its ``observe_budget``; the older

@@ -49,6 +49,7 @@ from paramserver.server.ops import DataOps, Handler
 from paramserver.server.outbox import Outbox
 from paramserver.server.parts import JoinedParts, StreamedParts
 from paramserver.server.peers import PeerInfo, Peers
+from paramserver.server.replication import REPLAYED, REPLICATED_OPS, Replication
 from paramserver.server.stopping import DIVERGED_EXIT_CODE, Divergence
 from paramserver.server.tables import TableBuilder
 from paramserver.shm.link import ShmHub, asks_board, lends, sweep, take_shm
@@ -106,7 +107,9 @@ class ShardServer:
         self.counters: Counter[str] = Counter()
         self.outbox = Outbox(self.socket, self.counters)
         # same-host workers' tensors through shared memory (paramserver/shm/link.py)
-        self.shm = ShmHub(config.shard, self.socket.limits) if shm_enabled() else None
+        # (not with replicas: a backup must see the tensors a forwarded push carries)
+        self.shm = (ShmHub(config.shard, self.socket.limits)
+                    if shm_enabled() and not config.replicas else None)
         self.outbox.shm = self.shm
         self.started_at = time.time()
         self.checkpoints = Checkpointer(
@@ -145,6 +148,9 @@ class ShardServer:
             Op.SINIT: self.ops.on_sinit,
         }
         self.divergence = Divergence(config, self.events, self.observer, self.save_checkpoint)
+        # the shard's replicas (issue 32): None without --replicas
+        self.replication = (Replication(self, config, self.events, self.address)
+                            if config.replicas else None)
         # a push's metrics, watchdog rules and event, run once its reply is out (the
         # critical path of a round trip ends at the reply); before the next message
         self._after_reply: list[Callable[[], None]] = []
@@ -184,6 +190,8 @@ class ShardServer:
                         break
                     got = self.socket.recv_nowait()
                 now = time.monotonic()
+                if self.replication is not None:
+                    self._tick_replication(now)
                 if self.core is not None and now - last_expire >= tick:
                     last_expire = now
                     self._periodic(now)
@@ -221,8 +229,12 @@ class ShardServer:
         closed by a death that cannot be stepped, say) is logged, counted and raised
         as an alarm, and the shard serves on."""
         assert self.core is not None
+        if self.replication is not None and not self.replication.writable:
+            return  # a backup's timers are its primary's: deaths come forwarded
         try:
-            for worker in self.core.expire(now):
+            dead = self.core.expire(now)
+            self._forward_timer("dead", dead)
+            for worker in dead:
                 sweep() if self.shm else None  # a worker died: its segments too
                 self.joined.drop(worker)
                 self.events.write("worker_dead", shard=self.config.shard, worker=worker,
@@ -231,7 +243,9 @@ class ShardServer:
                 self.observer.left(self.core, worker)
                 self.peer_ops.maybe_all_done(self.core)
             # live members a round or SSP gate waited on past its deadline, silent
-            for worker in self.core.leave_out(now):
+            left_out = self.core.leave_out(now)
+            self._forward_timer("left_out", left_out)
+            for worker in left_out:
                 self.events.write("worker_left_out", shard=self.config.shard, worker=worker,
                                   deadline=self.core.round_deadline())
         except Exception as exc:
@@ -292,13 +306,23 @@ class ShardServer:
     # ------------------------------------------------------------------ dispatch
 
     def _handle(self, identity: bytes, frames: list[zmq.Frame]) -> None:
-        seq = 0
+        seq = forwarded = 0
         lent: dict[str, torch.Tensor] = {}  # tensors read from the sender's segment
+        repl = self.replication
+        if repl is not None and not repl.admit(identity, frames, self._send_raw):
+            return  # a replication message
         try:
             msg = decode(frames, self.socket.limits)
             seq = msg.seq
             key = self.socket.user_id(frames)
             self.access.check(msg, key)
+            if repl is not None and msg.op in REPLICATED_OPS:
+                if not repl.writable:
+                    if identity != REPLAYED:  # a backup is silent to workers, as a dead
+                        self.counters["not_primary"] += 1  # primary is: they ask who is
+                        return                             # primary now (failover.py)
+                else:  # to the backups first (they apply it while we do); answered
+                    forwarded = repl.forward(frames)  # once they have it
             if lends(msg.body):
                 take_shm(self.shm, msg, identity)  # tensors in the sender's segment
                 lent = msg.tensors
@@ -333,6 +357,9 @@ class ShardServer:
             self.counters["error_internal"] += 1
             log.exception("internal error while handling a message")
             answer = error_reply(seq, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+        if forwarded and repl is not None and not repl.wait(forwarded):
+            self._running = False  # fenced: a newer primary holds the shard; answer no one
+            return
         self._act_on_alarms()  # before replying: the launcher learns of a stop first
         if answer is not None:
             self.outbox.send(identity, answer)
@@ -342,6 +369,56 @@ class ShardServer:
             self._run_after_reply()
         if lent and self.shm is not None and self._releases():
             self.shm.release(identity, lent)  # added or applied, and measured
+
+    # ------------------------------------------------------------------ replicas
+
+    def _send_raw(self, identity: bytes, frames: list[bytes]) -> None:
+        try:
+            self.socket.socket.send_multipart([identity, *frames])
+        except zmq.ZMQError as exc:  # a peer that is gone
+            log.debug("dropping a replication answer: %s", exc)
+
+    def replay(self, frames: list[Any]) -> None:
+        """A backup handles a message its primary forwarded, as the primary did."""
+        self._handle(REPLAYED, frames)
+
+    def replay_death(self, kind: str, workers: list[int]) -> None:
+        """A backup applies the deaths or leave-outs its primary's timers decided in one
+        tick: all of them, then the round closes if it can, as ShardCore.expire and
+        leave_out do."""
+        core = self.core
+        if core is None:
+            return
+        for worker in workers:
+            state = core.workers.get(worker)
+            if state is None:
+                continue
+            if kind == "left_out":
+                core.members.left_out.add(worker)
+            elif state.live:
+                core.members._bury(state)  # (expire's own step, without its clock)
+                self.joined.drop(worker)
+                self.events.write("worker_dead", shard=self.config.shard, worker=worker,
+                                  clock=state.clock, timeout=self.config.heartbeat_timeout)
+        core.maybe_close_round()
+        self._answer_pulls(time.monotonic())
+
+    def _forward_timer(self, kind: str, workers: list[int]) -> None:
+        """The primary's timers decided deaths or leave-outs: the backups apply them
+        too, before any answer they unblock goes out."""
+        repl = self.replication
+        if workers and repl is not None and not repl.wait(repl.forward([], kind, workers)):
+            self._running = False
+
+    def _tick_replication(self, now: float) -> None:
+        repl = self.replication
+        assert repl is not None
+        try:
+            repl.tick(now)
+        except Exception as exc:  # as every periodic task: logged, counted, raised as alarm
+            self._periodic_failed("replication", exc)
+        if repl.state.role.value == "fenced":
+            self._running = False
 
     def _releases(self) -> bool:
         """Whether a same-host worker's used pages are unmapped after a message
@@ -425,6 +502,9 @@ class ShardServer:
     def _answer_pulls(self, now: float, later: list[Callable[[], None]] | None = None) -> None:
         """Send the pull replies whose gates opened; ``later``: see Outbox.answer_pulls."""
         assert self.core is not None
+        if self.replication is not None and not self.replication.writable:
+            Replication.close_pulls(self.core, self.outbox, now)  # a backup answers no one
+            return
         self.outbox.answer_pulls(self.core, now, self.observer, later)
         if self.tables is not None and self.tables.held:
             self.ops.answer_held_sparse()

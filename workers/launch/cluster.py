@@ -38,7 +38,13 @@ from paramserver.observe.recorder import JsonlFollower, LauncherObserver
 from paramserver.server.loop import READY_PREFIX
 from paramserver.util.jsontypes import JSONObject
 from paramserver.wire.curve import admin_key_pair
-from paramserver.workers.launch.clusterspec import FAILURE_POLICIES, ClusterSpec, Progress
+from paramserver.workers.failover import current_primaries, join_replicas
+from paramserver.workers.launch.clusterspec import (
+    FAILURE_POLICIES,
+    ClusterSpec,
+    Progress,
+    replica_name,
+)
 from paramserver.workers.launch.processes import (
     ProcessInfo,
     exit_reason,
@@ -120,6 +126,12 @@ class LocalCluster:
         self.servers: list[_Proc] = []
         self.workers: list[_Proc] = []
         self.addresses: list[str] = []
+        #: with --replicas: each shard's backups, and each shard's replicas' addresses
+        #: (the first primary first)
+        self.backups: list[list[_Proc]] = []
+        self.replica_sets: list[list[str]] = []
+        self._gone: set[str] = set()  # replicas whose death was recorded
+        self._failover_offsets: dict[str, int] = {}  # backup -> bytes of its events read
         self._env = _child_env()
         self._cold_starts = False  # set when the zygote cannot fork: python -m per process
         self._followers: dict[int, JsonlFollower] = {}
@@ -197,13 +209,51 @@ class LocalCluster:
 
     def start_servers(self) -> list[str]:
         self.observer.start(spec=self.spec.to_dict())
+        deadline = time.monotonic() + self.spec.startup_timeout
+        # backups first: each primary is told where its backups listen
+        self.backups = [[self._spawn(replica_name(shard, k), "paramserver.server.loop",
+                                     self.spec.replica_config(shard, k, self.out).to_dict(),
+                                     ready_pipe=True)
+                         for k in range(1, self.spec.server.replicas + 1)]
+                        for shard in range(self.spec.num_servers)]
+        peers = [[self._await_ready(p, deadline) for p in procs] for procs in self.backups]
         for shard in range(self.spec.num_servers):
-            cfg = self.spec.server_config(shard, self.out)
+            cfg = dataclasses.replace(self.spec.server_config(shard, self.out),
+                                      replica_peers=peers[shard])
             self.servers.append(self._spawn(f"server{shard}", "paramserver.server.loop",
                                             cfg.to_dict(), ready_pipe=True))
-        deadline = time.monotonic() + self.spec.startup_timeout
         self.addresses = [self._await_ready(p, deadline) for p in self.servers]
+        self.replica_sets = [[a, *b] for a, b in zip(self.addresses, peers, strict=True)]
         return self.addresses
+
+    def worker_addresses(self) -> list[str]:
+        """What workers are given: each shard's address, or with --replicas its replicas'
+        joined by ``|`` (workers/failover.py)."""
+        if not self.spec.server.replicas:
+            return self.addresses
+        return [join_replicas(r) for r in self.replica_sets]
+
+    def primaries(self) -> list[str]:
+        """Each shard's primary now (with --replicas, asked of its replicas)."""
+        if not self.spec.server.replicas:
+            return self.addresses
+        return current_primaries(self.worker_addresses())
+
+    def _all_servers(self) -> list[_Proc]:
+        return self.servers + [p for procs in self.backups for p in procs]
+
+    def _replica_died(self, shard: int, proc: _Proc, code: int) -> None:
+        """With --replicas, one replica's death is not the shard's: the run goes on
+        while one of its replicas lives (its backup takes over if it was the primary)."""
+        if proc.name not in self._gone:
+            self._gone.add(proc.name)
+            self._failed(proc.name, code)
+            log.warning("%s exited (%s); shard %d goes on on its other replica(s)",
+                        proc.name, exit_reason(code), shard)
+        replicas = [self.servers[shard], *self.backups[shard]]
+        if all(p.popen.poll() is not None for p in replicas):
+            raise ClusterError(f"every replica of shard {shard} exited; log tail "
+                               f"({proc.log_path}):\n{tail(proc.log_path)}")
 
     def _await_ready(self, proc: _Proc, deadline: float) -> str:
         assert proc.popen.stdout is not None
@@ -245,7 +295,7 @@ class LocalCluster:
     def _start_worker(self, rank: int, append: bool = False) -> _Proc:
         if self.spec.command:
             return self._run_command(rank, append)
-        cfg = self.spec.worker_config(rank, self.addresses, self.out)
+        cfg = self.spec.worker_config(rank, self.worker_addresses(), self.out)
         return self._spawn(f"worker{rank}", WORKER_MODULE, cfg.to_dict(), ready_pipe=False,
                            append=append)
 
@@ -306,9 +356,14 @@ class LocalCluster:
                         f"{' on that error reply' if cause else ''}; log tail "
                         f"({proc.log_path}):\n{tail(proc.log_path)}"
                     )
+            for shard, backups in enumerate(self.backups):
+                for proc in [self.servers[shard], *backups] if backups else []:
+                    if (code := proc.popen.poll()) is not None:
+                        self._replica_died(shard, proc, code)
+                    self._report_failovers(proc.name)
             for shard, proc in enumerate(self.servers):
                 code = proc.popen.poll()
-                if code is None:
+                if code is None or self.spec.server.replicas:
                     continue
                 self._raise_if_diverged()  # a watchdog stop is not restarted
                 self._failed(proc.name, code)
@@ -366,7 +421,7 @@ class LocalCluster:
         from paramserver.workers.admin import report_dead
 
         try:
-            report_dead(self.addresses, rank, curve=self.spec.admin_curve())
+            report_dead(self.primaries(), rank, curve=self.spec.admin_curve())
         except ParamServerError as exc:
             log.warning("could not report worker%d's death to the servers: %s", rank, exc)
 
@@ -415,6 +470,46 @@ class LocalCluster:
         self.restarts.append(RestartRecord(f"server{shard}", time.time(),
                                            resumed=cfg.resume is not None))
 
+    def shutdown_backups(self) -> None:
+        """SHUTDOWN to every live backup before the primaries (a backup whose primary
+        stopped first would take over, for nothing)."""
+        from paramserver.workers.admin import shutdown_servers
+
+        primaries = set(self.primaries())
+        procs = [[self.servers[s], *b] for s, b in enumerate(self.backups)]
+        backups = [a for r, ps in zip(self.replica_sets, procs, strict=True)
+                   for a, p in zip(r, ps, strict=True)
+                   if a not in primaries and p.popen.poll() is None]
+        if backups:
+            try:
+                shutdown_servers(backups, curve=self.spec.admin_curve())
+            except ParamServerError as exc:  # a dead one: stop() reaps the others
+                log.debug("stopping the backups: %s", exc)
+
+    def _report_failovers(self, name: str) -> None:
+        """A line and a launcher event for each failover a replica's event log records
+        since the last call (its other records are not parsed)."""
+        path = self.out / "events" / f"{name}.jsonl"
+        offset = self._failover_offsets.get(name, 0)
+        try:
+            with path.open("rb") as fh:
+                fh.seek(offset)
+                data = fh.read()
+        except OSError:
+            return
+        end = data.rfind(b"\n") + 1  # a torn last line waits for the next call
+        self._failover_offsets[name] = offset + end
+        for line in data[:end].splitlines():
+            if b'"event":"failover"' not in line:
+                continue
+            rec = json.loads(line)
+            log.warning("shard %s failed over: %s (replica %s, %s) is its primary at epoch "
+                        "%s, %.2fs after the old primary's last word", rec["shard"], name,
+                        rec["replica"], rec["address"], rec["epoch"], rec["seconds"])
+            self.observer.events.write("failover", process=name, shard=rec["shard"],
+                                       replica=rec["replica"], address=rec["address"],
+                                       epoch=rec["epoch"], seconds=rec["seconds"])
+
     def progress(self) -> Progress:
         """Steps and last loss per worker, read incrementally from the event logs."""
         for rank in range(self.spec.num_workers):
@@ -434,7 +529,7 @@ class LocalCluster:
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop every process: ask politely (SIGTERM), then insist (SIGKILL)."""
-        procs = self.workers + self.servers
+        procs = self.workers + self._all_servers()
         for p in procs:
             if p.popen.poll() is None:
                 p.popen.send_signal(signal.SIGTERM)
@@ -456,11 +551,11 @@ class LocalCluster:
     def metrics_ports(self) -> dict[str, int | None]:
         """Prometheus ports: ``launcher`` and ``server<i>`` (None: no endpoint)."""
         ports = {"launcher": self.observer.exporter.port}
-        ports.update({p.name: p.metrics_port for p in self.servers})
+        ports.update({p.name: p.metrics_port for p in self._all_servers()})
         return ports
 
     def pids(self) -> list[int]:
-        return [p.popen.pid for p in self.workers + self.servers]
+        return [p.popen.pid for p in self.workers + self._all_servers()]
 
     def __enter__(self) -> LocalCluster:
         return self
@@ -547,13 +642,15 @@ def run_cluster(spec: ClusterSpec, out_dir: str | Path,
     out = Path(out_dir)
     t0 = time.time()
     with LocalCluster(spec, out, on_alarm=on_alarm, on_process=on_process) as cluster:
-        addresses = cluster.start_servers()
+        cluster.start_servers()
         cluster.start_workers()
         cluster.wait_workers(on_progress)
         train_seconds = time.time() - t0
         admin = cluster.spec.admin_curve()
+        addresses = cluster.primaries()  # (a backup may have taken over a shard)
         stats = server_stats(addresses, curve=admin)
         final = final_eval(spec, addresses, out)  # saves the model even without eval
+        cluster.shutdown_backups()
         shutdown_servers(addresses, curve=admin)
     workers: list[WorkerResult | LostWorker] = []
     for rank in range(spec.num_workers):

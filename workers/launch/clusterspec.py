@@ -29,9 +29,15 @@ from paramserver.workers.stragglerspec import StragglerSpec, parse_straggler_ite
 if TYPE_CHECKING:
     from paramserver.wire.curve import CurveKeys
 
-__all__ = ["FAILURE_POLICIES", "ClusterSpec", "Progress"]
+__all__ = ["FAILURE_POLICIES", "ClusterSpec", "Progress", "replica_name"]
 
 FAILURE_POLICIES = ("fail", "tolerate", "restart")
+
+
+def replica_name(shard: int, replica: int) -> str:
+    """A shard replica's process name: ``server0`` for the first primary, ``server0r1``
+    for its backup 1."""
+    return f"server{shard}" + (f"r{replica}" if replica else "")
 
 
 @dataclass
@@ -119,6 +125,10 @@ class ClusterSpec:
                               "and the workers curve_key + curve_server_key, or neither")
         if self.admin_key and not self.server.curve_secret_key:
             raise ConfigError("admin_key needs CURVE (without it everyone is trusted)")
+        if self.server.replicas and (self.restart_servers or self.server.resume
+                                     or self.command):
+            raise ConfigError("--replicas works with launch's own worker loop, without "
+                              "--restart-servers or --resume, for now")
 
     def client_curve(self) -> CurveKeys | None:
         """The workers' CURVE keys, for the launcher's own connections (stats, eval, stop)."""
@@ -152,6 +162,18 @@ class ClusterSpec:
             event_log=str(out / "events" / f"server{shard}.jsonl"), admin_keys=admins,
             metrics_port=metrics_port, tensorboard=self.tensorboard or self.server.tensorboard,
         )
+
+    def replica_config(self, shard: int, replica: int, out: Path) -> ServerConfig:
+        """Backup ``replica`` (1 .. R) of ``shard``: the shard's config, its own event log,
+        no checkpoints (a backup writes none yet) and no fixed metrics port."""
+        cfg = self.server_config(shard, out)
+        return dataclasses.replace(
+            cfg, replica=replica, event_log=str(out / "events" / f"{replica_name(shard, replica)}"
+                                                                  f".jsonl"),
+            checkpoint_dir=None, checkpoint_every=0, checkpoint_seconds=0.0,
+            on_divergence="stop" if cfg.on_divergence == "checkpoint-and-stop"
+            else cfg.on_divergence,
+            metrics_port=None if cfg.metrics_port is None else 0, tensorboard=None)
 
     def command_env(self, rank: int, servers: list[str], out: Path) -> dict[str, str]:
         """What a worker's command finds in its environment (see DistributedOptimizer)."""

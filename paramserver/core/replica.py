@@ -1,0 +1,104 @@
+"""The rules of a replicated shard, without I/O: who is primary, at which epoch, and
+which replicated input a backup applies next.
+
+A shard's replicas are numbered 0 .. R (0 starts as the primary). The primary sends
+its backups every state-changing input in order, each numbered by ``seq`` and tagged
+with the ``epoch`` it was sent in; a backup applies the next one in order and
+acknowledges it. When the primary falls silent for the failover timeout, the
+backup takes over at ``epoch + 1``: from then on any input from a lower epoch is
+refused, and the old primary, refused once, steps down (fenced) for good.
+Time is an argument (monotonic seconds), as in :class:`~paramserver.core.shard.ShardCore`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+__all__ = ["MAX_REPLICAS", "ReplicaState", "Role", "Verdict"]
+
+#: backups per shard that work today: with two or more, a promoted backup would have to
+#: bring the other backups to its sequence number first (not built yet)
+MAX_REPLICAS = 1
+
+
+class Role(enum.StrEnum):
+    PRIMARY = "primary"
+    BACKUP = "backup"
+    #: a primary that learnt of a higher epoch: it accepts nothing any more
+    FENCED = "fenced"
+
+
+class Verdict(enum.StrEnum):
+    """What a backup does with one replicated input."""
+
+    APPLY = "apply"  # the next in order: apply, then acknowledge
+    AGAIN = "again"  # applied already (a resend): acknowledge only
+    STALE = "stale"  # from a lower epoch (a deposed primary): refuse, naming ours
+    GAP = "gap"  # inputs are missing before it: refuse (a snapshot would be needed)
+
+
+@dataclass
+class ReplicaState:
+    """One replica's view: its role, the epoch it holds and the last input applied."""
+
+    role: Role
+    epoch: int = 0
+    applied: int = 0  # sequence number of the last input applied (primary: sent)
+    #: when the primary last spoke to this backup (None: never yet; a backup takes
+    #: over only from a primary it heard, not from one still starting)
+    heard_at: float | None = None
+
+    @classmethod
+    def starting(cls, replica: int) -> ReplicaState:
+        return cls(Role.PRIMARY if replica == 0 else Role.BACKUP)
+
+    @property
+    def writable(self) -> bool:
+        """Whether this replica answers workers (only the primary does)."""
+        return self.role is Role.PRIMARY
+
+    def next_seq(self) -> int:
+        """The primary numbers its next input."""
+        if self.role is not Role.PRIMARY:
+            raise RuntimeError(f"a {self.role} replica sends no inputs")
+        self.applied += 1
+        return self.applied
+
+    def receive(self, epoch: int, seq: int, now: float) -> Verdict:
+        """A replicated input (``seq`` 0: a keep-alive) from the primary of ``epoch``."""
+        if epoch < self.epoch:
+            return Verdict.STALE
+        if self.role is Role.PRIMARY and epoch == self.epoch:
+            return Verdict.STALE  # two primaries of one epoch cannot be: refuse it
+        if self.role is Role.FENCED:
+            return Verdict.STALE  # (a fenced replica rejoins by snapshot: not built)
+        self.role, self.epoch, self.heard_at = Role.BACKUP, epoch, now
+        if seq == 0 or seq <= self.applied:
+            return Verdict.AGAIN
+        if seq != self.applied + 1:
+            return Verdict.GAP
+        self.applied = seq
+        return Verdict.APPLY
+
+    def silent(self, now: float, timeout: float) -> bool:
+        """Whether a backup has heard nothing from its primary for ``timeout`` seconds."""
+        return (self.role is Role.BACKUP and self.heard_at is not None
+                and now - self.heard_at > timeout)
+
+    def promote(self) -> int:
+        """This backup becomes the primary, at a new epoch; returns it."""
+        if self.role is not Role.BACKUP:
+            raise RuntimeError(f"only a backup is promoted, not a {self.role} replica")
+        self.role = Role.PRIMARY
+        self.epoch += 1
+        return self.epoch
+
+    def refused(self, epoch: int) -> bool:
+        """A backup refused our input naming ``epoch``: a higher one fences us for good.
+        Returns whether it did."""
+        if epoch > self.epoch and self.role is Role.PRIMARY:
+            self.role = Role.FENCED
+            self.epoch = epoch
+            return True
+        return False

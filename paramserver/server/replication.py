@@ -1,0 +1,343 @@
+"""A shard's replicas: the primary forwards its inputs, backups apply them, and a
+backup takes over when the primary falls silent (issue 32).
+
+What is replicated are the *inputs*, not the results: each data message that can
+change the shard's state (HELLO, INIT, PUSH, PULL, HEARTBEAT, BYE), as the primary
+received it, plus the deaths and leave-outs its timers decide. The shard's rules are
+a deterministic state machine (paramserver/core/shard.py, sync rounds reduced in a
+fixed order), so a backup that handles the same inputs in the same order through
+the same code holds the same weights, optimizer state, versions, clocks and push-id
+windows. Inputs rather than results because a result (the new weights) is as large
+as the model at every async push, while the input is the push itself; in sync the
+inputs are the round's pushes, which cost the same bytes as a round's result times
+the workers but need no second code path (docs/reliability.md has the figures).
+
+The primary sends an input to its backups before it handles it, and sends the
+worker its answer only once every backup acknowledged it: an answered push is held
+by every live replica. A backup that does not acknowledge within the failover
+timeout is dropped (the shard goes on with fewer replicas, and says so).
+
+Fencing: each replica holds an epoch (paramserver/core/replica.py). A promoted backup
+takes the next one and refuses any input of a lower one; a paused primary that comes
+back is refused at its first forward (or keep-alive) and steps down: it answers no
+worker again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from paramserver.core.replica import ReplicaState, Role, Verdict
+from paramserver.errors import ConfigError, ProtocolError
+from paramserver.wire import replication as wrepl
+from paramserver.wire.protocol import Op
+
+if TYPE_CHECKING:
+    from paramserver.core.shard import ShardCore
+    from paramserver.observe.events import EventLog
+    from paramserver.server.config import ServerConfig
+    from paramserver.server.outbox import Outbox
+
+__all__ = ["REPLAYED", "REPLICATED_OPS", "Replication", "ReplicationHost"]
+
+log = logging.getLogger(__name__)
+
+#: the identity a backup handles forwarded messages under: no peer has it, so the
+#: answers it sends to it go nowhere (the ROUTER drops them)
+REPLAYED = b"\x00replayed"
+#: how a replica answers on the shard's socket: (peer identity, frames)
+Send = Callable[[bytes, list[bytes]], None]
+#: the data ops whose messages the primary forwards (the others change nothing)
+REPLICATED_OPS = frozenset({Op.HELLO, Op.INIT, Op.PUSH, Op.PULL, Op.HEARTBEAT, Op.BYE})
+
+
+class ReplicationHost(Protocol):
+    """What replication asks of the shard server that owns it."""
+
+    @property
+    def core(self) -> ShardCore | None: ...
+
+    def replay(self, frames: list[Any]) -> None:
+        """Handle a forwarded data message as if a peer sent it (answers go nowhere)."""
+
+    def replay_death(self, kind: str, workers: list[int]) -> None:
+        """Apply the deaths (``dead``) or leave-outs (``left_out``) the primary decided
+        in one tick, as one."""
+
+
+class _Backup:
+    """The primary's connection to one backup.
+
+    A backup is dropped only once its connection has been down for the failover
+    timeout (its process died): one that is merely slow, or paused, is waited for,
+    since a backup dropped while alive would take over beside us."""
+
+    def __init__(self, address: str, context: zmq.Context[Any]) -> None:
+        self.address = address
+        self.socket = context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.SNDTIMEO, 100)
+        self.monitor = self.socket.get_monitor_socket(
+            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self.socket.connect(address)
+        self.acked = 0  # the last sequence number it acknowledged
+        self.acked_at = time.monotonic()
+        self.down_since: float | None = self.acked_at  # (until the first connection)
+
+    def send(self, frames: Sequence[Any], wait: bool = True) -> bool:
+        try:
+            self.socket.send_multipart(frames, 0 if wait else zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.Again:  # no pipe to it (yet), or its queue is full
+            return False
+
+    def dead(self, now: float, timeout: float) -> bool:
+        """Whether its connection has been down for ``timeout`` seconds."""
+        while True:
+            try:
+                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self.down_since = self.down_since or now
+            elif event["event"] == zmq.EVENT_CONNECTED:
+                self.down_since = None
+        return self.down_since is not None and now - self.down_since > timeout
+
+    def read(self) -> wrepl.Ack | None:
+        """One acknowledgement if one is waiting."""
+        try:
+            frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return None
+        record, _ = wrepl.decode(frames)
+        return record if isinstance(record, wrepl.Ack) else None
+
+    def close(self) -> None:
+        self.socket.disable_monitor()
+        self.monitor.close(0)
+        self.socket.close(0)
+
+
+class Replication:
+    """One replica's side of its shard's replication (primary or backup)."""
+
+    def __init__(self, host: ReplicationHost, config: ServerConfig, events: EventLog,
+                 address: str) -> None:
+        if config.replica == 0 and not config.replica_peers:
+            raise ConfigError("--replicas works with `paramserver launch` only, for now (it "
+                              "starts each shard's backups and tells the primary where)")
+        self.host = host
+        self.shard = config.shard
+        self.replica = config.replica
+        self.events = events
+        self.address = address
+        self.timeout = config.failover_timeout
+        self.ping_every = self.timeout / 5
+        now = time.monotonic()
+        self.state = ReplicaState.starting(config.replica)
+        self._context: zmq.Context[Any] = zmq.Context.instance()
+        self.backups = [_Backup(a, self._context) for a in config.replica_peers]
+        self._pinged = now
+        self.failovers = 0
+        self.lost: list[str] = []  # backups dropped for silence
+        if self.backups:
+            self._announce()
+
+    # ------------------------------------------------------------------ primary
+
+    @property
+    def writable(self) -> bool:
+        return self.state.writable
+
+    def forward(self, frames: Sequence[Any], kind: str = "msg",
+                workers: Sequence[int] = ()) -> int:
+        """Send one input to every backup (not waiting); its sequence number (0: no
+        backup to send it to)."""
+        if not self.backups:
+            return 0
+        now = time.monotonic()
+        seq = self.state.next_seq()
+        head = wrepl.encode(wrepl.Apply(self.state.epoch, seq, now, kind,  # type: ignore[arg-type]
+                                        list(workers)))
+        for b in list(self.backups):
+            self._deliver(b, [*head, *frames])
+        self._pinged = now
+        return seq
+
+    def _deliver(self, b: _Backup, frames: list[Any]) -> None:
+        """Send ``frames`` to ``b``, waiting while it is alive (dropped once dead)."""
+        while not b.send(frames):
+            if b.dead(time.monotonic(), self.timeout):
+                self._drop(b, f"its connection was down for {self.timeout:g}s")
+                return
+
+    def _announce(self) -> None:
+        """Before the primary serves, each backup hears of it (and so takes over should
+        it die from its first message on)."""
+        head = wrepl.encode(wrepl.Apply(self.state.epoch, 0, time.monotonic(), "ping"))
+        for b in list(self.backups):
+            self._deliver(b, head)
+            while b in self.backups and not self._drain(b):
+                if b.dead(time.monotonic(), self.timeout):
+                    self._drop(b, f"it did not answer within {self.timeout:g}s of the start")
+                    break
+                zmq.select([b.socket, b.monitor], [], [], 0.1)
+
+    def wait(self, seq: int) -> bool:
+        """Wait until every backup acknowledged ``seq``; False when a backup refused it
+        naming a higher epoch (this replica is fenced now and must answer no one)."""
+        if not seq:
+            return self.writable
+        for b in list(self.backups):
+            since = time.monotonic()
+            while b.acked < seq and b in self.backups:
+                got = self._drain(b)
+                if not self.writable:
+                    return False  # fenced
+                if got:
+                    continue
+                now = time.monotonic()
+                if b.dead(now, self.timeout):
+                    self._drop(b, f"its connection was down for {self.timeout:g}s")
+                elif now - since > self.timeout:
+                    since = now
+                    log.warning("shard %d: backup %s has not acknowledged input %d yet; "
+                                "waiting (a live backup is never dropped)", self.shard,
+                                b.address, seq)
+                zmq.select([b.socket, b.monitor], [], [], 0.1)
+        return self.writable
+
+    def _drain(self, b: _Backup) -> bool:
+        """Read every acknowledgement waiting from ``b``; whether there was one."""
+        got = False
+        while (ack := b.read()) is not None:
+            got = True
+            if ack.ok:
+                b.acked = max(b.acked, ack.seq)
+                b.acked_at = time.monotonic()
+            elif self.state.refused(ack.epoch):
+                self._fenced(ack.epoch, b.address)
+                return True
+            else:
+                log.error("shard %d: backup %s refused input %d: %s", self.shard, b.address,
+                          ack.seq, ack.reason)
+                self._drop(b, ack.reason or "refused")
+                return True
+        return got
+
+    def _drop(self, b: _Backup, why: str) -> None:
+        if b not in self.backups:
+            return
+        self.backups.remove(b)
+        b.close()
+        self.lost.append(b.address)
+        log.warning("shard %d: backup %s dropped (%s); the shard goes on with %d backup(s)",
+                    self.shard, b.address, why, len(self.backups))
+        self.events.write("backup_lost", shard=self.shard, backup=b.address, reason=why,
+                          epoch=self.state.epoch, backups=len(self.backups))
+
+    def _fenced(self, epoch: int, by: str) -> None:
+        log.warning("shard %d: replica %d steps down: %s holds epoch %d (ours was older); "
+                    "it accepts nothing from now on", self.shard, self.replica, by, epoch)
+        self.events.write("stepped_down", shard=self.shard, replica=self.replica,
+                          epoch=epoch, by=by)
+
+    # ------------------------------------------------------------------ both
+
+    def tick(self, now: float) -> None:
+        """Keep-alives and acknowledgements (primary); a takeover when the primary fell
+        silent (backup)."""
+        if self.state.role is Role.PRIMARY:
+            for b in list(self.backups):
+                self._drain(b)
+                if b in self.backups and b.dead(now, self.timeout):
+                    self._drop(b, f"its connection was down for {self.timeout:g}s")
+            if self.backups and now - self._pinged >= self.ping_every:
+                self._pinged = now
+                head = wrepl.encode(wrepl.Apply(self.state.epoch, 0, now, "ping"))
+                for b in self.backups:
+                    b.send(head, wait=False)  # (a full queue: it has pings enough)
+            return
+        if self.state.silent(now, self.timeout):
+            self._take_over(now)
+
+    def _take_over(self, now: float) -> None:
+        silent = now - (self.state.heard_at or now)
+        epoch = self.state.promote()
+        self.failovers += 1
+        core = self.host.core
+        if core is not None:
+            # the failover's silence is not the workers': their liveness restarts now
+            for w in core.live():
+                w.last_seen = now
+        log.warning("shard %d: failover: replica %d (%s) takes over as primary at epoch %d, "
+                    "%.2fs after the primary's last word", self.shard, self.replica,
+                    self.address, epoch, silent)
+        self.events.write("failover", shard=self.shard, replica=self.replica, epoch=epoch,
+                          seconds=round(silent, 3), applied=self.state.applied,
+                          address=self.address)
+
+    def admit(self, identity: bytes, frames: list[Any], send: Send) -> bool:
+        """Whether ``frames`` go on to the shard's handlers: False for a replication
+        message, which is handled here."""
+        if wrepl.is_replication(frames):
+            try:
+                self.on_message(identity, frames, send)
+            except ProtocolError as exc:
+                log.warning("shard %d: a bad replication message: %s", self.shard, exc)
+            return False
+        return True
+
+    def on_message(self, identity: bytes, frames: list[Any], send: Send) -> None:
+        """A replication message on the shard's socket; ``send(identity, frames)``."""
+        record, rest = wrepl.decode(frames)
+        if isinstance(record, wrepl.WhoIs):
+            send(identity, wrepl.encode(self.role_reply()))
+        elif isinstance(record, wrepl.Apply):
+            verdict = self.state.receive(record.epoch, record.seq, time.monotonic())
+            # acknowledged once held, then applied: the primary applies it meanwhile
+            send(identity, wrepl.encode(self._ack(record, verdict)))
+            if verdict is Verdict.APPLY:
+                if record.kind == "msg":
+                    self.host.replay(rest)
+                elif record.kind in ("dead", "left_out"):
+                    self.host.replay_death(record.kind, record.workers)
+
+    def _ack(self, record: wrepl.Apply, verdict: Verdict) -> wrepl.Ack:
+        if verdict is Verdict.STALE:
+            return wrepl.Ack(self.state.epoch, record.seq, False, "a lower epoch")
+        if verdict is Verdict.GAP:
+            return wrepl.Ack(self.state.epoch, record.seq, False,
+                             f"input {record.seq} after {self.state.applied}: inputs missing")
+        return wrepl.Ack(self.state.epoch, record.seq, True)
+
+    def role_reply(self) -> wrepl.RoleReply:
+        now = time.monotonic()
+        return wrepl.RoleReply(
+            self.state.role.value, self.state.epoch, self.state.applied,
+            self.replica, [b.address for b in self.backups],
+            [round(now - b.acked_at, 3) for b in self.backups], self.failovers,
+            [self.state.applied - b.acked for b in self.backups])
+
+    @staticmethod
+    def close_pulls(core: ShardCore, outbox: Outbox, now: float) -> None:
+        """A backup's pulls whose gates opened: closed as the primary's were answered,
+        but no reply is made (no one waits for it here), nor a copy of the weights."""
+        for ready in core.ready_pulls(now):
+            parked = outbox.push_pulls.get(ready.worker)
+            if parked is not None and parked[0] == ready.token:
+                del outbox.push_pulls[ready.worker]
+                outbox.early.pop(ready.worker, None)
+            outbox.observer_pulls.discard(ready.token)
+
+    def close(self) -> None:
+        for b in self.backups:
+            b.close()
+        self.backups = []

@@ -1,0 +1,105 @@
+"""The pure rules of a replicated shard (paramserver/core/replica.py) and the bounds of
+its wire records (paramserver/wire/replication.py): no sockets."""
+
+from __future__ import annotations
+
+import pytest
+
+from paramserver.core.replica import ReplicaState, Role, Verdict
+from paramserver.errors import ProtocolError
+from paramserver.wire import replication as wrepl
+
+
+def test_a_backup_applies_inputs_in_order_once():
+    backup = ReplicaState.starting(1)
+    assert backup.role is Role.BACKUP and not backup.writable
+    assert backup.receive(0, 1, now=1.0) is Verdict.APPLY
+    assert backup.receive(0, 1, now=1.1) is Verdict.AGAIN  # a resend: acknowledged only
+    assert backup.receive(0, 3, now=1.2) is Verdict.GAP  # input 2 is missing
+    assert backup.receive(0, 2, now=1.3) is Verdict.APPLY
+    assert backup.receive(0, 0, now=1.4) is Verdict.AGAIN  # a keep-alive
+    assert backup.applied == 2 and backup.heard_at == 1.4
+
+
+def test_the_primary_numbers_its_inputs_and_a_backup_does_not_send():
+    primary = ReplicaState.starting(0)
+    assert primary.writable
+    assert [primary.next_seq() for _ in range(3)] == [1, 2, 3]
+    with pytest.raises(RuntimeError):
+        ReplicaState.starting(1).next_seq()
+
+
+def test_a_silent_primary_is_replaced_at_a_higher_epoch():
+    backup = ReplicaState.starting(1)
+    assert not backup.silent(99.0, timeout=1.5)  # no primary heard yet: still starting
+    backup.receive(0, 1, now=1.0)
+    assert not backup.silent(2.0, timeout=1.5)
+    assert backup.silent(2.6, timeout=1.5)
+    assert backup.promote() == 1
+    assert backup.writable and backup.epoch == 1
+    assert backup.next_seq() == 2  # numbering goes on from what it applied
+    assert not backup.silent(99.0, timeout=1.5)  # a primary is never silent to itself
+
+
+def test_fencing_a_promoted_backup_refuses_the_old_primary_which_steps_down():
+    old = ReplicaState.starting(0)
+    new = ReplicaState.starting(1)
+    new.receive(old.epoch, old.next_seq(), now=0.5)
+    new.promote()
+    # the old primary was only paused: its next input carries epoch 0
+    assert new.receive(old.epoch, old.next_seq(), now=5.0) is Verdict.STALE
+    assert new.writable and new.applied == 1  # nothing of it applied
+    assert not old.refused(0)  # a refusal at its own epoch does not fence
+    assert old.refused(new.epoch)
+    assert old.role is Role.FENCED and not old.writable
+    with pytest.raises(RuntimeError):
+        old.next_seq()
+    assert old.receive(5, 1, now=6.0) is Verdict.STALE  # fenced for good
+
+
+def test_two_primaries_of_one_epoch_cannot_be():
+    primary = ReplicaState.starting(0)
+    assert primary.receive(0, 1, now=1.0) is Verdict.STALE
+    assert primary.writable
+
+
+def test_wire_records_round_trip_and_are_bounded():
+    frames = [*wrepl.encode(wrepl.Apply(3, 7, 1.5, "msg")), b"payload"]
+    assert wrepl.is_replication(frames)
+    record, rest = wrepl.decode(frames)
+    assert record == wrepl.Apply(3, 7, 1.5, "msg") and rest == [b"payload"]
+    assert not wrepl.is_replication([b"\x82\xa2op"])  # a data header (a msgpack map)
+    with pytest.raises(ProtocolError):
+        wrepl.decode([wrepl.MAGIC, b"x" * (wrepl.MAX_HEADER + 1)])
+    with pytest.raises(ProtocolError):
+        wrepl.decode([wrepl.MAGIC, b"\xc1"])  # not msgpack
+    with pytest.raises(ProtocolError):
+        wrepl.decode([wrepl.MAGIC, wrepl.encode(wrepl.RoleReply("primary", 0, 0, 0,
+                                                                 ["a"] * 17))[1]])
+
+
+def test_what_does_not_work_yet_is_refused_in_one_line():
+    from paramserver.errors import ConfigError
+    from paramserver.server.config import ServerConfig
+    from paramserver.workers.launch.clusterspec import ClusterSpec
+
+    with pytest.raises(ConfigError, match="only --replicas 1 works"):
+        ServerConfig(replicas=2)
+    with pytest.raises(ConfigError, match="backup workers"):
+        ServerConfig(mode="sync", backup_workers=1, replicas=1)
+    with pytest.raises(ConfigError, match="CURVE"):
+        ServerConfig(replicas=1, curve_secret_key="k")
+    with pytest.raises(ConfigError, match="--restart-servers"):
+        ClusterSpec(server=ServerConfig(replicas=1), restart_servers=True)
+    for mode in ("async", "sync", "ssp"):  # what works
+        ServerConfig(mode=mode, replicas=1)
+
+
+def test_the_server_command_says_replicas_need_launch():
+    from click.testing import CliRunner
+
+    from paramserver.cli.main import main
+
+    result = CliRunner().invoke(main, ["server", "--replicas", "1"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "--replicas works with `paramserver launch` only" in result.output
