@@ -519,12 +519,14 @@ class LocalCluster:
                 follower = self._followers[rank] = JsonlFollower(path)
             for rec in follower.read():
                 if rec.get("event") == "step":
-                    self._progress_steps[rank] = self._progress_steps.get(rank, 0) + 1
+                    # gradients computed: a local-SGD push holds local_steps of them
+                    done = rec.get("local_steps", 1)
+                    self._progress_steps[rank] = (self._progress_steps.get(rank, 0)
+                                                  + (done if isinstance(done, int) else 1))
                     if rec.get("loss") is not None:
                         self._progress_loss[rank] = rec["loss"]
-        # pushes: with local steps a worker pushes once per --sync-every of its steps
-        steps = -(-(self.spec.worker.steps or 0) // self.spec.worker.sync_every)
-        return Progress(dict(self._progress_steps), steps * self.spec.num_workers,
+        return Progress(dict(self._progress_steps),
+                        (self.spec.worker.steps or 0) * self.spec.num_workers,
                         dict(self._progress_loss), 0, time.time() - self._t0)
 
     def stop(self, timeout: float = 10.0) -> None:
