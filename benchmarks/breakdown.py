@@ -191,7 +191,7 @@ def measure_worker(rounds: int = 2000, repeats: int = 5, thrash_mib: int = 32) -
     clock = _Clock()
     saved = transport.decode
     try:
-        for _ in range(50):
+        for _ in range(min(50, rounds)):  # warm-up
             session.one_round()
         client = session.client
         transport.decode = clock.wrap(saved, "decode")
