@@ -311,3 +311,18 @@ def test_hotpath_refuses_to_time_refused_pushes(monkeypatch: pytest.MonkeyPatch)
         [b"\x00not msgpack"] for _ in range(count)])
     with pytest.raises(RuntimeError, match="refused"):
         hotpath.measure("sync-1", pushes=5, repeats=1, thrash_mib=1)
+
+
+def test_breakdown_parts_add_up_to_the_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    from paramserver.benchmarks import breakdown
+
+    monkeypatch.setenv("PARAMSERVER_SHM", "0")
+    for b in (breakdown.measure_shard(pushes=20, repeats=1, thrash_mib=1),
+              breakdown.measure_worker(rounds=20, repeats=1, thrash_mib=1)):
+        names = [p.name for p in b.parts]
+        for figures in (b.warm, b.cold):
+            assert sorted(figures) == sorted(names)
+            # each part is its own time, the parts inside it taken out: none below zero
+            assert all(v >= 0 for v in figures.values()), figures
+            assert all(figures[n] > 0 for n in ("decode", "step" if b.side == "shard"
+                                                 else "land"))

@@ -103,7 +103,7 @@ class Shard:
             assert out is not None
             if core.probe.pending:
                 self.budget.flush(core.probe, self.clock)
-            self.observer.push(core, worker, out.as_dict(), loss=loss, seconds=0.0,
+            self.observer.push(core, worker, out, loss=loss, seconds=0.0,
                                nbytes=0)
         return ([a.signal for a in self.dog.alarms[alarms:]]
                 + ["nonfinite_weights"] * (self.refused - refused))

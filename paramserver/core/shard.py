@@ -329,9 +329,8 @@ class ShardCore:
         header. The push is decided at its first part; every part is added
         into the round's buffer as it arrives and can be released at once. A
         part that is not the last returns None; a part sent again is not added
-        again. A push given up half-way (its worker
-        died or restarted, a newer push came, a part was not finite) voids the
-        open round.
+        again. A push given up half-way (its worker died or restarted, a newer
+        push came, a part was not finite) voids the open round.
         """
         state = self.members.known(worker)
         if not self.initialized:
@@ -406,7 +405,7 @@ class ShardCore:
             self.round.streams.pop(worker, None)
             outcome = self._close_push(state, stream)
         else:
-            outcome = self._push_async(state, stream, grads)
+            outcome = self._push_async(state, stream, grads, norm)
         state.last_push_id = push_id
         state.anchored = True
         state.last_outcome = outcome
@@ -515,9 +514,8 @@ class ShardCore:
             return grads
         return {k: g.to(self.params[k].dtype) for k, g in grads.items()}
 
-    def _rewrite(
-        self, info: UpdateInfo, grads: Mapping[str, torch.Tensor]
-    ) -> Mapping[str, torch.Tensor]:
+    def _rewrite(self, info: UpdateInfo, grads: Mapping[str, torch.Tensor]
+                 ) -> Mapping[str, torch.Tensor]:
         if not self.policy_rewrites:
             return grads
         grads = self._widen(grads)
@@ -530,9 +528,8 @@ class ShardCore:
         """Whether the policy overrides rewrite_gradient (it then sees whole pushes)."""
         return type(self.policy).rewrite_gradient is not StalenessPolicy.rewrite_gradient
 
-    def _push_async(
-        self, state: WorkerState, stream: Stream, grads: Mapping[str, torch.Tensor]
-    ) -> PushOutcome:
+    def _push_async(self, state: WorkerState, stream: Stream, grads: Mapping[str, torch.Tensor],
+                    norm: float | None = None) -> PushOutcome:  # norm: the finite check's
         info, decision = stream.info, stream.decision
         assert decision is not None
         if stream.measure is not None:
@@ -540,7 +537,8 @@ class ShardCore:
         if not decision.accept:
             return rules.answered(decision, info.staleness, self.version, False)
         if not self._step(self._widen(self._rewrite(info, grads)), decision.weight,
-                          staleness=info.staleness):
+                          staleness=info.staleness,
+                          grad_norm=None if self.policy_rewrites else norm):
             state.uncount(decision, "nonfinite_step")
             return rules.refused("nonfinite_step", info.staleness, self.version)
         return rules.answered(decision, info.staleness, self.version, True)
@@ -567,7 +565,8 @@ class ShardCore:
 
     def _step(self, grads: Mapping[str, torch.Tensor], weight: float, contributors: int = 1,
               staleness: int = 0, divisor: float = 1.0,
-              ahead: Callable[[float], bool] | None = None) -> bool:
+              ahead: Callable[[float], bool] | None = None,
+              grad_norm: float | None = None) -> bool:
         """One optimizer step on ``grads / divisor``, the learning rate scaled by
         ``weight`` (and by the step-size rules, for a step averaging ``contributors``
         gradients). False: it would have made the weights or the optimizer's state
@@ -576,7 +575,8 @@ class ShardCore:
         if not self.stepper.step(self.params, grads, weight, contributors=contributors,
                                  version=self.version, staleness=staleness,
                                  prior_staleness=prior, probe=self.probe,
-                                 before_step=self.before_step, divisor=divisor, ahead=ahead):
+                                 before_step=self.before_step, divisor=divisor, ahead=ahead,
+                                 grad_norm=grad_norm):
             refused = self.stepper.refused
             if not refused & (refused - 1):  # at 1, 2, 4, ...: a hostile stream must not flood
                 log.warning("shard %d: a step at version %d would have made the weights or the "

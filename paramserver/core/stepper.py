@@ -97,6 +97,7 @@ class Stepper:
         # (version, bound): every weight's magnitude is at most bound at that version;
         # None: not known (the weights were set other than by a step)
         self.bound: tuple[int, float] | None = None
+        self._limits: tuple[Mapping[str, torch.Tensor], float] | None = None
 
     def state_dict(self) -> dict[str, Any]:
         """The optimizer's state, per slice (as checkpoints hold it) also when it
@@ -131,7 +132,8 @@ class Stepper:
              weight: float, *, contributors: int, version: int, staleness: int,
              prior_staleness: int, probe: Probe,
              before_step: Callable[[], None] | None, divisor: float = 1.0,
-             ahead: Callable[[float], bool] | None = None) -> bool:
+             ahead: Callable[[float], bool] | None = None,
+             grad_norm: float | None = None) -> bool:
         """One optimizer step on ``grads / divisor``, the one that makes ``version + 1``
         (the probe measures it, when it measures this step). A sync round passes its
         sums and sample count: the fused plain-SGD step folds the division into its
@@ -139,7 +141,9 @@ class Stepper:
         ``ahead(alpha)``: the fused step's result was computed already, at the rate
         ``alpha`` (paramserver/core/ahead.py); True when it has become the weights.
         False: the step would have made the weights or the optimizer's state NaN or
-        Inf, and was undone (``guard``); nothing changed but the gradients' scale."""
+        Inf, and was undone (``guard``); nothing changed but the gradients' scale.
+        ``grad_norm``: the L2 norm of ``grads`` if known (the finite check's), which
+        bounds their largest element: the guard's proof then needs no pass over them."""
         dense = [grads[k] for k in params]
         fused = bool(dense and self.reads_only(params)
                      and all(g.layout is torch.strided for g in dense))
@@ -171,7 +175,8 @@ class Stepper:
         applied_lr = float(groups[0]["lr"])
         alpha = -applied_lr / divisor
         kept = None  # a copy to undo the step from (guard, when not proved safe)
-        if self.guard and not (fused and self._proved_safe(params, dense, alpha, version)):
+        if self.guard and not (fused and self._proved_safe(params, dense, alpha, version,
+                                                           grad_norm)):
             kept = self._keep(params)
         if not (fused and kept is None and ahead is not None and ahead(alpha)):
             if before_step is not None:
@@ -205,25 +210,37 @@ class Stepper:
     # ------------------------------------------------------------------ the guard
 
     def _proved_safe(self, params: Mapping[str, torch.Tensor],
-                     dense: Sequence[torch.Tensor], alpha: float, version: int) -> bool:
+                     dense: Sequence[torch.Tensor], alpha: float, version: int,
+                     grad_norm: float | None = None) -> bool:
         """Whether ``w + alpha * g`` stays finite, proved from the magnitudes alone
         (half the dtype's range is left for rounding); the bound then moves past
-        the step. Weights near the range's end are measured again before giving up."""
+        the step. ``grad_norm`` (finite) stands in for the gradient's largest element,
+        which it bounds; near the limit both are measured before giving up."""
         if not dense or not all(g.is_floating_point() for g in dense):
             return False
-        weights = list(params.values())
-        limit = min(torch.finfo(w.dtype).max for w in weights) / 2
-        grow = abs(alpha) * _largest(dense)
+        limit = self._limit(params)
+        exact = grad_norm is None or not math.isfinite(grad_norm)
+        grow = abs(alpha) * (_largest(dense) if exact else grad_norm)  # type: ignore[operator]
         if not math.isfinite(grow):
             return False
         bound = self.bound[1] if self.bound and self.bound[0] == version else math.inf
         if bound + grow >= limit:  # not known, or grown near the limit: measure it
-            bound = _largest(weights)
+            bound = _largest(list(params.values()))
+            if not exact and not bound + grow < limit:
+                grow = abs(alpha) * _largest(dense)
         if not bound + grow < limit:  # (a NaN weight fails this too)
             self.bound = None
             return False
         self.bound = (version + 1, bound + grow)
         return True
+
+    def _limit(self, params: Mapping[str, torch.Tensor]) -> float:
+        """Half the smallest range of the weights' dtypes (kept: the dtypes never change)."""
+        kept = self._limits
+        if kept is None or kept[0] is not params:
+            kept = self._limits = (params, min(torch.finfo(w.dtype).max
+                                               for w in params.values()) / 2)
+        return kept[1]
 
     def _keep(self, params: Mapping[str, torch.Tensor]
               ) -> tuple[list[torch.Tensor], dict[Any, dict[str, Any]]]:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from paramserver.core.records import PushOutcome
 from paramserver.core.shard import GradStats, ShardCore, StepStats
 from paramserver.observe.events import EventLog
 from paramserver.observe.metrics import (
@@ -118,20 +119,20 @@ class ShardObserver:
 
     # ------------------------------------------------------------------ from the server
 
-    def push(self, core: ShardCore, worker: int, outcome: Mapping[str, Any], *,
+    def push(self, core: ShardCore, worker: int, outcome: PushOutcome, *,
              loss: float | None, seconds: float, nbytes: int) -> GradStats | None:
         """A decided push (not a duplicate). Returns its gradient's figures, if measured."""
         grad, self._grad = self._grad, None
         if grad is not None and grad.worker != worker:
             grad = None
-        staleness = int(outcome["staleness"])
+        staleness = outcome.staleness
         labels = (worker,)
         gauges = self._gauges
         self._c("paramserver_push_staleness", worker).observe(staleness)
         self._c("paramserver_push_seconds", worker).observe(seconds)
         self._add(("paramserver_push_bytes_total", labels), nbytes)
-        if outcome["accepted"]:
-            weight = float(outcome["weight"])
+        if outcome.accepted:
+            weight = outcome.weight
             self._add(("paramserver_pushes_accepted_total", labels))
             if weight < 1.0:
                 self._add(("paramserver_pushes_downweighted_total", labels))
@@ -142,7 +143,7 @@ class ShardObserver:
         else:
             # labelled as the worker's counts name it: a bounded set of reasons
             state = core.workers.get(worker)
-            reason = str(outcome["reason"] or "rejected")
+            reason = outcome.reason or "rejected"
             self._add(("paramserver_pushes_rejected_total",
                        (worker, reason if state is None else state.reason_key(reason))))
         # a figure this push did not measure keeps its last value
@@ -158,9 +159,8 @@ class ShardObserver:
                                       last.loss if loss is None else loss)
         self._clocks_after_push(core, worker)
         alarms = self.watchdog.observe_push(PushObservation(
-            worker=worker, version=int(outcome["version"]), accepted=bool(outcome["accepted"]),
-            staleness=staleness, reason=str(outcome["reason"]),
-            weight=float(outcome["weight"]),
+            worker=worker, version=outcome.version, accepted=outcome.accepted,
+            staleness=staleness, reason=outcome.reason, weight=outcome.weight,
             grad_norm=grad.norm if grad is not None else None,
             cosine=grad.cosine if grad is not None else None, loss=loss,
         ))

@@ -142,7 +142,7 @@ class DataOps:
             worker, clock, samples = b.worker, b.clock, b.num_samples
 
             def observe() -> None:
-                grad = self.observer.push(core, worker, outcome, loss=loss, seconds=seconds,
+                grad = self.observer.push(core, worker, out, loss=loss, seconds=seconds,
                                           nbytes=nbytes)
                 self.events.write(
                     "push", shard=self.config.shard, worker=worker, clock=clock,
@@ -152,7 +152,6 @@ class DataOps:
                     grad_norm=grad.norm if grad else None,
                     cosine=grad.cosine if grad else None)
 
-            outcome = out.as_dict()
             self.host.defer(observe)
         if out.applied and self.config.checkpoint_every:
             self.host.maybe_checkpoint()

@@ -167,6 +167,15 @@ def _outcome(f: Mapping[str, Any]) -> PushOutcome:
     """A shard's answer to one push, as the worker reads it: the core's own
     :class:`~paramserver.core.records.PushOutcome`, from its fields (a sparse
     table's outcome has no ``applied``)."""
+    get = f.get
+    accepted, weight, reason = get("accepted", False), get("weight", 0.0), get("reason", "")
+    staleness, version = get("staleness", 0), get("version", 0)
+    applied, duplicate = get("applied", False), get("duplicate", False)
+    # every field of the type a shard sends (or absent): as below, one test each
+    if (type(accepted) is bool and type(weight) is float and type(reason) is str
+            and type(staleness) is int and type(version) is int and type(applied) is bool
+            and type(duplicate) is bool):
+        return PushOutcome(accepted, weight, reason, staleness, version, applied, duplicate)
     return PushOutcome(_bool(f, "accepted"), _float(f, "weight", 0.0), _str(f, "reason", ""),
                        _int(f, "staleness", 0), _int(f, "version", 0), _bool(f, "applied"),
                        _bool(f, "duplicate"))
@@ -420,6 +429,11 @@ def _push_reply(f: Mapping[str, Any]) -> PushReply | PullReply:
 
 def _pull_reply(f: Mapping[str, Any], push: PushOutcome | None = None,
                 answers_push: bool = False) -> PullReply:
+    get = f.get
+    version, clock, waited = get("version", 0), get("clock", 0), get("waited", 0.0)
+    if (type(version) is int and type(clock) is int and type(waited) is float
+            and get("shm") is None and get("early") is None):  # weights in frames, as most are
+        return PullReply(version, clock, waited, None, push, answers_push)
     ticket = _map(f, "shm")
     return PullReply(_int(f, "version"), _int(f, "clock"), _float(f, "waited", 0.0),
                      ticket, push, answers_push, _int(f, "early", None),
