@@ -245,9 +245,10 @@ def run_grid(console: Console, spec: ExperimentSpec, out: Path, quiet: bool, wha
     if not quiet:
         console.print(f"{len(spec.configurations())} configuration(s) x {len(spec.seeds)} "
                       f"seed(s) = {len(plans)} {what} of {spec.workload} -> {out}")
-    # the workers' clocks count pushes: one per H steps with local SGD
-    total_steps = sum((spec.worker_steps(p.config.workers) or spec.steps)
-                      // (p.config.mode.sync_every or 1) * p.config.workers for p in plans)
+    # gradients computed, as each run's progress counts them (with local SGD a push
+    # holds H of them)
+    total_steps = sum((spec.worker_steps(p.config.workers) or spec.steps) * p.config.workers
+                      for p in plans)
     try:
         with step_progress(console, "steps", disable=quiet) as bar:
             result = run(RichObserver(bar, total_steps, len(plans)))

@@ -545,9 +545,11 @@ class Simulator:
         self._answer(shard)
 
     def _progress(self) -> Progress:
-        steps = {w.rank: w.pushes for w in self.workers}
+        # gradients computed, as the launcher counts them: a push holds sync_every
+        steps = {w.rank: w.pushes * w.sync_every for w in self.workers}
         applied = sum(sum(s.applied for s in core.workers.values()) for core in self.cores[:1])
-        return Progress(steps, sum(w.steps for w in self.workers), dict(self._last_loss),
+        return Progress(steps, sum(w.steps * w.sync_every for w in self.workers),
+                        dict(self._last_loss),
                         applied, self.now)
 
     # ------------------------------------------------------------------ the end
