@@ -1,6 +1,7 @@
 """examples/ddp_port/ (issue 31): the PyTorch DDP tutorial's trainer, ported. In sync mode
 every step's loss of every rank equals the same script under real DDP (torchrun, gloo on
-loopback) to the last digit.
+loopback) to the last digit, under `launch` and in the sync cell of the example's grid,
+which compares sync, async and ssp:2 under a persistent straggler and reports them.
 
 Why exactly and not nearly: with equal batches DDP averages the ranks' gradients as
 g0/2 + g1/2 and a sync shard as (n g0 + n g1) / 2n, and scaling by a power of two is
