@@ -1,18 +1,23 @@
 """The report fits a 1,400 px page (issue 31, item 5): outcome and dynamics tables whose
-estimated width, from their column count and longest cell lines, fits the page; the plots
-of work, throughput, step times and accuracy; and which worker evaluates. No browser: the
+estimated width, from their column count and longest cell lines, fits the page, and which
+headless Chromium, where it is installed, measures as fitting; the plots of work,
+throughput, step times and accuracy; and which worker evaluates. Without a browser the
 HTML is parsed and each table's natural width is estimated from its text."""
 
 from __future__ import annotations
 
+import html as htmllib
 import json
+import re
+import shutil
+import subprocess
 from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
 
 from paramserver.workers.experiments.render import DYNAMICS_COLUMNS, OUTCOME_COLUMNS
-from paramserver.workers.experiments.report import write_report
+from paramserver.workers.experiments.report import ReportFiles, write_report
 from tests.test_report import CONFIGS, GOOD, fake_experiment
 
 #: the page a reader sees; the body's content is 1,300 px wide within it (report CSS)
@@ -82,12 +87,21 @@ def _scale_labels(out: Path, suffix: str) -> None:
     path.write_text(json.dumps(exp))
 
 
-@pytest.mark.parametrize("scale", [1.0, 0.002])  # rates of ~10/s and of thousands/s
-def test_every_table_fits_the_page(tmp_path: Path, scale: float) -> None:
-    fake_experiment(tmp_path, dts={k: v * scale for k, v in GOOD.items()}, gap=1,
+@pytest.fixture(scope="module", params=[1.0, 0.002])  # rates of ~10/s and of thousands/s
+def wide_report(request: pytest.FixtureRequest,
+                tmp_path_factory: pytest.TempPathFactory) -> tuple[float, ReportFiles]:
+    """A report with wide cells (long labels, spreads over seeds, a failed run), built once
+    for the estimate and for the browser."""
+    scale: float = request.param
+    out = tmp_path_factory.mktemp("wide-report")
+    fake_experiment(out, dts={k: v * scale for k, v in GOOD.items()}, gap=1,
                     failed=("transient-async-none-w2", 2))
-    _scale_labels(tmp_path, " + gap-aware")
-    files = write_report(tmp_path)
+    _scale_labels(out, " + gap-aware")
+    return scale, write_report(out)
+
+
+def test_every_table_fits_the_page(wide_report: tuple[float, ReportFiles]) -> None:
+    scale, files = wide_report
     parser = _Tables()
     parser.feed(files.html.read_text())
     # per scenario an outcome and a dynamics table, every configuration in each
@@ -119,6 +133,82 @@ def test_the_widths_estimate_would_catch_the_old_single_table() -> None:
     row = [[("ssp s=3 + gap-aware", False)]] + [[("1234.5 [1200.1-1250.3]", False)]] * 16
     _, width = _width([head, row])
     assert width > PAGE_PX
+
+
+def _chromium() -> str | None:
+    return next((path for name in ("chromium", "chromium-browser", "google-chrome")
+                 if (path := shutil.which(name))), None)
+
+
+#: run on load: each table's width as shown and at its natural width (max-content: no
+#: line broken but at its <br>), the page's, and a control table, the old single one
+_MEASURE = """<script>
+addEventListener("load", () => {
+  const natural = (t) => {
+    t.style.maxWidth = "none"; t.style.width = "max-content";
+    const w = t.getBoundingClientRect().width;
+    t.style.maxWidth = ""; t.style.width = "";
+    return w;
+  };
+  const page = document.documentElement.clientWidth;
+  const scroll = document.documentElement.scrollWidth;
+  const body = parseFloat(getComputedStyle(document.body).width);
+  const tables = [...document.querySelectorAll("table")].map((t) => {
+    const shown = t.getBoundingClientRect();
+    return {shown: shown.width, right: shown.right, natural: natural(t)};
+  });
+  const control = document.createElement("table");
+  control.innerHTML = CONTROL;
+  document.body.append(control);
+  const old = natural(control);
+  control.remove();
+  const out = document.createElement("pre");
+  out.id = "layout";
+  out.textContent = JSON.stringify({page, scroll, body, tables, old});
+  document.body.append(out);
+});
+</script>"""
+
+
+def _old_single_table() -> str:
+    """The 17 columns of the table before the split, with cells as the report writes them."""
+    head = "".join(f"<th>{htmllib.escape(c.title)}</th>"
+                   for c in OUTCOME_COLUMNS + DYNAMICS_COLUMNS)
+    cell = "<td>1234.5<br><small>[1200.1-1250.3]</small></td>"
+    return (f"<thead><tr><th>configuration</th>{head}</tr></thead>"
+            f"<tbody><tr><td>ssp s=3 + gap-aware</td>{cell * 16}</tr></tbody>")
+
+
+@pytest.mark.timeout(120)
+def test_chromium_shows_every_table_within_the_page(
+        wide_report: tuple[float, ReportFiles], tmp_path: Path) -> None:
+    """The report in headless Chromium at 1,400 px: the browser's own measure of every
+    table, as shown and at its natural width, against the page."""
+    chromium = _chromium()
+    if chromium is None:
+        pytest.skip("no chromium, chromium-browser or google-chrome on PATH "
+                    "(apt-get install chromium)")
+    _, files = wide_report
+    page = tmp_path / "report.html"
+    script = _MEASURE.replace("CONTROL", json.dumps(_old_single_table()))
+    page.write_text(files.html.read_text().replace("</body>", script + "</body>"))
+    dom = subprocess.run(
+        [chromium, "--headless", "--no-sandbox", "--disable-gpu",
+         f"--user-data-dir={tmp_path / 'profile'}", f"--window-size={PAGE_PX},1000",
+         "--virtual-time-budget=5000", "--dump-dom", page.as_uri()],
+        capture_output=True, text=True, timeout=60, check=True).stdout
+    found = re.search(r'<pre id="layout">(.*?)</pre>', dom, re.S)
+    assert found, dom[-2000:]
+    layout = json.loads(htmllib.unescape(found.group(1)))
+    # the page is the window less a scrollbar, if it shows one; nothing scrolls sideways
+    assert PAGE_PX - 20 <= layout["page"] <= PAGE_PX
+    assert layout["scroll"] <= layout["page"]
+    assert len(layout["tables"]) == 2 * 2
+    for table in layout["tables"]:  # shown whole, and not squeezed: no cell line broken
+        assert table["shown"] <= layout["body"] < layout["page"], layout
+        assert table["right"] <= layout["page"], layout
+        assert table["natural"] <= layout["body"], layout
+    assert layout["old"] > layout["page"]  # the measure does catch a table that is too wide
 
 
 def test_new_plots_are_written_and_linked(tmp_path: Path) -> None:
