@@ -93,8 +93,6 @@ def bench(out: Path, quick: bool, full: bool, parts: tuple[str, ...],
     throughput, shard memory and overlap of communication with backward; on request
     (--part hosts) push + pull against raw pyzmq across two network namespaces. Writes
     OUT/result.json and prints the tables and the goals."""
-    from rich.console import Console
-
     from paramserver.benchmarks.common import parse_size
     from paramserver.benchmarks.run import (
         DEFAULT_PARTS,
@@ -102,6 +100,7 @@ def bench(out: Path, quick: bool, full: bool, parts: tuple[str, ...],
         default_systems,
         run_benchmarks,
     )
+    from paramserver.cli.progress import cli_console
 
     if quick and full:
         raise click.UsageError("--quick and --full exclude each other")
@@ -115,7 +114,7 @@ def bench(out: Path, quick: bool, full: bool, parts: tuple[str, ...],
             wire_dtype=None if wire_dtype == "none" else wire_dtype, lean=not no_lean,
             malloc=malloc,
         )
-        run_benchmarks(opts, Console())
+        run_benchmarks(opts, cli_console())
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from exc
     except ParamServerError as exc:

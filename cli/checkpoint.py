@@ -82,9 +82,9 @@ Examples:
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def inspect(directory: Path, as_json: bool) -> None:
     """Show each shard's latest checkpoint in DIRECTORY and whether they form a whole."""
-    from rich.console import Console
     from rich.table import Table
 
+    from paramserver.cli.progress import cli_console
     from paramserver.persist.checkpoint import inspect_checkpoint
 
     try:
@@ -94,7 +94,7 @@ def inspect(directory: Path, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(info, indent=2, sort_keys=True))
         return
-    console = Console()
+    console = cli_console()
     table = Table(title=f"checkpoint {directory}")
     for column in ("shard", "version", "mode", "size", "created", "workers' clocks"):
         table.add_column(column, justify="right" if column in ("shard", "version", "size")
@@ -130,13 +130,12 @@ def export(directory: Path, out: Path) -> None:
 
     Load it with model.load_state_dict(safetensors.torch.load_file(OUT)).
     """
-    from rich.console import Console
-
+    from paramserver.cli.progress import cli_console
     from paramserver.persist.checkpoint import export_model
 
     try:
         result = export_model(directory, out)
     except (ParamServerError, OSError, ValueError, KeyError) as exc:
         raise click.ClickException(str(exc)) from exc
-    Console().print(f"wrote {result['path']}: {result['parameters']} parameter tensors from "
+    cli_console().print(f"wrote {result['path']}: {result['parameters']} parameter tensors from "
                     f"shard versions {result['versions']}", highlight=False)

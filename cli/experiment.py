@@ -67,11 +67,10 @@ def experiment(assert_literature: bool, **flags: Any) -> None:
     (tables and plots) into the experiment directory. After `--`, your own
     script (on DistributedOptimizer) runs as each worker instead of a task.
     """
-    from rich.console import Console  # here, not at the top: --help stays light
-
+    from paramserver.cli.progress import cli_console  # here, not at the top: --help stays light
     from paramserver.workers.experiments.runner import run_experiment
 
-    console = Console(stderr=False)
+    console = cli_console(stderr=False)
     try:
         spec = spec_from_flags(flags)
     except ConfigError as exc:

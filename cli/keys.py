@@ -65,9 +65,9 @@ def generate(directory: Path, clients: tuple[str, ...], admins: tuple[str, ...],
     authorized_clients: servers take its public NAME.key with --admin-key.
     Secret files are readable by their owner only.
     """
-    from rich.console import Console
     from rich.table import Table
 
+    from paramserver.cli.progress import cli_console
     from paramserver.wire.curve import generate_curve_keys
 
     try:
@@ -75,7 +75,7 @@ def generate(directory: Path, clients: tuple[str, ...], admins: tuple[str, ...],
                                    force=force)
     except ParamServerError as exc:
         raise click.ClickException(str(exc)) from exc
-    console = Console()
+    console = cli_console()
     table = Table(title=f"CURVE keys in {directory}")
     table.add_column("who")
     table.add_column("public key (share)")

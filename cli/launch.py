@@ -302,12 +302,10 @@ def launch(ctx: click.Context, **opts: Any) -> None:
             options.check_port_free("--metrics-port", port)
     out = _out_dir(opts["out"], opts.pop("overwrite"))
     steps = None if command else spec.worker.steps
-    from rich.console import Console
-
-    from paramserver.cli.progress import step_progress
+    from paramserver.cli.progress import cli_console, step_progress
     from paramserver.workers.launch.cluster import run_cluster  # torch, zmq: not for --help
 
-    console = Console(stderr=True)
+    console = cli_console(stderr=True)
     bar = step_progress(console, "loss {task.fields[loss]}", "{task.fields[rate]} updates/s",
                         disable=opts["quiet"])
     description = (f"{spec.server.mode_spec().describe()} {num_servers}x{num_workers} "

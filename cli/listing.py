@@ -85,9 +85,10 @@ def _print(rows: list[Listed], title: str, footer: str, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps([r.to_json() for r in rows], indent=2))
         return
-    from rich.console import Console
     from rich.table import Table
     from rich.text import Text
+
+    from paramserver.cli.progress import cli_console
 
     table = Table(title=title, show_lines=False)
     for column in ("name", "parameters", "from", "description"):
@@ -98,7 +99,7 @@ def _print(rows: list[Listed], title: str, footer: str, as_json: bool) -> None:
         # text, not rich markup: "[s_min, s_max]" in a description would vanish as a tag
         table.add_row(*(Text(str(cell)) for cell in
                         (row.name, params, row.source, row.description)))
-    console = Console()
+    console = cli_console()
     console.print(table)
     console.print(footer, highlight=False)
 

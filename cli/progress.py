@@ -1,4 +1,5 @@
-"""The one progress bar of the CLI: description, bar, done/total, extra columns, times."""
+"""The CLI's consoles and its one progress bar (description, bar, done/total, extra
+columns, times)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,14 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-__all__ = ["step_progress"]
+__all__ = ["cli_console", "step_progress"]
+
+
+def cli_console(*, stderr: bool = False, width: int | None = None) -> Console:
+    """The console every command prints through. Lines are not broken at the terminal's
+    width (soft wrap): a path or a command line printed whole can be copied whole, and
+    is the same on any terminal; tables still fit the width."""
+    return Console(stderr=stderr, width=width, soft_wrap=True)
 
 
 def step_progress(console: Console, *fields: str, disable: bool = False) -> Progress:

@@ -54,12 +54,11 @@ def simulate(compute_time: float, latency: float, **flags: Any) -> None:
     the same logs and the same report.md / report.html as `paramserver
     experiment`, with times in virtual seconds (docs/research.md).
     """
-    from rich.console import Console  # here, not at the top: --help stays light
-
+    from paramserver.cli.progress import cli_console  # here, not at the top: --help stays light
     from paramserver.workers.experiments.runner import simulate_experiment
     from paramserver.workers.launch.virtual import SimSpec, check_simulable
 
-    console = Console(stderr=False)
+    console = cli_console(stderr=False)
     try:
         spec = spec_from_flags(flags)
         sim = SimSpec(compute_time=compute_time, latency=latency)

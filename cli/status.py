@@ -66,8 +66,9 @@ def status(servers: tuple[tuple[str, ...], ...], timeout: float, as_json: bool, 
            interval: float) -> None:
     """Show each shard's version, mode, live workers and their clocks, and update counts."""
     # rich, ZeroMQ and the STATS record load when the status is read, not for --help
-    from rich.console import Console
     from rich.live import Live
+
+    from paramserver.cli.progress import cli_console
 
     from .statusview import collect, find_primaries, render, replica_roles
 
@@ -79,9 +80,9 @@ def status(servers: tuple[tuple[str, ...], ...], timeout: float, as_json: bool, 
     entries = options.flatten_addresses(servers)
     if as_json and watch:
         raise click.UsageError("--watch draws a table; use --json without it")
-    console = Console()
+    console = cli_console()
     if not console.is_terminal:  # a pipe or a file: no need to squeeze into 80 columns
-        console = Console(width=200)
+        console = cli_console(width=200)
     if watch:
         with Live(draw(), console=console, auto_refresh=False) as live:
             try:

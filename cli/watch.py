@@ -16,6 +16,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from paramserver.cli.progress import cli_console
 from paramserver.wire.stats import AlarmEntry, ShardStats
 
 from .tables import keep_figures
@@ -176,7 +177,7 @@ def watch_status(fetch: Callable[[], Sequence[ShardStats]], *, interval: float =
                  count: int | None = None, console: Console | None = None) -> None:
     """Redraw :func:`render_status` every ``interval`` seconds until Ctrl-C (or ``count``
     refreshes). ``fetch`` returns the STATS replies; a failure shows as the title."""
-    console = console or Console()
+    console = console or cli_console()
     done = 0
     with Live(console=console, auto_refresh=False, transient=False) as live:
         try:
