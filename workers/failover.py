@@ -24,10 +24,8 @@ import zmq
 from paramserver.errors import RequestTimeoutError
 from paramserver.wire import replication as wrepl
 from paramserver.wire.curve import CurveKeys
-from paramserver.wire.messages import HeartbeatReply
-from paramserver.wire.protocol import Message, Op
 from paramserver.wire.transport import Channel, SideChannel
-from paramserver.workers.liveness import Heartbeat, HeldPull, Patience, Waiter
+from paramserver.workers.liveness import Heartbeat, Patience, Waiter
 
 __all__ = ["SEPARATOR", "Failover", "FailoverHeartbeat", "FailoverPatience", "FollowOnly",
            "ask_roles", "current_primaries", "join_replicas", "move", "primary_of"]
@@ -214,24 +212,5 @@ class FailoverHeartbeat(Heartbeat):
     """:class:`Heartbeat` to each shard's current primary (``addresses`` is the
     :attr:`Failover.targets` list, which a move updates)."""
 
-    def run(self) -> None:
-        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        chans: list[Channel[SideChannel]] = [
-            Channel(a, peer=f"shard {i}", curve=self.curve, context=ctx)
-            for i, a in enumerate(self.addresses)]
-        try:
-            while not self._stop_event.wait(self.interval):
-                for i, ch in enumerate(chans):
-                    try:
-                        move(ch, self.addresses[i])
-                        while (rep := ch.recv_nowait()) is not None:
-                            body = rep.body if rep.op is Op.REPLY else None
-                            self.held[i] = HeldPull.of(body.held if isinstance(
-                                body, HeartbeatReply) else None)
-                            self.last_reply[i] = time.monotonic()
-                        ch.send(Message(Op.HEARTBEAT, ch.next_seq(), {"worker": self.worker}))
-                    except Exception as exc:  # a heartbeat must never kill the worker
-                        log.debug("heartbeat to shard %d failed: %s", i, exc)
-        finally:
-            for ch in chans:
-                ch.close()
+    def _prepare(self, shard: int, channel: Channel[SideChannel]) -> None:
+        move(channel, self.addresses[shard])  # to the shard's primary of now

@@ -89,6 +89,7 @@ class Heartbeat(threading.Thread):
             while not self._stop_event.wait(self.interval):
                 for i, ch in enumerate(chans):
                     try:
+                        self._prepare(i, ch)
                         while (rep := ch.recv_nowait()) is not None:
                             body = rep.body if rep.op is Op.REPLY else None
                             self.held[i] = HeldPull.of(body.held if isinstance(
@@ -100,6 +101,9 @@ class Heartbeat(threading.Thread):
         finally:
             for ch in chans:
                 ch.close()
+
+    def _prepare(self, shard: int, channel: Channel[SideChannel]) -> None:
+        """Before a beat to ``shard``: nothing here (a subclass may move the channel)."""
 
     def stop(self) -> None:
         self._stop_event.set()
