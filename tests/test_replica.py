@@ -103,3 +103,33 @@ def test_the_server_command_says_replicas_need_launch():
     result = CliRunner().invoke(main, ["server", "--replicas", "1"])
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert "--replicas works with `paramserver launch` only" in result.output
+
+
+def test_a_replica_exports_its_role_epoch_inputs_and_failovers():
+    """The Prometheus gauges of a backup before and after it takes over (no sockets: a
+    backup has no backups of its own to connect to)."""
+    from paramserver.observe.events import EventLog
+    from paramserver.observe.metrics import MetricsRegistry
+    from paramserver.server.config import ServerConfig
+    from paramserver.server.replication import Replication
+
+    class Host:
+        core = None
+
+    registry = MetricsRegistry()
+    config = ServerConfig(shard=1, num_shards=2, replicas=1, replica=1)
+    repl = Replication(Host(), config, EventLog(None), "tcp://b")  # type: ignore[arg-type]
+    me = (1, 1)
+
+    def gauges() -> tuple[float | None, ...]:
+        return tuple(registry.get(f"paramserver_replica_{name}", me)
+                     for name in ("primary", "epoch", "inputs", "failovers_total"))
+
+    repl.state.receive(0, 1, now=10.0)
+    repl.export(registry, now=10.0)
+    assert gauges() == (0.0, 0.0, 1.0, 0.0)
+    repl._take_over(13.0)
+    repl.export(registry, now=10.1)  # within EXPORT_EVERY: not yet
+    assert gauges() == (0.0, 0.0, 1.0, 0.0)
+    repl.export(registry, now=13.0)
+    assert gauges() == (1.0, 1.0, 1.0, 1.0)

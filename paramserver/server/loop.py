@@ -201,6 +201,8 @@ class ShardServer:
                     self._running = False
                 try:
                     self.observer.tick(now)
+                    if self.replication is not None:
+                        self.replication.export(self.observer.registry, now)
                 except Exception as exc:  # metrics must not take the shard down either
                     self._periodic_failed("metrics", exc)
                 if self.divergence.over(now, self.core.workers.values() if self.core else None):

@@ -41,6 +41,7 @@ from paramserver.wire.protocol import Op
 if TYPE_CHECKING:
     from paramserver.core.shard import ShardCore
     from paramserver.observe.events import EventLog
+    from paramserver.observe.metrics import MetricsRegistry
     from paramserver.server.config import ServerConfig
     from paramserver.server.outbox import Outbox
 
@@ -128,6 +129,9 @@ class _Backup:
 class Replication:
     """One replica's side of its shard's replication (primary or backup)."""
 
+    #: seconds between two exports of the replication gauges
+    EXPORT_EVERY = 0.5
+
     def __init__(self, host: ReplicationHost, config: ServerConfig, events: EventLog,
                  address: str) -> None:
         if config.replica == 0 and not config.replica_peers:
@@ -147,6 +151,7 @@ class Replication:
         self._pinged = now
         self.failovers = 0
         self.lost: list[str] = []  # backups dropped for silence
+        self._exported_at = float("-inf")
         if self.backups:
             self._announce()
 
@@ -317,6 +322,22 @@ class Replication:
             return wrepl.Ack(self.state.epoch, record.seq, False,
                              f"input {record.seq} after {self.state.applied}: inputs missing")
         return wrepl.Ack(self.state.epoch, record.seq, True)
+
+    def export(self, registry: MetricsRegistry, now: float) -> None:
+        """This replica's role, epoch, inputs and failovers, and each backup's lag, as
+        Prometheus gauges (docs/observability.md), at most every EXPORT_EVERY seconds
+        (the loop calls it at every wake-up)."""
+        if now - self._exported_at < self.EXPORT_EVERY:
+            return
+        self._exported_at = now
+        me = (self.shard, self.replica)
+        registry.set("paramserver_replica_primary", me, float(self.state.writable))
+        registry.set("paramserver_replica_epoch", me, self.state.epoch)
+        registry.set("paramserver_replica_inputs", me, self.state.applied)
+        registry.set("paramserver_replica_failovers_total", me, self.failovers)
+        for b in self.backups:
+            registry.set("paramserver_replica_backup_lag", (self.shard, b.address),
+                         self.state.applied - b.acked)
 
     def role_reply(self) -> wrepl.RoleReply:
         now = time.monotonic()
