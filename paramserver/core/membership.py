@@ -310,6 +310,23 @@ class Membership:
             self.core.maybe_close_round()
         return dead
 
+    def apply_decided(self, kind: str, workers: list[int]) -> list[int]:
+        """The deaths (``kind`` "dead") or leave-outs ("left_out") another replica's
+        timers decided in one tick, as :meth:`expire` and :meth:`leave_out` apply their
+        own: all of them, then the round closes if it can. Returns the workers buried."""
+        buried = []
+        for worker in workers:
+            state = self.workers.get(worker)
+            if state is None:
+                continue
+            if kind == "left_out":
+                self.left_out.add(worker)
+            elif state.live:
+                self._bury(state)
+                buried.append(worker)
+        self.core.maybe_close_round()
+        return buried
+
     def declare_dead(self, worker: int) -> bool:
         """A supervisor saw ``worker``'s process die: drop it now, not after the timeout.
 

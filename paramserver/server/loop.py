@@ -391,18 +391,11 @@ class ShardServer:
         core = self.core
         if core is None:
             return
-        for worker in workers:
-            state = core.workers.get(worker)
-            if state is None:
-                continue
-            if kind == "left_out":
-                core.members.left_out.add(worker)
-            elif state.live:
-                core.members._bury(state)  # (expire's own step, without its clock)
-                self.joined.drop(worker)
-                self.events.write("worker_dead", shard=self.config.shard, worker=worker,
-                                  clock=state.clock, timeout=self.config.heartbeat_timeout)
-        core.maybe_close_round()
+        for worker in core.members.apply_decided(kind, workers):
+            self.joined.drop(worker)
+            self.events.write("worker_dead", shard=self.config.shard, worker=worker,
+                              clock=core.workers[worker].clock,
+                              timeout=self.config.heartbeat_timeout)
         self._answer_pulls(time.monotonic())
 
     def _forward_timer(self, kind: str, workers: list[int]) -> None:
