@@ -6,7 +6,13 @@ its backups every state-changing input in order, each numbered by ``seq`` and ta
 with the ``epoch`` it was sent in; a backup applies the next one in order and
 acknowledges it. When the primary falls silent for the failover timeout, the
 backup takes over at ``epoch + 1``: from then on any input from a lower epoch is
-refused, and the old primary, refused once, steps down (fenced) for good.
+refused, and the old primary, refused once, steps down (fenced).
+
+A replica that holds no state it may trust (a fenced old primary, or a fresh process
+started in place of a dead replica) *joins*: it takes a snapshot of the primary's
+state at input ``s``, then the inputs after ``s`` in order, and is a backup from
+then on. The primary counts a joining backup among those that hold an input only
+once it acknowledged the snapshot.
 Time is an argument (monotonic seconds), as in :class:`~paramserver.core.shard.ShardCore`.
 """
 
@@ -27,6 +33,9 @@ class Role(enum.StrEnum):
     BACKUP = "backup"
     #: a primary that learnt of a higher epoch: it accepts nothing any more
     FENCED = "fenced"
+    #: waiting for the primary's snapshot (fenced before, or started in place of a
+    #: dead replica): it applies no input and takes over from no one
+    JOINING = "joining"
 
 
 class Verdict(enum.StrEnum):
@@ -36,6 +45,7 @@ class Verdict(enum.StrEnum):
     AGAIN = "again"  # applied already (a resend): acknowledge only
     STALE = "stale"  # from a lower epoch (a deposed primary): refuse, naming ours
     GAP = "gap"  # inputs are missing before it: refuse (a snapshot would be needed)
+    HOLD = "hold"  # no snapshot yet: neither applied nor acknowledged
 
 
 @dataclass
@@ -72,7 +82,9 @@ class ReplicaState:
         if self.role is Role.PRIMARY and epoch == self.epoch:
             return Verdict.STALE  # two primaries of one epoch cannot be: refuse it
         if self.role is Role.FENCED:
-            return Verdict.STALE  # (a fenced replica rejoins by snapshot: not built)
+            return Verdict.STALE  # it rejoins by snapshot (rejoin), not input by input
+        if self.role is Role.JOINING:
+            return Verdict.HOLD  # (the primary sends its snapshot before any input)
         self.role, self.epoch, self.heard_at = Role.BACKUP, epoch, now
         if seq == 0 or seq <= self.applied:
             return Verdict.AGAIN
@@ -93,6 +105,23 @@ class ReplicaState:
         self.role = Role.PRIMARY
         self.epoch += 1
         return self.epoch
+
+    def rejoin(self) -> None:
+        """A fenced replica (or one just started in place of a dead one) asks the
+        primary for its state: it holds none it may apply inputs to."""
+        if self.role is Role.PRIMARY:
+            raise RuntimeError("a primary does not rejoin: it is fenced first")
+        self.role = Role.JOINING
+        self.heard_at = None
+
+    def joined(self, epoch: int, seq: int, now: float) -> bool:
+        """The snapshot of the primary of ``epoch`` at input ``seq`` is applied: a backup
+        from now on, next expecting ``seq + 1``. False (and nothing changes) unless this
+        replica is joining and ``epoch`` is not below its own."""
+        if self.role is not Role.JOINING or epoch < self.epoch:
+            return False
+        self.role, self.epoch, self.applied, self.heard_at = Role.BACKUP, epoch, seq, now
+        return True
 
     def refused(self, epoch: int) -> bool:
         """A backup refused our input naming ``epoch``: a higher one fences us for good.

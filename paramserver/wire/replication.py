@@ -62,7 +62,7 @@ class WhoIs(msgspec.Struct, tag="whois", frozen=True):
 class RoleReply(msgspec.Struct, tag="role", frozen=True):
     """A replica's answer to :class:`WhoIs` (also what ``paramserver status`` shows)."""
 
-    role: Literal["primary", "backup", "fenced"]
+    role: Literal["primary", "backup", "fenced", "joining"]
     epoch: Count
     applied: Count  # last input applied (a primary: sent)
     replica: Count  # its index among the shard's replicas (0 started as the primary)
