@@ -1,8 +1,10 @@
 """Replicated shards over real processes and loopback sockets (issue 32): a primary
 SIGKILLed mid-run loses nothing. Async and SSP: every push a worker saw acknowledged is
 in the final version count exactly once (SSP: the bound holds across the takeover).
-Sync: the final weights are bit-identical to the same run without the failure. No
-worker restarts. A paused primary that comes back steps down."""
+Sync: the final weights are bit-identical to the same run without the failure, also
+when the primary is killed twice in a row (the first one's replacement rejoined as a
+backup by copying the state, and took over the second time). No worker restarts. A
+paused primary that comes back steps down and rejoins as a backup."""
 
 from __future__ import annotations
 
@@ -75,8 +77,13 @@ def _run_killing_primary(spec: ClusterSpec, out: Path, after_steps: int,
     return result, killed
 
 
-def _failovers(out: Path) -> list[dict]:
-    return read_events(out / "events" / "server0r1.jsonl", "failover")
+def _failovers(out: Path, name: str = "server0r1") -> list[dict]:
+    return read_events(out / "events" / f"{name}.jsonl", "failover")
+
+
+def _rejoined(out: Path, name: str) -> list[dict]:
+    path = out / "events" / f"{name}.jsonl"
+    return read_events(path, "rejoined") if path.exists() else []
 
 
 def _pushes_after_takeover(out: Path) -> int:
@@ -125,13 +132,38 @@ def test_status_shows_the_new_primary_its_epoch_and_the_failover(async_run):
     assert event["process"] == "server0r1" and event["epoch"] == 1
 
 
+def _run_killing_primary_twice(spec: ClusterSpec, out: Path, after_steps: int
+                               ) -> tuple[ClusterResult, list[str]]:
+    """Run ``spec``; SIGKILL shard 0's primary once the workers logged ``after_steps``
+    steps in all, then, once the launcher's replacement for it rejoined as a backup,
+    the new primary. Returns the result and the names of the processes killed."""
+    pids: dict[str, int] = {}
+    killed: list[str] = []
+
+    def on_process(info: ProcessInfo) -> None:
+        pids[info.name] = info.pid
+
+    def on_progress(progress: Progress) -> None:
+        if not killed and progress.done_steps >= after_steps:
+            os.kill(pids["server0"], signal.SIGKILL)
+            killed.append("server0")
+        elif killed == ["server0"] and _rejoined(out, "server0r0"):
+            os.kill(pids["server0r1"], signal.SIGKILL)
+            killed.append("server0r1")
+
+    result = run_cluster(spec, out, on_progress=on_progress, on_process=on_process)
+    return result, killed
+
+
 @pytest.fixture(scope="module")
 def sync_runs(tmp_path_factory: pytest.TempPathFactory
-              ) -> tuple[Path, Path, ClusterResult, list[int]]:
+              ) -> tuple[Path, Path, ClusterResult, list[str]]:
     plain = tmp_path_factory.mktemp("sync-plain")
     run_cluster(_spec("sync", 2, 3, 30, 0.03, 0), plain)
     failed = tmp_path_factory.mktemp("sync-failover")
-    result, killed = _run_killing_primary(_spec("sync", 2, 3, 30, 0.03, 1), failed, 15)
+    # paced slower: two takeovers and a rejoin fit in the run (the weights do not
+    # depend on the pace)
+    result, killed = _run_killing_primary_twice(_spec("sync", 2, 3, 30, 0.1, 1), failed, 15)
     return plain, failed, result, killed
 
 
@@ -147,9 +179,28 @@ def test_sync_failover_ends_bit_identical_to_the_run_without_failure(sync_runs):
         assert first[key].equal(second[key]), key
 
 
+def test_sync_survives_its_primary_killed_twice_in_a_row(sync_runs):
+    """The first primary's replacement rejoined as a backup of the new primary (a
+    snapshot plus the inputs after it), took over when that one was killed in turn,
+    and the weights still end bit-identical (the test above); no worker restarted."""
+    _, failed, result, killed = sync_runs
+    assert killed == ["server0", "server0r1"], "the run ended before the second kill"
+    backup = read_events(failed / "events" / "server0r1.jsonl", "server_start")[0]
+    (rejoin,) = _rejoined(failed, "server0r0")
+    assert rejoin["epoch"] == 1 and rejoin["primary"] == backup["address"]
+    (second,) = _failovers(failed, "server0r0")
+    assert second["epoch"] == 2
+    assert result.restarts == () and result.updates_applied == (30, 30)
+    assert [f.process for f in result.failures] == ["server0", "server0r1"]
+    # the launcher said so, and the second primary's replacement rejoined it in turn
+    launcher = read_events(failed / "events" / "launcher.jsonl", "rejoined")
+    assert [(e["process"], e["epoch"]) for e in launcher][:1] == [("server0r0", 1)]
+
+
 def test_a_paused_primary_that_comes_back_steps_down(tmp_path):
     """Fencing: SIGSTOP the primary past the failover timeout; the backup takes over at
-    epoch 1; SIGCONT: the old primary's first word to it is refused, and it stops."""
+    epoch 1; SIGCONT: the old primary's first word to it is refused, it steps down and
+    rejoins as a backup of the new primary."""
     spec = _spec("async", 1, 1, 1, 0.0, 1)
     with LocalCluster(spec, tmp_path) as cluster:
         cluster.start_servers()
@@ -162,12 +213,20 @@ def test_a_paused_primary_that_comes_back_steps_down(tmp_path):
                 assert time.monotonic() < deadline, "no takeover while the primary was paused"
         finally:
             os.kill(old.pid, signal.SIGCONT)
-        assert old.wait(timeout=20) == 0  # it stepped down, and stopped
+        deadline = time.monotonic() + 20
+        while True:  # it steps down, then rejoins as a backup (each probe waits up to 1s)
+            addresses, roles = find_primaries([entry], 1.0)
+            if [r.role for _, r in roles[0] if r is not None] == ["backup", "primary"]:
+                break
+            assert old.poll() is None, "the old primary exited instead of rejoining"
+            assert time.monotonic() < deadline, f"no rejoin: {roles}"
         (down,) = read_events(tmp_path / "events" / "server0.jsonl", "stepped_down")
         assert down["epoch"] == 1
-        addresses, roles = find_primaries([entry], 1.0)
+        (rejoin,) = read_events(tmp_path / "events" / "server0.jsonl", "rejoined")
+        assert rejoin["epoch"] == 1 and rejoin["primary"] == cluster.replica_sets[0][1]
         assert addresses == [cluster.replica_sets[0][1]]
-        assert [r.epoch for _, r in roles[0] if r is not None] == [1]
+        # it accepts nothing: a backup of the new primary, at its epoch
+        assert [r.epoch for _, r in roles[0] if r is not None] == [1, 1]
 
 
 def test_ssp_failover_keeps_the_bound_and_every_acknowledged_push(tmp_path):

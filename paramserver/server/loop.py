@@ -34,6 +34,7 @@ import zmq
 from paramserver.core.probe import MeasureBudget
 from paramserver.core.shard import ShardCore, SliceSpec
 from paramserver.core.sharding import ShardPlan
+from paramserver.core.transfer import CoreImage
 from paramserver.errors import ConfigError, ErrorCode, ProtocolError, TransportError
 from paramserver.observe.console import Console
 from paramserver.observe.events import EventLog
@@ -42,6 +43,7 @@ from paramserver.observe.recorder import ShardObserver
 from paramserver.observe.watchdog import Alarm, Watchdog
 from paramserver.persist.checkpoint import CheckpointDirInUse, CheckpointError
 from paramserver.policies.registry import create_policy
+from paramserver.server import rejoin
 from paramserver.server.access import Access, is_loopback, load_grants
 from paramserver.server.checkpointer import RESTORE_ERRORS, Checkpointer
 from paramserver.server.config import ServerConfig
@@ -56,6 +58,7 @@ from paramserver.shm.link import ShmHub, asks_board, lends, sweep, take_shm
 from paramserver.shm.link import enabled as shm_enabled
 from paramserver.sparse.shard import SparseShard
 from paramserver.util.proctitle import set_title
+from paramserver.wire import replication as wrepl
 from paramserver.wire import stats as wstats
 from paramserver.wire.curve import CurveKeys
 from paramserver.wire.messages import Checkpoint
@@ -360,8 +363,7 @@ class ShardServer:
             log.exception("internal error while handling a message")
             answer = error_reply(seq, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
         if forwarded and repl is not None and not repl.wait(forwarded):
-            self._running = False  # fenced: a newer primary holds the shard; answer no one
-            return
+            return  # fenced: a newer primary holds the shard; answer no one, and rejoin
         self._act_on_alarms()  # before replying: the launcher learns of a stop first
         if answer is not None:
             self.outbox.send(identity, answer)
@@ -383,6 +385,12 @@ class ShardServer:
     def replay(self, frames: list[Any]) -> None:
         """A backup handles a message its primary forwarded, as the primary did."""
         self._handle(REPLAYED, frames)
+
+    def snapshot(self) -> tuple[bytes, CoreImage | None, dict[str, torch.Tensor]] | None:
+        return rejoin.image(self)  # what a joining replica is sent (None: not now)
+
+    def restore(self, record: wrepl.Snapshot, frames: list[Any]) -> None:
+        rejoin.adopt(self, record, frames)  # a joining replica takes the primary's state
 
     def replay_death(self, kind: str, workers: list[int]) -> None:
         """A backup applies the deaths or leave-outs its primary's timers decided in one
@@ -412,8 +420,6 @@ class ShardServer:
             repl.tick(now)
         except Exception as exc:  # as every periodic task: logged, counted, raised as alarm
             self._periodic_failed("replication", exc)
-        if repl.state.role.value == "fenced":
-            self._running = False
 
     def _releases(self) -> bool:
         """Whether a same-host worker's used pages are unmapped after a message

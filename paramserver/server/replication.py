@@ -20,13 +20,21 @@ timeout is dropped (the shard goes on with fewer replicas, and says so).
 Fencing: each replica holds an epoch (paramserver/core/replica.py). A promoted backup
 takes the next one and refuses any input of a lower one; a paused primary that comes
 back is refused at its first forward (or keep-alive) and steps down: it answers no
-worker again.
+worker again, and rejoins as a backup of the new primary.
+
+Joining (paramserver/server/rejoin.py): a fenced old primary, or a process started in
+place of a dead replica (a replica other than 0 given peers; replica 0 is refused by
+the primary's higher epoch at its announcement, and is then fenced), asks its peers
+for the primary's state. The primary sends it a snapshot at its last input, then
+forwards to it as to any backup, and counts it as holding an input only once it
+acknowledged the snapshot.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -34,11 +42,15 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from paramserver.core.replica import ReplicaState, Role, Verdict
+from paramserver.core.transfer import CoreImage
 from paramserver.errors import ConfigError, ProtocolError
+from paramserver.server.rejoin import Joiner
 from paramserver.wire import replication as wrepl
 from paramserver.wire.protocol import Op
 
 if TYPE_CHECKING:
+    import torch
+
     from paramserver.core.shard import ShardCore
     from paramserver.observe.events import EventLog
     from paramserver.observe.metrics import MetricsRegistry
@@ -70,6 +82,13 @@ class ReplicationHost(Protocol):
     def replay_death(self, kind: str, workers: list[int]) -> None:
         """Apply the deaths (``dead``) or leave-outs (``left_out``) the primary decided
         in one tick, as one."""
+
+    def snapshot(self) -> tuple[bytes, CoreImage | None, dict[str, torch.Tensor]] | None:
+        """The shard's state for a joining replica (rejoin.image); None: not now."""
+
+    def restore(self, record: wrepl.Snapshot, frames: list[Any]) -> None:
+        """Put the primary's snapshot (its record and tensor frames) in place of this
+        replica's state (rejoin.adopt)."""
 
 
 class _Backup:
@@ -147,13 +166,27 @@ class Replication:
         now = time.monotonic()
         self.state = ReplicaState.starting(config.replica)
         self._context: zmq.Context[Any] = zmq.Context.instance()
-        self.backups = [_Backup(a, self._context) for a in config.replica_peers]
+        # replica 0 starts as the primary of the backups it is given; another replica
+        # given peers was started in place of a dead one, and joins
+        starts = config.replica == 0
+        self.backups = [_Backup(a, self._context) for a in config.replica_peers if starts]
         self._pinged = now
         self.failovers = 0
         self.lost: list[str] = []  # backups dropped for silence
         self._exported_at = float("-inf")
+        #: joining backups: sent their snapshot at that input, not acknowledged yet
+        #: (the primary waits for no input of theirs meanwhile)
+        self._joining: dict[_Backup, int] = {}
+        #: joining replicas to send a snapshot to at the next quiet moment, by address:
+        #: (their request's nonce, its socket); and the nonce each backup joined with
+        self._asked: OrderedDict[str, str] = OrderedDict()
+        self._nonces: dict[str, str] = {}
+        self.joiner: Joiner | None = None
+        self._fenced_at: float | None = None
         if self.backups:
             self._announce()
+        elif config.replica_peers:
+            self._rejoin(config.replica_peers)
 
     # ------------------------------------------------------------------ primary
 
@@ -188,6 +221,8 @@ class Replication:
         it die from its first message on)."""
         head = wrepl.encode(wrepl.Apply(self.state.epoch, 0, time.monotonic(), "ping"))
         for b in list(self.backups):
+            if b not in self.backups:
+                continue  # (fenced by an earlier one: _rejoin closed it)
             self._deliver(b, head)
             while b in self.backups and not self._drain(b):
                 if b.dead(time.monotonic(), self.timeout):
@@ -202,7 +237,7 @@ class Replication:
             return self.writable
         for b in list(self.backups):
             since = time.monotonic()
-            while b.acked < seq and b in self.backups:
+            while b.acked < seq and b in self.backups and b not in self._joining:
                 got = self._drain(b)
                 if not self.writable:
                     return False  # fenced
@@ -227,6 +262,8 @@ class Replication:
             if ack.ok:
                 b.acked = max(b.acked, ack.seq)
                 b.acked_at = time.monotonic()
+                if b in self._joining:
+                    self._joined(b)
             elif self.state.refused(ack.epoch):
                 self._fenced(ack.epoch, b.address)
                 return True
@@ -241,6 +278,7 @@ class Replication:
         if b not in self.backups:
             return
         self.backups.remove(b)
+        self._joining.pop(b, None)
         b.close()
         self.lost.append(b.address)
         log.warning("shard %d: backup %s dropped (%s); the shard goes on with %d backup(s)",
@@ -250,16 +288,101 @@ class Replication:
 
     def _fenced(self, epoch: int, by: str) -> None:
         log.warning("shard %d: replica %d steps down: %s holds epoch %d (ours was older); "
-                    "it accepts nothing from now on", self.shard, self.replica, by, epoch)
+                    "it accepts nothing from now on, and rejoins as a backup", self.shard,
+                    self.replica, by, epoch)
         self.events.write("stepped_down", shard=self.shard, replica=self.replica,
                           epoch=epoch, by=by)
+        self._rejoin([by, *(b.address for b in self.backups if b.address != by)])
+
+    # ------------------------------------------------------------------ joining
+
+    def _rejoin(self, peers: list[str]) -> None:
+        """Hold no state of our own any more: ask ``peers`` for the primary's."""
+        for b in self.backups:
+            b.close()
+        self.backups, self._joining = [], {}
+        self.state.rejoin()
+        self._fenced_at = time.monotonic()
+        if self.joiner is not None:
+            self.joiner.close()
+        self.joiner = Joiner(peers, self.address, self.replica, self._context)
+        log.info("shard %d: replica %d joins as a backup: asking %s for the primary's "
+                 "state", self.shard, self.replica, ", ".join(peers))
+
+    def _on_join(self, record: wrepl.Join) -> None:
+        """A replica asks for our state. The primary sends it at the next quiet moment;
+        a resend of a request it has is ignored, a new process at a known backup's
+        address replaces that backup."""
+        if not self.writable or self._nonces.get(record.address) == record.nonce \
+                or self._asked.get(record.address) == record.nonce:
+            return
+        for b in [b for b in self.backups if b.address == record.address]:
+            self._drop(b, "a new process joins at its address")
+        self._asked[record.address] = record.nonce
+        self._send_snapshots()
+
+    def _send_snapshots(self) -> None:
+        """A snapshot to each replica that asked, if the shard is between inputs."""
+        if not self._asked or not self.writable:
+            return
+        got = self.host.snapshot()
+        if got is None:
+            return  # a push or INIT in parts is under way: the next tick tries again
+        plan, core, tensors = got
+        seq = self.state.applied
+        frames = wrepl.snapshot_frames(self.state.epoch, seq, time.monotonic(), self.address,
+                                       plan, core, tensors)
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        while self._asked:
+            address, nonce = self._asked.popitem(last=False)
+            b = _Backup(address, self._context)
+            self.backups.append(b)
+            self._joining[b] = seq
+            self._nonces[address] = nonce
+            self._deliver(b, frames)
+            if b in self.backups:
+                log.info("shard %d: sent replica at %s a snapshot at input %d (%d bytes of "
+                         "tensors); it joins as a backup", self.shard, address, seq, size)
+                self.events.write("backup_joining", shard=self.shard, backup=address,
+                                  seq=seq, epoch=self.state.epoch, bytes=size)
+
+    def _joined(self, b: _Backup) -> None:
+        seq = self._joining.pop(b)
+        log.info("shard %d: %s holds the snapshot at input %d: a backup from now on",
+                 self.shard, b.address, seq)
+        self.events.write("backup_joined", shard=self.shard, backup=b.address, seq=seq,
+                          epoch=self.state.epoch, backups=len(self.backups))
+
+    def _on_snapshot(self, identity: bytes, record: wrepl.Snapshot, rest: list[Any],
+                     send: Send) -> None:
+        """The primary's state: put in place of ours, then a backup from input ``seq``."""
+        if self.state.role is not Role.JOINING or record.epoch < self.state.epoch:
+            return  # (a second answer to a resent request: the first one is in place)
+        self.host.restore(record, rest)
+        now = time.monotonic()
+        self.state.joined(record.epoch, record.seq, now)
+        if self.joiner is not None:
+            self.joiner.close()
+            self.joiner = None
+        send(identity, wrepl.encode(wrepl.Ack(self.state.epoch, record.seq, True)))
+        took = now - (self._fenced_at or now)
+        log.warning("shard %d: replica %d (%s) rejoined as a backup of %s at epoch %d, "
+                    "input %d, %.2fs after it asked", self.shard, self.replica, self.address,
+                    record.primary, record.epoch, record.seq, took)
+        self.events.write("rejoined", shard=self.shard, replica=self.replica,
+                          address=self.address, primary=record.primary, epoch=record.epoch,
+                          seq=record.seq, seconds=round(took, 3))
+        self.events.flush()  # (the launcher acts on it: not left in a buffer)
 
     # ------------------------------------------------------------------ both
 
     def tick(self, now: float) -> None:
-        """Keep-alives and acknowledgements (primary); a takeover when the primary fell
-        silent (backup)."""
+        """Keep-alives and acknowledgements, snapshots to joining replicas (primary); a
+        takeover when the primary fell silent (backup); requests to join (joining)."""
+        if self.joiner is not None:
+            self.joiner.tick(now)
         if self.state.role is Role.PRIMARY:
+            self._send_snapshots()
             for b in list(self.backups):
                 self._drain(b)
                 if b in self.backups and b.dead(now, self.timeout):
@@ -305,8 +428,14 @@ class Replication:
         record, rest = wrepl.decode(frames)
         if isinstance(record, wrepl.WhoIs):
             send(identity, wrepl.encode(self.role_reply()))
+        elif isinstance(record, wrepl.Join):
+            self._on_join(record)
+        elif isinstance(record, wrepl.Snapshot):
+            self._on_snapshot(identity, record, rest, send)
         elif isinstance(record, wrepl.Apply):
             verdict = self.state.receive(record.epoch, record.seq, time.monotonic())
+            if verdict is Verdict.HOLD:
+                return  # joining: no state to apply it to (the snapshot comes first)
             # acknowledged once held, then applied: the primary applies it meanwhile
             send(identity, wrepl.encode(self._ack(record, verdict)))
             if verdict is Verdict.APPLY:
@@ -362,3 +491,6 @@ class Replication:
         for b in self.backups:
             b.close()
         self.backups = []
+        if self.joiner is not None:
+            self.joiner.close()
+            self.joiner = None

@@ -5,26 +5,36 @@ Its messages share the shard's ROUTER socket with the data protocol
 :data:`MAGIC`, which no msgpack header starts with. Then comes one msgspec record
 (bounded: :data:`MAX_HEADER`), and for a forwarded input the data message's own
 frames, as the primary received them, which the backup decodes and handles through
-the same code (paramserver/server/replication.py).
+the same code (paramserver/server/replication.py). A replica that joins late asks
+with :class:`Join` and is sent one :class:`Snapshot`: the core's state as typed
+records (paramserver/core/transfer.py) and one frame of raw bytes per tensor, each
+checked as a data message's tensors are (:func:`snapshot_tensors`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
 
 import msgspec
+import torch
 
+from paramserver.core.transfer import MAX_META, CoreImage
 from paramserver.errors import ErrorCode, ProtocolError
+from paramserver.wire.frames import DTYPES, Limits, check_desc
 
-__all__ = ["MAGIC", "MAX_HEADER", "Ack", "Apply", "Record", "RoleReply", "WhoIs", "decode",
-           "encode", "is_replication"]
+__all__ = ["MAGIC", "MAX_HEADER", "MAX_SNAPSHOT", "Ack", "Apply", "Join", "Record",
+           "RoleReply", "Snapshot", "TensorHead", "WhoIs", "decode", "encode",
+           "is_replication", "snapshot_frames", "snapshot_tensors"]
 
 #: the first frame of every replication message (a data header is a msgpack map)
 MAGIC = b"\x00psrepl1"
 #: the most bytes a replication record may take (what follows it is bounded by the
 #: data protocol's own limits, as any message the shard receives)
 MAX_HEADER = 4096
+#: the most bytes a snapshot's record may take (its tensors follow in frames)
+MAX_SNAPSHOT = MAX_META + (8 << 20)
 
 Count = Annotated[int, msgspec.Meta(ge=0)]
 Address = Annotated[str, msgspec.Meta(max_length=512)]
@@ -72,7 +82,40 @@ class RoleReply(msgspec.Struct, tag="role", frozen=True):
     behind: Annotated[list[int], msgspec.Meta(max_length=16)] = []  # inputs it has not acked
 
 
-Record = Apply | Ack | WhoIs | RoleReply
+class Join(msgspec.Struct, tag="join", frozen=True):
+    """A joining replica -> each of its peers: send me your state, I listen at
+    ``address``. Only the primary answers (with a :class:`Snapshot`); ``nonce`` tells
+    a resend (ignored) from a new process at the same address (it replaces the old)."""
+
+    replica: Count
+    address: Address
+    nonce: Annotated[str, msgspec.Meta(max_length=64)]
+
+
+class TensorHead(msgspec.Struct, frozen=True, array_like=True):
+    """One tensor of a snapshot: its frame holds its bytes, C order."""
+
+    name: Annotated[str, msgspec.Meta(max_length=1024)]
+    dtype: Annotated[str, msgspec.Meta(max_length=16)]
+    shape: Annotated[list[Count], msgspec.Meta(max_length=8)]
+
+
+class Snapshot(msgspec.Struct, tag="snapshot", frozen=True):
+    """Primary -> a joining replica: its state once input ``seq`` of ``epoch`` was
+    applied; the inputs after ``seq`` follow as :class:`Apply`. ``plan``: the shard
+    plan's description as JSON text (empty: no worker brought one yet, and ``core``
+    is None); one frame per entry of ``tensors`` follows, in order."""
+
+    epoch: Count
+    seq: Count
+    now: float
+    primary: Address  # where the primary listens
+    plan: Annotated[bytes, msgspec.Meta(max_length=MAX_META)]
+    core: CoreImage | None
+    tensors: Annotated[list[TensorHead], msgspec.Meta(max_length=1 << 20)]
+
+
+Record = Apply | Ack | WhoIs | RoleReply | Join | Snapshot
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Record)
@@ -98,10 +141,50 @@ def decode(frames: Sequence[Any]) -> tuple[Record, list[Any]]:
         raise ProtocolError(ErrorCode.BAD_MESSAGE, "a replication message without its record")
     head = frames[1]
     data = bytes(head.buffer if hasattr(head, "buffer") else head)
-    if len(data) > MAX_HEADER:
+    if len(data) > MAX_SNAPSHOT:
         raise ProtocolError(ErrorCode.TOO_LARGE,
-                            f"a replication record of {len(data)} bytes (limit {MAX_HEADER})")
+                            f"a replication record of {len(data)} bytes (limit {MAX_SNAPSHOT})")
     try:
-        return _decoder.decode(data), list(frames[2:])
+        record = _decoder.decode(data)
     except msgspec.DecodeError as exc:
         raise ProtocolError(ErrorCode.BAD_HEADER, f"replication record: {exc}") from exc
+    if len(data) > MAX_HEADER and not isinstance(record, Snapshot):  # (only it is large)
+        raise ProtocolError(ErrorCode.TOO_LARGE,
+                            f"a replication record of {len(data)} bytes (limit {MAX_HEADER})")
+    return record, list(frames[2:])
+
+
+_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+def snapshot_frames(epoch: int, seq: int, now: float, primary: str, plan: bytes,
+                    core: CoreImage | None, tensors: Mapping[str, torch.Tensor]) -> list[Any]:
+    """The frames of a :class:`Snapshot` of these tensors (sent as they are: pass
+    tensors nothing writes until they are sent)."""
+    heads, bodies = [], []
+    for name, t in tensors.items():
+        t = t.detach().contiguous()
+        heads.append(TensorHead(name, _NAMES[t.dtype], list(t.shape)))
+        bodies.append(t.view(torch.uint8).reshape(-1).numpy().data if t.numel()
+                      else b"")
+    return [*encode(Snapshot(epoch, seq, now, primary, plan, core, heads)), *bodies]
+
+
+def snapshot_tensors(record: Snapshot, frames: Sequence[Any],
+                     limits: Limits) -> dict[str, torch.Tensor]:
+    """A snapshot's tensors, each checked as a data message's are (name, dtype, shape,
+    and its frame's length), copied out of their frames."""
+    if len(frames) != len(record.tensors):
+        raise ProtocolError(ErrorCode.BAD_MESSAGE, f"a snapshot describes "
+                            f"{len(record.tensors)} tensors but {len(frames)} frames came")
+    out: dict[str, torch.Tensor] = {}
+    for head, frame in zip(record.tensors, frames, strict=True):
+        name, dtype, shape = check_desc([head.name, head.dtype, head.shape], limits)
+        buf = memoryview(frame.buffer if hasattr(frame, "buffer") else frame)
+        numel = math.prod(shape)
+        if buf.nbytes != numel * dtype.itemsize or name in out:
+            raise ProtocolError(ErrorCode.BAD_TENSOR, f"snapshot tensor {name!r}: its frame "
+                                f"holds {buf.nbytes} bytes, or it came twice")
+        out[name] = (torch.frombuffer(buf, dtype=dtype).clone().reshape(shape) if numel
+                     else torch.empty(shape, dtype=dtype))
+    return out

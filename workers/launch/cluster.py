@@ -51,6 +51,7 @@ from paramserver.workers.launch.processes import (
     shard_cause,
     tail,
 )
+from paramserver.workers.launch.replicas import ReplicaKeeper
 from paramserver.workers.launch.results import (
     ClusterResult,
     FailureRecord,
@@ -131,7 +132,7 @@ class LocalCluster:
         self.backups: list[list[_Proc]] = []
         self.replica_sets: list[list[str]] = []
         self._gone: set[str] = set()  # replicas whose death was recorded
-        self._failover_offsets: dict[str, int] = {}  # backup -> bytes of its events read
+        self.keeper = ReplicaKeeper(self)  # dead replicas replaced, their events told
         self._env = _child_env()
         self._cold_starts = False  # set when the zygote cannot fork: python -m per process
         self._followers: dict[int, JsonlFollower] = {}
@@ -250,6 +251,8 @@ class LocalCluster:
             self._failed(proc.name, code)
             log.warning("%s exited (%s); shard %d goes on on its other replica(s)",
                         proc.name, exit_reason(code), shard)
+            if code != 0:  # (not one stopped at the end): a new process rejoins for it
+                self.keeper.died(shard, proc)
         replicas = [self.servers[shard], *self.backups[shard]]
         if all(p.popen.poll() is not None for p in replicas):
             raise ClusterError(f"every replica of shard {shard} exited; log tail "
@@ -360,7 +363,8 @@ class LocalCluster:
                 for proc in [self.servers[shard], *backups] if backups else []:
                     if (code := proc.popen.poll()) is not None:
                         self._replica_died(shard, proc, code)
-                    self._report_failovers(proc.name)
+                    self.keeper.report(proc.name)
+            self.keeper.tick()
             for shard, proc in enumerate(self.servers):
                 code = proc.popen.poll()
                 if code is None or self.spec.server.replicas:
@@ -485,30 +489,6 @@ class LocalCluster:
                 shutdown_servers(backups, curve=self.spec.admin_curve())
             except ParamServerError as exc:  # a dead one: stop() reaps the others
                 log.debug("stopping the backups: %s", exc)
-
-    def _report_failovers(self, name: str) -> None:
-        """A line and a launcher event for each failover a replica's event log records
-        since the last call (its other records are not parsed)."""
-        path = self.out / "events" / f"{name}.jsonl"
-        offset = self._failover_offsets.get(name, 0)
-        try:
-            with path.open("rb") as fh:
-                fh.seek(offset)
-                data = fh.read()
-        except OSError:
-            return
-        end = data.rfind(b"\n") + 1  # a torn last line waits for the next call
-        self._failover_offsets[name] = offset + end
-        for line in data[:end].splitlines():
-            if b'"event":"failover"' not in line:
-                continue
-            rec = json.loads(line)
-            log.warning("shard %s failed over: %s (replica %s, %s) is its primary at epoch "
-                        "%s, %.2fs after the old primary's last word", rec["shard"], name,
-                        rec["replica"], rec["address"], rec["epoch"], rec["seconds"])
-            self.observer.events.write("failover", process=name, shard=rec["shard"],
-                                       replica=rec["replica"], address=rec["address"],
-                                       epoch=rec["epoch"], seconds=rec["seconds"])
 
     def progress(self) -> Progress:
         """Steps and last loss per worker, read incrementally from the event logs."""

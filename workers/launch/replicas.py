@@ -1,0 +1,132 @@
+"""What the launcher does for a shard's replicas (``--replicas``): it starts a new
+process in place of one that died while another replica of its shard lives, which
+rejoins as a backup of the current primary (paramserver/server/rejoin.py), and it
+says what each replica's event log records of failovers and rejoins.
+
+A dead replica is replaced only once the shard has a primary other than it (asked of
+the live replicas, as workers ask): a replica 0 started while its backup has not
+taken over yet would announce itself as primary at epoch 0 to a backup still at
+epoch 0. The new process binds the dead one's address (workers know every replica's
+address from the start) and is given the live replicas' addresses as its peers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from paramserver.workers.failover import ask_roles, primary_of
+
+if TYPE_CHECKING:
+    from paramserver.workers.launch.cluster import LocalCluster, _Proc
+
+__all__ = ["ReplicaKeeper", "replacement_name"]
+
+log = logging.getLogger(__name__)
+
+#: seconds between two role probes while a dead replica waits for its shard's primary
+PROBE_EVERY = 0.25
+#: the replica events the launcher repeats, each as one line and a launcher event
+REPORTED = (b'"event":"failover"', b'"event":"rejoined"')
+
+
+def replacement_name(shard: int, replica: int) -> str:
+    """A replacement's process name: ``server0r1`` for replica 1, ``server0r0`` for
+    replica 0 (the first primary was ``server0``: its log and events stay as they are)."""
+    return f"server{shard}r{replica}"
+
+
+class ReplicaKeeper:
+    """One launcher's replacements of dead replicas, and its reports of their events."""
+
+    def __init__(self, cluster: LocalCluster) -> None:
+        self.cluster = cluster
+        self.due: dict[tuple[int, int], str] = {}  # (shard, replica) -> its address
+        self._probed = float("-inf")
+        self._offsets: dict[str, int] = {}  # replica name -> bytes of its events read
+        self.replaced = 0
+
+    def procs(self, shard: int) -> list[_Proc]:
+        """The shard's replicas' processes now, by replica index."""
+        c = self.cluster
+        return [c.servers[shard], *c.backups[shard]]
+
+    def died(self, shard: int, proc: _Proc) -> None:
+        """``proc`` exited: replace it once the shard has a primary other than it."""
+        replica = next(k for k, p in enumerate(self.procs(shard)) if p is proc)
+        self.due[(shard, replica)] = self.cluster.replica_sets[shard][replica]
+
+    def tick(self) -> None:
+        """Replace each dead replica whose shard has a live primary now."""
+        now = time.monotonic()
+        if not self.due or now - self._probed < PROBE_EVERY:
+            return
+        self._probed = now
+        for (shard, replica), address in list(self.due.items()):
+            live = [a for a, p in zip(self.cluster.replica_sets[shard], self.procs(shard),
+                                      strict=True) if p.popen.poll() is None]
+            found = primary_of(ask_roles(live, timeout=0.2)) if live else None
+            if found is None:
+                continue  # no primary yet (a takeover under way), or none left
+            del self.due[(shard, replica)]
+            self._replace(shard, replica, address, [found[0], *(a for a in live
+                                                                if a != found[0])])
+
+    def _replace(self, shard: int, replica: int, address: str, peers: list[str]) -> None:
+        c = self.cluster
+        name = replacement_name(shard, replica)
+        cfg = c.spec.replica_config(shard, replica, c.out)
+        cfg = dataclasses.replace(cfg, bind=address, replica_peers=peers,
+                                  event_log=str(c.out / "events" / f"{name}.jsonl"))
+        old = self.procs(shard)[replica]
+        if old.popen.stdout is not None:
+            old.popen.stdout.close()
+        log.warning("shard %d: starting %s in place of %s, to rejoin as a backup of %s",
+                    shard, name, old.name, peers[0])
+        proc = c._spawn(name, "paramserver.server.loop", cfg.to_dict(), ready_pipe=True,
+                        append=True)
+        if replica == 0:
+            c.servers[shard] = proc
+        else:
+            c.backups[shard][replica - 1] = proc
+        c._gone.discard(name)
+        c._await_ready(proc, time.monotonic() + c.spec.startup_timeout)
+        self.replaced += 1
+
+    def report(self, name: str) -> None:
+        """A line and a launcher event for each failover or rejoin ``name``'s event log
+        records since the last call (its other records are not parsed)."""
+        path = Path(self.cluster.out) / "events" / f"{name}.jsonl"
+        offset = self._offsets.get(name, 0)
+        try:
+            with path.open("rb") as fh:
+                fh.seek(offset)
+                data = fh.read()
+        except OSError:
+            return
+        end = data.rfind(b"\n") + 1  # a torn last line waits for the next call
+        self._offsets[name] = offset + end
+        events = self.cluster.observer.events
+        for line in data[:end].splitlines():
+            if not any(tag in line for tag in REPORTED):
+                continue
+            rec = json.loads(line)
+            if rec["event"] == "rejoined":
+                log.warning("shard %s: %s rejoined as a backup of %s at epoch %s (the "
+                            "primary's state at input %s, %.2fs after it asked)", rec["shard"],
+                            name, rec["primary"], rec["epoch"], rec["seq"], rec["seconds"])
+                events.write("rejoined", process=name, shard=rec["shard"],
+                             replica=rec["replica"], address=rec["address"],
+                             primary=rec["primary"], epoch=rec["epoch"], seq=rec["seq"],
+                             seconds=rec["seconds"])
+                continue
+            log.warning("shard %s failed over: %s (replica %s, %s) is its primary at epoch "
+                        "%s, %.2fs after the old primary's last word", rec["shard"], name,
+                        rec["replica"], rec["address"], rec["epoch"], rec["seconds"])
+            events.write("failover", process=name, shard=rec["shard"],
+                         replica=rec["replica"], address=rec["address"],
+                         epoch=rec["epoch"], seconds=rec["seconds"])
