@@ -51,7 +51,8 @@ def _run_killing_primary(spec: ClusterSpec, out: Path, after_steps: int,
                          status: list[str] | None = None) -> tuple[ClusterResult, list[int]]:
     """Run ``spec``; SIGKILL shard 0's primary once the workers logged ``after_steps``
     steps in all. Returns the result and the pid killed (none: the run ended first).
-    ``status``: gets what `paramserver status` draws once the backup took over."""
+    ``status``: gets what `paramserver status` draws once the backup took over, then
+    once the launcher's replacement for the dead primary rejoined as a backup."""
     pids: dict[str, int] = {}
     killed: list[int] = []
     entries: list[str] = []
@@ -66,7 +67,9 @@ def _run_killing_primary(spec: ClusterSpec, out: Path, after_steps: int,
         if not killed and progress.done_steps >= after_steps:
             os.kill(pids["server0"], signal.SIGKILL)
             killed.append(pids["server0"])
-        elif killed and status is not None and not status:
+        elif killed and status is not None and len(status) < 2:
+            if status and not _rejoined(out, "server0r0"):
+                return
             addresses, roles = find_primaries(entries, 2.0)
             if addresses[0] != entries[0].split("|")[0]:  # the backup took over
                 console = Console(file=io.StringIO(), width=250)
@@ -121,13 +124,31 @@ def test_async_failover_keeps_every_acknowledged_push_exactly_once(async_run):
         assert "its primary is now" in (out / "logs" / f"worker{rank}.log").read_text()
 
 
+def _replica_rows(text: str) -> list[list[str]]:
+    """The cells of each row of the replicas table `paramserver status` draws."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip() == "replicas")
+    return [line.split("│") for line in lines[start:] if "tcp://" in line]
+
+
 def test_status_shows_the_new_primary_its_epoch_and_the_failover(async_run):
     _, _, out, status = async_run
     assert status, "the run ended before the status could be read after the takeover"
-    (text,) = status
-    assert "replicas" in text and "no reply" in text  # the dead primary
+    text, *later = status
+    # the dead primary: silent, or the process the launcher started in its place,
+    # joining as soon as the new primary answered
+    roles = sorted(r[3].strip() for r in _replica_rows(text))
+    assert roles in (["no reply", "primary"], ["joining", "primary"])
     (row,) = [line for line in text.splitlines() if "primary" in line]
     assert row.split("│")[4].strip() == "1"  # epoch
+    # then it rejoined: a backup at epoch 1, which the primary lists as its backup
+    assert later, "the run ended before the dead primary's replacement rejoined"
+    rows = _replica_rows(later[0])
+    assert sorted((r[3].strip(), r[4].strip()) for r in rows) == [("backup", "1"),
+                                                                  ("primary", "1")]
+    (primary,) = [r for r in rows if r[3].strip() == "primary"]
+    (backup,) = [r for r in rows if r[3].strip() == "backup"]
+    assert primary[6].strip().startswith(backup[2].strip().rsplit(":", 1)[1] + ": ")
     (event,) = read_events(out / "events" / "launcher.jsonl", "failover")
     assert event["process"] == "server0r1" and event["epoch"] == 1
 
