@@ -63,6 +63,63 @@ def test_two_primaries_of_one_epoch_cannot_be():
     assert primary.writable
 
 
+def test_a_fenced_or_new_replica_joins_by_snapshot_and_applies_only_after_it():
+    old = ReplicaState.starting(0)
+    with pytest.raises(RuntimeError):
+        old.rejoin()  # a primary is fenced first
+    old.next_seq()
+    assert old.refused(1)
+    old.rejoin()
+    assert old.role is Role.JOINING and not old.writable
+    assert old.receive(1, 5, now=1.0) is Verdict.HOLD  # no state to apply it to
+    assert old.receive(1, 0, now=1.0) is Verdict.HOLD  # nor a keep-alive to answer
+    assert not old.silent(99.0, timeout=1.0)  # it takes over from no one
+    with pytest.raises(RuntimeError):
+        old.promote()
+    assert not old.joined(0, 4, now=2.0)  # a snapshot of a deposed primary
+    assert old.role is Role.JOINING
+    assert old.joined(1, 4, now=2.0)  # the snapshot at input 4 of epoch 1
+    assert old.role is Role.BACKUP and old.applied == 4 and old.heard_at == 2.0
+    assert not old.joined(1, 9, now=2.5)  # a second snapshot changes nothing
+    assert old.receive(1, 4, now=3.0) is Verdict.AGAIN  # in the snapshot already
+    assert old.receive(1, 5, now=3.1) is Verdict.APPLY
+    # a process started in place of a dead backup joins the same way
+    fresh = ReplicaState.starting(1)
+    fresh.rejoin()
+    assert fresh.receive(2, 1, now=1.0) is Verdict.HOLD and fresh.joined(2, 0, now=1.0)
+    assert fresh.receive(2, 1, now=1.1) is Verdict.APPLY
+
+
+def test_snapshot_records_round_trip_and_their_tensors_are_checked():
+    import torch
+
+    from paramserver.wire.frames import Limits
+
+    join = wrepl.Join(1, "tcp://127.0.0.1:5000", "ab" * 8)
+    assert wrepl.decode(wrepl.encode(join)) == (join, [])
+    tensors = {"param/w": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+               "optim/0/step": torch.tensor(3.0), "wait/0/w": torch.ones(2, dtype=torch.bfloat16)}
+    frames = [bytes(f) for f in wrepl.snapshot_frames(2, 9, 1.5, "tcp://p", b"{}", None,
+                                                      tensors)]
+    record, rest = wrepl.decode(frames)
+    assert isinstance(record, wrepl.Snapshot) and (record.epoch, record.seq) == (2, 9)
+    got = wrepl.snapshot_tensors(record, rest, Limits())
+    assert got.keys() == tensors.keys()
+    assert all(torch.equal(got[k], tensors[k]) and got[k].dtype == tensors[k].dtype
+               for k in tensors)
+    with pytest.raises(ProtocolError, match="frames came"):
+        wrepl.snapshot_tensors(record, rest[:-1], Limits())
+    with pytest.raises(ProtocolError, match="holds"):  # a frame of the wrong length
+        wrepl.snapshot_tensors(record, [rest[0][:-4], *rest[1:]], Limits())
+    bad = wrepl.Snapshot(2, 9, 1.5, "tcp://p", b"", None, [wrepl.TensorHead("x", "int99", [1])])
+    with pytest.raises(ProtocolError):
+        wrepl.snapshot_tensors(bad, [b"\0"], Limits())
+    # only a snapshot may be larger than MAX_HEADER
+    big = wrepl.Apply(1, 1, 0.0, "dead", list(range(5000)))
+    with pytest.raises(ProtocolError, match="limit"):
+        wrepl.decode(wrepl.encode(big))
+
+
 def test_wire_records_round_trip_and_are_bounded():
     frames = [*wrepl.encode(wrepl.Apply(3, 7, 1.5, "msg")), b"payload"]
     assert wrepl.is_replication(frames)

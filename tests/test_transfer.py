@@ -17,14 +17,15 @@ SLICES = [SliceSpec(f"k{i}", 16 + i, "float32") for i in range(2)]
 WORKERS = 4
 
 
-def config(mode: str) -> CoreConfig:
-    return CoreConfig(mode=ModeSpec(Mode(mode), 1 if mode == "ssp" else 0, 0), optimizer="sgd",
-                      optimizer_args={"lr": 0.1, "momentum": 0.9},
+def config(mode: str, adam: bool = False) -> CoreConfig:
+    return CoreConfig(mode=ModeSpec(Mode(mode), 1 if mode == "ssp" else 0, 0),
+                      optimizer="adam" if adam else "sgd",
+                      optimizer_args={"lr": 0.01} if adam else {"lr": 0.1, "momentum": 0.9},
                       expected_workers=WORKERS, heartbeat_timeout=10.0)
 
 
-def make_core(mode: str) -> ShardCore:
-    core = ShardCore(SLICES, config(mode), None)
+def make_core(mode: str, adam: bool = False) -> ShardCore:
+    core = ShardCore(SLICES, config(mode, adam), None)
     for w in range(WORKERS):
         core.register(w, f"inc{w}", now=0.0)
     gen = torch.Generator().manual_seed(0)
@@ -97,6 +98,27 @@ def test_async_and_ssp_restore_windows_clocks_and_liveness(mode: str) -> None:
     assert other.workers[1].last_outcome == core.workers[1].last_outcome is not None
     assert push(core, 1, 2, 6.0) == push(other, 1, 2, 6.0)  # a retry: a duplicate
     assert push(core, 1, 3, 6.0) == push(other, 1, 3, 6.0)
+    assert_same(core, other)
+
+
+def test_adam_state_through_the_wire_frames() -> None:
+    """Adam keeps a 0-d step tensor: the snapshot's frames carry it as they carry the
+    rest, and the restored core steps as the original does."""
+    from paramserver.wire import replication as wrepl
+    from paramserver.wire.frames import Limits
+
+    core = make_core("async", adam=True)
+    for w in range(WORKERS):
+        push(core, w, 0, 1.0)
+    image, tensors = export(core)
+    frames = [bytes(f) for f in wrepl.snapshot_frames(1, 5, 0.0, "tcp://p", b"", image,
+                                                      tensors)]
+    record, rest = wrepl.decode(frames)
+    assert isinstance(record, wrepl.Snapshot) and record.core is not None
+    other = ShardCore(SLICES, config("async", adam=True), None)
+    restore(other, record.core, wrepl.snapshot_tensors(record, rest, Limits()))
+    assert_same(core, other)
+    assert push(core, 2, 1, 2.0) == push(other, 2, 1, 2.0)
     assert_same(core, other)
 
 
