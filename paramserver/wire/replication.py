@@ -165,7 +165,7 @@ def snapshot_frames(epoch: int, seq: int, now: float, primary: str, plan: bytes,
     for name, t in tensors.items():
         t = t.detach().contiguous()
         heads.append(TensorHead(name, _NAMES[t.dtype], list(t.shape)))
-        bodies.append(t.view(torch.uint8).reshape(-1).numpy().data if t.numel()
+        bodies.append(t.reshape(-1).view(torch.uint8).numpy().data if t.numel()
                       else b"")
     return [*encode(Snapshot(epoch, seq, now, primary, plan, core, heads)), *bodies]
 
