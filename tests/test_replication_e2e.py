@@ -68,7 +68,7 @@ def _run_killing_primary(spec: ClusterSpec, out: Path, after_steps: int,
             os.kill(pids["server0"], signal.SIGKILL)
             killed.append(pids["server0"])
         elif killed and status is not None and len(status) < 2:
-            if status and not _rejoined(out, "server0r0"):
+            if status and not _joined(out, "server0r1"):
                 return
             addresses, roles = find_primaries(entries, 2.0)
             if addresses[0] != entries[0].split("|")[0]:  # the backup took over
@@ -84,9 +84,14 @@ def _failovers(out: Path, name: str = "server0r1") -> list[dict]:
     return read_events(out / "events" / f"{name}.jsonl", "failover")
 
 
-def _rejoined(out: Path, name: str) -> list[dict]:
+def _rejoined(out: Path, name: str, event: str = "rejoined") -> list[dict]:
     path = out / "events" / f"{name}.jsonl"
-    return read_events(path, "rejoined") if path.exists() else []
+    return read_events(path, event) if path.exists() else []
+
+
+def _joined(out: Path, primary: str) -> list[dict]:
+    """The backups ``primary`` counts since they hold its snapshot and every input after."""
+    return _rejoined(out, primary, "backup_joined")
 
 
 def _pushes_after_takeover(out: Path) -> int:
@@ -156,8 +161,9 @@ def test_status_shows_the_new_primary_its_epoch_and_the_failover(async_run):
 def _run_killing_primary_twice(spec: ClusterSpec, out: Path, after_steps: int
                                ) -> tuple[ClusterResult, list[str]]:
     """Run ``spec``; SIGKILL shard 0's primary once the workers logged ``after_steps``
-    steps in all, then, once the launcher's replacement for it rejoined as a backup,
-    the new primary. Returns the result and the names of the processes killed."""
+    steps in all, then, once the launcher's replacement for it rejoined as a backup
+    (the new primary counts it: it holds the snapshot and every input since), the
+    new primary. Returns the result and the names of the processes killed."""
     pids: dict[str, int] = {}
     killed: list[str] = []
 
@@ -168,7 +174,7 @@ def _run_killing_primary_twice(spec: ClusterSpec, out: Path, after_steps: int
         if not killed and progress.done_steps >= after_steps:
             os.kill(pids["server0"], signal.SIGKILL)
             killed.append("server0")
-        elif killed == ["server0"] and _rejoined(out, "server0r0"):
+        elif killed == ["server0"] and _joined(out, "server0r1"):
             os.kill(pids["server0r1"], signal.SIGKILL)
             killed.append("server0r1")
 
@@ -209,6 +215,8 @@ def test_sync_survives_its_primary_killed_twice_in_a_row(sync_runs):
     backup = read_events(failed / "events" / "server0r1.jsonl", "server_start")[0]
     (rejoin,) = _rejoined(failed, "server0r0")
     assert rejoin["epoch"] == 1 and rejoin["primary"] == backup["address"]
+    (joined,) = _joined(failed, "server0r1")
+    assert joined["backup"] == rejoin["address"] and joined["seq"] == rejoin["seq"]
     (second,) = _failovers(failed, "server0r0")
     assert second["epoch"] == 2
     assert result.restarts == () and result.updates_applied == (30, 30)

@@ -28,6 +28,7 @@ import zmq
 
 from paramserver.core.sharding import ShardPlan
 from paramserver.core.transfer import CoreImage, export, quiet, restore
+from paramserver.errors import ConfigError, ProtocolError
 from paramserver.wire import replication as wrepl
 
 if TYPE_CHECKING:
@@ -58,6 +59,11 @@ class Joiner:
             s.setsockopt(zmq.LINGER, 0)
             s.connect(peer)
             self.sockets.append(s)
+
+    def renew(self) -> None:
+        """Ask again at once, as a new request (the primary answers a request once)."""
+        self.nonce = secrets.token_hex(8)
+        self._sent = float("-inf")
 
     def tick(self, now: float) -> None:
         """Ask every peer again, RESEND seconds after the last time."""
@@ -111,8 +117,15 @@ def adopt(server: ShardServer, snapshot: wrepl.Snapshot, frames: Sequence[Any]) 
     server.outbox.observer_pulls.clear()
     if not plan:
         return
-    server.adopt_plan(ShardPlan.from_description(msgspec.json.decode(plan),
-                                                 server.config.plan_limits()))
-    assert server.core is not None
-    if record is not None:
-        restore(server.core, record, tensors)
+    try:
+        server.adopt_plan(ShardPlan.from_description(msgspec.json.decode(plan),
+                                                     server.config.plan_limits()))
+        assert server.core is not None
+        if record is not None:
+            restore(server.core, record, tensors)
+    except (ConfigError, ProtocolError, msgspec.DecodeError) as exc:
+        server.core = server.plan = None  # no half-restored core stays
+        server.sparse = server.tables = None
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"snapshot: {exc}") from exc

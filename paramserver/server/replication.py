@@ -180,6 +180,7 @@ class Replication:
         #: joining replicas to send a snapshot to at the next quiet moment, by address:
         #: (their request's nonce, its socket); and the nonce each backup joined with
         self._asked: OrderedDict[str, str] = OrderedDict()
+        self._asked_at: dict[str, float] = {}  # when each one asked, by address
         self._nonces: dict[str, str] = {}
         self.joiner: Joiner | None = None
         self._fenced_at: float | None = None
@@ -319,6 +320,7 @@ class Replication:
         for b in [b for b in self.backups if b.address == record.address]:
             self._drop(b, "a new process joins at its address")
         self._asked[record.address] = record.nonce
+        self._asked_at[record.address] = time.monotonic()
         self._send_snapshots()
 
     def _send_snapshots(self) -> None:
@@ -347,18 +349,41 @@ class Replication:
                                   seq=seq, epoch=self.state.epoch, bytes=size)
 
     def _joined(self, b: _Backup) -> None:
+        """``b`` acknowledged its snapshot. The inputs forwarded to it meanwhile were
+        answered without it: wait until it holds them too, then count it as a backup
+        (so that every input answered from then on, and before, is held by it)."""
         seq = self._joining.pop(b)
-        log.info("shard %d: %s holds the snapshot at input %d: a backup from now on",
-                 self.shard, b.address, seq)
+        target = self.state.applied
+        while b in self.backups and b.acked < target and self.writable:
+            if self._drain(b):
+                continue
+            if b.dead(time.monotonic(), self.timeout):
+                self._drop(b, f"its connection was down for {self.timeout:g}s")
+            else:
+                zmq.select([b.socket, b.monitor], [], [], 0.1)
+        if b not in self.backups or not self.writable:
+            return
+        took = time.monotonic() - self._asked_at.pop(b.address, time.monotonic())
+        log.info("shard %d: %s holds the snapshot at input %d and every input since: a "
+                 "backup from now on, %.2fs after it asked", self.shard, b.address, seq, took)
         self.events.write("backup_joined", shard=self.shard, backup=b.address, seq=seq,
-                          epoch=self.state.epoch, backups=len(self.backups))
+                          epoch=self.state.epoch, backups=len(self.backups),
+                          primary=self.address, seconds=round(took, 3))
+        self.events.flush()  # (the launcher tells of it: not left in a buffer)
 
     def _on_snapshot(self, identity: bytes, record: wrepl.Snapshot, rest: list[Any],
                      send: Send) -> None:
         """The primary's state: put in place of ours, then a backup from input ``seq``."""
         if self.state.role is not Role.JOINING or record.epoch < self.state.epoch:
             return  # (a second answer to a resent request: the first one is in place)
-        self.host.restore(record, rest)
+        try:
+            self.host.restore(record, rest)
+        except (ConfigError, ProtocolError) as exc:  # checked as a resume checks a checkpoint
+            log.error("shard %d: the primary's snapshot at input %d is refused: %s; asking "
+                      "again", self.shard, record.seq, exc)
+            if self.joiner is not None:
+                self.joiner.renew()
+            return
         now = time.monotonic()
         self.state.joined(record.epoch, record.seq, now)
         if self.joiner is not None:

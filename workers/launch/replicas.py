@@ -13,11 +13,12 @@ address from the start) and is given the live replicas' addresses as its peers.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import msgspec
 
 from paramserver.workers.failover import ask_roles, primary_of
 
@@ -31,7 +32,7 @@ log = logging.getLogger(__name__)
 #: seconds between two role probes while a dead replica waits for its shard's primary
 PROBE_EVERY = 0.25
 #: the replica events the launcher repeats, each as one line and a launcher event
-REPORTED = (b'"event":"failover"', b'"event":"rejoined"')
+REPORTED = (b'"event":"failover"', b'"event":"backup_joined"')
 
 
 def replacement_name(shard: int, replica: int) -> str:
@@ -99,7 +100,9 @@ class ReplicaKeeper:
 
     def report(self, name: str) -> None:
         """A line and a launcher event for each failover or rejoin ``name``'s event log
-        records since the last call (its other records are not parsed)."""
+        records since the last call (its other records are not parsed). A rejoin is
+        told as the primary saw it (``backup_joined``): the replica holds the snapshot
+        and every input since, and the primary waits for it from then on."""
         path = Path(self.cluster.out) / "events" / f"{name}.jsonl"
         offset = self._offsets.get(name, 0)
         try:
@@ -110,23 +113,58 @@ class ReplicaKeeper:
             return
         end = data.rfind(b"\n") + 1  # a torn last line waits for the next call
         self._offsets[name] = offset + end
-        events = self.cluster.observer.events
         for line in data[:end].splitlines():
             if not any(tag in line for tag in REPORTED):
                 continue
-            rec = json.loads(line)
-            if rec["event"] == "rejoined":
-                log.warning("shard %s: %s rejoined as a backup of %s at epoch %s (the "
-                            "primary's state at input %s, %.2fs after it asked)", rec["shard"],
-                            name, rec["primary"], rec["epoch"], rec["seq"], rec["seconds"])
-                events.write("rejoined", process=name, shard=rec["shard"],
-                             replica=rec["replica"], address=rec["address"],
-                             primary=rec["primary"], epoch=rec["epoch"], seq=rec["seq"],
-                             seconds=rec["seconds"])
+            try:
+                rec = _decoder.decode(line)
+            except msgspec.DecodeError as exc:  # (a replica's log: its own writing)
+                log.warning("%s: an unreadable event: %s", path, exc)
                 continue
-            log.warning("shard %s failed over: %s (replica %s, %s) is its primary at epoch "
-                        "%s, %.2fs after the old primary's last word", rec["shard"], name,
-                        rec["replica"], rec["address"], rec["epoch"], rec["seconds"])
-            events.write("failover", process=name, shard=rec["shard"],
-                         replica=rec["replica"], address=rec["address"],
-                         epoch=rec["epoch"], seconds=rec["seconds"])
+            if isinstance(rec, _Joined):
+                self._rejoined(rec)
+            else:
+                self._failed_over(name, rec)
+
+    def _failed_over(self, name: str, rec: _Failover) -> None:
+        log.warning("shard %d failed over: %s (replica %d, %s) is its primary at epoch %d, "
+                    "%.2fs after the old primary's last word", rec.shard, name, rec.replica,
+                    rec.address, rec.epoch, rec.seconds)
+        self.cluster.observer.events.write(
+            "failover", process=name, shard=rec.shard, replica=rec.replica,
+            address=rec.address, epoch=rec.epoch, seconds=rec.seconds)
+
+    def _rejoined(self, rec: _Joined) -> None:
+        replicas = self.cluster.replica_sets[rec.shard]
+        replica = replicas.index(rec.backup) if rec.backup in replicas else -1
+        name = self.procs(rec.shard)[replica].name if replica >= 0 else rec.backup
+        log.warning("shard %d: %s rejoined as a backup of %s at epoch %d (the primary's "
+                    "state at input %d, then every input since; %.2fs after it asked)",
+                    rec.shard, name, rec.primary, rec.epoch, rec.seq, rec.seconds)
+        self.cluster.observer.events.write(
+            "rejoined", process=name, shard=rec.shard, replica=replica, address=rec.backup,
+            primary=rec.primary, epoch=rec.epoch, seq=rec.seq, seconds=rec.seconds)
+
+
+class _Failover(msgspec.Struct, tag_field="event", tag="failover"):
+    """The fields of a replica's ``failover`` record the launcher repeats."""
+
+    shard: int
+    replica: int
+    address: str
+    epoch: int
+    seconds: float
+
+
+class _Joined(msgspec.Struct, tag_field="event", tag="backup_joined"):
+    """The fields of a primary's ``backup_joined`` record the launcher repeats."""
+
+    shard: int
+    backup: str
+    primary: str
+    epoch: int
+    seq: int
+    seconds: float
+
+
+_decoder = msgspec.json.Decoder(_Failover | _Joined)
