@@ -177,13 +177,13 @@ class Replication:
         #: joining backups: sent their snapshot at that input, not acknowledged yet
         #: (the primary waits for no input of theirs meanwhile)
         self._joining: dict[_Backup, int] = {}
-        #: joining replicas to send a snapshot to at the next quiet moment, by address:
-        #: (their request's nonce, its socket); and the nonce each backup joined with
+        #: joining replicas to send a snapshot to at the next quiet moment: address ->
+        #: their request's nonce; and the nonce each backup joined with, by address
         self._asked: OrderedDict[str, str] = OrderedDict()
         self._asked_at: dict[str, float] = {}  # when each one asked, by address
         self._nonces: dict[str, str] = {}
         self.joiner: Joiner | None = None
-        self._fenced_at: float | None = None
+        self._asked_since: float | None = None
         if self.backups:
             self._announce()
         elif config.replica_peers:
@@ -303,7 +303,7 @@ class Replication:
             b.close()
         self.backups, self._joining = [], {}
         self.state.rejoin()
-        self._fenced_at = time.monotonic()
+        self._asked_since = time.monotonic()
         if self.joiner is not None:
             self.joiner.close()
         self.joiner = Joiner(peers, self.address, self.replica, self._context)
@@ -390,7 +390,7 @@ class Replication:
             self.joiner.close()
             self.joiner = None
         send(identity, wrepl.encode(wrepl.Ack(self.state.epoch, record.seq, True)))
-        took = now - (self._fenced_at or now)
+        took = now - (self._asked_since or now)
         log.warning("shard %d: replica %d (%s) rejoined as a backup of %s at epoch %d, "
                     "input %d, %.2fs after it asked", self.shard, self.replica, self.address,
                     record.primary, record.epoch, record.seq, took)
