@@ -55,10 +55,12 @@ def serve(args: JSONObject, announce: Announce) -> JSONObject:
     RSS since then.
     """
     config = ServerConfig.from_dict(obj(args, "config"))
-    server = ShardServer(config)
     # code, not data: torch.optim imports torch._dynamo on first use (~70 MB of modules);
-    # a shard forked from the zygote has it loaded already, so it belongs to the base
+    # a shard forked from the zygote has it loaded already, so it belongs to the base.
+    # Imported before the server exists: a primary with replicas announces itself when
+    # built, and a backup that then hears nothing for --failover-timeout takes over
     import torch._dynamo
+    server = ShardServer(config)
     base = rss()
     reset_peak_rss()
     server.serve_forever(on_ready=lambda addr: announce({"address": addr}))

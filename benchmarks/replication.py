@@ -1,0 +1,273 @@
+"""The cost of replicated shards (issue 32): push + pull with and without a backup,
+and the failover time.
+
+``paramserver bench --part replication`` runs it. For each payload (1 KiB and
+100 MiB; quick: 1 KiB and 64 KiB) one worker agent pushes and pulls against a
+shard without replicas and another against a shard with ``--replicas 1`` (a
+primary and its backup, two agent processes), in sync mode as the sweep does.
+Their repeats are interleaved, so each repeat gives a *paired* ratio (time with
+the backup / time without). A third worker measures the shard without replicas
+over TCP (``shm=False``): a backup turns same-host shared memory off, so that row
+tells the cost of the forward from the cost of losing shared memory.
+
+The failover time: this process is the worker (async, a 4 KiB model). After a
+few rounds it SIGKILLs the primary's process, between two rounds, and times
+from the kill to the end of the first round the new primary acknowledges, with
+the given ``--failover-timeout`` (default: the server's default). A fresh
+primary is started for every kill; the backup's agent serves every trial.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from paramserver.server.config import ServerConfig
+from paramserver.util.jsontypes import JSON, JSONObject
+from paramserver.workers.admin import shutdown_servers
+from paramserver.workers.failover import ask_roles, primary_of
+
+from .common import Agent, Stats, close_all, format_size, integer, number, text
+
+__all__ = ["DEFAULT_SIZES", "CostRow", "FailoverResult", "ReplicationResult",
+           "run_replication"]
+
+log = logging.getLogger(__name__)
+
+_KIB, _MIB = 1 << 10, 1 << 20
+DEFAULT_SIZES: tuple[int, ...] = (_KIB, 100 * _MIB)
+QUICK_SIZES: tuple[int, ...] = (_KIB, 64 * _KIB)
+_TIMEOUT = 600.0
+#: the systems of a cost row: without replicas (shared memory where the host allows
+#: it), the same over TCP, and with one backup
+SYSTEMS = ("ps", "ps-tcp", "ps-r1")
+
+
+def _obj(value: JSON) -> JSONObject:
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a JSON object, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class CostRow:
+    """One payload's push + pull round trip without replicas and with one backup."""
+
+    bytes: int
+    without: Stats  # round trip seconds, no replicas (shared memory where possible)
+    tcp: Stats  # no replicas, over TCP
+    with_replica: Stats  # --replicas 1 (TCP: a backup turns shared memory off)
+    ratio: Stats  # paired per repeat: with_replica / without
+    ratio_tcp: Stats  # paired per repeat: with_replica / tcp
+    shm_used: bool  # whether the row without replicas moved tensors through shared memory
+
+    def to_json(self) -> JSONObject:
+        return {"bytes": self.bytes, "without": self.without.to_json(),
+                "tcp": self.tcp.to_json(), "with_replica": self.with_replica.to_json(),
+                "ratio": self.ratio.to_json(), "ratio_tcp": self.ratio_tcp.to_json(),
+                "shm_used": self.shm_used}
+
+    @classmethod
+    def from_json(cls, value: JSON) -> CostRow:
+        d = _obj(value)
+        return cls(integer(d, "bytes"), Stats.from_json(d["without"]),
+                   Stats.from_json(d["tcp"]), Stats.from_json(d["with_replica"]),
+                   Stats.from_json(d["ratio"]), Stats.from_json(d["ratio_tcp"]),
+                   d.get("shm_used") is True)
+
+
+@dataclass(frozen=True)
+class FailoverResult:
+    """Seconds from each SIGKILL of a primary to the first round its backup acknowledged."""
+
+    seconds: tuple[float, ...]
+    failover_timeout: float
+    moves: int  # times the worker moved to a new primary (one per kill)
+
+    @property
+    def median(self) -> float:
+        return Stats.of(self.seconds).median
+
+    @property
+    def max(self) -> float:
+        return max(self.seconds)
+
+    def to_json(self) -> JSONObject:
+        return {"seconds": list(self.seconds), "median": self.median, "max": self.max,
+                "failover_timeout": self.failover_timeout, "moves": self.moves}
+
+    @classmethod
+    def from_json(cls, value: JSON) -> FailoverResult:
+        d = _obj(value)
+        raw = d.get("seconds")
+        if not isinstance(raw, list) or not raw:
+            raise ValueError(f"failover seconds must be a non-empty list, got {raw!r}")
+        return cls(tuple(number({"s": s}, "s") for s in raw), number(d, "failover_timeout"),
+                   integer(d, "moves"))
+
+
+@dataclass(frozen=True)
+class ReplicationResult:
+    """The replication part: a cost row per payload and the failover times."""
+
+    costs: tuple[CostRow, ...]
+    failover: FailoverResult | None
+    repeats: int
+
+    def to_json(self) -> JSONObject:
+        return {"costs": [c.to_json() for c in self.costs], "repeats": self.repeats,
+                "failover": None if self.failover is None else self.failover.to_json()}
+
+    @classmethod
+    def from_json(cls, value: JSON) -> ReplicationResult:
+        d = _obj(value)
+        costs = d.get("costs") or []
+        if not isinstance(costs, list):
+            raise ValueError("replication costs: expected a list")
+        fo = d.get("failover")
+        return cls(tuple(CostRow.from_json(c) for c in costs),
+                   None if fo is None else FailoverResult.from_json(fo), integer(d, "repeats"))
+
+    def row(self, nbytes: int) -> CostRow | None:
+        return next((c for c in self.costs if c.bytes == nbytes), None)
+
+
+def _shard_config(workers: int, mode: str, failover_timeout: float | None) -> JSONObject:
+    cfg: JSONObject = {"shard": 0, "num_shards": 1, "mode": mode, "expected_workers": workers,
+                       "optimizer": "sgd", "optimizer_args": {"lr": 1e-3},
+                       "heartbeat_timeout": 60.0}
+    if failover_timeout is not None:
+        cfg["failover_timeout"] = failover_timeout
+    return cfg
+
+
+def _serve_pair(primary: Agent, backup: Agent, base: JSONObject) -> str:
+    """A primary and its backup serving ``base``; the worker's address entry (P|B)."""
+    backup.send("ps_serve", config={**base, "replicas": 1, "replica": 1})
+    b = text(backup.read(_TIMEOUT), "address")
+    primary.send("ps_serve", config={**base, "replicas": 1, "replica_peers": [b]})
+    p = text(primary.read(_TIMEOUT), "address")
+    # a primary that fell silent while starting would have been replaced already, and
+    # the row would measure a shard without a backup
+    found = primary_of(ask_roles([p, b], timeout=5.0))
+    if found != (p, 0):
+        raise RuntimeError(f"the primary of {p}|{b} is {found}, not {p} at epoch 0")
+    return f"{p}|{b}"
+
+
+def _iters(round_s: float, repeat_seconds: float) -> int:
+    return int(min(2000, max(1, round(repeat_seconds / max(round_s, 1e-6)))))
+
+
+def _cost(nbytes: int, agents: dict[str, Agent], servers: list[Agent], repeats: int,
+          repeat_seconds: float) -> CostRow:
+    """One payload: the three systems opened, warmed, measured interleaved, closed."""
+    plain, plain_tcp, primary, backup = servers
+    base = _shard_config(1, "sync", None)
+    addrs: dict[str, str] = {}
+    for name, agent in (("ps", plain), ("ps-tcp", plain_tcp)):
+        agent.send("ps_serve", config=base)
+        addrs[name] = text(agent.read(_TIMEOUT), "address")
+    addrs["ps-r1"] = _serve_pair(primary, backup, base)
+    numel = nbytes // 4
+    for name, w in agents.items():
+        w.call("open", _TIMEOUT, system="ps", addresses=[addrs[name]], numel=numel, rank=0,
+               shm=name != "ps-tcp")
+    iters: dict[str, int] = {}
+    for name, w in agents.items():
+        w.call("measure", _TIMEOUT, system="ps", numel=numel, iters=2)  # warm-up
+        once = number(w.call("measure", _TIMEOUT, system="ps", numel=numel, iters=2), "round_s")
+        iters[name] = _iters(once, repeat_seconds)
+    rounds: dict[str, list[float]] = {name: [] for name in agents}
+    names = list(agents)
+    for r in range(repeats):  # rotated order: load drift hits every system alike
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            rounds[name].append(number(agents[name].call(
+                "measure", _TIMEOUT, system="ps", numel=numel, iters=iters[name]), "round_s"))
+    closed = {name: w.call("close", _TIMEOUT, system="ps") for name, w in agents.items()}
+    shutdown_servers([addrs["ps"], addrs["ps-tcp"], *addrs["ps-r1"].split("|")])
+    for a in servers:
+        a.read(_TIMEOUT)
+    with_r, without, tcp = rounds["ps-r1"], rounds["ps"], rounds["ps-tcp"]
+    return CostRow(
+        nbytes, Stats.of(without), Stats.of(tcp), Stats.of(with_r),
+        Stats.of([a / b for a, b in zip(with_r, without, strict=True)]),
+        Stats.of([a / b for a, b in zip(with_r, tcp, strict=True)]),
+        integer(closed["ps"], "shm_used", 0) > 0)
+
+
+def measure_failover(kills: int, failover_timeout: float | None, log_dir: Path | None,
+                     warmup: int = 20) -> FailoverResult:
+    """``kills`` times: a fresh primary with the backup, rounds from here, SIGKILL the
+    primary between two rounds, time until the next round is acknowledged."""
+    import torch
+
+    from paramserver.workers.client import PSClient
+
+    from .ps import flat_plan
+
+    base = _shard_config(1, "async", failover_timeout)
+    timeout = failover_timeout if failover_timeout is not None else ServerConfig().failover_timeout
+    backup = Agent("failover-backup", log_dir)
+    agents = [backup]
+    seconds: list[float] = []
+    moves = 0
+    try:
+        for k in range(kills):
+            primary = Agent(f"failover-primary{k}", log_dir)
+            agents.append(primary)
+            entry = _serve_pair(primary, backup, base)
+            plan = flat_plan(1024, 1)
+            params = {"w": torch.zeros(1024)}
+            grads = {"w": torch.full((1024,), 1e-3)}
+            with PSClient([entry], plan, 0, timeout=60.0) as client:
+                clock = client.connect()
+                client.initialize(params)
+                versions = client.pull(params, clock).versions
+                for _ in range(warmup):
+                    _, pulled = client.push_pull(grads, versions, 1, clock, params)
+                    versions, clock = pulled.versions, clock + 1
+                os.kill(primary.pid, signal.SIGKILL)
+                t0 = time.monotonic()
+                pushed, pulled = client.push_pull(grads, versions, 1, clock, params)
+                seconds.append(time.monotonic() - t0)
+                if not (pushed.accepted and all(o.applied for o in pushed.outcomes)):
+                    raise RuntimeError("the first push after the failover was not applied")
+                assert client.failover is not None
+                moves += client.failover.moves
+                client.bye()
+            primary.popen.wait(10)
+            shutdown_servers([entry.split("|")[1]])  # the backup, primary now
+            backup.read(_TIMEOUT)
+            log.info("failover %d: %.3f s", k, seconds[-1])
+    finally:
+        close_all(agents)
+    return FailoverResult(tuple(seconds), timeout, moves)
+
+
+def run_replication(sizes: tuple[int, ...] = DEFAULT_SIZES, repeats: int = 5,
+                    repeat_seconds: float = 0.25, kills: int = 5,
+                    failover_timeout: float | None = None, log_dir: Path | None = None,
+                    on_row: Callable[[CostRow], None] | None = None) -> ReplicationResult:
+    """Measure each payload's cost of one backup, then ``kills`` failovers."""
+    names = ("plain", "plain-tcp", "primary", "backup")
+    servers = [Agent(f"repl-{n}", log_dir) for n in names]
+    workers = {s: Agent(f"repl-worker-{s}", log_dir) for s in SYSTEMS}
+    rows: list[CostRow] = []
+    try:
+        for nbytes in sizes:
+            log.info("replication cost at %s", format_size(nbytes))
+            row = _cost(nbytes, workers, servers, repeats, repeat_seconds)
+            rows.append(row)
+            if on_row is not None:
+                on_row(row)
+    finally:
+        close_all([*servers, *workers.values()])
+    failover = measure_failover(kills, failover_timeout, log_dir) if kills else None
+    return ReplicationResult(tuple(rows), failover, repeats)
