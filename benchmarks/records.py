@@ -16,6 +16,7 @@ from paramserver.util.jsontypes import JSON, JSONObject
 
 from .common import Stats, integer, number, numbers, text
 from .netns import Link as VethLink
+from .replication import ReplicationResult
 
 __all__ = ["AsyncRow", "BenchResult", "Environment", "Goal", "HostsResult", "MemoryRow",
            "OverlapResult", "ShmPath", "SweepRow"]
@@ -387,6 +388,7 @@ class BenchResult:
     started: float = 0.0
     seconds: float = 0.0
     environment: Environment | None = None
+    replication: ReplicationResult | None = None
 
     def to_json(self) -> JSONObject:
         out: JSONObject = {"command": self.command, "preset": self.preset,
@@ -404,6 +406,8 @@ class BenchResult:
                 out[key] = [r.to_json() for r in many]
             elif one is not None:
                 out[key] = one.to_json()
+        if self.replication is not None:
+            out["replication"] = self.replication.to_json()
         out["seconds"] = self.seconds
         out["goals"] = [g.to_json() for g in self.goals]
         return out
@@ -421,7 +425,7 @@ class BenchResult:
         def opt(key: str) -> JSON:
             return d.get(key)
 
-        env = opt("environment")
+        env, repl = opt("environment"), opt("replication")
         hosts, overlap, overlap_tcp = opt("hosts"), opt("overlap"), opt("overlap_tcp")
         return cls(
             tuple(SweepRow.from_json(r) for r in rows("sweep")) if "sweep" in d else None,
@@ -433,4 +437,5 @@ class BenchResult:
             tuple(Goal.from_json(g) for g in rows("goals")),
             text(d, "command", ""), text(d, "preset", ""), text(d, "malloc", ""),
             number(d, "started", 0.0), number(d, "seconds", 0.0),
-            None if env is None else Environment.from_json(env))
+            None if env is None else Environment.from_json(env),
+            None if repl is None else ReplicationResult.from_json(repl))

@@ -1,20 +1,20 @@
 """The cost of replicated shards (issue 32): push + pull with and without a backup,
 and the failover time.
 
-``paramserver bench --part replication`` runs it. For each payload (1 KiB and
-100 MiB; quick: 1 KiB and 64 KiB) one worker agent pushes and pulls against a
-shard without replicas and another against a shard with ``--replicas 1`` (a
-primary and its backup, two agent processes), in sync mode as the sweep does.
-Their repeats are interleaved, so each repeat gives a *paired* ratio (time with
-the backup / time without). A third worker measures the shard without replicas
-over TCP (``shm=False``): a backup turns same-host shared memory off, so that row
-tells the cost of the forward from the cost of losing shared memory.
+``paramserver bench --part replication`` runs it. This process is the worker, and
+three agent processes serve: a shard without replicas, and a primary with its
+backup (``--replicas 1``). For each payload (1 KiB and 100 MiB; quick: 1 KiB and
+64 KiB) three sessions push and pull, one round at a time, in async mode: the
+shard without replicas (through same-host shared memory where the payload takes
+it), the same shard over TCP, and the replicated shard (TCP: a backup turns shared
+memory off). Their repeats are interleaved, so each repeat gives a *paired* ratio
+(time with the backup / time without, and / time over TCP: the forward's own cost).
 
-The failover time: this process is the worker (async, a 4 KiB model). After a
-few rounds it SIGKILLs the primary's process, between two rounds, and times
-from the kill to the end of the first round the new primary acknowledges, with
-the given ``--failover-timeout`` (default: the server's default). A fresh
-primary is started for every kill; the backup's agent serves every trial.
+The failover time: after a few rounds (async, a 4 KiB model) this process
+SIGKILLs the primary, between two rounds, and times from the kill to the end of
+the first round the new primary acknowledges, with the given
+``--failover-timeout`` (default: the server's). Each kill has a fresh primary; the
+backup's agent serves every trial.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from paramserver.util.jsontypes import JSON, JSONObject
 from paramserver.workers.admin import shutdown_servers
 from paramserver.workers.failover import ask_roles, primary_of
 
-from .common import Agent, Stats, close_all, format_size, integer, number, text
+from .common import Agent, Stats, close_all, format_size, integer, number, numbers, text
 
 __all__ = ["DEFAULT_SIZES", "CostRow", "FailoverResult", "ReplicationResult",
            "run_replication"]
@@ -43,9 +43,6 @@ _KIB, _MIB = 1 << 10, 1 << 20
 DEFAULT_SIZES: tuple[int, ...] = (_KIB, 100 * _MIB)
 QUICK_SIZES: tuple[int, ...] = (_KIB, 64 * _KIB)
 _TIMEOUT = 600.0
-#: the systems of a cost row: without replicas (shared memory where the host allows
-#: it), the same over TCP, and with one backup
-SYSTEMS = ("ps", "ps-tcp", "ps-r1")
 
 
 def _obj(value: JSON) -> JSONObject:
@@ -65,20 +62,36 @@ class CostRow:
     ratio: Stats  # paired per repeat: with_replica / without
     ratio_tcp: Stats  # paired per repeat: with_replica / tcp
     shm_used: bool  # whether the row without replicas moved tensors through shared memory
+    # each repeat's seconds per round, in the order they ran: without, tcp, with_replica
+    repeats: tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]
+
+    @classmethod
+    def of(cls, nbytes: int, without: list[float], tcp: list[float], with_replica: list[float],
+           shm_used: bool) -> CostRow:
+        return cls(nbytes, Stats.of(without), Stats.of(tcp), Stats.of(with_replica),
+                   Stats.of([a / b for a, b in zip(with_replica, without, strict=True)]),
+                   Stats.of([a / b for a, b in zip(with_replica, tcp, strict=True)]),
+                   shm_used, (tuple(without), tuple(tcp), tuple(with_replica)))
 
     def to_json(self) -> JSONObject:
         return {"bytes": self.bytes, "without": self.without.to_json(),
                 "tcp": self.tcp.to_json(), "with_replica": self.with_replica.to_json(),
                 "ratio": self.ratio.to_json(), "ratio_tcp": self.ratio_tcp.to_json(),
-                "shm_used": self.shm_used}
+                "shm_used": self.shm_used,
+                "repeats_round_s": {"without": list(self.repeats[0]),
+                                    "tcp": list(self.repeats[1]),
+                                    "with_replica": list(self.repeats[2])}}
 
     @classmethod
     def from_json(cls, value: JSON) -> CostRow:
         d = _obj(value)
+        reps = _obj(d["repeats_round_s"])
         return cls(integer(d, "bytes"), Stats.from_json(d["without"]),
                    Stats.from_json(d["tcp"]), Stats.from_json(d["with_replica"]),
                    Stats.from_json(d["ratio"]), Stats.from_json(d["ratio_tcp"]),
-                   d.get("shm_used") is True)
+                   d.get("shm_used") is True,
+                   (tuple(numbers(reps, "without")), tuple(numbers(reps, "tcp")),
+                    tuple(numbers(reps, "with_replica"))))
 
 
 @dataclass(frozen=True)
@@ -164,47 +177,49 @@ def _iters(round_s: float, repeat_seconds: float) -> int:
     return int(min(2000, max(1, round(repeat_seconds / max(round_s, 1e-6)))))
 
 
-def _cost(nbytes: int, agents: dict[str, Agent], servers: list[Agent], repeats: int,
-          repeat_seconds: float) -> CostRow:
-    """One payload: the three systems opened, warmed, measured interleaved, closed."""
-    plain, plain_tcp, primary, backup = servers
-    base = _shard_config(1, "sync", None)
-    addrs: dict[str, str] = {}
-    for name, agent in (("ps", plain), ("ps-tcp", plain_tcp)):
-        agent.send("ps_serve", config=base)
-        addrs[name] = text(agent.read(_TIMEOUT), "address")
-    addrs["ps-r1"] = _serve_pair(primary, backup, base)
+def _cost(nbytes: int, servers: list[Agent], repeats: int, repeat_seconds: float) -> CostRow:
+    """One payload: the three sessions opened, warmed, measured interleaved, closed."""
+    from .ps import PSSession
+
+    plain, primary, backup = servers
+    base = _shard_config(1, "async", None)
+    # one shard without replicas serves both of its rows (rank 0 through shared memory
+    # where it can, rank 1 over TCP): a round is one worker's, never both at once
+    plain.send("ps_serve", config=base)
+    addr = text(plain.read(_TIMEOUT), "address")
+    entry = _serve_pair(primary, backup, base)
     numel = nbytes // 4
-    for name, w in agents.items():
-        w.call("open", _TIMEOUT, system="ps", addresses=[addrs[name]], numel=numel, rank=0,
-               shm=name != "ps-tcp")
-    iters: dict[str, int] = {}
-    for name, w in agents.items():
-        w.call("measure", _TIMEOUT, system="ps", numel=numel, iters=2)  # warm-up
-        once = number(w.call("measure", _TIMEOUT, system="ps", numel=numel, iters=2), "round_s")
-        iters[name] = _iters(once, repeat_seconds)
-    rounds: dict[str, list[float]] = {name: [] for name in agents}
-    names = list(agents)
-    for r in range(repeats):  # rotated order: load drift hits every system alike
-        k = r % len(names)
-        for name in names[k:] + names[:k]:
-            rounds[name].append(number(agents[name].call(
-                "measure", _TIMEOUT, system="ps", numel=numel, iters=iters[name]), "round_s"))
-    closed = {name: w.call("close", _TIMEOUT, system="ps") for name, w in agents.items()}
-    shutdown_servers([addrs["ps"], addrs["ps-tcp"], *addrs["ps-r1"].split("|")])
-    for a in servers:
-        a.read(_TIMEOUT)
-    with_r, without, tcp = rounds["ps-r1"], rounds["ps"], rounds["ps-tcp"]
-    return CostRow(
-        nbytes, Stats.of(without), Stats.of(tcp), Stats.of(with_r),
-        Stats.of([a / b for a, b in zip(with_r, without, strict=True)]),
-        Stats.of([a / b for a, b in zip(with_r, tcp, strict=True)]),
-        integer(closed["ps"], "shm_used", 0) > 0)
+    sessions = {
+        "ps": PSSession({"addresses": [addr], "numel": numel, "rank": 0}),
+        "ps-tcp": PSSession({"addresses": [addr], "numel": numel, "rank": 1, "shm": False}),
+        "ps-r1": PSSession({"addresses": [entry], "numel": numel, "rank": 0}),
+    }
+    rounds: dict[str, list[float]] = {name: [] for name in sessions}
+    closed: dict[str, JSONObject] = {}
+    try:
+        iters = {}
+        for name, s in sessions.items():
+            s.measure(numel, 2)  # first rounds: connections, page faults, allocations
+            iters[name] = _iters(s.measure(numel, 2), repeat_seconds)
+        names = list(sessions)
+        for r in range(repeats):  # rotated order: load drift hits every system alike
+            k = r % len(names)
+            for name in names[k:] + names[:k]:
+                rounds[name].append(sessions[name].measure(numel, iters[name]))
+    finally:
+        for name, s in sessions.items():
+            closed[name] = s.close()
+        shutdown_servers([addr, *entry.split("|")])
+        for a in servers:
+            a.read(_TIMEOUT)
+    return CostRow.of(nbytes, rounds["ps"], rounds["ps-tcp"], rounds["ps-r1"],
+                      integer(closed["ps"], "shm_used", 0) > 0)
 
 
-def measure_failover(kills: int, failover_timeout: float | None, log_dir: Path | None,
-                     warmup: int = 20) -> FailoverResult:
-    """``kills`` times: a fresh primary with the backup, rounds from here, SIGKILL the
+def measure_failover(kills: int, failover_timeout: float | None, servers: list[Agent],
+                     log_dir: Path | None, warmup: int = 20) -> FailoverResult:
+    """``kills`` times: a primary with the backup (``servers``: idle agents, the backup's
+    last; more are started as primaries die), rounds from this process, SIGKILL the
     primary between two rounds, time until the next round is acknowledged."""
     import torch
 
@@ -214,40 +229,38 @@ def measure_failover(kills: int, failover_timeout: float | None, log_dir: Path |
 
     base = _shard_config(1, "async", failover_timeout)
     timeout = failover_timeout if failover_timeout is not None else ServerConfig().failover_timeout
-    backup = Agent("failover-backup", log_dir)
-    agents = [backup]
+    *spare, backup = servers
     seconds: list[float] = []
     moves = 0
-    try:
-        for k in range(kills):
-            primary = Agent(f"failover-primary{k}", log_dir)
-            agents.append(primary)
-            entry = _serve_pair(primary, backup, base)
-            plan = flat_plan(1024, 1)
-            params = {"w": torch.zeros(1024)}
-            grads = {"w": torch.full((1024,), 1e-3)}
-            with PSClient([entry], plan, 0, timeout=60.0) as client:
-                clock = client.connect()
-                client.initialize(params)
-                versions = client.pull(params, clock).versions
-                for _ in range(warmup):
-                    _, pulled = client.push_pull(grads, versions, 1, clock, params)
-                    versions, clock = pulled.versions, clock + 1
-                os.kill(primary.pid, signal.SIGKILL)
-                t0 = time.monotonic()
-                pushed, pulled = client.push_pull(grads, versions, 1, clock, params)
-                seconds.append(time.monotonic() - t0)
-                if not (pushed.accepted and all(o.applied for o in pushed.outcomes)):
-                    raise RuntimeError("the first push after the failover was not applied")
-                assert client.failover is not None
-                moves += client.failover.moves
-                client.bye()
-            primary.popen.wait(10)
-            shutdown_servers([entry.split("|")[1]])  # the backup, primary now
-            backup.read(_TIMEOUT)
-            log.info("failover %d: %.3f s", k, seconds[-1])
-    finally:
-        close_all(agents)
+    for k in range(kills):
+        if spare:
+            primary = spare.pop()
+        else:
+            primary = Agent(f"repl-primary{k}", log_dir)
+            servers.append(primary)  # (the caller closes them all)
+        entry = _serve_pair(primary, backup, base)
+        params = {"w": torch.zeros(1024)}
+        grads = {"w": torch.full((1024,), 1e-3)}
+        with PSClient([entry], flat_plan(1024, 1), 0, timeout=60.0) as client:
+            clock = client.connect()
+            client.initialize(params)
+            versions = client.pull(params, clock).versions
+            for _ in range(warmup):
+                _, pulled = client.push_pull(grads, versions, 1, clock, params)
+                versions, clock = pulled.versions, clock + 1
+            os.kill(primary.pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            pushed, _ = client.push_pull(grads, versions, 1, clock, params)
+            seconds.append(time.monotonic() - t0)
+            if not (pushed.accepted and all(o.applied for o in pushed.outcomes)):
+                raise RuntimeError("the first push after the failover was not applied")
+            assert client.failover is not None
+            moves += client.failover.moves
+            client.bye()
+        primary.popen.wait(10)
+        shutdown_servers([entry.split("|")[1]])  # the backup, primary now
+        backup.read(_TIMEOUT)
+        log.info("failover %d: %.3f s", k, seconds[-1])
     return FailoverResult(tuple(seconds), timeout, moves)
 
 
@@ -255,19 +268,19 @@ def run_replication(sizes: tuple[int, ...] = DEFAULT_SIZES, repeats: int = 5,
                     repeat_seconds: float = 0.25, kills: int = 5,
                     failover_timeout: float | None = None, log_dir: Path | None = None,
                     on_row: Callable[[CostRow], None] | None = None) -> ReplicationResult:
-    """Measure each payload's cost of one backup, then ``kills`` failovers."""
-    names = ("plain", "plain-tcp", "primary", "backup")
-    servers = [Agent(f"repl-{n}", log_dir) for n in names]
-    workers = {s: Agent(f"repl-worker-{s}", log_dir) for s in SYSTEMS}
+    """Measure each payload's cost of one backup, then ``kills`` failovers. This process
+    is the worker; three agents serve (without replicas, the primary, its backup)."""
+    servers = [Agent(f"repl-{n}", log_dir) for n in ("plain", "primary", "backup")]
     rows: list[CostRow] = []
     try:
         for nbytes in sizes:
             log.info("replication cost at %s", format_size(nbytes))
-            row = _cost(nbytes, workers, servers, repeats, repeat_seconds)
+            row = _cost(nbytes, servers, repeats, repeat_seconds)
             rows.append(row)
             if on_row is not None:
                 on_row(row)
+        failover = (measure_failover(kills, failover_timeout, servers, log_dir)
+                    if kills else None)
     finally:
-        close_all([*servers, *workers.values()])
-    failover = measure_failover(kills, failover_timeout, log_dir) if kills else None
+        close_all(servers)
     return ReplicationResult(tuple(rows), failover, repeats)

@@ -119,6 +119,16 @@ def evaluate_goals(result: BenchResult) -> list[Goal]:
     add("across hosts (two namespaces, veth): 100 MiB push+pull vs raw pyzmq", xratio,
         ">= 0.9x", None if xratio is None else xratio >= 0.9 and tcp,
         skipped if not xh else "over TCP" if tcp else "used shared memory")
+    repl = result.replication
+    cost = repl.row(_MIB100) if repl else None
+    add("100 MiB push+pull with --replicas 1 vs without", cost.ratio.median if cost else None,
+        "<= 1.3x", None if cost is None else cost.ratio.median <= 1.3,
+        "paired repeats, 1 worker, 1 shard, sync" if cost else "")
+    fo = repl.failover if repl else None
+    add("failover: primary SIGKILLed to the first step its backup acknowledged",
+        fo.max if fo else None, "< 2 s (the maximum)", None if fo is None else fo.max < 2.0,
+        f"median {fo.median:.2f} s over {len(fo.seconds)} kill(s), --failover-timeout "
+        f"{fo.failover_timeout:g}" if fo else "")
     return goals
 
 
@@ -194,6 +204,16 @@ def print_report(result: BenchResult, console: Console | None = None) -> None:
                       f"{ov.overlap_vs_bound:.2f}", f"{ov.gain:.2f}x",
                       "-" if late is None else f"{late.median * 1e3:.1f}",
                       str(ov.rounds_ahead))
+        console.print(t)
+    if result.replication is not None and result.replication.costs:
+        t = Table(title="replication: push + pull round trip, 1 worker, 1 shard, sync "
+                        "(median [min-max]; x: paired per repeat)")
+        for col in ("payload", "without ms", "over TCP ms", "--replicas 1 ms", "x without",
+                    "x TCP"):
+            t.add_column(col, justify="right")
+        for c in result.replication.costs:
+            t.add_row(format_size(c.bytes), _ms(c.without), _ms(c.tcp), _ms(c.with_replica),
+                      _ratio(c.ratio), _ratio(c.ratio_tcp))
         console.print(t)
     goals = result.goals or evaluate_goals(result)
     t = Table(title="goals")

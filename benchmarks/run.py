@@ -18,6 +18,13 @@ joined by a veth pair (1, 16 and 100 MiB, 1 worker, 1 shard, 9 repeats: a
 single 100 MiB round is one repeat, and a shared machine's noise needs more
 than 5; ``--size``, ``--workers``, ``--shards`` and ``--repeats`` apply; under a
 minute). It needs root and iproute2 and is skipped with one line without them.
+
+The ``replication`` part (:mod:`paramserver.benchmarks.replication`) runs only when
+named too (it SIGKILLs shard processes): push + pull with and without
+``--replicas 1``, paired (1 KiB and 100 MiB, 5 repeats; ``quick``: 1 KiB and
+64 KiB, 2 repeats; ``full``: 9 repeats), and the failover time over 5 kills
+(quick: 1, full: 9) with the default ``--failover-timeout``. ``--size`` and
+``--repeats`` apply.
 """
 
 from __future__ import annotations
@@ -42,6 +49,9 @@ from .hosts import DEFAULT_SIZES as HOSTS_SIZES
 from .hosts import run_hosts
 from .rayps import available as ray_available
 from .records import BenchResult, Environment, HostsResult, SweepRow
+from .replication import DEFAULT_SIZES as REPLICATION_SIZES
+from .replication import QUICK_SIZES as REPLICATION_QUICK_SIZES
+from .replication import CostRow, ReplicationResult, run_replication
 from .report import evaluate_goals, print_report
 from .suite import SYSTEMS, Cell, PSVariant, SweepConfig, run_sweep
 
@@ -50,8 +60,9 @@ __all__ = ["DEFAULT_PARTS", "PARTS", "PRESETS", "BenchOptions", "cells_for",
 
 log = logging.getLogger(__name__)
 
-PARTS: tuple[str, ...] = ("sweep", "async", "memory", "overlap", "hosts")
-#: what runs when no part is named (hosts needs root and changes the network setup)
+PARTS: tuple[str, ...] = ("sweep", "async", "memory", "overlap", "hosts", "replication")
+#: what runs when no part is named (hosts needs root and changes the network setup;
+#: replication kills shard processes)
 DEFAULT_PARTS: tuple[str, ...] = ("sweep", "async", "memory", "overlap")
 PRESETS: tuple[str, ...] = ("quick", "default", "full")
 _KIB, _MIB = 1 << 10, 1 << 20
@@ -176,6 +187,31 @@ def _run_hosts(opts: BenchOptions, console: Console, logs: Path) -> HostsResult:
     return hosts
 
 
+def _cost_line(c: CostRow) -> str:
+    return (f"  {format_size(c.bytes):>7} without {c.without.median * 1e3:9.3f} ms, "
+            f"over TCP {c.tcp.median * 1e3:9.3f} ms, --replicas 1 "
+            f"{c.with_replica.median * 1e3:9.3f} ms: x{c.ratio.median:.2f} "
+            f"(x{c.ratio_tcp.median:.2f} of TCP)")
+
+
+def _run_replication(opts: BenchOptions, console: Console, logs: Path) -> ReplicationResult:
+    """The replication part: its preset's sizes, repeats and kills."""
+    quick, full = opts.preset == "quick", opts.preset == "full"
+    sizes = tuple(opts.sizes or (REPLICATION_QUICK_SIZES if quick else REPLICATION_SIZES))
+    kills = 1 if quick else 9 if full else 5
+    console.print(f"replication: push+pull with and without --replicas 1 "
+                  f"({', '.join(format_size(b) for b in sizes)}), then {kills} failover(s)")
+    result = run_replication(sizes, repeats=opts.repeats or (2 if quick else 9 if full else 5),
+                             repeat_seconds=0.05 if quick else 0.25, kills=kills,
+                             log_dir=logs / "replication",
+                             on_row=lambda c: console.print(_cost_line(c)))
+    if result.failover is not None:
+        fo = result.failover
+        console.print(f"  failover: median {fo.median:.2f} s, max {fo.max:.2f} s over "
+                      f"{len(fo.seconds)} kill(s) (--failover-timeout {fo.failover_timeout:g})")
+    return result
+
+
 def run_benchmarks(opts: BenchOptions, console: Console | None = None) -> BenchResult:
     """Run the chosen parts, write ``out/result.json``, print the tables; return the result."""
     console = console or Console()
@@ -193,7 +229,7 @@ def run_benchmarks(opts: BenchOptions, console: Console | None = None) -> BenchR
                else " ".join(sys.argv))
     started, environment = time.time(), _environment()
     t0 = time.perf_counter()
-    sweep = hosts = async_rows = memory = overlap = overlap_tcp = None
+    sweep = hosts = async_rows = memory = overlap = overlap_tcp = replication = None
     if "sweep" in opts.parts:
         cells = cells_for(opts)
         cfg = SweepConfig(cells=cells, systems=opts.systems, variants=_variants(opts),
@@ -233,8 +269,11 @@ def run_benchmarks(opts: BenchOptions, console: Console | None = None) -> BenchR
         overlap = run_overlap(log_dir=logs, **asdict(size))
         # weights over TCP, as from another host: with early weights and without
         overlap_tcp = run_overlap(log_dir=logs, tcp=True, **asdict(size))
+    if "replication" in opts.parts:
+        replication = _run_replication(opts, console, logs)
     result = BenchResult(
-        sweep, hosts, async_rows, memory, overlap, overlap_tcp, command=command,
+        sweep, hosts, async_rows, memory, overlap, overlap_tcp, replication=replication,
+        command=command,
         preset=opts.preset, malloc=opts.malloc, started=started,
         seconds=time.perf_counter() - t0,
         environment=replace(environment, load_after=os.getloadavg()))

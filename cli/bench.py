@@ -47,6 +47,9 @@ Examples:
   # veth pair (run as root, with iproute2; skipped otherwise), about a minute
   paramserver bench --part hosts --size 1MiB --size 16MiB --size 100MiB
 \b
+  # what a backup per shard costs (1 KiB and 100 MiB), and the failover time
+  paramserver bench --part replication
+\b
 See docs/performance.md for what each part measures and the goals it checks.
 """
 
@@ -60,9 +63,12 @@ See docs/performance.md for what each part measures and the goals it checks.
               "(a minute or two).")
 @click.option("--full", is_flag=True, help="Every payload on every workers x shards point.")
 @click.option("--part", "parts", multiple=True,
-              type=click.Choice(["sweep", "async", "memory", "overlap", "hosts"]),
-              help="Run only these parts (repeatable; default: all but hosts). hosts: "
-                   "raw pyzmq and this project across two network namespaces (root).")
+              type=click.Choice(["sweep", "async", "memory", "overlap", "hosts",
+                                 "replication"]),
+              help="Run only these parts (repeatable; default: all but hosts and "
+                   "replication). hosts: raw pyzmq and this project across two network "
+                   "namespaces (root). replication: push+pull with and without "
+                   "--replicas 1, and the failover time.")
 @click.option("--system", "systems", multiple=True,
               type=click.Choice(["raw", "ps", "rpc", "gloo", "ray"]),
               help="Systems in the sweep (repeatable; raw, the limit, is always in). ray "
