@@ -27,8 +27,9 @@ from paramserver.wire.curve import CurveKeys
 from paramserver.wire.transport import Channel, SideChannel
 from paramserver.workers.liveness import Heartbeat, Patience, Waiter
 
-__all__ = ["SEPARATOR", "Failover", "FailoverHeartbeat", "FailoverPatience", "FollowOnly",
-           "ask_roles", "current_primaries", "join_replicas", "move", "primary_of"]
+__all__ = ["POLL_EVERY", "RESEND_EVERY", "SEPARATOR", "TAKEOVER_WAIT", "Failover",
+           "FailoverHeartbeat", "FailoverPatience", "FollowOnly", "ask_roles",
+           "current_primaries", "join_replicas", "move", "primary_of"]
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,17 @@ SEPARATOR = "|"
 PROBE_TIMEOUT = 0.3
 #: a request to a replicated shard is judged (and maybe moved) this often at most
 ATTEMPT_TIMEOUT = 1.0
+#: while no replica says it is primary (the primary fell silent and its backup has not
+#: taken over yet), the replicas are asked again this often, up to TAKEOVER_WAIT:
+#: a worker reaches the new primary within about this much of its takeover, not at
+#: its next attempt
+POLL_EVERY = 0.05
+TAKEOVER_WAIT = 5.0
+#: a request unanswered by a primary that is still primary is sent to it again only
+#: this often (a plain client's default attempt timeout): a large push that takes
+#: over an attempt is being handled, and sending it again every attempt made the
+#: primary forward every copy to its backups (a 100 MiB push, once a second)
+RESEND_EVERY = 5.0
 
 
 def join_replicas(replicas: Sequence[str]) -> str:
@@ -149,13 +161,24 @@ class Failover:
             return FollowOnly(self, client, label, shards)
         return FailoverPatience(self, client, heartbeat, label, shards)
 
-    def follow(self, client: Waiter, shard: int) -> bool:
+    def follow(self, client: Waiter, shard: int, wait: float = TAKEOVER_WAIT) -> bool:
         """Ask ``shard``'s replicas who is primary; move there if it is not where our
-        requests go. Returns whether the channel moved."""
+        requests go. Returns whether the channel moved.
+
+        While none says it is primary, asks again every POLL_EVERY for up to ``wait``
+        seconds, or until a reply to us arrives: a takeover under way is followed as
+        it happens. Moving is always safe, whatever we are told: a primary that was
+        superseded is fenced at its next forward and answers no one, so a worker
+        misled to it only asks again; and a request sent again keeps its push id."""
         if len(self.replicas[shard]) < 2:
             return False
         channel = client.channels[shard]
+        deadline = time.monotonic() + wait
         found = primary_of(ask_roles(self.replicas[shard]))
+        while found is None and time.monotonic() < deadline:
+            if zmq.select([channel.socket], [], [], POLL_EVERY)[0]:
+                return False  # the primary answered us after all
+            found = primary_of(ask_roles(self.replicas[shard], POLL_EVERY * 2))
         if found is None or found[0] == channel.address:
             return False
         address, epoch = found
@@ -176,6 +199,7 @@ class FailoverPatience(Patience):
                  shards: Sequence[int]) -> None:
         super().__init__(client, heartbeat, label, shards)
         self.failover = failover
+        self.judged = self.started  # when Patience last judged (and maybe resent)
 
     def __call__(self, lost: list[int]) -> bool:
         moved = False
@@ -185,7 +209,13 @@ class FailoverPatience(Patience):
                 self.last_held.pop(shard, None)
                 # the new primary's heartbeat answers count from now
                 self.heartbeat.last_reply[shard] = time.monotonic()
-        return True if moved else super().__call__(lost)
+        if moved:
+            return True
+        now = time.monotonic()
+        if now - self.judged < RESEND_EVERY:
+            return False  # still where it was sent: keep waiting for its answer
+        self.judged = now
+        return super().__call__(lost)
 
 
 class FollowOnly:
