@@ -10,11 +10,13 @@ it), the same shard over TCP, and the replicated shard (TCP: a backup turns shar
 memory off). Their repeats are interleaved, so each repeat gives a *paired* ratio
 (time with the backup / time without, and / time over TCP: the forward's own cost).
 
-The failover time: after a few rounds (async, a 4 KiB model) this process
+The failover time: after a few rounds (async, a 256 KiB model, through shared
+memory where the host allows it) this process
 SIGKILLs the primary, between two rounds, and times from the kill to the end of
 the first round the new primary acknowledges, with the given
-``--failover-timeout`` (default: the server's). Each kill has a fresh primary; the
-backup's agent serves every trial.
+``--failover-timeout`` (default: the server's). That first round pushes a zero
+gradient, and its weights must come back bit-identical to those before the kill.
+Each kill has a fresh primary; the backup's agent serves every trial.
 """
 
 from __future__ import annotations
@@ -65,19 +67,22 @@ class CostRow:
     # each repeat's seconds per round, in the order they ran: without, tcp, with_replica
     repeats: tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]
 
+    replica_shm_used: bool = False  # the same, for the row with a backup
+
     @classmethod
     def of(cls, nbytes: int, without: list[float], tcp: list[float], with_replica: list[float],
-           shm_used: bool) -> CostRow:
+           shm_used: bool, replica_shm_used: bool) -> CostRow:
         return cls(nbytes, Stats.of(without), Stats.of(tcp), Stats.of(with_replica),
                    Stats.of([a / b for a, b in zip(with_replica, without, strict=True)]),
                    Stats.of([a / b for a, b in zip(with_replica, tcp, strict=True)]),
-                   shm_used, (tuple(without), tuple(tcp), tuple(with_replica)))
+                   shm_used, (tuple(without), tuple(tcp), tuple(with_replica)),
+                   replica_shm_used)
 
     def to_json(self) -> JSONObject:
         return {"bytes": self.bytes, "without": self.without.to_json(),
                 "tcp": self.tcp.to_json(), "with_replica": self.with_replica.to_json(),
                 "ratio": self.ratio.to_json(), "ratio_tcp": self.ratio_tcp.to_json(),
-                "shm_used": self.shm_used,
+                "shm_used": self.shm_used, "replica_shm_used": self.replica_shm_used,
                 "repeats_round_s": {"without": list(self.repeats[0]),
                                     "tcp": list(self.repeats[1]),
                                     "with_replica": list(self.repeats[2])}}
@@ -91,7 +96,7 @@ class CostRow:
                    Stats.from_json(d["ratio"]), Stats.from_json(d["ratio_tcp"]),
                    d.get("shm_used") is True,
                    (tuple(numbers(reps, "without")), tuple(numbers(reps, "tcp")),
-                    tuple(numbers(reps, "with_replica"))))
+                    tuple(numbers(reps, "with_replica"))), d.get("replica_shm_used") is True)
 
 
 @dataclass(frozen=True)
@@ -101,6 +106,7 @@ class FailoverResult:
     seconds: tuple[float, ...]
     failover_timeout: float
     moves: int  # times the worker moved to a new primary (one per kill)
+    shm_used: bool = False  # the worker pushed through shared memory before each kill
 
     @property
     def median(self) -> float:
@@ -112,7 +118,8 @@ class FailoverResult:
 
     def to_json(self) -> JSONObject:
         return {"seconds": list(self.seconds), "median": self.median, "max": self.max,
-                "failover_timeout": self.failover_timeout, "moves": self.moves}
+                "failover_timeout": self.failover_timeout, "moves": self.moves,
+                "shm_used": self.shm_used}
 
     @classmethod
     def from_json(cls, value: JSON) -> FailoverResult:
@@ -121,7 +128,7 @@ class FailoverResult:
         if not isinstance(raw, list) or not raw:
             raise ValueError(f"failover seconds must be a non-empty list, got {raw!r}")
         return cls(tuple(number({"s": s}, "s") for s in raw), number(d, "failover_timeout"),
-                   integer(d, "moves"))
+                   integer(d, "moves"), d.get("shm_used") is True)
 
 
 @dataclass(frozen=True)
@@ -192,7 +199,8 @@ def _cost(nbytes: int, servers: list[Agent], repeats: int, repeat_seconds: float
     sessions = {
         "ps": PSSession({"addresses": [addr], "numel": numel, "rank": 0}),
         "ps-tcp": PSSession({"addresses": [addr], "numel": numel, "rank": 1, "shm": False}),
-        "ps-r1": PSSession({"addresses": [entry], "numel": numel, "rank": 0}),
+        # its own rank: a worker's segment is named by its rank, and all three live here
+        "ps-r1": PSSession({"addresses": [entry], "numel": numel, "rank": 2}),
     }
     rounds: dict[str, list[float]] = {name: [] for name in sessions}
     closed: dict[str, JSONObject] = {}
@@ -213,7 +221,8 @@ def _cost(nbytes: int, servers: list[Agent], repeats: int, repeat_seconds: float
         for a in servers:
             a.read(_TIMEOUT)
     return CostRow.of(nbytes, rounds["ps"], rounds["ps-tcp"], rounds["ps-r1"],
-                      integer(closed["ps"], "shm_used", 0) > 0)
+                      integer(closed["ps"], "shm_used", 0) > 0,
+                      integer(closed["ps-r1"], "shm_used", 0) > 0)
 
 
 def measure_failover(kills: int, failover_timeout: float | None, servers: list[Agent],
@@ -232,6 +241,8 @@ def measure_failover(kills: int, failover_timeout: float | None, servers: list[A
     *spare, backup = servers
     seconds: list[float] = []
     moves = 0
+    shm_used = True
+    numel = 64 << 10  # 256 KiB: a same-host worker's tensors take shared memory
     for k in range(kills):
         if spare:
             primary = spare.pop()
@@ -239,21 +250,30 @@ def measure_failover(kills: int, failover_timeout: float | None, servers: list[A
             primary = Agent(f"repl-primary{k}", log_dir)
             servers.append(primary)  # (the caller closes them all)
         entry = _serve_pair(primary, backup, base)
-        params = {"w": torch.zeros(1024)}
-        grads = {"w": torch.full((1024,), 1e-3)}
-        with PSClient([entry], flat_plan(1024, 1), 0, timeout=60.0) as client:
+        params = {"w": torch.zeros(numel)}
+        grads = {"w": torch.full((numel,), 1e-3)}
+        with PSClient([entry], flat_plan(numel, 1), 0, timeout=60.0) as client:
             clock = client.connect()
             client.initialize(params)
             versions = client.pull(params, clock).versions
             for _ in range(warmup):
                 _, pulled = client.push_pull(grads, versions, 1, clock, params)
                 versions, clock = pulled.versions, clock + 1
+            link = client.channels[0].shm
+            shm_used = shm_used and link is not None and link.active
+            before = params["w"].clone()
             os.kill(primary.pid, signal.SIGKILL)
             t0 = time.monotonic()
-            pushed, _ = client.push_pull(grads, versions, 1, clock, params)
+            # a zero gradient: the new primary's weights must come back unchanged, bit
+            # for bit, with the version one on (every push before the kill was held)
+            pushed, pulled = client.push_pull({"w": torch.zeros(numel)}, versions, 1, clock,
+                                              params)
             seconds.append(time.monotonic() - t0)
             if not (pushed.accepted and all(o.applied for o in pushed.outcomes)):
                 raise RuntimeError("the first push after the failover was not applied")
+            if pulled.versions != (versions[0] + 1,) or not torch.equal(params["w"], before):
+                raise RuntimeError(f"the backup's weights differ from its primary's (versions "
+                                   f"{versions} then {pulled.versions})")
             assert client.failover is not None
             moves += client.failover.moves
             client.bye()
@@ -261,7 +281,7 @@ def measure_failover(kills: int, failover_timeout: float | None, servers: list[A
         shutdown_servers([entry.split("|")[1]])  # the backup, primary now
         backup.read(_TIMEOUT)
         log.info("failover %d: %.3f s", k, seconds[-1])
-    return FailoverResult(tuple(seconds), timeout, moves)
+    return FailoverResult(tuple(seconds), timeout, moves, shm_used and bool(seconds))
 
 
 def run_replication(sizes: tuple[int, ...] = DEFAULT_SIZES, repeats: int = 5,

@@ -11,19 +11,20 @@ import pytest
 from paramserver.benchmarks.records import BenchResult
 from paramserver.benchmarks.replication import ReplicationResult, run_replication
 from paramserver.benchmarks.report import evaluate_goals, print_report
+from paramserver.shm.link import enabled as shm_enabled
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
 def measured() -> ReplicationResult:
-    return run_replication((1024,), repeats=2, repeat_seconds=0.02, kills=1,
+    return run_replication((1024, 64 << 10), repeats=2, repeat_seconds=0.02, kills=1,
                            failover_timeout=0.5)
 
 
 def test_costs_are_paired_ratios_of_real_round_trips(measured: ReplicationResult) -> None:
-    (row,) = measured.costs
-    assert row.bytes == 1024 and measured.repeats == 2
+    row, large = measured.costs
+    assert (row.bytes, large.bytes) == (1024, 64 << 10) and measured.repeats == 2
     without, tcp, with_replica = row.repeats
     assert len(without) == len(tcp) == len(with_replica) == 2
     assert all(0 < t < 1.0 for t in (*without, *tcp, *with_replica))
@@ -34,6 +35,9 @@ def test_costs_are_paired_ratios_of_real_round_trips(measured: ReplicationResult
     assert row.ratio_tcp.median == pytest.approx(
         statistics.median(a / b for a, b in zip(with_replica, tcp, strict=True)))
     assert not row.shm_used  # 1 KiB is below the size that takes shared memory
+    assert not row.replica_shm_used
+    # 64 KiB takes it, with a backup too: the primary forwards what it read there
+    assert large.shm_used == large.replica_shm_used == shm_enabled()
 
 
 def test_failover_is_timed_from_the_kill_to_the_next_acknowledged_step(
@@ -41,6 +45,8 @@ def test_failover_is_timed_from_the_kill_to_the_next_acknowledged_step(
     fo = measured.failover
     assert fo is not None and len(fo.seconds) == 1 and fo.moves == 1
     assert fo.failover_timeout == 0.5
+    # (run_replication checked that the new primary's weights were bit-identical)
+    assert fo.shm_used == shm_enabled()
     # the backup waits out the timeout after the primary's last word (sent just
     # before the kill): a figure below it would not be a failover
     assert 0.4 < fo.seconds[0] < 10.0 and fo.median == fo.max == fo.seconds[0]

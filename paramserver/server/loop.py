@@ -51,7 +51,7 @@ from paramserver.server.ops import DataOps, Handler
 from paramserver.server.outbox import Outbox
 from paramserver.server.parts import JoinedParts, StreamedParts
 from paramserver.server.peers import PeerInfo, Peers
-from paramserver.server.replication import REPLAYED, REPLICATED_OPS, Replication
+from paramserver.server.replication import REPLAYED, REPLICATED_OPS, Replication, as_tcp
 from paramserver.server.stopping import DIVERGED_EXIT_CODE, Divergence
 from paramserver.server.tables import TableBuilder
 from paramserver.shm.link import ShmHub, asks_board, lends, sweep, take_shm
@@ -109,10 +109,10 @@ class ShardServer:
         self._running = False
         self.counters: Counter[str] = Counter()
         self.outbox = Outbox(self.socket, self.counters)
-        # same-host workers' tensors through shared memory (paramserver/shm/link.py)
-        # (not with replicas: a backup must see the tensors a forwarded push carries)
-        self.shm = (ShmHub(config.shard, self.socket.limits)
-                    if shm_enabled() and not config.replicas else None)
+        # same-host workers' tensors through shared memory (paramserver/shm/link.py);
+        # with replicas too: the primary forwards what it read there as frames
+        # (replication.as_tcp), and a backup that takes over has a hub of its own
+        self.shm = ShmHub(config.shard, self.socket.limits) if shm_enabled() else None
         self.outbox.shm = self.shm
         self.started_at = time.time()
         self.checkpoints = Checkpointer(
@@ -321,18 +321,20 @@ class ShardServer:
             seq = msg.seq
             key = self.socket.user_id(frames)
             self.access.check(msg, key)
-            if repl is not None and msg.op in REPLICATED_OPS:
-                if not repl.writable:
-                    if identity != REPLAYED:  # a backup is silent to workers, as a dead
-                        self.counters["not_primary"] += 1  # primary is: they ask who is
-                        return                             # primary now (failover.py)
-                else:  # to the backups first (they apply it while we do); answered
-                    forwarded = repl.forward(frames)  # once they have it
+            replicated = repl is not None and msg.op in REPLICATED_OPS
+            if replicated and repl is not None and not repl.writable:
+                if identity != REPLAYED:  # a backup is silent to workers, as a dead
+                    self.counters["not_primary"] += 1  # primary is: they ask who is
+                    return                             # primary now (failover.py)
+                replicated = False
             if lends(msg.body):
                 take_shm(self.shm, msg, identity)  # tensors in the sender's segment
                 lent = msg.tensors
             elif asks_board(msg.body):
                 take_shm(self.shm, msg, identity)  # the answer through the weight board
+            if replicated and repl is not None:  # to the backups first (they apply it
+                forwarded = repl.forward(as_tcp(msg, frames))  # while we do); answered
+                # once they have it, tensors read from shared memory sent as frames
             self.outbox.acknowledged(identity, seq)
             self.counters["messages"] += 1
             self.counters["bytes_in"] += sum(len(f) for f in frames)

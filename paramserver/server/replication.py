@@ -46,7 +46,7 @@ from paramserver.core.transfer import CoreImage
 from paramserver.errors import ConfigError, ProtocolError
 from paramserver.server.rejoin import Joiner
 from paramserver.wire import replication as wrepl
-from paramserver.wire.protocol import Op
+from paramserver.wire.protocol import Message, Op, encode
 
 if TYPE_CHECKING:
     import torch
@@ -57,7 +57,7 @@ if TYPE_CHECKING:
     from paramserver.server.config import ServerConfig
     from paramserver.server.outbox import Outbox
 
-__all__ = ["REPLAYED", "REPLICATED_OPS", "Replication", "ReplicationHost"]
+__all__ = ["REPLAYED", "REPLICATED_OPS", "Replication", "ReplicationHost", "as_tcp"]
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,24 @@ REPLAYED = b"\x00replayed"
 Send = Callable[[bytes, list[bytes]], None]
 #: the data ops whose messages the primary forwards (the others change nothing)
 REPLICATED_OPS = frozenset({Op.HELLO, Op.INIT, Op.PUSH, Op.PULL, Op.HEARTBEAT, Op.BYE})
+
+
+#: the fields by which a same-host worker's message refers to shared memory
+_SHM_FIELDS = ("shm", "via_shm")
+
+
+def as_tcp(msg: Message, frames: list[Any]) -> list[Any]:
+    """What the backups get for ``msg``: its frames as received, or, for a message
+    that refers to its sender's shared memory (a segment offered at HELLO, tensors
+    lent in it, an answer through the weight board), the same message as it would
+    have come over TCP: those fields left out, the tensors the primary read from the
+    segment as frames (zero-copy: the worker writes its segment again only after our
+    answer, and we answer after every backup has received the whole message)."""
+    fields = msg.fields
+    if not any(k in fields for k in _SHM_FIELDS):
+        return frames
+    plain = {k: v for k, v in fields.items() if k not in _SHM_FIELDS}
+    return encode(Message(msg.op, msg.seq, plain, msg.tensors))
 
 
 class ReplicationHost(Protocol):
