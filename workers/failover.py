@@ -57,9 +57,12 @@ def join_replicas(replicas: Sequence[str]) -> str:
     return SEPARATOR.join(replicas)
 
 
-def ask_roles(addresses: Sequence[str], timeout: float = PROBE_TIMEOUT
+def ask_roles(addresses: Sequence[str], timeout: float = PROBE_TIMEOUT,
+              enough: Callable[[dict[str, wrepl.RoleReply | None]], bool] | None = None
               ) -> dict[str, wrepl.RoleReply | None]:
-    """Each replica's answer to WhoIs (None: no answer within ``timeout``), asked at once."""
+    """Each replica's answer to WhoIs (None: no answer within ``timeout``), asked at once;
+    with ``enough``, only until it holds of the answers so far (a dead replica never
+    answers: without it every probe of a shard that lost one lasts ``timeout``)."""
     ctx: zmq.Context[Any] = zmq.Context.instance()
     socks: dict[str, zmq.Socket[Any]] = {}
     out: dict[str, wrepl.RoleReply | None] = dict.fromkeys(addresses)
@@ -85,6 +88,8 @@ def ask_roles(addresses: Sequence[str], timeout: float = PROBE_TIMEOUT
                 if isinstance(record, wrepl.RoleReply):
                     out[address] = record
                 waiting.discard(address)
+            if enough is not None and enough(out):
+                break
     except zmq.ZMQError as exc:
         log.debug("asking replicas their roles: %s", exc)
     finally:
@@ -174,11 +179,16 @@ class Failover:
             return False
         channel = client.channels[shard]
         deadline = time.monotonic() + wait
-        found = primary_of(ask_roles(self.replicas[shard]))
+
+        def claimed(roles: dict[str, wrepl.RoleReply | None]) -> bool:
+            return primary_of(roles) is not None
+
+        # asked until one says it is primary: the silent one is not waited for
+        found = primary_of(ask_roles(self.replicas[shard], enough=claimed))
         while found is None and time.monotonic() < deadline:
             if zmq.select([channel.socket], [], [], POLL_EVERY)[0]:
                 return False  # the primary answered us after all
-            found = primary_of(ask_roles(self.replicas[shard], POLL_EVERY * 2))
+            found = primary_of(ask_roles(self.replicas[shard], POLL_EVERY * 2, claimed))
         if found is None or found[0] == channel.address:
             return False
         address, epoch = found
