@@ -123,7 +123,7 @@ def evaluate_goals(result: BenchResult) -> list[Goal]:
     cost = repl.row(_MIB100) if repl else None
     add("100 MiB push+pull with --replicas 1 vs without", cost.ratio.median if cost else None,
         "<= 1.3x", None if cost is None else cost.ratio.median <= 1.3,
-        "paired repeats, 1 worker, 1 shard, sync" if cost else "")
+        "paired repeats, 1 worker, 1 shard, async" if cost else "")
     fo = repl.failover if repl else None
     add("failover: primary SIGKILLed to the first step its backup acknowledged",
         fo.max if fo else None, "< 2 s (the maximum)", None if fo is None else fo.max < 2.0,
@@ -206,7 +206,7 @@ def print_report(result: BenchResult, console: Console | None = None) -> None:
                       str(ov.rounds_ahead))
         console.print(t)
     if result.replication is not None and result.replication.costs:
-        t = Table(title="replication: push + pull round trip, 1 worker, 1 shard, sync "
+        t = Table(title="replication: push + pull round trip, 1 worker, 1 shard, async "
                         "(median [min-max]; x: paired per repeat)")
         for col in ("payload", "without ms", "over TCP ms", "--replicas 1 ms", "x without",
                     "x TCP"):
