@@ -207,7 +207,7 @@ def print_report(result: BenchResult, console: Console | None = None) -> None:
         console.print(t)
     if result.replication is not None and result.replication.costs:
         t = Table(title="replication: push + pull round trip, 1 worker, 1 shard, async "
-                        "(median [min-max]; x: paired per repeat)")
+                        "(median, range below; x: paired per repeat)")
         for col in ("payload", "without ms", "over TCP ms", "--replicas 1 ms", "x without",
                     "x TCP"):
             t.add_column(col, justify="right")
