@@ -88,6 +88,13 @@ def as_tcp(msg: Message, frames: list[Any]) -> list[Any]:
     return encode(Message(msg.op, msg.seq, plain, msg.tensors))
 
 
+def _owned(frames: Sequence[Any]) -> list[Any]:
+    """``frames`` with the memory views (as_tcp's tensors read from a worker's segment)
+    copied: a backup that is not waited for may still be sent them once the worker has
+    its answer and writes its segment again."""
+    return [bytes(f) if isinstance(f, memoryview) else f for f in frames]
+
+
 class ReplicationHost(Protocol):
     """What replication asks of the shard server that owns it."""
 
@@ -223,8 +230,11 @@ class Replication:
         seq = self.state.next_seq()
         head = wrepl.encode(wrepl.Apply(self.state.epoch, seq, now, kind,  # type: ignore[arg-type]
                                         list(workers)))
+        owned: list[Any] | None = None
         for b in list(self.backups):
-            self._deliver(b, [*head, *frames])
+            if b in self._joining:  # not waited for (wait): its own copy of what may
+                owned = owned or _owned(frames)  # lie in a worker's segment (as_tcp)
+            self._deliver(b, [*head, *(owned if b in self._joining and owned else frames)])
         self._pinged = now
         return seq
 
