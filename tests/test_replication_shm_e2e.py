@@ -24,9 +24,9 @@ pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(not shm_enabled(), reason="shared memory is off here")]
 
 
-def _spec(replicas: int) -> ClusterSpec:
+def _spec(replicas: int, step_time: float) -> ClusterSpec:
     # one shard of digits-mlp with 512 hidden units: 150 KiB, above shared memory's minimum
-    spec = _base_spec("sync", 1, 2, 60, 0.06, replicas)
+    spec = _base_spec("sync", 1, 2, 60, step_time, replicas)
     return dataclasses.replace(spec, worker=dataclasses.replace(
         spec.worker, task_args={"hidden": 512}))
 
@@ -35,9 +35,10 @@ def _spec(replicas: int) -> ClusterSpec:
 def runs(tmp_path_factory: pytest.TempPathFactory
          ) -> tuple[Path, Path, ClusterResult, list[str]]:
     plain = tmp_path_factory.mktemp("shm-plain")
-    run_cluster(_spec(0), plain)
+    run_cluster(_spec(0, 0.0), plain)  # unpaced: a sync round's sum has a fixed order
     failed = tmp_path_factory.mktemp("shm-failover")
-    result, killed = _run_killing_primary_twice(_spec(1), failed, 15)
+    # paced, so that both kills land mid-run
+    result, killed = _run_killing_primary_twice(_spec(1, 0.06), failed, 15)
     return plain, failed, result, killed
 
 
