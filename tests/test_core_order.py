@@ -7,29 +7,19 @@ import itertools
 
 import torch
 
-from paramserver.core.shard import CoreConfig, ModeSpec, ShardCore, SliceSpec
+from paramserver.core.shard import ShardCore, SliceSpec
+from tests import core_inputs
 
 SLICES = [SliceSpec(f"k{i}", 64 + i, "float32") for i in range(3)]
 WORKERS = 4
 
 
 def make_core() -> ShardCore:
-    cfg = CoreConfig(mode=ModeSpec("sync", 0, 0), optimizer="sgd",
-                     optimizer_args={"lr": 0.1, "momentum": 0.9},
-                     expected_workers=WORKERS, heartbeat_timeout=10.0)
-    core = ShardCore(SLICES, cfg, None)
-    for w in range(WORKERS):
-        core.register(w, f"inc{w}", now=0.0)
-    gen = torch.Generator().manual_seed(0)
-    core.initialize({s.key: torch.randn(s.numel, generator=gen) for s in SLICES})
-    return core
+    return core_inputs.make_core(SLICES, WORKERS)
 
 
 def gradient(worker: int, step: int) -> dict[str, torch.Tensor]:
-    # magnitudes apart by worker, so that the order of a float32 sum shows
-    gen = torch.Generator().manual_seed(1000 * worker + step)
-    return {s.key: torch.randn(s.numel, generator=gen) * 10.0 ** (worker - 1)
-            for s in SLICES}
+    return core_inputs.gradient(SLICES, worker, step)
 
 
 def parts_of(worker: int, step: int) -> list[dict[str, torch.Tensor]]:

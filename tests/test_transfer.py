@@ -8,36 +8,25 @@ import msgspec
 import pytest
 import torch
 
-from paramserver.core.modes import Mode
-from paramserver.core.shard import CoreConfig, ModeSpec, ShardCore, SliceSpec
+from paramserver.core.shard import CoreConfig, ShardCore, SliceSpec
 from paramserver.core.transfer import CoreImage, export, quiet, restore
 from paramserver.errors import ConfigError
+from tests import core_inputs
 
 SLICES = [SliceSpec(f"k{i}", 16 + i, "float32") for i in range(2)]
 WORKERS = 4
 
 
 def config(mode: str, adam: bool = False) -> CoreConfig:
-    return CoreConfig(mode=ModeSpec(Mode(mode), 1 if mode == "ssp" else 0, 0),
-                      optimizer="adam" if adam else "sgd",
-                      optimizer_args={"lr": 0.01} if adam else {"lr": 0.1, "momentum": 0.9},
-                      expected_workers=WORKERS, heartbeat_timeout=10.0)
+    return core_inputs.core_config(mode, WORKERS, adam)
 
 
 def make_core(mode: str, adam: bool = False) -> ShardCore:
-    core = ShardCore(SLICES, config(mode, adam), None)
-    for w in range(WORKERS):
-        core.register(w, f"inc{w}", now=0.0)
-    gen = torch.Generator().manual_seed(0)
-    core.initialize({s.key: torch.randn(s.numel, generator=gen) for s in SLICES})
-    return core
+    return core_inputs.make_core(SLICES, WORKERS, mode, adam)
 
 
 def gradient(worker: int, step: int) -> dict[str, torch.Tensor]:
-    # magnitudes apart by worker, so that the order of a float32 sum shows
-    gen = torch.Generator().manual_seed(1000 * worker + step)
-    return {s.key: torch.randn(s.numel, generator=gen) * 10.0 ** (worker - 1)
-            for s in SLICES}
+    return core_inputs.gradient(SLICES, worker, step)
 
 
 def push(core: ShardCore, worker: int, step: int, now: float, part: int = 0,
