@@ -132,3 +132,62 @@ def test_a_hostile_snapshot_is_refused() -> None:
     missing = {k: v for k, v in tensors.items() if not k.startswith("param/")}
     with pytest.raises(ConfigError):
         restore(ShardCore(SLICES, config("sync"), None), image, missing)
+
+
+# A snapshot crosses hosts: the receiver's monotonic clock counts from another boot,
+# far ahead of the sender's or behind it. Its instants are moved by the difference of
+# the two `now`s, so every age (and every decision made from one) is the same.
+SKEWS = [1e6, -4000.0 + 0.25]
+
+
+def _aged_core() -> ShardCore:
+    """A sync core at (its) time 5000: worker 3 last heard at 4993, the others at
+    5000; one part in the open round since 4998."""
+    core = make_core("sync")
+    for w in range(WORKERS):
+        core.heartbeat(w, 4993.0)
+    for w in range(3):
+        core.heartbeat(w, 5000.0)
+    push(core, 0, 0, 4998.0)
+    return core
+
+
+@pytest.mark.parametrize("skew", SKEWS)
+def test_a_snapshot_keeps_ages_on_a_receiver_with_another_clock(skew: float) -> None:
+    core = _aged_core()
+    image, tensors = export(core)
+    sent_at = 5000.0
+    other = ShardCore(SLICES, config("sync"), None)
+    here = sent_at + skew  # the receiver's clock when it restores
+    restore(other, image, {k: v.clone() for k, v in tensors.items()}, shift=here - sent_at)
+    for w in range(WORKERS):
+        age = sent_at - core.workers[w].last_seen
+        assert here - other.workers[w].last_seen == pytest.approx(age)
+        assert here - other.workers[w].pushed_at == pytest.approx(
+            sent_at - core.workers[w].pushed_at)
+    assert core.round.opened is not None and other.round.opened is not None
+    assert here - other.round.opened == pytest.approx(sent_at - core.round.opened)
+    # the heartbeat timeout (10 s) removes worker 3 at the same age on both: not at 9.9
+    # s of silence, at 10.1 s
+    assert core.expire(sent_at + 2.9) == [] and other.expire(here + 2.9) == []
+    assert core.expire(sent_at + 3.1) == [3] and other.expire(here + 3.1) == [3]
+
+
+@pytest.mark.parametrize("skew", SKEWS)
+def test_an_unshifted_snapshot_would_misjudge_liveness(skew: float) -> None:
+    """What the shift is for: restored with the sender's instants as they are, a
+    receiver whose clock is far ahead declares every worker dead at once (far behind:
+    none for hours)."""
+    core = _aged_core()
+    image, tensors = export(core)
+    other = ShardCore(SLICES, config("sync"), None)
+    restore(other, image, {k: v.clone() for k, v in tensors.items()})
+    dead = other.expire(5000.0 + skew + 3.1)
+    assert dead == (list(range(WORKERS)) if skew > 0 else [])
+
+
+def test_a_snapshot_time_that_is_not_finite_is_refused() -> None:
+    image, tensors = export(_aged_core())
+    with pytest.raises(ConfigError, match="not finite"):
+        restore(ShardCore(SLICES, config("sync"), None), image, tensors,
+                shift=float("nan"))

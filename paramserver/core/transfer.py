@@ -16,11 +16,18 @@ A core is exported only when :func:`quiet`: no push in parts half-received and n
 in parts under way (their parts live in the server and the core together, and are
 not carried). Parked pulls are not carried either: a worker whose pull waits asks
 again, through the same retry that carries it over a failover.
+
+Times: the image's instants (when each worker was last heard, last pushed, first
+contended; when the round opened) are the exporter's monotonic clock, which means
+nothing on another host (each machine's clock counts from its own boot). The sender
+tells its ``now`` beside the image, and :func:`restore` moves every instant by the
+receiver's ``now`` minus it (``shift``): ages are kept, whatever the two clocks read.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import Counter
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Annotated
@@ -160,10 +167,15 @@ def export(core: ShardCore) -> tuple[CoreImage, dict[str, torch.Tensor]]:
     return image, tensors
 
 
-def restore(core: ShardCore, image: CoreImage, tensors: Mapping[str, torch.Tensor]) -> None:
+def restore(core: ShardCore, image: CoreImage, tensors: Mapping[str, torch.Tensor],
+            shift: float = 0.0) -> None:
     """Put :func:`export`'s output into ``core`` (built from the same plan and
-    configuration, nothing applied to it yet). :class:`ConfigError` naming the field
-    when the snapshot is not one this core would export."""
+    configuration, nothing applied to it yet). ``shift``: the receiver's monotonic
+    now minus the exporter's when it exported (0: the same clock); every instant of
+    the image is moved by it. :class:`ConfigError` naming the field when the snapshot
+    is not one this core would export."""
+    if not math.isfinite(shift):
+        raise ConfigError(f"a clock shift of {shift} s: the snapshot's time is not finite")
     waits = {k: v for k, v in tensors.items() if k.startswith("wait/")}
     try:
         meta = msgspec.json.decode(image.checkpoint)
@@ -173,7 +185,7 @@ def restore(core: ShardCore, image: CoreImage, tensors: Mapping[str, torch.Tenso
         raise ConfigError("field 'checkpoint' must be a checkpoint's metadata (an object)")
     snapshot.load(core, {k: v for k, v in tensors.items() if not k.startswith("wait/")}, meta)
     members, sync = core.members, core.round
-    members.workers = {w.worker: _worker_state(w) for w in image.workers}
+    members.workers = {w.worker: _worker_state(w, shift) for w in image.workers}
     members.left_out = set(image.left_out)
     members.workers_evicted = image.workers_evicted
     members.paces.clear()
@@ -193,7 +205,8 @@ def restore(core: ShardCore, image: CoreImage, tensors: Mapping[str, torch.Tenso
         for key in r.written:
             sync.agg[key].copy_(restored[key])
         sync.written = set(r.written)
-    sync.opened, sync.void, sync.in_place = r.opened, r.void, r.in_place
+    sync.opened = r.opened + shift if r.opened is not None else None
+    sync.void, sync.in_place = r.void, r.in_place
     sync.turn = set(r.turn)
     sync.waiting = {}
     for i, part in enumerate(r.waiting):
@@ -223,8 +236,14 @@ def _worker_image(w: WorkerState) -> WorkerImage:
     return WorkerImage(**fields)
 
 
-def _worker_state(image: WorkerImage) -> WorkerState:
+def _worker_state(image: WorkerImage, shift: float) -> WorkerState:
+    """The worker's record, its instants moved onto the receiver's clock by ``shift``."""
     fields = {f: getattr(image, f) for f in image.__struct_fields__}
     fields.update(rejected=Counter(image.rejected), staleness=Counter(image.staleness),
-                  contenders=dict(image.contenders))
-    return WorkerState(**fields)
+                  contenders={k: t + shift for k, t in image.contenders.items()},
+                  last_seen=image.last_seen + shift)
+    state = WorkerState(**fields)
+    # set after __post_init__, which reads a negative pushed_at as "never": a shifted
+    # instant may be below 0 on a receiver whose clock started later
+    state.pushed_at = image.pushed_at + shift
+    return state

@@ -122,7 +122,9 @@ def adopt(server: ShardServer, snapshot: wrepl.Snapshot, frames: Sequence[Any]) 
                                                      server.config.plan_limits()))
         assert server.core is not None
         if record is not None:
-            restore(server.core, record, tensors)
+            # its instants are the primary's clock: moved onto ours (another host's
+            # monotonic clock counts from another boot)
+            restore(server.core, record, tensors, time.monotonic() - snapshot.now)
     except (ConfigError, ProtocolError, msgspec.DecodeError) as exc:
         server.core = server.plan = None  # no half-restored core stays
         server.sparse = server.tables = None

@@ -46,7 +46,8 @@ class Apply(msgspec.Struct, tag="apply", frozen=True):
     ``kind``: ``msg`` (the data message follows in frames), ``dead`` (the primary's
     heartbeat timeout removed ``workers``), ``left_out`` (a round deadline left them
     out; the workers one tick of its timer decided on, applied as one). ``now``: the
-    primary's monotonic time when it applied it."""
+    primary's monotonic time when it applied it, for logs only: a backup applies each
+    input at its own clock, never at this one (another host's clock is another)."""
 
     epoch: Count
     seq: Count
@@ -108,6 +109,8 @@ class Snapshot(msgspec.Struct, tag="snapshot", frozen=True):
 
     epoch: Count
     seq: Count
+    #: the primary's monotonic time at the snapshot: the receiver moves the image's
+    #: instants by its own now minus this (core/transfer.restore)
     now: float
     primary: Address  # where the primary listens
     plan: Annotated[bytes, msgspec.Meta(max_length=MAX_META)]
