@@ -380,7 +380,7 @@ class ServerConfig(ConfigRecord):
                                 "primary accepts before the worker is answered; one takes over "
                                 "when the primary stops answering (docs/reliability.md). "
                                 "launch only, R <= 1 for now.")
-    failover_timeout: float = option(2.0, min=0, min_open=True, metavar="SECONDS",
+    failover_timeout: float = option(1.0, min=0, min_open=True, metavar="SECONDS",
                                      help="With --replicas: a backup takes over after its "
                                           "primary was silent this long.")
     #: this process's index among its shard's replicas (0 starts as the primary)

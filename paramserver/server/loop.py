@@ -217,6 +217,8 @@ class ShardServer:
                 except CheckpointError as exc:  # the last good checkpoint stays LATEST
                     log.error("%s", exc)
         finally:
+            if self.replication is not None:
+                self.replication.keepalive.close()  # (its thread: no keep-alive after us)
             self.observer.close()
             self.exporter.close()
             self.events.write("server_stop", shard=self.config.shard,

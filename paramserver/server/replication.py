@@ -44,6 +44,7 @@ from zmq.utils.monitor import recv_monitor_message
 from paramserver.core.replica import ReplicaState, Role, Verdict
 from paramserver.core.transfer import CoreImage
 from paramserver.errors import ConfigError, ProtocolError
+from paramserver.server.keepalive import KeepAlive
 from paramserver.server.rejoin import Joiner
 from paramserver.wire import replication as wrepl
 from paramserver.wire.protocol import Message, Op, encode
@@ -188,14 +189,14 @@ class Replication:
         self.address = address
         self.timeout = config.failover_timeout
         self.ping_every = self.timeout / 5
-        now = time.monotonic()
         self.state = ReplicaState.starting(config.replica)
         self._context: zmq.Context[Any] = zmq.Context.instance()
         # replica 0 starts as the primary of the backups it is given; another replica
         # given peers was started in place of a dead one, and joins
         starts = config.replica == 0
         self.backups = [_Backup(a, self._context) for a in config.replica_peers if starts]
-        self._pinged = now
+        # keep-alives from a thread: a primary busy in one handler is not taken for dead
+        self.keepalive = KeepAlive(self._context, self.ping_every, self.shard)
         self.failovers = 0
         self.lost: list[str] = []  # backups dropped for silence
         self._exported_at = float("-inf")
@@ -211,6 +212,7 @@ class Replication:
         self._asked_since: float | None = None
         if self.backups:
             self._announce()
+            self._aim(time.monotonic())
         elif config.replica_peers:
             self._rejoin(config.replica_peers)
 
@@ -235,12 +237,12 @@ class Replication:
             if b in self._joining:  # not waited for (wait): its own copy of what may
                 owned = owned or _owned(frames)  # lie in a worker's segment (as_tcp)
             self._deliver(b, [*head, *(owned if b in self._joining and owned else frames)])
-        self._pinged = now
         return seq
 
     def _deliver(self, b: _Backup, frames: list[Any]) -> None:
         """Send ``frames`` to ``b``, waiting while it is alive (dropped once dead)."""
         while not b.send(frames):
+            self.keepalive.renew(time.monotonic())
             if b.dead(time.monotonic(), self.timeout):
                 self._drop(b, f"its connection was down for {self.timeout:g}s")
                 return
@@ -273,6 +275,7 @@ class Replication:
                 if got:
                     continue
                 now = time.monotonic()
+                self.keepalive.renew(now)  # waiting on a backup is not being stuck
                 if b.dead(now, self.timeout):
                     self._drop(b, f"its connection was down for {self.timeout:g}s")
                 elif now - since > self.timeout:
@@ -331,6 +334,7 @@ class Replication:
             b.close()
         self.backups, self._joining = [], {}
         self.state.rejoin()
+        self.keepalive.aim(self.state.epoch, (), time.monotonic())  # no primary's words
         self._asked_since = time.monotonic()
         if self.joiner is not None:
             self.joiner.close()
@@ -435,19 +439,23 @@ class Replication:
         if self.joiner is not None:
             self.joiner.tick(now)
         if self.state.role is Role.PRIMARY:
+            refusal = self.keepalive.refusal()
+            if refusal is not None and self.state.refused(refusal[0]):
+                self._fenced(*refusal)  # a backup holds a higher epoch than ours
+                return
             self._send_snapshots()
             for b in list(self.backups):
                 self._drain(b)
                 if b in self.backups and b.dead(now, self.timeout):
                     self._drop(b, f"its connection was down for {self.timeout:g}s")
-            if self.backups and now - self._pinged >= self.ping_every:
-                self._pinged = now
-                head = wrepl.encode(wrepl.Apply(self.state.epoch, 0, now, "ping"))
-                for b in self.backups:
-                    b.send(head, wait=False)  # (a full queue: it has pings enough)
+            self._aim(now)
             return
         if self.state.silent(now, self.timeout):
             self._take_over(now)
+
+    def _aim(self, now: float) -> None:
+        """Keep-alives to the current backups (the thread's lease renewed)."""
+        self.keepalive.aim(self.state.epoch, tuple(b.address for b in self.backups), now)
 
     def _take_over(self, now: float) -> None:
         silent = now - (self.state.heard_at or now)
@@ -541,6 +549,7 @@ class Replication:
             outbox.observer_pulls.discard(ready.token)
 
     def close(self) -> None:
+        self.keepalive.close()
         for b in self.backups:
             b.close()
         self.backups = []

@@ -1,0 +1,65 @@
+"""A shard's replicas started by hand, as the launcher starts them
+(``python -m paramserver.server.loop CONFIG.json``, the address read from the
+``PARAMSERVER_READY`` line), optionally inside a network namespace or through a
+script that wraps the server (tests/busy_primary_script.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from paramserver.server.config import ServerConfig
+from paramserver.server.loop import READY_PREFIX
+
+#: seconds a replica may take to announce its address
+STARTUP = 120.0
+
+
+@dataclass
+class Replica:
+    name: str
+    popen: subprocess.Popen[bytes]
+    address: str
+    log: Path
+
+    def stop(self) -> None:
+        """Kill it if it still runs, and reap it."""
+        if self.popen.poll() is None:
+            self.popen.kill()
+        self.popen.wait(30)
+        if self.popen.stdout is not None:
+            self.popen.stdout.close()
+
+
+def start(name: str, config: ServerConfig, out: Path, prefix: Sequence[str] = (),
+          script: Sequence[str] = ()) -> Replica:
+    """Start one replica serving ``config``; its log and config go under ``out``.
+    ``prefix``: run it through this command (``ip netns exec NS``); ``script``: a
+    Python script and its first arguments run instead of the server's module (it ends
+    by calling paramserver.server.loop.main with the config's path)."""
+    cfg = out / f"{name}.json"
+    cfg.write_text(json.dumps(config.to_dict()))
+    log = out / f"{name}.log"
+    target = list(script) if script else ["-m", "paramserver.server.loop"]
+    with log.open("wb") as fh:
+        popen = subprocess.Popen([*prefix, sys.executable, *target, str(cfg)],
+                                 stdout=subprocess.PIPE, stderr=fh)
+    line: list[bytes] = []
+    reader = threading.Thread(target=lambda: line.append(popen.stdout.readline()  # type: ignore[union-attr]
+                                                         ), daemon=True)
+    reader.start()
+    reader.join(STARTUP)
+    text = line[0].decode() if line else ""
+    if not text.startswith(READY_PREFIX):
+        with contextlib.suppress(OSError):
+            popen.kill()
+        popen.wait(30)
+        raise RuntimeError(f"{name} did not start: {text!r}; its log: "
+                           f"{log.read_text()[-2000:]}")
+    return Replica(name, popen, text.split()[1], log)
