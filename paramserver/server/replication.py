@@ -45,6 +45,7 @@ from paramserver.core.replica import ReplicaState, Role, Verdict
 from paramserver.core.transfer import CoreImage
 from paramserver.errors import ConfigError, ProtocolError
 from paramserver.server.keepalive import KeepAlive
+from paramserver.server.peerprobe import refused
 from paramserver.server.rejoin import Joiner
 from paramserver.wire import replication as wrepl
 from paramserver.wire.protocol import Message, Op, encode
@@ -121,8 +122,9 @@ class _Backup:
     """The primary's connection to one backup.
 
     A backup is dropped only once its connection has been down for the failover
-    timeout (its process died): one that is merely slow, or paused, is waited for,
-    since a backup dropped while alive would take over beside us."""
+    timeout and its host refuses a connection to its port (its process died): one
+    that is merely slow, paused, or out of reach (a partition: it may be taking over)
+    is waited for, since a backup dropped while alive would take over beside us."""
 
     def __init__(self, address: str, context: zmq.Context[Any]) -> None:
         self.address = address
@@ -135,6 +137,7 @@ class _Backup:
         self.acked = 0  # the last sequence number it acknowledged
         self.acked_at = time.monotonic()
         self.down_since: float | None = self.acked_at  # (until the first connection)
+        self.probed_at = float("-inf")
 
     def send(self, frames: Sequence[Any], wait: bool = True) -> bool:
         try:
@@ -144,7 +147,9 @@ class _Backup:
             return False
 
     def dead(self, now: float, timeout: float) -> bool:
-        """Whether its connection has been down for ``timeout`` seconds."""
+        """Whether its connection has been down for ``timeout`` seconds and its host
+        refuses a connection (peerprobe: a partition is no death); probed at most once
+        every ``timeout``."""
         while True:
             try:
                 event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
@@ -154,7 +159,11 @@ class _Backup:
                 self.down_since = self.down_since or now
             elif event["event"] == zmq.EVENT_CONNECTED:
                 self.down_since = None
-        return self.down_since is not None and now - self.down_since > timeout
+        if self.down_since is None or now - self.down_since <= timeout \
+                or now - self.probed_at < timeout:
+            return False
+        self.probed_at = now
+        return refused(self.address, min(timeout / 4, 0.5))
 
     def read(self) -> wrepl.Ack | None:
         """One acknowledgement if one is waiting."""
@@ -270,7 +279,7 @@ class Replication:
             since = time.monotonic()
             while b.acked < seq and b in self.backups and b not in self._joining:
                 got = self._drain(b)
-                if not self.writable:
+                if not self.writable or self._refused_ping():
                     return False  # fenced
                 if got:
                     continue
@@ -439,9 +448,7 @@ class Replication:
         if self.joiner is not None:
             self.joiner.tick(now)
         if self.state.role is Role.PRIMARY:
-            refusal = self.keepalive.refusal()
-            if refusal is not None and self.state.refused(refusal[0]):
-                self._fenced(*refusal)  # a backup holds a higher epoch than ours
+            if self._refused_ping():
                 return
             self._send_snapshots()
             for b in list(self.backups):
@@ -452,6 +459,14 @@ class Replication:
             return
         if self.state.silent(now, self.timeout):
             self._take_over(now)
+
+    def _refused_ping(self) -> bool:
+        """Whether a backup refused a keep-alive naming a higher epoch (we are fenced)."""
+        refusal = self.keepalive.refusal()
+        if refusal is not None and self.state.refused(refusal[0]):
+            self._fenced(*refusal)
+            return True
+        return False
 
     def _aim(self, now: float) -> None:
         """Keep-alives to the current backups (the thread's lease renewed)."""
