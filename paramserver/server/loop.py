@@ -218,7 +218,7 @@ class ShardServer:
                     log.error("%s", exc)
         finally:
             if self.replication is not None:
-                self.replication.keepalive.close()  # (its thread: no keep-alive after us)
+                self.replication.close()  # (its keep-alive thread too)
             self.observer.close()
             self.exporter.close()
             self.events.write("server_stop", shard=self.config.shard,

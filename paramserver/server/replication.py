@@ -14,8 +14,10 @@ the workers but need no second code path (docs/reliability.md has the figures).
 
 The primary sends an input to its backups before it handles it, and sends the
 worker its answer only once every backup acknowledged it: an answered push is held
-by every live replica. A backup that does not acknowledge within the failover
-timeout is dropped (the shard goes on with fewer replicas, and says so).
+by every live replica. A backup whose connection has been down for the failover
+timeout, and whose host refuses its port (a dead process, not a partition:
+paramserver/server/peerprobe.py), is dropped (the shard goes on with fewer replicas,
+and says so). Keep-alives go out from a thread (paramserver/server/keepalive.py).
 
 Fencing: each replica holds an epoch (paramserver/core/replica.py). A promoted backup
 takes the next one and refuses any input of a lower one; a paused primary that comes
