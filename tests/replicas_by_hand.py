@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -19,6 +20,9 @@ from paramserver.server.loop import READY_PREFIX
 
 #: seconds a replica may take to announce its address
 STARTUP = 120.0
+#: the environment the launcher gives its children: one compute thread each, so that a
+#: worker's gradients come out the same, bit for bit, in every run
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 @dataclass
@@ -49,7 +53,7 @@ def start(name: str, config: ServerConfig, out: Path, prefix: Sequence[str] = ()
     target = list(script) if script else ["-m", "paramserver.server.loop"]
     with log.open("wb") as fh:
         popen = subprocess.Popen([*prefix, sys.executable, *target, str(cfg)],
-                                 stdout=subprocess.PIPE, stderr=fh)
+                                 stdout=subprocess.PIPE, stderr=fh, env=ENV)
     line: list[bytes] = []
     reader = threading.Thread(target=lambda: line.append(popen.stdout.readline()  # type: ignore[union-attr]
                                                          ), daemon=True)

@@ -5,18 +5,22 @@ Two network namespaces joined by a veth pair stand in for the hosts
 (paramserver/benchmarks/netns.py): namespace A holds shard 0's primary and worker 1,
 namespace B its backup and worker 0; every replica and worker is a real process
 started by hand (tests/replicas_by_hand.py, ``python -m paramserver.workers.worker``).
-An async run goes, then the link is cut: each end of the pair drops every packet it
-would send (a zero-length queue), while both ends stay up, so each namespace still
-reaches its own addresses. A is partitioned: its primary lives but hears no one of B.
+An async or sync run goes, then the link is cut: each end of the pair drops every
+packet it would send (a zero-length queue), while both ends stay up, so each namespace
+still reaches its own addresses. A is partitioned: its primary lives but hears no one
+of B.
 
-* The backup takes over at epoch 1 and worker 0 (in B) moves to it and finishes.
+* The backup takes over at epoch 1 and worker 0 (in B) moves to it (async: and
+  finishes; sync: its rounds wait for worker 1).
 * Worker 1 (in A) reaches only the old primary, which answers nothing: it would
   first need the backup's acknowledgement (fencing by waiting; it never drops a
   backup whose connection is up). So no write is accepted beside the new primary.
 * The link comes back: the old primary's held input, or keep-alive, is refused with
   epoch 1, so it steps down and rejoins as a backup of the new primary; worker 1
   moves to the new primary and finishes.
-* Every push a worker saw acknowledged is in the new primary's version once.
+* Async: every push a worker saw acknowledged is in the new primary's version once.
+  Sync: the final weights are bit-identical (``torch.equal``) to the same run on
+  loopback without replicas or failure.
 
 Needs root and iproute2 (skipped otherwise, with the reason).
 """
@@ -31,13 +35,16 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from paramserver.benchmarks.netns import Link, exec_prefix, netns_problem, two_namespaces
 from paramserver.observe.events import read_events
 from paramserver.server.config import ServerConfig
 from paramserver.workers.config import WorkerConfig
+from paramserver.workers.launch.cluster import ClusterSpec, run_cluster
 from paramserver.workers.stragglerspec import StragglerSpec
-from tests.replicas_by_hand import Replica, start
+from tests.replicas_by_hand import ENV, Replica, start
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(netns_problem() is not None, reason=str(netns_problem()))]
@@ -45,6 +52,7 @@ pytestmark = [pytest.mark.integration,
 STEPS = 80
 LIMIT = 60.0  # seconds for any one phase of the run
 WAITS = 10  # failover timeouts the partition lasts at least
+ROOT = Path(__file__).resolve().parents[1]  # (where `tests` is a package)
 
 
 def _wait(what: str, done: Callable[[], bool], limit: float = LIMIT) -> None:
@@ -78,7 +86,7 @@ def _link(link: Link, cut: bool) -> None:
 def _in_ns(ns: str, code: str) -> str:
     """Run Python ``code`` inside ``ns``; what it printed."""
     done = subprocess.run([*exec_prefix(ns), sys.executable, "-c", code], capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=120, cwd=ROOT, env=ENV)
     assert done.returncode == 0, done.stderr
     return done.stdout
 
@@ -98,13 +106,32 @@ def hosts() -> Iterator[Link]:
         yield link
 
 
-def test_a_partitioned_primary_is_replaced_and_fenced(hosts: Link, tmp_path: Path) -> None:
+def _final_weights(ns: str, mode: str, entry: str, out: Path) -> dict[str, torch.Tensor]:
+    """The shard's weights as the launcher saves them (an observer's pull), from ``ns``."""
+    out.mkdir()
+    _in_ns(ns, "from pathlib import Path\n"
+               "from paramserver.workers.launch.cluster import final_eval\n"
+               f"from tests.test_replication_hosts_e2e import _spec\n"
+               f"final_eval(_spec({mode!r}), [{entry!r}], Path({str(out)!r}))")
+    return load_file(str(out / "final_model.safetensors"))
+
+
+def _spec(mode: str) -> ClusterSpec:
+    """The run without replicas: what the launcher would start for the hand-made one."""
+    return ClusterSpec(num_servers=1, num_workers=2, evaluate=False,
+                       server=ServerConfig(mode=mode),
+                       worker=WorkerConfig(steps=STEPS))
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_partitioned_primary_is_replaced_and_fenced(hosts: Link, tmp_path: Path,
+                                                      mode: str) -> None:
     link = hosts
     procs: list[subprocess.Popen[bytes]] = []
     replicas: list[Replica] = []
 
     def server(name: str, ns: str, ip: str, **kw: object) -> Replica:
-        cfg = ServerConfig(mode="async", expected_workers=2, replicas=1,
+        cfg = ServerConfig(mode=mode, expected_workers=2, replicas=1,
                            failover_timeout=1.0, heartbeat_timeout=60.0, bind=f"tcp://{ip}:0",
                            event_log=str(tmp_path / f"{name}.jsonl"), **kw)  # type: ignore[arg-type]
         r = start(name, cfg, tmp_path, prefix=exec_prefix(ns))
@@ -122,7 +149,7 @@ def test_a_partitioned_primary_is_replaced_and_fenced(hosts: Link, tmp_path: Pat
         with (tmp_path / f"worker{rank}.log").open("wb") as log:
             proc = subprocess.Popen([*exec_prefix(ns), sys.executable, "-m",
                                      "paramserver.workers.worker", str(path)],
-                                    stdout=log, stderr=subprocess.STDOUT)
+                                    stdout=log, stderr=subprocess.STDOUT, env=ENV)
         procs.append(proc)
         return proc
 
@@ -135,9 +162,12 @@ def test_a_partitioned_primary_is_replaced_and_fenced(hosts: Link, tmp_path: Pat
               lambda: len(_events(tmp_path / "primary.jsonl", "push")) >= 20)
         _link(link, cut=True)
         cut_at = time.time()
-        # B's side goes on: the backup takes over and worker 0 finishes with it
-        _wait("worker 0 finished", lambda: workers[0].poll() is not None)
-        assert workers[0].returncode == 0, (tmp_path / "worker0.log").read_text()[-3000:]
+        # B's side goes on: the backup takes over (async: worker 0 finishes with it)
+        _wait("the backup took over",
+              lambda: bool(_events(tmp_path / "backup.jsonl", "failover")))
+        if mode == "async":
+            _wait("worker 0 finished", lambda: workers[0].poll() is not None)
+            assert workers[0].returncode == 0, (tmp_path / "worker0.log").read_text()[-3000:]
         (failover,) = _events(tmp_path / "backup.jsonl", "failover")
         assert failover["epoch"] == 1
         # the partition outlasts ten failover timeouts as the old primary counts them
@@ -159,10 +189,12 @@ def test_a_partitioned_primary_is_replaced_and_fenced(hosts: Link, tmp_path: Pat
               lambda: bool(_events(tmp_path / "primary.jsonl", "stepped_down")))
         _wait("the old primary rejoined",
               lambda: bool(_events(tmp_path / "primary.jsonl", "rejoined")))
-        _wait("worker 1 finished", lambda: workers[1].poll() is not None)
-        assert workers[1].returncode == 0, (tmp_path / "worker1.log").read_text()[-3000:]
+        for rank, proc in enumerate(workers):
+            _wait(f"worker {rank} finished", lambda proc=proc: proc.poll() is not None)
+            assert proc.returncode == 0, (tmp_path / f"worker{rank}.log").read_text()[-3000:]
         roles = _roles(link.ns_b, [primary.address, backup.address])
         assert roles == {backup.address: ("primary", 1), primary.address: ("backup", 1)}
+        weights = _final_weights(link.ns_b, mode, entry, tmp_path / "final")
         _in_ns(link.ns_b, "from paramserver.workers.admin import shutdown_servers\n"
                           f"assert shutdown_servers([{backup.address!r}, "
                           f"{primary.address!r}]) == []")
@@ -177,13 +209,20 @@ def test_a_partitioned_primary_is_replaced_and_fenced(hosts: Link, tmp_path: Pat
             r.stop()
     (stepped,) = _events(tmp_path / "primary.jsonl", "stepped_down")
     assert stepped["epoch"] == 1
+    if mode == "sync":  # the same weights, bit for bit, as the run without failure
+        reference = run_cluster(_spec(mode), tmp_path / "reference")
+        assert reference.failures == ()
+        expected = load_file(str(tmp_path / "reference" / "final_model.safetensors"))
+        assert weights.keys() == expected.keys()
+        for key in expected:
+            assert torch.equal(weights[key], expected[key]), key
     # every push a worker saw acknowledged is in the new primary's version, once
     results = [json.loads((tmp_path / f"worker{k}.result.json").read_text()) for k in (0, 1)]
     assert [r["steps"] for r in results] == [STEPS, STEPS]
     acknowledged = sum(r["accepted"] for r in results)
     assert acknowledged == 2 * STEPS
     (stop,) = _events(tmp_path / "backup.jsonl", "server_stop")
-    assert stop["version"] == acknowledged
+    assert stop["version"] == (acknowledged if mode == "async" else STEPS)
     # both workers moved to the new primary themselves
     for rank in (0, 1):
         assert "its primary is now" in (tmp_path / f"worker{rank}.log").read_text()
