@@ -7,12 +7,12 @@ and its disk stalls no worker), the primary only while it counts no backup (its
 backup dropped, or it is a promoted backup without one of its own yet), a fenced or
 joining replica never.
 
-Exactly one process writes into ``DIR/shardN`` at a time: the writer holds an
-advisory lock (``fcntl.flock``) on ``DIR/shardN/.writer`` for as long as it is the
-writer. It lets go once idle when it stops being one, and the kernel lets go for a
-process that dies. A replica that should write while another still holds the lock
-(the moments a failover or a rejoin moves the role; two backups) waits for it,
-keeping only its newest capture.
+Exactly one process writes into ``DIR/shardN`` at a time: each write holds an
+advisory lock (``fcntl.flock``) on ``DIR/shardN/.writer`` from its first file to its
+pruning, and the kernel lets go of it for a process that dies mid-write. So two
+replicas that both write for a moment (a failover or a rejoin moving the role; the
+primary's CHECKPOINT op or divergence checkpoint beside its backup's) take turns,
+and a writer that waits keeps only its newest capture.
 
 A checkpoint is *captured* on the apply thread (the state at one input, its tensors
 copied: no I/O) and *written* on this module's thread, by the same atomic steps as
@@ -39,7 +39,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -59,7 +59,7 @@ LOCK_NAME = ".writer"
 HOLD_ENV = "PARAMSERVER_FAULT_HOLD_CHECKPOINT"
 #: seconds between two tries of a lock another replica holds
 LOCK_POLL = 0.05
-#: how long the final checkpoint waits for the other replica's (its final write)
+#: how long a checkpoint written on the apply thread waits for another replica's write
 FINAL_WAIT = 20.0
 #: the manifest field of the replica input a checkpoint was captured at
 INPUT_FIELD = "replica_input"
@@ -67,7 +67,7 @@ INPUT_FIELD = "replica_input"
 
 class ReplicaCheckpoints:
     """Shard checkpoints of one replica: captured by the apply thread when due and
-    this replica is the writer, written on a thread while it holds the shard's
+    this replica is the writer, written on a thread, each write under the shard's
     writer lock. ``take(copy)`` captures the shard's state now (None: no state)."""
 
     def __init__(self, checkpoints: Checkpointer, replication: Replication,
@@ -77,12 +77,11 @@ class ReplicaCheckpoints:
         self.take = take
         self.shard = checkpoints.shard
         self._cond = threading.Condition()
-        self._mutex = threading.Lock()  # one write (and lock change) at a time
+        self._mutex = threading.Lock()  # this process's writes, one at a time
         self._pending: Capture | None = None
         self._active = False  # this replica is the writer (the apply thread says)
         self._closing = False
         self._done: list[tuple[int, str | None, str | None]] = []  # (version, path, error)
-        self._fd: int | None = None  # the lock file, while we hold the lock
         self._thread: threading.Thread | None = None
         hold = os.environ.get(HOLD_ENV)
         if hold:
@@ -97,8 +96,7 @@ class ReplicaCheckpoints:
         with self._cond:
             self._active = writer
             if not writer:
-                self._pending = None  # (the thread lets go of the lock once idle)
-                self._cond.notify()
+                self._pending = None
                 return
         if not self.checkpoints.due(self.replication.host.core):
             return
@@ -129,50 +127,39 @@ class ReplicaCheckpoints:
                                               version=version, error=(error or "")[:300])
 
     def save(self, directory: str | None) -> str | None:
-        """Write the shard's checkpoint now (the CHECKPOINT op, a divergence), once
-        this process holds the writer lock; the manifest path."""
-        target = directory or self.checkpoints.directory
-        if target is None:
-            raise CheckpointError("no checkpoint directory configured")
+        """Write the shard's checkpoint now, whoever the writer is (the CHECKPOINT op,
+        a divergence), once no other replica is writing one; the manifest path."""
         deadline = time.monotonic() + FINAL_WAIT
-        if not self._wait_lock(lambda: time.monotonic() < deadline):
-            raise CheckpointError(f"shard {self.shard}: another replica holds "
-                                  f"{self._lock_path()} (it writes the checkpoints)")
-        try:
-            with self._mutex:
-                return self._write_now(target)
-        finally:
-            self._let_go()
+        with self._writing(lambda: time.monotonic() < deadline) as locked:
+            if not locked:
+                raise CheckpointError(f"shard {self.shard}: another replica held "
+                                      f"{self._lock_path()} for {FINAL_WAIT:g}s")
+            return self.checkpoints.store(self._take(copy=False), directory)
 
     def final(self) -> str | None:
         """At stop: the thread's last write finished, then the shard's final state
-        written once this process holds the lock, unless LATEST holds it already (the
-        other replica wrote it at the same input). The manifest path (None: not
-        written here)."""
+        written unless LATEST holds it already (the other replica wrote it at the
+        same input); the manifest path (None: not written here)."""
         self.close()
         self.report()
         directory = self.checkpoints.directory
-        if directory is None:
-            return None
+        if directory is None or not self.replication.state.writes_checkpoints(0):
+            return None  # (a fenced or joining replica holds no state to keep)
         deadline = time.monotonic() + FINAL_WAIT
-        if not self._wait_lock(lambda: time.monotonic() < deadline):
-            log.error("shard %d: no final checkpoint from this replica: another one held "
-                      "%s for %gs", self.shard, self._lock_path(), FINAL_WAIT)
-            return None
-        try:
-            with self._mutex:
-                seq = self.replication.state.applied
-                if _latest_input(directory, self.shard) == seq:
-                    log.info("shard %d: the final checkpoint (input %d) is written already",
-                             self.shard, seq)
-                    return None
-                return self._write_now(directory)
-        finally:
-            self._active = False
-            self._let_go()
+        with self._writing(lambda: time.monotonic() < deadline) as locked:
+            if not locked:
+                log.error("shard %d: no final checkpoint from this replica: another one "
+                          "held %s for %gs", self.shard, self._lock_path(), FINAL_WAIT)
+                return None
+            seq = self.replication.state.applied
+            if _latest_input(directory, self.shard) == seq:
+                log.info("shard %d: the final checkpoint (input %d) is written already",
+                         self.shard, seq)
+                return None
+            return self.checkpoints.store(self._take(copy=False), directory)
 
     def close(self) -> None:
-        """Stop the thread once its pending write is done."""
+        """Stop the thread once the write under way (if any) is done."""
         with self._cond:
             self._closing = True
             self._cond.notify()
@@ -186,91 +173,70 @@ class ReplicaCheckpoints:
             taken.meta[INPUT_FIELD] = self.replication.state.applied
         return taken
 
-    def _write_now(self, directory: str) -> str | None:
-        """Capture and write on this thread (the caller holds the mutex and the lock)."""
-        return self.checkpoints.store(self._take(copy=False), directory)
-
     # ------------------------------------------------------------------ the thread
 
     def _run(self) -> None:
         while True:
             with self._cond:
-                while self._pending is None and not self._closing and (
-                        self._active or self._fd is None):
+                while self._pending is None and not self._closing:
                     self._cond.wait()
                 if self._closing:
                     return  # (what is pending is older than what final() writes)
-                taken = self._pending
-            if taken is None:
-                self._let_go()  # not the writer any more: the other replica may write
-                continue
-            if not self._wait_lock(lambda: self._active and not self._closing):
-                continue  # no longer the writer meanwhile (or stopping: final() writes)
-            with self._cond:
-                if self._pending is not taken:
-                    continue  # a newer capture came while we waited: write that one
-                self._pending = None
-            with self._mutex:
-                if self._fd is None:
-                    continue  # (save() let go of it meanwhile)
-                try:
-                    path = self.checkpoints.write(taken, self.checkpoints.directory or "")
-                    outcome: tuple[int, str | None, str | None] = (taken.version, path, None)
-                except (OSError, CheckpointError, ValueError, RuntimeError) as exc:
-                    outcome = (taken.version, None, f"{type(exc).__name__}: {exc}")
-            with self._cond:
-                self._done.append(outcome)
+                taken, self._pending = self._pending, None
+            assert taken is not None
+            outcome: tuple[int, str | None, str | None] | None = None
+            with self._writing(lambda: self._active and not self._closing) as locked:
+                if locked:  # (else: no longer the writer meanwhile, or stopping)
+                    try:
+                        path = self.checkpoints.write(taken, self.checkpoints.directory or "")
+                        outcome = (taken.version, path, None)
+                    except (OSError, CheckpointError, ValueError, RuntimeError) as exc:
+                        outcome = (taken.version, None, f"{type(exc).__name__}: {exc}")
+            if outcome is not None:
+                with self._cond:
+                    self._done.append(outcome)
 
     # ------------------------------------------------------------------ the lock
 
     def _lock_path(self) -> Path:
         return Path(self.checkpoints.directory or ".") / f"shard{self.shard}" / LOCK_NAME
 
-    def _wait_lock(self, go_on: Callable[[], bool]) -> bool:
-        """Hold the shard's writer lock, trying while ``go_on()``; whether we do."""
-        warned = False
-        while True:
-            with self._mutex:
-                if self._try_lock():
-                    return True
-            if not go_on():
-                return False
-            if not warned:
-                warned = True
-                log.info("shard %d: waiting for %s (another replica writes)", self.shard,
-                         self._lock_path())
-            time.sleep(LOCK_POLL)
+    @contextlib.contextmanager
+    def _writing(self, go_on: Callable[[], bool]) -> Iterator[bool]:
+        """Hold the shard's writer lock for one write, trying while ``go_on()``;
+        yields whether it is held."""
+        with self._mutex:
+            fd = self._lock(go_on)
+            try:
+                yield fd is not None
+            finally:
+                if fd is not None:
+                    with contextlib.suppress(OSError):
+                        fcntl.flock(fd, fcntl.LOCK_UN)
+                    os.close(fd)
 
-    def _try_lock(self) -> bool:
-        if self._fd is not None:
-            return True
+    def _lock(self, go_on: Callable[[], bool]) -> int | None:
         path = self._lock_path()
         path.parent.mkdir(parents=True, exist_ok=True)
-        # never through a link another local user planted, never inherited by a child
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return False
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())  # who writes, for an operator
-        self._fd = fd
-        log.info("shard %d: replica %d writes the shard's checkpoints (it holds %s)",
-                 self.shard, self.replication.replica, path)
-        return True
-
-    def _let_go(self) -> None:
-        """Release the lock unless this replica is the writer."""
-        with self._mutex:
-            if self._fd is None or (self._active and not self._closing):
-                return
-            fd, self._fd = self._fd, None
-            with contextlib.suppress(OSError):
-                fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
-            log.info("shard %d: replica %d no longer writes the checkpoints", self.shard,
-                     self.replication.replica)
+        warned = False
+        while True:
+            # never through a link another local user planted, never inherited by a child
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+            else:
+                os.ftruncate(fd, 0)
+                os.write(fd, f"{os.getpid()}\n".encode())  # who writes, for an operator
+                return fd
+            if not go_on():
+                return None
+            if not warned:
+                warned = True
+                log.info("shard %d: replica %d waits for %s (another replica writes a "
+                         "checkpoint)", self.shard, self.replication.replica, path)
+            time.sleep(LOCK_POLL)
 
 
 def _latest_input(directory: str, shard: int) -> int | None:
