@@ -60,7 +60,7 @@ HOLD_ENV = "PARAMSERVER_FAULT_HOLD_CHECKPOINT"
 #: seconds between two tries of a lock another replica holds
 LOCK_POLL = 0.05
 #: how long a checkpoint written on the apply thread waits for another replica's write
-FINAL_WAIT = 20.0
+LOCK_WAIT = 20.0
 #: the manifest field of the replica input a checkpoint was captured at
 INPUT_FIELD = "replica_input"
 
@@ -129,11 +129,11 @@ class ReplicaCheckpoints:
     def save(self, directory: str | None) -> str | None:
         """Write the shard's checkpoint now, whoever the writer is (the CHECKPOINT op,
         a divergence), once no other replica is writing one; the manifest path."""
-        deadline = time.monotonic() + FINAL_WAIT
+        deadline = time.monotonic() + LOCK_WAIT
         with self._writing(lambda: time.monotonic() < deadline) as locked:
             if not locked:
                 raise CheckpointError(f"shard {self.shard}: another replica held "
-                                      f"{self._lock_path()} for {FINAL_WAIT:g}s")
+                                      f"{self._lock_path()} for {LOCK_WAIT:g}s")
             return self.checkpoints.store(self._take(copy=False), directory)
 
     def final(self) -> str | None:
@@ -145,11 +145,11 @@ class ReplicaCheckpoints:
         directory = self.checkpoints.directory
         if directory is None or not self.replication.state.writes_checkpoints(0):
             return None  # (a fenced or joining replica holds no state to keep)
-        deadline = time.monotonic() + FINAL_WAIT
+        deadline = time.monotonic() + LOCK_WAIT
         with self._writing(lambda: time.monotonic() < deadline) as locked:
             if not locked:
                 log.error("shard %d: no final checkpoint from this replica: another one "
-                          "held %s for %gs", self.shard, self._lock_path(), FINAL_WAIT)
+                          "held %s for %gs", self.shard, self._lock_path(), LOCK_WAIT)
                 return None
             seq = self.replication.state.applied
             if _latest_input(directory, self.shard) == seq:
