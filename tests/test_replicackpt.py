@@ -36,6 +36,7 @@ class _Replica:
     def __init__(self, role: Role, backups: int = 0) -> None:
         self.state = ReplicaState(role, applied=7)
         self.backups = backups
+        self.timeout = 0.1  # (failover: how long a primary waits for its backup's final)
         self.replica = 0 if role is Role.PRIMARY else 1
         self.host = SimpleNamespace(core=SimpleNamespace(version=3))
 

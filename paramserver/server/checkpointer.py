@@ -15,6 +15,11 @@ good one stays LATEST, and pruning, which keeps LATEST, never removes the
 newest resumable checkpoint. At startup (:meth:`Checkpointer.claim`) a
 directory holding an earlier run of this shard is refused unless the server
 resumes it or was told ``--fresh`` (the old run is then moved aside).
+
+A checkpoint is taken in two parts: :meth:`Checkpointer.capture` (the state at one
+version, checked; copied when it is written while the core moves on) and
+:meth:`Checkpointer.write`. With replicas, paramserver/server/replicackpt.py decides
+which replica writes, and writes on a thread.
 """
 
 from __future__ import annotations

@@ -19,9 +19,11 @@ copied: no I/O) and *written* on this module's thread, by the same atomic steps 
 any checkpoint (:func:`paramserver.persist.checkpoint.save_shard`), so neither the
 backup's apply loop nor a lone primary's stalls for the disk. At stop
 (:meth:`ReplicaCheckpoints.final`) the thread's last write is finished, the lock is
-taken (waiting for the other replica's final write), and the shard's final state is
-written unless ``LATEST`` already holds it: the manifest records the replica input
-it was taken at, and two replicas at the same input hold the same state.
+taken, and the shard's final state is written unless ``LATEST`` already holds it:
+the manifest records the replica input it was taken at, and two replicas at the same
+input hold the same state. The launcher stops the backups first; a primary that
+counts a backup gives it two failover timeouts to write the final checkpoint before
+it writes its own (its backup may have died).
 
 Fault injection, for tests only: with :data:`HOLD_ENV` naming a directory, a write
 that finds ``hold-shardN`` there once its tensors are written creates
@@ -61,6 +63,8 @@ HOLD_ENV = "PARAMSERVER_FAULT_HOLD_CHECKPOINT"
 LOCK_POLL = 0.05
 #: how long a checkpoint written on the apply thread waits for another replica's write
 LOCK_WAIT = 20.0
+#: how long (in failover timeouts) a primary's final checkpoint waits for its backup's
+BACKUP_WAIT = 2.0
 #: the manifest field of the replica input a checkpoint was captured at
 INPUT_FIELD = "replica_input"
 
@@ -145,13 +149,19 @@ class ReplicaCheckpoints:
         directory = self.checkpoints.directory
         if directory is None or not self.replication.state.writes_checkpoints(0):
             return None  # (a fenced or joining replica holds no state to keep)
+        seq = self.replication.state.applied
+        if not self.replication.writes_checkpoints:
+            # a primary with a backup: the launcher stopped the backup first, which
+            # writes it; a dead one's is written here, after a while
+            wait = time.monotonic() + BACKUP_WAIT * self.replication.timeout
+            while _latest_input(directory, self.shard) != seq and time.monotonic() < wait:
+                time.sleep(LOCK_POLL)
         deadline = time.monotonic() + LOCK_WAIT
         with self._writing(lambda: time.monotonic() < deadline) as locked:
             if not locked:
                 log.error("shard %d: no final checkpoint from this replica: another one "
                           "held %s for %gs", self.shard, self._lock_path(), LOCK_WAIT)
                 return None
-            seq = self.replication.state.applied
             if _latest_input(directory, self.shard) == seq:
                 log.info("shard %d: the final checkpoint (input %d) is written already",
                          self.shard, seq)
