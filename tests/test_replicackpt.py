@@ -122,3 +122,12 @@ def test_the_lock_file_is_never_followed_through_a_link(tmp_path, role):
     with pytest.raises(OSError):
         _writer(tmp_path, _Replica(role), []).save(None)
     assert target.read_text() == "not ours"
+
+
+def test_a_primary_with_a_backup_still_writes_a_checkpoint_it_is_asked_for(tmp_path):
+    """The CHECKPOINT op (or a divergence) on the primary: written there and then, under
+    the lock, beside the backup's periodic ones."""
+    events: list[str] = []
+    path = _writer(tmp_path, _Replica(Role.PRIMARY, backups=1), events).save(None)
+    assert path is not None and path.endswith("v0000000003.json")
+    assert events == ["checkpoint"] and load_shard(tmp_path, 0)[1]["version"] == 3
