@@ -123,6 +123,15 @@ class ReplicaState:
         self.role, self.epoch, self.applied, self.heard_at = Role.BACKUP, epoch, seq, now
         return True
 
+    def writes_checkpoints(self, backups: int) -> bool:
+        """Whether this replica writes its shard's checkpoints, ``backups`` being the
+        backups a primary counts (each holds its state and every input since): a
+        backup does (at the same input it holds the primary's state, and its disk
+        stalls no worker), a primary only when alone, a fenced or joining replica
+        never (it holds no state of its own). One writes at a time: see
+        paramserver/server/replicackpt.py."""
+        return self.role is Role.BACKUP or (self.role is Role.PRIMARY and backups == 0)
+
     def refused(self, epoch: int) -> bool:
         """A backup refused our input naming ``epoch``: a higher one fences us for good.
         Returns whether it did."""

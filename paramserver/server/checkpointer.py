@@ -15,14 +15,21 @@ good one stays LATEST, and pruning, which keeps LATEST, never removes the
 newest resumable checkpoint. At startup (:meth:`Checkpointer.claim`) a
 directory holding an earlier run of this shard is refused unless the server
 resumes it or was told ``--fresh`` (the old run is then moved aside).
+
+A checkpoint is taken in two parts: :meth:`Checkpointer.capture` (the state at one
+version, checked; copied when it is written while the core moves on) and
+:meth:`Checkpointer.write`. With replicas, paramserver/server/replicackpt.py decides
+which replica writes, and writes on a thread.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,13 +51,22 @@ from paramserver.persist.checkpoint import (
 )
 from paramserver.sparse.shard import SparseShard
 
-__all__ = ["RESTORE_ERRORS", "Checkpointer"]
+__all__ = ["RESTORE_ERRORS", "Capture", "Checkpointer"]
 
 log = logging.getLogger(__name__)
 
 #: what building a core from a checkpoint may raise: the checkpoint is unusable
 RESTORE_ERRORS = (ParamServerError, KeyError, TypeError, ValueError, AttributeError,
                   IndexError, RuntimeError)
+
+
+@dataclass(frozen=True)
+class Capture:
+    """A shard's checkpoint taken at one version, not written yet."""
+
+    version: int
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, Any]
 
 
 class Checkpointer:
@@ -72,9 +88,28 @@ class Checkpointer:
         """Write ``core``'s checkpoint now, ``extra`` added to its metadata, and the
         shard's sparse tables with it (one file, one atomic write); returns the
         manifest path (None: nothing to save)."""
+        if (directory or self.directory) is None:
+            raise ConfigError("no checkpoint directory configured")
+        return self.store(self.capture(core, plan, extra, sparse), directory)
+
+    def store(self, taken: Capture | None, directory: str | None = None) -> str | None:
+        """Write ``taken`` now, in ``directory`` or the configured one; the manifest
+        path (None: nothing to save)."""
         target = directory or self.directory
         if target is None:
             raise ConfigError("no checkpoint directory configured")
+        if taken is None:
+            return None
+        path = self.write(taken, target)
+        self.written(taken.version, path)
+        return path
+
+    def capture(self, core: ShardCore | None, plan: ShardPlan | None,
+                extra: Mapping[str, Any], sparse: SparseShard | None = None, *,
+                copy: bool = False) -> Capture | None:
+        """``core``'s checkpoint as it is now (None: nothing to save), checked as a
+        resume checks it; ``copy``: its tensors copied, to be written while the
+        core moves on (paramserver/server/replicackpt.py)."""
         if core is None or plan is None:
             return None
         tensors, meta = core.state_dict()
@@ -91,10 +126,21 @@ class Checkpointer:
         if sparse is not None:
             rows, meta["sparse"] = sparse.state_dict()
             tensors.update(rows)
-        path = save_shard(target, self.shard, tensors, meta, keep=self.keep)
-        self.last = (time.monotonic(), core.version)
-        self.events.write("checkpoint", shard=self.shard, version=core.version, path=str(path))
-        return str(path)
+        if copy:  # (the manifest is JSON: a round trip is a deep copy of what is written)
+            tensors = {k: t.detach().clone() for k, t in tensors.items()}
+            meta = json.loads(json.dumps(meta))
+        return Capture(core.version, tensors, meta)
+
+    def write(self, taken: Capture, directory: str) -> str:
+        """Write a capture as this shard's checkpoint in ``directory`` (any thread:
+        no event is written here); the manifest's path."""
+        return str(save_shard(directory, self.shard, taken.tensors, taken.meta,
+                              keep=self.keep))
+
+    def written(self, version: int, path: str) -> None:
+        """A checkpoint at ``version`` is on disk at ``path`` (the event, the clock)."""
+        self.last = (time.monotonic(), version)
+        self.events.write("checkpoint", shard=self.shard, version=version, path=path)
 
     def due(self, core: ShardCore | None) -> bool:
         """Whether a periodic checkpoint of ``core`` is due now."""

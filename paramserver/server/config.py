@@ -390,6 +390,11 @@ class ServerConfig(ConfigRecord):
     replica_peers: list[str] = option(default_factory=list, per_process=True,
                                       internal="set by launch for each primary",
                                       help="The addresses of this primary's backups.")
+    #: a process started in place of a dead replica: the checkpoint directory holds
+    #: the running run, which its replicas write (it is not claimed as an earlier run's)
+    replacement: bool = option(False, per_process=True,
+                               internal="set by launch on a replica it starts again",
+                               help="This process replaces a dead replica of its shard.")
 
     def __post_init__(self) -> None:
         if self.num_shards < 1:

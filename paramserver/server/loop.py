@@ -45,12 +45,13 @@ from paramserver.persist.checkpoint import CheckpointDirInUse, CheckpointError
 from paramserver.policies.registry import create_policy
 from paramserver.server import rejoin
 from paramserver.server.access import Access, is_loopback, load_grants
-from paramserver.server.checkpointer import RESTORE_ERRORS, Checkpointer
+from paramserver.server.checkpointer import RESTORE_ERRORS, Capture, Checkpointer
 from paramserver.server.config import ServerConfig
 from paramserver.server.ops import DataOps, Handler
 from paramserver.server.outbox import Outbox
 from paramserver.server.parts import JoinedParts, StreamedParts
 from paramserver.server.peers import PeerInfo, Peers
+from paramserver.server.replicackpt import ReplicaCheckpoints
 from paramserver.server.replication import REPLAYED, REPLICATED_OPS, Replication, as_tcp
 from paramserver.server.stopping import DIVERGED_EXIT_CODE, Divergence
 from paramserver.server.tables import TableBuilder
@@ -154,6 +155,9 @@ class ShardServer:
         # the shard's replicas (issue 32): None without --replicas
         self.replication = (Replication(self, config, self.events, self.address)
                             if config.replicas else None)
+        # with replicas one of them writes the checkpoints, on a thread (replicackpt.py)
+        self.replica_checkpoints = (None if self.replication is None else ReplicaCheckpoints(
+            self.checkpoints, self.replication, self._capture))
         # a push's metrics, watchdog rules and event, run once its reply is out (the
         # critical path of a round trip ends at the reply); before the next message
         self._after_reply: list[Callable[[], None]] = []
@@ -163,8 +167,10 @@ class ShardServer:
         self._hint_held: list[int] | None = None
         if config.plan is not None:
             self.adopt_plan(ShardPlan.from_description(config.plan))
-        # an earlier run's checkpoints are resumed, or moved aside (--fresh), never taken over
-        self.checkpoints.claim(config.resume, config.fresh)
+        # an earlier run's checkpoints are resumed, or moved aside (--fresh), never taken
+        # over; a shard's first primary claims its directory for all its replicas
+        if config.replica == 0 and not config.replacement:
+            self.checkpoints.claim(config.resume, config.fresh)
         if config.resume:
             self._restore(config.resume)
 
@@ -213,10 +219,13 @@ class ShardServer:
             # a diverged shard must not overwrite good checkpoints with its state
             if self.config.checkpoint_dir and self.divergence.alarm is None:
                 try:
-                    self.save_checkpoint()
+                    final = self.replica_checkpoints  # with replicas: one of them writes it
+                    final.final() if final is not None else self.save_checkpoint()
                 except CheckpointError as exc:  # the last good checkpoint stays LATEST
                     log.error("%s", exc)
         finally:
+            if self.replica_checkpoints is not None:
+                self.replica_checkpoints.close()
             if self.replication is not None:
                 self.replication.close()  # (its keep-alive thread too)
             self.observer.close()
@@ -237,7 +246,11 @@ class ShardServer:
         as an alarm, and the shard serves on."""
         assert self.core is not None
         if self.replication is not None and not self.replication.writable:
-            return  # a backup's timers are its primary's: deaths come forwarded
+            try:  # a backup's timers are its primary's (deaths come forwarded), but it
+                self.maybe_checkpoint()  # writes the checkpoints
+            except Exception as exc:
+                self._periodic_failed("checkpoint", exc)
+            return
         try:
             dead = self.core.expire(now)
             self._forward_timer("dead", dead)
@@ -285,16 +298,23 @@ class ShardServer:
 
     def save_checkpoint(self, directory: str | None = None) -> str | None:
         """Write this shard's checkpoint now; returns the manifest path (None: nothing to save)."""
-        if self.tables is not None:
-            self.tables.ready()  # (the sparse tables are saved with it)
-        return self.checkpoints.save(
-            self.core, self.plan, {"optimizer_name": self.config.optimizer,
-                                   "server": self.config.to_dict()}, directory,
-            sparse=self.sparse)
+        if self.replica_checkpoints is not None:  # once this replica holds the writer lock
+            return self.replica_checkpoints.save(directory)
+        return self.checkpoints.store(self._capture(False), directory)
 
     def maybe_checkpoint(self) -> None:
-        if self.checkpoints.due(self.core):
+        if self.replica_checkpoints is not None:
+            self.replica_checkpoints.tick()
+        elif self.checkpoints.due(self.core):
             self.save_checkpoint()
+
+    def _capture(self, copy: bool) -> Capture | None:
+        """The shard's checkpoint as it is now (``copy``: to be written on a thread)."""
+        if self.tables is not None:
+            self.tables.ready()  # (the sparse tables are saved with it)
+        return self.checkpoints.capture(
+            self.core, self.plan, {"optimizer_name": self.config.optimizer,
+                                   "server": self.config.to_dict()}, self.sparse, copy=copy)
 
     def _restore(self, directory: str) -> None:
         plan, tensors, meta = self.checkpoints.read(directory, self.plan)

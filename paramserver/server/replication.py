@@ -233,6 +233,13 @@ class Replication:
     def writable(self) -> bool:
         return self.state.writable
 
+    @property
+    def writes_checkpoints(self) -> bool:
+        """Whether this replica writes the shard's checkpoints (ReplicaState's rule;
+        a joining backup is not counted yet)."""
+        return self.state.writes_checkpoints(
+            sum(1 for b in self.backups if b not in self._joining))
+
     def forward(self, frames: Sequence[Any], kind: str = "msg",
                 workers: Sequence[int] = ()) -> int:
         """Send one input to every backup (not waiting); its sequence number (0: no

@@ -164,13 +164,14 @@ class ClusterSpec:
         )
 
     def replica_config(self, shard: int, replica: int, out: Path) -> ServerConfig:
-        """Backup ``replica`` (1 .. R) of ``shard``: the shard's config, its own event log,
-        no checkpoints (a backup writes none yet) and no fixed metrics port."""
+        """Backup ``replica`` (1 .. R) of ``shard``: the shard's config (its checkpoint
+        directory and schedule too: a backup writes the shard's checkpoints while it
+        is one, paramserver/server/replicackpt.py), its own event log and no fixed
+        metrics port."""
         cfg = self.server_config(shard, out)
         return dataclasses.replace(
             cfg, replica=replica, event_log=str(out / "events" / f"{replica_name(shard, replica)}"
                                                                   f".jsonl"),
-            checkpoint_dir=None, checkpoint_every=0, checkpoint_seconds=0.0,
             on_divergence="stop" if cfg.on_divergence == "checkpoint-and-stop"
             else cfg.on_divergence,
             metrics_port=None if cfg.metrics_port is None else 0, tensorboard=None)

@@ -81,7 +81,7 @@ class ReplicaKeeper:
         c = self.cluster
         name = replacement_name(shard, replica)
         cfg = c.spec.replica_config(shard, replica, c.out)
-        cfg = dataclasses.replace(cfg, bind=address, replica_peers=peers,
+        cfg = dataclasses.replace(cfg, bind=address, replica_peers=peers, replacement=True,
                                   event_log=str(c.out / "events" / f"{name}.jsonl"))
         old = self.procs(shard)[replica]
         if old.popen.stdout is not None:
