@@ -152,14 +152,24 @@ def test_what_does_not_work_yet_is_refused_in_one_line():
         ServerConfig(mode=mode, replicas=1)
 
 
-def test_the_server_command_says_replicas_need_launch():
+def test_the_server_command_checks_a_hand_started_replica():
     from click.testing import CliRunner
 
     from paramserver.cli.main import main
 
-    result = CliRunner().invoke(main, ["server", "--replicas", "1"])
-    assert result.exit_code == 2 and "Traceback" not in result.output
-    assert "--replicas works with `paramserver launch` only" in result.output
+    def error(*args: str) -> str:
+        result = CliRunner().invoke(main, ["server", *args])
+        assert result.exit_code == 2 and "Traceback" not in result.output
+        return result.output
+
+    assert "replica 0 (the shard's first primary) needs --replica-peers" in error(
+        "--replicas", "1")
+    assert "--replica and --replica-peers need --replicas R" in error("--replica", "1")
+    assert "--replica 2: a shard with --replicas 1 has replicas 0 .. 1" in error(
+        "--replicas", "1", "--replica", "2")
+    assert "--replica-peers: 2 addresses" in error(
+        "--replicas", "1", "--replica-peers", "127.0.0.1:1,127.0.0.1:2")
+    assert "is not an address" in error("--replicas", "1", "--replica-peers", "nowhere")
 
 
 def test_a_replica_exports_its_role_epoch_inputs_and_failovers():

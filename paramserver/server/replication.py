@@ -179,8 +179,8 @@ class Replication:
     def __init__(self, host: ReplicationHost, config: ServerConfig, events: EventLog,
                  address: str) -> None:
         if config.replica == 0 and not config.replica_peers:
-            raise ConfigError("--replicas works with `paramserver launch` only, for now (it "
-                              "starts each shard's backups and tells the primary where)")
+            raise ConfigError("--replicas: replica 0 (the shard's first primary) needs "
+                              "--replica-peers with its backups' addresses")
         self.host = host
         self.shard = config.shard
         self.replica = config.replica
