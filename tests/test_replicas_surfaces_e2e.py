@@ -1,7 +1,8 @@
 """``--replicas`` outside ``paramserver launch``'s own loop, over real processes and
 loopback sockets: a shard's replicas started by hand with ``paramserver server``
 (the commands docs/cli.md shows, run as written but for the ports), its primary
-SIGKILLed mid-run, and the run ends with every acknowledged push in the version once.
+SIGKILLed mid-run, and the run ends with every acknowledged push in the version once;
+a user's script run by ``launch --replicas 1 -- COMMAND`` through the same SIGKILL.
 """
 
 from __future__ import annotations
@@ -12,12 +13,18 @@ import re
 import shlex
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
+from paramserver import ClusterSpec, ServerConfig, WorkerConfig, run_cluster
 from paramserver.observe.events import read_events
+from paramserver.workers.launch.clusterspec import Progress
+from tests import exact_tasks as T
 from tests.ports import free_port
 from tests.test_cli_e2e import LIMIT, PARAMSERVER, env, reaper, start  # noqa: F401
 
@@ -89,3 +96,60 @@ def test_replicas_started_by_hand_survive_a_primary_sigkill(tmp_path: Path) -> N
         assert "its primary is now" in logs[2 + r].read_text()
     backup.send_signal(signal.SIGINT)
     assert backup.wait(LIMIT) == 0, logs[0].read_text()[-3000:]
+
+
+# --------------------------------------------------------------------------- launch -- COMMAND
+
+SCRIPT = [sys.executable, str(ROOT / "tests" / "own_loop_script.py")]
+COMMAND_STEPS = 40
+
+
+def _single_process(workers: int, steps: int) -> dict[str, torch.Tensor]:
+    """torch alone on the union of every rank's batches (the script halves its gradients,
+    so the servers' lr 0.2 is lr 0.1 here)."""
+    model = T.make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for k in range(steps):
+        parts = [T.batch(r, k, T.batch_size(r, False)) for r in range(workers)]
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(torch.cat([p[0] for p in parts])),
+                                     torch.cat([p[1] for p in parts])).backward()
+        opt.step()
+    return model.state_dict()
+
+
+def test_a_command_run_with_replicas_survives_a_primary_sigkill(tmp_path: Path) -> None:
+    """`launch --replicas 1 -- python own_loop_script.py`: the script finds the replicas
+    in PARAMSERVER_SERVERS, follows the backup when the primary dies, and the sync run's
+    weights are single-process torch's."""
+    out = tmp_path / "run"
+    spec = ClusterSpec(
+        num_servers=1, num_workers=2, evaluate=False,
+        server=ServerConfig(mode="sync", optimizer_args={"lr": 0.2}, replicas=1,
+                            failover_timeout=1.0),
+        worker=WorkerConfig(servers=[]),
+        # rank 1 sleeps 0.05 s a step, so that the kill lands mid-run
+        command=[*SCRIPT, str(tmp_path / "ranks"), "--steps", str(COMMAND_STEPS),
+                 "--slow-rank", "1"])
+    pids: dict[str, int] = {}
+    killed: list[int] = []
+    primary_events = out / "events" / "server0.jsonl"
+
+    def on_progress(_: Progress) -> None:
+        if not killed and len(read_events(primary_events, "push")) >= 10:
+            os.kill(pids["server0"], signal.SIGKILL)
+            killed.append(pids["server0"])
+
+    result = run_cluster(spec, out, on_progress=on_progress,
+                         on_process=lambda info: pids.__setitem__(info.name, info.pid))
+    assert killed, "the run ended before the primary could be killed"
+    (failover,) = read_events(out / "events" / "server0r1.jsonl", "failover")
+    assert failover["epoch"] == 1
+    assert result.updates_applied == (COMMAND_STEPS,) and result.restarts == ()
+    want = _single_process(2, COMMAND_STEPS)
+    got = load_file(str(out / "final_model.safetensors"))
+    assert set(got) == set(want)
+    for key in want:
+        assert torch.allclose(got[key], want[key], rtol=0, atol=1e-9), key
+    for rank in (0, 1):  # the script's own client moved to the new primary
+        assert "its primary is now" in (out / "logs" / f"worker{rank}.log").read_text()
