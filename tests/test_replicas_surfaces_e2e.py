@@ -153,3 +153,50 @@ def test_a_command_run_with_replicas_survives_a_primary_sigkill(tmp_path: Path) 
         assert torch.allclose(got[key], want[key], rtol=0, atol=1e-9), key
     for rank in (0, 1):  # the script's own client moved to the new primary
         assert "its primary is now" in (out / "logs" / f"worker{rank}.log").read_text()
+
+
+# --------------------------------------------------------------------------- experiment
+
+GRID = """\
+name = "replicas"
+task = "digits-mlp"
+steps = 20
+seeds = 1
+num_servers = 1
+workers = [2]
+modes = ["async"]
+scenarios = ["none"]
+min_step_time = 0.005
+eval_every = 10
+replicas = [0, 1]
+"""
+
+
+def test_an_experiment_compares_replicas_0_and_1(tmp_path: Path,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    from click.testing import CliRunner
+
+    from paramserver.cli.experiment import experiment
+    from paramserver.workers.experiments.spec import load_spec
+
+    (tmp_path / "grid.toml").write_text(GRID)
+    out = tmp_path / "exp"
+    result = CliRunner().invoke(experiment, ["--spec", str(tmp_path / "grid.toml"),
+                                             "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    index = json.loads((out / "experiment.json").read_text())
+    assert [(c["id"], c["label"], c["replicas"]) for c in index["configurations"]] == [
+        ("none-async-none-w2", "async, 0 replicas", 0),
+        ("none-async-none-w2-r1", "async, 1 replica", 1)]
+    assert [(r["config"], r["ok"]) for r in index["runs"]] == [
+        ("none-async-none-w2", True), ("none-async-none-w2-r1", True)]
+    for config, replicas in (("none-async-none-w2", 0), ("none-async-none-w2-r1", 1)):
+        run = json.loads((out / "runs" / config / "seed0" / "result.json").read_text())
+        assert run["spec"]["server"]["replicas"] == replicas
+        names = {p["name"] for p in run["processes"]}
+        assert ("server0r1" in names) == bool(replicas), names
+        assert run["updates_applied"] == [2 * 20]
+    report = (out / "report.md").read_text()
+    assert "async, 0 replicas" in report and "async, 1 replica" in report
+    assert load_spec(out / "spec.toml").replicas == [0, 1]  # it reruns the same grid
+    assert "unusable logs" not in caplog.text
