@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 from paramserver import ClusterSpec, ServerConfig, WorkerConfig, run_cluster
 from paramserver.observe.events import read_events
 from paramserver.workers.launch.clusterspec import Progress
+from paramserver.workers.stragglerspec import StragglerSpec
 from tests import exact_tasks as T
 from tests.ports import free_port
 from tests.test_cli_e2e import LIMIT, PARAMSERVER, env, reaper, start  # noqa: F401
@@ -248,3 +249,43 @@ def test_run_places_replicas_and_survives_a_primary_sigkill(tmp_path: Path) -> N
     (stop,) = read_events(events / "server0r1.jsonl", "server_stop")
     assert stop["version"] == 2 * STEPS  # every acknowledged push in it, once
     assert (out / "final_model.safetensors").exists()
+
+
+# --------------------------------------------------------------------------- --resume
+
+
+def test_every_replica_resumes_from_the_checkpoint(tmp_path: Path) -> None:
+    """`launch --replicas 1 --resume DIR`: both replicas of the shard start from the
+    checkpoint; the primary SIGKILLed mid-run, the backup's version is the checkpoint's
+    plus every push acknowledged since, once."""
+    ckpt = tmp_path / "ckpt"
+    first = run_cluster(ClusterSpec(
+        num_servers=1, num_workers=2, evaluate=False,
+        server=ServerConfig(mode="async", checkpoint_dir=str(ckpt)),
+        worker=WorkerConfig(steps=30)), tmp_path / "first")
+    (resumed_at,) = first.updates_applied
+    assert resumed_at == 60
+    out = tmp_path / "second"
+    spec = ClusterSpec(
+        num_servers=1, num_workers=2, evaluate=False,
+        server=ServerConfig(mode="async", replicas=1, failover_timeout=1.0, resume=str(ckpt)),
+        worker=WorkerConfig(steps=STEPS, straggler=StragglerSpec(min_step_time=0.01)))
+    pids: dict[str, int] = {}
+    killed: list[int] = []
+
+    def on_progress(_: Progress) -> None:
+        path = out / "events" / "server0.jsonl"
+        if not killed and path.exists() and len(read_events(path, "push")) >= 20:
+            os.kill(pids["server0"], signal.SIGKILL)
+            killed.append(pids["server0"])
+
+    result = run_cluster(spec, out, on_progress=on_progress,
+                         on_process=lambda info: pids.__setitem__(info.name, info.pid))
+    assert killed, "the run ended before the primary could be killed"
+    for name in ("server0", "server0r1"):
+        assert f"resumed shard 0 from version {resumed_at}" in \
+            (out / "logs" / f"{name}.log").read_text()
+    (failover,) = read_events(out / "events" / "server0r1.jsonl", "failover")
+    assert failover["epoch"] == 1
+    acknowledged = sum(w.accepted for w in result.workers)
+    assert acknowledged > 0 and result.updates_applied == (resumed_at + acknowledged,)

@@ -81,7 +81,8 @@ class ReplicaKeeper:
         c = self.cluster
         name = replacement_name(shard, replica)
         cfg = c.spec.replica_config(shard, replica, c.out)
-        cfg = dataclasses.replace(cfg, bind=address, replica_peers=peers,
+        # (not --resume: it takes the live primary's state, which went on from there)
+        cfg = dataclasses.replace(cfg, bind=address, replica_peers=peers, resume=None,
                                   event_log=str(c.out / "events" / f"{name}.jsonl"))
         old = self.procs(shard)[replica]
         if old.popen.stdout is not None:
