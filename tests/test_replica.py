@@ -144,8 +144,6 @@ def test_what_does_not_work_yet_is_refused_in_one_line():
         ServerConfig(replicas=2)
     with pytest.raises(ConfigError, match="backup workers"):
         ServerConfig(mode="sync", backup_workers=1, replicas=1)
-    with pytest.raises(ConfigError, match="CURVE"):
-        ServerConfig(replicas=1, curve_secret_key="k")
     with pytest.raises(ConfigError, match="--restart-servers"):
         ClusterSpec(server=ServerConfig(replicas=1), restart_servers=True)
     for mode in ("async", "sync", "ssp"):  # what works

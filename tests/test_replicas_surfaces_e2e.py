@@ -20,9 +20,12 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from zmq.utils.monitor import recv_monitor_message
 
 from paramserver import ClusterSpec, ServerConfig, WorkerConfig, run_cluster
 from paramserver.observe.events import read_events
+from paramserver.wire import replication as wrepl
+from paramserver.wire.curve import CurveKeys, generate_curve_keys
 from paramserver.workers.launch.clusterspec import Progress
 from paramserver.workers.stragglerspec import StragglerSpec
 from tests import exact_tasks as T
@@ -289,3 +292,104 @@ def test_every_replica_resumes_from_the_checkpoint(tmp_path: Path) -> None:
     assert failover["epoch"] == 1
     acknowledged = sum(w.accepted for w in result.workers)
     assert acknowledged > 0 and result.updates_applied == (resumed_at + acknowledged,)
+
+
+# --------------------------------------------------------------------------- CURVE
+
+
+def _handshake_refused(address: str, curve: CurveKeys | None) -> bool:
+    """Whether a peer with ``curve`` (None: plaintext) that connects to ``address`` is
+    refused at the handshake (True) rather than let in (False)."""
+    import zmq
+
+    from paramserver.wire.curve import secure_client
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if curve is not None:
+        secure_client(sock, curve)
+    monitor = sock.get_monitor_socket(
+        zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+        | zmq.EVENT_DISCONNECTED)
+    try:
+        sock.connect(address)
+        # an input that would fence the primary, were it taken
+        sock.send_multipart(wrepl.encode(wrepl.Apply(7, 0, 0.0, "ping")), zmq.NOBLOCK)
+        assert monitor.poll(int(LIMIT * 1000)), "no handshake outcome"
+        event = recv_monitor_message(monitor)["event"]
+        return event != zmq.EVENT_HANDSHAKE_SUCCEEDED
+    finally:
+        sock.disable_monitor()
+        monitor.close(0)
+        sock.close(0)
+
+
+def _send_as(address: str, curve: CurveKeys, record: wrepl.Record) -> None:
+    """One replication record to ``address``, from a peer holding ``curve``'s keys."""
+    import zmq
+
+    from paramserver.wire.curve import secure_client
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 2000)  # (until it is out)
+    secure_client(sock, curve)
+    sock.connect(address)
+    sock.send_multipart(wrepl.encode(record))
+    sock.close()
+
+
+def test_curve_replicas_refuse_strangers_and_survive_a_primary_sigkill(tmp_path: Path) -> None:
+    """Under CURVE with an allow-list the replicas replicate over the shard's own key: a
+    plaintext peer and an unlisted key are refused at the backup's handshake; an admitted
+    worker key that sends a replication record (a ping of a higher epoch to the backup,
+    which would fence the primary; a Join to the primary, which would be sent the state)
+    is refused by both; then the primary is SIGKILLed and the run ends with every
+    acknowledged push in the version once."""
+    made = generate_curve_keys(tmp_path / "keys")
+    other = generate_curve_keys(tmp_path / "other")
+    worker_keys = CurveKeys.load(made.clients["client"][1], made.server_public)
+    stranger = CurveKeys.load(other.clients["client"][1], made.server_public)
+    spec = ClusterSpec(
+        num_servers=1, num_workers=2, evaluate=False,
+        server=ServerConfig(mode="async", replicas=1, failover_timeout=1.0,
+                            curve_secret_key=str(made.server_secret),
+                            curve_clients_dir=str(made.authorized_dir)),
+        worker=WorkerConfig(servers=[], steps=STEPS,
+                            straggler=StragglerSpec(min_step_time=0.01),
+                            curve_key=str(made.clients["client"][1]),
+                            curve_server_key=str(made.server_public)))
+    out = tmp_path / "run"
+    pids: dict[str, int] = {}
+    seen: dict[str, bool] = {}
+    killed: list[int] = []
+
+    def log_has(name: str, text: str) -> bool:
+        return text in (out / "logs" / f"{name}.log").read_text()
+
+    def on_progress(_: Progress) -> None:
+        if not seen:
+            primary, backup = json.loads((out / "configs" / "worker0.json").read_text()
+                                         )["servers"][0].split("|")
+            seen["plaintext"] = _handshake_refused(backup, None)
+            seen["stranger"] = _handshake_refused(backup, stranger)
+            _send_as(backup, worker_keys, wrepl.Apply(7, 0, 0.0, "ping"))
+            _send_as(primary, worker_keys, wrepl.Join(1, "tcp://127.0.0.1:1", "x"))
+        def refused(what: str) -> str:
+            return f"replication message(s) (the last a {what}) from key " \
+                   f"{worker_keys.public_text}"
+
+        if not killed and log_has("server0r1", refused("Apply")) \
+                and log_has("server0", refused("Join")) \
+                and len(read_events(out / "events" / "server0.jsonl", "push")) >= 20:
+            os.kill(pids["server0"], signal.SIGKILL)
+            killed.append(pids["server0"])
+
+    result = run_cluster(spec, out, on_progress=on_progress,
+                         on_process=lambda info: pids.__setitem__(info.name, info.pid))
+    assert seen == {"plaintext": True, "stranger": True}
+    assert killed, "the run ended before the primary could be killed"
+    (failover,) = read_events(out / "events" / "server0r1.jsonl", "failover")
+    assert failover["epoch"] == 1  # the hostile ping of epoch 7 was not taken
+    acknowledged = sum(w.accepted for w in result.workers)
+    assert acknowledged == 2 * STEPS and result.updates_applied == (acknowledged,)

@@ -455,8 +455,6 @@ class ServerConfig(ConfigRecord):
         if self.replicas > MAX_REPLICAS:
             raise ConfigError(f"--replicas {self.replicas}: only --replicas {MAX_REPLICAS} works "
                               f"for now (one backup per shard)")
-        if self.curve_secret_key:
-            raise ConfigError("--replicas does not work with CURVE yet: run without it")
         if self.backup_workers or self.policy != "none":
             raise ConfigError("--replicas works without backup workers or a staleness "
                               "policy, for now")

@@ -60,7 +60,7 @@ from paramserver.sparse.shard import SparseShard
 from paramserver.util.proctitle import set_title
 from paramserver.wire import replication as wrepl
 from paramserver.wire import stats as wstats
-from paramserver.wire.curve import CurveKeys
+from paramserver.wire.curve import ANY_KEY, CurveKeys
 from paramserver.wire.messages import Checkpoint
 from paramserver.wire.protocol import Message, Op, decode, error_reply, reply
 from paramserver.wire.transport import RouterSocket
@@ -92,9 +92,11 @@ class ShardServer:
         if curve is not None and not self.access.has_admin:
             log.warning("shard %d: no admin key (--admin-key): SHUTDOWN, CHECKPOINT and "
                         "BYE dead=true are refused; stop the shard with SIGTERM", config.shard)
-        self.socket = RouterSocket(
-            config.bind, curve=curve,
-            allowed_clients=self.access.grants if config.curve_clients_dir else None)
+        allowed = self.access.grants if config.curve_clients_dir else None
+        if allowed is not None and curve is not None and config.replicas:
+            # the shard's other replicas connect with the servers' own key
+            allowed = {**allowed, curve.public_text: ANY_KEY}
+        self.socket = RouterSocket(config.bind, curve=curve, allowed_clients=allowed)
         self.address = self.socket.address
         if curve is None and not is_loopback(self.address):
             log.warning("shard %d binds %s without CURVE: anyone who reaches this port is "
@@ -310,16 +312,18 @@ class ShardServer:
 
     # ------------------------------------------------------------------ dispatch
 
-    def _handle(self, identity: bytes, frames: list[zmq.Frame]) -> None:
+    def _handle(self, identity: bytes, frames: list[zmq.Frame],
+                replayed_key: str | None = None) -> None:
         seq = forwarded = 0
         lent: dict[str, torch.Tensor] = {}  # tensors read from the sender's segment
         repl = self.replication
-        if repl is not None and not repl.admit(identity, frames, self._send_raw):
+        # a replayed input's key is the one it reached the primary with
+        key = replayed_key if identity == REPLAYED else self.socket.user_id(frames)
+        if repl is not None and not repl.admit(identity, frames, self._send_raw, key):
             return  # a replication message
         try:
             msg = decode(frames, self.socket.limits)
             seq = msg.seq
-            key = self.socket.user_id(frames)
             self.access.check(msg, key)
             replicated = repl is not None and msg.op in REPLICATED_OPS
             if replicated and repl is not None and not repl.writable:
@@ -333,7 +337,7 @@ class ShardServer:
             elif asks_board(msg.body):
                 take_shm(self.shm, msg, identity)  # the answer through the weight board
             if replicated and repl is not None:  # to the backups first (they apply it
-                forwarded = repl.forward(as_tcp(msg, frames))  # while we do); answered
+                forwarded = repl.forward(as_tcp(msg, frames), key=key)  # while we do); answered
                 # once they have it, tensors read from shared memory sent as frames
             self.outbox.acknowledged(identity, seq)
             self.counters["messages"] += 1
@@ -384,9 +388,9 @@ class ShardServer:
         except zmq.ZMQError as exc:  # a peer that is gone
             log.debug("dropping a replication answer: %s", exc)
 
-    def replay(self, frames: list[Any]) -> None:
+    def replay(self, frames: list[Any], key: str | None) -> None:
         """A backup handles a message its primary forwarded, as the primary did."""
-        self._handle(REPLAYED, frames)
+        self._handle(REPLAYED, frames, key)
 
     def snapshot(self) -> tuple[bytes, CoreImage | None, dict[str, torch.Tensor]] | None:
         return rejoin.image(self)  # what a joining replica is sent (None: not now)

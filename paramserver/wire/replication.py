@@ -46,13 +46,16 @@ class Apply(msgspec.Struct, tag="apply", frozen=True):
     ``kind``: ``msg`` (the data message follows in frames), ``dead`` (the primary's
     heartbeat timeout removed ``workers``), ``left_out`` (a round deadline left them
     out; the workers one tick of its timer decided on, applied as one). ``now``: the
-    primary's monotonic time when it applied it."""
+    primary's monotonic time when it applied it. ``key``: under CURVE, the public key
+    the message came with (the backup checks and binds worker ids by it, as the primary
+    did); only a peer holding the shard's own key may send an Apply."""
 
     epoch: Count
     seq: Count
     now: float
     kind: Literal["msg", "dead", "left_out", "ping"]
     workers: Annotated[list[int], msgspec.Meta(max_length=65536)] = []
+    key: Annotated[str, msgspec.Meta(max_length=64)] | None = None
 
 
 class Ack(msgspec.Struct, tag="ack", frozen=True):

@@ -238,7 +238,7 @@ class LocalCluster:
         """Each shard's primary now (with --replicas, asked of its replicas)."""
         if not self.spec.server.replicas:
             return self.addresses
-        return current_primaries(self.worker_addresses())
+        return current_primaries(self.worker_addresses(), curve=self.spec.admin_curve())
 
     def _all_servers(self) -> list[_Proc]:
         return self.servers + [p for procs in self.backups for p in procs]
