@@ -100,9 +100,10 @@ def test_snapshot_records_round_trip_and_their_tensors_are_checked():
     tensors = {"param/w": torch.arange(6, dtype=torch.float32).reshape(2, 3),
                "optim/0/step": torch.tensor(3.0), "wait/0/w": torch.ones(2, dtype=torch.bfloat16)}
     frames = [bytes(f) for f in wrepl.snapshot_frames(2, 9, 1.5, "tcp://p", b"{}", None,
-                                                      tensors)]
+                                                      tensors, {3: "k" * 40})]
     record, rest = wrepl.decode(frames)
     assert isinstance(record, wrepl.Snapshot) and (record.epoch, record.seq) == (2, 9)
+    assert record.owners == {3: "k" * 40}  # (CURVE: which key registered each worker)
     got = wrepl.snapshot_tensors(record, rest, Limits())
     assert got.keys() == tensors.keys()
     assert all(torch.equal(got[k], tensors[k]) and got[k].dtype == tensors[k].dtype
@@ -123,6 +124,10 @@ def test_snapshot_records_round_trip_and_their_tensors_are_checked():
 def test_wire_records_round_trip_and_are_bounded():
     frames = [*wrepl.encode(wrepl.Apply(3, 7, 1.5, "msg")), b"payload"]
     assert wrepl.is_replication(frames)
+    keyed = wrepl.Apply(3, 7, 1.5, "msg", key="k" * 40)
+    assert wrepl.decode(wrepl.encode(keyed)) == (keyed, [])
+    with pytest.raises(ProtocolError):  # a key is Z85 text of 40 characters, not more
+        wrepl.decode(wrepl.encode(wrepl.Apply(3, 7, 1.5, "msg", key="k" * 65)))
     record, rest = wrepl.decode(frames)
     assert record == wrepl.Apply(3, 7, 1.5, "msg") and rest == [b"payload"]
     assert not wrepl.is_replication([b"\x82\xa2op"])  # a data header (a msgpack map)

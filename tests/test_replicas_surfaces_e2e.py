@@ -297,6 +297,9 @@ def test_every_replica_resumes_from_the_checkpoint(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- CURVE
 
 
+CURVE_STEPS = 1000  # paced: time for the replacement to rejoin before the second kill
+
+
 def _handshake_refused(address: str, curve: CurveKeys | None) -> bool:
     """Whether a peer with ``curve`` (None: plaintext) that connects to ``address`` is
     refused at the handshake (True) rather than let in (False)."""
@@ -339,13 +342,15 @@ def _send_as(address: str, curve: CurveKeys, record: wrepl.Record) -> None:
     sock.close()
 
 
-def test_curve_replicas_refuse_strangers_and_survive_a_primary_sigkill(tmp_path: Path) -> None:
+def test_curve_replicas_refuse_strangers_and_survive_two_primary_sigkills(tmp_path: Path
+                                                                         ) -> None:
     """Under CURVE with an allow-list the replicas replicate over the shard's own key: a
     plaintext peer and an unlisted key are refused at the backup's handshake; an admitted
     worker key that sends a replication record (a ping of a higher epoch to the backup,
     which would fence the primary; a Join to the primary, which would be sent the state)
-    is refused by both; then the primary is SIGKILLed and the run ends with every
-    acknowledged push in the version once."""
+    is refused by both. Then the primary is SIGKILLed; once the launcher's replacement
+    rejoined over CURVE (the snapshot with the workers' key bindings), the new primary
+    too; and the run ends with every acknowledged push in the version once."""
     made = generate_curve_keys(tmp_path / "keys")
     other = generate_curve_keys(tmp_path / "other")
     worker_keys = CurveKeys.load(made.clients["client"][1], made.server_public)
@@ -355,7 +360,7 @@ def test_curve_replicas_refuse_strangers_and_survive_a_primary_sigkill(tmp_path:
         server=ServerConfig(mode="async", replicas=1, failover_timeout=1.0,
                             curve_secret_key=str(made.server_secret),
                             curve_clients_dir=str(made.authorized_dir)),
-        worker=WorkerConfig(servers=[], steps=STEPS,
+        worker=WorkerConfig(servers=[], steps=CURVE_STEPS,
                             straggler=StragglerSpec(min_step_time=0.01),
                             curve_key=str(made.clients["client"][1]),
                             curve_server_key=str(made.server_public)))
@@ -384,12 +389,19 @@ def test_curve_replicas_refuse_strangers_and_survive_a_primary_sigkill(tmp_path:
                 and len(read_events(out / "events" / "server0.jsonl", "push")) >= 20:
             os.kill(pids["server0"], signal.SIGKILL)
             killed.append(pids["server0"])
+        elif len(killed) == 1 and read_events(out / "events" / "server0r1.jsonl",
+                                              "backup_joined"):
+            os.kill(pids["server0r1"], signal.SIGKILL)
+            killed.append(pids["server0r1"])
 
     result = run_cluster(spec, out, on_progress=on_progress,
                          on_process=lambda info: pids.__setitem__(info.name, info.pid))
     assert seen == {"plaintext": True, "stranger": True}
-    assert killed, "the run ended before the primary could be killed"
+    assert len(killed) == 2, "the run ended before both primaries could be killed"
     (failover,) = read_events(out / "events" / "server0r1.jsonl", "failover")
     assert failover["epoch"] == 1  # the hostile ping of epoch 7 was not taken
+    (second,) = read_events(out / "events" / "server0r0.jsonl", "failover")
+    assert second["epoch"] == 2
     acknowledged = sum(w.accepted for w in result.workers)
-    assert acknowledged == 2 * STEPS and result.updates_applied == (acknowledged,)
+    assert acknowledged == 2 * CURVE_STEPS and result.updates_applied == (acknowledged,)
+    assert result.restarts == ()

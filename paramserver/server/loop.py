@@ -395,6 +395,9 @@ class ShardServer:
     def snapshot(self) -> tuple[bytes, CoreImage | None, dict[str, torch.Tensor]] | None:
         return rejoin.image(self)  # what a joining replica is sent (None: not now)
 
+    def key_owners(self) -> dict[int, str]:
+        return dict(self.access.owners)
+
     def restore(self, record: wrepl.Snapshot, frames: list[Any]) -> None:
         rejoin.adopt(self, record, frames)  # a joining replica takes the primary's state
 

@@ -118,6 +118,7 @@ def adopt(server: ShardServer, snapshot: wrepl.Snapshot, frames: Sequence[Any]) 
     for parts in (server.joined, server.streamed, server.outbox):
         parts.forget(())
     server.outbox.observer_pulls.clear()
+    server.access.owners = dict(snapshot.owners)  # (CURVE: who may act as each worker)
     if not plan:
         return
     try:

@@ -119,6 +119,9 @@ class ReplicationHost(Protocol):
     def snapshot(self) -> tuple[bytes, CoreImage | None, dict[str, torch.Tensor]] | None:
         """The shard's state for a joining replica (rejoin.image); None: not now."""
 
+    def key_owners(self) -> dict[int, str]:
+        """Under CURVE, the key that registered each worker id (sent with a snapshot)."""
+
     def restore(self, record: wrepl.Snapshot, frames: list[Any]) -> None:
         """Put the primary's snapshot (its record and tensor frames) in place of this
         replica's state (rejoin.adopt)."""
@@ -379,11 +382,11 @@ class Replication:
         plan, core, tensors = got
         seq = self.state.applied
         frames = wrepl.snapshot_frames(self.state.epoch, seq, time.monotonic(), self.address,
-                                       plan, core, tensors)
+                                       plan, core, tensors, self.host.key_owners())
         size = sum(t.numel() * t.element_size() for t in tensors.values())
         while self._asked:
             address, nonce = self._asked.popitem(last=False)
-            b = _Backup(address, self._context)
+            b = _Backup(address, self._context, self.curve)
             self.backups.append(b)
             self._joining[b] = seq
             self._nonces[address] = nonce

@@ -116,6 +116,9 @@ class Snapshot(msgspec.Struct, tag="snapshot", frozen=True):
     plan: Annotated[bytes, msgspec.Meta(max_length=MAX_META)]
     core: CoreImage | None
     tensors: Annotated[list[TensorHead], msgspec.Meta(max_length=1 << 20)]
+    #: under CURVE, which key registered each worker id (only that key acts for it)
+    owners: Annotated[dict[int, Annotated[str, msgspec.Meta(max_length=64)]],
+                      msgspec.Meta(max_length=65536)] = {}
 
 
 Record = Apply | Ack | WhoIs | RoleReply | Join | Snapshot
@@ -161,7 +164,8 @@ _NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
 def snapshot_frames(epoch: int, seq: int, now: float, primary: str, plan: bytes,
-                    core: CoreImage | None, tensors: Mapping[str, torch.Tensor]) -> list[Any]:
+                    core: CoreImage | None, tensors: Mapping[str, torch.Tensor],
+                    owners: Mapping[int, str] | None = None) -> list[Any]:
     """The frames of a :class:`Snapshot` of these tensors (sent as they are: pass
     tensors nothing writes until they are sent)."""
     heads, bodies = [], []
@@ -170,7 +174,8 @@ def snapshot_frames(epoch: int, seq: int, now: float, primary: str, plan: bytes,
         heads.append(TensorHead(name, _NAMES[t.dtype], list(t.shape)))
         bodies.append(t.reshape(-1).view(torch.uint8).numpy().data if t.numel()
                       else b"")
-    return [*encode(Snapshot(epoch, seq, now, primary, plan, core, heads)), *bodies]
+    return [*encode(Snapshot(epoch, seq, now, primary, plan, core, heads,
+                             dict(owners or {}))), *bodies]
 
 
 def snapshot_tensors(record: Snapshot, frames: Sequence[Any],
