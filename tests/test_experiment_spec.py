@@ -304,9 +304,9 @@ def test_replicas_is_a_setting_and_an_axis():
         ("sync, 0 replicas", 0), ("sync, 1 replica", 1),
         ("async, 0 replicas", 0), ("async, 1 replica", 1)]
     assert ExperimentSpec.from_dict(axis.to_toml_dict()).replicas == [0, 1]
-    with pytest.raises(ConfigError, match=r"replicas = 1 with mode sync:b=1, policy none: "
-                                          r"--replicas works without backup workers"):
-        ExperimentSpec(replicas=[0, 1], modes=["sync:b=1"], workers=[3])
+    with pytest.raises(ConfigError, match=r"replicas = 1 with mode async, policy gap-aware: "
+                                          r"--replicas does not work with --policy gap-aware"):
+        ExperimentSpec(replicas=[0, 1], modes=["async"], policies=["gap-aware"], workers=[3])
     with pytest.raises(ConfigError, match="replicas lists 1 more than once"):
         ExperimentSpec(replicas=[1, 1])
     with pytest.raises(ConfigError, match="only --replicas 1 works"):

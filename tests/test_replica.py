@@ -147,8 +147,15 @@ def test_what_does_not_work_yet_is_refused_in_one_line():
 
     with pytest.raises(ConfigError, match="only --replicas 1 works"):
         ServerConfig(replicas=2)
-    with pytest.raises(ConfigError, match="backup workers"):
-        ServerConfig(mode="sync", backup_workers=1, replicas=1)
+    for policy in ("dc-asgd", "gap-aware"):  # the weights each worker read
+        with pytest.raises(ConfigError, match=f"--policy {policy}: it rewrites gradients"):
+            ServerConfig(policy=policy, replicas=1)
+    with pytest.raises(ConfigError, match="ssp-adaptive: it sets the SSP bound"):
+        ServerConfig(mode="ssp", policy="ssp-adaptive", replicas=1)
+    # what replicates: backup workers, and policies that decide from each push alone
+    ServerConfig(mode="sync", backup_workers=1, expected_workers=3, replicas=1)
+    for policy in ("reject", "inverse", "exponential"):
+        ServerConfig(policy=policy, replicas=1)
     with pytest.raises(ConfigError, match="--restart-servers"):
         ClusterSpec(server=ServerConfig(replicas=1), restart_servers=True)
     for mode in ("async", "sync", "ssp"):  # what works

@@ -405,3 +405,55 @@ def test_curve_replicas_refuse_strangers_and_survive_two_primary_sigkills(tmp_pa
     acknowledged = sum(w.accepted for w in result.workers)
     assert acknowledged == 2 * CURVE_STEPS and result.updates_applied == (acknowledged,)
     assert result.restarts == ()
+
+
+# --------------------------------------------------------------------------- backups, policies
+
+
+def _run_killing(spec: ClusterSpec, out: Path, after_pushes: int = 20):
+    """Run ``spec``; SIGKILL shard 0's primary once it logged ``after_pushes`` pushes."""
+    pids: dict[str, int] = {}
+    killed: list[int] = []
+
+    def on_progress(_: Progress) -> None:
+        path = out / "events" / "server0.jsonl"
+        if not killed and path.exists() and len(read_events(path, "push")) >= after_pushes:
+            os.kill(pids["server0"], signal.SIGKILL)
+            killed.append(pids["server0"])
+
+    result = run_cluster(spec, out, on_progress=on_progress,
+                         on_process=lambda info: pids.__setitem__(info.name, info.pid))
+    assert killed, "the run ended before the primary could be killed"
+    (failover,) = read_events(out / "events" / "server0r1.jsonl", "failover")
+    assert failover["epoch"] == 1
+    return result
+
+
+def test_backup_workers_replicate_through_a_primary_sigkill(tmp_path: Path) -> None:
+    """sync with one backup worker of 3: every round closes once, on 2 pushes, across the
+    takeover (the backup closes rounds on the same pushes, in their order)."""
+    steps = 60
+    result = _run_killing(ClusterSpec(
+        num_servers=1, num_workers=3, evaluate=False,
+        server=ServerConfig(mode="sync", backup_workers=1, expected_workers=3, replicas=1,
+                            failover_timeout=1.0),
+        worker=WorkerConfig(steps=steps, straggler=StragglerSpec(min_step_time=0.01))),
+        tmp_path / "run")
+    assert result.updates_applied == (steps,) and result.restarts == ()
+    assert sum(w.accepted for w in result.workers) == 2 * steps
+    assert sum(w.rejected for w in result.workers) == steps  # one dropped a round
+
+
+def test_a_staleness_policy_replicates_through_a_primary_sigkill(tmp_path: Path) -> None:
+    """async under `reject max_staleness=1` with a slow worker: each push a worker saw
+    accepted is in the version once, and the rest were refused, across the takeover."""
+    result = _run_killing(ClusterSpec(
+        num_servers=1, num_workers=2, evaluate=False,
+        server=ServerConfig(mode="async", policy="reject", policy_args={"max_staleness": 1},
+                            replicas=1, failover_timeout=1.0),
+        worker=WorkerConfig(steps=STEPS, straggler=StragglerSpec(min_step_time=0.01)),
+        stragglers={1: StragglerSpec(min_step_time=0.01, slowdown=3.0)}), tmp_path / "run")
+    accepted = sum(w.accepted for w in result.workers)
+    assert sum(w.rejected for w in result.workers) > 0  # the policy acted
+    assert accepted + sum(w.rejected for w in result.workers) == 2 * STEPS
+    assert result.updates_applied == (accepted,) and result.restarts == ()

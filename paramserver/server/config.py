@@ -438,7 +438,7 @@ class ServerConfig(ConfigRecord):
     def _check_replicas(self) -> None:
         """--replicas works for what paramserver/server/replication.py was built and
         tested for; anything else is refused in one line naming what works."""
-        from paramserver.core.replica import MAX_REPLICAS
+        from paramserver.core.replica import MAX_REPLICAS, unreplicable
 
         if not self.replicas:
             if self.replica or self.replica_peers:
@@ -455,9 +455,14 @@ class ServerConfig(ConfigRecord):
         if self.replicas > MAX_REPLICAS:
             raise ConfigError(f"--replicas {self.replicas}: only --replicas {MAX_REPLICAS} works "
                               f"for now (one backup per shard)")
-        if self.backup_workers or self.policy != "none":
-            raise ConfigError("--replicas works without backup workers or a staleness "
-                              "policy, for now")
+        if self.policy != "none":  # (the registry loads torch: only when one is named)
+            from paramserver.policies import resolve_policy
+
+            why = unreplicable(resolve_policy(self.policy))
+            if why:
+                raise ConfigError(f"--replicas does not work with --policy {self.policy}: "
+                                  f"{why}; policies that decide from each push alone "
+                                  f"(reject, inverse, exponential) do")
 
     def watchdog_config(self) -> WatchdogConfig:
         """The watchdog's thresholds, with ``observe`` as its ``observe_budget``; the older
