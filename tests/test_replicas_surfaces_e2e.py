@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -429,19 +430,33 @@ def _run_killing(spec: ClusterSpec, out: Path, after_pushes: int = 20):
     return result
 
 
+def _decisions(out: Path, name: str) -> list[tuple]:
+    """Each push ``name`` decided on, in order, as what the shard's state follows from."""
+    return [(p["worker"], p["clock"], p["read_version"], p["version"], p["accepted"],
+             p["reason"], p["weight"]) for p in read_events(out / "events" / f"{name}.jsonl",
+                                                             "push")]
+
+
 def test_backup_workers_replicate_through_a_primary_sigkill(tmp_path: Path) -> None:
-    """sync with one backup worker of 3: every round closes once, on 2 pushes, across the
-    takeover (the backup closes rounds on the same pushes, in their order)."""
-    steps = 60
+    """sync with one backup worker of 3: the backup decided every push the primary did,
+    alike and in the same order (which pushes a round closes on, which are late), and
+    after the takeover every round closed once, on at most 2 pushes."""
+    steps, out = 60, tmp_path / "run"
     result = _run_killing(ClusterSpec(
         num_servers=1, num_workers=3, evaluate=False,
         server=ServerConfig(mode="sync", backup_workers=1, expected_workers=3, replicas=1,
                             failover_timeout=1.0),
-        worker=WorkerConfig(steps=steps, straggler=StragglerSpec(min_step_time=0.01))),
-        tmp_path / "run")
-    assert result.updates_applied == (steps,) and result.restarts == ()
-    assert sum(w.accepted for w in result.workers) == 2 * steps
-    assert sum(w.rejected for w in result.workers) == steps  # one dropped a round
+        worker=WorkerConfig(steps=steps, straggler=StragglerSpec(min_step_time=0.01))), out)
+    before, after = _decisions(out, "server0"), _decisions(out, "server0r1")
+    assert len(before) >= 20 and after[:len(before)] == before
+    accepted = [d for d in after if d[4]]
+    rounds = Counter(d[3] for d in accepted)  # a round's pushes carry its version
+    (version,) = result.updates_applied
+    # rounds 0 .. version - 1 closed, each on at most 2 pushes; the last may be open
+    assert set(rounds) - {version} == set(range(version)) and max(rounds.values()) <= 2
+    assert sum(w.accepted for w in result.workers) == len(accepted)
+    assert all(w.accepted + w.rejected == steps for w in result.workers)
+    assert result.restarts == ()
 
 
 def test_a_staleness_policy_replicates_through_a_primary_sigkill(tmp_path: Path) -> None:
@@ -453,6 +468,9 @@ def test_a_staleness_policy_replicates_through_a_primary_sigkill(tmp_path: Path)
                             replicas=1, failover_timeout=1.0),
         worker=WorkerConfig(steps=STEPS, straggler=StragglerSpec(min_step_time=0.01)),
         stragglers={1: StragglerSpec(min_step_time=0.01, slowdown=3.0)}), tmp_path / "run")
+    out = tmp_path / "run"
+    before, after = _decisions(out, "server0"), _decisions(out, "server0r1")
+    assert len(before) >= 20 and after[:len(before)] == before  # the backup decided alike
     accepted = sum(w.accepted for w in result.workers)
     assert sum(w.rejected for w in result.workers) > 0  # the policy acted
     assert accepted + sum(w.rejected for w in result.workers) == 2 * STEPS
