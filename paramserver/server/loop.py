@@ -44,7 +44,7 @@ from paramserver.observe.watchdog import Alarm, Watchdog
 from paramserver.persist.checkpoint import CheckpointDirInUse, CheckpointError
 from paramserver.policies.registry import create_policy
 from paramserver.server import rejoin
-from paramserver.server.access import Access, is_loopback, load_grants
+from paramserver.server.access import Access, admitted, is_loopback, load_grants
 from paramserver.server.checkpointer import RESTORE_ERRORS, Checkpointer
 from paramserver.server.config import ServerConfig
 from paramserver.server.ops import DataOps, Handler
@@ -60,7 +60,7 @@ from paramserver.sparse.shard import SparseShard
 from paramserver.util.proctitle import set_title
 from paramserver.wire import replication as wrepl
 from paramserver.wire import stats as wstats
-from paramserver.wire.curve import ANY_KEY, CurveKeys
+from paramserver.wire.curve import CurveKeys
 from paramserver.wire.messages import Checkpoint
 from paramserver.wire.protocol import Message, Op, decode, error_reply, reply
 from paramserver.wire.transport import RouterSocket
@@ -92,11 +92,9 @@ class ShardServer:
         if curve is not None and not self.access.has_admin:
             log.warning("shard %d: no admin key (--admin-key): SHUTDOWN, CHECKPOINT and "
                         "BYE dead=true are refused; stop the shard with SIGTERM", config.shard)
-        allowed = self.access.grants if config.curve_clients_dir else None
-        if allowed is not None and curve is not None and config.replicas:
-            # the shard's other replicas connect with the servers' own key
-            allowed = {**allowed, curve.public_text: ANY_KEY}
-        self.socket = RouterSocket(config.bind, curve=curve, allowed_clients=allowed)
+        self.socket = RouterSocket(config.bind, curve=curve, allowed_clients=admitted(
+            self.access.grants if config.curve_clients_dir else None,
+            curve.public_text if curve is not None and config.replicas else None))
         self.address = self.socket.address
         if curve is None and not is_loopback(self.address):
             log.warning("shard %d binds %s without CURVE: anyone who reaches this port is "
@@ -316,8 +314,7 @@ class ShardServer:
                 replayed_key: str | None = None) -> None:
         seq = forwarded = 0
         lent: dict[str, torch.Tensor] = {}  # tensors read from the sender's segment
-        repl = self.replication
-        # a replayed input's key is the one it reached the primary with
+        repl = self.replication  # (a replayed input: the key it reached the primary with)
         key = replayed_key if identity == REPLAYED else self.socket.user_id(frames)
         if repl is not None and not repl.admit(identity, frames, self._send_raw, key):
             return  # a replication message
