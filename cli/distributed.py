@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -29,6 +29,10 @@ from .launch import refuse_for_command
 from .server import ready_printer
 from .worker import fail, summary
 from .workercount import check_job_workers
+
+if TYPE_CHECKING:
+    from paramserver.server.config import ServerConfig
+    from paramserver.workers.launch.rendezvous import Rendezvous, Role
 
 __all__ = ["run"]
 
@@ -78,6 +82,23 @@ def command_env(worker: WorkerConfig, out: Path) -> dict[str, str]:
             EVALUATOR_ENV: str(worker.evaluator)}
 
 
+def _place(config: ServerConfig, rdzv: Rendezvous, role: Role, out: Path | None
+           ) -> ServerConfig:
+    """This server rank's shard and replica, placed with every other server rank's node
+    in view (a shard's replicas on different nodes where there are several)."""
+    import socket
+
+    from paramserver.workers.launch.clusterspec import replica_name
+
+    placed = rdzv.place(role, socket.gethostname())
+    name = replica_name(placed.shard, placed.replica)
+    what = "a backup" if placed.replica else "its first primary"
+    click.echo(f"paramserver run: server rank {role.index} is replica {placed.replica} of "
+               f"shard {placed.shard} ({what})", err=True)
+    return dataclasses.replace(config, shard=placed.shard, replica=placed.replica,
+                               event_log=str(out / "events" / f"{name}.jsonl") if out else None)
+
+
 def _nth_port(base: int, index: int) -> int:
     """Shard ``index``'s port from a base port (0 stays 0: any free port)."""
     return base + index if base else 0
@@ -123,7 +144,8 @@ def run(ctx: click.Context, **opts: Any) -> None:
     with options.user_errors():
         env = launch_env(launcher=opts["launcher"], store_host=opts["store_host"],
                          store_port=opts["store_port"])
-        role = assign_role(env.rank, env.world_size, opts["num_servers"])
+        role = assign_role(env.rank, env.world_size, opts["num_servers"],
+                           server_template.replicas)
     check_job_workers(ctx, role.num_workers,
                       f"{role.num_workers} worker ranks in this job ({env.world_size} ranks - "
                       f"--num-servers {opts['num_servers']})")
@@ -135,8 +157,10 @@ def run(ctx: click.Context, **opts: Any) -> None:
         with options.user_errors("--host"):
             host = opts["host"] or default_host(env)
         with options.user_errors():
+            # with replicas, the shard and replica come from the rendezvous (_place)
             config = dataclasses.replace(
-                server_template, shard=role.index, num_shards=role.num_servers,
+                server_template, shard=0 if role.replicas else role.index,
+                num_shards=role.num_servers,
                 bind=options.bind_address(host, _nth_port(opts["port"], role.index)),
                 metrics_port=None if opts["metrics_port"] is None
                 else _nth_port(opts["metrics_port"], role.index),
@@ -159,6 +183,8 @@ def run(ctx: click.Context, **opts: Any) -> None:
     try:
         rdzv = Rendezvous(env, opts["rendezvous_timeout"])
         if role.kind == "server":
+            if role.replicas:
+                config = _place(config, rdzv, role, out)
             code = run_server_rank(config, rdzv, ready_printer(config))
             click.echo(f"paramserver: shard {role.index} stopped", err=True)
             ctx.exit(code)

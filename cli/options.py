@@ -50,7 +50,7 @@ from paramserver.workers.config import WorkerConfig
 from paramserver.workers.launch.clusterspec import ClusterSpec
 from paramserver.workers.stragglerspec import StragglerSpec
 
-from .paramtypes import AddressList, KeyValue, flatten_addresses
+from .paramtypes import AddressList, KeyValue, ShardList, flatten_addresses
 from .workercount import file_worker_counts
 
 __all__ = [
@@ -137,6 +137,8 @@ def _click_type(f: dataclasses.Field[Any], opt: Opt, hint: Any) -> Any:
         return KeyValue(opt.parse, table=opt.table)
     if opt.kind == "address":
         return AddressList()
+    if opt.kind == "shards":
+        return ShardList()
     if opt.kind in _PATHS:
         file_okay, dir_okay = _PATHS[opt.kind]
         return click.Path(file_okay=file_okay, dir_okay=dir_okay)
@@ -588,7 +590,7 @@ def config_values(cls: type, opts: Mapping[str, Any]) -> dict[str, Any]:
         value = opts[name]
         if opt.kind == "pairs":
             value = dict(value or ())
-        elif opt.kind == "address":
+        elif opt.kind in ("address", "shards"):
             value = flatten_addresses(value or ())
         elif typing.get_origin(hint) is list:
             value = list(value or ())

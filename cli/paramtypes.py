@@ -1,4 +1,5 @@
-"""The CLI's own click parameter types: ``KEY=VALUE`` pairs and shard addresses."""
+"""The CLI's own click parameter types: ``KEY=VALUE`` pairs and shard addresses (a
+replicated shard's replicas joined by ``|``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import click
 
 from paramserver.errors import ConfigError
 
-__all__ = ["Address", "AddressList", "KeyValue", "flatten_addresses"]
+__all__ = ["Address", "AddressList", "KeyValue", "ShardList", "flatten_addresses"]
 
 
 class KeyValue(click.ParamType):
@@ -79,6 +80,23 @@ class AddressList(Address):
         if not parts:
             self.fail("give at least one server address", param, ctx)
         return tuple(super(AddressList, self).convert(p, param, ctx) for p in parts)
+
+
+class ShardList(AddressList):
+    """Comma-separated shards, each one address or its replicas' joined by ``|`` ->
+    a tuple of ``tcp://HOST:PORT[|tcp://HOST:PORT...]``."""
+
+    name = "HOST:PORT[|HOST:PORT][,...]"
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> Any:
+        if isinstance(value, tuple):
+            return value
+        entries = [e for e in str(value).replace(",", " ").split() if e]
+        if not entries:
+            self.fail("give at least one server address", param, ctx)
+        return tuple("|".join(Address.convert(self, a, param, ctx) for a in e.split("|"))
+                     for e in entries)
 
 
 def flatten_addresses(value: Iterable[tuple[str, ...]]) -> list[str]:

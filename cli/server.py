@@ -30,14 +30,30 @@ Examples:
       --policy inverse --optimizer adam --lr 0.001
 
 \b
+  # a shard with a backup (--replicas 1): the backup first, then the primary,
+  # given its backup's address; workers get the replicas joined by |
+  paramserver server --replicas 1 --replica 1 --port 5611 --expected-workers 2
+  paramserver server --replicas 1 --replica 0 --port 5610 \\
+      --replica-peers 127.0.0.1:5611 --expected-workers 2
+  paramserver worker --servers '127.0.0.1:5610|127.0.0.1:5611' --rank 0 --world-size 2
+
+\b
 The server prints one line on stdout when it listens,
   PARAMSERVER_READY tcp://HOST:PORT pid=PID [metrics=PORT]
 for scripts, and the run's story on stderr for you: listening, training
 started, each worker joined, dead or rejoined (and at which clock),
 checkpoints, all workers done (--quiet: none of it). It serves until Ctrl-C
 (SIGINT) or SIGTERM, then exits with code 0. Workers connect with
-`paramserver worker --servers ADDR0,ADDR1,...` (addresses in shard order).
+`paramserver worker --servers ADDR0,ADDR1,...` (addresses in shard order;
+a replicated shard's replicas joined by |). A replica started in place of a
+dead one is given the live replicas as --replica-peers and joins their
+primary as a backup.
 """
+
+
+#: replica 0 started by hand without its backups
+NO_PEERS = ("--replicas: replica 0 (the shard's first primary) needs --replica-peers with "
+            "its backups' addresses; start each backup first with --replica K (1 .. R)")
 
 
 def ready_printer(config: ServerConfig, sentence: bool = True) -> Any:
@@ -75,9 +91,9 @@ def server(ctx: click.Context, **opts: Any) -> None:
     quiet = opts.pop("quiet")
     agree_worker_count(ctx, opts, "expected_workers")
     config = options.server_config(opts)
-    if config.replicas:  # a shard's backups are started and wired by the launcher
-        with options.user_errors():
-            raise ConfigError("--replicas works with `paramserver launch` only, for now")
+    if config.replicas and config.replica == 0 and not config.replica_peers:
+        with options.user_errors():  # (launch and run wire the replicas themselves)
+            raise ConfigError(NO_PEERS)
     # the server's loop, zmq and the checkpoints load only when one runs, not for --help
     from paramserver.observe.console import Console
     from paramserver.persist.checkpoint import CheckpointDirInUse, CheckpointError

@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from . import options
-from .paramtypes import Address
+from .paramtypes import ShardList
 
 __all__ = ["status"]
 
@@ -31,23 +31,6 @@ the epoch, and how long ago each backup acknowledged. Reading the status does
 not register with the shard and changes nothing. Exit code 1 if a shard did
 not answer within --timeout.
 """
-
-
-class ShardList(Address):
-    """Comma-separated shards, each one address or its replicas' joined by ``|`` ->
-    a tuple of ``tcp://HOST:PORT[|tcp://HOST:PORT...]``."""
-
-    name = "HOST:PORT[|HOST:PORT][,...]"
-
-    def convert(self, value: Any, param: click.Parameter | None,
-                ctx: click.Context | None) -> Any:
-        if isinstance(value, tuple):
-            return value
-        entries = [e for e in str(value).replace(",", " ").split() if e]
-        if not entries:
-            self.fail("give at least one server address", param, ctx)
-        return tuple("|".join(super(ShardList, self).convert(a, param, ctx)
-                              for a in e.split("|")) for e in entries)
 
 
 @click.command("status", epilog=EPILOG,

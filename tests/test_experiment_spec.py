@@ -291,3 +291,23 @@ def load_spec_roundtrip(spec, tmp_path):
 def test_bad_step_size_settings_are_refused(text):
     with pytest.raises(ConfigError):
         ModeChoice.parse(text)
+
+
+def test_replicas_is_a_setting_and_an_axis():
+    one = ExperimentSpec(replicas=1, modes=["async"], workers=[2], scenarios=["none"])
+    (config,) = one.configurations()
+    assert config.label == "async, 1 replica" and config.id == "none-async-none-w2-r1"
+    assert one.cluster_spec(config, 0).server.replicas == 1
+    axis = ExperimentSpec(replicas=[0, 1], modes=["sync", "async"], workers=[2],
+                          scenarios=["none"])
+    assert [(c.label, c.replicas) for c in axis.configurations()] == [
+        ("sync, 0 replicas", 0), ("sync, 1 replica", 1),
+        ("async, 0 replicas", 0), ("async, 1 replica", 1)]
+    assert ExperimentSpec.from_dict(axis.to_toml_dict()).replicas == [0, 1]
+    with pytest.raises(ConfigError, match=r"replicas = 1 with mode async, policy gap-aware: "
+                                          r"--replicas does not work with --policy gap-aware"):
+        ExperimentSpec(replicas=[0, 1], modes=["async"], policies=["gap-aware"], workers=[3])
+    with pytest.raises(ConfigError, match="replicas lists 1 more than once"):
+        ExperimentSpec(replicas=[1, 1])
+    with pytest.raises(ConfigError, match="only --replicas 1 works"):
+        ExperimentSpec(replicas=2)

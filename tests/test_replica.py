@@ -100,9 +100,10 @@ def test_snapshot_records_round_trip_and_their_tensors_are_checked():
     tensors = {"param/w": torch.arange(6, dtype=torch.float32).reshape(2, 3),
                "optim/0/step": torch.tensor(3.0), "wait/0/w": torch.ones(2, dtype=torch.bfloat16)}
     frames = [bytes(f) for f in wrepl.snapshot_frames(2, 9, 1.5, "tcp://p", b"{}", None,
-                                                      tensors)]
+                                                      tensors, {3: "k" * 40})]
     record, rest = wrepl.decode(frames)
     assert isinstance(record, wrepl.Snapshot) and (record.epoch, record.seq) == (2, 9)
+    assert record.owners == {3: "k" * 40}  # (CURVE: which key registered each worker)
     got = wrepl.snapshot_tensors(record, rest, Limits())
     assert got.keys() == tensors.keys()
     assert all(torch.equal(got[k], tensors[k]) and got[k].dtype == tensors[k].dtype
@@ -123,6 +124,10 @@ def test_snapshot_records_round_trip_and_their_tensors_are_checked():
 def test_wire_records_round_trip_and_are_bounded():
     frames = [*wrepl.encode(wrepl.Apply(3, 7, 1.5, "msg")), b"payload"]
     assert wrepl.is_replication(frames)
+    keyed = wrepl.Apply(3, 7, 1.5, "msg", key="k" * 40)
+    assert wrepl.decode(wrepl.encode(keyed)) == (keyed, [])
+    with pytest.raises(ProtocolError):  # a key is Z85 text of 40 characters, not more
+        wrepl.decode(wrepl.encode(wrepl.Apply(3, 7, 1.5, "msg", key="k" * 65)))
     record, rest = wrepl.decode(frames)
     assert record == wrepl.Apply(3, 7, 1.5, "msg") and rest == [b"payload"]
     assert not wrepl.is_replication([b"\x82\xa2op"])  # a data header (a msgpack map)
@@ -142,24 +147,39 @@ def test_what_does_not_work_yet_is_refused_in_one_line():
 
     with pytest.raises(ConfigError, match="only --replicas 1 works"):
         ServerConfig(replicas=2)
-    with pytest.raises(ConfigError, match="backup workers"):
-        ServerConfig(mode="sync", backup_workers=1, replicas=1)
-    with pytest.raises(ConfigError, match="CURVE"):
-        ServerConfig(replicas=1, curve_secret_key="k")
+    for policy in ("dc-asgd", "gap-aware"):  # the weights each worker read
+        with pytest.raises(ConfigError, match=f"--policy {policy}: it rewrites gradients"):
+            ServerConfig(policy=policy, replicas=1)
+    with pytest.raises(ConfigError, match="ssp-adaptive: it sets the SSP bound"):
+        ServerConfig(mode="ssp", policy="ssp-adaptive", replicas=1)
+    # what replicates: backup workers, and policies that decide from each push alone
+    ServerConfig(mode="sync", backup_workers=1, expected_workers=3, replicas=1)
+    for policy in ("reject", "inverse", "exponential"):
+        ServerConfig(policy=policy, replicas=1)
     with pytest.raises(ConfigError, match="--restart-servers"):
         ClusterSpec(server=ServerConfig(replicas=1), restart_servers=True)
     for mode in ("async", "sync", "ssp"):  # what works
         ServerConfig(mode=mode, replicas=1)
 
 
-def test_the_server_command_says_replicas_need_launch():
+def test_the_server_command_checks_a_hand_started_replica():
     from click.testing import CliRunner
 
     from paramserver.cli.main import main
 
-    result = CliRunner().invoke(main, ["server", "--replicas", "1"])
-    assert result.exit_code == 2 and "Traceback" not in result.output
-    assert "--replicas works with `paramserver launch` only" in result.output
+    def error(*args: str) -> str:
+        result = CliRunner().invoke(main, ["server", *args])
+        assert result.exit_code == 2 and "Traceback" not in result.output
+        return result.output
+
+    assert "replica 0 (the shard's first primary) needs --replica-peers" in error(
+        "--replicas", "1")
+    assert "--replica and --replica-peers need --replicas R" in error("--replica", "1")
+    assert "--replica 2: a shard with --replicas 1 has replicas 0 .. 1" in error(
+        "--replicas", "1", "--replica", "2")
+    assert "--replica-peers: 2 addresses" in error(
+        "--replicas", "1", "--replica-peers", "127.0.0.1:1,127.0.0.1:2")
+    assert "is not an address" in error("--replicas", "1", "--replica-peers", "nowhere")
 
 
 def test_a_replica_exports_its_role_epoch_inputs_and_failovers():

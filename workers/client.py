@@ -88,7 +88,7 @@ class PSClient:
                 f"{len(addresses)} server addresses given but the plan has {plan.num_shards} shards"
             )
         # a shard given as its replicas (A|B): requests follow its primary (failover.py)
-        self.failover = Failover.of(addresses)
+        self.failover = Failover.of(addresses, curve)
         if self.failover is not None:
             addresses = self.failover.primaries
             attempt_timeout = min(attempt_timeout, ATTEMPT_TIMEOUT)

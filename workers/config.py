@@ -46,10 +46,11 @@ class WorkerConfig(ConfigRecord):
                             "data).")
     world_size: int = option(1, min=1, metavar="N", per_process=True,
                              help="How many workers share the data.")
-    servers: list[str] = option(default_factory=list, kind="address", per_process=True,
+    servers: list[str] = option(default_factory=list, kind="shards", per_process=True,
                                 required=True,
                                 help="Every shard's address, in shard order: comma-separated "
-                                     "or repeated.")
+                                     "or repeated; a shard with replicas as its replicas' "
+                                     "addresses joined by |, the primary first.")
     task: str = option("digits-mlp", metavar="NAME|module:function",
                        help="What to train: a registered task (see `paramserver tasks`) or "
                             "your factory.")

@@ -23,7 +23,7 @@ import zmq
 
 from paramserver.errors import RequestTimeoutError
 from paramserver.wire import replication as wrepl
-from paramserver.wire.curve import CurveKeys
+from paramserver.wire.curve import CurveKeys, secure_client
 from paramserver.wire.transport import Channel, SideChannel
 from paramserver.workers.liveness import Heartbeat, Patience, Waiter
 
@@ -58,11 +58,12 @@ def join_replicas(replicas: Sequence[str]) -> str:
 
 
 def ask_roles(addresses: Sequence[str], timeout: float = PROBE_TIMEOUT,
-              enough: Callable[[dict[str, wrepl.RoleReply | None]], bool] | None = None
-              ) -> dict[str, wrepl.RoleReply | None]:
+              enough: Callable[[dict[str, wrepl.RoleReply | None]], bool] | None = None,
+              curve: CurveKeys | None = None) -> dict[str, wrepl.RoleReply | None]:
     """Each replica's answer to WhoIs (None: no answer within ``timeout``), asked at once;
     with ``enough``, only until it holds of the answers so far (a dead replica never
-    answers: without it every probe of a shard that lost one lasts ``timeout``)."""
+    answers: without it every probe of a shard that lost one lasts ``timeout``).
+    ``curve``: the client keys a CURVE shard admits."""
     ctx: zmq.Context[Any] = zmq.Context.instance()
     socks: dict[str, zmq.Socket[Any]] = {}
     out: dict[str, wrepl.RoleReply | None] = dict.fromkeys(addresses)
@@ -71,6 +72,8 @@ def ask_roles(addresses: Sequence[str], timeout: float = PROBE_TIMEOUT,
         for a in addresses:
             s = ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
+            if curve is not None:
+                secure_client(s, curve)
             s.connect(a if "://" in a else f"tcp://{a}")
             s.send_multipart(wrepl.encode(wrepl.WhoIs()), zmq.NOBLOCK)
             socks[a] = s
@@ -107,7 +110,8 @@ def primary_of(roles: dict[str, wrepl.RoleReply | None]) -> tuple[str, int] | No
     return address, epoch
 
 
-def current_primaries(entries: Sequence[str], timeout: float = 5.0) -> list[str]:
+def current_primaries(entries: Sequence[str], timeout: float = 5.0,
+                      curve: CurveKeys | None = None) -> list[str]:
     """The address of each shard's primary now (``entries``: an address list's items,
     replicas joined by ``|``); a shard given by one address is that address. Waits up
     to ``timeout`` for a takeover under way."""
@@ -117,7 +121,7 @@ def current_primaries(entries: Sequence[str], timeout: float = 5.0) -> list[str]
         found = None
         deadline = time.monotonic() + timeout
         while len(replicas) > 1 and found is None:
-            found = primary_of(ask_roles(replicas))
+            found = primary_of(ask_roles(replicas, curve=curve))
             if found is None and time.monotonic() > deadline:
                 break
         out.append(found[0] if found else replicas[0])
@@ -137,18 +141,19 @@ def move(channel: Channel[Any], address: str) -> None:
 class Failover:
     """One client's replica sets, and where each shard's requests go now."""
 
-    def __init__(self, replicas: list[list[str]]) -> None:
+    def __init__(self, replicas: list[list[str]], curve: CurveKeys | None = None) -> None:
         self.replicas = replicas
+        self.curve = curve  # the client's keys, to ask a CURVE shard's replicas
         #: each shard's current primary; the heartbeat thread follows this list
         self.targets = [r[0] for r in replicas]
         self.moves = 0
 
     @classmethod
-    def of(cls, entries: Sequence[str]) -> Failover | None:
+    def of(cls, entries: Sequence[str], curve: CurveKeys | None = None) -> Failover | None:
         """From an address list; None when no shard has replicas."""
         replicas = [[a if "://" in a else f"tcp://{a}" for a in e.split(SEPARATOR) if a]
                     for e in entries]
-        return cls(replicas) if any(len(r) > 1 for r in replicas) else None
+        return cls(replicas, curve) if any(len(r) > 1 for r in replicas) else None
 
     @property
     def primaries(self) -> list[str]:
@@ -184,11 +189,12 @@ class Failover:
             return primary_of(roles) is not None
 
         # asked until one says it is primary: the silent one is not waited for
-        found = primary_of(ask_roles(self.replicas[shard], enough=claimed))
+        found = primary_of(ask_roles(self.replicas[shard], enough=claimed, curve=self.curve))
         while found is None and time.monotonic() < deadline:
             if zmq.select([channel.socket], [], [], POLL_EVERY)[0]:
                 return False  # the primary answered us after all
-            found = primary_of(ask_roles(self.replicas[shard], POLL_EVERY * 2, claimed))
+            found = primary_of(ask_roles(self.replicas[shard], POLL_EVERY * 2, claimed,
+                                         self.curve))
         if found is None or found[0] == channel.address:
             return False
         address, epoch = found

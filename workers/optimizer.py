@@ -19,8 +19,9 @@ calls ``state_dict()``::
 
 Arguments not given come from the environment that ``paramserver launch --
 COMMAND`` (or ``paramserver run``) sets: ``PARAMSERVER_SERVERS`` (addresses,
-comma-separated, in shard order), ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``, and
-the launcher's worker options (timeouts, wire options, this rank's straggler
+comma-separated, in shard order; with ``--replicas`` a shard's replicas joined by
+``|``, which the optimizer follows through a failover), ``RANK``, ``WORLD_SIZE`` and
+``LOCAL_RANK``, and the launcher's worker options (timeouts, wire options, this rank's straggler
 scenario) from the file ``PARAMSERVER_WORKER_OPTIONS`` names. ``opt.log(loss=...,
 eval_loss=..., eval_accuracy=...)`` records what the script measures in the
 worker's event log, where result.json and the experiment report read it.

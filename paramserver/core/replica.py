@@ -20,12 +20,34 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-__all__ = ["MAX_REPLICAS", "ReplicaState", "Role", "Verdict"]
+if TYPE_CHECKING:
+    from paramserver.policies.base import StalenessPolicy
+
+__all__ = ["MAX_REPLICAS", "ReplicaState", "Role", "Verdict", "unreplicable"]
 
 #: backups per shard that work today: with two or more, a promoted backup would have to
 #: bring the other backups to its sequence number first (not built yet)
 MAX_REPLICAS = 1
+
+
+def unreplicable(policy: type[StalenessPolicy]) -> str | None:
+    """Why a backup could not follow a shard running ``policy`` bit for bit (None: it
+    can). A policy's decisions are pure functions of each push and of the state it
+    keeps (which a joining replica's snapshot carries, as a checkpoint does), and
+    backup workers close a round on the count of pushes in, in their order, so both
+    replicate. Two hooks do not: the weights each worker read (kept by the core for
+    the push to come, not in a snapshot) and an SSP bound set from measured wait
+    times (each replica measures its own clock)."""
+    from paramserver.policies.base import StalenessPolicy
+
+    if policy.needs_read_weights:
+        return ("it rewrites gradients from the weights each worker read, which a "
+                "joining replica's snapshot does not carry")
+    if policy.staleness_bound is not StalenessPolicy.staleness_bound:
+        return "it sets the SSP bound from wait times each replica measures on its own clock"
+    return None
 
 
 class Role(enum.StrEnum):

@@ -20,7 +20,7 @@ from paramserver.wire.curve import ANY_KEY, KeyGrant, load_allow_list, public_ke
 from paramserver.wire.messages import Bye, Hello, Pull
 from paramserver.wire.protocol import Message, Op
 
-__all__ = ["ADMIN_OPS", "AS_WORKER", "Access", "is_loopback", "load_grants"]
+__all__ = ["ADMIN_OPS", "AS_WORKER", "Access", "admitted", "is_loopback", "load_grants"]
 
 #: administrative ops: under CURVE, for admin keys only (BYE dead=true too)
 ADMIN_OPS = frozenset({Op.SHUTDOWN, Op.CHECKPOINT})
@@ -37,6 +37,15 @@ def load_grants(curve_clients_dir: str | None, admin_keys: Iterable[str]) -> dic
     for key in (public_key(k) for k in admin_keys):
         grants[key] = dataclasses.replace(grants.get(key, ANY_KEY), admin=True)
     return grants
+
+
+def admitted(grants: dict[str, KeyGrant] | None, replica_key: str | None
+             ) -> dict[str, KeyGrant] | None:
+    """The keys a shard's socket lets in (None: any): an allow-list's, plus with replicas
+    the servers' own key, which the shard's other replicas connect with."""
+    if grants is None or replica_key is None:
+        return grants
+    return {**grants, replica_key: ANY_KEY}
 
 
 def is_loopback(address: str) -> bool:

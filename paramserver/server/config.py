@@ -60,7 +60,8 @@ class Opt:
     """What one config field means to a person: help, bounds, flag.
 
     ``kind`` says what a text value names, for the CLI's checks: ``"dir"``,
-    ``"file"``, ``"path"`` (either), ``"address"`` (``HOST:PORT`` list), or
+    ``"file"``, ``"path"`` (either), ``"address"`` (``HOST:PORT`` list), ``"shards"``
+    (the same, a replicated shard's replicas joined by ``|``), or
     ``"pairs"`` (``KEY=VALUE`` items, parsed by ``parse``). ``internal`` (a
     reason) marks a field with no flag of its own: set by the launcher, or from
     other flags. ``per_process`` marks a field only the one-process commands
@@ -379,17 +380,24 @@ class ServerConfig(ConfigRecord):
                            help="Backup processes per shard, each applying every input its "
                                 "primary accepts before the worker is answered; one takes over "
                                 "when the primary stops answering (docs/reliability.md). "
-                                "launch only, R <= 1 for now.")
+                                "R <= 1 for now. `server`: start each replica with --replica "
+                                "(and --replica-peers), the backups first.")
     failover_timeout: float = option(1.0, min=0, min_open=True, metavar="SECONDS",
                                      help="With --replicas: a backup takes over after its "
                                           "primary was silent this long.")
-    #: this process's index among its shard's replicas (0 starts as the primary)
-    replica: int = option(0, min=0, per_process=True, internal="set by launch per replica",
-                          help="This process's index among its shard's replicas.")
-    #: the primary's backups, by address
-    replica_peers: list[str] = option(default_factory=list, per_process=True,
-                                      internal="set by launch for each primary",
-                                      help="The addresses of this primary's backups.")
+    #: this process's index among its shard's replicas (0 starts as the primary); launch
+    #: and run set it per replica
+    replica: int = option(0, min=0, per_process=True, metavar="K",
+                          help="With --replicas: this process's index among its shard's "
+                               "replicas, 0 .. R. Replica 0 starts as the primary; the others "
+                               "start as backups and wait for it.")
+    #: replica 0: its backups, by address; another replica: the live replicas, whose
+    #: primary it joins (a replacement for a dead replica)
+    replica_peers: list[str] = option(
+        default_factory=list, per_process=True, kind="address", metavar="HOST:PORT[,...]",
+        help="With --replicas: replica 0 is given its backups' addresses (they must be "
+             "listening); a replica started in place of a dead one is given the live "
+             "replicas' addresses, and joins as a backup of their primary.")
     #: a process started in place of a dead replica: the checkpoint directory holds
     #: the running run, which its replicas write (it is not claimed as an earlier run's)
     replacement: bool = option(False, per_process=True,
@@ -435,18 +443,31 @@ class ServerConfig(ConfigRecord):
     def _check_replicas(self) -> None:
         """--replicas works for what paramserver/server/replication.py was built and
         tested for; anything else is refused in one line naming what works."""
-        from paramserver.core.replica import MAX_REPLICAS
+        from paramserver.core.replica import MAX_REPLICAS, unreplicable
 
         if not self.replicas:
+            if self.replica or self.replica_peers:
+                raise ConfigError("--replica and --replica-peers need --replicas R (the "
+                                  "backups each shard has)")
             return
+        if self.replica > self.replicas:
+            raise ConfigError(f"--replica {self.replica}: a shard with --replicas "
+                              f"{self.replicas} has replicas 0 .. {self.replicas}")
+        if len(self.replica_peers) > self.replicas:
+            raise ConfigError(f"--replica-peers: {len(self.replica_peers)} addresses, but a "
+                              f"shard with --replicas {self.replicas} has {self.replicas} "
+                              f"other replica(s)")
         if self.replicas > MAX_REPLICAS:
             raise ConfigError(f"--replicas {self.replicas}: only --replicas {MAX_REPLICAS} works "
                               f"for now (one backup per shard)")
-        if self.curve_secret_key:
-            raise ConfigError("--replicas does not work with CURVE yet: run without it")
-        if self.backup_workers or self.policy != "none":
-            raise ConfigError("--replicas works without backup workers or a staleness "
-                              "policy, for now")
+        if self.policy != "none":  # (the registry loads torch: only when one is named)
+            from paramserver.policies import resolve_policy
+
+            why = unreplicable(resolve_policy(self.policy))
+            if why:
+                raise ConfigError(f"--replicas does not work with --policy {self.policy}: "
+                                  f"{why}; policies that decide from each push alone "
+                                  f"(reject, inverse, exponential) do")
 
     def watchdog_config(self) -> WatchdogConfig:
         """The watchdog's thresholds, with ``observe`` as its ``observe_budget``; the older

@@ -27,6 +27,7 @@ import zmq
 
 from paramserver.errors import ProtocolError
 from paramserver.wire import replication as wrepl
+from paramserver.wire.curve import CurveKeys, secure_client
 
 __all__ = ["MAX_BUSY", "KeepAlive"]
 
@@ -42,8 +43,10 @@ _QUEUE = 4
 class KeepAlive:
     """Keep-alives every ``every`` seconds to the addresses the loop aims them at."""
 
-    def __init__(self, context: zmq.Context[Any], every: float, shard: int) -> None:
+    def __init__(self, context: zmq.Context[Any], every: float, shard: int,
+                 curve: CurveKeys | None = None) -> None:
         self._context = context
+        self._curve = curve  # under CURVE: the shard's own keys, as the backups require
         self._every = every
         self._shard = shard
         self._lock = threading.Lock()
@@ -110,6 +113,8 @@ class KeepAlive:
         sock = self._context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, _QUEUE)
+        if self._curve is not None:
+            secure_client(sock, self._curve)
         sock.connect(address)
         sockets[address] = sock
         return sock

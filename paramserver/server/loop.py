@@ -44,7 +44,7 @@ from paramserver.observe.watchdog import Alarm, Watchdog
 from paramserver.persist.checkpoint import CheckpointDirInUse, CheckpointError
 from paramserver.policies.registry import create_policy
 from paramserver.server import rejoin
-from paramserver.server.access import Access, is_loopback, load_grants
+from paramserver.server.access import Access, admitted, is_loopback, load_grants
 from paramserver.server.checkpointer import RESTORE_ERRORS, Capture, Checkpointer
 from paramserver.server.config import ServerConfig
 from paramserver.server.ops import DataOps, Handler
@@ -93,9 +93,9 @@ class ShardServer:
         if curve is not None and not self.access.has_admin:
             log.warning("shard %d: no admin key (--admin-key): SHUTDOWN, CHECKPOINT and "
                         "BYE dead=true are refused; stop the shard with SIGTERM", config.shard)
-        self.socket = RouterSocket(
-            config.bind, curve=curve,
-            allowed_clients=self.access.grants if config.curve_clients_dir else None)
+        self.socket = RouterSocket(config.bind, curve=curve, allowed_clients=admitted(
+            self.access.grants if config.curve_clients_dir else None,
+            curve.public_text if curve is not None and config.replicas else None))
         self.address = self.socket.address
         if curve is None and not is_loopback(self.address):
             log.warning("shard %d binds %s without CURVE: anyone who reaches this port is "
@@ -332,16 +332,17 @@ class ShardServer:
 
     # ------------------------------------------------------------------ dispatch
 
-    def _handle(self, identity: bytes, frames: list[zmq.Frame]) -> None:
+    def _handle(self, identity: bytes, frames: list[zmq.Frame],
+                replayed_key: str | None = None) -> None:
         seq = forwarded = 0
         lent: dict[str, torch.Tensor] = {}  # tensors read from the sender's segment
-        repl = self.replication
-        if repl is not None and not repl.admit(identity, frames, self._send_raw):
+        repl = self.replication  # (a replayed input: the key it reached the primary with)
+        key = replayed_key if identity == REPLAYED else self.socket.user_id(frames)
+        if repl is not None and not repl.admit(identity, frames, self._send_raw, key):
             return  # a replication message
         try:
             msg = decode(frames, self.socket.limits)
             seq = msg.seq
-            key = self.socket.user_id(frames)
             self.access.check(msg, key)
             replicated = repl is not None and msg.op in REPLICATED_OPS
             if replicated and repl is not None and not repl.writable:
@@ -355,7 +356,7 @@ class ShardServer:
             elif asks_board(msg.body):
                 take_shm(self.shm, msg, identity)  # the answer through the weight board
             if replicated and repl is not None:  # to the backups first (they apply it
-                forwarded = repl.forward(as_tcp(msg, frames))  # while we do); answered
+                forwarded = repl.forward(as_tcp(msg, frames), key=key)  # while we do); answered
                 # once they have it, tensors read from shared memory sent as frames
             self.outbox.acknowledged(identity, seq)
             self.counters["messages"] += 1
@@ -406,12 +407,15 @@ class ShardServer:
         except zmq.ZMQError as exc:  # a peer that is gone
             log.debug("dropping a replication answer: %s", exc)
 
-    def replay(self, frames: list[Any]) -> None:
+    def replay(self, frames: list[Any], key: str | None) -> None:
         """A backup handles a message its primary forwarded, as the primary did."""
-        self._handle(REPLAYED, frames)
+        self._handle(REPLAYED, frames, key)
 
     def snapshot(self) -> tuple[bytes, CoreImage | None, dict[str, torch.Tensor]] | None:
         return rejoin.image(self)  # what a joining replica is sent (None: not now)
+
+    def key_owners(self) -> dict[int, str]:
+        return dict(self.access.owners)
 
     def restore(self, record: wrepl.Snapshot, frames: list[Any]) -> None:
         rejoin.adopt(self, record, frames)  # a joining replica takes the primary's state

@@ -30,6 +30,7 @@ from paramserver.core.sharding import ShardPlan
 from paramserver.core.transfer import CoreImage, export, quiet, restore
 from paramserver.errors import ConfigError, ProtocolError
 from paramserver.wire import replication as wrepl
+from paramserver.wire.curve import CurveKeys, secure_client
 
 if TYPE_CHECKING:
     from paramserver.server.loop import ShardServer
@@ -47,7 +48,7 @@ class Joiner:
     """A joining replica's requests to its peers until the primary's snapshot comes."""
 
     def __init__(self, peers: Sequence[str], address: str, replica: int,
-                 context: zmq.Context[Any]) -> None:
+                 context: zmq.Context[Any], curve: CurveKeys | None = None) -> None:
         self.address = address
         self.replica = replica
         self.nonce = secrets.token_hex(8)  # this process's (and this rejoin's) request
@@ -57,6 +58,8 @@ class Joiner:
         for peer in peers:
             s = context.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
+            if curve is not None:  # the peers admit only the shard's own key to ask
+                secure_client(s, curve)
             s.connect(peer)
             self.sockets.append(s)
 
@@ -115,6 +118,7 @@ def adopt(server: ShardServer, snapshot: wrepl.Snapshot, frames: Sequence[Any]) 
     for parts in (server.joined, server.streamed, server.outbox):
         parts.forget(())
     server.outbox.observer_pulls.clear()
+    server.access.owners = dict(snapshot.owners)  # (CURVE: who may act as each worker)
     if not plan:
         return
     try:

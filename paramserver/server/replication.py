@@ -30,6 +30,12 @@ the primary's higher epoch at its announcement, and is then fenced), asks its pe
 for the primary's state. The primary sends it a snapshot at its last input, then
 forwards to it as to any backup, and counts it as holding an input only once it
 acknowledged the snapshot.
+
+Under CURVE the replicas are each other's CURVE clients with the shard's own key pair
+(the servers share one), and a replica takes every replication message but the role
+probe from that key only: a peer without it can neither inject inputs nor ask for the
+state. Inputs travel encrypted, each with the key its worker sent it with, so that a
+backup checks and binds worker ids by it as the primary did.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ from paramserver.server.keepalive import KeepAlive
 from paramserver.server.peerprobe import refused
 from paramserver.server.rejoin import Joiner
 from paramserver.wire import replication as wrepl
+from paramserver.wire.curve import CurveKeys, secure_client
 from paramserver.wire.protocol import Message, Op, encode
 
 if TYPE_CHECKING:
@@ -105,8 +112,9 @@ class ReplicationHost(Protocol):
     @property
     def core(self) -> ShardCore | None: ...
 
-    def replay(self, frames: list[Any]) -> None:
-        """Handle a forwarded data message as if a peer sent it (answers go nowhere)."""
+    def replay(self, frames: list[Any], key: str | None) -> None:
+        """Handle a forwarded data message as if a peer sent it (answers go nowhere),
+        ``key``: the CURVE key it came to the primary with."""
 
     def replay_death(self, kind: str, workers: list[int]) -> None:
         """Apply the deaths (``dead``) or leave-outs (``left_out``) the primary decided
@@ -114,6 +122,9 @@ class ReplicationHost(Protocol):
 
     def snapshot(self) -> tuple[bytes, CoreImage | None, dict[str, torch.Tensor]] | None:
         """The shard's state for a joining replica (rejoin.image); None: not now."""
+
+    def key_owners(self) -> dict[int, str]:
+        """Under CURVE, the key that registered each worker id (sent with a snapshot)."""
 
     def restore(self, record: wrepl.Snapshot, frames: list[Any]) -> None:
         """Put the primary's snapshot (its record and tensor frames) in place of this
@@ -128,11 +139,14 @@ class _Backup:
     that is merely slow, paused, or out of reach (a partition: it may be taking over)
     is waited for, since a backup dropped while alive would take over beside us."""
 
-    def __init__(self, address: str, context: zmq.Context[Any]) -> None:
+    def __init__(self, address: str, context: zmq.Context[Any],
+                 curve: CurveKeys | None = None) -> None:
         self.address = address
         self.socket = context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.SNDTIMEO, 100)
+        if curve is not None:  # the backup admits only the shard's own key to replicate
+            secure_client(self.socket, curve)
         self.monitor = self.socket.get_monitor_socket(
             zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self.socket.connect(address)
@@ -191,8 +205,8 @@ class Replication:
     def __init__(self, host: ReplicationHost, config: ServerConfig, events: EventLog,
                  address: str) -> None:
         if config.replica == 0 and not config.replica_peers:
-            raise ConfigError("--replicas works with `paramserver launch` only, for now (it "
-                              "starts each shard's backups and tells the primary where)")
+            raise ConfigError("--replicas: replica 0 (the shard's first primary) needs "
+                              "--replica-peers with its backups' addresses")
         self.host = host
         self.shard = config.shard
         self.replica = config.replica
@@ -202,12 +216,19 @@ class Replication:
         self.ping_every = self.timeout / 5
         self.state = ReplicaState.starting(config.replica)
         self._context: zmq.Context[Any] = zmq.Context.instance()
+        # CURVE: the shard's own keys, as a client of the other replicas; and the only
+        # key a replication message other than a role probe is taken from
+        self.curve = (CurveKeys.load(config.curve_secret_key).as_replica()
+                      if config.curve_secret_key else None)
+        self.peer_key = self.curve.public_text if self.curve is not None else None
+        self.refused = 0  # replication messages refused for their key
         # replica 0 starts as the primary of the backups it is given; another replica
         # given peers was started in place of a dead one, and joins
         starts = config.replica == 0
-        self.backups = [_Backup(a, self._context) for a in config.replica_peers if starts]
+        self.backups = [_Backup(a, self._context, self.curve) for a in config.replica_peers
+                        if starts]
         # keep-alives from a thread: a primary busy in one handler is not taken for dead
-        self.keepalive = KeepAlive(self._context, self.ping_every, self.shard)
+        self.keepalive = KeepAlive(self._context, self.ping_every, self.shard, self.curve)
         self.failovers = 0
         self.lost: list[str] = []  # backups dropped for silence
         self._exported_at = float("-inf")
@@ -241,15 +262,15 @@ class Replication:
             sum(1 for b in self.backups if b not in self._joining))
 
     def forward(self, frames: Sequence[Any], kind: str = "msg",
-                workers: Sequence[int] = ()) -> int:
+                workers: Sequence[int] = (), key: str | None = None) -> int:
         """Send one input to every backup (not waiting); its sequence number (0: no
-        backup to send it to)."""
+        backup to send it to). ``key``: the CURVE key the message came with."""
         if not self.backups:
             return 0
         now = time.monotonic()
         seq = self.state.next_seq()
         head = wrepl.encode(wrepl.Apply(self.state.epoch, seq, now, kind,  # type: ignore[arg-type]
-                                        list(workers)))
+                                        list(workers), key))
         owned: list[Any] | None = None
         for b in list(self.backups):
             if b in self._joining:  # not waited for (wait): its own copy of what may
@@ -356,7 +377,7 @@ class Replication:
         self._asked_since = time.monotonic()
         if self.joiner is not None:
             self.joiner.close()
-        self.joiner = Joiner(peers, self.address, self.replica, self._context)
+        self.joiner = Joiner(peers, self.address, self.replica, self._context, self.curve)
         log.info("shard %d: replica %d joins as a backup: asking %s for the primary's "
                  "state", self.shard, self.replica, ", ".join(peers))
 
@@ -383,11 +404,11 @@ class Replication:
         plan, core, tensors = got
         seq = self.state.applied
         frames = wrepl.snapshot_frames(self.state.epoch, seq, time.monotonic(), self.address,
-                                       plan, core, tensors)
+                                       plan, core, tensors, self.host.key_owners())
         size = sum(t.numel() * t.element_size() for t in tensors.values())
         while self._asked:
             address, nonce = self._asked.popitem(last=False)
-            b = _Backup(address, self._context)
+            b = _Backup(address, self._context, self.curve)
             self.backups.append(b)
             self._joining[b] = seq
             self._nonces[address] = nonce
@@ -497,23 +518,33 @@ class Replication:
                           seconds=round(silent, 3), applied=self.state.applied,
                           address=self.address)
 
-    def admit(self, identity: bytes, frames: list[Any], send: Send) -> bool:
+    def admit(self, identity: bytes, frames: list[Any], send: Send,
+              key: str | None = None) -> bool:
         """Whether ``frames`` go on to the shard's handlers: False for a replication
-        message, which is handled here."""
+        message, which is handled here. ``key``: the sender's CURVE key."""
         if wrepl.is_replication(frames):
             try:
-                self.on_message(identity, frames, send)
+                self.on_message(identity, frames, send, key)
             except ProtocolError as exc:
                 log.warning("shard %d: a bad replication message: %s", self.shard, exc)
             return False
         return True
 
-    def on_message(self, identity: bytes, frames: list[Any], send: Send) -> None:
+    def on_message(self, identity: bytes, frames: list[Any], send: Send,
+                   key: str | None = None) -> None:
         """A replication message on the shard's socket; ``send(identity, frames)``."""
         record, rest = wrepl.decode(frames)
         if isinstance(record, wrepl.WhoIs):
             send(identity, wrepl.encode(self.role_reply()))
-        elif isinstance(record, wrepl.Join):
+            return
+        if self.peer_key is not None and key != self.peer_key:
+            self.refused += 1  # a worker's (or anyone's) key: not a replica of ours
+            if self.refused in (1, 10, 100, 1000) or self.refused % 10000 == 0:
+                log.warning("shard %d: refused %d replication message(s) (the last a %s) "
+                            "from key %s: only the shard's own key replicates", self.shard,
+                            self.refused, type(record).__name__, key)
+            return
+        if isinstance(record, wrepl.Join):
             self._on_join(record)
         elif isinstance(record, wrepl.Snapshot):
             self._on_snapshot(identity, record, rest, send)
@@ -525,7 +556,7 @@ class Replication:
             send(identity, wrepl.encode(self._ack(record, verdict)))
             if verdict is Verdict.APPLY:
                 if record.kind == "msg":
-                    self.host.replay(rest)
+                    self.host.replay(rest, record.key)
                 elif record.kind in ("dead", "left_out"):
                     self.host.replay_death(record.kind, record.workers)
 

@@ -29,6 +29,7 @@ __all__ = [
     "load_allow_list",
     "parse_allow_list",
     "public_key",
+    "secure_client",
     "start_authenticator",
 ]
 
@@ -59,6 +60,26 @@ class CurveKeys:
         if not zmq.has("curve"):
             raise TransportError("this libzmq was built without CURVE support")
         return cls(public, secret, server_public)
+
+
+    def as_replica(self) -> CurveKeys:
+        """A server's keys as a client of another replica of its shard: its own pair,
+        and its own public key as the server's (every shard shares the server pair)."""
+        return CurveKeys(self.public, self.secret, self.public)
+
+    @property
+    def public_text(self) -> str:
+        """The public key as Z85 text (what ZAP names a sender by)."""
+        return self.public.decode("ascii")
+
+
+def secure_client(socket: zmq.Socket[Any], curve: CurveKeys) -> None:
+    """Make ``socket`` (before it connects) a CURVE client with ``curve``'s keys."""
+    if curve.server_public is None:
+        raise TransportError("CURVE needs the server's public key")
+    socket.curve_secretkey = curve.secret
+    socket.curve_publickey = curve.public
+    socket.curve_serverkey = curve.server_public
 
 
 AUTHORIZED_CLIENTS_DIR = "authorized_clients"

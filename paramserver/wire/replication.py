@@ -47,13 +47,17 @@ class Apply(msgspec.Struct, tag="apply", frozen=True):
     heartbeat timeout removed ``workers``), ``left_out`` (a round deadline left them
     out; the workers one tick of its timer decided on, applied as one). ``now``: the
     primary's monotonic time when it applied it, for logs only: a backup applies each
-    input at its own clock, never at this one (another host's clock is another)."""
+    input at its own clock, never at this one (another host's clock is another).
+    ``key``: under CURVE, the public key the message came with (the backup checks and
+    binds worker ids by it, as the primary did); only a peer holding the shard's own key
+    may send an Apply."""
 
     epoch: Count
     seq: Count
     now: float
     kind: Literal["msg", "dead", "left_out", "ping"]
     workers: Annotated[list[int], msgspec.Meta(max_length=65536)] = []
+    key: Annotated[str, msgspec.Meta(max_length=64)] | None = None
 
 
 class Ack(msgspec.Struct, tag="ack", frozen=True):
@@ -116,6 +120,9 @@ class Snapshot(msgspec.Struct, tag="snapshot", frozen=True):
     plan: Annotated[bytes, msgspec.Meta(max_length=MAX_META)]
     core: CoreImage | None
     tensors: Annotated[list[TensorHead], msgspec.Meta(max_length=1 << 20)]
+    #: under CURVE, which key registered each worker id (only that key acts for it)
+    owners: Annotated[dict[int, Annotated[str, msgspec.Meta(max_length=64)]],
+                      msgspec.Meta(max_length=65536)] = {}
 
 
 Record = Apply | Ack | WhoIs | RoleReply | Join | Snapshot
@@ -161,7 +168,8 @@ _NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
 def snapshot_frames(epoch: int, seq: int, now: float, primary: str, plan: bytes,
-                    core: CoreImage | None, tensors: Mapping[str, torch.Tensor]) -> list[Any]:
+                    core: CoreImage | None, tensors: Mapping[str, torch.Tensor],
+                    owners: Mapping[int, str] | None = None) -> list[Any]:
     """The frames of a :class:`Snapshot` of these tensors (sent as they are: pass
     tensors nothing writes until they are sent)."""
     heads, bodies = [], []
@@ -170,7 +178,8 @@ def snapshot_frames(epoch: int, seq: int, now: float, primary: str, plan: bytes,
         heads.append(TensorHead(name, _NAMES[t.dtype], list(t.shape)))
         bodies.append(t.reshape(-1).view(torch.uint8).numpy().data if t.numel()
                       else b"")
-    return [*encode(Snapshot(epoch, seq, now, primary, plan, core, heads)), *bodies]
+    return [*encode(Snapshot(epoch, seq, now, primary, plan, core, heads,
+                             dict(owners or {}))), *bodies]
 
 
 def snapshot_tensors(record: Snapshot, frames: Sequence[Any],

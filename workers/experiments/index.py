@@ -67,6 +67,7 @@ class ConfigEntry:
     #: optimizer; None: a push every step with the spec's optimizer
     sync_every: int | None = None
     outer: str | None = None
+    replicas: int = 0  # backups per shard
 
     def to_json(self) -> JSONObject:
         return {"id": self.id, "scenario": self.scenario, "label": self.label,
@@ -76,7 +77,7 @@ class ConfigEntry:
                 "policy_args": {k: v for k, v in self.policy_args.items()},
                 "workers": self.workers, "lr_scaling": self.lr_scaling,
                 "warmup_steps": self.warmup_steps, "momentum_target": self.momentum_target,
-                "momentum": self.momentum}
+                "momentum": self.momentum, "replicas": self.replicas}
 
     @classmethod
     def from_json(cls, data: JSON) -> ConfigEntry:

@@ -160,8 +160,9 @@ def load_run(path: str | Path) -> RunLogs:
             evals = _events(file, "eval", EvalEvent)
             evaluator = rank if evals else None
     for file in sorted(events.glob("server*.jsonl")):
-        shard = int(file.stem.removeprefix("server"))
-        pushes[shard] = _events(file, "push", PushEvent)
+        shard = file.stem.removeprefix("server")
+        if shard.isdigit():  # a shard's first primary (server0r1, a backup, replays them)
+            pushes[int(shard)] = _events(file, "push", PushEvent)
     result_path = run / "result.json"
     result = ClusterResult.read(result_path) if result_path.exists() else None
     return RunLogs(run, steps, evals, starts, pushes, result, evaluator)

@@ -228,6 +228,9 @@ def simulate_experiment(spec: ExperimentSpec, out_dir: str | os.PathLike[str],
     if spec.command:
         raise ConfigError("a command runs as real processes: use paramserver experiment "
                           "(simulate runs the built-in loop in virtual time)")
+    if any(spec.replicas):
+        raise ConfigError("replicas are processes that take over from a dead one: use "
+                          "paramserver experiment (simulate runs one core per shard)")
     plans = spec.runs()
     if plans:  # one task for the whole grid: refuse it before any folder is written
         check_simulable(spec.cluster_spec(plans[0].config, plans[0].seed))

@@ -91,10 +91,12 @@ class Configuration:
     policy: PolicyChoice
     workers: int
     label: str
+    replicas: int = 0  # backups per shard (ServerConfig.replicas)
 
     @property
     def id(self) -> str:
-        return f"{self.scenario}-{self.mode.slug}-{self.policy.slug}-w{self.workers}"
+        return (f"{self.scenario}-{self.mode.slug}-{self.policy.slug}-w{self.workers}"
+                + (f"-r{self.replicas}" if self.replicas else ""))
 
 
 
@@ -116,7 +118,7 @@ _SPEC_KEYS = ("name", "task", "task_args", "steps", "batch_size", "seeds", "num_
               "optimizer_args", "target_loss", "eval_every", "min_step_time", "device",
               "run_timeout", "lr_scaling", "warmup_steps", "momentum_target",
               "budget_seconds", "budget_gradients", "command", "local_optimizer", "local_args",
-              "outer_args", "evaluator")
+              "outer_args", "evaluator", "replicas")
 
 _OWN_MODEL = "the script builds its own model and loads its own data"
 _OWN_LOOP = "the script runs its own loop (steps is passed on as PARAMSERVER_STEPS, a hint)"
@@ -178,17 +180,20 @@ class ExperimentSpec:
     #: the rank that evaluates held-out data in every cell (a command's script finds it as
     #: PARAMSERVER_EVALUATOR); None: the lowest rank the cell's scenario does not slow
     evaluator: int | None = None
+    #: backups per shard (``launch --replicas``): one value, or a list to compare (an axis)
+    replicas: list[int] = field(default_factory=lambda: [0])
 
     def __post_init__(self) -> None:
         self._check_command()
         self.modes = [ModeChoice.parse(m) for m in _as_list(self.modes, "modes")]
         self.policies = [PolicyChoice.parse(p) for p in _as_list(self.policies, "policies")]
         self.workers = [_int(w, "workers", 1) for w in _as_list(self.workers, "workers")]
+        self.replicas = [_int(r, "replicas", 0) for r in _as_list(self.replicas, "replicas")]
         self.scenarios = [str(s) for s in _as_list(self.scenarios, "scenarios")]
         if isinstance(self.seeds, int) and not isinstance(self.seeds, bool):
             self.seeds = list(range(_int(self.seeds, "seeds (a count)", 1)))
         self.seeds = [_int(s, "seeds", 0) for s in _as_list(self.seeds, "seeds")]
-        for axis in ("modes", "policies", "workers", "scenarios", "seeds"):
+        for axis in ("modes", "policies", "workers", "scenarios", "seeds", "replicas"):
             values = [str(v) for v in getattr(self, axis)]
             dupes = sorted({v for v in values if values.count(v) > 1})
             if dupes:
@@ -230,6 +235,22 @@ class ExperimentSpec:
         build_optimizer(self.optimizer, [torch.zeros(1, requires_grad=True)],
                         dict(self.optimizer_args))
         self._check_local()
+        self._check_replicas()
+
+    def _check_replicas(self) -> None:
+        """Each replica count with each mode and policy is one the servers take (they
+        refuse, in one line, what replication does not support)."""
+        for replicas in (r for r in self.replicas if r):
+            for mode in self.modes:
+                for policy in self.policies:
+                    try:
+                        ServerConfig(mode=mode.mode, staleness_bound=mode.bound,
+                                     backup_workers=mode.backups, policy=policy.name,
+                                     policy_args=dict(policy.args), replicas=replicas,
+                                     expected_workers=max(self.workers))
+                    except ConfigError as exc:
+                        raise ConfigError(f"replicas = {replicas} with mode {mode}, policy "
+                                          f"{policy.label}: {exc}") from None
 
     def _check_local(self) -> None:
         """Modes with h=H: their optimizers build, and every worker's steps are whole
@@ -332,12 +353,16 @@ class ExperimentSpec:
             for mode in self.modes:
                 for policy in self.policies:
                     for workers in self.workers:
-                        label = mode.label
-                        if len(self.policies) > 1 or policy.name != "none":
-                            label += f" + {policy.label}"
-                        if len(self.workers) > 1:
-                            label += f", {workers} workers"
-                        out.append(Configuration(scenario, mode, policy, workers, label))
+                        for replicas in self.replicas:
+                            label = mode.label
+                            if len(self.policies) > 1 or policy.name != "none":
+                                label += f" + {policy.label}"
+                            if len(self.workers) > 1:
+                                label += f", {workers} workers"
+                            if len(self.replicas) > 1 or replicas:
+                                label += f", {replicas} replica{'s' if replicas != 1 else ''}"
+                            out.append(Configuration(scenario, mode, policy, workers, label,
+                                                     replicas))
         return out
 
     def runs(self) -> list[RunPlan]:
@@ -370,7 +395,7 @@ class ExperimentSpec:
             optimizer=(config.mode.outer or "sgd") if local else self.optimizer,
             optimizer_args=optimizer_args,
             lr_scaling=step.lr_scaling, warmup_steps=step.warmup_steps,
-            momentum_target=step.momentum_target,
+            momentum_target=step.momentum_target, replicas=config.replicas,
         )
         worker = WorkerConfig(
             servers=[], task=self.task, task_args=dict(self.task_args),
@@ -410,7 +435,8 @@ class ExperimentSpec:
             workers=config.workers, lr_scaling=step.lr_scaling,
             warmup_steps=step.warmup_steps, momentum_target=step.momentum_target,
             momentum=step.momentum, sync_every=mode.sync_every,
-            outer=(mode.outer or "sgd") if mode.sync_every is not None else None)
+            outer=(mode.outer or "sgd") if mode.sync_every is not None else None,
+            replicas=config.replicas)
 
     def to_toml_dict(self) -> JSONObject:
         """The spec as the TOML document dump_spec writes (None values left out there)."""
@@ -430,7 +456,7 @@ class ExperimentSpec:
             "budget_seconds": self.budget_seconds, "budget_gradients": self.budget_gradients,
             "local_optimizer": self.local_optimizer, "local_args": dict(self.local_args),
             "outer_args": dict(self.outer_args),
-            "evaluator": self.evaluator,
+            "evaluator": self.evaluator, "replicas": list(self.replicas),
         }
         if self.command:  # the built-in loop's keys are not part of a command's grid
             for key in NOT_FOR_COMMANDS:

@@ -238,7 +238,7 @@ class LocalCluster:
         """Each shard's primary now (with --replicas, asked of its replicas)."""
         if not self.spec.server.replicas:
             return self.addresses
-        return current_primaries(self.worker_addresses())
+        return current_primaries(self.worker_addresses(), curve=self.spec.admin_curve())
 
     def _all_servers(self) -> list[_Proc]:
         return self.servers + [p for procs in self.backups for p in procs]
@@ -309,7 +309,7 @@ class LocalCluster:
         log_path = self.out / "logs" / f"{name}.log"
         write_json(self.spec.options_file(rank, self.out),
                    self.spec.launch_options(rank).to_json())
-        env = {**self._env, **self.spec.command_env(rank, self.addresses, self.out)}
+        env = {**self._env, **self.spec.command_env(rank, self.worker_addresses(), self.out)}
         with log_path.open("ab" if append else "wb") as log_file:
             try:
                 popen = subprocess.Popen(self.spec.command, stdout=log_file,

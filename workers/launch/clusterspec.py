@@ -125,10 +125,9 @@ class ClusterSpec:
                               "and the workers curve_key + curve_server_key, or neither")
         if self.admin_key and not self.server.curve_secret_key:
             raise ConfigError("admin_key needs CURVE (without it everyone is trusted)")
-        if self.server.replicas and (self.restart_servers or self.server.resume
-                                     or self.command):
-            raise ConfigError("--replicas works with launch's own worker loop, without "
-                              "--restart-servers or --resume, for now")
+        if self.server.replicas and self.restart_servers:
+            raise ConfigError("--replicas works without --restart-servers (the launcher "
+                              "replaces a dead replica itself, from its live peer's state)")
 
     def client_curve(self) -> CurveKeys | None:
         """The workers' CURVE keys, for the launcher's own connections (stats, eval, stop)."""

@@ -8,6 +8,10 @@ to a role, and exchanges server addresses through torch.distributed's
 * ranks ``0 .. S-1`` are servers: rank ``i`` is shard ``i`` of ``S``;
 * ranks ``S .. W-1`` are workers: rank ``r`` is worker ``r - S`` of ``W - S``.
 
+With ``--replicas R`` the first ``S x (1 + R)`` ranks are servers, and which shard and
+replica each one is depends on the nodes they run on (placement.py: a shard's
+replicas on different nodes where there are several).
+
 The store is the one torch itself would use: at ``MASTER_ADDR:MASTER_PORT``,
 hosted by torchrun's agent where it offers one (``TORCHELASTIC_USE_AGENT_STORE``)
 and otherwise by rank 0. Under Slurm, rank 0 hosts it on the first node of the
@@ -16,6 +20,13 @@ step's node list. Keys (all under ``paramserver/``):
 ``server/<i>``
     the address shard ``i`` listens on; set by the server once bound, waited
     for by every worker (a timeout names the server ranks still missing).
+``node/<k>`` (``--replicas``)
+    the node server rank ``k`` runs on; every server rank waits for all of them and
+    places itself (placement.py).
+``replica/<i>/<k>`` (``--replicas``)
+    the address backup ``k`` of shard ``i`` listens on; the shard's primary waits for
+    them before it serves, and publishes ``server/<i>`` as its replicas' addresses
+    joined by ``|``, itself first (what workers are given).
 ``done``
     a counter every worker increments when it stops training, successfully or
     not; the worker whose increment reaches the number of workers sets
@@ -56,6 +67,8 @@ from paramserver.errors import ConfigError, ParamServerError, TransportError
 from paramserver.server.loop import ServerConfig, run_server
 from paramserver.wire.curve import CurveKeys
 from paramserver.workers.admin import save_final_model
+from paramserver.workers.failover import join_replicas
+from paramserver.workers.launch.placement import Placement, place_replicas
 from paramserver.workers.optimizer import read_plan
 from paramserver.workers.worker import (
     WorkerConfig,
@@ -313,31 +326,41 @@ class Role:
     """``server`` ``index`` of ``num_servers``, or ``worker`` ``index`` of ``num_workers``."""
 
     kind: str
-    index: int
+    index: int  # a server's: its rank among the server ranks (its shard without replicas)
     num_servers: int
     num_workers: int
+    replicas: int = 0  # backups per shard
+
+    @property
+    def server_ranks(self) -> int:
+        return self.num_servers * (1 + self.replicas)
 
     def describe(self) -> str:
+        if self.kind == "server" and self.replicas:
+            return (f"server rank {self.index} of {self.server_ranks} ({self.num_servers} "
+                    f"shard(s) x {1 + self.replicas} replicas)")
         if self.kind == "server":
             return f"server (shard {self.index} of {self.num_servers})"
         return f"worker {self.index} of {self.num_workers}"
 
 
-def assign_role(rank: int, world_size: int, num_servers: int) -> Role:
-    """The first ``num_servers`` ranks are servers, the rest workers."""
+def assign_role(rank: int, world_size: int, num_servers: int, replicas: int = 0) -> Role:
+    """The first ``num_servers x (1 + replicas)`` ranks are servers, the rest workers."""
     if num_servers < 1:
         raise ConfigError(f"--num-servers must be >= 1, got {num_servers}")
-    if world_size <= num_servers:
+    servers = num_servers * (1 + replicas)
+    if world_size <= servers:
+        held = f"{num_servers} server(s)" + (f" x {1 + replicas} replicas" if replicas else "")
         raise ConfigError(
-            f"{world_size} processes cannot hold {num_servers} server(s) and at least one "
-            f"worker: start more processes (e.g. torchrun --nproc-per-node) or lower --num-servers"
+            f"{world_size} processes cannot hold {held} and at least one worker: start more "
+            f"processes (e.g. torchrun --nproc-per-node) or lower --num-servers"
         )
     if not 0 <= rank < world_size:
         raise ConfigError(f"rank {rank} is not in [0, {world_size})")
-    num_workers = world_size - num_servers
-    if rank < num_servers:
-        return Role("server", rank, num_servers, num_workers)
-    return Role("worker", rank - num_servers, num_servers, num_workers)
+    num_workers = world_size - servers
+    if rank < servers:
+        return Role("server", rank, num_servers, num_workers, replicas)
+    return Role("worker", rank - servers, num_servers, num_workers, replicas)
 
 
 # --------------------------------------------------------------------------- the store
@@ -376,6 +399,39 @@ class Rendezvous:
 
     def publish_server(self, shard: int, address: str) -> None:
         self.store.set(_key("server", shard), address)
+
+    def place(self, role: Role, node: str) -> Placement:
+        """With replicas: publish this server rank's node, wait for every server rank's,
+        and return this rank's shard and replica (the same rule on every rank)."""
+        self.store.set(_key("node", role.index), node)
+        keys = [_key("node", k) for k in range(role.server_ranks)]
+        self._wait(keys, "server rank(s) {} published no node")
+        nodes = [self.store.get(k).decode() for k in keys]
+        return place_replicas(nodes, role.num_servers, role.replicas)[role.index]
+
+    def publish_replica(self, shard: int, replica: int, address: str) -> None:
+        self.store.set(_key("replica", shard, replica), address)
+
+    def wait_replicas(self, shard: int, replicas: int) -> list[str]:
+        """The addresses of shard ``shard``'s backups 1 .. ``replicas``, once all listen."""
+        keys = [_key("replica", shard, k) for k in range(1, replicas + 1)]
+        self._wait(keys, f"backup(s) {{}} of shard {shard} published no address")
+        return [self.store.get(k).decode() for k in keys]
+
+    def _wait(self, keys: list[str], missing: str) -> None:
+        """Wait for ``keys``; the timeout's error names the missing ones (their last part
+        fills ``missing``'s ``{}``)."""
+        try:
+            self.store.wait(keys, timedelta(seconds=self.timeout))
+        except DistStoreError as exc:
+            gone = ", ".join(k.rsplit("/", 1)[1] for k in keys if not self.store.check([k]))
+            raise RendezvousError(f"rendezvous incomplete after {self.timeout:g}s: "
+                                  f"{missing.format(gone)} to the store at {self.env.store}; "
+                                  "are all ranks started, with the same --num-servers and "
+                                  "--replicas?") from exc
+        except DistError as exc:
+            raise RendezvousError(f"lost the rendezvous store at {self.env.store}: {exc}") \
+                from exc
 
     def wait_finished(self, stop: threading.Event, poll: float = 5.0) -> bool:
         """Block until the last worker is done (True), ``stop`` is set or the store is gone.
@@ -480,8 +536,16 @@ def run_server_rank(config: ServerConfig, rdzv: Rendezvous,
             log.info("shard %d: the rendezvous store says every worker is done", config.shard)
             job_done.set()
 
+    peers: list[str] = []
+    if config.replicas and config.replica == 0:  # the primary: its backups listen first
+        peers = rdzv.wait_replicas(config.shard, config.replicas)
+        config = dataclasses.replace(config, replica_peers=peers)
+
     def ready(address: str) -> None:
-        rdzv.publish_server(config.shard, address)
+        if config.replica:
+            rdzv.publish_replica(config.shard, config.replica, address)
+        else:  # workers are given the shard's replicas, the primary first
+            rdzv.publish_server(config.shard, join_replicas([address, *peers]))
         threading.Thread(target=watch, name="rendezvous-watch", daemon=True).start()
         if on_ready is not None:
             on_ready(address)

@@ -70,7 +70,8 @@ class ReplicaKeeper:
         for (shard, replica), address in list(self.due.items()):
             live = [a for a, p in zip(self.cluster.replica_sets[shard], self.procs(shard),
                                       strict=True) if p.popen.poll() is None]
-            found = primary_of(ask_roles(live, timeout=0.2)) if live else None
+            found = primary_of(ask_roles(live, timeout=0.2, curve=self.cluster.spec.admin_curve())
+                               ) if live else None
             if found is None:
                 continue  # no primary yet (a takeover under way), or none left
             del self.due[(shard, replica)]
@@ -81,7 +82,9 @@ class ReplicaKeeper:
         c = self.cluster
         name = replacement_name(shard, replica)
         cfg = c.spec.replica_config(shard, replica, c.out)
+        # (not --resume: it takes the live primary's state, which went on from there)
         cfg = dataclasses.replace(cfg, bind=address, replica_peers=peers, replacement=True,
+                                  resume=None,
                                   event_log=str(c.out / "events" / f"{name}.jsonl"))
         old = self.procs(shard)[replica]
         if old.popen.stdout is not None:
