@@ -14,11 +14,12 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = """
 import sys, torch
 from paramserver.server.config import ServerConfig
-from paramserver.server.loop import ShardServer, _own_process
+from paramserver.server.loop import ShardServer
+from paramserver.server.process import own_process
 before = torch.get_num_threads()
 config = ServerConfig.from_dict({"bind": "tcp://127.0.0.1:0", **eval(sys.argv[1])})
 server = ShardServer(config)
-_own_process(server)
+own_process(server)
 print(before, torch.get_num_threads())
 server.serve_forever(lambda address: server.stop())  # closes what it opened
 """

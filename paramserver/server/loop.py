@@ -15,11 +15,9 @@ and stopping.py (what --on-divergence does).
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 import os
-import signal
 import sys
 import threading
 import time
@@ -51,6 +49,7 @@ from paramserver.server.ops import DataOps, Handler
 from paramserver.server.outbox import Outbox
 from paramserver.server.parts import JoinedParts, StreamedParts
 from paramserver.server.peers import PeerInfo, Peers
+from paramserver.server.process import READY_PREFIX, announce_ready, call_ready, own_process
 from paramserver.server.replicackpt import ReplicaCheckpoints
 from paramserver.server.replication import REPLAYED, REPLICATED_OPS, Replication, as_tcp
 from paramserver.server.stopping import DIVERGED_EXIT_CODE, Divergence
@@ -58,7 +57,6 @@ from paramserver.server.tables import TableBuilder
 from paramserver.shm.link import ShmHub, asks_board, lends, sweep, take_shm
 from paramserver.shm.link import enabled as shm_enabled
 from paramserver.sparse.shard import SparseShard
-from paramserver.util.proctitle import set_title
 from paramserver.wire import replication as wrepl
 from paramserver.wire import stats as wstats
 from paramserver.wire.curve import CurveKeys
@@ -69,8 +67,6 @@ from paramserver.wire.transport import RouterSocket
 __all__ = ["DIVERGED_EXIT_CODE", "READY_PREFIX", "ServerConfig", "ShardServer", "run_server"]
 
 log = logging.getLogger(__name__)
-
-READY_PREFIX = "PARAMSERVER_READY"
 
 
 class ShardServer:
@@ -188,7 +184,7 @@ class ShardServer:
                  self.config.num_shards, self.address, self.config.mode_spec().describe(),
                  self.policy.describe())
         if on_ready is not None:
-            _ready(on_ready, self.address, self.metrics_port)
+            call_ready(on_ready, self.address, self.metrics_port)
         last_expire = 0.0
         try:
             while self._running:
@@ -633,40 +629,6 @@ class ShardServer:
             None if core is None or sparse is None else wstats.SparseStats.of(sparse.stats())))
 
 
-def _own_process(server: ShardServer) -> None:
-    """This process is the shard's: SIGTERM and SIGINT stop it, ``ps`` shows what it is."""
-    _stop_on_signals(server)
-    config = server.config
-    if config.threads:
-        # measured: a 100 MiB sync round beside one same-host worker took 426 ms with
-        # torch's default threads on 2 cores, 71 ms with one (docs/performance.md)
-        torch.set_num_threads(config.threads)
-    set_title(f"server {config.shard}/{config.num_shards} {server.address} "
-              f"({config.mode_spec().describe()})")
-
-
-def _stop_on_signals(server: ShardServer) -> None:
-    def _stop(signum: int, frame: Any) -> None:
-        log.info("shard %d: signal %d, stopping", server.config.shard, signum)
-        server.stop()
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
-
-
-def _ready(on_ready: Callable[..., None], address: str, metrics_port: int | None) -> None:
-    """Call ``on_ready(address)``, or ``on_ready(address, metrics_port)`` if it takes two."""
-    try:
-        params = list(inspect.signature(on_ready).parameters.values())
-    except (TypeError, ValueError):
-        params = []
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if len(positional) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in params):
-        on_ready(address, metrics_port)
-    else:
-        on_ready(address)
-
-
 def run_server(config: ServerConfig, on_ready: Callable[..., None] | None = None,
                job_done: threading.Event | None = None, console: Console | None = None) -> int:
     """Run one shard until SHUTDOWN, SIGTERM or SIGINT, or until the watchdog stops it.
@@ -681,17 +643,9 @@ def run_server(config: ServerConfig, on_ready: Callable[..., None] | None = None
     server = ShardServer(config, console)
     if job_done is not None:
         server.job_done = job_done
-    _own_process(server)
+    own_process(server)
     server.serve_forever(on_ready)
     return server.exit_code
-
-
-def announce_ready(address: str, metrics_port: int | None = None) -> None:
-    """Tell a parent process where we listen: one line on stdout
-    (``PARAMSERVER_READY <address> pid=N [metrics=PORT]``)."""
-    metrics = f" metrics={metrics_port}" if metrics_port is not None else ""
-    sys.stdout.write(f"{READY_PREFIX} {address} pid={os.getpid()}{metrics}\n")
-    sys.stdout.flush()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -713,7 +667,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"shard {config.shard}: cannot resume: {exc}")
     except TransportError as exc:  # a port in use, a bad key file or allow-list line
         sys.exit(f"shard {config.shard}: {exc}")
-    _own_process(server)
+    own_process(server)
     server.serve_forever(announce_ready)
     sys.exit(server.exit_code)
 
