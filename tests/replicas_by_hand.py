@@ -41,6 +41,14 @@ class Replica:
             self.popen.stdout.close()
 
 
+def replica_config(out: Path, name: str, failover_timeout: float,
+                   **kw: object) -> ServerConfig:
+    """One async replica of a one-worker shard, its event log ``out/NAME.jsonl``."""
+    return ServerConfig(mode="async", expected_workers=1, replicas=1,
+                        failover_timeout=failover_timeout, heartbeat_timeout=60.0,
+                        event_log=str(out / f"{name}.jsonl"), **kw)  # type: ignore[arg-type]
+
+
 def start(name: str, config: ServerConfig, out: Path, prefix: Sequence[str] = (),
           script: Sequence[str] = ()) -> Replica:
     """Start one replica serving ``config``; its log and config go under ``out``.

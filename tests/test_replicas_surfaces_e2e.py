@@ -28,6 +28,7 @@ from paramserver.observe.events import read_events
 from paramserver.wire import replication as wrepl
 from paramserver.wire.curve import CurveKeys, generate_curve_keys
 from paramserver.workers.launch.clusterspec import Progress
+from paramserver.workers.launch.results import ClusterResult
 from paramserver.workers.stragglerspec import StragglerSpec
 from tests import exact_tasks as T
 from tests.ports import free_port
@@ -136,20 +137,7 @@ def test_a_command_run_with_replicas_survives_a_primary_sigkill(tmp_path: Path) 
         # rank 1 sleeps 0.05 s a step, so that the kill lands mid-run
         command=[*SCRIPT, str(tmp_path / "ranks"), "--steps", str(COMMAND_STEPS),
                  "--slow-rank", "1"])
-    pids: dict[str, int] = {}
-    killed: list[int] = []
-    primary_events = out / "events" / "server0.jsonl"
-
-    def on_progress(_: Progress) -> None:
-        if not killed and len(read_events(primary_events, "push")) >= 10:
-            os.kill(pids["server0"], signal.SIGKILL)
-            killed.append(pids["server0"])
-
-    result = run_cluster(spec, out, on_progress=on_progress,
-                         on_process=lambda info: pids.__setitem__(info.name, info.pid))
-    assert killed, "the run ended before the primary could be killed"
-    (failover,) = read_events(out / "events" / "server0r1.jsonl", "failover")
-    assert failover["epoch"] == 1
+    result = _run_killing(spec, out, after_pushes=10)
     assert result.updates_applied == (COMMAND_STEPS,) and result.restarts == ()
     want = _single_process(2, COMMAND_STEPS)
     got = load_file(str(out / "final_model.safetensors"))
@@ -411,7 +399,7 @@ def test_curve_replicas_refuse_strangers_and_survive_two_primary_sigkills(tmp_pa
 # --------------------------------------------------------------------------- backups, policies
 
 
-def _run_killing(spec: ClusterSpec, out: Path, after_pushes: int = 20):
+def _run_killing(spec: ClusterSpec, out: Path, after_pushes: int = 20) -> ClusterResult:
     """Run ``spec``; SIGKILL shard 0's primary once it logged ``after_pushes`` pushes."""
     pids: dict[str, int] = {}
     killed: list[int] = []

@@ -18,15 +18,13 @@ from paramserver.observe.events import read_events
 from paramserver.server.config import ServerConfig
 from paramserver.workers.admin import shutdown_servers
 from paramserver.workers.client import PSClient
-from tests.replicas_by_hand import Replica, start
+from tests.replicas_by_hand import Replica, replica_config, start
 
 pytestmark = pytest.mark.integration
 
 
 def _config(out: Path, name: str, **kw: object) -> ServerConfig:
-    return ServerConfig(mode="async", expected_workers=1, replicas=1, failover_timeout=0.5,
-                        heartbeat_timeout=60.0, event_log=str(out / f"{name}.jsonl"),
-                        **kw)  # type: ignore[arg-type]
+    return replica_config(out, name, 0.5, **kw)
 
 
 def test_a_dead_backup_is_dropped_and_the_primary_goes_on(tmp_path: Path) -> None:

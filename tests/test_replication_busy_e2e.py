@@ -17,7 +17,7 @@ from paramserver.server.config import ServerConfig
 from paramserver.workers.admin import shutdown_servers
 from paramserver.workers.client import PSClient
 from paramserver.workers.failover import ask_roles, primary_of
-from tests.replicas_by_hand import Replica, start
+from tests.replicas_by_hand import Replica, replica_config, start
 
 pytestmark = pytest.mark.integration
 
@@ -27,9 +27,7 @@ SCRIPT = str(Path(__file__).with_name("busy_primary_script.py"))
 
 
 def _config(out: Path, name: str, **kw: object) -> ServerConfig:
-    return ServerConfig(mode="async", expected_workers=1, replicas=1,
-                        failover_timeout=TIMEOUT, heartbeat_timeout=60.0,
-                        event_log=str(out / f"{name}.jsonl"), **kw)  # type: ignore[arg-type]
+    return replica_config(out, name, TIMEOUT, **kw)
 
 
 def test_a_primary_busy_longer_than_the_timeout_is_not_failed_over(tmp_path: Path) -> None:
