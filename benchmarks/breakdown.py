@@ -4,12 +4,14 @@ part by part, on the shard and on a worker, warm and cold.
 The shard side is :mod:`hotpath`'s set-up (a real ShardServer's handler driven with
 a worker's requests made beforehand, async, 4 KiB in 8 tensors, each push asking
 for the weights back). The worker side is a :class:`~paramserver.benchmarks.ps.PSSession`
-doing ``push_pull`` rounds against a real shard served from a thread of this
-process. Each part is a method or function of the path, wrapped to add up the
-calling thread's CPU time (``time.thread_time``: a shard thread's work, or a wait
-in ``poll``, is not counted); a row is that part less the parts inside it, and
-the last row of each side is the rest of the whole. The wrappers cost about
-0.5 us each per call, counted in the part that made the call.
+doing ``push_pull`` rounds against a real shard in another process (a benchmark
+agent, as in the async benchmark), so that the worker's main thread is measured
+alone. Each part is a method or function of the path, wrapped to add up the
+calling thread's CPU time (``time.thread_time``: another thread's or process's
+work is not counted, and a wait in ``poll`` costs only the CPU it burns, the
+``wait`` row); a row is that part less the parts inside it, and the last row of
+each side is the rest of the whole (on the worker: the bookkeeping of the round).
+The wrappers cost about 0.5 us each per call, counted in the part that made the call.
 
 *Warm*: requests or rounds back to back. *Cold*: a buffer larger than the
 last-level cache is written before each, as on a busy host (docs/performance.md).
@@ -30,7 +32,6 @@ from typing import Any
 import torch
 
 from paramserver.server import loop as server_loop
-from paramserver.server.loop import ServerConfig, ShardServer
 from paramserver.wire import transport
 
 from . import hotpath
@@ -65,13 +66,18 @@ SHARD_PARTS = (
     Part("watch", "observe", "metrics and watchdog rules of every push and pull"),
 )
 
-#: the worker's parts ("round": the whole of push_pull)
+#: the worker's parts ("round": the whole of push_pull, its rest the bookkeeping)
 WORKER_PARTS = (
-    Part("round", None, "the request loop: poll, receive, match replies; results"),
-    Part("build", "round", "the push: gradients packed into one frame, its header"),
-    Part("send", "round", "encode and hand the frames to zmq"),
-    Part("decode", "round", "the reply: header checks, outcome record, weight views"),
-    Part("land", "round", "the weights copied into the model"),
+    Part("round", None, "bookkeeping: the request's slots, matching the reply by seq, "
+                        "the round's results"),
+    Part("build", "round", "the push: gradients checked and packed into one frame, its "
+                           "fields"),
+    Part("send", "round", "encode (the header around the frame) and zmq's send"),
+    Part("wait", "round", "zmq's poll until the reply is in (the CPU it burns)"),
+    Part("receive", "round", "zmq's receive of the reply's frames"),
+    Part("decode", "receive", "the reply: header checks, outcome and pull records, the "
+                              "weights' views"),
+    Part("land", "round", "the weights checked and copied into the model"),
 )
 
 
@@ -80,13 +86,17 @@ class _Clock:
 
     def __init__(self) -> None:
         self.spent: dict[str, float] = {}
+        self.owner = threading.get_ident()  # calls from other threads are not counted
 
     def wrap(self, fn: Callable[..., Any], name: str) -> Callable[..., Any]:
         spent = self.spent
         spent.setdefault(name, 0.0)
         clock = time.thread_time
+        owner, ident = self.owner, threading.get_ident
 
         def timed(*args: Any, **kwargs: Any) -> Any:
+            if ident() != owner:  # (a heartbeat thread's poll, say)
+                return fn(*args, **kwargs)
             t0 = clock()
             try:
                 return fn(*args, **kwargs)
@@ -180,39 +190,47 @@ def measure_shard(pushes: int = 2000, repeats: int = 5, thrash_mib: int = 32) ->
 
 
 def measure_worker(rounds: int = 2000, repeats: int = 5, thrash_mib: int = 32) -> Breakdown:
-    """A worker's push_pull parts, against a shard served from a thread."""
-    server = ShardServer(ServerConfig(mode="async", expected_workers=1, optimizer="sgd",
-                                      optimizer_args={"lr": 1e-3}, heartbeat_timeout=600.0,
-                                      bind="tcp://127.0.0.1:0"))
-    serving = threading.Thread(target=server.serve_forever, name="shard", daemon=True)
-    serving.start()
-    session = PSSession({"addresses": [server.address], "numel": 1024, "rank": 0,
-                         "pieces": 8})
+    """A worker's push_pull parts, against a shard in a benchmark agent process."""
+    from paramserver.workers.admin import shutdown_servers
+
+    from .common import close_all
+    from .extras import _start_servers
+
+    servers, addrs = _start_servers("breakdown", 1, {
+        "mode": "async", "expected_workers": 1, "optimizer": "sgd",
+        "optimizer_args": {"lr": 1e-3}, "heartbeat_timeout": 600.0}, None)
     clock = _Clock()
-    saved = transport.decode
+    saved_decode, saved_poll = transport.decode, transport.poll
+    session: PSSession | None = None
     try:
+        session = PSSession({"addresses": addrs, "numel": 1024, "rank": 0, "pieces": 8,
+                             "shm": False})
         for _ in range(min(50, rounds)):  # warm-up
             session.one_round()
         client = session.client
-        transport.decode = clock.wrap(saved, "decode")
+        transport.decode = clock.wrap(saved_decode, "decode")
+        transport.poll = clock.wrap(saved_poll, "wait")
         push_pull = clock.wrap(client.push_pull, "round")
         clock.patch(client, "_small_push_msgs", "build")
         clock.patch(client, "_land", "land")
         for ch in client.channels:
             clock.patch(ch, "send", "send")
+            clock.patch(ch, "recv_nowait", "receive")
+        live = session
 
         def one(_: bool) -> None:
-            session.versions = push_pull(session.grads, session.versions, 1, session.clock,
-                                         session.params)[1].versions
-            session.clock += 1
+            live.versions = push_pull(live.grads, live.versions, 1, live.clock,
+                                      live.params)[1].versions
+            live.clock += 1
 
         junk = torch.zeros(thrash_mib << 18)
         warm, cold = _batches(one, clock, WORKER_PARTS, rounds, repeats, junk)
     finally:
-        transport.decode = saved
-        session.client.close()
-        server.stop()
-        serving.join(5.0)
+        transport.decode, transport.poll = saved_decode, saved_poll
+        if session is not None:
+            session.client.close()
+        shutdown_servers(addrs, timeout=5.0)
+        close_all(servers)
     return Breakdown("worker", WORKER_PARTS, warm, cold)
 
 
@@ -221,13 +239,16 @@ def main(argv: list[str] | None = None) -> None:
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--pushes", type=int, default=2000, help="per batch (default 2000)")
     ap.add_argument("--repeats", type=int, default=5, help="batches (default 5)")
+    ap.add_argument("--side", choices=("shard", "worker", "both"), default="both",
+                    help="which side to measure (default both)")
     args = ap.parse_args(argv)
     os.environ.setdefault("PARAMSERVER_SHM", "0")  # the TCP path: no segment to set up
     print("us of CPU per push + pull (async, 4 KiB in 8 tensors), median over batches")
     print("| side | part | what it buys | warm | cold |")
     print("|---|---|---|---|---|")
-    for b in (measure_shard(args.pushes, args.repeats),
-              measure_worker(args.pushes, args.repeats)):
+    sides = {"shard": measure_shard, "worker": measure_worker}
+    for side in ("shard", "worker") if args.side == "both" else (args.side,):
+        b = sides[side](args.pushes, args.repeats)
         for p in b.parts[1:] + b.parts[:1]:
             print(f"| {b.side} | {p.name} | {p.buys} | {b.warm[p.name]:.1f} | "
                   f"{b.cold[p.name]:.1f} |")

@@ -115,6 +115,8 @@ def _normalise_bind(address: str) -> str:
 # zmq's constants as plain ints: pyzmq's IntFlag arithmetic costs a few us per call
 _EVENTS, _POLLIN, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
 _SNDMORE = int(zmq.SNDMORE)
+#: zmq's poll of several sockets (a name of this module's: benchmarks/breakdown.py times it)
+poll = zmq.zmq_poll
 
 
 def _send_frames(sock: zmq.Socket[Any], frames: Sequence[Any], *, copy: bool,
@@ -489,7 +491,7 @@ def request_all(
             waited = timeout * (attempts + 1)
             raise RequestTimeoutError(f"{label}: no reply within {waited:g}s from {who} (is "
                                       f"it running and reachable?)")
-        for sock, _ in zmq.zmq_poll(polled, max(1, int(remaining * 1000))):
+        for sock, _ in poll(polled, max(1, int(remaining * 1000))):
             ch, table = slots[sock]
             while missing:  # once every reply is in, nothing more is read
                 rep = ch.recv_nowait()
