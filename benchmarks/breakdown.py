@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from paramserver.server import loop as server_loop
+from paramserver.util.jsontypes import JSON
 from paramserver.wire import transport
 
 from . import hotpath
@@ -203,7 +204,8 @@ def measure_worker(rounds: int = 2000, repeats: int = 5, thrash_mib: int = 32) -
     saved_decode, saved_poll = transport.decode, transport.poll
     session: PSSession | None = None
     try:
-        session = PSSession({"addresses": addrs, "numel": 1024, "rank": 0, "pieces": 8,
+        addresses: list[JSON] = list(addrs)
+        session = PSSession({"addresses": addresses, "numel": 1024, "rank": 0, "pieces": 8,
                              "shm": False})
         for _ in range(min(50, rounds)):  # warm-up
             session.one_round()
