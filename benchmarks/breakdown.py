@@ -216,6 +216,8 @@ def measure_worker(rounds: int = 2000, repeats: int = 5, thrash_mib: int = 32) -
         clock.patch(client, "_small_push_msgs", "build")
         clock.patch(client, "_land", "land")
         for ch in client.channels:
+            if ch.reader is not None:  # a small model's replies: read without decode
+                ch.reader = clock.wrap(ch.reader, "decode")
             clock.patch(ch, "send", "send")
             clock.patch(ch, "recv_nowait", "receive")
         live = session

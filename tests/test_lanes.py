@@ -4,10 +4,13 @@ general path) for anything else."""
 
 from __future__ import annotations
 
+import msgpack
 import pytest
 import torch
 
 from paramserver.core.sharding import ParamSpec, ShardPlan
+from paramserver.errors import ProtocolError
+from paramserver.wire.frames import DEFAULT_LIMITS, Limits
 from paramserver.wire.lanes import SmallShare
 from paramserver.wire.protocol import PACK_BYTES, Message, Op, decode, encode
 
@@ -169,3 +172,100 @@ def test_a_scalar_parameter_travels_as_one_element() -> None:
     params = {"p0": torch.tensor(0.0), "p1": torch.zeros(3)}
     assert share.land(params, _reply(plan, grads).tensors)
     assert params["p0"].item() == 2.5 and torch.equal(params["p1"], grads["p1"])
+
+
+def test_a_pushs_buffer_is_reused_and_holds_each_pushs_gradients() -> None:
+    plan = _plan()
+    share = SmallShare.of(plan, 0)
+    assert share is not None and share.frame is not None
+    for seed in (3, 4):
+        grads = _grads(plan, seed=seed)
+        packed = share.pack(grads)
+        assert packed is share.prepared  # no new buffer, view or frame per push
+        general = [bytes(f) for f in encode(_push(plan.split_tensors(grads)[0]))]
+        assert [bytes(f) for f in encode(_push(prepared=packed))] == general
+
+
+_OUTCOME = {"accepted": True, "weight": 1.0, "reason": "", "staleness": 2, "version": 8,
+            "applied": True, "duplicate": False}
+
+
+def _weights_reply(plan: ShardPlan, fields: dict[str, object], seq: int = 7,
+                   values: dict[str, torch.Tensor] | None = None) -> list[bytes]:
+    """A shard's reply carrying weights, as it sends them: its flat buffer's slices."""
+    values = values or _grads(plan, seed=5)
+    flat = torch.cat([values[p.name].reshape(-1) for p in plan.params])
+    views = dict(zip([p.name for p in plan.params],
+                     flat.split([p.numel for p in plan.params]), strict=True))
+    return [bytes(f) for f in encode(Message(Op.REPLY, seq, fields, views))]
+
+
+def _same(a: Message, b: Message) -> None:
+    assert (a.op, a.seq, a.body) == (b.op, b.seq, b.body)
+    assert list(a.tensors) == list(b.tensors)
+    for k, t in a.tensors.items():
+        assert t.dtype == b.tensors[k].dtype and torch.equal(t, b.tensors[k])
+
+
+def test_the_reader_reads_weight_replies_as_the_general_decoder_does() -> None:
+    plan = _plan()
+    share = SmallShare.of(plan, 0)
+    assert share is not None
+    read = share.reader(DEFAULT_LIMITS)
+    assert read is not None
+    for fields in ({"re": "push", "version": 8, "clock": 3, "waited": 0.5, "push": _OUTCOME},
+                   {"re": "push", "version": 8, "clock": 3, "waited": 0.5, "push": None},
+                   {"re": "pull", "version": 8, "clock": 3, "waited": 0.0},
+                   # an int where a float goes, as the general decoder takes it
+                   {"re": "push", "version": 8, "clock": 3, "waited": 1,
+                    "push": {**_OUTCOME, "weight": 1}},
+                   {"re": "pull", "version": 8, "clock": 3}):  # waited: 0.0 by default
+        frames = _weights_reply(plan, fields)
+        got = read(frames)
+        assert got is not None, fields
+        _same(got, decode(frames))
+
+
+def test_the_reader_leaves_every_other_reply_to_the_general_decoder() -> None:
+    """A reply of any other form, or of a field of another type, is not the reader's:
+    the general decoder reads it or refuses it, with its error code."""
+    plan = _plan()
+    share = SmallShare.of(plan, 0)
+    assert share is not None
+    read = share.reader(DEFAULT_LIMITS)
+    assert read is not None
+    good = {"re": "push", "version": 8, "clock": 3, "waited": 0.5, "push": _OUTCOME}
+    other = _plan([(12,), (8,), (7,), (5,)])  # as many bytes, other slices
+    cases: dict[str, list[bytes]] = {
+        "a refusal": [bytes(f) for f in encode(Message(Op.ERROR, 7, {
+            "code": "bad_field", "reason": "no"}))],
+        "a push's outcome alone": [bytes(f) for f in encode(Message(Op.REPLY, 7, {
+            "re": "push", **_OUTCOME}))],
+        "HELLO's answer": _weights_reply(plan, {"re": "hello", "version": 1}),
+        "a ticket to the board": _weights_reply(plan, {**good, "shm": {"nbytes": 4}}),
+        "early weights": _weights_reply(plan, {**good, "early": 2}),
+        "an outcome field of another type": _weights_reply(plan, {
+            **good, "push": {**_OUTCOME, "accepted": 1}}),
+        "an outcome field more": _weights_reply(plan, {**good, "push": {**_OUTCOME, "x": 1}}),
+        "a version that is a bool": _weights_reply(plan, {**good, "version": True}),
+        "a pull's reply with an outcome": _weights_reply(plan, {**good, "re": "pull"}),
+        "another layout": _weights_reply(other, good),
+        "a frame more": [*_weights_reply(plan, good), b"\x00" * 4],
+        "a frame short": [*_weights_reply(plan, good)[:1], b"\x00" * 4],
+    }
+    frames = _weights_reply(plan, good)
+    header = msgpack.unpackb(frames[0])
+    for key, value in (("v", 1), ("v", True), ("op", "push"), ("seq", -1), ("seq", 1 << 62),
+                       ("x", 1)):
+        cases[f"header {key}={value!r}"] = [
+            msgpack.packb({**header, key: value}, use_bin_type=True), frames[1]]
+    for what, case in cases.items():
+        assert read(case) is None, what  # (then the general decoder reads or refuses it)
+    assert read(frames) is not None
+    # limits the layout is over: no reader; a header over them: not read
+    assert share.reader(Limits(max_tensors=3)) is None
+    assert share.reader(Limits(max_key_len=1)) is None
+    tight = share.reader(Limits(max_header_bytes=len(frames[0]) - 1))
+    assert tight is not None and tight(frames) is None
+    with pytest.raises(ProtocolError):
+        decode(frames, Limits(max_header_bytes=len(frames[0]) - 1))

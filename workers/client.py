@@ -145,6 +145,9 @@ class PSClient:
         # not where gradients are narrowed or pushes go in parts
         whole = self.wire_dtype is None and (not part_bytes or self._largest_share <= part_bytes)
         self._small = [SmallShare.of(plan, s) if whole else None for s in range(plan.num_shards)]
+        for ch, share in zip(self.channels, self._small, strict=True):
+            if share is not None:  # its weight replies read in a few calls
+                ch.reader = share.reader(ch.limits)
 
     # ------------------------------------------------------------------ session
 
@@ -551,6 +554,12 @@ class PSClient:
         shard's reply lands. The pushed gradients must not change until this
         returns.
         """
+        with torch.no_grad():  # once for the round, not per landing
+            return self._push_pull(grads, read_versions, num_samples, clock, params, loss)
+
+    def _push_pull(self, grads: Mapping[str, torch.Tensor], read_versions: Sequence[int],
+                   num_samples: int, clock: int, params: Mapping[str, torch.Tensor],
+                   loss: float | None) -> tuple[PushResult, PullResult]:
         t0 = time.perf_counter()
         self.seed_from(params)
         msgs = self._small_push_msgs(grads, read_versions, num_samples, clock, loss,

@@ -55,14 +55,15 @@ class PullResult(msgspec.Struct, frozen=True):
     @classmethod
     def of(cls, replies: Sequence[Message], t0: float) -> PullResult:
         """What the shards' pull answers ``replies`` say, for a pull begun at ``t0``."""
-        bodies: list[PullReply] = [r.body for r in replies]
-        return cls(
-            versions=tuple(b.version for b in bodies),
-            clock=max(b.clock for b in bodies),
-            waited=max(b.waited for b in bodies),
-            seconds=time.perf_counter() - t0,
-            nbytes=sum(r.nbytes or ticket_bytes(r) for r in replies),
-        )
+        versions = []
+        clock, waited, nbytes = -1, 0.0, 0
+        for r in replies:  # one pass (a round's bookkeeping: no generator per field)
+            b: PullReply = r.body
+            versions.append(b.version)
+            clock = max(clock, b.clock)
+            waited = max(waited, b.waited)
+            nbytes += r.nbytes or ticket_bytes(r)
+        return cls(tuple(versions), clock, waited, time.perf_counter() - t0, nbytes)
 
 
 class PushResult(msgspec.Struct, frozen=True):
@@ -76,11 +77,11 @@ class PushResult(msgspec.Struct, frozen=True):
     def of(cls, msgs: Sequence[Message], outcomes: Sequence[PushOutcome | None],
            t0: float) -> PushResult:
         """A push of ``msgs`` begun at ``t0``; an outcome None: a shard that rewound."""
-        return cls(
-            outcomes=tuple(REWOUND if o is None else o for o in outcomes),
-            seconds=time.perf_counter() - t0,
-            nbytes=sum(m.nbytes for m in msgs),
-        )
+        nbytes = 0
+        for m in msgs:
+            nbytes += m.nbytes
+        return cls(tuple([REWOUND if o is None else o for o in outcomes]),
+                   time.perf_counter() - t0, nbytes)
 
     @property
     def accepted(self) -> bool:

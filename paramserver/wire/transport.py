@@ -306,6 +306,9 @@ class Channel(Generic[SideT]):
         self.unsent = 0  # sends given up: no connection to the peer (SEND_WAIT_MS)
         self._rng = random.Random(seed)
         self._seq = 0
+        # replies of a layout known beforehand, read without the general decoder (a small
+        # model's weights: wire/lanes.py); None from it: the general decoder reads them
+        self.reader: Callable[[Sequence[Any]], Message | None] | None = None
         self.socket = (context or _context()).socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.RECONNECT_IVL, 100)
@@ -343,7 +346,9 @@ class Channel(Generic[SideT]):
         if self.shm is not None:
             msg = self._via_shm(msg, self.shm)
         try:
-            _send_frames(self.socket, encode(msg), copy=False)
+            # a small message copied into zmq (as RouterSocket.send), so that its tensors'
+            # memory may change once this returns (wire/lanes.py reuses a push's buffer)
+            _send_frames(self.socket, encode(msg), copy=msg.nbytes < ZERO_COPY_BYTES)
         except zmq.Again:
             self.unsent += 1
             log.debug("%s: no connection to send on within %d ms; the request counts as "
@@ -374,8 +379,9 @@ class Channel(Generic[SideT]):
         return Message(msg.op, msg.seq, {**fields, **extra}, tensors,
                        msg.prepared) if extra else msg
 
-    def recv_nowait(self) -> Message | None:
-        if not self.socket.getsockopt(_EVENTS) & _POLLIN:
+    def recv_nowait(self, polled: bool = False) -> Message | None:
+        """A reply if one is waiting, else None; ``polled``: poll just said one is."""
+        if not polled and not self.socket.getsockopt(_EVENTS) & _POLLIN:
             return None  # (as RouterSocket.recv_nowait)
         try:
             frames = self.socket.recv_multipart(_NOBLOCK, copy=False)
@@ -383,7 +389,10 @@ class Channel(Generic[SideT]):
             return None
         if self._drop():
             return self.recv_nowait()
-        rep = decode(frames, self.limits)
+        reader = self.reader
+        rep = None if reader is None else reader(frames)
+        if rep is None:
+            rep = decode(frames, self.limits)
         if self.shm is not None and rep.get("re") == Op.HELLO.value:
             self.shm.granted(rep.get("shm"))
         return rep
@@ -493,8 +502,10 @@ def request_all(
                                       f"it running and reachable?)")
         for sock, _ in poll(polled, max(1, int(remaining * 1000))):
             ch, table = slots[sock]
+            ready = True  # poll said so: the first receive asks zmq nothing more
             while missing:  # once every reply is in, nothing more is read
-                rep = ch.recv_nowait()
+                rep = ch.recv_nowait(ready)
+                ready = False
                 if rep is None:
                     break
                 slot = table.get(rep.seq)
