@@ -74,7 +74,7 @@ class _Pulled(msgspec.Struct, forbid_unknown_fields=True):
     version: int
     clock: int
     waited: float = 0.0
-    push: _Outcome | None | msgspec.UnsetType = msgspec.UNSET
+    push: _Outcome | msgspec.UnsetType | None = msgspec.UNSET
 
 
 class _Header(msgspec.Struct, forbid_unknown_fields=True):

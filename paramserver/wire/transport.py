@@ -459,6 +459,8 @@ def request_all(
     # what zmq.Poller would poll, without making one per request (a few us each)
     polled = [(sock, _POLLIN) for sock in slots]
     is_sent = [sent] * len(channels)
+    # per socket, the requests still unanswered: none, and it is not read again
+    unanswered = {sock: len(indices) for sock, indices in queued.items()}
 
     def send_next(sock: Any, count: int) -> None:
         ch, table = slots[sock]
@@ -516,10 +518,13 @@ def request_all(
                                                  rep["reason"])
                 replies[slot] = rep
                 missing -= 1
+                unanswered[sock] -= 1
                 if window:
                     send_next(sock, 1)
                 if on_reply is not None and rep.op is not Op.ERROR:
                     on_reply(slot, rep)
+                if not unanswered[sock]:
+                    break  # (a stale answer left queued is read, and dropped, later)
     return [r for r in replies if r is not None]
 
 
