@@ -320,6 +320,9 @@ def test_breakdown_parts_add_up_to_the_whole(monkeypatch: pytest.MonkeyPatch) ->
     for b in (breakdown.measure_shard(pushes=20, repeats=1, thrash_mib=1),
               breakdown.measure_worker(rounds=20, repeats=1, thrash_mib=1)):
         names = [p.name for p in b.parts]
+        # the worker's whole rounds, timed before any part is wrapped
+        assert (b.unwrapped is None) == (b.side == "shard")
+        assert b.unwrapped is None or b.unwrapped > 0
         for figures in (b.warm, b.cold):
             assert sorted(figures) == sorted(names)
             # each part is its own time, the parts inside it taken out: none below zero
