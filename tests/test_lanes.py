@@ -269,3 +269,18 @@ def test_the_reader_leaves_every_other_reply_to_the_general_decoder() -> None:
     assert tight is not None and tight(frames) is None
     with pytest.raises(ProtocolError):
         decode(frames, Limits(max_header_bytes=len(frames[0]) - 1))
+
+
+def test_a_clients_channels_read_with_their_shares_readers() -> None:
+    from paramserver.workers.client import PSClient
+
+    small = PSClient(["tcp://127.0.0.1:9", "tcp://127.0.0.1:10"], _plan(shards=2), 0,
+                     heartbeat_interval=0, shm=False)
+    wide = PSClient(["tcp://127.0.0.1:9"], _plan(), 0, heartbeat_interval=0, shm=False,
+                    wire_dtype="bfloat16")  # narrowed gradients: the general path
+    try:
+        assert all(ch.reader is not None for ch in small.channels)
+        assert wide.channels[0].reader is None
+    finally:
+        small.close()
+        wide.close()
