@@ -161,7 +161,7 @@ def test_names_moved_out_of_a_module_stay_importable_from_it() -> None:
     from paramserver.workers import admin, client
 
     for name in curve.__all__:
-        if name != "start_authenticator":
+        if name not in ("start_authenticator", "secure_client"):  # born in curve.py
             assert getattr(transport, name) is getattr(curve, name), name
     for name in admin.__all__:
         assert getattr(client, name) is getattr(admin, name), name
