@@ -309,5 +309,5 @@ def test_replicas_is_a_setting_and_an_axis():
         ExperimentSpec(replicas=[0, 1], modes=["async"], policies=["gap-aware"], workers=[3])
     with pytest.raises(ConfigError, match="replicas lists 1 more than once"):
         ExperimentSpec(replicas=[1, 1])
-    with pytest.raises(ConfigError, match="only --replicas 1 works"):
-        ExperimentSpec(replicas=2)
+    with pytest.raises(ConfigError, match="at most 4 backups per shard"):
+        ExperimentSpec(replicas=5)

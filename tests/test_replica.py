@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from paramserver.core.replica import ReplicaState, Role, Verdict
+from paramserver.core.replica import Candidate, ReplicaState, Role, Takeover, Verdict, elect
 from paramserver.errors import ProtocolError
 from paramserver.wire import replication as wrepl
 
@@ -80,9 +80,11 @@ def test_a_fenced_or_new_replica_joins_by_snapshot_and_applies_only_after_it():
     assert old.role is Role.JOINING
     assert old.joined(1, 4, now=2.0)  # the snapshot at input 4 of epoch 1
     assert old.role is Role.BACKUP and old.applied == 4 and old.heard_at == 2.0
-    assert not old.joined(1, 9, now=2.5)  # a second snapshot changes nothing
     assert old.receive(1, 4, now=3.0) is Verdict.AGAIN  # in the snapshot already
     assert old.receive(1, 5, now=3.1) is Verdict.APPLY
+    assert not old.joined(1, 3, now=3.2)  # an older snapshot changes nothing
+    # the primary dropped it and sent another at its input 9: it goes on from there
+    assert old.joined(1, 9, now=3.2) and old.applied == 9
     # a process started in place of a dead backup joins the same way
     fresh = ReplicaState.starting(1)
     fresh.rejoin()
@@ -138,6 +140,11 @@ def test_wire_records_round_trip_and_are_bounded():
     with pytest.raises(ProtocolError):
         wrepl.decode([wrepl.MAGIC, wrepl.encode(wrepl.RoleReply("primary", 0, 0, 0,
                                                                  ["a"] * 17))[1]])
+    # a keep-alive lists the primary and its backups: at most 16 addresses
+    ping = wrepl.Apply(1, 0, 0.0, "ping", peers=["tcp://127.0.0.1:5001"] * 16)
+    assert wrepl.decode(wrepl.encode(ping)) == (ping, [])
+    with pytest.raises(ProtocolError):
+        wrepl.decode(wrepl.encode(wrepl.Apply(1, 0, 0.0, "ping", peers=["a"] * 17)))
 
 
 def test_what_does_not_work_yet_is_refused_in_one_line():
@@ -145,8 +152,8 @@ def test_what_does_not_work_yet_is_refused_in_one_line():
     from paramserver.server.config import ServerConfig
     from paramserver.workers.launch.clusterspec import ClusterSpec
 
-    with pytest.raises(ConfigError, match="only --replicas 1 works"):
-        ServerConfig(replicas=2)
+    with pytest.raises(ConfigError, match="--replicas 5: at most 4 backups per shard"):
+        ServerConfig(replicas=5)
     for policy in ("dc-asgd", "gap-aware"):  # the weights each worker read
         with pytest.raises(ConfigError, match=f"--policy {policy}: it rewrites gradients"):
             ServerConfig(policy=policy, replicas=1)
@@ -160,6 +167,7 @@ def test_what_does_not_work_yet_is_refused_in_one_line():
         ClusterSpec(server=ServerConfig(replicas=1), restart_servers=True)
     for mode in ("async", "sync", "ssp"):  # what works
         ServerConfig(mode=mode, replicas=1)
+        ServerConfig(mode=mode, replicas=4)
 
 
 def test_the_server_command_checks_a_hand_started_replica():
@@ -210,3 +218,86 @@ def test_a_replica_exports_its_role_epoch_inputs_and_failovers():
     assert gauges() == (0.0, 0.0, 1.0, 0.0)
     repl.export(registry, now=13.0)
     assert gauges() == (1.0, 1.0, 1.0, 1.0)
+
+
+# --------------------------------------------------------------- several backups (elect)
+
+def _c(replica: int, applied: int, epoch: int = 0, role: Role = Role.BACKUP) -> Candidate:
+    return Candidate(role, epoch, applied, replica)
+
+
+def test_elect_the_backup_holding_the_most_inputs_ties_to_the_lowest_index():
+    # two backups time out together and ask each other: exactly one promotes
+    for a, b, winner in ((_c(1, 7), _c(2, 7), 1), (_c(1, 6), _c(2, 7), 2),
+                         (_c(1, 8), _c(2, 7), 1)):
+        decisions = {a.replica: elect(a, [b]), b.replica: elect(b, [a])}
+        assert decisions[winner] is Takeover.PROMOTE
+        assert [d for r, d in decisions.items() if r != winner] == [Takeover.WAIT]
+    # three backups, one of them (2) holding an input the others lack (forwarded, not
+    # acknowledged): it wins; the others take its snapshot (takes_snapshot below)
+    three = [_c(1, 5), _c(2, 6), _c(3, 5)]
+    assert [elect(me, [p for p in three if p is not me]) for me in three] == [
+        Takeover.WAIT, Takeover.PROMOTE, Takeover.WAIT]
+
+
+def test_elect_alone_or_beside_replicas_that_hold_no_state():
+    me = _c(2, 3)
+    assert elect(me, []) is Takeover.PROMOTE  # the others are dead (no answer)
+    # a joining replacement or a fenced old primary is no candidate, whatever it held
+    assert elect(me, [_c(0, 9, role=Role.JOINING), _c(1, 9, role=Role.FENCED)]) \
+        is Takeover.PROMOTE
+    # a backup of an older epoch (not brought to ours yet) is no candidate either
+    assert elect(_c(2, 3, epoch=1), [_c(0, 9, epoch=0)]) is Takeover.PROMOTE
+
+
+def test_elect_waits_for_a_primary_that_answers_and_follows_a_newer_epoch():
+    assert elect(_c(1, 3), [_c(0, 3, role=Role.PRIMARY)]) is Takeover.WAIT  # alive, slow
+    # a rival already took over (or is bringing its backups to its state)
+    assert elect(_c(1, 3), [_c(2, 2, epoch=2, role=Role.PRIMARY)]) is Takeover.FOLLOW
+    assert elect(_c(1, 9), [_c(2, 2, epoch=2)]) is Takeover.FOLLOW
+
+
+def test_two_backups_promoted_together_never_hold_one_epoch():
+    """Should two candidates both promote (their answers differed: the old primary was
+    still sending), their epochs differ: each replica's are its own modulo the shard's
+    size, and the higher one's snapshot fences the lower one, never the reverse."""
+    for size in (3, 4, 5):
+        for start in range(0, 7):
+            got = []
+            for replica in range(1, size):
+                r = ReplicaState(Role.BACKUP, epoch=start, replica=replica, size=size)
+                got.append(r.promote())
+                assert got[-1] > start and got[-1] % size == replica
+            assert len(set(got)) == len(got)
+    low = ReplicaState(Role.BACKUP, epoch=0, replica=1, size=3)
+    high = ReplicaState(Role.BACKUP, epoch=0, replica=2, size=3)
+    assert (low.promote(), high.promote()) == (1, 2)
+    assert not high.takes_snapshot(1, 10) and low.takes_snapshot(2, 10)
+    assert low.joined(2, 10, now=1.0) and low.role is Role.BACKUP and low.epoch == 2
+    # with one backup a promotion is always the next epoch (what --replicas 1 did)
+    one = ReplicaState.starting(0, size=2)
+    one.role, one.epoch = Role.BACKUP, 1
+    assert one.promote() == 2
+
+
+def test_a_backup_holds_a_new_primarys_inputs_until_its_snapshot():
+    """A backup of epoch 0 that may hold inputs the new primary lacks applies none of
+    the new epoch's inputs (keep-alives neither) until the snapshot brings it to the
+    new primary's input; then it goes on from there."""
+    backup = ReplicaState.starting(2, size=3)
+    assert backup.receive(0, 1, now=0.0) is Verdict.APPLY
+    assert backup.receive(0, 2, now=0.1) is Verdict.APPLY  # the new primary lacks this one
+    assert backup.receive(1, 0, now=1.5) is Verdict.HOLD and backup.epoch == 0
+    assert backup.receive(1, 2, now=1.5) is Verdict.HOLD and backup.applied == 2
+    assert backup.takes_snapshot(1, 1) and backup.joined(1, 1, now=1.6)
+    assert (backup.applied, backup.epoch) == (1, 1)
+    assert backup.receive(1, 2, now=1.7) is Verdict.APPLY  # its input 2, not the old one
+    assert not backup.takes_snapshot(1, 1)  # an older snapshot changes nothing
+
+
+def test_one_backup_writes_checkpoints_with_several():
+    backup = ReplicaState(Role.BACKUP)
+    assert backup.writes_checkpoints(0, rank=0)
+    assert not backup.writes_checkpoints(0, rank=1)
+    assert backup.writes_checkpoints(0, rank=None)  # not listed by the primary (yet)
+    assert not ReplicaState(Role.PRIMARY).writes_checkpoints(2, rank=0)

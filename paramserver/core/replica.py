@@ -4,9 +4,15 @@ which replicated input a backup applies next.
 A shard's replicas are numbered 0 .. R (0 starts as the primary). The primary sends
 its backups every state-changing input in order, each numbered by ``seq`` and tagged
 with the ``epoch`` it was sent in; a backup applies the next one in order and
-acknowledges it. When the primary falls silent for the failover timeout, the
-backup takes over at ``epoch + 1``: from then on any input from a lower epoch is
-refused, and the old primary, refused once, steps down (fenced).
+acknowledges it. When the primary falls silent for the failover timeout, a backup
+takes over at a higher epoch: from then on any input from a lower epoch is refused,
+and the old primary, refused once, steps down (fenced).
+
+With several backups, which one takes over is :func:`elect`'s rule, and the epoch a
+replica takes over at is one only it can take (:meth:`ReplicaState.promote`), so two
+backups that both promote never hold one epoch: the lower one is refused by the
+higher one before it answers a worker (the new primary answers none until each
+backup it saw alive holds its snapshot; paramserver/server/replication.py).
 
 A replica that holds no state it may trust (a fenced old primary, or a fresh process
 started in place of a dead replica) *joins*: it takes a snapshot of the primary's
@@ -23,13 +29,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from paramserver.policies.base import StalenessPolicy
 
-__all__ = ["MAX_REPLICAS", "ReplicaState", "Role", "Verdict", "unreplicable"]
+__all__ = ["MAX_REPLICAS", "Candidate", "ReplicaState", "Role", "Takeover", "Verdict",
+           "elect", "unreplicable"]
 
-#: backups per shard that work today: with two or more, a promoted backup would have to
-#: bring the other backups to its sequence number first (not built yet)
-MAX_REPLICAS = 1
+#: backups per shard at most: each one more is one more copy of every input on the
+#: primary's network and one more wait before a worker is answered
+MAX_REPLICAS = 4
 
 
 def unreplicable(policy: type[StalenessPolicy]) -> str | None:
@@ -70,6 +79,49 @@ class Verdict(enum.StrEnum):
     HOLD = "hold"  # no snapshot yet: neither applied nor acknowledged
 
 
+class Takeover(enum.StrEnum):
+    """What a backup whose primary fell silent does (:func:`elect`)."""
+
+    PROMOTE = "promote"  # it is the best backup alive: it takes over
+    WAIT = "wait"  # the primary answered after all, or a better backup takes over
+    FOLLOW = "follow"  # a replica holds a higher epoch: there is a newer primary; join it
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """What a replica says of itself when a backup asks (its role probe's answer)."""
+
+    role: Role
+    epoch: int
+    applied: int
+    replica: int
+
+
+def elect(me: Candidate, peers: Sequence[Candidate]) -> Takeover:
+    """The takeover rule of a backup ``me`` whose primary fell silent, given the answers
+    of the peers that answered (a dead one does not).
+
+    A peer at a higher epoch means a newer primary exists (or is taking over): follow
+    it. A primary of our own epoch that answers is alive (slow, not dead): wait. Else
+    the backups of our epoch are the candidates, and the one holding the most inputs
+    wins, ties going to the lowest replica index; each candidate computes the same
+    winner from the same answers. Every input a worker saw acknowledged is on every
+    live backup (the primary answers once all of them acknowledged), so the winner
+    holds them all; inputs the others hold beyond its own were acknowledged to no
+    worker, and they drop them by taking the winner's snapshot.
+    Answers can differ between two candidates only if the old primary still sends
+    (it is not dead); should both promote anyway, their epochs differ
+    (:meth:`ReplicaState.promote`) and the higher one fences the lower."""
+    if any(p.epoch > me.epoch for p in peers):
+        return Takeover.FOLLOW
+    if any(p.role is Role.PRIMARY and p.epoch == me.epoch for p in peers):
+        return Takeover.WAIT
+    rivals = [p for p in peers if p.role is Role.BACKUP and p.epoch == me.epoch
+              and p.replica != me.replica]
+    best = max([me, *rivals], key=lambda c: (c.applied, -c.replica))
+    return Takeover.PROMOTE if best is me else Takeover.WAIT
+
+
 @dataclass
 class ReplicaState:
     """One replica's view: its role, the epoch it holds and the last input applied."""
@@ -80,10 +132,12 @@ class ReplicaState:
     #: when the primary last spoke to this backup (None: never yet; a backup takes
     #: over only from a primary it heard, not from one still starting)
     heard_at: float | None = None
+    replica: int = 0  # this replica's index, 0 .. size - 1
+    size: int = 1  # the shard's replicas (R + 1); 1: epochs are not split among them
 
     @classmethod
-    def starting(cls, replica: int) -> ReplicaState:
-        return cls(Role.PRIMARY if replica == 0 else Role.BACKUP)
+    def starting(cls, replica: int, size: int = 2) -> ReplicaState:
+        return cls(Role.PRIMARY if replica == 0 else Role.BACKUP, replica=replica, size=size)
 
     @property
     def writable(self) -> bool:
@@ -107,6 +161,8 @@ class ReplicaState:
             return Verdict.STALE  # it rejoins by snapshot (rejoin), not input by input
         if self.role is Role.JOINING:
             return Verdict.HOLD  # (the primary sends its snapshot before any input)
+        if epoch > self.epoch:  # a new primary's: its snapshot comes first, and brings
+            return Verdict.HOLD  # us to its input (we may hold inputs it lacks)
         self.role, self.epoch, self.heard_at = Role.BACKUP, epoch, now
         if seq == 0 or seq <= self.applied:
             return Verdict.AGAIN
@@ -121,12 +177,20 @@ class ReplicaState:
                 and now - self.heard_at > timeout)
 
     def promote(self) -> int:
-        """This backup becomes the primary, at a new epoch; returns it."""
+        """This backup becomes the primary, at a new epoch; returns it. The epoch is the
+        next one above ours that is this replica's own (``epoch % size == replica``),
+        so two replicas promoted from one epoch never hold the same one. With one
+        backup that is always ``epoch + 1`` (a replica does not follow itself)."""
         if self.role is not Role.BACKUP:
             raise RuntimeError(f"only a backup is promoted, not a {self.role} replica")
         self.role = Role.PRIMARY
         self.epoch += 1
+        while self.size > 1 and self.epoch % self.size != self.replica % self.size:
+            self.epoch += 1
         return self.epoch
+
+    def candidate(self) -> Candidate:
+        return Candidate(self.role, self.epoch, self.applied, self.replica)
 
     def rejoin(self) -> None:
         """A fenced replica (or one just started in place of a dead one) asks the
@@ -136,23 +200,39 @@ class ReplicaState:
         self.role = Role.JOINING
         self.heard_at = None
 
+    def takes_snapshot(self, epoch: int, seq: int) -> bool:
+        """Whether a snapshot from the primary of ``epoch`` at input ``seq`` replaces our
+        state: while joining, one not below our epoch; a backup's own primary's, one not
+        behind us (it dropped and took us again: its inputs to us go on from ``seq``;
+        an older one is stale); else one of a higher epoch (a new primary bringing the
+        backups it found to its own input, which drops any input it lacks: those were
+        acknowledged to no worker; or a rival that promoted at a higher epoch)."""
+        if self.role is Role.JOINING:
+            return epoch >= self.epoch
+        if self.role is Role.BACKUP and epoch == self.epoch:
+            return seq >= self.applied
+        return epoch > self.epoch
+
     def joined(self, epoch: int, seq: int, now: float) -> bool:
         """The snapshot of the primary of ``epoch`` at input ``seq`` is applied: a backup
-        from now on, next expecting ``seq + 1``. False (and nothing changes) unless this
-        replica is joining and ``epoch`` is not below its own."""
-        if self.role is not Role.JOINING or epoch < self.epoch:
+        from now on, next expecting ``seq + 1``. False (and nothing changes) unless
+        :meth:`takes_snapshot`."""
+        if not self.takes_snapshot(epoch, seq):
             return False
         self.role, self.epoch, self.applied, self.heard_at = Role.BACKUP, epoch, seq, now
         return True
 
-    def writes_checkpoints(self, backups: int) -> bool:
+    def writes_checkpoints(self, backups: int, rank: int | None = None) -> bool:
         """Whether this replica writes its shard's checkpoints, ``backups`` being the
-        backups a primary counts (each holds its state and every input since): a
-        backup does (at the same input it holds the primary's state, and its disk
-        stalls no worker), a primary only when alone, a fenced or joining replica
-        never (it holds no state of its own). One writes at a time: see
-        paramserver/server/replicackpt.py."""
-        return self.role is Role.BACKUP or (self.role is Role.PRIMARY and backups == 0)
+        backups a primary counts (each holds its state and every input since), ``rank``
+        a backup's place among the primary's backups (its keep-alives list them; None:
+        not known). A backup does (at the same input it holds the primary's state, and
+        its disk stalls no worker), the first one only when there are several; a
+        primary only when alone; a fenced or joining replica never (it holds no state
+        of its own). One writes at a time: see paramserver/server/replicackpt.py."""
+        if self.role is Role.BACKUP:
+            return rank is None or rank == 0
+        return self.role is Role.PRIMARY and backups == 0
 
     def refused(self, epoch: int) -> bool:
         """A backup refused our input naming ``epoch``: a higher one fences us for good.

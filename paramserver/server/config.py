@@ -380,7 +380,7 @@ class ServerConfig(ConfigRecord):
                            help="Backup processes per shard, each applying every input its "
                                 "primary accepts before the worker is answered; one takes over "
                                 "when the primary stops answering (docs/reliability.md). "
-                                "R <= 1 for now. `server`: start each replica with --replica "
+                                "R <= 4. `server`: start each replica with --replica "
                                 "(and --replica-peers), the backups first.")
     failover_timeout: float = option(1.0, min=0, min_open=True, metavar="SECONDS",
                                      help="With --replicas: a backup takes over after its "
@@ -458,8 +458,9 @@ class ServerConfig(ConfigRecord):
                               f"shard with --replicas {self.replicas} has {self.replicas} "
                               f"other replica(s)")
         if self.replicas > MAX_REPLICAS:
-            raise ConfigError(f"--replicas {self.replicas}: only --replicas {MAX_REPLICAS} works "
-                              f"for now (one backup per shard)")
+            raise ConfigError(f"--replicas {self.replicas}: at most {MAX_REPLICAS} backups "
+                              f"per shard (each one more is one more copy of every input "
+                              f"and one more wait before a worker is answered)")
         if self.policy != "none":  # (the registry loads torch: only when one is named)
             from paramserver.policies import resolve_policy
 

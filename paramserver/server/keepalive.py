@@ -52,16 +52,20 @@ class KeepAlive:
         self._lock = threading.Lock()
         self._epoch = 0
         self._targets: tuple[str, ...] = ()
+        self._peers: list[str] = []
         self._lease = time.monotonic()
         self._refusal: tuple[int, str] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def aim(self, epoch: int, addresses: tuple[str, ...], now: float) -> None:
-        """Send keep-alives of ``epoch`` to ``addresses`` (none: stop), and renew the
-        lease: the loop is turning at ``now``."""
+    def aim(self, epoch: int, addresses: tuple[str, ...], now: float,
+            peers: list[str] | None = None) -> None:
+        """Send keep-alives of ``epoch`` to ``addresses`` (none: stop), listing ``peers``
+        (the primary and its backups), and renew the lease: the loop is turning at
+        ``now``."""
         with self._lock:
             self._epoch, self._targets, self._lease = epoch, addresses, now
+            self._peers = peers or []
         if addresses and self._thread is None:
             self._thread = threading.Thread(target=self._run, daemon=True,
                                             name=f"shard{self._shard}-keepalive")
@@ -91,12 +95,13 @@ class KeepAlive:
             while not self._stop.wait(self._every):
                 with self._lock:
                     epoch, targets, lease = self._epoch, self._targets, self._lease
+                    peers = self._peers
                 now = time.monotonic()
                 for address in [a for a in sockets if a not in targets]:
                     sockets.pop(address).close(0)
                 if now - lease > MAX_BUSY:
                     continue  # the loop is stuck: let the backups take over
-                head = wrepl.encode(wrepl.Apply(epoch, 0, now, "ping"))
+                head = wrepl.encode(wrepl.Apply(epoch, 0, now, "ping", peers=peers))
                 for address in targets:
                     sock = sockets.get(address) or self._connect(sockets, address)
                     self._read(sock, address, epoch)

@@ -49,12 +49,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from paramserver.core.replica import ReplicaState, Role, Verdict
+from paramserver.core.replica import Candidate, ReplicaState, Role, Takeover, Verdict, elect
 from paramserver.core.transfer import CoreImage
 from paramserver.errors import ConfigError, ProtocolError
 from paramserver.server.keepalive import KeepAlive
 from paramserver.server.peerprobe import refused
 from paramserver.server.rejoin import Joiner
+from paramserver.server.takeover import Election
 from paramserver.wire import replication as wrepl
 from paramserver.wire.curve import CurveKeys, secure_client
 from paramserver.wire.protocol import Message, Op, encode
@@ -214,7 +215,14 @@ class Replication:
         self.address = address
         self.timeout = config.failover_timeout
         self.ping_every = self.timeout / 5
-        self.state = ReplicaState.starting(config.replica)
+        self.state = ReplicaState.starting(config.replica, config.replicas + 1)
+        #: the primary and its backups, as its keep-alives list them (a backup asks
+        #: them who takes over when the primary falls silent)
+        self.peers: list[str] = []
+        #: a new primary's backups that must hold its snapshot before it answers a
+        #: worker (those it found alive when it took over), by address
+        self._settle: set[str] = set()
+        self._election: Election | None = None  # a silent primary's: who takes over
         self._context: zmq.Context[Any] = zmq.Context.instance()
         # CURVE: the shard's own keys, as a client of the other replicas; and the only
         # key a replication message other than a role probe is taken from
@@ -252,14 +260,21 @@ class Replication:
 
     @property
     def writable(self) -> bool:
-        return self.state.writable
+        """Whether this replica answers workers: the primary, once each backup it took
+        over with holds its snapshot (a rival that promoted too refuses it first)."""
+        if self._settle:
+            self._settle &= set(self._asked) | {b.address for b in self._joining}
+        return self.state.writable and not self._settle
 
     @property
     def writes_checkpoints(self) -> bool:
         """Whether this replica writes the shard's checkpoints (ReplicaState's rule;
-        a joining backup is not counted yet)."""
+        a joining backup is not counted yet; a backup's rank is its place among the
+        backups the primary's keep-alives list)."""
+        backups = self.peers[1:]
         return self.state.writes_checkpoints(
-            sum(1 for b in self.backups if b not in self._joining))
+            sum(1 for b in self.backups if b not in self._joining),
+            backups.index(self.address) if self.address in backups else None)
 
     def forward(self, frames: Sequence[Any], kind: str = "msg",
                 workers: Sequence[int] = (), key: str | None = None) -> int:
@@ -289,7 +304,8 @@ class Replication:
     def _announce(self) -> None:
         """Before the primary serves, each backup hears of it (and so takes over should
         it die from its first message on)."""
-        head = wrepl.encode(wrepl.Apply(self.state.epoch, 0, time.monotonic(), "ping"))
+        head = wrepl.encode(wrepl.Apply(self.state.epoch, 0, time.monotonic(), "ping",
+                                        peers=self._peer_list()))
         for b in list(self.backups):
             if b not in self.backups:
                 continue  # (fenced by an earlier one: _rejoin closed it)
@@ -371,7 +387,10 @@ class Replication:
         """Hold no state of our own any more: ask ``peers`` for the primary's."""
         for b in self.backups:
             b.close()
-        self.backups, self._joining = [], {}
+        self.backups, self._joining, self._settle = [], {}, set()
+        if self._election is not None:
+            self._election.close()
+            self._election = None
         self.state.rejoin()
         self.keepalive.aim(self.state.epoch, (), time.monotonic())  # no primary's words
         self._asked_since = time.monotonic()
@@ -385,8 +404,13 @@ class Replication:
         """A replica asks for our state. The primary sends it at the next quiet moment;
         a resend of a request it has is ignored, a new process at a known backup's
         address replaces that backup."""
-        if not self.writable or self._nonces.get(record.address) == record.nonce \
+        if not self.state.writable or self._nonces.get(record.address) == record.nonce \
                 or self._asked.get(record.address) == record.nonce:
+            return
+        if record.address in self._settle:  # the takeover's snapshot answers it
+            self._nonces[record.address] = record.nonce
+            if record.address in self._asked:
+                self._asked[record.address] = record.nonce
             return
         for b in [b for b in self.backups if b.address == record.address]:
             self._drop(b, "a new process joins at its address")
@@ -396,7 +420,7 @@ class Replication:
 
     def _send_snapshots(self) -> None:
         """A snapshot to each replica that asked, if the shard is between inputs."""
-        if not self._asked or not self.writable:
+        if not self._asked or not self.state.writable:
             return
         got = self.host.snapshot()
         if got is None:
@@ -425,14 +449,14 @@ class Replication:
         (so that every input answered from then on, and before, is held by it)."""
         seq = self._joining.pop(b)
         target = self.state.applied
-        while b in self.backups and b.acked < target and self.writable:
+        while b in self.backups and b.acked < target and self.state.writable:
             if self._drain(b):
                 continue
             if b.dead(time.monotonic(), self.timeout):
                 self._drop(b, f"its connection was down for {self.timeout:g}s")
             else:
                 zmq.select([b.socket, b.monitor], [], [], 0.1)
-        if b not in self.backups or not self.writable:
+        if b not in self.backups or not self.state.writable:
             return
         took = time.monotonic() - self._asked_at.pop(b.address, time.monotonic())
         log.info("shard %d: %s holds the snapshot at input %d and every input since: a "
@@ -444,9 +468,25 @@ class Replication:
 
     def _on_snapshot(self, identity: bytes, record: wrepl.Snapshot, rest: list[Any],
                      send: Send) -> None:
-        """The primary's state: put in place of ours, then a backup from input ``seq``."""
-        if self.state.role is not Role.JOINING or record.epoch < self.state.epoch:
-            return  # (a second answer to a resent request: the first one is in place)
+        """The primary's state: put in place of ours, then a backup from input ``seq``.
+        Also what a new primary sends the backups it took over with (whatever inputs
+        they hold beyond its own go), and a rival promoted at a lower epoch (it steps
+        down); a snapshot of a lower epoch is refused, which fences its sender."""
+        if not self.state.takes_snapshot(record.epoch, record.seq):
+            if record.epoch < self.state.epoch:
+                send(identity, wrepl.encode(wrepl.Ack(self.state.epoch, record.seq, False,
+                                                      "a lower epoch")))
+            return  # (else an older one, sent before the one in place)
+        if self.state.role is Role.PRIMARY:  # a rival of a lower epoch, not serving yet
+            log.warning("shard %d: replica %d steps down: %s took over at epoch %d",
+                        self.shard, self.replica, record.primary, record.epoch)
+            self.events.write("stepped_down", shard=self.shard, replica=self.replica,
+                              epoch=record.epoch, by=record.primary)
+            for b in self.backups:
+                b.close()
+            self.backups, self._joining, self._settle = [], {}, set()
+            self._asked.clear()
+            self.keepalive.aim(self.state.epoch, (), time.monotonic())
         try:
             self.host.restore(record, rest)
         except (ConfigError, ProtocolError) as exc:  # checked as a resume checks a checkpoint
@@ -487,8 +527,39 @@ class Replication:
                     self._drop(b, f"its connection was down for {self.timeout:g}s")
             self._aim(now)
             return
-        if self.state.silent(now, self.timeout):
-            self._take_over(now)
+        if self._election is not None:
+            found = self._election.poll(now)
+            if found is not None:
+                self._election.close()
+                self._election = None
+                if self.state.silent(now, self.timeout):  # (else heard meanwhile)
+                    self._elect(now, found)
+        elif self.state.silent(now, self.timeout):
+            others = self._rivals()
+            if others:  # their answers come in while the loop turns (takeover.py)
+                self._election = Election(others, now, min(self.timeout / 2, 0.3),
+                                          self.curve)
+            else:
+                self._take_over(now)
+
+    def _rivals(self) -> list[str]:  # (not the silent primary: one backup asks no one)
+        return [a for a in self.peers[1:] if a != self.address]
+
+    def _elect(self, now: float, found: dict[str, Candidate]) -> None:
+        """The primary fell silent and the other replicas it listed said what they
+        hold (``found``, those that answered): take over, wait or join a newer primary
+        as :func:`elect` decides."""
+        decision = elect(self.state.candidate(), list(found.values()))
+        if decision is Takeover.PROMOTE:
+            self._take_over(now, [a for a, c in found.items() if c.role is Role.BACKUP])
+        elif decision is Takeover.FOLLOW:
+            newer = [a for a, c in found.items() if c.epoch > self.state.epoch]
+            self._rejoin([*newer, *(a for a in self._rivals() if a not in newer)])
+        else:  # asked again in half a timeout: the winner may have died meanwhile
+            log.info("shard %d: replica %d waits: %s", self.shard, self.replica,
+                     ", ".join(f"{a} is a {c.role} at epoch {c.epoch}, input {c.applied}"
+                               for a, c in found.items()))
+            self.state.heard_at = time.monotonic() - self.timeout / 2
 
     def _refused_ping(self) -> bool:
         """Whether a backup refused a keep-alive naming a higher epoch (we are fenced)."""
@@ -500,11 +571,23 @@ class Replication:
 
     def _aim(self, now: float) -> None:
         """Keep-alives to the current backups (the thread's lease renewed)."""
-        self.keepalive.aim(self.state.epoch, tuple(b.address for b in self.backups), now)
+        self.keepalive.aim(self.state.epoch, tuple(b.address for b in self.backups), now,
+                           self._peer_list())
 
-    def _take_over(self, now: float) -> None:
+    def _peer_list(self) -> list[str]:
+        """What keep-alives list: this primary, then its backups (joining ones last)."""
+        return [self.address, *(b.address for b in self.backups if b not in self._joining),
+                *(b.address for b in self.backups if b in self._joining)]
+
+    def _take_over(self, now: float, backups: Sequence[str] = ()) -> None:
+        """Promoted: ``backups`` (the other live backups) get our snapshot, and we
+        answer no worker until each holds it (or died)."""
         silent = now - (self.state.heard_at or now)
         epoch = self.state.promote()
+        for address in backups:
+            self._asked[address] = ""  # (as if it asked to join: its nonce comes later)
+            self._asked_at[address] = now
+            self._settle.add(address)
         self.failovers += 1
         core = self.host.core
         if core is not None:
@@ -516,7 +599,8 @@ class Replication:
                     self.address, epoch, silent)
         self.events.write("failover", shard=self.shard, replica=self.replica, epoch=epoch,
                           seconds=round(silent, 3), applied=self.state.applied,
-                          address=self.address)
+                          address=self.address, backups=list(backups))
+        self._send_snapshots()
 
     def admit(self, identity: bytes, frames: list[Any], send: Send,
               key: str | None = None) -> bool:
@@ -552,6 +636,8 @@ class Replication:
             verdict = self.state.receive(record.epoch, record.seq, time.monotonic())
             if verdict is Verdict.HOLD:
                 return  # joining: no state to apply it to (the snapshot comes first)
+            if record.peers and verdict is not Verdict.STALE:
+                self.peers = list(record.peers)
             # acknowledged once held, then applied: the primary applies it meanwhile
             send(identity, wrepl.encode(self._ack(record, verdict)))
             if verdict is Verdict.APPLY:
@@ -586,8 +672,10 @@ class Replication:
 
     def role_reply(self) -> wrepl.RoleReply:
         now = time.monotonic()
+        # (a primary answers no one until its backups hold its snapshot: not primary yet)
+        role = Role.BACKUP if self.state.writable and not self.writable else self.state.role
         return wrepl.RoleReply(
-            self.state.role.value, self.state.epoch, self.state.applied,
+            role.value, self.state.epoch, self.state.applied,
             self.replica, [b.address for b in self.backups],
             [round(now - b.acked_at, 3) for b in self.backups], self.failovers,
             [self.state.applied - b.acked for b in self.backups])
@@ -605,6 +693,9 @@ class Replication:
 
     def close(self) -> None:
         self.keepalive.close()
+        if self._election is not None:
+            self._election.close()
+            self._election = None
         for b in self.backups:
             b.close()
         self.backups = []

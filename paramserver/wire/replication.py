@@ -50,7 +50,8 @@ class Apply(msgspec.Struct, tag="apply", frozen=True):
     input at its own clock, never at this one (another host's clock is another).
     ``key``: under CURVE, the public key the message came with (the backup checks and
     binds worker ids by it, as the primary did); only a peer holding the shard's own key
-    may send an Apply."""
+    may send an Apply. ``peers``: on a keep-alive, the primary's backups in its order
+    (whom a backup asks when the primary falls silent; the first writes checkpoints)."""
 
     epoch: Count
     seq: Count
@@ -58,6 +59,7 @@ class Apply(msgspec.Struct, tag="apply", frozen=True):
     kind: Literal["msg", "dead", "left_out", "ping"]
     workers: Annotated[list[int], msgspec.Meta(max_length=65536)] = []
     key: Annotated[str, msgspec.Meta(max_length=64)] | None = None
+    peers: Annotated[list[Address], msgspec.Meta(max_length=16)] = []
 
 
 class Ack(msgspec.Struct, tag="ack", frozen=True):
