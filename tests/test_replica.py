@@ -301,3 +301,13 @@ def test_one_backup_writes_checkpoints_with_several():
     assert not backup.writes_checkpoints(0, rank=1)
     assert backup.writes_checkpoints(0, rank=None)  # not listed by the primary (yet)
     assert not ReplicaState(Role.PRIMARY).writes_checkpoints(2, rank=0)
+
+
+def test_a_replica_0_started_in_place_of_a_dead_one_is_no_primary() -> None:
+    """It would announce itself to the live primary and wait on it while that primary
+    waits on the dead one's address: a replacement holds no state until it joined."""
+    fresh = ReplicaState.starting(0, replacement=True)
+    assert not fresh.writable
+    fresh.rejoin()  # (a primary would raise here)
+    assert fresh.receive(1, 5, 0.0) is Verdict.HOLD
+    assert ReplicaState.starting(0).writable

@@ -136,8 +136,11 @@ class ReplicaState:
     size: int = 1  # the shard's replicas (R + 1); 1: epochs are not split among them
 
     @classmethod
-    def starting(cls, replica: int, size: int = 2) -> ReplicaState:
-        return cls(Role.PRIMARY if replica == 0 else Role.BACKUP, replica=replica, size=size)
+    def starting(cls, replica: int, size: int = 2, replacement: bool = False) -> ReplicaState:
+        """Replica 0 starts as the primary, unless it replaces a dead replica: then,
+        like any other, it holds no state until it joined."""
+        primary = replica == 0 and not replacement
+        return cls(Role.PRIMARY if primary else Role.BACKUP, replica=replica, size=size)
 
     @property
     def writable(self) -> bool:

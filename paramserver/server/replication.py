@@ -25,9 +25,11 @@ back is refused at its first forward (or keep-alive) and steps down: it answers 
 worker again, and rejoins as a backup of the new primary.
 
 Joining (paramserver/server/rejoin.py): a fenced old primary, or a process started in
-place of a dead replica (a replica other than 0 given peers; replica 0 is refused by
-the primary's higher epoch at its announcement, and is then fenced), asks its peers
-for the primary's state. The primary sends it a snapshot at its last input, then
+place of a dead replica (given peers, and for replica 0 `replacement`), asks its
+peers for the primary's state. A primary waiting on a backup that reconnects sends it
+again what it has not acknowledged: the same process applies what it lacks, a new
+process at a dead one's address refuses inputs of a primary it holds no state of, and
+is dropped, then joins. The primary sends it a snapshot at its last input, then
 forwards to it as to any backup, and counts it as holding an input only once it
 acknowledged the snapshot.
 
@@ -155,6 +157,11 @@ class _Backup:
         self.acked_at = time.monotonic()
         self.down_since: float | None = self.acked_at  # (until the first connection)
         self.probed_at = float("-inf")
+        #: inputs sent and not acknowledged yet, by sequence number: sent again after a
+        #: reconnection (what was in flight on the old connection may be lost)
+        self.pending: OrderedDict[int, list[Any]] = OrderedDict()
+        self.connected_once = False
+        self.reconnected = False
 
     def send(self, frames: Sequence[Any], wait: bool = True) -> bool:
         try:
@@ -175,6 +182,8 @@ class _Backup:
             if event["event"] == zmq.EVENT_DISCONNECTED:
                 self.down_since = self.down_since or now
             elif event["event"] == zmq.EVENT_CONNECTED:
+                self.reconnected = self.connected_once
+                self.connected_once = True
                 self.down_since = None
         if self.down_since is None or now - self.down_since <= timeout \
                 or now - self.probed_at < timeout:
@@ -215,7 +224,8 @@ class Replication:
         self.address = address
         self.timeout = config.failover_timeout
         self.ping_every = self.timeout / 5
-        self.state = ReplicaState.starting(config.replica, config.replicas + 1)
+        self.state = ReplicaState.starting(config.replica, config.replicas + 1,
+                                           config.replacement)
         #: the primary and its backups, as its keep-alives list them (a backup asks
         #: them who takes over when the primary falls silent)
         self.peers: list[str] = []
@@ -230,9 +240,10 @@ class Replication:
                       if config.curve_secret_key else None)
         self.peer_key = self.curve.public_text if self.curve is not None else None
         self.refused = 0  # replication messages refused for their key
-        # replica 0 starts as the primary of the backups it is given; another replica
-        # given peers was started in place of a dead one, and joins
-        starts = config.replica == 0
+        # replica 0 starts as the primary of the backups it is given; a replica given
+        # peers otherwise was started in place of a dead one, and joins (replica 0 too:
+        # announcing itself as primary to the live one would wait on it as it waits)
+        starts = self.state.writable
         self.backups = [_Backup(a, self._context, self.curve) for a in config.replica_peers
                         if starts]
         # keep-alives from a thread: a primary busy in one handler is not taken for dead
@@ -290,7 +301,9 @@ class Replication:
         for b in list(self.backups):
             if b in self._joining:  # not waited for (wait): its own copy of what may
                 owned = owned or _owned(frames)  # lie in a worker's segment (as_tcp)
-            self._deliver(b, [*head, *(owned if b in self._joining and owned else frames)])
+            sent = [*head, *(owned if b in self._joining and owned else frames)]
+            b.pending[seq] = sent
+            self._deliver(b, sent)
         return seq
 
     def _deliver(self, b: _Backup, frames: list[Any]) -> None:
@@ -333,6 +346,10 @@ class Replication:
                 self.keepalive.renew(now)  # waiting on a backup is not being stuck
                 if b.dead(now, self.timeout):
                     self._drop(b, f"its connection was down for {self.timeout:g}s")
+                elif b.reconnected:  # the same backup gets again what it lacks; a new
+                    b.reconnected = False  # process at its address refuses it (on_message)
+                    for sent in list(b.pending.values()):
+                        self._deliver(b, sent)
                 elif now - since > self.timeout:
                     since = now
                     log.warning("shard %d: backup %s has not acknowledged input %d yet; "
@@ -349,6 +366,8 @@ class Replication:
             if ack.ok:
                 b.acked = max(b.acked, ack.seq)
                 b.acked_at = time.monotonic()
+                while b.pending and next(iter(b.pending)) <= b.acked:
+                    b.pending.popitem(last=False)
                 if b in self._joining:
                     self._joined(b)
             elif self.state.refused(ack.epoch):
@@ -634,8 +653,13 @@ class Replication:
             self._on_snapshot(identity, record, rest, send)
         elif isinstance(record, wrepl.Apply):
             verdict = self.state.receive(record.epoch, record.seq, time.monotonic())
-            if verdict is Verdict.HOLD:
-                return  # joining: no state to apply it to (the snapshot comes first)
+            if verdict is Verdict.HOLD:  # no state to apply it to (a snapshot comes first)
+                if record.seq:  # an input, not a keep-alive: whoever sent it takes us for
+                    # a backup holding its inputs (a new process at a dead one's address)
+                    send(identity, wrepl.encode(wrepl.Ack(
+                        self.state.epoch, record.seq, False,
+                        "holds none of this primary's inputs yet: a new process")))
+                return
             if record.peers and verdict is not Verdict.STALE:
                 self.peers = list(record.peers)
             # acknowledged once held, then applied: the primary applies it meanwhile
