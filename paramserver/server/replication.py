@@ -49,17 +49,16 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from paramserver.core.replica import Candidate, ReplicaState, Role, Takeover, Verdict, elect
 from paramserver.core.transfer import CoreImage
 from paramserver.errors import ConfigError, ProtocolError
+from paramserver.server.backuplink import BackupLink
 from paramserver.server.keepalive import KeepAlive
-from paramserver.server.peerprobe import refused
 from paramserver.server.rejoin import Joiner
 from paramserver.server.takeover import Election
 from paramserver.wire import replication as wrepl
-from paramserver.wire.curve import CurveKeys, secure_client
+from paramserver.wire.curve import CurveKeys
 from paramserver.wire.protocol import Message, Op, encode
 
 if TYPE_CHECKING:
@@ -134,78 +133,6 @@ class ReplicationHost(Protocol):
         replica's state (rejoin.adopt)."""
 
 
-class _Backup:
-    """The primary's connection to one backup.
-
-    A backup is dropped only once its connection has been down for the failover
-    timeout and its host refuses a connection to its port (its process died): one
-    that is merely slow, paused, or out of reach (a partition: it may be taking over)
-    is waited for, since a backup dropped while alive would take over beside us."""
-
-    def __init__(self, address: str, context: zmq.Context[Any],
-                 curve: CurveKeys | None = None) -> None:
-        self.address = address
-        self.socket = context.socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.SNDTIMEO, 100)
-        if curve is not None:  # the backup admits only the shard's own key to replicate
-            secure_client(self.socket, curve)
-        self.monitor = self.socket.get_monitor_socket(
-            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        self.socket.connect(address)
-        self.acked = 0  # the last sequence number it acknowledged
-        self.acked_at = time.monotonic()
-        self.down_since: float | None = self.acked_at  # (until the first connection)
-        self.probed_at = float("-inf")
-        #: inputs sent and not acknowledged yet, by sequence number: sent again after a
-        #: reconnection (what was in flight on the old connection may be lost)
-        self.pending: OrderedDict[int, list[Any]] = OrderedDict()
-        self.connected_once = False
-        self.reconnected = False
-
-    def send(self, frames: Sequence[Any], wait: bool = True) -> bool:
-        try:
-            self.socket.send_multipart(frames, 0 if wait else zmq.NOBLOCK, copy=False)
-            return True
-        except zmq.Again:  # no pipe to it (yet), or its queue is full
-            return False
-
-    def dead(self, now: float, timeout: float) -> bool:
-        """Whether its connection has been down for ``timeout`` seconds and its host
-        refuses a connection (peerprobe: a partition is no death); probed at most once
-        every ``timeout``."""
-        while True:
-            try:
-                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            if event["event"] == zmq.EVENT_DISCONNECTED:
-                self.down_since = self.down_since or now
-            elif event["event"] == zmq.EVENT_CONNECTED:
-                self.reconnected = self.connected_once
-                self.connected_once = True
-                self.down_since = None
-        if self.down_since is None or now - self.down_since <= timeout \
-                or now - self.probed_at < timeout:
-            return False
-        self.probed_at = now
-        return refused(self.address, min(timeout / 4, 0.5))
-
-    def read(self) -> wrepl.Ack | None:
-        """One acknowledgement if one is waiting."""
-        try:
-            frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            return None
-        record, _ = wrepl.decode(frames)
-        return record if isinstance(record, wrepl.Ack) else None
-
-    def close(self) -> None:
-        self.socket.disable_monitor()
-        self.monitor.close(0)
-        self.socket.close(0)
-
-
 class Replication:
     """One replica's side of its shard's replication (primary or backup)."""
 
@@ -244,7 +171,7 @@ class Replication:
         # peers otherwise was started in place of a dead one, and joins (replica 0 too:
         # announcing itself as primary to the live one would wait on it as it waits)
         starts = self.state.writable
-        self.backups = [_Backup(a, self._context, self.curve) for a in config.replica_peers
+        self.backups = [BackupLink(a, self._context, self.curve) for a in config.replica_peers
                         if starts]
         # keep-alives from a thread: a primary busy in one handler is not taken for dead
         self.keepalive = KeepAlive(self._context, self.ping_every, self.shard, self.curve)
@@ -253,7 +180,7 @@ class Replication:
         self._exported_at = float("-inf")
         #: joining backups: sent their snapshot at that input, not acknowledged yet
         #: (the primary waits for no input of theirs meanwhile)
-        self._joining: dict[_Backup, int] = {}
+        self._joining: dict[BackupLink, int] = {}
         #: joining replicas to send a snapshot to at the next quiet moment: address ->
         #: their request's nonce; and the nonce each backup joined with, by address
         self._asked: OrderedDict[str, str] = OrderedDict()
@@ -306,7 +233,7 @@ class Replication:
             self._deliver(b, sent)
         return seq
 
-    def _deliver(self, b: _Backup, frames: list[Any]) -> None:
+    def _deliver(self, b: BackupLink, frames: list[Any]) -> None:
         """Send ``frames`` to ``b``, waiting while it is alive (dropped once dead)."""
         while not b.send(frames):
             self.keepalive.renew(time.monotonic())
@@ -358,7 +285,7 @@ class Replication:
                 zmq.select([b.socket, b.monitor], [], [], 0.1)
         return self.writable
 
-    def _drain(self, b: _Backup) -> bool:
+    def _drain(self, b: BackupLink) -> bool:
         """Read every acknowledgement waiting from ``b``; whether there was one."""
         got = False
         while (ack := b.read()) is not None:
@@ -380,7 +307,7 @@ class Replication:
                 return True
         return got
 
-    def _drop(self, b: _Backup, why: str) -> None:
+    def _drop(self, b: BackupLink, why: str) -> None:
         if b not in self.backups:
             return
         self.backups.remove(b)
@@ -451,7 +378,7 @@ class Replication:
         size = sum(t.numel() * t.element_size() for t in tensors.values())
         while self._asked:
             address, nonce = self._asked.popitem(last=False)
-            b = _Backup(address, self._context, self.curve)
+            b = BackupLink(address, self._context, self.curve)
             self.backups.append(b)
             self._joining[b] = seq
             self._nonces[address] = nonce
@@ -462,7 +389,7 @@ class Replication:
                 self.events.write("backup_joining", shard=self.shard, backup=address,
                                   seq=seq, epoch=self.state.epoch, bytes=size)
 
-    def _joined(self, b: _Backup) -> None:
+    def _joined(self, b: BackupLink) -> None:
         """``b`` acknowledged its snapshot. The inputs forwarded to it meanwhile were
         answered without it: wait until it holds them too, then count it as a backup
         (so that every input answered from then on, and before, is held by it)."""
