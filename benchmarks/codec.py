@@ -31,6 +31,7 @@ from typing import Annotated, Any
 
 import torch
 
+from paramserver.wire.lanes import OutcomeFields
 from paramserver.wire.messages import parse
 from paramserver.wire.protocol import DTYPES, PROTOCOL_VERSION, Message, Op, decode, encode
 
@@ -97,21 +98,12 @@ def msgspec_decoder() -> tuple[_Decode, _Decode]:
         observer: bool = False
         wait_init: bool = False
 
-    class Outcome(Struct):
-        accepted: bool
-        weight: float
-        reason: str
-        staleness: int
-        version: int
-        applied: bool
-        duplicate: bool = False
-
     class ReplyFields(Struct, omit_defaults=True):
         re: str
         version: int | None = None
         clock: int | None = None
         waited: float | None = None
-        push: Outcome | None = None
+        push: OutcomeFields | None = None  # the wire's own record of an outcome
         accepted: bool | None = None
         weight: float | None = None
         reason: str | None = None

@@ -48,13 +48,13 @@ from paramserver.wire.messages import PullReply
 from paramserver.wire.protocol import PROTOCOL_VERSION, Message, Op
 from paramserver.wire.transport import ZERO_COPY_BYTES
 
-__all__ = ["SmallShare"]
+__all__ = ["OutcomeFields", "SmallShare"]
 
 #: a reply the share's reader takes: (the frames) -> the message, or None
 Reader = Callable[[Sequence[Any]], Message | None]
 
 
-class _Outcome(msgspec.Struct, forbid_unknown_fields=True):
+class OutcomeFields(msgspec.Struct, forbid_unknown_fields=True):
     """A push's outcome as a shard sends it (PushOutcome.as_dict), every field typed."""
 
     accepted: bool
@@ -74,7 +74,7 @@ class _Pulled(msgspec.Struct, forbid_unknown_fields=True):
     version: int
     clock: int
     waited: float = 0.0
-    push: _Outcome | msgspec.UnsetType | None = msgspec.UNSET
+    push: OutcomeFields | msgspec.UnsetType | None = msgspec.UNSET
 
 
 class _Header(msgspec.Struct, forbid_unknown_fields=True):
