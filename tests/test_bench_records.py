@@ -20,7 +20,7 @@ from paramserver.benchmarks.records import (
     ShmPath,
     SweepRow,
 )
-from paramserver.benchmarks.report import evaluate_goals, markdown
+from paramserver.benchmarks.report import evaluate_goals, four_shard_share, markdown
 
 _S = Stats.of([0.1, 0.2, 0.3])
 _MIB100 = 100 << 20
@@ -86,3 +86,27 @@ def test_a_skipped_part_and_a_missing_one() -> None:
     assert back.sweep is None and back.hosts == HostsResult(skipped="needs root")
     with pytest.raises(ValueError, match="workers"):
         SweepRow.from_json({"system": "ps"})
+
+
+def _async(shards: int, rate: float, cpu_us: float, shard_us: float) -> AsyncRow:
+    return AsyncRow(4, shards, 4096, 8, "ps", rate, rate * shards, cpu_us * 1e-6,
+                    (rate / 4,) * 4, 3.0, shard_us * 1e-6, 1.0)
+
+
+def test_the_four_shard_goal_names_what_the_cores_allow() -> None:
+    # main's figures on 2 cores: C_s 268 us, C_s + C_w 477 us per model update
+    one, four = _async(1, 3817.0, 477.0, 268.0), _async(4, 957.0, 2017.0, 1404.0)
+    share, bound = four_shard_share(one, four, 2)
+    assert share == pytest.approx(957 / 3817)
+    assert bound == pytest.approx(2 * 268 / (4 * 477))  # 0.28: below 0.5 whatever the costs
+    assert four_shard_share(one, four, 16)[1] == 1.0  # a core each: no bound below 1
+    assert four_shard_share(one, four, None) == (share, None)
+    assert four_shard_share(None, four, 2) == (None, None)
+    result = BenchResult(async_rows=(one, four), environment=Environment(
+        "3.11", "2.13", "26", "4.3", "2.0", 2, "x86_64", (0.1,)))
+    goal = {g.goal: g for g in evaluate_goals(result)}[
+        "async, 4 shards vs 1 shard (4 workers, 4 KiB)"]
+    assert goal.status == "missed" and goal.detail.startswith("at most 0.28x")
+    met = evaluate_goals(BenchResult(async_rows=(one, _async(4, 2500.0, 2017.0, 1404.0))))
+    assert {g.goal: g.status for g in met}["async, 4 shards vs 1 shard (4 workers, 4 KiB)"] \
+        == "met"
