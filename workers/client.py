@@ -573,8 +573,14 @@ class PSClient:
         shard's reply lands. The pushed gradients must not change until this
         returns.
         """
-        with torch.no_grad():  # once for the round, not per landing
+        # grad mode off once for the round, not per landing (what torch.no_grad does,
+        # without its context manager's four Python calls)
+        enabled = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
             return self._push_pull(grads, read_versions, num_samples, clock, params, loss)
+        finally:
+            torch._C._set_grad_enabled(enabled)
 
     def _push_pull(self, grads: Mapping[str, torch.Tensor], read_versions: Sequence[int],
                    num_samples: int, clock: int, params: Mapping[str, torch.Tensor],
