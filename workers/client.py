@@ -510,9 +510,10 @@ class PSClient:
 
     def _whole_push_msgs(self, parts: Mapping[int, Mapping[str, torch.Tensor]],
                          read_versions: Sequence[int], num_samples: int, clock: int,
-                         loss: float | None = None, pull: bool = False) -> list[Message]:
+                         loss: float | None = None, pull: bool = False,
+                         packed: Sequence[PreparedTensors] = ()) -> list[Message]:
         """One PUSH per shard; ``pull``: each asks for the next weights back (push and
-        pull in one round trip)."""
+        pull in one round trip); ``packed``: each shard's tensors prepared instead."""
         head: dict[str, Any] = {"worker": self.worker, "push_id": self.next_push_id(),
                                 "clock": clock, "num_samples": num_samples}
         if loss is not None:  # the servers' divergence watchdog follows the training loss
@@ -522,7 +523,8 @@ class PSClient:
             fields = {**head, "read_version": read_versions[s]}
             if pull:
                 fields["pull"] = True
-            msgs.append(Message(Op.PUSH, 0, fields, dict(parts.get(s, {}))))
+            msgs.append(Message(Op.PUSH, 0, fields, {}, packed[s]) if packed
+                        else Message(Op.PUSH, 0, fields, dict(parts.get(s, {}))))
         return msgs
 
     def _small_push_msgs(self, grads: Mapping[str, torch.Tensor], read_versions: Sequence[int],
@@ -538,10 +540,7 @@ class PSClient:
             if one is None:
                 return None
             packed.append(one)
-        msgs = self._whole_push_msgs({}, read_versions, num_samples, clock, loss, pull)
-        for m, p in zip(msgs, packed, strict=True):
-            m.prepared = p
-        return msgs
+        return self._whole_push_msgs({}, read_versions, num_samples, clock, loss, pull, packed)
 
     def push(self, grads: Mapping[str, torch.Tensor], read_versions: Sequence[int],
              num_samples: int, clock: int, loss: float | None = None) -> PushResult:
