@@ -284,3 +284,49 @@ def test_a_clients_channels_read_with_their_shares_readers() -> None:
     finally:
         small.close()
         wide.close()
+
+
+def test_land_follows_parameters_replaced_between_rounds() -> None:
+    """A landing reuses its flat views of the parameters only while each is the same
+    tensor at the same address: a parameter or its .data replaced, reshaped, made
+    non-contiguous or of another dtype since is landed into afresh or refused."""
+    plan = _plan()
+    share = SmallShare.of(plan, 0)
+    assert share is not None
+    params = {p.name: torch.nn.Parameter(torch.zeros(p.shape)) for p in plan.params}
+
+    def lands(seed: int) -> dict[str, torch.Tensor]:
+        weights = _grads(plan, seed=seed)
+        assert share.land(params, _reply(plan, weights).tensors)
+        for name, w in weights.items():
+            assert torch.equal(params[name].detach(), w), name
+        return weights
+
+    lands(1)
+    lands(2)  # (the views of the first landing)
+    old = params["p0"]
+    params["p0"] = torch.nn.Parameter(torch.zeros(3, 4))  # another tensor
+    before = old.detach().clone()
+    lands(3)
+    assert torch.equal(old.detach(), before)  # the replaced one is left alone
+    with torch.no_grad():
+        params["p2"].data = torch.zeros(2, 2, 2)  # the same tensor, new memory
+    lands(4)
+    refused = {
+        "reshaped": torch.zeros(4, 2),
+        "non-contiguous": torch.zeros(4, 3).t(),
+        "another dtype, same memory": params["p0"].detach().view(torch.int32),
+        "another dtype": torch.zeros(3, 4, dtype=torch.float64),
+    }
+    for what, data in refused.items():
+        p = params["p0"] if what != "reshaped" else params["p2"]
+        saved = p.data
+        p.requires_grad_(False)  # (.data of an integer dtype needs it)
+        p.data = data
+        snapshot = {k: v.detach().clone() for k, v in params.items()}
+        assert not share.land(params, _reply(plan, _grads(plan, seed=5)).tensors), what
+        for k, v in params.items():
+            assert torch.equal(v.detach(), snapshot[k]), what
+        p.data = saved
+        p.requires_grad_(True)
+    lands(6)

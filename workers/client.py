@@ -40,7 +40,7 @@ from paramserver.wire.lanes import SmallShare
 from paramserver.wire.messages import Error, HelloReply, replace
 from paramserver.wire.protocol import PROTOCOL_VERSION, Message, Op, PreparedTensors
 from paramserver.wire.stats import ShardStats
-from paramserver.wire.transport import Channel, request_all
+from paramserver.wire.transport import Channel, Fanout, PatienceFrom, request_all
 from paramserver.workers.failover import ATTEMPT_TIMEOUT, Failover
 from paramserver.workers.landing import land, land_over_tcp
 from paramserver.workers.liveness import Heartbeat, Patience
@@ -148,6 +148,9 @@ class PSClient:
         for ch, share in zip(self.channels, self._small, strict=True):
             if share is not None:  # its weight replies read in a few calls
                 ch.reader = share.reader(ch.limits)
+        # a request to every shard (most of them): its channel set made once
+        self._every = list(range(len(self.channels)))
+        self._fanout = Fanout(self.channels)
 
     # ------------------------------------------------------------------ session
 
@@ -198,12 +201,14 @@ class PSClient:
         may appear several times in ``shards`` (requests pipelined to it);
         ``on_reply`` sees first-time successful replies as they land.
         """
-        shards = list(range(len(self.channels))) if shards is None else shards
-        chans = [self.channels[s] for s in shards]
-        patience = self.patience(what, shards)
+        if shards is None:  # every shard once: the channel set prepared at __init__
+            shards, chans, fanout = self._every, self.channels, self._fanout
+        else:
+            chans, fanout = [self.channels[s] for s in shards], None
         replies = request_all(chans, msgs, self.attempt_timeout, what, retries=self.retries,
                               raise_errors=False, on_reply=on_reply, sent=sent,
-                              window=window, patience=patience)
+                              window=window, patience_from=self._patience_from(what, shards),
+                              fanout=fanout)
         for i, rep in enumerate(replies):
             if rep.op is not Op.ERROR:
                 continue
@@ -223,16 +228,30 @@ class PSClient:
                 raise error
         return replies
 
-    def patience(self, what: str, shards: list[int]) -> Callable[[list[int]], bool] | None:
+    def patience(self, what: str, shards: list[int], started: float | None = None,
+                 alive: bool | None = None) -> Callable[[list[int]], bool] | None:
         """How long a request to ``shards`` is waited for: past ``timeout`` while the
-        heartbeats say a shard holds it (workers/liveness.py); None without them."""
+        heartbeats say a shard holds it (workers/liveness.py); None without them.
+        ``started``: when the request began (default: now); ``alive``: whether the
+        heartbeats ran then (default: asked now)."""
         heartbeat = self._heartbeat
-        alive = heartbeat is not None and heartbeat.is_alive()
+        if alive is None:
+            alive = heartbeat is not None and heartbeat.is_alive()
         if self.failover is not None:  # (it follows the primary without heartbeats too)
-            return self.failover.patience(self, heartbeat if alive else None, what, shards)
+            return self.failover.patience(self, heartbeat if alive else None, what, shards,
+                                          started)
         if heartbeat is None or not alive:
             return None
-        return Patience(self, heartbeat, what, shards)
+        return Patience(self, heartbeat, what, shards, started)
+
+    def _patience_from(self, what: str, shards: list[int]) -> PatienceFrom | None:
+        """:meth:`patience` for a request starting now, made only if a timeout passes
+        (request_all's ``patience_from``); whether the heartbeats run is asked now."""
+        heartbeat = self._heartbeat
+        alive = heartbeat is not None and heartbeat.is_alive()
+        if self.failover is None and not alive:
+            return None
+        return lambda started: self.patience(what, shards, started, alive)
 
     def rejoin(self, shard: int) -> None:
         """HELLO ``shard`` again (it restarted, or timed us out), and seed it from our
@@ -491,9 +510,10 @@ class PSClient:
 
     def _whole_push_msgs(self, parts: Mapping[int, Mapping[str, torch.Tensor]],
                          read_versions: Sequence[int], num_samples: int, clock: int,
-                         loss: float | None = None, pull: bool = False) -> list[Message]:
+                         loss: float | None = None, pull: bool = False,
+                         packed: Sequence[PreparedTensors] = ()) -> list[Message]:
         """One PUSH per shard; ``pull``: each asks for the next weights back (push and
-        pull in one round trip)."""
+        pull in one round trip); ``packed``: each shard's tensors prepared instead."""
         head: dict[str, Any] = {"worker": self.worker, "push_id": self.next_push_id(),
                                 "clock": clock, "num_samples": num_samples}
         if loss is not None:  # the servers' divergence watchdog follows the training loss
@@ -503,7 +523,8 @@ class PSClient:
             fields = {**head, "read_version": read_versions[s]}
             if pull:
                 fields["pull"] = True
-            msgs.append(Message(Op.PUSH, 0, fields, dict(parts.get(s, {}))))
+            msgs.append(Message(Op.PUSH, 0, fields, {}, packed[s]) if packed
+                        else Message(Op.PUSH, 0, fields, dict(parts.get(s, {}))))
         return msgs
 
     def _small_push_msgs(self, grads: Mapping[str, torch.Tensor], read_versions: Sequence[int],
@@ -519,10 +540,7 @@ class PSClient:
             if one is None:
                 return None
             packed.append(one)
-        msgs = self._whole_push_msgs({}, read_versions, num_samples, clock, loss, pull)
-        for m, p in zip(msgs, packed, strict=True):
-            m.prepared = p
-        return msgs
+        return self._whole_push_msgs({}, read_versions, num_samples, clock, loss, pull, packed)
 
     def push(self, grads: Mapping[str, torch.Tensor], read_versions: Sequence[int],
              num_samples: int, clock: int, loss: float | None = None) -> PushResult:
@@ -554,8 +572,14 @@ class PSClient:
         shard's reply lands. The pushed gradients must not change until this
         returns.
         """
-        with torch.no_grad():  # once for the round, not per landing
+        # grad mode off once for the round, not per landing (what torch.no_grad does,
+        # without its context manager's four Python calls)
+        enabled = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
             return self._push_pull(grads, read_versions, num_samples, clock, params, loss)
+        finally:
+            torch._C._set_grad_enabled(enabled)
 
     def _push_pull(self, grads: Mapping[str, torch.Tensor], read_versions: Sequence[int],
                    num_samples: int, clock: int, params: Mapping[str, torch.Tensor],
@@ -590,7 +614,8 @@ class PSClient:
                 # (the pull's answer, standing in for the lost push's: no outcome)
                 rep.body = replace(rep.body, push=None, answers_push=True)
                 replies[i] = rep
-        self.land_all(params, replies, done, clock + 1)
+        if len(done) < len(replies):  # (most rounds landed every reply as it came)
+            self.land_all(params, replies, done, clock + 1)
         pushed = PushResult.of(msgs, [r.body.push for r in replies], t0)
         return pushed, PullResult.of(replies, t0)
 

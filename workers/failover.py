@@ -164,12 +164,14 @@ class Failover:
         return FailoverHeartbeat(self.targets, worker, interval, curve)
 
     def patience(self, client: Waiter, heartbeat: Heartbeat | None, label: str,
-                 shards: Sequence[int]) -> Callable[[list[int]], bool]:
+                 shards: Sequence[int], started: float | None = None
+                 ) -> Callable[[list[int]], bool]:
         """What judges a request that is taking long (``heartbeat`` None: before the
-        heartbeats start, or an observer's): it moves a shard to its new primary."""
+        heartbeats start, or an observer's): it moves a shard to its new primary.
+        ``started``: when the request began (default: now)."""
         if heartbeat is None:
-            return FollowOnly(self, client, label, shards)
-        return FailoverPatience(self, client, heartbeat, label, shards)
+            return FollowOnly(self, client, label, shards, started)
+        return FailoverPatience(self, client, heartbeat, label, shards, started)
 
     def follow(self, client: Waiter, shard: int, wait: float = TAKEOVER_WAIT) -> bool:
         """Ask ``shard``'s replicas who is primary; move there if it is not where our
@@ -212,8 +214,8 @@ class FailoverPatience(Patience):
     primary, and then sends the request again at once."""
 
     def __init__(self, failover: Failover, client: Waiter, heartbeat: Heartbeat, label: str,
-                 shards: Sequence[int]) -> None:
-        super().__init__(client, heartbeat, label, shards)
+                 shards: Sequence[int], started: float | None = None) -> None:
+        super().__init__(client, heartbeat, label, shards, started)
         self.failover = failover
         self.judged = self.started  # when Patience last judged (and maybe resent)
 
@@ -239,9 +241,9 @@ class FollowOnly:
     its new primary and send again; give up after the client's ``timeout``."""
 
     def __init__(self, failover: Failover, client: Waiter, label: str,
-                 shards: Sequence[int]) -> None:
+                 shards: Sequence[int], started: float | None = None) -> None:
         self.failover, self.client, self.label, self.shards = failover, client, label, shards
-        self.started = time.monotonic()
+        self.started = time.monotonic() if started is None else started
 
     def __call__(self, lost: list[int]) -> bool:
         shards = sorted({self.shards[i] for i in lost})

@@ -134,9 +134,10 @@ class Patience:
     """
 
     def __init__(self, client: Waiter, heartbeat: Heartbeat, label: str,
-                 shards: Sequence[int]) -> None:
+                 shards: Sequence[int], started: float | None = None) -> None:
         self.client, self.heartbeat, self.label, self.shards = client, heartbeat, label, shards
-        self.started = time.monotonic()
+        # when the request began (monotonic): a judge made at its first timeout is given it
+        self.started = time.monotonic() if started is None else started
         self.last_progress = self.started
         self.progress_every = max(client.attempt_timeout, min(30.0, client.timeout))
         # per shard: when it last held this request (or the request started)

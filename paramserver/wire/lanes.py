@@ -93,7 +93,8 @@ _HEADER = msgspec.msgpack.Decoder(_Header)
 class SmallShare:
     """One shard's whole-parameter slices of a small model (see the module's text)."""
 
-    __slots__ = ("descs", "dtype", "frame", "names", "nbytes", "prepared", "shapes")
+    __slots__ = ("descs", "dtype", "flat", "frame", "names", "nbytes", "one_dim", "prepared",
+                 "shapes", "views")
 
     def __init__(self, names: list[str], shapes: list[torch.Size], dtype: torch.dtype,
                  descs: bytes, nbytes: int) -> None:
@@ -102,6 +103,11 @@ class SmallShare:
         self.dtype = dtype
         self.descs = descs  # the packed frame's descriptor list, msgpack'd
         self.nbytes = nbytes
+        self.flat = [torch.Size((s.numel(),)) for s in shapes]  # a reply's tensors' shapes
+        self.one_dim = [len(s) == 1 for s in shapes]  # (flat already: no view)
+        # per parameter of more than one dimension: the tensor, its data_ptr and its flat
+        # view, as the last landing made them (a view costs more than all the checks)
+        self.views: list[tuple[torch.Tensor, int, torch.Tensor] | None] = [None] * len(names)
         # a small share's push: packed into this buffer, sent as this frame (both made
         # once; a channel copies a message this small into zmq, so it can be reused)
         self.frame: torch.Tensor | None = None
@@ -141,11 +147,11 @@ class SmallShare:
         is its own buffer: valid until the next call."""
         flats = []
         dtype = self.dtype
-        for name, shape in zip(self.names, self.shapes, strict=True):
+        for name, shape, one_dim in zip(self.names, self.shapes, self.one_dim, strict=True):
             g = grads.get(name)
             if g is None or g.shape != shape or g.dtype is not dtype or not g.is_cpu:
                 return None
-            flats.append(g if len(shape) == 1 else g.reshape(-1))
+            flats.append(g if one_dim else g.reshape(-1))
         if self.frame is not None:
             if torch.is_grad_enabled():  # (out= refuses inputs that require grad)
                 with torch.no_grad():
@@ -164,15 +170,25 @@ class SmallShare:
         if list(tensors) != self.names:
             return False
         values = list(tensors.values())
-        dtype = self.dtype
+        dtype, views, shapes, flat, one_dim = (self.dtype, self.views, self.shapes, self.flat,
+                                               self.one_dim)
         targets = []
-        for name, shape, value in zip(self.names, self.shapes, values, strict=True):
-            p = params.get(name)
-            if (p is None or p.shape != shape or p.dtype is not dtype or not p.is_cpu
+        for i, name in enumerate(self.names):
+            p, value = params.get(name), values[i]
+            if (p is None or p.shape != shapes[i] or p.dtype is not dtype or not p.is_cpu
                     or not p.is_contiguous() or value.dtype is not dtype
-                    or value.shape != (p.numel(),) or not value.is_cpu):
+                    or value.shape != flat[i] or not value.is_cpu):
                 return False
-            targets.append(p if len(shape) == 1 else p.view(-1))
+            if one_dim[i]:
+                targets.append(p)
+                continue
+            # the last view stands while it is the same tensor at the same address: its
+            # shape, dtype and contiguity were just checked, so its view is the same view
+            # (a tensor replaced, or its .data, misses: a fresh view)
+            seen, ptr = views[i], p.data_ptr()
+            if seen is None or seen[0] is not p or seen[1] != ptr:
+                seen = views[i] = (p, ptr, p.view(-1))
+            targets.append(seen[2])
         # targets are often nn.Parameters that require grad: copied with grad mode off
         # (push_pull turns it off once for its whole round; then this costs a test)
         if torch.is_grad_enabled():

@@ -62,6 +62,8 @@ __all__ = [
     "RECV_QUEUE",
     "ZERO_COPY_BYTES",
     "Channel",
+    "Fanout",
+    "PatienceFrom",
     "RouterSocket",
     "request_all",
     "tune_allocator",
@@ -119,14 +121,29 @@ _SNDMORE = int(zmq.SNDMORE)
 poll = zmq.zmq_poll
 
 
+#: the backend's send: pyzmq's Socket.send only adds the DRAFT routing_id and group
+#: arguments (unused here) around it, a Python call per frame
+_send = zmq.backend.Socket.send
+
+
 def _send_frames(sock: zmq.Socket[Any], frames: Sequence[Any], *, copy: bool,
                  track: bool = False) -> zmq.MessageTracker | None:
     """``sock.send_multipart`` without its per-frame type check and flag arithmetic
     (the frames here are :func:`encode`'s bytes and memoryviews, and a routing id)."""
     last = len(frames) - 1
     for i in range(last):
-        sock.send(frames[i], _SNDMORE, copy=copy, track=track)
-    return sock.send(frames[last], 0, copy=copy, track=track)
+        _send(sock, frames[i], _SNDMORE, copy, track)
+    return _send(sock, frames[last], 0, copy, track)
+
+def _recv_frames(sock: zmq.Socket[Any]) -> list[zmq.Frame]:
+    """``sock.recv_multipart(NOBLOCK, copy=False)`` without a ``RCVMORE`` query (and its
+    flag enum) per frame: each frame says itself whether more follow (zmq_msg_more)."""
+    frame = sock.recv(_NOBLOCK, copy=False)
+    frames = [frame]
+    while frame.more:
+        frame = sock.recv(_NOBLOCK, copy=False)
+        frames.append(frame)
+    return frames
 
 #: messages zmq queues per peer on a server before it stops reading from that peer
 #: (1 stalls CURVE handshakes that go through a ZAP handler, with libzmq 4.3.5)
@@ -384,7 +401,7 @@ class Channel(Generic[SideT]):
         if not polled and not self.socket.getsockopt(_EVENTS) & _POLLIN:
             return None  # (as RouterSocket.recv_nowait)
         try:
-            frames = self.socket.recv_multipart(_NOBLOCK, copy=False)
+            frames = _recv_frames(self.socket)
         except zmq.Again:
             return None
         if self._drop():
@@ -406,6 +423,30 @@ class Channel(Generic[SideT]):
             self.shm.close()
 
 
+#: a request's patience made when it is first needed: (when the request began) -> the
+#: judge of request_all's ``patience``, or None
+PatienceFrom = Callable[[float], "Callable[[list[int]], bool] | None"]
+
+
+class Fanout:
+    """Distinct channels that each get one request at a time: what request_all's lean
+    loop needs of them (the poll list, socket -> index), made once per channel set.
+    A channel keeps its socket for life (a failover moves its connection, not it)."""
+
+    __slots__ = ("channels", "index", "polled")
+
+    def __init__(self, channels: Sequence[Channel[Any]]) -> None:
+        self.channels = list(channels)
+        self.index = {ch.socket: i for i, ch in enumerate(self.channels)}
+        self.polled = [(ch.socket, _POLLIN) for ch in self.channels]
+
+    @classmethod
+    def of(cls, channels: Sequence[Channel[Any]]) -> Fanout | None:
+        """The channels' fanout; None when one appears twice (requests pipelined)."""
+        fan = cls(channels)
+        return fan if len(fan.index) == len(fan.channels) else None
+
+
 def request_all(
     channels: Sequence[Channel],
     messages: Sequence[Message],
@@ -418,6 +459,8 @@ def request_all(
     on_reply: Callable[[int, Message], None] | None = None,
     window: int = 0,
     patience: Callable[[list[int]], bool] | None = None,
+    patience_from: PatienceFrom | None = None,
+    fanout: Fanout | None = None,
 ) -> list[Message]:
     """Send one request per entry of ``channels``, then wait for every reply (concurrently).
 
@@ -441,13 +484,25 @@ def request_all(
     ``retries``: each time ``timeout`` passes with requests unanswered it is
     called with their indices, and raises to give up or returns whether to
     send them again (False: the peer said it holds them, at a sync barrier or
-    an SSP gate, so waiting on is legitimate).
+    an SSP gate, so waiting on is legitimate). ``patience_from`` makes that judge
+    only when a timeout first passes (most requests never need one), given the
+    monotonic time the request began; it may return None (then ``retries``).
+
+    ``fanout``: ``channels``' :class:`Fanout`, made once by a caller that sends
+    to the same channels often. Distinct channels, each sent one request without
+    a window (the common case), take a lean loop with the same semantics.
     """
     if len(channels) != len(messages):
         raise ValueError("one message per channel entry")
     if sent and window:
         raise ValueError("a window needs the messages unsent")
     label = what or (messages[0].op.value.upper() if messages else "request")
+    if not window and not sent:
+        fan = fanout if fanout is not None else Fanout.of(channels)
+        if fan is not None:
+            return _request_each(fan, messages, timeout, label, retries, raise_errors,
+                                 on_reply, patience, patience_from)
+    started = time.monotonic()
     replies: list[Message | None] = [None] * len(channels)
     slots: dict[Any, tuple[Channel, dict[int, int]]] = {}  # socket -> (channel, seq -> index)
     queued: dict[Any, list[int]] = {}  # socket -> indices not sent yet, in order
@@ -483,6 +538,8 @@ def request_all(
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             lost = [i for i, r in enumerate(replies) if r is None and is_sent[i]]
+            if patience_from is not None:  # the first timeout: the judge made now
+                patience, patience_from = patience_from(started), None
             if patience is not None:
                 if patience(lost):
                     for i in lost:
@@ -526,6 +583,73 @@ def request_all(
                 if not unanswered[sock]:
                     break  # (a stale answer left queued is read, and dropped, later)
     return [r for r in replies if r is not None]
+
+
+def _request_each(fan: Fanout, messages: Sequence[Message], timeout: float, label: str,
+                  retries: int, raise_errors: bool,
+                  on_reply: Callable[[int, Message], None] | None,
+                  patience: Callable[[list[int]], bool] | None,
+                  patience_from: PatienceFrom | None) -> list[Message]:
+    """request_all for distinct channels, one request each, no window: the same
+    sends, matching, timeouts, retries and patience, without the per-socket tables
+    and queues a pipelined request needs (one expected seq per channel)."""
+    channels = fan.channels
+    started = time.monotonic()
+    seqs = []
+    for ch, msg in zip(channels, messages, strict=True):
+        msg.seq = seq = ch.next_seq()
+        ch.send(msg)
+        seqs.append(seq)
+    replies: list[Any] = [None] * len(channels)
+    missing = len(channels)
+    index, polled = fan.index, fan.polled
+    attempts = 0
+    deadline = time.monotonic() + timeout
+    while missing:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            lost = [i for i, r in enumerate(replies) if r is None]
+            if patience_from is not None:  # the first timeout: the judge made now
+                patience, patience_from = patience_from(started), None
+            if patience is not None:
+                if patience(lost):
+                    for i in lost:
+                        channels[i].send(messages[i])
+                deadline = time.monotonic() + timeout
+                continue
+            if attempts < retries:
+                attempts += 1
+                for i in lost:
+                    log.warning("%s: no reply from %s in %.1fs; retrying (%d/%d)",
+                                label, channels[i].peer, timeout, attempts, retries)
+                    channels[i].send(messages[i])
+                deadline = time.monotonic() + timeout
+                continue
+            who = ", ".join(sorted({f"{channels[i].peer} at {channels[i].address}"
+                                    for i in lost}))
+            waited = timeout * (attempts + 1)
+            raise RequestTimeoutError(f"{label}: no reply within {waited:g}s from {who} (is "
+                                      f"it running and reachable?)")
+        for sock, _ in poll(polled, max(1, int(remaining * 1000))):
+            i = index[sock]
+            ch, want = channels[i], seqs[i]
+            ready = True  # poll said so: the first receive asks zmq nothing more
+            while missing:
+                rep = ch.recv_nowait(ready)
+                ready = False
+                if rep is None:
+                    break
+                if rep.seq != want or replies[i] is not None:
+                    continue  # an answer to an older request we gave up on: dropped
+                if rep.op is Op.ERROR and raise_errors:
+                    raise RemoteError.from_reply(f"{ch.peer} at {ch.address}", rep["code"],
+                                                 rep["reason"])
+                replies[i] = rep
+                missing -= 1
+                if on_reply is not None and rep.op is not Op.ERROR:
+                    on_reply(i, rep)
+                break  # its one request is answered (a stale answer left is read later)
+    return replies
 
 
 #: moved to curve.py; still importable from here
