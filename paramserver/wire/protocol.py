@@ -244,7 +244,7 @@ class _WeightsHead(msgspec.Struct):
     t: msgspec.Raw
 
 
-_WEIGHTS_HEAD = msgspec.msgpack.Encoder()  # (thread-safe: servers may run in threads)
+_WEIGHTS_HEAD = msgspec.msgpack.Encoder()  # (shared by threads: each call makes its own buffer)
 
 
 def weights_reply_head(seq: int, version: int, clock: int, waited: float,
