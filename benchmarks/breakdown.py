@@ -169,8 +169,8 @@ def measure_shard(pushes: int = 2000, repeats: int = 5, thrash_mib: int = 32) ->
     requests = iter(hotpath._requests(server, session, 2 * repeats * pushes))
     clock = _Clock()
     handle = clock.wrap(server._handle, "handler")
-    saved = server_loop.decode
-    server_loop.decode = clock.wrap(saved, "decode")
+    saved = server_loop.decode_request
+    server_loop.decode_request = clock.wrap(saved, "decode")
     from paramserver.core import shard as core_shard
     saved_norm = core_shard.norm_and_span
     core_shard.norm_and_span = clock.wrap(saved_norm, "finite")
@@ -188,7 +188,7 @@ def measure_shard(pushes: int = 2000, repeats: int = 5, thrash_mib: int = 32) ->
         warm, cold = _batches(lambda _: handle(hotpath._IDENTITY, next(requests)), clock,
                               SHARD_PARTS, pushes, repeats, junk)
     finally:
-        server_loop.decode = saved
+        server_loop.decode_request = saved
         core_shard.norm_and_span = saved_norm
         session.client.close()
         server.socket.close(linger=0)

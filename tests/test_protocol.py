@@ -164,3 +164,58 @@ def test_prepared_tensors_encode_the_same_bytes_and_follow_the_weights() -> None
     apart["b"].add_(5)
     assert decode([bytes(f) for f in encode(Message(Op.REPLY, 1, {"re": "pull"}, apart),
                                             prepared)]).tensors["b"][1] == 5
+
+
+_INTS = [0, 1, 127, 128, 255, 256, 65535, 65536, (1 << 32) - 1, 1 << 32, (1 << 62) - 1,
+         (1 << 63) - 1, 1 << 63, (1 << 64) - 1, -1, -32, -33, -128, -129, -32768, -32769,
+         -(1 << 31) - 1, -(1 << 63)]
+_FLOATS = [0.0, -0.0, 1.5, 1e-310, 1e308, float("inf"), float("-inf"), float("nan"), 3]
+_REASONS = ["", "stale", "x" * 31, "x" * 32, "é" * 20, "x" * 255, "x" * 256, "x" * 70000]
+
+
+def test_a_weights_replys_header_is_encodes_to_the_byte() -> None:
+    """The outbox's header of a weights reply (protocol.weights_reply_head) is the one
+    encode makes of its fields, across values of every size msgpack tells apart."""
+    import msgspec
+
+    from paramserver.core.records import PushOutcome
+    from paramserver.wire.protocol import PreparedTensors, weights_reply_head
+
+    flat = torch.arange(24, dtype=torch.float32)
+    prepared = PreparedTensors(dict(zip(["a", "b", "c"], flat.split([4, 8, 12]), strict=True)))
+
+    def general(seq: int, version: int, clock: int, waited: float,
+                outcome: PushOutcome | None) -> bytes:
+        fields = {"re": "pull", "version": version, "clock": clock, "waited": waited}
+        if outcome is not None:
+            fields.update(re="push", push=outcome.as_dict())
+        msg = Message(Op.REPLY, seq, fields, {})
+        return bytes(encode(msg, prepared, matched=True)[0])
+
+    cases = 0
+    for i, n in enumerate(_INTS):
+        waited = _FLOATS[i % len(_FLOATS)]
+        reason = _REASONS[i % len(_REASONS)]
+        for outcome in (None, PushOutcome(i % 2 == 0, waited, reason, n, n, i % 3 == 0,
+                                          i % 5 == 0),
+                        PushOutcome(True, 1, "", 0, n, True)):
+            for seq, version, clock in ((n, 3, 4), (0, n, n), (max(n, 0), -n - 1, 7)):
+                try:
+                    want = general(seq, version, clock, waited, outcome)
+                except (OverflowError, ValueError, TypeError):
+                    with pytest.raises((OverflowError, ValueError, TypeError)):
+                        weights_reply_head(seq, version, clock, waited, outcome or
+                                           msgspec.UNSET, prepared.descs)
+                    continue
+                got = weights_reply_head(seq, version, clock, waited,
+                                         msgspec.UNSET if outcome is None else outcome,
+                                         prepared.descs)
+                assert got == want, (seq, version, clock, waited, outcome)
+                cases += 1
+    assert cases > 150
+    # and it decodes as the general decoder reads any reply
+    head = weights_reply_head(7, 9, 2, 0.5, PushOutcome(True, 1.0, "", 0, 9, True),
+                              prepared.descs)
+    got = decode([head, *prepared.frames])
+    assert got.body.push.version == 9 and got.body.answers_push
+    assert torch.equal(got.tensors["c"], flat[12:])

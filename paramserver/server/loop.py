@@ -61,7 +61,8 @@ from paramserver.wire import replication as wrepl
 from paramserver.wire import stats as wstats
 from paramserver.wire.curve import CurveKeys
 from paramserver.wire.messages import Checkpoint
-from paramserver.wire.protocol import Message, Op, decode, error_reply, reply
+from paramserver.wire.protocol import Message, Op, error_reply, reply
+from paramserver.wire.requests import decode_request
 from paramserver.wire.transport import RouterSocket
 
 __all__ = ["DIVERGED_EXIT_CODE", "READY_PREFIX", "ServerConfig", "ShardServer", "run_server"]
@@ -337,7 +338,7 @@ class ShardServer:
         if repl is not None and not repl.admit(identity, frames, self._send_raw, key):
             return  # a replication message
         try:
-            msg = decode(frames, self.socket.limits)
+            msg = decode_request(frames, self.socket.limits)
             seq = msg.seq
             self.access.check(msg, key)
             replicated = repl is not None and msg.op in REPLICATED_OPS

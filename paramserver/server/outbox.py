@@ -21,18 +21,29 @@ from collections.abc import Callable, Collection, Hashable
 from functools import partial
 from typing import TYPE_CHECKING, Any, cast
 
+import msgspec
 import zmq
 
-from paramserver.core.records import PushOutcome
+from paramserver.core.records import PullReply, PushOutcome
 from paramserver.core.shard import ShardCore
 from paramserver.observe.recorder import ShardObserver
-from paramserver.wire.protocol import Message, Op, PreparedTensors, usable
+from paramserver.wire.protocol import Message, Op, PreparedTensors, usable, weights_reply_head
 from paramserver.wire.transport import RouterSocket
 
 if TYPE_CHECKING:
     from paramserver.shm.link import ShmHub
 
 __all__ = ["Outbox"]
+
+
+def _fields(ready: PullReply, outcome: Any) -> dict[str, Any]:
+    """A pull reply's fields: a PULL's, or with ``outcome`` (not UNSET) a PUSH's that
+    asked for the weights (wire.protocol.weights_reply_head makes the same header)."""
+    fields: dict[str, Any] = {"re": Op.PULL.value, "version": ready.version,
+                              "clock": ready.clock, "waited": ready.waited}
+    if outcome is not msgspec.UNSET:
+        fields.update(re=Op.PUSH.value, push=outcome.as_dict())
+    return fields
 
 
 class Outbox:
@@ -77,6 +88,17 @@ class Outbox:
         else:
             nbytes = 0
             self.socket.send(identity, msg, nbytes=0)
+        self.counters["bytes_out"] += nbytes
+        return nbytes
+
+    def _send_weights(self, identity: bytes, seq: int, head: bytes,
+                      prepared: PreparedTensors) -> int:
+        """:meth:`send` of a weights reply whose header is made (``head``)."""
+        nbytes = prepared.nbytes
+        tracker = self.socket.send_frames(identity, [head, *prepared.frames], nbytes,
+                                          track=True)
+        if tracker is not None and not tracker.done:
+            self.inflight.append((tracker, identity, seq))
         self.counters["bytes_out"] += nbytes
         return nbytes
 
@@ -138,22 +160,23 @@ class Outbox:
         each reply's metrics, to be recorded once the replies are out (else at once)."""
         for ready in core.ready_pulls(now):
             identity, seq = cast("tuple[bytes, int]", ready.token)
-            fields: dict[str, Any] = {"re": Op.PULL.value, "version": ready.version,
-                                      "clock": ready.clock, "waited": ready.waited}
             combined = self.push_pulls.get(ready.worker)
+            outcome: Any = msgspec.UNSET  # (a PULL's answer: no outcome in it)
             early = None
             if combined is not None and combined[0] == ready.token:
                 del self.push_pulls[ready.worker]
-                fields.update(re=Op.PUSH.value, push=combined[1].as_dict())
+                outcome = combined[1]
                 early = self.early.pop(ready.worker, None)
             ticket = (self.shm.ticket(identity, seq, core.params, ready.version)
                       if self.shm is not None else None)
             if ticket is not None:
+                fields = _fields(ready, outcome)
                 fields["shm"] = ticket
                 self.counters["shm_pulls"] += 1
                 nbytes = self.send(identity, Message(Op.REPLY, seq, fields, {}))
             elif early is not None and early[0] == ready.version == core.ahead.last_commit:
                 # the round made the weights that went back early: the rest only
+                fields = _fields(ready, outcome)
                 fields["early"] = len(early[1])
                 self.counters["early_answers"] += 1
                 rest = {k: p for k, p in core.params.items() if k not in early[1]}
@@ -163,8 +186,14 @@ class Outbox:
             else:
                 if self.shm is not None:
                     self.shm.before_tcp_reply(core)  # zmq never lends a board slot
-                nbytes = self.send(identity, Message(Op.REPLY, seq, fields, core.params),
-                                   self._prepared(core))
+                prepared = self._prepared(core)
+                if prepared is None:
+                    nbytes = self.send(identity, Message(Op.REPLY, seq, _fields(
+                        ready, outcome), core.params))
+                else:  # the weights' frames made once, the header with as few objects
+                    nbytes = self._send_weights(identity, seq, weights_reply_head(
+                        seq, ready.version, ready.clock, ready.waited, outcome,
+                        prepared.descs), prepared)
             if ready.token in self.observer_pulls:
                 self.observer_pulls.discard(ready.token)
                 continue

@@ -30,7 +30,7 @@ import torch
 
 from paramserver.errors import ErrorCode, ProtocolError
 from paramserver.util.dtypes import WIRE_DTYPES
-from paramserver.wire.layouts import LayoutCache
+from paramserver.wire.layouts import LayoutCache, PackedLayout
 
 __all__ = [
     "DEFAULT_LIMITS",
@@ -44,6 +44,7 @@ __all__ = [
     "buffer",
     "check_desc",
     "describe",
+    "known_layout",
     "read_tensors",
     "usable",
 ]
@@ -297,6 +298,12 @@ def buffer(frame: Any) -> memoryview:
 
 
 _LAYOUTS = LayoutCache()  # one-frame descriptors that passed the checks below
+
+
+def known_layout(raw: Any) -> PackedLayout | None:
+    """The one-frame layout whose descriptor list is, as msgpack, the bytes ``raw``,
+    if one passed :func:`read_tensors`' checks lately (paramserver/wire/requests.py)."""
+    return _LAYOUTS.exact(raw)
 
 
 def read_tensors(head: memoryview, header: dict[str, Any], descs: list[Any],

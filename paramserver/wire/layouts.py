@@ -105,6 +105,17 @@ class LayoutCache:
                     return layout
         return None
 
+    def exact(self, raw: Any) -> PackedLayout | None:
+        """The layout whose descriptor's msgpack bytes are ``raw`` (a buffer), or None:
+        the same bytes are the same value, so no form of the header is needed."""
+        view = memoryview(raw)
+        layouts = self._by_size.get(view.nbytes)
+        if layouts:
+            for layout in list(layouts):  # (a copy: threads may add)
+                if view == layout.raw:
+                    return layout
+        return None
+
     def remember(self, descs: list[Any], tensors: dict[str, torch.Tensor], limits: Any) -> None:
         layout = PackedLayout(descs, tensors, limits)
         if len(self._by_size) >= self.SIZES:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+import msgspec
 import torch
 
 from paramserver.errors import ErrorCode, ProtocolError
@@ -66,6 +67,7 @@ __all__ = [
     "error_reply",
     "reply",
     "usable",
+    "weights_reply_head",
 ]
 
 # 2: packed frames (several tensors of one dtype in one frame); a version 1 peer
@@ -194,6 +196,14 @@ _SEQ, _F, _T = _PACK.pack("seq"), _PACK.pack("f"), _PACK.pack("t")
 _OP_BYTES = {op: _PACK.pack(op.value) for op in Op}
 
 
+def _head(op: Op, seq: int, fields: dict[str, Any], descs: bytes) -> bytes:
+    """The header of a message whose descriptors are packed already (``descs``)."""
+    # the same bytes as encode's below: the map {"v", "op", "seq", "f", "t"} in this order
+    # (packb, not the shared Packer: servers may run in threads of one process)
+    return b"".join((_HEAD_START, _OP_BYTES[op], _SEQ, msgpack.packb(seq), _F,
+                     msgpack.packb(fields, use_bin_type=True), _T, descs))
+
+
 def encode(msg: Message, prepared: PreparedTensors | None = None, *,
            matched: bool = False) -> list[bytes | memoryview]:
     """Turn a message into multipart frames; tensor frames share the tensors' memory.
@@ -205,15 +215,59 @@ def encode(msg: Message, prepared: PreparedTensors | None = None, *,
     if msg.prepared is not None:
         prepared, matched = msg.prepared, True
     if prepared is not None and (matched or prepared.matches(msg.tensors)):
-        # the same bytes as below: the map {"v", "op", "seq", "f", "t"} in this order
-        # (packb, not the shared Packer: servers may run in threads of one process)
-        head = b"".join((_HEAD_START, _OP_BYTES[msg.op], _SEQ, msgpack.packb(msg.seq), _F,
-                         msgpack.packb(msg.fields, use_bin_type=True), _T, prepared.descs))
-        return [head, *prepared.frames]
+        return [_head(msg.op, msg.seq, msg.fields, prepared.descs), *prepared.frames]
     descs, tensor_frames = describe(msg.tensors)
     header = {"v": PROTOCOL_VERSION, "op": msg.op.value, "seq": msg.seq, "f": msg.fields,
               "t": descs}
     return [msgpack.packb(header, use_bin_type=True), *tensor_frames]
+
+
+class _WeightsFields(msgspec.Struct):
+    """A weights reply's fields in the order the outbox builds its dict; ``push``
+    left out when UNSET (a PULL's reply). Values typed Any: msgspec encodes each by
+    its own type, as msgpack does."""
+
+    re: str
+    version: Any
+    clock: Any
+    waited: Any
+    push: Any = msgspec.UNSET
+
+
+class _WeightsHead(msgspec.Struct):
+    """encode's header map, in its order; ``t`` the prepared descriptors' bytes."""
+
+    v: int
+    op: str
+    seq: Any
+    f: _WeightsFields
+    t: msgspec.Raw
+
+
+_WEIGHTS_HEAD = msgspec.msgpack.Encoder()  # (shared by threads: each call makes its own buffer)
+
+
+def weights_reply_head(seq: int, version: int, clock: int, waited: float,
+                       outcome: Any, descs: bytes) -> bytes:
+    """The header :func:`encode` makes for a REPLY carrying weights in prepared frames
+    (``descs``), to the byte, with fewer objects: for a PULL its fields ``{"re":
+    "pull", "version", "clock", "waited"}``; for a PUSH that asked for the weights
+    (``outcome`` not UNSET) ``re`` "push" and ``push``: the outcome as
+    ``as_dict()`` gives it (a dataclass: msgspec writes its fields in order).
+    tests/test_protocol.py compares it with :func:`encode` across values."""
+    if outcome is msgspec.UNSET:
+        fields = _WeightsFields("pull", version, clock, waited)
+    else:
+        fields = _WeightsFields("push", version, clock, waited, outcome)
+    try:
+        return _WEIGHTS_HEAD.encode(_WeightsHead(PROTOCOL_VERSION, "reply", seq, fields,
+                                                 msgspec.Raw(descs)))
+    except (TypeError, OverflowError, ValueError):  # (msgpack may take what it does not)
+        f: dict[str, Any] = {"re": fields.re, "version": version, "clock": clock,
+                             "waited": waited}
+        if outcome is not msgspec.UNSET:
+            f["push"] = outcome.as_dict()
+        return _head(Op.REPLY, seq, f, descs)
 
 
 _OPS = {op.value: op for op in Op}

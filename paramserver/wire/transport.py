@@ -262,8 +262,14 @@ class RouterSocket:
         ``prepared``: the tensors' frames made beforehand (see :func:`encode`, and
         ``matched``); ``nbytes``: ``msg.nbytes`` if the caller knows it already.
         """
-        frames = encode(msg, prepared, matched=matched)
-        small = (msg.nbytes if nbytes is None else nbytes) < ZERO_COPY_BYTES
+        return self.send_frames(identity, encode(msg, prepared, matched=matched),
+                                msg.nbytes if nbytes is None else nbytes, track=track)
+
+    def send_frames(self, identity: bytes, frames: list[bytes | memoryview], nbytes: int, *,
+                    track: bool = False) -> zmq.MessageTracker | None:
+        """:meth:`send` of a message encoded already (``frames``: a header and its
+        tensors' ``nbytes`` of frames)."""
+        small = nbytes < ZERO_COPY_BYTES
         track = track and not small
         try:
             if small:  # the routing id and the frames in one pass, all copied
