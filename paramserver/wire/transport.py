@@ -135,6 +135,7 @@ def _send_frames(sock: zmq.Socket[Any], frames: Sequence[Any], *, copy: bool,
         _send(sock, frames[i], _SNDMORE, copy, track)
     return _send(sock, frames[last], 0, copy, track)
 
+
 def _recv_frames(sock: zmq.Socket[Any]) -> list[zmq.Frame]:
     """``sock.recv_multipart(NOBLOCK, copy=False)`` without a ``RCVMORE`` query (and its
     flag enum) per frame: each frame says itself whether more follow (zmq_msg_more)."""
@@ -144,6 +145,7 @@ def _recv_frames(sock: zmq.Socket[Any]) -> list[zmq.Frame]:
         frame = sock.recv(_NOBLOCK, copy=False)
         frames.append(frame)
     return frames
+
 
 #: messages zmq queues per peer on a server before it stops reading from that peer
 #: (1 stalls CURVE handshakes that go through a ZAP handler, with libzmq 4.3.5)
