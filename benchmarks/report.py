@@ -8,9 +8,9 @@ from rich.console import Console
 from rich.table import Table
 
 from .common import Stats, format_size
-from .records import BenchResult, Goal, SweepRow, find
+from .records import AsyncRow, BenchResult, Goal, SweepRow, find
 
-__all__ = ["evaluate_goals", "markdown", "print_report"]
+__all__ = ["evaluate_goals", "four_shard_share", "markdown", "print_report"]
 
 _MIB100 = 100 << 20
 
@@ -30,6 +30,24 @@ def _ratio(stats: Stats | None) -> str:
 def _paired(row: SweepRow | None) -> float | None:
     """The row's median ratio to its paired raw loop (None: no row, or the raw loop)."""
     return None if row is None or row.ratio_to_limit is None else row.ratio_to_limit.median
+
+
+def four_shard_share(one: AsyncRow | None, four: AsyncRow | None, cpus: int | None
+                     ) -> tuple[float | None, float | None]:
+    """The 4-shard rate over the 1-shard one, and the most that ``cpus`` cores allow.
+
+    With 1 shard a model update is one message, costing the shard ``C_s`` and the
+    workers ``C_w`` of CPU, and the rate is at most ``1 / C_s`` (one shard thread).
+    With 4 shards it is four messages: at most ``cpus / (4 (C_s + C_w))``. So the
+    share is at most ``cpus C_s / (4 (C_s + C_w))``, measured from the 1-shard row
+    (None where the row or the core count is missing)."""
+    if one is None or four is None or not one.model_updates_per_s:
+        return None, None
+    share = four.model_updates_per_s / one.model_updates_per_s
+    shard = one.shard_cpu_s_per_model_update
+    if not cpus or not shard or one.cpu_s_per_model_update <= 0:
+        return share, None
+    return share, min(1.0, cpus * shard / (4 * one.cpu_s_per_model_update))
 
 
 def evaluate_goals(result: BenchResult) -> list[Goal]:
@@ -92,6 +110,12 @@ def evaluate_goals(result: BenchResult) -> list[Goal]:
     rate4 = asy[4].model_updates_per_s if 4 in asy else None
     add("async updates/s, 4 workers, 4 KiB model, 4 shards", rate4, ">= 2500",
         None if rate4 is None else rate4 >= 2500)
+    share, bound = four_shard_share(asy.get(1), asy.get(4),
+                                    result.environment.cpus if result.environment else None)
+    add("async, 4 shards vs 1 shard (4 workers, 4 KiB)", share, ">= 0.5x",
+        None if share is None else share >= 0.5,
+        "" if bound is None else f"at most {bound:.2f}x on this host's cores "
+        "(docs/performance.md: four shards need a core each)")
     ray_async = next((a for a in async_rows if a.system == "ray"), None)
     vs_ray_async = (rate / ray_async.model_updates_per_s
                     if rate is not None and ray_async else None)
