@@ -455,6 +455,42 @@ class Fanout:
         return fan if len(fan.index) == len(fan.channels) else None
 
 
+class _Lapses:
+    """What a request does each time its timeout passes with requests unanswered: ask
+    its patience (``patience_from``'s, made now, at the first) whether to send them
+    again, or send them again up to ``retries`` times, then name who did not answer.
+    Made at a request's first timeout, with the time the request began."""
+
+    def __init__(self, channels: Sequence[Channel], messages: Sequence[Message],
+                 timeout: float, label: str, retries: int,
+                 patience: Callable[[list[int]], bool] | None,
+                 patience_from: PatienceFrom | None, started: float) -> None:
+        self.channels, self.messages, self.timeout, self.label, self.retries = (
+            channels, messages, timeout, label, retries)
+        self.patience = patience_from(started) if patience_from is not None else patience
+        self.attempts = 0
+
+    def __call__(self, lost: list[int]) -> None:
+        channels, messages = self.channels, self.messages
+        if self.patience is not None:
+            if self.patience(lost):
+                for i in lost:
+                    channels[i].send(messages[i])
+            return
+        if self.attempts < self.retries:
+            self.attempts += 1
+            for i in lost:
+                log.warning("%s: no reply from %s in %.1fs; retrying (%d/%d)", self.label,
+                            channels[i].peer, self.timeout, self.attempts, self.retries)
+                channels[i].send(messages[i])
+            return
+        who = ", ".join(sorted({f"{channels[i].peer} at {channels[i].address}"
+                                for i in lost}))
+        waited = self.timeout * (self.attempts + 1)
+        raise RequestTimeoutError(f"{self.label}: no reply within {waited:g}s from {who} (is "
+                                  f"it running and reachable?)")
+
+
 def request_all(
     channels: Sequence[Channel],
     messages: Sequence[Message],
@@ -539,34 +575,18 @@ def request_all(
 
     for sock in slots:
         send_next(sock, window or len(channels))
-    attempts = 0
+    lapses: _Lapses | None = None
     missing = len(channels)
     deadline = time.monotonic() + timeout
     while missing:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            lost = [i for i, r in enumerate(replies) if r is None and is_sent[i]]
-            if patience_from is not None:  # the first timeout: the judge made now
-                patience, patience_from = patience_from(started), None
-            if patience is not None:
-                if patience(lost):
-                    for i in lost:
-                        channels[i].send(messages[i])
-                deadline = time.monotonic() + timeout
-                continue
-            if attempts < retries:
-                attempts += 1
-                for i in lost:
-                    log.warning("%s: no reply from %s in %.1fs; retrying (%d/%d)",
-                                label, channels[i].peer, timeout, attempts, retries)
-                    channels[i].send(messages[i])
-                deadline = time.monotonic() + timeout
-                continue
-            who = ", ".join(sorted({f"{channels[i].peer} at {channels[i].address}"
-                                    for i in lost}))
-            waited = timeout * (attempts + 1)
-            raise RequestTimeoutError(f"{label}: no reply within {waited:g}s from {who} (is "
-                                      f"it running and reachable?)")
+            if lapses is None:  # the first timeout (most requests never have one)
+                lapses = _Lapses(channels, messages, timeout, label, retries, patience,
+                                 patience_from, started)
+            lapses([i for i, r in enumerate(replies) if r is None and is_sent[i]])
+            deadline = time.monotonic() + timeout
+            continue
         for sock, _ in poll(polled, max(1, int(remaining * 1000))):
             ch, table = slots[sock]
             ready = True  # poll said so: the first receive asks zmq nothing more
@@ -611,33 +631,17 @@ def _request_each(fan: Fanout, messages: Sequence[Message], timeout: float, labe
     replies: list[Any] = [None] * len(channels)
     missing = len(channels)
     index, polled = fan.index, fan.polled
-    attempts = 0
+    lapses: _Lapses | None = None
     deadline = time.monotonic() + timeout
     while missing:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            lost = [i for i, r in enumerate(replies) if r is None]
-            if patience_from is not None:  # the first timeout: the judge made now
-                patience, patience_from = patience_from(started), None
-            if patience is not None:
-                if patience(lost):
-                    for i in lost:
-                        channels[i].send(messages[i])
-                deadline = time.monotonic() + timeout
-                continue
-            if attempts < retries:
-                attempts += 1
-                for i in lost:
-                    log.warning("%s: no reply from %s in %.1fs; retrying (%d/%d)",
-                                label, channels[i].peer, timeout, attempts, retries)
-                    channels[i].send(messages[i])
-                deadline = time.monotonic() + timeout
-                continue
-            who = ", ".join(sorted({f"{channels[i].peer} at {channels[i].address}"
-                                    for i in lost}))
-            waited = timeout * (attempts + 1)
-            raise RequestTimeoutError(f"{label}: no reply within {waited:g}s from {who} (is "
-                                      f"it running and reachable?)")
+            if lapses is None:  # the first timeout (most requests never have one)
+                lapses = _Lapses(channels, messages, timeout, label, retries, patience,
+                                 patience_from, started)
+            lapses([i for i, r in enumerate(replies) if r is None])
+            deadline = time.monotonic() + timeout
+            continue
         for sock, _ in poll(polled, max(1, int(remaining * 1000))):
             i = index[sock]
             ch, want = channels[i], seqs[i]
