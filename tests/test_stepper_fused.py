@@ -102,3 +102,26 @@ def test_the_probe_measures_the_mean_not_the_sums() -> None:
     # the mean gradient is 2.0 everywhere: a step of 0.5 * 2.0 on 1000 weights
     assert torch.equal(params["w"], torch.full((1000,), -1.0))
     assert step.update_norm == pytest.approx(0.5 * 2.0 * 1000 ** 0.5, rel=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_the_guards_largest_magnitude_is_the_inf_norm_and_keeps_nan(dtype: torch.dtype) -> None:
+    from paramserver.core.stepper import _largest
+
+    torch.manual_seed(1)
+    flat = torch.randn(300, dtype=dtype)
+    parts = list(flat.split([100, 150, 50]))  # back to back: one span
+    apart = [torch.randn(n, dtype=dtype) for n in (7, 0, 40)]  # separate tensors
+    for tensors in (parts, apart):
+        want = max(float(torch.linalg.vector_norm(t.double(), float("inf")))
+                   for t in tensors if t.numel())
+        assert _largest(tensors) == want
+    lows = [torch.tensor([-9.0, 1.0], dtype=dtype), torch.tensor([3.0], dtype=dtype)]
+    assert _largest(lows) == 9.0  # a negative end is the largest magnitude
+    assert _largest([torch.tensor([1.0, float("-inf")], dtype=dtype)]) == float("inf")
+    for at in (0, 150, 299):  # a NaN anywhere, in any part, is never lost
+        bad = flat.clone()
+        bad[at] = float("nan")
+        assert _largest(list(bad.split([100, 150, 50]))) != _largest(parts)
+        assert torch.tensor(_largest(list(bad.split([100, 150, 50])))).isnan()
+        assert torch.tensor(_largest([torch.ones(3, dtype=dtype), bad[at:at + 1]])).isnan()
