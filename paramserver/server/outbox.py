@@ -27,7 +27,14 @@ import zmq
 from paramserver.core.records import PullReply, PushOutcome
 from paramserver.core.shard import ShardCore
 from paramserver.observe.recorder import ShardObserver
-from paramserver.wire.protocol import Message, Op, PreparedTensors, usable, weights_reply_head
+from paramserver.wire.protocol import (
+    Message,
+    Op,
+    PreparedTensors,
+    usable,
+    weights_reply_fields,
+    weights_reply_head,
+)
 from paramserver.wire.transport import RouterSocket
 
 if TYPE_CHECKING:
@@ -37,13 +44,8 @@ __all__ = ["Outbox"]
 
 
 def _fields(ready: PullReply, outcome: Any) -> dict[str, Any]:
-    """A pull reply's fields: a PULL's, or with ``outcome`` (not UNSET) a PUSH's that
-    asked for the weights (wire.protocol.weights_reply_head makes the same header)."""
-    fields: dict[str, Any] = {"re": Op.PULL.value, "version": ready.version,
-                              "clock": ready.clock, "waited": ready.waited}
-    if outcome is not msgspec.UNSET:
-        fields.update(re=Op.PUSH.value, push=outcome.as_dict())
-    return fields
+    """A pull reply's fields (``outcome``: the push's, or UNSET for a PULL's answer)."""
+    return weights_reply_fields(ready.version, ready.clock, ready.waited, outcome)
 
 
 class Outbox:
@@ -79,24 +81,25 @@ class Outbox:
              prepared: PreparedTensors | None = None) -> int:
         """Send ``msg``; ``prepared``: its tensors' frames, checked just now to match
         them (see :meth:`_prepared`). Returns its tensors' bytes."""
-        if msg.tensors:
-            nbytes = msg.nbytes if prepared is None else prepared.nbytes
-            tracker = self.socket.send(identity, msg, track=True, prepared=prepared,
-                                       matched=prepared is not None, nbytes=nbytes)
-            if tracker is not None and not tracker.done:
-                self.inflight.append((tracker, identity, msg.seq))
-        else:
-            nbytes = 0
+        if not msg.tensors:
             self.socket.send(identity, msg, nbytes=0)
-        self.counters["bytes_out"] += nbytes
-        return nbytes
+            return 0
+        nbytes = msg.nbytes if prepared is None else prepared.nbytes
+        return self._sent(identity, msg.seq, nbytes, self.socket.send(
+            identity, msg, track=True, prepared=prepared, matched=prepared is not None,
+            nbytes=nbytes))
 
     def _send_weights(self, identity: bytes, seq: int, head: bytes,
                       prepared: PreparedTensors) -> int:
         """:meth:`send` of a weights reply whose header is made (``head``)."""
         nbytes = prepared.nbytes
-        tracker = self.socket.send_frames(identity, [head, *prepared.frames], nbytes,
-                                          track=True)
+        return self._sent(identity, seq, nbytes, self.socket.send_frames(
+            identity, [head, *prepared.frames], nbytes, track=True))
+
+    def _sent(self, identity: bytes, seq: int, nbytes: int,
+              tracker: zmq.MessageTracker | None) -> int:
+        """A reply of ``nbytes`` of tensors went out: counted, and its frames held
+        (``inflight``) until zmq no longer reads them."""
         if tracker is not None and not tracker.done:
             self.inflight.append((tracker, identity, seq))
         self.counters["bytes_out"] += nbytes

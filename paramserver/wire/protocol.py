@@ -67,6 +67,7 @@ __all__ = [
     "error_reply",
     "reply",
     "usable",
+    "weights_reply_fields",
     "weights_reply_head",
 ]
 
@@ -263,11 +264,19 @@ def weights_reply_head(seq: int, version: int, clock: int, waited: float,
         return _WEIGHTS_HEAD.encode(_WeightsHead(PROTOCOL_VERSION, "reply", seq, fields,
                                                  msgspec.Raw(descs)))
     except (TypeError, OverflowError, ValueError):  # (msgpack may take what it does not)
-        f: dict[str, Any] = {"re": fields.re, "version": version, "clock": clock,
-                             "waited": waited}
-        if outcome is not msgspec.UNSET:
-            f["push"] = outcome.as_dict()
-        return _head(Op.REPLY, seq, f, descs)
+        return _head(Op.REPLY, seq, weights_reply_fields(version, clock, waited, outcome),
+                     descs)
+
+
+def weights_reply_fields(version: int, clock: int, waited: float,
+                         outcome: Any) -> dict[str, Any]:
+    """The fields of a REPLY to a PULL, or with ``outcome`` (not UNSET) to a PUSH that
+    asked for the weights: what :func:`weights_reply_head` packs, as a dict."""
+    fields: dict[str, Any] = {"re": Op.PULL.value, "version": version, "clock": clock,
+                              "waited": waited}
+    if outcome is not msgspec.UNSET:
+        fields.update(re=Op.PUSH.value, push=outcome.as_dict())
+    return fields
 
 
 _OPS = {op.value: op for op in Op}
