@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
+import msgspec
 import torch
 import zmq
 
@@ -414,6 +415,11 @@ class ShardServer:
     def key_owners(self) -> dict[int, str]:
         return dict(self.access.owners)
 
+    def plan_description(self) -> object | None:
+        # (as a snapshot's JSON gives it back: tuples are lists there)
+        return None if self.plan is None else msgspec.json.decode(
+            msgspec.json.encode(self.plan.describe()))
+
     def restore(self, record: wrepl.Snapshot, frames: list[Any]) -> None:
         rejoin.adopt(self, record, frames)  # a joining replica takes the primary's state
 
@@ -666,8 +672,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"shard {config.shard}: {exc}")
     except CheckpointError as exc:  # one line naming the file, no traceback
         sys.exit(f"shard {config.shard}: cannot resume: {exc}")
-    except TransportError as exc:  # a port in use, a bad key file or allow-list line
-        sys.exit(f"shard {config.shard}: {exc}")
+    except (TransportError, ConfigError) as exc:  # a port in use, a bad key file or
+        sys.exit(f"shard {config.shard}: {exc}")  # allow-list line, replicas that disagree
     own_process(server)
     server.serve_forever(announce_ready)
     sys.exit(server.exit_code)
