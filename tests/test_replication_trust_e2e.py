@@ -64,8 +64,7 @@ def _attack(address: str, record: wrepl.Record) -> wrepl.RoleReply:
         return _role(sock)
 
 
-@pytest.fixture
-def pair(tmp_path: Path) -> Iterator[tuple[Replica, Replica]]:
+def _pair(tmp_path: Path) -> Iterator[tuple[Replica, Replica]]:
     """A primary and its backup (failover timeout 1 s), sharing the run's key."""
     started: list[Replica] = []
     try:
@@ -78,6 +77,17 @@ def pair(tmp_path: Path) -> Iterator[tuple[Replica, Replica]]:
     finally:
         for r in started:
             r.stop()
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Replica, Replica]]:
+    """One pair for the attacks that must leave it as it was (their checks say so)."""
+    yield from _pair(tmp_path_factory.mktemp("pair"))
+
+
+@pytest.fixture
+def own_pair(tmp_path: Path) -> Iterator[tuple[Replica, Replica]]:
+    yield from _pair(tmp_path)
 
 
 def test_a_forged_input_is_not_taken_by_the_backup(pair: tuple[Replica, Replica]) -> None:
@@ -118,11 +128,11 @@ def test_a_stranger_cannot_join_as_a_backup(pair: tuple[Replica, Replica]) -> No
         listener.close(0)
 
 
-def test_forged_keep_alives_do_not_hold_off_the_takeover(pair: tuple[Replica, Replica]
+def test_forged_keep_alives_do_not_hold_off_the_takeover(own_pair: tuple[Replica, Replica]
                                                          ) -> None:
     """Defect 2: keep-alives from a stranger every 0.2 s, after the primary died, held
     the backup's takeover off for as long as they came."""
-    primary, backup = pair
+    primary, backup = own_pair
     os.kill(primary.popen.pid, signal.SIGKILL)
     primary.popen.wait(LIMIT)
     deadline = time.monotonic() + LIMIT
@@ -138,16 +148,16 @@ def test_forged_keep_alives_do_not_hold_off_the_takeover(pair: tuple[Replica, Re
     assert role.epoch == 1
 
 
-@pytest.mark.parametrize("backup_side", ["no CURVE", "another key pair", "another key"])
+@pytest.mark.parametrize("backup_side", ["another key pair", "another key"])
 def test_replicas_that_disagree_on_their_keys_say_so(tmp_path: Path, backup_side: str
                                                      ) -> None:
-    """Defect 5: a backup without CURVE, or with another key pair, beside a CURVE
-    primary, left the primary never ready and silent; two replication keys likewise.
+    """Defect 5: a backup with another key pair (or without CURVE) beside a CURVE
+    primary left the primary never ready and silent; two replication keys likewise.
     Now the primary stops at once with one line naming both sides."""
     keys = generate_curve_keys(tmp_path / "keys")
     other = generate_curve_keys(tmp_path / "other")
-    curve = {"no CURVE": None, "another key pair": str(other.server_secret),
-             "another key": None}[backup_side]
+    # (a backup without CURVE fails the same handshake: tests/test_replauth.py)
+    curve = str(other.server_secret) if backup_side == "another key pair" else None
     mine = str(make_key_file(tmp_path / "mine.key"))
     theirs = str(make_key_file(tmp_path / "theirs.key"))
     backup = start("backup", replica_config(
