@@ -93,7 +93,7 @@ def own_pair(tmp_path: Path) -> Iterator[tuple[Replica, Replica]]:
 def test_a_forged_input_is_not_taken_by_the_backup(pair: tuple[Replica, Replica]) -> None:
     """Defect 1: an input numbered next, from a stranger, would have taken the place of
     the primary's own under that number (acknowledged, never applied)."""
-    primary, backup = pair
+    _, backup = pair
     with _stranger(backup.address) as sock:
         before = _role(sock)
     after = _attack(backup.address, wrepl.Apply(before.epoch, before.applied + 1, 0.0,

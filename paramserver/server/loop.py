@@ -46,13 +46,14 @@ from paramserver.server import rejoin
 from paramserver.server.access import Access, admitted, is_loopback, load_grants
 from paramserver.server.checkpointer import RESTORE_ERRORS, Capture, Checkpointer
 from paramserver.server.config import ServerConfig
+from paramserver.server.forwarded import as_tcp
 from paramserver.server.ops import DataOps, Handler
 from paramserver.server.outbox import Outbox
 from paramserver.server.parts import JoinedParts, StreamedParts
 from paramserver.server.peers import PeerInfo, Peers
 from paramserver.server.process import READY_PREFIX, announce_ready, call_ready, own_process
 from paramserver.server.replicackpt import ReplicaCheckpoints
-from paramserver.server.replication import REPLAYED, REPLICATED_OPS, Replication, as_tcp
+from paramserver.server.replication import REPLAYED, REPLICATED_OPS, Replication
 from paramserver.server.stopping import DIVERGED_EXIT_CODE, Divergence
 from paramserver.server.tables import TableBuilder
 from paramserver.shm.link import ShmHub, asks_board, lends, sweep, take_shm
@@ -110,7 +111,7 @@ class ShardServer:
         self.outbox = Outbox(self.socket, self.counters)
         # same-host workers' tensors through shared memory (paramserver/shm/link.py);
         # with replicas too: the primary forwards what it read there as frames
-        # (replication.as_tcp), and a backup that takes over has a hub of its own
+        # (forwarded.as_tcp), and a backup that takes over has a hub of its own
         self.shm = ShmHub(config.shard, self.socket.limits) if shm_enabled() else None
         self.outbox.shm = self.shm
         self.started_at = time.time()

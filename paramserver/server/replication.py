@@ -33,19 +33,11 @@ is dropped, then joins. The primary sends it a snapshot at its last input, then
 forwards to it as to any backup, and counts it as holding an input only once it
 acknowledged the snapshot.
 
-Trust (issue 42): every replication message but the role probe is sealed with the
-run's replication key (paramserver/wire/replauth.py), and a replica takes one only
-when its seal holds, names its own shard and another of its replicas, and was never
-taken before. A stranger who reaches the port can neither inject inputs, keep-alives
-or snapshots, nor ask for the state, nor answer as a backup; a replica given another
-key, or another version, says so in one line, naming both sides. A join is taken
-only for an address of the shard's replica set, and a snapshot only of the shard's
-own plan. Under CURVE the replicas are also each other's CURVE clients with the
-shard's own key pair (the servers share one), a replica takes every replication
-message but the role probe from that key only, and a failed handshake between two
-replicas is told as a mismatch. Inputs travel encrypted, each with the key its
-worker sent it with, so that a backup checks and binds worker ids by it as the
-primary did.
+Trust (issue 42): a replica takes every replication message but the role probe only
+from another replica of its shard, sealed with the run's replication key, once
+(paramserver/server/replgate.py). Inputs travel, under CURVE, encrypted, each with
+the key its worker sent it with, so that a backup checks and binds worker ids by it
+as the primary did.
 """
 
 from __future__ import annotations
@@ -71,14 +63,14 @@ from paramserver.core.replica import (
 from paramserver.core.transfer import CoreImage
 from paramserver.errors import ConfigError, ProtocolError
 from paramserver.server.backuplink import BackupLink
-from paramserver.server.config import NO_REPLICATION_KEY
+from paramserver.server.forwarded import owned as _owned
 from paramserver.server.keepalive import KeepAlive
 from paramserver.server.rejoin import Joiner
+from paramserver.server.replgate import Gate
 from paramserver.server.takeover import Election
 from paramserver.wire import replication as wrepl
 from paramserver.wire.curve import CurveKeys
-from paramserver.wire.protocol import Message, Op, encode
-from paramserver.wire.replauth import BadSeal, ReplicationKey
+from paramserver.wire.protocol import Op
 
 if TYPE_CHECKING:
     import torch
@@ -89,7 +81,7 @@ if TYPE_CHECKING:
     from paramserver.server.config import ServerConfig
     from paramserver.server.outbox import Outbox
 
-__all__ = ["REPLAYED", "REPLICATED_OPS", "Replication", "ReplicationHost", "as_tcp"]
+__all__ = ["REPLAYED", "REPLICATED_OPS", "Replication", "ReplicationHost"]
 
 log = logging.getLogger(__name__)
 
@@ -100,41 +92,6 @@ REPLAYED = b"\x00replayed"
 Send = Callable[[bytes, list[bytes]], None]
 #: the data ops whose messages the primary forwards (the others change nothing)
 REPLICATED_OPS = frozenset({Op.HELLO, Op.INIT, Op.PUSH, Op.PULL, Op.HEARTBEAT, Op.BYE})
-
-
-#: the fields by which a same-host worker's message refers to shared memory
-_SHM_FIELDS = ("shm", "via_shm")
-
-
-def as_tcp(msg: Message, frames: list[Any]) -> list[Any]:
-    """What the backups get for ``msg``: its frames as received, or, for a message
-    that refers to its sender's shared memory (a segment offered at HELLO, tensors
-    lent in it, an answer through the weight board), the same message as it would
-    have come over TCP: those fields left out, the tensors the primary read from the
-    segment as frames (zero-copy: the worker writes its segment again only after our
-    answer, and we answer after every backup has received the whole message)."""
-    fields = msg.fields
-    if not any(k in fields for k in _SHM_FIELDS):
-        return frames
-    plain = {k: v for k, v in fields.items() if k not in _SHM_FIELDS}
-    return encode(Message(msg.op, msg.seq, plain, msg.tensors))
-
-
-def _owned(frames: Sequence[Any]) -> list[Any]:
-    """``frames`` with the memory views (as_tcp's tensors read from a worker's segment)
-    copied: a backup that is not waited for may still be sent them once the worker has
-    its answer and writes its segment again."""
-    return [bytes(f) if isinstance(f, memoryview) else f for f in frames]
-
-
-def replication_key(config: ServerConfig, curve: CurveKeys | None) -> ReplicationKey:
-    """What this replica seals its messages with: the run's key file, else (CURVE) one
-    derived from the shard key pair; neither is refused (NO_REPLICATION_KEY)."""
-    if config.replication_key:
-        return ReplicationKey.load(config.replication_key, config.shard, config.replica)
-    if curve is not None:
-        return ReplicationKey.from_curve(curve.secret, config.shard, config.replica)
-    raise ConfigError(NO_REPLICATION_KEY)
 
 
 class ReplicationHost(Protocol):
@@ -197,13 +154,9 @@ class Replication:
         # key a replication message other than a role probe is taken from
         self.curve = (CurveKeys.load(config.curve_secret_key).as_replica()
                       if config.curve_secret_key else None)
-        self.peer_key = self.curve.public_text if self.curve is not None else None
-        self.refused = 0  # replication messages refused for their key
-        # what every replication message is sealed with (a stranger has no seal)
-        self.key = replication_key(config, self.curve)
-        #: every address of the shard's replica set this replica knows of (its peers,
-        #: those keep-alives listed): the only ones a join is taken for
-        self.members: set[str] = {address, *config.replica_peers}
+        # who we take replication messages from, and what ours are sealed with
+        self.gate = Gate(config, self.curve, events, address)
+        self.key = self.gate.key
         # replica 0 starts as the primary of the backups it is given; a replica given
         # peers otherwise was started in place of a dead one, and joins (replica 0 too:
         # announcing itself as primary to the live one would wait on it as it waits)
@@ -274,7 +227,7 @@ class Replication:
         return seq
 
     def _link(self, address: str) -> BackupLink:
-        self.members.add(address)
+        self.gate.members.add(address)
         return BackupLink(address, self._context, self.key, self.timeout, self.curve)
 
     def _mismatched(self, b: BackupLink, starting: bool = False) -> bool:
@@ -282,10 +235,7 @@ class Replication:
         loudly; at the start, the shard does not start: ConfigError)."""
         if b.mismatch is None:
             return False
-        why = (f"shard {self.shard}: replica {self.replica} ({self.address}, replication key "
-               f"{self.key.key_id}) and its backup {b.address} do not agree: {b.mismatch}; "
-               f"give every replica of a shard the same --replication-key (and the same "
-               f"--curve-secret-key, or none)")
+        why = self.gate.mismatch(b.address, b.mismatch)
         if starting:
             raise ConfigError(why)
         log.error("%s", why)
@@ -423,10 +373,7 @@ class Replication:
         a resend of a request it has is ignored, a new process at a known backup's
         address replaces that backup. Only a replica of the shard's set asks, for its
         own index and an address of the set (the seal told who sealed it)."""
-        if record.replica != sender or record.address not in self.members:
-            self._refusal(f"a join of replica {record.replica} at {record.address}, sealed "
-                          f"by replica {sender}: not an address of this shard's replica "
-                          f"set ({', '.join(sorted(self.members))})")
+        if not self.gate.joins(record, sender):
             return
         if not self.state.writable or self._nonces.get(record.address) == record.nonce \
                 or self._asked.get(record.address) == record.nonce:
@@ -501,7 +448,7 @@ class Replication:
         they hold beyond its own go), and a rival promoted at a lower epoch (it steps
         down); a snapshot of a lower epoch is refused, which fences its sender."""
         if not self.state.takes_snapshot(record.epoch, record.seq):
-            self._refusal(f"a snapshot of epoch {record.epoch} at input {record.seq} from "
+            self.gate.refusal(f"a snapshot of epoch {record.epoch} at input {record.seq} from "
                           f"{record.primary}: older than this replica's state (epoch "
                           f"{self.state.epoch}, input {self.state.applied})")
             if record.epoch < self.state.epoch:
@@ -514,7 +461,7 @@ class Replication:
             theirs = "(unreadable)"
         fault = snapshot_fault(self.host.plan_description(), theirs, record.core is not None)
         if fault is not None:
-            self._refusal(f"a snapshot of epoch {record.epoch} at input {record.seq} from "
+            self.gate.refusal(f"a snapshot of epoch {record.epoch} at input {record.seq} from "
                           f"{record.primary}: {fault}")
             return
         if self.state.role is Role.PRIMARY:  # a rival of a lower epoch, not serving yet
@@ -675,25 +622,8 @@ class Replication:
             return
         if isinstance(record, wrepl.OPEN):
             return  # (answers: they come on the sockets that asked, not here)
-        if self.peer_key is not None and key != self.peer_key:
-            self.refused += 1  # a worker's (or anyone's) key: not a replica of ours
-            if self.refused in (1, 10, 100, 1000) or self.refused % 10000 == 0:
-                log.warning("shard %d: refused %d replication message(s) (the last a %s) "
-                            "from key %s: only the shard's own key replicates", self.shard,
-                            self.refused, type(record).__name__, key)
-            return
-        try:
-            sealed = self.key.open(frames)
-            if sealed.replica == self.replica or sealed.replica >= self.state.size:
-                raise BadSeal(f"sealed as replica {sealed.replica}, which is "
-                              f"{'this one' if sealed.replica == self.replica else 'none'} "
-                              f"of this shard's {self.state.size} replicas")
-        except BadSeal as exc:
-            self._refusal(f"a {type(record).__name__} refused: {exc}", exc.key_id)
-            if exc.key_id is not None:  # a replica with another key: both say so
-                send(identity, wrepl.encode(wrepl.Refusal(
-                    f"another replication key: {exc}"[:300], self.key.key_id, self.replica,
-                    self.shard)))
+        sealed = self.gate.admit(identity, record, frames, send, key)
+        if sealed is None:
             return
         if isinstance(record, wrepl.Join):
             self._on_join(record, sealed.replica)
@@ -710,7 +640,7 @@ class Replication:
                 return
             if record.peers and verdict is not Verdict.STALE:
                 self.peers = list(record.peers)
-                self.members.update(record.peers)
+                self.gate.members.update(record.peers)
             # acknowledged once held, then applied: the primary applies it meanwhile
             send(identity, self.key.seal(wrepl.encode(self._ack(record, verdict))))
             if verdict is Verdict.APPLY:
@@ -718,19 +648,6 @@ class Replication:
                     self.host.replay(rest, record.key)
                 elif record.kind in ("dead", "left_out"):
                     self.host.replay_death(record.kind, record.workers)
-
-    def _refusal(self, what: str, key_id: str | None = None) -> None:
-        """A replication message refused: said at the 1st, 10th, 100th ... time (a
-        stranger cannot flood the log), as an error when a replica with another key
-        sent it (a configuration to fix), and counted in the event log."""
-        self.refused += 1
-        if key_id is not None or self.refused in (1, 10, 100, 1000) \
-                or self.refused % 10000 == 0:
-            (log.error if key_id is not None else log.warning)(
-                "shard %d: replica %d (%s, replication key %s): %s (%d refused so far)",
-                self.shard, self.replica, self.address, self.key.key_id, what, self.refused)
-            self.events.write("replication_refused", shard=self.shard, replica=self.replica,
-                              reason=what[:300], refused=self.refused)
 
     def _ack(self, record: wrepl.Apply, verdict: Verdict) -> wrepl.Ack:
         if verdict is Verdict.STALE:
