@@ -63,6 +63,7 @@ class Gate:
         #: every address of the shard's replica set this replica knows of (its peers,
         #: those keep-alives listed): the only ones a join is taken for
         self.members: set[str] = {address, *config.replica_peers}
+        self._keys: set[str] = set()  # other keys' fingerprints already said
 
     def admit(self, identity: bytes, record: wrepl.Record, frames: Sequence[Any], send: Send,
               key: str | None) -> Sealed | None:
@@ -106,9 +107,12 @@ class Gate:
         stranger cannot flood the log), as an error when a replica with another key
         sent it (a configuration to fix), and in the event log."""
         self.refused += 1
-        if key_id is not None or self.refused in (1, 10, 100, 1000) \
-                or self.refused % 10000 == 0:
-            (log.error if key_id is not None else log.warning)(
+        # another key is said at once, each at most once (a stranger may name many)
+        told = key_id is not None and key_id not in self._keys and len(self._keys) < 16
+        if told:
+            self._keys.add(key_id or "")
+        if told or self.refused in (1, 10, 100, 1000) or self.refused % 10000 == 0:
+            (log.error if told else log.warning)(
                 "shard %d: replica %d (%s, replication key %s): %s (%d refused so far)",
                 self.shard, self.replica, self.address, self.key.key_id, what, self.refused)
             self.events.write("replication_refused", shard=self.shard, replica=self.replica,

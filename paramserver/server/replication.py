@@ -339,6 +339,7 @@ class Replication:
                     self.shard, b.address, why, len(self.backups))
         self.events.write("backup_lost", shard=self.shard, backup=b.address, reason=why,
                           epoch=self.state.epoch, backups=len(self.backups))
+        self.events.flush()  # (the worker it held is answered next: said before that)
 
     def _fenced(self, epoch: int, by: str) -> None:
         log.warning("shard %d: replica %d steps down: %s holds epoch %d (ours was older); "
