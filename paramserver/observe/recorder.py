@@ -120,8 +120,10 @@ class ShardObserver:
     # ------------------------------------------------------------------ from the server
 
     def push(self, core: ShardCore, worker: int, outcome: PushOutcome, *,
-             loss: float | None, seconds: float, nbytes: int) -> GradStats | None:
-        """A decided push (not a duplicate). Returns its gradient's figures, if measured."""
+             loss: float | None, seconds: float, nbytes: int,
+             loss_may_stop: bool = True) -> GradStats | None:
+        """A decided push (not a duplicate). Returns its gradient's figures, if measured.
+        ``loss_may_stop``: whether its claimed loss may stop the shard (Access.may_stop)."""
         grad, self._grad = self._grad, None
         if grad is not None and grad.worker != worker:
             grad = None
@@ -163,6 +165,7 @@ class ShardObserver:
             staleness=staleness, reason=outcome.reason, weight=outcome.weight,
             grad_norm=grad.norm if grad is not None else None,
             cosine=grad.cosine if grad is not None else None, loss=loss,
+            loss_may_stop=loss_may_stop,
         ))
         self._pushes += 1
         if self._pushes % max(1, self._live_count) == 0:  # about once a round: lags move slowly
@@ -175,12 +178,12 @@ class ShardObserver:
             self.fold()
         return grad
 
-    def nonfinite(self, worker: int, loss: float | None) -> None:
+    def nonfinite(self, worker: int, loss: float | None, loss_may_stop: bool = True) -> None:
         """A push refused because its gradient held NaN or Inf."""
         self._grad = None
         self._alarms(self.watchdog.observe_push(PushObservation(
             worker=worker, version=self.version, accepted=False, reason="nonfinite",
-            grad_norm=float("nan"), loss=loss)))
+            grad_norm=float("nan"), loss=loss, loss_may_stop=loss_may_stop)))
 
     def pull(self, worker: int, seconds: float, waited: float, nbytes: int) -> None:
         self._c("paramserver_pull_seconds", worker).observe(seconds)
