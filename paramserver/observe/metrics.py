@@ -497,6 +497,7 @@ class LoggedFigures:
             number = finite(v) if k not in known and isinstance(k, str) else None
             if number is not None:
                 figures[prefix + k] = number
+        assert isinstance(worker, int) and isinstance(clock, int)  # (_count said so)
         return cls(worker, clock, t, figures)
 
 
