@@ -45,6 +45,7 @@ import torch
 from paramserver.core.sharding import ParamSpec, ShardPlan, dtype_name
 from paramserver.errors import ConfigError
 from paramserver.observe.events import EventLog, write_json
+from paramserver.observe.figures import FigureGate, reserved
 from paramserver.sparse.shard import TableSpec
 from paramserver.wire.curve import CurveKeys
 from paramserver.workers.client import PART_BYTES, PSClient, PullResult, PushResult, PushStream
@@ -269,6 +270,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.straggler = straggler
         self._t_compute = time.perf_counter()  # since zero_grad() or the last step()
         self._pending: dict[str, Any] | None = None  # the latest step's record, unwritten
+        # what the script logs: finite numbers, under a bounded set of names
+        self._figures = FigureGate(f"worker {self.rank}")
         self.last_eval: dict[str, float] | None = None  # the latest figures log() got
         self._closed = False
         self._t0 = time.time()
@@ -375,8 +378,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         the SSP gate, or none). ``num_samples`` weighs this push in a sync round's
         mean (omitted: every worker counts equally). ``loss`` (or the closure's)
         travels with the push for the servers' watchdog; ``log`` adds fields to the
-        step's event record. Returns the closure's loss; the outcome is :attr:`last`."""
+        step's event record (as :meth:`log` does: not the optimizer's own names).
+        Returns the closure's loss; the outcome is :attr:`last`."""
         self._check_open()
+        for k in log or {}:
+            if reserved(k, False):
+                raise ConfigError(f"step(log={{{k!r}: ...}}): {k} is a field the optimizer "
+                                  "writes in the step record itself; give it another name")
         compute = time.perf_counter() - self._t_compute  # not the seeding below
         self._flush()  # the previous step's record, before this one may wait at a barrier
         self.seed()  # before this step's gradients go: from the weights they were taken at
@@ -455,8 +463,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
         (they join its ``step`` record); ``eval_loss``, ``eval_accuracy`` and any
         ``eval_NAME`` are held-out figures of the weights now in the model: an
         ``eval`` record (``loss``, ``accuracy``, ``NAME``) at this worker's clock.
-        Figures are numbers (a 0-d tensor is fine)."""
+        Figures are numbers (a 0-d tensor is fine). The names the optimizer writes in
+        those records itself (``worker``, ``clock``, ``staleness``, ...: docs/events.md)
+        are refused; a figure that is NaN or Inf is dropped, and so are new names past
+        ``MAX_FIGURES`` (64) per worker, each with one warning (observe/figures.py)."""
         self._check_open()
+        for k in metrics:
+            held = k.startswith("eval_")
+            if reserved(k[len("eval_"):] if held else k, held):
+                raise ConfigError(
+                    f"log({k}=...): {k} is a field the optimizer writes in the "
+                    f"{'eval' if held else 'step'} record itself; give the figure another "
+                    "name")
         train = {k: _metric(k, v) for k, v in metrics.items() if not k.startswith("eval_")}
         held_out = {k[len("eval_"):]: _metric(k, v) for k, v in metrics.items()
                     if k.startswith("eval_")}
@@ -472,6 +490,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                   "call it after step() (held-out figures: eval_NAME=...)")
             self._pending.update(train)
         self._flush()
+        kept = self._figures.admit({f"eval_{k}": v for k, v in held_out.items()})
+        held_out = {k[len("eval_"):]: v for k, v in kept.items()}
         if held_out:
             self._events.write("eval", worker=self.rank, clock=self.clock,
                                versions=list(self.versions), **held_out)
@@ -480,8 +500,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _flush(self) -> None:
         """Write the latest step's record, if not written yet."""
         if self._pending is not None:
-            self._events.write("step", **self._pending)
-            self._pending = None
+            record, self._pending = self._pending, None
+            figures = {k: v for k, v in record.items()
+                       if not reserved(k, False) and v is not None}
+            kept = self._figures.admit(figures)
+            self._events.write("step", **{k: v for k, v in record.items()
+                                          if k not in figures or k in kept})
 
     def _push_sparse(self) -> None:
         """Every ShardedEmbedding's row gradients, summed per id, to their shards (in

@@ -579,8 +579,9 @@ class ShardCore:
                                  grad_norm=grad_norm):
             refused = self.stepper.refused
             if not refused & (refused - 1):  # at 1, 2, 4, ...: a hostile stream must not flood
-                log.warning("shard %d: a step at version %d would have made the weights or the "
-                            "optimizer's state NaN or Inf; undone (%d so far)",
+                log.warning("shard %d: a step at version %d was refused: its gradient was past "
+                            "the input limit, or the step would have made the weights or the "
+                            "optimizer's state NaN or Inf (%d so far)",
                             self.config.shard, self.version, refused)
             if self.after_step is not None:  # the weights were written, and back: the
                 self.after_step()  # driver's hook closes what before_step opened

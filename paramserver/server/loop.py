@@ -341,6 +341,7 @@ class ShardServer:
             msg = decode_request(frames, self.socket.limits)
             seq = msg.seq
             self.access.check(msg, key)
+            self.ops.claims_may_stop = self.access.may_stop(key)
             replicated = repl is not None and msg.op in REPLICATED_OPS
             if replicated and repl is not None and not repl.writable:
                 if identity != REPLAYED:  # a backup is silent to workers, as a dead

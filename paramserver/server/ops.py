@@ -75,6 +75,9 @@ class DataOps:
         self.joined = joined  # pushes in parts the core takes whole
         self.streamed = streamed  # pushes in parts the core adds part by part
         self.observers = observers  # only they may read as observers (SPULL)
+        #: whether the message being handled comes from a key whose claimed figures (a
+        #: push's loss) may stop the shard (Access.may_stop); set by the loop per message
+        self.claims_may_stop = True
 
     def on_init(self, msg: Message, identity: bytes) -> Message:
         core = require_core(self.host.core)
@@ -111,7 +114,7 @@ class DataOps:
             if whole is None:
                 return reply(msg, partial=True)  # the outcome comes with the last part
             msg, b = whole, whole.body
-        read_version, loss = b.read_version, b.loss
+        read_version, loss, trusted = b.read_version, b.loss, self.claims_may_stop
         t0 = time.perf_counter()
         core.ahead.eager = streamed and b.early
         try:
@@ -120,7 +123,7 @@ class DataOps:
         except ProtocolError as exc:
             self.streamed.drop(b.worker)
             if exc.code == ErrorCode.NONFINITE:
-                self.observer.nonfinite(b.worker, loss)
+                self.observer.nonfinite(b.worker, loss, loss_may_stop=trusted)
             raise
         finally:
             core.ahead.eager = False
@@ -143,7 +146,7 @@ class DataOps:
 
             def observe() -> None:
                 grad = self.observer.push(core, worker, out, loss=loss, seconds=seconds,
-                                          nbytes=nbytes)
+                                          nbytes=nbytes, loss_may_stop=trusted)
                 self.events.write(
                     "push", shard=self.config.shard, worker=worker, clock=clock,
                     read_version=read_version, version=out.version,
