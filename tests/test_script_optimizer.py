@@ -229,7 +229,7 @@ def test_the_wrapped_optimizer_shares_its_groups_and_sends_only_the_evaluators_c
     assert wrapped.change(True, 0) == pytest.approx(0.00625 / 4)
     with pytest.raises(ConfigError, match="holds 1 tensors, the model 2 parameters"):
         Wrapped(torch.optim.SGD([model.weight], lr=0.1), dict(model.named_parameters()))
-    with pytest.raises(ConfigError, match="must be a torch.optim.Optimizer"):
+    with pytest.raises(ConfigError, match=r"must be a torch\.optim\.Optimizer"):
         Wrapped("sgd", dict(model.named_parameters()))  # type: ignore[arg-type]
 
 
