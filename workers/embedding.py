@@ -135,7 +135,8 @@ class SparseClient:
                 per[s][f"val:{table}"] = values[w].contiguous()
         msgs = [Message(Op.SPUSH, 0, {
             "worker": self.client.worker, "push_id": self._push_id, "clock": clock,
-            "read_version": int(read_versions[s]), "num_samples": int(num_samples)}, per[s])
+            "read_version": int(read_versions[s]), "num_samples": int(num_samples),
+            **({"lr": self.client.lr} if self.client.lr is not None else {})}, per[s])
             for s in range(self.num_shards)]
         replies = self._ask(msgs, range(self.num_shards), "SPUSH")
         outcomes: list[PushOutcome] = [r.body for r in replies]

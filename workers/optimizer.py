@@ -10,7 +10,8 @@ is skipped by the scaler, so nothing is pushed), checkpointing code that
 calls ``state_dict()``::
 
     model = Net()
-    opt = paramserver.DistributedOptimizer(model)   # servers, rank from the environment
+    opt = paramserver.DistributedOptimizer(        # servers, rank from the environment
+        model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
     for inputs, targets in loader:
         opt.zero_grad()
         loss_fn(model(inputs), targets).backward()
@@ -60,6 +61,7 @@ from paramserver.workers.localsgd import LocalSteps
 from paramserver.workers.overlap import BucketHooks
 from paramserver.workers.stragglers import Straggler
 from paramserver.workers.workerresult import PushCounts, WorkerResult
+from paramserver.workers.wrapped import Wrapped
 
 __all__ = ["OPTIONS_ENV", "DistributedOptimizer", "DistributedSampler", "LaunchOptions",
            "PushCounts", "StepOutcome", "WorkerResult", "read_plan", "servers_from_env"]
@@ -141,6 +143,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
     ``model_or_named_parameters`` is an ``nn.Module`` or ``named_parameters()``;
     names must be the same on every rank (they key the servers' plan).
 
+    ``optimizer``: the script's own, over the model's parameters (``torch.optim.SGD``,
+    ``Adam``, ``AdamW``, ...: paramserver/workers/wrapped.py). The servers run its class
+    and hyper-parameters when the launch named no optimizer (a launch that named
+    another refuses this worker in one line); the two share ``param_groups``, and an lr
+    the evaluating rank sets there reaches the servers with its next step.
+
     * ``servers``, ``rank``, ``world_size``: default to ``PARAMSERVER_SERVERS``,
       ``RANK``, ``WORLD_SIZE`` (0 and 1 when unset).
     * ``backward_passes_per_step``: backward passes accumulated into ``.grad``
@@ -188,6 +196,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def __init__(
         self,
         model_or_named_parameters: torch.nn.Module | Iterable[tuple[str, torch.Tensor]],
+        optimizer: torch.optim.Optimizer | None = None,
         *,
         servers: str | Iterable[str] | None = None,
         rank: int | None = None,
@@ -244,6 +253,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ConfigError("local steps push weights' changes once per round: not with "
                               "overlap or ShardedEmbedding tables")
         self.local = None if local is None else LocalSteps(local, sync_every, self.params)
+        if optimizer is not None and local is not None:
+            raise ConfigError("local=... steps on the worker and the servers' optimizer is "
+                              "the outer one: wrap no optimizer with local steps")
+        self.wrapped = None if optimizer is None else Wrapped(optimizer, self.params)
         # what the script passes wins; else the launcher's options (launch [flags] -- ...)
         given = LaunchOptions.from_env()
         chunk_bytes = given.chunk_bytes if chunk_bytes is None else chunk_bytes
@@ -263,7 +276,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             wire_dtype=given.wire_dtype if wire_dtype is None else wire_dtype,
             part_bytes=part_bytes, drop_rate=given.drop_rate if drop_rate is None else drop_rate,
             barrier_timeout=given.barrier_timeout if barrier_timeout is None
-            else barrier_timeout)
+            else barrier_timeout,
+            optimizer=None if self.wrapped is None else self.wrapped.spec.to_wire())
         # this rank's straggler scenario: step() sleeps the injected delay, logged apart
         if straggler is None and given.straggler.active:
             straggler = Straggler(given.straggler, seed=(given.seed, self.rank))
@@ -282,6 +296,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._events = events if events is not None else EventLog(
             os.environ.get(EVENT_LOG_ENV) or None)
         self.clock = self.client.connect()
+        if self.wrapped is not None:  # its param_groups are ours, at the shards' lr
+            self.wrapped.share(self, self.client.server_lr)
         # by default rank 0 seeds the weights and the others wait for them, so every
         # rank starts from rank 0's initialization (or the servers' resumed weights)
         offer = self.rank == 0 if offer_weights is None else offer_weights
@@ -364,6 +380,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # before the first bucket leaves; inside backward the parameters must not change
         # (autograd may still need them): the step's own pull brings the weights
         self._seed(pull=False)
+        self._lr_change()
         stream = self.client.push_stream(self._buckets.buckets, self.versions,
                                          self._num_samples, self.clock, prefetch=True)
         stream.loss = self._loss  # every part carries it
@@ -400,6 +417,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if num_samples is not None:
             self.set_num_samples(num_samples, self._loss if loss is None else loss)
         loss = self._loss if loss is None else float(loss)
+        self._lr_change()  # (before the sparse rows: they step at the new lr too)
         if self.sparse is not None:
             self._push_sparse()
         num = self._num_samples
@@ -427,6 +445,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 grads[name] = p.grad if p.grad is not None else torch.zeros_like(p)
             pushed, pulled = self.client.push_pull(grads, self.versions, self._num_samples,
                                                    self.clock, self.params, loss=loss)
+        if self.wrapped is not None and self.client.lr is not None:  # the shards have it
+            self.wrapped.sent, self.client.lr = self.client.lr, None
         read = self.versions
         self.clock = max(self.clock + 1, pulled.clock)
         self.versions = pulled.versions
@@ -506,6 +526,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             kept = self._figures.admit(figures)
             self._events.write("step", **{k: v for k, v in record.items()
                                           if k not in figures or k in kept})
+
+    def _lr_change(self) -> None:
+        """The evaluating rank's change to ``param_groups`` lr goes with the next push."""
+        if self.wrapped is not None:
+            self.client.lr = self.wrapped.change(self.evaluates, self.rank)
 
     def _push_sparse(self) -> None:
         """Every ShardedEmbedding's row gradients, summed per id, to their shards (in

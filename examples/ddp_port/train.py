@@ -4,12 +4,12 @@ One script, two ways to run it: under torchrun with DDP (``--ddp``, the tutorial
 code, gloo on the CPU), or as every worker of a paramserver run::
 
     torchrun --nproc-per-node 2 examples/ddp_port/train.py --ddp
-    paramserver launch -s 1 -n 2 --mode sync --lr 0.05 -- python examples/ddp_port/train.py
+    paramserver launch -s 1 -n 2 --mode sync -- python examples/ddp_port/train.py --lr 0.05
     paramserver experiment --spec examples/ddp_port/grid.toml   # sync, async, ssp:2
 
 The port is the lines marked ``# port``: no process group and no DDP wrapper;
-``DistributedOptimizer(model)`` in place of the optimizer (its learning rate is the
-servers': ``--lr``), built before the snapshot is loaded (the tutorial's order); the
+the tutorial's ``torch.optim.SGD`` wrapped in ``DistributedOptimizer`` (the servers run
+it, with this script's ``--lr``), built before the snapshot is loaded (the tutorial's order); the
 DistributedSampler is told the replicas and rank from torchrun's environment, which
 ``paramserver launch`` and ``run`` set as well; ``opt.log`` reports the loss and, on
 the worker that evaluates (``opt.evaluates``), the held-out loss and accuracy. The
@@ -110,8 +110,8 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--save-every", type=int, default=1)
     ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--lr", type=float, default=0.05, help="with --ddp only (else --lr of "
-                    "paramserver: the servers' optimizer)")
+    ap.add_argument("--lr", type=float, default=0.05,
+                    help="SGD's learning rate (under paramserver the servers run it)")
     ap.add_argument("--snapshot", default=None, help="default: none (a fresh start)")
     ap.add_argument("--ddp", action="store_true", help="the tutorial as it was: torchrun + DDP")
     ap.add_argument("--losses", default=None, help="write this rank's step losses as JSON here")
@@ -121,11 +121,9 @@ def main() -> None:
         torch.distributed.init_process_group("gloo")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
-    optimizer: torch.optim.Optimizer
-    if args.ddp:
-        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
-    else:
-        optimizer = DistributedOptimizer(model)  # port: the servers step
+    optimizer: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+    if not args.ddp:
+        optimizer = DistributedOptimizer(model, optimizer)  # port: the servers step
     data = make_data(256, seed=1)
     loader = DataLoader(data, batch_size=args.batch_size, shuffle=False,
                         sampler=DistributedSampler(data, num_replicas=world, rank=rank))

@@ -122,6 +122,16 @@ class Stepper:
         """The optimizer's current learning rate (its first group's)."""
         return float(self.optimizer.param_groups[0]["lr"])
 
+    def set_lr(self, lr: float) -> float | None:
+        """Every group's learning rate from now on (a script's change, checked at the
+        wire); the one it replaces, or None when it was that already."""
+        previous = self.lr
+        if all(g["lr"] == lr for g in self.optimizer.param_groups):
+            return None
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return previous
+
     def reads_only(self, params: Mapping[str, torch.Tensor]) -> bool:
         """Whether the next step only reads its gradients (the fused plain-SGD step):
         they may then be a worker's own tensors, not a copy."""

@@ -265,6 +265,13 @@ class ServerConfig(ConfigRecord):
         default_factory=lambda: {"lr": 0.1}, flag="optimizer-arg", kind="pairs",
         parse=parse_kwargs, cli_default={},
         help="Optimizer keyword argument, e.g. momentum=0.9 or betas=0.9,0.999 (repeatable).")
+    #: the launch named no optimizer: a worker script's wrapped one is the shards'
+    script_optimizer: bool = option(
+        False, internal="set by server, launch and run when none of --optimizer, --lr, "
+                        "--optimizer-arg is given",
+        help="Run the optimizer the first worker's script wraps "
+             "(DistributedOptimizer(model, torch.optim.SGD(...))) in place of --optimizer "
+             "and --optimizer-arg; a later worker wrapping another is refused.")
     scheduler: str | None = option(None, metavar="NAME|module:Class",
                                    help="torch.optim.lr_scheduler stepped after every optimizer "
                                         "step: step, cosine, linear, ... (default: none).")

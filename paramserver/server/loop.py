@@ -52,6 +52,7 @@ from paramserver.server.peers import PeerInfo, Peers
 from paramserver.server.process import READY_PREFIX, announce_ready, call_ready, own_process
 from paramserver.server.replicackpt import ReplicaCheckpoints
 from paramserver.server.replication import REPLAYED, REPLICATED_OPS, Replication, as_tcp
+from paramserver.server.scriptopt import ScriptOptimizer
 from paramserver.server.stopping import DIVERGED_EXIT_CODE, Divergence
 from paramserver.server.tables import TableBuilder
 from paramserver.shm.link import ShmHub, asks_board, lends, sweep, take_shm
@@ -100,6 +101,8 @@ class ShardServer:
                         config.shard, self.address)
         # what the console says comes from the records of the event log
         self.events = EventLog(config.event_log, console=console)
+        # the optimizer a worker script wraps: adopted, checked, its lr changes (scriptopt.py)
+        self.script = ScriptOptimizer(config, self.events)
         self.plan: ShardPlan | None = None
         self.core: ShardCore | None = None
         self.sparse: SparseShard | None = None  # the plan's row-sparse tables, if any
@@ -311,11 +314,13 @@ class ShardServer:
             self.tables.ready()  # (the sparse tables are saved with it)
         return self.checkpoints.capture(
             self.core, self.plan, {"optimizer_name": self.config.optimizer,
-                                   "server": self.config.to_dict()}, self.sparse, copy=copy)
+                                   "server": self.config.to_dict(), **self.script.meta()},
+            self.sparse, copy=copy)
 
     def _restore(self, directory: str) -> None:
         plan, tensors, meta = self.checkpoints.read(directory, self.plan)
         try:
+            self.script.restore(meta)  # (the optimizer the core is built with)
             self.adopt_plan(plan)
             assert self.core is not None
             self.core.load_state_dict(tensors, meta, time.monotonic())

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from paramserver.server.config import ServerConfig
     from paramserver.server.outbox import Outbox
     from paramserver.server.parts import JoinedParts, StreamedParts
+    from paramserver.server.scriptopt import ScriptOptimizer
     from paramserver.server.tables import TableBuilder
 
 __all__ = ["DataOps", "Handler", "OpsHost"]
@@ -49,6 +50,9 @@ class OpsHost(Protocol):
 
     @property
     def tables(self) -> TableBuilder | None: ...
+
+    @property
+    def script(self) -> ScriptOptimizer: ...
 
     def before_mutation(self) -> None:
         """Copy-on-write: the weights still being sent are not written in place."""
@@ -106,6 +110,8 @@ class DataOps:
     def on_push(self, msg: Message, identity: bytes) -> Message | None:
         core = require_core(self.host.core)
         b: Push = msg.body
+        if b.lr is not None:  # every part carries it: set before the first is taken
+            self._take_lr(core, b.worker, b.lr)
         streamed = b.parts != 1 and core.streams_parts
         if b.parts != 1:
             self.counters["push_parts_streamed" if streamed else "push_parts_joined"] += 1
@@ -166,6 +172,11 @@ class DataOps:
             self.outbox.park_push_pull(b.worker, token, out, early)
             return None
         return reply(msg, **out.as_dict())
+
+    def _take_lr(self, core: ShardCore, worker: int, lr: float) -> None:
+        """A registered worker's learning-rate change (scriptopt.py)."""
+        core.members.known(worker)  # NOT_REGISTERED for an id that said no HELLO
+        self.host.script.set_lr(core, self.host.sparse, worker, lr)
 
     def _partial(self, core: ShardCore, msg: Message) -> Message:
         """The answer to a part that is not the last. With ``early`` (the worker takes
@@ -237,6 +248,8 @@ class DataOps:
         if self._hold_sparse(msg, identity, self.on_spush):
             return None
         b: SPush = msg.body
+        if b.lr is not None:
+            self._take_lr(require_core(self.host.core), b.worker, b.lr)
         out = require_core(self.host.core).rows.push(
             sparse, b.worker, b.push_id, b.read_version, b.clock, b.num_samples,
             msg.tensors, (identity, msg.seq))
