@@ -5,7 +5,7 @@ of a step record and the launcher's observer raised from its wait loop; 100,000
 distinct names made 100,000 Prometheus series and 6 MB ``metrics`` records. Now the
 launcher skips records whose own fields are not the optimizer's, keeps only finite
 figures, at most MAX_FIGURES names per worker (one warning, then a drop), and nothing
-in a worker's log raises. (The rule is observe/figures.py; opt.log refuses the
+in a worker's log raises. (The rule is observe/figures.py; opt.log drops the
 optimizer's names through it.)
 """
 
@@ -80,3 +80,14 @@ def test_the_gate_and_the_optimizers_names() -> None:
     for name in ("worker", "clock", "versions"):
         assert reserved(name, True)
     assert not reserved("loss", False) and not reserved("accuracy", True)
+
+
+def test_a_script_never_overwrites_the_optimizers_fields(caplog: pytest.LogCaptureFixture
+                                                          ) -> None:
+    gate = FigureGate("worker 0")
+    with caplog.at_level(logging.WARNING):
+        step = gate.unreserved({"worker": float("nan"), "clock": float("inf"), "lr": 0.1},
+                               held_out=False)
+        held = gate.unreserved({"versions": 1.0, "accuracy": 0.5}, held_out=True)
+    assert step == {"lr": 0.1} and held == {"accuracy": 0.5}
+    assert sum("writes itself" in r.message for r in caplog.records) == 1

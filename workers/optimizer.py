@@ -395,13 +395,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         the SSP gate, or none). ``num_samples`` weighs this push in a sync round's
         mean (omitted: every worker counts equally). ``loss`` (or the closure's)
         travels with the push for the servers' watchdog; ``log`` adds fields to the
-        step's event record (as :meth:`log` does: not the optimizer's own names).
+        step's event record (as :meth:`log` does: the optimizer's own names are dropped).
         Returns the closure's loss; the outcome is :attr:`last`."""
         self._check_open()
-        for k in log or {}:
-            if reserved(k, False):
-                raise ConfigError(f"step(log={{{k!r}: ...}}): {k} is a field the optimizer "
-                                  "writes in the step record itself; give it another name")
+        log = self._figures.unreserved(log or {}, held_out=False)
         compute = time.perf_counter() - self._t_compute  # not the seeding below
         self._flush()  # the previous step's record, before this one may wait at a barrier
         self.seed()  # before this step's gradients go: from the weights they were taken at
@@ -460,7 +457,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             staleness=out.staleness, accepted=out.accepted, reasons=list(out.reasons),
             weight=out.weight, loss=loss, num_samples=num,
             compute_s=compute, sleep_s=injected, pull_s=out.pull_seconds,
-            push_s=out.push_seconds, wait_s=out.waited, bytes=out.nbytes, **(log or {}))
+            push_s=out.push_seconds, wait_s=out.waited, bytes=out.nbytes)
+        self._pending.update(log)  # figures only: the optimizer's own names are not in it
         if self._buckets is None:
             self._num_samples = 1
         self._loss = None
@@ -485,19 +483,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         ``eval`` record (``loss``, ``accuracy``, ``NAME``) at this worker's clock.
         Figures are numbers (a 0-d tensor is fine). The names the optimizer writes in
         those records itself (``worker``, ``clock``, ``staleness``, ...: docs/events.md)
-        are refused; a figure that is NaN or Inf is dropped, and so are new names past
+        are never overwritten: such a figure is dropped; a figure that is NaN or Inf is dropped, and so are new names past
         ``MAX_FIGURES`` (64) per worker, each with one warning (observe/figures.py)."""
         self._check_open()
-        for k in metrics:
-            held = k.startswith("eval_")
-            if reserved(k[len("eval_"):] if held else k, held):
-                raise ConfigError(
-                    f"log({k}=...): {k} is a field the optimizer writes in the "
-                    f"{'eval' if held else 'step'} record itself; give the figure another "
-                    "name")
-        train = {k: _metric(k, v) for k, v in metrics.items() if not k.startswith("eval_")}
-        held_out = {k[len("eval_"):]: _metric(k, v) for k, v in metrics.items()
-                    if k.startswith("eval_")}
+        train = self._figures.unreserved(
+            {k: _metric(k, v) for k, v in metrics.items() if not k.startswith("eval_")},
+            held_out=False)
+        held_out = self._figures.unreserved(
+            {k[len("eval_"):]: _metric(k, v) for k, v in metrics.items()
+             if k.startswith("eval_")}, held_out=True)
         if loss is not None:
             train["loss"] = _metric("loss", loss)
         if eval_accuracy is not None:

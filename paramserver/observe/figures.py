@@ -3,7 +3,7 @@ figures and for the launcher that reads them back.
 
 * The fields ``DistributedOptimizer`` writes itself in a ``step`` or ``eval`` record
   (:data:`STEP_FIELDS`, :data:`EVAL_FIELDS`) are its own: a script that logs one of
-  those names is refused (:func:`reserved`), and a record read back never lets a
+  those names has it dropped, with one warning (:func:`reserved`), and a record read back never lets a
   figure stand in for them.
 * Only finite numbers are kept: NaN, Inf and anything not a number are dropped.
 * Names are bounded: at most :data:`MAX_NAME` characters, and at most
@@ -66,6 +66,19 @@ class FigureGate:
         if kind not in self._warned:
             self._warned.add(kind)
             log.warning("%s: %s", self.who, message)
+
+    def unreserved(self, figures: Mapping[str, Any], held_out: bool) -> dict[str, Any]:
+        """``figures`` without the names the optimizer writes in the record they join
+        (a figure never overwrites them; the first such name is warned of)."""
+        out = {}
+        for name, value in figures.items():
+            if reserved(name, held_out):
+                self._warn("reserved", f"logged figure {name!r} is a field the optimizer "
+                                       "writes itself; it and any such are dropped (give "
+                                       "the figure another name)")
+            else:
+                out[name] = value
+        return out
 
     def admit(self, figures: Mapping[Any, Any]) -> dict[str, float]:
         """The figures to keep (``figures`` maps names to values)."""
