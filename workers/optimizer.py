@@ -459,9 +459,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         out). A row read by several forwards counts once, with its summed gradient, as
         it is pushed. Returns the total norm, before clipping."""
         dense = [p for p in self.params.values() if p.grad is not None]
+        grads = [g for g in (p.grad for p in dense) if g is not None]
         rows = [m.grad_rows()[1] for _, m in self.tables]
-        total = torch.nn.utils.get_total_norm([*(p.grad for p in dense), *rows], norm_type,
-                                              error_if_nonfinite)
+        total = torch.nn.utils.get_total_norm([*grads, *rows], norm_type, error_if_nonfinite)
         torch.nn.utils.clip_grads_with_norm_(dense, max_norm, total)
         factor = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)  # (torch's rule)
         for _, m in self.tables:
