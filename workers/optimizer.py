@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from paramserver.core import features
 from paramserver.core.sharding import ParamSpec, ShardPlan, dtype_name
 from paramserver.errors import ConfigError
 from paramserver.observe.events import EventLog, write_json
@@ -56,7 +57,12 @@ from paramserver.workers.config import (
     LaunchOptions,
     check_evaluator,
 )
-from paramserver.workers.embedding import SparseClient, sparse_modules
+from paramserver.workers.embedding import (
+    SparseClient,
+    refuse_sparse_grads,
+    sparse_grad_refusal,
+    sparse_modules,
+)
 from paramserver.workers.localsgd import LocalSteps
 from paramserver.workers.overlap import BucketHooks
 from paramserver.workers.stragglers import Straggler
@@ -225,6 +231,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # ShardedEmbedding tables: on the shards by row, pushed by step() beside the dense
         tables = []
         if isinstance(model_or_named_parameters, torch.nn.Module):
+            refuse_sparse_grads(model_or_named_parameters)
             named = list(model_or_named_parameters.named_parameters())
             tables = sparse_modules(model_or_named_parameters)
         else:
@@ -249,9 +256,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.params: dict[str, torch.Tensor] = dict(named)
         if local is None and sync_every != 1:
             raise ConfigError("sync_every needs a local optimizer (local=...)")
-        if local is not None and (overlap or tables):
-            raise ConfigError("local steps push weights' changes once per round: not with "
-                              "overlap or ShardedEmbedding tables")
+        # the feature pairs a script turns on here are refused as the launcher refuses
+        # them (one table: paramserver/core/features.py); with --replicas the launcher
+        # gives a shard's replicas joined by "|"
+        features.check(features.active(
+            local_sgd=local is not None, overlap=overlap, sparse=bool(tables),
+            replicas=any("|" in s for s in self.servers)))
         self.local = None if local is None else LocalSteps(local, sync_every, self.params)
         if optimizer is not None and local is not None:
             raise ConfigError("local=... steps on the worker and the servers' optimizer is "
@@ -439,6 +449,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         else:
             grads = {}
             for name, p in self.params.items():
+                if p.grad is not None and p.grad.is_sparse:  # (named_parameters given)
+                    raise ConfigError(sparse_grad_refusal(name))
                 grads[name] = p.grad if p.grad is not None else torch.zeros_like(p)
             pushed, pulled = self.client.push_pull(grads, self.versions, self._num_samples,
                                                    self.clock, self.params, loss=loss)
@@ -464,6 +476,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._loss = None
         self._t_compute = time.perf_counter()
         return result
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over every gradient the next ``step()``
+        pushes: the parameters' and the ShardedEmbedding tables' rows (which are no
+        parameters of the model, so torch's, given ``model.parameters()``, leaves them
+        out). A row read by several forwards counts once, with its summed gradient, as
+        it is pushed. Returns the total norm, before clipping."""
+        dense = [p for p in self.params.values() if p.grad is not None]
+        grads = [g for g in (p.grad for p in dense) if g is not None]
+        rows = [m.grad_rows()[1] for _, m in self.tables]
+        total = torch.nn.utils.get_total_norm([*grads, *rows], norm_type, error_if_nonfinite)
+        torch.nn.utils.clip_grads_with_norm_(dense, max_norm, total)
+        factor = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)  # (torch's rule)
+        for _, m in self.tables:
+            m.scale_grads_(factor)
+        return total
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's, and the start of the next step's compute time (for the straggler

@@ -27,6 +27,8 @@ from typing import Any, ClassVar, TypeVar
 
 # only light modules: the CLI declares its options from these classes, and `--help`
 # must not wait for torch (tests/test_cli_startup.py)
+from paramserver.core import features
+from paramserver.core.features import BUILTIN_POLICIES
 from paramserver.core.limits import PlanLimits, estimate_copies
 from paramserver.core.modes import MODES, CoreConfig, Mode, ModeSpec
 from paramserver.core.stepsize import LR_SCALINGS
@@ -445,11 +447,13 @@ class ServerConfig(ConfigRecord):
                               f"digits), got {self.plan_hash!r}")
         check_bounds(self)  # the rest of the bounds the fields declare
         self._check_replicas()
+        features.check(self.features())  # the pairs of features that do not work together
         self.watchdog_config()
 
     def _check_replicas(self) -> None:
         """--replicas works for what paramserver/server/replication.py was built and
-        tested for; anything else is refused in one line naming what works."""
+        tested for; anything else is refused in one line naming what works. (The
+        built-in policies it refuses are in the feature table: features.check.)"""
         from paramserver.core.replica import MAX_REPLICAS, unreplicable
 
         if not self.replicas:
@@ -468,14 +472,20 @@ class ServerConfig(ConfigRecord):
             raise ConfigError(f"--replicas {self.replicas}: at most {MAX_REPLICAS} backups "
                               f"per shard (each one more is one more copy of every input "
                               f"and one more wait before a worker is answered)")
-        if self.policy != "none":  # (the registry loads torch: only when one is named)
-            from paramserver.policies import resolve_policy
+        if self.policy not in ("none", *BUILTIN_POLICIES):  # a plug-in policy: asked by
+            from paramserver.policies import resolve_policy  # its hooks (loads torch)
 
             why = unreplicable(resolve_policy(self.policy))
             if why:
                 raise ConfigError(f"--replicas does not work with --policy {self.policy}: "
                                   f"{why}; policies that decide from each push alone "
                                   f"(reject, inverse, exponential) do")
+
+    def features(self) -> set[str]:
+        """The features of paramserver/core/features.py this shard's options turn on."""
+        return features.active(replicas=self.replicas, curve=bool(self.curve_secret_key),
+                               resume=bool(self.resume), optimizer=self.optimizer,
+                               policy=self.policy, backup_workers=self.backup_workers)
 
     def watchdog_config(self) -> WatchdogConfig:
         """The watchdog's thresholds, with ``observe`` as its ``observe_budget``; the older

@@ -29,6 +29,7 @@ from typing import Any, cast
 import torch
 import zmq
 
+from paramserver.core import features
 from paramserver.core.probe import MeasureBudget
 from paramserver.core.shard import ShardCore, SliceSpec
 from paramserver.core.sharding import ShardPlan
@@ -594,6 +595,11 @@ class ShardServer:
                 f"the worker's plan has {plan.num_shards} shards; this server is shard "
                 f"{self.config.shard} of {self.config.num_shards}",
             )
+        if plan.sparse:  # (a command's tables are known here first: one rule, the table's)
+            try:
+                features.check(self.config.features() | {"sparse"})
+            except ConfigError as exc:
+                raise ProtocolError(ErrorCode.BAD_FIELD, f"invalid plan: {exc}") from exc
         slices = [SliceSpec(s.key, s.numel, s.dtype) for s in plan.shard_slices(self.config.shard)]
         core = ShardCore(slices, self.config.core_config(), self.policy)
         self.sparse = SparseShard.for_server(plan, self.config, core.members.live_ids)

@@ -250,6 +250,7 @@ class ExperimentSpec:
                         dict(self.optimizer_args))
         self._check_local()
         self._check_replicas()
+        self._check_features()
 
     def _check_size(self) -> None:
         """At most MAX_RUNS runs, counted before any axis is expanded or checked."""
@@ -277,6 +278,15 @@ class ExperimentSpec:
                     except ConfigError as exc:
                         raise ConfigError(f"replicas = {replicas} with mode {mode}, policy "
                                           f"{policy.label}: {exc}") from None
+
+    def _check_features(self) -> None:
+        """Every run of the grid turns on features that work together, as ``launch``
+        would have them (paramserver/core/features.py): refused here, before any runs."""
+        for config in self.configurations():
+            try:
+                self.cluster_spec(config, 0)
+            except ConfigError as exc:
+                raise ConfigError(f"the runs {config.label!r}: {exc}") from None
 
     def _check_local(self) -> None:
         """Modes with h=H: their optimizers build, and every worker's steps are whole
