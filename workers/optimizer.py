@@ -512,8 +512,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         ``eval`` record (``loss``, ``accuracy``, ``NAME``) at this worker's clock.
         Figures are numbers (a 0-d tensor is fine). The names the optimizer writes in
         those records itself (``worker``, ``clock``, ``staleness``, ...: docs/events.md)
-        are never overwritten: such a figure is dropped; a figure that is NaN or Inf is dropped, and so are new names past
-        ``MAX_FIGURES`` (64) per worker, each with one warning (observe/figures.py)."""
+        are never overwritten: such a figure is dropped, as is one that is NaN or Inf,
+        and new names past ``MAX_FIGURES`` (64) per worker, each kind with one warning
+        (observe/figures.py)."""
         self._check_open()
         train = self._figures.unreserved(
             {k: _metric(k, v) for k, v in metrics.items() if not k.startswith("eval_")},

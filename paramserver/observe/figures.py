@@ -2,9 +2,9 @@
 figures and for the launcher that reads them back.
 
 * The fields ``DistributedOptimizer`` writes itself in a ``step`` or ``eval`` record
-  (:data:`STEP_FIELDS`, :data:`EVAL_FIELDS`) are its own: a script that logs one of
-  those names has it dropped, with one warning (:func:`reserved`), and a record read back never lets a
-  figure stand in for them.
+  (:data:`STEP_FIELDS`, :data:`EVAL_FIELDS`) are its own: a figure a script logs
+  under one of those names is dropped, with one warning (:func:`reserved`), and a
+  record read back never lets a figure stand in for them.
 * Only finite numbers are kept: NaN, Inf and anything not a number are dropped.
 * Names are bounded: at most :data:`MAX_NAME` characters, and at most
   :data:`MAX_FIGURES` distinct names per worker (every name is a Prometheus series
