@@ -544,8 +544,9 @@ class ShardCore:
         return rules.answered(decision, info.staleness, self.version, True)
 
     def maybe_close_round(self) -> bool:
-        """Close the open sync round when at most ``backup_workers`` live ones are missing."""
-        if self.mode.mode != Mode.SYNC or not rules.round_full(
+        """Close the open sync round when at most ``backup_workers`` live ones are missing
+        (never while a resumed run still awaits a worker's return)."""
+        if self.mode.mode != Mode.SYNC or self.members.awaited or not rules.round_full(
                 self.round.members, self.members.pacing_ids(), self.mode.backup_workers):
             return False
         if self.round.in_flight():
@@ -678,6 +679,17 @@ class ShardCore:
                                 for wid, w in meta["workers"].items()}
         self.pulls.clear()
         self.rows.reset()
+
+    @property
+    def between_rounds(self) -> bool:
+        """Whether a sync shard stands between two rounds (nothing in the open one);
+        always, in the other modes. A sync run's shards checkpoint there."""
+        return self.mode.mode != Mode.SYNC or (self.round.empty() and not self.round.in_flight())
+
+    def await_workers(self) -> list[int]:
+        """The whole run resumed from this snapshot: wait for every worker to come back
+        before anything is answered (:meth:`Membership.await_restored`)."""
+        return self.members.await_restored()
 
     # ------------------------------------------------------------------ reporting
 

@@ -314,7 +314,9 @@ class ShardServer:
                                    "server": self.config.to_dict()}, self.sparse, copy=copy)
 
     def _restore(self, directory: str) -> None:
-        plan, tensors, meta = self.checkpoints.read(directory, self.plan)
+        # a shard restarted alone takes its latest; a resumed run, the round all hold
+        plan, tensors, meta = self.checkpoints.read(directory, self.plan,
+                                                    alone=self.config.restart)
         try:
             self.adopt_plan(plan)
             assert self.core is not None
@@ -325,7 +327,10 @@ class ShardServer:
             self.core = self.plan = None
             self.sparse = self.tables = None  # the server does not start from it
             raise self.checkpoints.unusable(directory, exc) from exc
-        self.checkpoints.resumed(directory, self.core.version)
+        if not self.config.restart:  # the workers are new processes: await each
+            self.core.await_workers()
+        self.checkpoints.resumed(directory, self.core.version,
+                                 settle=self.config.replica == 0 and not self.config.replacement)
 
     # ------------------------------------------------------------------ dispatch
 
