@@ -118,7 +118,7 @@ def _resumed(core: ShardCore) -> ShardCore:
     meta = json.loads(json.dumps(meta))  # as a checkpoint's manifest holds it
     fresh = ShardCore(KEYS, core.config)
     fresh.load_state_dict(tensors, meta, now=100.0)
-    fresh.await_workers()
+    fresh.members.await_restored()
     return fresh
 
 

@@ -119,7 +119,7 @@ class SyncRound:
         """Whether nothing is in the open round (no push, whole, in parts or set aside,
         and not void): the shard stands between two rounds."""
         return not (self.members or self.streams or self.waiting or self.samples
-                    or self.void or self.written)
+                    or self.void or self.written or self.in_flight())
 
     def in_flight(self) -> bool:
         """Whether a push in the making has parts in the buffer already (or set

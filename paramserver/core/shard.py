@@ -545,7 +545,7 @@ class ShardCore:
 
     def maybe_close_round(self) -> bool:
         """Close the open sync round when at most ``backup_workers`` live ones are missing
-        (never while a resumed run still awaits a worker's return)."""
+        (and no resumed worker is awaited)."""
         if self.mode.mode != Mode.SYNC or self.members.awaited or not rules.round_full(
                 self.round.members, self.members.pacing_ids(), self.mode.backup_workers):
             return False
@@ -682,14 +682,8 @@ class ShardCore:
 
     @property
     def between_rounds(self) -> bool:
-        """Whether a sync shard stands between two rounds (nothing in the open one);
-        always, in the other modes. A sync run's shards checkpoint there."""
-        return self.mode.mode != Mode.SYNC or (self.round.empty() and not self.round.in_flight())
-
-    def await_workers(self) -> list[int]:
-        """The whole run resumed from this snapshot: wait for every worker to come back
-        before anything is answered (:meth:`Membership.await_restored`)."""
-        return self.members.await_restored()
+        """Nothing in the open sync round (always, in the other modes)."""
+        return self.mode.mode != Mode.SYNC or self.round.empty()
 
     # ------------------------------------------------------------------ reporting
 

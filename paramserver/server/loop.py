@@ -328,7 +328,7 @@ class ShardServer:
             self.sparse = self.tables = None  # the server does not start from it
             raise self.checkpoints.unusable(directory, exc) from exc
         if not self.config.restart:  # the workers are new processes: await each
-            self.core.await_workers()
+            self.core.members.await_restored()
         self.checkpoints.resumed(directory, self.core.version,
                                  settle=self.config.replica == 0 and not self.config.replacement)
 
