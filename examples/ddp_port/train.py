@@ -9,7 +9,9 @@ code, gloo on the CPU), or as every worker of a paramserver run::
 
 The port is the lines marked ``# port``: no process group and no DDP wrapper;
 the tutorial's ``torch.optim.SGD`` wrapped in ``DistributedOptimizer`` (the servers run
-it, with this script's ``--lr``), built before the snapshot is loaded (the tutorial's order); the
+it, with this script's ``--lr``), built before the snapshot is loaded (the tutorial's order); a run
+resumed from the servers' checkpoints (``launch --resume DIR``) goes on at
+``opt.clock``, the steps this rank has done, skipping them (and the snapshot); the
 DistributedSampler is told the replicas and rank from torchrun's environment, which
 ``paramserver launch`` and ``run`` set as well; ``opt.log`` reports the loss and, on
 the worker that evaluates (``opt.evaluates``), the held-out loss and accuracy. The
@@ -55,14 +57,21 @@ class Trainer:
         self.snapshot_path = snapshot_path
         self.held_out = held_out
         self.epochs_run = 0
+        self.skip = 0  # batches of epochs_run done already
         self.losses: list[float] = []
-        if snapshot_path and os.path.exists(snapshot_path):
+        self.opt = optimizer if isinstance(optimizer, DistributedOptimizer) else None  # port
+        if self.opt is not None and self.opt.clock:  # port: a resumed run (launch --resume):
+            # the servers' checkpoint says where training stands, and the model holds its
+            # weights: skip the steps done, not the snapshot's epochs
+            self.epochs_run, self.skip = divmod(self.opt.clock, len(train_data))
+            print(f"rank {self.rank}: resuming at step {self.opt.clock} (epoch "
+                  f"{self.epochs_run}, batch {self.skip})")
+        elif snapshot_path and os.path.exists(snapshot_path):
             self._load_snapshot(snapshot_path)
         if ddp:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             self.model = DDP(self.model)
-        self.opt = optimizer if isinstance(optimizer, DistributedOptimizer) else None  # port
 
     def _load_snapshot(self, path: str) -> None:
         self.model.load_state_dict(load_file(path))
@@ -82,7 +91,9 @@ class Trainer:
     def _run_epoch(self, epoch: int) -> None:
         assert isinstance(self.train_data.sampler, DistributedSampler)
         self.train_data.sampler.set_epoch(epoch)
-        for source, targets in self.train_data:
+        for i, (source, targets) in enumerate(self.train_data):
+            if epoch == self.epochs_run and i < self.skip:
+                continue  # port: done before the run was resumed
             self._run_batch(source, targets)
         if self.opt is not None and self.opt.evaluates:  # port: held-out figures
             x, y = self.held_out[:]

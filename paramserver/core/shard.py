@@ -544,8 +544,9 @@ class ShardCore:
         return rules.answered(decision, info.staleness, self.version, True)
 
     def maybe_close_round(self) -> bool:
-        """Close the open sync round when at most ``backup_workers`` live ones are missing."""
-        if self.mode.mode != Mode.SYNC or not rules.round_full(
+        """Close the open sync round when at most ``backup_workers`` live ones are missing
+        (and no resumed worker is awaited)."""
+        if self.mode.mode != Mode.SYNC or self.members.awaited or not rules.round_full(
                 self.round.members, self.members.pacing_ids(), self.mode.backup_workers):
             return False
         if self.round.in_flight():
@@ -679,6 +680,11 @@ class ShardCore:
                                 for wid, w in meta["workers"].items()}
         self.pulls.clear()
         self.rows.reset()
+
+    @property
+    def between_rounds(self) -> bool:
+        """Nothing in the open sync round (always, in the other modes)."""
+        return self.mode.mode != Mode.SYNC or self.round.empty()
 
     # ------------------------------------------------------------------ reporting
 

@@ -413,6 +413,13 @@ class ServerConfig(ConfigRecord):
                                internal="set by launch on a replica it starts again",
                                help="This process replaces a dead replica of its shard.")
 
+    #: a shard started again alone while its run goes on: its workers are running, so
+    #: it resumes its own latest checkpoint and awaits no one (a whole run's --resume
+    #: takes the round every shard holds and waits for every worker to come back)
+    restart: bool = option(False, per_process=True,
+                           internal="set by launch on a shard it starts again",
+                           help="This shard restarts alone; its run goes on.")
+
     def __post_init__(self) -> None:
         if self.num_shards < 1:
             raise ConfigError(f"num_shards must be >= 1, got {self.num_shards}")

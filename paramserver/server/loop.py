@@ -319,7 +319,9 @@ class ShardServer:
             self.sparse, copy=copy)
 
     def _restore(self, directory: str) -> None:
-        plan, tensors, meta = self.checkpoints.read(directory, self.plan)
+        # a shard restarted alone takes its latest; a resumed run, the round all hold
+        plan, tensors, meta = self.checkpoints.read(directory, self.plan,
+                                                    alone=self.config.restart)
         try:
             self.script.restore(meta)  # (the optimizer the core is built with)
             self.adopt_plan(plan)
@@ -331,7 +333,10 @@ class ShardServer:
             self.core = self.plan = None
             self.sparse = self.tables = None  # the server does not start from it
             raise self.checkpoints.unusable(directory, exc) from exc
-        self.checkpoints.resumed(directory, self.core.version)
+        if not self.config.restart:  # the workers are new processes: await each
+            self.core.members.await_restored()
+        self.checkpoints.resumed(directory, self.core.version,
+                                 settle=self.config.replica == 0 and not self.config.replacement)
 
     # ------------------------------------------------------------------ dispatch
 

@@ -162,7 +162,7 @@ class DataOps:
                     cosine=grad.cosine if grad else None)
 
             self.host.defer(observe)
-        if out.applied and self.config.checkpoint_every:
+        if out.applied and (self.config.checkpoint_every or self.config.checkpoint_seconds):
             self.host.maybe_checkpoint()
         if b.pull:
             # push + pull in one round trip: the answer is the pull's, sent when its

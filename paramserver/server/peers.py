@@ -154,7 +154,8 @@ class Peers:
             # how it joins, read before register changes the worker's entry
             before = core.workers.get(b.worker)
             from_clock = before.clock if before is not None else None
-            joined = ("new" if before is None else "restart"
+            joined = ("resumed" if b.worker in core.members.awaited else "new"
+                      if before is None else "restart"
                       if before.incarnation != b.incarnation else "again"
                       if before.live and not before.finished else "back")
             started = core.started
