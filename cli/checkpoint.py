@@ -52,6 +52,14 @@ def _clocks(workers: dict[str, dict[str, Any]]) -> str:
     return text or "-"
 
 
+def _round(shard: dict[str, Any]) -> str:
+    """A sync shard's closed rounds, and who is in its open round ("-": another mode)."""
+    if shard.get("round") is None or not str(shard.get("mode", "")).startswith("sync"):
+        return "-"
+    members = shard.get("open_round") or []
+    return f"{shard['round']}" + (f" +{members}" if members else "")
+
+
 EPILOG = """\b
 Examples:
   # a run that checkpoints every 50 versions
@@ -81,7 +89,11 @@ Examples:
 @click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def inspect(directory: Path, as_json: bool) -> None:
-    """Show each shard's latest checkpoint in DIRECTORY and whether they form a whole."""
+    """Show each shard's latest checkpoint in DIRECTORY and whether they form a whole.
+
+    A sync run's shards form a whole only at one round (ROUND: the rounds closed,
+    +[workers] in the open one); where they differ, it names the round `--resume`
+    takes, the newest all of them hold."""
     from rich.table import Table
 
     from paramserver.cli.progress import cli_console
@@ -96,12 +108,12 @@ def inspect(directory: Path, as_json: bool) -> None:
         return
     console = cli_console()
     table = Table(title=f"checkpoint {directory}")
-    for column in ("shard", "version", "mode", "size", "created", "workers' clocks"):
+    for column in ("shard", "version", "mode", "round", "size", "created", "workers' clocks"):
         table.add_column(column, justify="right" if column in ("shard", "version", "size")
                          else "left")
     for s in info["shards"]:
-        table.add_row(str(s["shard"]), str(s["version"]), str(s["mode"]), _size(s["bytes"]),
-                      _when(s["created"]), _clocks(s["workers"]))
+        table.add_row(str(s["shard"]), str(s["version"]), str(s["mode"]), _round(s),
+                      _size(s["bytes"]), _when(s["created"]), _clocks(s["workers"]))
     console.print(table)
     hashes = {s["plan_hash"] for s in info["shards"]}
     if info["complete"]:
@@ -113,6 +125,8 @@ def inspect(directory: Path, as_json: bool) -> None:
             why.append(f"no checkpoint for shard(s) {info['missing_shards']}")
         if len(hashes) > 1:
             why.append("shards come from different plans")
+        if not info["consistent"]:  # a sync run's shards at different rounds
+            why.append(info["note"])
         console.print(f"[red]incomplete[/]: {'; '.join(why)}", highlight=False)
 
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from paramserver.core import features
 from paramserver.errors import ConfigError, ParamServerError, RemoteError, TransportError
 from paramserver.workers.config import (
     EVALUATOR_ENV,
@@ -156,6 +157,9 @@ def run(ctx: click.Context, **opts: Any) -> None:
     # every option is checked before the launcher's environment is even read
     server_template = options.server_config(opts, bind="tcp://127.0.0.1:0")
     worker_template = options.worker_config(ctx, opts, servers=["rendezvous"])
+    with options.user_errors():  # the pairs launch refuses too (one table)
+        features.check(features.of_run(server_template.features(), worker_template.features(),
+                                       bool(command), worker_template.task))
     options.maybe_print_config(ctx, opts)
     with options.user_errors():
         env = launch_env(launcher=opts["launcher"], store_host=opts["store_host"],

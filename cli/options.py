@@ -609,6 +609,11 @@ def server_config(opts: Mapping[str, Any], **fixed: Any) -> ServerConfig:
 
     values = config_values(ServerConfig, opts)
     values["optimizer_args"] = {"lr": opts["lr"], **values["optimizer_args"]}
+    # no optimizer named (flag, environment, config file): a worker script's wrapped one
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None and all(ctx.get_parameter_source(name) in (None, ParameterSource.DEFAULT)
+                               for name in ("optimizer", "lr", "optimizer_args")):
+        values["script_optimizer"] = True
     if "host" in opts and "port" in opts and "bind" not in fixed:
         values["bind"] = bind_address(opts["host"], opts["port"])
     values.update(fixed)

@@ -64,6 +64,7 @@ __all__ = [
     "NonFiniteError",
     "NotInitializedError",
     "NotRegisteredError",
+    "OptimizerMismatchError",
     "ParamServerError",
     "ProtocolError",
     "ProtocolVersionError",
@@ -93,6 +94,8 @@ class ErrorCode(StrEnum):
     TOO_LARGE = "too_large"  # over a size limit
     PROTOCOL_VERSION = "protocol_version"
     PLAN_MISMATCH = "plan_mismatch"
+    # the optimizer a worker's script wraps is not the one the shard runs
+    OPTIMIZER_MISMATCH = "optimizer_mismatch"
     NOT_REGISTERED = "not_registered"
     DUPLICATE_WORKER = "duplicate_worker"  # another process holds the id: retry, it may be dead
     WORKER_IN_USE = "worker_in_use"  # ... and it is live: a second process, final
@@ -191,6 +194,13 @@ class IncompatiblePlanError(RemoteError):
     codes = (ErrorCode.PLAN_MISMATCH,)
 
 
+class OptimizerMismatchError(RemoteError):
+    """The optimizer a worker's script wraps is not the one the shard runs (the launch
+    named another, or another worker's script wrapped another)."""
+
+    codes = (ErrorCode.OPTIMIZER_MISMATCH,)
+
+
 class NotRegisteredError(RemoteError):
     """The shard does not know this worker (no HELLO, said BYE, or timed out)."""
 
@@ -263,6 +273,7 @@ class RemoteInternalError(RemoteError):
 REMOTE_ERRORS: Mapping[ErrorCode, type[RemoteError]] = MappingProxyType({
     code: cls
     for cls in (BadRequestError, ProtocolVersionError, IncompatiblePlanError,
+                OptimizerMismatchError,
                 NotRegisteredError, DuplicateWorkerError, WorkerInUseError,
                 NotInitializedError,
                 FutureVersionError, NonFiniteError, TrainingStoppedError,

@@ -39,7 +39,10 @@ def main() -> None:
             loss = torch.nn.functional.mse_loss(model(x), y)
             loss.backward()
             opt.step(num_samples=5)
-            opt.log(loss=loss.detach(), grad_norm=1.5)  # joins this step's record
+            # joins this step's record; the optimizer's own fields and non-finite
+            # figures are dropped, not kept
+            opt.log(loss=loss.detach(), grad_norm=1.5, worker=float("nan"),
+                    clock=float("inf"), junk=float("nan"))
             if opt.evaluates and k % 2 == 1:  # held-out figures: the latest is the result's
                 with torch.no_grad():
                     x, y = T.batch(99, k, 8)

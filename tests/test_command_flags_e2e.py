@@ -89,6 +89,7 @@ def test_stragglers_seed_and_client_options_act_and_opt_log_reports(tmp_path):
             want = max(s["compute_s"], 0.05) * slowdown - s["compute_s"]
             assert s["sleep_s"] == pytest.approx(want, abs=1e-9)
             assert s["grad_norm"] == 1.5 and isinstance(s["loss"], float)  # opt.log's
+            assert s["worker"] == rank and isinstance(s["clock"], int) and "junk" not in s
     # the straggler's every step lasts >= 4 x 0.05 s, >= 0.15 s of it injected
     assert all(s["sleep_s"] >= 0.15 for s in read_events(out / "events" / "worker1.jsonl",
                                                            "step"))

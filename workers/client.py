@@ -82,6 +82,7 @@ class PSClient:
         part_bytes: int = PART_BYTES,
         barrier_timeout: float = 0.0,
         shm: bool = True,
+        optimizer: Mapping[str, Any] | None = None,
     ) -> None:
         if len(addresses) != plan.num_shards:
             raise TransportError(
@@ -110,6 +111,12 @@ class PSClient:
         self._params: Mapping[str, torch.Tensor] | None = None
         self.initialized = False  # every shard held weights at connect()
         self.incarnation = uuid.uuid4().hex
+        # the optimizer the script wraps, for the shards' HELLO (core/hyper.py's map);
+        # ``lr``: a learning rate every push carries until it is None again (a change
+        # the evaluating rank made); ``server_lr``: the shards' at connect()
+        self.optimizer = None if optimizer is None else dict(optimizer)
+        self.lr: float | None = None
+        self.server_lr: float | None = None
         # a worker on a shard's host moves tensors through shared memory if the
         # shard agrees at HELLO (paramserver/shm/link.py); anything else goes over TCP
         # (``shm=False``: TCP even then, as the benchmark's ps-tcp row measures)
@@ -160,6 +167,7 @@ class PSClient:
             "plan_hash": self.plan.hash, "plan": self.plan.describe(),
             "incarnation": self.incarnation,
             "host": socket.gethostname(), "pid": os.getpid(),
+            **({"optimizer": self.optimizer} if self.optimizer is not None else {}),
         })
 
     def _init(self, shards: Sequence[int]) -> tuple[list[Message], list[int]]:
@@ -325,6 +333,7 @@ class PSClient:
             self._heartbeat.start()
         # every shard holds weights already (a rejoin, a resumed run): nobody seeds them
         self.initialized = all(h.initialized for h in hellos)
+        self.server_lr = hellos[0].lr
         return max(h.clock for h in hellos)
 
     def initialize(self, params: Mapping[str, torch.Tensor]) -> bool:
@@ -518,6 +527,8 @@ class PSClient:
                                 "clock": clock, "num_samples": num_samples}
         if loss is not None:  # the servers' divergence watchdog follows the training loss
             head["loss"] = float(loss)
+        if self.lr is not None:
+            head["lr"] = self.lr
         msgs = []
         for s in range(len(self.channels)):
             fields = {**head, "read_version": read_versions[s]}

@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 
 import msgspec
 
+from paramserver.core import features
 from paramserver.core.limits import DEFAULT_CHUNK_BYTES
 from paramserver.errors import ConfigError
 from paramserver.server.config import ConfigRecord, check_bounds, option
@@ -172,8 +173,7 @@ class WorkerConfig(ConfigRecord):
                               f"None (gradients as they are); got {self.wire_dtype!r}")
         if self.sync_every != 1 and self.local_optimizer is None:
             raise ConfigError("sync_every needs local_optimizer (--local-optimizer)")
-        if self.local_optimizer is not None and self.overlap:
-            raise ConfigError("local_optimizer pushes once per round: not with overlap")
+        features.check(self.features())  # the pairs of features that do not work together
         check_bounds(self)  # the rest of the bounds the fields declare
         if not _DEVICE.fullmatch(self.device):
             raise ConfigError(f"device must be auto, cpu or cuda:N; got {self.device!r}")
@@ -181,6 +181,13 @@ class WorkerConfig(ConfigRecord):
             from paramserver.workers.worker import resolve_device
 
             resolve_device(self.device)
+
+
+    def features(self) -> set[str]:
+        """The features of paramserver/core/features.py this worker's options turn on."""
+        return features.active(curve=bool(self.curve_key),
+                               local_sgd=self.local_optimizer is not None,
+                               overlap=self.overlap, wire_dtype=self.wire_dtype)
 
 
 def _worker_default(name: str) -> Any:

@@ -36,7 +36,7 @@ from paramserver.wire.transport import request_all
 from paramserver.workers.client import PART_BYTES, PSClient
 
 __all__ = ["ShardedEmbedding", "ShardedEmbeddingBag", "SparseClient", "pull_tables",
-           "sparse_modules"]
+           "refuse_sparse_grads", "sparse_grad_refusal", "sparse_modules"]
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,8 @@ class SparseClient:
                 per[s][f"val:{table}"] = values[w].contiguous()
         msgs = [Message(Op.SPUSH, 0, {
             "worker": self.client.worker, "push_id": self._push_id, "clock": clock,
-            "read_version": int(read_versions[s]), "num_samples": int(num_samples)}, per[s])
+            "read_version": int(read_versions[s]), "num_samples": int(num_samples),
+            **({"lr": self.client.lr} if self.client.lr is not None else {})}, per[s])
             for s in range(self.num_shards)]
         replies = self._ask(msgs, range(self.num_shards), "SPUSH")
         outcomes: list[PushOutcome] = [r.body for r in replies]
@@ -268,7 +269,14 @@ class ShardedEmbedding(nn.Module):
     def take_grads(self) -> tuple[torch.Tensor, torch.Tensor, list[int] | None]:
         """(unique ids, their summed gradients, the oldest versions read) of every
         forward since the last step; the rows are dropped."""
-        reads, self._reads = self._reads, []
+        out = self.grad_rows()
+        self._reads = []
+        return out
+
+    def grad_rows(self) -> tuple[torch.Tensor, torch.Tensor, list[int] | None]:
+        """What :meth:`take_grads` returns, the rows kept (``opt.clip_grad_norm_``
+        measures them before the step pushes them)."""
+        reads = self._reads
         if not reads:
             return (torch.zeros(0, dtype=torch.int64),
                     torch.zeros(0, self.embedding_dim, dtype=self.dtype), None)
@@ -280,6 +288,81 @@ class ShardedEmbedding(nn.Module):
         summed.index_add_(0, inverse, grads)
         versions = [min(r.versions[s] for r in reads) for s in range(len(reads[0].versions))]
         return unique, summed, versions
+
+    def scale_grads_(self, factor: float | torch.Tensor) -> None:
+        """Multiply the gradients of every row read since the last step by ``factor``
+        (a sum of gradients scales as each one does)."""
+        for r in self._reads:
+            if r.rows.grad is not None:
+                r.rows.grad.mul_(factor)
+
+    # ------------------------------------------------------------------ saving
+
+    def table(self) -> torch.Tensor | None:
+        """The whole table: as the shards hold it now once a DistributedOptimizer
+        connected (read in parts, as a worker reads rows), else the rows it was made
+        from (:meth:`from_pretrained`, or loaded); None: the shards draw it from its
+        rule and seed, and nothing else holds it."""
+        if self.client is None or self.table_name is None:
+            return self.pretrained
+        out = torch.empty(self.num_embeddings, self.embedding_dim, dtype=self.dtype)
+        row_bytes = self.embedding_dim * out.element_size()
+        step = max(1, min(PART_BYTES // row_bytes, MAX_REQUEST_ROWS))
+        for start in range(0, self.num_embeddings, step):
+            ids = torch.arange(start, min(self.num_embeddings, start + step))
+            out[start:start + len(ids)] = self.client.pull(
+                self.table_name, ids, self.embedding_dim, self.dtype)[0]
+        return out
+
+    def _adopt(self, weight: torch.Tensor, what: str) -> None:
+        """Take ``weight`` as the table the shards are seeded with (init "pretrained")."""
+        if self.client is not None:
+            raise ConfigError(f"{what}: this ShardedEmbedding's table lives on the servers "
+                              f"already; load it before building the DistributedOptimizer")
+        if (not isinstance(weight, torch.Tensor) or weight.dtype != self.dtype
+                or tuple(weight.shape) != (self.num_embeddings, self.embedding_dim)):
+            got = (f"{weight.dtype} {tuple(weight.shape)}" if isinstance(weight, torch.Tensor)
+                   else type(weight).__name__)
+            raise ConfigError(f"{what}: a ShardedEmbedding of {self.num_embeddings} x "
+                              f"{self.embedding_dim} {self.dtype} got {got}")
+        self.pretrained = weight.detach().clone().contiguous()
+        self._spec = dataclasses.replace(self._spec, init="pretrained")
+
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str,
+                            keep_vars: bool) -> None:
+        # the table as "weight", as nn.Embedding has it (absent while only the shards'
+        # rule and seed make it)
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        weight = self.table()
+        if weight is not None:
+            destination[prefix + "weight"] = weight
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str,
+                              local_metadata: dict[str, Any], strict: bool,
+                              missing_keys: list[str], unexpected_keys: list[str],
+                              error_msgs: list[str]) -> None:
+        key = prefix + "weight"
+        if key in state_dict:  # the shards will be seeded with it
+            try:
+                self._adopt(state_dict[key], f"load_state_dict {key!r}")
+            except ConfigError as exc:
+                error_msgs.append(str(exc))
+            state_dict = {k: v for k, v in state_dict.items() if k != key}
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
+                                      missing_keys, unexpected_keys, error_msgs)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What ``torch.save(model)`` (or a deep copy) keeps: the table's spec and its
+        rows as they are now (the model loaded again seeds new servers with them), not
+        the connection to the servers nor the rows read for the step under way."""
+        state = dict(self.__dict__)
+        weight = self.table()
+        state.update(client=None, table_name=None, _reads=[],
+                     cache=RowCache(self.cache.capacity) if self.cache is not None else None)
+        if weight is not None:
+            state.update(pretrained=weight,
+                         _spec=dataclasses.replace(self._spec, init="pretrained"))
+        return state
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, sharded"
@@ -306,6 +389,25 @@ class ShardedEmbeddingBag(ShardedEmbedding):
         if self.mode == "mean":
             return rows.mean(1)
         return rows.max(1).values
+
+
+def sparse_grad_refusal(where: str, module: nn.Module | None = None) -> str:
+    """The one line a model whose gradients are sparse gets (nn.Embedding(sparse=True))."""
+    kind = "EmbeddingBag" if isinstance(module, nn.EmbeddingBag) else "Embedding"
+    size = (f"{module.num_embeddings}, {module.embedding_dim}"
+            if isinstance(module, nn.Embedding | nn.EmbeddingBag) else "rows, dim")
+    return (f"{where}: nn.{kind}(sparse=True) gives sparse gradients, which the shards "
+            f"take only as a table's rows: use paramserver.Sharded{kind}({size}) (the "
+            f"table lives on the shards, each step pushes the rows it read), or "
+            f"sparse=False")
+
+
+def refuse_sparse_grads(model: nn.Module) -> None:
+    """ConfigError (one line naming ShardedEmbedding) for a module of ``model`` whose
+    gradients are sparse: a dense push cannot carry them."""
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Embedding | nn.EmbeddingBag) and m.sparse:
+            raise ConfigError(sparse_grad_refusal(name or type(model).__name__, m))
 
 
 def sparse_modules(model: nn.Module) -> list[tuple[str, ShardedEmbedding]]:

@@ -10,7 +10,8 @@ is skipped by the scaler, so nothing is pushed), checkpointing code that
 calls ``state_dict()``::
 
     model = Net()
-    opt = paramserver.DistributedOptimizer(model)   # servers, rank from the environment
+    opt = paramserver.DistributedOptimizer(        # servers, rank from the environment
+        model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
     for inputs, targets in loader:
         opt.zero_grad()
         loss_fn(model(inputs), targets).backward()
@@ -42,9 +43,11 @@ from typing import Any
 
 import torch
 
+from paramserver.core import features
 from paramserver.core.sharding import ParamSpec, ShardPlan, dtype_name
 from paramserver.errors import ConfigError
 from paramserver.observe.events import EventLog, write_json
+from paramserver.observe.figures import FigureGate, reserved
 from paramserver.sparse.shard import TableSpec
 from paramserver.wire.curve import CurveKeys
 from paramserver.workers.client import PART_BYTES, PSClient, PullResult, PushResult, PushStream
@@ -54,11 +57,17 @@ from paramserver.workers.config import (
     LaunchOptions,
     check_evaluator,
 )
-from paramserver.workers.embedding import SparseClient, sparse_modules
+from paramserver.workers.embedding import (
+    SparseClient,
+    refuse_sparse_grads,
+    sparse_grad_refusal,
+    sparse_modules,
+)
 from paramserver.workers.localsgd import LocalSteps
 from paramserver.workers.overlap import BucketHooks
 from paramserver.workers.stragglers import Straggler
 from paramserver.workers.workerresult import PushCounts, WorkerResult
+from paramserver.workers.wrapped import Wrapped
 
 __all__ = ["OPTIONS_ENV", "DistributedOptimizer", "DistributedSampler", "LaunchOptions",
            "PushCounts", "StepOutcome", "WorkerResult", "read_plan", "servers_from_env"]
@@ -140,6 +149,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
     ``model_or_named_parameters`` is an ``nn.Module`` or ``named_parameters()``;
     names must be the same on every rank (they key the servers' plan).
 
+    ``optimizer``: the script's own, over the model's parameters (``torch.optim.SGD``,
+    ``Adam``, ``AdamW``, ...: paramserver/workers/wrapped.py). The servers run its class
+    and hyper-parameters when the launch named no optimizer (a launch that named
+    another refuses this worker in one line); the two share ``param_groups``, and an lr
+    the evaluating rank sets there reaches the servers with its next step.
+
     * ``servers``, ``rank``, ``world_size``: default to ``PARAMSERVER_SERVERS``,
       ``RANK``, ``WORLD_SIZE`` (0 and 1 when unset).
     * ``backward_passes_per_step``: backward passes accumulated into ``.grad``
@@ -187,6 +202,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def __init__(
         self,
         model_or_named_parameters: torch.nn.Module | Iterable[tuple[str, torch.Tensor]],
+        optimizer: torch.optim.Optimizer | None = None,
         *,
         servers: str | Iterable[str] | None = None,
         rank: int | None = None,
@@ -215,6 +231,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # ShardedEmbedding tables: on the shards by row, pushed by step() beside the dense
         tables = []
         if isinstance(model_or_named_parameters, torch.nn.Module):
+            refuse_sparse_grads(model_or_named_parameters)
             named = list(model_or_named_parameters.named_parameters())
             tables = sparse_modules(model_or_named_parameters)
         else:
@@ -239,10 +256,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.params: dict[str, torch.Tensor] = dict(named)
         if local is None and sync_every != 1:
             raise ConfigError("sync_every needs a local optimizer (local=...)")
-        if local is not None and (overlap or tables):
-            raise ConfigError("local steps push weights' changes once per round: not with "
-                              "overlap or ShardedEmbedding tables")
+        # the feature pairs a script turns on here are refused as the launcher refuses
+        # them (one table: paramserver/core/features.py); with --replicas the launcher
+        # gives a shard's replicas joined by "|"
+        features.check(features.active(
+            local_sgd=local is not None, overlap=overlap, sparse=bool(tables),
+            replicas=any("|" in s for s in self.servers)))
         self.local = None if local is None else LocalSteps(local, sync_every, self.params)
+        if optimizer is not None and local is not None:
+            raise ConfigError("local=... steps on the worker and the servers' optimizer is "
+                              "the outer one: wrap no optimizer with local steps")
+        self.wrapped = None if optimizer is None else Wrapped(optimizer, self.params)
         # what the script passes wins; else the launcher's options (launch [flags] -- ...)
         given = LaunchOptions.from_env()
         chunk_bytes = given.chunk_bytes if chunk_bytes is None else chunk_bytes
@@ -262,13 +286,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
             wire_dtype=given.wire_dtype if wire_dtype is None else wire_dtype,
             part_bytes=part_bytes, drop_rate=given.drop_rate if drop_rate is None else drop_rate,
             barrier_timeout=given.barrier_timeout if barrier_timeout is None
-            else barrier_timeout)
+            else barrier_timeout,
+            optimizer=None if self.wrapped is None else self.wrapped.spec.to_wire())
         # this rank's straggler scenario: step() sleeps the injected delay, logged apart
         if straggler is None and given.straggler.active:
             straggler = Straggler(given.straggler, seed=(given.seed, self.rank))
         self.straggler = straggler
         self._t_compute = time.perf_counter()  # since zero_grad() or the last step()
         self._pending: dict[str, Any] | None = None  # the latest step's record, unwritten
+        # what the script logs: finite numbers, under a bounded set of names
+        self._figures = FigureGate(f"worker {self.rank}")
         self.last_eval: dict[str, float] | None = None  # the latest figures log() got
         self._closed = False
         self._t0 = time.time()
@@ -279,6 +306,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._events = events if events is not None else EventLog(
             os.environ.get(EVENT_LOG_ENV) or None)
         self.clock = self.client.connect()
+        if self.wrapped is not None:  # its param_groups are ours, at the shards' lr
+            self.wrapped.share(self, self.client.server_lr)
         # by default rank 0 seeds the weights and the others wait for them, so every
         # rank starts from rank 0's initialization (or the servers' resumed weights)
         offer = self.rank == 0 if offer_weights is None else offer_weights
@@ -361,6 +390,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # before the first bucket leaves; inside backward the parameters must not change
         # (autograd may still need them): the step's own pull brings the weights
         self._seed(pull=False)
+        self._lr_change()
         stream = self.client.push_stream(self._buckets.buckets, self.versions,
                                          self._num_samples, self.clock, prefetch=True)
         stream.loss = self._loss  # every part carries it
@@ -375,8 +405,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         the SSP gate, or none). ``num_samples`` weighs this push in a sync round's
         mean (omitted: every worker counts equally). ``loss`` (or the closure's)
         travels with the push for the servers' watchdog; ``log`` adds fields to the
-        step's event record. Returns the closure's loss; the outcome is :attr:`last`."""
+        step's event record (as :meth:`log` does: the optimizer's own names are dropped).
+        Returns the closure's loss; the outcome is :attr:`last`."""
         self._check_open()
+        log = self._figures.unreserved(log or {}, held_out=False)
         compute = time.perf_counter() - self._t_compute  # not the seeding below
         self._flush()  # the previous step's record, before this one may wait at a barrier
         self.seed()  # before this step's gradients go: from the weights they were taken at
@@ -392,6 +424,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if num_samples is not None:
             self.set_num_samples(num_samples, self._loss if loss is None else loss)
         loss = self._loss if loss is None else float(loss)
+        self._lr_change()  # (before the sparse rows: they step at the new lr too)
         if self.sparse is not None:
             self._push_sparse()
         num = self._num_samples
@@ -416,9 +449,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         else:
             grads = {}
             for name, p in self.params.items():
+                if p.grad is not None and p.grad.is_sparse:  # (named_parameters given)
+                    raise ConfigError(sparse_grad_refusal(name))
                 grads[name] = p.grad if p.grad is not None else torch.zeros_like(p)
             pushed, pulled = self.client.push_pull(grads, self.versions, self._num_samples,
                                                    self.clock, self.params, loss=loss)
+        if self.wrapped is not None and self.client.lr is not None:  # the shards have it
+            self.wrapped.sent, self.client.lr = self.client.lr, None
         read = self.versions
         self.clock = max(self.clock + 1, pulled.clock)
         self.versions = pulled.versions
@@ -432,12 +469,30 @@ class DistributedOptimizer(torch.optim.Optimizer):
             staleness=out.staleness, accepted=out.accepted, reasons=list(out.reasons),
             weight=out.weight, loss=loss, num_samples=num,
             compute_s=compute, sleep_s=injected, pull_s=out.pull_seconds,
-            push_s=out.push_seconds, wait_s=out.waited, bytes=out.nbytes, **(log or {}))
+            push_s=out.push_seconds, wait_s=out.waited, bytes=out.nbytes)
+        self._pending.update(log)  # figures only: the optimizer's own names are not in it
         if self._buckets is None:
             self._num_samples = 1
         self._loss = None
         self._t_compute = time.perf_counter()
         return result
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over every gradient the next ``step()``
+        pushes: the parameters' and the ShardedEmbedding tables' rows (which are no
+        parameters of the model, so torch's, given ``model.parameters()``, leaves them
+        out). A row read by several forwards counts once, with its summed gradient, as
+        it is pushed. Returns the total norm, before clipping."""
+        dense = [p for p in self.params.values() if p.grad is not None]
+        grads = [g for g in (p.grad for p in dense) if g is not None]
+        rows = [m.grad_rows()[1] for _, m in self.tables]
+        total = torch.nn.utils.get_total_norm([*grads, *rows], norm_type, error_if_nonfinite)
+        torch.nn.utils.clip_grads_with_norm_(dense, max_norm, total)
+        factor = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)  # (torch's rule)
+        for _, m in self.tables:
+            m.scale_grads_(factor)
+        return total
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's, and the start of the next step's compute time (for the straggler
@@ -455,11 +510,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
         (they join its ``step`` record); ``eval_loss``, ``eval_accuracy`` and any
         ``eval_NAME`` are held-out figures of the weights now in the model: an
         ``eval`` record (``loss``, ``accuracy``, ``NAME``) at this worker's clock.
-        Figures are numbers (a 0-d tensor is fine)."""
+        Figures are numbers (a 0-d tensor is fine). The names the optimizer writes in
+        those records itself (``worker``, ``clock``, ``staleness``, ...: docs/events.md)
+        are never overwritten: such a figure is dropped, as is one that is NaN or Inf,
+        and new names past ``MAX_FIGURES`` (64) per worker, each kind with one warning
+        (observe/figures.py)."""
         self._check_open()
-        train = {k: _metric(k, v) for k, v in metrics.items() if not k.startswith("eval_")}
-        held_out = {k[len("eval_"):]: _metric(k, v) for k, v in metrics.items()
-                    if k.startswith("eval_")}
+        train = self._figures.unreserved(
+            {k: _metric(k, v) for k, v in metrics.items() if not k.startswith("eval_")},
+            held_out=False)
+        held_out = self._figures.unreserved(
+            {k[len("eval_"):]: _metric(k, v) for k, v in metrics.items()
+             if k.startswith("eval_")}, held_out=True)
         if loss is not None:
             train["loss"] = _metric("loss", loss)
         if eval_accuracy is not None:
@@ -472,6 +534,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                   "call it after step() (held-out figures: eval_NAME=...)")
             self._pending.update(train)
         self._flush()
+        kept = self._figures.admit({f"eval_{k}": v for k, v in held_out.items()})
+        held_out = {k[len("eval_"):]: v for k, v in kept.items()}
         if held_out:
             self._events.write("eval", worker=self.rank, clock=self.clock,
                                versions=list(self.versions), **held_out)
@@ -480,8 +544,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _flush(self) -> None:
         """Write the latest step's record, if not written yet."""
         if self._pending is not None:
-            self._events.write("step", **self._pending)
-            self._pending = None
+            record, self._pending = self._pending, None
+            figures = {k: v for k, v in record.items()
+                       if not reserved(k, False) and v is not None}
+            kept = self._figures.admit(figures)
+            self._events.write("step", **{k: v for k, v in record.items()
+                                          if k not in figures or k in kept})
+
+    def _lr_change(self) -> None:
+        """The evaluating rank's change to ``param_groups`` lr goes with the next push."""
+        if self.wrapped is not None:
+            self.client.lr = self.wrapped.change(self.evaluates, self.rank)
 
     def _push_sparse(self) -> None:
         """Every ShardedEmbedding's row gradients, summed per id, to their shards (in

@@ -105,6 +105,10 @@ class StreamClient(Protocol):
     @property
     def channels(self) -> Sequence[Channel[Any]]: ...
 
+    @property
+    def lr(self) -> float | None:
+        """A learning rate every push carries (the evaluating rank changed it)."""
+
     def host_grads(self, grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Gradients as CPU tensors in the wire dtype."""
 
@@ -214,6 +218,8 @@ class PushStream:
             fields["early"] = True
         if self.loss is not None:
             fields["loss"] = float(self.loss)
+        if self.client.lr is not None:
+            fields["lr"] = self.client.lr
         msg = Message(Op.PUSH, 0, fields, tensors)
         if not self.window:
             channel = self.client.channels[shard]

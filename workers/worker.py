@@ -72,17 +72,28 @@ def build_task(config: WorkerConfig) -> Task:
     return create_task(config.task, config.rank, config.world_size, args)
 
 
-def cycle_batches(task: Task) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def cycle_batches(task: Task, skip: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The task's batches, epoch after epoch, from the ``skip``-th on (a resumed worker's
+    data goes on where it stopped: whole epochs by ``set_epoch``, the rest drawn and
+    dropped, so every batch after it is the one the run would have drawn)."""
     epoch = 0
+    set_epoch = getattr(task.batches, "set_epoch", None)
+    if skip and callable(set_epoch) and hasattr(task.batches, "__len__"):
+        per_epoch = len(task.batches)  # type: ignore[arg-type]
+        if per_epoch:
+            epoch, skip = divmod(skip, per_epoch)
+            set_epoch(epoch)
     while True:
         empty = True
         for batch in task.batches:
             empty = False
+            if skip:
+                skip -= 1
+                continue
             yield batch
         if empty:
             raise ConfigError("the task's batches are empty")
         epoch += 1
-        set_epoch = getattr(task.batches, "set_epoch", None)
         if callable(set_epoch):
             set_epoch(epoch)
 
@@ -128,7 +139,6 @@ def run_worker(config: WorkerConfig, console: Sink | None = None) -> WorkerResul
     pushes = steps if steps == UNCAPPED else math.ceil(steps / config.sync_every)
     local = (None if config.local_optimizer is None else
              build_optimizer(config.local_optimizer, model.parameters(), config.local_args))
-    batches = cycle_batches(task)
     losses: list[float] = []
     t_start = time.time()
     # every rank builds the task's model from the same seed: any may seed the servers
@@ -143,6 +153,10 @@ def run_worker(config: WorkerConfig, console: Sink | None = None) -> WorkerResul
         drop_rate=config.drop_rate, barrier_timeout=config.barrier_timeout,
         straggler=straggler, local=local, sync_every=config.sync_every,
         evaluator=config.evaluator)
+    # a resumed run's worker starts at the clock its shards give it: its data goes on
+    # from the batch after the last one its pushes hold (each push: push_every batches,
+    # sync_every times with local steps)
+    batches = cycle_batches(task, skip=opt.clock * config.push_every * config.sync_every)
     with opt:
         opt.seed()  # now, not at the first step: the budget's clock starts there
         events.write("worker_start", worker=config.rank, clock=opt.clock, seeded=opt.seeded,

@@ -4,12 +4,14 @@ One script, two ways to run it: under torchrun with DDP (``--ddp``, the tutorial
 code, gloo on the CPU), or as every worker of a paramserver run::
 
     torchrun --nproc-per-node 2 examples/ddp_port/train.py --ddp
-    paramserver launch -s 1 -n 2 --mode sync --lr 0.05 -- python examples/ddp_port/train.py
+    paramserver launch -s 1 -n 2 --mode sync -- python examples/ddp_port/train.py --lr 0.05
     paramserver experiment --spec examples/ddp_port/grid.toml   # sync, async, ssp:2
 
 The port is the lines marked ``# port``: no process group and no DDP wrapper;
-``DistributedOptimizer(model)`` in place of the optimizer (its learning rate is the
-servers': ``--lr``), built before the snapshot is loaded (the tutorial's order); the
+the tutorial's ``torch.optim.SGD`` wrapped in ``DistributedOptimizer`` (the servers run
+it, with this script's ``--lr``), built before the snapshot is loaded (the tutorial's order); a run
+resumed from the servers' checkpoints (``launch --resume DIR``) goes on at
+``opt.clock``, the steps this rank has done, skipping them (and the snapshot); the
 DistributedSampler is told the replicas and rank from torchrun's environment, which
 ``paramserver launch`` and ``run`` set as well; ``opt.log`` reports the loss and, on
 the worker that evaluates (``opt.evaluates``), the held-out loss and accuracy. The
@@ -55,14 +57,21 @@ class Trainer:
         self.snapshot_path = snapshot_path
         self.held_out = held_out
         self.epochs_run = 0
+        self.skip = 0  # batches of epochs_run done already
         self.losses: list[float] = []
-        if snapshot_path and os.path.exists(snapshot_path):
+        self.opt = optimizer if isinstance(optimizer, DistributedOptimizer) else None  # port
+        if self.opt is not None and self.opt.clock:  # port: a resumed run (launch --resume):
+            # the servers' checkpoint says where training stands, and the model holds its
+            # weights: skip the steps done, not the snapshot's epochs
+            self.epochs_run, self.skip = divmod(self.opt.clock, len(train_data))
+            print(f"rank {self.rank}: resuming at step {self.opt.clock} (epoch "
+                  f"{self.epochs_run}, batch {self.skip})")
+        elif snapshot_path and os.path.exists(snapshot_path):
             self._load_snapshot(snapshot_path)
         if ddp:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             self.model = DDP(self.model)
-        self.opt = optimizer if isinstance(optimizer, DistributedOptimizer) else None  # port
 
     def _load_snapshot(self, path: str) -> None:
         self.model.load_state_dict(load_file(path))
@@ -82,7 +91,9 @@ class Trainer:
     def _run_epoch(self, epoch: int) -> None:
         assert isinstance(self.train_data.sampler, DistributedSampler)
         self.train_data.sampler.set_epoch(epoch)
-        for source, targets in self.train_data:
+        for i, (source, targets) in enumerate(self.train_data):
+            if epoch == self.epochs_run and i < self.skip:
+                continue  # port: done before the run was resumed
             self._run_batch(source, targets)
         if self.opt is not None and self.opt.evaluates:  # port: held-out figures
             x, y = self.held_out[:]
@@ -110,8 +121,8 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--save-every", type=int, default=1)
     ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--lr", type=float, default=0.05, help="with --ddp only (else --lr of "
-                    "paramserver: the servers' optimizer)")
+    ap.add_argument("--lr", type=float, default=0.05,
+                    help="SGD's learning rate (under paramserver the servers run it)")
     ap.add_argument("--snapshot", default=None, help="default: none (a fresh start)")
     ap.add_argument("--ddp", action="store_true", help="the tutorial as it was: torchrun + DDP")
     ap.add_argument("--losses", default=None, help="write this rank's step losses as JSON here")
@@ -121,11 +132,9 @@ def main() -> None:
         torch.distributed.init_process_group("gloo")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
-    optimizer: torch.optim.Optimizer
-    if args.ddp:
-        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
-    else:
-        optimizer = DistributedOptimizer(model)  # port: the servers step
+    optimizer: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+    if not args.ddp:
+        optimizer = DistributedOptimizer(model, optimizer)  # port: the servers step
     data = make_data(256, seed=1)
     loader = DataLoader(data, batch_size=args.batch_size, shuffle=False,
                         sampler=DistributedSampler(data, num_replicas=world, rank=rank))

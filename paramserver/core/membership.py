@@ -82,6 +82,31 @@ class Membership:
         # live workers no round or SSP gate waits for any more (see leave_out)
         self.left_out: set[int] = set()
         self.paces: deque[float] = deque(maxlen=PACES)  # recent intervals between pushes
+        # a resumed run's workers not back yet (see await_restored)
+        self.awaited: set[int] = set()
+
+    def await_restored(self) -> list[int]:
+        """The whole run resumes from checkpoints: the workers are new processes, still
+        starting, not dead ones. Every expected id that had not finished is awaited:
+        it is not in the live set (no heartbeat timeout runs for it), its HELLO takes
+        its id over at once (no process holds it), and the start barrier stands again
+        until each is back or its supervisor reports it dead (:meth:`declare_dead`):
+        no pull is answered, so no round closes with whichever worker came first.
+        Returns the awaited ids."""
+        finished = {w.worker for w in self.workers.values() if w.finished}
+        self.awaited = set(range(self.config.expected_workers)) - finished
+        for state in self.workers.values():
+            if state.worker in self.awaited:
+                state.live = False
+        self.left_out.clear()
+        self.started = False
+        self._check_started()
+        return sorted(self.awaited)
+
+    def _check_started(self) -> None:
+        if not self.started and not self.awaited \
+                and len(self.workers) >= self.config.expected_workers:
+            self.started = True
 
     def register(self, worker: int, incarnation: str, now: float,
                  origin: str = "") -> WorkerState:
@@ -119,8 +144,8 @@ class Membership:
                 state.live, state.finished = True, False
                 self.left_out.discard(worker)
                 state.clock = self._rejoin_clock(state.clock, exclude=worker)
-        if not self.started and len(self.workers) >= self.config.expected_workers:
-            self.started = True
+        self.awaited.discard(worker)
+        self._check_started()
         return state
 
     def _contend(self, state: WorkerState, incarnation: str, now: float) -> None:
@@ -212,6 +237,8 @@ class Membership:
             state.live = True
             self.left_out.discard(worker)
             state.clock = self._rejoin_clock(state.clock, exclude=worker)
+            self.awaited.discard(worker)
+            self._check_started()
 
     # ------------------------------------------------------------------ stragglers
 
@@ -334,6 +361,16 @@ class Membership:
         dead). Its clock is kept, so a restarted process rejoins as after a timeout.
         """
         state = self.workers.get(worker)
+        if worker in self.awaited:  # it never came back: the barrier stops waiting
+            self.awaited.discard(worker)
+            self._check_started()
+            if state is not None:
+                state.deaths += 1
+                state.reported_dead = True
+            log.warning("worker %d reported dead by its supervisor before it came back",
+                        worker)
+            self.core.maybe_close_round()
+            return True
         if state is None or not state.live or state.finished:
             return False
         self._bury(state)
@@ -355,7 +392,7 @@ class Membership:
         never said HELLO, and every live one. Empty once each has said BYE or died, as
         this shard saw it over its own (under CURVE, authenticated) connections."""
         return sorted({w for w in range(expected) if w not in self.workers}
-                      | {w.worker for w in self.live()})
+                      | {w.worker for w in self.live()} | self.awaited)
 
     def live(self) -> list[WorkerState]:
         """The live set: workers neither dead nor finished."""

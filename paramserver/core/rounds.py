@@ -105,12 +105,21 @@ class SyncRound:
         self.voided = 0  # rounds closed void
         self.in_place = 0  # rounds stepped straight from a lone contributor's tensors
         self.dropped = 0  # rounds closed with nothing to apply
+        # rounds closed, stepped or not: the same count on every shard of a sync run
+        # at a boundary, which is how checkpoints of different shards are matched
+        self.closed = 0
 
     def begin(self, now: float) -> None:
         """A push that will count in a round came at ``now``: the round is open (from
         the first such push since nothing was in it: one given up leaves nothing)."""
         if self.opened is None or not (self.members or self.streams):
             self.opened = now
+
+    def empty(self) -> bool:
+        """Whether nothing is in the open round (no push, whole, in parts or set aside,
+        and not void): the shard stands between two rounds."""
+        return not (self.members or self.streams or self.waiting or self.samples
+                    or self.void or self.written or self.in_flight())
 
     def in_flight(self) -> bool:
         """Whether a push in the making has parts in the buffer already (or set
@@ -296,6 +305,7 @@ class SyncRound:
             self.agg = {}
             raise
         finally:
+            self.closed += 1
             self.members.clear()
             self.opened = None
             self.held.clear()

@@ -544,8 +544,9 @@ class ShardCore:
         return rules.answered(decision, info.staleness, self.version, True)
 
     def maybe_close_round(self) -> bool:
-        """Close the open sync round when at most ``backup_workers`` live ones are missing."""
-        if self.mode.mode != Mode.SYNC or not rules.round_full(
+        """Close the open sync round when at most ``backup_workers`` live ones are missing
+        (and no resumed worker is awaited)."""
+        if self.mode.mode != Mode.SYNC or self.members.awaited or not rules.round_full(
                 self.round.members, self.members.pacing_ids(), self.mode.backup_workers):
             return False
         if self.round.in_flight():
@@ -579,8 +580,9 @@ class ShardCore:
                                  grad_norm=grad_norm):
             refused = self.stepper.refused
             if not refused & (refused - 1):  # at 1, 2, 4, ...: a hostile stream must not flood
-                log.warning("shard %d: a step at version %d would have made the weights or the "
-                            "optimizer's state NaN or Inf; undone (%d so far)",
+                log.warning("shard %d: a step at version %d was refused: its gradient was past "
+                            "the input limit, or the step would have made the weights or the "
+                            "optimizer's state NaN or Inf (%d so far)",
                             self.config.shard, self.version, refused)
             if self.after_step is not None:  # the weights were written, and back: the
                 self.after_step()  # driver's hook closes what before_step opened
@@ -678,6 +680,11 @@ class ShardCore:
                                 for wid, w in meta["workers"].items()}
         self.pulls.clear()
         self.rows.reset()
+
+    @property
+    def between_rounds(self) -> bool:
+        """Nothing in the open sync round (always, in the other modes)."""
+        return self.mode.mode != Mode.SYNC or self.round.empty()
 
     # ------------------------------------------------------------------ reporting
 

@@ -7,7 +7,9 @@ checkpoints have always held (paramserver/persist/checkpoint.py writes and reads
 * tensors: weights (``param/<key>``), optimizer state
   (``optim/<index>/<name>``), an open sync round's sums (``agg/<key>``) and the
   weights each worker read, for policies that need them (``read/<worker>/<key>``);
-* metadata: versions, clocks, counters, each worker's record
+* metadata: versions, clocks, counters (``rounds_closed``, and ``between_rounds``:
+  nothing in the open round, which makes the checkpoint one that shards resume
+  together from, see paramserver/persist/checkpoint.py), each worker's record
   (:meth:`~paramserver.core.shard.WorkerState.record`), the optimizer's and
   scheduler's non-tensor state and the policy's state.
 
@@ -75,6 +77,10 @@ def save(core: ShardCore) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         "rounds_voided": sync.voided,
         "max_answered_gap": core.max_answered_gap,
         "rounds_dropped": sync.dropped,
+        # which sync round the shard stands at: checkpoints of several shards resume
+        # together only at the same closed round, none open (persist/checkpoint.py)
+        "rounds_closed": sync.closed,
+        "between_rounds": core.between_rounds,
         "optimizer": opt_meta,
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "policy": {"name": core.policy.name, "state": core.policy.state_dict()},
@@ -87,7 +93,7 @@ _TENSOR = re.compile(r"^(param|agg)/(.+)$|^optim/(\d{1,9})/(\w+)$|^read/(\d{1,9}
 _Kept = tuple[tuple[int, ...] | None, torch.dtype]  # a state entry's shape (None: a number)
 _SPARSE = ("sparse/", "sparse_optim/", "sparse_momentum/")
 _COUNTERS = ("version", "round_samples", "round_accepted", "rounds_voided",
-             "rounds_dropped", "max_answered_gap")
+             "rounds_dropped", "max_answered_gap", "rounds_closed")
 
 
 def check(core: ShardCore, tensors: Mapping[str, torch.Tensor],
@@ -118,7 +124,7 @@ def check(core: ShardCore, tensors: Mapping[str, torch.Tensor],
         value = meta.get(field, 0)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ConfigError(f"field {field!r} must be an integer >= 0, got {value!r}")
-    for field in ("initialized", "started", "round_void"):
+    for field in ("initialized", "started", "round_void", "between_rounds"):
         if not isinstance(meta.get(field, False), bool):
             raise ConfigError(f"field {field!r} must be true or false")
     members = meta.get("round", [])
@@ -296,6 +302,7 @@ def load(core: ShardCore, tensors: Mapping[str, torch.Tensor],
     core.max_answered_gap = int(meta.get("max_answered_gap", 0))
     sync = core.round
     sync.dropped = int(meta.get("rounds_dropped", 0))
+    sync.closed = int(meta.get("rounds_closed", 0))
     sync.members = set(meta.get("round", []))
     sync.samples = int(meta.get("round_samples", 0))
     # older snapshots: every member with samples counted as one contributor

@@ -23,7 +23,13 @@ weights' magnitude kept across steps and the gradient's largest element
 that cannot be proved safe, and every other optimizer's step, runs on a copy
 kept of the weights and state, is checked after, and is undone if it made
 anything non-finite. :meth:`Stepper.step` then returns False: the step did not
-happen.
+happen. A finite step is not enough for an optimizer that remembers its inputs
+(momentum, delayed Nesterov's pending sum, Adam's moments): they act again at later
+steps, and three pushes near 1e38 once left momentum that overflowed every later step,
+each undone and met again, so that nothing applied after. So a step that is not the
+fused one is refused, before it runs, when an element of its gradient is past the
+*input limit*, the square root of the weights' dtype's range (float32: 1.8e19):
+the weights and the whole state are left as they were, and the pushes after apply.
 """
 
 from __future__ import annotations
@@ -116,6 +122,16 @@ class Stepper:
         """The optimizer's current learning rate (its first group's)."""
         return float(self.optimizer.param_groups[0]["lr"])
 
+    def set_lr(self, lr: float) -> float | None:
+        """Every group's learning rate from now on (a script's change, checked at the
+        wire); the one it replaces, or None when it was that already."""
+        previous = self.lr
+        if all(g["lr"] == lr for g in self.optimizer.param_groups):
+            return None
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return previous
+
     def reads_only(self, params: Mapping[str, torch.Tensor]) -> bool:
         """Whether the next step only reads its gradients (the fused plain-SGD step):
         they may then be a worker's own tensors, not a copy."""
@@ -152,6 +168,9 @@ class Stepper:
                 for grad in dense:
                     grad.div_(divisor)
             divisor = 1.0
+        if self.guard and not fused and self._beyond_input_limit(params, dense, grad_norm):
+            self.refused += 1  # refused before it ran: the weights and state are untouched
+            return False
         if not fused:  # (the fused step reads ``dense``, and the probe ``grads``)
             for key, p in params.items():
                 p.grad = grads[key]
@@ -233,6 +252,24 @@ class Stepper:
             return False
         self.bound = (version + 1, bound + grow)
         return True
+
+    def _beyond_input_limit(self, params: Mapping[str, torch.Tensor],
+                            dense: Sequence[torch.Tensor], grad_norm: float | None) -> bool:
+        """Whether a gradient element is past the input limit (the square root of the
+        weights' dtype's range). A stateful optimizer remembers its inputs (momentum,
+        delayed Nesterov's pending sum, Adam's moments) and applies them again at later
+        steps, so a finite step is not enough: three pushes near 1e38 left momentum that
+        overflowed every later momentum step, each undone and met again, and no push of
+        anyone applied after. Below the limit the state stays far from overflow for any
+        number of steps (momentum 0.9 holds at most ten inputs' worth), and the square
+        of an input (Adam's second moment) is finite. ``grad_norm`` (finite, at most the
+        limit) proves it without a pass over the gradient."""
+        limit = math.sqrt(self._limit(params) * 2)
+        if grad_norm is not None and math.isfinite(grad_norm) and grad_norm <= limit:
+            return False
+        values = [g.coalesce().values() if g.is_sparse else g for g in dense
+                  if g.is_floating_point()]
+        return not _largest(values) <= limit  # (NaN is past it too)
 
     def _limit(self, params: Mapping[str, torch.Tensor]) -> float:
         """Half the smallest range of the weights' dtypes (kept: the dtypes never change)."""

@@ -56,6 +56,8 @@ def _hello(f: Mapping[str, Any]) -> str | None:
     where = f" (pid {f['pid']} on {f['host']})" if f.get("host") else ""
     if joined == "new":
         return f"worker {worker} joined at clock {clock}{where}"
+    if joined == "resumed":  # a resumed run's worker, back: never dead, not restarted
+        return f"worker {worker} resumed at clock {clock}{where}"
     if joined in ("restart", "back"):
         how = "restarted" if joined == "restart" else "came back"
         return f"worker {worker} {how}: {_resumes(f['from_clock'], clock)}{where}"

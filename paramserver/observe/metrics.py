@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Required, TypedDict
 
 from paramserver.errors import ConfigError
+from paramserver.observe.figures import EVAL_FIELDS, STEP_FIELDS, FigureGate, finite
 
 __all__ = [
     "CATALOGUE",
@@ -466,13 +467,6 @@ class TensorBoardWriter:
         self._writer.close()
 
 
-#: the fields of a worker's ``step`` record that DistributedOptimizer writes itself
-#: (docs/events.md); any other number in it is a figure the script logged after the step
-STEP_FIELDS = frozenset({
-    "t", "event", "worker", "clock", "read_versions", "staleness", "accepted", "reasons",
-    "weight", "num_samples", "compute_s", "sleep_s", "pull_s", "push_s", "wait_s", "bytes"})
-#: the fields of an ``eval`` record that are not held-out figures
-_EVAL_FIELDS = frozenset({"t", "event", "worker", "clock", "versions"})
 
 
 @dataclass(frozen=True)
@@ -488,14 +482,28 @@ class LoggedFigures:
 
     @classmethod
     def of(cls, record: Mapping[str, Any]) -> LoggedFigures | None:
-        """The figures of a ``step`` or ``eval`` record (None: another record)."""
+        """The figures of a ``step`` or ``eval`` record (None: another record, or one whose
+        own fields are not what the optimizer writes: a worker id and clock that are ints,
+        a finite time). Figures that are not finite numbers are left out."""
         kind = record.get("event")
         if kind not in ("step", "eval"):
             return None
-        known, prefix = (STEP_FIELDS, "") if kind == "step" else (_EVAL_FIELDS, "eval_")
-        figures = {prefix + k: float(v) for k, v in record.items()
-                   if k not in known and isinstance(v, int | float) and not isinstance(v, bool)}
-        return cls(int(record["worker"]), int(record.get("clock", 0)), record.get("t"), figures)
+        worker, clock, t = record.get("worker"), record.get("clock", 0), record.get("t")
+        if not (_count(worker) and _count(clock)) or (t is not None and finite(t) is None):
+            return None
+        known, prefix = (STEP_FIELDS, "") if kind == "step" else (EVAL_FIELDS, "eval_")
+        figures = {}
+        for k, v in record.items():
+            number = finite(v) if k not in known and isinstance(k, str) else None
+            if number is not None:
+                figures[prefix + k] = number
+        assert isinstance(worker, int) and isinstance(clock, int)  # (_count said so)
+        return cls(worker, clock, t, figures)
+
+
+def _count(value: Any) -> bool:
+    """An int >= 0 (not a bool): a worker id, a clock."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 class FigureExporter:
@@ -513,9 +521,13 @@ class FigureExporter:
                  tensorboard: TensorBoardWriter | None = None) -> None:
         self.registry = registry
         self.tensorboard = tensorboard
+        self._gates: dict[int, FigureGate] = {}  # per worker: names are bounded
 
     def export(self, logged: LoggedFigures) -> None:
-        for name, value in logged.figures.items():
+        gate = self._gates.get(logged.worker)
+        if gate is None:
+            gate = self._gates[logged.worker] = FigureGate(f"worker {logged.worker}")
+        for name, value in gate.admit(logged.figures).items():
             gauge = self.GAUGES.get(name)
             if gauge is not None:
                 self.registry.set(gauge, (logged.worker,), value)

@@ -21,6 +21,7 @@ from typing import Any
 from paramserver.core.records import PushOutcome
 from paramserver.core.shard import GradStats, ShardCore, StepStats
 from paramserver.observe.events import EventLog
+from paramserver.observe.figures import finite
 from paramserver.observe.metrics import (
     Child,
     FigureExporter,
@@ -120,8 +121,10 @@ class ShardObserver:
     # ------------------------------------------------------------------ from the server
 
     def push(self, core: ShardCore, worker: int, outcome: PushOutcome, *,
-             loss: float | None, seconds: float, nbytes: int) -> GradStats | None:
-        """A decided push (not a duplicate). Returns its gradient's figures, if measured."""
+             loss: float | None, seconds: float, nbytes: int,
+             loss_may_stop: bool = True) -> GradStats | None:
+        """A decided push (not a duplicate). Returns its gradient's figures, if measured.
+        ``loss_may_stop``: whether its claimed loss may stop the shard (Access.may_stop)."""
         grad, self._grad = self._grad, None
         if grad is not None and grad.worker != worker:
             grad = None
@@ -163,6 +166,7 @@ class ShardObserver:
             staleness=staleness, reason=outcome.reason, weight=outcome.weight,
             grad_norm=grad.norm if grad is not None else None,
             cosine=grad.cosine if grad is not None else None, loss=loss,
+            loss_may_stop=loss_may_stop,
         ))
         self._pushes += 1
         if self._pushes % max(1, self._live_count) == 0:  # about once a round: lags move slowly
@@ -175,12 +179,12 @@ class ShardObserver:
             self.fold()
         return grad
 
-    def nonfinite(self, worker: int, loss: float | None) -> None:
+    def nonfinite(self, worker: int, loss: float | None, loss_may_stop: bool = True) -> None:
         """A push refused because its gradient held NaN or Inf."""
         self._grad = None
         self._alarms(self.watchdog.observe_push(PushObservation(
             worker=worker, version=self.version, accepted=False, reason="nonfinite",
-            grad_norm=float("nan"), loss=loss)))
+            grad_norm=float("nan"), loss=loss, loss_may_stop=loss_may_stop)))
 
     def pull(self, worker: int, seconds: float, waited: float, nbytes: int) -> None:
         self._c("paramserver_pull_seconds", worker).observe(seconds)
@@ -351,6 +355,7 @@ class LauncherObserver:
         self._followers: dict[str, JsonlFollower] = {}
         self._last_snapshot = time.monotonic()
         self._steps = 0
+        self._malformed: set[str] = set()  # logs that held records skipped (warned once)
         self._closed = False
 
     def start(self, **fields: Any) -> int | None:
@@ -371,11 +376,11 @@ class LauncherObserver:
             if follower is None:
                 follower = self._followers[name] = JsonlFollower(path)
             for rec in follower.read():
+                if not isinstance(rec, dict):
+                    continue
                 kind = rec.get("event")
-                if kind == "step":
-                    self._step(rec)
-                elif kind == "eval":
-                    self._logged(rec)
+                if kind in ("step", "eval"):
+                    self._worker_record(name, rec)
                 elif kind == "alarm":
                     rec = {**rec, "process": name}
                     self.alarms.append(rec)
@@ -393,25 +398,38 @@ class LauncherObserver:
         self.tick(time.monotonic())
         return new_alarms
 
-    def _step(self, rec: Mapping[str, Any]) -> None:
-        r, w = self.registry, (rec["worker"],)
+    def _worker_record(self, process: str, rec: Mapping[str, Any]) -> None:
+        """A worker's ``step`` or ``eval`` record. A worker's log is written by the user's
+        script, so nothing in it may raise here: a record whose own fields are not what
+        the optimizer writes, or that names another worker than its file's, is skipped
+        (one warning), and the figures in it pass the rule of observe/figures.py."""
+        logged = LoggedFigures.of(rec)
+        if logged is None or process != f"worker{logged.worker}":
+            if process not in self._malformed:
+                self._malformed.add(process)
+                log.warning("%s.jsonl: skipping step and eval records that are not the "
+                            "optimizer's (worker id, clock, time), e.g. %.200r", process, rec)
+            return
+        if rec.get("event") == "step":
+            self._step(logged.worker, rec)
+        self.figures.export(logged)
+
+    def _step(self, worker: int, rec: Mapping[str, Any]) -> None:
+        r, w = self.registry, (worker,)
+
+        def figure(name: str) -> float:
+            return max(0.0, finite(rec.get(name, 0)) or 0.0)
+
         self._steps += 1
         r.inc("paramserver_worker_steps_total", w)
-        if not rec.get("accepted", True):
+        if rec.get("accepted", True) is False:
             r.inc("paramserver_worker_rejected_total", w)
-        r.observe("paramserver_worker_staleness", w, float(rec.get("staleness", 0)))
-        r.observe("paramserver_worker_push_seconds", w, float(rec.get("push_s", 0.0)))
-        r.observe("paramserver_worker_pull_seconds", w, float(rec.get("pull_s", 0.0)))
-        r.inc("paramserver_worker_wait_seconds_total", w, float(rec.get("wait_s", 0.0)))
-        r.inc("paramserver_worker_compute_seconds_total", w, float(rec.get("compute_s", 0.0)))
-        r.inc("paramserver_worker_bytes_total", w, float(rec.get("bytes", 0)))
-        self._logged(rec)
-
-    def _logged(self, rec: Mapping[str, Any]) -> None:
-        """What the worker logged (opt.log, the built-in loop's too): one path to both."""
-        logged = LoggedFigures.of(rec)
-        if logged is not None:
-            self.figures.export(logged)
+        r.observe("paramserver_worker_staleness", w, figure("staleness"))
+        r.observe("paramserver_worker_push_seconds", w, figure("push_s"))
+        r.observe("paramserver_worker_pull_seconds", w, figure("pull_s"))
+        r.inc("paramserver_worker_wait_seconds_total", w, figure("wait_s"))
+        r.inc("paramserver_worker_compute_seconds_total", w, figure("compute_s"))
+        r.inc("paramserver_worker_bytes_total", w, figure("bytes"))
 
     def tick(self, now: float, force: bool = False) -> None:
         if not force and now - self._last_snapshot < self.interval:

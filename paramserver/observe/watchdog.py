@@ -104,6 +104,9 @@ class PushObservation:
     grad_norm: float | None = None  # NaN/Inf: the gradient held non-finite values
     cosine: float | None = None  # to the shard's running mean gradient (before this push)
     loss: float | None = None  # training loss the worker reported with the push
+    #: whether that loss may stop the shard: a claim, not a measurement, so under CURVE
+    #: only an admin key's (server.access.Access.may_stop); any loss raises alarms
+    loss_may_stop: bool = True
 
 
 @dataclass(frozen=True)
@@ -173,6 +176,9 @@ class Watchdog:
         self._applied_in_block = 0
         self._stale_blocks = 0  # blocks in a row that did not improve on the best
         self._rising_blocks = 0  # blocks in a row well above the best
+        #: a loss the rules read (their reference too) was claimed by a key that may not
+        #: stop the shard: the loss alarms are reported, never acted on, from then on
+        self._loss_claimed = False
         self._first_median: float | None = None  # of the first block: where the loss began
         self._best_median: float | None = None  # best block median (significant gains only)
         self._stalled = False  # a loss_stalled episode is open (until the loss improves)
@@ -269,6 +275,7 @@ class Watchdog:
             win.cosine_sq += obs.cosine * obs.cosine - old * old
             self._check_cosine(out, obs.worker, win)
         if obs.loss is not None and math.isfinite(obs.loss):
+            self._loss_claimed |= not obs.loss_may_stop
             self._observe_loss(out, obs.loss)
         return out
 
@@ -469,8 +476,13 @@ class Watchdog:
                        f"median training loss of the last {cfg.loss_window} pushes is "
                        f"{_fmt(median)}, {rise:.0%} above the best level ({_fmt(best)}), while "
                        "updates are applied: training is diverging; lower the learning rate "
-                       "or bound staleness")
+                       "or bound staleness" + self._claimed_note(),
+                       divergence=False if self._loss_claimed else None)
         self._check_stall(out, median, se_median, applied, rising=rise > cfg.loss_rise)
+
+    def _claimed_note(self) -> str:
+        return (" (losses workers claim, not what this shard measures: --on-divergence "
+                "does not stop for it)" if self._loss_claimed else "")
 
     def _check_stall(self, out: list[Alarm], median: float, se_median: float, applied: int,
                      *, rising: bool) -> None:
@@ -501,7 +513,8 @@ class Watchdog:
                            f"median training loss has not improved on {_fmt(best)} for "
                            f"{flat} pushes (now {_fmt(median)}, {_fmt(first)} at the start) "
                            "while updates are applied: learning stalled (a learning rate of 0 "
-                           "or too small?)", episodic=True)
+                           "or too small?)" + self._claimed_note(), episodic=True,
+                           divergence=False if self._loss_claimed else None)
         elif flat >= cfg.loss_converged_pushes and not self._converged:
             self._converged = True
             hint = Alarm("loss_converged", self.shard, None,

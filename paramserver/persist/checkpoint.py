@@ -50,8 +50,11 @@ __all__ = [
     "latest_path",
     "load_shard",
     "move_aside",
+    "position",
+    "resume_point",
     "save_shard",
     "set_write_hook",
+    "supersede",
 ]
 
 log = logging.getLogger(__name__)
@@ -176,11 +179,147 @@ def _prune(folder: Path, latest: str, keep: int) -> None:
                        and (folder / f"{n}.json").exists()
                        and (folder / f"{n}.safetensors").exists()), key=_order)
     kept = {latest, *(complete[-(keep - 1):] if keep > 1 else complete if keep <= 0 else [])}
+    # a sync shard's newest checkpoints at its last two closed rounds stay as well: in a
+    # sync run the shards stand at most one round apart, so one that was stopped a
+    # round behind holds one of them, and the run resumes from that (resume_point)
+    kept.update(_between_rounds(folder, [*complete, latest])[-2:])
     for stale in names - kept:
         for suffix in (".json", ".safetensors"):
             (folder / f"{stale}{suffix}").unlink(missing_ok=True)
     for tmp in folder.glob(".*.tmp"):
         tmp.unlink(missing_ok=True)
+
+
+def _manifest(folder: Path, name: str) -> dict[str, Any] | None:
+    """A checkpoint's manifest, None if it is gone or unreadable (a reader never
+    fails on what another process prunes or moves meanwhile)."""
+    try:
+        meta = json.loads((folder / f"{name}.json").read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def _sync(meta: Mapping[str, Any]) -> bool:
+    return str(meta.get("mode", "")).startswith("sync")
+
+
+def position(meta: Mapping[str, Any]) -> tuple[int, tuple[int, ...], bool] | None:
+    """Where a sync shard's checkpoint stands: (rounds closed, the workers in the open
+    round, whether that round is void); None for another mode, or a checkpoint from
+    before rounds were counted. Checkpoints of a sync run's shards resume together
+    only at one position: each worker's push then either reached every shard or none."""
+    if not _sync(meta) or type(meta.get("rounds_closed")) is not int:
+        return None
+    members = meta.get("round", [])
+    if not isinstance(members, list):
+        return None
+    return (meta["rounds_closed"], tuple(sorted(members)), bool(meta.get("round_void")))
+
+
+def _between_rounds(folder: Path, names: list[str]) -> list[str]:
+    """Of ``names`` (oldest first), the newest at each closed round, where the shard
+    stood between rounds: oldest first."""
+    at: dict[int, str] = {}
+    for name in names:
+        meta = _manifest(folder, name)
+        pos = position(meta) if meta is not None else None
+        if pos is not None and not pos[1] and not pos[2]:
+            at[pos[0]] = name
+    return [at[r] for r in sorted(at)]
+
+
+def _complete(folder: Path) -> list[str]:
+    """The names of a shard's complete checkpoints, oldest first."""
+    names = {p.name.split(".", 1)[0] for p in folder.glob("v*.json")}
+    return sorted((n for n in names if _NAME.match(n)
+                   and (folder / f"{n}.safetensors").exists()), key=_order)
+
+
+class ResumePoint(TypedDict):
+    """Which checkpoint each shard resumes from (:func:`resume_point`)."""
+
+    names: dict[int, str]  # shard -> checkpoint name
+    versions: dict[int, int]
+    round: int | None  # the sync round they stand at (None: not a sync run)
+    consistent: bool  # every shard's LATEST stands at the same round
+    note: str  # why not, in words ("" when consistent)
+
+
+def resume_point(directory: str | Path) -> ResumePoint:
+    """Which checkpoint each shard in ``directory`` resumes from.
+
+    A shard checkpoints on its own, so a sync run stopped between two shards' steps
+    (SIGTERM, a kill) leaves them at different rounds: shard 0 at round 104, shard 1
+    at 103 with a push in its open round. Such shards must not resume together. The
+    set is consistent when every shard's latest checkpoint stands at the same
+    position (:func:`position`); else each shard resumes from its newest checkpoint
+    at the newest position all of them hold (kept by pruning: the shards of a sync
+    run stand at most one round apart). Raised (:class:`CheckpointError`) when there
+    is none. Other modes (and checkpoints from before rounds were counted): every
+    shard's latest."""
+    root = Path(directory)
+    shards = _shards(root)
+    latest = {s: _latest(root / f"shard{s}")["name"] for s in shards}
+    metas = {s: _manifest(root / f"shard{s}", n) for s, n in latest.items()}
+    points = {s: position(m) if m is not None else None for s, m in metas.items()}
+    versions = {s: int(m["version"]) if m and type(m.get("version")) is int else -1
+                for s, m in metas.items()}
+    if any(p is None for p in points.values()) or len(set(points.values())) == 1:
+        first = next(iter(points.values()))
+        return ResumePoint(names=latest, versions=versions,
+                           round=None if first is None else first[0], consistent=True,
+                           note="")
+    held: dict[int, dict[tuple[int, tuple[int, ...], bool], tuple[str, int]]] = {}
+    for s in shards:
+        folder = root / f"shard{s}"
+        held[s] = {}
+        for name in _complete(folder):
+            meta = _manifest(folder, name)
+            pos = position(meta) if meta is not None else None
+            if meta is not None and pos is not None:
+                held[s][pos] = (name, int(meta["version"]))
+    common = set.intersection(*(set(h) for h in held.values()))
+    note = "the shards stand at different sync rounds: " + ", ".join(
+        f"shard {s} at round {p[0]}" + (f" with worker(s) {list(p[1])} in the open round"
+                                        if p[1] else "") + (" (void)" if p[2] else "")
+        for s, p in points.items() if p is not None)
+    if not common:
+        raise CheckpointError(f"{note}; no round is held by every shard, so they cannot "
+                              f"resume together")
+    best = max(common, key=lambda p: (p[0], len(p[1])))
+    return ResumePoint(names={s: held[s][best][0] for s in shards},
+                       versions={s: held[s][best][1] for s in shards},
+                       round=best[0], consistent=False,
+                       note=f"{note}; resuming all from round {best[0]}, which every "
+                            "shard holds")
+
+
+def supersede(directory: str | Path, shard: int, name: str) -> Path | None:
+    """Make ``name`` this shard's LATEST again, and move the checkpoints after it (a
+    timeline the resumed run leaves) to ``shardN/superseded-<time>/``, not deleted;
+    returns where (None: nothing came after it)."""
+    folder = Path(directory) / f"shard{shard}"
+    later = [p for p in folder.glob("v*.*")
+             if _NAME.match(p.name.split(".", 1)[0])
+             and _order(p.name.split(".", 1)[0]) > _order(name)]
+    meta = _manifest(folder, name) or {}
+    # LATEST first: a reader in between sees the chosen one, never a missing one
+    _write_json_atomic(folder / "LATEST", {"name": name, "version": meta.get("version"),
+                                           "created": meta.get("created")}, "latest")
+    _fsync_dir(folder)
+    if not later:
+        return None
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+    target, n = folder / f"superseded-{stamp}", 0
+    while target.exists():
+        n += 1
+        target = folder / f"superseded-{stamp}-{n}"
+    target.mkdir()
+    for path in later:
+        os.rename(path, target / path.name)
+    _fsync_dir(folder)
+    return target
 
 
 class Latest(TypedDict, total=False):
@@ -261,9 +400,10 @@ def _regular(path: Path) -> None:
                               "; a checkpoint's files must be plain files")
 
 
-def load_shard(directory: str | Path, shard: int
+def load_shard(directory: str | Path, shard: int, name: str | None = None
                ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The latest complete checkpoint of one shard: (tensors, manifest). Refused
+    """The latest complete checkpoint of one shard (or the one called ``name``, as
+    :func:`resume_point` picks it): (tensors, manifest). Refused
     (:class:`CheckpointError`) if a file is a symlink, or the manifest's format, name
     or size of the tensors file is not what was written; what the tensors and fields
     hold is checked against the shard when it loads them (paramserver/core/snapshot.py)."""
@@ -271,7 +411,10 @@ def load_shard(directory: str | Path, shard: int
     if folder.is_symlink():
         raise CheckpointError(f"{folder} is a symlink; a checkpoint's folder must not be")
     _regular(folder / "LATEST")
-    name = _latest(folder)["name"]
+    if name is None:
+        name = _latest(folder)["name"]
+    elif not _NAME.match(name):
+        raise CheckpointError(f"{name!r} does not name a checkpoint")
     manifest, tensors_path = folder / f"{name}.json", folder / f"{name}.safetensors"
     _regular(manifest)
     _regular(tensors_path)
@@ -324,6 +467,8 @@ def inspect_checkpoint(directory: str | Path) -> dict[str, Any]:
             "name": name,
             "version": meta["version"],
             "mode": meta.get("mode"),
+            "round": meta.get("rounds_closed"),
+            "open_round": meta.get("round") or [],
             "created": meta.get("created"),
             "bytes": meta.get("tensors_bytes"),
             "plan_hash": meta.get("plan_hash"),
@@ -335,12 +480,25 @@ def inspect_checkpoint(directory: str | Path) -> dict[str, Any]:
         })
     present = {s["shard"] for s in shards}
     missing = sorted(set(range(num_shards or 0)) - present)
+    try:
+        point: ResumePoint | None = resume_point(root)
+        note = point["note"] if point is not None else ""
+    except CheckpointError as exc:
+        point, note = None, str(exc)
+    consistent = point is not None and point["consistent"]
     return {
         "directory": str(root),
         "num_shards": num_shards,
         "shards": shards,
         "missing_shards": missing,
-        "complete": not missing and len(plan_hashes) == 1,
+        # a whole model: every shard, one plan, and (sync) one round
+        "complete": not missing and len(plan_hashes) == 1 and consistent,
+        "consistent": consistent,
+        "note": note,
+        # what --resume and export take (None: nothing resumable)
+        "resume": None if point is None else {
+            "round": point["round"], "names": {str(k): v for k, v in point["names"].items()},
+            "versions": [point["versions"][s["shard"]] for s in shards]},
         "versions": [s["version"] for s in shards],
     }
 
@@ -357,9 +515,12 @@ def export_model(directory: str | Path, out: str | Path) -> dict[str, Any]:
     if info["missing_shards"]:
         raise CheckpointError(f"cannot export: shard(s) {info['missing_shards']} have no "
                               f"checkpoint in {directory}")
-    if not info["complete"]:
+    if info["resume"] is None:
+        raise CheckpointError(f"cannot export: {info['note']}")
+    names = {int(k): v for k, v in info["resume"]["names"].items()}
+    if len({s["plan_hash"] for s in info["shards"]}) != 1:
         raise CheckpointError("cannot export: the shards' checkpoints come from different plans")
-    first = load_shard(directory, info["shards"][0]["shard"])[1]
+    first = load_shard(directory, info["shards"][0]["shard"], names[info["shards"][0]["shard"]])[1]
     try:
         plan = ShardPlan.from_description(first["plan"])
     except (ConfigError, KeyError) as exc:
@@ -368,7 +529,7 @@ def export_model(directory: str | Path, out: str | Path) -> dict[str, Any]:
     # a sparse table's rows, each shard's in ascending id order, go under nn.Embedding's name
     tables = {t.name: torch.zeros(t.rows, t.dim, dtype=t.torch_dtype) for t in plan.sparse}
     for s in info["shards"]:
-        tensors, _ = load_shard(directory, s["shard"])
+        tensors, _ = load_shard(directory, s["shard"], names[s["shard"]])
         plan.assemble_into(full, {k[len("param/"):]: v for k, v in tensors.items()
                                   if k.startswith("param/")})
         for name, table in tables.items():
@@ -382,4 +543,5 @@ def export_model(directory: str | Path, out: str | Path) -> dict[str, Any]:
     target = Path(out)
     target.parent.mkdir(parents=True, exist_ok=True)
     _write_atomic(target, lambda tmp: save_file(full, str(tmp)), "export")
-    return {"path": str(target), "parameters": len(full), "versions": info["versions"]}
+    return {"path": str(target), "parameters": len(full),
+            "versions": info["resume"]["versions"]}

@@ -68,6 +68,14 @@ class Access:
     def has_admin(self) -> bool:
         return self.grants is not None and any(g.admin for g in self.grants.values())
 
+    def may_stop(self, key: str | None) -> bool:
+        """Whether figures ``key`` claims (a push's training loss) may stop the shard under
+        --on-divergence: without CURVE everyone is trusted; under it, as SHUTDOWN, only an
+        admin key. Any key's claims still raise alarms."""
+        if self.grants is None:
+            return True
+        return key is not None and self.grants.get(key, ANY_KEY).admin
+
     def check(self, msg: Message, key: str | None) -> None:
         """Under CURVE, refuse (``forbidden``) a key acting for a worker id another key
         registered, or outside its allow-listed ranks, and a non-admin key running

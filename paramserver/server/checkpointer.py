@@ -47,7 +47,9 @@ from paramserver.persist.checkpoint import (
     latest_path,
     load_shard,
     move_aside,
+    resume_point,
     save_shard,
+    supersede,
 )
 from paramserver.sparse.shard import SparseShard
 
@@ -82,6 +84,7 @@ class Checkpointer:
         self.every = every
         self.seconds = seconds
         self.last = (time.monotonic(), -1)  # (when, version) of the latest one
+        self.resumed_from: str | None = None  # the checkpoint read() chose, by name
 
     def save(self, core: ShardCore | None, plan: ShardPlan | None, extra: Mapping[str, Any],
              directory: str | None = None, sparse: SparseShard | None = None) -> str | None:
@@ -149,6 +152,10 @@ class Checkpointer:
         when, version = self.last
         if version == core.version:
             return False
+        if not core.between_rounds:
+            # a sync shard checkpoints between rounds, where the other shards' checkpoints
+            # of the same round stand too: they resume together (persist/checkpoint.py)
+            return False
         every, seconds = self.every, self.seconds
         return bool((every and core.version % every == 0) or (
             seconds and time.monotonic() - when >= seconds))
@@ -171,11 +178,23 @@ class Checkpointer:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"checkpoint path must lie inside {base}")
         return str(candidate)
 
-    def read(self, directory: str, plan: ShardPlan | None
+    def read(self, directory: str, plan: ShardPlan | None, alone: bool = False
              ) -> tuple[ShardPlan, dict[str, torch.Tensor], dict[str, Any]]:
-        """This shard's latest checkpoint in ``directory``: (its plan, tensors, metadata).
-        Refused (:class:`CheckpointError`) if its plan is unusable or not ``plan``."""
-        tensors, meta = load_shard(directory, self.shard)
+        """This shard's checkpoint in ``directory`` that the run resumes from: (its plan,
+        tensors, metadata). The whole run resumes where every shard's checkpoint stands
+        at the same sync round (:func:`resume_point`; a newer one of this shard is
+        moved aside, see :func:`supersede`); ``alone``: this shard restarts in a run
+        that goes on, from its latest. Refused (:class:`CheckpointError`) if its plan
+        is unusable or not ``plan``, or the shards hold no common round."""
+        name = None
+        if not alone:
+            point = resume_point(directory)
+            name = point["names"].get(self.shard)
+            if not point["consistent"]:
+                print(f"shard {self.shard}: {point['note']}", file=sys.stderr, flush=True)
+                self.events.write("checkpoint_rounds_differ", shard=self.shard,
+                                  round=point["round"], checkpoint=name, note=point["note"])
+        tensors, meta = load_shard(directory, self.shard, name)
         try:
             theirs = ShardPlan.from_description(meta["plan"])
         except (ConfigError, KeyError, TypeError) as exc:
@@ -183,6 +202,7 @@ class Checkpointer:
         if plan is not None and theirs.hash != plan.hash:
             raise CheckpointError(f"checkpoint in {directory} has another plan: "
                                   f"{plan.diff(meta['plan'])}")
+        self.resumed_from = name
         return theirs, tensors, meta
 
     def unusable(self, directory: str, exc: BaseException) -> CheckpointError:
@@ -215,7 +235,15 @@ class Checkpointer:
                           path=str(moved))
         return moved
 
-    def resumed(self, directory: str, version: int) -> None:
+    def resumed(self, directory: str, version: int, settle: bool = True) -> None:
+        """The shard resumed at ``version`` from what :meth:`read` gave. ``settle``: the
+        checkpoint it took is made LATEST again, those after it moved aside (the run
+        goes on from there: they are another timeline); one replica of a shard does it."""
+        if settle and self.resumed_from is not None:
+            moved = supersede(directory, self.shard, self.resumed_from)
+            if moved is not None:
+                log.warning("shard %d: resumed from %s; the later checkpoints are in %s",
+                            self.shard, self.resumed_from, moved)
         self.last = (time.monotonic(), version)
         # stderr, whatever the logging setup: an operator must see which state serves
         print(f"resumed shard {self.shard} from version {version} ({directory})",

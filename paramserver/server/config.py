@@ -27,6 +27,8 @@ from typing import Any, ClassVar, TypeVar
 
 # only light modules: the CLI declares its options from these classes, and `--help`
 # must not wait for torch (tests/test_cli_startup.py)
+from paramserver.core import features
+from paramserver.core.features import BUILTIN_POLICIES
 from paramserver.core.limits import PlanLimits, estimate_copies
 from paramserver.core.modes import MODES, CoreConfig, Mode, ModeSpec
 from paramserver.core.stepsize import LR_SCALINGS
@@ -272,6 +274,13 @@ class ServerConfig(ConfigRecord):
         default_factory=lambda: {"lr": 0.1}, flag="optimizer-arg", kind="pairs",
         parse=parse_kwargs, cli_default={},
         help="Optimizer keyword argument, e.g. momentum=0.9 or betas=0.9,0.999 (repeatable).")
+    #: the launch named no optimizer: a worker script's wrapped one is the shards'
+    script_optimizer: bool = option(
+        False, internal="set by server, launch and run when none of --optimizer, --lr, "
+                        "--optimizer-arg is given",
+        help="Run the optimizer the first worker's script wraps "
+             "(DistributedOptimizer(model, torch.optim.SGD(...))) in place of --optimizer "
+             "and --optimizer-arg; a later worker wrapping another is refused.")
     scheduler: str | None = option(None, metavar="NAME|module:Class",
                                    help="torch.optim.lr_scheduler stepped after every optimizer "
                                         "step: step, cosine, linear, ... (default: none).")
@@ -420,6 +429,13 @@ class ServerConfig(ConfigRecord):
                                internal="set by launch on a replica it starts again",
                                help="This process replaces a dead replica of its shard.")
 
+    #: a shard started again alone while its run goes on: its workers are running, so
+    #: it resumes its own latest checkpoint and awaits no one (a whole run's --resume
+    #: takes the round every shard holds and waits for every worker to come back)
+    restart: bool = option(False, per_process=True,
+                           internal="set by launch on a shard it starts again",
+                           help="This shard restarts alone; its run goes on.")
+
     def __post_init__(self) -> None:
         if self.num_shards < 1:
             raise ConfigError(f"num_shards must be >= 1, got {self.num_shards}")
@@ -454,11 +470,13 @@ class ServerConfig(ConfigRecord):
                               f"digits), got {self.plan_hash!r}")
         check_bounds(self)  # the rest of the bounds the fields declare
         self._check_replicas()
+        features.check(self.features())  # the pairs of features that do not work together
         self.watchdog_config()
 
     def _check_replicas(self) -> None:
         """--replicas works for what paramserver/server/replication.py was built and
-        tested for; anything else is refused in one line naming what works."""
+        tested for; anything else is refused in one line naming what works. (The
+        built-in policies it refuses are in the feature table: features.check.)"""
         from paramserver.core.replica import MAX_REPLICAS, unreplicable
 
         if not self.replicas:
@@ -477,14 +495,20 @@ class ServerConfig(ConfigRecord):
             raise ConfigError(f"--replicas {self.replicas}: at most {MAX_REPLICAS} backups "
                               f"per shard (each one more is one more copy of every input "
                               f"and one more wait before a worker is answered)")
-        if self.policy != "none":  # (the registry loads torch: only when one is named)
-            from paramserver.policies import resolve_policy
+        if self.policy not in ("none", *BUILTIN_POLICIES):  # a plug-in policy: asked by
+            from paramserver.policies import resolve_policy  # its hooks (loads torch)
 
             why = unreplicable(resolve_policy(self.policy))
             if why:
                 raise ConfigError(f"--replicas does not work with --policy {self.policy}: "
                                   f"{why}; policies that decide from each push alone "
                                   f"(reject, inverse, exponential) do")
+
+    def features(self) -> set[str]:
+        """The features of paramserver/core/features.py this shard's options turn on."""
+        return features.active(replicas=self.replicas, curve=bool(self.curve_secret_key),
+                               resume=bool(self.resume), optimizer=self.optimizer,
+                               policy=self.policy, backup_workers=self.backup_workers)
 
     def watchdog_config(self) -> WatchdogConfig:
         """The watchdog's thresholds, with ``observe`` as its ``observe_budget``; the older

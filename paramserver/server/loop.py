@@ -30,6 +30,7 @@ import msgspec
 import torch
 import zmq
 
+from paramserver.core import features
 from paramserver.core.probe import MeasureBudget
 from paramserver.core.shard import ShardCore, SliceSpec
 from paramserver.core.sharding import ShardPlan
@@ -54,6 +55,7 @@ from paramserver.server.peers import PeerInfo, Peers
 from paramserver.server.process import READY_PREFIX, announce_ready, call_ready, own_process
 from paramserver.server.replicackpt import ReplicaCheckpoints
 from paramserver.server.replication import REPLAYED, REPLICATED_OPS, Replication
+from paramserver.server.scriptopt import ScriptOptimizer
 from paramserver.server.stopping import DIVERGED_EXIT_CODE, Divergence
 from paramserver.server.tables import TableBuilder
 from paramserver.shm.link import ShmHub, asks_board, lends, sweep, take_shm
@@ -102,6 +104,8 @@ class ShardServer:
                         config.shard, self.address)
         # what the console says comes from the records of the event log
         self.events = EventLog(config.event_log, console=console)
+        # the optimizer a worker script wraps: adopted, checked, its lr changes (scriptopt.py)
+        self.script = ScriptOptimizer(config, self.events)
         self.plan: ShardPlan | None = None
         self.core: ShardCore | None = None
         self.sparse: SparseShard | None = None  # the plan's row-sparse tables, if any
@@ -313,11 +317,15 @@ class ShardServer:
             self.tables.ready()  # (the sparse tables are saved with it)
         return self.checkpoints.capture(
             self.core, self.plan, {"optimizer_name": self.config.optimizer,
-                                   "server": self.config.to_dict()}, self.sparse, copy=copy)
+                                   "server": self.config.to_dict(), **self.script.meta()},
+            self.sparse, copy=copy)
 
     def _restore(self, directory: str) -> None:
-        plan, tensors, meta = self.checkpoints.read(directory, self.plan)
+        # a shard restarted alone takes its latest; a resumed run, the round all hold
+        plan, tensors, meta = self.checkpoints.read(directory, self.plan,
+                                                    alone=self.config.restart)
         try:
+            self.script.restore(meta)  # (the optimizer the core is built with)
             self.adopt_plan(plan)
             assert self.core is not None
             self.core.load_state_dict(tensors, meta, time.monotonic())
@@ -327,7 +335,10 @@ class ShardServer:
             self.core = self.plan = None
             self.sparse = self.tables = None  # the server does not start from it
             raise self.checkpoints.unusable(directory, exc) from exc
-        self.checkpoints.resumed(directory, self.core.version)
+        if not self.config.restart:  # the workers are new processes: await each
+            self.core.members.await_restored()
+        self.checkpoints.resumed(directory, self.core.version,
+                                 settle=self.config.replica == 0 and not self.config.replacement)
 
     # ------------------------------------------------------------------ dispatch
 
@@ -343,6 +354,7 @@ class ShardServer:
             msg = decode_request(frames, self.socket.limits)
             seq = msg.seq
             self.access.check(msg, key)
+            self.ops.claims_may_stop = self.access.may_stop(key)
             replicated = repl is not None and msg.op in REPLICATED_OPS
             if replicated and repl is not None and not repl.writable:
                 if identity != REPLAYED:  # a backup is silent to workers, as a dead
@@ -595,6 +607,11 @@ class ShardServer:
                 f"the worker's plan has {plan.num_shards} shards; this server is shard "
                 f"{self.config.shard} of {self.config.num_shards}",
             )
+        if plan.sparse:  # (a command's tables are known here first: one rule, the table's)
+            try:
+                features.check(self.config.features() | {"sparse"})
+            except ConfigError as exc:
+                raise ProtocolError(ErrorCode.BAD_FIELD, f"invalid plan: {exc}") from exc
         slices = [SliceSpec(s.key, s.numel, s.dtype) for s in plan.shard_slices(self.config.shard)]
         core = ShardCore(slices, self.config.core_config(), self.policy)
         self.sparse = SparseShard.for_server(plan, self.config, core.members.live_ids)

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from paramserver.server.config import ServerConfig
     from paramserver.server.outbox import Outbox
     from paramserver.server.parts import JoinedParts, StreamedParts
+    from paramserver.server.scriptopt import ScriptOptimizer
     from paramserver.server.tables import TableBuilder
 
 __all__ = ["DataOps", "Handler", "OpsHost"]
@@ -49,6 +50,9 @@ class OpsHost(Protocol):
 
     @property
     def tables(self) -> TableBuilder | None: ...
+
+    @property
+    def script(self) -> ScriptOptimizer: ...
 
     def before_mutation(self) -> None:
         """Copy-on-write: the weights still being sent are not written in place."""
@@ -75,6 +79,9 @@ class DataOps:
         self.joined = joined  # pushes in parts the core takes whole
         self.streamed = streamed  # pushes in parts the core adds part by part
         self.observers = observers  # only they may read as observers (SPULL)
+        #: whether the message being handled comes from a key whose claimed figures (a
+        #: push's loss) may stop the shard (Access.may_stop); set by the loop per message
+        self.claims_may_stop = True
 
     def on_init(self, msg: Message, identity: bytes) -> Message:
         core = require_core(self.host.core)
@@ -103,6 +110,8 @@ class DataOps:
     def on_push(self, msg: Message, identity: bytes) -> Message | None:
         core = require_core(self.host.core)
         b: Push = msg.body
+        if b.lr is not None:  # every part carries it: set before the first is taken
+            self._take_lr(core, b.worker, b.lr)
         streamed = b.parts != 1 and core.streams_parts
         if b.parts != 1:
             self.counters["push_parts_streamed" if streamed else "push_parts_joined"] += 1
@@ -111,7 +120,7 @@ class DataOps:
             if whole is None:
                 return reply(msg, partial=True)  # the outcome comes with the last part
             msg, b = whole, whole.body
-        read_version, loss = b.read_version, b.loss
+        read_version, loss, trusted = b.read_version, b.loss, self.claims_may_stop
         t0 = time.perf_counter()
         core.ahead.eager = streamed and b.early
         try:
@@ -120,7 +129,7 @@ class DataOps:
         except ProtocolError as exc:
             self.streamed.drop(b.worker)
             if exc.code == ErrorCode.NONFINITE:
-                self.observer.nonfinite(b.worker, loss)
+                self.observer.nonfinite(b.worker, loss, loss_may_stop=trusted)
             raise
         finally:
             core.ahead.eager = False
@@ -143,7 +152,7 @@ class DataOps:
 
             def observe() -> None:
                 grad = self.observer.push(core, worker, out, loss=loss, seconds=seconds,
-                                          nbytes=nbytes)
+                                          nbytes=nbytes, loss_may_stop=trusted)
                 self.events.write(
                     "push", shard=self.config.shard, worker=worker, clock=clock,
                     read_version=read_version, version=out.version,
@@ -153,7 +162,7 @@ class DataOps:
                     cosine=grad.cosine if grad else None)
 
             self.host.defer(observe)
-        if out.applied and self.config.checkpoint_every:
+        if out.applied and (self.config.checkpoint_every or self.config.checkpoint_seconds):
             self.host.maybe_checkpoint()
         if b.pull:
             # push + pull in one round trip: the answer is the pull's, sent when its
@@ -163,6 +172,11 @@ class DataOps:
             self.outbox.park_push_pull(b.worker, token, out, early)
             return None
         return reply(msg, **out.as_dict())
+
+    def _take_lr(self, core: ShardCore, worker: int, lr: float) -> None:
+        """A registered worker's learning-rate change (scriptopt.py)."""
+        core.members.known(worker)  # NOT_REGISTERED for an id that said no HELLO
+        self.host.script.set_lr(core, self.host.sparse, worker, lr)
 
     def _partial(self, core: ShardCore, msg: Message) -> Message:
         """The answer to a part that is not the last. With ``early`` (the worker takes
@@ -234,6 +248,8 @@ class DataOps:
         if self._hold_sparse(msg, identity, self.on_spush):
             return None
         b: SPush = msg.body
+        if b.lr is not None:
+            self._take_lr(require_core(self.host.core), b.worker, b.lr)
         out = require_core(self.host.core).rows.push(
             sparse, b.worker, b.push_id, b.read_version, b.clock, b.num_samples,
             msg.tensors, (identity, msg.seq))

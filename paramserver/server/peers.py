@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from paramserver.policies.base import StalenessPolicy
     from paramserver.server.config import ServerConfig
     from paramserver.server.parts import JoinedParts
+    from paramserver.server.scriptopt import ScriptOptimizer
     from paramserver.sparse.shard import SparseShard
 
 __all__ = ["Observers", "PeerHost", "PeerInfo", "Peers", "require_core"]
@@ -53,6 +54,9 @@ class PeerHost(Protocol):
 
     @property
     def sparse(self) -> SparseShard | None: ...
+
+    @property
+    def script(self) -> ScriptOptimizer: ...
 
     def adopt_plan(self, plan: ShardPlan) -> None:
         """Build the core (and sparse tables) of ``plan``."""
@@ -125,6 +129,8 @@ class Peers:
             if role == "observer" or b.plan is None:
                 raise ProtocolError(ErrorCode.NOT_REGISTERED,
                                     "no plan yet: a worker must say HELLO with its plan first")
+            # the script's optimizer first: the plan's limits count its state
+            self.host.script.adopt(b.optimizer if role == "worker" else None)
             self.host.adopt_plan(self._peer_plan(b.plan, b.plan_hash))
         plan, core = self.host.plan, self.host.core
         assert plan is not None and core is not None
@@ -134,6 +140,8 @@ class Peers:
                 ErrorCode.PLAN_MISMATCH,
                 f"worker {b.worker}'s model or shard layout differs from the server's: {what}",
             )
+        if b.optimizer is not None:  # refused before it is registered
+            self.host.script.check(b.optimizer)
         clock = 0
         if role == "observer":
             self.observers.add(identity)
@@ -146,7 +154,8 @@ class Peers:
             # how it joins, read before register changes the worker's entry
             before = core.workers.get(b.worker)
             from_clock = before.clock if before is not None else None
-            joined = ("new" if before is None else "restart"
+            joined = ("resumed" if b.worker in core.members.awaited else "new"
+                      if before is None else "restart"
                       if before.incarnation != b.incarnation else "again"
                       if before.live and not before.finished else "back")
             started = core.started
@@ -171,7 +180,8 @@ class Peers:
                                   workers=sorted(core.members.live_ids()), version=core.version)
         return reply(msg, shard=self.config.shard, num_shards=self.config.num_shards,
                      version=core.version, clock=clock, initialized=core.initialized,
-                     mode=core.mode.describe(), policy=self.policy.describe())
+                     mode=core.mode.describe(), policy=self.policy.describe(),
+                     lr=core.stepper.lr)
 
     def _peer_plan(self, description: JSONObject, plan_hash: str) -> ShardPlan:
         """A plan from a HELLO, validated and hash-checked before anything is built

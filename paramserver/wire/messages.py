@@ -33,8 +33,9 @@ import msgspec
 import torch
 from msgspec.structs import replace
 
+from paramserver.core.hyper import OptimizerSpec, check_lr
 from paramserver.core.records import PushOutcome
-from paramserver.errors import ErrorCode, ProtocolError
+from paramserver.errors import ConfigError, ErrorCode, ProtocolError
 from paramserver.sparse.shard import MAX_REQUEST_ROWS
 
 if TYPE_CHECKING:  # (wire.stats imports protocol, which imports this module)
@@ -84,6 +85,8 @@ class Hello(msgspec.Struct, frozen=True):
     pid: int | None = None
     #: a same-host worker's offer of its gradient segment (paramserver/shm/link.py)
     shm: dict[str, Any] | None = None
+    #: the optimizer the worker's script wraps (paramserver/core/hyper.py), checked
+    optimizer: OptimizerSpec | None = None
 
 
 class Init(msgspec.Struct, frozen=True):
@@ -114,6 +117,7 @@ class Push(msgspec.Struct, frozen=True):
     shm: list[Any] | None = None
     via_shm: bool | None = None
     early: bool = False  # a part's answer may carry the part's next weights
+    lr: float | None = None  # the evaluating rank changed the learning rate to this
 
 
 class Heartbeat(msgspec.Struct, frozen=True):
@@ -148,6 +152,7 @@ class SPush(msgspec.Struct, frozen=True):
     clock: int
     read_version: int
     num_samples: int
+    lr: float | None = None  # as Push.lr (the step's sparse rows go first)
 
 
 class SInit(msgspec.Struct, frozen=True):
@@ -190,6 +195,7 @@ class HelloReply(msgspec.Struct, frozen=True):
     mode: str
     policy: str
     shm: dict[str, Any] | None = None  # a shared-memory challenge, or the board
+    lr: float | None = None  # the learning rate the shard's optimizer has now
 
 
 class InitReply(msgspec.Struct, frozen=True):
@@ -326,8 +332,28 @@ def _header(f: Mapping[str, Any]) -> tuple[int, int, int]:
 
 
 def _hello(f: Mapping[str, Any]) -> Hello:
+    optimizer = f.get("optimizer")
+    if optimizer is not None:
+        try:
+            optimizer = OptimizerSpec.checked(optimizer.get("name"), optimizer.get("args", {}),
+                                              what="hello: optimizer")
+        except ConfigError as exc:
+            raise ProtocolError(ErrorCode.BAD_FIELD, str(exc)) from None
     return Hello(_worker("hello", f), f["role"], f["protocol"], f["plan_hash"],
-                 f["incarnation"], f.get("plan"), f.get("host"), f.get("pid"), f.get("shm"))
+                 f["incarnation"], f.get("plan"), f.get("host"), f.get("pid"), f.get("shm"),
+                 optimizer)
+
+
+def _lr(op: str, f: Mapping[str, Any]) -> float | None:
+    """A push's learning-rate change: finite and > 0 (the optimizer's own bounds are
+    the shard's, which refuses none of those)."""
+    lr = f.get("lr")
+    if lr is None:
+        return None
+    try:
+        return check_lr(lr, f"{op}: lr")
+    except ConfigError as exc:
+        raise ProtocolError(ErrorCode.BAD_FIELD, str(exc)) from None
 
 
 def _init(f: Mapping[str, Any]) -> Init:
@@ -353,7 +379,7 @@ def _push(f: Mapping[str, Any]) -> Push:
     loss = f.get("loss")
     return Push(worker, push_id, clock, read_version, samples,
                 None if loss is None else float(loss), f.get("pull") is True, part, parts,
-                f.get("shm"), f.get("via_shm"), f.get("early") is True)
+                f.get("shm"), f.get("via_shm"), f.get("early") is True, _lr("push", f))
 
 
 def _spush(f: Mapping[str, Any]) -> SPush:
@@ -362,7 +388,7 @@ def _spush(f: Mapping[str, Any]) -> SPush:
     if push_id < 0:
         raise ProtocolError(ErrorCode.BAD_FIELD, f"push_id must be >= 0, got {push_id}")
     read_version, clock, samples = _header(f)
-    return SPush(worker, push_id, clock, read_version, samples)
+    return SPush(worker, push_id, clock, read_version, samples, _lr("spush", f))
 
 
 def _sinit(f: Mapping[str, Any]) -> SInit:
@@ -450,7 +476,8 @@ _REPLIES: dict[str, Callable[[Mapping[str, Any]], Body]] = {
     "hello": lambda f: HelloReply(_int(f, "shard", None), _int(f, "num_shards"),
                                   _int(f, "version"), _int(f, "clock"),
                                   _bool(f, "initialized"), _str(f, "mode", ""),
-                                  _str(f, "policy", ""), _map(f, "shm")),
+                                  _str(f, "policy", ""), _map(f, "shm"),
+                                  _lr("hello reply", f)),
     "init": lambda f: InitReply(_bool(f, "seeded"), _int(f, "version"), _bool(f, "partial")),
     "pull": _pull_reply,
     "push": _push_reply,

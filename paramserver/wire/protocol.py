@@ -98,6 +98,8 @@ _SCHEMA: dict[Op, dict[str, tuple[tuple[type, ...], bool]]] = {
         "pid": (_INT, False),
         # a same-host worker offers its gradient segment (paramserver/shm/link.py)
         "shm": (_MAP, False),
+        # the optimizer the worker's script wraps: {"name", "args"} (core/hyper.py)
+        "optimizer": (_MAP, False),
     },
     # INIT too may come in parts (a large shard), each copied in as it arrives
     # "shm": the tensors lie in the sender's shared-memory segment, not in frames
@@ -125,12 +127,14 @@ _SCHEMA: dict[Op, dict[str, tuple[tuple[type, ...], bool]]] = {
         "via_shm": (_BOOL, False),
         # its answer may carry the part's next weights (workers/pushstream.py)
         "early": (_BOOL, False),
+        # the evaluating rank changed the learning rate: set before this push is taken
+        "lr": (_NUM, False),
     },
     Op.HEARTBEAT: {"worker": (_INT, True)},
     # tensors "ids:<table>" (int64 row ids) and, for SPUSH and SINIT, "val:<table>"
     Op.SPULL: {"worker": (_INT, True), "observer": (_BOOL, False)},  # observer: no worker
     Op.SPUSH: {"worker": (_INT, True), "push_id": (_INT, True), "clock": (_INT, True),
-               "read_version": (_INT, True), "num_samples": (_INT, True)},
+               "read_version": (_INT, True), "num_samples": (_INT, True), "lr": (_NUM, False)},
     Op.SINIT: {"worker": (_INT, True), "part": (_INT, False), "parts": (_INT, False)},
     Op.BYE: {"worker": (_INT, True), "dead": (_BOOL, False)},
     Op.STATS: {},

@@ -16,7 +16,7 @@ from typing import Any
 from paramserver.core.stepsize import LrRule
 from paramserver.errors import ConfigError
 from paramserver.policies import create_policy, parse_policy_args
-from paramserver.workers.experiments.index import ScenarioEntry
+from paramserver.workers.experiments.index import ScenarioEntry, check_name
 from paramserver.workers.stragglers import StragglerSpec
 
 __all__ = ["SCENARIOS", "ModeChoice", "PolicyChoice", "Scenario", "builtin_scenario", "slug"]
@@ -237,6 +237,9 @@ class Scenario:
     description: str = ""
     all: StragglerSpec = field(default_factory=StragglerSpec)
     ranks: tuple[tuple[int, StragglerSpec], ...] = ()
+
+    def __post_init__(self) -> None:  # it names folders and image files
+        check_name(self.name, "scenario")
 
     def stragglers(self, num_workers: int) -> dict[int, StragglerSpec]:
         return {r: spec for r, spec in self.ranks if r < num_workers}

@@ -24,14 +24,40 @@ from paramserver.util.jsontypes import JSON, JSONObject
 from paramserver.workers.launch.virtual import SimSpec
 from paramserver.workers.stragglers import StragglerSpec
 
-__all__ = ["ConfigEntry", "EnvironmentInfo", "ExperimentIndex", "PolicyArg", "RunEntry",
-           "ScenarioEntry", "StepSettings"]
+__all__ = ["MAX_NAME", "ConfigEntry", "EnvironmentInfo", "ExperimentIndex", "PolicyArg",
+           "RunEntry", "ScenarioEntry", "StepSettings", "check_name", "inside"]
 
 _T = TypeVar("_T")
 _D = TypeVar("_D")
 
 #: a policy argument's value (policies take scalars: max_staleness=4, lam=0.5)
 PolicyArg = str | int | float | bool | None
+
+#: the longest scenario, mode or cell name (it names folders and image files)
+MAX_NAME = 200
+_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+
+
+def check_name(name: object, what: str) -> str:
+    """The one rule for the names an experiment turns into folders and files (scenarios,
+    modes' slugs, cells): 1 to MAX_NAME letters, digits, ``.``, ``_`` or ``-``, the
+    first a letter or a digit. So a name is one path part, never ``..`` nor a path."""
+    if not (isinstance(name, str) and 0 < len(name) <= MAX_NAME and name[0].isascii()
+            and name[0].isalnum() and _NAME_CHARS.issuperset(name)):
+        raise ConfigError(f"{what} {name!r} is not a name: 1 to {MAX_NAME} letters, digits, "
+                          "'.', '_' or '-', starting with a letter or a digit")
+    return name
+
+
+def inside(base: Path, relative: str | Path) -> Path:
+    """``base / relative``, refused unless it resolves inside ``base`` (a run folder, an
+    image): nothing an experiment writes may land outside its ``--out``."""
+    path = base / relative
+    root = base.resolve()
+    if not Path(relative).parts or Path(relative).is_absolute() \
+            or not path.resolve().is_relative_to(root) or path.resolve() == root:
+        raise ConfigError(f"{relative!s} is not a path inside {base}")
+    return path
 
 
 @dataclass(frozen=True)
@@ -82,6 +108,10 @@ class ConfigEntry:
     @classmethod
     def from_json(cls, data: JSON) -> ConfigEntry:
         return msgspec.convert(data, type=cls)
+
+    def __post_init__(self) -> None:  # read back too: the report names files after them
+        check_name(self.id, "configuration")
+        check_name(self.scenario, "scenario")
 
 
 @dataclass(frozen=True)
@@ -204,6 +234,12 @@ class ExperimentIndex:
         def get(key: str, kind: type[_T], default: _D) -> _T | _D:
             return default if doc.get(key) is None else required(key, kind)
 
+        scenarios = get("scenarios", dict[str, ScenarioEntry], {})
+        for scenario in scenarios:  # they name image files
+            try:
+                check_name(scenario, "scenario")
+            except ConfigError as exc:
+                raise msgspec.ValidationError(f"experiment.json: `scenarios`: {exc}") from None
         return cls(
             name=required("name", str), task=required("task", str),
             servers=required("servers", int), seeds=required("seeds", tuple[int, ...]),
@@ -216,7 +252,7 @@ class ExperimentIndex:
             budget_seconds=get("budget_seconds", float, 0.0),
             budget_gradients=get("budget_gradients", int, 0),
             budget=get("budget", str, None),
-            scenarios=get("scenarios", dict[str, ScenarioEntry], {}),
+            scenarios=scenarios,
             configurations=get("configurations", tuple[ConfigEntry, ...], ()),
             runs=get("runs", tuple[RunEntry, ...], ()),
             finished=get("finished", float, None),

@@ -22,7 +22,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from paramserver.workers.experiments import plots
-from paramserver.workers.experiments.index import EnvironmentInfo, ExperimentIndex
+from paramserver.workers.experiments.index import EnvironmentInfo, ExperimentIndex, inside
 from paramserver.workers.experiments.plots import MODE_STYLES, Color, mode_style
 from paramserver.workers.experiments.plots import band as _band
 from paramserver.workers.experiments.plots import save as _save
@@ -481,9 +481,10 @@ def render_report(out_dir: Path, exp: ExperimentIndex, summaries: Sequence[Confi
         if steps_text:
             blocks.append(("p", steps_text))
         if any(s.runs for s in group):
-            loss = plot_loss(scenario, group, colors, target, images_dir / f"{scenario}-loss.png")
+            loss = plot_loss(scenario, group, colors, target,
+                             inside(images_dir, f"{scenario}-loss.png"))
             stale = plot_staleness(scenario, group, colors,
-                                   images_dir / f"{scenario}-staleness.png")
+                                   inside(images_dir, f"{scenario}-staleness.png"))
             for path, alt in ((loss, "held-out loss"), (stale, "staleness histograms")):
                 images.append(path)
                 blocks.append(("img", f"images/{path.name}", f"{scenario}: {alt}"))
@@ -499,12 +500,12 @@ def render_report(out_dir: Path, exp: ExperimentIndex, summaries: Sequence[Confi
                     ("accuracy", "held-out accuracy over time",
                      plots.accuracy_figure(scenario, group, colors))):
                 if fig is not None:
-                    path = _save(fig, images_dir / f"{scenario}-{name}.png")
+                    path = _save(fig, inside(images_dir, f"{scenario}-{name}.png"))
                     images.append(path)
                     blocks.append(("img", f"images/{path.name}", f"{scenario}: {alt}"))
         for s in group:
             if s.config.mode == "ssp":
-                clocks = plot_clocks(s, images_dir / f"{s.config.id}-clocks.png")
+                clocks = plot_clocks(s, inside(images_dir, f"{s.config.id}-clocks.png"))
                 if clocks is not None:
                     images.append(clocks)
                     blocks.append(("img", f"images/{clocks.name}", f"{s.label}: clocks"))

@@ -40,7 +40,7 @@ import numpy as np
 from paramserver.errors import ConfigError
 from paramserver.observe.events import read_events
 from paramserver.util.jsontypes import JSONObject
-from paramserver.workers.experiments.index import ConfigEntry, ExperimentIndex
+from paramserver.workers.experiments.index import ConfigEntry, ExperimentIndex, inside
 from paramserver.workers.launch.results import ClusterResult
 
 __all__ = [
@@ -435,7 +435,7 @@ def summarize(out_dir: str | Path) -> list[ConfigSummary]:
                 failed.append(run.seed)
                 continue
             try:
-                logs = load_run(Path(out_dir) / run.path)
+                logs = load_run(inside(Path(out_dir), run.path))
                 runs.append(run_metrics(logs, run.seed, exp.target_loss))
             except (ConfigError, OSError, KeyError, ValueError) as exc:
                 log.warning("run %s: unusable logs: %s", run.path, exc)

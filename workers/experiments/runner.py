@@ -29,7 +29,12 @@ import torch
 
 from paramserver.errors import ConfigError, ParamServerError
 from paramserver.observe.events import read_events
-from paramserver.workers.experiments.index import EnvironmentInfo, ExperimentIndex, RunEntry
+from paramserver.workers.experiments.index import (
+    EnvironmentInfo,
+    ExperimentIndex,
+    RunEntry,
+    inside,
+)
 from paramserver.workers.experiments.report import ReportFiles, write_report
 from paramserver.workers.experiments.spec import ExperimentSpec, RunPlan, dump_spec
 from paramserver.workers.launch.cluster import Progress, run_cluster
@@ -192,7 +197,7 @@ def run_experiment(spec: ExperimentSpec, out_dir: str | os.PathLike[str],
         # under a time budget the steps are unknown: spec.steps is the progress bar's guess
         per_worker = spec.worker_steps(plan.config.workers) or spec.steps
         obs.run_started(i, len(plans), plan, per_worker * plan.config.workers)
-        run_dir = out / plan.path
+        run_dir = inside(out, plan.path)  # (the spec checked its names: this is the last word)
         t0 = time.monotonic()
 
         def progress(p: Progress, plan: RunPlan = plan) -> None:

@@ -34,6 +34,7 @@ import logging
 import os
 import shlex
 import tomllib
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,12 +57,13 @@ from paramserver.workers.experiments.axes import (
     builtin_scenario,
     slug,
 )
-from paramserver.workers.experiments.index import ConfigEntry, StepSettings
+from paramserver.workers.experiments.index import ConfigEntry, StepSettings, check_name
 from paramserver.workers.launch.cluster import ClusterSpec
 from paramserver.workers.tasks import resolve_task, task_parameters
 from paramserver.workers.worker import WorkerConfig
 
 __all__ = [
+    "MAX_RUNS",
     "NOT_FOR_COMMANDS",
     "PRESETS",
     "SCENARIOS",
@@ -93,6 +95,9 @@ class Configuration:
     label: str
     replicas: int = 0  # backups per shard (ServerConfig.replicas)
 
+    def __post_init__(self) -> None:  # it names the cell's folder under runs/
+        check_name(self.id, "configuration")
+
     @property
     def id(self) -> str:
         return (f"{self.scenario}-{self.mode.slug}-{self.policy.slug}-w{self.workers}"
@@ -119,6 +124,11 @@ _SPEC_KEYS = ("name", "task", "task_args", "steps", "batch_size", "seeds", "num_
               "run_timeout", "lr_scaling", "warmup_steps", "momentum_target",
               "budget_seconds", "budget_gradients", "command", "local_optimizer", "local_args",
               "outer_args", "evaluator", "replicas")
+
+#: the most runs (configurations x seeds) a grid may hold: each is a cluster run of
+#: seconds to minutes, so more is a mistake (seeds = 1000000), refused at once
+MAX_RUNS = 10_000
+_AXES = ("scenarios", "modes", "policies", "workers", "replicas", "seeds")
 
 _OWN_MODEL = "the script builds its own model and loads its own data"
 _OWN_LOOP = "the script runs its own loop (steps is passed on as PARAMSERVER_STEPS, a hint)"
@@ -185,19 +195,23 @@ class ExperimentSpec:
 
     def __post_init__(self) -> None:
         self._check_command()
+        self._check_size()
         self.modes = [ModeChoice.parse(m) for m in _as_list(self.modes, "modes")]
         self.policies = [PolicyChoice.parse(p) for p in _as_list(self.policies, "policies")]
         self.workers = [_int(w, "workers", 1) for w in _as_list(self.workers, "workers")]
         self.replicas = [_int(r, "replicas", 0) for r in _as_list(self.replicas, "replicas")]
-        self.scenarios = [str(s) for s in _as_list(self.scenarios, "scenarios")]
+        self.scenarios = [check_name(s, "scenario")
+                          for s in _as_list(self.scenarios, "scenarios")]
         if isinstance(self.seeds, int) and not isinstance(self.seeds, bool):
             self.seeds = list(range(_int(self.seeds, "seeds (a count)", 1)))
         self.seeds = [_int(s, "seeds", 0) for s in _as_list(self.seeds, "seeds")]
-        for axis in ("modes", "policies", "workers", "scenarios", "seeds", "replicas"):
-            values = [str(v) for v in getattr(self, axis)]
-            dupes = sorted({v for v in values if values.count(v) > 1})
+        for axis in _AXES:  # one pass each: a grid may list thousands of seeds
+            counts = Counter(str(v) for v in getattr(self, axis))
+            dupes = sorted(v for v, n in counts.items() if n > 1)
             if dupes:
-                raise ConfigError(f"{axis} lists {', '.join(dupes)} more than once")
+                shown = ", ".join(dupes[:10]) + (f" (and {len(dupes) - 10} more)"
+                                                 if len(dupes) > 10 else "")
+                raise ConfigError(f"{axis} lists {shown} more than once")
         for mode in self.modes:
             if mode.backups >= min(self.workers):
                 raise ConfigError(f"{mode}: backup workers must be fewer than the workers "
@@ -236,6 +250,19 @@ class ExperimentSpec:
                         dict(self.optimizer_args))
         self._check_local()
         self._check_replicas()
+        self._check_features()
+
+    def _check_size(self) -> None:
+        """At most MAX_RUNS runs, counted before any axis is expanded or checked."""
+        runs = 1
+        for axis in _AXES:
+            value = getattr(self, axis)
+            count = value if axis == "seeds" and isinstance(value, int) \
+                and not isinstance(value, bool) else len(_as_list(value, axis))
+            runs *= max(count, 1)
+        if runs > MAX_RUNS:
+            raise ConfigError(f"the grid holds {runs:,} runs (configurations x seeds); at most "
+                              f"{MAX_RUNS:,}: give fewer seeds or axis values")
 
     def _check_replicas(self) -> None:
         """Each replica count with each mode and policy is one the servers take (they
@@ -251,6 +278,15 @@ class ExperimentSpec:
                     except ConfigError as exc:
                         raise ConfigError(f"replicas = {replicas} with mode {mode}, policy "
                                           f"{policy.label}: {exc}") from None
+
+    def _check_features(self) -> None:
+        """Every run of the grid turns on features that work together, as ``launch``
+        would have them (paramserver/core/features.py): refused here, before any runs."""
+        for config in self.configurations():
+            try:
+                self.cluster_spec(config, 0)
+            except ConfigError as exc:
+                raise ConfigError(f"the runs {config.label!r}: {exc}") from None
 
     def _check_local(self) -> None:
         """Modes with h=H: their optimizers build, and every worker's steps are whole

@@ -464,6 +464,7 @@ class LocalCluster:
 
         cfg = self.spec.server_config(shard, self.out)
         cfg.bind = self.addresses[shard]
+        cfg.restart = True  # its workers run on: its own latest checkpoint, nobody awaited
         if cfg.checkpoint_dir:
             try:
                 load_shard(cfg.checkpoint_dir, shard)

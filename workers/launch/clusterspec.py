@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from paramserver.core import features
 from paramserver.errors import ConfigError
 from paramserver.server.config import ServerConfig, option
 from paramserver.util.jsontypes import JSONObject
@@ -128,6 +129,12 @@ class ClusterSpec:
         if self.server.replicas and self.restart_servers:
             raise ConfigError("--replicas works without --restart-servers (the launcher "
                               "replaces a dead replica itself, from its live peer's state)")
+        features.check(self.features())  # one table: paramserver/core/features.py
+
+    def features(self) -> set[str]:
+        """The features of paramserver/core/features.py this run turns on."""
+        return features.of_run(self.server.features(), self.worker.features(),
+                               bool(self.command), self.worker.task)
 
     def client_curve(self) -> CurveKeys | None:
         """The workers' CURVE keys, for the launcher's own connections (stats, eval, stop)."""

@@ -1,0 +1,233 @@
+"""Which features work together: one table, and the one check every command runs.
+
+A *feature* is something a run turns on (replicas, sparse tables, CURVE, ...). Each
+pair of features is in :data:`PAIRS` as one of:
+
+* ``works``: it works, and ``test`` names the end-to-end test that shows it
+  (``tests/<file>.py::<test>``; tests/test_features.py checks that it exists);
+* ``refused``: a run that turns both on is refused at start, in one line giving
+  ``why`` (:func:`check`, which the configs of ``server``, ``worker``, ``launch``,
+  ``run`` and ``experiment`` call, and DistributedOptimizer for what a script turns
+  on); tests/test_features.py starts ``launch`` with each refused pair and expects
+  exit 2, before any process starts;
+* ``untested``: nothing refuses it, and no end-to-end test runs it yet (``why`` says
+  what is missing): not a promise that it works;
+* ``exclusive``: the two cannot be asked for together (one ``--policy``).
+
+docs/reliability.md shows the table (:func:`markdown`; a test checks the two agree).
+Pure and light: the CLI reads it before anything heavy is imported.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from paramserver.errors import ConfigError
+
+__all__ = ["BUILTIN_POLICIES", "FEATURES", "PAIRS", "SPARSE_TASKS", "Pair", "active", "check",
+           "markdown", "of_run", "pair", "policy_feature"]
+
+#: the staleness policies paramserver ships (paramserver/policies), "none" aside
+BUILTIN_POLICIES = ("reject", "inverse", "exponential", "dc-asgd", "dc-asgd-adaptive",
+                    "gap-aware", "ssp-adaptive")
+
+#: the built-in tasks whose model holds ShardedEmbedding tables (tests/test_features.py
+#: checks this against the task registry)
+SPARSE_TASKS = ("recsys",)
+
+
+def policy_feature(name: str) -> str:
+    return f"policy:{name}"
+
+
+#: feature -> how a run turns it on (the name a refusal and the docs' table give it)
+FEATURES: dict[str, str] = {
+    "replicas": "--replicas",
+    "sparse": "a sparse table (ShardedEmbedding, --task recsys)",
+    "curve": "CURVE",
+    "shm": "shared memory",
+    "resume": "--resume",
+    "command": "a command run (-- COMMAND)",
+    "local_sgd": "local SGD (--local-optimizer)",
+    "outer": "--optimizer delayed-nesterov",
+    "backup_workers": "--backup-workers",
+    "overlap": "--overlap",
+    "wire_dtype": "--wire-dtype",
+    **{policy_feature(p): f"--policy {p}" for p in BUILTIN_POLICIES},
+}
+
+
+@dataclass(frozen=True)
+class Pair:
+    """What a pair of features does together (see the module's docstring)."""
+
+    status: str  # works | refused | untested | exclusive
+    test: str = ""  # works: the end-to-end test's node id
+    why: str = ""  # refused: the one-line reason; untested: what is missing
+
+    def __post_init__(self) -> None:
+        if self.status not in ("works", "refused", "untested", "exclusive"):
+            raise ValueError(f"unknown status {self.status!r}")
+        if (self.status == "works") != bool(self.test):
+            raise ValueError("a pair works with the test that shows it, and only then")
+        if self.status == "refused" and not self.why:
+            raise ValueError("a refused pair says why")
+
+
+def _works(test: str) -> Pair:
+    return Pair("works", test=test)
+
+
+def _refused(why: str) -> Pair:
+    return Pair("refused", why=why)
+
+
+_READ_WEIGHTS = ("it rewrites gradients from the weights each worker read, which a "
+                 "joining replica's snapshot does not carry")
+_SURFACES = "tests/test_replicas_surfaces_e2e.py::"
+
+_LISTED: dict[tuple[str, str], Pair] = {
+    # replicas (paramserver/server/replication.py)
+    ("replicas", "sparse"): _refused(
+        "a backup does not follow the sparse tables' pushes, so a failover would lose "
+        "the table's updates; train sparse tables without --replicas (checkpoints "
+        "and --resume keep them)"),
+    ("replicas", "curve"): _works(
+        _SURFACES + "test_curve_replicas_refuse_strangers_and_survive_two_primary_sigkills"),
+    ("replicas", "shm"): _works(
+        "tests/test_replication_shm_e2e.py::"
+        "test_sync_failover_through_shared_memory_ends_bit_identical"),
+    ("replicas", "resume"): _works(_SURFACES + "test_every_replica_resumes_from_the_checkpoint"),
+    ("replicas", "command"): _works(
+        _SURFACES + "test_a_command_run_with_replicas_survives_a_primary_sigkill"),
+    ("replicas", "backup_workers"): _works(
+        _SURFACES + "test_backup_workers_replicate_through_a_primary_sigkill"),
+    ("replicas", policy_feature("reject")): _works(
+        _SURFACES + "test_a_staleness_policy_replicates_through_a_primary_sigkill"),
+    ("replicas", policy_feature("dc-asgd")): _refused(_READ_WEIGHTS),
+    ("replicas", policy_feature("dc-asgd-adaptive")): _refused(_READ_WEIGHTS),
+    ("replicas", policy_feature("gap-aware")): _refused(_READ_WEIGHTS),
+    ("replicas", policy_feature("ssp-adaptive")): _refused(
+        "it sets the SSP bound from wait times each replica measures on its own clock"),
+    # local SGD (paramserver/workers/localsgd.py)
+    ("local_sgd", "overlap"): _refused(
+        "local SGD pushes the weights' change once per round, so there is no backward "
+        "pass to overlap a push with"),
+    ("local_sgd", "sparse"): _refused(
+        "local SGD pushes the weights' change once per round; sparse tables push row "
+        "gradients at every step"),
+    ("local_sgd", "outer"): _works(
+        "tests/test_localsgd.py::test_bf16_pseudo_gradients_under_delayed_nesterov_equal_"
+        "the_replay"),
+    ("local_sgd", "wire_dtype"): _works(
+        "tests/test_localsgd.py::test_bf16_pseudo_gradients_under_delayed_nesterov_equal_"
+        "the_replay"),
+    ("outer", "wire_dtype"): _works(
+        "tests/test_localsgd.py::test_bf16_pseudo_gradients_under_delayed_nesterov_equal_"
+        "the_replay"),
+    ("local_sgd", "command"): _works(
+        "tests/test_localsgd.py::test_own_loop_with_sync_every_per_worker"),
+    # your own script
+    ("command", "overlap"): _works(
+        "tests/test_own_loop_e2e.py::test_overlap_and_accumulation_give_the_same_sync_training"),
+    ("command", policy_feature("reject")): _works(
+        "tests/test_own_loop_e2e.py::test_a_staleness_policy_acts_on_the_users_pushes"),
+    ("command", "sparse"): _works(
+        "tests/test_sparse_e2e.py::test_sync_sparse_with_a_row_cache_equals_single_process_torch"),
+    # sparse tables
+    ("sparse", "resume"): _works(
+        "tests/test_sparse_e2e.py::test_checkpoint_and_resume_of_sparse_shards_loses_nothing"),
+    # shared memory
+    ("shm", "curve"): _works(
+        "tests/test_shm_e2e.py::test_curve_peer_without_an_allow_list_entry_gets_no_segment"),
+}
+
+_UNTESTED = Pair("untested", why="no end-to-end test runs this pair yet")
+
+
+def _table() -> dict[frozenset[str], Pair]:
+    table: dict[frozenset[str], Pair] = {}
+    for (a, b), p in _LISTED.items():
+        if a not in FEATURES or b not in FEATURES or a == b:
+            raise ValueError(f"unknown feature pair {a!r}, {b!r}")
+        key = frozenset((a, b))
+        if key in table:
+            raise ValueError(f"pair {a!r}, {b!r} listed twice")
+        table[key] = p
+    for a, b in itertools.combinations(FEATURES, 2):
+        key = frozenset((a, b))
+        if key not in table:
+            both_policies = a.startswith("policy:") and b.startswith("policy:")
+            table[key] = (Pair("exclusive", why="a run has one --policy") if both_policies
+                          else _UNTESTED)
+    return table
+
+
+#: every pair of :data:`FEATURES`, as a frozenset of the two names
+PAIRS: Mapping[frozenset[str], Pair] = _table()
+
+
+def pair(a: str, b: str) -> Pair:
+    """What features ``a`` and ``b`` do together (a feature not in the table, a
+    plug-in policy say: untested)."""
+    return PAIRS.get(frozenset((a, b)), _UNTESTED)
+
+
+def active(*, replicas: int = 0, sparse: bool = False, curve: bool = False,
+           resume: bool = False, command: bool = False, local_sgd: bool = False,
+           optimizer: str = "", policy: str = "none", backup_workers: int = 0,
+           overlap: bool = False, wire_dtype: str | None = None) -> set[str]:
+    """The features a run's settings turn on (each side passes what it knows)."""
+    on = {name for name, given in (
+        ("replicas", replicas), ("sparse", sparse), ("curve", curve), ("resume", resume),
+        ("command", command), ("local_sgd", local_sgd),
+        ("outer", optimizer.lower() == "delayed-nesterov"),
+        ("backup_workers", backup_workers), ("overlap", overlap),
+        ("wire_dtype", wire_dtype not in (None, "none"))) if given}
+    if policy and policy != "none":
+        on.add(policy_feature(policy))
+    return on
+
+
+def of_run(server: Iterable[str], worker: Iterable[str], command: bool, task: str) -> set[str]:
+    """A run's features: its shards' and its workers' (``ServerConfig.features``,
+    ``WorkerConfig.features``), a command, and sparse tables where the built-in task
+    has them (a command's are known once its DistributedOptimizer is built, which
+    checks them, and at the shards its plan reaches)."""
+    return {*server, *worker, *active(command=command,
+                                      sparse=not command and task in SPARSE_TASKS)}
+
+
+def check(features: Iterable[str]) -> None:
+    """Refuse (ConfigError, one line) the first pair of ``features`` the table refuses."""
+    on = sorted(set(features), key=lambda f: (list(FEATURES).index(f) if f in FEATURES
+                                               else len(FEATURES), f))
+    for a, b in itertools.combinations(on, 2):
+        p = pair(a, b)
+        if p.status == "refused":
+            raise ConfigError(f"{_name(a)} does not work with {_name(b)}: {p.why}")
+
+
+def _name(feature: str) -> str:
+    if feature.startswith("policy:"):  # (a plug-in policy too)
+        return f"--policy {feature[7:]}"
+    return FEATURES.get(feature, feature)
+
+
+def markdown() -> str:
+    """The table as docs/reliability.md shows it: the refused pairs and the working ones
+    with their tests, then the pairs no test runs yet."""
+    rows = ["| Features | Together | Why, or the test that shows it |", "|---|---|---|"]
+    untested: list[str] = []
+    for key, p in sorted(PAIRS.items(), key=lambda kv: sorted(
+            list(FEATURES).index(f) for f in kv[0])):
+        a, b = sorted(key, key=list(FEATURES).index)
+        if p.status == "untested":
+            untested.append(f"{a} + {b}")
+        elif p.status != "exclusive":
+            detail = f"`{p.test}`" if p.status == "works" else p.why
+            rows.append(f"| {a} + {b} | {p.status} | {detail} |")
+    return "\n".join([*rows, "", "Untested (nothing refuses them; no end-to-end test runs "
+                      "them yet): " + ", ".join(untested) + "."])

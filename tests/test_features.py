@@ -1,0 +1,137 @@
+"""The feature-pair table (paramserver/core/features.py), walked: every pair marked as
+working names an end-to-end test that exists, every refused pair is refused by the
+CLI at start (exit 2, one line, before any process starts: CliRunner, with
+--print-config so that a pair the CLI let through would print, not run), and
+docs/reliability.md shows the table as it is."""
+
+from __future__ import annotations
+
+import ast
+import sys
+from functools import cache
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner, Result
+
+from paramserver.cli.main import main
+from paramserver.core import features
+from paramserver.core.features import BUILTIN_POLICIES, PAIRS, pair, policy_feature
+from paramserver.core.replica import unreplicable
+
+pytestmark = pytest.mark.usefixtures("clean_env")  # tests/conftest.py
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: the flags that turn each feature of a refused pair on, for `launch` and `run`
+FLAGS: dict[str, list[str]] = {
+    "replicas": ["--replicas", "1"],
+    "sparse": ["--task", "recsys"],
+    "local_sgd": ["--local-optimizer", "sgd"],
+    "overlap": ["--overlap"],
+    **{policy_feature(p): ["--policy", p] for p in BUILTIN_POLICIES},
+}
+
+
+def _ordered(key: frozenset[str]) -> tuple[str, str]:
+    a, b = sorted(key, key=list(features.FEATURES).index)
+    return a, b
+
+
+WORKING = sorted(_ordered(k) for k, p in PAIRS.items() if p.status == "works")
+REFUSED = sorted(_ordered(k) for k, p in PAIRS.items() if p.status == "refused")
+
+
+@cache
+def _tests_in(path: Path) -> frozenset[str]:
+    """The test functions of a test module (``name`` and ``Class::name``)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            names.add(node.name)
+        elif isinstance(node, ast.ClassDef):
+            names |= {f"{node.name}::{f.name}" for f in node.body
+                      if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)}
+    return frozenset(n for n in names if n.split("::")[-1].startswith("test_"))
+
+
+def _error(result: Result) -> str:
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("Error")]
+    assert len(errors) == 1, result.output
+    return errors[0]
+
+
+@pytest.mark.parametrize(("a", "b"), WORKING)
+def test_a_working_pair_names_an_end_to_end_test_that_exists(a: str, b: str) -> None:
+    path, _, name = pair(a, b).test.partition("::")
+    assert path.startswith("tests/test_") and (ROOT / path).is_file(), pair(a, b).test
+    assert name in _tests_in(ROOT / path), f"{a} + {b}: no test {name} in {path}"
+
+
+@pytest.mark.parametrize(("a", "b"), REFUSED)
+def test_a_refused_pair_is_refused_by_launch_at_start(a: str, b: str) -> None:
+    result = CliRunner().invoke(main, ["launch", *FLAGS[a], *FLAGS[b], "--print-config"],
+                                catch_exceptions=False)
+    assert pair(a, b).why in _error(result)
+
+
+@pytest.mark.parametrize("command", ["launch", "run", "server"])
+def test_every_command_refuses_a_pair_from_the_same_table(command: str) -> None:
+    a, b = "replicas", policy_feature("dc-asgd")
+    result = CliRunner().invoke(main, [command, *FLAGS[a], *FLAGS[b], "--print-config"],
+                                catch_exceptions=False)
+    assert _error(result).endswith(pair(a, b).why)
+    if command != "server":  # (a server has no task: its plan brings the tables)
+        result = CliRunner().invoke(main, [command, *FLAGS["replicas"], *FLAGS["sparse"],
+                                           "--print-config"], catch_exceptions=False)
+        assert _error(result).endswith(pair("replicas", "sparse").why)
+
+
+def test_an_experiment_refuses_a_pair_before_its_first_run(tmp_path: Path) -> None:
+    spec = tmp_path / "grid.toml"
+    spec.write_text('task = "recsys"\nreplicas = 1\nmodes = ["async"]\nworkers = [2]\n'
+                    'scenarios = ["none"]\nsteps = 2\n', encoding="utf-8")
+    result = CliRunner().invoke(main, ["experiment", "--spec", str(spec), "--out",
+                                       str(tmp_path / "out")], catch_exceptions=False)
+    assert _error(result).endswith(pair("replicas", "sparse").why)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_script_and_a_shard_refuse_what_the_launcher_refuses() -> None:
+    """check() is what DistributedOptimizer and a shard adopting a plan call."""
+    with pytest.raises(Exception, match="--replicas does not work with a sparse table"):
+        features.check(features.active(replicas=1, sparse=True))
+    features.check(features.active(replicas=1, policy="reject", curve=True, resume=True))
+
+
+def test_the_builtin_policies_replicas_refuses_are_those_replication_cannot_follow() -> None:
+    """The table holds the rule for the built-in policies; ``unreplicable`` (which asks
+    a plug-in policy's hooks) agrees with it for each."""
+    from paramserver.policies import available_policies, resolve_policy
+
+    assert set(BUILTIN_POLICIES) | {"none"} <= set(available_policies())
+    for name in BUILTIN_POLICIES:
+        refused = pair("replicas", policy_feature(name)).status == "refused"
+        assert refused == bool(unreplicable(resolve_policy(name))), name
+
+
+def test_the_sparse_tasks_are_those_whose_model_holds_sharded_tables() -> None:
+    from paramserver.workers.tasks import available_tasks
+
+    for name, factory in available_tasks().items():
+        module = sys.modules[factory.__module__]
+        holds = any(getattr(module, n, None) is not None
+                    for n in ("ShardedEmbedding", "ShardedEmbeddingBag"))
+        assert holds == (name in features.SPARSE_TASKS), name
+
+
+def test_reliability_md_shows_the_table() -> None:
+    text = (ROOT / "docs" / "reliability.md").read_text(encoding="utf-8")
+    start = "<!-- feature pairs: made by paramserver.core.features.markdown() -->\n"
+    assert start in text
+    shown = text.split(start, 1)[1].split("\n<!-- end of feature pairs -->", 1)[0]
+    assert shown == features.markdown(), "run: python -c 'from paramserver.core import " \
+        "features; print(features.markdown())' and paste it into docs/reliability.md"
