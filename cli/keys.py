@@ -33,6 +33,9 @@ Examples:
   paramserver worker --servers 127.0.0.1:5600 --curve-key keys/worker0.key_secret \\
       --curve-server-key keys/server.key
 \b
+  # one key per run for a replicated shard's replicas (--replication-key)
+  paramserver keys replication run.key
+\b
 See docs/reliability.md (security) for what each key allows.
 """
 
@@ -40,7 +43,8 @@ See docs/reliability.md (security) for what each key allows.
 @click.group(epilog=EPILOG, short_help="CURVE keys: encryption and authentication between workers "
                                           "and servers.")
 def keys() -> None:
-    """CURVE keys: encryption and authentication between workers and servers."""
+    """CURVE keys (encryption and authentication between workers and servers), and the
+    key a shard's replicas seal their messages with."""
 
 
 @keys.command(epilog="""\b
