@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -167,7 +168,13 @@ def _shard_config(workers: int, mode: str, failover_timeout: float | None) -> JS
 
 
 def _serve_pair(primary: Agent, backup: Agent, base: JSONObject) -> str:
-    """A primary and its backup serving ``base``; the worker's address entry (P|B)."""
+    """A primary and its backup serving ``base``; the worker's address entry (P|B). They
+    share a replication key of their own, as a launched run's replicas do (the agents
+    run on this host: the file is theirs to read)."""
+    from paramserver.wire.replauth import make_key_file
+
+    folder = Path(tempfile.mkdtemp(prefix="paramserver-bench-replication-"))
+    base = {**base, "replication_key": str(make_key_file(folder / "replication.key"))}
     backup.send("ps_serve", config={**base, "replicas": 1, "replica": 1})
     b = text(backup.read(_TIMEOUT), "address")
     primary.send("ps_serve", config={**base, "replicas": 1, "replica_peers": [b]})

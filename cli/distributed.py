@@ -100,6 +100,22 @@ def _place(config: ServerConfig, rdzv: Rendezvous, role: Role, out: Path | None
                                event_log=str(out / "events" / f"{name}.jsonl") if out else None)
 
 
+def _replication_key(config: ServerConfig, out: Path | None) -> ServerConfig:
+    """A replicated shard's key: --replication-key, or the one --curve-secret-key
+    gives, or the run's own in OUT/keys/replication.key, made by the first server rank
+    that gets there (OUT on a shared file system: every node's ranks find it)."""
+    from paramserver.server.config import NO_REPLICATION_KEY
+    from paramserver.wire.replauth import shared_key_file
+
+    if config.replication_key or config.curve_secret_key:
+        return config
+    if out is None:
+        raise ConfigError(f"{NO_REPLICATION_KEY}; or --out DIR, on a file system every "
+                          f"server rank shares, where the run makes its own")
+    key = shared_key_file(out / "keys" / "replication.key")
+    return dataclasses.replace(config, replication_key=str(key))
+
+
 def _nth_port(base: int, index: int) -> int:
     """Shard ``index``'s port from a base port (0 stays 0: any free port)."""
     return base + index if base else 0
@@ -171,6 +187,8 @@ def run(ctx: click.Context, **opts: Any) -> None:
                 expected_workers=role.num_workers,
                 event_log=str(out / "events" / f"server{role.index}.jsonl") if out else None,
             )
+            if role.replicas:
+                config = _replication_key(config, out)
     else:
         device = worker_template.device
         if device == "auto":  # one GPU per local rank, where there are GPUs

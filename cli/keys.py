@@ -1,4 +1,5 @@
-"""``paramserver keys generate DIR``: CURVE key pairs for encrypted, authenticated runs.
+"""``paramserver keys generate DIR``: CURVE key pairs for encrypted, authenticated runs;
+``paramserver keys replication FILE``: the key a run's replicas seal their messages with.
 
 Only argument handling and display live here; the keys are made by
 :func:`paramserver.wire.curve.generate_curve_keys`.
@@ -32,6 +33,9 @@ Examples:
   paramserver worker --servers 127.0.0.1:5600 --curve-key keys/worker0.key_secret \\
       --curve-server-key keys/server.key
 \b
+  # one key per run for a replicated shard's replicas (--replication-key)
+  paramserver keys replication run.key
+\b
 See docs/reliability.md (security) for what each key allows.
 """
 
@@ -39,7 +43,8 @@ See docs/reliability.md (security) for what each key allows.
 @click.group(epilog=EPILOG, short_help="CURVE keys: encryption and authentication between workers "
                                           "and servers.")
 def keys() -> None:
-    """CURVE keys: encryption and authentication between workers and servers."""
+    """CURVE keys (encryption and authentication between workers and servers), and the
+    key a shard's replicas seal their messages with."""
 
 
 @keys.command(epilog="""\b
@@ -95,3 +100,31 @@ def generate(directory: Path, clients: tuple[str, ...], admins: tuple[str, ...],
         " [bold]--curve-server-key[/] " f"{made.server_public}",
         highlight=False,
     )
+
+
+@keys.command(epilog="""\b
+Examples:
+  paramserver keys replication run.key
+  paramserver server --replicas 1 --replica 1 --port 5611 --replication-key run.key
+  paramserver server --replicas 1 --replica 0 --port 5610 --replication-key run.key \\
+      --replica-peers 127.0.0.1:5611
+""")
+@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--force", is_flag=True, help="Replace the key if FILE exists.")
+def replication(file: Path, force: bool) -> None:
+    """Write a new replication key into FILE, readable by you only.
+
+    Give the same FILE to every replica of a run (--replication-key): a
+    replica takes replication messages (inputs, keep-alives, snapshots, joins,
+    acknowledgements) only when they are sealed with it. `launch` and `run`
+    make one per run themselves. Copy it to other hosts as you would a secret
+    key (it is one); docs/reliability.md tells what it protects.
+    """
+    from paramserver.wire.replauth import make_key_file
+
+    try:
+        path = make_key_file(file, force=force)
+    except ParamServerError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"replication key written to {path} (mode 600); give every replica of the "
+               f"run --replication-key {path}")

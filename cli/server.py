@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from paramserver.errors import ConfigError, TransportError
+from paramserver.server.config import NO_REPLICATION_KEY
 
 from . import options
 from .workercount import agree_worker_count
@@ -30,10 +31,13 @@ Examples:
       --policy inverse --optimizer adam --lr 0.001
 
 \b
-  # a shard with a backup (--replicas 1): the backup first, then the primary,
-  # given its backup's address; workers get the replicas joined by |
-  paramserver server --replicas 1 --replica 1 --port 5611 --expected-workers 2
-  paramserver server --replicas 1 --replica 0 --port 5610 \\
+  # a shard with a backup (--replicas 1): one replication key for the run, the
+  # backup first, then the primary, given its backup's address; workers get the
+  # replicas joined by |
+  paramserver keys replication run.key
+  paramserver server --replicas 1 --replica 1 --port 5611 --expected-workers 2 \\
+      --replication-key run.key
+  paramserver server --replicas 1 --replica 0 --port 5610 --replication-key run.key \\
       --replica-peers 127.0.0.1:5611 --expected-workers 2
   paramserver worker --servers '127.0.0.1:5610|127.0.0.1:5611' --rank 0 --world-size 2
 
@@ -94,6 +98,9 @@ def server(ctx: click.Context, **opts: Any) -> None:
     if config.replicas and config.replica == 0 and not config.replica_peers:
         with options.user_errors():  # (launch and run wire the replicas themselves)
             raise ConfigError(NO_PEERS)
+    if config.replicas and not (config.replication_key or config.curve_secret_key):
+        with options.user_errors():  # (launch and run make a key per run)
+            raise ConfigError(NO_REPLICATION_KEY)
     # the server's loop, zmq and the checkpoints load only when one runs, not for --help
     from paramserver.observe.console import Console
     from paramserver.persist.checkpoint import CheckpointDirInUse, CheckpointError
@@ -106,7 +113,7 @@ def server(ctx: click.Context, **opts: Any) -> None:
         # the run's story on stderr, one line per event that matters (--quiet: none)
         code = run_server(config, ready_printer(config, sentence=False),
                           console=None if quiet else Console.to_stream())
-    except TransportError as exc:  # e.g. the port is in use
+    except (TransportError, ConfigError) as exc:  # the port is in use, replicas disagree
         raise click.ClickException(f"shard {config.shard}: {exc}") from exc
     except CheckpointDirInUse as exc:  # an earlier run's checkpoints: --resume or --fresh
         raise click.ClickException(f"shard {config.shard}: {exc}") from exc

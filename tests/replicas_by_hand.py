@@ -17,6 +17,7 @@ from pathlib import Path
 
 from paramserver.server.config import ServerConfig
 from paramserver.server.loop import READY_PREFIX
+from paramserver.wire.replauth import shared_key_file
 
 #: seconds a replica may take to announce its address
 STARTUP = 120.0
@@ -41,9 +42,16 @@ class Replica:
             self.popen.stdout.close()
 
 
+def replication_key(out: Path) -> str:
+    """The run's replication key, ``out/replication.key`` (made once, as by hand)."""
+    return str(shared_key_file(out / "replication.key"))
+
+
 def replica_config(out: Path, name: str, failover_timeout: float,
                    **kw: object) -> ServerConfig:
-    """One async replica of a one-worker shard, its event log ``out/NAME.jsonl``."""
+    """One async replica of a one-worker shard, its event log ``out/NAME.jsonl``, with
+    the run's replication key (``out/replication.key``) unless ``kw`` names one."""
+    kw.setdefault("replication_key", replication_key(out))
     return ServerConfig(mode="async", expected_workers=1, replicas=1,
                         failover_timeout=failover_timeout, heartbeat_timeout=60.0,
                         event_log=str(out / f"{name}.jsonl"), **kw)  # type: ignore[arg-type]

@@ -190,7 +190,7 @@ def test_the_server_command_checks_a_hand_started_replica():
     assert "is not an address" in error("--replicas", "1", "--replica-peers", "nowhere")
 
 
-def test_a_replica_exports_its_role_epoch_inputs_and_failovers():
+def test_a_replica_exports_its_role_epoch_inputs_and_failovers(tmp_path):
     """The Prometheus gauges of a backup before and after it takes over (no sockets: a
     backup has no backups of its own to connect to)."""
     from paramserver.observe.events import EventLog
@@ -202,7 +202,10 @@ def test_a_replica_exports_its_role_epoch_inputs_and_failovers():
         core = None
 
     registry = MetricsRegistry()
-    config = ServerConfig(shard=1, num_shards=2, replicas=1, replica=1)
+    from paramserver.wire.replauth import make_key_file
+
+    config = ServerConfig(shard=1, num_shards=2, replicas=1, replica=1,
+                          replication_key=str(make_key_file(tmp_path / "replication.key")))
     repl = Replication(Host(), config, EventLog(None), "tcp://b")  # type: ignore[arg-type]
     me = (1, 1)
 

@@ -43,7 +43,7 @@ STEPS = 200
 def _doc_commands() -> list[list[str]]:
     """The hand-started replicas block of docs/cli.md, one argument list per command."""
     text = (ROOT / "docs" / "cli.md").read_text(encoding="utf-8")
-    block = text.split("runs these four commands) -->", 1)[1].split("\n\n")[1]
+    block = text.split("runs these five commands) -->", 1)[1].split("\n\n")[1]
     return [shlex.split(line) for line in block.strip().splitlines()]
 
 
@@ -59,13 +59,17 @@ def _wait_for(what: str, ok: object, procs: list[subprocess.Popen[bytes]],
 
 def test_replicas_started_by_hand_survive_a_primary_sigkill(tmp_path: Path) -> None:
     commands = _doc_commands()
-    assert [c[1] for c in commands] == ["server", "server", "worker", "worker"]
+    assert [c[1] for c in commands] == ["keys", "server", "server", "worker", "worker"]
     ports = {"5610": str(free_port()), "5611": str(free_port())}
 
     def local(args: list[str]) -> list[str]:
-        return [re.sub(r"\b(5610|5611)\b", lambda m: ports[m.group(1)], a) for a in args]
+        return [str(tmp_path / a) if a == "run.key" else
+                re.sub(r"\b(5610|5611)\b", lambda m: ports[m.group(1)], a) for a in args]
 
-    backup_args, primary_args, *worker_args = (local(c[1:]) for c in commands)
+    keys_args, backup_args, primary_args, *worker_args = (local(c[1:]) for c in commands)
+    made = subprocess.run([*PARAMSERVER, *keys_args], capture_output=True, text=True,
+                          env=env(), timeout=LIMIT)
+    assert made.returncode == 0, made.stderr
     logs = [tmp_path / n for n in ("backup.log", "primary.log", "worker0.log", "worker1.log")]
     events = [tmp_path / "backup.jsonl", tmp_path / "primary.jsonl"]
     backup = start([*PARAMSERVER, *backup_args, "--event-log", str(events[0])], logs[0])

@@ -6,6 +6,7 @@ started by hand (tests/replicas_by_hand.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from pathlib import Path
@@ -63,3 +64,59 @@ def test_a_dead_backup_is_dropped_and_the_primary_goes_on(tmp_path: Path) -> Non
     assert lost["backups"] == 0
     (stop,) = read_events(tmp_path / "primary.jsonl", "server_stop")
     assert stop["version"] == 6
+
+
+def test_a_paused_backup_is_dropped_and_joins_again_when_it_wakes(tmp_path: Path) -> None:
+    """A backup SIGSTOPped (issue 42): its connection stays up (its kernel answers TCP)
+    but it acknowledges nothing. The primary drops it once an input waited the
+    failover timeout plus the TCP margin (backuplink.SILENCE), answers the worker
+    again and says why; SIGCONTed, the backup asks the primary before it would take
+    over, learns it is no longer counted, and joins again from a snapshot."""
+    import time
+
+    from paramserver.server.backuplink import SILENCE
+
+    replicas: list[Replica] = []
+    try:
+        backup = start("backup", _config(tmp_path, "backup", replica=1), tmp_path)
+        replicas.append(backup)
+        primary = start("primary", _config(tmp_path, "primary",
+                                           replica_peers=[backup.address]), tmp_path)
+        replicas.append(primary)
+        numel = 1024
+        params = {"w": torch.zeros(numel)}
+        with PSClient([f"{primary.address}|{backup.address}"], flat_plan(numel, 1), 0,
+                      timeout=60.0) as client:
+            clock = client.connect()
+            client.initialize(params)
+            versions = client.pull(params, clock).versions
+            os.kill(backup.popen.pid, signal.SIGSTOP)
+            began = time.monotonic()
+            pushed, pulled = client.push_pull({"w": torch.ones(numel)}, versions, 1,
+                                              clock, params)
+            waited = time.monotonic() - began
+            assert pushed.accepted and pulled.versions == (1,)
+            assert 0.5 + SILENCE <= waited < 0.5 + SILENCE + 20.0
+            (lost,) = read_events(tmp_path / "primary.jsonl", "backup_lost")
+            assert lost["backup"] == backup.address
+            assert "acknowledged nothing" in lost["reason"]
+            os.kill(backup.popen.pid, signal.SIGCONT)
+            versions, clock = pulled.versions, clock + 1
+            deadline = time.monotonic() + 60.0
+            while not read_events(tmp_path / "primary.jsonl", "backup_joined"):
+                assert time.monotonic() < deadline, backup.log.read_text()[-3000:]
+                pushed, pulled = client.push_pull({"w": torch.ones(numel)}, versions, 1,
+                                                  clock, params)
+                versions, clock = pulled.versions, clock + 1
+            client.bye()
+        assert read_events(tmp_path / "backup.jsonl", "failover") == []
+        assert shutdown_servers([primary.address, backup.address]) == []
+        for r in replicas:
+            assert r.popen.wait(30) == 0, r.log.read_text()[-2000:]
+    finally:
+        for r in replicas:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(r.popen.pid, signal.SIGCONT)
+            r.stop()
+    (joined,) = read_events(tmp_path / "primary.jsonl", "backup_joined")
+    assert joined["backup"] == backup.address

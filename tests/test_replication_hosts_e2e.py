@@ -44,7 +44,7 @@ from paramserver.server.config import ServerConfig
 from paramserver.workers.config import WorkerConfig
 from paramserver.workers.launch.cluster import ClusterSpec, run_cluster
 from paramserver.workers.stragglerspec import StragglerSpec
-from tests.replicas_by_hand import ENV, Replica, start
+from tests.replicas_by_hand import ENV, Replica, replication_key, start
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(netns_problem() is not None, reason=str(netns_problem()))]
@@ -133,7 +133,8 @@ def test_a_partitioned_primary_is_replaced_and_fenced(hosts: Link, tmp_path: Pat
     def server(name: str, ns: str, ip: str, **kw: object) -> Replica:
         cfg = ServerConfig(mode=mode, expected_workers=2, replicas=1,
                            failover_timeout=1.0, heartbeat_timeout=60.0, bind=f"tcp://{ip}:0",
-                           event_log=str(tmp_path / f"{name}.jsonl"), **kw)  # type: ignore[arg-type]
+                           event_log=str(tmp_path / f"{name}.jsonl"),
+                           replication_key=replication_key(tmp_path), **kw)  # type: ignore[arg-type]
         r = start(name, cfg, tmp_path, prefix=exec_prefix(ns))
         replicas.append(r)
         return r

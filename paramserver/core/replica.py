@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from paramserver.policies.base import StalenessPolicy
 
 __all__ = ["MAX_REPLICAS", "Candidate", "ReplicaState", "Role", "Takeover", "Verdict",
-           "elect", "unreplicable"]
+           "elect", "snapshot_fault", "unreplicable"]
 
 #: backups per shard at most: each one more is one more copy of every input on the
 #: primary's network and one more wait before a worker is answered
@@ -56,6 +56,23 @@ def unreplicable(policy: type[StalenessPolicy]) -> str | None:
                 "joining replica's snapshot does not carry")
     if policy.staleness_bound is not StalenessPolicy.staleness_bound:
         return "it sets the SSP bound from wait times each replica measures on its own clock"
+    return None
+
+
+def snapshot_fault(ours: object | None, theirs: object | None, has_state: bool) -> str | None:
+    """Why a snapshot (sealed by a replica of the shard, of an epoch and input it may
+    take) is refused all the same, None if it is not: ``ours`` and ``theirs`` are the
+    shard plan's descriptions (None: no plan yet), ``has_state`` whether it carries the
+    core's state. A snapshot never empties a replica that holds the shard's state, nor
+    puts another plan's state in its place (a replica of another run, or a bug)."""
+    if theirs is None:
+        if ours is not None:
+            return "an empty snapshot (no shard plan), while this replica holds a plan's state"
+        return None
+    if not has_state:
+        return "a shard plan without the state it describes"
+    if ours is not None and ours != theirs:
+        return "a snapshot of another shard plan than this replica's"
     return None
 
 
@@ -95,14 +112,19 @@ class Candidate:
     epoch: int
     applied: int
     replica: int
+    #: a primary's: the backups it counts, by address (None: not said)
+    backups: tuple[str, ...] | None = None
 
 
-def elect(me: Candidate, peers: Sequence[Candidate]) -> Takeover:
+def elect(me: Candidate, peers: Sequence[Candidate], address: str | None = None) -> Takeover:
     """The takeover rule of a backup ``me`` whose primary fell silent, given the answers
     of the peers that answered (a dead one does not).
 
     A peer at a higher epoch means a newer primary exists (or is taking over): follow
-    it. A primary of our own epoch that answers is alive (slow, not dead): wait. Else
+    it. A primary of our own epoch that answers is alive (slow, not dead): wait, unless
+    it no longer counts us (``address``) among its backups: it dropped us for silence
+    (a paused process, say) and answers workers without us, so we hold none of its
+    inputs since and must never take over; we join it again instead. Else
     the backups of our epoch are the candidates, and the one holding the most inputs
     wins, ties going to the lowest replica index; each candidate computes the same
     winner from the same answers. Every input a worker saw acknowledged is on every
@@ -114,8 +136,10 @@ def elect(me: Candidate, peers: Sequence[Candidate]) -> Takeover:
     (:meth:`ReplicaState.promote`) and the higher one fences the lower."""
     if any(p.epoch > me.epoch for p in peers):
         return Takeover.FOLLOW
-    if any(p.role is Role.PRIMARY and p.epoch == me.epoch for p in peers):
-        return Takeover.WAIT
+    for p in peers:
+        if p.role is Role.PRIMARY and p.epoch == me.epoch:
+            dropped = address is not None and p.backups is not None and address not in p.backups
+            return Takeover.FOLLOW if dropped else Takeover.WAIT
     rivals = [p for p in peers if p.role is Role.BACKUP and p.epoch == me.epoch
               and p.replica != me.replica]
     best = max([me, *rivals], key=lambda c: (c.applied, -c.replica))

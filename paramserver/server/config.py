@@ -110,6 +110,13 @@ class Opt:
         return ""
 
 
+#: a replicated shard started by hand without a replication key (one line: CLI, loop)
+NO_REPLICATION_KEY = (
+    "--replicas needs --replication-key FILE, the same file for every replica of the run "
+    "(make it once: paramserver keys replication FILE), or --curve-secret-key: without "
+    "one, anyone who reaches a replica's port could replicate into it")
+
+
 def option(default: Any = MISSING, *, default_factory: Any = MISSING, help: str = "",
            **meta: Any) -> Any:
     """A dataclass field with its option metadata (see :class:`Opt`)."""
@@ -394,6 +401,15 @@ class ServerConfig(ConfigRecord):
     failover_timeout: float = option(1.0, min=0, min_open=True, metavar="SECONDS",
                                      help="With --replicas: a backup takes over after its "
                                           "primary was silent this long.")
+    #: the run's replication key (paramserver/wire/replauth.py): what replicas seal their
+    #: messages with; launch and run make one, by hand `paramserver keys replication`
+    replication_key: str | None = option(
+        None, kind="file", metavar="FILE",
+        help="With --replicas: the file holding the run's replication key, the same for "
+             "every replica (`paramserver keys replication FILE` makes one, readable by "
+             "you only): a replica takes replication messages only from holders of it. "
+             "Needed by hand unless --curve-secret-key (then derived from it); launch and "
+             "run make one per run.")
     #: this process's index among its shard's replicas (0 starts as the primary); launch
     #: and run set it per replica
     replica: int = option(0, min=0, per_process=True, metavar="K",

@@ -28,6 +28,7 @@ import zmq
 from paramserver.errors import ProtocolError
 from paramserver.wire import replication as wrepl
 from paramserver.wire.curve import CurveKeys, secure_client
+from paramserver.wire.replauth import ReplicationKey
 
 __all__ = ["MAX_BUSY", "KeepAlive"]
 
@@ -44,8 +45,9 @@ class KeepAlive:
     """Keep-alives every ``every`` seconds to the addresses the loop aims them at."""
 
     def __init__(self, context: zmq.Context[Any], every: float, shard: int,
-                 curve: CurveKeys | None = None) -> None:
+                 key: ReplicationKey, curve: CurveKeys | None = None) -> None:
         self._context = context
+        self._key = key  # (this thread's own: its replay windows are its own)
         self._curve = curve  # under CURVE: the shard's own keys, as the backups require
         self._every = every
         self._shard = shard
@@ -101,8 +103,11 @@ class KeepAlive:
                     sockets.pop(address).close(0)
                 if now - lease > MAX_BUSY:
                     continue  # the loop is stuck: let the backups take over
-                head = wrepl.encode(wrepl.Apply(epoch, 0, now, "ping", peers=peers))
                 for address in targets:
+                    # one seal per backup: a keep-alive captured on its way to one is
+                    # not one the other has yet to take
+                    head = self._key.seal(wrepl.encode(wrepl.Apply(epoch, 0, now, "ping",
+                                                                   peers=peers)))
                     sock = sockets.get(address) or self._connect(sockets, address)
                     self._read(sock, address, epoch)
                     # (not connected yet, or its queue is full: it has pings enough)
@@ -133,6 +138,12 @@ class KeepAlive:
                 return
             try:
                 record, _ = wrepl.decode(frames)
+                if isinstance(record, wrepl.Refusal):
+                    log.error("shard %d: backup %s refuses this replica's keep-alives: %s "
+                              "(its replication key %s, ours %s)", self._shard, address,
+                              record.reason, record.key_id, self._key.key_id)
+                    continue
+                self._key.open(frames)
             except ProtocolError as exc:
                 log.warning("shard %d: a bad answer to a keep-alive from %s: %s",
                             self._shard, address, exc)

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
+import msgspec
 import torch
 import zmq
 
@@ -46,13 +47,14 @@ from paramserver.server import rejoin
 from paramserver.server.access import Access, admitted, is_loopback, load_grants
 from paramserver.server.checkpointer import RESTORE_ERRORS, Capture, Checkpointer
 from paramserver.server.config import ServerConfig
+from paramserver.server.forwarded import as_tcp
 from paramserver.server.ops import DataOps, Handler
 from paramserver.server.outbox import Outbox
 from paramserver.server.parts import JoinedParts, StreamedParts
 from paramserver.server.peers import PeerInfo, Peers
 from paramserver.server.process import READY_PREFIX, announce_ready, call_ready, own_process
 from paramserver.server.replicackpt import ReplicaCheckpoints
-from paramserver.server.replication import REPLAYED, REPLICATED_OPS, Replication, as_tcp
+from paramserver.server.replication import REPLAYED, REPLICATED_OPS, Replication
 from paramserver.server.scriptopt import ScriptOptimizer
 from paramserver.server.stopping import DIVERGED_EXIT_CODE, Divergence
 from paramserver.server.tables import TableBuilder
@@ -113,7 +115,7 @@ class ShardServer:
         self.outbox = Outbox(self.socket, self.counters)
         # same-host workers' tensors through shared memory (paramserver/shm/link.py);
         # with replicas too: the primary forwards what it read there as frames
-        # (replication.as_tcp), and a backup that takes over has a hub of its own
+        # (forwarded.as_tcp), and a backup that takes over has a hub of its own
         self.shm = ShmHub(config.shard, self.socket.limits) if shm_enabled() else None
         self.outbox.shm = self.shm
         self.started_at = time.time()
@@ -426,6 +428,11 @@ class ShardServer:
     def key_owners(self) -> dict[int, str]:
         return dict(self.access.owners)
 
+    def plan_description(self) -> object | None:
+        # (as a snapshot's JSON gives it back: tuples are lists there)
+        return None if self.plan is None else msgspec.json.decode(
+            msgspec.json.encode(self.plan.describe()))
+
     def restore(self, record: wrepl.Snapshot, frames: list[Any]) -> None:
         rejoin.adopt(self, record, frames)  # a joining replica takes the primary's state
 
@@ -683,8 +690,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"shard {config.shard}: {exc}")
     except CheckpointError as exc:  # one line naming the file, no traceback
         sys.exit(f"shard {config.shard}: cannot resume: {exc}")
-    except TransportError as exc:  # a port in use, a bad key file or allow-list line
-        sys.exit(f"shard {config.shard}: {exc}")
+    except (TransportError, ConfigError) as exc:  # a port in use, a bad key file or
+        sys.exit(f"shard {config.shard}: {exc}")  # allow-list line, replicas that disagree
     own_process(server)
     server.serve_forever(announce_ready)
     sys.exit(server.exit_code)

@@ -31,6 +31,7 @@ from paramserver.core.transfer import CoreImage, export, quiet, restore
 from paramserver.errors import ConfigError, ProtocolError
 from paramserver.wire import replication as wrepl
 from paramserver.wire.curve import CurveKeys, secure_client
+from paramserver.wire.replauth import ReplicationKey
 
 if TYPE_CHECKING:
     from paramserver.server.loop import ShardServer
@@ -48,8 +49,10 @@ class Joiner:
     """A joining replica's requests to its peers until the primary's snapshot comes."""
 
     def __init__(self, peers: Sequence[str], address: str, replica: int,
-                 context: zmq.Context[Any], curve: CurveKeys | None = None) -> None:
+                 context: zmq.Context[Any], key: ReplicationKey,
+                 curve: CurveKeys | None = None) -> None:
         self.address = address
+        self.key = key  # (a primary sends its state only to a sealed request)
         self.replica = replica
         self.nonce = secrets.token_hex(8)  # this process's (and this rejoin's) request
         self.started = time.monotonic()
@@ -73,8 +76,9 @@ class Joiner:
         if now - self._sent < RESEND:
             return
         self._sent = now
-        frames = wrepl.encode(wrepl.Join(self.replica, self.address, self.nonce))
         for s in self.sockets:
+            frames = self.key.seal(wrepl.encode(wrepl.Join(self.replica, self.address,
+                                                           self.nonce)))
             with contextlib.suppress(zmq.Again):  # not connected yet: asked next tick
                 s.send_multipart(frames, zmq.NOBLOCK)
             while True:  # (peers answer nothing on these sockets)

@@ -33,11 +33,11 @@ is dropped, then joins. The primary sends it a snapshot at its last input, then
 forwards to it as to any backup, and counts it as holding an input only once it
 acknowledged the snapshot.
 
-Under CURVE the replicas are each other's CURVE clients with the shard's own key pair
-(the servers share one), and a replica takes every replication message but the role
-probe from that key only: a peer without it can neither inject inputs nor ask for the
-state. Inputs travel encrypted, each with the key its worker sent it with, so that a
-backup checks and binds worker ids by it as the primary did.
+Trust (issue 42): a replica takes every replication message but the role probe only
+from another replica of its shard, sealed with the run's replication key, once
+(paramserver/server/replgate.py). Inputs travel, under CURVE, encrypted, each with
+the key its worker sent it with, so that a backup checks and binds worker ids by it
+as the primary did.
 """
 
 from __future__ import annotations
@@ -48,18 +48,29 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+import msgspec
 import zmq
 
-from paramserver.core.replica import Candidate, ReplicaState, Role, Takeover, Verdict, elect
+from paramserver.core.replica import (
+    Candidate,
+    ReplicaState,
+    Role,
+    Takeover,
+    Verdict,
+    elect,
+    snapshot_fault,
+)
 from paramserver.core.transfer import CoreImage
 from paramserver.errors import ConfigError, ProtocolError
 from paramserver.server.backuplink import BackupLink
+from paramserver.server.forwarded import owned as _owned
 from paramserver.server.keepalive import KeepAlive
 from paramserver.server.rejoin import Joiner
+from paramserver.server.replgate import Gate
 from paramserver.server.takeover import Election
 from paramserver.wire import replication as wrepl
 from paramserver.wire.curve import CurveKeys
-from paramserver.wire.protocol import Message, Op, encode
+from paramserver.wire.protocol import Op
 
 if TYPE_CHECKING:
     import torch
@@ -70,7 +81,7 @@ if TYPE_CHECKING:
     from paramserver.server.config import ServerConfig
     from paramserver.server.outbox import Outbox
 
-__all__ = ["REPLAYED", "REPLICATED_OPS", "Replication", "ReplicationHost", "as_tcp"]
+__all__ = ["REPLAYED", "REPLICATED_OPS", "Replication", "ReplicationHost"]
 
 log = logging.getLogger(__name__)
 
@@ -81,31 +92,6 @@ REPLAYED = b"\x00replayed"
 Send = Callable[[bytes, list[bytes]], None]
 #: the data ops whose messages the primary forwards (the others change nothing)
 REPLICATED_OPS = frozenset({Op.HELLO, Op.INIT, Op.PUSH, Op.PULL, Op.HEARTBEAT, Op.BYE})
-
-
-#: the fields by which a same-host worker's message refers to shared memory
-_SHM_FIELDS = ("shm", "via_shm")
-
-
-def as_tcp(msg: Message, frames: list[Any]) -> list[Any]:
-    """What the backups get for ``msg``: its frames as received, or, for a message
-    that refers to its sender's shared memory (a segment offered at HELLO, tensors
-    lent in it, an answer through the weight board), the same message as it would
-    have come over TCP: those fields left out, the tensors the primary read from the
-    segment as frames (zero-copy: the worker writes its segment again only after our
-    answer, and we answer after every backup has received the whole message)."""
-    fields = msg.fields
-    if not any(k in fields for k in _SHM_FIELDS):
-        return frames
-    plain = {k: v for k, v in fields.items() if k not in _SHM_FIELDS}
-    return encode(Message(msg.op, msg.seq, plain, msg.tensors))
-
-
-def _owned(frames: Sequence[Any]) -> list[Any]:
-    """``frames`` with the memory views (as_tcp's tensors read from a worker's segment)
-    copied: a backup that is not waited for may still be sent them once the worker has
-    its answer and writes its segment again."""
-    return [bytes(f) if isinstance(f, memoryview) else f for f in frames]
 
 
 class ReplicationHost(Protocol):
@@ -124,6 +110,9 @@ class ReplicationHost(Protocol):
 
     def snapshot(self) -> tuple[bytes, CoreImage | None, dict[str, torch.Tensor]] | None:
         """The shard's state for a joining replica (rejoin.image); None: not now."""
+
+    def plan_description(self) -> object | None:
+        """The shard plan's description as JSON would give it back (None: no plan)."""
 
     def key_owners(self) -> dict[int, str]:
         """Under CURVE, the key that registered each worker id (sent with a snapshot)."""
@@ -165,16 +154,18 @@ class Replication:
         # key a replication message other than a role probe is taken from
         self.curve = (CurveKeys.load(config.curve_secret_key).as_replica()
                       if config.curve_secret_key else None)
-        self.peer_key = self.curve.public_text if self.curve is not None else None
-        self.refused = 0  # replication messages refused for their key
+        # who we take replication messages from, and what ours are sealed with
+        self.gate = Gate(config, self.curve, events, address)
+        self.key = self.gate.key
         # replica 0 starts as the primary of the backups it is given; a replica given
         # peers otherwise was started in place of a dead one, and joins (replica 0 too:
         # announcing itself as primary to the live one would wait on it as it waits)
         starts = self.state.writable
-        self.backups = [BackupLink(a, self._context, self.curve) for a in config.replica_peers
-                        if starts]
+        self.backups = [self._link(a) for a in config.replica_peers if starts]
         # keep-alives from a thread: a primary busy in one handler is not taken for dead
-        self.keepalive = KeepAlive(self._context, self.ping_every, self.shard, self.curve)
+        # (its own replay windows: the thread reads its answers itself)
+        self.keepalive = KeepAlive(self._context, self.ping_every, self.shard,
+                                   self.key.reader(), self.curve)
         self.failovers = 0
         self.lost: list[str] = []  # backups dropped for silence
         self._exported_at = float("-inf")
@@ -222,16 +213,34 @@ class Replication:
             return 0
         now = time.monotonic()
         seq = self.state.next_seq()
-        head = wrepl.encode(wrepl.Apply(self.state.epoch, seq, now, kind,  # type: ignore[arg-type]
-                                        list(workers), key))
+        # one seal for every backup (each takes it once): its MAC reads the input once
+        sealed = self.key.seal([*wrepl.encode(wrepl.Apply(
+            self.state.epoch, seq, now, kind, list(workers), key)), *frames])  # type: ignore[arg-type]
         owned: list[Any] | None = None
         for b in list(self.backups):
             if b in self._joining:  # not waited for (wait): its own copy of what may
                 owned = owned or _owned(frames)  # lie in a worker's segment (as_tcp)
-            sent = [*head, *(owned if b in self._joining and owned else frames)]
+            sent = [*sealed[:3], *owned] if b in self._joining and owned else sealed
             b.pending[seq] = sent
+            b.sent(now)
             self._deliver(b, sent)
         return seq
+
+    def _link(self, address: str) -> BackupLink:
+        self.gate.members.add(address)
+        return BackupLink(address, self._context, self.key, self.timeout, self.curve)
+
+    def _mismatched(self, b: BackupLink, starting: bool = False) -> bool:
+        """Whether ``b`` refuses us for a key or version of another (then dropped, said
+        loudly; at the start, the shard does not start: ConfigError)."""
+        if b.mismatch is None:
+            return False
+        why = self.gate.mismatch(b.address, b.mismatch)
+        if starting:
+            raise ConfigError(why)
+        log.error("%s", why)
+        self._drop(b, "a key or version mismatch")
+        return True
 
     def _deliver(self, b: BackupLink, frames: list[Any]) -> None:
         """Send ``frames`` to ``b``, waiting while it is alive (dropped once dead)."""
@@ -240,17 +249,19 @@ class Replication:
             if b.dead(time.monotonic(), self.timeout):
                 self._drop(b, f"its connection was down for {self.timeout:g}s")
                 return
+            if self._mismatched(b):
+                return
 
     def _announce(self) -> None:
         """Before the primary serves, each backup hears of it (and so takes over should
         it die from its first message on)."""
-        head = wrepl.encode(wrepl.Apply(self.state.epoch, 0, time.monotonic(), "ping",
-                                        peers=self._peer_list()))
         for b in list(self.backups):
             if b not in self.backups:
                 continue  # (fenced by an earlier one: _rejoin closed it)
-            self._deliver(b, head)
+            self._deliver(b, self.key.seal(wrepl.encode(wrepl.Apply(
+                self.state.epoch, 0, time.monotonic(), "ping", peers=self._peer_list()))))
             while b in self.backups and not self._drain(b):
+                self._mismatched(b, starting=True)  # (a shard that cannot start says why)
                 if b.dead(time.monotonic(), self.timeout):
                     self._drop(b, f"it did not answer within {self.timeout:g}s of the start")
                     break
@@ -273,15 +284,21 @@ class Replication:
                 self.keepalive.renew(now)  # waiting on a backup is not being stuck
                 if b.dead(now, self.timeout):
                     self._drop(b, f"its connection was down for {self.timeout:g}s")
+                elif self._mismatched(b):
+                    pass
                 elif b.reconnected:  # the same backup gets again what it lacks; a new
                     b.reconnected = False  # process at its address refuses it (on_message)
+                    since = now
                     for sent in list(b.pending.values()):
                         self._deliver(b, sent)
+                elif b.silent(now, self.timeout):
+                    self._drop(b, self._silence(b, now))
                 elif now - since > self.timeout:
                     since = now
                     log.warning("shard %d: backup %s has not acknowledged input %d yet; "
-                                "waiting (a live backup is never dropped)", self.shard,
-                                b.address, seq)
+                                "waiting (its connection is %s)", self.shard, b.address, seq,
+                                "down: it may be taking over" if b.down_since is not None
+                                else "up")
                 zmq.select([b.socket, b.monitor], [], [], 0.1)
         return self.writable
 
@@ -291,10 +308,7 @@ class Replication:
         while (ack := b.read()) is not None:
             got = True
             if ack.ok:
-                b.acked = max(b.acked, ack.seq)
-                b.acked_at = time.monotonic()
-                while b.pending and next(iter(b.pending)) <= b.acked:
-                    b.pending.popitem(last=False)
+                b.acknowledged(ack.seq, time.monotonic())
                 if b in self._joining:
                     self._joined(b)
             elif self.state.refused(ack.epoch):
@@ -307,6 +321,13 @@ class Replication:
                 return True
         return got
 
+    def _silence(self, b: BackupLink, now: float) -> str:
+        """Why a backup whose connection is up but which acknowledges nothing is dropped:
+        it holds every worker's answer (it asks to join again once it wakes up)."""
+        return (f"it acknowledged nothing for {now - (b.waiting_since or now):.1f}s while "
+                f"its connection was up (paused or stuck, not cut off); workers are "
+                f"answered without it")
+
     def _drop(self, b: BackupLink, why: str) -> None:
         if b not in self.backups:
             return
@@ -318,6 +339,7 @@ class Replication:
                     self.shard, b.address, why, len(self.backups))
         self.events.write("backup_lost", shard=self.shard, backup=b.address, reason=why,
                           epoch=self.state.epoch, backups=len(self.backups))
+        self.events.flush()  # (the worker it held is answered next: said before that)
 
     def _fenced(self, epoch: int, by: str) -> None:
         log.warning("shard %d: replica %d steps down: %s holds epoch %d (ours was older); "
@@ -342,14 +364,18 @@ class Replication:
         self._asked_since = time.monotonic()
         if self.joiner is not None:
             self.joiner.close()
-        self.joiner = Joiner(peers, self.address, self.replica, self._context, self.curve)
+        self.joiner = Joiner(peers, self.address, self.replica, self._context, self.key,
+                             self.curve)
         log.info("shard %d: replica %d joins as a backup: asking %s for the primary's "
                  "state", self.shard, self.replica, ", ".join(peers))
 
-    def _on_join(self, record: wrepl.Join) -> None:
+    def _on_join(self, record: wrepl.Join, sender: int) -> None:
         """A replica asks for our state. The primary sends it at the next quiet moment;
         a resend of a request it has is ignored, a new process at a known backup's
-        address replaces that backup."""
+        address replaces that backup. Only a replica of the shard's set asks, for its
+        own index and an address of the set (the seal told who sealed it)."""
+        if not self.gate.joins(record, sender):
+            return
         if not self.state.writable or self._nonces.get(record.address) == record.nonce \
                 or self._asked.get(record.address) == record.nonce:
             return
@@ -373,12 +399,13 @@ class Replication:
             return  # a push or INIT in parts is under way: the next tick tries again
         plan, core, tensors = got
         seq = self.state.applied
-        frames = wrepl.snapshot_frames(self.state.epoch, seq, time.monotonic(), self.address,
-                                       plan, core, tensors, self.host.key_owners())
+        frames = self.key.seal(wrepl.snapshot_frames(
+            self.state.epoch, seq, time.monotonic(), self.address, plan, core, tensors,
+            self.host.key_owners()))
         size = sum(t.numel() * t.element_size() for t in tensors.values())
         while self._asked:
             address, nonce = self._asked.popitem(last=False)
-            b = BackupLink(address, self._context, self.curve)
+            b = self._link(address)
             self.backups.append(b)
             self._joining[b] = seq
             self._nonces[address] = nonce
@@ -398,9 +425,12 @@ class Replication:
         while b in self.backups and b.acked < target and self.state.writable:
             if self._drain(b):
                 continue
-            if b.dead(time.monotonic(), self.timeout):
+            now = time.monotonic()
+            if b.dead(now, self.timeout):
                 self._drop(b, f"its connection was down for {self.timeout:g}s")
-            else:
+            elif b.silent(now, self.timeout):
+                self._drop(b, self._silence(b, now))
+            elif not self._mismatched(b):
                 zmq.select([b.socket, b.monitor], [], [], 0.1)
         if b not in self.backups or not self.state.writable:
             return
@@ -419,10 +449,22 @@ class Replication:
         they hold beyond its own go), and a rival promoted at a lower epoch (it steps
         down); a snapshot of a lower epoch is refused, which fences its sender."""
         if not self.state.takes_snapshot(record.epoch, record.seq):
+            self.gate.refusal(f"a snapshot of epoch {record.epoch} at input {record.seq} from "
+                          f"{record.primary}: older than this replica's state (epoch "
+                          f"{self.state.epoch}, input {self.state.applied})")
             if record.epoch < self.state.epoch:
-                send(identity, wrepl.encode(wrepl.Ack(self.state.epoch, record.seq, False,
-                                                      "a lower epoch")))
+                send(identity, self.key.seal(wrepl.encode(wrepl.Ack(
+                    self.state.epoch, record.seq, False, "a lower epoch"))))
             return  # (else an older one, sent before the one in place)
+        try:
+            theirs = msgspec.json.decode(record.plan) if record.plan else None
+        except msgspec.DecodeError:
+            theirs = "(unreadable)"
+        fault = snapshot_fault(self.host.plan_description(), theirs, record.core is not None)
+        if fault is not None:
+            self.gate.refusal(f"a snapshot of epoch {record.epoch} at input {record.seq} from "
+                          f"{record.primary}: {fault}")
+            return
         if self.state.role is Role.PRIMARY:  # a rival of a lower epoch, not serving yet
             log.warning("shard %d: replica %d steps down: %s took over at epoch %d",
                         self.shard, self.replica, record.primary, record.epoch)
@@ -446,7 +488,8 @@ class Replication:
         if self.joiner is not None:
             self.joiner.close()
             self.joiner = None
-        send(identity, wrepl.encode(wrepl.Ack(self.state.epoch, record.seq, True)))
+        send(identity, self.key.seal(wrepl.encode(wrepl.Ack(self.state.epoch, record.seq,
+                                                             True))))
         took = now - (self._asked_since or now)
         log.warning("shard %d: replica %d (%s) rejoined as a backup of %s at epoch %d, "
                     "input %d, %.2fs after it asked", self.shard, self.replica, self.address,
@@ -469,8 +512,12 @@ class Replication:
             self._send_snapshots()
             for b in list(self.backups):
                 self._drain(b)
-                if b in self.backups and b.dead(now, self.timeout):
+                if b not in self.backups or self._mismatched(b):
+                    continue
+                if b.dead(now, self.timeout):
                     self._drop(b, f"its connection was down for {self.timeout:g}s")
+                elif b.silent(now, self.timeout) and b not in self._joining:
+                    self._drop(b, self._silence(b, now))
             self._aim(now)
             return
         if self._election is not None:
@@ -488,18 +535,25 @@ class Replication:
             else:
                 self._take_over(now)
 
-    def _rivals(self) -> list[str]:  # (not the silent primary: one backup asks no one)
-        return [a for a in self.peers[1:] if a != self.address]
+    def _rivals(self) -> list[str]:
+        """The replicas a backup asks when its primary fell silent: the primary too (it
+        may be alive and have dropped us: elect), then the other backups."""
+        return [a for a in self.peers if a != self.address]
 
     def _elect(self, now: float, found: dict[str, Candidate]) -> None:
         """The primary fell silent and the other replicas it listed said what they
         hold (``found``, those that answered): take over, wait or join a newer primary
         as :func:`elect` decides."""
-        decision = elect(self.state.candidate(), list(found.values()))
+        decision = elect(self.state.candidate(), list(found.values()), self.address)
         if decision is Takeover.PROMOTE:
             self._take_over(now, [a for a, c in found.items() if c.role is Role.BACKUP])
         elif decision is Takeover.FOLLOW:
-            newer = [a for a, c in found.items() if c.epoch > self.state.epoch]
+            newer = [a for a, c in found.items() if c.epoch > self.state.epoch
+                     or c.role is Role.PRIMARY]
+            if not any(c.epoch > self.state.epoch for c in found.values()):
+                log.warning("shard %d: replica %d (%s) was dropped by its primary %s, which "
+                            "answers workers without it; it joins again", self.shard,
+                            self.replica, self.address, ", ".join(newer))
             self._rejoin([*newer, *(a for a in self._rivals() if a not in newer)])
         else:  # asked again in half a timeout: the winner may have died meanwhile
             log.info("shard %d: replica %d waits: %s", self.shard, self.replica,
@@ -564,18 +618,16 @@ class Replication:
                    key: str | None = None) -> None:
         """A replication message on the shard's socket; ``send(identity, frames)``."""
         record, rest = wrepl.decode(frames)
-        if isinstance(record, wrepl.WhoIs):
+        if isinstance(record, wrepl.WhoIs):  # (anyone may ask: it changes nothing)
             send(identity, wrepl.encode(self.role_reply()))
             return
-        if self.peer_key is not None and key != self.peer_key:
-            self.refused += 1  # a worker's (or anyone's) key: not a replica of ours
-            if self.refused in (1, 10, 100, 1000) or self.refused % 10000 == 0:
-                log.warning("shard %d: refused %d replication message(s) (the last a %s) "
-                            "from key %s: only the shard's own key replicates", self.shard,
-                            self.refused, type(record).__name__, key)
+        if isinstance(record, wrepl.OPEN):
+            return  # (answers: they come on the sockets that asked, not here)
+        sealed = self.gate.admit(identity, record, frames, send, key)
+        if sealed is None:
             return
         if isinstance(record, wrepl.Join):
-            self._on_join(record)
+            self._on_join(record, sealed.replica)
         elif isinstance(record, wrepl.Snapshot):
             self._on_snapshot(identity, record, rest, send)
         elif isinstance(record, wrepl.Apply):
@@ -583,14 +635,15 @@ class Replication:
             if verdict is Verdict.HOLD:  # no state to apply it to (a snapshot comes first)
                 if record.seq:  # an input, not a keep-alive: whoever sent it takes us for
                     # a backup holding its inputs (a new process at a dead one's address)
-                    send(identity, wrepl.encode(wrepl.Ack(
+                    send(identity, self.key.seal(wrepl.encode(wrepl.Ack(
                         self.state.epoch, record.seq, False,
-                        "holds none of this primary's inputs yet: a new process")))
+                        "holds none of this primary's inputs yet: a new process"))))
                 return
             if record.peers and verdict is not Verdict.STALE:
                 self.peers = list(record.peers)
+                self.gate.members.update(record.peers)
             # acknowledged once held, then applied: the primary applies it meanwhile
-            send(identity, wrepl.encode(self._ack(record, verdict)))
+            send(identity, self.key.seal(wrepl.encode(self._ack(record, verdict))))
             if verdict is Verdict.APPLY:
                 if record.kind == "msg":
                     self.host.replay(rest, record.key)

@@ -60,7 +60,8 @@ class Election:
                     continue
                 if isinstance(record, wrepl.RoleReply):
                     self.found[address] = Candidate(Role(record.role), record.epoch,
-                                                    record.applied, record.replica)
+                                                    record.applied, record.replica,
+                                                    tuple(record.backups))
         if len(self.found) < len(self._socks) and now < self.deadline:
             return None
         return self.found

@@ -2,8 +2,10 @@
 
 Its messages share the shard's ROUTER socket with the data protocol
 (paramserver/wire/protocol.py) and never look like it: their first frame is
-:data:`MAGIC`, which no msgpack header starts with. Then comes one msgspec record
-(bounded: :data:`MAX_HEADER`), and for a forwarded input the data message's own
+:data:`MAGIC`, which no msgpack header starts with. Then comes the seal that proves a
+replica of the shard sent it (paramserver/wire/replauth.py; empty on the role probe
+and its answer, which anyone may ask), one msgspec record (bounded:
+:data:`MAX_HEADER`), and for a forwarded input the data message's own
 frames, as the primary received them, which the backup decodes and handles through
 the same code (paramserver/server/replication.py). A replica that joins late asks
 with :class:`Join` and is sent one :class:`Snapshot`: the core's state as typed
@@ -25,11 +27,14 @@ from paramserver.errors import ErrorCode, ProtocolError
 from paramserver.wire.frames import DTYPES, Limits, check_desc
 
 __all__ = ["MAGIC", "MAX_HEADER", "MAX_SNAPSHOT", "Ack", "Apply", "Join", "Record",
-           "RoleReply", "Snapshot", "TensorHead", "WhoIs", "decode", "encode",
+           "Refusal", "RoleReply", "Snapshot", "TensorHead", "WhoIs", "decode", "encode",
            "is_replication", "snapshot_frames", "snapshot_tensors"]
 
-#: the first frame of every replication message (a data header is a msgpack map)
-MAGIC = b"\x00psrepl1"
+#: the first frame of every replication message (a data header is a msgpack map); its
+#: last digit is the protocol's version (2: sealed, issue 42)
+MAGIC = b"\x00psrepl2"
+#: what every version's first frame starts with (another version is told, not ignored)
+PREFIX = MAGIC[:-1]
 #: the most bytes a replication record may take (what follows it is bounded by the
 #: data protocol's own limits, as any message the shard receives)
 MAX_HEADER = 4096
@@ -89,6 +94,18 @@ class RoleReply(msgspec.Struct, tag="role", frozen=True):
     behind: Annotated[list[int], msgspec.Meta(max_length=16)] = []  # inputs it has not acked
 
 
+class Refusal(msgspec.Struct, tag="refusal", frozen=True):
+    """A replica -> whoever sent it a replication message it refused for its seal
+    (unsealed: it changes no state anywhere, it only lets the sender say why it is
+    ignored). ``key_id``: the receiver's key fingerprint, so that two replicas given
+    different keys both name both."""
+
+    reason: Annotated[str, msgspec.Meta(max_length=300)]
+    key_id: Annotated[str, msgspec.Meta(max_length=16)]
+    replica: Count
+    shard: Count
+
+
 class Join(msgspec.Struct, tag="join", frozen=True):
     """A joining replica -> each of its peers: send me your state, I listen at
     ``address``. Only the primary answers (with a :class:`Snapshot`); ``nonce`` tells
@@ -127,7 +144,9 @@ class Snapshot(msgspec.Struct, tag="snapshot", frozen=True):
                       msgspec.Meta(max_length=65536)] = {}
 
 
-Record = Apply | Ack | WhoIs | RoleReply | Join | Snapshot
+Record = Apply | Ack | WhoIs | RoleReply | Join | Snapshot | Refusal
+#: the records anyone may send, unsealed: they change no replica's state
+OPEN = (WhoIs, RoleReply, Refusal)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Record)
@@ -139,19 +158,26 @@ def is_replication(frames: Sequence[Any]) -> bool:
         return False
     head = frames[0]
     view = memoryview(head.buffer if hasattr(head, "buffer") else head)
-    return bytes(view[:len(MAGIC)]) == MAGIC  # (a prefix: a large header is not copied)
+    return bytes(view[:len(PREFIX)]) == PREFIX  # (a prefix: a large header is not copied)
 
 
 def encode(record: Record) -> list[bytes]:
-    """The frames of ``record`` (append a forwarded message's frames after them)."""
-    return [MAGIC, _encoder.encode(record)]
+    """The frames of ``record``, its seal left empty (append a forwarded message's
+    frames after them, then seal them: replauth.ReplicationKey.seal)."""
+    return [MAGIC, b"", _encoder.encode(record)]
 
 
 def decode(frames: Sequence[Any]) -> tuple[Record, list[Any]]:
-    """The record of a replication message and the frames that follow it."""
-    if len(frames) < 2:
+    """The record of a replication message and the frames that follow it (its seal
+    is checked apart: replauth.ReplicationKey.open)."""
+    if len(frames) < 3:
         raise ProtocolError(ErrorCode.BAD_MESSAGE, "a replication message without its record")
-    head = frames[1]
+    if bytes(_view(frames[0])) != MAGIC:
+        raise ProtocolError(ErrorCode.PROTOCOL_VERSION,
+                            f"a replication message of another version "
+                            f"({bytes(_view(frames[0]))[len(PREFIX):]!r}; ours "
+                            f"{MAGIC[len(PREFIX):]!r}): every replica must run one version")
+    head = frames[2]
     data = bytes(head.buffer if hasattr(head, "buffer") else head)
     if len(data) > MAX_SNAPSHOT:
         raise ProtocolError(ErrorCode.TOO_LARGE,
@@ -163,7 +189,11 @@ def decode(frames: Sequence[Any]) -> tuple[Record, list[Any]]:
     if len(data) > MAX_HEADER and not isinstance(record, Snapshot):  # (only it is large)
         raise ProtocolError(ErrorCode.TOO_LARGE,
                             f"a replication record of {len(data)} bytes (limit {MAX_HEADER})")
-    return record, list(frames[2:])
+    return record, list(frames[3:])
+
+
+def _view(frame: Any) -> memoryview:
+    return memoryview(frame.buffer if hasattr(frame, "buffer") else frame)
 
 
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}

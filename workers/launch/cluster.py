@@ -38,6 +38,7 @@ from paramserver.observe.recorder import JsonlFollower, LauncherObserver
 from paramserver.server.loop import READY_PREFIX
 from paramserver.util.jsontypes import JSONObject
 from paramserver.wire.curve import admin_key_pair
+from paramserver.wire.replauth import make_key_file
 from paramserver.workers.failover import current_primaries, join_replicas
 from paramserver.workers.launch.clusterspec import (
     FAILURE_POLICIES,
@@ -120,6 +121,13 @@ class LocalCluster:
             # CURVE: the launcher runs SHUTDOWN and death reports with an admin key
             # of its own, which only it and its shards know of
             spec = dataclasses.replace(spec, admin_key=str(admin_key_pair(self.out / "keys")))
+        if spec.server.replicas and not spec.server.replication_key:
+            # the run's replication key: its replicas seal every message with it, so no
+            # stranger who reaches their ports can replicate into them (a new one per
+            # run, in a file only this user may read; its path goes to them, not it)
+            key = make_key_file(self.out / "keys" / "replication.key", force=True)
+            spec = dataclasses.replace(spec, server=dataclasses.replace(
+                spec.server, replication_key=str(key)))
         self.spec = spec
         # follows every event log: launcher metrics, watchdog alarms (on_alarm), divergence
         self.observer = LauncherObserver(self.out, metrics_port=spec.metrics_port,
