@@ -275,8 +275,9 @@ class Stepper:
         """Half the smallest range of the weights' dtypes (kept: the dtypes never change)."""
         kept = self._limits
         if kept is None or kept[0] is not params:
-            kept = self._limits = (params, min(torch.finfo(w.dtype).max
-                                               for w in params.values()) / 2)
+            kept = self._limits = (params, min((torch.finfo(w.dtype).max
+                                                for w in params.values()),
+                                               default=math.inf) / 2)  # no weights: no bound
         return kept[1]
 
     def _keep(self, params: Mapping[str, torch.Tensor]
