@@ -252,3 +252,21 @@ def test_the_launch_named_no_optimizer_only_when_no_flag_says_one(argv, env, ado
     out = CliRunner().invoke(probe, argv, env=env)
     assert out.exit_code == 0, out.output
     assert f"adopts={adopts}" in out.output
+
+
+def test_a_replica_that_joins_late_is_sent_the_scripts_optimizer():
+    """A replica started in place of a dead one gets the primary's state from a snapshot,
+    not from the HELLOs: the snapshot carries the optimizer the script brought, and the
+    joining replica builds its core with it (rejoin.adopt), checked as a HELLO's is."""
+    from paramserver.wire import replication as wrepl
+
+    spec = OptimizerSpec.checked("sgd", {"lr": 0.05, "momentum": 0.9})
+    frames = wrepl.snapshot_frames(3, 7, 0.0, "tcp://127.0.0.1:1", b"", None, {},
+                                   optimizer=spec.to_wire())
+    record, _ = wrepl.decode(frames)
+    assert isinstance(record, wrepl.Snapshot) and record.optimizer == spec.to_wire()
+    joining = ScriptOptimizer(ServerConfig(script_optimizer=True), EventLog(None))
+    joining.restore({META_KEY: record.optimizer})
+    assert joining.adopted == spec and joining.config.optimizer_args["momentum"] == 0.9
+    with pytest.raises(ConfigError):  # a forged one is checked, never trusted
+        joining.restore({META_KEY: {"name": "sgd", "args": {"lr": -1.0}}})

@@ -55,7 +55,7 @@ from paramserver.server.peers import PeerInfo, Peers
 from paramserver.server.process import READY_PREFIX, announce_ready, call_ready, own_process
 from paramserver.server.replicackpt import ReplicaCheckpoints
 from paramserver.server.replication import REPLAYED, REPLICATED_OPS, Replication
-from paramserver.server.scriptopt import ScriptOptimizer
+from paramserver.server.scriptopt import META_KEY, ScriptOptimizer
 from paramserver.server.stopping import DIVERGED_EXIT_CODE, Divergence
 from paramserver.server.tables import TableBuilder
 from paramserver.shm.link import ShmHub, asks_board, lends, sweep, take_shm
@@ -427,6 +427,9 @@ class ShardServer:
 
     def key_owners(self) -> dict[int, str]:
         return dict(self.access.owners)
+
+    def script_optimizer(self) -> dict[str, Any] | None:
+        return self.script.meta()[META_KEY]
 
     def plan_description(self) -> object | None:
         # (as a snapshot's JSON gives it back: tuples are lists there)

@@ -29,6 +29,7 @@ import zmq
 from paramserver.core.sharding import ShardPlan
 from paramserver.core.transfer import CoreImage, export, quiet, restore
 from paramserver.errors import ConfigError, ProtocolError
+from paramserver.server.scriptopt import META_KEY
 from paramserver.wire import replication as wrepl
 from paramserver.wire.curve import CurveKeys, secure_client
 from paramserver.wire.replauth import ReplicationKey
@@ -126,6 +127,8 @@ def adopt(server: ShardServer, snapshot: wrepl.Snapshot, frames: Sequence[Any]) 
     if not plan:
         return
     try:
+        # the script's optimizer first: the core is built with it (scriptopt.py)
+        server.script.restore({META_KEY: snapshot.optimizer})
         server.adopt_plan(ShardPlan.from_description(msgspec.json.decode(plan),
                                                      server.config.plan_limits()))
         assert server.core is not None

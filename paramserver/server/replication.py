@@ -117,6 +117,10 @@ class ReplicationHost(Protocol):
     def key_owners(self) -> dict[int, str]:
         """Under CURVE, the key that registered each worker id (sent with a snapshot)."""
 
+    def script_optimizer(self) -> dict[str, Any] | None:
+        """The optimizer a worker script's HELLO brought, as the wire has it (None: the
+        launch's own; sent with a snapshot, so a replica that joins late runs it too)."""
+
     def restore(self, record: wrepl.Snapshot, frames: list[Any]) -> None:
         """Put the primary's snapshot (its record and tensor frames) in place of this
         replica's state (rejoin.adopt)."""
@@ -401,7 +405,7 @@ class Replication:
         seq = self.state.applied
         frames = self.key.seal(wrepl.snapshot_frames(
             self.state.epoch, seq, time.monotonic(), self.address, plan, core, tensors,
-            self.host.key_owners()))
+            self.host.key_owners(), self.host.script_optimizer()))
         size = sum(t.numel() * t.element_size() for t in tensors.values())
         while self._asked:
             address, nonce = self._asked.popitem(last=False)

@@ -142,6 +142,10 @@ class Snapshot(msgspec.Struct, tag="snapshot", frozen=True):
     #: under CURVE, which key registered each worker id (only that key acts for it)
     owners: Annotated[dict[int, Annotated[str, msgspec.Meta(max_length=64)]],
                       msgspec.Meta(max_length=65536)] = {}
+    #: the optimizer a worker script's HELLO brought (paramserver/core/hyper.py's wire
+    #: form, checked as a HELLO's is), which the joining replica runs too; None: the
+    #: launch's own
+    optimizer: dict[str, Any] | None = None
 
 
 Record = Apply | Ack | WhoIs | RoleReply | Join | Snapshot | Refusal
@@ -201,7 +205,8 @@ _NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 def snapshot_frames(epoch: int, seq: int, now: float, primary: str, plan: bytes,
                     core: CoreImage | None, tensors: Mapping[str, torch.Tensor],
-                    owners: Mapping[int, str] | None = None) -> list[Any]:
+                    owners: Mapping[int, str] | None = None,
+                    optimizer: dict[str, Any] | None = None) -> list[Any]:
     """The frames of a :class:`Snapshot` of these tensors (sent as they are: pass
     tensors nothing writes until they are sent)."""
     heads, bodies = [], []
@@ -211,7 +216,7 @@ def snapshot_frames(epoch: int, seq: int, now: float, primary: str, plan: bytes,
         bodies.append(t.reshape(-1).view(torch.uint8).numpy().data if t.numel()
                       else b"")
     return [*encode(Snapshot(epoch, seq, now, primary, plan, core, heads,
-                             dict(owners or {}))), *bodies]
+                             dict(owners or {}), optimizer)), *bodies]
 
 
 def snapshot_tensors(record: Snapshot, frames: Sequence[Any],
