@@ -72,10 +72,13 @@ def test_sparse_tables_on_replicated_servers_are_refused_by_the_script():
                              rank=0, world_size=1)
 
 
-def test_a_replicated_shard_refuses_a_plan_with_sparse_tables():
+def test_a_replicated_shard_refuses_a_plan_with_sparse_tables(tmp_path):
     """What a HELLO bringing tables gets from a shard with --replicas (a backup here:
     replica 1 of 2 starts without peers to wait for)."""
-    server = ShardServer(ServerConfig(replicas=1, replica=1))
+    from paramserver.wire.replauth import make_key_file
+
+    key = make_key_file(tmp_path / "replication.key")
+    server = ShardServer(ServerConfig(replicas=1, replica=1, replication_key=str(key)))
     try:
         plan = ShardPlan([ParamSpec("w", (4,), "float32")], 1,
                          sparse=[TableSpec("emb", ROWS, DIM)])
