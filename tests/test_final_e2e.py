@@ -59,3 +59,19 @@ def test_a_script_grid_reports_the_final_weights_under_a_persistent_straggler(
     row = next(line for line in (out / "report.md").read_text().splitlines()
                if line.startswith("| async "))
     assert f"| {truth['loss']:.3f} |" in row and "last in-loop" not in row, row
+
+
+def test_a_command_runs_figures_say_whether_they_came_after_final(tmp_path: Path) -> None:
+    """launch -- COMMAND: result.json's eval is the evaluating rank's last logged one,
+    of the final weights only if it was logged after opt.final()."""
+    from paramserver.workers.launch.cluster import logged_eval
+
+    events = tmp_path / "events"
+    events.mkdir()
+    record = {"event": "eval", "worker": 1, "clock": 4, "versions": [4], "loss": 0.5}
+    (events / "worker1.jsonl").write_text(json.dumps({**record, "t": 1.0}) + "\n")
+    assert logged_eval(tmp_path, 2) == ({"loss": 0.5}, "last_in_loop")
+    with (events / "worker1.jsonl").open("a") as fh:
+        fh.write(json.dumps({**record, "t": 2.0, "loss": 0.25, "final": True}) + "\n")
+    assert logged_eval(tmp_path, 2) == ({"loss": 0.25}, "final_weights")
+    assert logged_eval(tmp_path / "none", 2) == ({}, None)

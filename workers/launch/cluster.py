@@ -54,6 +54,7 @@ from paramserver.workers.launch.processes import (
 from paramserver.workers.launch.replicas import ReplicaKeeper
 from paramserver.workers.launch.results import (
     FINAL_WEIGHTS,
+    LAST_IN_LOOP,
     ClusterResult,
     FailureRecord,
     LostWorker,
