@@ -210,3 +210,39 @@ def test_a_restarted_worker_takes_over_from_its_dead_predecessor(how: str) -> No
             assert exc.code == ErrorCode.DUPLICATE_WORKER, exc
         t += 2.0
     assert state.incarnation == "new" and 15.0 < t <= 17.0
+
+
+# ---------------------------------------------------------------- issue 43: final pulls
+
+
+@pytest.mark.parametrize(("mode", "bound"), [("sync", 0), ("async", 0), ("ssp", 1)])
+def test_a_final_pull_is_answered_once_every_expected_worker_is_done(mode: str,
+                                                                      bound: int) -> None:
+    """opt.final(): an observer's final pull waits for every expected worker to say BYE
+    or be judged dead (Membership.holding), in every mode; an ordinary observer's pull
+    is never gated, and the heartbeats of the worker that asked are told who is awaited."""
+    core = _core(mode, bound, expected_workers=3, heartbeat_timeout=10.0)
+    for w in (0, 1):
+        core.register(w, f"i{w}", 0.0)
+    core.initialize({"w": torch.zeros(8)})
+    core.leave(0, 1.0)  # the evaluator is done: it says BYE, then asks for the final weights
+    core.request_pull(0, 0, "final", 1.0, observer=True, final=True)
+    core.request_pull(5, 0, "plain", 1.0, observer=True)
+    assert [r.token for r in core.ready_pulls(1.0)] == ["plain"]
+    held = core.pulls.held(0)
+    assert held is not None and held.final  # what worker 0's heartbeats are told of
+    assert core.holding(3) == [1, 2]  # 1 trains on, 2 never said HELLO
+    core.register(2, "i2", 2.0)
+    core.leave(1, 3.0)
+    assert core.ready_pulls(3.0) == []  # worker 2 still trains
+    assert core.expire(20.0) == [2]  # judged dead by the usual rule: no one is awaited
+    assert [r.token for r in core.ready_pulls(20.0)] == ["final"]
+    assert core.pulls.held(0) is None
+
+
+def test_a_final_pull_is_an_observers() -> None:
+    from paramserver.wire.protocol import Message, Op
+
+    with pytest.raises(ProtocolError) as exc:
+        Message(Op.PULL, 0, {"worker": 0, "clock": 0, "final": True}).body  # noqa: B018
+    assert _code(exc) == ErrorCode.BAD_FIELD and "observer" in exc.value.reason

@@ -110,12 +110,16 @@ def test_the_port_reports_through_opt_log_and_keeps_a_snapshot(runs):
     for rank in (0, 1):  # opt.log(loss=...) joined each step's record
         logged = [s["loss"] for s in read_events(events / f"worker{rank}.jsonl", "step")]
         assert logged == json.loads((runs / "ps" / f"rank{rank}.json").read_text())
-    # worker 0 evaluates (launch's default): once an epoch, and result.json has the last
+    # worker 0 evaluates (launch's default): once an epoch, then after opt.final() (every
+    # worker done) the final weights, which are result.json's figures
     evals = read_events(events / "worker0.jsonl", "eval")
-    assert [e["clock"] for e in evals] == [STEPS_PER_EPOCH * (k + 1) for k in range(EPOCHS)]
+    assert [e["clock"] for e in evals] == [STEPS_PER_EPOCH * (k + 1) for k in range(EPOCHS)] \
+        + [STEPS_PER_EPOCH * EPOCHS]
+    assert [e.get("final", False) for e in evals] == [False] * EPOCHS + [True]
     assert read_events(events / "worker1.jsonl", "eval") == []
     result = json.loads((runs / "run" / "result.json").read_text())
     assert result["eval"] == {"loss": evals[-1]["loss"], "accuracy": evals[-1]["accuracy"]}
+    assert result["eval_of"] == "final_weights"
     assert evals[-1]["accuracy"] > 0.5  # 4 classes: well above chance
     assert json.loads((runs / "snapshot.safetensors.json").read_text()) == {"EPOCHS_RUN": EPOCHS}
 
@@ -139,9 +143,12 @@ def test_the_grid_runs_every_cell_and_reports_the_three_modes(grid):
         result = json.loads((run / "result.json").read_text())
         assert [(w["worker"], w["steps"]) for w in result["workers"]] == \
             [(0, EPOCHS * STEPS_PER_EPOCH), (1, EPOCHS * STEPS_PER_EPOCH)]
-        # worker 1, not the straggler, evaluated: once an epoch
-        assert [e["clock"] for e in read_events(run / "events" / "worker1.jsonl", "eval")] \
-            == [STEPS_PER_EPOCH * (k + 1) for k in range(EPOCHS)]
+        # worker 1, not the straggler, evaluated: once an epoch, then the final weights
+        # after opt.final(), once the straggler was done too
+        evals = read_events(run / "events" / "worker1.jsonl", "eval")
+        assert [e["clock"] for e in evals] == \
+            [STEPS_PER_EPOCH * (k + 1) for k in range(EPOCHS)] + [STEPS_PER_EPOCH * EPOCHS]
+        assert evals[-1]["final"] is True and result["eval_of"] == "final_weights"
         assert read_events(run / "events" / "worker0.jsonl", "eval") == []
     md = (grid / "report.md").read_text()
     html = (grid / "report.html").read_text()

@@ -38,7 +38,7 @@ def _write(path: Path, records: list[dict]) -> None:
 def fake_run(run: Path, *, mode: str = "async", workers: int = 2, steps: int = 6,
              dt: float = 0.1, loss0: float = 2.0, slope: float = 0.1, wait: float = 0.01,
              reject_every: int = 0, final: dict | None = None, max_gap: int = 0,
-             shards: int = 2) -> None:
+             shards: int = 2, eval_of: str | None = None, spec: dict | None = None) -> None:
     """Workers take turns, one push every ``dt`` s starting at T0 + dt.
 
     async: push i reads version i - min(i, workers - 1) and (if accepted) is update i + 1.
@@ -87,10 +87,10 @@ def fake_run(run: Path, *, mode: str = "async", workers: int = 2, steps: int = 6
                + [p for p in pushes if p["shard"] == shard])
     servers = tuple({"shard": s, "version": version, "max_answered_gap": max_gap}
                     for s in range(shards))
-    result = ClusterResult(spec={}, addresses=(), seconds=steps * workers * dt,
+    result = ClusterResult(spec=spec or {}, addresses=(), seconds=steps * workers * dt,
                            eval=final if final is not None else {}, workers=(),
                            servers=servers, updates_applied=(version,) * shards,
-                           pushes_applied_shard0=0)
+                           pushes_applied_shard0=0, eval_of=eval_of)
     (run / "result.json").write_text(json.dumps(result.to_json()))
 
 
@@ -384,3 +384,45 @@ def test_rates_idle_and_all_active_window_under_a_known_persistent_straggler(tmp
     # the spec made worker 0, which 'persistent' slows, the evaluator: the report says so
     assert "Held-out evaluation: worker 0 evaluates" in md
     assert "Worker 0, the evaluator, is also this scenario's straggler (4x slower" in md
+
+
+@pytest.mark.parametrize(("eval_of", "spec", "in_loop"), [
+    ("last_in_loop", {}, True),  # a script that never called opt.final()
+    (None, {"command": ["python", "train.py"]}, True),  # an older command run's result.json
+    ("final_weights", {"command": ["python", "train.py"]}, False),  # after opt.final()
+    (None, {}, False),  # an older task run's: the launcher evaluated the final weights
+])
+def test_final_figures_not_of_the_final_weights_are_labelled(tmp_path, eval_of, spec,
+                                                             in_loop):
+    """Issue 43, item 2: the report's final figures say what they are of; the last
+    in-loop evaluation is labelled so in the tables and in the column's definition."""
+    fake_run(tmp_path, steps=4, final={"loss": 1.7, "accuracy": 0.5}, eval_of=eval_of,
+             spec=spec)
+    m = run_metrics(load_run(tmp_path), seed=0, target_loss=0.1)
+    assert m.final_in_loop is in_loop and m.final_loss == 1.7
+    # an in-loop figure stays where it was made on the curve: not put at the end
+    assert (m.curve[-1][0] == pytest.approx(m.train_seconds)) is not in_loop
+    entry = ConfigEntry(id="a", label="async", scenario="none", mode="async", bound=0,
+                        policy="none", workers=2)
+    summary = aggregate(entry, [m])
+    from paramserver.workers.experiments.render import _DEFINITIONS, table_rows
+
+    row = dict(zip(["configuration"] + [c[0] for c in TABLE_COLUMNS], table_rows([summary])[0],
+                   strict=True))
+    for title in ("final held-out loss", "final accuracy (%)"):
+        assert row[title].endswith("(last in-loop evaluation)") is in_loop, row[title]
+    assert ("last in-loop evaluation" in summary_rows([summary])[1][0][2]) is in_loop
+    assert any("opt.final()" in d and "last in-loop evaluation" in d for d in _DEFINITIONS)
+
+
+def test_a_logged_evaluation_after_final_is_of_the_final_weights(tmp_path):
+    """Without figures in result.json (e.g. --no-eval, sparse tables), the last logged
+    evaluation stands in, of the final weights if it was logged after opt.final()."""
+    fake_run(tmp_path, steps=4)
+    assert run_metrics(load_run(tmp_path), seed=0, target_loss=0.1).final_in_loop
+    path = tmp_path / "events" / "worker0.jsonl"
+    path.write_text(path.read_text() + json.dumps(
+        {"t": T0 + 5, "event": "eval", "worker": 0, "clock": 4, "versions": [8, 8],
+         "loss": 1.25, "accuracy": 0.5, "final": True}) + "\n")
+    m = run_metrics(load_run(tmp_path), seed=0, target_loss=0.1)
+    assert not m.final_in_loop and m.final_loss == 1.25

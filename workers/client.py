@@ -108,6 +108,7 @@ class PSClient:
             raise ConfigError(f"barrier_timeout must be >= 0 (0: no bound), got "
                               f"{barrier_timeout}")
         self.barrier_timeout = barrier_timeout
+        self.barrier_label = "--barrier-timeout"  # what errors call that bound
         self._params: Mapping[str, torch.Tensor] | None = None
         self.initialized = False  # every shard held weights at connect()
         self.incarnation = uuid.uuid4().hex
@@ -354,6 +355,13 @@ class PSClient:
         for ch in self.channels:
             ch.close()
 
+    def observe(self) -> None:
+        """Go on as an observer (after :meth:`bye`): a HELLO with role observer to every
+        shard, so that reads (PULL, a table's SPULL) are an observer's, ungated, and
+        register nothing."""
+        self.role = "observer"
+        self.call([self._hello() for _ in self.channels], "HELLO", recover=False)
+
     def bye(self) -> None:
         self.call([Message(Op.BYE, 0, {"worker": self.worker}) for _ in self.channels], "BYE",
                    recover=False)
@@ -416,6 +424,25 @@ class PSClient:
         replies = self.call(msgs, "PULL", recover=not observer, on_reply=assemble)
         # answered only after a recovery, or to be pulled over TCP
         self.land_all(params, replies, done, clock)
+        return PullResult.of(replies, t0)
+
+    def pull_final(self, params: Mapping[str, torch.Tensor], timeout: float) -> PullResult:
+        """The final weights into ``params``: an observer's pull per shard, which the shard
+        holds until every expected worker is done there (said BYE or was judged dead).
+        Waited for while the heartbeats say a shard holds it, for at most ``timeout``
+        seconds (0: no bound); past it a BarrierTimeoutError names who is awaited."""
+        t0 = time.perf_counter()
+        fields = {"worker": self.worker, "clock": 0, "observer": True, "final": True,
+                  "via_shm": False}  # the last read: in frames, never a board ticket
+        msgs = [Message(Op.PULL, 0, dict(fields)) for _ in self.channels]
+        bound = self.barrier_timeout, self.barrier_label
+        self.barrier_timeout, self.barrier_label = timeout, "final(timeout=...)"
+        try:  # (never a HELLO on refusal: a worker that said BYE must not register again)
+            replies = self.call(msgs, "final PULL", recover=False)
+        finally:
+            self.barrier_timeout, self.barrier_label = bound
+        for i, rep in enumerate(replies):
+            self._land(params, i, rep)
         return PullResult.of(replies, t0)
 
     def host_grads(self, grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -102,7 +102,10 @@ class SparseClient:
             tensors = {f"ids:{table}": ids[w].contiguous()}
             if since is not None:
                 tensors[f"since:{table}"] = since[w].contiguous()
-            msgs.append(Message(Op.SPULL, 0, {"worker": self.client.worker}, tensors))
+            fields: dict[str, object] = {"worker": self.client.worker}
+            if self.client.role != "worker":  # e.g. the evaluator after opt.final()
+                fields["observer"] = True
+            msgs.append(Message(Op.SPULL, 0, fields, tensors))
         replies = self._ask(msgs, shards, "SPULL")
         out = torch.empty(len(ids), dim, dtype=dtype)
         for s, (w, rep) in enumerate(zip(where, replies, strict=True)):

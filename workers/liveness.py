@@ -38,6 +38,7 @@ class Waiter(Protocol):
     timeout: float
     attempt_timeout: float
     barrier_timeout: float
+    barrier_label: str  # what errors call that bound (the option, or the call's argument)
     worker: int
     channels: list[Channel[ShmLink]]
 
@@ -181,11 +182,11 @@ class Patience:
                     f"{client.worker} (clock {'?' if held.clock is None else held.clock}), "
                     f"waited {span(waited)}: {held.why or 'its gate is closed'}")
             if client.barrier_timeout and waited > client.barrier_timeout:
-                raise BarrierTimeoutError(f"{what}; giving up after --barrier-timeout "
+                raise BarrierTimeoutError(f"{what}; giving up after {client.barrier_label} "
                                           f"{client.barrier_timeout:g}s")
             if now - self.last_progress >= self.progress_every:
                 self.last_progress = now
-                bound = (f"--barrier-timeout {client.barrier_timeout:g}s"
-                         if client.barrier_timeout else "no --barrier-timeout")
+                bound = (f"{client.barrier_label} {client.barrier_timeout:g}s"
+                         if client.barrier_timeout else f"no {client.barrier_label}")
                 log.warning("%s (still waiting; %s)", what, bound)
         return resend

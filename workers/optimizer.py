@@ -63,6 +63,7 @@ from paramserver.workers.embedding import (
     sparse_grad_refusal,
     sparse_modules,
 )
+from paramserver.workers.finish import FINAL_TIMEOUT, finish
 from paramserver.workers.localsgd import LocalSteps
 from paramserver.workers.overlap import BucketHooks
 from paramserver.workers.stragglers import Straggler
@@ -197,7 +198,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
     Shards that hold weights already (a rejoining worker, a resumed run) keep them, and
     every rank pulls them at construction. So all ranks start from the same weights
     whatever their local initialization.
+
+    :meth:`final` ends this worker's training and waits for every other worker: the
+    evaluating rank calls it before its last evaluation, which is then of the final weights.
     """
+
+    #: :meth:`final` was called: this worker said BYE and reads on as an observer
+    finished = False
 
     def __init__(
         self,
@@ -409,6 +416,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         Returns the closure's loss; the outcome is :attr:`last`."""
         self._check_open()
         log = self._figures.unreserved(log or {}, held_out=False)
+        if self.finished:
+            raise ConfigError("step() after final(): this worker's training is over")
         compute = time.perf_counter() - self._t_compute  # not the seeding below
         self._flush()  # the previous step's record, before this one may wait at a barrier
         self.seed()  # before this step's gradients go: from the weights they were taken at
@@ -536,9 +545,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._flush()
         kept = self._figures.admit({f"eval_{k}": v for k, v in held_out.items()})
         held_out = {k[len("eval_"):]: v for k, v in kept.items()}
-        if held_out:
+        if held_out:  # after final(): the final weights' figures, marked so
             self._events.write("eval", worker=self.rank, clock=self.clock,
-                               versions=list(self.versions), **held_out)
+                               versions=list(self.versions), **held_out,
+                               **({"final": True} if self.finished else {}))
             self.last_eval = held_out
 
     def _flush(self) -> None:
@@ -583,6 +593,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def waited(self) -> float:
         """Seconds shards held this worker's pulls (sync barrier, SSP gate), in all."""
         return self._waited
+
+    def final(self, timeout: float = FINAL_TIMEOUT) -> tuple[int, ...]:
+        """End this worker's training and wait until every worker is done (said BYE, or
+        was judged gone by the shards' liveness rules), then load the final weights into
+        the parameters; returns their versions per shard. The evaluating rank calls it
+        before its last evaluation: what :meth:`log` records after it is marked as the
+        final weights' figures, the run's final figures (result.json, the experiment
+        report). Other ranks need not call it (:meth:`close` says BYE). After it,
+        ``step()`` is refused and reads (``pull()``, a ShardedEmbedding's rows) are an
+        observer's. Waits at most ``timeout`` seconds (0: no bound); past it a
+        BarrierTimeoutError names the workers the shards still wait for."""
+        self._check_open()
+        return finish(self, timeout)
 
     def pull(self) -> tuple[int, ...]:
         """Fetch the servers' current weights into the parameters (e.g. to evaluate
@@ -632,7 +655,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._buckets.remove()
         self._flush()
         try:
-            self.client.bye()
+            if not self.finished:  # final() said it
+                self.client.bye()
         finally:
             self.client.close()
         if not self._own_events:

@@ -182,10 +182,14 @@ def run_worker(config: WorkerConfig, console: Sink | None = None) -> WorkerResul
             total, loss_value = _compute(opt, task, model, batches, device, config.push_every)
             losses.append(loss_value)
             opt.step(num_samples=total, loss=loss_value)
-        opt.pull()  # the final weights, evaluated below
         train_seconds = time.monotonic() - t_train
-        # evaluated while connected: a ShardedEmbedding pulls its rows from the shards
-        final_eval = _log_eval(opt, task, model) if opt.evaluates else None
+        final_eval = None
+        if opt.evaluates:  # the final weights, once every worker is done (a straggler too)
+            opt.final()
+            # evaluated while connected: a ShardedEmbedding pulls its rows from the shards
+            final_eval = _log_eval(opt, task, model)
+        else:
+            opt.pull()  # the weights as this worker ends (its final_versions)
     result = dataclasses.replace(
         opt.result(time.time() - t_start),
         final_train_loss=sum(losses[-10:]) / max(1, len(losses[-10:])),

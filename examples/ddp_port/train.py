@@ -14,8 +14,9 @@ resumed from the servers' checkpoints (``launch --resume DIR``) goes on at
 ``opt.clock``, the steps this rank has done, skipping them (and the snapshot); the
 DistributedSampler is told the replicas and rank from torchrun's environment, which
 ``paramserver launch`` and ``run`` set as well; ``opt.log`` reports the loss and, on
-the worker that evaluates (``opt.evaluates``), the held-out loss and accuracy. The
-snapshot is a safetensors file, not a pickle.
+the worker that evaluates (``opt.evaluates``), the held-out loss and accuracy, and at
+the end, after ``opt.final()`` (every worker done, the final weights in the model), the
+run's final figures. The snapshot is a safetensors file, not a pickle.
 """
 
 from __future__ import annotations
@@ -95,6 +96,9 @@ class Trainer:
             if epoch == self.epochs_run and i < self.skip:
                 continue  # port: done before the run was resumed
             self._run_batch(source, targets)
+        self._evaluate()
+
+    def _evaluate(self) -> None:
         if self.opt is not None and self.opt.evaluates:  # port: held-out figures
             x, y = self.held_out[:]
             with torch.no_grad():
@@ -114,6 +118,11 @@ class Trainer:
             self._run_epoch(epoch)
             if self.snapshot_path and self.rank == 0 and epoch % self.save_every == 0:
                 self._save_snapshot(epoch)
+        if self.opt is not None and self.opt.evaluates:
+            # port: wait for every worker (a straggler's last pushes count), then the
+            # final weights' figures are the run's final ones (result.json, the report)
+            self.opt.final()
+            self._evaluate()
 
 
 def main() -> None:

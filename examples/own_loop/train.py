@@ -81,8 +81,10 @@ def main() -> None:
                     print(f"epoch {epoch} step {step}: loss {loss.item():.4f}, "
                           f"held-out accuracy {accuracy:.3f}, "
                           f"staleness {opt.last.staleness if opt.last else 0}", flush=True)
+        if rank == 0:  # every worker done, the final weights in the model: result.json's eval
+            opt.final()
         final = evaluate()
-        if rank == 0:  # result.json's eval: the last one rank 0 logged
+        if rank == 0:
             opt.log(eval_accuracy=final)
     if rank == 0:
         out = Path(args.out)

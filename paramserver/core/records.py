@@ -322,6 +322,13 @@ class PendingPull:
     token: Hashable
     since: float
     observer: bool = False
+    final: bool = False  # an observer's, held until every worker is done (opt.final())
+
+    @property
+    def gated(self) -> bool:
+        """Whether the pull is held on someone's behalf: a worker's, or a final one
+        (its sender's heartbeats are told why)."""
+        return not self.observer or self.final
 
 
 class PullQueue:
@@ -337,10 +344,11 @@ class PullQueue:
     def park(self, pull: PendingPull) -> None:
         """Park ``pull``. A worker's retried pull replaces the parked one (one reply per
         worker), keeping its start time so waiting is measured from the first attempt."""
-        if not pull.observer:
+        if pull.gated:
             for i, old in enumerate(self.pulls):
-                if not old.observer and old.worker == pull.worker:
-                    self.pulls[i] = PendingPull(pull.worker, pull.clock, pull.token, old.since)
+                if old.gated and old.worker == pull.worker and old.final == pull.final:
+                    self.pulls[i] = PendingPull(pull.worker, pull.clock, pull.token, old.since,
+                                                pull.observer, pull.final)
                     return
         self.pulls.append(pull)
 
@@ -358,8 +366,9 @@ class PullQueue:
         self.pulls = [p for p in self.pulls if p.observer or p.worker != worker]
 
     def held(self, worker: int) -> PendingPull | None:
-        """``worker``'s parked pull, if one is held (what its heartbeats are told)."""
-        return next((p for p in self.pulls if not p.observer and p.worker == worker), None)
+        """``worker``'s parked pull, if one is held (what its heartbeats are told): its
+        own, or a final one it asked for once it said BYE."""
+        return next((p for p in self.pulls if p.gated and p.worker == worker), None)
 
     def blocked(self) -> int:
         """Workers' pulls parked (observers' aside)."""

@@ -220,13 +220,14 @@ class ShardCore:
 
     def request_pull(
         self, worker: int, clock: int, token: Hashable, now: float, observer: bool = False,
-        wait_init: bool = False,
+        wait_init: bool = False, final: bool = False,
     ) -> None:
         """Park a pull; it is answered through :meth:`ready_pulls` when its gate opens.
 
         Observers (evaluators, status tools) are never gated and have no clock.
         With ``wait_init`` a pull before any INIT waits for the weights (a worker
-        that leaves the seeding to another) instead of being refused.
+        that leaves the seeding to another) instead of being refused. An observer's
+        ``final`` pull waits until :meth:`holding` is empty: the final weights.
         """
         if not self.initialized and self.seeding.owner is None and not wait_init:
             raise ProtocolError(
@@ -245,13 +246,13 @@ class ShardCore:
             state.clock = max(state.clock, clock)
             state.pulls += 1
         # a retried pull replaces the worker's parked one (one reply per worker)
-        self.pulls.park(PendingPull(worker, clock, token, now, observer))
+        self.pulls.park(PendingPull(worker, clock, token, now, observer, final and observer))
 
     def _gate_open(self, pull: PendingPull, min_clock: int) -> bool:
         if not self.initialized:  # a worker is seeding the weights in parts
             return False
-        if pull.observer:
-            return True
+        if pull.observer:  # a final one once every expected worker is done here
+            return not pull.final or not self.holding(self.config.expected_workers)
         if not self.members.started:
             return False
         if self.mode.mode == Mode.SYNC:

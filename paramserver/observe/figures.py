@@ -32,7 +32,7 @@ STEP_FIELDS = frozenset({
     "weight", "num_samples", "compute_s", "sleep_s", "pull_s", "push_s", "wait_s", "bytes",
     "local_steps"})
 #: the fields of an ``eval`` record that are not held-out figures
-EVAL_FIELDS = frozenset({"t", "event", "worker", "clock", "versions"})
+EVAL_FIELDS = frozenset({"t", "event", "worker", "clock", "versions", "final"})
 #: distinct figure names kept per worker (training and held-out ones together)
 MAX_FIGURES = 64
 #: the longest figure name kept

@@ -102,7 +102,7 @@ class DataOps:
         core = require_core(self.host.core)
         b: Pull = msg.body
         core.request_pull(b.worker, b.clock, (identity, msg.seq), time.monotonic(),
-                          observer=b.observer, wait_init=b.wait_init)
+                          observer=b.observer, wait_init=b.wait_init, final=b.final)
         if b.observer:
             self.outbox.park_observer((identity, msg.seq))
         return None  # answered by ShardServer._answer_pulls, now or when the gate opens

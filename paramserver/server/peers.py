@@ -233,12 +233,25 @@ class Peers:
         note: HoldNote | None = None
         if core is not None and held is not None:
             note = HoldNote(clock=held.clock, waited=now - held.since,
-                            why=self._hold_reason(core))
+                            why=self._final_reason(core) if held.final
+                            else self._hold_reason(core))
         elif core is not None and self.host.sparse is not None:
             note = core.rows.holding(worker)  # a sync SPUSH parked in its round, if any
         if note:
             return reply(msg, version=version, held=note)
         return reply(msg, version=version)
+
+    def _final_reason(self, core: ShardCore) -> str:
+        """Who a final pull (``opt.final()``) still waits for here, by the rule it waits on
+        (:meth:`~paramserver.core.membership.Membership.holding`)."""
+        holding = core.holding(self.config.expected_workers)
+        never = [w for w in holding if w not in core.workers]
+        live = [w for w in holding if w in core.workers]
+        parts = ([f"worker(s) {', '.join(map(str, live))} to finish (BYE) or be judged dead"]
+                 if live else [])
+        if never:
+            parts.append(f"worker(s) {', '.join(map(str, never))} to say HELLO")
+        return "final weights: waiting for " + " and ".join(parts or ["nobody"])
 
     @staticmethod
     def _hold_reason(core: ShardCore) -> str:

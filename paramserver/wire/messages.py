@@ -102,6 +102,8 @@ class Pull(msgspec.Struct, frozen=True):
     observer: bool = False
     wait_init: bool = False
     via_shm: bool | None = None  # answer with a ticket to the weight board (None: as set up)
+    #: held until no expected worker is awaited or live here: the final weights
+    final: bool = False
 
 
 class Push(msgspec.Struct, frozen=True):
@@ -365,8 +367,12 @@ def _pull(f: Mapping[str, Any]) -> Pull:
     clock = f["clock"]
     if clock < 0:
         raise ProtocolError(ErrorCode.BAD_FIELD, f"clock must be >= 0, got {clock}")
+    final = f.get("final") is True
+    if final and f.get("observer") is not True:
+        raise ProtocolError(ErrorCode.BAD_FIELD, "a final pull is an observer's: it reads the "
+                            "weights once every worker is done, and gates nothing")
     return Pull(_worker("pull", f), clock, f.get("observer") is True,
-                f.get("wait_init") is True, f.get("via_shm"))
+                f.get("wait_init") is True, f.get("via_shm"), final)
 
 
 def _push(f: Mapping[str, Any]) -> Push:

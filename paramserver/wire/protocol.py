@@ -105,9 +105,10 @@ _SCHEMA: dict[Op, dict[str, tuple[tuple[type, ...], bool]]] = {
     # "shm": the tensors lie in the sender's shared-memory segment, not in frames
     Op.INIT: {"worker": (_INT, True), "part": (_INT, False), "parts": (_INT, False),
               "shm": (_LIST, False)},
-    # "via_shm": answer with a ticket to the shard's weight board instead of frames
+    # "via_shm": answer with a ticket to the shard's weight board instead of frames;
+    # "final": an observer's pull held until every worker is done here (opt.final())
     Op.PULL: {"worker": (_INT, True), "clock": (_INT, True), "observer": (_BOOL, False),
-              "wait_init": (_BOOL, False), "via_shm": (_BOOL, False)},
+              "wait_init": (_BOOL, False), "via_shm": (_BOOL, False), "final": (_BOOL, False)},
     Op.PUSH: {
         "worker": (_INT, True),
         "push_id": (_INT, True),

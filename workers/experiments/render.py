@@ -119,6 +119,16 @@ def _step_settings(summaries: Sequence[ConfigSummary]) -> str:
     return ("Step-size rules: " + "; ".join(parts) + ".") if parts else ""
 
 
+#: the columns of the final figures, and how a cell says they are not the final weights'
+FINAL_STATS = ("final_loss", "final_accuracy")
+IN_LOOP = " (last in-loop evaluation)"
+
+
+def _final_cell(s: ConfigSummary, stat: str, text: str) -> str:
+    """``text``, labelled where a run's final figures are its last in-loop evaluation."""
+    return text + IN_LOOP if stat in FINAL_STATS and s.final_in_loop and text != "—" else text
+
+
 def table_rows(summaries: Sequence[ConfigSummary], spread: bool = True,
                columns: Sequence[Column] = OUTCOME_COLUMNS + DYNAMICS_COLUMNS
                ) -> list[list[str]]:
@@ -127,7 +137,7 @@ def table_rows(summaries: Sequence[ConfigSummary], spread: bool = True,
         row = [s.label + (f" ({len(s.failed)} failed)" if s.failed else "")]
         for c in columns:
             row.append(_staleness(s) if c.stat == "staleness"
-                       else _fmt(s.stats[c.stat], c.pattern, spread))
+                       else _final_cell(s, c.stat, _fmt(s.stats[c.stat], c.pattern, spread)))
         rows.append(row)
     return rows
 
@@ -141,7 +151,7 @@ def summary_rows(summaries: Sequence[ConfigSummary]) -> tuple[list[str], list[li
         st = s.stats
         rows.append([s.label + (f" ({len(s.failed)} failed)" if s.failed else ""),
                      _fmt(st["time_to_target"], "{:.1f}", False, never="never"),
-                     _fmt(st["final_accuracy"], "pct", False),
+                     _final_cell(s, "final_accuracy", _fmt(st["final_accuracy"], "pct", False)),
                      _fmt(st["updates_per_s"], "{:.1f}", False),
                      _fmt(st["pct_rejected"], "{:.1f}", False),
                      _fmt(st["staleness_p95"], "{:g}", False),
@@ -377,7 +387,11 @@ _DEFINITIONS = [
     "between evaluations",
     "updates to target: optimizer steps applied by the servers until then (a sync round is "
     "one update, however many workers it averages)",
-    "final held-out loss / accuracy: of the final weights, after every worker finished",
+    "final held-out loss / accuracy: of the final weights, after every worker finished (the "
+    "launcher evaluates them, or a script's evaluating rank after opt.final()); a cell marked "
+    "'last in-loop evaluation' is instead the evaluating worker's last evaluation in its own "
+    "loop (a script that does not call opt.final()), which pushes made after it (a "
+    "straggler's) do not count in",
     "gradients to target: gradients computed by all workers until then; it compares sync "
     "(one update per N gradients) with async (one per gradient) on the work done",
     "updates/s: optimizer steps applied per second of training (shard 0's version / time); "

@@ -41,7 +41,7 @@ from paramserver.errors import ConfigError
 from paramserver.observe.events import read_events
 from paramserver.util.jsontypes import JSONObject
 from paramserver.workers.experiments.index import ConfigEntry, ExperimentIndex, inside
-from paramserver.workers.launch.results import ClusterResult
+from paramserver.workers.launch.results import LAST_IN_LOOP, ClusterResult
 
 __all__ = [
     "ClaimCheck",
@@ -98,6 +98,7 @@ class EvalEvent:
     versions: tuple[int, ...]  # per shard, the weights evaluated
     loss: float | None = None
     accuracy: float | None = None
+    final: bool = False  # of the final weights (a script's, after opt.final())
 
 
 @dataclass(frozen=True)
@@ -190,6 +191,9 @@ class RunMetrics:
     updates_to_target: float | None
     final_loss: float | None
     final_accuracy: float | None
+    #: the final figures are the evaluating worker's last in-loop evaluation, not the final
+    #: weights' (a script that never called opt.final(), or nothing evaluated them)
+    final_in_loop: bool = False
     curve: list[tuple[float, float, float]] = field(default_factory=list)  # (s, updates, loss)
     staleness_hist: dict[int, int] = field(default_factory=dict)
     clocks: dict[int, list[tuple[float, int]]] = field(default_factory=dict)  # rank -> (s, clock)
@@ -286,11 +290,15 @@ def run_metrics(logs: RunLogs, seed: int, target_loss: float) -> RunMetrics:
              for e in logs.evals if e.loss is not None]
     final_loss = final_acc = None
     final = logs.result.eval if logs.result is not None else {}
+    in_loop = False
     if "loss" in final:
         final_loss, final_acc = final["loss"], final.get("accuracy")
-        curve.append((train, float(updates), final_loss))
+        in_loop = logs.result is not None and logs.result.eval_source == LAST_IN_LOOP
+        if not in_loop:  # (an in-loop one is on the curve already, where it was made)
+            curve.append((train, float(updates), final_loss))
     elif logs.evals:
         final_loss, final_acc = logs.evals[-1].loss, logs.evals[-1].accuracy
+        in_loop = not logs.evals[-1].final
     curve.sort(key=lambda c: c[0])
     time_to, updates_to = _crossing(curve, target_loss)
     servers = logs.result.servers if logs.result is not None else ()
@@ -330,7 +338,7 @@ def run_metrics(logs: RunLogs, seed: int, target_loss: float) -> RunMetrics:
         wait_s=statistics.fmean(sum(s.wait_s for s in steps)
                                 for steps in logs.steps.values()),
         time_to_target=time_to, updates_to_target=updates_to,
-        final_loss=final_loss, final_accuracy=final_acc, curve=curve,
+        final_loss=final_loss, final_accuracy=final_acc, final_in_loop=in_loop, curve=curve,
         staleness_hist=dict(sorted(Counter(staleness).items())),
         clocks={r: [(s.t - t0, s.clock) for s in steps]
                 for r, steps in sorted(logs.steps.items())},
@@ -410,6 +418,11 @@ class ConfigSummary:
     @property
     def scenario(self) -> str:
         return self.config.scenario
+
+    @property
+    def final_in_loop(self) -> bool:
+        """Whether a run's final figures are its last in-loop evaluation (see RunMetrics)."""
+        return any(r.final_in_loop and r.final_loss is not None for r in self.runs)
 
 
 def aggregate(config: ConfigEntry, runs: Sequence[RunMetrics],

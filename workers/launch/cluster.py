@@ -54,6 +54,8 @@ from paramserver.workers.launch.processes import (
 )
 from paramserver.workers.launch.replicas import ReplicaKeeper
 from paramserver.workers.launch.results import (
+    FINAL_WEIGHTS,
+    LAST_IN_LOOP,
     ClusterResult,
     FailureRecord,
     LostWorker,
@@ -556,10 +558,17 @@ class LocalCluster:
 
 
 def final_eval(spec: ClusterSpec, addresses: list[str], out: Path) -> dict[str, float]:
+    """The run's final held-out figures (:func:`final_figures`)."""
+    return final_figures(spec, addresses, out)[0]
+
+
+def final_figures(spec: ClusterSpec, addresses: list[str], out: Path
+                  ) -> tuple[dict[str, float], str | None]:
     """Pull the final weights as an observer, save them as ``final_model.safetensors``
     (a state_dict for ``load_state_dict``) and, unless ``spec.evaluate`` is off,
-    evaluate them on held-out data. A command run's figures are what its script
-    logged (:func:`logged_eval`): the launcher has no task to evaluate."""
+    evaluate them on held-out data; returns the figures and what they are of
+    (FINAL_WEIGHTS, LAST_IN_LOOP; None: none). A command run's figures are what its
+    script logged (:func:`logged_eval`): the launcher has no task to evaluate."""
     from safetensors.torch import save_file
 
     from paramserver.core.sharding import ShardPlan
@@ -583,25 +592,30 @@ def final_eval(spec: ClusterSpec, addresses: list[str], out: Path) -> dict[str, 
             from paramserver.workers.embedding import pull_tables
             state.update(pull_tables(client, plan.sparse))
     save_file(state, str(out / "final_model.safetensors"))  # with or without --no-eval
-    if plan.sparse or not spec.evaluate:  # sparse: worker 0 evaluated it while connected
-        return {}
-    return evaluate(task)
+    if not spec.evaluate:
+        return {}, None
+    if plan.sparse:  # the evaluator evaluated them after opt.final(), while connected
+        return logged_eval(out, spec.num_workers)
+    return evaluate(task), FINAL_WEIGHTS
 
 
 #: the fields of an ``eval`` event that say where and when, not how well
-_EVAL_CONTEXT = ("t", "event", "worker", "clock", "versions")
+_EVAL_CONTEXT = ("t", "event", "worker", "clock", "versions", "final")
 
 
-def logged_eval(out: Path, num_workers: int) -> dict[str, float]:
+def logged_eval(out: Path, num_workers: int) -> tuple[dict[str, float], str | None]:
     """A command run's held-out figures: the last ``eval`` record (``opt.log(eval_...)``)
-    of the evaluating rank, the lowest that logged one ({}: none did)."""
+    of the evaluating rank, the lowest that logged one ({}: none did), and what they are
+    of: FINAL_WEIGHTS if it was logged after ``opt.final()``, else LAST_IN_LOOP."""
     for rank in range(num_workers):
         path = out / "events" / f"worker{rank}.jsonl"
         evals = read_events(path, "eval") if path.exists() else []
         if evals:
-            return {k: float(v) for k, v in evals[-1].items() if k not in _EVAL_CONTEXT
-                    and isinstance(v, int | float) and not isinstance(v, bool)}
-    return {}
+            last = evals[-1]
+            return ({k: float(v) for k, v in last.items() if k not in _EVAL_CONTEXT
+                     and isinstance(v, int | float) and not isinstance(v, bool)},
+                    FINAL_WEIGHTS if last.get("final") is True else LAST_IN_LOOP)
+    return {}, None
 
 
 def _save_command_weights(spec: ClusterSpec, addresses: list[str], out: Path) -> None:
@@ -640,7 +654,7 @@ def run_cluster(spec: ClusterSpec, out_dir: str | Path,
         admin = cluster.spec.admin_curve()
         addresses = cluster.primaries()  # (a backup may have taken over a shard)
         stats = server_stats(addresses, curve=admin)
-        final = final_eval(spec, addresses, out)  # saves the model even without eval
+        final, eval_of = final_figures(spec, addresses, out)  # saves the model, eval or not
         cluster.shutdown_backups()
         shutdown_servers(addresses, curve=admin)
     workers: list[WorkerResult | LostWorker] = []
@@ -666,6 +680,7 @@ def run_cluster(spec: ClusterSpec, out_dir: str | Path,
         alarms=tuple(cluster.observer.alarms),
         metrics_ports=cluster.metrics_ports,
         processes=tuple(cluster.processes),
+        eval_of=eval_of,
     )
     write_json(out / "result.json", result.to_json())
     return result

@@ -24,6 +24,8 @@ from paramserver.workers.launch.processes import ProcessInfo, exit_reason
 from paramserver.workers.workerresult import WorkerResult, drop_none
 
 __all__ = [
+    "FINAL_WEIGHTS",
+    "LAST_IN_LOOP",
     "ClusterResult",
     "FailureRecord",
     "LostWorker",
@@ -37,6 +39,12 @@ __all__ = [
 ]
 
 _T = TypeVar("_T")
+
+#: what a run's ``eval`` figures are of (result.json's ``eval_of``): the final weights,
+#: evaluated once every worker was done (by the launcher, or by a script after
+#: ``opt.final()``), or the evaluating worker's last evaluation in its loop, which a
+#: straggler's later pushes do not count in (a script that never called ``opt.final()``)
+FINAL_WEIGHTS, LAST_IN_LOOP = "final_weights", "last_in_loop"
 
 
 @dataclass(frozen=True)
@@ -140,7 +148,7 @@ class ClusterResult:
     spec: JSONObject
     addresses: tuple[str, ...]
     seconds: float  # training, start to the last worker's end (virtual when simulated)
-    eval: dict[str, float]  # the final weights' held-out figures ({}: not evaluated)
+    eval: dict[str, float]  # the run's final held-out figures ({}: not evaluated)
     workers: tuple[WorkerResult | LostWorker, ...]
     servers: tuple[JSONObject, ...]
     updates_applied: tuple[int, ...]  # each shard's version at the end
@@ -151,6 +159,17 @@ class ClusterResult:
     metrics_ports: dict[str, int | None] | None = None
     processes: tuple[ProcessInfo, ...] | None = None
     sim: SimSummary | None = None
+    #: what ``eval`` is of: FINAL_WEIGHTS or LAST_IN_LOOP (None: not evaluated, or a
+    #: result.json from before this was recorded; see :attr:`eval_source`)
+    eval_of: str | None = None
+
+    @property
+    def eval_source(self) -> str | None:
+        """What ``eval`` is of, an older result.json's read as it was made: a command
+        run's figures were its script's last logged ones, a task's the final weights'."""
+        if not self.eval or self.eval_of is not None:
+            return self.eval_of
+        return LAST_IN_LOOP if self.spec.get("command") else FINAL_WEIGHTS
 
     @property
     def simulated(self) -> bool:
@@ -174,6 +193,7 @@ class ClusterResult:
             "addresses": [a for a in self.addresses],
             "seconds": self.seconds,
             "eval": {k: v for k, v in self.eval.items()},
+            **({"eval_of": self.eval_of} if self.eval_of is not None else {}),
             "workers": [w.to_json() for w in self.workers],
             "servers": [s for s in self.servers],
             "updates_applied": [v for v in self.updates_applied],
@@ -216,6 +236,7 @@ class ClusterResult:
             processes=None if procs is None else _field(doc, "processes",
                                                         tuple[ProcessInfo, ...]),
             sim=None if sim is None else _field(doc, "sim", SimSummary),
+            eval_of=None if doc.get("eval_of") is None else _field(doc, "eval_of", str),
         )
 
     @classmethod

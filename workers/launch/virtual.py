@@ -59,6 +59,7 @@ from paramserver.policies import create_policy
 from paramserver.util.jsontypes import JSONObject
 from paramserver.workers.launch.clusterspec import ClusterSpec, Progress
 from paramserver.workers.launch.results import (
+    FINAL_WEIGHTS,
     ClusterResult,
     SimSummary,
     WorkerResult,
@@ -578,7 +579,8 @@ class Simulator:
             spec=self.spec.to_dict(),
             addresses=tuple(SIM_ADDRESS.format(k) for k in range(len(self.cores))),
             seconds=self._end,
-            eval=final,
+            eval=final,  # every worker is done here: of the final weights
+            eval_of=FINAL_WEIGHTS if final else None,
             workers=tuple(w.result for w in self.workers if w.result is not None),
             servers=tuple(stats),
             updates_applied=tuple(shard_figures(s)[0] for s in stats),
