@@ -31,24 +31,20 @@ worker's event log, where result.json and the experiment report read it.
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from paramserver.core import features
-from paramserver.core.sharding import ParamSpec, ShardPlan, dtype_name
 from paramserver.errors import ConfigError
 from paramserver.observe.events import EventLog, write_json
 from paramserver.observe.figures import FigureGate, reserved
-from paramserver.sparse.shard import TableSpec
 from paramserver.wire.curve import CurveKeys
 from paramserver.workers.client import PART_BYTES, PSClient, PullResult, PushResult, PushStream
 from paramserver.workers.config import (
@@ -66,6 +62,16 @@ from paramserver.workers.embedding import (
 from paramserver.workers.finish import FINAL_TIMEOUT, finish
 from paramserver.workers.localsgd import LocalSteps
 from paramserver.workers.overlap import BucketHooks
+from paramserver.workers.scriptenv import (
+    EVENT_LOG_ENV,
+    PLAN_FILE_ENV,
+    RESULT_FILE_ENV,
+    DistributedSampler,
+    int_from_env,
+    make_plan,
+    read_plan,
+    servers_from_env,
+)
 from paramserver.workers.stragglers import Straggler
 from paramserver.workers.workerresult import PushCounts, WorkerResult
 from paramserver.workers.wrapped import Wrapped
@@ -76,11 +82,6 @@ __all__ = ["OPTIONS_ENV", "DistributedOptimizer", "DistributedSampler", "LaunchO
 log = logging.getLogger(__name__)
 
 
-#: the environment variables a launcher sets for each worker process
-SERVERS_ENV = "PARAMSERVER_SERVERS"
-#: where a launched worker logs its steps, writes its result, and rank 0 the plan
-EVENT_LOG_ENV, RESULT_FILE_ENV, PLAN_FILE_ENV = (
-    "PARAMSERVER_EVENT_LOG", "PARAMSERVER_RESULT_FILE", "PARAMSERVER_PLAN_FILE")
 
 
 def _metric(name: str, value: object) -> float:
@@ -114,34 +115,6 @@ class StepOutcome:
             staleness=pushed.staleness, versions=pulled.versions, clock=clock,
             push_seconds=pushed.seconds, pull_seconds=pulled.seconds, waited=pulled.waited,
             nbytes=pushed.nbytes + pulled.nbytes)
-
-
-def servers_from_env(servers: str | Iterable[str] | None) -> list[str]:
-    """Server addresses from the argument, else from ``PARAMSERVER_SERVERS``."""
-    if servers is None:
-        servers = os.environ.get(SERVERS_ENV, "")
-        if not servers:
-            raise ConfigError(f"no servers: pass servers=[...] or set {SERVERS_ENV} "
-                              "(paramserver launch -- COMMAND sets it)")
-    if isinstance(servers, str):
-        servers = servers.split(",")
-    out = [s.strip() for s in servers if s.strip()]
-    if not out:
-        raise ConfigError("servers is empty: give the shard servers' addresses in shard order")
-    return out
-
-
-def _int_from_env(value: int | None, names: tuple[str, ...], default: int) -> int:
-    if value is not None:
-        return value
-    for name in names:
-        raw = os.environ.get(name)
-        if raw is not None:
-            try:
-                return int(raw)
-            except ValueError:
-                raise ConfigError(f"{name}={raw!r} is not an integer") from None
-    return default
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -252,12 +225,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
                               f"got {backward_passes_per_step}")
         super().__init__([p for _, p in named], {})
         self.servers = servers_from_env(servers)
-        self.rank = _int_from_env(rank, ("RANK",), 0)
-        self.world_size = _int_from_env(world_size, ("WORLD_SIZE",), 1)
+        self.rank = int_from_env(rank, ("RANK",), 0)
+        self.world_size = int_from_env(world_size, ("WORLD_SIZE",), 1)
         if not 0 <= self.rank < self.world_size:
             raise ConfigError(f"rank must be in [0, {self.world_size}), got {self.rank}")
         #: the rank that evaluates held-out data (:attr:`evaluates`)
-        self.evaluator = _int_from_env(evaluator, (EVALUATOR_ENV,), 0)
+        self.evaluator = int_from_env(evaluator, (EVALUATOR_ENV,), 0)
         check_evaluator(self.evaluator, self.world_size)
         self.backward_passes_per_step = backward_passes_per_step
         self.params: dict[str, torch.Tensor] = dict(named)
@@ -280,7 +253,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         part_bytes = given.part_bytes if part_bytes is None else part_bytes
         if curve_key is None and given.curve_key:
             curve_key, curve_server_key = given.curve_key, given.curve_server_key
-        self.plan = _plan(named, len(self.servers), chunk_bytes,
+        self.plan = make_plan(named, len(self.servers), chunk_bytes,
                           [m.table_spec(name) for name, m in tables])
         curve = CurveKeys.load(curve_key, curve_server_key) if curve_key else None
         self.client = PSClient(
@@ -710,35 +683,3 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.close()
         else:  # leaving on an exception: this worker failed, it is not done
             self._abandon()
-
-
-class DistributedSampler(torch.utils.data.distributed.DistributedSampler):
-    """torch's ``DistributedSampler`` for the ranks of a paramserver run, which have no
-    process group: ``num_replicas`` and ``rank`` default to ``WORLD_SIZE`` and ``RANK``
-    (``paramserver launch -- COMMAND`` and ``paramserver run -- COMMAND`` set them, and
-    so does torchrun) instead of raising "Default process group has not been
-    initialized". With a process group, torch's own defaults apply. The rest
-    (``shuffle``, ``seed``, ``drop_last``, ``set_epoch``) is torch's."""
-
-    def __init__(self, dataset: Any, num_replicas: int | None = None,
-                 rank: int | None = None, shuffle: bool = True, seed: int = 0,
-                 drop_last: bool = False) -> None:
-        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-            num_replicas = _int_from_env(num_replicas, ("WORLD_SIZE",), 1)
-            rank = _int_from_env(rank, ("RANK",), 0)
-        super().__init__(dataset, num_replicas, rank, shuffle, seed, drop_last)
-
-
-def read_plan(path: str | os.PathLike[str]) -> ShardPlan | None:
-    """The plan a launched rank 0 recorded at ``PARAMSERVER_PLAN_FILE`` (None: none was),
-    by which a launcher saves the servers' final weights."""
-    target = Path(path)
-    if not target.exists():
-        return None
-    return ShardPlan.from_description(json.loads(target.read_text()))
-
-
-def _plan(named: list[tuple[str, torch.Tensor]], num_shards: int, chunk_bytes: int,
-          tables: list[TableSpec] | None = None) -> ShardPlan:
-    specs = [ParamSpec(name, tuple(p.shape), dtype_name(p.dtype)) for name, p in named]
-    return ShardPlan(specs, num_shards, chunk_bytes, sparse=tables or ())
