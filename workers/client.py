@@ -82,6 +82,7 @@ class PSClient:
         part_bytes: int = PART_BYTES,
         barrier_timeout: float = 0.0,
         shm: bool = True,
+        run_id: str | None = None,
     ) -> None:
         if len(addresses) != plan.num_shards:
             raise TransportError(
@@ -110,6 +111,9 @@ class PSClient:
         self._params: Mapping[str, torch.Tensor] | None = None
         self.initialized = False  # every shard held weights at connect()
         self.incarnation = uuid.uuid4().hex
+        # this worker's run (launch's): a shard of another run refuses its HELLO and its
+        # heartbeats (wrong_run), so a port another job took over is never talked to
+        self.run_id = run_id or None
         # a worker on a shard's host moves tensors through shared memory if the
         # shard agrees at HELLO (paramserver/shm/link.py); anything else goes over TCP
         # (``shm=False``: TCP even then, as the benchmark's ps-tcp row measures)
@@ -123,8 +127,9 @@ class PSClient:
                          for i, a in enumerate(addresses)]
         self._push_id = 0
         self._heartbeat = (
-            (self.failover.heartbeat(worker, heartbeat_interval, curve) if self.failover
-             else Heartbeat(addresses, worker, heartbeat_interval, curve))
+            (self.failover.heartbeat(worker, heartbeat_interval, curve, self.run_id)
+             if self.failover
+             else Heartbeat(addresses, worker, heartbeat_interval, curve, self.run_id))
             if role == "worker" and heartbeat_interval > 0 else None
         )
         self._shard_slices = [plan.shard_slices(s) for s in range(plan.num_shards)]
@@ -160,6 +165,7 @@ class PSClient:
             "plan_hash": self.plan.hash, "plan": self.plan.describe(),
             "incarnation": self.incarnation,
             "host": socket.gethostname(), "pid": os.getpid(),
+            **({"run": self.run_id} if self.run_id else {}),
         })
 
     def _init(self, shards: Sequence[int]) -> tuple[list[Message], list[int]]:

@@ -46,11 +46,13 @@ from paramserver.core.sharding import ParamSpec, ShardPlan, dtype_name
 from paramserver.errors import ConfigError
 from paramserver.observe.events import EventLog, write_json
 from paramserver.sparse.shard import TableSpec
+from paramserver.util import lifeline
 from paramserver.wire.curve import CurveKeys
 from paramserver.workers.client import PART_BYTES, PSClient, PullResult, PushResult, PushStream
 from paramserver.workers.config import (
     EVALUATOR_ENV,
     OPTIONS_ENV,
+    RUN_ENV,
     LaunchOptions,
     check_evaluator,
 )
@@ -169,6 +171,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     * ``evaluator``: the rank that evaluates held-out data (:attr:`evaluates`); default
       ``PARAMSERVER_EVALUATOR`` (the launcher's ``--evaluator``, an experiment's
       ``evaluator``, by default a rank its scenario does not slow), else 0.
+    * ``run_id``: this worker's run; a shard of another run refuses it (``wrong_run``).
+      Default ``PARAMSERVER_RUN`` (the launcher's), else none (any shard takes it).
+      Started by a launcher, the process also ends when the launcher does (by any
+      signal): paramserver/util/lifeline.py.
     * ``local``, ``sync_every``: local SGD / DiLoCo. ``step()`` steps ``local`` (an
       optimizer over the model's parameters, e.g. AdamW) and only every
       ``sync_every``-th step pushes the pseudo-gradient (the weights last pulled minus
@@ -210,7 +216,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         local: torch.optim.Optimizer | None = None,
         sync_every: int = 1,
         evaluator: int | None = None,
+        run_id: str | None = None,
     ) -> None:
+        # started by a launcher: this process ends when it does, however it ends
+        lifeline.watch()
         named: list[tuple[str, torch.Tensor]]
         # ShardedEmbedding tables: on the shards by row, pushed by step() beside the dense
         tables = []
@@ -262,7 +271,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             wire_dtype=given.wire_dtype if wire_dtype is None else wire_dtype,
             part_bytes=part_bytes, drop_rate=given.drop_rate if drop_rate is None else drop_rate,
             barrier_timeout=given.barrier_timeout if barrier_timeout is None
-            else barrier_timeout)
+            else barrier_timeout,
+            run_id=os.environ.get(RUN_ENV) if run_id is None else run_id)
         # this rank's straggler scenario: step() sleeps the injected delay, logged apart
         if straggler is None and given.straggler.active:
             straggler = Straggler(given.straggler, seed=(given.seed, self.rank))

@@ -98,6 +98,8 @@ _SCHEMA: dict[Op, dict[str, tuple[tuple[type, ...], bool]]] = {
         "pid": (_INT, False),
         # a same-host worker offers its gradient segment (paramserver/shm/link.py)
         "shm": (_MAP, False),
+        # the worker's run (launch's run id); optional: a worker started by hand has none
+        "run": (_STR, False),
     },
     # INIT too may come in parts (a large shard), each copied in as it arrives
     # "shm": the tensors lie in the sender's shared-memory segment, not in frames
@@ -126,7 +128,7 @@ _SCHEMA: dict[Op, dict[str, tuple[tuple[type, ...], bool]]] = {
         # its answer may carry the part's next weights (workers/pushstream.py)
         "early": (_BOOL, False),
     },
-    Op.HEARTBEAT: {"worker": (_INT, True)},
+    Op.HEARTBEAT: {"worker": (_INT, True), "run": (_STR, False)},
     # tensors "ids:<table>" (int64 row ids) and, for SPUSH and SINIT, "val:<table>"
     Op.SPULL: {"worker": (_INT, True), "observer": (_BOOL, False)},  # observer: no worker
     Op.SPUSH: {"worker": (_INT, True), "push_id": (_INT, True), "clock": (_INT, True),

@@ -22,6 +22,7 @@ import dataclasses
 import json
 import logging
 import os
+import secrets
 import selectors
 import signal
 import subprocess
@@ -36,6 +37,7 @@ from paramserver.errors import ConfigError, ParamServerError, RequestTimeoutErro
 from paramserver.observe.events import read_events, write_json
 from paramserver.observe.recorder import JsonlFollower, LauncherObserver
 from paramserver.server.loop import READY_PREFIX
+from paramserver.util import lifeline
 from paramserver.util.jsontypes import JSONObject
 from paramserver.wire.curve import admin_key_pair
 from paramserver.workers.failover import current_primaries, join_replicas
@@ -98,6 +100,8 @@ class _Proc:
 
 def _child_env() -> dict[str, str]:
     env = dict(os.environ)
+    # a launcher that is itself some launcher's child gives its children its own lifeline
+    env.pop(lifeline.ENV, None)
     # children import what this process imports (tests' task modules included)
     paths = [p for p in sys.path if p] + [env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
@@ -120,7 +124,12 @@ class LocalCluster:
             # CURVE: the launcher runs SHUTDOWN and death reports with an admin key
             # of its own, which only it and its shards know of
             spec = dataclasses.replace(spec, admin_key=str(admin_key_pair(self.out / "keys")))
+        if not spec.run_id:  # one identity for every process of the run (wrong_run)
+            spec = dataclasses.replace(spec, run_id=secrets.token_hex(16))
         self.spec = spec
+        #: the pipe whose end only this process holds: the processes started without the
+        #: zygote (which stops its own) watch it and stop when this process ends, however
+        self.lifeline = lifeline.Lifeline()
         # follows every event log: launcher metrics, watchdog alarms (on_alarm), divergence
         self.observer = LauncherObserver(self.out, metrics_port=spec.metrics_port,
                                          tensorboard=spec.tensorboard, on_alarm=on_alarm)
@@ -171,7 +180,7 @@ class LocalCluster:
                     [sys.executable, "-m", module, str(cfg_path)],
                     stdout=subprocess.PIPE if ready_pipe else log_file,
                     stderr=log_file if ready_pipe else subprocess.STDOUT,
-                    env=self._env,
+                    env={**self._env, **self.lifeline.env()}, pass_fds=self.lifeline.pass_fds,
                 )
         finally:
             log_file.close()
@@ -309,12 +318,14 @@ class LocalCluster:
         log_path = self.out / "logs" / f"{name}.log"
         write_json(self.spec.options_file(rank, self.out),
                    self.spec.launch_options(rank).to_json())
-        env = {**self._env, **self.spec.command_env(rank, self.worker_addresses(), self.out)}
+        env = {**self._env, **self.spec.command_env(rank, self.worker_addresses(), self.out),
+               **self.lifeline.env()}  # its DistributedOptimizer watches it
         with log_path.open("ab" if append else "wb") as log_file:
             try:
                 popen = subprocess.Popen(self.spec.command, stdout=log_file,
                                          stderr=subprocess.STDOUT, env=env,
-                                         stdin=subprocess.DEVNULL)
+                                         stdin=subprocess.DEVNULL,
+                                         pass_fds=self.lifeline.pass_fds)
             except OSError as exc:
                 raise ConfigError(f"cannot run {' '.join(self.spec.command)!r}: "
                                   f"{exc.strerror or exc}") from None
@@ -525,6 +536,7 @@ class LocalCluster:
                 p.popen.wait()
             if p.popen.stdout is not None:
                 p.popen.stdout.close()
+        self.lifeline.close()
         self.observer.close(failures=len(self.failures), restarts=len(self.restarts),
                             stalls=sum(1 for s in self.stalls if s.stalled),
                             exit_codes={p.name: p.popen.returncode for p in procs})
