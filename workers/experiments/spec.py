@@ -56,7 +56,7 @@ from paramserver.workers.experiments.axes import (
     builtin_scenario,
     slug,
 )
-from paramserver.workers.experiments.index import ConfigEntry, StepSettings
+from paramserver.workers.experiments.index import DEFAULT_NAME, ConfigEntry, StepSettings
 from paramserver.workers.launch.cluster import ClusterSpec
 from paramserver.workers.tasks import resolve_task, task_parameters
 from paramserver.workers.worker import WorkerConfig
@@ -140,7 +140,7 @@ class ExperimentSpec:
     servers on ``digits-mlp`` under transient stragglers, 3 seeds.
     """
 
-    name: str = "experiment"
+    name: str = DEFAULT_NAME
     task: str = "digits-mlp"
     task_args: JSONObject = field(default_factory=dict)  # the task's own arguments
     steps: int = 250  # per worker, the same for every worker and configuration

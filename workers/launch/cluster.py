@@ -49,12 +49,14 @@ from paramserver.workers.launch.clusterspec import (
 )
 from paramserver.workers.launch.processes import (
     ProcessInfo,
+    command_python,
     exit_reason,
     shard_cause,
     tail,
 )
 from paramserver.workers.launch.replicas import ReplicaKeeper
 from paramserver.workers.launch.results import (
+    NOT_JOINED,
     ClusterResult,
     FailureRecord,
     LostWorker,
@@ -301,6 +303,11 @@ class LocalCluster:
         return line.split()[1]
 
     def start_workers(self) -> None:
+        if self.spec.command:  # `python` outside the launcher's environment, say
+            command, note = command_python(self.spec.command, self._env)
+            if note is not None:
+                log.warning("%s", note)
+                self.spec = dataclasses.replace(self.spec, command=command)
         for rank in range(self.spec.num_workers):
             self.workers.append(self._start_worker(rank))
 
@@ -350,9 +357,20 @@ class LocalCluster:
                 code = proc.popen.poll()
                 if code is None:
                     continue
-                if code == 0:
+                if code == 0 and not self._never_joined(rank):
                     pending.discard(rank)
                     continue
+                if code == 0:  # a command that ran to its end without a DistributedOptimizer
+                    self.failures.append(FailureRecord(proc.name, 0, NOT_JOINED, time.time()))
+                    if self.spec.on_worker_failure == "tolerate":
+                        log.warning("%s %s; the others go on", proc.name, NOT_JOINED)
+                        pending.discard(rank)
+                        continue
+                    raise ClusterError(
+                        f"{proc.name} {NOT_JOINED}: its command ran to its end without "
+                        f"building a DistributedOptimizer, so it trained nothing "
+                        f"(--on-worker-failure {self.spec.on_worker_failure}); log tail "
+                        f"({proc.log_path}):\n{tail(proc.log_path)}")
                 self._raise_if_diverged()  # a stopped shard's refusal, not the worker's fault
                 self._failed(proc.name, code)
                 self._report_dead(rank)
@@ -400,6 +418,12 @@ class LocalCluster:
                     on_progress(progress)
             if deadline is not None and time.monotonic() > deadline:
                 raise RequestTimeoutError(self._overdue(sorted(pending)))
+
+    def _never_joined(self, rank: int) -> bool:
+        """A command's worker that exited without a result: its DistributedOptimizer
+        writes one when closed, at exit at the latest, so it never built one."""
+        return bool(self.spec.command) and not (
+            self.out / "results" / f"worker{rank}.json").exists()
 
     def _tails(self, pending: list[int]) -> str:
         """The workers still running and the last lines each of them and each shard
@@ -624,12 +648,14 @@ def _save_command_weights(spec: ClusterSpec, addresses: list[str], out: Path) ->
 def run_cluster(spec: ClusterSpec, out_dir: str | Path,
                 on_progress: Callable[[Progress], None] | None = None,
                 on_alarm: Callable[[dict[str, Any]], None] | None = None,
-                on_process: Callable[[ProcessInfo], None] | None = None) -> ClusterResult:
+                on_process: Callable[[ProcessInfo], None] | None = None,
+                on_servers: Callable[[list[str]], None] | None = None) -> ClusterResult:
     """Start, run to completion, evaluate, stop. Returns the result, also written as
     ``result.json``.
 
     ``on_alarm`` gets each watchdog alarm (an ``alarm`` event of a shard's log) as
-    it happens; ``on_process`` each process started (restarts included).
+    it happens; ``on_process`` each process started (restarts included);
+    ``on_servers`` the shards' addresses once they listen, as workers are given them.
     """
     from paramserver.workers.admin import server_stats, shutdown_servers
 
@@ -637,6 +663,8 @@ def run_cluster(spec: ClusterSpec, out_dir: str | Path,
     t0 = time.time()
     with LocalCluster(spec, out, on_alarm=on_alarm, on_process=on_process) as cluster:
         cluster.start_servers()
+        if on_servers is not None:
+            on_servers(cluster.worker_addresses())
         cluster.start_workers()
         cluster.wait_workers(on_progress)
         train_seconds = time.time() - t0

@@ -24,6 +24,7 @@ from paramserver.workers.launch.processes import ProcessInfo, exit_reason
 from paramserver.workers.workerresult import WorkerResult, drop_none
 
 __all__ = [
+    "NOT_JOINED",
     "ClusterResult",
     "FailureRecord",
     "LostWorker",
@@ -37,6 +38,10 @@ __all__ = [
 ]
 
 _T = TypeVar("_T")
+
+#: a command's worker that exited 0 with no result: it ran, but never built a
+#: DistributedOptimizer (a FailureRecord's reason, and what its summary says)
+NOT_JOINED = "exited without joining the run"
 
 
 @dataclass(frozen=True)
@@ -87,7 +92,8 @@ def _worker_from_json(data: JSON) -> WorkerResult | LostWorker:
 
 @dataclass(frozen=True)
 class FailureRecord:
-    """A process that exited with a non-zero code."""
+    """A process that exited with a non-zero code, or a command's worker that exited 0
+    without joining the run (NOT_JOINED)."""
 
     process: str  # server0, worker1
     exit_code: int
@@ -261,8 +267,11 @@ class WorkerSummary:
 
     @property
     def reason(self) -> str:
-        """Why it last died ("" if it never did)."""
-        return exit_reason(self.deaths[-1]) if self.deaths else ""
+        """Why it last died ("" if it never did; NOT_JOINED: exit code 0, recorded only
+        for a command's worker that never built a DistributedOptimizer)."""
+        if not self.deaths:
+            return ""
+        return NOT_JOINED if self.deaths[-1] == 0 else exit_reason(self.deaths[-1])
 
     @classmethod
     def from_result(cls, record: WorkerResult | LostWorker,
@@ -279,6 +288,8 @@ class WorkerSummary:
 
     def describe(self) -> str:
         if not self.finished:
+            if self.reason == NOT_JOINED:  # it ran, and ended: not a death
+                return f"worker {self.rank} {NOT_JOINED}, tolerated"
             return f"worker {self.rank} dead ({self.reason or 'no result'}), tolerated"
         if self.restarts:
             times = "once" if self.restarts == 1 else f"{self.restarts} times"
