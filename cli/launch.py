@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import json
+import shlex
 import signal
 import time
 from pathlib import Path
@@ -237,6 +238,14 @@ def _process_line(info: ProcessInfo) -> str:
     return f"{info.name} pid {info.pid}"
 
 
+def _servers_line(addresses: list[str]) -> str:
+    """Where the shards listen, and the `status` command that asks them (it prints
+    even with --quiet, as the pids do: it is how to watch the run)."""
+    joined = ",".join(addresses)
+    return (f"paramserver launch: shards at {joined}; watch them with: paramserver status "
+            f"--servers {shlex.quote(joined)}")
+
+
 def _out_dir(value: str | None, overwrite: bool) -> Path:
     if not value:  # a new folder of its own, even for two launches in the same second
         stamp = Path("runs") / time.strftime("launch-%Y%m%d-%H%M%S")
@@ -325,7 +334,9 @@ def launch(ctx: click.Context, **opts: Any) -> None:
                     on_alarm=_AlarmLines(console),
                     on_process=lambda info: console.print(
                         f"paramserver launch: started {_process_line(info)}",
-                        highlight=False))
+                        highlight=False),
+                    on_servers=lambda addresses: console.print(
+                        _servers_line(addresses), highlight=False))
         except _Stop as stop:
             name = signal.Signals(stop.signum).name
             console.print(f"paramserver launch: {name}: every process stopped; logs in "

@@ -16,6 +16,7 @@ boundary with ``raise ... from exc`` so callers need catch only these::
     │   ├── NotRegisteredError   not_registered
     │   ├── DuplicateWorkerError duplicate_worker
     │   ├── WorkerInUseError     worker_in_use
+    │   ├── WrongRunError        wrong_run
     │   ├── NotInitializedError  not_initialized
     │   ├── FutureVersionError   future_version
     │   ├── NonFiniteError       nonfinite
@@ -76,6 +77,7 @@ __all__ = [
     "TrainingStoppedError",
     "TransportError",
     "WorkerInUseError",
+    "WrongRunError",
 ]
 
 
@@ -99,6 +101,7 @@ class ErrorCode(StrEnum):
     NOT_REGISTERED = "not_registered"
     DUPLICATE_WORKER = "duplicate_worker"  # another process holds the id: retry, it may be dead
     WORKER_IN_USE = "worker_in_use"  # ... and it is live: a second process, final
+    WRONG_RUN = "wrong_run"  # a worker of another run (launch's run id): final
     NOT_INITIALIZED = "not_initialized"
     UNKNOWN_KEY = "unknown_key"
     FUTURE_VERSION = "future_version"
@@ -221,6 +224,13 @@ class WorkerInUseError(RemoteError):
     codes = (ErrorCode.WORKER_IN_USE,)
 
 
+class WrongRunError(RemoteError):
+    """The shard belongs to another run than this worker (a port another job took
+    over, a stale address): final, the worker never talks to it."""
+
+    codes = (ErrorCode.WRONG_RUN,)
+
+
 class NotInitializedError(RemoteError):
     """The shard has no weights yet: no worker has sent INIT."""
 
@@ -274,7 +284,7 @@ REMOTE_ERRORS: Mapping[ErrorCode, type[RemoteError]] = MappingProxyType({
     code: cls
     for cls in (BadRequestError, ProtocolVersionError, IncompatiblePlanError,
                 OptimizerMismatchError,
-                NotRegisteredError, DuplicateWorkerError, WorkerInUseError,
+                NotRegisteredError, DuplicateWorkerError, WorkerInUseError, WrongRunError,
                 NotInitializedError,
                 FutureVersionError, NonFiniteError, TrainingStoppedError,
                 TooManyWorkersError, BusyError, ForbiddenError, RemoteInternalError)

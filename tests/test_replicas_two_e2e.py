@@ -82,11 +82,11 @@ def _check_takeovers(out: Path, killed: list[str]) -> None:
     assert joined and joined[0]["backup"] == rival and joined[0]["t"] >= takeover["t"]
     # the second death: the rival (or the first primary's replacement, if it rejoined
     # in time and holds as many inputs) took over, at an epoch of its own above 1
-    later = [e for n in (second, "server0r0") for e in _events(out, n, "failover")
+    later = [e for n in (second, "server0") for e in _events(out, n, "failover")
              if e["t"] > takeover["t"]]
     assert len(later) == 1 and later[0]["epoch"] > 1
     # no two replicas ever took over at one epoch
-    epochs = [e["epoch"] for n in ("server0r0", *BACKUPS) for e in _events(out, n, "failover")]
+    epochs = [e["epoch"] for n in ("server0", *BACKUPS) for e in _events(out, n, "failover")]
     assert len(epochs) == len(set(epochs)) == 2
 
 

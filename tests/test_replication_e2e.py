@@ -213,17 +213,17 @@ def test_sync_survives_its_primary_killed_twice_in_a_row(sync_runs):
     _, failed, result, killed = sync_runs
     assert killed == ["server0", "server0r1"], "the run ended before the second kill"
     backup = read_events(failed / "events" / "server0r1.jsonl", "server_start")[0]
-    (rejoin,) = _rejoined(failed, "server0r0")
+    (rejoin,) = _rejoined(failed, "server0")
     assert rejoin["epoch"] == 1 and rejoin["primary"] == backup["address"]
     (joined,) = _joined(failed, "server0r1")
     assert joined["backup"] == rejoin["address"] and joined["seq"] == rejoin["seq"]
-    (second,) = _failovers(failed, "server0r0")
+    (second,) = _failovers(failed, "server0")
     assert second["epoch"] == 2
     assert result.restarts == () and result.updates_applied == (30, 30)
     assert [f.process for f in result.failures] == ["server0", "server0r1"]
     # the launcher said so, and the second primary's replacement rejoined it in turn
     launcher = read_events(failed / "events" / "launcher.jsonl", "rejoined")
-    assert [(e["process"], e["epoch"]) for e in launcher][:1] == [("server0r0", 1)]
+    assert [(e["process"], e["epoch"]) for e in launcher][:1] == [("server0", 1)]
 
 
 def test_a_paused_primary_that_comes_back_steps_down(tmp_path):

@@ -46,7 +46,7 @@ def test_sync_failover_through_shared_memory_ends_bit_identical(runs):
     plain, failed, result, killed = runs
     assert killed == ["server0", "server0r1"], "the run ended before the second kill"
     assert len(_joined(failed, "server0r1")) == 1  # server0's replacement joined
-    (second,) = _failovers(failed, "server0r0")  # and took over from server0r1
+    (second,) = _failovers(failed, "server0")  # and took over from server0r1
     assert second["epoch"] == 2
     assert result.restarts == () and result.updates_applied == (60,)
     first = load_file(plain / "final_model.safetensors")

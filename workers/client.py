@@ -83,6 +83,7 @@ class PSClient:
         barrier_timeout: float = 0.0,
         shm: bool = True,
         optimizer: Mapping[str, Any] | None = None,
+        run_id: str | None = None,
     ) -> None:
         if len(addresses) != plan.num_shards:
             raise TransportError(
@@ -118,6 +119,9 @@ class PSClient:
         self.optimizer = None if optimizer is None else dict(optimizer)
         self.lr: float | None = None
         self.server_lr: float | None = None
+        # this worker's run (launch's): a shard of another run refuses its HELLO and its
+        # heartbeats (wrong_run), so a port another job took over is never talked to
+        self.run_id = run_id or None
         # a worker on a shard's host moves tensors through shared memory if the
         # shard agrees at HELLO (paramserver/shm/link.py); anything else goes over TCP
         # (``shm=False``: TCP even then, as the benchmark's ps-tcp row measures)
@@ -131,8 +135,9 @@ class PSClient:
                          for i, a in enumerate(addresses)]
         self._push_id = 0
         self._heartbeat = (
-            (self.failover.heartbeat(worker, heartbeat_interval, curve) if self.failover
-             else Heartbeat(addresses, worker, heartbeat_interval, curve))
+            (self.failover.heartbeat(worker, heartbeat_interval, curve, self.run_id)
+             if self.failover
+             else Heartbeat(addresses, worker, heartbeat_interval, curve, self.run_id))
             if role == "worker" and heartbeat_interval > 0 else None
         )
         self._shard_slices = [plan.shard_slices(s) for s in range(plan.num_shards)]
@@ -169,6 +174,7 @@ class PSClient:
             "incarnation": self.incarnation,
             "host": socket.gethostname(), "pid": os.getpid(),
             **({"optimizer": self.optimizer} if self.optimizer is not None else {}),
+            **({"run": self.run_id} if self.run_id else {}),
         })
 
     def _init(self, shards: Sequence[int]) -> tuple[list[Message], list[int]]:

@@ -25,7 +25,7 @@ from paramserver.util.coerce import parse_kwargs, parse_task_args
 from paramserver.util.jsontypes import JSONObject
 from paramserver.workers.stragglerspec import StragglerSpec
 
-__all__ = ["EVALUATOR_ENV", "GRAD_WIRE_DTYPE_NAMES", "OPTIONS_ENV", "LaunchOptions",
+__all__ = ["EVALUATOR_ENV", "GRAD_WIRE_DTYPE_NAMES", "OPTIONS_ENV", "RUN_ENV", "LaunchOptions",
            "WorkerConfig", "check_evaluator"]
 
 #: the names of paramserver.util.dtypes.GRAD_WIRE_DTYPES, the 16-bit dtypes gradients may
@@ -47,6 +47,10 @@ class WorkerConfig(ConfigRecord):
                             "data).")
     world_size: int = option(1, min=1, metavar="N", per_process=True,
                              help="How many workers share the data.")
+    #: the run this worker belongs to: a shard of another run refuses its HELLO
+    run_id: str | None = option(None, per_process=True, metavar="ID",
+                                help="This worker's run: a shard of another run refuses it "
+                                     "(launch gives every process of a run one id).")
     servers: list[str] = option(default_factory=list, kind="shards", per_process=True,
                                 required=True,
                                 help="Every shard's address, in shard order: comma-separated "
@@ -201,6 +205,8 @@ def _worker_default(name: str) -> Any:
 OPTIONS_ENV = "PARAMSERVER_WORKER_OPTIONS"
 #: the rank that evaluates held-out data, as a launcher tells a command (``--evaluator``)
 EVALUATOR_ENV = "PARAMSERVER_EVALUATOR"
+#: the launcher's run id: a shard of another run (at a reused port) refuses the worker
+RUN_ENV = "PARAMSERVER_RUN"
 
 
 def check_evaluator(evaluator: int, workers: int) -> None:

@@ -159,9 +159,9 @@ class Failover:
     def primaries(self) -> list[str]:
         return list(self.targets)
 
-    def heartbeat(self, worker: int, interval: float, curve: CurveKeys | None
-                  ) -> FailoverHeartbeat:
-        return FailoverHeartbeat(self.targets, worker, interval, curve)
+    def heartbeat(self, worker: int, interval: float, curve: CurveKeys | None,
+                  run_id: str | None = None) -> FailoverHeartbeat:
+        return FailoverHeartbeat(self.targets, worker, interval, curve, run_id)
 
     def patience(self, client: Waiter, heartbeat: Heartbeat | None, label: str,
                  shards: Sequence[int], started: float | None = None

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import msgspec
 import zmq
 
-from paramserver.errors import BarrierTimeoutError, RequestTimeoutError
+from paramserver.errors import BarrierTimeoutError, ErrorCode, RequestTimeoutError, WrongRunError
 from paramserver.shm.link import ShmLink
 from paramserver.wire.curve import CurveKeys
 from paramserver.wire.messages import HeartbeatReply
@@ -66,9 +66,13 @@ class Heartbeat(threading.Thread):
     """Sends HEARTBEAT to every shard every ``interval`` s from its own sockets."""
 
     def __init__(self, addresses: Sequence[str], worker: int, interval: float,
-                 curve: CurveKeys | None) -> None:
+                 curve: CurveKeys | None, run_id: str | None = None) -> None:
         super().__init__(name=f"heartbeat-w{worker}", daemon=True)
         self.addresses, self.worker, self.interval, self.curve = addresses, worker, interval, curve
+        self.run_id = run_id
+        # per shard: a shard of another run's refusal (wrong_run), once it said so: the
+        # process at that address is not our shard, whatever else it answers
+        self.foreign: dict[int, WrongRunError] = {}
         self._stop_event = threading.Event()
         self.started = time.monotonic()
         # per shard: when it last answered a heartbeat, and the pull of ours it said it
@@ -86,17 +90,25 @@ class Heartbeat(threading.Thread):
         chans: list[Channel[SideChannel]] = [
             Channel(a, peer=f"shard {i}", curve=self.curve, context=ctx)
                  for i, a in enumerate(self.addresses)]
+        beat: dict[str, object] = {"worker": self.worker}
+        if self.run_id:
+            beat["run"] = self.run_id
         try:
             while not self._stop_event.wait(self.interval):
                 for i, ch in enumerate(chans):
                     try:
                         self._prepare(i, ch)
                         while (rep := ch.recv_nowait()) is not None:
+                            if rep.op is Op.ERROR and rep.get("code") == ErrorCode.WRONG_RUN:
+                                self.foreign[i] = WrongRunError(
+                                    f"{ch.peer} at {ch.address}", ErrorCode.WRONG_RUN,
+                                    str(rep.get("reason")))
+                                continue
                             body = rep.body if rep.op is Op.REPLY else None
                             self.held[i] = HeldPull.of(body.held if isinstance(
                                 body, HeartbeatReply) else None)
                             self.last_reply[i] = time.monotonic()
-                        ch.send(Message(Op.HEARTBEAT, ch.next_seq(), {"worker": self.worker}))
+                        ch.send(Message(Op.HEARTBEAT, ch.next_seq(), beat))
                     except Exception as exc:  # a heartbeat must never kill the worker
                         log.debug("heartbeat to shard %d failed: %s", i, exc)
         finally:
@@ -148,15 +160,30 @@ class Patience:
     def _where(self, shard: int) -> str:
         return f"shard {shard} at {self.client.channels[shard].address}"
 
+    def _unanswered(self, shard: int, quiet: float, silence: float, beats: float) -> str:
+        """Why a request unanswered for the client's timeout is given up: its shard
+        answers heartbeats (the last within a few beats) but not it, or answers
+        nothing (it went quiet after the request began: dead, or gone)."""
+        if silence <= max(beats, self.client.attempt_timeout):
+            return (f"{self.label}: {self._where(shard)} answers heartbeats (the last "
+                    f"{span(silence)} ago) but not this request, within {span(quiet)}")
+        return (f"{self.label}: {self._where(shard)} does not answer: no reply to this "
+                f"request for {span(quiet)}, nor to heartbeats for {span(silence)} (it "
+                f"stopped; is it running and reachable?)")
+
     def __call__(self, lost: list[int]) -> bool:
         client, now = self.client, time.monotonic()
         holding: list[tuple[int, HeldPull]] = []
         resend = False
+        # heartbeats are read every interval: a few missed ones are no silence
+        beats = 3 * self.heartbeat.interval
         for shard in sorted({self.shards[i] for i in lost}):
+            foreign = self.heartbeat.foreign.get(shard)
+            if foreign is not None:  # another run's shard took over its address
+                raise foreign
             heard, held = self.heartbeat.status(shard)
-            # heartbeats are read every interval: a few missed ones are no silence
             silence = now - (heard if heard is not None else self.heartbeat.started)
-            if silence > max(client.timeout, 3 * self.heartbeat.interval):
+            if silence > max(client.timeout, beats):
                 raise RequestTimeoutError(
                     f"{self.label}: {self._where(shard)} does not answer: no reply to this "
                     f"request or to heartbeats for {span(silence)} (is it running and "
@@ -167,9 +194,7 @@ class Patience:
                 continue
             quiet = now - self.last_held.get(shard, self.started)
             if quiet > client.timeout:
-                raise RequestTimeoutError(
-                    f"{self.label}: {self._where(shard)} answers heartbeats but not this "
-                    f"request, within {span(quiet)}")
+                raise RequestTimeoutError(self._unanswered(shard, quiet, silence, beats))
             resend = True
         if resend:
             self.retried += 1

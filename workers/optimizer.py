@@ -45,11 +45,13 @@ from paramserver.core import features
 from paramserver.errors import ConfigError
 from paramserver.observe.events import EventLog, write_json
 from paramserver.observe.figures import FigureGate, reserved
+from paramserver.util import lifeline
 from paramserver.wire.curve import CurveKeys
 from paramserver.workers.client import PART_BYTES, PSClient, PullResult, PushResult, PushStream
 from paramserver.workers.config import (
     EVALUATOR_ENV,
     OPTIONS_ENV,
+    RUN_ENV,
     LaunchOptions,
     check_evaluator,
 )
@@ -158,6 +160,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     * ``evaluator``: the rank that evaluates held-out data (:attr:`evaluates`); default
       ``PARAMSERVER_EVALUATOR`` (the launcher's ``--evaluator``, an experiment's
       ``evaluator``, by default a rank its scenario does not slow), else 0.
+    * ``run_id``: this worker's run; a shard of another run refuses it (``wrong_run``).
+      Default ``PARAMSERVER_RUN`` (the launcher's), else none (any shard takes it).
+      Started by a launcher, the process also ends when the launcher does (by any
+      signal): paramserver/util/lifeline.py.
     * ``local``, ``sync_every``: local SGD / DiLoCo. ``step()`` steps ``local`` (an
       optimizer over the model's parameters, e.g. AdamW) and only every
       ``sync_every``-th step pushes the pseudo-gradient (the weights last pulled minus
@@ -206,7 +212,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         local: torch.optim.Optimizer | None = None,
         sync_every: int = 1,
         evaluator: int | None = None,
+        run_id: str | None = None,
     ) -> None:
+        # started by a launcher: this process ends when it does, however it ends
+        lifeline.watch()
         named: list[tuple[str, torch.Tensor]]
         # ShardedEmbedding tables: on the shards by row, pushed by step() beside the dense
         tables = []
@@ -267,7 +276,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             part_bytes=part_bytes, drop_rate=given.drop_rate if drop_rate is None else drop_rate,
             barrier_timeout=given.barrier_timeout if barrier_timeout is None
             else barrier_timeout,
-            optimizer=None if self.wrapped is None else self.wrapped.spec.to_wire())
+            optimizer=None if self.wrapped is None else self.wrapped.spec.to_wire(),
+            run_id=os.environ.get(RUN_ENV) if run_id is None else run_id)
         # this rank's straggler scenario: step() sleeps the injected delay, logged apart
         if straggler is None and given.straggler.active:
             straggler = Straggler(given.straggler, seed=(given.seed, self.rank))

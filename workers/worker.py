@@ -21,9 +21,15 @@ from pathlib import Path
 import torch
 
 from paramserver.core.optim import build_optimizer
-from paramserver.errors import ConfigError, TooManyWorkersError, WorkerInUseError
+from paramserver.errors import (
+    ConfigError,
+    TooManyWorkersError,
+    WorkerInUseError,
+    WrongRunError,
+)
 from paramserver.observe.console import Progress, Sink
 from paramserver.observe.events import EventLog, write_json
+from paramserver.util import lifeline
 from paramserver.util.proctitle import set_title
 from paramserver.workers.config import WorkerConfig
 from paramserver.workers.optimizer import DistributedOptimizer, WorkerResult
@@ -152,7 +158,7 @@ def run_worker(config: WorkerConfig, console: Sink | None = None) -> WorkerResul
         curve_server_key=config.curve_server_key, offer_weights=True, events=events,
         drop_rate=config.drop_rate, barrier_timeout=config.barrier_timeout,
         straggler=straggler, local=local, sync_every=config.sync_every,
-        evaluator=config.evaluator)
+        evaluator=config.evaluator, run_id=config.run_id or "")
     # a resumed run's worker starts at the clock its shards give it: its data goes on
     # from the batch after the last one its pushes hold (each push: push_every batches,
     # sync_every times with local steps)
@@ -249,9 +255,10 @@ def main(argv: list[str] | None = None) -> None:
         format=f"%(asctime)s worker{config.rank} %(levelname)s %(name)s: %(message)s",
     )
     worker_title(config)
+    lifeline.watch()  # started by a launcher: end with it, however it ends
     try:
         run_worker(config, Progress())  # a line every few seconds in the worker's log
-    except (WorkerInUseError, TooManyWorkersError) as exc:
+    except (WorkerInUseError, TooManyWorkersError, WrongRunError) as exc:
         # a shard will not take this worker: one line that says why, exit status 1
         raise SystemExit(f"worker {config.rank}: {exc.reason}") from exc
 

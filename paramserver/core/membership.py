@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from paramserver.core.rounds import Seeding, SyncRound
 
 __all__ = ["IN_USE_BEATS", "ROUND_TIMEOUT_BEATS", "ROUND_TIMEOUT_STEPS", "Departures",
-           "Membership"]
+           "Membership", "check_run"]
 
 log = logging.getLogger("paramserver.core.shard")
 
@@ -36,6 +36,18 @@ ROUND_TIMEOUT_BEATS = 3
 ROUND_TIMEOUT_STEPS = 10
 PACES = 32  # the recent push intervals the usual step time is the median of
 CONTENDERS = 4  # incarnations remembered per worker id as refused while it was live
+
+
+def check_run(own: str | None, theirs: str | None, who: str, shard: str) -> None:
+    """Refuse (``wrong_run``) a peer of another run than this shard's. Two runs mix
+    only when both name one and they differ: a shard or a worker started by hand
+    names none, and takes (or is taken by) any, as before run ids."""
+    if own and theirs and own != theirs:
+        raise ProtocolError(
+            ErrorCode.WRONG_RUN,
+            f"{who} is of run {theirs}, but {shard} is of run {own}: another run's "
+            f"process took over this address (its own shard is gone), or the address is "
+            f"stale")
 
 
 class Departures(Protocol):

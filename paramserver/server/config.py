@@ -423,6 +423,13 @@ class ServerConfig(ConfigRecord):
         help="With --replicas: replica 0 is given its backups' addresses (they must be "
              "listening); a replica started in place of a dead one is given the live "
              "replicas' addresses, and joins as a backup of their primary.")
+    #: the run this shard belongs to (launch makes one per run): a worker whose HELLO
+    #: names another run is refused (``wrong_run``), so a port reused by another job
+    #: never mixes two runs. None: a worker of any run, or of none, is taken
+    run_id: str | None = option(None, per_process=True, metavar="ID",
+                                help="This shard's run: refuse a worker of another run "
+                                     "(launch gives every process of a run one id; a "
+                                     "worker without one is taken).")
     #: a process started in place of a dead replica: the checkpoint directory holds
     #: the running run, which its replicas write (it is not claimed as an earlier run's)
     replacement: bool = option(False, per_process=True,

@@ -61,6 +61,7 @@ from paramserver.server.tables import TableBuilder
 from paramserver.shm.link import ShmHub, asks_board, lends, sweep, take_shm
 from paramserver.shm.link import enabled as shm_enabled
 from paramserver.sparse.shard import SparseShard
+from paramserver.util import lifeline
 from paramserver.wire import replication as wrepl
 from paramserver.wire import stats as wstats
 from paramserver.wire.curve import CurveKeys
@@ -696,6 +697,7 @@ def main(argv: list[str] | None = None) -> None:
     except (TransportError, ConfigError) as exc:  # a port in use, a bad key file or
         sys.exit(f"shard {config.shard}: {exc}")  # allow-list line, replicas that disagree
     own_process(server)
+    lifeline.watch()  # started by a launcher: stop (SIGTERM) when it is gone, however
     server.serve_forever(announce_ready)
     sys.exit(server.exit_code)
 

@@ -13,6 +13,7 @@ from collections import OrderedDict
 from collections.abc import Container
 from typing import TYPE_CHECKING, Protocol, TypedDict
 
+from paramserver.core.membership import check_run
 from paramserver.core.records import HoldNote
 from paramserver.core.shard import DTYPES as CORE_DTYPES
 from paramserver.core.sharding import ShardPlan
@@ -121,6 +122,8 @@ class Peers:
                 ErrorCode.PROTOCOL_VERSION,
                 f"peer speaks protocol {b.protocol}, server {PROTOCOL_VERSION}",
             )
+        # before anything is learnt from it (a plan to adopt, a worker to register)
+        self._check_run(b.run, f"worker {b.worker}")
         role = b.role
         if role not in ("worker", "observer"):
             raise ProtocolError(ErrorCode.BAD_FIELD,
@@ -214,9 +217,15 @@ class Peers:
         except ConfigError as exc:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"invalid plan: {exc}") from exc
 
+    def _check_run(self, run: str | None, who: str) -> None:
+        check_run(self.config.run_id, run, who, f"this shard ({self.config.shard})")
+
     def on_heartbeat(self, msg: Message, identity: bytes) -> Message:
         now = time.monotonic()
         worker = msg.body.worker  # (a Heartbeat)
+        # a worker of another run, whose shard this one replaced at its address: told
+        # so, never counted live here nor told of a pull held for our worker of its id
+        self._check_run(msg.body.run, f"worker {worker}")
         core = self.host.core
         if core is not None and worker in core.workers:
             state = core.workers[worker]

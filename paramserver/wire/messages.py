@@ -42,7 +42,7 @@ if TYPE_CHECKING:  # (wire.stats imports protocol, which imports this module)
     from paramserver.wire.stats import ShardStats
 
 __all__ = [
-    "MAX_PARTS", "Body", "Bye", "ByeReply", "Checkpoint", "CheckpointReply", "Error",
+    "MAX_PARTS", "MAX_RUN_ID", "Body", "Bye", "ByeReply", "Checkpoint", "CheckpointReply", "Error",
     "Heartbeat", "HeartbeatReply", "Hello", "HelloReply", "Init", "InitReply", "Op",
     "Pull", "PullReply", "Push", "PushReply", "SInit", "SInitReply", "SPull",
     "SPullReply", "SPush", "ShmGrant", "ShmOffer", "Shutdown", "Stats", "check_tensors",
@@ -87,6 +87,8 @@ class Hello(msgspec.Struct, frozen=True):
     shm: dict[str, Any] | None = None
     #: the optimizer the worker's script wraps (paramserver/core/hyper.py), checked
     optimizer: OptimizerSpec | None = None
+    #: the worker's run (launch's run id): a shard of another run refuses it
+    run: str | None = None
 
 
 class Init(msgspec.Struct, frozen=True):
@@ -124,6 +126,7 @@ class Push(msgspec.Struct, frozen=True):
 
 class Heartbeat(msgspec.Struct, frozen=True):
     worker: int
+    run: str | None = None  # as HELLO's: a shard of another run refuses it
 
 
 class Bye(msgspec.Struct, frozen=True):
@@ -333,6 +336,19 @@ def _header(f: Mapping[str, Any]) -> tuple[int, int, int]:
     return read_version, clock, samples
 
 
+#: the longest run id a message may carry (launch's are 32 hex digits)
+MAX_RUN_ID = 64
+
+
+def _run(op: str, f: Mapping[str, Any]) -> str | None:
+    """A message's run id: None when it names none, else 1 .. MAX_RUN_ID characters."""
+    run: str | None = f.get("run")
+    if run is not None and not 0 < len(run) <= MAX_RUN_ID:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"{op}: a run id has 1 .. {MAX_RUN_ID} "
+                            f"characters, not {len(run)}")
+    return run
+
+
 def _hello(f: Mapping[str, Any]) -> Hello:
     optimizer = f.get("optimizer")
     if optimizer is not None:
@@ -343,7 +359,7 @@ def _hello(f: Mapping[str, Any]) -> Hello:
             raise ProtocolError(ErrorCode.BAD_FIELD, str(exc)) from None
     return Hello(_worker("hello", f), f["role"], f["protocol"], f["plan_hash"],
                  f["incarnation"], f.get("plan"), f.get("host"), f.get("pid"), f.get("shm"),
-                 optimizer)
+                 optimizer, _run("hello", f))
 
 
 def _lr(op: str, f: Mapping[str, Any]) -> float | None:
@@ -407,7 +423,7 @@ _REQUESTS: dict[Op, Callable[[Mapping[str, Any]], Body]] = {
     Op.INIT: _init,
     Op.PULL: _pull,
     Op.PUSH: _push,
-    Op.HEARTBEAT: lambda f: Heartbeat(_worker("heartbeat", f)),
+    Op.HEARTBEAT: lambda f: Heartbeat(_worker("heartbeat", f), _run("heartbeat", f)),
     Op.BYE: lambda f: Bye(_worker("bye", f), f.get("dead") is True),
     Op.STATS: lambda f: Stats(),
     Op.CHECKPOINT: lambda f: Checkpoint(f.get("path")),

@@ -100,6 +100,8 @@ _SCHEMA: dict[Op, dict[str, tuple[tuple[type, ...], bool]]] = {
         "shm": (_MAP, False),
         # the optimizer the worker's script wraps: {"name", "args"} (core/hyper.py)
         "optimizer": (_MAP, False),
+        # the worker's run (launch's run id); optional: a worker started by hand has none
+        "run": (_STR, False),
     },
     # INIT too may come in parts (a large shard), each copied in as it arrives
     # "shm": the tensors lie in the sender's shared-memory segment, not in frames
@@ -131,7 +133,7 @@ _SCHEMA: dict[Op, dict[str, tuple[tuple[type, ...], bool]]] = {
         # the evaluating rank changed the learning rate: set before this push is taken
         "lr": (_NUM, False),
     },
-    Op.HEARTBEAT: {"worker": (_INT, True)},
+    Op.HEARTBEAT: {"worker": (_INT, True), "run": (_STR, False)},
     # tensors "ids:<table>" (int64 row ids) and, for SPUSH and SINIT, "val:<table>"
     Op.SPULL: {"worker": (_INT, True), "observer": (_BOOL, False)},  # observer: no worker
     Op.SPUSH: {"worker": (_INT, True), "push_id": (_INT, True), "clock": (_INT, True),

@@ -24,10 +24,13 @@ from paramserver.util.jsontypes import JSON, JSONObject
 from paramserver.workers.launch.virtual import SimSpec
 from paramserver.workers.stragglers import StragglerSpec
 
-__all__ = ["MAX_NAME", "ConfigEntry", "EnvironmentInfo", "ExperimentIndex", "PolicyArg",
-           "RunEntry", "ScenarioEntry", "StepSettings", "check_name", "inside"]
+__all__ = ["DEFAULT_NAME", "MAX_NAME", "ConfigEntry", "EnvironmentInfo", "ExperimentIndex",
+           "PolicyArg", "RunEntry", "ScenarioEntry", "StepSettings", "check_name", "inside"]
 
 _T = TypeVar("_T")
+
+#: an experiment spec's name when it gives none
+DEFAULT_NAME = "experiment"
 _D = TypeVar("_D")
 
 #: a policy argument's value (policies take scalars: max_staleness=4, lam=0.5)

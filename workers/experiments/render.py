@@ -22,7 +22,12 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from paramserver.workers.experiments import plots
-from paramserver.workers.experiments.index import EnvironmentInfo, ExperimentIndex, inside
+from paramserver.workers.experiments.index import (
+    DEFAULT_NAME,
+    EnvironmentInfo,
+    ExperimentIndex,
+    inside,
+)
 from paramserver.workers.experiments.plots import MODE_STYLES, Color, mode_style
 from paramserver.workers.experiments.plots import band as _band
 from paramserver.workers.experiments.plots import save as _save
@@ -427,7 +432,8 @@ def render_report(out_dir: Path, exp: ExperimentIndex, summaries: Sequence[Confi
     colors = plots.colors_of(summaries)
     target = exp.target_loss
     step_ms = 1000 * exp.min_step_time
-    blocks: list[Block] = [("h1", f"Experiment '{exp.name}'")]
+    title = report_title(exp)
+    blocks: list[Block] = [("h1", f"Experiment '{title}'")]
     finished = exp.finished or exp.started or 0
     opt_args = ", ".join(f"{k}={v}" for k, v in exp.optimizer_args.items())
     evaluation = ("evaluation as the script logs it" if exp.command else
@@ -523,15 +529,31 @@ def render_report(out_dir: Path, exp: ExperimentIndex, summaries: Sequence[Confi
                 if clocks is not None:
                     images.append(clocks)
                     blocks.append(("img", f"images/{clocks.name}", f"{s.label}: clocks"))
-    blocks.append(("h2", "Literature checks (Ho et al. 2013; Cui et al. 2014)" if not any(
-        s.config.sync_every is not None for s in summaries)
-        else "Literature checks (Ho et al. 2013; Cui et al. 2014; Douillard et al. 2023; "
-             "Liu et al. 2024)"))
-    blocks.append(("ul", [f"{c.status.upper()}: {c.claim}. {c.detail}" for c in claims]))
+    if claims:
+        blocks.append(("h2", "Literature checks (Ho et al. 2013; Cui et al. 2014)" if not any(
+            s.config.sync_every is not None for s in summaries)
+            else "Literature checks (Ho et al. 2013; Cui et al. 2014; Douillard et al. 2023; "
+                 "Liu et al. 2024)"))
+        blocks.append(("ul", [f"{c.status.upper()}: {c.claim}. {c.detail}" for c in claims]))
     md_path, html_path = out_dir / "report.md", out_dir / "report.html"
     md_path.write_text(_md(blocks), encoding="utf-8")
-    html_path.write_text(_html(blocks, out_dir, f"Experiment {exp.name}"), encoding="utf-8")
+    html_path.write_text(_html(blocks, out_dir, f"Experiment {title}"), encoding="utf-8")
     return md_path, html_path, images
+
+
+def report_title(exp: ExperimentIndex) -> str:
+    """What a report is called: the spec's name, or for a script's grid whose spec
+    named none, the script (``train.py`` of ``python train.py --lr 0.1``; a module
+    run with ``-m``; else the program)."""
+    if exp.name != DEFAULT_NAME or not exp.command:
+        return exp.name
+    command = list(exp.command)
+    scripts = [a for a in command if a.endswith(".py")]
+    if scripts:
+        return Path(scripts[0]).name
+    if "-m" in command[:-1]:
+        return command[command.index("-m") + 1]
+    return Path(command[0]).name
 
 
 def _budget_text(exp: ExperimentIndex) -> str:

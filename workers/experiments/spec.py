@@ -57,7 +57,12 @@ from paramserver.workers.experiments.axes import (
     builtin_scenario,
     slug,
 )
-from paramserver.workers.experiments.index import ConfigEntry, StepSettings, check_name
+from paramserver.workers.experiments.index import (
+    DEFAULT_NAME,
+    ConfigEntry,
+    StepSettings,
+    check_name,
+)
 from paramserver.workers.launch.cluster import ClusterSpec
 from paramserver.workers.tasks import resolve_task, task_parameters
 from paramserver.workers.worker import WorkerConfig
@@ -150,7 +155,7 @@ class ExperimentSpec:
     servers on ``digits-mlp`` under transient stragglers, 3 seeds.
     """
 
-    name: str = "experiment"
+    name: str = DEFAULT_NAME
     task: str = "digits-mlp"
     task_args: JSONObject = field(default_factory=dict)  # the task's own arguments
     steps: int = 250  # per worker, the same for every worker and configuration

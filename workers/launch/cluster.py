@@ -22,6 +22,7 @@ import dataclasses
 import json
 import logging
 import os
+import secrets
 import selectors
 import signal
 import subprocess
@@ -36,6 +37,7 @@ from paramserver.errors import ConfigError, ParamServerError, RequestTimeoutErro
 from paramserver.observe.events import read_events, write_json
 from paramserver.observe.recorder import JsonlFollower, LauncherObserver
 from paramserver.server.loop import READY_PREFIX
+from paramserver.util import lifeline
 from paramserver.util.jsontypes import JSONObject
 from paramserver.wire.curve import admin_key_pair
 from paramserver.wire.replauth import make_key_file
@@ -48,6 +50,7 @@ from paramserver.workers.launch.clusterspec import (
 )
 from paramserver.workers.launch.processes import (
     ProcessInfo,
+    command_python,
     exit_reason,
     shard_cause,
     tail,
@@ -56,6 +59,7 @@ from paramserver.workers.launch.replicas import ReplicaKeeper
 from paramserver.workers.launch.results import (
     FINAL_WEIGHTS,
     LAST_IN_LOOP,
+    NOT_JOINED,
     ClusterResult,
     FailureRecord,
     LostWorker,
@@ -101,6 +105,8 @@ class _Proc:
 
 def _child_env() -> dict[str, str]:
     env = dict(os.environ)
+    # a launcher that is itself some launcher's child gives its children its own lifeline
+    env.pop(lifeline.ENV, None)
     # children import what this process imports (tests' task modules included)
     paths = [p for p in sys.path if p] + [env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
@@ -130,7 +136,12 @@ class LocalCluster:
             key = make_key_file(self.out / "keys" / "replication.key", force=True)
             spec = dataclasses.replace(spec, server=dataclasses.replace(
                 spec.server, replication_key=str(key)))
+        if not spec.run_id:  # one identity for every process of the run (wrong_run)
+            spec = dataclasses.replace(spec, run_id=secrets.token_hex(16))
         self.spec = spec
+        #: the pipe whose end only this process holds: the processes started without the
+        #: zygote (which stops its own) watch it and stop when this process ends, however
+        self.lifeline = lifeline.Lifeline()
         # follows every event log: launcher metrics, watchdog alarms (on_alarm), divergence
         self.observer = LauncherObserver(self.out, metrics_port=spec.metrics_port,
                                          tensorboard=spec.tensorboard, on_alarm=on_alarm)
@@ -181,7 +192,7 @@ class LocalCluster:
                     [sys.executable, "-m", module, str(cfg_path)],
                     stdout=subprocess.PIPE if ready_pipe else log_file,
                     stderr=log_file if ready_pipe else subprocess.STDOUT,
-                    env=self._env,
+                    env={**self._env, **self.lifeline.env()}, pass_fds=self.lifeline.pass_fds,
                 )
         finally:
             log_file.close()
@@ -302,6 +313,11 @@ class LocalCluster:
         return line.split()[1]
 
     def start_workers(self) -> None:
+        if self.spec.command:  # `python` outside the launcher's environment, say
+            command, note = command_python(self.spec.command, self._env)
+            if note is not None:
+                log.warning("%s", note)
+                self.spec = dataclasses.replace(self.spec, command=command)
         for rank in range(self.spec.num_workers):
             self.workers.append(self._start_worker(rank))
 
@@ -319,12 +335,14 @@ class LocalCluster:
         log_path = self.out / "logs" / f"{name}.log"
         write_json(self.spec.options_file(rank, self.out),
                    self.spec.launch_options(rank).to_json())
-        env = {**self._env, **self.spec.command_env(rank, self.worker_addresses(), self.out)}
+        env = {**self._env, **self.spec.command_env(rank, self.worker_addresses(), self.out),
+               **self.lifeline.env()}  # its DistributedOptimizer watches it
         with log_path.open("ab" if append else "wb") as log_file:
             try:
                 popen = subprocess.Popen(self.spec.command, stdout=log_file,
                                          stderr=subprocess.STDOUT, env=env,
-                                         stdin=subprocess.DEVNULL)
+                                         stdin=subprocess.DEVNULL,
+                                         pass_fds=self.lifeline.pass_fds)
             except OSError as exc:
                 raise ConfigError(f"cannot run {' '.join(self.spec.command)!r}: "
                                   f"{exc.strerror or exc}") from None
@@ -349,9 +367,20 @@ class LocalCluster:
                 code = proc.popen.poll()
                 if code is None:
                     continue
-                if code == 0:
+                if code == 0 and not self._never_joined(rank):
                     pending.discard(rank)
                     continue
+                if code == 0:  # a command that ran to its end without a DistributedOptimizer
+                    self.failures.append(FailureRecord(proc.name, 0, NOT_JOINED, time.time()))
+                    if self.spec.on_worker_failure == "tolerate":
+                        log.warning("%s %s; the others go on", proc.name, NOT_JOINED)
+                        pending.discard(rank)
+                        continue
+                    raise ClusterError(
+                        f"{proc.name} {NOT_JOINED}: its command ran to its end without "
+                        f"building a DistributedOptimizer, so it trained nothing "
+                        f"(--on-worker-failure {self.spec.on_worker_failure}); log tail "
+                        f"({proc.log_path}):\n{tail(proc.log_path)}")
                 self._raise_if_diverged()  # a stopped shard's refusal, not the worker's fault
                 self._failed(proc.name, code)
                 self._report_dead(rank)
@@ -399,6 +428,12 @@ class LocalCluster:
                     on_progress(progress)
             if deadline is not None and time.monotonic() > deadline:
                 raise RequestTimeoutError(self._overdue(sorted(pending)))
+
+    def _never_joined(self, rank: int) -> bool:
+        """A command's worker that exited without a result: its DistributedOptimizer
+        writes one when closed, at exit at the latest, so it never built one."""
+        return bool(self.spec.command) and not (
+            self.out / "results" / f"worker{rank}.json").exists()
 
     def _tails(self, pending: list[int]) -> str:
         """The workers still running and the last lines each of them and each shard
@@ -536,6 +571,7 @@ class LocalCluster:
                 p.popen.wait()
             if p.popen.stdout is not None:
                 p.popen.stdout.close()
+        self.lifeline.close()
         self.observer.close(failures=len(self.failures), restarts=len(self.restarts),
                             stalls=sum(1 for s in self.stalls if s.stalled),
                             exit_codes={p.name: p.popen.returncode for p in procs})
@@ -635,12 +671,14 @@ def _save_command_weights(spec: ClusterSpec, addresses: list[str], out: Path) ->
 def run_cluster(spec: ClusterSpec, out_dir: str | Path,
                 on_progress: Callable[[Progress], None] | None = None,
                 on_alarm: Callable[[dict[str, Any]], None] | None = None,
-                on_process: Callable[[ProcessInfo], None] | None = None) -> ClusterResult:
+                on_process: Callable[[ProcessInfo], None] | None = None,
+                on_servers: Callable[[list[str]], None] | None = None) -> ClusterResult:
     """Start, run to completion, evaluate, stop. Returns the result, also written as
     ``result.json``.
 
     ``on_alarm`` gets each watchdog alarm (an ``alarm`` event of a shard's log) as
-    it happens; ``on_process`` each process started (restarts included).
+    it happens; ``on_process`` each process started (restarts included);
+    ``on_servers`` the shards' addresses once they listen, as workers are given them.
     """
     from paramserver.workers.admin import server_stats, shutdown_servers
 
@@ -648,6 +686,8 @@ def run_cluster(spec: ClusterSpec, out_dir: str | Path,
     t0 = time.time()
     with LocalCluster(spec, out, on_alarm=on_alarm, on_process=on_process) as cluster:
         cluster.start_servers()
+        if on_servers is not None:
+            on_servers(cluster.worker_addresses())
         cluster.start_workers()
         cluster.wait_workers(on_progress)
         train_seconds = time.time() - t0

@@ -21,6 +21,7 @@ from paramserver.util.jsontypes import JSONObject
 from paramserver.workers.config import (
     EVALUATOR_ENV,
     OPTIONS_ENV,
+    RUN_ENV,
     LaunchOptions,
     WorkerConfig,
     check_evaluator,
@@ -109,6 +110,10 @@ class ClusterSpec:
     #: also finds PARAMSERVER_CELL and PARAMSERVER_STEPS (the grid's steps, a hint)
     cell: str | None = option(None, internal="set by paramserver experiment for each run",
                               help="The experiment cell this run is.")
+    #: this run's identity, given to every shard and worker: a shard refuses a worker
+    #: of another run (wrong_run). None: LocalCluster makes one (128 random bits)
+    run_id: str | None = option(None, internal="made by the launcher for each run",
+                                help="This run's identity.")
 
     def __post_init__(self) -> None:
         if self.on_worker_failure not in FAILURE_POLICIES:
@@ -166,6 +171,7 @@ class ClusterSpec:
             self.server, shard=shard, num_shards=self.num_servers,
             expected_workers=self.num_workers,
             event_log=str(out / "events" / f"server{shard}.jsonl"), admin_keys=admins,
+            run_id=self.run_id,
             metrics_port=metrics_port, tensorboard=self.tensorboard or self.server.tensorboard,
         )
 
@@ -194,6 +200,8 @@ class ClusterSpec:
                EVALUATOR_ENV: str(self.worker.evaluator),
                # the launcher's worker options, this rank's straggler among them
                OPTIONS_ENV: str(self.options_file(rank, out))}
+        if self.run_id:
+            env[RUN_ENV] = self.run_id
         if self.worker.curve_key:
             env["PARAMSERVER_CURVE_KEY"] = self.worker.curve_key
             env["PARAMSERVER_CURVE_SERVER_KEY"] = self.worker.curve_server_key or ""
@@ -217,7 +225,7 @@ class ClusterSpec:
             self.worker, rank=rank, world_size=self.num_workers, servers=servers,
             straggler=self.stragglers.get(rank, self.worker.straggler),
             event_log=str(out / "events" / f"worker{rank}.jsonl"),
-            result_file=str(out / "results" / f"worker{rank}.json"),
+            result_file=str(out / "results" / f"worker{rank}.json"), run_id=self.run_id,
         )
 
     def to_dict(self) -> JSONObject:

@@ -8,15 +8,19 @@ traceback, so that a launcher names the real culprit.
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import signal
-from collections.abc import Sequence
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from paramserver.util.jsontypes import JSONObject
 
-__all__ = ["ProcessInfo", "exit_reason", "shard_cause", "tail"]
+__all__ = ["ProcessInfo", "command_python", "exit_reason", "shard_cause", "tail"]
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,33 @@ class ProcessInfo:
 
     def as_dict(self) -> JSONObject:
         return {"name": self.name, "role": self.role, "pid": self.pid, "started": self.started}
+
+
+_PYTHON = re.compile(r"python(\d+(\.\d+)?)?")
+
+
+def command_python(command: Sequence[str], env: Mapping[str, str]
+                   ) -> tuple[list[str], str | None]:
+    """``launch -- python script.py``: the ``python`` found on PATH may be another
+    interpreter than the launcher's (outside its virtual environment), which cannot
+    import paramserver; the command then runs with the launcher's own. Returns the
+    command to run, and the line that says so (None: it runs as given)."""
+    found = shutil.which(command[0], path=env.get("PATH")) if command else None
+    if (found is None or not _PYTHON.fullmatch(os.path.basename(command[0]))
+            or os.path.abspath(found) == os.path.abspath(sys.executable)):
+        return list(command), None  # (not found: starting it says so)
+    try:
+        works = subprocess.run([found, "-c", "import paramserver"], env=dict(env),
+                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, timeout=120).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        works = False
+    if works:
+        return list(command), None
+    return [sys.executable, *command[1:]], (
+        f"`{command[0]}` ({found}) cannot import paramserver: running the command with "
+        f"{sys.executable}, the launcher's own Python (give an interpreter's full path "
+        f"after -- to run it with that one)")
 
 
 def exit_reason(code: int) -> str:

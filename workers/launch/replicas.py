@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from paramserver.workers.failover import ask_roles, primary_of
+from paramserver.workers.launch.clusterspec import replica_name
 
 if TYPE_CHECKING:
     from paramserver.workers.launch.cluster import LocalCluster, _Proc
@@ -36,9 +37,11 @@ REPORTED = (b'"event":"failover"', b'"event":"backup_joined"')
 
 
 def replacement_name(shard: int, replica: int) -> str:
-    """A replacement's process name: ``server0r1`` for replica 1, ``server0r0`` for
-    replica 0 (the first primary was ``server0``: its log and events stay as they are)."""
-    return f"server{shard}r{replica}"
+    """A replacement's process name: the replica's own (clusterspec.replica_name),
+    ``server0`` for the first primary's, ``server0r1`` for backup 1's: one name per
+    replica index, as a restarted shard keeps its name. Its log and events go on
+    in the same files, after the dead process's."""
+    return replica_name(shard, replica)
 
 
 class ReplicaKeeper:

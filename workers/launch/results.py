@@ -26,6 +26,7 @@ from paramserver.workers.workerresult import WorkerResult, drop_none
 __all__ = [
     "FINAL_WEIGHTS",
     "LAST_IN_LOOP",
+    "NOT_JOINED",
     "ClusterResult",
     "FailureRecord",
     "LostWorker",
@@ -45,6 +46,9 @@ _T = TypeVar("_T")
 #: ``opt.final()``), or the evaluating worker's last evaluation in its loop, which a
 #: straggler's later pushes do not count in (a script that never called ``opt.final()``)
 FINAL_WEIGHTS, LAST_IN_LOOP = "final_weights", "last_in_loop"
+#: a command's worker that exited 0 with no result: it ran, but never built a
+#: DistributedOptimizer (a FailureRecord's reason, and what its summary says)
+NOT_JOINED = "exited without joining the run"
 
 
 @dataclass(frozen=True)
@@ -95,7 +99,8 @@ def _worker_from_json(data: JSON) -> WorkerResult | LostWorker:
 
 @dataclass(frozen=True)
 class FailureRecord:
-    """A process that exited with a non-zero code."""
+    """A process that exited with a non-zero code, or a command's worker that exited 0
+    without joining the run (NOT_JOINED)."""
 
     process: str  # server0, worker1
     exit_code: int
@@ -282,8 +287,11 @@ class WorkerSummary:
 
     @property
     def reason(self) -> str:
-        """Why it last died ("" if it never did)."""
-        return exit_reason(self.deaths[-1]) if self.deaths else ""
+        """Why it last died ("" if it never did; NOT_JOINED: exit code 0, recorded only
+        for a command's worker that never built a DistributedOptimizer)."""
+        if not self.deaths:
+            return ""
+        return NOT_JOINED if self.deaths[-1] == 0 else exit_reason(self.deaths[-1])
 
     @classmethod
     def from_result(cls, record: WorkerResult | LostWorker,
@@ -300,6 +308,8 @@ class WorkerSummary:
 
     def describe(self) -> str:
         if not self.finished:
+            if self.reason == NOT_JOINED:  # it ran, and ended: not a death
+                return f"worker {self.rank} {NOT_JOINED}, tolerated"
             return f"worker {self.rank} dead ({self.reason or 'no result'}), tolerated"
         if self.restarts:
             times = "once" if self.restarts == 1 else f"{self.restarts} times"
