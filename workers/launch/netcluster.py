@@ -45,12 +45,14 @@ from typing import Literal
 
 from paramserver.errors import ConfigError, ParamServerError
 
-__all__ = ["EmulatedCluster", "Host", "NetnsUnavailable", "emulated_cluster",
+__all__ = ["NIC", "EmulatedCluster", "Host", "NetnsUnavailable", "emulated_cluster",
            "existing_links", "existing_namespaces", "kill_namespace", "netns_problem",
            "parse_rate", "term_unwinds"]
 
 log = logging.getLogger(__name__)
 
+#: every host's NIC, inside its namespace (e.g. for GLOO_SOCKET_IFNAME)
+NIC = "eth0"
 #: most hosts in one cluster (one /24, the bridge's ports)
 MAX_HOSTS = 200
 _UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
@@ -158,7 +160,7 @@ class Host:
     role: Literal["worker", "server"]
     ns: str
     ip: str
-    nic: str  # the veth end inside ``ns``
+    nic: str  # the veth end inside ``ns``: :data:`NIC` on every host, as on machines
     port: str  # its peer: the bridge's port, in the initial namespace
 
     @property
@@ -298,7 +300,7 @@ def emulated_cluster(workers: int, servers: int = 0, rate: str | int = "1gbit",
     bridge = f"pcb{tag}"  # interface names: at most 15 characters
     hosts = [Host(i, "worker" if i < workers else "server",
                   f"pscl{tag}-{'w' if i < workers else 's'}{i if i < workers else i - workers}",
-                  f"{net}.{i + 1}", f"pci{tag}x{i}", f"pco{tag}x{i}") for i in range(count)]
+                  f"{net}.{i + 1}", NIC, f"pco{tag}x{i}") for i in range(count)]
     made_ns: list[str] = []
     made_links: list[str] = []
     cluster = EmulatedCluster(tag, bridge, hosts, bits)
@@ -311,11 +313,13 @@ def emulated_cluster(workers: int, servers: int = 0, rate: str | int = "1gbit",
             for h in hosts:
                 _run_steps([("ip", "netns", "add", h.ns)])
                 made_ns.append(h.ns)
-                _run_steps([("ip", "link", "add", h.nic, "type", "veth", "peer", "name",
+                temp = f"pci{tag}x{h.index}"  # its name until it is in the namespace
+                _run_steps([("ip", "link", "add", temp, "type", "veth", "peer", "name",
                              h.port)])
-                made_links.append(h.nic)
+                made_links.append(temp)
                 _run_steps([
-                    ("ip", "link", "set", h.nic, "netns", h.ns),
+                    ("ip", "link", "set", temp, "netns", h.ns),
+                    ("ip", "-n", h.ns, "link", "set", temp, "name", h.nic),
                     ("ip", "link", "set", h.port, "master", bridge),
                     ("ip", "-n", h.ns, "addr", "add", f"{h.ip}/24", "dev", h.nic),
                     ("ip", "-n", h.ns, "link", "set", "lo", "up"),
