@@ -7,6 +7,7 @@ step as a sync parameter-server round, with no server in the way.
 
 from __future__ import annotations
 
+import os
 import time
 from datetime import timedelta
 
@@ -15,13 +16,14 @@ import torch.distributed as dist
 
 from paramserver.util.jsontypes import JSONObject
 
-from .common import integer, number
+from .common import integer, number, text
 
 __all__ = ["GlooSession"]
 
 
 class GlooSession:
-    """One rank of a gloo process group. ``args``: rank, world, port, lr.
+    """One rank of a gloo process group. ``args``: rank, world, port, lr; across hosts,
+    host (rank 0's address) and ifname (the NIC gloo's ranks reach each other on).
 
     Opening blocks until every rank has joined; every rank must be asked to
     measure the same payload at the same time.
@@ -30,7 +32,11 @@ class GlooSession:
     def __init__(self, args: JSONObject) -> None:
         self.world = integer(args, "world")
         self.lr = number(args, "lr")
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{integer(args, 'port')}",
+        ifname = text(args, "ifname", "")
+        if ifname:  # else gloo takes the address this host's name resolves to
+            os.environ["GLOO_SOCKET_IFNAME"] = ifname
+        host = text(args, "host", "127.0.0.1")
+        dist.init_process_group("gloo", init_method=f"tcp://{host}:{integer(args, 'port')}",
                                 rank=integer(args, "rank"), world_size=self.world,
                                 timeout=timedelta(seconds=300))
         self.numel = -1

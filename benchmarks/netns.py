@@ -7,34 +7,32 @@ crosses the kernel's veth driver and the whole TCP stack, as between hosts
 (without a physical wire). Creating namespaces needs root and iproute2; the
 names carry a random tag so that runs (and tests) side by side do not clash,
 and :func:`two_namespaces` deletes both, with every process still inside them,
-however its block ends (an error, Ctrl-C or SIGTERM included).
+however its block ends (an error, Ctrl-C or SIGTERM included). Hosts on a bridge,
+with NIC rates: :mod:`paramserver.workers.launch.netcluster`, whose helpers this
+module shares.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import shutil
-import signal
 import subprocess
-import sys
-import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
-from paramserver.errors import ParamServerError
+from paramserver.workers.launch.netcluster import (
+    NetnsUnavailable,
+    kill_namespace,
+    netns_problem,
+    term_unwinds,
+)
+from paramserver.workers.launch.netcluster import existing_namespaces as existing
 
 __all__ = ["Link", "NetnsUnavailable", "exec_prefix", "existing", "netns_problem",
            "two_namespaces"]
 
 log = logging.getLogger(__name__)
-
-
-class NetnsUnavailable(ParamServerError):
-    """The namespaces could not be set up here (the part is skipped, not failed)."""
 
 
 @dataclass(frozen=True)
@@ -47,17 +45,6 @@ class Link:
     ip_b: str
 
 
-def netns_problem() -> str | None:
-    """Why two namespaces cannot be made here, or None when they can."""
-    if not sys.platform.startswith("linux"):
-        return "network namespaces are Linux only"
-    if os.geteuid() != 0:
-        return "creating network namespaces needs root"
-    if shutil.which("ip") is None:
-        return "the `ip` command (iproute2) is not installed"
-    return None
-
-
 def exec_prefix(ns: str) -> list[str]:
     """The command prefix that runs a program inside namespace ``ns``."""
     return ["ip", "netns", "exec", ns]
@@ -65,43 +52,6 @@ def exec_prefix(ns: str) -> list[str]:
 
 def _ip(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
-
-
-def _remove(ns: str) -> None:
-    """Kill what still runs in ``ns`` (our agents, if a run broke off), then delete it."""
-    with contextlib.suppress(subprocess.SubprocessError, OSError):
-        for pid in _ip("netns", "pids", ns).stdout.split():
-            with contextlib.suppress(ProcessLookupError, ValueError):
-                os.kill(int(pid), signal.SIGKILL)
-    with contextlib.suppress(subprocess.SubprocessError, OSError):
-        done = _ip("netns", "del", ns)
-        if done.returncode != 0 and "No such file" not in done.stderr:
-            log.warning("could not delete network namespace %s: %s", ns, done.stderr.strip())
-
-
-def existing() -> set[str]:
-    """Names of the network namespaces that exist now."""
-    out = _ip("netns", "list").stdout
-    return {line.split()[0] for line in out.splitlines() if line.strip()}
-
-
-def _raise_exit(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)
-
-
-@contextlib.contextmanager
-def _term_unwinds() -> Iterator[None]:
-    """SIGTERM unwinds the stack (SystemExit) instead of ending the process on the spot,
-    so that ``finally`` blocks delete the namespaces (main thread only: Python runs
-    signal handlers there)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, _raise_exit)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 @contextlib.contextmanager
@@ -127,7 +77,7 @@ def two_namespaces() -> Iterator[Link]:
         *[("-n", ns, "link", "set", dev, "up")
           for ns, dev in ((ns_a, va), (ns_b, vb), (ns_a, "lo"), (ns_b, "lo"))],
     ]
-    with _term_unwinds():
+    with term_unwinds():
         try:
             for step in steps:
                 done = _ip(*step)
@@ -140,6 +90,6 @@ def two_namespaces() -> Iterator[Link]:
         finally:
             # deleting a namespace deletes the veth end in it, and with it the peer
             for ns in (ns_a, ns_b):
-                _remove(ns)
+                kill_namespace(ns)
             with contextlib.suppress(subprocess.SubprocessError, OSError):
                 _ip("link", "del", va)  # only there if setup stopped before moving it

@@ -18,8 +18,8 @@ from .common import Stats, integer, number, numbers, text
 from .netns import Link as VethLink
 from .replication import ReplicationResult
 
-__all__ = ["AsyncRow", "BenchResult", "Environment", "Goal", "HostsResult", "MemoryRow",
-           "OverlapResult", "ShmPath", "SweepRow"]
+__all__ = ["AsyncRow", "BenchResult", "ClusterResult", "ClusterRow", "Environment", "Goal",
+           "HostsResult", "MemoryRow", "OverlapResult", "ShmPath", "SweepRow"]
 
 
 def _obj(value: JSON) -> JSONObject:
@@ -370,6 +370,78 @@ class Environment:
                    None if d.get("load_after") is None else _nums(d, "load_after"))
 
 
+# ---------------------------------------------------------------- across a cluster
+
+@dataclass(frozen=True)
+class ClusterRow:
+    """One (N, M, system): its rounds, and the limits beside them."""
+
+    workers: int
+    shards: int | None  # None: gloo has none
+    bytes: int
+    system: str
+    round_s: Stats
+    repeats_round_s: tuple[float, ...]
+    limit_s: float  # M/B
+    ring_limit_s: float  # 2(N-1)/N · M/B
+    vs_gloo: Stats | None  # paired per repeat: this round / gloo's (None for gloo)
+
+    @property
+    def vs_limit(self) -> float:
+        """The median round over M/B."""
+        return self.round_s.median / self.limit_s
+
+    @property
+    def vs_ring_limit(self) -> float:
+        return self.round_s.median / self.ring_limit_s
+
+    def to_json(self) -> JSONObject:
+        return {"workers": self.workers, "shards": self.shards, "bytes": self.bytes,
+                "system": self.system, "round_s": self.round_s.to_json(),
+                "repeats_round_s": list(self.repeats_round_s), "limit_s": self.limit_s,
+                "ring_limit_s": self.ring_limit_s, "vs_limit": self.vs_limit,
+                "vs_ring_limit": self.vs_ring_limit,
+                "vs_gloo": None if self.vs_gloo is None else self.vs_gloo.to_json()}
+
+    @classmethod
+    def from_json(cls, value: JSON) -> ClusterRow:
+        if not isinstance(value, dict):
+            raise ValueError(f"a cluster row is an object, not {value!r}")
+        vs = value.get("vs_gloo")
+        return cls(integer(value, "workers"),
+                   None if value.get("shards") is None else integer(value, "shards"),
+                   integer(value, "bytes"), text(value, "system"),
+                   Stats.from_json(value["round_s"]), tuple(numbers(value, "repeats_round_s")),
+                   number(value, "limit_s"), number(value, "ring_limit_s"),
+                   None if vs is None else Stats.from_json(vs))
+
+
+@dataclass(frozen=True)
+class ClusterResult:
+    """The cluster part (benchmarks/cluster.py): skipped (and why), or its NIC rate (as
+    ``tc`` writes it, every host's, both ways) and rows."""
+
+    skipped: str | None = None
+    rate: str = ""
+    rows: tuple[ClusterRow, ...] = ()
+
+    def to_json(self) -> JSONObject:
+        if self.skipped is not None:
+            return {"skipped": self.skipped}
+        return {"rate": self.rate, "rows": [r.to_json() for r in self.rows]}
+
+    @classmethod
+    def from_json(cls, value: JSON) -> ClusterResult:
+        if not isinstance(value, dict):
+            raise ValueError(f"the cluster part is an object, not {value!r}")
+        if "skipped" in value:
+            return cls(skipped=text(value, "skipped"))
+        rows = value.get("rows") or []
+        if not isinstance(rows, list):
+            raise ValueError("cluster rows: expected a list")
+        return cls(None, text(value, "rate"), tuple(ClusterRow.from_json(r) for r in rows))
+
+
 @dataclass(frozen=True)
 class BenchResult:
     """``result.json``: what ran, where, each part's rows and the goals. A part that did
@@ -389,6 +461,7 @@ class BenchResult:
     seconds: float = 0.0
     environment: Environment | None = None
     replication: ReplicationResult | None = None
+    cluster: ClusterResult | None = None
 
     def to_json(self) -> JSONObject:
         out: JSONObject = {"command": self.command, "preset": self.preset,
@@ -408,6 +481,8 @@ class BenchResult:
                 out[key] = one.to_json()
         if self.replication is not None:
             out["replication"] = self.replication.to_json()
+        if self.cluster is not None:
+            out["cluster"] = self.cluster.to_json()
         out["seconds"] = self.seconds
         out["goals"] = [g.to_json() for g in self.goals]
         return out
@@ -425,7 +500,7 @@ class BenchResult:
         def opt(key: str) -> JSON:
             return d.get(key)
 
-        env, repl = opt("environment"), opt("replication")
+        env, repl, cluster = opt("environment"), opt("replication"), opt("cluster")
         hosts, overlap, overlap_tcp = opt("hosts"), opt("overlap"), opt("overlap_tcp")
         return cls(
             tuple(SweepRow.from_json(r) for r in rows("sweep")) if "sweep" in d else None,
@@ -438,4 +513,5 @@ class BenchResult:
             text(d, "command", ""), text(d, "preset", ""), text(d, "malloc", ""),
             number(d, "started", 0.0), number(d, "seconds", 0.0),
             None if env is None else Environment.from_json(env),
-            None if repl is None else ReplicationResult.from_json(repl))
+            None if repl is None else ReplicationResult.from_json(repl),
+            None if cluster is None else ClusterResult.from_json(cluster))

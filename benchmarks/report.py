@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from rich.console import Console
 from rich.table import Table
 
 from .common import Stats, format_size
-from .records import AsyncRow, BenchResult, Goal, SweepRow, find
+from .records import AsyncRow, BenchResult, ClusterResult, ClusterRow, Goal, SweepRow, find
 
 __all__ = ["evaluate_goals", "four_shard_share", "markdown", "print_report"]
 
@@ -153,7 +153,61 @@ def evaluate_goals(result: BenchResult) -> list[Goal]:
         fo.max if fo else None, "< 2 s (the maximum)", None if fo is None else fo.max < 2.0,
         f"median {fo.median:.2f} s over {len(fo.seconds)} kill(s), --failover-timeout "
         f"{fo.failover_timeout:g}" if fo else "")
+    _cluster_goals(result.cluster, add)
     return goals
+
+
+def _cluster_goals(cluster: ClusterResult | None, add: Callable[..., None]) -> None:
+    """Issue 45's: with 4 workers and 4 server hosts, the sync round at most 1.2x M/B and
+    0.75x gloo's all_reduce; with the shards on the worker hosts, at most 1.1x gloo's
+    (at the largest size measured with 4 workers)."""
+    rows = cluster.rows if cluster else ()
+    four = [r for r in rows if r.workers == 4]
+    size = max((r.bytes for r in four), default=None)
+    why = (cluster.skipped if cluster else None) or ("" if four else "no 4-worker row")
+
+    def row(system: str) -> ClusterRow | None:
+        return next((r for r in four if r.bytes == size and r.system == system), None)
+
+    ps, colo = row("ps"), row("ps-colocated")
+    where = f"{format_size(size)}, {cluster.rate}" if size and cluster else why
+    add("cluster: 4 workers, 4 server hosts: sync round vs M/B",
+        ps.vs_limit if ps else None, "<= 1.2x", None if ps is None else ps.vs_limit <= 1.2,
+        where)
+    vs = ps.vs_gloo.median if ps and ps.vs_gloo else None
+    add("cluster: 4 workers, 4 server hosts: sync round vs gloo all_reduce", vs, "<= 0.75x",
+        None if vs is None else vs <= 0.75, where)
+    vs = colo.vs_gloo.median if colo and colo.vs_gloo else None
+    add("cluster: shards on the 4 worker hosts: sync round vs gloo all_reduce", vs,
+        "<= 1.1x", None if vs is None else vs <= 1.1, where)
+
+
+def _cluster_table(result: ClusterResult) -> Table:
+    t = Table(title=f"across a cluster: N worker hosts (+ N server hosts for raw and ps), "
+                    f"every NIC {result.rate} both ways; a sync round (median [min-max])")
+    for col in ("workers", "shards", "payload", "system", "round ms", "M/B ms", "x M/B",
+                "ring limit ms", "x ring limit", "x gloo"):
+        t.add_column(col, justify="left" if col == "system" else "right")
+    for r in result.rows:
+        t.add_row(str(r.workers), "-" if r.shards is None else str(r.shards),
+                  format_size(r.bytes), r.system, _ms(r.round_s), f"{r.limit_s * 1e3:.0f}",
+                  f"{r.vs_limit:.2f}", f"{r.ring_limit_s * 1e3:.0f}", f"{r.vs_ring_limit:.2f}",
+                  "-" if r.vs_gloo is None else _ratio(r.vs_gloo))
+    return t
+
+
+def _cluster_markdown(result: ClusterResult) -> list[str]:
+    lines = [f"Across a cluster (every NIC {result.rate} both ways; median round, ms):", "",
+             "| workers | shards | payload | system | round ms | M/B ms | x M/B "
+             "| ring limit ms | x ring limit | x gloo |", "|---" * 10 + "|"]
+    for r in result.rows:
+        lines.append(
+            f"| {r.workers} | {'-' if r.shards is None else r.shards} | "
+            f"{format_size(r.bytes)} | {r.system} | {r.round_s.median * 1e3:.0f} | "
+            f"{r.limit_s * 1e3:.0f} | {r.vs_limit:.2f} | {r.ring_limit_s * 1e3:.0f} | "
+            f"{r.vs_ring_limit:.2f} | "
+            f"{'-' if r.vs_gloo is None else f'{r.vs_gloo.median:.2f}'} |")
+    return [*lines, ""]
 
 
 def _sweep_table(rows: Sequence[SweepRow],
@@ -197,6 +251,8 @@ def print_report(result: BenchResult, console: Console | None = None) -> None:
                       "-" if shard_cpu is None else f"{shard_cpu * 1e3:.2f}",
                       "-" if busy is None else f"{busy:.2f}")
         console.print(t)
+    if result.cluster is not None and result.cluster.rows:
+        console.print(_cluster_table(result.cluster))
     if result.memory:
         t = Table(title="sync shard memory (peak RSS above RSS at start)")
         for col in ("workers", "shard", "model", "weights+state+agg MiB",
@@ -266,10 +322,13 @@ def markdown(result: BenchResult) -> str:
     docs/performance.md)."""
     sweep = result.sweep or ()
     hosts = result.hosts.rows if result.hosts else ()
-    lines = [*_markdown_rows(sweep), ""] if sweep or not hosts else []
+    cluster = result.cluster.rows if result.cluster else ()
+    lines = [*_markdown_rows(sweep), ""] if sweep or not (hosts or cluster) else []
     if hosts:
         lines += ["Across hosts (two network namespaces over veth):", "",
                   *_markdown_rows(hosts), ""]
+    if result.cluster is not None and cluster:
+        lines += _cluster_markdown(result.cluster)
     lines += ["| goal | measured | target | status |", "|---|---|---|---|"]
     for g in result.goals or evaluate_goals(result):
         v = g.measured

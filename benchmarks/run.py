@@ -19,6 +19,14 @@ single 100 MiB round is one repeat, and a shared machine's noise needs more
 than 5; ``--size``, ``--workers``, ``--shards`` and ``--repeats`` apply; under a
 minute). It needs root and iproute2 and is skipped with one line without them.
 
+The ``cluster`` part (:mod:`paramserver.benchmarks.cluster`) runs only when named:
+the project's sync round on N worker and N server hosts emulated as network
+namespaces on a bridge, every NIC shaped to ``--link`` (default 400mbit) both
+ways, with the shards also on the worker hosts, against gloo's all_reduce and raw
+pyzmq on the same links, beside the limits M/B and 2(N-1)/N · M/B (N = 2 and 4,
+8 and 32 MiB, 5 repeats; ``quick``: N = 2, 1 MiB, 2 repeats; ``--size``,
+``--workers`` and ``--repeats`` apply). It needs root, iproute2 and tc.
+
 The ``replication`` part (:mod:`paramserver.benchmarks.replication`) runs only when
 named too (it SIGKILLs shard processes): push + pull with and without
 ``--replicas 1``, paired (1 KiB and 100 MiB, 5 repeats; ``quick``: 1 KiB and
@@ -42,13 +50,18 @@ from rich.console import Console
 
 from paramserver.errors import ConfigError
 from paramserver.shm.link import enabled as shm_enabled
+from paramserver.workers.launch.netcluster import parse_rate
 
+from .cluster import DEFAULT_RATE as CLUSTER_RATE
+from .cluster import DEFAULT_SIZES as CLUSTER_SIZES
+from .cluster import DEFAULT_WORKERS as CLUSTER_WORKERS
+from .cluster import run_cluster
 from .common import format_size
 from .extras import run_async, run_async_raw, run_async_ray, run_memory, run_overlap
 from .hosts import DEFAULT_SIZES as HOSTS_SIZES
 from .hosts import run_hosts
 from .rayps import available as ray_available
-from .records import BenchResult, Environment, HostsResult, SweepRow
+from .records import BenchResult, ClusterResult, ClusterRow, Environment, HostsResult, SweepRow
 from .replication import DEFAULT_SIZES as REPLICATION_SIZES
 from .replication import QUICK_SIZES as REPLICATION_QUICK_SIZES
 from .replication import CostRow, ReplicationResult, run_replication
@@ -60,9 +73,10 @@ __all__ = ["DEFAULT_PARTS", "PARTS", "PRESETS", "BenchOptions", "cells_for",
 
 log = logging.getLogger(__name__)
 
-PARTS: tuple[str, ...] = ("sweep", "async", "memory", "overlap", "hosts", "replication")
-#: what runs when no part is named (hosts needs root and changes the network setup;
-#: replication kills shard processes)
+PARTS: tuple[str, ...] = ("sweep", "async", "memory", "overlap", "hosts", "replication",
+                          "cluster")
+#: what runs when no part is named (hosts and cluster need root and change the network
+#: setup; replication kills shard processes)
 DEFAULT_PARTS: tuple[str, ...] = ("sweep", "async", "memory", "overlap")
 PRESETS: tuple[str, ...] = ("quick", "default", "full")
 _KIB, _MIB = 1 << 10, 1 << 20
@@ -85,6 +99,7 @@ class BenchOptions:
     wire_dtype: str | None = None  # also measure gradients sent in 16 bits (bfloat16, ...)
     lean: bool = True  # also measure the project with its divergence watchdog off
     malloc: str = "tuned"  # tuned: every process keeps freed buffers; default: glibc's own
+    link: str = CLUSTER_RATE  # the cluster part's NIC rate, every host's, both ways
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
@@ -98,6 +113,7 @@ class BenchOptions:
         if "ray" in self.systems and not ray_available():
             raise ConfigError("the ray system needs Ray: pip install 'paramserver[bench]' "
                               "(make bench installs it)")
+        parse_rate(self.link)  # a ConfigError names what is wrong with it
         if self.malloc not in ("tuned", "default"):
             raise ConfigError(f"malloc must be tuned or default; got {self.malloc!r}")
 
@@ -187,6 +203,29 @@ def _run_hosts(opts: BenchOptions, console: Console, logs: Path) -> HostsResult:
     return hosts
 
 
+def _cluster_line(r: ClusterRow) -> str:
+    vs = f", x{r.vs_gloo.median:.2f} gloo" if r.vs_gloo else ""
+    return (f"  {r.workers}w {format_size(r.bytes):>7} {r.system:<13} "
+            f"{r.round_s.median * 1e3:9.1f} ms: x{r.vs_limit:.2f} M/B "
+            f"({r.limit_s * 1e3:.0f} ms), x{r.vs_ring_limit:.2f} ring limit{vs}")
+
+
+def _run_cluster(opts: BenchOptions, console: Console, logs: Path) -> ClusterResult:
+    """The cluster part: N worker and N server hosts, or one line saying why not."""
+    quick = opts.preset == "quick"
+    sizes = opts.sizes or ([1 << 20] if quick else list(CLUSTER_SIZES))
+    workers = opts.workers or ((2,) if quick else CLUSTER_WORKERS)
+    console.print(f"across a cluster (N worker + N server hosts, {opts.link} NICs): "
+                  f"N = {', '.join(map(str, workers))}; "
+                  f"{', '.join(format_size(b) for b in sizes)}")
+    result = run_cluster(sizes, workers, opts.link, repeats=opts.repeats or (2 if quick else 5),
+                         repeat_seconds=0.05 if quick else 0.25, log_dir=logs / "cluster",
+                         on_row=lambda r: console.print(_cluster_line(r)))
+    if result.skipped is not None:
+        console.print(f"across a cluster: skipped: {result.skipped}")
+    return result
+
+
 def _cost_line(c: CostRow) -> str:
     return (f"  {format_size(c.bytes):>7} without {c.without.median * 1e3:9.3f} ms, "
             f"over TCP {c.tcp.median * 1e3:9.3f} ms, --replicas 1 "
@@ -229,7 +268,7 @@ def run_benchmarks(opts: BenchOptions, console: Console | None = None) -> BenchR
                else " ".join(sys.argv))
     started, environment = time.time(), _environment()
     t0 = time.perf_counter()
-    sweep = hosts = async_rows = memory = overlap = overlap_tcp = replication = None
+    sweep = hosts = async_rows = memory = overlap = overlap_tcp = replication = cluster = None
     if "sweep" in opts.parts:
         cells = cells_for(opts)
         cfg = SweepConfig(cells=cells, systems=opts.systems, variants=_variants(opts),
@@ -271,8 +310,11 @@ def run_benchmarks(opts: BenchOptions, console: Console | None = None) -> BenchR
         overlap_tcp = run_overlap(log_dir=logs, tcp=True, **asdict(size))
     if "replication" in opts.parts:
         replication = _run_replication(opts, console, logs)
+    if "cluster" in opts.parts:
+        cluster = _run_cluster(opts, console, logs)
     result = BenchResult(
         sweep, hosts, async_rows, memory, overlap, overlap_tcp, replication=replication,
+        cluster=cluster,
         command=command,
         preset=opts.preset, malloc=opts.malloc, started=started,
         seconds=time.perf_counter() - t0,

@@ -47,6 +47,11 @@ Examples:
   # veth pair (run as root, with iproute2; skipped otherwise), about a minute
   paramserver bench --part hosts --size 1MiB --size 16MiB --size 100MiB
 \b
+  # across a cluster: 2 and 4 workers on hosts of their own, their shards on as many
+  # server hosts (and on the worker hosts), every NIC at 400 Mbit/s both ways, against
+  # gloo's all_reduce and raw pyzmq (root, iproute2 and tc; a few minutes)
+  paramserver bench --part cluster --workers 2,4 --size 8MiB --size 32MiB --link 400mbit
+\b
   # what a backup per shard costs (1 KiB and 100 MiB), and the failover time
   paramserver bench --part replication
 \b
@@ -64,11 +69,14 @@ See docs/performance.md for what each part measures and the goals it checks.
 @click.option("--full", is_flag=True, help="Every payload on every workers x shards point.")
 @click.option("--part", "parts", multiple=True,
               type=click.Choice(["sweep", "async", "memory", "overlap", "hosts",
-                                 "replication"]),
-              help="Run only these parts (repeatable; default: all but hosts and "
-                   "replication). hosts: raw pyzmq and this project across two network "
-                   "namespaces (root). replication: push+pull with and without "
-                   "--replicas 1, and the failover time.")
+                                 "replication", "cluster"]),
+              help="Run only these parts (repeatable; default: all but hosts, "
+                   "replication and cluster). hosts: raw pyzmq and this project across two "
+                   "network namespaces (root). replication: push+pull with and without "
+                   "--replicas 1, and the failover time. cluster: the sync round on N "
+                   "worker and N server hosts (network namespaces on a bridge, NICs at "
+                   "--link; root) against gloo all_reduce and raw pyzmq, beside the limits "
+                   "M/B and 2(N-1)/N·M/B.")
 @click.option("--system", "systems", multiple=True,
               type=click.Choice(["raw", "ps", "rpc", "gloo", "ray"]),
               help="Systems in the sweep (repeatable; raw, the limit, is always in). ray "
@@ -86,18 +94,22 @@ See docs/performance.md for what each part measures and the goals it checks.
               help="Also measure the project with gradients sent in 16 bits.")
 @click.option("--no-lean", is_flag=True,
               help="Do not add the row with the divergence watchdog turned off.")
+@click.option("--link", default="400mbit", show_default=True, metavar="RATE",
+              help="The cluster part's NIC rate, every host's, both ways, as tc writes it "
+                   "(e.g. 400mbit, 1gbit).")
 @click.option("--malloc", type=click.Choice(["tuned", "default"]), default="tuned",
               show_default=True, help="tuned: every process (of every system) keeps freed "
               "buffers for reuse; default: glibc's own behaviour, for comparison.")
 def bench(out: Path, quick: bool, full: bool, parts: tuple[str, ...],
           systems: tuple[str, ...], sizes: tuple[str, ...], workers: str | None,
           shards: str | None, repeats: int | None, wire_dtype: str, no_lean: bool,
-          malloc: str) -> None:
+          malloc: str, link: str) -> None:
     """Measure push + pull against a raw pyzmq loop (the limit), torch.distributed.rpc used
     as a parameter server, gloo all_reduce and Ray's actor parameter server, in one run on
     the same payloads; then async
     throughput, shard memory and overlap of communication with backward; on request
-    (--part hosts) push + pull against raw pyzmq across two network namespaces. Writes
+    (--part hosts) push + pull against raw pyzmq across two network namespaces, and
+    (--part cluster) the sync round across emulated hosts against gloo's all_reduce. Writes
     OUT/result.json and prints the tables and the goals."""
     from paramserver.benchmarks.common import parse_size
     from paramserver.benchmarks.run import (
@@ -118,7 +130,7 @@ def bench(out: Path, quick: bool, full: bool, parts: tuple[str, ...],
             sizes=[parse_size(s) for s in sizes] or None,
             workers=_csv_ints(workers), shards=_csv_ints(shards), repeats=repeats,
             wire_dtype=None if wire_dtype == "none" else wire_dtype, lean=not no_lean,
-            malloc=malloc,
+            malloc=malloc, link=link,
         )
         run_benchmarks(opts, cli_console())
     except ConfigError as exc:

@@ -6,10 +6,14 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from paramserver.workers.launch.netcluster import EmulatedCluster
 
 #: how long a test's processes get to finish exiting after the test returns
 EXIT_GRACE = 10.0
@@ -90,6 +94,38 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
                 "MASTER_PORT"):
             monkeypatch.delenv(key)
     monkeypatch.setenv("PARAMSERVER_LOG_LEVEL", "WARNING")  # restored after the test
+
+
+@pytest.fixture
+def emulated_hosts() -> Iterator[Callable[..., EmulatedCluster]]:
+    """Hosts for a test: ``emulated_hosts(workers=2, servers=1, rate="100mbit",
+    rates={2: "20mbit"})`` makes a running :class:`EmulatedCluster` (network namespaces
+    on a bridge, see paramserver/workers/launch/netcluster.py); the test skips, with the
+    reason, where namespaces cannot be made. Everything is deleted after the test, which
+    fails if a namespace or interface of it is left."""
+    from paramserver.workers.launch.netcluster import (
+        emulated_cluster,
+        existing_links,
+        existing_namespaces,
+        netns_problem,
+    )
+
+    problem = netns_problem()
+    if problem:
+        pytest.skip(problem)
+    tags: list[str] = []
+    with contextlib.ExitStack() as stack:
+        def make(workers: int, servers: int = 0, rate: str = "1gbit",
+                 rates: dict[int, str] | None = None) -> EmulatedCluster:
+            cluster = stack.enter_context(emulated_cluster(workers, servers, rate, rates))
+            tags.append(cluster.tag)
+            return cluster
+
+        yield make
+    left = sorted(n for n in existing_namespaces() | existing_links()
+                  if any(tag in n for tag in tags))
+    if left:
+        pytest.fail(f"emulated hosts left behind: {', '.join(left)}", pytrace=False)
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config,
