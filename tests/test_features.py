@@ -39,7 +39,11 @@ def _ordered(key: frozenset[str]) -> tuple[str, str]:
 
 
 WORKING = sorted(_ordered(k) for k, p in PAIRS.items() if p.status == "works")
-REFUSED = sorted(_ordered(k) for k, p in PAIRS.items() if p.status == "refused")
+REFUSED = sorted(_ordered(k) for k, p in PAIRS.items() if p.status == "refused"
+                 and not k & set(features.SCRIPT_ONLY))
+#: refused pairs with a feature only a script turns on: DistributedOptimizer refuses them
+SCRIPT_REFUSED = sorted(_ordered(k) for k, p in PAIRS.items() if p.status == "refused"
+                        and k & set(features.SCRIPT_ONLY))
 
 
 @cache
@@ -76,6 +80,33 @@ def test_a_refused_pair_is_refused_by_launch_at_start(a: str, b: str) -> None:
     result = CliRunner().invoke(main, ["launch", *FLAGS[a], *FLAGS[b], "--print-config"],
                                 catch_exceptions=False)
     assert pair(a, b).why in _error(result)
+
+
+def _script_kwargs(feature: str) -> dict[str, object]:
+    """What a script passes DistributedOptimizer to turn ``feature`` on."""
+    import torch
+
+    model = torch.nn.Linear(2, 1)
+    return {"script_optimizer": {"optimizer": torch.optim.SGD(model.parameters(), lr=0.1)},
+            "local_sgd": {"local": torch.optim.SGD(model.parameters(), lr=0.1)},
+            "overlap": {"overlap": True}}[feature] | {"model": model}
+
+
+@pytest.mark.parametrize(("a", "b"), SCRIPT_REFUSED)
+def test_a_refused_pair_a_script_turns_on_is_refused_before_it_connects(a: str, b: str) -> None:
+    from paramserver.errors import ConfigError
+    from paramserver.workers.optimizer import DistributedOptimizer
+
+    kwargs = _script_kwargs(a) | _script_kwargs(b)
+    model = kwargs.pop("model")
+    for k, v in list(kwargs.items()):  # every optimizer over the one model's parameters
+        if isinstance(v, object) and hasattr(v, "param_groups"):
+            kwargs[k] = type(v)(model.parameters(), lr=0.1)
+    # a port nothing listens on: a pair let through would fail connecting, not here
+    with pytest.raises(ConfigError, match="does not work with") as info:
+        DistributedOptimizer(model, servers=["127.0.0.1:9"], rank=0, world_size=1,
+                             **kwargs)  # type: ignore[arg-type]
+    assert str(info.value).endswith(pair(a, b).why)
 
 
 @pytest.mark.parametrize("command", ["launch", "run", "server"])

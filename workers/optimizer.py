@@ -250,11 +250,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # gives a shard's replicas joined by "|"
         features.check(features.active(
             local_sgd=local is not None, overlap=overlap, sparse=bool(tables),
-            replicas=any("|" in s for s in self.servers)))
+            replicas=any("|" in s for s in self.servers), script_optimizer=optimizer is not None))
         self.local = None if local is None else LocalSteps(local, sync_every, self.params)
-        if optimizer is not None and local is not None:
-            raise ConfigError("local=... steps on the worker and the servers' optimizer is "
-                              "the outer one: wrap no optimizer with local steps")
         self.wrapped = None if optimizer is None else Wrapped(optimizer, self.params)
         # what the script passes wins; else the launcher's options (launch [flags] -- ...)
         given = LaunchOptions.from_env()

@@ -14,6 +14,9 @@ pair of features is in :data:`PAIRS` as one of:
   what is missing): not a promise that it works;
 * ``exclusive``: the two cannot be asked for together (one ``--policy``).
 
+A feature in :data:`SCRIPT_ONLY` is turned on inside a script, not by a flag: its
+refused pairs are refused by ``DistributedOptimizer(...)``, before it connects.
+
 docs/reliability.md shows the table (:func:`markdown`; a test checks the two agree).
 Pure and light: the CLI reads it before anything heavy is imported.
 """
@@ -26,8 +29,8 @@ from dataclasses import dataclass
 
 from paramserver.errors import ConfigError
 
-__all__ = ["BUILTIN_POLICIES", "FEATURES", "PAIRS", "SPARSE_TASKS", "Pair", "active", "check",
-           "markdown", "of_run", "pair", "policy_feature"]
+__all__ = ["BUILTIN_POLICIES", "FEATURES", "PAIRS", "SCRIPT_ONLY", "SPARSE_TASKS", "Pair",
+           "active", "check", "markdown", "of_run", "pair", "policy_feature"]
 
 #: the staleness policies paramserver ships (paramserver/policies), "none" aside
 BUILTIN_POLICIES = ("reject", "inverse", "exponential", "dc-asgd", "dc-asgd-adaptive",
@@ -36,6 +39,10 @@ BUILTIN_POLICIES = ("reject", "inverse", "exponential", "dc-asgd", "dc-asgd-adap
 #: the built-in tasks whose model holds ShardedEmbedding tables (tests/test_features.py
 #: checks this against the task registry)
 SPARSE_TASKS = ("recsys",)
+
+
+#: the features a script turns on in its own code, which no flag expresses
+SCRIPT_ONLY = ("script_optimizer",)
 
 
 def policy_feature(name: str) -> str:
@@ -55,6 +62,7 @@ FEATURES: dict[str, str] = {
     "backup_workers": "--backup-workers",
     "overlap": "--overlap",
     "wire_dtype": "--wire-dtype",
+    "script_optimizer": "a script's own optimizer (DistributedOptimizer(model, torch.optim.X))",
     **{policy_feature(p): f"--policy {p}" for p in BUILTIN_POLICIES},
 }
 
@@ -136,6 +144,15 @@ _LISTED: dict[tuple[str, str], Pair] = {
         "tests/test_own_loop_e2e.py::test_a_staleness_policy_acts_on_the_users_pushes"),
     ("command", "sparse"): _works(
         "tests/test_sparse_e2e.py::test_sync_sparse_with_a_row_cache_equals_single_process_torch"),
+    # a script's own optimizer (paramserver/workers/wrapped.py)
+    ("script_optimizer", "command"): _works(
+        "tests/test_wrapped_optimizer_e2e.py::"
+        "test_the_scripts_optimizer_and_its_lr_change_run_on_the_servers"),
+    ("script_optimizer", "resume"): _works(
+        "tests/test_resume_e2e.py::test_the_ddp_port_resumes_bit_identical_by_opt_clock"),
+    ("script_optimizer", "local_sgd"): _refused(
+        "with local steps the worker runs the inner optimizer and the servers' is the "
+        "outer one (--optimizer): wrap no optimizer in DistributedOptimizer with local="),
     # sparse tables
     ("sparse", "resume"): _works(
         "tests/test_sparse_e2e.py::test_checkpoint_and_resume_of_sparse_shards_loses_nothing"),
@@ -178,14 +195,16 @@ def pair(a: str, b: str) -> Pair:
 def active(*, replicas: int = 0, sparse: bool = False, curve: bool = False,
            resume: bool = False, command: bool = False, local_sgd: bool = False,
            optimizer: str = "", policy: str = "none", backup_workers: int = 0,
-           overlap: bool = False, wire_dtype: str | None = None) -> set[str]:
+           overlap: bool = False, wire_dtype: str | None = None,
+           script_optimizer: bool = False) -> set[str]:
     """The features a run's settings turn on (each side passes what it knows)."""
     on = {name for name, given in (
         ("replicas", replicas), ("sparse", sparse), ("curve", curve), ("resume", resume),
         ("command", command), ("local_sgd", local_sgd),
         ("outer", optimizer.lower() == "delayed-nesterov"),
         ("backup_workers", backup_workers), ("overlap", overlap),
-        ("wire_dtype", wire_dtype not in (None, "none"))) if given}
+        ("wire_dtype", wire_dtype not in (None, "none")),
+        ("script_optimizer", script_optimizer)) if given}
     if policy and policy != "none":
         on.add(policy_feature(policy))
     return on
