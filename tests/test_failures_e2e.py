@@ -108,7 +108,7 @@ def test_shard_killed_and_restarted_from_checkpoint(tmp_path):
         cluster.wait_workers(cb, poll=0.05)
         assert state["killed"] == "server1"
         assert cluster.restarts and cluster.restarts[0].resumed
-        from paramserver.workers.launch.cluster import final_eval
+        from paramserver.workers.launch.finalfigures import final_eval
         final = final_eval(s, cluster.addresses, tmp_path / "run")
         from paramserver.workers.admin import shutdown_servers
         shutdown_servers(cluster.addresses)

@@ -64,7 +64,7 @@ def test_a_script_grid_reports_the_final_weights_under_a_persistent_straggler(
 def test_a_command_runs_figures_say_whether_they_came_after_final(tmp_path: Path) -> None:
     """launch -- COMMAND: result.json's eval is the evaluating rank's last logged one,
     of the final weights only if it was logged after opt.final()."""
-    from paramserver.workers.launch.cluster import logged_eval
+    from paramserver.workers.launch.finalfigures import logged_eval
 
     events = tmp_path / "events"
     events.mkdir()

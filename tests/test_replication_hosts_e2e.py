@@ -110,7 +110,7 @@ def _final_weights(ns: str, mode: str, entry: str, out: Path) -> dict[str, torch
     """The shard's weights as the launcher saves them (an observer's pull), from ``ns``."""
     out.mkdir()
     _in_ns(ns, "from pathlib import Path\n"
-               "from paramserver.workers.launch.cluster import final_eval\n"
+               "from paramserver.workers.launch.finalfigures import final_eval\n"
                f"from tests.test_replication_hosts_e2e import _spec\n"
                f"final_eval(_spec({mode!r}), [{entry!r}], Path({str(out)!r}))")
     return load_file(str(out / "final_model.safetensors"))
