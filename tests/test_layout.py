@@ -128,11 +128,20 @@ def test_every_module_is_in_the_layers_contract():
         parts = module.split(".")
         return any(".".join(parts[:i]) in named for i in range(2, len(parts) + 1))
 
+    def where(module: str) -> str:
+        """The line that holds most of its siblings (the worker side's, for workers/)."""
+        parent = module.rsplit(".", 1)[0]
+        line = max(_layers(), key=lambda layer: sum(m.rsplit(".", 1)[0] == parent
+                                                    for m in layer))
+        return (f"{module}: on the line of {line[0]}, as ' : {module}'"
+                if any(m.rsplit(".", 1)[0] == parent for m in line)
+                else f"{module}: on the line of its layer")
+
     left_out = sorted(m for m in holding if not covered(m))
     assert not left_out, (
         "setup.cfg's [importlinter:contract:layers] names neither these modules nor a "
-        "package above them; add each to the layer it belongs to (the line its siblings "
-        "are on, joined by ' : '), then run lint-imports: " + ", ".join(left_out))
+        "package above them; add each, then run lint-imports:\n"
+        + "\n".join(map(where, left_out)))
     gone = sorted(named - existing)
     assert not gone, ("setup.cfg's [importlinter:contract:layers] names modules that do "
                       "not exist; remove them: " + ", ".join(gone))
