@@ -225,6 +225,9 @@ class Simulator:
         self._seq = itertools.count()
         self._steps_done = 0
         self._end = 0.0  # when the last worker finished
+        # the evaluator, once done: as opt.final() in a real run, it evaluates the final
+        # weights once every worker is done (_finish), and ends then
+        self._evaluator: _VWorker | None = None
         self._last_loss: dict[int, float] = {}
         self._on_progress: Callable[[Progress], None] | None = None
         with _torch_threads(self.sim.threads):
@@ -320,7 +323,8 @@ class Simulator:
                 while self._queue:
                     self.now, _, fn, args = heapq.heappop(self._queue)
                     fn(*args)
-                unfinished = [w.rank for w in self.workers if w.result is None]
+                unfinished = [w.rank for w in self.workers
+                              if w.result is None and w is not self._evaluator]
                 if unfinished:
                     raise SimulationError(
                         f"no event left at virtual time {self.now:.3f}s but workers "
@@ -522,9 +526,17 @@ class Simulator:
         self._start_pull(w)
 
     def _finish_worker(self, w: _VWorker) -> None:
-        """After the final pull: say BYE, evaluate on the evaluator, write the result."""
+        """After the final pull: say BYE and write the result (the evaluator's once every
+        worker is done, with the final weights' figures: :meth:`_finish`)."""
         for k in range(len(self.cores)):
             self._at(self.sim.latency, self._bye_arrives, w, k)
+        self._end = max(self._end, self.now)
+        if w.rank == self.spec.worker.evaluator:
+            self._evaluator = w
+            return
+        self._write_result(w, None)
+
+    def _write_result(self, w: _VWorker, figures: dict[str, float] | None) -> None:
         w.result = result = WorkerResult(
             worker=w.rank, steps=w.pushes, clock=w.clock, pushes=w.pushes,
             accepted=w.accepted, rejected=w.rejected,
@@ -532,8 +544,7 @@ class Simulator:
             seconds=self.now - w.started, train_seconds=self.now - w.started,
             budget_seconds=self.spec.worker.budget_seconds, budget_spent=w.budget_spent,
             wait_seconds=w.waited, final_versions=tuple(w.read_versions),
-            eval=self._eval(w) if w.rank == self.spec.worker.evaluator else None)
-        self._end = max(self._end, self.now)
+            eval=figures)
         data = result.to_json()
         w.events.write("worker_end", **data)
         if self.out is not None:
@@ -574,6 +585,12 @@ class Simulator:
         self.plan.assemble_into(self.params, merged)
         if self.spec.evaluate:
             final = evaluate(self.task, self.model)
+        if self._evaluator is not None:  # its figures are the final weights', as final()'s
+            w = self._evaluator
+            if final:
+                w.events.write("eval", worker=w.rank, clock=w.clock,
+                               versions=list(w.read_versions), **final, final=True)
+            self._write_result(w, final or None)
         stats = self._server_stats()
         result = ClusterResult(
             spec=self.spec.to_dict(),
