@@ -40,7 +40,8 @@ def summary(label: str, *, target: Stat, rate: float, wait: float) -> ConfigSumm
     stats = {"time_to_target": target, "final_accuracy": stat(0.9213),
              "updates_per_s": stat(rate), "pct_rejected": stat(12.5),
              "staleness_p95": stat(17), "max_clock_gap": stat(3), "wait_s": stat(wait)}
-    return ConfigSummary(ConfigEntry(id=label, scenario="transient", label=label, mode="async",
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "-", label)  # a cell's id names its folder
+    return ConfigSummary(ConfigEntry(id=slug, scenario="transient", label=label, mode="async",
                                      workers=2), [], [], stats)
 
 

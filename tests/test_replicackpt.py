@@ -38,7 +38,7 @@ class _Replica:
         self.backups = backups
         self.timeout = 0.1  # (failover: how long a primary waits for its backup's final)
         self.replica = 0 if role is Role.PRIMARY else 1
-        self.host = SimpleNamespace(core=SimpleNamespace(version=3))
+        self.host = SimpleNamespace(core=SimpleNamespace(version=3, between_rounds=True))
 
     @property
     def writes_checkpoints(self) -> bool:

@@ -189,14 +189,15 @@ def conflict(servers: OptimizerSpec, script: OptimizerSpec, servers_what: str) -
             f"script's, or make the two agree")
 
 
-def check_lr(value: Any, what: str = "lr") -> float:
-    """A learning rate a shard takes: a finite number > 0."""
+def check_lr(value: Any, what: str = "lr", zero: bool = False) -> float:
+    """A learning rate a shard takes: a finite number > 0 (``zero``: >= 0, as what a
+    shard runs may be: ``--lr 0``, or a schedule that ends at 0)."""
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = float(value)
     if isinstance(value, bool) or not isinstance(value, int | float) \
-            or not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"{what}: the learning rate must be a finite number > 0, "
-                          f"got {str(value)[:40]}")
+            or not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+        raise ConfigError(f"{what}: the learning rate must be a finite number "
+                          f"{'>=' if zero else '>'} 0, got {str(value)[:40]}")
     return float(value)
 
 

@@ -362,14 +362,15 @@ def _hello(f: Mapping[str, Any]) -> Hello:
                  optimizer, _run("hello", f))
 
 
-def _lr(op: str, f: Mapping[str, Any]) -> float | None:
-    """A push's learning-rate change: finite and > 0 (the optimizer's own bounds are
-    the shard's, which refuses none of those)."""
+def _lr(op: str, f: Mapping[str, Any], zero: bool = False) -> float | None:
+    """A push's learning-rate change: finite and > 0 (``zero``, a hello reply's: >= 0,
+    what the shard runs; the optimizer's own bounds are the shard's, which refuses none
+    of those)."""
     lr = f.get("lr")
     if lr is None:
         return None
     try:
-        return check_lr(lr, f"{op}: lr")
+        return check_lr(lr, f"{op}: lr", zero)
     except ConfigError as exc:
         raise ProtocolError(ErrorCode.BAD_FIELD, str(exc)) from None
 
@@ -499,7 +500,7 @@ _REPLIES: dict[str, Callable[[Mapping[str, Any]], Body]] = {
                                   _int(f, "version"), _int(f, "clock"),
                                   _bool(f, "initialized"), _str(f, "mode", ""),
                                   _str(f, "policy", ""), _map(f, "shm"),
-                                  _lr("hello reply", f)),
+                                  _lr("hello reply", f, zero=True)),
     "init": lambda f: InitReply(_bool(f, "seeded"), _int(f, "version"), _bool(f, "partial")),
     "pull": _pull_reply,
     "push": _push_reply,
