@@ -26,7 +26,12 @@ from paramserver.workers.config import (
     WorkerConfig,
     check_evaluator,
 )
-from paramserver.workers.launch.hostplan import DEFAULT_LINK, HostPlan, parse_link_items
+from paramserver.workers.launch.hostplan import (
+    DEFAULT_LINK,
+    HostPlan,
+    normalize_link_of,
+    parse_link_items,
+)
 from paramserver.workers.stragglerspec import StragglerSpec, parse_straggler_items
 
 if TYPE_CHECKING:
@@ -155,7 +160,7 @@ class ClusterSpec:
             raise ConfigError("--replicas works without --restart-servers (the launcher "
                               "replaces a dead replica itself, from its live peer's state)")
         features.check(self.features())  # one table: paramserver/core/features.py
-        self.link_of = {int(k): v for k, v in self.link_of.items()}  # (JSON keys are text)
+        self.link_of = normalize_link_of(self.link_of)  # (JSON and TOML keys are text)
         if self.hosts is None:
             if self.link is not None or self.link_of:
                 raise ConfigError("--link and --link-of set the emulated hosts' NICs: give "

@@ -24,7 +24,7 @@ from paramserver.errors import ConfigError
 from paramserver.util.jsontypes import JSONObject
 from paramserver.workers.launch.netcluster import MAX_HOSTS, parse_rate
 
-__all__ = ["DEFAULT_LINK", "HostPlan", "parse_link_items"]
+__all__ = ["DEFAULT_LINK", "HostPlan", "normalize_link_of", "parse_link_items"]
 
 #: every host's NIC rate when --hosts is given without --link
 DEFAULT_LINK = "1gbit"
@@ -41,6 +41,19 @@ def parse_link_items(items: Sequence[str]) -> dict[str, str]:
                               "(hosts are numbered workers first)")
         parse_rate(rate)
         out[str(int(host))] = rate.strip()
+    return out
+
+
+def normalize_link_of(value: object) -> dict[int, str]:
+    """``link_of`` as a spec file or JSON gives it (``{"3": "100mbit"}``) -> ``{3: ...}``."""
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"link_of must be a table of HOST = RATE, e.g. {{3 = \"100mbit\"}}; "
+                          f"got {value!r}")
+    out: dict[int, str] = {}
+    for host, rate in value.items():
+        if isinstance(host, bool) or not str(host).strip().isdigit():
+            raise ConfigError(f"link_of: {host!r} is not a host number (0, 1, ...)")
+        out[int(host)] = str(rate)
     return out
 
 
