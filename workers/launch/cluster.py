@@ -236,6 +236,9 @@ class LocalCluster:
         plan = self.plan
         self.net = self._net_stack.enter_context(emulated_cluster(
             plan.workers, plan.servers, plan.link, dict(plan.link_of), reach=True))
+        # at once, as processes.json: which namespace and address each host is, while
+        # the run goes on (`ip netns exec NAMESPACE ...` looks inside one)
+        write_json(self.out / "hosts.json", list(self.host_records() or ()))
         log.info("emulated hosts: %s", plan.describe())
 
     def host_records(self) -> tuple[JSONObject, ...] | None:
@@ -249,7 +252,8 @@ class LocalCluster:
             for k in range(self.spec.server.replicas + 1):
                 on.setdefault(self.plan.server_host(shard, k), []).append(
                     replica_name(shard, k))
-        return tuple({"host": h.index, "name": h.name, "role": h.role, "address": h.ip,
+        return tuple({"host": h.index, "name": h.name, "namespace": h.ns, "role": h.role,
+                      "address": h.ip,
                       "rate": self.plan.rate(h.index), "rate_bits": self.net.rate(h),
                       "processes": on.get(h.index, [])} for h in self.net.hosts)
 
