@@ -549,7 +549,7 @@ def hosts_text(hosts: JSONObject) -> str:
     workers, servers, link_of = hosts.get("workers"), hosts.get("servers"), hosts.get("link_of")
     slow = ", ".join(f"host {k} at {v}" for k, v in link_of.items()) \
         if isinstance(link_of, dict) else ""
-    return (f"Every run ran on emulated hosts (--hosts {workers}+{servers}; hosts are "
+    return (f"Every run was on emulated hosts (--hosts {workers}+{servers}; hosts are "
             f"numbered worker hosts first, worker r on worker host r % {workers}"
             + (", the shards on the worker hosts" if not servers else "")
             + f"): network namespaces on one bridge, every NIC shaped to "
