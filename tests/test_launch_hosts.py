@@ -11,11 +11,12 @@ SIGTERM; neither leaves a namespace or interface behind.
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import signal
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -67,13 +68,16 @@ def test_bad_hosts_and_rates_are_refused(hosts: str, link: str | None,
 
 
 def test_a_host_that_would_run_nothing_is_refused() -> None:
-    spec = dict(server=ServerConfig(), worker=WorkerConfig(steps=1))
+    def spec(**hosts: Any) -> ClusterSpec:
+        return ClusterSpec(num_servers=1, num_workers=2, server=ServerConfig(),
+                           worker=WorkerConfig(steps=1), **hosts)
+
     with pytest.raises(ConfigError, match="3 worker hosts for 2 worker"):
-        ClusterSpec(num_servers=1, num_workers=2, hosts="3+1", **spec)
+        spec(hosts="3+1")
     with pytest.raises(ConfigError, match="2 server hosts for 1 shard"):
-        ClusterSpec(num_servers=1, num_workers=2, hosts="2+2", **spec)
+        spec(hosts="2+2")
     with pytest.raises(ConfigError, match="give --hosts W\\+S too"):
-        ClusterSpec(num_servers=1, num_workers=2, link_of={0: "1mbit"}, **spec)
+        spec(link_of={0: "1mbit"})
 
 
 def _launch(*args: str) -> tuple[int, str]:
@@ -108,7 +112,7 @@ def test_launch_refuses_hosts_without_root(monkeypatch: pytest.MonkeyPatch,
 # ------------------------------------------------------------------ runs on hosts
 
 
-def _left(result: dict) -> list[str]:
+def _left(result: dict[str, Any]) -> list[str]:
     """The run's namespaces and interfaces that still exist."""
     namespaces = [h["namespace"] for h in result["hosts"]]
     tag = namespaces[0].split("-")[0].removeprefix("pscl")

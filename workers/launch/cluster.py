@@ -245,17 +245,8 @@ class LocalCluster:
         """Each emulated host: name, role, address, NIC rate, the processes it ran."""
         if self.plan is None or self.net is None:
             return None
-        on: dict[int, list[str]] = {}
-        for rank in range(self.spec.num_workers):
-            on.setdefault(self.plan.worker_host(rank), []).append(f"worker{rank}")
-        for shard in range(self.spec.num_servers):
-            for k in range(self.spec.server.replicas + 1):
-                on.setdefault(self.plan.server_host(shard, k), []).append(
-                    replica_name(shard, k))
-        return tuple({"host": h.index, "name": h.name, "namespace": h.ns, "role": h.role,
-                      "address": h.ip,
-                      "rate": self.plan.rate(h.index), "rate_bits": self.net.rate(h),
-                      "processes": on.get(h.index, [])} for h in self.net.hosts)
+        return self.plan.records(self.net, self.spec.num_workers, self.spec.num_servers,
+                                 self.spec.server.replicas)
 
     def _started(self, info: ProcessInfo) -> None:
         """Record a new process in processes.json at once, so that a user (or a test)

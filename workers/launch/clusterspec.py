@@ -166,7 +166,8 @@ class ClusterSpec:
                 raise ConfigError("--link and --link-of set the emulated hosts' NICs: give "
                                   "--hosts W+S too")
         else:
-            self.host_plan().check(self.num_workers, self.num_servers)
+            HostPlan.parse(self.hosts, self.link, self.link_of).check(self.num_workers,
+                                                                     self.num_servers)
 
     def host_plan(self) -> HostPlan | None:
         """The emulated hosts this run runs on (None: all on this machine's loopback)."""

@@ -21,8 +21,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from paramserver.errors import ConfigError
-from paramserver.util.jsontypes import JSONObject
-from paramserver.workers.launch.netcluster import MAX_HOSTS, parse_rate
+from paramserver.util.jsontypes import JSON, JSONObject
+from paramserver.workers.launch.netcluster import MAX_HOSTS, EmulatedCluster, parse_rate
 
 __all__ = ["DEFAULT_LINK", "HostPlan", "normalize_link_of", "parse_link_items"]
 
@@ -125,6 +125,21 @@ class HostPlan:
     def name(self, host: int) -> str:
         """``w0`` .. for worker hosts, ``s0`` .. for server hosts (the cluster's names)."""
         return f"w{host}" if host < self.workers else f"s{host - self.workers}"
+
+    def records(self, net: EmulatedCluster, workers: int, shards: int,
+                replicas: int = 0) -> tuple[JSONObject, ...]:
+        """Each host of ``net`` (made from this plan): its name, namespace, role,
+        address, NIC rate and the processes this plan puts on it."""
+        on: dict[int, list[JSON]] = {}
+        for rank in range(workers):
+            on.setdefault(self.worker_host(rank), []).append(f"worker{rank}")
+        for shard in range(shards):
+            for k in range(replicas + 1):
+                on.setdefault(self.server_host(shard, k), []).append(
+                    f"server{shard}" + (f"r{k}" if k else ""))
+        return tuple({"host": h.index, "name": h.name, "namespace": h.ns, "role": h.role,
+                      "address": h.ip, "rate": self.rate(h.index), "rate_bits": net.rate(h),
+                      "processes": on.get(h.index, [])} for h in net.hosts)
 
     def to_json(self) -> JSONObject:
         return {"workers": self.workers, "servers": self.servers, "link": self.link,
