@@ -30,6 +30,11 @@ Examples:
   # a spec file, one key overridden; run again into the same folder
   paramserver experiment --spec grid.toml --steps 50 --overwrite
 \b
+  # a network straggler: 4 worker hosts and 2 server hosts at 400 Mbit/s, worker
+  # host 3 at 100 Mbit/s (emulated hosts: Linux, as root; docs/experiments.md)
+  paramserver experiment --mode sync --mode async --mode ssp:2 --scenario none \\
+      --hosts 4+2 --link 400mbit --link-of 3=100mbit --steps 100 --seeds 1
+\b
   # check the published claims (Ho et al. 2013, Cui et al. 2014)
   paramserver experiment --preset literature --assert-literature
 \b
@@ -75,6 +80,10 @@ def experiment(assert_literature: bool, **flags: Any) -> None:
         spec = spec_from_flags(flags)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from exc
+    if spec.hosts is not None:
+        from paramserver.cli.launch import hosts_here
+
+        hosts_here()
     out = claim_grid_dir(flags, Path("runs") / spec.name)
     result = run_grid(console, spec, out, flags["quiet"], "runs",
                       lambda observer: run_experiment(spec, out, observer))

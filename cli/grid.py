@@ -87,6 +87,8 @@ def spec_from_flags(flags: dict[str, Any]) -> ExperimentSpec:
         "local_args": parse_kwargs(list(flags["local_args"])),
         "outer_args": parse_kwargs(list(flags["outer_args"])),
         **_budgets(flags["budget_seconds"], flags["budget_gradients"]), "command": command,
+        "hosts": flags.get("hosts"), "link": flags.get("link"),
+        "link_of": dict(flags.get("link_of") or ()),
     })
 
 
@@ -206,6 +208,8 @@ def grid_options(*, virtual: bool) -> Callable[[F], F]:
         cli_options.OVERWRITE,
         click.option("--quiet", is_flag=True, help="No progress bar and no summary table."),
     ]
+    if not virtual:  # real processes only: a simulation's network is its time model
+        options[-5:-5] = cli_options.HOST_FLAGS  # (before --spec)
 
     def decorate(fn: F) -> F:
         for option in reversed(options):

@@ -45,6 +45,11 @@ Examples:
   # everything from a file, one option overridden; show what would run
   paramserver launch --config run.toml --mode async --print-config
 \b
+  # sync across 4 emulated worker hosts and 2 server hosts (root, Linux), every NIC
+  # at 400 Mbit/s but worker host 3's at 100 Mbit/s: a network straggler
+  paramserver launch -s 2 -n 4 --mode sync --hosts 4+2 --link 400mbit \\
+      --link-of 3=100mbit --out runs/slow-nic
+\b
   # your own training script (on paramserver.DistributedOptimizer), once per worker
   paramserver launch -s 2 -n 3 --mode sync --out runs/mine -- python train.py --epochs 2
 \b
@@ -156,8 +161,10 @@ def _summary(spec: ClusterSpec, result: ClusterResult, out: Path) -> str:
     rejected = sum(w.rejected for w in workers)
     seconds = result.seconds
     what = " ".join(spec.command) if spec.command else spec.worker.task
+    plan = spec.host_plan()
     lines = [f"finished in {seconds:.1f}s: {spec.server.mode_spec().describe()}, "
-             f"{spec.num_servers} server(s) x {spec.num_workers} worker(s), {what}"]
+             f"{spec.num_servers} server(s) x {spec.num_workers} worker(s), {what}"
+             + (f", on {plan.describe()}" if plan else "")]
     if result.eval:
         lines.append("held-out " + ", ".join(f"{k} {v:.4f}" for k, v in result.eval.items()))
     lines.append(f"pushes {pushes} ({accepted} accepted, {rejected} rejected), "
@@ -234,6 +241,16 @@ def refuse_for_command(ctx: click.Context) -> None:
                                f"{why}", ctx)
 
 
+def hosts_here() -> None:
+    """--hosts: refused in one line (exit 2) where emulated hosts cannot be made."""
+    from paramserver.workers.launch import netcluster
+
+    problem = netcluster.netns_problem() or netcluster.tc_problem()
+    if problem:
+        raise click.UsageError(f"--hosts: {problem} (emulated hosts are network namespaces: "
+                               "Linux, as root, with iproute2)")
+
+
 def _process_line(info: ProcessInfo) -> str:
     return f"{info.name} pid {info.pid}"
 
@@ -304,8 +321,11 @@ def launch(ctx: click.Context, **opts: Any) -> None:
             metrics_port=opts["metrics_port"],
             tensorboard=opts["tensorboard"],
             command=command,
+            hosts=opts["hosts"], link=opts["link"], link_of=dict(opts["link_of"]),
         )
     options.maybe_print_config(ctx, opts)
+    if spec.hosts is not None:
+        hosts_here()
     if spec.metrics_port:  # the launcher's own port, then shard i's at PORT + 1 + i
         for port in range(spec.metrics_port, spec.metrics_port + num_servers + 1):
             options.check_port_free("--metrics-port", port)
@@ -317,8 +337,10 @@ def launch(ctx: click.Context, **opts: Any) -> None:
     console = cli_console(stderr=True)
     bar = step_progress(console, "loss {task.fields[loss]}", "{task.fields[rate]} updates/s",
                         disable=opts["quiet"])
+    plan = spec.host_plan()
     description = (f"{spec.server.mode_spec().describe()} {num_servers}x{num_workers} "
-                   f"{' '.join(command) if command else spec.worker.task}")
+                   f"{' '.join(command) if command else spec.worker.task}"
+                   + (f" on {plan.describe()}" if plan else ""))
     if not opts["quiet"]:
         console.print(f"paramserver launch: {description}; logs and results in {out}",
                       highlight=False)

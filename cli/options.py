@@ -363,6 +363,18 @@ def take_deprecated(ctx: click.Context, opts: dict[str, Any], old: str, new: str
 #: ``launch``, ``experiment``, ``simulate``: the old name of --num-servers, for one release
 SERVERS_COUNT = deprecated_flag("--servers", "--num-servers", type=click.IntRange(min=1))
 
+
+def launch_flag(name: str) -> Callable[[F], F]:
+    """``launch``'s option ``name`` (a ClusterSpec field) as another command's flag: the
+    same declaration and help, without its environment variable."""
+    spec = next(s for s in LAUNCH if s.name == name)
+    kwargs = {**spec.kwargs, "envvar": None, "show_envvar": False}
+    return click.option(*spec.decls, **kwargs)
+
+
+#: ``experiment``: the emulated hosts, as ``launch`` declares them
+HOST_FLAGS = [launch_flag("hosts"), launch_flag("link"), launch_flag("link_of")]
+
 #: ``launch``, ``experiment``, ``simulate``: a flag only, with no environment variable and
 #: no config-file key, so that deleting files is asked for each time (cli/outdir.py)
 OVERWRITE = click.option(

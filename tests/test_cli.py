@@ -301,7 +301,7 @@ def test_print_config_round_trips(tmp_path):
 
 
 @pytest.mark.parametrize(("text", "message"), [
-    ("stpes = 5", "unknown key 'stpes' in the top level; did you mean steps?"),
+    ("stpes = 5", "unknown key 'stpes' in the top level; did you mean steps"),
     ('mode = "bogus"', "mode = 'bogus': 'bogus' is not one of"),
     ('[launch]\nhost = "127.0.0.1"', "unknown key 'host' in [launch]"),
     ('mode = ["sync"]', "mode takes one value"),

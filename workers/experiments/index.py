@@ -197,6 +197,9 @@ class ExperimentIndex:
     simulated: SimSpec | None = None  # in virtual time, with this time model
     #: every cell ran this script once per worker (``task`` is then its shell line)
     command: tuple[str, ...] | None = None
+    #: every run on emulated hosts: W, S, the NIC rate and the slow hosts'
+    #: (HostPlan.to_json); None: on loopback
+    hosts: JSONObject | None = None
 
     def to_json(self) -> JSONObject:
         data: JSONObject = {
@@ -214,6 +217,8 @@ class ExperimentIndex:
         }
         if self.command is not None:
             data["command"] = list(self.command)
+        if self.hosts is not None:
+            data["hosts"] = self.hosts
         if self.simulated is not None:
             sim: JSONObject = dataclasses.asdict(self.simulated)
             data["simulated"] = sim
@@ -261,6 +266,7 @@ class ExperimentIndex:
             finished=get("finished", float, None),
             simulated=get("simulated", SimSpec, None),
             command=get("command", tuple[str, ...], None),
+            hosts=_open(doc, "hosts") if doc.get("hosts") is not None else None,
         )
 
     @classmethod

@@ -21,6 +21,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
+from paramserver.util.jsontypes import JSONObject
 from paramserver.workers.experiments import plots
 from paramserver.workers.experiments.index import (
     DEFAULT_NAME,
@@ -443,6 +444,8 @@ def render_report(out_dir: Path, exp: ExperimentIndex, summaries: Sequence[Confi
         f"{exp.servers} server(s), seeds {', '.join(map(str, exp.seeds))}, optimizer "
         f"{exp.optimizer}({opt_args}), target held-out loss {target:g}, {evaluation}. Finished "
         f"{dt.datetime.fromtimestamp(finished).isoformat(timespec='seconds')}.")))
+    if exp.hosts is not None:
+        blocks.append(("p", hosts_text(exp.hosts)))
     if step_ms > 0:
         blocks.append(("p", (
             f"Every step takes at least {step_ms:g} ms (StragglerSpec.min_step_time): this "
@@ -539,6 +542,20 @@ def render_report(out_dir: Path, exp: ExperimentIndex, summaries: Sequence[Confi
     md_path.write_text(_md(blocks), encoding="utf-8")
     html_path.write_text(_html(blocks, out_dir, f"Experiment {title}"), encoding="utf-8")
     return md_path, html_path, images
+
+
+def hosts_text(hosts: JSONObject) -> str:
+    """The emulated hosts every run ran on, in words (HostPlan.to_json's record)."""
+    workers, servers, link_of = hosts.get("workers"), hosts.get("servers"), hosts.get("link_of")
+    slow = ", ".join(f"host {k} at {v}" for k, v in link_of.items()) \
+        if isinstance(link_of, dict) else ""
+    return (f"Every run was on emulated hosts (--hosts {workers}+{servers}; hosts are "
+            f"numbered worker hosts first, worker r on worker host r % {workers}"
+            + (", the shards on the worker hosts" if not servers else "")
+            + f"): network namespaces on one bridge, every NIC shaped to "
+            f"{hosts.get('link')} both ways"
+            + (f", but {slow} (a network straggler)" if slow else "")
+            + ". The processes talk over TCP between the hosts' addresses.")
 
 
 def report_title(exp: ExperimentIndex) -> str:

@@ -164,6 +164,7 @@ def _index(spec: ExperimentSpec, outcomes: Sequence[RunOutcome], started: float,
                    for o in outcomes),
         started=started, finished=time.time() if finished else None, simulated=sim,
         command=tuple(spec.command) if spec.command else None,
+        hosts=plan.to_json() if (plan := spec.host_plan()) is not None else None,
     )
 
 
@@ -233,6 +234,9 @@ def simulate_experiment(spec: ExperimentSpec, out_dir: str | os.PathLike[str],
     if spec.command:
         raise ConfigError("a command runs as real processes: use paramserver experiment "
                           "(simulate runs the built-in loop in virtual time)")
+    if spec.hosts is not None:
+        raise ConfigError("emulated hosts run real processes: use paramserver experiment "
+                          "(simulate's network is its time model)")
     if any(spec.replicas):
         raise ConfigError("replicas are processes that take over from a dead one: use "
                           "paramserver experiment (simulate runs one core per shard)")

@@ -64,6 +64,7 @@ from paramserver.workers.experiments.index import (
     check_name,
 )
 from paramserver.workers.launch.cluster import ClusterSpec
+from paramserver.workers.launch.hostplan import HostPlan, normalize_link_of
 from paramserver.workers.tasks import resolve_task, task_parameters
 from paramserver.workers.worker import WorkerConfig
 
@@ -128,7 +129,7 @@ _SPEC_KEYS = ("name", "task", "task_args", "steps", "batch_size", "seeds", "num_
               "optimizer_args", "target_loss", "eval_every", "min_step_time", "device",
               "run_timeout", "lr_scaling", "warmup_steps", "momentum_target",
               "budget_seconds", "budget_gradients", "command", "local_optimizer", "local_args",
-              "outer_args", "evaluator", "replicas")
+              "outer_args", "evaluator", "replicas", "hosts", "link", "link_of")
 
 #: the most runs (configurations x seeds) a grid may hold: each is a cluster run of
 #: seconds to minutes, so more is a mistake (seeds = 1000000), refused at once
@@ -197,6 +198,11 @@ class ExperimentSpec:
     evaluator: int | None = None
     #: backups per shard (``launch --replicas``): one value, or a list to compare (an axis)
     replicas: list[int] = field(default_factory=lambda: [0])
+    #: every run on emulated hosts (``launch --hosts``): "W+S", every NIC at ``link``,
+    #: host K's at ``link_of[K]`` (a network straggler); None: on loopback
+    hosts: str | None = None
+    link: str | None = None
+    link_of: dict[int, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._check_command()
@@ -255,6 +261,7 @@ class ExperimentSpec:
                         dict(self.optimizer_args))
         self._check_local()
         self._check_replicas()
+        self.link_of = normalize_link_of(self.link_of)
         self._check_features()
 
     def _check_size(self) -> None:
@@ -451,7 +458,13 @@ class ExperimentSpec:
         return ClusterSpec(num_servers=self.servers, num_workers=config.workers, server=server,
                            worker=worker, stragglers=scenario.stragglers(config.workers),
                            run_timeout=self.run_timeout, command=self.command,
-                           cell=f"{config.id}/seed{seed}" if self.command else None)
+                           cell=f"{config.id}/seed{seed}" if self.command else None,
+                           hosts=self.hosts, link=self.link, link_of=dict(self.link_of))
+
+    def host_plan(self) -> HostPlan | None:
+        """The emulated hosts every run runs on (None: loopback)."""
+        return None if self.hosts is None else HostPlan.parse(self.hosts, self.link,
+                                                              self.link_of)
 
     def step_settings(self, mode: ModeChoice) -> StepSettings:
         """The step-size rules ``mode`` runs with: its own, else the spec's."""
@@ -498,6 +511,8 @@ class ExperimentSpec:
             "local_optimizer": self.local_optimizer, "local_args": dict(self.local_args),
             "outer_args": dict(self.outer_args),
             "evaluator": self.evaluator, "replicas": list(self.replicas),
+            "hosts": self.hosts, "link": self.link,
+            "link_of": {str(k): v for k, v in sorted(self.link_of.items())},
         }
         if self.command:  # the built-in loop's keys are not part of a command's grid
             for key in NOT_FOR_COMMANDS:

@@ -36,6 +36,7 @@ from typing import Any, BinaryIO
 from paramserver.errors import ConfigError, ParamServerError, RequestTimeoutError
 from paramserver.observe.events import write_json
 from paramserver.observe.recorder import JsonlFollower, LauncherObserver
+from paramserver.server.config import ServerConfig
 from paramserver.server.loop import READY_PREFIX
 from paramserver.util import lifeline
 from paramserver.util.jsontypes import JSONObject
@@ -49,6 +50,7 @@ from paramserver.workers.launch.clusterspec import (
     replica_name,
 )
 from paramserver.workers.launch.finalfigures import final_figures
+from paramserver.workers.launch.netcluster import EmulatedCluster, emulated_cluster
 from paramserver.workers.launch.processes import (
     ProcessInfo,
     command_python,
@@ -164,6 +166,11 @@ class LocalCluster:
         #: times the run logged no step for long (StallWatch), and when it went on
         self.stalls: list[StallRecord] = []
         self._stall = StallWatch(spec.stall_warning)
+        #: with --hosts: the emulated hosts every process runs on (made by start_servers,
+        #: deleted by stop, after the processes)
+        self.plan = spec.host_plan()
+        self.net: EmulatedCluster | None = None
+        self._net_stack = contextlib.ExitStack()
         #: every process started, restarts included; also in out_dir/processes.json
         self.processes: list[ProcessInfo] = []
         self._on_process = on_process
@@ -171,16 +178,17 @@ class LocalCluster:
     # ------------------------------------------------------------------ processes
 
     def _spawn(self, name: str, module: str, config: JSONObject, *,
-               ready_pipe: bool, append: bool = False) -> _Proc:
+               ready_pipe: bool, append: bool = False, host: int | None = None) -> _Proc:
         """Start ``python -m module config.json``; output goes to the log file, except
-        stdout of a server, which announces its address on it."""
+        stdout of a server, which announces its address on it. ``host``: on that
+        emulated host (its namespace is entered by exec, so never forked)."""
         cfg_path = self.out / "configs" / f"{name}.json"
         cfg_path.write_text(json.dumps(config, indent=2))
         log_path = self.out / "logs" / f"{name}.log"
         log_file = log_path.open("ab" if append else "wb")  # a restart keeps the history
         try:
             popen: subprocess.Popen[bytes] | ForkedProcess | None = None
-            if fork_enabled() and not self._cold_starts:
+            if fork_enabled() and not self._cold_starts and host is None:
                 try:
                     popen = self._fork(module, str(cfg_path), log_file, ready_pipe)
                 except ZygoteError as exc:
@@ -188,7 +196,7 @@ class LocalCluster:
                     self._cold_starts = True
             if popen is None:
                 popen = subprocess.Popen(
-                    [sys.executable, "-m", module, str(cfg_path)],
+                    [*self._prefix(host), sys.executable, "-m", module, str(cfg_path)],
                     stdout=subprocess.PIPE if ready_pipe else log_file,
                     stderr=log_file if ready_pipe else subprocess.STDOUT,
                     env={**self._env, **self.lifeline.env()}, pass_fds=self.lifeline.pass_fds,
@@ -199,6 +207,46 @@ class LocalCluster:
         self._started(ProcessInfo(name, role,
                                   popen.pid, time.time()))
         return _Proc(name, popen, log_path)
+
+    def _prefix(self, host: int | None) -> list[str]:
+        """What runs a program on emulated host ``host`` ([]: none, or no hosts)."""
+        if host is None or self.net is None:
+            return []
+        return self.net.exec_prefix(host)
+
+    def server_host(self, shard: int, replica: int = 0) -> int | None:
+        """The emulated host of ``shard``'s ``replica`` (None: no --hosts)."""
+        return None if self.plan is None else self.plan.server_host(shard, replica)
+
+    def worker_host(self, rank: int) -> int | None:
+        return None if self.plan is None else self.plan.worker_host(rank)
+
+    def bind_on(self, cfg: ServerConfig, shard: int, replica: int = 0) -> ServerConfig:
+        """``cfg`` bound to its emulated host's address (any port), where there are hosts."""
+        host = self.server_host(shard, replica)
+        if host is None or self.net is None:
+            return cfg
+        return dataclasses.replace(cfg, bind=f"tcp://{self.net.address(host)}:0")
+
+    def open_hosts(self) -> None:
+        """Make the emulated hosts (--hosts), reachable from here for the launcher's own
+        requests (stats, the final weights, SHUTDOWN); :meth:`stop` deletes them."""
+        if self.plan is None or self.net is not None:
+            return
+        plan = self.plan
+        self.net = self._net_stack.enter_context(emulated_cluster(
+            plan.workers, plan.servers, plan.link, dict(plan.link_of), reach=True))
+        # at once, as processes.json: which namespace and address each host is, while
+        # the run goes on (`ip netns exec NAMESPACE ...` looks inside one)
+        write_json(self.out / "hosts.json", list(self.host_records() or ()))
+        log.info("emulated hosts: %s", plan.describe())
+
+    def host_records(self) -> tuple[JSONObject, ...] | None:
+        """Each emulated host: name, role, address, NIC rate, the processes it ran."""
+        if self.plan is None or self.net is None:
+            return None
+        return self.plan.records(self.net, self.spec.num_workers, self.spec.num_servers,
+                                 self.spec.server.replicas)
 
     def _started(self, info: ProcessInfo) -> None:
         """Record a new process in processes.json at once, so that a user (or a test)
@@ -229,20 +277,23 @@ class LocalCluster:
             os.close(write_fd)
 
     def start_servers(self) -> list[str]:
+        self.open_hosts()
         self.observer.start(spec=self.spec.to_dict())
         deadline = time.monotonic() + self.spec.startup_timeout
         # backups first: each primary is told where its backups listen
         self.backups = [[self._spawn(replica_name(shard, k), "paramserver.server.loop",
-                                     self.spec.replica_config(shard, k, self.out).to_dict(),
-                                     ready_pipe=True)
+                                     self.bind_on(self.spec.replica_config(shard, k, self.out),
+                                                  shard, k).to_dict(),
+                                     ready_pipe=True, host=self.server_host(shard, k))
                          for k in range(1, self.spec.server.replicas + 1)]
                         for shard in range(self.spec.num_servers)]
         peers = [[self._await_ready(p, deadline) for p in procs] for procs in self.backups]
         for shard in range(self.spec.num_servers):
-            cfg = dataclasses.replace(self.spec.server_config(shard, self.out),
-                                      replica_peers=peers[shard])
+            cfg = dataclasses.replace(self.bind_on(self.spec.server_config(shard, self.out),
+                                                   shard), replica_peers=peers[shard])
             self.servers.append(self._spawn(f"server{shard}", "paramserver.server.loop",
-                                            cfg.to_dict(), ready_pipe=True))
+                                            cfg.to_dict(), ready_pipe=True,
+                                            host=self.server_host(shard)))
         self.addresses = [self._await_ready(p, deadline) for p in self.servers]
         self.replica_sets = [[a, *b] for a, b in zip(self.addresses, peers, strict=True)]
         return self.addresses
@@ -325,7 +376,7 @@ class LocalCluster:
             return self._run_command(rank, append)
         cfg = self.spec.worker_config(rank, self.worker_addresses(), self.out)
         return self._spawn(f"worker{rank}", WORKER_MODULE, cfg.to_dict(), ready_pipe=False,
-                           append=append)
+                           append=append, host=self.worker_host(rank))
 
     def _run_command(self, rank: int, append: bool) -> _Proc:
         """The user's command as worker ``rank`` (not forked: it is not our module)."""
@@ -338,7 +389,8 @@ class LocalCluster:
                **self.lifeline.env()}  # its DistributedOptimizer watches it
         with log_path.open("ab" if append else "wb") as log_file:
             try:
-                popen = subprocess.Popen(self.spec.command, stdout=log_file,
+                popen = subprocess.Popen([*self._prefix(self.worker_host(rank)),
+                                          *self.spec.command], stdout=log_file,
                                          stderr=subprocess.STDOUT, env=env,
                                          stdin=subprocess.DEVNULL,
                                          pass_fds=self.lifeline.pass_fds)
@@ -513,7 +565,7 @@ class LocalCluster:
         if old.popen.stdout is not None:
             old.popen.stdout.close()
         proc = self._spawn(f"server{shard}", "paramserver.server.loop", cfg.to_dict(),
-                           ready_pipe=True, append=True)
+                           ready_pipe=True, append=True, host=self.server_host(shard))
         self.servers[shard] = proc
         self._await_ready(proc, time.monotonic() + self.spec.startup_timeout)
         self.restarts.append(RestartRecord(f"server{shard}", time.time(),
@@ -555,7 +607,14 @@ class LocalCluster:
                         dict(self._progress_loss), 0, time.time() - self._t0)
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop every process: ask politely (SIGTERM), then insist (SIGKILL)."""
+        """Stop every process: ask politely (SIGTERM), then insist (SIGKILL); then
+        delete the emulated hosts, if any (and kill what still runs on them)."""
+        try:
+            self._stop_processes(timeout)
+        finally:
+            self._net_stack.close()
+
+    def _stop_processes(self, timeout: float) -> None:
         procs = self.workers + self._all_servers()
         for p in procs:
             if p.popen.poll() is None:
@@ -645,6 +704,7 @@ def run_cluster(spec: ClusterSpec, out_dir: str | Path,
         metrics_ports=cluster.metrics_ports,
         processes=tuple(cluster.processes),
         eval_of=eval_of,
+        hosts=cluster.host_records(),
     )
     write_json(out / "result.json", result.to_json())
     return result

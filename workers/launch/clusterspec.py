@@ -26,6 +26,12 @@ from paramserver.workers.config import (
     WorkerConfig,
     check_evaluator,
 )
+from paramserver.workers.launch.hostplan import (
+    DEFAULT_LINK,
+    HostPlan,
+    normalize_link_of,
+    parse_link_items,
+)
 from paramserver.workers.stragglerspec import StragglerSpec, parse_straggler_items
 
 if TYPE_CHECKING:
@@ -62,6 +68,25 @@ class ClusterSpec:
         metavar="RANK:KEY=VALUE",
         help="Slow down one worker only, e.g. 1:slowdown=3 or 2:delay=exp:0.05 (repeatable; "
              "keys as the straggler options).")
+    #: emulated hosts (paramserver/workers/launch/hostplan.py): "W+S", None: none
+    hosts: str | None = option(
+        None, metavar="W+S",
+        help="Run on emulated hosts (Linux, root): W worker hosts and S server hosts, each "
+             "a network namespace on one bridge with a NIC shaped to --link both ways. "
+             "Worker r runs on worker host r % W, shard i on server host i % S (S = 0: on "
+             "the worker hosts); they talk over TCP between the hosts' addresses, as "
+             "across machines.")
+    link: str | None = option(
+        None, metavar="RATE",
+        help=f"With --hosts: every host's NIC rate, both ways, in tc's units (400mbit, "
+             f"1gbit, 2.5gbit) [default: {DEFAULT_LINK}].")
+    #: host -> its NIC rate, in place of ``link``
+    link_of: dict[int, str] = option(
+        default_factory=dict, flag="link-of", kind="pairs", table=False,
+        parse=parse_link_items, metavar="HOST=RATE",
+        help="With --hosts: host HOST's NIC at RATE instead, e.g. 2=100mbit: a network "
+             "straggler (repeatable). Hosts are numbered worker hosts first (0 .. W-1), "
+             "then server hosts (W .. W+S-1).")
     startup_timeout: float = option(120.0, min=0, min_open=True, metavar="SECONDS",
                                     help="How long a server may take to report its address.")
     run_timeout: float | None = option(None, min=0, min_open=True, metavar="SECONDS",
@@ -135,6 +160,20 @@ class ClusterSpec:
             raise ConfigError("--replicas works without --restart-servers (the launcher "
                               "replaces a dead replica itself, from its live peer's state)")
         features.check(self.features())  # one table: paramserver/core/features.py
+        self.link_of = normalize_link_of(self.link_of)  # (JSON and TOML keys are text)
+        if self.hosts is None:
+            if self.link is not None or self.link_of:
+                raise ConfigError("--link and --link-of set the emulated hosts' NICs: give "
+                                  "--hosts W+S too")
+        else:
+            HostPlan.parse(self.hosts, self.link, self.link_of).check(self.num_workers,
+                                                                     self.num_servers)
+
+    def host_plan(self) -> HostPlan | None:
+        """The emulated hosts this run runs on (None: all on this machine's loopback)."""
+        if self.hosts is None:
+            return None
+        return HostPlan.parse(self.hosts, self.link, self.link_of)
 
     def features(self) -> set[str]:
         """The features of paramserver/core/features.py this run turns on."""
@@ -232,6 +271,7 @@ class ClusterSpec:
         """The spec as a JSON document (result.json's ``spec``, the launcher's start event)."""
         data: JSONObject = dataclasses.asdict(self)
         data["stragglers"] = {str(k): dataclasses.asdict(v) for k, v in self.stragglers.items()}
+        data["link_of"] = {str(k): v for k, v in sorted(self.link_of.items())}
         return data
 
 

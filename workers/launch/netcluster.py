@@ -18,6 +18,11 @@ Hosts are numbered workers first: with W worker and S server hosts, hosts
 ``0 .. W-1`` are the workers' and ``W .. W+S-1`` the servers'. The addresses
 (``10.x.y.1`` up, one /24 per cluster) exist only inside the namespaces: the
 bridge has no address, so nothing in the initial namespace routes to them.
+With ``reach=True`` the bridge itself gets an address too (``10.x.y.254``): the
+initial namespace (a launcher that asks its shards for statistics, the final
+weights, to stop) then reaches every host, across that host's shaped NIC. Still
+nothing beyond this machine does: a host's namespace has no route but its /24,
+so it cannot answer a peer outside the cluster.
 Names carry a random tag, so clusters side by side do not clash, and
 :func:`emulated_cluster` removes everything it made (the processes still in its
 namespaces killed, the namespaces, veths and bridge deleted) however its block
@@ -47,7 +52,7 @@ from paramserver.errors import ConfigError, ParamServerError
 
 __all__ = ["NIC", "EmulatedCluster", "Host", "NetnsUnavailable", "emulated_cluster",
            "existing_links", "existing_namespaces", "kill_namespace", "netns_problem",
-           "parse_rate", "term_unwinds"]
+           "parse_rate", "tc_problem", "term_unwinds"]
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +60,8 @@ log = logging.getLogger(__name__)
 NIC = "eth0"
 #: most hosts in one cluster (one /24, the bridge's ports)
 MAX_HOSTS = 200
+#: the last byte of the bridge's own address (``reach=True``), above every host's
+_BRIDGE_HOST = 254
 _UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
 _RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?bit)?\s*$", re.IGNORECASE)
 
@@ -74,7 +81,8 @@ def netns_problem() -> str | None:
     return None
 
 
-def _tc_problem() -> str | None:
+def tc_problem() -> str | None:
+    """Why NIC rates cannot be shaped here (no ``tc``), or None."""
     return None if shutil.which("tc") else "the `tc` command (iproute2) is not installed"
 
 
@@ -176,8 +184,10 @@ class EmulatedCluster:
     """The hosts of a running :func:`emulated_cluster` and what can be done to their links."""
 
     def __init__(self, tag: str, bridge: str, hosts: Sequence[Host],
-                 rates: Mapping[int, int]) -> None:
+                 rates: Mapping[int, int], reach_address: str | None = None) -> None:
         self.tag, self.bridge = tag, bridge
+        #: the initial namespace's address on the bridge (``reach=True``), else None
+        self.reach_address = reach_address
         self.hosts: tuple[Host, ...] = tuple(hosts)
         self.workers = tuple(h for h in hosts if h.role == "worker")
         self.servers = tuple(h for h in hosts if h.role == "server")
@@ -278,11 +288,12 @@ def _resolve_rates(count: int, rate: str | int, rates: Mapping[int, str | int]
 
 @contextlib.contextmanager
 def emulated_cluster(workers: int, servers: int = 0, rate: str | int = "1gbit",
-                     rates: Mapping[int, str | int] | None = None
+                     rates: Mapping[int, str | int] | None = None, reach: bool = False
                      ) -> Iterator[EmulatedCluster]:
     """``workers`` + ``servers`` hosts on one bridge, every NIC at ``rate`` (a ``tc``
     rate such as ``400mbit``, or bits/s) both ways, host ``k`` at ``rates[k]`` where
-    given; all of it deleted on the way out.
+    given; all of it deleted on the way out. ``reach``: this namespace reaches the
+    hosts' addresses too (through the bridge's own address).
 
     Raises :class:`ConfigError` for bad counts or rates (before making anything) and
     :class:`NetnsUnavailable` (after cleaning up) where a step fails.
@@ -292,7 +303,7 @@ def emulated_cluster(workers: int, servers: int = 0, rate: str | int = "1gbit",
         raise ConfigError(f"an emulated cluster has 1 to {MAX_HOSTS} hosts; got "
                           f"{workers} worker and {servers} server hosts")
     bits = _resolve_rates(count, rate, rates or {})
-    problem = netns_problem() or _tc_problem()
+    problem = netns_problem() or tc_problem()
     if problem:
         raise NetnsUnavailable(problem)
     tag = uuid.uuid4().hex[:6]
@@ -303,7 +314,8 @@ def emulated_cluster(workers: int, servers: int = 0, rate: str | int = "1gbit",
                   f"{net}.{i + 1}", NIC, f"pco{tag}x{i}") for i in range(count)]
     made_ns: list[str] = []
     made_links: list[str] = []
-    cluster = EmulatedCluster(tag, bridge, hosts, bits)
+    cluster = EmulatedCluster(tag, bridge, hosts, bits,
+                              f"{net}.{_BRIDGE_HOST}" if reach else None)
     with term_unwinds():
         try:
             # a bridge without STP: a port forwards the moment it is up (also on restore)
@@ -329,6 +341,9 @@ def emulated_cluster(workers: int, servers: int = 0, rate: str | int = "1gbit",
                     ("tc", "-n", h.ns, "qdisc", "add", "dev", h.nic, "root", *_tbf(bits[h.index])),
                     ("tc", "qdisc", "add", "dev", h.port, "root", *_tbf(bits[h.index])),
                 ])
+            if cluster.reach_address:
+                _run_steps([("ip", "addr", "add", f"{cluster.reach_address}/24", "dev",
+                             bridge)])
             _run_steps([("ip", "link", "set", bridge, "up")])
             log.info("emulated cluster %s: %d worker and %d server hosts on %s.0/24", tag,
                      workers, servers, net)

@@ -95,7 +95,7 @@ class ReplicaKeeper:
         log.warning("shard %d: starting %s in place of %s, to rejoin as a backup of %s",
                     shard, name, old.name, peers[0])
         proc = c._spawn(name, "paramserver.server.loop", cfg.to_dict(), ready_pipe=True,
-                        append=True)
+                        append=True, host=c.server_host(shard, replica))
         if replica == 0:
             c.servers[shard] = proc
         else:

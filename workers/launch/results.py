@@ -167,6 +167,9 @@ class ClusterResult:
     #: what ``eval`` is of: FINAL_WEIGHTS or LAST_IN_LOOP (None: not evaluated, or a
     #: result.json from before this was recorded; see :attr:`eval_source`)
     eval_of: str | None = None
+    #: ``launch --hosts``: each emulated host (name, role, address, NIC rate, the
+    #: processes it ran); None: the run was on this machine's loopback
+    hosts: tuple[JSONObject, ...] | None = None
 
     @property
     def eval_source(self) -> str | None:
@@ -212,6 +215,8 @@ class ClusterResult:
             data["metrics_ports"] = {k: v for k, v in self.metrics_ports.items()}
         if self.processes is not None:
             data["processes"] = [p.as_dict() for p in self.processes]
+        if self.hosts is not None:
+            data["hosts"] = [h for h in self.hosts]
         if self.sim is not None:
             data["simulated"] = True
             data["sim"] = self.sim.to_json()
@@ -221,8 +226,8 @@ class ClusterResult:
     def from_json(cls, data: JSON) -> ClusterResult:
         """``result.json`` read back (a ValueError names what does not fit)."""
         doc = _object(data, "result.json")
-        alarms, ports, procs, sim = (doc.get(k) for k in ("alarms", "metrics_ports",
-                                                          "processes", "sim"))
+        alarms, ports, procs, sim, hosts = (doc.get(k) for k in (
+            "alarms", "metrics_ports", "processes", "sim", "hosts"))
         return cls(
             spec=_object(doc.get("spec"), "spec"),
             addresses=_field(doc, "addresses", tuple[str, ...]),
@@ -242,6 +247,8 @@ class ClusterResult:
                                                         tuple[ProcessInfo, ...]),
             sim=None if sim is None else _field(doc, "sim", SimSummary),
             eval_of=None if doc.get("eval_of") is None else _field(doc, "eval_of", str),
+            hosts=None if hosts is None else tuple(
+                _object(h, "a host") for h in _list(doc, "hosts")),
         )
 
     @classmethod
