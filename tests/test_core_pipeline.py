@@ -81,7 +81,7 @@ def test_parts_pipelined_give_the_whole_round_weights_bit_for_bit(lr_scaling: st
         assert core.version == reference.version
         for key, p in reference.params.items():
             assert torch.equal(core.params[key], p), (arrivals, key)
-        if {k for _, k in arrivals[:WORKERS]} == {0}:  # a part's keys were final before the last part: handed out early
+        if {k for _, k in arrivals[:WORKERS]} == {0}:  # final before the last part: early
             assert core.ahead.committed == 2 and all(early), arrivals
         assert core.stats() is not None
 

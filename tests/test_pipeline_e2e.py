@@ -54,7 +54,7 @@ def _worker(addresses: list[str], rank: int, early: bool,
 
 
 def _train(early: bool) -> tuple[dict[int, dict[str, torch.Tensor]], list[dict[str, int]]]:
-    with sync_shards(2, LR, "pipe", workers=WORKERS) as addresses:
+    with sync_shards(1, LR, "pipe", workers=WORKERS) as addresses:
         out: dict[int, dict[str, torch.Tensor] | BaseException] = {}
         threads = [threading.Thread(target=_worker, args=(addresses, r, early, out))
                    for r in range(WORKERS)]

@@ -83,7 +83,7 @@ class PSClient:
         barrier_timeout: float = 0.0,
         shm: bool = True,
         optimizer: Mapping[str, Any] | None = None,
-        early_parts: bool = True,
+        early_parts: bool = False,
     ) -> None:
         if len(addresses) != plan.num_shards:
             raise TransportError(
@@ -146,7 +146,9 @@ class PSClient:
             raise ConfigError(f"part_bytes must be >= 0 (0: never split), got {part_bytes}")
         self.part_bytes = part_bytes
         # a push_pull in parts asks each shard, over TCP, for the next weights of the
-        # slices whose round is final before the round closes (pipelined per part)
+        # slices whose sums are final before the round closes (pipelined per part,
+        # docs/performance.md): off by default, as on one host (loopback) the CPU,
+        # not the link, is the limit, and the early replies cost more than they save
         self.early_parts = early_parts
         # the most bytes a push sends one shard (16-bit wire dtypes send fewer)
         self._largest_share = max(

@@ -251,6 +251,18 @@ class SyncRound:
         return {k for k in touched if k in self.written and k not in self.sealed
                 and all(self._has(w, k) for w in order)}
 
+    def totals(self, stream: Stream) -> tuple[int, int]:
+        """(samples, contributors) the round will close with if every push begun, and
+        ``stream``, is accepted as it was decided: once a key is final every worker
+        the round waits for has begun its push, so these are the close's."""
+        samples, contributors = self.samples, self.accepted
+        for worker, s in {**self.streams, stream.info.worker: stream}.items():
+            if (worker not in self.members and s.decision is not None
+                    and s.decision.accept and not s.voided):
+                samples += s.info.num_samples
+                contributors += 1
+        return samples, contributors
+
     def _add(self, grads: Mapping[str, torch.Tensor], alpha: float, borrow: bool,
              worker: int | None = None) -> None:
         if self.sealed and not self.sealed.isdisjoint(grads):

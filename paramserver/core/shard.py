@@ -488,21 +488,12 @@ class ShardCore:
 
     def _step_final(self, stream: Stream) -> None:
         """Step ahead the keys whose sums just became final, in a round with several
-        contributors summed by worker id, if its step only reads them (the round
-        is pipelined per part: paramserver/core/ahead.py). The rate is the one the
-        close will compute: known once every worker the round waits for has begun
-        its push, which a final key implies."""
+        contributors summed by worker id, if its step only reads them (pipelined per
+        part: paramserver/core/ahead.py), at the rate the close will compute."""
         final = self.round.complete()
         if not final or not self.stepper.reads_only(self.params):
             return
-        samples, contributors = self.round.samples, self.round.accepted
-        opened = dict(self.round.streams)
-        opened[stream.info.worker] = stream
-        for worker, s in opened.items():
-            if (worker not in self.round.members and s.decision is not None
-                    and s.decision.accept and not s.voided):
-                samples += s.info.num_samples
-                contributors += 1
+        samples, contributors = self.round.totals(stream)
         if samples <= 0:
             return
         rate = self.stepper.fused_alpha(samples, contributors, self.version)
