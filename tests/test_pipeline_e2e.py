@@ -26,10 +26,9 @@ def _model() -> torch.nn.Module:
                                torch.nn.Linear(32, 8))
 
 
-def _worker(addresses: list[str], rank: int, early: bool,
+def _worker(addresses: list[str], rank: int, early: bool, model: torch.nn.Module,
             out: dict[int, dict[str, torch.Tensor] | BaseException]) -> None:
     try:
-        model = _model()
         params = dict(model.named_parameters())
         plan = ShardPlan.from_module(model, len(addresses), chunk_bytes=1 << 12)
         # parts of at most 4 KiB: several per shard each round
@@ -56,7 +55,8 @@ def _worker(addresses: list[str], rank: int, early: bool,
 def _train(early: bool) -> tuple[dict[int, dict[str, torch.Tensor]], list[dict[str, int]]]:
     with sync_shards(1, LR, "pipe", workers=WORKERS) as addresses:
         out: dict[int, dict[str, torch.Tensor] | BaseException] = {}
-        threads = [threading.Thread(target=_worker, args=(addresses, r, early, out))
+        # the models are made here: torch's global seed is not the threads' own
+        threads = [threading.Thread(target=_worker, args=(addresses, r, early, _model(), out))
                    for r in range(WORKERS)]
         for t in threads:
             t.start()
