@@ -1,4 +1,4 @@
-"""Sync shard servers for one worker, each in an agent process, for tests."""
+"""Sync shard servers (for one worker, or ``workers``), each in an agent process, for tests."""
 
 from __future__ import annotations
 
@@ -10,15 +10,16 @@ from paramserver.workers.admin import shutdown_servers
 
 
 @contextmanager
-def sync_shards(count: int, lr: float, label: str = "shard") -> Iterator[list[str]]:
-    """``count`` sync shards (plain SGD at ``lr``, one expected worker); their
+def sync_shards(count: int, lr: float, label: str = "shard",
+                workers: int = 1) -> Iterator[list[str]]:
+    """``count`` sync shards (plain SGD at ``lr``, ``workers`` expected workers); their
     addresses. They are shut down, and their processes gone, on exit."""
     agents = [Agent(f"{label}{i}") for i in range(count)]
     addrs: list[str] = []
     try:
         for i, a in enumerate(agents):
             a.send("ps_serve", config={"shard": i, "num_shards": count, "mode": "sync",
-                                       "expected_workers": 1, "optimizer": "sgd",
+                                       "expected_workers": workers, "optimizer": "sgd",
                                        "optimizer_args": {"lr": lr}, "heartbeat_timeout": 60})
         addrs = [text(a.read(60), "address") for a in agents]
         yield addrs

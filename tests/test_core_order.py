@@ -59,7 +59,7 @@ def test_the_same_pushes_in_any_arrival_order_give_the_same_weights_bit_for_bit(
         for key in reference.params:
             assert torch.equal(core.params[key], reference.params[key]), (arrivals, key)
     # nothing is left set aside once the rounds closed
-    assert not reference.round.waiting and not reference.round.turn
+    assert not reference.round.waiting and not reference.round.adding
 
 
 def test_the_same_pushes_summed_as_they_arrive_end_apart():

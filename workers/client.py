@@ -84,6 +84,7 @@ class PSClient:
         shm: bool = True,
         optimizer: Mapping[str, Any] | None = None,
         run_id: str | None = None,
+        early_parts: bool = False,
     ) -> None:
         if len(addresses) != plan.num_shards:
             raise TransportError(
@@ -150,6 +151,11 @@ class PSClient:
         if part_bytes < 0:
             raise ConfigError(f"part_bytes must be >= 0 (0: never split), got {part_bytes}")
         self.part_bytes = part_bytes
+        # a push_pull in parts asks each shard, over TCP, for the next weights of the
+        # slices whose sums are final before the round closes (pipelined per part,
+        # docs/performance.md): off by default, as on one host (loopback) the CPU,
+        # not the link, is the limit, and the early replies cost more than they save
+        self.early_parts = early_parts
         # the most bytes a push sends one shard (16-bit wire dtypes send fewer)
         self._largest_share = max(
             (sum(s.numel * DTYPES[s.dtype].itemsize for s in sl) for sl in self._shard_slices),
@@ -544,7 +550,7 @@ class PSClient:
         the last part to each shard also asks for the next weights."""
         stream = PushStream(self, self.worker, self.next_push_id(), [len(g) for g in groups],
                             read_versions, num_samples, clock, prefetch=params is not None,
-                            early=False, loss=loss, window=PART_WINDOW)
+                            early=self.early_parts, loss=loss, window=PART_WINDOW)
         for shard, parts in enumerate(groups):
             for tensors in parts:
                 stream.send_part(shard, tensors)

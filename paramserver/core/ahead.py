@@ -29,6 +29,20 @@ The second buffer is the round's aggregation buffer, which such a round does
 not use; or, once the weights live in the shard's weight board
 (paramserver/board.py), the board's other slot (:class:`AheadSlot`, given by
 the server), held open in its seqlock until it is adopted or dropped.
+
+**Several contributors (pipelined per part, issue 45).** A round summed by
+worker id (no backup workers) knows a key's sum is final once every worker it
+waits for has its part of that key in (:meth:`SyncRound.complete
+<paramserver.core.rounds.SyncRound.complete>`), and the step's rate once every
+one of them has begun its push (the divisor is their samples). So the same
+out-of-place step is taken key by key as each sum becomes final, into a spare
+buffer of its own (the aggregation buffer holds the sums), and what it made
+goes back with any later answer while later parts still arrive. The round's
+version, its step and its answer are unchanged: the commit at the close is the
+same check as for a lone push (every key, at the rate the close computes,
+through the step guard), and a key written after it was stepped (a worker came
+back into the round) drops it all. Such early weights are copied once per key,
+not once per worker, and the copies are never written again.
 """
 
 from __future__ import annotations
@@ -93,27 +107,36 @@ class StepAhead:
         self.committed = 0  # rounds whose step was taken ahead
         self.found_busy = 0  # tries dropped because more work was waiting
         self.last_commit: int | None = None  # the version the last such step made
+        self.shared = False  # the round has several contributors (stepped into spare)
+        self.spare: dict[torch.dtype, torch.Tensor] | None = None  # (made when first used)
+        self.mixed = False  # another worker joined a lone round: no lone step this round
+        self.copies: dict[str, torch.Tensor] = {}  # the next weights handed out, copied
 
-    def part(self, grads: Mapping[str, torch.Tensor], alpha: float | None, more: bool) -> None:
-        """``w + alpha * g`` for the keys of one part of the round's lone push; ``more``:
+    def part(self, grads: Mapping[str, torch.Tensor], alpha: float | None, more: bool,
+             shared: bool = False) -> None:
+        """``w + alpha * g`` for the keys of one part of the round's lone push, or
+        (``shared``) for keys whose sums over several contributors are final; ``more``:
         later parts are still to come (a round is begun only then); ``alpha`` None:
         the step's rate is not known before the close, so nothing is done ahead."""
         if self.active is False:
             return
-        if alpha is None:
+        if alpha is None or (self.mixed and not shared) or (
+                self.active and shared != self.shared):
             self.drop()
             return
         if self.active is None and (not more or (self.rest > 0 and not self.eager)):
             self.active = False
             return
-        if self.busy is not None and not self.eager and self.busy():
+        # (a shared round once begun goes on: its keys come one part at a time anyway)
+        if (self.busy is not None and not self.eager and not (shared and self.active)
+                and self.busy()):
             self.drop()
             self.found_busy += 1
             self.rest = min(REST_ROUNDS, 1 << self.misses)
             self.misses += 1
             return
         if self.active is None:
-            if not self._begin():
+            if not self._begin(shared):
                 return
             self.alpha = alpha
         elif alpha != self.alpha:
@@ -127,12 +150,18 @@ class StepAhead:
                 torch.add(self.params[key], g, alpha=alpha, out=self.next[key])
         self.keys.update(grads)
 
-    def _begin(self) -> bool:
+    def _begin(self, shared: bool = False) -> bool:
         # (a version may come again after a checkpoint is restored: only this
         # round's commit may vouch for what it hands out)
         self.last_commit = None
         self.on_board = self.slot is not None
-        flats = self.slot.begin() if self.slot is not None else self.round.flat_buffer()
+        self.shared = shared
+        if self.slot is not None:
+            flats = self.slot.begin()
+        elif shared:
+            flats = self._spare()
+        else:
+            flats = self.round.flat_buffer()
         if flats is None or not self.flats:
             self.active = False
             return False
@@ -163,6 +192,30 @@ class StepAhead:
             self.last_commit = version
         return done
 
+    def _spare(self) -> dict[torch.dtype, torch.Tensor]:
+        """The buffer a round with several contributors is stepped into (its sums
+        are in the aggregation buffer); the weights' old storage after a commit."""
+        if self.spare is None or any(self.spare[d].numel() != f.numel()
+                                     for d, f in self.flats.items()):
+            self.spare = {d: torch.empty_like(f) for d, f in self.flats.items()}
+        return self.spare
+
+    def not_alone(self) -> None:
+        """Another worker is in the round: a lone push's step ahead (into the
+        aggregation buffer, which now holds sums) is dropped, and none begins."""
+        self.mixed = True
+        if self.active and not self.shared:
+            self.drop()
+
+    def released(self, exclude: Collection[str], lend: bool = False
+                 ) -> dict[str, torch.Tensor] | None:
+        """The next weights of every key computed this round but ``exclude`` (those
+        already handed to the asker), as :meth:`ready` gives them; None: none."""
+        if not self.active:
+            return None
+        keys = [k for k in self.params if k in self.keys and k not in exclude]
+        return self.ready(keys, lend) if keys else None
+
     def ready(self, keys: Collection[str], lend: bool = False
               ) -> dict[str, torch.Tensor] | None:
         """The next weights of ``keys``, if all of them were computed this round (None:
@@ -173,7 +226,7 @@ class StepAhead:
         if not (self.active and keys) or not self.keys.issuperset(keys):
             return None
         if self.on_board or not lend:  # zmq never lends a board slot (it may be remapped)
-            return {key: self.next[key].clone() for key in keys}
+            return {key: self._copy(key) for key in keys}
         # Lent as they are. Until the round closes only a round that is not this
         # worker's alone any more writes them, and it drops them (its answer then
         # carries all the weights). If the round commits, they become the weights,
@@ -182,9 +235,18 @@ class StepAhead:
         # go out before the round's answer: one connection keeps its order).
         return {key: self.next[key] for key in keys}
 
+    def _copy(self, key: str) -> torch.Tensor:
+        """A copy of ``key``'s next weights, made once this round (every worker that
+        asks gets the same one; nothing writes it again)."""
+        copy = self.copies.get(key)
+        if copy is None:
+            copy = self.copies[key] = self.next[key].clone()
+        return copy
+
     def _swap(self) -> None:
-        """The weights' flat buffers and the round's buffer trade storage."""
-        agg = self.round.flat_buffer()
+        """The weights' flat buffers and the buffer stepped into trade storage (the
+        round's buffer, or for several contributors the spare one)."""
+        agg = self.spare if self.shared else self.round.flat_buffer()
         assert agg is not None
         with torch.no_grad():
             for dtype, flat in self.flats.items():
@@ -194,7 +256,8 @@ class StepAhead:
                 other.data = mine
                 for key, start, numel in self.layout.groups[dtype]:
                     self.params[key].data = flat.data[start:start + numel]
-                    self.round.agg[key].data = other.data[start:start + numel]
+                    if not self.shared:
+                        self.round.agg[key].data = other.data[start:start + numel]
 
     def drop(self) -> None:
         """Forget what was computed this round (it stays dropped until the round ends)."""
@@ -205,6 +268,7 @@ class StepAhead:
         self.active = False
         self.next = {}
         self.keys = set()
+        self.copies = {}
 
     def end_round(self) -> None:
         """The round closed (stepped or not): the next one starts afresh."""
@@ -212,8 +276,11 @@ class StepAhead:
         if self.active:
             self.drop()
         self._reset()
+        self.mixed = False
 
     def _reset(self) -> None:
         self.active = None
         self.next = {}
         self.keys = set()
+        self.copies = {}
+        self.shared = False

@@ -18,14 +18,22 @@ the step reads them directly, one pass over the shard fewer. What was added
 cannot be taken back out, so a push given up half-way makes the round *void*: it
 closes without a step.
 
-The buffer is summed in one fixed order, by worker id (and by part within a
-worker), not in arrival order: float addition is not associative, and a round
-summed as it arrives makes two identical runs end apart. A part may be added as
-it comes only when every worker the round waits for with a lower id has joined
-it; otherwise the part is copied aside (:attr:`SyncRound.waiting`) and folded in
-its turn. So an out-of-order arrival costs a copy of its part until its turn, at
-most the shard's size per worker ahead of a slower one. With backup workers the
-contributors themselves depend on timing, so the round sums in arrival order.
+The buffer is summed in one fixed order, by worker id, key by key, not in
+arrival order: float addition is not associative, and a round summed as it
+arrives makes two identical runs end apart. A worker's part of a key may be
+added as it comes only when every worker with a lower id that the round waits
+for (or that is in it) has its part of that key in the buffer, or adds nothing
+to this round; otherwise the part is copied aside (:attr:`SyncRound.waiting`)
+and folded in its turn. So an out-of-order arrival costs a copy of its part
+until its turn, at most the shard's size per worker ahead of a slower one.
+With backup workers the contributors themselves depend on timing, so the round
+sums in arrival order.
+
+Because the order is per key, a key's sum is final as soon as every worker the
+round waits for has its part of it in (:meth:`SyncRound.complete`), while
+later parts still arrive: its step can then be taken ahead (core/ahead.py,
+"pipelined per part"). A key released so (:attr:`SyncRound.sealed`) that is
+written again (a worker came back into the round) calls :attr:`SyncRound.reopened`.
 
 :class:`Seeding` is the bookkeeping of an INIT sent in parts: who seeds the
 weights and which parts and keys are in; which parts are taken and when the
@@ -85,7 +93,12 @@ class SyncRound:
         self.roster = roster
         # worker -> its parts that came before their turn: (gradients, factor)
         self.waiting: dict[int, list[tuple[dict[str, torch.Tensor], float]]] = {}
-        self.turn: set[int] = set()  # workers whose parts are added as they come
+        # worker (not joined yet) -> keys of its push in the buffer
+        self.adding: dict[int, set[str]] = {}
+        self.silent: set[int] = set()  # workers whose push adds nothing to this round
+        self.sealed: set[str] = set()  # keys whose sums were read before the close
+        self.reopened: Callable[[], None] | None = None  # a sealed key was written again
+        self.touched: set[str] = set()  # keys written since :meth:`complete` last looked
         # with a layout the buffer is one flat buffer per dtype, the slices views into it
         self.layout = layout
         self.agg_flats: dict[torch.dtype, torch.Tensor] = {}
@@ -154,46 +167,108 @@ class SyncRound:
         handled. :meth:`settle` copies what is held if the round stays open after
         that; a second contributor's part settles its key first.
 
-        A part that comes before its turn (:meth:`_my_turn`) is copied aside and
-        added by :meth:`fold`, with the same arithmetic, when its turn comes."""
+        A key that comes before its turn (:meth:`_lower`) is copied aside and added
+        by :meth:`fold`, with the same arithmetic, when its turn comes."""
         worker = stream.info.worker
-        if not self._my_turn(worker):
+        lower = self._lower(worker)
+        now = {k: g for k, g in grads.items() if self._turn(lower, k)} if lower else grads
+        if len(now) < len(grads):
             self.waiting.setdefault(worker, []).append(
-                ({key: g.clone() for key, g in grads.items()}, alpha))
+                ({key: g.clone() for key, g in grads.items() if key not in now}, alpha))
+        if not now:
             return
-        self._add(grads, alpha, borrow)
+        self._add(grads if len(now) == len(grads) else now, alpha, borrow, worker)
         stream.added = True
+        if self.waiting:
+            self.fold()
 
-    def _my_turn(self, worker: int) -> bool:
-        """Whether ``worker``'s parts may be added now: every worker the round waits
-        for with a lower id has joined it (or the round sums in arrival order)."""
-        if self.roster is None or worker in self.turn:
+    def _order(self) -> set[int]:
+        """The workers whose parts set the order of the sums: those the round waits
+        for and those in it."""
+        assert self.roster is not None
+        return {*self.roster(), *self.members, *self.adding, *self.waiting}
+
+    def _lower(self, worker: int) -> list[int]:
+        """The workers whose part of a key comes before ``worker``'s in its sum (none:
+        the round sums in arrival order)."""
+        if self.roster is None:
+            return []
+        return [w for w in self._order() if w < worker and w not in self.silent]
+
+    def _turn(self, lower: Collection[int], key: str) -> bool:
+        return all(self._has(w, key) for w in lower)
+
+    def _has(self, worker: int, key: str) -> bool:
+        """Whether ``worker``'s part of ``key`` is in the buffer (or it adds none)."""
+        if worker in self.silent or key in self.adding.get(worker, ()):
             return True
-        if worker in self.waiting:
-            return False
-        if any(w < worker and w not in self.members for w in self.roster()):
-            return False
-        self.turn.add(worker)
-        return True
+        return worker in self.members and not any(key in g for g, _ in
+                                                  self.waiting.get(worker, ()))
+
+    def mute(self, worker: int) -> None:
+        """``worker``'s push adds nothing to this round (refused, rejected, or it met
+        a void round): the parts after it in a key's order need not wait for it."""
+        if worker in self.members or worker in self.adding or worker in self.silent:
+            return
+        self.silent.add(worker)
+        self.touched.update(self.params)  # keys that waited on it may be final now
+        if self.waiting:
+            self.fold()
 
     def fold(self, every: bool = False) -> None:
         """Add the parts set aside whose turn has come, lowest worker id first
         (``every``: all of them, in that order: the round closes, or is saved)."""
         for worker in sorted(self.waiting):
-            if not (every or self._lower_joined(worker)):
-                break
+            lower = [] if every else self._lower(worker)
+            keep: list[tuple[dict[str, torch.Tensor], float]] = []
+            now: list[tuple[dict[str, torch.Tensor], float]] = []
+            for grads, alpha in self.waiting[worker]:
+                ready = {k: g for k, g in grads.items() if self._turn(lower, k)}
+                if ready:
+                    now.append((ready, alpha))
+                if len(ready) < len(grads):
+                    keep.append(({k: g for k, g in grads.items() if k not in ready}, alpha))
+            if not now:
+                continue
+            if keep:
+                self.waiting[worker] = keep
+            else:
+                del self.waiting[worker]
+            for grads, alpha in now:
+                self._add(grads, alpha, False, worker)
             stream = self.streams.get(worker)
-            for grads, alpha in self.waiting.pop(worker):
-                self._add(grads, alpha, False)
-            self.turn.add(worker)
             if stream is not None:
                 stream.added = True
 
-    def _lower_joined(self, worker: int) -> bool:
-        assert self.roster is not None
-        return all(w >= worker or w in self.members for w in self.roster())
+    def complete(self) -> set[str]:
+        """The keys written since the last look whose sums are final: every worker the
+        round waits for (or that is in it) has its part of them in the buffer, or adds
+        nothing. Empty when the round sums in arrival order (backup workers) or is void."""
+        touched, self.touched = self.touched, set()
+        if self.roster is None or self.void or not touched:
+            return set()
+        order = [w for w in self._order() if w not in self.silent]
+        return {k for k in touched if k in self.written and k not in self.sealed
+                and all(self._has(w, k) for w in order)}
 
-    def _add(self, grads: Mapping[str, torch.Tensor], alpha: float, borrow: bool) -> None:
+    def totals(self, stream: Stream) -> tuple[int, int]:
+        """(samples, contributors) the round will close with if every push begun, and
+        ``stream``, is accepted as it was decided: once a key is final every worker
+        the round waits for has begun its push, so these are the close's."""
+        samples, contributors = self.samples, self.accepted
+        for worker, s in {**self.streams, stream.info.worker: stream}.items():
+            if (worker not in self.members and s.decision is not None
+                    and s.decision.accept and not s.voided):
+                samples += s.info.num_samples
+                contributors += 1
+        return samples, contributors
+
+    def _add(self, grads: Mapping[str, torch.Tensor], alpha: float, borrow: bool,
+             worker: int | None = None) -> None:
+        if self.sealed and not self.sealed.isdisjoint(grads):
+            self.sealed.clear()  # its sums were read too soon: what was made of them goes
+            if self.reopened is not None:
+                self.reopened()
         for key, g in grads.items():
             if key in self.held:
                 self._settle(key)
@@ -210,6 +285,9 @@ class SyncRound:
                     if alpha != 1.0:
                         buf.mul_(alpha)
         self.written.update(grads)
+        self.touched.update(grads)
+        if worker is not None and worker not in self.members:
+            self.adding.setdefault(worker, set()).update(grads)
 
     def _buffer(self, key: str) -> torch.Tensor:
         if not self.agg:
@@ -256,6 +334,7 @@ class SyncRound:
         """``worker``'s push is complete: it is a contributor, with ``samples`` in the
         buffer (0 for a push its policy rejected)."""
         self.members.add(worker)
+        self.adding.pop(worker, None)  # (a member's keys are in unless set aside)
         self.samples += samples
         if samples > 0:
             self.accepted += 1
@@ -265,6 +344,7 @@ class SyncRound:
     def give_up(self, stream: Stream) -> bool:
         """``stream`` will not be completed; True when that made the round void now."""
         self.waiting.pop(stream.info.worker, None)  # set aside: never added
+        self.silent.discard(stream.info.worker)
         if stream.added and not self.void:
             self.void = True
             self.held.clear()  # never stepped: let the pushed tensors go
@@ -313,7 +393,10 @@ class SyncRound:
             self.accepted = 0
             self.written.clear()
             self.waiting.clear()
-            self.turn.clear()
+            self.adding.clear()
+            self.silent.clear()
+            self.sealed.clear()
+            self.touched.clear()
             self.void = False
         return stepped
 

@@ -121,6 +121,7 @@ class ShardCore:
                                   seeding=self.seeding, read_weights=self.read_weights)
         if not self.mode.backup_workers:  # a round summed by worker id: bit-reproducible
             self.round.roster = self.members.pacing_ids  # (with backups: as pushes come)
+        self.round.reopened = self.ahead.drop  # a key stepped ahead was written again
         self.max_answered_gap = 0  # largest clock gap at which a pull was answered
         # ssp: the bound in force; a policy overriding staleness_bound() moves it
         self.bound = self.mode.staleness_bound
@@ -470,6 +471,8 @@ class ShardCore:
         if self.round.void:
             stream.voided = True
         if decision is None or not decision.accept or stream.voided:
+            self.round.mute(stream.info.worker)
+            self._step_final(stream)
             return
         if self.policy_rewrites:
             grads = self._rewrite(stream.info, grads)  # whole pushes only (streams_parts)
@@ -478,10 +481,28 @@ class ShardCore:
         self.round.add(stream, grads, alpha, borrow=alone)
         if alone:
             # the divisor the round will close with (SyncRound.close: samples / factor)
-            rate = self.stepper.fused_alpha(stream.info.num_samples / alpha)
+            rate = self.stepper.fused_alpha(stream.info.num_samples / alpha, 1, self.version)
             self.ahead.part(grads, rate, more=len(stream.received) < stream.parts)
         else:  # not alone (any more): the buffer may be written now
-            self.ahead.drop()
+            self.ahead.not_alone()
+            self._step_final(stream)
+
+    def _step_final(self, stream: Stream) -> None:
+        """Step ahead the keys whose sums just became final, in a round with several
+        contributors summed by worker id, if its step only reads them (pipelined per
+        part: paramserver/core/ahead.py), at the rate the close will compute."""
+        final = self.round.complete()
+        if not final or not self.stepper.reads_only(self.params):
+            return
+        samples, contributors = self.round.totals(stream)
+        if samples <= 0:
+            return
+        rate = self.stepper.fused_alpha(samples, contributors, self.version)
+        more = len(self.round.sealed) + len(final) < len(self.params)
+        self.ahead.part({k: self.round.agg[k] for k in self.params if k in final}, rate,
+                        more=more, shared=True)
+        if self.ahead.active:
+            self.round.sealed |= final
 
     def _alone(self, worker: int) -> bool:
         """Whether the open round would close on ``worker``'s push alone, to be stepped
@@ -506,7 +527,7 @@ class ShardCore:
         stepped = self.maybe_close_round()
         if not stepped:
             self.round.settle()  # its tensors are not ours once it is answered
-            self.ahead.drop()  # nor is the round its alone
+            self.ahead.not_alone()  # nor is the round its alone
         return rules.answered(decision, 0, self.version, stepped)
 
     def _widen(self, grads: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:

@@ -137,12 +137,20 @@ class Stepper:
         they may then be a worker's own tensors, not a copy."""
         return bool(params) and self.fused and is_plain_sgd(self.optimizer)
 
-    def fused_alpha(self, divisor: float) -> float | None:
-        """The fused step's ``-lr / divisor`` for a sync round's step, known before the
-        round closes when nothing but the learning rate shapes it; else None."""
-        if self.lr_rule.active or self.momentum is not None:
+    def fused_alpha(self, divisor: float, contributors: int = 1,
+                    version: int = 0) -> float | None:
+        """The fused step's ``-lr / divisor`` for a sync round's step averaging
+        ``contributors`` gradients at ``version``, known before the round closes
+        when nothing but the learning rate and its large-batch rule shape it (as
+        :meth:`step` computes it, bit for bit); else None."""
+        if self.momentum is not None:
             return None
-        return -float(self.optimizer.param_groups[0]["lr"]) / divisor
+        lr = self.optimizer.param_groups[0]["lr"]
+        if self.lr_rule.active:
+            weight = 1.0 * self.lr_rule.factor(contributors, version)
+            if weight != 1.0:
+                lr = lr * weight
+        return -float(lr) / divisor
 
     def step(self, params: Mapping[str, torch.Tensor], grads: Mapping[str, torch.Tensor],
              weight: float, *, contributors: int, version: int, staleness: int,

@@ -112,7 +112,6 @@ class RoundImage(msgspec.Struct, frozen=True):
     opened: float | None
     void: bool
     in_place: Count
-    turn: Ids
     waiting: Annotated[list[WaitingPart], msgspec.Meta(max_length=MAX_WORKERS)]
 
 
@@ -159,7 +158,7 @@ def export(core: ShardCore) -> tuple[CoreImage, dict[str, torch.Tensor]]:
         checkpoint=msgspec.json.encode(meta),
         workers=[_worker_image(w) for w in members.workers.values()],
         round=RoundImage(sorted(sync.written), sync.opened, sync.void, sync.in_place,
-                         sorted(sync.turn), waiting),
+                         waiting),
         left_out=sorted(members.left_out), workers_evicted=members.workers_evicted,
         paces=list(members.paces), bound=core.bound, max_bound=core.max_bound,
         totals=dataclasses.replace(totals),
@@ -207,7 +206,6 @@ def restore(core: ShardCore, image: CoreImage, tensors: Mapping[str, torch.Tenso
         sync.written = set(r.written)
     sync.opened = r.opened + shift if r.opened is not None else None
     sync.void, sync.in_place = r.void, r.in_place
-    sync.turn = set(r.turn)
     sync.waiting = {}
     for i, part in enumerate(r.waiting):
         grads = {key: waits[f"wait/{i}/{key}"].clone() for key in part.keys}

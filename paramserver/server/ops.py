@@ -181,15 +181,17 @@ class DataOps:
     def _partial(self, core: ShardCore, msg: Message) -> Message:
         """The answer to a part that is not the last. With ``early`` (the worker takes
         its weights over TCP and asked for the push's next weights), it carries the
-        next weights of the part's slices if the round steps ahead and computed them
-        (issue 17, item 4): they travel while later parts do, and the round's answer
-        leaves them out if it commits those very weights (Outbox.answer_pulls)."""
+        next weights of every slice the round stepped ahead (issue 17, item 4: a lone
+        worker's part; issue 45: a slice whose sum over every worker is final) and
+        that did not go back to this worker yet: they travel while later parts do,
+        and the round's answer leaves them out if it commits those very weights
+        (Outbox.answer_pulls). What goes is only what the core released."""
         b: Push = msg.body
-        if b.early and msg.tensors:
+        if b.early:
             alone = all(w.worker == b.worker for w in core.live())
-            ready = core.ahead.ready(msg.tensors.keys(), lend=alone)
+            version = core.version + 1
+            ready = core.ahead.released(self.streamed.sent(msg, version), lend=alone)
             if ready is not None:
-                version = core.version + 1
                 self.streamed.sent_early(msg, version, ready.keys())
                 self.counters["early_parts"] += 1
                 return reply(msg, ready, partial=True, early=version)

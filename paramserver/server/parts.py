@@ -112,6 +112,15 @@ class StreamedParts:
             prior = (push_id, version, frozenset())
         self.early[worker] = (push_id, version, prior[2] | frozenset(keys))
 
+    def sent(self, msg: Message, version: int) -> frozenset[str]:
+        """The keys whose next weights at ``version`` went back with ``msg``'s push's
+        parts so far."""
+        b: Push = msg.body
+        prior = self.early.get(b.worker)
+        if prior is None or prior[0] != b.push_id or prior[1] != version:
+            return frozenset()
+        return prior[2]
+
     def early_of(self, msg: Message) -> tuple[int, frozenset[str]] | None:
         """(version, keys) that went back early with ``msg``'s push's parts; forgotten."""
         b: Push = msg.body
