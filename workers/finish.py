@@ -10,9 +10,10 @@ shard a *final pull* (an observer's pull the shard holds until no expected worke
 awaited or live there, and then answers with its weights) and, pipelined behind it on the
 same connection, this worker's BYE (no sync round or SSP gate waits for it any more). The
 order matters: a shard that stops once every worker is done (``paramserver run``) has the
-pull parked before the BYE that may end its job, and answers it before it stops. It is waited for as a pull held at a gate
-is (workers/liveness.py): while the shards' heartbeat answers say they hold it, for at
-most ``timeout``; past it the error names the workers a shard still waits for.
+pull parked before the BYE that may end its job, and answers it before it stops. It is
+waited for as a pull held at a gate is (workers/liveness.py): while the shards' heartbeat
+answers say they hold it, for at most ``timeout``; past it the error names the workers a
+shard still waits for.
 
 Afterwards the worker reads as an observer (``opt.pull()``, a ShardedEmbedding's rows),
 and what it logs with ``opt.log(eval_...)`` is marked ``final``: the figures of the final
