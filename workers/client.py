@@ -438,19 +438,27 @@ class PSClient:
         self.land_all(params, replies, done, clock)
         return PullResult.of(replies, t0)
 
-    def pull_final(self, params: Mapping[str, torch.Tensor], timeout: float) -> PullResult:
-        """The final weights into ``params``: an observer's pull per shard, which the shard
-        holds until every expected worker is done there (said BYE or was judged dead).
-        Waited for while the heartbeats say a shard holds it, for at most ``timeout``
-        seconds (0: no bound); past it a BarrierTimeoutError names who is awaited."""
+    def bye_final(self, params: Mapping[str, torch.Tensor], timeout: float) -> PullResult:
+        """Say BYE and pull the final weights into ``params``: per shard an observer's
+        *final* pull, which the shard holds until every expected worker is done there
+        (said BYE or was judged dead), and then this worker's BYE, pipelined behind it on
+        the same connection. So a shard has the final pull parked before it sees the BYE
+        that may end its job (``paramserver run`` stops a shard once every worker is
+        done), and answers it before it stops. Waited for while the heartbeats say a
+        shard holds it, for at most ``timeout`` seconds (0: no bound); past it a
+        BarrierTimeoutError names who is awaited."""
         t0 = time.perf_counter()
         fields = {"worker": self.worker, "clock": 0, "observer": True, "final": True,
                   "via_shm": False}  # the last read: in frames, never a board ticket
-        msgs = [Message(Op.PULL, 0, dict(fields)) for _ in self.channels]
+        msgs: list[Message] = []
+        for _ in self.channels:
+            msgs += [Message(Op.PULL, 0, dict(fields)),
+                     Message(Op.BYE, 0, {"worker": self.worker})]
+        shards = [s for s in self._every for _ in range(2)]
         bound = self.barrier_timeout, self.barrier_label
         self.barrier_timeout, self.barrier_label = timeout, "final(timeout=...)"
         try:  # (never a HELLO on refusal: a worker that said BYE must not register again)
-            replies = self.call(msgs, "final PULL", recover=False)
+            replies = self.call(msgs, "final PULL", shards, recover=False)[::2]
         finally:
             self.barrier_timeout, self.barrier_label = bound
         for i, rep in enumerate(replies):

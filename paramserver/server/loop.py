@@ -210,8 +210,7 @@ class ShardServer:
                     self._periodic(now)
                 self._act_on_alarms()  # a death may have closed a sync round
                 if self.job_done.is_set() and self._job_over():
-                    log.info("shard %d: every worker is done; stopping", self.config.shard)
-                    self._running = False
+                    self._end_job(now)
                 try:
                     self.observer.tick(now)
                     if self.replication is not None:
@@ -581,6 +580,17 @@ class ShardServer:
     def exit_code(self) -> int:
         """The process's: 0, or DIVERGED_EXIT_CODE once the watchdog stopped training."""
         return self.divergence.exit_code
+
+    def _end_job(self, now: float) -> None:
+        """Stop: every worker is done. The final pulls the last BYE released
+        (opt.final()) are answered first, not left to a _periodic tick that never comes."""
+        log.info("shard %d: every worker is done; stopping", self.config.shard)
+        self._running = False
+        try:
+            if self.core is not None:
+                self._answer_pulls(now)
+        except Exception as exc:
+            self._periodic_failed("answer_pulls", exc)
 
     def _job_over(self) -> bool:
         """Act on :attr:`job_done`? Without CURVE yes (the store is as trusted as the
