@@ -1,7 +1,8 @@
 """A shard's replicas started by hand, as the launcher starts them
 (``python -m paramserver.server.loop CONFIG.json``, the address read from the
 ``PARAMSERVER_READY`` line), optionally inside a network namespace or through a
-script that wraps the server (tests/busy_primary_script.py)."""
+script that wraps the server (tests/busy_primary_script.py); and a replica's event log
+read one process at a time."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from paramserver.observe.events import read_events
 from paramserver.server.config import ServerConfig
 from paramserver.server.loop import READY_PREFIX
 from paramserver.wire.replauth import shared_key_file
@@ -83,3 +85,16 @@ def start(name: str, config: ServerConfig, out: Path, prefix: Sequence[str] = ()
         raise RuntimeError(f"{name} did not start: {text!r}; its log: "
                            f"{log.read_text()[-2000:]}")
     return Replica(name, popen, text.split()[1], log)
+
+
+def lives(path: Path, event: str | None = None) -> list[list[dict]]:
+    """A replica's event log split by process (optionally only one kind of record): the
+    launcher's replacement keeps its replica's name and appends to the same file, each
+    process's records from its ``server_start`` on."""
+    out: list[list[dict]] = []
+    for rec in read_events(path):
+        if rec["event"] == "server_start" or not out:
+            out.append([])
+        if event is None or rec["event"] == event:
+            out[-1].append(rec)
+    return out

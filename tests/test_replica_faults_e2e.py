@@ -42,6 +42,7 @@ from paramserver.workers.launch.cluster import ClusterSpec, ProcessInfo, run_clu
 from paramserver.workers.launch.replicas import replacement_name
 from paramserver.workers.launch.results import ClusterResult
 from paramserver.workers.stragglerspec import StragglerSpec
+from tests.replicas_by_hand import lives
 
 pytestmark = pytest.mark.integration
 
@@ -323,21 +324,24 @@ def test_every_moment_ends_bit_identical(baseline, tmp_path, monkeypatch):
     assert faults is not None
     assert [(k.moment, k.name) for k in faults.kills] == [
         ("mid", "server0"), ("between", "server1"), ("ckpt-primary", "server0r1"),
-        ("ckpt-writer", "server1r0")]
+        ("ckpt-writer", "server1")]  # (the second kill's replacement keeps its name)
     # the moments were as meant: the state each new primary took over with
     assert _pushes_before_failover(tmp_path, "server0r1") % WORKERS != 0  # a round open
     assert _pushes_before_failover(tmp_path, "server1r1") % WORKERS == 0  # none open
-    # twice in a row: the first kill's replacement took over at epoch 2, and the write
-    # it was holding when its primary died was completed
-    (second,) = _events(tmp_path, "server0", "failover")
-    assert second["epoch"] == 2
+    # twice in a row: the first kill's replacement (server0's second process, in the
+    # same event log) took over at epoch 2, and the write it was holding when its
+    # primary died was completed
+    first, replacement = lives(tmp_path / "events" / "server0.jsonl")
+    assert [e["epoch"] for e in first if e["event"] == "failover"] == []
+    assert [e["epoch"] for e in replacement if e["event"] == "failover"] == [2]
     held = faults.kills[2].held
     assert held is not None
     version = int(Path(held).name[2:12])  # (".v0000000012.safetensors.tmp")
-    assert version in [e["version"] for e in _events(tmp_path, "server0", "checkpoint")]
-    # the writer killed mid-write: another replica wrote the checkpoints after it
+    assert version in [e["version"] for e in replacement if e["event"] == "checkpoint"]
+    # the writer killed mid-write: another process wrote the checkpoints after it (the
+    # primary, or the writer's replacement)
     killed_at = faults.kills[3].t
-    later = [e for name in ("server1r1", "server1r0")
+    later = [e for name in ("server1r1", "server1")
              for e in _events(tmp_path, name, "checkpoint") if e["t"] > killed_at]
     assert later
     _check_ends_as_baseline(tmp_path, baseline, result, STEPS)

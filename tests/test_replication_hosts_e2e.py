@@ -11,7 +11,8 @@ still reaches its own addresses. A is partitioned: its primary lives but hears n
 of B.
 
 * The backup takes over at epoch 1 and worker 0 (in B) moves to it (async: and
-  finishes; sync: its rounds wait for worker 1).
+  finishes, as it is not the evaluator, which waits in ``final()`` for every worker;
+  sync: its rounds wait for worker 1).
 * Worker 1 (in A) reaches only the old primary, which answers nothing: it would
   first need the backup's acknowledgement (fencing by waiting; it never drops a
   backup whose connection is up). So no write is accepted beside the new primary.
@@ -143,6 +144,9 @@ def test_a_partitioned_primary_is_replaced_and_fenced(hosts: Link, tmp_path: Pat
         cfg = WorkerConfig(rank=rank, world_size=2, servers=[entry], steps=STEPS,
                            # paced, so that the cut lands while pushes stream
                            straggler=StragglerSpec(min_step_time=0.03),
+                           # the evaluator waits in final() for every worker, so worker
+                           # 0 could not finish while worker 1 is cut off: 1 evaluates
+                           evaluator=1,
                            event_log=str(tmp_path / f"worker{rank}.jsonl"),
                            result_file=str(tmp_path / f"worker{rank}.result.json"))
         path = tmp_path / f"worker{rank}.json"
