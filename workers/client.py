@@ -41,6 +41,7 @@ from paramserver.wire.messages import Error, HelloReply, replace
 from paramserver.wire.protocol import PROTOCOL_VERSION, Message, Op, PreparedTensors
 from paramserver.wire.stats import ShardStats
 from paramserver.wire.transport import Channel, Fanout, PatienceFrom, request_all
+from paramserver.workers import gradwire
 from paramserver.workers.failover import ATTEMPT_TIMEOUT, Failover
 from paramserver.workers.landing import land, land_over_tcp
 from paramserver.workers.liveness import Heartbeat, Patience
@@ -466,52 +467,12 @@ class PSClient:
         return PullResult.of(replies, t0)
 
     def host_grads(self, grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Gradients as CPU tensors in the wire dtype; no copy for CPU ones that need none.
-
-        CUDA gradients go through pinned host buffers (kept between calls), so
-        the device-to-host copies are asynchronous DMA; with ``wire_dtype`` they
-        are narrowed on the device first, halving that traffic.
-        """
-        out = {}
-        cuda = False
-        for name, g in grads.items():
-            g = g.detach()
-            want = self.wire_dtype if self.wire_dtype is not None and g.is_floating_point() \
-                else g.dtype
-            if g.device.type == "cpu" and want == g.dtype:
-                out[name] = g
-                continue
-            pin = g.device.type == "cuda"
-            buf = self._pinned.get(name)
-            if buf is None or buf.shape != g.shape or buf.dtype != want:
-                buf = torch.empty(g.shape, dtype=want, pin_memory=pin)
-                self._pinned[name] = buf
-            if pin:
-                cuda = True
-                buf.copy_(g.to(want) if want != g.dtype else g, non_blocking=True)
-            else:
-                buf.copy_(g)
-            out[name] = buf
-        if cuda:
-            torch.cuda.synchronize()
-        return out
+        """Gradients as CPU tensors in the wire dtype (gradwire.host_copies); CUDA ones
+        through pinned host buffers kept between calls."""
+        return gradwire.host_copies(grads, self.wire_dtype, self._pinned)
 
     def _split_grads(self, host: Mapping[str, torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
-        """shard -> {slice key -> view}; as ShardPlan.split_tensors, but the wire dtype
-        may differ from the parameter's."""
-        if self.wire_dtype is None:
-            return self.plan.split_tensors(host)
-        flat = {}
-        for spec in self.plan.params:
-            t = host.get(spec.name)
-            if t is None or tuple(t.shape) != spec.shape:
-                got = "nothing" if t is None else f"shape {tuple(t.shape)}"
-                raise ConfigError(f"gradient {spec.name!r}: {got}, the plan says {spec.shape}")
-            flat[spec.name] = t.reshape(-1)
-        out: dict[int, dict[str, torch.Tensor]] = {k: {} for k in range(self.plan.num_shards)}
-        for sl in self.plan.slices:
-            out[sl.shard][sl.key] = flat[sl.name][sl.start:sl.stop]
-        return out
+        return gradwire.split_by_shard(self.plan, host, self.wire_dtype)
 
     def _in_parts(self, per_shard: Mapping[int, Mapping[str, torch.Tensor]]
                   ) -> list[list[dict[str, torch.Tensor]]] | None:
@@ -535,20 +496,8 @@ class PSClient:
 
     def _groups(self, tensors: Mapping[str, torch.Tensor],
                 limit: int | None = None) -> list[dict[str, torch.Tensor]]:
-        """``tensors`` in consecutive groups of at most ``limit`` bytes (default
-        ``part_bytes``; at least one each; one group, possibly empty, when they fit
-        or the limit is 0)."""
-        limit = self.part_bytes if limit is None else limit
-        groups: list[dict[str, torch.Tensor]] = [{}]
-        size = 0
-        for key, t in tensors.items():
-            n = t.numel() * t.element_size()
-            if limit and groups[-1] and size + n > limit:
-                groups.append({})
-                size = 0
-            groups[-1][key] = t
-            size += n
-        return groups
+        """``tensors`` in parts of at most ``limit`` bytes (default ``part_bytes``)."""
+        return gradwire.groups(tensors, self.part_bytes if limit is None else limit)
 
     def _push_parts(self, groups: list[list[dict[str, torch.Tensor]]],
                     read_versions: Sequence[int], num_samples: int, clock: int,

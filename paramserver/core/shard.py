@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from paramserver.core import report, rules, snapshot
+from paramserver.core import pullgate, report, rules, snapshot
 from paramserver.core.ahead import StepAhead
 from paramserver.core.membership import Membership
 from paramserver.core.probe import GradStats, Probe, StepStats, all_finite, norm_and_span
@@ -52,7 +52,6 @@ from paramserver.core.records import (
     CoreConfig,
     Mode,
     ModeSpec,
-    PendingPull,
     PullQueue,
     PullReply,
     PushOutcome,
@@ -66,7 +65,7 @@ from paramserver.core.rounds import Seeding, Stream, SyncRound
 from paramserver.core.rows import RowRules
 from paramserver.core.stepper import Stepper
 from paramserver.errors import ErrorCode, ProtocolError
-from paramserver.policies.base import BoundStats, NoPolicy, StalenessPolicy, UpdateInfo
+from paramserver.policies.base import NoPolicy, StalenessPolicy, UpdateInfo
 from paramserver.util.flat import ELEMENTWISE, JOIN_BYTES, FlatLayout
 
 # the records are defined in records.py, the measurements in probe.py; importable here
@@ -223,84 +222,13 @@ class ShardCore:
         self, worker: int, clock: int, token: Hashable, now: float, observer: bool = False,
         wait_init: bool = False, final: bool = False,
     ) -> None:
-        """Park a pull; it is answered through :meth:`ready_pulls` when its gate opens.
-
-        Observers (evaluators, status tools) are never gated and have no clock.
-        With ``wait_init`` a pull before any INIT waits for the weights (a worker
-        that leaves the seeding to another) instead of being refused. An observer's
-        ``final`` pull waits until :meth:`holding` is empty: the final weights.
-        """
-        if not self.initialized and self.seeding.owner is None and not wait_init:
-            raise ProtocolError(
-                ErrorCode.NOT_INITIALIZED, "no weights yet: the first worker must send INIT"
-            )
-        if not observer:
-            state = self.members.known(worker)
-            state.last_seen = now
-            if not state.live:
-                raise ProtocolError(
-                    ErrorCode.NOT_REGISTERED,
-                    f"worker {worker} is not in the live set (finished or timed out); say HELLO",
-                )
-            if clock < 0:
-                raise ProtocolError(ErrorCode.BAD_FIELD, f"clock must be >= 0, got {clock}")
-            state.clock = max(state.clock, clock)
-            state.pulls += 1
-        # a retried pull replaces the worker's parked one (one reply per worker)
-        self.pulls.park(PendingPull(worker, clock, token, now, observer, final and observer))
-
-    def _gate_open(self, pull: PendingPull, min_clock: int) -> bool:
-        if not self.initialized:  # a worker is seeding the weights in parts
-            return False
-        if pull.observer:  # a final one once every expected worker is done here
-            return not pull.final or not self.holding(self.config.expected_workers)
-        if not self.members.started:
-            return False
-        if self.mode.mode == Mode.SYNC:
-            return pull.worker not in self.round.members
-        if self.mode.mode == Mode.SSP:
-            state = self.members.workers[pull.worker]
-            return state.clock - min_clock <= self.bound
-        return True
-
-    def _update_bound(self, now: float) -> None:
-        """Ask the policy for the SSP bound, from what this shard measured so far."""
-        live = self.members.live()
-        clocks = [w.clock for w in live] or [0]
-        stats = BoundStats(
-            now=now, configured=self.mode.staleness_bound, current=self.bound,
-            live_workers=len(live), min_clock=min(clocks), max_clock=max(clocks),
-            pushes=self.totals.pushes, staleness_sum=self.totals.staleness_sum,
-            pulls=self.totals.pulls, wait_seconds=self.totals.wait_seconds,
-            blocked_pulls=self.pulls.blocked(),
-        )
-        bound = rules.ssp_bound(self.policy, stats, self.mode.staleness_bound)
-        if bound != self.bound:
-            log.debug("shard %d: SSP bound %d -> %d", self.config.shard, self.bound, bound)
-            self.bound = bound
-            self.max_bound = max(self.max_bound, bound)
+        """Park a pull; it is answered through :meth:`ready_pulls` when its gate opens
+        (pullgate.py has the rules)."""
+        pullgate.request(self, worker, clock, token, now, observer, wait_init, final)
 
     def ready_pulls(self, now: float) -> list[PullReply]:
         """Pop every parked pull whose gate is open now, oldest first."""
-        if self._bound_hook:
-            self._update_bound(now)
-        ready: list[PullReply] = []
-        min_clock = self.members.min_clock()  # no clock moves while pulls are answered
-        for pull in self.pulls.take(lambda p: self._gate_open(p, min_clock)):
-            waited = now - pull.since
-            clock = pull.clock
-            if not pull.observer:
-                state = self.members.workers[pull.worker]
-                clock = state.clock
-                self.max_answered_gap = max(self.max_answered_gap, state.clock - min_clock)
-                self.totals.answered(waited)
-                state.answered(waited)
-                if self.policy.needs_read_weights:
-                    self.read_weights[pull.worker] = {
-                        k: p.detach().clone() for k, p in self.params.items()
-                    }
-            ready.append(PullReply(pull.worker, pull.token, self.version, clock, waited))
-        return ready
+        return pullgate.ready(self, now)
 
     def pending_pulls(self) -> int:
         return len(self.pulls)

@@ -46,7 +46,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
@@ -60,20 +60,19 @@ from paramserver.core.replica import (
     elect,
     snapshot_fault,
 )
-from paramserver.core.transfer import CoreImage
 from paramserver.errors import ConfigError, ProtocolError
 from paramserver.server.backuplink import BackupLink
 from paramserver.server.forwarded import owned as _owned
 from paramserver.server.keepalive import KeepAlive
 from paramserver.server.rejoin import Joiner
 from paramserver.server.replgate import Gate
+from paramserver.server.replhost import ReplicationHost
 from paramserver.server.takeover import Election
 from paramserver.wire import replication as wrepl
 from paramserver.wire.curve import CurveKeys
 from paramserver.wire.protocol import Op
 
 if TYPE_CHECKING:
-    import torch
 
     from paramserver.core.shard import ShardCore
     from paramserver.observe.events import EventLog
@@ -92,38 +91,6 @@ REPLAYED = b"\x00replayed"
 Send = Callable[[bytes, list[bytes]], None]
 #: the data ops whose messages the primary forwards (the others change nothing)
 REPLICATED_OPS = frozenset({Op.HELLO, Op.INIT, Op.PUSH, Op.PULL, Op.HEARTBEAT, Op.BYE})
-
-
-class ReplicationHost(Protocol):
-    """What replication asks of the shard server that owns it."""
-
-    @property
-    def core(self) -> ShardCore | None: ...
-
-    def replay(self, frames: list[Any], key: str | None) -> None:
-        """Handle a forwarded data message as if a peer sent it (answers go nowhere),
-        ``key``: the CURVE key it came to the primary with."""
-
-    def replay_death(self, kind: str, workers: list[int]) -> None:
-        """Apply the deaths (``dead``) or leave-outs (``left_out``) the primary decided
-        in one tick, as one."""
-
-    def snapshot(self) -> tuple[bytes, CoreImage | None, dict[str, torch.Tensor]] | None:
-        """The shard's state for a joining replica (rejoin.image); None: not now."""
-
-    def plan_description(self) -> object | None:
-        """The shard plan's description as JSON would give it back (None: no plan)."""
-
-    def key_owners(self) -> dict[int, str]:
-        """Under CURVE, the key that registered each worker id (sent with a snapshot)."""
-
-    def script_optimizer(self) -> dict[str, Any] | None:
-        """The optimizer a worker script's HELLO brought, as the wire has it (None: the
-        launch's own; sent with a snapshot, so a replica that joins late runs it too)."""
-
-    def restore(self, record: wrepl.Snapshot, frames: list[Any]) -> None:
-        """Put the primary's snapshot (its record and tensor frames) in place of this
-        replica's state (rejoin.adopt)."""
 
 
 class Replication:

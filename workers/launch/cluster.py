@@ -29,7 +29,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -43,6 +42,7 @@ from paramserver.util.jsontypes import JSONObject
 from paramserver.wire.curve import admin_key_pair
 from paramserver.wire.replauth import make_key_file
 from paramserver.workers.failover import current_primaries, join_replicas
+from paramserver.workers.launch.children import ChildProcess, child_env
 from paramserver.workers.launch.clusterspec import (
     FAILURE_POLICIES,
     ClusterSpec,
@@ -96,27 +96,6 @@ class ClusterError(ParamServerError):
     """A process of the cluster failed; the message names it and shows its log's tail."""
 
 
-@dataclass
-class _Proc:
-    name: str
-    popen: subprocess.Popen[bytes] | ForkedProcess
-    log_path: Path
-    metrics_port: int | None = None  # a server's Prometheus port, from its ready line
-
-
-def _child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    # a launcher that is itself some launcher's child gives its children its own lifeline
-    env.pop(lifeline.ENV, None)
-    # children import what this process imports (tests' task modules included)
-    paths = [p for p in sys.path if p] + [env.get("PYTHONPATH", "")]
-    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
-    # many small processes on few cores: one intra-op thread each avoids thrashing
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("MKL_NUM_THREADS", "1")
-    return env
-
-
 class LocalCluster:
     """Start, watch and stop the processes of one local run."""
 
@@ -146,16 +125,16 @@ class LocalCluster:
         # follows every event log: launcher metrics, watchdog alarms (on_alarm), divergence
         self.observer = LauncherObserver(self.out, metrics_port=spec.metrics_port,
                                          tensorboard=spec.tensorboard, on_alarm=on_alarm)
-        self.servers: list[_Proc] = []
-        self.workers: list[_Proc] = []
+        self.servers: list[ChildProcess] = []
+        self.workers: list[ChildProcess] = []
         self.addresses: list[str] = []
         #: with --replicas: each shard's backups, and each shard's replicas' addresses
         #: (the first primary first)
-        self.backups: list[list[_Proc]] = []
+        self.backups: list[list[ChildProcess]] = []
         self.replica_sets: list[list[str]] = []
         self._gone: set[str] = set()  # replicas whose death was recorded
         self.keeper = ReplicaKeeper(self)  # dead replicas replaced, their events told
-        self._env = _child_env()
+        self._env = child_env()
         self._cold_starts = False  # set when the zygote cannot fork: python -m per process
         self._followers: dict[int, JsonlFollower] = {}
         self._progress_steps: dict[int, int] = {}
@@ -178,7 +157,7 @@ class LocalCluster:
     # ------------------------------------------------------------------ processes
 
     def _spawn(self, name: str, module: str, config: JSONObject, *,
-               ready_pipe: bool, append: bool = False, host: int | None = None) -> _Proc:
+               ready_pipe: bool, append: bool = False, host: int | None = None) -> ChildProcess:
         """Start ``python -m module config.json``; output goes to the log file, except
         stdout of a server, which announces its address on it. ``host``: on that
         emulated host (its namespace is entered by exec, so never forked)."""
@@ -206,7 +185,7 @@ class LocalCluster:
         role = "server" if module == "paramserver.server.loop" else "worker"
         self._started(ProcessInfo(name, role,
                                   popen.pid, time.time()))
-        return _Proc(name, popen, log_path)
+        return ChildProcess(name, popen, log_path)
 
     def _prefix(self, host: int | None) -> list[str]:
         """What runs a program on emulated host ``host`` ([]: none, or no hosts)."""
@@ -311,10 +290,10 @@ class LocalCluster:
             return self.addresses
         return current_primaries(self.worker_addresses(), curve=self.spec.admin_curve())
 
-    def _all_servers(self) -> list[_Proc]:
+    def _all_servers(self) -> list[ChildProcess]:
         return self.servers + [p for procs in self.backups for p in procs]
 
-    def _replica_died(self, shard: int, proc: _Proc, code: int) -> None:
+    def _replica_died(self, shard: int, proc: ChildProcess, code: int) -> None:
         """With --replicas, one replica's death is not the shard's: the run goes on
         while one of its replicas lives (its backup takes over if it was the primary)."""
         if proc.name not in self._gone:
@@ -329,7 +308,7 @@ class LocalCluster:
             raise ClusterError(f"every replica of shard {shard} exited; log tail "
                                f"({proc.log_path}):\n{tail(proc.log_path)}")
 
-    def _await_ready(self, proc: _Proc, deadline: float) -> str:
+    def _await_ready(self, proc: ChildProcess, deadline: float) -> str:
         assert proc.popen.stdout is not None
         sel = selectors.DefaultSelector()
         sel.register(proc.popen.stdout, selectors.EVENT_READ)
@@ -371,14 +350,14 @@ class LocalCluster:
         for rank in range(self.spec.num_workers):
             self.workers.append(self._start_worker(rank))
 
-    def _start_worker(self, rank: int, append: bool = False) -> _Proc:
+    def _start_worker(self, rank: int, append: bool = False) -> ChildProcess:
         if self.spec.command:
             return self._run_command(rank, append)
         cfg = self.spec.worker_config(rank, self.worker_addresses(), self.out)
         return self._spawn(f"worker{rank}", WORKER_MODULE, cfg.to_dict(), ready_pipe=False,
                            append=append, host=self.worker_host(rank))
 
-    def _run_command(self, rank: int, append: bool) -> _Proc:
+    def _run_command(self, rank: int, append: bool) -> ChildProcess:
         """The user's command as worker ``rank`` (not forked: it is not our module)."""
         assert self.spec.command
         name = f"worker{rank}"
@@ -398,7 +377,7 @@ class LocalCluster:
                 raise ConfigError(f"cannot run {' '.join(self.spec.command)!r}: "
                                   f"{exc.strerror or exc}") from None
         self._started(ProcessInfo(name, "worker", popen.pid, time.time()))
-        return _Proc(name, popen, log_path)
+        return ChildProcess(name, popen, log_path)
 
     def wait_workers(self, on_progress: Callable[[Progress], None] | None = None,
                      poll: float = 0.5) -> None:

@@ -24,7 +24,8 @@ from paramserver.workers.failover import ask_roles, primary_of
 from paramserver.workers.launch.clusterspec import replica_name
 
 if TYPE_CHECKING:
-    from paramserver.workers.launch.cluster import LocalCluster, _Proc
+    from paramserver.workers.launch.children import ChildProcess
+    from paramserver.workers.launch.cluster import LocalCluster
 
 __all__ = ["ReplicaKeeper", "replacement_name"]
 
@@ -54,12 +55,12 @@ class ReplicaKeeper:
         self._offsets: dict[str, int] = {}  # replica name -> bytes of its events read
         self.replaced = 0
 
-    def procs(self, shard: int) -> list[_Proc]:
+    def procs(self, shard: int) -> list[ChildProcess]:
         """The shard's replicas' processes now, by replica index."""
         c = self.cluster
         return [c.servers[shard], *c.backups[shard]]
 
-    def died(self, shard: int, proc: _Proc) -> None:
+    def died(self, shard: int, proc: ChildProcess) -> None:
         """``proc`` exited: replace it once the shard has a primary other than it."""
         replica = next(k for k, p in enumerate(self.procs(shard)) if p is proc)
         self.due[(shard, replica)] = self.cluster.replica_sets[shard][replica]
