@@ -14,6 +14,11 @@ them alike and each repeat gives a paired ratio to gloo:
 * ``raw``: the raw pyzmq loop (benchmarks/raw.py), N shards on the server hosts;
 * ``ps``: this project's sync round, N shards on the server hosts;
 * ``ps-colocated``: the same with shard i on worker host i (no server hosts used);
+* ``ps-parts``: ``ps`` with each shard's share pushed in parts of ``EARLY_PART_BYTES``
+  (a plan chunked as finely), its weights back in the round's answers;
+* ``ps-early``: ``ps-parts`` with early parts asked for (``PSClient(early_parts=True)``:
+  a part's weights come back while later parts still go up; pipelined per part), so
+  that it differs from ``ps-parts`` in that alone;
 * ``gloo``: torch.distributed all_reduce (gloo's ring) on the worker hosts.
 """
 
@@ -23,7 +28,7 @@ import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from paramserver.util.jsontypes import JSON
+from paramserver.util.jsontypes import JSON, JSONObject
 from paramserver.workers.launch.netcluster import (
     NIC,
     EmulatedCluster,
@@ -38,7 +43,8 @@ from .common import Agent, Stats, close_all, free_port, text
 from .records import ClusterResult, ClusterRow
 from .suite import SweepConfig, _measure, _System
 
-__all__ = ["DEFAULT_RATE", "DEFAULT_SIZES", "DEFAULT_WORKERS", "SYSTEMS", "limits",
+__all__ = ["DEFAULT_RATE", "DEFAULT_SIZES", "DEFAULT_WORKERS", "EARLY_PART_BYTES", "SYSTEMS",
+           "limits",
            "run_cluster"]
 
 log = logging.getLogger(__name__)
@@ -46,7 +52,17 @@ log = logging.getLogger(__name__)
 DEFAULT_SIZES: tuple[int, ...] = (8 << 20, 32 << 20)
 DEFAULT_WORKERS: tuple[int, ...] = (2, 4)
 DEFAULT_RATE = "400mbit"
-SYSTEMS: tuple[str, ...] = ("raw", "ps", "ps-colocated", "gloo")
+SYSTEMS: tuple[str, ...] = ("raw", "ps", "ps-colocated", "ps-parts", "ps-early", "gloo")
+#: ps-parts' and ps-early's part (and chunk) size: an 8 MiB round over 4 shards is 4 parts
+#: per shard, so a part's weights can come back while 3 more go up (a slice is never
+#: split, hence the plan's chunks too)
+EARLY_PART_BYTES = 512 << 10
+#: the session arguments of the project's variants beyond where the shards are
+_VARIANTS: dict[str, JSONObject] = {
+    "ps-parts": {"chunk_bytes": EARLY_PART_BYTES, "part_bytes": EARLY_PART_BYTES},
+    "ps-early": {"chunk_bytes": EARLY_PART_BYTES, "part_bytes": EARLY_PART_BYTES,
+                 "early_parts": True},
+}
 _TIMEOUT = 600.0
 _LR = 1e-3
 
@@ -75,9 +91,9 @@ class _World:
                 self.raw_addrs = [text(a.read(_TIMEOUT), "address") for a in servers]
                 self.systems["raw"] = _System("raw", self._spawn("raw-worker", c.workers),
                                               "raw", servers=servers)
-            for name in ("ps", "ps-colocated"):
+            for name in ("ps", "ps-colocated", "ps-parts", "ps-early"):
                 if name in systems:
-                    hosts = c.servers if name == "ps" else c.workers
+                    hosts = c.workers if name == "ps-colocated" else c.servers
                     servers = self._spawn(f"{name}-server", hosts)
                     self.servers[name] = (servers, [h.ip for h in hosts])
                     self.systems[name] = _System(name, self._spawn(f"{name}-worker", c.workers),
@@ -117,8 +133,8 @@ class _World:
                 addrs = [text(a.read(_TIMEOUT), "address") for a in servers]
                 served.append((name, addrs))
                 listed: list[JSON] = list(addrs)
-                self.systems[name].open([{"addresses": listed, "numel": numel, "rank": r}
-                                         for r in range(n)])
+                self.systems[name].open([{"addresses": listed, "numel": numel, "rank": r,
+                                          **_VARIANTS.get(name, {})} for r in range(n)])
                 running.append(self.systems[name])
             if "gloo" in self.systems:
                 running.append(self.systems["gloo"])

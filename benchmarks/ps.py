@@ -84,7 +84,8 @@ class PSSession(FixedSizeSession):
     """One worker: ``push_pull`` rounds on a flat parameter.
 
     ``args``: addresses, numel, rank, chunk_bytes, part_bytes, wire_dtype, pieces, shm
-    (False: TCP even with a same-host shard).
+    (False: TCP even with a same-host shard), early_parts (PSClient's: a round in parts
+    asks for each part's weights as soon as its sum is final).
     """
 
     def __init__(self, args: JSONObject) -> None:
@@ -98,7 +99,8 @@ class PSSession(FixedSizeSession):
                                timeout=300.0, attempt_timeout=120.0,
                                wire_dtype=wire_dtype if isinstance(wire_dtype, str) else None,
                                part_bytes=integer(args, "part_bytes", PART_BYTES),
-                               shm=flag(args, "shm", True))
+                               shm=flag(args, "shm", True),
+                               early_parts=flag(args, "early_parts", False))
         self.params = {p.name: torch.zeros(p.shape) for p in plan.params}
         self.grads = {p.name: torch.full(p.shape, 1e-3) for p in plan.params}
         self.clock = self.client.connect()

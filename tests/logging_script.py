@@ -50,7 +50,7 @@ def main() -> None:
                             eval_accuracy=k / 10)
         seen = {"seed": os.environ.get("PARAMSERVER_SEED"), "early_log_refused": early_log_refused,
                 "evaluator": os.environ.get("PARAMSERVER_EVALUATOR"), "evaluates": opt.evaluates,
-                "chunk_bytes": opt.plan.chunk_bytes,
+                "chunk_bytes": opt.plan.chunk_bytes, "early_parts": opt.client.early_parts,
                 "slowdown": opt.straggler.spec.slowdown if opt.straggler else None,
                 "min_step_time": opt.straggler.spec.min_step_time if opt.straggler else None}
     out = Path(args.out)

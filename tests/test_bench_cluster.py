@@ -62,7 +62,7 @@ def test_cluster_part_measures_every_system_beside_the_limits(tmp_path: Path) ->
     cluster = data["cluster"]
     assert cluster["rate"] == "200mbit"
     rows = {r["system"]: r for r in cluster["rows"]}
-    assert set(rows) == {"raw", "ps", "ps-colocated", "gloo"}
+    assert set(rows) == {"raw", "ps", "ps-colocated", "ps-parts", "ps-early", "gloo"}
     wire = (256 << 10) * 8 / 200e6
     for r in rows.values():
         assert r["workers"] == 2 and r["bytes"] == 256 << 10 and r["round_s"]["n"] == 2

@@ -433,3 +433,13 @@ def test_a_policy_module_in_the_working_directory_is_found(tmp_path, monkeypatch
     cfg = config("launch", "--policy", "localpolicy_xyz:Halve")
     assert cfg["policy"] == "localpolicy_xyz:Halve"
     assert str(tmp_path) == sys.path[-1]  # appended: never shadows an installed package
+
+
+def test_early_parts_is_one_client_option_of_worker_launch_and_run():
+    # declared once (WorkerConfig), so every command that starts a worker takes it, off
+    # by default (it pays across hosts only)
+    base = {"worker": ["--servers", "127.0.0.1:5600", "--steps", "1"], "launch": [],
+            "run": []}
+    for command, args in base.items():
+        assert config(command, *args)["early-parts"] is False
+        assert config(command, *args, "--early-parts")["early-parts"] is True

@@ -75,13 +75,13 @@ def test_stragglers_seed_and_client_options_act_and_opt_log_reports(tmp_path):
     out = tmp_path / "run"
     proc = _launch("-s", "1", "-n", "2", "--mode", "async", "--quiet", "--out", str(out),
                    "--straggler", "1:slowdown=4", "--min-step-time", "0.05", "--seed", "3",
-                   "--chunk-bytes", "4096", "--", *SCRIPT, str(tmp_path / "seen"),
+                   "--chunk-bytes", "4096", "--early-parts", "--", *SCRIPT, str(tmp_path / "seen"),
                    "--steps", "4")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     seen = [json.loads((tmp_path / "seen" / f"seen{r}.json").read_text()) for r in (0, 1)]
     assert [s["slowdown"] for s in seen] == [1.0, 4.0]  # only rank 1 is the straggler
     assert all(s["min_step_time"] == 0.05 and s["seed"] == "3" and s["chunk_bytes"] == 4096
-               and s["early_log_refused"] for s in seen)
+               and s["early_parts"] and s["early_log_refused"] for s in seen)
     for rank, slowdown in ((0, 1), (1, 4)):
         steps = read_events(out / "events" / f"worker{rank}.jsonl", "step")
         assert len(steps) == 4

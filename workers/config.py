@@ -116,6 +116,15 @@ class WorkerConfig(ConfigRecord):
                                   "of about this size (whole chunks), which a sync shard adds "
                                   "up as they arrive, so its memory does not grow with the "
                                   "number of workers (0: always whole).")
+    # each part's next weights asked for as soon as its sum is final (pipelined per part):
+    # off by default, since on one host the CPU, not the link, is the limit
+    early_parts: bool = option(False,
+                               help="A sync push in parts (--part-bytes) asks each shard, over "
+                                    "TCP, for a part's next weights as soon as every worker's "
+                                    "copy of it is in, so they come back while later parts "
+                                    "still go up. Pays across hosts, where the link is the "
+                                    "limit; on one host it only costs CPU (docs/performance.md, "
+                                    "\"Across hosts: an emulated cluster\").")
     timeout: float = option(60.0, min=0, min_open=True, metavar="SECONDS",
                             help="How long to wait for a server, first contact included "
                                  "(servers may start after workers), before giving up with the "
@@ -232,6 +241,7 @@ class LaunchOptions:
     barrier_timeout: float = _worker_default("barrier_timeout")
     chunk_bytes: int = _worker_default("chunk_bytes")
     part_bytes: int = _worker_default("part_bytes")
+    early_parts: bool = _worker_default("early_parts")
     wire_dtype: str | None = _worker_default("wire_dtype")
     drop_rate: float = _worker_default("drop_rate")
     curve_key: str | None = _worker_default("curve_key")

@@ -146,7 +146,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     * ``events``: the JSONL log to write each step to (default: the file named by
       ``PARAMSERVER_EVENT_LOG``, with this worker's start and end records too).
     * the rest (``timeout``, ``request_timeout``, ``heartbeat_interval``,
-      ``chunk_bytes``, ``part_bytes``, ``wire_dtype``, ``curve_key``,
+      ``chunk_bytes``, ``part_bytes``, ``early_parts``, ``wire_dtype``, ``curve_key``,
       ``curve_server_key``, ``barrier_timeout``: the longest a live shard may hold a
       pull at the barrier or SSP gate, 0 for no limit, ``drop_rate``: messages
       dropped on purpose, for tests) are the client's options, as for
@@ -201,6 +201,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         heartbeat_interval: float | None = None,
         chunk_bytes: int | None = None,
         part_bytes: int | None = None,
+        early_parts: bool | None = None,
         wire_dtype: str | None = None,
         curve_key: str | None = None,
         curve_server_key: str | None = None,
@@ -270,7 +271,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             heartbeat_interval=given.heartbeat_interval if heartbeat_interval is None
             else heartbeat_interval, curve=curve,
             wire_dtype=given.wire_dtype if wire_dtype is None else wire_dtype,
-            part_bytes=part_bytes, drop_rate=given.drop_rate if drop_rate is None else drop_rate,
+            part_bytes=part_bytes,
+            early_parts=given.early_parts if early_parts is None else early_parts,
+            drop_rate=given.drop_rate if drop_rate is None else drop_rate,
             barrier_timeout=given.barrier_timeout if barrier_timeout is None
             else barrier_timeout,
             optimizer=None if self.wrapped is None else self.wrapped.spec.to_wire(),

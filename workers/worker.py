@@ -154,6 +154,7 @@ def run_worker(config: WorkerConfig, console: Sink | None = None) -> WorkerResul
         bucket_bytes=config.bucket_bytes, timeout=config.timeout,
         request_timeout=config.request_timeout, heartbeat_interval=config.heartbeat_interval,
         chunk_bytes=config.chunk_bytes, part_bytes=config.part_bytes,
+        early_parts=config.early_parts,
         wire_dtype=config.wire_dtype, curve_key=config.curve_key,
         curve_server_key=config.curve_server_key, offer_weights=True, events=events,
         drop_rate=config.drop_rate, barrier_timeout=config.barrier_timeout,
