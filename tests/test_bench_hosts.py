@@ -23,6 +23,7 @@ from paramserver.benchmarks.records import BenchResult, HostsResult
 from paramserver.benchmarks.report import markdown
 from paramserver.cli.bench import bench
 from paramserver.shm.link import enabled as shm_enabled
+from tests.procs import reap
 
 needs_netns = pytest.mark.skipif(netns_problem() is not None, reason=str(netns_problem()))
 
@@ -89,9 +90,5 @@ def test_sigterm_still_deletes_the_namespaces(tmp_path: Path) -> None:
         proc.terminate()
         assert proc.wait(30) == 128 + signal.SIGTERM
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
+        reap(proc)
     assert not made & existing()

@@ -34,6 +34,7 @@ from paramserver.workers.launch.netcluster import (
     existing_namespaces,
     netns_problem,
 )
+from tests.procs import reap
 from tests.test_cli_e2e import PARAMSERVER, ROOT, env
 
 needs_netns = pytest.mark.skipif(netns_problem() is not None,
@@ -169,9 +170,5 @@ def test_sigterm_to_the_launcher_deletes_its_hosts(tmp_path: Path) -> None:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(120) == 128 + signal.SIGTERM
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
+        reap(proc)
     assert not _left({"hosts": hosts})

@@ -30,6 +30,7 @@ from paramserver.workers.launch.netcluster import (
     netns_problem,
     parse_rate,
 )
+from tests.procs import reap
 
 Hosts = Callable[..., EmulatedCluster]
 PROBE = str(Path(__file__).with_name("net_probe.py"))
@@ -209,11 +210,7 @@ def test_sigterm_still_deletes_everything(tmp_path: Path) -> None:
         proc.terminate()
         assert proc.wait(60) == 128 + signal.SIGTERM
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
+        reap(proc)
     assert not _left(tag)
     # the tracked one was stopped; the stray one killed with its namespace
     assert not any(_alive(int(p)) for p in pids)
