@@ -63,7 +63,7 @@ NO_PEERS = ("--replicas: replica 0 (the shard's first primary) needs --replica-p
 def ready_printer(config: ServerConfig, sentence: bool = True) -> Any:
     """on_ready callback: the machine-readable line on stdout, and (``sentence``) one on
     stderr for people; ``paramserver server``'s console says it instead (its server_start)."""
-    from paramserver.server.loop import announce_ready
+    from paramserver.server.process import announce_ready
 
     def on_ready(address: str, metrics_port: int | None = None) -> None:
         announce_ready(address, metrics_port)
@@ -104,7 +104,7 @@ def server(ctx: click.Context, **opts: Any) -> None:
     # the server's loop, zmq and the checkpoints load only when one runs, not for --help
     from paramserver.observe.console import Console
     from paramserver.persist.checkpoint import CheckpointDirInUse, CheckpointError
-    from paramserver.server.loop import run_server
+    from paramserver.server.entry import run_server
 
     options.maybe_print_config(ctx, opts)
     options.check_port_free("--metrics-port", config.metrics_port,

@@ -8,7 +8,7 @@ import sys
 import time
 
 from paramserver.core.shard import ShardCore
-from paramserver.server.loop import main
+from paramserver.server.entry import main
 
 busy = float(sys.argv[1])
 push = ShardCore.push

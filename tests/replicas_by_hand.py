@@ -64,7 +64,7 @@ def start(name: str, config: ServerConfig, out: Path, prefix: Sequence[str] = ()
     """Start one replica serving ``config``; its log and config go under ``out``.
     ``prefix``: run it through this command (``ip netns exec NS``); ``script``: a
     Python script and its first arguments run instead of the server's module (it ends
-    by calling paramserver.server.loop.main with the config's path)."""
+    by calling paramserver.server.entry.main with the config's path)."""
     cfg = out / f"{name}.json"
     cfg.write_text(json.dumps(config.to_dict()))
     log = out / f"{name}.log"

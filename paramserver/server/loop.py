@@ -15,10 +15,7 @@ and stopping.py (what --on-divergence does).
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import sys
 import threading
 import time
 from collections import Counter
@@ -35,13 +32,13 @@ from paramserver.core.probe import MeasureBudget
 from paramserver.core.shard import ShardCore, SliceSpec
 from paramserver.core.sharding import ShardPlan
 from paramserver.core.transfer import CoreImage
-from paramserver.errors import ConfigError, ErrorCode, ProtocolError, TransportError
+from paramserver.errors import ConfigError, ErrorCode, ProtocolError
 from paramserver.observe.console import Console
 from paramserver.observe.events import EventLog
 from paramserver.observe.metrics import MetricsExporter, TensorBoardWriter
 from paramserver.observe.recorder import ShardObserver
 from paramserver.observe.watchdog import Alarm, Watchdog
-from paramserver.persist.checkpoint import CheckpointDirInUse, CheckpointError
+from paramserver.persist.checkpoint import CheckpointError
 from paramserver.policies.registry import create_policy
 from paramserver.server import rejoin
 from paramserver.server.access import Access, admitted, is_loopback, load_grants
@@ -52,7 +49,7 @@ from paramserver.server.ops import DataOps, Handler
 from paramserver.server.outbox import Outbox
 from paramserver.server.parts import JoinedParts, StreamedParts
 from paramserver.server.peers import PeerInfo, Peers
-from paramserver.server.process import READY_PREFIX, announce_ready, call_ready, own_process
+from paramserver.server.process import READY_PREFIX, call_ready
 from paramserver.server.replicackpt import ReplicaCheckpoints
 from paramserver.server.replication import REPLAYED, REPLICATED_OPS, Replication
 from paramserver.server.scriptopt import META_KEY, ScriptOptimizer
@@ -61,7 +58,6 @@ from paramserver.server.tables import TableBuilder
 from paramserver.shm.link import ShmHub, asks_board, lends, sweep, take_shm
 from paramserver.shm.link import enabled as shm_enabled
 from paramserver.sparse.shard import SparseShard
-from paramserver.util import lifeline
 from paramserver.wire import replication as wrepl
 from paramserver.wire import stats as wstats
 from paramserver.wire.curve import CurveKeys
@@ -70,7 +66,7 @@ from paramserver.wire.protocol import Message, Op, error_reply, reply
 from paramserver.wire.requests import decode_request
 from paramserver.wire.transport import RouterSocket
 
-__all__ = ["DIVERGED_EXIT_CODE", "READY_PREFIX", "ServerConfig", "ShardServer", "run_server"]
+__all__ = ["DIVERGED_EXIT_CODE", "READY_PREFIX", "ServerConfig", "ShardServer"]
 
 log = logging.getLogger(__name__)
 
@@ -668,49 +664,7 @@ class ShardServer:
             None if core is None or sparse is None else wstats.SparseStats.of(sparse.stats())))
 
 
-def run_server(config: ServerConfig, on_ready: Callable[..., None] | None = None,
-               job_done: threading.Event | None = None, console: Console | None = None) -> int:
-    """Run one shard until SHUTDOWN, SIGTERM or SIGINT, or until the watchdog stops it.
+if __name__ == "__main__":  # the launcher's way to start a shard (entry.py)
+    from paramserver.server.entry import main
 
-    ``on_ready`` is called once the shard listens, with its address, and with its
-    metrics port (None without one) as well if it takes a second argument.
-    ``job_done``: set by another thread when the job says every worker is done.
-    ``console``: prints the run's story (joins, deaths, checkpoints) as it happens.
-
-    Returns the process exit code: 0, or :data:`DIVERGED_EXIT_CODE`.
-    """
-    server = ShardServer(config, console)
-    if job_done is not None:
-        server.job_done = job_done
-    own_process(server)
-    server.serve_forever(on_ready)
-    return server.exit_code
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``python -m paramserver.server.loop CONFIG.json``: the launcher's way to start a shard."""
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        raise SystemExit("usage: python -m paramserver.server.loop CONFIG.json")
-    config = ServerConfig.from_dict(json.loads(Path(args[0]).read_text()))
-    logging.basicConfig(
-        level=os.environ.get("PARAMSERVER_LOG_LEVEL", "INFO"),
-        format=f"%(asctime)s shard{config.shard} %(levelname)s %(name)s: %(message)s",
-    )
-    try:
-        # the story in the shard's log file, among its other records
-        server = ShardServer(config, Console.to_log())
-    except CheckpointDirInUse as exc:  # an earlier run there: resume it or --fresh
-        sys.exit(f"shard {config.shard}: {exc}")
-    except CheckpointError as exc:  # one line naming the file, no traceback
-        sys.exit(f"shard {config.shard}: cannot resume: {exc}")
-    except (TransportError, ConfigError) as exc:  # a port in use, a bad key file or
-        sys.exit(f"shard {config.shard}: {exc}")  # allow-list line, replicas that disagree
-    own_process(server)
-    lifeline.watch()  # started by a launcher: stop (SIGTERM) when it is gone, however
-    server.serve_forever(announce_ready)
-    sys.exit(server.exit_code)
-
-
-if __name__ == "__main__":
     main()

@@ -64,7 +64,8 @@ from torch.distributed import DistError, DistNetworkError, DistStoreError, TCPSt
 
 from paramserver.core.sharding import ShardPlan
 from paramserver.errors import ConfigError, ParamServerError, TransportError
-from paramserver.server.loop import ServerConfig, run_server
+from paramserver.server.config import ServerConfig
+from paramserver.server.entry import run_server
 from paramserver.wire.curve import CurveKeys
 from paramserver.workers.admin import save_final_model
 from paramserver.workers.failover import join_replicas
@@ -526,7 +527,7 @@ def run_server_rank(config: ServerConfig, rdzv: Rendezvous,
     once its own authenticated records agree (every worker said BYE or died; see
     ``ShardServer._job_over``), and serves on otherwise.
 
-    Returns :func:`~paramserver.server.loop.run_server`'s exit code."""
+    Returns :func:`~paramserver.server.entry.run_server`'s exit code."""
     stopping = threading.Event()
     job_done = threading.Event()
 
