@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import tempfile
 import time
@@ -174,11 +175,14 @@ def _serve_pair(primary: Agent, backup: Agent, base: JSONObject) -> str:
     from paramserver.wire.replauth import make_key_file
 
     folder = Path(tempfile.mkdtemp(prefix="paramserver-bench-replication-"))
-    base = {**base, "replication_key": str(make_key_file(folder / "replication.key"))}
-    backup.send("ps_serve", config={**base, "replicas": 1, "replica": 1})
-    b = text(backup.read(_TIMEOUT), "address")
-    primary.send("ps_serve", config={**base, "replicas": 1, "replica_peers": [b]})
-    p = text(primary.read(_TIMEOUT), "address")
+    try:  # a replica reads its key once, as it starts: gone with the folder after
+        base = {**base, "replication_key": str(make_key_file(folder / "replication.key"))}
+        backup.send("ps_serve", config={**base, "replicas": 1, "replica": 1})
+        b = text(backup.read(_TIMEOUT), "address")
+        primary.send("ps_serve", config={**base, "replicas": 1, "replica_peers": [b]})
+        p = text(primary.read(_TIMEOUT), "address")
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
     # a primary that fell silent while starting would have been replaced already, and
     # the row would measure a shard without a backup
     found = primary_of(ask_roles([p, b], timeout=5.0))
