@@ -63,6 +63,8 @@ FEATURES: dict[str, str] = {
     "overlap": "--overlap",
     "wire_dtype": "--wire-dtype",
     "script_optimizer": "a script's own optimizer (DistributedOptimizer(model, torch.optim.X))",
+    "hosts": "emulated hosts (--hosts W+S)",
+    "early_parts": "--early-parts",
     **{policy_feature(p): f"--policy {p}" for p in BUILTIN_POLICIES},
 }
 
@@ -153,6 +155,10 @@ _LISTED: dict[tuple[str, str], Pair] = {
     ("script_optimizer", "local_sgd"): _refused(
         "with local steps the worker runs the inner optimizer and the servers' is the "
         "outer one (--optimizer): wrap no optimizer in DistributedOptimizer with local="),
+    # early parts (paramserver/core/ahead.py): a client option, so a command's too
+    ("early_parts", "command"): _works(
+        "tests/test_command_flags_e2e.py::"
+        "test_stragglers_seed_and_client_options_act_and_opt_log_reports"),
     # sparse tables
     ("sparse", "resume"): _works(
         "tests/test_sparse_e2e.py::test_checkpoint_and_resume_of_sparse_shards_loses_nothing"),
