@@ -28,14 +28,20 @@ def _config(out: Path, name: str, **kw: object) -> ServerConfig:
     return replica_config(out, name, 0.5, **kw)
 
 
+def _pair(tmp_path: Path, replicas: list[Replica]) -> tuple[Replica, Replica]:
+    """A backup, then its primary, each added to ``replicas`` (stopped by the caller)."""
+    backup = start("backup", _config(tmp_path, "backup", replica=1), tmp_path)
+    replicas.append(backup)
+    primary = start("primary", _config(tmp_path, "primary", replica_peers=[backup.address]),
+                    tmp_path)
+    replicas.append(primary)
+    return primary, backup
+
+
 def test_a_dead_backup_is_dropped_and_the_primary_goes_on(tmp_path: Path) -> None:
     replicas: list[Replica] = []
     try:
-        backup = start("backup", _config(tmp_path, "backup", replica=1), tmp_path)
-        replicas.append(backup)
-        primary = start("primary", _config(tmp_path, "primary",
-                                           replica_peers=[backup.address]), tmp_path)
-        replicas.append(primary)
+        primary, backup = _pair(tmp_path, replicas)
         numel = 1024
         params = {"w": torch.zeros(numel)}
         accepted = 0
@@ -78,11 +84,7 @@ def test_a_paused_backup_is_dropped_and_joins_again_when_it_wakes(tmp_path: Path
 
     replicas: list[Replica] = []
     try:
-        backup = start("backup", _config(tmp_path, "backup", replica=1), tmp_path)
-        replicas.append(backup)
-        primary = start("primary", _config(tmp_path, "primary",
-                                           replica_peers=[backup.address]), tmp_path)
-        replicas.append(primary)
+        primary, backup = _pair(tmp_path, replicas)
         numel = 1024
         params = {"w": torch.zeros(numel)}
         with PSClient([f"{primary.address}|{backup.address}"], flat_plan(numel, 1), 0,
