@@ -149,10 +149,14 @@ def field_default(f: dataclasses.Field[Any]) -> Any:
     return MISSING
 
 
-def check_bounds(obj: Any) -> None:
-    """Refuse a field outside the bounds or choices its :class:`Opt` declares."""
+def check_bounds(obj: Any, declared: type | None = None) -> None:
+    """Refuse a field outside the bounds or choices its :class:`Opt` declares; with
+    ``declared``, the option of that config class's field of the same name (a record
+    whose fields are options declared there: ClientConfig's are WorkerConfig's)."""
+    options = None if declared is None else {
+        f.name: f.metadata.get(OPTION) for f in dataclasses.fields(declared)}
     for f in dataclasses.fields(obj):
-        opt = f.metadata.get(OPTION)
+        opt = f.metadata.get(OPTION) if options is None else options.get(f.name)
         if opt is None or not (opt.bounded or opt.choices):
             continue
         value = getattr(obj, f.name)
