@@ -8,6 +8,7 @@ import dataclasses
 import inspect
 import re
 import typing
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -32,9 +33,10 @@ def _hints(cls: type) -> dict[str, typing.Any]:
 
 
 def _same_type(record: typing.Any, declared: typing.Any) -> bool:
-    """A record's field type against its option's (a list option is a tuple there)."""
-    if typing.get_origin(declared) is list:
-        return record == tuple[(*typing.get_args(declared), ...)]  # type: ignore[misc]
+    """A record's field type against its option's (a list option is a sequence there)."""
+    if typing.get_origin(declared) is list:  # any sequence there, kept as a tuple
+        return typing.get_origin(record) is Sequence and \
+            typing.get_args(record) == typing.get_args(declared)
     return bool(record == declared)
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -95,7 +95,8 @@ class ClientConfig:
     """
 
     # the worker options the client acts on, WorkerConfig's defaults (declared there)
-    servers: tuple[str, ...] = ()
+    #: in shard order; a str is comma-separated (kept as a tuple either way)
+    servers: Sequence[str] = ()
     rank: int = worker_default("rank")
     world_size: int = worker_default("world_size")
     run_id: str | None = worker_default("run_id")
