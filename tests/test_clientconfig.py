@@ -181,6 +181,8 @@ def test_retry_is_one_value_from_the_timeouts() -> None:
     judge = retry.judged(patience=lambda lost: True)
     assert judge.patience is not None and (judge.attempt, judge.retries) == (5.0, 11)
     assert retry.patience is None  # unchanged
+    with pytest.raises(AttributeError):
+        retry.attempt = 1.0  # type: ignore[misc]
     with pytest.raises(ConfigError, match="attempt timeout must be > 0"):
         Retry(0.0)
     with pytest.raises(ConfigError, match="retries must be >= 0"):
