@@ -141,6 +141,7 @@ def async_run(args: JSONObject, announce: Announce) -> JSONObject:
             session.applied = 0
 
         rounds, seconds = rounds_until_stopped(session.one_round, args, announce,
+                                               batch=integer(args, "batch", 50),
                                                on_start=start)
         return {"pushes": rounds, "shard_updates": session.applied, "seconds": seconds}
     finally:

@@ -18,8 +18,9 @@ from .common import Stats, integer, number, numbers, text
 from .netns import Link as VethLink
 from .replication import ReplicationResult
 
-__all__ = ["AsyncRow", "BenchResult", "ClusterResult", "ClusterRow", "Environment", "Goal",
-           "HostsResult", "MemoryRow", "OverlapResult", "ShmPath", "SweepRow"]
+__all__ = ["AsyncRow", "BenchResult", "ClusterAsyncRow", "ClusterResult", "ClusterRow",
+           "Environment", "Goal", "HostsResult", "MemoryRow", "OverlapResult", "ShmPath",
+           "SweepRow"]
 
 
 def _obj(value: JSON) -> JSONObject:
@@ -417,6 +418,43 @@ class ClusterRow:
 
 
 @dataclass(frozen=True)
+class ClusterAsyncRow:
+    """Async on N worker and N server hosts: every worker's pushes/s with every NIC fast
+    and with worker host 0 at ``slow_bits``, window by window (benchmarks/clusterasync.py)."""
+
+    workers: int
+    bytes: int
+    rate: str  # every other NIC's, as tc writes it
+    slow_bits: int  # worker host 0's in the slow windows
+    fast_per_worker: tuple[tuple[float, ...], ...]  # [repeat][worker] pushes/s
+    slow_per_worker: tuple[tuple[float, ...], ...]
+    others_vs_fast: Stats  # workers 1..N-1's mean pushes/s, slow window / fast, paired
+    slow_vs_fast: Stats  # worker 0's own, slow / fast
+
+    def to_json(self) -> JSONObject:
+        return {"workers": self.workers, "bytes": self.bytes, "rate": self.rate,
+                "slow_bits": self.slow_bits,
+                "fast_per_worker": [list(r) for r in self.fast_per_worker],
+                "slow_per_worker": [list(r) for r in self.slow_per_worker],
+                "others_vs_fast": self.others_vs_fast.to_json(),
+                "slow_vs_fast": self.slow_vs_fast.to_json()}
+
+    @classmethod
+    def from_json(cls, value: JSON) -> ClusterAsyncRow:
+        d = _obj(value)
+
+        def grid(key: str) -> tuple[tuple[float, ...], ...]:
+            rows = d.get(key)
+            if not isinstance(rows, list):
+                raise ValueError(f"{key}: expected a list of lists")
+            return tuple(tuple(numbers({"r": r}, "r")) for r in rows)
+
+        return cls(integer(d, "workers"), integer(d, "bytes"), text(d, "rate"),
+                   integer(d, "slow_bits"), grid("fast_per_worker"), grid("slow_per_worker"),
+                   Stats.from_json(d["others_vs_fast"]), Stats.from_json(d["slow_vs_fast"]))
+
+
+@dataclass(frozen=True)
 class ClusterResult:
     """The cluster part (benchmarks/cluster.py): skipped (and why), or its NIC rate (as
     ``tc`` writes it, every host's, both ways) and rows."""
@@ -424,11 +462,19 @@ class ClusterResult:
     skipped: str | None = None
     rate: str = ""
     rows: tuple[ClusterRow, ...] = ()
+    #: async with one slow worker host (None: not measured), or why it was not
+    async_row: ClusterAsyncRow | None = None
+    async_skipped: str | None = None
 
     def to_json(self) -> JSONObject:
         if self.skipped is not None:
             return {"skipped": self.skipped}
-        return {"rate": self.rate, "rows": [r.to_json() for r in self.rows]}
+        out: JSONObject = {"rate": self.rate, "rows": [r.to_json() for r in self.rows]}
+        if self.async_row is not None:
+            out["async"] = self.async_row.to_json()
+        if self.async_skipped is not None:
+            out["async_skipped"] = self.async_skipped
+        return out
 
     @classmethod
     def from_json(cls, value: JSON) -> ClusterResult:
@@ -439,7 +485,11 @@ class ClusterResult:
         rows = value.get("rows") or []
         if not isinstance(rows, list):
             raise ValueError("cluster rows: expected a list")
-        return cls(None, text(value, "rate"), tuple(ClusterRow.from_json(r) for r in rows))
+        arow = value.get("async")
+        skipped = value.get("async_skipped")
+        return cls(None, text(value, "rate"), tuple(ClusterRow.from_json(r) for r in rows),
+                   None if arow is None else ClusterAsyncRow.from_json(arow),
+                   skipped if isinstance(skipped, str) else None)
 
 
 @dataclass(frozen=True)

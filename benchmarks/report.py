@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable, Sequence
 
 from rich.console import Console
@@ -180,6 +181,12 @@ def _cluster_goals(cluster: ClusterResult | None, add: Callable[..., None]) -> N
     vs = colo.vs_gloo.median if colo and colo.vs_gloo else None
     add("cluster: shards on the 4 worker hosts: sync round vs gloo all_reduce", vs,
         "<= 1.1x", None if vs is None else vs <= 1.1, where)
+    arow = cluster.async_row if cluster else None
+    why = (cluster.skipped or cluster.async_skipped if cluster else None) or "not measured"
+    vs = arow.others_vs_fast.median if arow else None
+    add("cluster: async, one worker host at a quarter of the rate: the others' updates/s "
+        "vs every host fast", vs, ">= 0.9x", None if vs is None else vs >= 0.9,
+        f"{arow.workers} workers, {format_size(arow.bytes)}, {arow.rate}" if arow else why)
 
 
 def _cluster_table(result: ClusterResult) -> Table:
@@ -207,6 +214,20 @@ def _cluster_markdown(result: ClusterResult) -> list[str]:
             f"{r.limit_s * 1e3:.0f} | {r.vs_limit:.2f} | {r.ring_limit_s * 1e3:.0f} | "
             f"{r.vs_ring_limit:.2f} | "
             f"{'-' if r.vs_gloo is None else f'{r.vs_gloo.median:.2f}'} |")
+    a = result.async_row
+    if a is not None:
+        def mean(rows: Sequence[Sequence[float]], lo: int, hi: int) -> float:
+            return statistics.median(sum(r[lo:hi]) / (hi - lo) for r in rows)
+
+        lines += ["", f"Async, {a.workers} workers, {format_size(a.bytes)} (pushes/s per worker, "
+                  f"median window; worker host 0 at {a.slow_bits / 1e6:g} Mbit/s when slow):",
+                  "", "| NICs | host 0 | the others (mean) | the others vs all fast |",
+                  "|---|---|---|---|",
+                  f"| all {a.rate} | {mean(a.fast_per_worker, 0, 1):.2f} | "
+                  f"{mean(a.fast_per_worker, 1, a.workers):.2f} | 1 |",
+                  f"| host 0 slow | {mean(a.slow_per_worker, 0, 1):.2f} | "
+                  f"{mean(a.slow_per_worker, 1, a.workers):.2f} | "
+                  f"{a.others_vs_fast.median:.2f} |"]
     return [*lines, ""]
 
 

@@ -56,6 +56,8 @@ from .cluster import DEFAULT_RATE as CLUSTER_RATE
 from .cluster import DEFAULT_SIZES as CLUSTER_SIZES
 from .cluster import DEFAULT_WORKERS as CLUSTER_WORKERS
 from .cluster import run_cluster
+from .clusterasync import DEFAULT_SLOW_FACTOR as SLOW_FACTOR
+from .clusterasync import run_cluster_async
 from .common import format_size
 from .extras import run_async, run_async_raw, run_async_ray, run_memory, run_overlap
 from .hosts import DEFAULT_SIZES as HOSTS_SIZES
@@ -223,7 +225,21 @@ def _run_cluster(opts: BenchOptions, console: Console, logs: Path) -> ClusterRes
                          on_row=lambda r: console.print(_cluster_line(r)))
     if result.skipped is not None:
         console.print(f"across a cluster: skipped: {result.skipped}")
-    return result
+        return result
+    n, size = max(workers), min(sizes)
+    if n < 2:
+        return result
+    console.print(f"across a cluster, async: {n} workers, {format_size(size)}, worker host 0 "
+                  f"at 1/{SLOW_FACTOR} of {opts.link} in every other window")
+    arow = run_cluster_async(n, size, opts.link, repeats=1 if quick else 3,
+                             seconds=1.0 if quick else 5.0, log_dir=logs / "cluster-async")
+    if isinstance(arow, str):
+        console.print(f"across a cluster, async: skipped: {arow}")
+        return replace(result, async_skipped=arow)
+    console.print(f"  the other workers' updates/s with host 0 slow: "
+                  f"x{arow.others_vs_fast.median:.2f} of all fast "
+                  f"(host 0's own: x{arow.slow_vs_fast.median:.2f})")
+    return replace(result, async_row=arow)
 
 
 def _cost_line(c: CostRow) -> str:

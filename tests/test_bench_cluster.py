@@ -47,7 +47,7 @@ def test_cluster_part_is_skipped_without_root(tmp_path: Path,
     data = json.loads((tmp_path / "result.json").read_text())
     assert data["cluster"] == {"skipped": "creating network namespaces needs root"}
     goals = [g for g in data["goals"] if g["goal"].startswith("cluster")]
-    assert len(goals) == 3 and all(g["status"] == "n/a" for g in goals)
+    assert len(goals) == 4 and all(g["status"] == "n/a" for g in goals)
 
 
 @pytest.mark.integration
@@ -72,8 +72,18 @@ def test_cluster_part_measures_every_system_beside_the_limits(tmp_path: Path) ->
     assert rows["gloo"]["shards"] is None and rows["gloo"]["vs_gloo"] is None
     assert rows["ps"]["shards"] == 2 and rows["ps"]["vs_gloo"]["n"] == 2
     assert "x M/B" in res.output and "across a cluster" in res.output
+    # async, worker host 0 slowed to a quarter in every other window: every worker pushed
+    # in both, and host 0's own rate fell (its NIC is the limit at 256 KiB)
+    arow = cluster["async"]
+    assert arow["workers"] == 2 and arow["bytes"] == 256 << 10 and arow["slow_bits"] == 50e6
+    assert all(r > 0 for w in arow["fast_per_worker"] + arow["slow_per_worker"] for r in w)
+    assert arow["slow_vs_fast"]["median"] < 0.8
+    goal = next(g for g in data["goals"] if g["goal"].startswith("cluster: async"))
+    assert goal["measured"] == pytest.approx(arow["others_vs_fast"]["median"])
+    assert "the other workers' updates/s with host 0 slow" in res.output
     text = markdown(BenchResult.from_json(data))
     assert "| 2 | 2 | 256KiB | ps-colocated |" in text.split("Across a cluster")[1]
+    assert "| host 0 slow |" in text.split("Across a cluster")[1]
     # every host was deleted
     assert not {n for n in existing_namespaces() | existing_links() if n not in before
                 and n.startswith(("pscl", "pcb", "pco"))}
