@@ -120,7 +120,7 @@ def run(args: JSONObject, announce: Announce) -> JSONObject:
     plan = ShardPlan.from_module(model, len(addresses))
     nbytes = sum(p.numel() * p.element_size() for p in params.values())
     tcp = flag(args, "tcp", False)
-    client = PSClient(addresses, plan, 0, timeout=300.0, attempt_timeout=120.0,
+    client = PSClient(addresses, plan, 0, timeout=300.0, request_timeout=120.0,
                       wire_dtype=wire_dtype if isinstance(wire_dtype, str) else None,
                       shm=not tcp)
     with client:

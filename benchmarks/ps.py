@@ -96,7 +96,7 @@ class PSSession(FixedSizeSession):
                          integer(args, "pieces", 1))
         wire_dtype = args.get("wire_dtype")
         self.client = PSClient(addresses, plan, integer(args, "rank", 0),
-                               timeout=300.0, attempt_timeout=120.0,
+                               timeout=300.0, request_timeout=120.0,
                                wire_dtype=wire_dtype if isinstance(wire_dtype, str) else None,
                                part_bytes=integer(args, "part_bytes", PART_BYTES),
                                shm=flag(args, "shm", True),

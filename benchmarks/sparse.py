@@ -34,7 +34,7 @@ from paramserver.sparse.shard import owned_rows
 from paramserver.util.jsontypes import JSONObject
 from paramserver.workers.embedding import ShardedEmbedding
 from paramserver.workers.launch.cluster import ClusterSpec, LocalCluster
-from paramserver.workers.optimizer import DistributedOptimizer
+from paramserver.workers.optimizer import ClientConfig, DistributedOptimizer
 from paramserver.workers.worker import WorkerConfig
 
 from .common import format_size, integer, number, peak_rss, reset_peak_rss, rss
@@ -122,7 +122,7 @@ def _measure(addresses: list[str], sparse: bool, rows: int, dim: int, fractions:
     emb = ShardedEmbedding(rows, dim, std=0.1) if sparse else nn.Embedding(rows, dim)
     model = _model = _Model(emb, dim)
     base = rss()
-    opt = DistributedOptimizer(model, servers=addresses, rank=0, world_size=1, timeout=120)
+    opt = DistributedOptimizer(model, config=ClientConfig(servers=addresses, timeout=120))
     gen = torch.Generator().manual_seed(0)
     out = []
     try:
@@ -175,7 +175,7 @@ def _worker(rows: int, dim: int, steps: int, batch: int, out: Path) -> None:
     """One rank of the scale run (started by ``launch``-style env): RSS before and after."""
     rank = int(os.environ["RANK"])
     model = _Model(ShardedEmbedding(rows, dim, std=0.01), dim)
-    opt = DistributedOptimizer(model, timeout=300)
+    opt = DistributedOptimizer(model, config=ClientConfig.from_env(timeout=300))
     base = rss()
     reset_peak_rss()
     gen = torch.Generator().manual_seed(rank)

@@ -69,6 +69,7 @@ _EXPORTS: dict[str, str] = {
     "register_task": "paramserver.workers.tasks",
     "available_tasks": "paramserver.workers.tasks",
     "WorkerConfig": "paramserver.workers.worker",
+    "ClientConfig": "paramserver.workers.clientconfig",
     "DistributedOptimizer": "paramserver.workers.optimizer",
     "DistributedSampler": "paramserver.workers.optimizer",
     "ShardedEmbedding": "paramserver.workers.embedding",
@@ -95,6 +96,7 @@ _EXPORTS: dict[str, str] = {
 __all__ = [
     "BadRequestError",
     "BusyError",
+    "ClientConfig",
     "ClusterResult",
     "ClusterSpec",
     "ConfigError",
@@ -203,6 +205,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see; at run time __getattr__ lo
     from paramserver.sparse.shard import TableSpec
     from paramserver.wire.stats import ShardStats
     from paramserver.workers.client import PSClient
+    from paramserver.workers.clientconfig import ClientConfig
     from paramserver.workers.embedding import ShardedEmbedding, ShardedEmbeddingBag
     from paramserver.workers.experiments.report import write_report
     from paramserver.workers.experiments.runner import run_experiment, simulate_experiment

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tests` as a package
 
-from paramserver import DistributedOptimizer
+from paramserver import ClientConfig, DistributedOptimizer
 from tests import exact_tasks as T
 
 
@@ -39,7 +39,8 @@ def main() -> None:
     # a different local initialization on every rank: the servers' weights win
     model = T.make_model(seed=rank if args.seed is None else args.seed)
     opt = DistributedOptimizer(model, backward_passes_per_step=args.passes,
-                               overlap=args.overlap, bucket_bytes=64)
+                               overlap=args.overlap,
+                               config=ClientConfig.from_env(bucket_bytes=64))
     n = T.batch_size(rank, args.unequal)
     scaler = torch.amp.GradScaler("cpu") if args.scaler else None
     outcomes = []

@@ -18,7 +18,7 @@ from paramserver.observe.events import read_events
 from paramserver.workers.config import EVALUATOR_ENV, WorkerConfig
 from paramserver.workers.experiments.spec import ExperimentSpec, dump_spec, load_spec
 from paramserver.workers.launch.clusterspec import ClusterSpec
-from paramserver.workers.optimizer import DistributedOptimizer
+from paramserver.workers.optimizer import ClientConfig, DistributedOptimizer
 
 OUT_OF_RANGE = "evaluator must be a worker rank, 0 .. 1 with 2 worker(s); got 2"
 
@@ -64,11 +64,12 @@ def test_an_evaluator_that_is_no_worker_is_refused_in_one_line():
 def test_the_optimizer_refuses_it_before_it_connects(monkeypatch):
     model = torch.nn.Linear(2, 1)
     with pytest.raises(ConfigError, match=re.escape(OUT_OF_RANGE)):  # no server there: not reached
-        DistributedOptimizer(model, servers="tcp://127.0.0.1:9", rank=0, world_size=2,
-                             evaluator=2)
+        DistributedOptimizer(model, config=ClientConfig(
+            servers=["tcp://127.0.0.1:9"], rank=0, world_size=2, evaluator=2))
     monkeypatch.setenv(EVALUATOR_ENV, "2")
     with pytest.raises(ConfigError, match=re.escape(OUT_OF_RANGE)):
-        DistributedOptimizer(model, servers="tcp://127.0.0.1:9", rank=0, world_size=2)
+        DistributedOptimizer(model, config=ClientConfig.from_env(
+            servers=["tcp://127.0.0.1:9"], rank=0, world_size=2))
 
 
 @pytest.mark.parametrize("args", [

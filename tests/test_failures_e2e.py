@@ -11,6 +11,7 @@ import pytest
 from paramserver.errors import RequestTimeoutError
 from paramserver.observe.events import read_events
 from paramserver.server.loop import ServerConfig
+from paramserver.util import faults
 from paramserver.workers.launch.cluster import ClusterSpec, LocalCluster, run_cluster
 from paramserver.workers.stragglers import StragglerSpec
 from paramserver.workers.worker import WorkerConfig
@@ -172,9 +173,10 @@ def test_a_stalled_run_is_reported_with_every_log_tail_and_so_is_its_resumption(
     assert end[0]["stalls"] == kinds.count(True)
 
 
-def test_lossy_network_sync_pushes_in_parts_added_once(tmp_path):
+def test_lossy_network_sync_pushes_in_parts_added_once(tmp_path, monkeypatch):
     # every push in many parts, 10 % of messages lost: retried parts are not added twice
-    s = spec("sync", workers=2, steps=20, worker={"drop_rate": 0.1, "request_timeout": 0.25,
+    monkeypatch.setenv(faults.DROP_RATE, "0.1")  # (the workers inherit it)
+    s = spec("sync", workers=2, steps=20, worker={"request_timeout": 0.25,
                                                   "part_bytes": 1, "chunk_bytes": 8192})
     result = run_cluster(s, tmp_path)
     for shard in result.servers:
@@ -184,9 +186,10 @@ def test_lossy_network_sync_pushes_in_parts_added_once(tmp_path):
             assert w["pushes"] == 20 == w["applied"]
 
 
-def test_lossy_network_every_push_applied_once(tmp_path):
+def test_lossy_network_every_push_applied_once(tmp_path, monkeypatch):
     # a lost message costs one request timeout: short, so that the test is too
-    s = spec("async", workers=2, steps=40, worker={"drop_rate": 0.1, "request_timeout": 0.25})
+    monkeypatch.setenv(faults.DROP_RATE, "0.1")  # (the workers inherit it)
+    s = spec("async", workers=2, steps=40, worker={"request_timeout": 0.25})
     result = run_cluster(s, tmp_path)
     for shard in result.servers:
         for w in shard["workers"].values():

@@ -95,7 +95,7 @@ def _script_kwargs(feature: str) -> dict[str, object]:
 @pytest.mark.parametrize(("a", "b"), SCRIPT_REFUSED)
 def test_a_refused_pair_a_script_turns_on_is_refused_before_it_connects(a: str, b: str) -> None:
     from paramserver.errors import ConfigError
-    from paramserver.workers.optimizer import DistributedOptimizer
+    from paramserver.workers.optimizer import ClientConfig, DistributedOptimizer
 
     kwargs = _script_kwargs(a) | _script_kwargs(b)
     model = kwargs.pop("model")
@@ -104,7 +104,7 @@ def test_a_refused_pair_a_script_turns_on_is_refused_before_it_connects(a: str, 
             kwargs[k] = type(v)(model.parameters(), lr=0.1)
     # a port nothing listens on: a pair let through would fail connecting, not here
     with pytest.raises(ConfigError, match="does not work with") as info:
-        DistributedOptimizer(model, servers=["127.0.0.1:9"], rank=0, world_size=1,
+        DistributedOptimizer(model, config=ClientConfig(servers=["127.0.0.1:9"]),
                              **kwargs)  # type: ignore[arg-type]
     assert str(info.value).endswith(pair(a, b).why)
 

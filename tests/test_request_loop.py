@@ -13,6 +13,7 @@ import pytest
 
 from paramserver.errors import BadRequestError, RequestTimeoutError
 from paramserver.wire.protocol import Message, Op, decode, error_reply, reply
+from paramserver.wire.retry import Retry
 from paramserver.wire.transport import Channel, Fanout, RouterSocket, request_all
 
 #: what a fake shard does with the n-th request it gets (counted from 0): the replies
@@ -114,13 +115,13 @@ def test_patience_is_made_once_a_timeout_passes_with_the_requests_start(  # type
 
     chans = [a, a] if pipelined else [a]
     before = time.monotonic()
-    got = request_all(chans, [_beat() for _ in chans], 0.2, patience_from=patience_from)
+    got = request_all(chans, [_beat() for _ in chans], Retry(0.2, patience_from=patience_from))
     assert len(got) == len(chans)
     assert len(made) == 1 and before <= made[0] <= before + 0.15
     assert judged == [list(range(len(chans)))]
     # answered in time: no patience is made
     made.clear()
-    request_all(chans, [_beat() for _ in chans], 5.0, patience_from=patience_from)
+    request_all(chans, [_beat() for _ in chans], Retry(5.0, patience_from=patience_from))
     assert made == []
 
 
@@ -130,7 +131,7 @@ def test_without_patience_retries_then_names_who_did_not_answer(  # type: ignore
     shard, a = shards(lambda n, req: [])
     chans = [a, a] if pipelined else [a]
     with pytest.raises(RequestTimeoutError, match=r"no reply within 0\.3s from shard 0"):
-        request_all(chans, [_beat() for _ in chans], 0.1, retries=2,
-                    patience_from=lambda started: None)
+        request_all(chans, [_beat() for _ in chans],
+                    Retry(0.1, retries=2, patience_from=lambda started: None))
     time.sleep(0.1)
     assert shard.seen == 3 * len(chans)  # sent, then sent again twice

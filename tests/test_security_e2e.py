@@ -113,7 +113,7 @@ def _raw_pull_gets_nothing(address: str, curve: CurveKeys | None) -> bool:
 def _observer_pull(address: str, plan: ShardPlan, params: dict[str, torch.Tensor],
                    curve: CurveKeys | None) -> tuple[int, ...]:
     with PSClient([address], plan, worker=0, role="observer", heartbeat_interval=0,
-                  timeout=REFUSAL_WAIT, attempt_timeout=REFUSAL_WAIT, curve=curve) as client:
+                  timeout=REFUSAL_WAIT, request_timeout=REFUSAL_WAIT, curve=curve) as client:
         client.connect()
         return client.pull(params).versions
 

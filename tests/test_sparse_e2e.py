@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from paramserver import (
+    ClientConfig,
     ClusterSpec,
     DistributedOptimizer,
     ServerConfig,
@@ -101,8 +102,8 @@ def _cluster(tmp_path: Path, servers: int, **server) -> LocalCluster:
 def _train(addresses: list[str], steps: range) -> dict[str, torch.Tensor]:
     model = S.Net(ShardedEmbedding(S.ROWS, S.DIM, dtype=torch.float64, std=S.STD,
                                    seed=S.SEED))
-    opt = DistributedOptimizer(model, servers=addresses, rank=0, world_size=1,
-                               heartbeat_interval=0.2, timeout=20)
+    opt = DistributedOptimizer(model, config=ClientConfig(
+        servers=addresses, heartbeat_interval=0.2, timeout=20))
     try:
         for k in steps:
             ids, y = S.batch(0, k)
@@ -239,8 +240,9 @@ def test_sync_sparse_waits_at_its_round_past_the_timeout_and_equals_torch(tmp_pa
     def worker(rank: int, addresses: list[str]) -> None:
         model = models[rank]
         try:
-            opt = DistributedOptimizer(model, servers=addresses, rank=rank, world_size=3,
-                                       heartbeat_interval=0.2, timeout=2, request_timeout=0.5)
+            opt = DistributedOptimizer(model, config=ClientConfig(
+                servers=addresses, rank=rank, world_size=3, heartbeat_interval=0.2,
+                timeout=2, request_timeout=0.5))
         except BaseException as e:  # reported by the test thread
             errors.append(e)
             return
@@ -307,9 +309,9 @@ def test_ssp_bounds_sparse_pushes_by_the_gate(tmp_path):
 
     def worker(rank: int, addresses: list[str]) -> None:
         try:
-            opt = DistributedOptimizer(models[rank], servers=addresses, rank=rank,
-                                       world_size=2, heartbeat_interval=0.2, timeout=2,
-                                       request_timeout=0.5)
+            opt = DistributedOptimizer(models[rank], config=ClientConfig(
+                servers=addresses, rank=rank, world_size=2, heartbeat_interval=0.2,
+                timeout=2, request_timeout=0.5))
         except BaseException as e:  # reported by the test thread
             errors.append(e)
             return
@@ -367,8 +369,8 @@ def test_a_table_of_more_rows_than_one_request_may_name_is_seeded_and_read_whole
     model = nn.Sequential(ShardedEmbedding.from_pretrained(table), nn.Linear(1, 1))
     with _cluster(tmp_path, 1, mode="async") as cluster:
         addresses = cluster.start_servers()
-        opt = DistributedOptimizer(model, servers=addresses, rank=0, world_size=1,
-                                   heartbeat_interval=0.2, timeout=20)
+        opt = DistributedOptimizer(model, config=ClientConfig(
+            servers=addresses, heartbeat_interval=0.2, timeout=20))
         try:
             opt.seed()
             plan = ShardPlan.from_module(model, 1)

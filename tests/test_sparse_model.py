@@ -15,7 +15,12 @@ import pytest
 import torch
 from torch import nn
 
-from paramserver import DistributedOptimizer, ShardedEmbedding, ShardedEmbeddingBag
+from paramserver import (
+    ClientConfig,
+    DistributedOptimizer,
+    ShardedEmbedding,
+    ShardedEmbeddingBag,
+)
 from paramserver.core.sharding import ParamSpec, ShardPlan
 from paramserver.errors import ConfigError, ErrorCode, ProtocolError
 from paramserver.server.loop import ServerConfig, ShardServer
@@ -58,7 +63,7 @@ def test_a_sparse_gradient_embedding_is_refused_naming_sharded_embedding(module)
     model = nn.Sequential(nn.Linear(2, 2), module)
     kind = type(module).__name__
     with pytest.raises(ConfigError) as err:  # before anything connects: no server here
-        DistributedOptimizer(model, servers="127.0.0.1:9", rank=0, world_size=1)
+        DistributedOptimizer(model, config=ClientConfig(servers=["127.0.0.1:9"]))
     message = str(err.value)
     assert "\n" not in message
     assert f"1: nn.{kind}(sparse=True)" in message
@@ -68,8 +73,8 @@ def test_a_sparse_gradient_embedding_is_refused_naming_sharded_embedding(module)
 def test_sparse_tables_on_replicated_servers_are_refused_by_the_script():
     model = _Net(ShardedEmbedding(ROWS, DIM, dtype=torch.float64))
     with pytest.raises(ConfigError, match="--replicas does not work with a sparse table"):
-        DistributedOptimizer(model, servers=["tcp://127.0.0.1:9|tcp://127.0.0.1:10"],
-                             rank=0, world_size=1)
+        DistributedOptimizer(
+            model, config=ClientConfig(servers=["tcp://127.0.0.1:9|tcp://127.0.0.1:10"]))
 
 
 def test_a_replicated_shard_refuses_a_plan_with_sparse_tables(tmp_path):

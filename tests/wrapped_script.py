@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tests` as a package
 
-from paramserver import DistributedOptimizer
+from paramserver import ClientConfig, DistributedOptimizer
 from paramserver.errors import OptimizerMismatchError
 from tests import exact_tasks as T
 
@@ -47,7 +47,7 @@ def main() -> None:
         if args.refused and rank == 0:
             try:
                 DistributedOptimizer(model, torch.optim.Adam(model.parameters(), lr=args.lr),
-                                     rank=1, world_size=2)
+                                     config=ClientConfig.from_env(rank=1, world_size=2))
             except OptimizerMismatchError as exc:
                 Path(args.refused).write_text(str(exc))
 

@@ -15,6 +15,7 @@ from paramserver.core.sharding import DTYPES, ShardPlan
 from paramserver.errors import RemoteError, TransportError
 from paramserver.wire.curve import CurveKeys
 from paramserver.wire.protocol import Message, Op
+from paramserver.wire.retry import Retry
 from paramserver.wire.stats import ShardStats
 from paramserver.wire.transport import Channel, SideChannel, request_all
 
@@ -76,8 +77,8 @@ def _ask_all(addresses: Sequence[str], make: Callable[[], Message], timeout: flo
                                          for i, a in enumerate(addresses)]
     try:
         msgs = [make() for _ in chans]
-        replies = request_all(chans, msgs, timeout, msgs[0].op.value.upper() if msgs else None,
-                              retries=retries)
+        replies = request_all(chans, msgs, Retry(timeout, retries),
+                              msgs[0].op.value.upper() if msgs else None)
         return replies
     finally:
         for ch in chans:

@@ -10,7 +10,6 @@ sockets keeps the worker in the live set while it computes or waits.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import socket
 import time
@@ -34,13 +33,15 @@ from paramserver.errors import (
 from paramserver.shm.link import MIN_BYTES as SHM_MIN_BYTES
 from paramserver.shm.link import ShmLink
 from paramserver.shm.link import enabled as shm_enabled
+from paramserver.util import faults
 from paramserver.util.dtypes import GRAD_WIRE_DTYPES
 from paramserver.wire.curve import CurveKeys
 from paramserver.wire.lanes import SmallShare
 from paramserver.wire.messages import Error, HelloReply, replace
 from paramserver.wire.protocol import PROTOCOL_VERSION, Message, Op, PreparedTensors
+from paramserver.wire.retry import Judge, PatienceFrom, Retry
 from paramserver.wire.stats import ShardStats
-from paramserver.wire.transport import Channel, Fanout, PatienceFrom, request_all
+from paramserver.wire.transport import Channel, Fanout, request_all
 from paramserver.workers import gradwire
 from paramserver.workers.failover import ATTEMPT_TIMEOUT, Failover
 from paramserver.workers.landing import land, land_over_tcp
@@ -75,10 +76,9 @@ class PSClient:
         *,
         role: str = "worker",
         timeout: float = 60.0,
-        attempt_timeout: float = 5.0,
+        request_timeout: float = 5.0,
         heartbeat_interval: float = 1.0,
         curve: CurveKeys | None = None,
-        drop_rate: float = 0.0,
         wire_dtype: str | None = None,
         part_bytes: int = PART_BYTES,
         barrier_timeout: float = 0.0,
@@ -95,17 +95,17 @@ class PSClient:
         self.failover = Failover.of(addresses, curve)
         if self.failover is not None:
             addresses = self.failover.primaries
-            attempt_timeout = min(attempt_timeout, ATTEMPT_TIMEOUT)
+            request_timeout = min(request_timeout, ATTEMPT_TIMEOUT)
         self.addresses = list(addresses)
         self.plan = plan
         self.worker = worker
         self.role = role
-        # a request is re-sent every attempt_timeout (a restarted server lost it;
+        # a request is re-sent every request_timeout (a restarted server lost it;
         # duplicates are harmless: pushes carry ids, pulls replace each other)
-        # until `timeout` has passed in all
+        # until `timeout` has passed in all; patience narrows it per request
         self.timeout = timeout
-        self.attempt_timeout = min(attempt_timeout, timeout)
-        self.retries = max(0, math.ceil(timeout / self.attempt_timeout) - 1)
+        self.retry = Retry.within(timeout, request_timeout)
+        self.attempt_timeout = self.retry.attempt  # (what liveness.Patience reads)
         # a live shard holding a pull at its barrier is waited for this long (0: no bound)
         if barrier_timeout < 0:
             raise ConfigError(f"barrier_timeout must be >= 0 (0: no bound), got "
@@ -129,7 +129,7 @@ class PSClient:
         # (``shm=False``: TCP even then, as the benchmark's ps-tcp row measures)
         use_shm = shm and role == "worker" and shm_enabled()
         self.channels: list[Channel[ShmLink]] = [
-            Channel(a, peer=f"shard {i}", curve=curve, drop_rate=drop_rate,
+            Channel(a, peer=f"shard {i}", curve=curve, drop_rate=faults.drop_rate(),
                                  seed=worker * 1000 + i,
                                  shm=ShmLink([(sl.key, sl.nbytes) for sl in plan.shard_slices(i)],
                                              f"w{worker}s{i}")
@@ -227,10 +227,9 @@ class PSClient:
             shards, chans, fanout = self._every, self.channels, self._fanout
         else:
             chans, fanout = [self.channels[s] for s in shards], None
-        replies = request_all(chans, msgs, self.attempt_timeout, what, retries=self.retries,
-                              raise_errors=False, on_reply=on_reply, sent=sent,
-                              window=window, patience_from=self._patience_from(what, shards),
-                              fanout=fanout)
+        judged = self.retry.judged(patience_from=self._patience_from(what, shards))
+        replies = request_all(chans, msgs, judged, what, raise_errors=False, on_reply=on_reply,
+                              sent=sent, window=window, fanout=fanout)
         for i, rep in enumerate(replies):
             if rep.op is not Op.ERROR:
                 continue
@@ -251,7 +250,7 @@ class PSClient:
         return replies
 
     def patience(self, what: str, shards: list[int], started: float | None = None,
-                 alive: bool | None = None) -> Callable[[list[int]], bool] | None:
+                 alive: bool | None = None) -> Judge | None:
         """How long a request to ``shards`` is waited for: past ``timeout`` while the
         heartbeats say a shard holds it (workers/liveness.py); None without them.
         ``started``: when the request began (default: now); ``alive``: whether the

@@ -26,7 +26,7 @@ from paramserver.util.jsontypes import JSONObject
 from paramserver.workers.stragglerspec import StragglerSpec
 
 __all__ = ["EVALUATOR_ENV", "GRAD_WIRE_DTYPE_NAMES", "OPTIONS_ENV", "RUN_ENV", "LaunchOptions",
-           "WorkerConfig", "check_evaluator"]
+           "WorkerConfig", "check_evaluator", "worker_default"]
 
 #: the names of paramserver.util.dtypes.GRAD_WIRE_DTYPES, the 16-bit dtypes gradients may
 #: travel in (a test keeps the two equal; that table is torch's dtypes)
@@ -141,8 +141,6 @@ class WorkerConfig(ConfigRecord):
     heartbeat_interval: float = option(1.0, min=0, metavar="SECONDS",
                                        help="Seconds between heartbeats to every shard (0: "
                                             "none).")
-    drop_rate: float = option(0.0, min=0, max=1, max_open=True, metavar="P",
-                              help="Chaos testing: lose this fraction of requests and replies.")
     # push gradients in buckets from inside backward and get the next weights with the
     # last one (workers/overlap.py); wire_dtype: send gradients in 16 bits
     overlap: bool = option(False,
@@ -176,8 +174,6 @@ class WorkerConfig(ConfigRecord):
                               "curve_server_key (the server's public .key file)")
         if self.timeout <= 0 or self.request_timeout <= 0:
             raise ConfigError("timeout and request_timeout must be > 0")
-        if not 0.0 <= self.drop_rate < 1.0:
-            raise ConfigError(f"drop_rate must be in [0, 1), got {self.drop_rate}")
         if self.part_bytes < 0:
             raise ConfigError(f"part_bytes must be >= 0 (0: pushes go whole), "
                               f"got {self.part_bytes}")
@@ -203,7 +199,7 @@ class WorkerConfig(ConfigRecord):
                                overlap=self.overlap, wire_dtype=self.wire_dtype)
 
 
-def _worker_default(name: str) -> Any:
+def worker_default(name: str) -> Any:
     """WorkerConfig's default for its option ``name``."""
     default = WorkerConfig.__dataclass_fields__[name].default
     assert default is not MISSING, name
@@ -234,18 +230,17 @@ class LaunchOptions:
 
     # the same options as WorkerConfig's, with its defaults (declared once, there)
     straggler: StragglerSpec = field(default_factory=StragglerSpec)
-    seed: int = _worker_default("seed")
-    timeout: float = _worker_default("timeout")
-    request_timeout: float = _worker_default("request_timeout")
-    heartbeat_interval: float = _worker_default("heartbeat_interval")
-    barrier_timeout: float = _worker_default("barrier_timeout")
-    chunk_bytes: int = _worker_default("chunk_bytes")
-    part_bytes: int = _worker_default("part_bytes")
-    early_parts: bool = _worker_default("early_parts")
-    wire_dtype: str | None = _worker_default("wire_dtype")
-    drop_rate: float = _worker_default("drop_rate")
-    curve_key: str | None = _worker_default("curve_key")
-    curve_server_key: str | None = _worker_default("curve_server_key")
+    seed: int = worker_default("seed")
+    timeout: float = worker_default("timeout")
+    request_timeout: float = worker_default("request_timeout")
+    heartbeat_interval: float = worker_default("heartbeat_interval")
+    barrier_timeout: float = worker_default("barrier_timeout")
+    chunk_bytes: int = worker_default("chunk_bytes")
+    part_bytes: int = worker_default("part_bytes")
+    early_parts: bool = worker_default("early_parts")
+    wire_dtype: str | None = worker_default("wire_dtype")
+    curve_key: str | None = worker_default("curve_key")
+    curve_server_key: str | None = worker_default("curve_server_key")
 
     @classmethod
     def of(cls, worker: WorkerConfig, straggler: StragglerSpec) -> LaunchOptions:

@@ -66,8 +66,8 @@ class SparseClient:
         # as for dense requests: a shard whose heartbeats say it holds our push (a sync
         # round waiting for others) is waited for past `timeout`; a silent one is named
         patience = client.patience(what, list(shards))
-        replies = request_all(chans, list(msgs), client.attempt_timeout, what,
-                              retries=client.retries, raise_errors=False, patience=patience)
+        replies = request_all(chans, list(msgs), client.retry.judged(patience), what,
+                              raise_errors=False)
         for i, rep in enumerate(replies):
             if rep.op is not Op.ERROR:
                 continue
@@ -84,8 +84,7 @@ class SparseClient:
             log.warning("%s: %s; registering again", peer, refusal.reason)
             client.rejoin(shards[i])
             again = Message(msgs[i].op, 0, dict(msgs[i].fields), msgs[i].tensors)
-            replies[i] = request_all([chans[i]], [again], client.attempt_timeout, what,
-                                     retries=client.retries)[0]
+            replies[i] = request_all([chans[i]], [again], client.retry, what)[0]
         self.nbytes += sum(r.nbytes for r in replies)
         return replies
 

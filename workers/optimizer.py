@@ -12,17 +12,19 @@ calls ``state_dict()``::
     model = Net()
     opt = paramserver.DistributedOptimizer(        # servers, rank from the environment
         model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
+    # or, started by hand: config=paramserver.ClientConfig(servers=[...], rank=0)
     for inputs, targets in loader:
         opt.zero_grad()
         loss_fn(model(inputs), targets).backward()
         opt.step(num_samples=len(targets))
     opt.close()
 
-Arguments not given come from the environment that ``paramserver launch --
-COMMAND`` (or ``paramserver run``) sets: ``PARAMSERVER_SERVERS`` (addresses,
-comma-separated, in shard order; with ``--replicas`` a shard's replicas joined by
-``|``, which the optimizer follows through a failover), ``RANK``, ``WORLD_SIZE`` and
-``LOCAL_RANK``, and the launcher's worker options (timeouts, wire options, this rank's straggler
+Without a ``config`` (a :class:`ClientConfig`), the client is configured from the
+environment that ``paramserver launch -- COMMAND`` (or ``paramserver run``) sets:
+``PARAMSERVER_SERVERS`` (addresses, comma-separated, in shard order; with
+``--replicas`` a shard's replicas joined by ``|``, which the optimizer follows
+through a failover), ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``, and the launcher's
+worker options (timeouts, wire options, this rank's straggler
 scenario) from the file ``PARAMSERVER_WORKER_OPTIONS`` names. ``opt.log(loss=...,
 eval_loss=..., eval_accuracy=...)`` records what the script measures in the
 worker's event log, where result.json and the experiment report read it.
@@ -31,13 +33,14 @@ worker's event log, where result.json and the experiment report read it.
 from __future__ import annotations
 
 import atexit
+import dataclasses
+import functools
 import logging
-import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -45,16 +48,11 @@ from paramserver.core import features
 from paramserver.errors import ConfigError
 from paramserver.observe.events import EventLog, write_json
 from paramserver.observe.figures import FigureGate, reserved
-from paramserver.util import lifeline
+from paramserver.util import faults, lifeline
 from paramserver.wire.curve import CurveKeys
 from paramserver.workers.client import PART_BYTES, PSClient, PullResult, PushResult, PushStream
-from paramserver.workers.config import (
-    EVALUATOR_ENV,
-    OPTIONS_ENV,
-    RUN_ENV,
-    LaunchOptions,
-    check_evaluator,
-)
+from paramserver.workers.clientconfig import ClientConfig
+from paramserver.workers.config import OPTIONS_ENV, LaunchOptions
 from paramserver.workers.embedding import (
     SparseClient,
     refuse_sparse_grads,
@@ -65,11 +63,7 @@ from paramserver.workers.finish import FINAL_TIMEOUT, finish
 from paramserver.workers.localsgd import LocalSteps
 from paramserver.workers.overlap import BucketHooks
 from paramserver.workers.scriptenv import (
-    EVENT_LOG_ENV,
-    PLAN_FILE_ENV,
-    RESULT_FILE_ENV,
     DistributedSampler,
-    int_from_env,
     make_plan,
     read_plan,
     servers_from_env,
@@ -78,12 +72,35 @@ from paramserver.workers.stragglers import Straggler
 from paramserver.workers.workerresult import PushCounts, WorkerResult
 from paramserver.workers.wrapped import Wrapped
 
-__all__ = ["OPTIONS_ENV", "DistributedOptimizer", "DistributedSampler", "LaunchOptions",
-           "PushCounts", "StepOutcome", "WorkerResult", "read_plan", "servers_from_env"]
+__all__ = ["OPTIONS_ENV", "ClientConfig", "DistributedOptimizer", "DistributedSampler",
+           "LaunchOptions", "PushCounts", "StepOutcome", "WorkerResult", "read_plan",
+           "servers_from_env"]
 
 log = logging.getLogger(__name__)
 
+_Init = TypeVar("_Init", bound=Callable[..., None])
 
+
+def _refuse_moved_keywords(init: _Init) -> _Init:
+    """A keyword the optimizer took before its configuration became one value
+    (``servers=``, ``timeout=``, ...) refused in one line naming what to give instead."""
+    fields = {f.name for f in dataclasses.fields(ClientConfig)}
+
+    @functools.wraps(init)
+    def checked(self: Any, *args: Any, **kwargs: Any) -> None:
+        if "drop_rate" in kwargs:
+            raise TypeError(f"DistributedOptimizer() got drop_rate: losing messages on "
+                            f"purpose is a test fault, {faults.DROP_RATE}=P in the "
+                            f"environment (paramserver/util/faults.py)")
+        moved = [k for k in kwargs if k in fields]
+        if moved:
+            given = ", ".join(f"{k}=..." for k in moved)
+            raise TypeError(f"DistributedOptimizer() got {', '.join(moved)}: give "
+                            f"config=ClientConfig({given}), or under paramserver launch "
+                            f"config=ClientConfig.from_env({given})")
+        init(self, *args, **kwargs)
+
+    return cast(_Init, checked)
 
 
 def _metric(name: str, value: object) -> float:
@@ -131,39 +148,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
     another refuses this worker in one line); the two share ``param_groups``, and an lr
     the evaluating rank sets there reaches the servers with its next step.
 
-    * ``servers``, ``rank``, ``world_size``: default to ``PARAMSERVER_SERVERS``,
-      ``RANK``, ``WORLD_SIZE`` (0 and 1 when unset).
-    * ``backward_passes_per_step``: backward passes accumulated into ``.grad``
-      per ``step()`` (only used with ``overlap``, to know which backward is the
-      step's last); scale the loss yourself if you want their mean.
-    * ``overlap``: push gradients in buckets of about ``bucket_bytes`` from
+    * ``config``: a :class:`~paramserver.workers.clientconfig.ClientConfig`, everything
+      else: the servers, this worker's ``rank`` among ``world_size``, the ``evaluator``
+      rank (:attr:`evaluates`), the ``run_id`` (a shard of another run refuses this
+      worker, ``wrong_run``), the client's options as for ``paramserver worker``
+      (``timeout``, ``request_timeout``, ``barrier_timeout``, ``heartbeat_interval``,
+      ``chunk_bytes``, ``part_bytes``, ``early_parts``, ``bucket_bytes``,
+      ``wire_dtype``, the CURVE key files), this rank's ``straggler`` scenario
+      (``step()`` sleeps what it injects on top of the compute time since
+      ``zero_grad()`` and logs it apart, ``sleep_s`` beside ``compute_s``), whether it
+      offers its weights (``offer_weights``; by default rank 0 offers and the others
+      wait) and its event log (``events``, ``event_log``). Left out: what the launcher
+      set, :meth:`ClientConfig.from_env() <ClientConfig.from_env>`. Started by a
+      launcher, the process also ends when the launcher does (by any signal):
+      paramserver/util/lifeline.py.
+    * ``overlap``: push gradients in buckets of about ``config.bucket_bytes`` from
       inside backward (post-accumulate hooks), so ``step()`` only waits. The
       push's sample count is then the one given to :meth:`set_num_samples`
       before backward (each worker counts equally by default).
-    * ``offer_weights``: whether this worker offers its weights to seed the
-      servers (the first offer wins) or waits for them; by default rank 0 offers
-      and the others wait (True suits ranks that all initialize alike).
-    * ``events``: the JSONL log to write each step to (default: the file named by
-      ``PARAMSERVER_EVENT_LOG``, with this worker's start and end records too).
-    * the rest (``timeout``, ``request_timeout``, ``heartbeat_interval``,
-      ``chunk_bytes``, ``part_bytes``, ``early_parts``, ``wire_dtype``, ``curve_key``,
-      ``curve_server_key``, ``barrier_timeout``: the longest a live shard may hold a
-      pull at the barrier or SSP gate, 0 for no limit, ``drop_rate``: messages
-      dropped on purpose, for tests) are the client's options, as for
-      ``paramserver worker``. Left as None, they take the launcher's values
-      (``PARAMSERVER_WORKER_OPTIONS``), else the worker's defaults.
-    * ``straggler``: slow this rank down on purpose; ``step()`` sleeps what it
-      injects on top of the compute time since ``zero_grad()`` (or the previous
-      step) and logs it apart (``sleep_s`` beside ``compute_s``). Default: this
-      rank's scenario from the launcher (``--straggler``, ``--min-step-time``, an
-      experiment's scenario), else none.
-    * ``evaluator``: the rank that evaluates held-out data (:attr:`evaluates`); default
-      ``PARAMSERVER_EVALUATOR`` (the launcher's ``--evaluator``, an experiment's
-      ``evaluator``, by default a rank its scenario does not slow), else 0.
-    * ``run_id``: this worker's run; a shard of another run refuses it (``wrong_run``).
-      Default ``PARAMSERVER_RUN`` (the launcher's), else none (any shard takes it).
-      Started by a launcher, the process also ends when the launcher does (by any
-      signal): paramserver/util/lifeline.py.
+    * ``backward_passes_per_step``: backward passes accumulated into ``.grad``
+      per ``step()`` (only used with ``overlap``, to know which backward is the
+      step's last); scale the loss yourself if you want their mean.
     * ``local``, ``sync_every``: local SGD / DiLoCo. ``step()`` steps ``local`` (an
       optimizer over the model's parameters, e.g. AdamW) and only every
       ``sync_every``-th step pushes the pseudo-gradient (the weights last pulled minus
@@ -185,35 +190,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
     #: :meth:`final` was called: this worker said BYE and reads on as an observer
     finished = False
 
+    @_refuse_moved_keywords
     def __init__(
         self,
         model_or_named_parameters: torch.nn.Module | Iterable[tuple[str, torch.Tensor]],
         optimizer: torch.optim.Optimizer | None = None,
         *,
-        servers: str | Iterable[str] | None = None,
-        rank: int | None = None,
-        world_size: int | None = None,
-        backward_passes_per_step: int = 1,
         overlap: bool = False,
-        bucket_bytes: int = 4 * 1024 * 1024,
-        timeout: float | None = None,
-        request_timeout: float | None = None,
-        heartbeat_interval: float | None = None,
-        chunk_bytes: int | None = None,
-        part_bytes: int | None = None,
-        early_parts: bool | None = None,
-        wire_dtype: str | None = None,
-        curve_key: str | None = None,
-        curve_server_key: str | None = None,
-        offer_weights: bool | None = None,
-        events: EventLog | None = None,
-        drop_rate: float | None = None,
-        barrier_timeout: float | None = None,
-        straggler: Straggler | None = None,
+        backward_passes_per_step: int = 1,
         local: torch.optim.Optimizer | None = None,
         sync_every: int = 1,
-        evaluator: int | None = None,
-        run_id: str | None = None,
+        config: ClientConfig | None = None,
     ) -> None:
         # started by a launcher: this process ends when it does, however it ends
         lifeline.watch()
@@ -234,14 +221,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ConfigError(f"backward_passes_per_step must be >= 1, "
                               f"got {backward_passes_per_step}")
         super().__init__([p for _, p in named], {})
-        self.servers = servers_from_env(servers)
-        self.rank = int_from_env(rank, ("RANK",), 0)
-        self.world_size = int_from_env(world_size, ("WORLD_SIZE",), 1)
-        if not 0 <= self.rank < self.world_size:
-            raise ConfigError(f"rank must be in [0, {self.world_size}), got {self.rank}")
+        # nothing given: what the launcher set (launch -- COMMAND), else the defaults
+        if config is None:
+            config = ClientConfig.from_env()
+        elif not isinstance(config, ClientConfig):
+            raise ConfigError(f"config must be a paramserver.ClientConfig, got "
+                              f"{type(config).__name__}")
+        if not config.servers:
+            raise ConfigError("no servers: give ClientConfig(servers=[...]), or leave config "
+                              "out under paramserver launch -- COMMAND (or use "
+                              "ClientConfig.from_env(...))")
+        #: what this optimizer was configured with
+        self.config = config
+        self.servers = list(config.servers)
+        self.rank = config.rank
+        self.world_size = config.world_size
         #: the rank that evaluates held-out data (:attr:`evaluates`)
-        self.evaluator = int_from_env(evaluator, (EVALUATOR_ENV,), 0)
-        check_evaluator(self.evaluator, self.world_size)
+        self.evaluator = config.evaluator
         self.backward_passes_per_step = backward_passes_per_step
         self.params: dict[str, torch.Tensor] = dict(named)
         if local is None and sync_every != 1:
@@ -254,34 +250,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
             replicas=any("|" in s for s in self.servers), script_optimizer=optimizer is not None))
         self.local = None if local is None else LocalSteps(local, sync_every, self.params)
         self.wrapped = None if optimizer is None else Wrapped(optimizer, self.params)
-        # what the script passes wins; else the launcher's options (launch [flags] -- ...)
-        given = LaunchOptions.from_env()
-        chunk_bytes = given.chunk_bytes if chunk_bytes is None else chunk_bytes
-        part_bytes = given.part_bytes if part_bytes is None else part_bytes
-        if curve_key is None and given.curve_key:
-            curve_key, curve_server_key = given.curve_key, given.curve_server_key
-        self.plan = make_plan(named, len(self.servers), chunk_bytes,
-                          [m.table_spec(name) for name, m in tables])
-        curve = CurveKeys.load(curve_key, curve_server_key) if curve_key else None
+        self.plan = make_plan(named, len(self.servers), config.chunk_bytes,
+                              [m.table_spec(name) for name, m in tables])
+        curve = (CurveKeys.load(config.curve_key, config.curve_server_key)
+                 if config.curve_key else None)
         self.client = PSClient(
-            self.servers, self.plan, self.rank,
-            timeout=given.timeout if timeout is None else timeout,
-            attempt_timeout=given.request_timeout if request_timeout is None
-            else request_timeout,
-            heartbeat_interval=given.heartbeat_interval if heartbeat_interval is None
-            else heartbeat_interval, curve=curve,
-            wire_dtype=given.wire_dtype if wire_dtype is None else wire_dtype,
-            part_bytes=part_bytes,
-            early_parts=given.early_parts if early_parts is None else early_parts,
-            drop_rate=given.drop_rate if drop_rate is None else drop_rate,
-            barrier_timeout=given.barrier_timeout if barrier_timeout is None
-            else barrier_timeout,
+            self.servers, self.plan, self.rank, timeout=config.timeout,
+            request_timeout=config.request_timeout,
+            heartbeat_interval=config.heartbeat_interval, curve=curve,
+            wire_dtype=config.wire_dtype, part_bytes=config.part_bytes,
+            early_parts=config.early_parts, barrier_timeout=config.barrier_timeout,
             optimizer=None if self.wrapped is None else self.wrapped.spec.to_wire(),
-            run_id=os.environ.get(RUN_ENV) if run_id is None else run_id)
+            run_id=config.run_id)
         # this rank's straggler scenario: step() sleeps the injected delay, logged apart
-        if straggler is None and given.straggler.active:
-            straggler = Straggler(given.straggler, seed=(given.seed, self.rank))
-        self.straggler = straggler
+        self.straggler = (Straggler(config.straggler, seed=(config.seed, self.rank))
+                          if config.straggler.active else None)
         self._t_compute = time.perf_counter()  # since zero_grad() or the last step()
         self._pending: dict[str, Any] | None = None  # the latest step's record, unwritten
         # what the script logs: finite numbers, under a bounded set of names
@@ -292,15 +275,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._counts = PushCounts()
         self._waited = 0.0
         # the records of this worker's start and end are ours only in our own log
+        events = config.events
         self._own_events = events is None
-        self._events = events if events is not None else EventLog(
-            os.environ.get(EVENT_LOG_ENV) or None)
+        self._events = events if events is not None else EventLog(config.event_log)
         self.clock = self.client.connect()
         if self.wrapped is not None:  # its param_groups are ours, at the shards' lr
             self.wrapped.share(self, self.client.server_lr)
         # by default rank 0 seeds the weights and the others wait for them, so every
         # rank starts from rank 0's initialization (or the servers' resumed weights)
-        offer = self.rank == 0 if offer_weights is None else offer_weights
+        offer = self.rank == 0 if config.offer_weights is None else config.offer_weights
         self.tables = tables
         self.sparse = SparseClient(self.client) if tables else None
         for name, module in tables:
@@ -309,7 +292,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         pretrained = {name: m.pretrained for name, m in tables if m.pretrained is not None}
         if offer and pretrained and self.sparse is not None:
             # before the dense INIT: ranks that wait for the weights then find the rows in
-            self.sparse.seed(pretrained, part_bytes or PART_BYTES)
+            self.sparse.seed(pretrained, config.part_bytes or PART_BYTES)
         self.seeded = False
         self.versions: tuple[int, ...] = tuple(0 for _ in self.servers)
         # servers without weights are seeded from this rank's weights as they are at its
@@ -324,14 +307,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._own_events:
             self._events.write("worker_start", worker=self.rank, clock=self.clock,
                                seeded=self.seeded, steps=None, plan_hash=self.plan.hash)
-        plan_file = os.environ.get(PLAN_FILE_ENV)
-        if plan_file and self.rank == 0:  # the launcher saves the final model by it
-            write_json(plan_file, self.plan.describe())
+        if config.plan_file and self.rank == 0:  # the launcher saves the final model by it
+            write_json(config.plan_file, self.plan.describe())
         self._num_samples = 1
         self._loss: float | None = None
         self._buckets: BucketHooks | None = None
         if overlap:
-            self._buckets = BucketHooks(named, bucket_bytes, self._open_stream,
+            self._buckets = BucketHooks(named, config.bucket_bytes, self._open_stream,
                                         backward_passes_per_step)
         # a script that ends without close() is done, not dead: say BYE at exit
         atexit.register(self._at_exit)
@@ -647,9 +629,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         result = self.result(time.time() - self._t0).to_json()
         self._events.write("worker_end", **result)
         self._events.close()
-        result_file = os.environ.get(RESULT_FILE_ENV)
-        if result_file:
-            write_json(result_file, result)
+        if self.config.result_file:
+            write_json(self.config.result_file, result)
 
     def result(self, seconds: float) -> WorkerResult:
         """This worker's counts, clock and versions so far, after ``seconds``."""

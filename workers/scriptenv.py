@@ -7,52 +7,24 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from paramserver.core.sharding import ParamSpec, ShardPlan, dtype_name
-from paramserver.errors import ConfigError
 from paramserver.sparse.shard import TableSpec
+from paramserver.workers.clientconfig import (
+    EVENT_LOG_ENV,
+    PLAN_FILE_ENV,
+    RESULT_FILE_ENV,
+    SERVERS_ENV,
+    int_from_env,
+    servers_from_env,
+)
 
 __all__ = ["EVENT_LOG_ENV", "PLAN_FILE_ENV", "RESULT_FILE_ENV", "SERVERS_ENV",
            "DistributedSampler", "int_from_env", "make_plan", "read_plan", "servers_from_env"]
-
-#: the environment variables a launcher sets for each worker process
-SERVERS_ENV = "PARAMSERVER_SERVERS"
-#: where a launched worker logs its steps, writes its result, and rank 0 the plan
-EVENT_LOG_ENV, RESULT_FILE_ENV, PLAN_FILE_ENV = (
-    "PARAMSERVER_EVENT_LOG", "PARAMSERVER_RESULT_FILE", "PARAMSERVER_PLAN_FILE")
-
-
-def servers_from_env(servers: str | Iterable[str] | None) -> list[str]:
-    """Server addresses from the argument, else from ``PARAMSERVER_SERVERS``."""
-    if servers is None:
-        servers = os.environ.get(SERVERS_ENV, "")
-        if not servers:
-            raise ConfigError(f"no servers: pass servers=[...] or set {SERVERS_ENV} "
-                              "(paramserver launch -- COMMAND sets it)")
-    if isinstance(servers, str):
-        servers = servers.split(",")
-    out = [s.strip() for s in servers if s.strip()]
-    if not out:
-        raise ConfigError("servers is empty: give the shard servers' addresses in shard order")
-    return out
-
-
-def int_from_env(value: int | None, names: tuple[str, ...], default: int) -> int:
-    if value is not None:
-        return value
-    for name in names:
-        raw = os.environ.get(name)
-        if raw is not None:
-            try:
-                return int(raw)
-            except ValueError:
-                raise ConfigError(f"{name}={raw!r} is not an integer") from None
-    return default
 
 
 class DistributedSampler(torch.utils.data.distributed.DistributedSampler):

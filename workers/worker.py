@@ -31,9 +31,9 @@ from paramserver.observe.console import Progress, Sink
 from paramserver.observe.events import EventLog, write_json
 from paramserver.util import lifeline
 from paramserver.util.proctitle import set_title
+from paramserver.workers.clientconfig import ClientConfig
 from paramserver.workers.config import WorkerConfig
 from paramserver.workers.optimizer import DistributedOptimizer, WorkerResult
-from paramserver.workers.stragglers import Straggler
 from paramserver.workers.tasks import (
     Task,
     create_task,
@@ -138,7 +138,6 @@ def run_worker(config: WorkerConfig, console: Sink | None = None) -> WorkerResul
     device = resolve_device(config.device)
     task = build_task(config)
     model = task.model.to(device)
-    straggler = Straggler(config.straggler, seed=(config.seed, config.rank))
     events = EventLog(config.event_log, console=console)
     steps = num_steps(config, task)
     # local steps: --steps counts gradients computed, the clock counts pushes
@@ -149,17 +148,9 @@ def run_worker(config: WorkerConfig, console: Sink | None = None) -> WorkerResul
     t_start = time.time()
     # every rank builds the task's model from the same seed: any may seed the servers
     opt = DistributedOptimizer(
-        model, servers=config.servers, rank=config.rank, world_size=config.world_size,
-        backward_passes_per_step=config.push_every, overlap=config.overlap,
-        bucket_bytes=config.bucket_bytes, timeout=config.timeout,
-        request_timeout=config.request_timeout, heartbeat_interval=config.heartbeat_interval,
-        chunk_bytes=config.chunk_bytes, part_bytes=config.part_bytes,
-        early_parts=config.early_parts,
-        wire_dtype=config.wire_dtype, curve_key=config.curve_key,
-        curve_server_key=config.curve_server_key, offer_weights=True, events=events,
-        drop_rate=config.drop_rate, barrier_timeout=config.barrier_timeout,
-        straggler=straggler, local=local, sync_every=config.sync_every,
-        evaluator=config.evaluator, run_id=config.run_id or "")
+        model, overlap=config.overlap, backward_passes_per_step=config.push_every,
+        local=local, sync_every=config.sync_every,
+        config=ClientConfig.of(config, offer_weights=True, events=events))
     # a resumed run's worker starts at the clock its shards give it: its data goes on
     # from the batch after the last one its pushes hold (each push: push_every batches,
     # sync_every times with local steps)

@@ -149,10 +149,14 @@ def field_default(f: dataclasses.Field[Any]) -> Any:
     return MISSING
 
 
-def check_bounds(obj: Any) -> None:
-    """Refuse a field outside the bounds or choices its :class:`Opt` declares."""
+def check_bounds(obj: Any, declared: type | None = None) -> None:
+    """Refuse a field outside the bounds or choices its :class:`Opt` declares; with
+    ``declared``, the option of that config class's field of the same name (a record
+    whose fields are options declared there: ClientConfig's are WorkerConfig's)."""
+    options = None if declared is None else {
+        f.name: f.metadata.get(OPTION) for f in dataclasses.fields(declared)}
     for f in dataclasses.fields(obj):
-        opt = f.metadata.get(OPTION)
+        opt = f.metadata.get(OPTION) if options is None else options.get(f.name)
         if opt is None or not (opt.bounded or opt.choices):
             continue
         value = getattr(obj, f.name)
@@ -539,20 +543,24 @@ class ServerConfig(ConfigRecord):
         return ModeSpec(Mode(self.mode), self.staleness_bound, self.backup_workers)
 
     def core_config(self) -> CoreConfig:
-        return CoreConfig(
-            shard=self.shard,
-            mode=self.mode_spec(),
-            optimizer=self.optimizer,
-            optimizer_args=dict(self.optimizer_args),
-            scheduler=self.scheduler,
-            scheduler_args=dict(self.scheduler_args),
-            expected_workers=self.expected_workers,
-            heartbeat_timeout=self.heartbeat_timeout,
-            round_timeout=self.round_timeout,
-            check_finite=self.check_finite,
-            max_workers=self.max_workers,
-            lr_scaling=self.lr_scaling,
-            warmup_steps=self.warmup_steps,
-            momentum_target=self.momentum_target,
-        )
+        """The pure core's configuration: each of its fields is the option of the same
+        name (a copy of a table), but for ``mode``, made of three options
+        (:data:`CORE_DERIVED`), and the core's own settings (:data:`CORE_ONLY`)."""
+        values: dict[str, Any] = {
+            f.name: _copied(getattr(self, f.name)) for f in dataclasses.fields(CoreConfig)
+            if f.name not in CORE_DERIVED and f.name not in CORE_ONLY}
+        return CoreConfig(mode=self.mode_spec(), **values)
 
+
+#: CoreConfig's fields made of other options: field -> the options it is made of
+CORE_DERIVED: dict[str, tuple[str, ...]] = {
+    "mode": ("mode", "staleness_bound", "backup_workers"),
+}
+#: CoreConfig's fields that are no option: the core's own settings, at their defaults
+CORE_ONLY = frozenset({"push_id_window"})
+
+
+def _copied(value: Any) -> Any:
+    """An option's value as the core keeps it: tables copied, so that the core's
+    configuration never shares one with the record it came from."""
+    return dict(value) if isinstance(value, Mapping) else value

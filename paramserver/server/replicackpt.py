@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from paramserver.persist.checkpoint import CheckpointError, latest_path, set_write_hook
+from paramserver.util import faults
 
 if TYPE_CHECKING:
     from paramserver.server.checkpointer import Capture, Checkpointer
@@ -58,7 +59,7 @@ log = logging.getLogger(__name__)
 #: the lock file in each shard's checkpoint folder
 LOCK_NAME = ".writer"
 #: fault injection (tests): a directory where ``hold-shardN`` holds shard N's writes
-HOLD_ENV = "PARAMSERVER_FAULT_HOLD_CHECKPOINT"
+HOLD_ENV = faults.HOLD_CHECKPOINT
 #: seconds between two tries of a lock another replica holds
 LOCK_POLL = 0.05
 #: how long a checkpoint written on the apply thread waits for another replica's write
@@ -87,7 +88,7 @@ class ReplicaCheckpoints:
         self._closing = False
         self._done: list[tuple[int, str | None, str | None]] = []  # (version, path, error)
         self._thread: threading.Thread | None = None
-        hold = os.environ.get(HOLD_ENV)
+        hold = faults.hold_checkpoint()
         if hold:
             set_write_hook(_Hold(Path(hold), self.shard))
 

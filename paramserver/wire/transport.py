@@ -37,6 +37,7 @@ from paramserver.wire.protocol import (
     decode,
     encode,
 )
+from paramserver.wire.retry import Judge, PatienceFrom, Retry
 
 if TYPE_CHECKING:
     import torch
@@ -64,6 +65,7 @@ __all__ = [
     "Channel",
     "Fanout",
     "PatienceFrom",
+    "Retry",
     "RouterSocket",
     "request_all",
     "tune_allocator",
@@ -422,18 +424,13 @@ class Channel(Generic[SideT]):
             self.shm.granted(rep.get("shm"))
         return rep
 
-    def request(self, msg: Message, timeout: float, what: str | None = None) -> Message:
-        return request_all([self], [msg], timeout, what)[0]
+    def request(self, msg: Message, retry: Retry | float, what: str | None = None) -> Message:
+        return request_all([self], [msg], retry, what)[0]
 
     def close(self) -> None:
         self.socket.close(0)
         if self.shm is not None:
             self.shm.close()
-
-
-#: a request's patience made when it is first needed: (when the request began) -> the
-#: judge of request_all's ``patience``, or None
-PatienceFrom = Callable[[float], "Callable[[list[int]], bool] | None"]
 
 
 class Fanout:
@@ -456,18 +453,18 @@ class Fanout:
 
 
 class _Lapses:
-    """What a request does each time its timeout passes with requests unanswered: ask
-    its patience (``patience_from``'s, made now, at the first) whether to send them
+    """What a request does each time an attempt's time passes with requests unanswered:
+    ask its patience (``patience_from``'s, made now, at the first) whether to send them
     again, or send them again up to ``retries`` times, then name who did not answer.
     Made at a request's first timeout, with the time the request began."""
 
     def __init__(self, channels: Sequence[Channel], messages: Sequence[Message],
-                 timeout: float, label: str, retries: int,
-                 patience: Callable[[list[int]], bool] | None,
-                 patience_from: PatienceFrom | None, started: float) -> None:
-        self.channels, self.messages, self.timeout, self.label, self.retries = (
-            channels, messages, timeout, label, retries)
-        self.patience = patience_from(started) if patience_from is not None else patience
+                 retry: Retry, label: str, started: float) -> None:
+        self.channels, self.messages, self.label = channels, messages, label
+        self.timeout, self.retries = retry.attempt, retry.retries
+        self.patience: Judge | None = (
+            retry.patience_from(started) if retry.patience_from is not None
+            else retry.patience)
         self.attempts = 0
 
     def __call__(self, lost: list[int]) -> None:
@@ -494,27 +491,25 @@ class _Lapses:
 def request_all(
     channels: Sequence[Channel],
     messages: Sequence[Message],
-    timeout: float,
+    retry: Retry | float,
     what: str | None = None,
     *,
-    retries: int = 0,
     raise_errors: bool = True,
     sent: bool = False,
     on_reply: Callable[[int, Message], None] | None = None,
     window: int = 0,
-    patience: Callable[[list[int]], bool] | None = None,
-    patience_from: PatienceFrom | None = None,
     fanout: Fanout | None = None,
 ) -> list[Message]:
     """Send one request per entry of ``channels``, then wait for every reply (concurrently).
 
     A channel may appear more than once (requests pipelined on one
     connection, answered in order). Replies are matched by sequence number;
-    leftovers from earlier, timed-out requests are discarded. After ``timeout``
-    seconds the missing requests are sent again (same message, so a retried
-    push keeps its push id) up to ``retries`` times; then :class:`RequestTimeoutError`
-    names who did not answer. An ERROR reply raises the :class:`RemoteError`
-    subclass for its code (:meth:`RemoteError.from_reply`) naming the peer, or
+    leftovers from earlier, timed-out requests are discarded. ``retry``
+    (wire/retry.py; a number: one attempt of that many seconds) says how long:
+    after each ``retry.attempt`` seconds the missing requests are sent again (same
+    message, so a retried push keeps its push id) up to ``retry.retries`` times; then
+    :class:`RequestTimeoutError` names who did not answer. An ERROR reply raises the
+    :class:`RemoteError` subclass for its code (:meth:`RemoteError.from_reply`) naming the peer, or
     with ``raise_errors=False`` is returned in its place for the caller to
     handle. With ``sent`` the messages already went out (they
     carry their sequence numbers); ``on_reply(i, reply)`` is called as each
@@ -523,13 +518,13 @@ def request_all(
     next goes out as a reply comes back (flow control for a push in parts, so
     a server holds a few parts per worker, not all of them).
 
-    With ``patience`` the caller, who knows more of the peers than this
+    With ``retry.patience`` the caller, who knows more of the peers than this
     request's replies (their heartbeat answers), decides instead of
-    ``retries``: each time ``timeout`` passes with requests unanswered it is
+    ``retries``: each time an attempt's time passes with requests unanswered it is
     called with their indices, and raises to give up or returns whether to
     send them again (False: the peer said it holds them, at a sync barrier or
-    an SSP gate, so waiting on is legitimate). ``patience_from`` makes that judge
-    only when a timeout first passes (most requests never need one), given the
+    an SSP gate, so waiting on is legitimate). ``retry.patience_from`` makes that
+    judge only when a timeout first passes (most requests never need one), given the
     monotonic time the request began; it may return None (then ``retries``).
 
     ``fanout``: ``channels``' :class:`Fanout`, made once by a caller that sends
@@ -541,11 +536,13 @@ def request_all(
     if sent and window:
         raise ValueError("a window needs the messages unsent")
     label = what or (messages[0].op.value.upper() if messages else "request")
+    if not isinstance(retry, Retry):
+        retry = Retry.of(retry)
+    timeout = retry.attempt
     if not window and not sent:
         fan = fanout if fanout is not None else Fanout.of(channels)
         if fan is not None:
-            return _request_each(fan, messages, timeout, label, retries, raise_errors,
-                                 on_reply, patience, patience_from)
+            return _request_each(fan, messages, retry, label, raise_errors, on_reply)
     started = time.monotonic()
     replies: list[Message | None] = [None] * len(channels)
     slots: dict[Any, tuple[Channel, dict[int, int]]] = {}  # socket -> (channel, seq -> index)
@@ -582,8 +579,7 @@ def request_all(
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             if lapses is None:  # the first timeout (most requests never have one)
-                lapses = _Lapses(channels, messages, timeout, label, retries, patience,
-                                 patience_from, started)
+                lapses = _Lapses(channels, messages, retry, label, started)
             lapses([i for i, r in enumerate(replies) if r is None and is_sent[i]])
             deadline = time.monotonic() + timeout
             continue
@@ -613,11 +609,9 @@ def request_all(
     return [r for r in replies if r is not None]
 
 
-def _request_each(fan: Fanout, messages: Sequence[Message], timeout: float, label: str,
-                  retries: int, raise_errors: bool,
-                  on_reply: Callable[[int, Message], None] | None,
-                  patience: Callable[[list[int]], bool] | None,
-                  patience_from: PatienceFrom | None) -> list[Message]:
+def _request_each(fan: Fanout, messages: Sequence[Message], retry: Retry, label: str,
+                  raise_errors: bool,
+                  on_reply: Callable[[int, Message], None] | None) -> list[Message]:
     """request_all for distinct channels, one request each, no window: the same
     sends, matching, timeouts, retries and patience, without the per-socket tables
     and queues a pipelined request needs (one expected seq per channel)."""
@@ -632,13 +626,13 @@ def _request_each(fan: Fanout, messages: Sequence[Message], timeout: float, labe
     missing = len(channels)
     index, polled = fan.index, fan.polled
     lapses: _Lapses | None = None
+    timeout = retry.attempt
     deadline = time.monotonic() + timeout
     while missing:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             if lapses is None:  # the first timeout (most requests never have one)
-                lapses = _Lapses(channels, messages, timeout, label, retries, patience,
-                                 patience_from, started)
+                lapses = _Lapses(channels, messages, retry, label, started)
             lapses([i for i, r in enumerate(replies) if r is None])
             deadline = time.monotonic() + timeout
             continue
