@@ -297,3 +297,21 @@ def test_a_sparse_rounds_sum_of_a_row_is_in_worker_order_whatever_else_the_shard
         want[pos] += vals  # worker by worker
     sp.close_round(1.0)
     assert torch.equal(sp.tables["emb"].weight, -want)
+
+
+def test_a_shard_resumed_on_another_count_takes_its_part_and_never_writes_into_the_old_run(
+        tmp_path):
+    from paramserver.observe.events import EventLog
+    from paramserver.persist.checkpoint import CheckpointError
+    from paramserver.server.checkpointer import Checkpointer
+
+    _write(tmp_path / "ckpt", Run(_plan(2), "adam").start().step(2).states())
+    events = EventLog(None)
+    plan, tensors, meta = Checkpointer(2, str(tmp_path / "new"), events).read(
+        str(tmp_path / "ckpt"), None, num_shards=3)
+    assert plan == _plan(3) and meta["shard"] == 2 and meta["version"] == 2
+    assert {n[6:] for n in tensors if n.startswith("param/")} == {
+        s.key for s in _plan(3).shard_slices(2)}
+    with pytest.raises(CheckpointError, match="would mix two plans; give --checkpoint-dir"):
+        Checkpointer(0, str(tmp_path / "ckpt"), events).read(str(tmp_path / "ckpt"), None,
+                                                             num_shards=3)

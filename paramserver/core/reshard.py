@@ -49,8 +49,8 @@ FILE_FIELDS = ("format", "created", "tensors_file", "tensors_bytes")
 _DROPPED = (*FILE_FIELDS, "replica_input")
 #: what every shard holds once, so every shard must hold alike
 _AGREE = ("version", "initialized", "started", "mode", "rounds_closed", "round",
-          "round_samples", "round_accepted", "round_void", "scheduler", "momentum",
-          "policy", "optimizer_name", "script_optimizer")
+          "round_samples", "round_accepted", "round_void", "between_rounds", "scheduler",
+          "momentum", "policy", "optimizer_name", "script_optimizer")
 #: what each worker's record holds for exactly-once and the clocks
 _WORKER_AGREE = ("incarnation", "clock", "last_push_id", "live", "finished")
 #: counters of what happened to each shard: the merged shard keeps the largest
@@ -304,7 +304,6 @@ def reshard(shards: Sequence[ShardState], to: int, only: int | None = None
     groups = _agree([_groups(m) for m in metas], "optimizer.param_groups")
     sparse_meta = _sparse_meta(metas) if plan.sparse else None
     new = ShardPlan(plan.params, to, plan.chunk_bytes, plan.split, plan.sparse)
-    mode = str(agreed["mode"] or "")
     # a shard may step one dtype's slices as one tensor (ShardCore._flat_step)
     flat = optimizer in ELEMENTWISE
     dense = _dense(plan, new, shards, flat)
@@ -324,9 +323,7 @@ def reshard(shards: Sequence[ShardState], to: int, only: int | None = None
             # an empty shard's optimizer runs over one placeholder (stepper.py)
             optimizer={"param_groups": [{**g, "params": list(range(max(1, n)))}
                                         for g in groups],
-                       "state": {str(i): dict(e) for i, e in sorted(plain.items())}},
-            between_rounds=not mode.startswith("sync") or not (
-                agreed["round"] or agreed["round_samples"] or agreed["round_void"]))
+                       "state": {str(i): dict(e) for i, e in sorted(plain.items())}})
         if sparse_meta is not None:
             meta["sparse"] = sparse_meta
         if isinstance(meta.get("server"), dict):  # (what the shard was started with)
