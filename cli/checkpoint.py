@@ -165,8 +165,9 @@ Examples:
   paramserver checkpoint reshard runs/ckpt --to 3 --out runs/ckpt3
   paramserver launch -s 3 -n 3 --resume runs/ckpt3 --steps 100
 \b
-`launch --resume DIR -s S` (and `run`) does the same on the fly when S is not the
-checkpoint's shard count, into DIR.<S>shards-<time> beside DIR.
+`launch --resume DIR -s S` (and `run`, and a server started by hand) does the
+same on the fly when S is not the checkpoint's shard count; with --checkpoint-dir
+DIR the run then checkpoints into DIR.<S>shards, beside DIR.
 """)
 @click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--to", "to", type=click.IntRange(min=1), required=True, metavar="S",

@@ -286,7 +286,8 @@ def _resharded_resume(spec: ClusterSpec) -> ClusterSpec:
     from paramserver.persist.reshard import resume_elsewhere
 
     cfg = spec.server
-    target = resume_elsewhere(cfg.resume, cfg.checkpoint_dir, spec.num_servers)
+    with options.user_errors():
+        target = resume_elsewhere(cfg.resume, cfg.checkpoint_dir, spec.num_servers)
     if target is None:
         return spec
     click.echo(f"paramserver launch: {cfg.resume} was checkpointed on another number of "

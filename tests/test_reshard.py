@@ -315,3 +315,17 @@ def test_a_shard_resumed_on_another_count_takes_its_part_and_never_writes_into_t
     with pytest.raises(CheckpointError, match="would mix two plans; give --checkpoint-dir"):
         Checkpointer(0, str(tmp_path / "ckpt"), events).read(str(tmp_path / "ckpt"), None,
                                                              num_shards=3)
+
+
+def test_a_launch_resumed_on_another_count_checkpoints_beside_the_old_run(tmp_path):
+    from paramserver.errors import ConfigError
+    from paramserver.persist.reshard import resume_elsewhere
+
+    ckpt = str(tmp_path / "ckpt")
+    _write(tmp_path / "ckpt", Run(_plan(2), "sgd").start().step(1).states())
+    assert resume_elsewhere(ckpt, ckpt, 2) is None  # the same count: as asked
+    assert resume_elsewhere(ckpt, str(tmp_path / "other"), 3) is None
+    assert resume_elsewhere(ckpt, ckpt, 3) == tmp_path / "ckpt.3shards"
+    _write(tmp_path / "ckpt.3shards", reshard(Run(_plan(2), "sgd").start().states(), 3))
+    with pytest.raises(ConfigError, match=r"holds a run already .* --resume .*ckpt\.3shards"):
+        resume_elsewhere(ckpt, ckpt, 3)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from paramserver.core.reshard import ReshardError, ShardState, reshard
+from paramserver.errors import ConfigError
 from paramserver.persist.checkpoint import (
     CheckpointError,
     inspect_checkpoint,
@@ -26,7 +27,7 @@ from paramserver.persist.checkpoint import (
     save_shard,
 )
 
-__all__ = ["reshard_checkpoint", "shard_count", "sibling"]
+__all__ = ["load_all", "reshard_checkpoint", "resume_elsewhere", "shard_count", "sibling"]
 
 
 def shard_count(directory: str | Path) -> int:
@@ -90,23 +91,21 @@ def reshard_checkpoint(directory: str | Path, to: int, out: str | Path) -> dict[
 
 
 def sibling(directory: str | Path, to: int) -> Path:
-    """Where ``--resume`` on ``to`` shards writes the resharded copy of ``directory``:
-    beside it, named for the count and the time (never an existing one)."""
+    """Where a run that resumes ``directory`` on ``to`` shards checkpoints when it was
+    told to checkpoint into ``directory`` itself: ``DIR.<to>shards`` beside it (the
+    same name in every process of a job)."""
     base = Path(directory).resolve()
-    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
-    target, n = base.with_name(f"{base.name}.{to}shards-{stamp}"), 0
-    while target.exists():
-        n += 1
-        target = base.with_name(f"{base.name}.{to}shards-{stamp}-{n}")
-    return target
+    return base.with_name(f"{base.name}.{to}shards")
 
 
 def resume_elsewhere(resume: str | None, checkpoint_dir: str | None, num_shards: int
                      ) -> Path | None:
-    """Where a launch that resumes ``resume`` on ``num_shards`` shards writes its
+    """Where a run that resumes ``resume`` on ``num_shards`` shards writes its
     checkpoints, when that differs from ``checkpoint_dir``: a run resumed on another
     shard count than its checkpoint's must not write into the old run's folders (two
-    plans in one directory), so it writes beside it (:func:`sibling`). None: as asked."""
+    plans in one directory), so it writes beside it (:func:`sibling`). None: as asked.
+    Refused (:class:`ConfigError`) when that place holds a run already (an
+    earlier resume of the same directory, which went on from there)."""
     if resume is None or checkpoint_dir is None or \
             Path(resume).resolve() != Path(checkpoint_dir).resolve():
         return None
@@ -114,4 +113,13 @@ def resume_elsewhere(resume: str | None, checkpoint_dir: str | None, num_shards:
         count = shard_count(resume)
     except CheckpointError:
         return None  # the shards say what is wrong with it, as for any resume
-    return None if count == num_shards else sibling(resume, num_shards)
+    if count == num_shards:
+        return None
+    target = sibling(resume, num_shards)
+    if target.exists() and any(target.glob("shard*")):
+        raise ConfigError(
+            f"{resume} holds a run on {count} shard(s); resumed on {num_shards} it would "
+            f"checkpoint into {target}, which holds a run already (an earlier resume on "
+            f"{num_shards}): resume that with --resume {target}, or give --checkpoint-dir "
+            "another directory")
+    return target
