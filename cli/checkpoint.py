@@ -1,4 +1,4 @@
-"""``paramserver checkpoint inspect DIR`` and ``paramserver checkpoint export DIR OUT``.
+"""``paramserver checkpoint inspect DIR``, ``export DIR OUT`` and ``reshard DIR --to S --out DIR2``.
 
 Only argument handling and display live here; the work is done by
 :mod:`paramserver.persist.checkpoint`.
@@ -73,12 +73,16 @@ Examples:
 \b
   # go on training from it
   paramserver launch -s 2 -n 3 --resume runs/ckpt --steps 100
+\b
+  # the same run on 3 shards: weights, optimizer state, clocks all moved
+  paramserver checkpoint reshard runs/ckpt --to 3 --out runs/ckpt3
+  paramserver launch -s 3 -n 3 --resume runs/ckpt3 --steps 100
 """
 
 
-@click.group(epilog=EPILOG, short_help="Look into checkpoints and turn them into a model file.")
+@click.group(epilog=EPILOG, short_help="Look into checkpoints, reshard them, export a model.")
 def checkpoint() -> None:
-    """Look into checkpoints and turn them into a model file."""
+    """Look into checkpoints, reshard them to another shard count, export a model."""
 
 
 @checkpoint.command(epilog="""\b
@@ -153,3 +157,46 @@ def export(directory: Path, out: Path) -> None:
         raise click.ClickException(str(exc)) from exc
     cli_console().print(f"wrote {result['path']}: {result['parameters']} parameter tensors from "
                     f"shard versions {result['versions']}", highlight=False)
+
+
+@checkpoint.command(epilog="""\b
+Examples:
+  # a run checkpointed on 2 shards, resumed on 3
+  paramserver checkpoint reshard runs/ckpt --to 3 --out runs/ckpt3
+  paramserver launch -s 3 -n 3 --resume runs/ckpt3 --steps 100
+\b
+`launch --resume DIR -s S` (and `run`, and a server started by hand) does the
+same on the fly when S is not the checkpoint's shard count; with --checkpoint-dir
+DIR the run then checkpoints into DIR.<S>shards, beside DIR.
+""")
+@click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--to", "to", type=click.IntRange(min=1), required=True, metavar="S",
+              help="The new number of shards.")
+@click.option("--out", "out", type=click.Path(path_type=Path), required=True, metavar="DIR2",
+              help="Where the resharded checkpoint goes: a new directory (refused if it "
+                   "exists).")
+def reshard(directory: Path, to: int, out: Path) -> None:
+    """Move the checkpoint in DIRECTORY, written by S shards, to a plan on --to shards.
+
+    Everything a shard keeps moves with its slices: the weights, the optimizer's
+    state per element (momentum, Adam's moments, step counts), the open sync round,
+    the sparse tables' rows with their optimizer state; and what every shard holds
+    alike (version, round, clocks, push-id windows, scheduler, learning rate) is
+    checked to agree. A run resumed from DIR2 ends bit-identical to the same run kept
+    on S shards (sync). DIRECTORY is read as --resume reads it (a tampered file is
+    refused) and is not changed; DIR2 appears only once all of it is written.
+    Refused, in one line, for what cannot move: an optimizer whose step is not
+    element by element, or shards that disagree (a push that reached one of them).
+    """
+    from paramserver.cli.progress import cli_console
+    from paramserver.persist.reshard import reshard_checkpoint
+
+    try:
+        result = reshard_checkpoint(directory, to, out)
+    except (ParamServerError, OSError, ValueError, KeyError) as exc:
+        raise click.UsageError(str(exc)) from exc
+    cli_console().print(
+        f"resharded {directory} ({result['from']} shard(s), version {result['version']}) "
+        f"to {result['path']} ({result['to']} shard(s), {_size(result['bytes'])}) in "
+        f"{result['seconds']:.2f}s; resume it with --resume {result['path']} "
+        f"--num-servers {result['to']}", highlight=False)

@@ -100,6 +100,20 @@ def _place(config: ServerConfig, rdzv: Rendezvous, role: Role, out: Path | None
                                event_log=str(out / "events" / f"{name}.jsonl") if out else None)
 
 
+def _resharded_resume(config: ServerConfig) -> ServerConfig:
+    """``--resume DIR`` on another shard count than DIR's, checkpointing into DIR: the
+    shard reshards it as it loads it and checkpoints beside it (persist/reshard.py)."""
+    from paramserver.persist.reshard import resume_elsewhere
+
+    target = resume_elsewhere(config.resume, config.checkpoint_dir, config.num_shards)
+    if target is None:
+        return config
+    click.echo(f"paramserver run: {config.resume} was checkpointed on another number of "
+               f"shards; resharded to {config.num_shards} as it resumes, shard "
+               f"{config.shard} checkpoints into {target}", err=True)
+    return dataclasses.replace(config, checkpoint_dir=str(target))
+
+
 def _replication_key(config: ServerConfig, out: Path | None) -> ServerConfig:
     """A replicated shard's key: --replication-key, or the one --curve-secret-key
     gives, or the run's own in OUT/keys/replication.key, made by the first server rank
@@ -189,6 +203,7 @@ def run(ctx: click.Context, **opts: Any) -> None:
             )
             if role.replicas:
                 config = _replication_key(config, out)
+            config = _resharded_resume(config)
     else:
         device = worker_template.device
         if device == "auto":  # one GPU per local rank, where there are GPUs

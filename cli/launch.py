@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import shlex
 import signal
@@ -278,6 +279,24 @@ def _out_dir(value: str | None, overwrite: bool) -> Path:
                          overwrite=overwrite)
 
 
+def _resharded_resume(spec: ClusterSpec) -> ClusterSpec:
+    """``--resume DIR`` on another shard count than DIR's, checkpointing into DIR: the
+    shards reshard it as they load it, and the run checkpoints beside it (said even
+    with --quiet: it is where the run's state goes)."""
+    from paramserver.persist.reshard import resume_elsewhere
+
+    cfg = spec.server
+    with options.user_errors():
+        target = resume_elsewhere(cfg.resume, cfg.checkpoint_dir, spec.num_servers)
+    if target is None:
+        return spec
+    click.echo(f"paramserver launch: {cfg.resume} was checkpointed on another number of "
+               f"shards; resharded to {spec.num_servers} as it resumes, the run "
+               f"checkpoints into {target}", err=True)
+    return dataclasses.replace(spec, server=dataclasses.replace(
+        cfg, checkpoint_dir=str(target)))
+
+
 @click.command("launch", epilog=EPILOG,
                short_help="A whole cluster on this machine, start to finish.")
 @options.apply_groups("launch")
@@ -324,6 +343,7 @@ def launch(ctx: click.Context, **opts: Any) -> None:
             hosts=opts["hosts"], link=opts["link"], link_of=dict(opts["link_of"]),
         )
     options.maybe_print_config(ctx, opts)
+    spec = _resharded_resume(spec)
     if spec.hosts is not None:
         hosts_here()
     if spec.metrics_port:  # the launcher's own port, then shard i's at PORT + 1 + i

@@ -40,7 +40,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("paramserver.cli.bench",
               "Measure push + pull against raw pyzmq, torch rpc, gloo and Ray."),
     "checkpoint": ("paramserver.cli.checkpoint",
-                   "Look into checkpoints and turn them into a model file."),
+                   "Look into checkpoints, reshard them, export a model."),
     "keys": ("paramserver.cli.keys",
              "CURVE keys: encryption and authentication between workers and servers."),
     "simulate": ("paramserver.cli.simulate",

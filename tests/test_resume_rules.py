@@ -177,3 +177,15 @@ def test_the_built_in_loop_draws_on_from_where_it_stopped():
                                 rank=0)
     resumed = cycle_batches(Task(), skip=5)  # 4 batches an epoch: epoch 1, batch 1
     assert [next(resumed)[1].tolist() for _ in range(4)] == drawn[5:]
+
+
+def test_a_run_that_ended_and_is_resumed_awaits_every_worker_again():
+    core = _core()
+    for w in (0, 1):
+        _push(core, w, 0, 0, 1.0)
+        core.members.workers[w].finished = True  # each said BYE: the run ended
+    core = _resumed(core)
+    assert core.members.awaited == {0, 1}
+    core.register(0, "new0", 150.0)
+    _push(core, 0, 1, 1, 150.0)
+    assert core.version == 1  # no round closes with worker 0 alone: it goes on --steps further

@@ -65,6 +65,7 @@ FEATURES: dict[str, str] = {
     "script_optimizer": "a script's own optimizer (DistributedOptimizer(model, torch.optim.X))",
     "hosts": "emulated hosts (--hosts W+S)",
     "early_parts": "--early-parts",
+    "reshard": "--resume on another shard count (checkpoint reshard)",
     **{policy_feature(p): f"--policy {p}" for p in BUILTIN_POLICIES},
 }
 
@@ -162,6 +163,15 @@ _LISTED: dict[tuple[str, str], Pair] = {
     # sparse tables
     ("sparse", "resume"): _works(
         "tests/test_sparse_e2e.py::test_checkpoint_and_resume_of_sparse_shards_loses_nothing"),
+    # resharding (paramserver/core/reshard.py)
+    ("reshard", "sparse"): _works(
+        "tests/test_reshard_e2e.py::"
+        "test_sgd_momentum_with_embedding_tables_on_2_then_3_then_1_shards_ends_as_kept_on_2"),
+    ("reshard", "replicas"): _works(
+        "tests/test_reshard_e2e.py::test_adam_replicated_on_2_then_3_shards_ends_as_kept_on_2"),
+    ("reshard", "resume"): _works(
+        "tests/test_reshard_e2e.py::"
+        "test_sgd_momentum_with_embedding_tables_on_2_then_3_then_1_shards_ends_as_kept_on_2"),
     # shared memory
     ("shm", "curve"): _works(
         "tests/test_shm_e2e.py::test_curve_peer_without_an_allow_list_entry_gets_no_segment"),

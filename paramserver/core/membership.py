@@ -99,14 +99,18 @@ class Membership:
 
     def await_restored(self) -> list[int]:
         """The whole run resumes from checkpoints: the workers are new processes, still
-        starting, not dead ones. Every expected id that had not finished is awaited:
+        starting, not dead ones. Every expected id that had not finished is awaited
+        (every one, when all had: the run that ended goes on, ``--steps`` further):
         it is not in the live set (no heartbeat timeout runs for it), its HELLO takes
         its id over at once (no process holds it), and the start barrier stands again
         until each is back or its supervisor reports it dead (:meth:`declare_dead`):
         no pull is answered, so no round closes with whichever worker came first.
         Returns the awaited ids."""
         finished = {w.worker for w in self.workers.values() if w.finished}
-        self.awaited = set(range(self.config.expected_workers)) - finished
+        expected = set(range(self.config.expected_workers))
+        if expected <= finished:  # the run had ended: resumed, it goes on with all of them
+            finished = set()
+        self.awaited = expected - finished
         for state in self.workers.values():
             if state.worker in self.awaited:
                 state.live = False

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from paramserver.core import snapshot
+from paramserver.core.reshard import ReshardError, reshard
 from paramserver.core.shard import ShardCore
 from paramserver.core.sharding import ShardPlan
 from paramserver.errors import ConfigError, ErrorCode, ParamServerError, ProtocolError
@@ -51,6 +52,7 @@ from paramserver.persist.checkpoint import (
     save_shard,
     supersede,
 )
+from paramserver.persist.reshard import load_all, shard_count
 from paramserver.sparse.shard import SparseShard
 
 __all__ = ["RESTORE_ERRORS", "Capture", "Checkpointer"]
@@ -178,14 +180,21 @@ class Checkpointer:
             raise ProtocolError(ErrorCode.BAD_FIELD, f"checkpoint path must lie inside {base}")
         return str(candidate)
 
-    def read(self, directory: str, plan: ShardPlan | None, alone: bool = False
+    def read(self, directory: str, plan: ShardPlan | None, alone: bool = False,
+             num_shards: int | None = None
              ) -> tuple[ShardPlan, dict[str, torch.Tensor], dict[str, Any]]:
         """This shard's checkpoint in ``directory`` that the run resumes from: (its plan,
         tensors, metadata). The whole run resumes where every shard's checkpoint stands
         at the same sync round (:func:`resume_point`; a newer one of this shard is
         moved aside, see :func:`supersede`); ``alone``: this shard restarts in a run
-        that goes on, from its latest. Refused (:class:`CheckpointError`) if its plan
-        is unusable or not ``plan``, or the shards hold no common round."""
+        that goes on, from its latest. A run checkpointed on another number of shards
+        than ``num_shards`` is resharded, this shard's part of it taken
+        (persist/reshard.py). Refused (:class:`CheckpointError`) if its plan is
+        unusable or not ``plan``, or the shards hold no common round."""
+        if not alone and num_shards is not None:
+            count = shard_count(directory)
+            if count != num_shards:
+                return self._resharded(directory, count, num_shards)
         name = None
         if not alone:
             point = resume_point(directory)
@@ -204,6 +213,28 @@ class Checkpointer:
                                   f"{plan.diff(meta['plan'])}")
         self.resumed_from = name
         return theirs, tensors, meta
+
+    def _resharded(self, directory: str, count: int, num_shards: int
+                   ) -> tuple[ShardPlan, dict[str, torch.Tensor], dict[str, Any]]:
+        """This shard's part of ``directory``'s checkpoint of ``count`` shards, resharded
+        to ``num_shards`` (nothing written: every shard takes its own part)."""
+        if self.directory is not None and Path(self.directory).resolve() == \
+                Path(directory).resolve():
+            raise CheckpointError(
+                f"{directory} holds a run on {count} shard(s), resumed here on {num_shards}: "
+                f"its checkpoints would mix two plans; give --checkpoint-dir another "
+                f"directory, or reshard it first (paramserver checkpoint reshard {directory} "
+                f"--to {num_shards} --out DIR2)")
+        try:
+            tensors, meta = reshard(load_all(directory), num_shards, only=self.shard)[0]
+        except ReshardError as exc:
+            raise CheckpointError(str(exc)) from exc
+        self.resumed_from = None  # (no checkpoint of this shard's to settle on)
+        self.events.write("checkpoint_resharded", shard=self.shard, directory=directory,
+                          shards=count, to=num_shards, version=meta.get("version"))
+        print(f"shard {self.shard}: resharding {directory} from {count} to {num_shards} "
+              "shard(s)", file=sys.stderr, flush=True)
+        return ShardPlan.from_description(meta["plan"]), tensors, meta
 
     def unusable(self, directory: str, exc: BaseException) -> CheckpointError:
         """The error for a checkpoint a core could not be built from: one sentence

@@ -319,7 +319,8 @@ class ShardServer:
     def _restore(self, directory: str) -> None:
         # a shard restarted alone takes its latest; a resumed run, the round all hold
         plan, tensors, meta = self.checkpoints.read(directory, self.plan,
-                                                    alone=self.config.restart)
+                                                    alone=self.config.restart,
+                                                    num_shards=self.config.num_shards)
         try:
             self.script.restore(meta)  # (the optimizer the core is built with)
             self.adopt_plan(plan)

@@ -539,10 +539,14 @@ class SparseShard:
         round's sample count: the sums become the sample-weighted mean)."""
         steps = []
         for name, (rows, values) in self.held.ordered().items():
-            t = self.tables[name]
-            g = torch.sparse_coo_tensor(torch.cat(rows).unsqueeze(0), torch.cat(values),
-                                        t.weight.shape, check_invariants=False).coalesce()
-            steps.append((name, g.indices()[0], g.values() / divisor))
+            # each row's sum in worker order, whatever other rows the shard holds (a
+            # coalesce sorts all of them, and the order it sums one row's repeats in
+            # changed with them): a run resharded (core/reshard.py) sums as it did
+            pos, inverse = torch.unique(torch.cat(rows), sorted=True, return_inverse=True)
+            summed = torch.zeros((len(pos), self.tables[name].spec.dim),
+                                 dtype=values[0].dtype)
+            summed.index_add_(0, inverse, torch.cat(values))  # (in order, on the CPU)
+            steps.append((name, pos, summed / divisor))
         self._step(steps, 1.0)
         self.held = _Held()
         self.rounds += 1
