@@ -146,7 +146,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     * ``events``: the JSONL log to write each step to (default: the file named by
       ``PARAMSERVER_EVENT_LOG``, with this worker's start and end records too).
     * the rest (``timeout``, ``request_timeout``, ``heartbeat_interval``,
-      ``chunk_bytes``, ``part_bytes``, ``early_parts``, ``wire_dtype``, ``curve_key``,
+      ``chunk_bytes``, ``part_bytes``, ``early_parts``, ``wire_dtype``, ``compression``
+      (``NAME[:key=value,...]``, paramserver/compress: the push's compressor, its
+      error-feedback residuals in :meth:`state_dict`), ``curve_key``,
       ``curve_server_key``, ``barrier_timeout``: the longest a live shard may hold a
       pull at the barrier or SSP gate, 0 for no limit, ``drop_rate``: messages
       dropped on purpose, for tests) are the client's options, as for
@@ -203,6 +205,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         part_bytes: int | None = None,
         early_parts: bool | None = None,
         wire_dtype: str | None = None,
+        compression: str | None = None,
         curve_key: str | None = None,
         curve_server_key: str | None = None,
         offer_weights: bool | None = None,
@@ -249,13 +252,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # the feature pairs a script turns on here are refused as the launcher refuses
         # them (one table: paramserver/core/features.py); with --replicas the launcher
         # gives a shard's replicas joined by "|"
+        # what the script passes wins; else the launcher's options (launch [flags] -- ...)
+        given = LaunchOptions.from_env()
+        compression = given.compression if compression is None else compression
         features.check(features.active(
             local_sgd=local is not None, overlap=overlap, sparse=bool(tables),
+            compression=compression,
             replicas=any("|" in s for s in self.servers), script_optimizer=optimizer is not None))
         self.local = None if local is None else LocalSteps(local, sync_every, self.params)
         self.wrapped = None if optimizer is None else Wrapped(optimizer, self.params)
-        # what the script passes wins; else the launcher's options (launch [flags] -- ...)
-        given = LaunchOptions.from_env()
         chunk_bytes = given.chunk_bytes if chunk_bytes is None else chunk_bytes
         part_bytes = given.part_bytes if part_bytes is None else part_bytes
         if curve_key is None and given.curve_key:
@@ -271,7 +276,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             heartbeat_interval=given.heartbeat_interval if heartbeat_interval is None
             else heartbeat_interval, curve=curve,
             wire_dtype=given.wire_dtype if wire_dtype is None else wire_dtype,
-            part_bytes=part_bytes,
+            compression=compression, part_bytes=part_bytes,
             early_parts=given.early_parts if early_parts is None else early_parts,
             drop_rate=given.drop_rate if drop_rate is None else drop_rate,
             barrier_timeout=given.barrier_timeout if barrier_timeout is None
@@ -614,6 +619,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  "server_side": True}
         if self.local is not None:  # the inner optimizer's state is the worker's own
             state["local"] = self.local.state_dict()
+        if self.client.encoder is not None:  # what compressed pushes left out, to come
+            state["compression"] = self.client.encoder.state_dict()
         return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -624,6 +631,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                               "lives on the servers (their checkpoints hold it)")
         if self.local is not None and state_dict.get("local") is not None:
             self.local.load_state_dict(state_dict["local"])
+        if self.client.encoder is not None and state_dict.get("compression") is not None:
+            self.client.encoder.load_state_dict(state_dict["compression"])
 
     # ------------------------------------------------------------------ lifetime
 
