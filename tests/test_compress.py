@@ -282,3 +282,36 @@ def test_hostile_scales_lengths_and_parts_are_refused() -> None:
     _refused({"b": torch.zeros(11)}, "must hold 10 elements")
     _refused({"c#q": q, "c#s": torch.ones(1)}, "no part of a slice", ErrorCode.UNKNOWN_KEY)
     _refused({"zz": q}, "no part of a slice", ErrorCode.UNKNOWN_KEY)
+
+
+# ---------------------------------------------------------------------- the client
+
+def _push_frames(**client: object) -> list[bytes]:
+    """The frames of one push as PSClient builds them (no server: nothing is sent)."""
+    from paramserver.core.sharding import ShardPlan
+    from paramserver.workers.client import PSClient
+
+    model = torch.nn.Sequential(torch.nn.Linear(40, 30), torch.nn.Linear(30, 5))
+    plan = ShardPlan.from_module(model, 2)
+    grads = {n: _grad(p.numel(), seed=i).view_as(p)
+             for i, (n, p) in enumerate(model.named_parameters())}
+    with PSClient(["127.0.0.1:9", "127.0.0.1:10"], plan, 0, heartbeat_interval=0, timeout=1,
+                  shm=False, **client) as c:  # type: ignore[arg-type]
+        msgs = c._small_push_msgs(grads, [0, 0], 4, 0, None)
+        if msgs is None:
+            msgs = c._whole_push_msgs(c._split_grads(c.host_grads(grads)), [0, 0], 4, 0)
+        return [bytes(f) for m in msgs for f in encode(m)]
+
+
+def test_none_and_bf16_push_the_bytes_of_today() -> None:
+    """``--compression none`` is today's push to the byte, ``bf16`` and ``fp16`` are
+    ``--wire-dtype``'s; a compressed push is marked and smaller."""
+    today = _push_frames()
+    assert _push_frames(compression="none") == today
+    assert _push_frames(compression="bf16") == _push_frames(wire_dtype="bfloat16") != today
+    assert _push_frames(compression="fp16") == _push_frames(wire_dtype="float16")
+    topk = _push_frames(compression="topk:ratio=0.01")
+    assert sum(map(len, topk)) * 5 < sum(map(len, today))  # (headers dominate here)
+    assert b"compressed" in topk[0] and b"compressed" not in today[0]
+    with pytest.raises(ConfigError, match="give one"):
+        _push_frames(compression="int8", wire_dtype="bfloat16")
