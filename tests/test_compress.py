@@ -315,3 +315,26 @@ def test_none_and_bf16_push_the_bytes_of_today() -> None:
     assert b"compressed" in topk[0] and b"compressed" not in today[0]
     with pytest.raises(ConfigError, match="give one"):
         _push_frames(compression="int8", wire_dtype="bfloat16")
+
+
+# ---------------------------------------------------------------------- the grid
+
+def test_compression_is_a_grid_axis() -> None:
+    from paramserver.workers.experiments.spec import ExperimentSpec
+
+    spec = ExperimentSpec(modes=["sync"], seeds=[0], scenarios=["none"],
+                          compressions=["none", "topk:ratio=0.01,ef=0"])
+    configs = spec.configurations()
+    assert [c.id for c in configs] == ["none-sync-none-w4",
+                                       "none-sync-none-w4-topk-ratio-0.01-ef-0"]
+    assert [c.label for c in configs] == ["sync, none", "sync, topk:ratio=0.01,ef=0"]
+    workers = [spec.cluster_spec(c, 0).worker.compression for c in configs]
+    assert workers == [None, "topk:ratio=0.01,ef=0"]
+    assert spec.entry(configs[1]).compression == "topk:ratio=0.01,ef=0"
+    assert spec.to_toml_dict()["compressions"] == ["none", "topk:ratio=0.01,ef=0"]
+    with pytest.raises(RegistryError, match="unknown compressor 'zip'"):
+        ExperimentSpec(compressions=["zip"])
+    with pytest.raises(ConfigError, match="compressions lists none more than once"):
+        ExperimentSpec(compressions=["none", "none"])
+    with pytest.raises(ConfigError, match="sparse"):  # the feature table's refusal
+        ExperimentSpec(task="recsys", compressions=["int8"])
