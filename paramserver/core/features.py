@@ -164,6 +164,9 @@ _LISTED: dict[tuple[str, str], Pair] = {
     ("sparse", "resume"): _works(
         "tests/test_sparse_e2e.py::test_checkpoint_and_resume_of_sparse_shards_loses_nothing"),
     # compression (paramserver/compress): the dense push only
+    ("replicas", "compression"): _works(
+        "tests/test_compress_replicas_e2e.py::"
+        "test_a_compressed_sync_run_survives_a_primary_sigkill_bit_identical"),
     ("compression", "sparse"): _refused(
         "a sparse table's row gradients are not compressed (only the dense push is); "
         "train it without --compression"),
