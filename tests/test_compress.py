@@ -338,3 +338,30 @@ def test_compression_is_a_grid_axis() -> None:
         ExperimentSpec(compressions=["none", "none"])
     with pytest.raises(ConfigError, match="sparse"):  # the feature table's refusal
         ExperimentSpec(task="recsys", compressions=["int8"])
+
+
+# ---------------------------------------------------------------------- the CLI
+
+def test_compressors_lists_builtins_and_a_plugin() -> None:
+    import json
+
+    from click.testing import CliRunner
+
+    from paramserver.cli.main import main
+
+    def invoke(*args: str):  # type: ignore[no-untyped-def]
+        return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+    rows = {r["name"]: r for r in json.loads(invoke("compressors", "--json").stdout)}
+    assert {"none", "bf16", "fp16", "int8", "topk", "randomk", "sign"} <= set(rows)
+    assert rows["topk"]["parameters"] == {"ratio": {"type": "float", "default": 0.01},
+                                          "ef": {"type": "bool", "default": True}}
+    assert rows["sign"]["from"] == "built-in"
+    (plugin,) = json.loads(invoke("compressors", f"{__name__}:Halve", "--json").stdout)
+    assert plugin["parameters"]["factor"]["default"] == 0.5
+    result = invoke("compressors", "nope")
+    assert result.exit_code == 2 and "unknown compressor 'nope'; known: " in result.output
+    result = invoke("worker", "--servers", "127.0.0.1:1", "--compression", "topk:k=1",
+                    "--print-config")
+    assert result.exit_code == 2 and "has no parameter 'k'; accepted: ratio, ef" \
+        in result.output
