@@ -30,8 +30,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 # The names of workers.experiments.spec's PRESETS and SCENARIOS, which --preset and
 # --scenario offer: that module loads torch, and --help should not wait for it (a test
 # keeps these equal to the tables).
-PRESET_NAMES: tuple[str, ...] = ("demo", "large-batch", "literature", "local-sgd", "momentum",
-                                 "recsys", "scenarios")
+PRESET_NAMES: tuple[str, ...] = ("compression", "demo", "large-batch", "literature",
+                                 "local-sgd", "momentum", "recsys", "scenarios")
 SCENARIO_NAMES: tuple[str, ...] = ("none", "persistent", "transient", "heavy-tail")
 
 

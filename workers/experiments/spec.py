@@ -619,6 +619,13 @@ PRESETS: dict[str, JSONObject] = {
                   "seeds": [0], "num_servers": 1, "eval_every": 2, "min_step_time": 0.005,
                   "modes": ["sync", "sync:h=8", "sync:h=32", "sync:h=128", "async:h=32",
                             "async:h=32,outer=delayed-nesterov"]},
+    # compressed pushes (paramserver/compress), each biased one with and without error
+    # feedback, sync and async: held-out loss against bytes pushed and pulled
+    "compression": {"name": "compression", "scenarios": ["none"], "steps": 300, "seeds": [0],
+                    "workers": [2], "num_servers": 1, "eval_every": 10,
+                    "optimizer_args": {"lr": 0.2}, "modes": ["sync", "async"],
+                    "compressions": ["none", "bf16", "int8", "int8:ef=0", "topk:ratio=0.01",
+                                     "topk:ratio=0.01,ef=0", "sign", "sign:ef=0"]},
     # embedding tables on the shards (ShardedEmbedding): sync, SSP and async on the recsys
     # task's Zipfian interactions; sizes up to 10M rows with --task-arg users=... items=...
     "recsys": {"name": "recsys", "task": "recsys", "steps": 60, "seeds": [0], "workers": [3],
