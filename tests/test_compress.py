@@ -332,6 +332,12 @@ def test_compression_is_a_grid_axis() -> None:
     assert workers == [None, "topk:ratio=0.01,ef=0"]
     assert spec.entry(configs[1]).compression == "topk:ratio=0.01,ef=0"
     assert spec.to_toml_dict()["compressions"] == ["none", "topk:ratio=0.01,ef=0"]
+    from paramserver.workers.experiments.spec import preset
+
+    grid = preset("compression")
+    assert len(grid.configurations()) == 16 and {"sign", "sign:ef=0", "topk:ratio=0.01",
+                                                 "topk:ratio=0.01,ef=0"} <= set(
+        grid.compressions)
     with pytest.raises(RegistryError, match="unknown compressor 'zip'"):
         ExperimentSpec(compressions=["zip"])
     with pytest.raises(ConfigError, match="compressions lists none more than once"):
