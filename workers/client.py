@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from paramserver.compress.feedback import Encoder
-from paramserver.compress.registry import parse_compression
+from paramserver.compress.registry import with_wire_dtype
 from paramserver.core.sharding import DTYPES, ShardPlan
 from paramserver.errors import (
     ConfigError,
@@ -675,20 +675,10 @@ class PSClient:
 
 def compression_encoder(compression: str | None, wire_dtype: str | None, worker: int
                         ) -> tuple[Encoder | None, str | None]:
-    """(the push's encoder, the wire dtype) for ``compression`` (a spec, see
-    paramserver/compress) beside ``wire_dtype``: bf16/fp16 without error feedback only
-    narrow, as ``wire_dtype`` does; ``none`` changes nothing."""
-    if compression is None:
-        return None, wire_dtype
-    spec = parse_compression(compression)
-    dtype = spec.wire_dtype
-    if dtype is not None and wire_dtype in (None, dtype):
-        return None, dtype
-    if wire_dtype is not None and (dtype is not None or spec.encodes):
-        raise ConfigError(f"compression {compression!r} and wire_dtype {wire_dtype!r}: give "
-                          "one (--wire-dtype bfloat16 is --compression bf16)")
-    # (draws of random-k differ by worker: seeded by its id)
-    return (Encoder(spec, seed=worker) if spec.encodes else None), wire_dtype
+    """(the push's encoder, the wire dtype) for ``compression`` beside ``wire_dtype``
+    (paramserver.compress.with_wire_dtype); random-k's draws are seeded by the worker."""
+    spec, wire_dtype = with_wire_dtype(compression, wire_dtype)
+    return (None if spec is None else Encoder(spec, seed=worker)), wire_dtype
 
 
 #: moved to workers/admin.py; still importable from here

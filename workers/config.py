@@ -217,9 +217,9 @@ class WorkerConfig(ConfigRecord):
 def check_compression(spec: str, wire_dtype: str | None) -> None:
     """Refuse, in one line, a ``--compression`` that names no compressor, a parameter
     it lacks or a bad value, or that contradicts ``--wire-dtype``."""
-    from paramserver.workers.client import compression_encoder
+    from paramserver.compress import with_wire_dtype
 
-    compression_encoder(spec, wire_dtype, 0)
+    with_wire_dtype(spec, wire_dtype)
 
 
 def _worker_default(name: str) -> Any:

@@ -22,6 +22,7 @@ from paramserver.compress.registry import (
     parse_compression,
     register_compressor,
     resolve_compressor,
+    with_wire_dtype,
 )
 
 __all__ = [
@@ -35,4 +36,5 @@ __all__ = [
     "parse_compression",
     "register_compressor",
     "resolve_compressor",
+    "with_wire_dtype",
 ]

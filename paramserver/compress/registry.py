@@ -24,6 +24,7 @@ __all__ = [
     "parse_compression",
     "register_compressor",
     "resolve_compressor",
+    "with_wire_dtype",
 ]
 
 ENTRY_POINT_GROUP = "paramserver.compressors"
@@ -147,3 +148,21 @@ def parse_compression(spec: str) -> Compression:
         raise ConfigError(f"compressor {name} failed to construct: "
                           f"{str(exc) or type(exc).__name__}") from exc
     return Compression(compressor, ef)
+
+
+def with_wire_dtype(spec: str | None, wire_dtype: str | None
+                    ) -> tuple[Compression | None, str | None]:
+    """What a push does for ``--compression spec`` beside ``--wire-dtype``: (the
+    compression to encode with, None where the push goes as it is or only narrowed; the
+    16-bit dtype it narrows to). bf16/fp16 without error feedback are ``--wire-dtype``,
+    to the byte; ``none`` changes nothing; the two given at odds are refused."""
+    if spec is None:
+        return None, wire_dtype
+    compression = parse_compression(spec)
+    dtype = compression.wire_dtype
+    if dtype is not None and wire_dtype in (None, dtype):
+        return None, dtype
+    if wire_dtype is not None and (dtype is not None or compression.encodes):
+        raise ConfigError(f"compression {spec!r} and wire_dtype {wire_dtype!r}: give one "
+                          "(--wire-dtype bfloat16 is --compression bf16)")
+    return (compression if compression.encodes else None), wire_dtype
