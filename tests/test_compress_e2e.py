@@ -80,3 +80,53 @@ def test_a_restarted_worker_continues_its_residuals(tmp_path: Path) -> None:
                                              str(STEPS)]), tmp_path)
     assert list(result.updates_applied) == [STEPS, STEPS]
     _assert_equal(load_file(str(tmp_path / "final_model.safetensors")), _replay(spec))
+
+
+H, INNER, OUTER = 3, {"lr": 0.01}, {"lr": 0.7, "momentum": 0.9}
+
+
+def _diloco_replay(spec: str) -> dict[str, torch.Tensor]:
+    """DiLoCo in one process (AdamW inner, H steps from the pulled weights, SGD with
+    momentum outer on the mean), each worker's pseudo-gradient through its encoder."""
+    import copy
+
+    model = T.make_model()
+    outer = torch.optim.SGD(model.parameters(), **OUTER)
+    replicas = [copy.deepcopy(model) for _ in range(WORKERS)]
+    inners = [torch.optim.AdamW(m.parameters(), **INNER) for m in replicas]
+    encoders = [Encoder(parse_compression(spec), seed=r) for r in range(WORKERS)]
+    for start in range(0, STEPS, H):
+        sent = []
+        for r, (replica, inner) in enumerate(zip(replicas, inners, strict=True)):
+            replica.load_state_dict(model.state_dict())
+            for k in range(start, start + H):
+                x, y = T.batch(r, k, T.batch_size(r, unequal=False))
+                inner.zero_grad()
+                torch.nn.functional.mse_loss(replica(x), y).backward()
+                inner.step()
+            sent.append([formats.decode(n, encoders[r].encode_one(n, g.detach() - p.detach()),
+                                        p.numel(), p.dtype).view_as(p)
+                         for (n, g), p in zip(model.named_parameters(), replica.parameters(),
+                                              strict=True)])
+        outer.zero_grad()
+        for i, p in enumerate(model.parameters()):
+            p.grad = sum(s[i] for s in sent) / WORKERS
+        outer.step()
+    return model.state_dict()
+
+
+def test_int8_pseudo_gradients_of_local_sgd_equal_the_replay(tmp_path: Path) -> None:
+    """Local SGD (DiLoCo, H = 3) pushes its pseudo-gradients through the encoder as
+    gradients go: int8 with error feedback, each worker's residuals its own, lands where
+    the replay of the same rounds and the same encoding does."""
+    result = run_cluster(ClusterSpec(
+        num_servers=2, num_workers=WORKERS,
+        server=ServerConfig(mode="sync", optimizer="sgd", optimizer_args=OUTER),
+        worker=WorkerConfig(servers=[], task="tests.exact_tasks:make_task",
+                            task_args={"steps": STEPS}, steps=STEPS, local_optimizer="adamw",
+                            local_args=INNER, sync_every=H, compression="int8")), tmp_path)
+    assert list(result.updates_applied) == [STEPS // H, STEPS // H]
+    want = _diloco_replay("int8")
+    _assert_equal(load_file(str(tmp_path / "final_model.safetensors")), want)
+    plain = _diloco_replay("none")  # and int8 did round them
+    assert any(not torch.allclose(plain[k], want[k], rtol=0, atol=1e-9) for k in want)

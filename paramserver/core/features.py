@@ -164,6 +164,8 @@ _LISTED: dict[tuple[str, str], Pair] = {
     ("sparse", "resume"): _works(
         "tests/test_sparse_e2e.py::test_checkpoint_and_resume_of_sparse_shards_loses_nothing"),
     # compression (paramserver/compress): the dense push only
+    ("local_sgd", "compression"): _works(
+        "tests/test_compress_e2e.py::test_int8_pseudo_gradients_of_local_sgd_equal_the_replay"),
     ("replicas", "compression"): _works(
         "tests/test_compress_replicas_e2e.py::"
         "test_a_compressed_sync_run_survives_a_primary_sigkill_bit_identical"),
