@@ -30,8 +30,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 # The names of workers.experiments.spec's PRESETS and SCENARIOS, which --preset and
 # --scenario offer: that module loads torch, and --help should not wait for it (a test
 # keeps these equal to the tables).
-PRESET_NAMES: tuple[str, ...] = ("demo", "large-batch", "literature", "local-sgd", "momentum",
-                                 "recsys", "scenarios")
+PRESET_NAMES: tuple[str, ...] = ("compression", "demo", "large-batch", "literature",
+                                 "local-sgd", "momentum", "recsys", "scenarios")
 SCENARIO_NAMES: tuple[str, ...] = ("none", "persistent", "transient", "heavy-tail")
 
 
@@ -74,6 +74,7 @@ def spec_from_flags(flags: dict[str, Any]) -> ExperimentSpec:
     return build_spec(spec_file=flags["spec_file"], preset_name=flags["preset_name"],
                       overrides={
         "modes": list(flags["modes"]), "policies": list(flags["policies"]),
+        "compressions": list(flags["compressions"]),
         "workers": list(flags["workers"]), "num_servers": flags["num_servers"],
         "scenarios": list(flags["scenarios"]), "seeds": _seeds(seeds) if seeds else None,
         "steps": flags["steps"], "task": flags["task"],
@@ -140,6 +141,10 @@ def grid_options(*, virtual: bool) -> Callable[[F], F]:
                      help="Staleness policy with arguments, e.g. reject:max_staleness=4, "
                           "gap-aware, dc-asgd:lam=0.1 or mypkg.policies:MyPolicy:factor=0.5 "
                           "(repeatable). Default: none."),
+        click.option("--compression", "compressions", multiple=True, metavar="NAME[:k=v,...]",
+                     help="The workers' push compression (repeatable: an axis), e.g. int8, "
+                          "topk:ratio=0.01 or sign:ef=0; see `paramserver compressors`. "
+                          "Default: none."),
         click.option("--workers", "workers", multiple=True, type=click.IntRange(min=1),
                      help=worker_help),
         click.option("--num-servers", "-s", "num_servers", type=click.IntRange(min=1),

@@ -1,4 +1,5 @@
-"""``paramserver policies`` and ``paramserver tasks``: what can be named on the command line."""
+"""``paramserver policies``, ``tasks`` and ``compressors``: what can be named on the
+command line."""
 
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ from paramserver.util.jsontypes import JSON, JSONObject
 #: imported, as those modules load torch
 POLICY_GROUP = "paramserver.staleness_policies"
 TASK_GROUP = "paramserver.tasks"
+COMPRESSOR_GROUP = "paramserver.compressors"
 
-__all__ = ["policies", "tasks"]
+__all__ = ["compressors", "policies", "tasks"]
 
 _BUILTIN = ("paramserver.",)
 
@@ -139,6 +141,37 @@ def policies(names: tuple[str, ...], as_json: bool) -> None:
         params = policy_parameters(cls)
         rows.append(Listed(name, params, _source(cls), _first_line(cls)))
     _print(rows, "staleness policies", "Use: --policy NAME --policy-arg KEY=VALUE", as_json)
+
+
+@click.command("compressors", short_help="Gradient compressors and their parameters.",
+               epilog=f"""\b
+Examples:
+  paramserver compressors
+  paramserver compressors topk sign --json
+  paramserver launch --compression topk:ratio=0.01
+  paramserver launch --compression sign:ef=0
+
+\b
+Every compressor takes ef (error feedback: what a push leaves out is added to
+the next), on by default for the biased ones. One of your own: subclass
+paramserver.compress.Compressor (it writes one of the wire formats of
+paramserver.compress.formats, which the shards decode) and name it as
+module:Class, or register it as an entry point in the group
+{COMPRESSOR_GROUP} to list it here by name.""")
+@click.argument("names", nargs=-1, metavar="[NAME|module:Class]...")
+@click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
+def compressors(names: tuple[str, ...], as_json: bool) -> None:
+    """List the gradient compressors (built-in and installed) and their parameters."""
+    from paramserver.compress import (
+        available_compressors,
+        compressor_parameters,
+        resolve_compressor,
+    )
+
+    classes = _resolve_all(names, available_compressors(), resolve_compressor)
+    rows = [Listed(name, compressor_parameters(cls), _source(cls), _first_line(cls))
+            for name, cls in classes.items()]
+    _print(rows, "gradient compressors", "Use: --compression NAME[:key=value,...]", as_json)
 
 
 @click.command("tasks", short_help="Tasks and their parameters.", epilog=f"""\b

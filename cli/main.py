@@ -34,6 +34,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "status": ("paramserver.cli.status", "Each shard's version, workers, clocks, counts."),
     "policies": ("paramserver.cli.listing", "Staleness policies and their parameters."),
     "tasks": ("paramserver.cli.listing", "Tasks and their parameters."),
+    "compressors": ("paramserver.cli.listing", "Gradient compressors and their parameters."),
     "run": ("paramserver.cli.distributed", "One rank of a torchrun or Slurm job."),
     "experiment": ("paramserver.cli.experiment",
                    "Compare sync, async and bounded-staleness training on a task or script."),
@@ -135,6 +136,7 @@ Start here:
   paramserver run --num-servers 2               under torchrun or srun, across hosts
   paramserver status --servers HOST:PORT,...    what each shard is doing
   paramserver policies / paramserver tasks      what can be named in --policy / --task
+  paramserver compressors                       what can be named in --compression
 
 \b
 Every option of server, worker, launch and run can also come from a TOML

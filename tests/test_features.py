@@ -29,6 +29,7 @@ FLAGS: dict[str, list[str]] = {
     "sparse": ["--task", "recsys"],
     "local_sgd": ["--local-optimizer", "sgd"],
     "overlap": ["--overlap"],
+    "compression": ["--compression", "int8"],
     **{policy_feature(p): ["--policy", p] for p in BUILTIN_POLICIES},
 }
 

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from paramserver.compress.feedback import Encoder
+from paramserver.compress.registry import with_wire_dtype
 from paramserver.core.sharding import DTYPES, ShardPlan
 from paramserver.errors import (
     ConfigError,
@@ -49,7 +51,7 @@ from paramserver.workers.liveness import Heartbeat, Patience
 from paramserver.workers.pushstream import PullResult, PushResult, PushStream
 
 __all__ = ["GRAD_WIRE_DTYPES", "PART_BYTES", "PSClient", "PullResult", "PushResult",
-           "PushStream"]
+           "PushStream", "compression_encoder"]
 
 #: a shard's share of a push larger than this goes in parts of at most about this
 #: size (whole slices: a plan chunk, 2 MiB by default, is the smallest part), which a
@@ -86,6 +88,7 @@ class PSClient:
         optimizer: Mapping[str, Any] | None = None,
         run_id: str | None = None,
         early_parts: bool = False,
+        compression: str | None = None,
     ) -> None:
         if len(addresses) != plan.num_shards:
             raise TransportError(
@@ -124,10 +127,14 @@ class PSClient:
         # this worker's run (launch's): a shard of another run refuses its HELLO and its
         # heartbeats (wrong_run), so a port another job took over is never talked to
         self.run_id = run_id or None
+        # gradients may travel in 16 bits (the server widens them); weights never do;
+        # --compression bf16/fp16 (without error feedback) is that, to the byte
+        self.encoder, wire_dtype = compression_encoder(compression, wire_dtype, worker)
         # a worker on a shard's host moves tensors through shared memory if the
         # shard agrees at HELLO (paramserver/shm/link.py); anything else goes over TCP
         # (``shm=False``: TCP even then, as the benchmark's ps-tcp row measures)
-        use_shm = shm and role == "worker" and shm_enabled()
+        # (a compressed push goes in frames: its parts are not the slices the segment holds)
+        use_shm = shm and role == "worker" and shm_enabled() and self.encoder is None
         self.channels: list[Channel[ShmLink]] = [
             Channel(a, peer=f"shard {i}", curve=curve, drop_rate=faults.drop_rate(),
                                  seed=worker * 1000 + i,
@@ -144,7 +151,6 @@ class PSClient:
         )
         self._shard_slices = [plan.shard_slices(s) for s in range(plan.num_shards)]
         self._pinned: dict[str, torch.Tensor] = {}
-        # gradients may travel in 16 bits (the server widens them); weights never do
         if wire_dtype is not None and wire_dtype not in GRAD_WIRE_DTYPES:
             raise ConfigError(f"wire_dtype must be one of {', '.join(GRAD_WIRE_DTYPES)} or "
                               f"None (send gradients as they are); got {wire_dtype!r}")
@@ -162,8 +168,9 @@ class PSClient:
             (sum(s.numel * DTYPES[s.dtype].itemsize for s in sl) for sl in self._shard_slices),
             default=0)
         # a small model's shares, gathered and landed in a few calls (paramserver/wire/lanes.py);
-        # not where gradients are narrowed or pushes go in parts
-        whole = self.wire_dtype is None and (not part_bytes or self._largest_share <= part_bytes)
+        # not where gradients are narrowed or compressed, or pushes go in parts
+        whole = self.wire_dtype is None and self.encoder is None and (
+            not part_bytes or self._largest_share <= part_bytes)
         self._small = [SmallShare.of(plan, s) if whole else None for s in range(plan.num_shards)]
         for ch, share in zip(self.channels, self._small, strict=True):
             if share is not None:  # its weight replies read in a few calls
@@ -529,9 +536,21 @@ class PSClient:
             fields = {**head, "read_version": read_versions[s]}
             if pull:
                 fields["pull"] = True
-            msgs.append(Message(Op.PUSH, 0, fields, {}, packed[s]) if packed
-                        else Message(Op.PUSH, 0, fields, dict(parts.get(s, {}))))
+            if packed:
+                msgs.append(Message(Op.PUSH, 0, fields, {}, packed[s]))
+                continue
+            tensors, compressed = self.wire_tensors(parts.get(s, {}))
+            if compressed:
+                fields["compressed"] = True
+            msgs.append(Message(Op.PUSH, 0, fields, tensors))
         return msgs
+
+    def wire_tensors(self, tensors: Mapping[str, torch.Tensor]
+                     ) -> tuple[dict[str, torch.Tensor], bool]:
+        """A push's slices as they go: compressed (and True) with an encoder."""
+        if self.encoder is None:
+            return dict(tensors), False
+        return self.encoder.encode(tensors), True
 
     def _small_push_msgs(self, grads: Mapping[str, torch.Tensor], read_versions: Sequence[int],
                          num_samples: int, clock: int, loss: float | None,
@@ -651,6 +670,14 @@ class PSClient:
         """Each shard's STATS, as the wire decoded it."""
         replies = self.call([Message(Op.STATS) for _ in self.channels], "STATS", recover=False)
         return [r.body for r in replies]
+
+
+def compression_encoder(compression: str | None, wire_dtype: str | None, worker: int
+                        ) -> tuple[Encoder | None, str | None]:
+    """(the push's encoder, the wire dtype) for ``compression`` beside ``wire_dtype``
+    (paramserver.compress.with_wire_dtype); random-k's draws are seeded by the worker."""
+    spec, wire_dtype = with_wire_dtype(compression, wire_dtype)
+    return (None if spec is None else Encoder(spec, seed=worker)), wire_dtype
 
 
 #: moved to workers/admin.py; still importable from here

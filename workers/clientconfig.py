@@ -30,6 +30,7 @@ from paramserver.workers.config import (
     RUN_ENV,
     LaunchOptions,
     WorkerConfig,
+    check_compression,
     check_evaluator,
     worker_default,
 )
@@ -112,6 +113,7 @@ class ClientConfig:
     heartbeat_interval: float = worker_default("heartbeat_interval")
     bucket_bytes: int = worker_default("bucket_bytes")
     wire_dtype: str | None = worker_default("wire_dtype")
+    compression: str | None = worker_default("compression")
     curve_key: str | None = worker_default("curve_key")
     curve_server_key: str | None = worker_default("curve_server_key")
     event_log: str | None = worker_default("event_log")
@@ -138,6 +140,8 @@ class ClientConfig:
         if self.wire_dtype not in (None, *GRAD_WIRE_DTYPE_NAMES):
             raise ConfigError(f"wire_dtype must be one of {', '.join(GRAD_WIRE_DTYPE_NAMES)} or "
                               f"None (gradients as they are); got {self.wire_dtype!r}")
+        if self.compression is not None:
+            check_compression(self.compression, self.wire_dtype)
         check_bounds(self, WorkerConfig)  # the bounds the options declare
 
     @classmethod

@@ -152,6 +152,14 @@ class WorkerConfig(ConfigRecord):
     wire_dtype: str | None = option(None, choices=GRAD_WIRE_DTYPE_NAMES,
                                     help="Send gradients in this 16-bit dtype (default: as "
                                          "they are).")
+    # the push's compressor (paramserver/compress); bf16/fp16 are --wire-dtype, to the byte
+    compression: str | None = option(None, metavar="NAME[:key=value,...]",
+                                     help="Compress each push: none, bf16, fp16, int8, "
+                                          "topk:ratio=R, randomk:ratio=R, sign, or "
+                                          "module:Class (see `paramserver compressors`). "
+                                          "Biased ones keep what a push leaves out and add "
+                                          "it to the next (error feedback; ef=0: off), e.g. "
+                                          "topk:ratio=0.01 or sign:ef=0.")
     event_log: str | None = option(None, kind="file", metavar="FILE", per_process=True,
                                    help="Append JSONL events (one per step) to FILE.")
     result_file: str | None = option(None, kind="file", metavar="FILE", per_process=True,
@@ -180,6 +188,8 @@ class WorkerConfig(ConfigRecord):
         if self.wire_dtype not in (None, *GRAD_WIRE_DTYPE_NAMES):
             raise ConfigError(f"wire_dtype must be one of {', '.join(GRAD_WIRE_DTYPE_NAMES)} or "
                               f"None (gradients as they are); got {self.wire_dtype!r}")
+        if self.compression is not None:  # (loads torch: only when one is given)
+            check_compression(self.compression, self.wire_dtype)
         if self.sync_every != 1 and self.local_optimizer is None:
             raise ConfigError("sync_every needs local_optimizer (--local-optimizer)")
         features.check(self.features())  # the pairs of features that do not work together
@@ -196,7 +206,16 @@ class WorkerConfig(ConfigRecord):
         """The features of paramserver/core/features.py this worker's options turn on."""
         return features.active(curve=bool(self.curve_key),
                                local_sgd=self.local_optimizer is not None,
-                               overlap=self.overlap, wire_dtype=self.wire_dtype)
+                               overlap=self.overlap, wire_dtype=self.wire_dtype,
+                               compression=self.compression)
+
+
+def check_compression(spec: str, wire_dtype: str | None) -> None:
+    """Refuse, in one line, a ``--compression`` that names no compressor, a parameter
+    it lacks or a bad value, or that contradicts ``--wire-dtype``."""
+    from paramserver.compress import with_wire_dtype
+
+    with_wire_dtype(spec, wire_dtype)
 
 
 def worker_default(name: str) -> Any:
@@ -239,6 +258,7 @@ class LaunchOptions:
     part_bytes: int = worker_default("part_bytes")
     early_parts: bool = worker_default("early_parts")
     wire_dtype: str | None = worker_default("wire_dtype")
+    compression: str | None = worker_default("compression")
     curve_key: str | None = worker_default("curve_key")
     curve_server_key: str | None = worker_default("curve_server_key")
 

@@ -247,6 +247,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # gives a shard's replicas joined by "|"
         features.check(features.active(
             local_sgd=local is not None, overlap=overlap, sparse=bool(tables),
+            compression=config.compression,
             replicas=any("|" in s for s in self.servers), script_optimizer=optimizer is not None))
         self.local = None if local is None else LocalSteps(local, sync_every, self.params)
         self.wrapped = None if optimizer is None else Wrapped(optimizer, self.params)
@@ -258,7 +259,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.servers, self.plan, self.rank, timeout=config.timeout,
             request_timeout=config.request_timeout,
             heartbeat_interval=config.heartbeat_interval, curve=curve,
-            wire_dtype=config.wire_dtype, part_bytes=config.part_bytes,
+            wire_dtype=config.wire_dtype, compression=config.compression,
+            part_bytes=config.part_bytes,
             early_parts=config.early_parts, barrier_timeout=config.barrier_timeout,
             optimizer=None if self.wrapped is None else self.wrapped.spec.to_wire(),
             run_id=config.run_id)
@@ -596,6 +598,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  "server_side": True}
         if self.local is not None:  # the inner optimizer's state is the worker's own
             state["local"] = self.local.state_dict()
+        if self.client.encoder is not None:  # what compressed pushes left out, to come
+            state["compression"] = self.client.encoder.state_dict()
         return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -606,6 +610,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                               "lives on the servers (their checkpoints hold it)")
         if self.local is not None and state_dict.get("local") is not None:
             self.local.load_state_dict(state_dict["local"])
+        if self.client.encoder is not None and state_dict.get("compression") is not None:
+            self.client.encoder.load_state_dict(state_dict["compression"])
 
     # ------------------------------------------------------------------ lifetime
 

@@ -112,6 +112,10 @@ class StreamClient(Protocol):
     def host_grads(self, grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Gradients as CPU tensors in the wire dtype."""
 
+    def wire_tensors(self, tensors: Mapping[str, torch.Tensor]
+                     ) -> tuple[dict[str, torch.Tensor], bool]:
+        """A push's slices as they go on the wire, and whether they are compressed."""
+
     def seed_from(self, params: Mapping[str, torch.Tensor]) -> None:
         """The weights a shard that lost its own is seeded from, should one rejoin."""
 
@@ -220,6 +224,9 @@ class PushStream:
             fields["loss"] = float(self.loss)
         if self.client.lr is not None:
             fields["lr"] = self.client.lr
+        tensors, compressed = self.client.wire_tensors(tensors)
+        if compressed:
+            fields["compressed"] = True
         msg = Message(Op.PUSH, 0, fields, tensors)
         if not self.window:
             channel = self.client.channels[shard]

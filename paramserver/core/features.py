@@ -62,6 +62,7 @@ FEATURES: dict[str, str] = {
     "backup_workers": "--backup-workers",
     "overlap": "--overlap",
     "wire_dtype": "--wire-dtype",
+    "compression": "--compression",
     "script_optimizer": "a script's own optimizer (DistributedOptimizer(model, torch.optim.X))",
     "hosts": "emulated hosts (--hosts W+S)",
     "early_parts": "--early-parts",
@@ -172,6 +173,15 @@ _LISTED: dict[tuple[str, str], Pair] = {
     ("reshard", "resume"): _works(
         "tests/test_reshard_e2e.py::"
         "test_sgd_momentum_with_embedding_tables_on_2_then_3_then_1_shards_ends_as_kept_on_2"),
+    # compression (paramserver/compress): the dense push only
+    ("local_sgd", "compression"): _works(
+        "tests/test_compress_e2e.py::test_int8_pseudo_gradients_of_local_sgd_equal_the_replay"),
+    ("replicas", "compression"): _works(
+        "tests/test_compress_replicas_e2e.py::"
+        "test_a_compressed_sync_run_survives_a_primary_sigkill_bit_identical"),
+    ("compression", "sparse"): _refused(
+        "a sparse table's row gradients are not compressed (only the dense push is); "
+        "train it without --compression"),
     # shared memory
     ("shm", "curve"): _works(
         "tests/test_shm_e2e.py::test_curve_peer_without_an_allow_list_entry_gets_no_segment"),
@@ -212,7 +222,7 @@ def active(*, replicas: int = 0, sparse: bool = False, curve: bool = False,
            resume: bool = False, command: bool = False, local_sgd: bool = False,
            optimizer: str = "", policy: str = "none", backup_workers: int = 0,
            overlap: bool = False, wire_dtype: str | None = None,
-           script_optimizer: bool = False) -> set[str]:
+           script_optimizer: bool = False, compression: str | None = None) -> set[str]:
     """The features a run's settings turn on (each side passes what it knows)."""
     on = {name for name, given in (
         ("replicas", replicas), ("sparse", sparse), ("curve", curve), ("resume", resume),
@@ -220,6 +230,7 @@ def active(*, replicas: int = 0, sparse: bool = False, curve: bool = False,
         ("outer", optimizer.lower() == "delayed-nesterov"),
         ("backup_workers", backup_workers), ("overlap", overlap),
         ("wire_dtype", wire_dtype not in (None, "none")),
+        ("compression", compression not in (None, "none")),
         ("script_optimizer", script_optimizer)) if given}
     if policy and policy != "none":
         on.add(policy_feature(policy))

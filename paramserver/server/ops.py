@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 from paramserver.errors import ErrorCode, ProtocolError
 from paramserver.server.peers import Observers, require_core
 from paramserver.sparse.shard import SparseShard
+from paramserver.wire.compressed import expand
 from paramserver.wire.messages import Init, Pull, Push, SInit, SPull, SPush, replace
 from paramserver.wire.protocol import Message, error_reply, reply
 
@@ -110,6 +111,8 @@ class DataOps:
     def on_push(self, msg: Message, identity: bytes) -> Message | None:
         core = require_core(self.host.core)
         b: Push = msg.body
+        if b.compressed:  # dense from here on: parts, policies and the step see no codec
+            msg = Message(msg.op, msg.seq, msg.fields, expand(msg.tensors, core.specs), None, b)
         if b.lr is not None:  # every part carries it: set before the first is taken
             self._take_lr(core, b.worker, b.lr)
         streamed = b.parts != 1 and core.streams_parts

@@ -122,6 +122,8 @@ class Push(msgspec.Struct, frozen=True):
     via_shm: bool | None = None
     early: bool = False  # a part's answer may carry the part's next weights
     lr: float | None = None  # the evaluating rank changed the learning rate to this
+    #: its slices travel as parts of paramserver/compress/formats.py's formats
+    compressed: bool = False
 
 
 class Heartbeat(msgspec.Struct, frozen=True):
@@ -400,9 +402,14 @@ def _push(f: Mapping[str, Any]) -> Push:
     read_version, clock, samples = _header(f)
     part, parts = _parts("push", f)
     loss = f.get("loss")
+    compressed = f.get("compressed") is True
+    if compressed and f.get("shm") is not None:
+        raise ProtocolError(ErrorCode.BAD_FIELD, "push: a compressed push comes in frames, "
+                            "not in a shared-memory segment")
     return Push(worker, push_id, clock, read_version, samples,
                 None if loss is None else float(loss), f.get("pull") is True, part, parts,
-                f.get("shm"), f.get("via_shm"), f.get("early") is True, _lr("push", f))
+                f.get("shm"), f.get("via_shm"), f.get("early") is True, _lr("push", f),
+                compressed)
 
 
 def _spush(f: Mapping[str, Any]) -> SPush:

@@ -132,6 +132,8 @@ _SCHEMA: dict[Op, dict[str, tuple[tuple[type, ...], bool]]] = {
         "early": (_BOOL, False),
         # the evaluating rank changed the learning rate: set before this push is taken
         "lr": (_NUM, False),
+        # its slices come as parts of compressed formats (paramserver/wire/compressed.py)
+        "compressed": (_BOOL, False),
     },
     Op.HEARTBEAT: {"worker": (_INT, True), "run": (_STR, False)},
     # tensors "ids:<table>" (int64 row ids) and, for SPUSH and SINIT, "val:<table>"

@@ -97,6 +97,7 @@ class ConfigEntry:
     sync_every: int | None = None
     outer: str | None = None
     replicas: int = 0  # backups per shard
+    compression: str = "none"  # the workers' --compression
 
     def to_json(self) -> JSONObject:
         return {"id": self.id, "scenario": self.scenario, "label": self.label,
@@ -106,7 +107,8 @@ class ConfigEntry:
                 "policy_args": {k: v for k, v in self.policy_args.items()},
                 "workers": self.workers, "lr_scaling": self.lr_scaling,
                 "warmup_steps": self.warmup_steps, "momentum_target": self.momentum_target,
-                "momentum": self.momentum, "replicas": self.replicas}
+                "momentum": self.momentum, "replicas": self.replicas,
+                "compression": self.compression}
 
     @classmethod
     def from_json(cls, data: JSON) -> ConfigEntry:

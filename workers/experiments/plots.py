@@ -120,10 +120,12 @@ def work_figure(scenario: str, group: Sequence[ConfigSummary],
 
 def bytes_figure(scenario: str, group: Sequence[ConfigSummary],
                  colors: dict[str, Color]) -> Figure | None:
-    """Held-out loss against bytes communicated per worker: what local SGD saves (a push
-    every H steps) at the loss it reaches. Only with local SGD in the group: otherwise every
-    configuration sends the same bytes per update, and the loss plot says it all."""
-    if not any(s.config.sync_every is not None for s in group) \
+    """Held-out loss against bytes communicated per worker: what local SGD (a push every H
+    steps) or compressed pushes save at the loss they reach. Only with one of them in the
+    group: otherwise every configuration sends the same bytes per update, and the loss
+    plot says it all."""
+    if not any(s.config.sync_every is not None or s.config.compression != "none"
+               for s in group) \
             or not any(r.bytes_curve for s in group for r in s.runs):
         return None
     fig = Figure(figsize=(7.5, 4.4), layout="constrained")

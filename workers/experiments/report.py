@@ -516,6 +516,8 @@ def _claim_progress(summaries: Sequence[ConfigSummary], target: float) -> ClaimC
              f"for a model with sparse tables; medians over seeds)")
     checked, bad = [], []
     for (_, workers), group in _by_group(summaries, "none").items():
+        # (a claim about modes: of the uncompressed runs; compressors have their own)
+        group = [s for s in group if s.config.compression == "none"]
         if len(group) < 2:
             continue
         # a sync step on the mean gradient moves dense weights about as far as one async

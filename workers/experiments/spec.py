@@ -30,6 +30,7 @@ platform) and ``experiment.json`` (the index the report is built from).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
 import shlex
@@ -100,6 +101,7 @@ class Configuration:
     workers: int
     label: str
     replicas: int = 0  # backups per shard (ServerConfig.replicas)
+    compression: str = "none"  # the workers' --compression (paramserver/compress)
 
     def __post_init__(self) -> None:  # it names the cell's folder under runs/
         check_name(self.id, "configuration")
@@ -107,7 +109,8 @@ class Configuration:
     @property
     def id(self) -> str:
         return (f"{self.scenario}-{self.mode.slug}-{self.policy.slug}-w{self.workers}"
-                + (f"-r{self.replicas}" if self.replicas else ""))
+                + (f"-r{self.replicas}" if self.replicas else "")
+                + (f"-{slug(self.compression)}" if self.compression != "none" else ""))
 
 
 
@@ -129,12 +132,12 @@ _SPEC_KEYS = ("name", "task", "task_args", "steps", "batch_size", "seeds", "num_
               "optimizer_args", "target_loss", "eval_every", "min_step_time", "device",
               "run_timeout", "lr_scaling", "warmup_steps", "momentum_target",
               "budget_seconds", "budget_gradients", "command", "local_optimizer", "local_args",
-              "outer_args", "evaluator", "replicas", "hosts", "link", "link_of")
+              "outer_args", "evaluator", "replicas", "hosts", "link", "link_of", "compressions")
 
 #: the most runs (configurations x seeds) a grid may hold: each is a cluster run of
 #: seconds to minutes, so more is a mistake (seeds = 1000000), refused at once
 MAX_RUNS = 10_000
-_AXES = ("scenarios", "modes", "policies", "workers", "replicas", "seeds")
+_AXES = ("scenarios", "modes", "policies", "workers", "replicas", "compressions", "seeds")
 
 _OWN_MODEL = "the script builds its own model and loads its own data"
 _OWN_LOOP = "the script runs its own loop (steps is passed on as PARAMSERVER_STEPS, a hint)"
@@ -203,6 +206,8 @@ class ExperimentSpec:
     hosts: str | None = None
     link: str | None = None
     link_of: dict[int, str] = field(default_factory=dict)
+    #: the workers' push compression (``--compression``): one spec, or a list (an axis)
+    compressions: list[str] = field(default_factory=lambda: ["none"])
 
     def __post_init__(self) -> None:
         self._check_command()
@@ -211,6 +216,8 @@ class ExperimentSpec:
         self.policies = [PolicyChoice.parse(p) for p in _as_list(self.policies, "policies")]
         self.workers = [_int(w, "workers", 1) for w in _as_list(self.workers, "workers")]
         self.replicas = [_int(r, "replicas", 0) for r in _as_list(self.replicas, "replicas")]
+        self.compressions = [_compression(c) for c in _as_list(self.compressions,
+                                                                  "compressions")]
         self.scenarios = [check_name(s, "scenario")
                           for s in _as_list(self.scenarios, "scenarios")]
         if isinstance(self.seeds, int) and not isinstance(self.seeds, bool):
@@ -401,7 +408,8 @@ class ExperimentSpec:
             for mode in self.modes:
                 for policy in self.policies:
                     for workers in self.workers:
-                        for replicas in self.replicas:
+                        for replicas, compression in itertools.product(
+                                self.replicas, self.compressions):
                             label = mode.label
                             if len(self.policies) > 1 or policy.name != "none":
                                 label += f" + {policy.label}"
@@ -409,8 +417,10 @@ class ExperimentSpec:
                                 label += f", {workers} workers"
                             if len(self.replicas) > 1 or replicas:
                                 label += f", {replicas} replica{'s' if replicas != 1 else ''}"
+                            if len(self.compressions) > 1 or compression != "none":
+                                label += f", {compression}"
                             out.append(Configuration(scenario, mode, policy, workers, label,
-                                                     replicas))
+                                                     replicas, compression))
         return out
 
     def runs(self) -> list[RunPlan]:
@@ -454,6 +464,7 @@ class ExperimentSpec:
             local_args=dict(self.local_args) if local else {},
             sync_every=config.mode.sync_every or 1,
             evaluator=self.evaluator_of(config),
+            compression=None if config.compression == "none" else config.compression,
         )
         return ClusterSpec(num_servers=self.servers, num_workers=config.workers, server=server,
                            worker=worker, stragglers=scenario.stragglers(config.workers),
@@ -490,7 +501,7 @@ class ExperimentSpec:
             warmup_steps=step.warmup_steps, momentum_target=step.momentum_target,
             momentum=step.momentum, sync_every=mode.sync_every,
             outer=(mode.outer or "sgd") if mode.sync_every is not None else None,
-            replicas=config.replicas)
+            replicas=config.replicas, compression=config.compression)
 
     def to_toml_dict(self) -> JSONObject:
         """The spec as the TOML document dump_spec writes (None values left out there)."""
@@ -511,6 +522,7 @@ class ExperimentSpec:
             "local_optimizer": self.local_optimizer, "local_args": dict(self.local_args),
             "outer_args": dict(self.outer_args),
             "evaluator": self.evaluator, "replicas": list(self.replicas),
+            "compressions": list(self.compressions),
             "hosts": self.hosts, "link": self.link,
             "link_of": {str(k): v for k, v in sorted(self.link_of.items())},
         }
@@ -607,6 +619,13 @@ PRESETS: dict[str, JSONObject] = {
                   "seeds": [0], "num_servers": 1, "eval_every": 2, "min_step_time": 0.005,
                   "modes": ["sync", "sync:h=8", "sync:h=32", "sync:h=128", "async:h=32",
                             "async:h=32,outer=delayed-nesterov"]},
+    # compressed pushes (paramserver/compress), each biased one with and without error
+    # feedback, sync and async: held-out loss against bytes pushed and pulled
+    "compression": {"name": "compression", "scenarios": ["none"], "steps": 300, "seeds": [0],
+                    "workers": [2], "num_servers": 1, "eval_every": 10,
+                    "optimizer_args": {"lr": 0.2}, "modes": ["sync", "async"],
+                    "compressions": ["none", "bf16", "int8", "int8:ef=0", "topk:ratio=0.01",
+                                     "topk:ratio=0.01,ef=0", "sign", "sign:ef=0"]},
     # embedding tables on the shards (ShardedEmbedding): sync, SSP and async on the recsys
     # task's Zipfian interactions; sizes up to 10M rows with --task-arg users=... items=...
     "recsys": {"name": "recsys", "task": "recsys", "steps": 60, "seeds": [0], "workers": [3],
@@ -651,3 +670,13 @@ def dump_spec(spec: ExperimentSpec) -> str:
     except TypeError as exc:
         raise ConfigError(f"cannot write the spec to TOML: {exc}") from exc
     return "# resolved experiment spec: paramserver experiment --spec THIS_FILE reruns it\n" + body
+
+
+def _compression(value: Any) -> str:
+    """A grid's compression spec, checked (paramserver/compress: a name, its arguments)."""
+    if not isinstance(value, str):
+        raise ConfigError(f"compressions lists NAME[:key=value,...] strings, got {value!r}")
+    from paramserver.compress import parse_compression
+
+    parse_compression(value)
+    return value.strip()

@@ -49,6 +49,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 import torch
 
+from paramserver.compress import Encoder, parse_compression
 from paramserver.core.optim import build_optimizer
 from paramserver.core.records import PushOutcome
 from paramserver.core.shard import GradStats, ShardCore, SliceSpec, StepStats
@@ -57,6 +58,7 @@ from paramserver.errors import ConfigError, ParamServerError, ProtocolError
 from paramserver.observe.events import write_json
 from paramserver.policies import create_policy
 from paramserver.util.jsontypes import JSONObject
+from paramserver.wire.compressed import expand
 from paramserver.workers.launch.clusterspec import ClusterSpec, Progress
 from paramserver.workers.launch.results import (
     FINAL_WEIGHTS,
@@ -182,6 +184,9 @@ class _VWorker:
     #: state is its own) and the inner steps per push; None and 1 push every step
     inner: torch.optim.Optimizer | None = None
     sync_every: int = 1
+    #: --compression: the worker's encoder (its error-feedback residuals), None: none
+    encoder: Encoder | None = None
+    push_bytes: int = 0  # what the push in flight sends, all shards together
     clock: int = 0
     push_id: int = 0
     final: bool = False  # the pull in flight is the one after the last step
@@ -281,6 +286,8 @@ class Simulator:
                 rank=rank, steps=steps, batches=cycle_batches(task),
                 loss_fn=task.loss_fn, straggler=straggler, events=self._log(f"worker{rank}"),
                 inner=inner, sync_every=config.sync_every if inner is not None else 1,
+                encoder=None if config.compression in (None, "none")
+                else Encoder(parse_compression(config.compression), seed=rank),
             ))
 
     # ------------------------------------------------------------------ plumbing
@@ -437,9 +444,23 @@ class Simulator:
         for name, p in self.params.items():
             grads[name] = p.grad if p.grad is not None else torch.zeros_like(p)
         self.model.zero_grad(set_to_none=True)  # the tensors now belong to this step's push
-        w.grads = self.plan.split_tensors(grads)
+        w.grads = self._compressed(w, self.plan.split_tensors(grads))
         w.loss = loss_sum / total
         w.num_samples = total
+
+    def _compressed(self, w: _VWorker, grads: dict[int, dict[str, torch.Tensor]]
+                    ) -> dict[int, dict[str, torch.Tensor]]:
+        """Each shard's share as its push carries it: encoded by the worker's encoder
+        and decoded as the shard's wire decodes it (paramserver/wire/compressed.py)."""
+        if w.encoder is None:
+            w.push_bytes = sum(self._nbytes(k) for k in range(len(self.cores)))
+            return grads
+        out, w.push_bytes = {}, 0
+        for shard, tensors in grads.items():
+            sent = w.encoder.encode(tensors)
+            w.push_bytes += sum(t.numel() * t.element_size() for t in sent.values())
+            out[shard] = expand(sent, self.cores[shard].specs)
+        return out
 
     def _local_round(self, w: _VWorker, inner: torch.optim.Optimizer) -> None:
         with torch.no_grad():
@@ -452,7 +473,7 @@ class Simulator:
             total, loss_sum = total + n, loss_sum + summed
         with torch.no_grad():
             pseudo = {n: anchor[n] - p for n, p in self.params.items()}
-        w.grads = self.plan.split_tensors(pseudo)
+        w.grads = self._compressed(w, self.plan.split_tensors(pseudo))
         w.loss = loss_sum / total
         w.num_samples = total
 
@@ -513,7 +534,7 @@ class Simulator:
             weight=min(o.weight for o in outcomes), loss=w.loss, num_samples=w.num_samples,
             compute_s=w.compute_s, sleep_s=w.sleep_s, pull_s=w.pull_s,
             push_s=self.now - w.push_started, wait_s=w.wait_s,
-            bytes=2 * sum(self._nbytes(k) for k in range(len(self.cores))),
+            bytes=w.push_bytes + sum(self._nbytes(k) for k in range(len(self.cores))),
             **({"local_steps": w.sync_every} if w.inner is not None else {}),
         )
         w.grads = {}

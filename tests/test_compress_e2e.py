@@ -1,0 +1,132 @@
+"""Compressed pushes over real shard and worker processes (paramserver/compress): a sync
+run equals a single-process replay that compresses the same way (the same residuals,
+the same draws), and a worker that loads its state_dict continues its residuals."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from paramserver.compress import Encoder, formats, parse_compression
+from paramserver.server.loop import ServerConfig
+from paramserver.workers.launch.cluster import ClusterSpec, run_cluster
+from paramserver.workers.worker import WorkerConfig
+from tests import exact_tasks as T
+from tests.test_exactness import _assert_equal
+
+pytestmark = pytest.mark.integration
+
+STEPS, WORKERS, LR = 6, 2, 0.1
+SCRIPT = Path(__file__).resolve().parent / "compress_script.py"
+
+
+def _replay(spec: str) -> dict[str, torch.Tensor]:
+    """One process: each step, every worker's gradient at the same weights goes through
+    its own encoder (error feedback and draws as the worker's, seeded by its rank) and
+    back, and SGD steps on their mean."""
+    model = T.make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    encoders = [Encoder(parse_compression(spec), seed=r) for r in range(WORKERS)]
+    for k in range(STEPS):
+        sent = []
+        for r, enc in enumerate(encoders):
+            model.zero_grad()
+            x, y = T.batch(r, k, T.batch_size(r, unequal=False))
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            sent.append({n: formats.decode(n, enc.encode_one(n, p.grad), p.numel(),
+                                           p.dtype).view_as(p)
+                         for n, p in model.named_parameters()})
+        for n, p in model.named_parameters():
+            p.grad = sum(s[n] for s in sent) / WORKERS
+        opt.step()
+    return model.state_dict()
+
+
+def _cluster(tmp_path: Path, command: list[str] | None = None,
+             **worker: object) -> ClusterSpec:
+    return ClusterSpec(num_servers=2, num_workers=WORKERS,
+                       server=ServerConfig(mode="sync", optimizer="sgd",
+                                           optimizer_args={"lr": LR}),
+                       worker=WorkerConfig(servers=[], **worker),  # type: ignore[arg-type]
+                       command=command)
+
+
+def test_a_compressed_sync_run_equals_the_replay(tmp_path: Path) -> None:
+    """Random-k with error feedback (8 of 24 elements, drawn per worker and push): the
+    shards step on exactly what the replay's encoders send."""
+    spec = "randomk:ratio=0.3"
+    result = run_cluster(_cluster(tmp_path, task="tests.exact_tasks:make_task",
+                                  task_args={"steps": STEPS}, steps=STEPS,
+                                  compression=spec), tmp_path)
+    assert list(result.updates_applied) == [STEPS, STEPS]
+    weights = load_file(str(tmp_path / "final_model.safetensors"))
+    want = _replay(spec)
+    _assert_equal(weights, want)
+    plain = _replay("none")  # and compression did change the training
+    assert any(not torch.allclose(plain[k], want[k], rtol=0, atol=1e-6) for k in want)
+
+
+def test_a_restarted_worker_continues_its_residuals(tmp_path: Path) -> None:
+    """DistributedOptimizer(config=ClientConfig.from_env(compression=...)) in a script; rank 1 restarts its encoder
+    halfway (as a new process holds it: no residuals) and loads its state_dict: the run
+    is the uninterrupted replay's, which it is not without the state (top-k keeps a
+    quarter of each gradient: the residuals carry the rest)."""
+    spec = "topk:ratio=0.25"
+    result = run_cluster(_cluster(tmp_path, [sys.executable, str(SCRIPT), spec, "--steps",
+                                             str(STEPS)]), tmp_path)
+    assert list(result.updates_applied) == [STEPS, STEPS]
+    _assert_equal(load_file(str(tmp_path / "final_model.safetensors")), _replay(spec))
+
+
+H, INNER, OUTER = 3, {"lr": 0.01}, {"lr": 0.7, "momentum": 0.9}
+
+
+def _diloco_replay(spec: str) -> dict[str, torch.Tensor]:
+    """DiLoCo in one process (AdamW inner, H steps from the pulled weights, SGD with
+    momentum outer on the mean), each worker's pseudo-gradient through its encoder."""
+    import copy
+
+    model = T.make_model()
+    outer = torch.optim.SGD(model.parameters(), **OUTER)
+    replicas = [copy.deepcopy(model) for _ in range(WORKERS)]
+    inners = [torch.optim.AdamW(m.parameters(), **INNER) for m in replicas]
+    encoders = [Encoder(parse_compression(spec), seed=r) for r in range(WORKERS)]
+    for start in range(0, STEPS, H):
+        sent = []
+        for r, (replica, inner) in enumerate(zip(replicas, inners, strict=True)):
+            replica.load_state_dict(model.state_dict())
+            for k in range(start, start + H):
+                x, y = T.batch(r, k, T.batch_size(r, unequal=False))
+                inner.zero_grad()
+                torch.nn.functional.mse_loss(replica(x), y).backward()
+                inner.step()
+            sent.append([formats.decode(n, encoders[r].encode_one(n, g.detach() - p.detach()),
+                                        p.numel(), p.dtype).view_as(p)
+                         for (n, g), p in zip(model.named_parameters(), replica.parameters(),
+                                              strict=True)])
+        outer.zero_grad()
+        for i, p in enumerate(model.parameters()):
+            p.grad = sum(s[i] for s in sent) / WORKERS
+        outer.step()
+    return model.state_dict()
+
+
+def test_int8_pseudo_gradients_of_local_sgd_equal_the_replay(tmp_path: Path) -> None:
+    """Local SGD (DiLoCo, H = 3) pushes its pseudo-gradients through the encoder as
+    gradients go: int8 with error feedback, each worker's residuals its own, lands where
+    the replay of the same rounds and the same encoding does."""
+    result = run_cluster(ClusterSpec(
+        num_servers=2, num_workers=WORKERS,
+        server=ServerConfig(mode="sync", optimizer="sgd", optimizer_args=OUTER),
+        worker=WorkerConfig(servers=[], task="tests.exact_tasks:make_task",
+                            task_args={"steps": STEPS}, steps=STEPS, local_optimizer="adamw",
+                            local_args=INNER, sync_every=H, compression="int8")), tmp_path)
+    assert list(result.updates_applied) == [STEPS // H, STEPS // H]
+    want = _diloco_replay("int8")
+    _assert_equal(load_file(str(tmp_path / "final_model.safetensors")), want)
+    plain = _diloco_replay("none")  # and int8 did round them
+    assert any(not torch.allclose(plain[k], want[k], rtol=0, atol=1e-9) for k in want)
