@@ -71,10 +71,10 @@ def test_a_compressed_sync_run_equals_the_replay(tmp_path: Path) -> None:
 
 
 def test_a_restarted_worker_continues_its_residuals(tmp_path: Path) -> None:
-    """DistributedOptimizer(config=ClientConfig.from_env(compression=...)) in a script; rank 1 restarts its encoder
-    halfway (as a new process holds it: no residuals) and loads its state_dict: the run
-    is the uninterrupted replay's, which it is not without the state (top-k keeps a
-    quarter of each gradient: the residuals carry the rest)."""
+    """DistributedOptimizer(config=ClientConfig.from_env(compression=...)) in a script;
+    rank 1 restarts its encoder halfway (as a new process holds it: no residuals) and
+    loads its state_dict: the run is the uninterrupted replay's, which it is not without
+    the state (top-k keeps a quarter of each gradient: the residuals carry the rest)."""
     spec = "topk:ratio=0.25"
     result = run_cluster(_cluster(tmp_path, [sys.executable, str(SCRIPT), spec, "--steps",
                                              str(STEPS)]), tmp_path)
