@@ -49,7 +49,7 @@ from paramserver.server.ops import DataOps, Handler
 from paramserver.server.outbox import Outbox
 from paramserver.server.parts import JoinedParts, StreamedParts
 from paramserver.server.peers import PeerInfo, Peers
-from paramserver.server.process import READY_PREFIX, call_ready
+from paramserver.server.process import READY_PREFIX, Ready
 from paramserver.server.replicackpt import ReplicaCheckpoints
 from paramserver.server.replication import REPLAYED, REPLICATED_OPS, Replication
 from paramserver.server.scriptopt import META_KEY, ScriptOptimizer
@@ -62,11 +62,11 @@ from paramserver.wire import replication as wrepl
 from paramserver.wire import stats as wstats
 from paramserver.wire.curve import CurveKeys
 from paramserver.wire.messages import Checkpoint
-from paramserver.wire.protocol import Message, Op, error_reply, reply
+from paramserver.wire.protocol import DEFAULT_LIMITS, Message, Op, error_reply, reply
 from paramserver.wire.requests import decode_request
 from paramserver.wire.transport import RouterSocket
 
-__all__ = ["DIVERGED_EXIT_CODE", "READY_PREFIX", "ServerConfig", "ShardServer"]
+__all__ = ["DIVERGED_EXIT_CODE", "READY_PREFIX", "Ready", "ServerConfig", "ShardServer"]
 
 log = logging.getLogger(__name__)
 
@@ -79,26 +79,18 @@ class ShardServer:
     divergence watchdog; the core holds every consistency rule, this class the I/O.
     """
 
+    #: bound by :meth:`start`: the ROUTER socket and the address it listens at
+    socket: RouterSocket
+    address: str
+
     def __init__(self, config: ServerConfig, console: Console | None = None) -> None:
+        """Everything but I/O: no socket, no metrics port, no checkpoint read and no
+        word to the replicas yet (:meth:`start` does those, in that order)."""
         self.config = config
-        curve = CurveKeys.load(config.curve_secret_key) if config.curve_secret_key else None
         self.policy = create_policy(config.policy, config.policy_args)
         # CURVE: what each client key may do (None: any admitted key acts as a plain
-        # worker) and which key registered each worker id; without CURVE no key is
-        # known, and every peer is trusted
-        self.access = Access(load_grants(config.curve_clients_dir, config.admin_keys)
-                             if curve is not None else None)
-        if curve is not None and not self.access.has_admin:
-            log.warning("shard %d: no admin key (--admin-key): SHUTDOWN, CHECKPOINT and "
-                        "BYE dead=true are refused; stop the shard with SIGTERM", config.shard)
-        self.socket = RouterSocket(config.bind, curve=curve, allowed_clients=admitted(
-            self.access.grants if config.curve_clients_dir else None,
-            curve.public_text if curve is not None and config.replicas else None))
-        self.address = self.socket.address
-        if curve is None and not is_loopback(self.address):
-            log.warning("shard %d binds %s without CURVE: anyone who reaches this port is "
-                        "trusted with every operation, SHUTDOWN included (docs/reliability.md)",
-                        config.shard, self.address)
+        # worker) and which key registered each worker id (the grants are read by start)
+        self.access = Access(None)
         # what the console says comes from the records of the event log
         self.events = EventLog(config.event_log, console=console)
         # the optimizer a worker script wraps: adopted, checked, its lr changes (scriptopt.py)
@@ -108,12 +100,13 @@ class ShardServer:
         self.sparse: SparseShard | None = None  # the plan's row-sparse tables, if any
         self.tables: TableBuilder | None = None  # builds them once a live worker uses them
         self._running = False
+        self.started = False
         self.counters: Counter[str] = Counter()
-        self.outbox = Outbox(self.socket, self.counters)
+        self.outbox = Outbox(self.counters)
         # same-host workers' tensors through shared memory (paramserver/shm/link.py);
         # with replicas too: the primary forwards what it read there as frames
         # (forwarded.as_tcp), and a backup that takes over has a hub of its own
-        self.shm = ShmHub(config.shard, self.socket.limits) if shm_enabled() else None
+        self.shm = ShmHub(config.shard, DEFAULT_LIMITS) if shm_enabled() else None
         self.outbox.shm = self.shm
         self.started_at = time.time()
         self.checkpoints = Checkpointer(
@@ -128,9 +121,8 @@ class ShardServer:
             tensorboard=(TensorBoardWriter(Path(config.tensorboard) / f"shard{config.shard}")
                          if config.tensorboard else None),
         )
-        self.exporter = MetricsExporter.for_bind(self.observer.registry, config.metrics_port,
-                                                 self.address)
-        self.metrics_port = self.exporter.start()
+        self.exporter: MetricsExporter | None = None  # (start)
+        self.metrics_port: int | None = None
         self.joined = JoinedParts(self.counters)  # pushes in parts the core takes whole
         self.streamed = StreamedParts()  # pushes in parts the core adds part by part
         self.peer_ops = Peers(self, config, self.policy, self.events, self.observer,
@@ -152,32 +144,97 @@ class ShardServer:
             Op.SINIT: self.ops.on_sinit,
         }
         self.divergence = Divergence(config, self.events, self.observer, self.save_checkpoint)
-        # the shard's replicas (issue 32): None without --replicas
-        self.replication = (Replication(self, config, self.events, self.address)
-                            if config.replicas else None)
+        # the shard's replicas (issue 32): None without --replicas (made by start: they
+        # are told of this replica's address)
+        self.replication: Replication | None = None
         # with replicas one of them writes the checkpoints, on a thread (replicackpt.py)
-        self.replica_checkpoints = (None if self.replication is None else ReplicaCheckpoints(
-            self.checkpoints, self.replication, self._capture))
+        self.replica_checkpoints: ReplicaCheckpoints | None = None
         # a push's metrics, watchdog rules and event, run once its reply is out (the
         # critical path of a round trip ends at the reply); before the next message
         self._after_reply: list[Callable[[], None]] = []
         # set (any thread) when the rendezvous store says every worker is done (_job_over)
         self.job_done = threading.Event()
-        self._secured = curve is not None
+        self._secured = bool(config.curve_secret_key)
         self._hint_held: list[int] | None = None
-        if config.plan is not None:
-            self.adopt_plan(ShardPlan.from_description(config.plan))
-        # an earlier run's checkpoints are resumed, or moved aside (--fresh), never taken
-        # over; a shard's first primary claims its directory for all its replicas
-        if config.replica == 0 and not config.replacement:
-            self.checkpoints.claim(config.resume, config.fresh)
-        if config.resume:
-            self._restore(config.resume)
 
     # ------------------------------------------------------------------ lifecycle
 
-    def serve_forever(self, on_ready: Callable[..., None] | None = None,
+    def start(self) -> Ready:
+        """Open what the shard serves through, once: bind the socket, start the metrics
+        exporter, adopt --plan, claim or resume the checkpoint directory and tell the
+        replicas (a primary's backups hear of it, which may wait on them). What it
+        opened is closed again if a step fails. Returns where the shard listens."""
+        if self.started:
+            return self.ready
+        config = self.config
+        try:
+            curve = CurveKeys.load(config.curve_secret_key) if config.curve_secret_key else None
+            if curve is not None:
+                self.access.grants = load_grants(config.curve_clients_dir, config.admin_keys)
+                if not self.access.has_admin:
+                    log.warning("shard %d: no admin key (--admin-key): SHUTDOWN, CHECKPOINT "
+                                "and BYE dead=true are refused; stop the shard with SIGTERM",
+                                config.shard)
+            self.socket = RouterSocket(config.bind, curve=curve, allowed_clients=admitted(
+                self.access.grants if config.curve_clients_dir else None,
+                curve.public_text if curve is not None and config.replicas else None))
+            self.address = self.socket.address
+            self.outbox.socket = self.socket
+            self.started = True
+            if curve is None and not is_loopback(self.address):
+                log.warning("shard %d binds %s without CURVE: anyone who reaches this port "
+                            "is trusted with every operation, SHUTDOWN included "
+                            "(docs/reliability.md)", config.shard, self.address)
+            self.exporter = MetricsExporter.for_bind(self.observer.registry,
+                                                     config.metrics_port, self.address)
+            self.metrics_port = self.exporter.start()
+            if config.replicas:
+                self.replication = Replication(self, config, self.events, self.address)
+                self.replica_checkpoints = ReplicaCheckpoints(
+                    self.checkpoints, self.replication, self._capture)
+            if config.plan is not None:
+                self.adopt_plan(ShardPlan.from_description(config.plan))
+            # an earlier run's checkpoints are resumed, or moved aside (--fresh), never
+            # taken over; a shard's first primary claims its directory for all its replicas
+            if config.replica == 0 and not config.replacement:
+                self.checkpoints.claim(config.resume, config.fresh)
+            if config.resume:
+                self._restore(config.resume)
+        except BaseException:
+            self.close(linger=0.0)
+            raise
+        return self.ready
+
+    @property
+    def ready(self) -> Ready:
+        """The shard's readiness signal: its address and metrics port (once started)."""
+        return Ready(self.address, self.metrics_port)
+
+    def close(self, linger: float = 1.0, stopped: bool = False) -> None:
+        """Close what :meth:`start` opened, and the event log; ``serve_forever`` does at
+        its end (``stopped``: the log says so first)."""
+        if self.replica_checkpoints is not None:
+            self.replica_checkpoints.close()
+        if self.replication is not None:
+            self.replication.close()  # (its keep-alive thread too)
+        self.observer.close()
+        if self.exporter is not None:
+            self.exporter.close()
+        if stopped:
+            self.events.write("server_stop", shard=self.config.shard,
+                              version=self.core.version if self.core else 0)
+        self.events.close()
+        if self.started:
+            self.socket.close(linger=linger)
+        if self.shm is not None:
+            self.shm.close()
+
+    def serve_forever(self, on_ready: Callable[[Ready], None] | None = None,
                       tick: float = 0.05) -> None:
+        """Serve until SHUTDOWN, :meth:`stop`, the end of the job or the divergence
+        watchdog, then close. Started first if it was not (:meth:`start`); ``on_ready``
+        is told where it listens once it does."""
+        self.start()
         self._running = True
         self.events.write("server_start", shard=self.config.shard, address=self.address,
                           metrics_port=self.metrics_port, mode=self.config.mode_spec().describe(),
@@ -188,7 +245,7 @@ class ShardServer:
                  self.config.num_shards, self.address, self.config.mode_spec().describe(),
                  self.policy.describe())
         if on_ready is not None:
-            call_ready(on_ready, self.address, self.metrics_port)
+            on_ready(self.ready)
         last_expire = 0.0
         try:
             while self._running:
@@ -223,18 +280,7 @@ class ShardServer:
                 except CheckpointError as exc:  # the last good checkpoint stays LATEST
                     log.error("%s", exc)
         finally:
-            if self.replica_checkpoints is not None:
-                self.replica_checkpoints.close()
-            if self.replication is not None:
-                self.replication.close()  # (its keep-alive thread too)
-            self.observer.close()
-            self.exporter.close()
-            self.events.write("server_stop", shard=self.config.shard,
-                              version=self.core.version if self.core else 0)
-            self.events.close()
-            self.socket.close(linger=1.0)
-            if self.shm is not None:
-                self.shm.close()
+            self.close(stopped=True)
 
     def stop(self) -> None:
         self._running = False
@@ -664,7 +710,7 @@ class ShardServer:
             None if core is None or sparse is None else wstats.SparseStats.of(sparse.stats())))
 
 
-if __name__ == "__main__":  # the launcher's way to start a shard (entry.py)
-    from paramserver.server.entry import main
+if __name__ == "__main__":  # the launcher's way to start a shard: entry.py's main, run
+    import runpy  # by name (entry.py imports this module: no import runs back to it)
 
-    main()
+    runpy.run_module("paramserver.server.entry", run_name="__main__", alter_sys=True)
