@@ -31,7 +31,6 @@ from paramserver.core import features
 from paramserver.core.probe import MeasureBudget
 from paramserver.core.shard import ShardCore, SliceSpec
 from paramserver.core.sharding import ShardPlan
-from paramserver.core.transfer import CoreImage
 from paramserver.errors import ConfigError, ErrorCode, ProtocolError
 from paramserver.observe.console import Console
 from paramserver.observe.events import EventLog
@@ -40,7 +39,7 @@ from paramserver.observe.recorder import ShardObserver
 from paramserver.observe.watchdog import Alarm, Watchdog
 from paramserver.persist.checkpoint import CheckpointError
 from paramserver.policies.registry import create_policy
-from paramserver.server import rejoin
+from paramserver.server import shardstate
 from paramserver.server.access import Access, admitted, is_loopback, load_grants
 from paramserver.server.checkpointer import RESTORE_ERRORS, Capture, Checkpointer
 from paramserver.server.config import ServerConfig
@@ -53,6 +52,7 @@ from paramserver.server.process import READY_PREFIX, Ready
 from paramserver.server.replicackpt import ReplicaCheckpoints
 from paramserver.server.replication import REPLAYED, REPLICATED_OPS, Replication
 from paramserver.server.scriptopt import META_KEY, ScriptOptimizer
+from paramserver.server.shardstate import ShardImage, ShardState
 from paramserver.server.stopping import DIVERGED_EXIT_CODE, Divergence
 from paramserver.server.tables import TableBuilder
 from paramserver.shm.link import ShmHub, asks_board, lends, sweep, take_shm
@@ -367,16 +367,10 @@ class ShardServer:
         plan, tensors, meta = self.checkpoints.read(directory, self.plan,
                                                     alone=self.config.restart)
         try:
-            self.script.restore(meta)  # (the optimizer the core is built with)
-            self.adopt_plan(plan)
-            assert self.core is not None
-            self.core.load_state_dict(tensors, meta, time.monotonic())
-            if self.sparse is not None:
-                self.sparse.load_state_dict(tensors, meta["sparse"])
-        except RESTORE_ERRORS as exc:
-            self.core = self.plan = None
-            self.sparse = self.tables = None  # the server does not start from it
+            self.adopt_state(shardstate.from_checkpoint(plan, tensors, meta))
+        except RESTORE_ERRORS as exc:  # the server does not start from it
             raise self.checkpoints.unusable(directory, exc) from exc
+        assert self.core is not None
         if not self.config.restart:  # the workers are new processes: await each
             self.core.members.await_restored()
         self.checkpoints.resumed(directory, self.core.version,
@@ -464,14 +458,11 @@ class ShardServer:
         """A backup handles a message its primary forwarded, as the primary did."""
         self._handle(REPLAYED, frames, key)
 
-    def snapshot(self) -> tuple[bytes, CoreImage | None, dict[str, torch.Tensor]] | None:
-        return rejoin.image(self)  # what a joining replica is sent (None: not now)
-
-    def key_owners(self) -> dict[int, str]:
-        return dict(self.access.owners)
-
-    def script_optimizer(self) -> dict[str, Any] | None:
-        return self.script.meta()[META_KEY]
+    def send_state(self) -> ShardImage | None:
+        """What a joining replica is sent (None: not now, a push in parts under way)."""
+        return shardstate.capture(self.core, self.plan,
+                                  bool(self.joined.pending or self.streamed.pending),
+                                  self.access.owners, self.script.meta()[META_KEY])
 
     def plan_description(self) -> object | None:
         # (as a snapshot's JSON gives it back: tuples are lists there)
@@ -479,7 +470,32 @@ class ShardServer:
             msgspec.json.encode(self.plan.describe()))
 
     def restore(self, record: wrepl.Snapshot, frames: list[Any]) -> None:
-        rejoin.adopt(self, record, frames)  # a joining replica takes the primary's state
+        shardstate.receive_snapshot(self, record, frames, self.socket.limits,
+                                    self.config.plan_limits())  # a joining replica's
+
+    def adopt_state(self, state: ShardState) -> None:
+        """Put ``state`` (a checkpoint resumed, a primary's snapshot: shardstate.py) in
+        place of everything this shard held: a core built from its plan and loaded, and
+        none of the per-worker state a push or pull in flight left. When it does not
+        fit, nothing half-restored stays (and the error is raised on)."""
+        self.core = self.plan = None
+        self.sparse = self.tables = None
+        for parts in (self.joined, self.streamed, self.outbox):
+            parts.forget(())
+        self.outbox.observer_pulls.clear()
+        self.access.owners = dict(state.owners)  # (CURVE: who may act as each worker)
+        if state.plan is None:
+            return
+        try:
+            self.script.restore(state.meta)  # (the optimizer the core is built with)
+            self.adopt_plan(state.plan)
+            assert self.core is not None
+            if state.load is not None:
+                state.load(self.core, self.sparse)
+        except BaseException:
+            self.core = self.plan = None
+            self.sparse = self.tables = None
+            raise
 
     def replay_death(self, kind: str, workers: list[int]) -> None:
         """A backup applies the deaths or leave-outs its primary's timers decided in one

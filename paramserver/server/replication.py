@@ -365,15 +365,14 @@ class Replication:
         """A snapshot to each replica that asked, if the shard is between inputs."""
         if not self._asked or not self.state.writable:
             return
-        got = self.host.snapshot()
-        if got is None:
+        image = self.host.send_state()
+        if image is None:
             return  # a push or INIT in parts is under way: the next tick tries again
-        plan, core, tensors = got
         seq = self.state.applied
         frames = self.key.seal(wrepl.snapshot_frames(
-            self.state.epoch, seq, time.monotonic(), self.address, plan, core, tensors,
-            self.host.key_owners(), self.host.script_optimizer()))
-        size = sum(t.numel() * t.element_size() for t in tensors.values())
+            self.state.epoch, seq, time.monotonic(), self.address, image.plan, image.core,
+            image.tensors, image.owners, image.optimizer))
+        size = sum(t.numel() * t.element_size() for t in image.tensors.values())
         while self._asked:
             address, nonce = self._asked.popitem(last=False)
             b = self._link(address)
