@@ -9,8 +9,13 @@ ERROR reply with a code, and the core's state is untouched.
 Its parts live beside it: peers.py (the HELLO, HEARTBEAT and BYE handlers),
 ops.py (INIT, PULL, PUSH and the sparse ops), access.py (who may do what under
 CURVE), parts.py (pushes sent in parts), outbox.py (replies, parked pulls and
-the zero-copy sends of the weights), checkpointer.py (checkpoints and resuming)
-and stopping.py (what --on-divergence does).
+the zero-copy sends of the weights), checkpointer.py (checkpoints and resuming),
+stopping.py (what --on-divergence does), roles.py (who the shard is among its
+replicas: the loop asks its role, never the replication) and shardstate.py (its
+whole state when it moves).
+
+A server is built without I/O; :meth:`ShardServer.start` opens what it serves
+through, and entry.py's ``serve`` is the one place that builds and starts one.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 import torch
@@ -39,18 +44,17 @@ from paramserver.observe.recorder import ShardObserver
 from paramserver.observe.watchdog import Alarm, Watchdog
 from paramserver.persist.checkpoint import CheckpointError
 from paramserver.policies.registry import create_policy
-from paramserver.server import shardstate
-from paramserver.server.access import Access, admitted, is_loopback, load_grants
+from paramserver.server import roles, shardstate
+from paramserver.server.access import Access, open_socket
 from paramserver.server.checkpointer import RESTORE_ERRORS, Capture, Checkpointer
 from paramserver.server.config import ServerConfig
-from paramserver.server.forwarded import as_tcp
 from paramserver.server.ops import DataOps, Handler
 from paramserver.server.outbox import Outbox
 from paramserver.server.parts import JoinedParts, StreamedParts
 from paramserver.server.peers import PeerInfo, Peers
 from paramserver.server.process import READY_PREFIX, Ready
-from paramserver.server.replicackpt import ReplicaCheckpoints
-from paramserver.server.replication import REPLAYED, REPLICATED_OPS, Replication
+from paramserver.server.replication import REPLAYED
+from paramserver.server.roles import Lone, Route, ShardRole
 from paramserver.server.scriptopt import META_KEY, ScriptOptimizer
 from paramserver.server.shardstate import ShardImage, ShardState
 from paramserver.server.stopping import DIVERGED_EXIT_CODE, Divergence
@@ -60,11 +64,13 @@ from paramserver.shm.link import enabled as shm_enabled
 from paramserver.sparse.shard import SparseShard
 from paramserver.wire import replication as wrepl
 from paramserver.wire import stats as wstats
-from paramserver.wire.curve import CurveKeys
 from paramserver.wire.messages import Checkpoint
 from paramserver.wire.protocol import DEFAULT_LIMITS, Message, Op, error_reply, reply
 from paramserver.wire.requests import decode_request
 from paramserver.wire.transport import RouterSocket
+
+if TYPE_CHECKING:
+    from paramserver.server.replication import Replication
 
 __all__ = ["DIVERGED_EXIT_CODE", "READY_PREFIX", "Ready", "ServerConfig", "ShardServer"]
 
@@ -144,11 +150,9 @@ class ShardServer:
             Op.SINIT: self.ops.on_sinit,
         }
         self.divergence = Divergence(config, self.events, self.observer, self.save_checkpoint)
-        # the shard's replicas (issue 32): None without --replicas (made by start: they
-        # are told of this replica's address)
-        self.replication: Replication | None = None
-        # with replicas one of them writes the checkpoints, on a thread (replicackpt.py)
-        self.replica_checkpoints: ReplicaCheckpoints | None = None
+        # who this shard is among its replicas, and what that decides (roles.py): lone
+        # until start() reaches the replicas (issue 32)
+        self.role: ShardRole = Lone(self.checkpoints, self._capture)
         # a push's metrics, watchdog rules and event, run once its reply is out (the
         # critical path of a round trip ends at the reply); before the next message
         self._after_reply: list[Callable[[], None]] = []
@@ -168,35 +172,20 @@ class ShardServer:
             return self.ready
         config = self.config
         try:
-            curve = CurveKeys.load(config.curve_secret_key) if config.curve_secret_key else None
-            if curve is not None:
-                self.access.grants = load_grants(config.curve_clients_dir, config.admin_keys)
-                if not self.access.has_admin:
-                    log.warning("shard %d: no admin key (--admin-key): SHUTDOWN, CHECKPOINT "
-                                "and BYE dead=true are refused; stop the shard with SIGTERM",
-                                config.shard)
-            self.socket = RouterSocket(config.bind, curve=curve, allowed_clients=admitted(
-                self.access.grants if config.curve_clients_dir else None,
-                curve.public_text if curve is not None and config.replicas else None))
+            self.socket = open_socket(config, self.access)  # (under CURVE: its grants read)
             self.address = self.socket.address
             self.outbox.socket = self.socket
             self.started = True
-            if curve is None and not is_loopback(self.address):
-                log.warning("shard %d binds %s without CURVE: anyone who reaches this port "
-                            "is trusted with every operation, SHUTDOWN included "
-                            "(docs/reliability.md)", config.shard, self.address)
             self.exporter = MetricsExporter.for_bind(self.observer.registry,
                                                      config.metrics_port, self.address)
             self.metrics_port = self.exporter.start()
-            if config.replicas:
-                self.replication = Replication(self, config, self.events, self.address)
-                self.replica_checkpoints = ReplicaCheckpoints(
-                    self.checkpoints, self.replication, self._capture)
+            self.role = roles.for_shard(self, config, self.events, self.socket,
+                                        self.checkpoints, self._capture)
             if config.plan is not None:
                 self.adopt_plan(ShardPlan.from_description(config.plan))
             # an earlier run's checkpoints are resumed, or moved aside (--fresh), never
             # taken over; a shard's first primary claims its directory for all its replicas
-            if config.replica == 0 and not config.replacement:
+            if self.role.first:
                 self.checkpoints.claim(config.resume, config.fresh)
             if config.resume:
                 self._restore(config.resume)
@@ -206,6 +195,11 @@ class ShardServer:
         return self.ready
 
     @property
+    def replication(self) -> Replication | None:
+        """The replication its role drives (None: a lone shard)."""
+        return self.role.replication
+
+    @property
     def ready(self) -> Ready:
         """The shard's readiness signal: its address and metrics port (once started)."""
         return Ready(self.address, self.metrics_port)
@@ -213,10 +207,7 @@ class ShardServer:
     def close(self, linger: float = 1.0, stopped: bool = False) -> None:
         """Close what :meth:`start` opened, and the event log; ``serve_forever`` does at
         its end (``stopped``: the log says so first)."""
-        if self.replica_checkpoints is not None:
-            self.replica_checkpoints.close()
-        if self.replication is not None:
-            self.replication.close()  # (its keep-alive thread too)
+        self.role.close()
         self.observer.close()
         if self.exporter is not None:
             self.exporter.close()
@@ -251,13 +242,15 @@ class ShardServer:
             while self._running:
                 got = self.socket.recv(int(tick * 1000))
                 while got is not None:
-                    self._handle(*got)
+                    self._handle(*got, self.socket.user_id(got[1]))
                     if not self._running:
                         break
                     got = self.socket.recv_nowait()
                 now = time.monotonic()
-                if self.replication is not None:
-                    self._tick_replication(now)
+                try:
+                    self.role.tick(now)  # keep-alives, snapshots, a takeover
+                except Exception as exc:  # as every periodic task: logged, counted, alarm
+                    self._periodic_failed("replication", exc)
                 if self.core is not None and now - last_expire >= tick:
                     last_expire = now
                     self._periodic(now)
@@ -266,8 +259,7 @@ class ShardServer:
                     self._end_job(now)
                 try:
                     self.observer.tick(now)
-                    if self.replication is not None:
-                        self.replication.export(self.observer.registry, now)
+                    self.role.export(self.observer.registry, now)
                 except Exception as exc:  # metrics must not take the shard down either
                     self._periodic_failed("metrics", exc)
                 if self.divergence.over(now, self.core.workers.values() if self.core else None):
@@ -275,8 +267,7 @@ class ShardServer:
             # a diverged shard must not overwrite good checkpoints with its state
             if self.config.checkpoint_dir and self.divergence.alarm is None:
                 try:
-                    final = self.replica_checkpoints  # with replicas: one of them writes it
-                    final.final() if final is not None else self.save_checkpoint()
+                    self.role.final_checkpoint()  # with replicas: one of them writes it
                 except CheckpointError as exc:  # the last good checkpoint stays LATEST
                     log.error("%s", exc)
         finally:
@@ -290,7 +281,7 @@ class ShardServer:
         closed by a death that cannot be stepped, say) is logged, counted and raised
         as an alarm, and the shard serves on."""
         assert self.core is not None
-        if self.replication is not None and not self.replication.writable:
+        if not self.role.duties.answers:
             try:  # a backup's timers are its primary's (deaths come forwarded), but it
                 self.maybe_checkpoint()  # writes the checkpoints
             except Exception as exc:
@@ -343,15 +334,10 @@ class ShardServer:
 
     def save_checkpoint(self, directory: str | None = None) -> str | None:
         """Write this shard's checkpoint now; returns the manifest path (None: nothing to save)."""
-        if self.replica_checkpoints is not None:  # once this replica holds the writer lock
-            return self.replica_checkpoints.save(directory)
-        return self.checkpoints.store(self._capture(False), directory)
+        return self.role.save_checkpoint(directory)  # (with replicas: one writes them)
 
     def maybe_checkpoint(self) -> None:
-        if self.replica_checkpoints is not None:
-            self.replica_checkpoints.tick()
-        elif self.checkpoints.due(self.core):
-            self.save_checkpoint()
+        self.role.maybe_checkpoint(self.core)
 
     def _capture(self, copy: bool) -> Capture | None:
         """The shard's checkpoint as it is now (``copy``: to be written on a thread)."""
@@ -374,37 +360,34 @@ class ShardServer:
         if not self.config.restart:  # the workers are new processes: await each
             self.core.members.await_restored()
         self.checkpoints.resumed(directory, self.core.version,
-                                 settle=self.config.replica == 0 and not self.config.replacement)
+                                 settle=self.role.first)
 
     # ------------------------------------------------------------------ dispatch
 
     def _handle(self, identity: bytes, frames: list[zmq.Frame],
-                replayed_key: str | None = None) -> None:
+                key: str | None = None) -> None:
+        """One message; ``key``: the CURVE key it came with (a replayed input's: the
+        one it reached the primary with)."""
         seq = forwarded = 0
         lent: dict[str, torch.Tensor] = {}  # tensors read from the sender's segment
-        repl = self.replication  # (a replayed input: the key it reached the primary with)
-        key = replayed_key if identity == REPLAYED else self.socket.user_id(frames)
-        if repl is not None and not repl.admit(identity, frames, self._send_raw, key):
+        if not self.role.admit(identity, frames, key):
             return  # a replication message
         try:
             msg = decode_request(frames, self.socket.limits)
             seq = msg.seq
             self.access.check(msg, key)
             self.ops.claims_may_stop = self.access.may_stop(key)
-            replicated = repl is not None and msg.op in REPLICATED_OPS
-            if replicated and repl is not None and not repl.writable:
-                if identity != REPLAYED:  # a backup is silent to workers, as a dead
-                    self.counters["not_primary"] += 1  # primary is: they ask who is
-                    return                             # primary now (failover.py)
-                replicated = False
+            route = self.role.route(msg.op, identity)
+            if route is Route.DROP:  # a backup is silent to workers, as a dead
+                self.counters["not_primary"] += 1  # primary is: they ask who is
+                return                             # primary now (failover.py)
             if lends(msg.body):
                 take_shm(self.shm, msg, identity)  # tensors in the sender's segment
                 lent = msg.tensors
             elif asks_board(msg.body):
                 take_shm(self.shm, msg, identity)  # the answer through the weight board
-            if replicated and repl is not None:  # to the backups first (they apply it
-                forwarded = repl.forward(as_tcp(msg, frames), key=key)  # while we do); answered
-                # once they have it, tensors read from shared memory sent as frames
+            # to the backups first (they apply it while we do); answered once they have it
+            forwarded = self.role.forward(route, msg, frames, key)
             self.outbox.acknowledged(identity, seq)
             self.counters["messages"] += 1
             self.counters["bytes_in"] += sum(len(f) for f in frames)
@@ -434,7 +417,7 @@ class ShardServer:
             self.counters["error_internal"] += 1
             log.exception("internal error while handling a message")
             answer = error_reply(seq, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
-        if forwarded and repl is not None and not repl.wait(forwarded):
+        if not self.role.settle(forwarded):
             return  # fenced: a newer primary holds the shard; answer no one, and rejoin
         self._act_on_alarms()  # before replying: the launcher learns of a stop first
         if answer is not None:
@@ -447,12 +430,6 @@ class ShardServer:
             self.shm.release(identity, lent)  # added or applied, and measured
 
     # ------------------------------------------------------------------ replicas
-
-    def _send_raw(self, identity: bytes, frames: list[bytes]) -> None:
-        try:
-            self.socket.socket.send_multipart([identity, *frames])
-        except zmq.ZMQError as exc:  # a peer that is gone
-            log.debug("dropping a replication answer: %s", exc)
 
     def replay(self, frames: list[Any], key: str | None) -> None:
         """A backup handles a message its primary forwarded, as the primary did."""
@@ -514,17 +491,8 @@ class ShardServer:
     def _forward_timer(self, kind: str, workers: list[int]) -> None:
         """The primary's timers decided deaths or leave-outs: the backups apply them
         too, before any answer they unblock goes out."""
-        repl = self.replication
-        if workers and repl is not None and not repl.wait(repl.forward([], kind, workers)):
-            self._running = False
-
-    def _tick_replication(self, now: float) -> None:
-        repl = self.replication
-        assert repl is not None
-        try:
-            repl.tick(now)
-        except Exception as exc:  # as every periodic task: logged, counted, raised as alarm
-            self._periodic_failed("replication", exc)
+        if not self.role.decided(kind, workers):
+            self._running = False  # fenced
 
     def _releases(self) -> bool:
         """Whether a same-host worker's used pages are unmapped after a message
@@ -608,8 +576,8 @@ class ShardServer:
     def _answer_pulls(self, now: float, later: list[Callable[[], None]] | None = None) -> None:
         """Send the pull replies whose gates opened; ``later``: see Outbox.answer_pulls."""
         assert self.core is not None
-        if self.replication is not None and not self.replication.writable:
-            Replication.close_pulls(self.core, self.outbox, now)  # a backup answers no one
+        if not self.role.duties.answers:
+            roles.close_pulls(self.core, self.outbox, now)  # a backup answers no one
             return
         self.outbox.answer_pulls(self.core, now, self.observer, later)
         if self.tables is not None and self.tables.held:
