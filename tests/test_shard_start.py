@@ -36,14 +36,16 @@ def _port_free(port: int) -> bool:
 def test_building_a_shard_binds_nothing_and_claims_no_checkpoint_directory(tmp_path):
     port = free_port()
     ckpt = tmp_path / "ckpt"
+    board = tmp_path / "tensorboard"
     server = ShardServer(ServerConfig(bind=f"tcp://127.0.0.1:{port}",
-                                      checkpoint_dir=str(ckpt)))
+                                      checkpoint_dir=str(ckpt), tensorboard=str(board)))
     try:
         assert _port_free(port)  # no socket yet
         assert not ckpt.exists()  # nor a claim on the directory
+        assert not board.exists()  # nor a TensorBoard writer
         ready = server.start()
         assert ready == Ready(f"tcp://127.0.0.1:{port}", None) == server.ready
-        assert not _port_free(port)
+        assert not _port_free(port) and board.exists()
         assert server.start() == ready  # once
     finally:
         server.close(linger=0)

@@ -122,12 +122,9 @@ class ShardServer:
                                  bounded_lag=config.mode != "async")
         # how much of the pushes the probe measures, kept within a share of the time
         self.measure_budget = MeasureBudget(self.watchdog.config.observe_budget)
-        self.observer = ShardObserver(
-            config.shard, self.events, self.watchdog, interval=config.metrics_interval,
-            tensorboard=(TensorBoardWriter(Path(config.tensorboard) / f"shard{config.shard}")
-                         if config.tensorboard else None),
-        )
-        self.exporter: MetricsExporter | None = None  # (start)
+        self.observer = ShardObserver(config.shard, self.events, self.watchdog,
+                                      interval=config.metrics_interval)
+        self.exporter: MetricsExporter | None = None  # (start, as --tensorboard's writer)
         self.metrics_port: int | None = None
         self.joined = JoinedParts(self.counters)  # pushes in parts the core takes whole
         self.streamed = StreamedParts()  # pushes in parts the core adds part by part
@@ -179,6 +176,9 @@ class ShardServer:
             self.exporter = MetricsExporter.for_bind(self.observer.registry,
                                                      config.metrics_port, self.address)
             self.metrics_port = self.exporter.start()
+            if config.tensorboard:
+                self.observer.tensorboard = TensorBoardWriter(
+                    Path(config.tensorboard) / f"shard{config.shard}")
             self.role = roles.for_shard(self, config, self.events, self.socket,
                                         self.checkpoints, self._capture)
             if config.plan is not None:
