@@ -359,8 +359,7 @@ class ShardServer:
         assert self.core is not None
         if not self.config.restart:  # the workers are new processes: await each
             self.core.members.await_restored()
-        self.checkpoints.resumed(directory, self.core.version,
-                                 settle=self.role.first)
+        self.checkpoints.resumed(directory, self.core.version, settle=self.role.first)
 
     # ------------------------------------------------------------------ dispatch
 
