@@ -47,6 +47,7 @@ def _server(mode: str, numel: int, pieces: int) -> tuple[ShardServer, PSSession]
     server = ShardServer(ServerConfig(mode=mode, expected_workers=1, optimizer="sgd",
                                       optimizer_args={"lr": 1e-3}, heartbeat_timeout=600.0,
                                       bind="tcp://127.0.0.1:0"))
+    server.start()
     loop = threading.Thread(target=server.serve_forever, name="shard")
     loop.start()
     session = PSSession({"addresses": [server.address], "numel": numel, "rank": 0,

@@ -14,7 +14,9 @@ from __future__ import annotations
 import torch
 
 from paramserver.core.sharding import ParamSpec, ShardPlan
-from paramserver.server.loop import ServerConfig, ShardServer
+from paramserver.server.config import ServerConfig
+from paramserver.server.entry import serve as serve_shard
+from paramserver.server.process import Ready
 from paramserver.util.jsontypes import JSONObject
 from paramserver.workers.admin import shutdown_servers
 from paramserver.workers.client import PART_BYTES, PSClient
@@ -57,13 +59,19 @@ def serve(args: JSONObject, announce: Announce) -> JSONObject:
     config = ServerConfig.from_dict(obj(args, "config"))
     # code, not data: torch.optim imports torch._dynamo on first use (~70 MB of modules);
     # a shard forked from the zygote has it loaded already, so it belongs to the base.
-    # Imported before the server exists: a primary with replicas announces itself when
-    # built, and a backup that then hears nothing for --failover-timeout takes over
+    # Imported before the server starts: a primary with replicas announces itself when
+    # started, and a backup that then hears nothing for --failover-timeout takes over
     import torch._dynamo
-    server = ShardServer(config)
-    base = rss()
-    reset_peak_rss()
-    server.serve_forever(on_ready=lambda addr: announce({"address": addr}))
+    base = 0
+
+    def ready(listening: Ready) -> None:
+        nonlocal base
+        base = rss()
+        reset_peak_rss()
+        announce({"address": listening.address})
+
+    # the agent's process runs other payloads too: its signals and threads stay its own
+    server = serve_shard(config, ready, own=False)
     core = server.core
     state = 0
     if core is not None:

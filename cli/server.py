@@ -63,12 +63,13 @@ NO_PEERS = ("--replicas: replica 0 (the shard's first primary) needs --replica-p
 def ready_printer(config: ServerConfig, sentence: bool = True) -> Any:
     """on_ready callback: the machine-readable line on stdout, and (``sentence``) one on
     stderr for people; ``paramserver server``'s console says it instead (its server_start)."""
-    from paramserver.server.process import announce_ready
+    from paramserver.server.process import Ready, announce_ready
 
-    def on_ready(address: str, metrics_port: int | None = None) -> None:
-        announce_ready(address, metrics_port)
+    def on_ready(ready: Ready) -> None:
+        announce_ready(ready)
         if not sentence:
             return
+        address, metrics_port = ready.address, ready.metrics_port
         metrics = (f" Metrics: http://{address.split('://')[-1].rsplit(':', 1)[0]}:"
                    f"{metrics_port}/metrics." if metrics_port is not None else "")
         click.echo(

@@ -281,11 +281,10 @@ def _check_ends_as_baseline(out: Path, base: Path, result: ClusterResult,
         server = ShardServer(ServerConfig(mode="sync", shard=shard, num_shards=SHARDS,
                                           resume=str(out / "ckpt")))
         try:
+            server.start()
             assert server.core is not None and server.core.version == steps
         finally:
-            server.socket.close(linger=0)
-            server.exporter.close()
-            server.events.close()
+            server.close(linger=0)
 
 
 def _pushes_before_failover(out: Path, name: str) -> int:

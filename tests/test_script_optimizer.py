@@ -257,7 +257,7 @@ def test_the_launch_named_no_optimizer_only_when_no_flag_says_one(argv, env, ado
 def test_a_replica_that_joins_late_is_sent_the_scripts_optimizer():
     """A replica started in place of a dead one gets the primary's state from a snapshot,
     not from the HELLOs: the snapshot carries the optimizer the script brought, and the
-    joining replica builds its core with it (rejoin.adopt), checked as a HELLO's is."""
+    joining replica builds its core with it (ShardServer.adopt_state), checked as a HELLO's is."""
     from paramserver.wire import replication as wrepl
 
     spec = OptimizerSpec.checked("sgd", {"lr": 0.05, "momentum": 0.9})

@@ -18,7 +18,7 @@ def test_checkpoint_path_outside_the_directory_is_refused(tmp_path, path):
         assert err.value.code == ErrorCode.BAD_FIELD
         assert not (tmp_path / "elsewhere").exists()
     finally:
-        server.socket.close()
+        server.close()
 
 
 def test_checkpoint_needs_a_directory():
@@ -27,4 +27,4 @@ def test_checkpoint_needs_a_directory():
         with pytest.raises(ProtocolError, match="no checkpoint directory"):
             server._on_checkpoint(Message(Op.CHECKPOINT, 1, {}), b"peer")
     finally:
-        server.socket.close()
+        server.close()

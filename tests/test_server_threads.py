@@ -19,9 +19,10 @@ from paramserver.server.process import own_process
 before = torch.get_num_threads()
 config = ServerConfig.from_dict({"bind": "tcp://127.0.0.1:0", **eval(sys.argv[1])})
 server = ShardServer(config)
-own_process(server)
+server.start()
+own_process(config, server.address, server.stop)
 print(before, torch.get_num_threads())
-server.serve_forever(lambda address: server.stop())  # closes what it opened
+server.serve_forever(lambda ready: server.stop())  # closes what it opened
 """
 
 

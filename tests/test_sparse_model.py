@@ -84,6 +84,7 @@ def test_a_replicated_shard_refuses_a_plan_with_sparse_tables(tmp_path):
 
     key = make_key_file(tmp_path / "replication.key")
     server = ShardServer(ServerConfig(replicas=1, replica=1, replication_key=str(key)))
+    server.start()
     try:
         plan = ShardPlan([ParamSpec("w", (4,), "float32")], 1,
                          sparse=[TableSpec("emb", ROWS, DIM)])
@@ -96,10 +97,7 @@ def test_a_replicated_shard_refuses_a_plan_with_sparse_tables(tmp_path):
         assert server.core is not None
     finally:
         assert server.replication is not None
-        server.replication.close()
-        server.events.close()
-        server.exporter.close()
-        server.socket.close()
+        server.close()
 
 
 def test_clip_grad_norm_covers_the_tables_rows_as_torch_covers_a_dense_embedding():

@@ -22,14 +22,14 @@ from paramserver.errors import ErrorCode, ProtocolError
 from paramserver.policies.base import BoundStats
 
 if TYPE_CHECKING:  # the core calls these on itself
-    from paramserver.core.shard import ShardCore
+    from paramserver.core.corestate import CoreState
 
 # the shard's logger: these lines are the shard core's
 log = logging.getLogger("paramserver.core.shard")
 
 
 def request(
-    core: ShardCore, worker: int, clock: int, token: Hashable, now: float,
+    core: CoreState, worker: int, clock: int, token: Hashable, now: float,
     observer: bool = False, wait_init: bool = False, final: bool = False,
 ) -> None:
     """Park a pull; it is answered through :func:`ready` when its gate opens.
@@ -59,7 +59,7 @@ def request(
     core.pulls.park(PendingPull(worker, clock, token, now, observer, final and observer))
 
 
-def gate_open(core: ShardCore, pull: PendingPull, min_clock: int) -> bool:
+def gate_open(core: CoreState, pull: PendingPull, min_clock: int) -> bool:
     if not core.initialized:  # a worker is seeding the weights in parts
         return False
     if pull.observer:  # a final one once every expected worker is done here
@@ -74,7 +74,7 @@ def gate_open(core: ShardCore, pull: PendingPull, min_clock: int) -> bool:
     return True
 
 
-def update_bound(core: ShardCore, now: float) -> None:
+def update_bound(core: CoreState, now: float) -> None:
     """Ask the policy for the SSP bound, from what this shard measured so far."""
     live = core.members.live()
     clocks = [w.clock for w in live] or [0]
@@ -92,7 +92,7 @@ def update_bound(core: ShardCore, now: float) -> None:
         core.max_bound = max(core.max_bound, bound)
 
 
-def ready(core: ShardCore, now: float) -> list[PullReply]:
+def ready(core: CoreState, now: float) -> list[PullReply]:
     """Pop every parked pull whose gate is open now, oldest first."""
     if core._bound_hook:
         update_bound(core, now)

@@ -20,7 +20,7 @@ from paramserver.core.records import MAX_REASONS, STATS_WORKERS, WorkerState
 from paramserver.util.jsontypes import JSONObject
 
 if TYPE_CHECKING:  # core imports this module to report itself
-    from paramserver.core.shard import ShardCore
+    from paramserver.core.corestate import CoreState
 
 __all__ = ["CoreStats", "WorkerStats", "stats", "worker_stats"]
 
@@ -108,7 +108,7 @@ class CoreStats(msgspec.Struct, frozen=True):
         return out
 
 
-def stats(core: ShardCore) -> CoreStats:
+def stats(core: CoreState) -> CoreStats:
     """``core``'s state, bounded whatever its worker table holds."""
     live = core.live()
     momentum = core.stepper.momentum

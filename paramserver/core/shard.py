@@ -33,40 +33,33 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping
 from collections.abc import Set as AbstractSet
 from typing import Any
 
 import torch
 
 from paramserver.core import pullgate, report, rules, snapshot
-from paramserver.core.ahead import StepAhead
-from paramserver.core.membership import Membership
-from paramserver.core.probe import GradStats, Probe, StepStats, all_finite, norm_and_span
+from paramserver.core.corestate import CoreState
+from paramserver.core.probe import GradStats, StepStats, all_finite, norm_and_span
 from paramserver.core.records import (
     DTYPES,
     MAX_WORKERS,
     MODES,
     STATS_WORKERS,
-    BoundTotals,
     CoreConfig,
     Mode,
     ModeSpec,
-    PullQueue,
     PullReply,
     PushOutcome,
     SliceSpec,
     WorkerState,
     check_header,
     check_tensors,
-    slice_table,
 )
-from paramserver.core.rounds import Seeding, Stream, SyncRound
-from paramserver.core.rows import RowRules
-from paramserver.core.stepper import Stepper
+from paramserver.core.rounds import Stream
 from paramserver.errors import ErrorCode, ProtocolError
-from paramserver.policies.base import NoPolicy, StalenessPolicy, UpdateInfo
-from paramserver.util.flat import ELEMENTWISE, JOIN_BYTES, FlatLayout
+from paramserver.policies.base import StalenessPolicy, UpdateInfo
 
 # the records are defined in records.py, the measurements in probe.py; importable here
 __all__ = [
@@ -78,66 +71,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-class ShardCore:
-    """One shard's parameters, optimizer and consistency rules. No sockets, no msgpack."""
-
-    def __init__(
-        self,
-        slices: Sequence[SliceSpec],
-        config: CoreConfig | None = None,
-        policy: StalenessPolicy | None = None,
-    ) -> None:
-        self.config = config or CoreConfig()
-        self.mode = self.config.mode
-        self.policy = policy or NoPolicy()
-        self.specs = slice_table(slices)
-        # one flat buffer per dtype; each slice's parameters are a view into it
-        self.layout = FlatLayout([(s.key, s.numel, DTYPES[s.dtype])
-                                  for s in self.specs.values()])
-        self.flats, self.params = self.layout.zeros()
-        # the optimizer step itself: torch.optim, its scheduler, the step-size rules;
-        # on the flat buffers where that is the same step (flat.py)
-        self.stepper = Stepper(self.config, list(self.params.values()),
-                               flat=self._flat_step())
-        # called before every optimizer step: a driver that lends the weights'
-        # memory to sends in flight protects them here (copy-on-write)
-        self.before_step: Callable[[], None] | None = None
-        self.after_step: Callable[[], None] | None = None  # once the version counts it
-        # told of a step undone because it made the weights or optimizer state NaN or Inf
-        self.on_refused: Callable[[int], None] | None = None
-        self.version = 0
-        self.initialized = False
-        self.seeding = Seeding()  # INIT in parts: who is seeding, which parts are in
-        self.pulls = PullQueue()  # parked pulls, answered when their gate opens
-        # sync: the open round (its buffer, contributors and pushes arriving in parts)
-        self.round = SyncRound(self.params, self.layout)
-        # a lone contributor's round stepped part by part, out of place (ahead.py)
-        self.ahead = StepAhead(self.layout, self.flats, self.params, self.round)
-        # the weights each worker read, for policies that need them (needs_read_weights)
-        self.read_weights: dict[int, dict[str, torch.Tensor]] = {}
-        # the workers: registration, liveness, clocks, stragglers (membership.py)
-        self.members = Membership(self.config, self, round=self.round, pulls=self.pulls,
-                                  seeding=self.seeding, read_weights=self.read_weights)
-        if not self.mode.backup_workers:  # a round summed by worker id: bit-reproducible
-            self.round.roster = self.members.pacing_ids  # (with backups: as pushes come)
-        self.round.reopened = self.ahead.drop  # a key stepped ahead was written again
-        self.max_answered_gap = 0  # largest clock gap at which a pull was answered
-        # ssp: the bound in force; a policy overriding staleness_bound() moves it
-        self.bound = self.mode.staleness_bound
-        self.max_bound = self.bound  # the largest bound ever in force
-        self._bound_hook = (
-            type(self.policy).staleness_bound is not StalenessPolicy.staleness_bound
-        )
-        if self._bound_hook and self.mode.mode != Mode.SSP:
-            log.warning("policy %s sets the SSP bound, but the mode is %s: it has no effect",
-                        self.policy.name, self.mode.mode)
-            self._bound_hook = False
-        self.totals = BoundTotals()  # cumulative measurements handed to that policy
-        # what a driver's observer (metrics, the watchdog) reads; off until observe()
-        self.probe = Probe(self.params, sync=self.mode.mode == Mode.SYNC)
-        # the same rules for the pushes of the shard's sparse tables (rows.py)
-        self.rows = RowRules(self.mode, self.policy, self.config.shard, self.members,
-                             self.config.push_id_window)
+class ShardCore(CoreState):
+    """One shard's parameters, optimizer and consistency rules. No sockets, no msgpack.
+    What it holds is :class:`CoreState`'s (corestate.py); the rules that change it, here."""
 
     # ------------------------------------------------------------------ weights
 
@@ -206,16 +142,6 @@ class ShardCore:
         """
         self.layout.rebind(self.flats, self.params)
 
-    def _flat_step(self) -> tuple[FlatLayout, list[torch.Tensor]] | None:
-        """The layout and flat buffers to step when the optimizer's update is
-        elementwise and the gradients come flat (sync) or the shard is small."""
-        if self.config.optimizer not in ELEMENTWISE or not self.flats:
-            return None
-        small = all(f.numel() * f.element_size() <= JOIN_BYTES for f in self.flats.values())
-        if self.mode.mode != Mode.SYNC and not small:
-            return None
-        return self.layout, list(self.flats.values())
-
     # ------------------------------------------------------------------ pulls
 
     def request_pull(
@@ -229,9 +155,6 @@ class ShardCore:
     def ready_pulls(self, now: float) -> list[PullReply]:
         """Pop every parked pull whose gate is open now, oldest first."""
         return pullgate.ready(self, now)
-
-    def pending_pulls(self) -> int:
-        return len(self.pulls)
 
     # ------------------------------------------------------------------ pushes
 
@@ -547,22 +470,6 @@ class ShardCore:
     # ------------------------------------------------------------------ membership
     # the membership's rules, as the server and the tests call them on the core
 
-    @property
-    def workers(self) -> dict[int, WorkerState]:
-        return self.members.workers
-
-    @property
-    def workers_evicted(self) -> int:
-        return self.members.workers_evicted
-
-    @property
-    def started(self) -> bool:
-        return self.members.started
-
-    @property
-    def left_out(self) -> set[int]:
-        return self.members.left_out
-
     def register(self, worker: int, incarnation: str, now: float,
                  origin: str = "") -> WorkerState:
         return self.members.register(worker, incarnation, now, origin)
@@ -584,18 +491,6 @@ class ShardCore:
 
     def round_deadline(self) -> float:
         return self.members.round_deadline()
-
-    def holding(self, expected: int) -> list[int]:
-        return self.members.holding(expected)
-
-    def live(self) -> list[WorkerState]:
-        return self.members.live()
-
-    def min_clock(self) -> int:
-        return self.members.min_clock()
-
-    def clock_gap(self) -> int:
-        return self.members.clock_gap()
 
     # ------------------------------------------------------------------ observability
 
@@ -631,26 +526,7 @@ class ShardCore:
         self.pulls.clear()
         self.rows.reset()
 
-    @property
-    def between_rounds(self) -> bool:
-        """Nothing in the open sync round (always, in the other modes)."""
-        return self.mode.mode != Mode.SYNC or self.round.empty()
-
     # ------------------------------------------------------------------ reporting
-
-    @property
-    def rounds_voided(self) -> int:
-        """Sync rounds closed without a step because a push was given up half-way."""
-        return self.round.voided
-
-    @property
-    def rounds_dropped(self) -> int:
-        """Sync rounds closed with nothing to apply (void ones included)."""
-        return self.round.dropped
-
-    @property
-    def lr(self) -> float:
-        return self.stepper.lr
 
     def stats(self) -> report.CoreStats:
         return report.stats(self)

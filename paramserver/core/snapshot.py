@@ -38,12 +38,12 @@ from paramserver.core.records import DTYPES, check_tensors
 from paramserver.errors import ConfigError, ProtocolError
 
 if TYPE_CHECKING:  # core imports this module to save and load itself
-    from paramserver.core.shard import ShardCore
+    from paramserver.core.corestate import CoreState
 
 __all__ = ["load", "save"]
 
 
-def save(core: ShardCore) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def save(core: CoreState) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Everything needed to resume ``core``: (tensors, JSON-able metadata)."""
     tensors = {f"param/{k}": p.detach() for k, p in core.params.items()}
     scheduler, momentum = core.stepper.scheduler, core.stepper.momentum
@@ -96,7 +96,7 @@ _COUNTERS = ("version", "round_samples", "round_accepted", "rounds_voided",
              "rounds_dropped", "max_answered_gap", "rounds_closed")
 
 
-def check(core: ShardCore, tensors: Mapping[str, torch.Tensor],
+def check(core: CoreState, tensors: Mapping[str, torch.Tensor],
           meta: Mapping[str, Any]) -> None:
     """Refuse a snapshot that ``core`` would not have saved (:class:`ConfigError`, one
     line naming the field): a tensor missing, extra, of another shape or dtype, or not
@@ -140,7 +140,7 @@ def check(core: ShardCore, tensors: Mapping[str, torch.Tensor],
         _like(meta["momentum"], momentum.state_dict(), "momentum", top=True)
 
 
-def _fits(core: ShardCore, tensors: Mapping[str, torch.Tensor], what: str,
+def _fits(core: CoreState, tensors: Mapping[str, torch.Tensor], what: str,
           whole: bool) -> None:
     try:
         check_tensors(core.specs, tensors, what, whole=whole)
@@ -148,7 +148,7 @@ def _fits(core: ShardCore, tensors: Mapping[str, torch.Tensor], what: str,
         raise ConfigError(exc.reason) from exc
 
 
-def _check_optimizer(core: ShardCore, saved: Any,
+def _check_optimizer(core: CoreState, saved: Any,
                      tensors: Mapping[int, Mapping[str, torch.Tensor]]) -> None:
     """The optimizer's saved state and hyperparameters, against what it keeps."""
     if not isinstance(saved, dict) or not isinstance(saved.get("state"), dict) \
@@ -275,7 +275,7 @@ def _finite_number(value: Any) -> bool:
         and math.isfinite(value)
 
 
-def load(core: ShardCore, tensors: Mapping[str, torch.Tensor],
+def load(core: CoreState, tensors: Mapping[str, torch.Tensor],
          meta: Mapping[str, Any]) -> None:
     """Put :func:`save`'s output back into ``core``, all but its workers (their
     records are ``meta["workers"]``). Nothing changes unless :func:`check` passes."""

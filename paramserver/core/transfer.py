@@ -49,7 +49,7 @@ from paramserver.core.records import (
 from paramserver.errors import ConfigError, ProtocolError
 
 if TYPE_CHECKING:
-    from paramserver.core.shard import ShardCore
+    from paramserver.core.corestate import CoreState
 
 __all__ = ["CoreImage", "RoundImage", "WaitingPart", "WorkerImage", "export", "quiet",
            "restore"]
@@ -132,12 +132,12 @@ class CoreImage(msgspec.Struct, frozen=True):
     refused: Count  # steps undone as not finite (the stepper's count)
 
 
-def quiet(core: ShardCore) -> bool:
+def quiet(core: CoreState) -> bool:
     """Whether ``core`` may be exported now: no push in parts, no INIT in parts."""
     return not core.round.streams and core.seeding.owner is None
 
 
-def export(core: ShardCore) -> tuple[CoreImage, dict[str, torch.Tensor]]:
+def export(core: CoreState) -> tuple[CoreImage, dict[str, torch.Tensor]]:
     """Everything ``core``'s state is, as records and tensors (the tensors are the
     core's own or copies of them: send them before the core changes)."""
     if not quiet(core):
@@ -166,7 +166,7 @@ def export(core: ShardCore) -> tuple[CoreImage, dict[str, torch.Tensor]]:
     return image, tensors
 
 
-def restore(core: ShardCore, image: CoreImage, tensors: Mapping[str, torch.Tensor],
+def restore(core: CoreState, image: CoreImage, tensors: Mapping[str, torch.Tensor],
             shift: float = 0.0) -> None:
     """Put :func:`export`'s output into ``core`` (built from the same plan and
     configuration, nothing applied to it yet). ``shift``: the receiver's monotonic
@@ -216,7 +216,7 @@ def restore(core: ShardCore, image: CoreImage, tensors: Mapping[str, torch.Tenso
     core.stepper.refused = image.refused
 
 
-def _check_part(core: ShardCore, grads: Mapping[str, torch.Tensor], where: str) -> None:
+def _check_part(core: CoreState, grads: Mapping[str, torch.Tensor], where: str) -> None:
     """A part set aside must be one a push could carry: this shard's keys, shapes and
     dtypes (16-bit allowed), finite."""
     try:

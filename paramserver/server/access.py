@@ -13,14 +13,23 @@ every peer is trusted with everything.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Collection, Iterable
+from typing import TYPE_CHECKING
 
 from paramserver.errors import ErrorCode, ProtocolError
-from paramserver.wire.curve import ANY_KEY, KeyGrant, load_allow_list, public_key
+from paramserver.wire.curve import ANY_KEY, CurveKeys, KeyGrant, load_allow_list, public_key
 from paramserver.wire.messages import Bye, Hello, Pull
 from paramserver.wire.protocol import Message, Op
+from paramserver.wire.transport import RouterSocket
 
-__all__ = ["ADMIN_OPS", "AS_WORKER", "Access", "admitted", "is_loopback", "load_grants"]
+if TYPE_CHECKING:
+    from paramserver.server.config import ServerConfig
+
+__all__ = ["ADMIN_OPS", "AS_WORKER", "Access", "admitted", "is_loopback", "load_grants",
+           "open_socket"]
+
+log = logging.getLogger(__name__)
 
 #: administrative ops: under CURVE, for admin keys only (BYE dead=true too)
 ADMIN_OPS = frozenset({Op.SHUTDOWN, Op.CHECKPOINT})
@@ -120,3 +129,22 @@ class Access:
         """Unbind worker ids the core no longer knows: a key may register them anew."""
         for worker in [w for w in self.owners if w not in known]:
             del self.owners[worker]
+
+
+def open_socket(config: ServerConfig, access: Access) -> RouterSocket:
+    """The shard's socket, bound: under CURVE with its secret key, admitting the
+    allow-listed keys (and, with replicas, its own), their grants put in ``access``."""
+    curve = CurveKeys.load(config.curve_secret_key) if config.curve_secret_key else None
+    if curve is not None:
+        access.grants = load_grants(config.curve_clients_dir, config.admin_keys)
+        if not access.has_admin:
+            log.warning("shard %d: no admin key (--admin-key): SHUTDOWN, CHECKPOINT and "
+                        "BYE dead=true are refused; stop the shard with SIGTERM", config.shard)
+    socket = RouterSocket(config.bind, curve=curve, allowed_clients=admitted(
+        access.grants if config.curve_clients_dir else None,
+        curve.public_text if curve is not None and config.replicas else None))
+    if curve is None and not is_loopback(socket.address):
+        log.warning("shard %d binds %s without CURVE: anyone who reaches this port is "
+                    "trusted with every operation, SHUTDOWN included (docs/reliability.md)",
+                    config.shard, socket.address)
+    return socket

@@ -1,6 +1,8 @@
-"""Starting one shard in this process: :func:`run_server` (``paramserver server`` and
-the rendezvous' server ranks) and :func:`main`, ``python -m paramserver.server.loop
-CONFIG.json``, the launcher's way; loop.py holds the server they run."""
+"""Starting one shard: :func:`serve`, the one place a shard server is made and
+started. ``paramserver server`` and the rendezvous' server ranks call it through
+:func:`run_server`, the launcher through :func:`main` (``python -m
+paramserver.server.loop CONFIG.json`` or ``python -m paramserver.server.entry
+CONFIG.json``), the benchmark agent directly; loop.py holds the server it runs."""
 
 from __future__ import annotations
 
@@ -17,29 +19,39 @@ from paramserver.observe.console import Console
 from paramserver.persist.checkpoint import CheckpointDirInUse, CheckpointError
 from paramserver.server.config import ServerConfig
 from paramserver.server.loop import ShardServer
-from paramserver.server.process import announce_ready, own_process
+from paramserver.server.process import Ready, announce_ready, own_process
 from paramserver.util import lifeline
 
-__all__ = ["main", "run_server"]
+__all__ = ["main", "run_server", "serve"]
 
 
-def run_server(config: ServerConfig, on_ready: Callable[..., None] | None = None,
-               job_done: threading.Event | None = None, console: Console | None = None) -> int:
-    """Run one shard until SHUTDOWN, SIGTERM or SIGINT, or until the watchdog stops it.
+def serve(config: ServerConfig, on_ready: Callable[[Ready], None] | None = None, *,
+          job_done: threading.Event | None = None, console: Console | None = None,
+          own: bool = True) -> ShardServer:
+    """Build one shard, start it (:meth:`ShardServer.start`: socket, metrics,
+    checkpoints, replicas) and serve until SHUTDOWN, SIGTERM or SIGINT, the end of the
+    job, or the watchdog. Returns the stopped server (its ``exit_code``, its figures).
 
-    ``on_ready`` is called once the shard listens, with its address, and with its
-    metrics port (None without one) as well if it takes a second argument.
+    ``on_ready`` is told where the shard listens (:class:`Ready`), once it does.
     ``job_done``: set by another thread when the job says every worker is done.
     ``console``: prints the run's story (joins, deaths, checkpoints) as it happens.
-
-    Returns the process exit code: 0, or :data:`DIVERGED_EXIT_CODE`.
+    ``own``: this process is the shard's (signals stop it, --threads, its title).
     """
     server = ShardServer(config, console)
     if job_done is not None:
         server.job_done = job_done
-    own_process(server)
+    server.start()
+    if own:
+        own_process(config, server.address, server.stop)
     server.serve_forever(on_ready)
-    return server.exit_code
+    return server
+
+
+def run_server(config: ServerConfig, on_ready: Callable[[Ready], None] | None = None,
+               job_done: threading.Event | None = None, console: Console | None = None) -> int:
+    """:func:`serve` in this process; returns its exit code: 0, or
+    :data:`~paramserver.server.stopping.DIVERGED_EXIT_CODE`."""
+    return serve(config, on_ready, job_done=job_done, console=console).exit_code
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -52,16 +64,18 @@ def main(argv: list[str] | None = None) -> None:
         level=os.environ.get("PARAMSERVER_LOG_LEVEL", "INFO"),
         format=f"%(asctime)s shard{config.shard} %(levelname)s %(name)s: %(message)s",
     )
+    lifeline.watch()  # started by a launcher: stop (SIGTERM) when it is gone, however
     try:
         # the story in the shard's log file, among its other records
-        server = ShardServer(config, Console.to_log())
+        server = serve(config, announce_ready, console=Console.to_log())
     except CheckpointDirInUse as exc:  # an earlier run there: resume it or --fresh
         sys.exit(f"shard {config.shard}: {exc}")
     except CheckpointError as exc:  # one line naming the file, no traceback
         sys.exit(f"shard {config.shard}: cannot resume: {exc}")
     except (TransportError, ConfigError) as exc:  # a port in use, a bad key file or
         sys.exit(f"shard {config.shard}: {exc}")  # allow-list line, replicas that disagree
-    own_process(server)
-    lifeline.watch()  # started by a launcher: stop (SIGTERM) when it is gone, however
-    server.serve_forever(announce_ready)
     sys.exit(server.exit_code)
+
+
+if __name__ == "__main__":
+    main()

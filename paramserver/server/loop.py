@@ -9,8 +9,13 @@ ERROR reply with a code, and the core's state is untouched.
 Its parts live beside it: peers.py (the HELLO, HEARTBEAT and BYE handlers),
 ops.py (INIT, PULL, PUSH and the sparse ops), access.py (who may do what under
 CURVE), parts.py (pushes sent in parts), outbox.py (replies, parked pulls and
-the zero-copy sends of the weights), checkpointer.py (checkpoints and resuming)
-and stopping.py (what --on-divergence does).
+the zero-copy sends of the weights), checkpointer.py (checkpoints and resuming),
+stopping.py (what --on-divergence does), roles.py (who the shard is among its
+replicas: the loop asks its role, never the replication) and shardstate.py (its
+whole state when it moves).
+
+A server is built without I/O; :meth:`ShardServer.start` opens what it serves
+through, and entry.py's ``serve`` is the one place that builds and starts one.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 import torch
@@ -31,7 +36,6 @@ from paramserver.core import features
 from paramserver.core.probe import MeasureBudget
 from paramserver.core.shard import ShardCore, SliceSpec
 from paramserver.core.sharding import ShardPlan
-from paramserver.core.transfer import CoreImage
 from paramserver.errors import ConfigError, ErrorCode, ProtocolError
 from paramserver.observe.console import Console
 from paramserver.observe.events import EventLog
@@ -40,19 +44,19 @@ from paramserver.observe.recorder import ShardObserver
 from paramserver.observe.watchdog import Alarm, Watchdog
 from paramserver.persist.checkpoint import CheckpointError
 from paramserver.policies.registry import create_policy
-from paramserver.server import rejoin
-from paramserver.server.access import Access, admitted, is_loopback, load_grants
+from paramserver.server import roles, shardstate
+from paramserver.server.access import Access, open_socket
 from paramserver.server.checkpointer import RESTORE_ERRORS, Capture, Checkpointer
 from paramserver.server.config import ServerConfig
-from paramserver.server.forwarded import as_tcp
 from paramserver.server.ops import DataOps, Handler
 from paramserver.server.outbox import Outbox
 from paramserver.server.parts import JoinedParts, StreamedParts
 from paramserver.server.peers import PeerInfo, Peers
-from paramserver.server.process import READY_PREFIX, call_ready
-from paramserver.server.replicackpt import ReplicaCheckpoints
-from paramserver.server.replication import REPLAYED, REPLICATED_OPS, Replication
+from paramserver.server.process import READY_PREFIX, Ready
+from paramserver.server.replication import REPLAYED
+from paramserver.server.roles import Lone, Route, ShardRole
 from paramserver.server.scriptopt import META_KEY, ScriptOptimizer
+from paramserver.server.shardstate import ShardImage, ShardState
 from paramserver.server.stopping import DIVERGED_EXIT_CODE, Divergence
 from paramserver.server.tables import TableBuilder
 from paramserver.shm.link import ShmHub, asks_board, lends, sweep, take_shm
@@ -60,13 +64,15 @@ from paramserver.shm.link import enabled as shm_enabled
 from paramserver.sparse.shard import SparseShard
 from paramserver.wire import replication as wrepl
 from paramserver.wire import stats as wstats
-from paramserver.wire.curve import CurveKeys
 from paramserver.wire.messages import Checkpoint
-from paramserver.wire.protocol import Message, Op, error_reply, reply
+from paramserver.wire.protocol import DEFAULT_LIMITS, Message, Op, error_reply, reply
 from paramserver.wire.requests import decode_request
 from paramserver.wire.transport import RouterSocket
 
-__all__ = ["DIVERGED_EXIT_CODE", "READY_PREFIX", "ServerConfig", "ShardServer"]
+if TYPE_CHECKING:
+    from paramserver.server.replication import Replication
+
+__all__ = ["DIVERGED_EXIT_CODE", "READY_PREFIX", "Ready", "ServerConfig", "ShardServer"]
 
 log = logging.getLogger(__name__)
 
@@ -79,26 +85,18 @@ class ShardServer:
     divergence watchdog; the core holds every consistency rule, this class the I/O.
     """
 
+    #: bound by :meth:`start`: the ROUTER socket and the address it listens at
+    socket: RouterSocket
+    address: str
+
     def __init__(self, config: ServerConfig, console: Console | None = None) -> None:
+        """Everything but I/O: no socket, no metrics port, no checkpoint read and no
+        word to the replicas yet (:meth:`start` does those, in that order)."""
         self.config = config
-        curve = CurveKeys.load(config.curve_secret_key) if config.curve_secret_key else None
         self.policy = create_policy(config.policy, config.policy_args)
         # CURVE: what each client key may do (None: any admitted key acts as a plain
-        # worker) and which key registered each worker id; without CURVE no key is
-        # known, and every peer is trusted
-        self.access = Access(load_grants(config.curve_clients_dir, config.admin_keys)
-                             if curve is not None else None)
-        if curve is not None and not self.access.has_admin:
-            log.warning("shard %d: no admin key (--admin-key): SHUTDOWN, CHECKPOINT and "
-                        "BYE dead=true are refused; stop the shard with SIGTERM", config.shard)
-        self.socket = RouterSocket(config.bind, curve=curve, allowed_clients=admitted(
-            self.access.grants if config.curve_clients_dir else None,
-            curve.public_text if curve is not None and config.replicas else None))
-        self.address = self.socket.address
-        if curve is None and not is_loopback(self.address):
-            log.warning("shard %d binds %s without CURVE: anyone who reaches this port is "
-                        "trusted with every operation, SHUTDOWN included (docs/reliability.md)",
-                        config.shard, self.address)
+        # worker) and which key registered each worker id (the grants are read by start)
+        self.access = Access(None)
         # what the console says comes from the records of the event log
         self.events = EventLog(config.event_log, console=console)
         # the optimizer a worker script wraps: adopted, checked, its lr changes (scriptopt.py)
@@ -108,12 +106,13 @@ class ShardServer:
         self.sparse: SparseShard | None = None  # the plan's row-sparse tables, if any
         self.tables: TableBuilder | None = None  # builds them once a live worker uses them
         self._running = False
+        self.started = False
         self.counters: Counter[str] = Counter()
-        self.outbox = Outbox(self.socket, self.counters)
+        self.outbox = Outbox(self.counters)
         # same-host workers' tensors through shared memory (paramserver/shm/link.py);
         # with replicas too: the primary forwards what it read there as frames
         # (forwarded.as_tcp), and a backup that takes over has a hub of its own
-        self.shm = ShmHub(config.shard, self.socket.limits) if shm_enabled() else None
+        self.shm = ShmHub(config.shard, DEFAULT_LIMITS) if shm_enabled() else None
         self.outbox.shm = self.shm
         self.started_at = time.time()
         self.checkpoints = Checkpointer(
@@ -123,14 +122,10 @@ class ShardServer:
                                  bounded_lag=config.mode != "async")
         # how much of the pushes the probe measures, kept within a share of the time
         self.measure_budget = MeasureBudget(self.watchdog.config.observe_budget)
-        self.observer = ShardObserver(
-            config.shard, self.events, self.watchdog, interval=config.metrics_interval,
-            tensorboard=(TensorBoardWriter(Path(config.tensorboard) / f"shard{config.shard}")
-                         if config.tensorboard else None),
-        )
-        self.exporter = MetricsExporter.for_bind(self.observer.registry, config.metrics_port,
-                                                 self.address)
-        self.metrics_port = self.exporter.start()
+        self.observer = ShardObserver(config.shard, self.events, self.watchdog,
+                                      interval=config.metrics_interval)
+        self.exporter: MetricsExporter | None = None  # (start, as --tensorboard's writer)
+        self.metrics_port: int | None = None
         self.joined = JoinedParts(self.counters)  # pushes in parts the core takes whole
         self.streamed = StreamedParts()  # pushes in parts the core adds part by part
         self.peer_ops = Peers(self, config, self.policy, self.events, self.observer,
@@ -152,32 +147,85 @@ class ShardServer:
             Op.SINIT: self.ops.on_sinit,
         }
         self.divergence = Divergence(config, self.events, self.observer, self.save_checkpoint)
-        # the shard's replicas (issue 32): None without --replicas
-        self.replication = (Replication(self, config, self.events, self.address)
-                            if config.replicas else None)
-        # with replicas one of them writes the checkpoints, on a thread (replicackpt.py)
-        self.replica_checkpoints = (None if self.replication is None else ReplicaCheckpoints(
-            self.checkpoints, self.replication, self._capture))
+        # who this shard is among its replicas, and what that decides (roles.py): lone
+        # until start() reaches the replicas (issue 32)
+        self.role: ShardRole = Lone(self.checkpoints, self._capture)
         # a push's metrics, watchdog rules and event, run once its reply is out (the
         # critical path of a round trip ends at the reply); before the next message
         self._after_reply: list[Callable[[], None]] = []
         # set (any thread) when the rendezvous store says every worker is done (_job_over)
         self.job_done = threading.Event()
-        self._secured = curve is not None
+        self._secured = bool(config.curve_secret_key)
         self._hint_held: list[int] | None = None
-        if config.plan is not None:
-            self.adopt_plan(ShardPlan.from_description(config.plan))
-        # an earlier run's checkpoints are resumed, or moved aside (--fresh), never taken
-        # over; a shard's first primary claims its directory for all its replicas
-        if config.replica == 0 and not config.replacement:
-            self.checkpoints.claim(config.resume, config.fresh)
-        if config.resume:
-            self._restore(config.resume)
 
     # ------------------------------------------------------------------ lifecycle
 
-    def serve_forever(self, on_ready: Callable[..., None] | None = None,
+    def start(self) -> Ready:
+        """Open what the shard serves through, once: bind the socket, start the metrics
+        exporter, adopt --plan, claim or resume the checkpoint directory and tell the
+        replicas (a primary's backups hear of it, which may wait on them). What it
+        opened is closed again if a step fails. Returns where the shard listens."""
+        if self.started:
+            return self.ready
+        config = self.config
+        try:
+            self.socket = open_socket(config, self.access)  # (under CURVE: its grants read)
+            self.address = self.socket.address
+            self.outbox.socket = self.socket
+            self.started = True
+            self.exporter = MetricsExporter.for_bind(self.observer.registry,
+                                                     config.metrics_port, self.address)
+            self.metrics_port = self.exporter.start()
+            if config.tensorboard:
+                self.observer.tensorboard = TensorBoardWriter(
+                    Path(config.tensorboard) / f"shard{config.shard}")
+            self.role = roles.for_shard(self, config, self.events, self.socket,
+                                        self.checkpoints, self._capture)
+            if config.plan is not None:
+                self.adopt_plan(ShardPlan.from_description(config.plan))
+            # an earlier run's checkpoints are resumed, or moved aside (--fresh), never
+            # taken over; a shard's first primary claims its directory for all its replicas
+            if self.role.first:
+                self.checkpoints.claim(config.resume, config.fresh)
+            if config.resume:
+                self._restore(config.resume)
+        except BaseException:
+            self.close(linger=0.0)
+            raise
+        return self.ready
+
+    @property
+    def replication(self) -> Replication | None:
+        """The replication its role drives (None: a lone shard)."""
+        return self.role.replication
+
+    @property
+    def ready(self) -> Ready:
+        """The shard's readiness signal: its address and metrics port (once started)."""
+        return Ready(self.address, self.metrics_port)
+
+    def close(self, linger: float = 1.0, stopped: bool = False) -> None:
+        """Close what :meth:`start` opened, and the event log; ``serve_forever`` does at
+        its end (``stopped``: the log says so first)."""
+        self.role.close()
+        self.observer.close()
+        if self.exporter is not None:
+            self.exporter.close()
+        if stopped:
+            self.events.write("server_stop", shard=self.config.shard,
+                              version=self.core.version if self.core else 0)
+        self.events.close()
+        if self.started:
+            self.socket.close(linger=linger)
+        if self.shm is not None:
+            self.shm.close()
+
+    def serve_forever(self, on_ready: Callable[[Ready], None] | None = None,
                       tick: float = 0.05) -> None:
+        """Serve until SHUTDOWN, :meth:`stop`, the end of the job or the divergence
+        watchdog, then close. Started first if it was not (:meth:`start`); ``on_ready``
+        is told where it listens once it does."""
+        self.start()
         self._running = True
         self.events.write("server_start", shard=self.config.shard, address=self.address,
                           metrics_port=self.metrics_port, mode=self.config.mode_spec().describe(),
@@ -188,19 +236,21 @@ class ShardServer:
                  self.config.num_shards, self.address, self.config.mode_spec().describe(),
                  self.policy.describe())
         if on_ready is not None:
-            call_ready(on_ready, self.address, self.metrics_port)
+            on_ready(self.ready)
         last_expire = 0.0
         try:
             while self._running:
                 got = self.socket.recv(int(tick * 1000))
                 while got is not None:
-                    self._handle(*got)
+                    self._handle(*got, self.socket.user_id(got[1]))
                     if not self._running:
                         break
                     got = self.socket.recv_nowait()
                 now = time.monotonic()
-                if self.replication is not None:
-                    self._tick_replication(now)
+                try:
+                    self.role.tick(now)  # keep-alives, snapshots, a takeover
+                except Exception as exc:  # as every periodic task: logged, counted, alarm
+                    self._periodic_failed("replication", exc)
                 if self.core is not None and now - last_expire >= tick:
                     last_expire = now
                     self._periodic(now)
@@ -209,8 +259,7 @@ class ShardServer:
                     self._end_job(now)
                 try:
                     self.observer.tick(now)
-                    if self.replication is not None:
-                        self.replication.export(self.observer.registry, now)
+                    self.role.export(self.observer.registry, now)
                 except Exception as exc:  # metrics must not take the shard down either
                     self._periodic_failed("metrics", exc)
                 if self.divergence.over(now, self.core.workers.values() if self.core else None):
@@ -218,23 +267,11 @@ class ShardServer:
             # a diverged shard must not overwrite good checkpoints with its state
             if self.config.checkpoint_dir and self.divergence.alarm is None:
                 try:
-                    final = self.replica_checkpoints  # with replicas: one of them writes it
-                    final.final() if final is not None else self.save_checkpoint()
+                    self.role.final_checkpoint()  # with replicas: one of them writes it
                 except CheckpointError as exc:  # the last good checkpoint stays LATEST
                     log.error("%s", exc)
         finally:
-            if self.replica_checkpoints is not None:
-                self.replica_checkpoints.close()
-            if self.replication is not None:
-                self.replication.close()  # (its keep-alive thread too)
-            self.observer.close()
-            self.exporter.close()
-            self.events.write("server_stop", shard=self.config.shard,
-                              version=self.core.version if self.core else 0)
-            self.events.close()
-            self.socket.close(linger=1.0)
-            if self.shm is not None:
-                self.shm.close()
+            self.close(stopped=True)
 
     def stop(self) -> None:
         self._running = False
@@ -244,7 +281,7 @@ class ShardServer:
         closed by a death that cannot be stepped, say) is logged, counted and raised
         as an alarm, and the shard serves on."""
         assert self.core is not None
-        if self.replication is not None and not self.replication.writable:
+        if not self.role.duties.answers:
             try:  # a backup's timers are its primary's (deaths come forwarded), but it
                 self.maybe_checkpoint()  # writes the checkpoints
             except Exception as exc:
@@ -297,15 +334,10 @@ class ShardServer:
 
     def save_checkpoint(self, directory: str | None = None) -> str | None:
         """Write this shard's checkpoint now; returns the manifest path (None: nothing to save)."""
-        if self.replica_checkpoints is not None:  # once this replica holds the writer lock
-            return self.replica_checkpoints.save(directory)
-        return self.checkpoints.store(self._capture(False), directory)
+        return self.role.save_checkpoint(directory)  # (with replicas: one writes them)
 
     def maybe_checkpoint(self) -> None:
-        if self.replica_checkpoints is not None:
-            self.replica_checkpoints.tick()
-        elif self.checkpoints.due(self.core):
-            self.save_checkpoint()
+        self.role.maybe_checkpoint(self.core)
 
     def _capture(self, copy: bool) -> Capture | None:
         """The shard's checkpoint as it is now (``copy``: to be written on a thread)."""
@@ -322,50 +354,40 @@ class ShardServer:
                                                     alone=self.config.restart,
                                                     num_shards=self.config.num_shards)
         try:
-            self.script.restore(meta)  # (the optimizer the core is built with)
-            self.adopt_plan(plan)
-            assert self.core is not None
-            self.core.load_state_dict(tensors, meta, time.monotonic())
-            if self.sparse is not None:
-                self.sparse.load_state_dict(tensors, meta["sparse"])
-        except RESTORE_ERRORS as exc:
-            self.core = self.plan = None
-            self.sparse = self.tables = None  # the server does not start from it
+            self.adopt_state(shardstate.from_checkpoint(plan, tensors, meta))
+        except RESTORE_ERRORS as exc:  # the server does not start from it
             raise self.checkpoints.unusable(directory, exc) from exc
+        assert self.core is not None
         if not self.config.restart:  # the workers are new processes: await each
             self.core.members.await_restored()
-        self.checkpoints.resumed(directory, self.core.version,
-                                 settle=self.config.replica == 0 and not self.config.replacement)
+        self.checkpoints.resumed(directory, self.core.version, settle=self.role.first)
 
     # ------------------------------------------------------------------ dispatch
 
     def _handle(self, identity: bytes, frames: list[zmq.Frame],
-                replayed_key: str | None = None) -> None:
+                key: str | None = None) -> None:
+        """One message; ``key``: the CURVE key it came with (a replayed input's: the
+        one it reached the primary with)."""
         seq = forwarded = 0
         lent: dict[str, torch.Tensor] = {}  # tensors read from the sender's segment
-        repl = self.replication  # (a replayed input: the key it reached the primary with)
-        key = replayed_key if identity == REPLAYED else self.socket.user_id(frames)
-        if repl is not None and not repl.admit(identity, frames, self._send_raw, key):
+        if not self.role.admit(identity, frames, key):
             return  # a replication message
         try:
             msg = decode_request(frames, self.socket.limits)
             seq = msg.seq
             self.access.check(msg, key)
             self.ops.claims_may_stop = self.access.may_stop(key)
-            replicated = repl is not None and msg.op in REPLICATED_OPS
-            if replicated and repl is not None and not repl.writable:
-                if identity != REPLAYED:  # a backup is silent to workers, as a dead
-                    self.counters["not_primary"] += 1  # primary is: they ask who is
-                    return                             # primary now (failover.py)
-                replicated = False
+            route = self.role.route(msg.op, identity)
+            if route is Route.DROP:  # a backup is silent to workers, as a dead
+                self.counters["not_primary"] += 1  # primary is: they ask who is
+                return                             # primary now (failover.py)
             if lends(msg.body):
                 take_shm(self.shm, msg, identity)  # tensors in the sender's segment
                 lent = msg.tensors
             elif asks_board(msg.body):
                 take_shm(self.shm, msg, identity)  # the answer through the weight board
-            if replicated and repl is not None:  # to the backups first (they apply it
-                forwarded = repl.forward(as_tcp(msg, frames), key=key)  # while we do); answered
-                # once they have it, tensors read from shared memory sent as frames
+            # to the backups first (they apply it while we do); answered once they have it
+            forwarded = self.role.forward(route, msg, frames, key)
             self.outbox.acknowledged(identity, seq)
             self.counters["messages"] += 1
             self.counters["bytes_in"] += sum(len(f) for f in frames)
@@ -395,7 +417,7 @@ class ShardServer:
             self.counters["error_internal"] += 1
             log.exception("internal error while handling a message")
             answer = error_reply(seq, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
-        if forwarded and repl is not None and not repl.wait(forwarded):
+        if not self.role.settle(forwarded):
             return  # fenced: a newer primary holds the shard; answer no one, and rejoin
         self._act_on_alarms()  # before replying: the launcher learns of a stop first
         if answer is not None:
@@ -409,24 +431,15 @@ class ShardServer:
 
     # ------------------------------------------------------------------ replicas
 
-    def _send_raw(self, identity: bytes, frames: list[bytes]) -> None:
-        try:
-            self.socket.socket.send_multipart([identity, *frames])
-        except zmq.ZMQError as exc:  # a peer that is gone
-            log.debug("dropping a replication answer: %s", exc)
-
     def replay(self, frames: list[Any], key: str | None) -> None:
         """A backup handles a message its primary forwarded, as the primary did."""
         self._handle(REPLAYED, frames, key)
 
-    def snapshot(self) -> tuple[bytes, CoreImage | None, dict[str, torch.Tensor]] | None:
-        return rejoin.image(self)  # what a joining replica is sent (None: not now)
-
-    def key_owners(self) -> dict[int, str]:
-        return dict(self.access.owners)
-
-    def script_optimizer(self) -> dict[str, Any] | None:
-        return self.script.meta()[META_KEY]
+    def send_state(self) -> ShardImage | None:
+        """What a joining replica is sent (None: not now, a push in parts under way)."""
+        return shardstate.capture(self.core, self.plan,
+                                  bool(self.joined.pending or self.streamed.pending),
+                                  self.access.owners, self.script.meta()[META_KEY])
 
     def plan_description(self) -> object | None:
         # (as a snapshot's JSON gives it back: tuples are lists there)
@@ -434,7 +447,32 @@ class ShardServer:
             msgspec.json.encode(self.plan.describe()))
 
     def restore(self, record: wrepl.Snapshot, frames: list[Any]) -> None:
-        rejoin.adopt(self, record, frames)  # a joining replica takes the primary's state
+        shardstate.receive_snapshot(self, record, frames, self.socket.limits,
+                                    self.config.plan_limits())  # a joining replica's
+
+    def adopt_state(self, state: ShardState) -> None:
+        """Put ``state`` (a checkpoint resumed, a primary's snapshot: shardstate.py) in
+        place of everything this shard held: a core built from its plan and loaded, and
+        none of the per-worker state a push or pull in flight left. When it does not
+        fit, nothing half-restored stays (and the error is raised on)."""
+        self.core = self.plan = None
+        self.sparse = self.tables = None
+        for parts in (self.joined, self.streamed, self.outbox):
+            parts.forget(())
+        self.outbox.observer_pulls.clear()
+        self.access.owners = dict(state.owners)  # (CURVE: who may act as each worker)
+        if state.plan is None:
+            return
+        try:
+            self.script.restore(state.meta)  # (the optimizer the core is built with)
+            self.adopt_plan(state.plan)
+            assert self.core is not None
+            if state.load is not None:
+                state.load(self.core, self.sparse)
+        except BaseException:
+            self.core = self.plan = None
+            self.sparse = self.tables = None
+            raise
 
     def replay_death(self, kind: str, workers: list[int]) -> None:
         """A backup applies the deaths or leave-outs its primary's timers decided in one
@@ -453,17 +491,8 @@ class ShardServer:
     def _forward_timer(self, kind: str, workers: list[int]) -> None:
         """The primary's timers decided deaths or leave-outs: the backups apply them
         too, before any answer they unblock goes out."""
-        repl = self.replication
-        if workers and repl is not None and not repl.wait(repl.forward([], kind, workers)):
-            self._running = False
-
-    def _tick_replication(self, now: float) -> None:
-        repl = self.replication
-        assert repl is not None
-        try:
-            repl.tick(now)
-        except Exception as exc:  # as every periodic task: logged, counted, raised as alarm
-            self._periodic_failed("replication", exc)
+        if not self.role.decided(kind, workers):
+            self._running = False  # fenced
 
     def _releases(self) -> bool:
         """Whether a same-host worker's used pages are unmapped after a message
@@ -547,8 +576,8 @@ class ShardServer:
     def _answer_pulls(self, now: float, later: list[Callable[[], None]] | None = None) -> None:
         """Send the pull replies whose gates opened; ``later``: see Outbox.answer_pulls."""
         assert self.core is not None
-        if self.replication is not None and not self.replication.writable:
-            Replication.close_pulls(self.core, self.outbox, now)  # a backup answers no one
+        if not self.role.duties.answers:
+            roles.close_pulls(self.core, self.outbox, now)  # a backup answers no one
             return
         self.outbox.answer_pulls(self.core, now, self.observer, later)
         if self.tables is not None and self.tables.held:
@@ -665,7 +694,7 @@ class ShardServer:
             None if core is None or sparse is None else wstats.SparseStats.of(sparse.stats())))
 
 
-if __name__ == "__main__":  # the launcher's way to start a shard (entry.py)
-    from paramserver.server.entry import main
+if __name__ == "__main__":  # the launcher's way to start a shard: entry.py's main, run
+    import runpy  # by name (entry.py imports this module: no import runs back to it)
 
-    main()
+    runpy.run_module("paramserver.server.entry", run_name="__main__", alter_sys=True)

@@ -51,8 +51,10 @@ def _fields(ready: PullReply, outcome: Any) -> dict[str, Any]:
 class Outbox:
     """Replies of one shard server's ``socket``, counted in ``counters``."""
 
-    def __init__(self, socket: RouterSocket, counters: Counter[str]) -> None:
-        self.socket = socket
+    #: the shard's, once it is bound (ShardServer.start)
+    socket: RouterSocket
+
+    def __init__(self, counters: Counter[str]) -> None:
         self.counters = counters
         # zero-copy replies that may still be read from the weights' memory:
         # (tracker, peer identity, the request's seq)

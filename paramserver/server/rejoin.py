@@ -5,9 +5,10 @@ replica, and a fenced old primary (it applied inputs the new primary never saw, 
 its state is not one to go on from). Either sends :class:`~paramserver.wire.replication.Join`
 to its peers (:class:`Joiner`); the primary, between two messages and with no push
 or INIT in parts under way, answers with a snapshot of its whole state at its last
-input ``s`` (:func:`image`), and from then on forwards its inputs to the new backup
+input ``s`` (shardstate.capture), and from then on forwards its inputs to the new backup
 as to any other: they follow the snapshot on the same connection, in order. The
-backup puts the snapshot in place of whatever it held (:func:`adopt`), applies the
+backup puts the snapshot in place of whatever it held (shardstate.receive_snapshot,
+ShardServer.adopt_state), applies the
 inputs after ``s`` as they come, and acknowledges; the primary counts it among the
 backups that hold an input only from its first acknowledgement on
 (paramserver/server/replication.py).
@@ -20,24 +21,15 @@ import logging
 import secrets
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import msgspec
-import torch
 import zmq
 
-from paramserver.core.sharding import ShardPlan
-from paramserver.core.transfer import CoreImage, export, quiet, restore
-from paramserver.errors import ConfigError, ProtocolError
-from paramserver.server.scriptopt import META_KEY
 from paramserver.wire import replication as wrepl
 from paramserver.wire.curve import CurveKeys, secure_client
 from paramserver.wire.replauth import ReplicationKey
 
-if TYPE_CHECKING:
-    from paramserver.server.loop import ShardServer
-
-__all__ = ["Joiner", "adopt", "image"]
+__all__ = ["Joiner"]
 
 log = logging.getLogger(__name__)
 
@@ -92,53 +84,3 @@ class Joiner:
         for s in self.sockets:
             s.close(0)
         self.sockets = []
-
-
-def image(server: ShardServer) -> tuple[bytes, CoreImage | None,
-                                        dict[str, torch.Tensor]] | None:
-    """The shard server's state to send a joining replica: the plan (JSON text), the
-    core's records and tensors (copies: the core goes on changing while they are
-    sent). None while a push or an INIT in parts is under way (ask again later)."""
-    core, plan = server.core, server.plan
-    if server.joined.pending or server.streamed.pending:
-        return None
-    if core is None or plan is None:
-        return b"", None, {}
-    if not quiet(core):
-        return None
-    record, tensors = export(core)
-    return (msgspec.json.encode(plan.describe()), record,
-            {k: v.detach().clone() for k, v in tensors.items()})
-
-
-def adopt(server: ShardServer, snapshot: wrepl.Snapshot, frames: Sequence[Any]) -> None:
-    """Put a primary's snapshot in place of everything ``server`` held: a core built
-    from the plan and restored (checked as a resume checks a checkpoint, then the
-    rest), and none of the per-worker state a push or pull in flight left. Its tensors
-    are checked at the wire first, as a data message's are."""
-    tensors = wrepl.snapshot_tensors(snapshot, frames, server.socket.limits)
-    plan, record = snapshot.plan, snapshot.core
-    server.core = server.plan = None
-    server.sparse = server.tables = None
-    for parts in (server.joined, server.streamed, server.outbox):
-        parts.forget(())
-    server.outbox.observer_pulls.clear()
-    server.access.owners = dict(snapshot.owners)  # (CURVE: who may act as each worker)
-    if not plan:
-        return
-    try:
-        # the script's optimizer first: the core is built with it (scriptopt.py)
-        server.script.restore({META_KEY: snapshot.optimizer})
-        server.adopt_plan(ShardPlan.from_description(msgspec.json.decode(plan),
-                                                     server.config.plan_limits()))
-        assert server.core is not None
-        if record is not None:
-            # its instants are the primary's clock: moved onto ours (another host's
-            # monotonic clock counts from another boot)
-            restore(server.core, record, tensors, time.monotonic() - snapshot.now)
-    except (ConfigError, ProtocolError, msgspec.DecodeError) as exc:
-        server.core = server.plan = None  # no half-restored core stays
-        server.sparse = server.tables = None
-        if isinstance(exc, ConfigError):
-            raise
-        raise ConfigError(f"snapshot: {exc}") from exc

@@ -3,8 +3,8 @@
 :class:`~paramserver.server.replication.Replication` drives a replica's side of
 the protocol (forwarding, acknowledgements, fencing, takeover, joining) and calls
 back into the server only through this interface: replay a forwarded input or a
-decided death, hand over or restore a snapshot for a joining replica, and tell the
-plan, the workers' keys and a script's optimizer that travel with it. It is apart
+decided death, hand over or restore a snapshot for a joining replica (its state,
+shardstate.py), and tell the plan. It is apart
 so that the contract between the two is one short page, read without the
 protocol's machinery; replication.py re-exports it.
 """
@@ -14,10 +14,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    import torch
-
     from paramserver.core.shard import ShardCore
-    from paramserver.core.transfer import CoreImage
+    from paramserver.server.shardstate import ShardImage
     from paramserver.wire import replication as wrepl
 
 __all__ = ["ReplicationHost"]
@@ -37,19 +35,12 @@ class ReplicationHost(Protocol):
         """Apply the deaths (``dead``) or leave-outs (``left_out``) the primary decided
         in one tick, as one."""
 
-    def snapshot(self) -> tuple[bytes, CoreImage | None, dict[str, torch.Tensor]] | None:
-        """The shard's state for a joining replica (rejoin.image); None: not now."""
+    def send_state(self) -> ShardImage | None:
+        """The shard's state for a joining replica (shardstate.capture); None: not now."""
 
     def plan_description(self) -> object | None:
         """The shard plan's description as JSON would give it back (None: no plan)."""
 
-    def key_owners(self) -> dict[int, str]:
-        """Under CURVE, the key that registered each worker id (sent with a snapshot)."""
-
-    def script_optimizer(self) -> dict[str, Any] | None:
-        """The optimizer a worker script's HELLO brought, as the wire has it (None: the
-        launch's own; sent with a snapshot, so a replica that joins late runs it too)."""
-
     def restore(self, record: wrepl.Snapshot, frames: list[Any]) -> None:
         """Put the primary's snapshot (its record and tensor frames) in place of this
-        replica's state (rejoin.adopt)."""
+        replica's state (shardstate.receive_snapshot)."""

@@ -43,16 +43,17 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from paramserver.persist.checkpoint import CheckpointError, latest_path, set_write_hook
 from paramserver.util import faults
 
 if TYPE_CHECKING:
+    from paramserver.core.replica import ReplicaState
     from paramserver.server.checkpointer import Capture, Checkpointer
-    from paramserver.server.replication import Replication
+    from paramserver.server.replhost import ReplicationHost
 
-__all__ = ["HOLD_ENV", "LOCK_NAME", "ReplicaCheckpoints"]
+__all__ = ["HOLD_ENV", "LOCK_NAME", "Replica", "ReplicaCheckpoints"]
 
 log = logging.getLogger(__name__)
 
@@ -70,12 +71,25 @@ BACKUP_WAIT = 2.0
 INPUT_FIELD = "replica_input"
 
 
+class Replica(Protocol):
+    """What the writer asks of its replica's replication (replication.py's
+    Replication): whether this replica writes now, and at which input."""
+
+    host: ReplicationHost
+    state: ReplicaState
+    replica: int
+    timeout: float
+
+    @property
+    def writes_checkpoints(self) -> bool: ...
+
+
 class ReplicaCheckpoints:
     """Shard checkpoints of one replica: captured by the apply thread when due and
     this replica is the writer, written on a thread, each write under the shard's
     writer lock. ``take(copy)`` captures the shard's state now (None: no state)."""
 
-    def __init__(self, checkpoints: Checkpointer, replication: Replication,
+    def __init__(self, checkpoints: Checkpointer, replication: Replica,
                  take: Callable[[bool], Capture | None]) -> None:
         self.checkpoints = checkpoints
         self.replication = replication

@@ -74,11 +74,9 @@ from paramserver.wire.protocol import Op
 
 if TYPE_CHECKING:
 
-    from paramserver.core.shard import ShardCore
     from paramserver.observe.events import EventLog
     from paramserver.observe.metrics import MetricsRegistry
     from paramserver.server.config import ServerConfig
-    from paramserver.server.outbox import Outbox
 
 __all__ = ["REPLAYED", "REPLICATED_OPS", "Replication", "ReplicationHost"]
 
@@ -128,11 +126,8 @@ class Replication:
         # who we take replication messages from, and what ours are sealed with
         self.gate = Gate(config, self.curve, events, address)
         self.key = self.gate.key
-        # replica 0 starts as the primary of the backups it is given; a replica given
-        # peers otherwise was started in place of a dead one, and joins (replica 0 too:
-        # announcing itself as primary to the live one would wait on it as it waits)
-        starts = self.state.writable
-        self.backups = [self._link(a) for a in config.replica_peers if starts]
+        self.given = list(config.replica_peers)  # the replicas it is started with
+        self.backups: list[BackupLink] = []
         # keep-alives from a thread: a primary busy in one handler is not taken for dead
         # (its own replay windows: the thread reads its answers itself)
         self.keepalive = KeepAlive(self._context, self.ping_every, self.shard,
@@ -150,11 +145,20 @@ class Replication:
         self._nonces: dict[str, str] = {}
         self.joiner: Joiner | None = None
         self._asked_since: float | None = None
+
+    def start(self) -> None:
+        """Reach the replicas it was given (the constructor does no I/O). Replica 0
+        starts as the primary of the backups it is given and announces itself to each
+        (waiting for them); a replica given peers otherwise was started in place of a
+        dead one, and joins (replica 0 too: announcing itself as primary to the live
+        one would wait on it as it waits)."""
+        if self.state.writable:
+            self.backups = [self._link(a) for a in self.given]
         if self.backups:
             self._announce()
             self._aim(time.monotonic())
-        elif config.replica_peers:
-            self._rejoin(config.replica_peers)
+        elif self.given:
+            self._rejoin(self.given)
 
     # ------------------------------------------------------------------ primary
 
@@ -365,15 +369,14 @@ class Replication:
         """A snapshot to each replica that asked, if the shard is between inputs."""
         if not self._asked or not self.state.writable:
             return
-        got = self.host.snapshot()
-        if got is None:
+        image = self.host.send_state()
+        if image is None:
             return  # a push or INIT in parts is under way: the next tick tries again
-        plan, core, tensors = got
         seq = self.state.applied
         frames = self.key.seal(wrepl.snapshot_frames(
-            self.state.epoch, seq, time.monotonic(), self.address, plan, core, tensors,
-            self.host.key_owners(), self.host.script_optimizer()))
-        size = sum(t.numel() * t.element_size() for t in tensors.values())
+            self.state.epoch, seq, time.monotonic(), self.address, image.plan, image.core,
+            image.tensors, image.owners, image.optimizer))
+        size = sum(t.numel() * t.element_size() for t in image.tensors.values())
         while self._asked:
             address, nonce = self._asked.popitem(last=False)
             b = self._link(address)
@@ -654,17 +657,6 @@ class Replication:
             self.replica, [b.address for b in self.backups],
             [round(now - b.acked_at, 3) for b in self.backups], self.failovers,
             [self.state.applied - b.acked for b in self.backups])
-
-    @staticmethod
-    def close_pulls(core: ShardCore, outbox: Outbox, now: float) -> None:
-        """A backup's pulls whose gates opened: closed as the primary's were answered,
-        but no reply is made (no one waits for it here), nor a copy of the weights."""
-        for ready in core.ready_pulls(now):
-            parked = outbox.push_pulls.get(ready.worker)
-            if parked is not None and parked[0] == ready.token:
-                del outbox.push_pulls[ready.worker]
-                outbox.early.pop(ready.worker, None)
-            outbox.observer_pulls.discard(ready.token)
 
     def close(self) -> None:
         self.keepalive.close()

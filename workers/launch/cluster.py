@@ -36,7 +36,7 @@ from paramserver.errors import ConfigError, ParamServerError, RequestTimeoutErro
 from paramserver.observe.events import write_json
 from paramserver.observe.recorder import JsonlFollower, LauncherObserver
 from paramserver.server.config import ServerConfig
-from paramserver.server.loop import READY_PREFIX
+from paramserver.server.process import Ready
 from paramserver.util import lifeline
 from paramserver.util.jsontypes import JSONObject
 from paramserver.wire.curve import admin_key_pair
@@ -333,13 +333,14 @@ class LocalCluster:
         finally:
             sel.close()
         line = buf.decode().splitlines()[0]
-        if not line.startswith(READY_PREFIX):
-            raise ClusterError(f"{proc.name} printed {line!r} instead of its address")
-        extra = dict(tok.split("=", 1) for tok in line.split()[2:] if "=" in tok)
-        if "metrics" in extra:
-            proc.metrics_port = int(extra["metrics"])
-            log.info("%s metrics at http://127.0.0.1:%s/metrics", proc.name, extra["metrics"])
-        return line.split()[1]
+        try:
+            ready = Ready.parse(line)
+        except ValueError:
+            raise ClusterError(f"{proc.name} printed {line!r} instead of its address") from None
+        if ready.metrics_port is not None:
+            proc.metrics_port = ready.metrics_port
+            log.info("%s metrics at http://127.0.0.1:%s/metrics", proc.name, ready.metrics_port)
+        return ready.address
 
     def start_workers(self) -> None:
         if self.spec.command:  # `python` outside the launcher's environment, say

@@ -66,6 +66,7 @@ from paramserver.core.sharding import ShardPlan
 from paramserver.errors import ConfigError, ParamServerError, TransportError
 from paramserver.server.config import ServerConfig
 from paramserver.server.entry import run_server
+from paramserver.server.process import Ready
 from paramserver.wire.curve import CurveKeys
 from paramserver.workers.admin import save_final_model
 from paramserver.workers.failover import join_replicas
@@ -519,7 +520,7 @@ class Rendezvous:
 
 
 def run_server_rank(config: ServerConfig, rdzv: Rendezvous,
-                    on_ready: Callable[[str], None] | None = None) -> int:
+                    on_ready: Callable[[Ready], None] | None = None) -> int:
     """Serve one shard: publish its address, stop when the last worker is done.
 
     The store's ``finished`` (or losing the store) only tells the shard the job is
@@ -542,14 +543,15 @@ def run_server_rank(config: ServerConfig, rdzv: Rendezvous,
         peers = rdzv.wait_replicas(config.shard, config.replicas)
         config = dataclasses.replace(config, replica_peers=peers)
 
-    def ready(address: str) -> None:
+    def ready(listening: Ready) -> None:
+        address = listening.address
         if config.replica:
             rdzv.publish_replica(config.shard, config.replica, address)
         else:  # workers are given the shard's replicas, the primary first
             rdzv.publish_server(config.shard, join_replicas([address, *peers]))
         threading.Thread(target=watch, name="rendezvous-watch", daemon=True).start()
         if on_ready is not None:
-            on_ready(address)
+            on_ready(listening)
 
     try:
         return run_server(config, ready, job_done)
