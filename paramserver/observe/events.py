@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
-import re
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, get_args
+from typing import IO, TYPE_CHECKING, Any, get_args, get_origin
 
 import msgspec
 
@@ -29,31 +27,33 @@ __all__ = ["EventLog", "encode", "fields_of", "read_events", "write_json"]
 log = logging.getLogger(__name__)
 
 _encode = msgspec.json.Encoder().encode
-# where msgspec's JSON could differ from json.dumps' (which the logs have always
-# been written with): a float in exponent notation (1e-05, 1e+16) or below 1e-4,
-# a character json.dumps escapes (non-ASCII, DEL). There the record is written as
-# json.dumps writes it, so a log's bytes do not depend on the path taken.
-_ODD = re.compile(rb"[0-9]e|0\.0000|[^ -~]")
+# msgspec and json.dumps (with which the logs have always been written) print the
+# same JSON but for a float outside [1e-4, 1e16) (1e-05, 1e+16; NaN, which msgspec
+# writes as null), written here as json.dumps prints it, and a character json.dumps
+# escapes (non-ASCII, DEL). A record with such a string, or with a map or list of
+# floats (config, metrics: not looked into), is written by json.dumps: a log's
+# bytes do not depend on the path a record takes.
+_FIXED_LOW, _FIXED_HIGH = 1e-4, 1e16
 
 
 class _Shape:
     """What the writer needs of a record type, worked out once."""
 
     def __init__(self, cls: type[Event]) -> None:
-        fields = msgspec.structs.fields(cls)
-        names = [f.name for f in fields]
+        fields = [f for f in msgspec.structs.fields(cls) if f.name != cls.flat]
+        last = msgspec.structs.fields(cls)[-1].name
         self.flat = cls.flat
-        # the flat map written in place of the record's last field: spliced in
-        self.flat_last = self.flat is not None and names[-1] == self.flat
-        # NaN and Infinity, which msgspec writes as null, can only be in these
         self.floats = tuple(f.name for f in fields if float in (f.type, *get_args(f.type)))
-        self.open = self.flat is not None or any(
-            f.type is not float and (_is_map(f.type) or any(_is_map(a) for a in get_args(f.type)))
-            for f in fields)
+        # a map or list of floats (config, metrics), or a flat map written in the middle
+        self.open = (self.flat is not None and self.flat != last) or any(
+            _holds_floats(a) for f in fields for a in (f.type, *get_args(f.type)))
 
 
-def _is_map(tp: Any) -> bool:
-    return tp is dict or getattr(tp, "__origin__", None) is dict or tp is Any
+def _holds_floats(tp: Any) -> bool:
+    if tp is Any or tp is dict or tp is list:
+        return True
+    return get_origin(tp) in (dict, list, tuple) and any(
+        a is float or a is Any or _holds_floats(a) for a in get_args(tp))
 
 
 _SHAPES: dict[type[Event], _Shape] = {}
@@ -72,6 +72,17 @@ def fields_of(record: Event) -> dict[str, Any]:
     return out
 
 
+def _odd(value: Any) -> bool:
+    """A float that msgspec prints otherwise than json.dumps."""
+    return isinstance(value, float) and not (
+        _FIXED_LOW <= abs(value) < _FIXED_HIGH or value == 0.0)
+
+
+def _float(value: float) -> msgspec.Raw:
+    """A float as json.dumps prints it (1e-05, 1e+16, NaN, Infinity)."""
+    return msgspec.Raw(json.dumps(value).encode())
+
+
 def _exact(record: Event, t: float) -> bytes:
     """The line as json.dumps writes it (NaN as NaN, 1e-05, \\u00e9)."""
     line = json.dumps({"t": t, "event": kind_of(record), **fields_of(record)},
@@ -87,23 +98,21 @@ def encode(record: Event, t: float) -> bytes:
     shape = _SHAPES.get(type(record))
     if shape is None:
         shape = _SHAPES[type(record)] = _Shape(type(record))
-    if shape.flat is not None:
-        if not shape.flat_last:
-            return _exact(record, t)
-        extra = getattr(record, shape.flat)
-        body = _encode(msgspec.structs.replace(record, **{shape.flat: {}}))
-        body = body[:-len(shape.flat) - 7] + (b"," + _encode(extra)[1:] if extra else b"}")
-    else:
-        body = _encode(record)
-    if _ODD.search(body) is not None:
+    if shape.open:
         return _exact(record, t)
-    if b"null" in body:
-        if shape.open:  # a NaN may be anywhere in a map
-            return _exact(record, t)
-        for name in shape.floats:
-            value = getattr(record, name)
-            if isinstance(value, float) and not math.isfinite(value):
-                return _exact(record, t)
+    odd = {name: _float(value) for name in shape.floats
+           if _odd(value := getattr(record, name))}
+    shown = msgspec.structs.replace(record, **odd) if odd else record
+    if shape.flat is None:
+        body = _encode(shown)
+    else:  # the flat map's items in place of the record's last field
+        figures = getattr(record, shape.flat)
+        if any(_odd(v) for v in figures.values()):
+            figures = {k: _float(v) if _odd(v) else v for k, v in figures.items()}
+        body = _encode(msgspec.structs.replace(shown, **{shape.flat: {}}))
+        body = body[:-len(shape.flat) - 7] + (b"," + _encode(figures)[1:] if figures else b"}")
+    if not body.isascii() or b"\x7f" in body:
+        return _exact(record, t)
     return b'{"t":' + repr(t).encode() + b"," + body[1:] + b"\n"
 
 
