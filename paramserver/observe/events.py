@@ -17,7 +17,7 @@ from typing import IO, TYPE_CHECKING, Any, get_args, get_origin
 
 import msgspec
 
-from paramserver.observe.records import Event, kind_of
+from paramserver.observe.records import LOGS, Event, kind_of
 
 if TYPE_CHECKING:
     from paramserver.observe.console import Sink
@@ -40,6 +40,8 @@ class _Shape:
     """What the writer needs of a record type, worked out once."""
 
     def __init__(self, cls: type[Event]) -> None:
+        if not any(cls in group for group in LOGS.values()):
+            raise TypeError(f"{cls.__name__} is no record of paramserver.observe.records' LOGS")
         fields = [f for f in msgspec.structs.fields(cls) if f.name != cls.flat]
         last = msgspec.structs.fields(cls)[-1].name
         self.flat = cls.flat
