@@ -50,13 +50,13 @@ def _event_log_writes(path: Path) -> list[tuple[int, str]]:
 
 def test_every_event_log_write_in_the_source_passes_a_record() -> None:
     untyped = []
-    for top in ("paramserver", "workers", "cli", "benchmarks"):
-        for folder, _, files in os.walk(ROOT / top, followlinks=True):
-            for name in files:
-                if name.endswith(".py"):
-                    path = Path(folder) / name
-                    untyped += [f"{path.relative_to(ROOT)}:{line}: {src}"
-                                for line, src in _event_log_writes(path)]
+    # (workers/, cli/ and benchmarks/ are reached through the package's links to them)
+    for folder, _, files in os.walk(ROOT / "paramserver", followlinks=True):
+        for name in files:
+            if name.endswith(".py"):
+                path = Path(folder) / name
+                untyped += [f"{path.relative_to(ROOT)}:{line}: {src}"
+                            for line, src in _event_log_writes(path)]
     assert untyped == []
 
 
