@@ -52,6 +52,7 @@ class _Shape:
 
 
 def _holds_floats(tp: Any) -> bool:
+    """Whether a field of type ``tp`` may hold floats inside (a map, a list)."""
     if tp is Any or tp is dict or tp is list:
         return True
     return get_origin(tp) in (dict, list, tuple) and any(
