@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from paramserver.core.shard import GradStats, StepStats
+from paramserver.observe import records as ev
 from paramserver.observe.watchdog import PushObservation, StepObservation, Watchdog
 from paramserver.server.loop import ServerConfig
 from paramserver.util.jsontypes import JSONObject
@@ -72,20 +73,18 @@ class WatchedSimulator(Simulator):
         for shard, events in enumerate(self.server_events):
             write = events.write
 
-            def tee(event: str, _write: Any = write, _shard: int = shard, **fields: Any) -> None:
-                _write(event, **fields)
-                if event == "push":
-                    self._observe_push(_shard, **fields)
+            def tee(record: ev.Event, t: float | None = None, _write: Any = write,
+                    _shard: int = shard) -> None:
+                _write(record, t)
+                if isinstance(record, ev.Push):
+                    self._observe_push(_shard, record)
             events.write = tee  # type: ignore[method-assign]
 
-    def _observe_push(self, on: int, /, *, worker: int, version: int, accepted: bool,
-                      staleness: int, reason: str, weight: float, grad_norm: float | None,
-                      cosine: float | None, loss: float | None, **_: object) -> None:
-        """A push event's fields (the rest of them not needed here) to shard ``on``'s dog."""
-        shard = on
+    def _observe_push(self, shard: int, p: ev.Push) -> None:
+        """A push record to shard ``shard``'s dog."""
         dog = self._dog(shard)
-        dog.observe_push(PushObservation(worker, version, accepted, staleness, reason, weight,
-                                         grad_norm, cosine, loss))
+        dog.observe_push(PushObservation(p.worker, p.version, p.accepted, p.staleness, p.reason,
+                                         p.weight, p.grad_norm, p.cosine, p.loss))
         live = {w.worker: w.clock for w in self.cores[shard].workers.values()
                 if w.live and not w.finished}
         if dog.pushes % max(1, len(live)) == 0:  # about once a round, as the server does

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from paramserver.observe.console import CONSOLE_EVENTS, Console, Progress, render
 from paramserver.observe.events import EventLog, read_events
+from paramserver.observe.records import Push, WorkerBye
 
 
 def test_each_story_event_renders_as_one_line() -> None:
@@ -40,16 +41,17 @@ def test_records_it_does_not_show_or_cannot_read_render_as_nothing() -> None:
 def test_an_event_log_shows_its_console_what_it_writes(tmp_path: Path) -> None:
     out = io.StringIO()
     log = EventLog(tmp_path / "e.jsonl", console=Console.to_stream(out))
-    log.write("worker_bye", shard=0, worker=3, clock=12)
-    log.write("push", shard=0, worker=3)
+    log.write(WorkerBye(shard=0, worker=3, clock=12))
+    log.write(Push(shard=0, worker=3, clock=12, read_version=0, version=1, staleness=1,
+                   accepted=True, weight=1.0, reason="", num_samples=1, loss=None,
+                   grad_norm=None, cosine=None))
     log.close()
     (line,) = out.getvalue().splitlines()
     assert line.startswith("paramserver: ") and line.endswith(" worker 3 finished at clock 12")
     assert [r["event"] for r in read_events(tmp_path / "e.jsonl")] == ["worker_bye", "push"]
     # no file: the console still hears it
     lines: list[str] = []
-    EventLog(None, console=Console(lines.append)).write("worker_bye", shard=0, worker=1,
-                                                        clock=2)
+    EventLog(None, console=Console(lines.append)).write(WorkerBye(shard=0, worker=1, clock=2))
     assert lines == ["worker 1 finished at clock 2"]
 
 

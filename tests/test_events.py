@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from paramserver.observe.events import EventLog, read_events
 from paramserver.observe.recorder import JsonlFollower
+from paramserver.observe.records import WorkerStart
 
 
 def test_event_log_after_a_killed_writer_keeps_every_new_record(tmp_path):
@@ -14,7 +15,7 @@ def test_event_log_after_a_killed_writer_keeps_every_new_record(tmp_path):
     follower = JsonlFollower(path)
     assert [r["t"] for r in follower.read()] == [1]
     log = EventLog(path)
-    log.write("worker_start", clock=7)
+    log.write(WorkerStart(worker=1, clock=7, seeded=False, steps=None, plan_hash=""))
     log.close()
     assert [r["event"] for r in read_events(path)] == ["step", "worker_start"]
     assert [r["event"] for r in follower.read()] == ["worker_start"]

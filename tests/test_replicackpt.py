@@ -17,6 +17,7 @@ import torch
 
 from paramserver.core.replica import ReplicaState, Role
 from paramserver.observe.events import EventLog
+from paramserver.observe.records import kind_of
 from paramserver.persist.checkpoint import load_shard
 from paramserver.server.checkpointer import Capture, Checkpointer
 from paramserver.server.replicackpt import LOCK_NAME, ReplicaCheckpoints
@@ -52,7 +53,7 @@ def _writer(directory: Path, replica: _Replica, events: list[str]) -> ReplicaChe
                        {"version": version})
 
     log = EventLog(None)
-    log.write = lambda event, **fields: events.append(event)
+    log.write = lambda record, t=None: events.append(kind_of(record))
     return ReplicaCheckpoints(Checkpointer(0, str(directory), log, every=1),
                               replica, take)
 

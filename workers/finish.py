@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from paramserver.errors import ConfigError
+from paramserver.observe import records as ev
 
 if TYPE_CHECKING:
     from paramserver.workers.optimizer import DistributedOptimizer
@@ -66,6 +67,6 @@ def finish(opt: DistributedOptimizer, timeout: float) -> tuple[int, ...]:
     opt.versions = pulled.versions
     if opt.local is not None:  # the final weights replace the local ones
         opt.local.mark()
-    opt._events.write("final", worker=opt.rank, clock=opt.clock,
-                      versions=list(pulled.versions), waited_s=time.monotonic() - t0)
+    opt._events.write(ev.Final(worker=opt.rank, clock=opt.clock, versions=list(pulled.versions),
+                               waited_s=time.monotonic() - t0))
     return tuple(pulled.versions)

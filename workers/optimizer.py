@@ -46,8 +46,9 @@ import torch
 
 from paramserver.core import features
 from paramserver.errors import ConfigError
+from paramserver.observe import records as ev
 from paramserver.observe.events import EventLog, write_json
-from paramserver.observe.figures import FigureGate, reserved
+from paramserver.observe.figures import FigureGate
 from paramserver.util import faults, lifeline
 from paramserver.wire.curve import CurveKeys
 from paramserver.workers.client import PART_BYTES, PSClient, PullResult, PushResult, PushStream
@@ -268,7 +269,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.straggler = (Straggler(config.straggler, seed=(config.seed, self.rank))
                           if config.straggler.active else None)
         self._t_compute = time.perf_counter()  # since zero_grad() or the last step()
-        self._pending: dict[str, Any] | None = None  # the latest step's record, unwritten
+        self._pending: tuple[float, ev.Step] | None = None  # the latest step's, unwritten
         # what the script logs: finite numbers, under a bounded set of names
         self._figures = FigureGate(f"worker {self.rank}")
         self.last_eval: dict[str, float] | None = None  # the latest figures log() got
@@ -307,8 +308,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._pull_start(wait_init=not offer)
         self.last: StepOutcome | None = None  # the outcome of the latest step()
         if self._own_events:
-            self._events.write("worker_start", worker=self.rank, clock=self.clock,
-                               seeded=self.seeded, steps=None, plan_hash=self.plan.hash)
+            self._events.write(ev.WorkerStart(worker=self.rank, clock=self.clock,
+                                              seeded=self.seeded, steps=None,
+                                              plan_hash=self.plan.hash))
         if config.plan_file and self.rank == 0:  # the launcher saves the final model by it
             write_json(config.plan_file, self.plan.describe())
         self._num_samples = 1
@@ -440,13 +442,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._waited += out.waited
         # written at the next step(), log() or close(), so log(loss=...) after this
         # step lands in its record; `t` is now, when the step ended
-        self._pending = dict(
-            t=time.time(), worker=self.rank, clock=self.clock, read_versions=list(read),
+        local_steps = log.pop("local_steps", ev.UNSET)  # (int: the optimizer's own)
+        self._pending = (time.time(), ev.Step(
+            worker=self.rank, clock=self.clock, read_versions=list(read),
             staleness=out.staleness, accepted=out.accepted, reasons=list(out.reasons),
             weight=out.weight, loss=loss, num_samples=num,
             compute_s=compute, sleep_s=injected, pull_s=out.pull_seconds,
-            push_s=out.push_seconds, wait_s=out.waited, bytes=out.nbytes)
-        self._pending.update(log)  # figures only: the optimizer's own names are not in it
+            push_s=out.push_seconds, wait_s=out.waited, bytes=out.nbytes,
+            local_steps=local_steps, figures=log))  # figures: not the optimizer's names
         if self._buckets is None:
             self._num_samples = 1
         self._loss = None
@@ -508,25 +511,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if self._pending is None:
                 raise ConfigError(f"log({', '.join(train)}=...) describes the latest step(): "
                                   "call it after step() (held-out figures: eval_NAME=...)")
-            self._pending.update(train)
+            step = self._pending[1]
+            step.loss = train.pop("loss", step.loss)
+            step.figures.update(train)
         self._flush()
         kept = self._figures.admit({f"eval_{k}": v for k, v in held_out.items()})
         held_out = {k[len("eval_"):]: v for k, v in kept.items()}
         if held_out:  # after final(): the final weights' figures, marked so
-            self._events.write("eval", worker=self.rank, clock=self.clock,
-                               versions=list(self.versions), **held_out,
-                               **({"final": True} if self.finished else {}))
+            self._events.write(ev.Eval(worker=self.rank, clock=self.clock,
+                                       versions=list(self.versions), figures=held_out,
+                                       final=True if self.finished else ev.UNSET))
             self.last_eval = held_out
 
     def _flush(self) -> None:
         """Write the latest step's record, if not written yet."""
         if self._pending is not None:
-            record, self._pending = self._pending, None
-            figures = {k: v for k, v in record.items()
-                       if not reserved(k, False) and v is not None}
+            (t, step), self._pending = self._pending, None
+            figures = {k: v for k, v in step.figures.items() if v is not None}
             kept = self._figures.admit(figures)
-            self._events.write("step", **{k: v for k, v in record.items()
-                                          if k not in figures or k in kept})
+            step.figures = {k: v for k, v in step.figures.items()
+                            if k not in figures or k in kept}
+            self._events.write(step, t=t)
 
     def _lr_change(self) -> None:
         """The evaluating rank's change to ``param_groups`` lr goes with the next push."""
@@ -632,11 +637,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self.client.close()
         if not self._own_events:
             return
-        result = self.result(time.time() - self._t0).to_json()
-        self._events.write("worker_end", **result)
+        result = self.result(time.time() - self._t0)
+        self._events.write(result.to_event())
         self._events.close()
         if self.config.result_file:
-            write_json(self.config.result_file, result)
+            write_json(self.config.result_file, result.to_json())
 
     def result(self, seconds: float) -> WorkerResult:
         """This worker's counts, clock and versions so far, after ``seconds``."""

@@ -27,6 +27,7 @@ from paramserver.errors import (
     WorkerInUseError,
     WrongRunError,
 )
+from paramserver.observe import records as ev
 from paramserver.observe.console import Progress, Sink
 from paramserver.observe.events import EventLog, write_json
 from paramserver.util import lifeline
@@ -157,8 +158,8 @@ def run_worker(config: WorkerConfig, console: Sink | None = None) -> WorkerResul
     batches = cycle_batches(task, skip=opt.clock * config.push_every * config.sync_every)
     with opt:
         opt.seed()  # now, not at the first step: the budget's clock starts there
-        events.write("worker_start", worker=config.rank, clock=opt.clock, seeded=opt.seeded,
-                     device=str(device), steps=steps, plan_hash=opt.plan.hash)
+        events.write(ev.WorkerStart(worker=config.rank, clock=opt.clock, seeded=opt.seeded,
+                                    device=str(device), steps=steps, plan_hash=opt.plan.hash))
         log.info("worker %d: %s on %s from clock %d", config.rank,
                  f"{steps} steps" if steps != UNCAPPED else "no step cap", device, opt.clock)
         # the budget runs from this worker's first step (not from process start, whose
@@ -194,7 +195,7 @@ def run_worker(config: WorkerConfig, console: Sink | None = None) -> WorkerResul
         train_seconds=train_seconds, budget_seconds=config.budget_seconds,
         budget_spent=budget_spent, eval=final_eval)
     data = result.to_json()
-    events.write("worker_end", **data)
+    events.write(result.to_event())
     events.close()
     if config.result_file:
         write_json(config.result_file, data)

@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
+from paramserver.observe import records as ev
 from paramserver.util.jsontypes import JSON, JSONObject
 
 __all__ = ["PushCounts", "WorkerResult", "drop_none"]
@@ -53,6 +55,20 @@ class WorkerResult:
             "final_versions": [v for v in self.final_versions],
             "eval": None if self.eval is None else {k: v for k, v in self.eval.items()},
         })
+
+    def to_event(self) -> ev.WorkerEnd:
+        """The ``worker_end`` record: the fields of :meth:`to_json`."""
+        def given(value: Any) -> Any:
+            return ev.UNSET if value is None else value
+
+        return ev.WorkerEnd(
+            worker=self.worker, steps=self.steps, clock=self.clock, pushes=self.pushes,
+            accepted=self.accepted, rejected=self.rejected,
+            final_train_loss=given(self.final_train_loss), seconds=self.seconds,
+            train_seconds=given(self.train_seconds), budget_seconds=given(self.budget_seconds),
+            budget_spent=given(self.budget_spent), wait_seconds=self.wait_seconds,
+            final_versions=list(self.final_versions),
+            eval=given(None if self.eval is None else dict(self.eval)))
 
     @classmethod
     def from_json(cls, data: JSON) -> WorkerResult:

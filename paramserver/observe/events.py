@@ -1,7 +1,8 @@
 """JSONL event logs: one JSON object per line, one file per process.
 
-Every record has ``t`` (wall-clock seconds since the epoch), ``event`` (its
-kind) and the fields of that kind; see docs/events.md for the schema.
+Every line has ``t`` (wall-clock seconds since the epoch), ``event`` (its kind)
+and the fields of that kind: one of the records of
+:mod:`paramserver.observe.records`, which docs/events.md describes.
 """
 
 from __future__ import annotations
@@ -10,55 +11,158 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, get_args, get_origin
+
+import msgspec
+
+from paramserver.observe.records import LOGS, Event, kind_of
 
 if TYPE_CHECKING:
     from paramserver.observe.console import Sink
 
-__all__ = ["EventLog", "read_events", "write_json"]
+__all__ = ["EventLog", "encode", "fields_of", "read_events", "write_json"]
 
 log = logging.getLogger(__name__)
+
+_encode = msgspec.json.Encoder().encode
+# msgspec and json.dumps (with which the logs have always been written) print the
+# same JSON but for a float outside [1e-4, 1e16) (1e-05, 1e+16; NaN, which msgspec
+# writes as null), written here as json.dumps prints it, and a character json.dumps
+# escapes (non-ASCII, DEL). A record with such a string, or with a map or list of
+# floats (config, metrics: not looked into), is written by json.dumps: a log's
+# bytes do not depend on the path a record takes.
+_FIXED_LOW, _FIXED_HIGH = 1e-4, 1e16
+
+
+class _Shape:
+    """What the writer needs of a record type, worked out once."""
+
+    def __init__(self, cls: type[Event]) -> None:
+        if not any(cls in group for group in LOGS.values()):
+            raise TypeError(f"{cls.__name__} is no record of paramserver.observe.records' LOGS")
+        fields = [f for f in msgspec.structs.fields(cls) if f.name != cls.flat]
+        last = msgspec.structs.fields(cls)[-1].name
+        self.flat = cls.flat
+        self.floats = tuple(f.name for f in fields if float in (f.type, *get_args(f.type)))
+        # a map or list of floats (config, metrics), or a flat map written in the middle
+        self.open = (self.flat is not None and self.flat != last) or any(
+            _holds_floats(a) for f in fields for a in (f.type, *get_args(f.type)))
+
+
+def _holds_floats(tp: Any) -> bool:
+    """Whether a field of type ``tp`` may hold floats inside (a map, a list)."""
+    if tp is Any or tp is dict or tp is list:
+        return True
+    return get_origin(tp) in (dict, list, tuple) and any(
+        a is float or a is Any or _holds_floats(a) for a in get_args(tp))
+
+
+_SHAPES: dict[type[Event], _Shape] = {}
+
+
+def fields_of(record: Event) -> dict[str, Any]:
+    """The record's fields as its line holds them (no ``t``, no ``event``)."""
+    out: dict[str, Any] = {}
+    flat = record.flat
+    for name in record.__struct_fields__:
+        value = getattr(record, name)
+        if name == flat:
+            out.update(value)
+        elif value is not msgspec.UNSET:
+            out[name] = value
+    return out
+
+
+def _odd(value: Any) -> bool:
+    """A float that msgspec prints otherwise than json.dumps."""
+    return isinstance(value, float) and not (
+        _FIXED_LOW <= abs(value) < _FIXED_HIGH or value == 0.0)
+
+
+def _float(value: float) -> msgspec.Raw:
+    """A float as json.dumps prints it (1e-05, 1e+16, NaN, Infinity)."""
+    return msgspec.Raw(json.dumps(value).encode())
+
+
+def _exact(record: Event, t: float) -> bytes:
+    """The line as json.dumps writes it (NaN as NaN, 1e-05, \\u00e9)."""
+    line = json.dumps({"t": t, "event": kind_of(record), **fields_of(record)},
+                      separators=(",", ":"))
+    return line.encode() + b"\n"
+
+
+def encode(record: Event, t: float) -> bytes:
+    """One line of an event log: ``record`` written at ``t``."""
+    if not isinstance(record, Event):
+        raise TypeError(f"an event log writes records of paramserver.observe.records, "
+                        f"not {type(record).__name__}")
+    shape = _SHAPES.get(type(record))
+    if shape is None:
+        shape = _SHAPES[type(record)] = _Shape(type(record))
+    if shape.open:
+        return _exact(record, t)
+    odd = {name: _float(value) for name in shape.floats
+           if _odd(value := getattr(record, name))}
+    shown = msgspec.structs.replace(record, **odd) if odd else record
+    if shape.flat is None:
+        body = _encode(shown)
+    else:  # the flat map's items in place of the record's last field
+        figures = getattr(record, shape.flat)
+        if any(_odd(v) for v in figures.values()):
+            figures = {k: _float(v) if _odd(v) else v for k, v in figures.items()}
+        body = _encode(msgspec.structs.replace(shown, **{shape.flat: {}}))
+        body = body[:-len(shape.flat) - 7] + (b"," + _encode(figures)[1:] if figures else b"}")
+    if not body.isascii() or b"\x7f" in body:
+        return _exact(record, t)
+    return b'{"t":' + repr(t).encode() + b"," + body[1:] + b"\n"
 
 
 class EventLog:
     """Append-only JSONL writer; a no-op when ``path`` is None. A ``console`` is shown
     the records it prints a line for (with or without a file): the log and the
-    console tell the same story."""
+    console tell the same story. ``clock`` stamps the records (the simulator's is
+    virtual); ``fresh``: a file already there is replaced, not appended to."""
 
     def __init__(self, path: str | Path | None, *, flush_every: float = 0.5,
-                 console: Sink | None = None) -> None:
+                 console: Sink | None = None, clock: Callable[[], float] = time.time,
+                 fresh: bool = False) -> None:
         self.path = Path(path) if path else None
         self.console = console
-        self._fh: IO[str] | None = None
+        self._clock = clock
+        self._fh: IO[bytes] | None = None
         self._flush_every = flush_every
         self._last_flush = 0.0
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._fh = self.path.open("a", encoding="utf-8")
-            if _ends_torn(self.path):
+            self._fh = self.path.open("wb" if fresh else "ab")
+            if not fresh and _ends_torn(self.path):
                 # a killed predecessor (a restarted worker's) left half a record: end
                 # that line, or our first record would be glued to it and lost
-                self._fh.write("\n")
+                self._fh.write(b"\n")
 
-    def write(self, event: str, **fields: Any) -> None:
+    def write(self, record: Event, t: float | None = None) -> None:
+        """Write ``record``, stamped ``t`` (default: now)."""
+        if not isinstance(record, Event):
+            raise TypeError(f"an event log writes records of paramserver.observe.records, "
+                            f"not {type(record).__name__}")
         console = self.console
-        if console is not None and event not in console.events:
+        if console is not None and kind_of(record) not in console.events:
             console = None  # (a push's record, on the hot path: not a console line)
         if self._fh is None and console is None:
             return
-        now = time.time()
+        now = self._clock() if t is None else t
         if self._fh is not None:
-            self._fh.write(json.dumps({"t": now, "event": event, **fields},
-                                      separators=(",", ":")) + "\n")
+            self._fh.write(encode(record, now))
             if now - self._last_flush >= self._flush_every:
                 self._fh.flush()
                 self._last_flush = now
         if console is not None:
             try:
-                console.show(event, fields, now)
+                console.show(kind_of(record), fields_of(record), now)
             except Exception:  # a console must not take the process down
-                log.exception("console line for %r failed", event)
+                log.exception("console line for %r failed", kind_of(record))
 
     def flush(self) -> None:
         if self._fh is not None:

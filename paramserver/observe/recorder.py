@@ -18,8 +18,11 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from paramserver.core.records import PushOutcome
 from paramserver.core.shard import GradStats, ShardCore, StepStats
+from paramserver.observe import records as ev
 from paramserver.observe.events import EventLog
 from paramserver.observe.figures import finite
 from paramserver.observe.metrics import (
@@ -254,11 +257,11 @@ class ShardObserver:
     def _alarms(self, alarms: list[Alarm]) -> None:
         for hint in self.watchdog.take_hints():  # informational: logged, never acted on
             log.info("HINT %s", hint.message)
-            self.events.write("hint", **hint.as_dict())
+            self.events.write(hint.as_event(ev.Hint))
         for alarm in alarms:
             log.warning("ALARM %s", alarm.message)
             self._c("paramserver_alarms_total", alarm.signal).inc()
-            self.events.write("alarm", **alarm.as_dict())
+            self.events.write(alarm.as_event(ev.Alarm))
             self.pending_alarms.append(alarm)
         if alarms:
             self.events.flush()  # the launcher tails this log: show alarms at once
@@ -292,7 +295,8 @@ class ShardObserver:
             return
         self._last_snapshot = now
         snapshot = self.registry.snapshot()
-        self.events.write("metrics", shard=self.shard, version=self.version, metrics=snapshot)
+        self.events.write(ev.ShardMetrics(shard=self.shard, version=self.version,
+                                          metrics=snapshot))
         if self.tensorboard is not None:
             self.tensorboard.add_snapshot(snapshot, self.version)
             self.tensorboard.flush()
@@ -361,7 +365,7 @@ class LauncherObserver:
     def start(self, **fields: Any) -> int | None:
         """Start the endpoint and write ``launcher_start``; returns the metrics port."""
         port = self.exporter.start()
-        self.events.write("launcher_start", metrics_port=port, **fields)
+        self.events.write(ev.LauncherStart(metrics_port=port, **fields))
         self.events.flush()
         return port
 
@@ -391,8 +395,10 @@ class LauncherObserver:
                 elif kind == "diverged":
                     self.diverged.append({**rec, "process": name})
         for rec in new_alarms:
-            self.events.write("alarm", **{k: v for k, v in rec.items()
-                                          if k not in ("t", "event")})
+            try:
+                self.events.write(msgspec.convert(rec, ev.LauncherAlarm))
+            except msgspec.ValidationError as exc:  # (a shard's alarm is never that)
+                log.warning("an alarm record the launcher cannot repeat: %s", exc)
             if self.on_alarm is not None:
                 self.on_alarm(rec)
         self.tick(time.monotonic())
@@ -436,7 +442,7 @@ class LauncherObserver:
             return
         self._last_snapshot = now
         snapshot = self.registry.snapshot()
-        self.events.write("metrics", steps=self._steps, metrics=snapshot)
+        self.events.write(ev.LauncherMetrics(steps=self._steps, metrics=snapshot))
         self.events.flush()
         if self.tensorboard is not None:
             self.tensorboard.flush()
@@ -448,7 +454,7 @@ class LauncherObserver:
         self._closed = True
         self.poll()
         self.tick(time.monotonic(), force=True)
-        self.events.write("launcher_end", alarms=len(self.alarms), **fields)
+        self.events.write(ev.LauncherEnd(alarms=len(self.alarms), **fields))
         self.events.close()
         self.exporter.close()
         if self.tensorboard is not None:

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from paramserver.observe import records as ev
 from paramserver.observe.thresholds import ACTIONS, DIVERGENCE, HINTS, SIGNALS, WatchdogConfig
 from paramserver.util.jsontypes import JSONObject
 from paramserver.wire.stats import AlarmEntry, Figure
@@ -83,6 +84,12 @@ class Alarm:
         """As STATS lists it and an ``alarm`` event writes it."""
         return AlarmEntry(self.signal, self.shard, self.worker, self.version,
                           dict(self.figures), self.message)
+
+    def as_event(self, kind: type[ev.Alarm] | type[ev.Hint]) -> ev.Alarm | ev.Hint:
+        """Its ``alarm`` (or ``hint``) record."""
+        return kind(signal=self.signal, shard=self.shard, worker=self.worker,
+                    version=self.version, figures=dict(self.figures.items()),
+                    message=self.message)
 
     def as_dict(self) -> JSONObject:
         """As an ``alarm`` event writes it (the keys of :meth:`entry`)."""

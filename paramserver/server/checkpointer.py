@@ -40,6 +40,7 @@ from paramserver.core.reshard import ReshardError, reshard
 from paramserver.core.shard import ShardCore
 from paramserver.core.sharding import ShardPlan
 from paramserver.errors import ConfigError, ErrorCode, ParamServerError, ProtocolError
+from paramserver.observe import records as ev
 from paramserver.observe.events import EventLog
 from paramserver.persist.checkpoint import (
     CheckpointDirInUse,
@@ -122,8 +123,8 @@ class Checkpointer:
             snapshot.check(core, tensors, meta)
         except (ConfigError, ProtocolError) as exc:
             why = exc.reason if isinstance(exc, ProtocolError) else str(exc)
-            self.events.write("checkpoint_refused", shard=self.shard, version=core.version,
-                              error=why[:300])
+            self.events.write(ev.CheckpointRefused(shard=self.shard, version=core.version,
+                                                   error=why[:300]))
             raise CheckpointError(f"shard {self.shard}: the checkpoint at version "
                                   f"{core.version} was not written, resume would refuse it: "
                                   f"{why}") from exc
@@ -145,7 +146,7 @@ class Checkpointer:
     def written(self, version: int, path: str) -> None:
         """A checkpoint at ``version`` is on disk at ``path`` (the event, the clock)."""
         self.last = (time.monotonic(), version)
-        self.events.write("checkpoint", shard=self.shard, version=version, path=path)
+        self.events.write(ev.Checkpoint(shard=self.shard, version=version, path=path))
 
     def due(self, core: ShardCore | None) -> bool:
         """Whether a periodic checkpoint of ``core`` is due now."""
@@ -201,8 +202,8 @@ class Checkpointer:
             name = point["names"].get(self.shard)
             if not point["consistent"]:
                 print(f"shard {self.shard}: {point['note']}", file=sys.stderr, flush=True)
-                self.events.write("checkpoint_rounds_differ", shard=self.shard,
-                                  round=point["round"], checkpoint=name, note=point["note"])
+                self.events.write(ev.CheckpointRoundsDiffer(shard=self.shard, round=point["round"],
+                                                            checkpoint=name, note=point["note"]))
         tensors, meta = load_shard(directory, self.shard, name)
         try:
             theirs = ShardPlan.from_description(meta["plan"])
@@ -230,8 +231,10 @@ class Checkpointer:
         except ReshardError as exc:
             raise CheckpointError(str(exc)) from exc
         self.resumed_from = None  # (no checkpoint of this shard's to settle on)
-        self.events.write("checkpoint_resharded", shard=self.shard, directory=directory,
-                          shards=count, to=num_shards, version=meta.get("version"))
+        version = meta.get("version")
+        self.events.write(ev.CheckpointResharded(
+            shard=self.shard, directory=str(directory), shards=count, to=num_shards,
+            version=version if isinstance(version, int) else None))
         print(f"shard {self.shard}: resharding {directory} from {count} to {num_shards} "
               "shard(s)", file=sys.stderr, flush=True)
         return ShardPlan.from_description(meta["plan"]), tensors, meta
@@ -262,8 +265,7 @@ class Checkpointer:
         moved = move_aside(self.directory, self.shard)
         log.warning("shard %d: --fresh: moved the earlier run's checkpoints (%s) to %s",
                     self.shard, earlier, moved)
-        self.events.write("checkpoints_moved", shard=self.shard, earlier=earlier,
-                          path=str(moved))
+        self.events.write(ev.CheckpointsMoved(shard=self.shard, earlier=earlier, path=str(moved)))
         return moved
 
     def resumed(self, directory: str, version: int, settle: bool = True) -> None:

@@ -37,6 +37,7 @@ from paramserver.core.probe import MeasureBudget
 from paramserver.core.shard import ShardCore, SliceSpec
 from paramserver.core.sharding import ShardPlan
 from paramserver.errors import ConfigError, ErrorCode, ProtocolError
+from paramserver.observe import records as ev
 from paramserver.observe.console import Console
 from paramserver.observe.events import EventLog
 from paramserver.observe.metrics import MetricsExporter, TensorBoardWriter
@@ -212,8 +213,8 @@ class ShardServer:
         if self.exporter is not None:
             self.exporter.close()
         if stopped:
-            self.events.write("server_stop", shard=self.config.shard,
-                              version=self.core.version if self.core else 0)
+            self.events.write(ev.ServerStop(shard=self.config.shard,
+                                            version=self.core.version if self.core else 0))
         self.events.close()
         if self.started:
             self.socket.close(linger=linger)
@@ -227,11 +228,12 @@ class ShardServer:
         is told where it listens once it does."""
         self.start()
         self._running = True
-        self.events.write("server_start", shard=self.config.shard, address=self.address,
-                          metrics_port=self.metrics_port, mode=self.config.mode_spec().describe(),
-                          policy=self.policy.describe(),
-                          expected_workers=self.config.expected_workers,
-                          config=self.config.to_dict())
+        self.events.write(ev.ServerStart(shard=self.config.shard, address=self.address,
+                                         metrics_port=self.metrics_port,
+                                         mode=self.config.mode_spec().describe(),
+                                         policy=self.policy.describe(),
+                                         expected_workers=self.config.expected_workers,
+                                         config=self.config.to_dict()))
         log.info("shard %d/%d serving at %s (%s, policy %s)", self.config.shard,
                  self.config.num_shards, self.address, self.config.mode_spec().describe(),
                  self.policy.describe())
@@ -293,17 +295,17 @@ class ShardServer:
             for worker in dead:
                 sweep() if self.shm else None  # a worker died: its segments too
                 self.joined.drop(worker)
-                self.events.write("worker_dead", shard=self.config.shard, worker=worker,
-                                  clock=self.core.workers[worker].clock,
-                                  timeout=self.config.heartbeat_timeout)
+                self.events.write(ev.WorkerDead(shard=self.config.shard, worker=worker,
+                                                clock=self.core.workers[worker].clock,
+                                                timeout=self.config.heartbeat_timeout))
                 self.observer.left(self.core, worker)
                 self.peer_ops.maybe_all_done(self.core)
             # live members a round or SSP gate waited on past its deadline, silent
             left_out = self.core.leave_out(now)
             self._forward_timer("left_out", left_out)
             for worker in left_out:
-                self.events.write("worker_left_out", shard=self.config.shard, worker=worker,
-                                  deadline=self.core.round_deadline())
+                self.events.write(ev.WorkerLeftOut(shard=self.config.shard, worker=worker,
+                                                   deadline=self.core.round_deadline()))
         except Exception as exc:
             self._periodic_failed("expire", exc)
         try:
@@ -483,9 +485,9 @@ class ShardServer:
             return
         for worker in core.members.apply_decided(kind, workers):
             self.joined.drop(worker)
-            self.events.write("worker_dead", shard=self.config.shard, worker=worker,
-                              clock=core.workers[worker].clock,
-                              timeout=self.config.heartbeat_timeout)
+            self.events.write(ev.WorkerDead(shard=self.config.shard, worker=worker,
+                                            clock=core.workers[worker].clock,
+                                            timeout=self.config.heartbeat_timeout))
         self._answer_pulls(time.monotonic())
 
     def _forward_timer(self, kind: str, workers: list[int]) -> None:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from paramserver.errors import ErrorCode, ProtocolError
+from paramserver.observe import records as ev
 from paramserver.server.peers import Observers, require_core
 from paramserver.sparse.shard import SparseShard
 from paramserver.wire.compressed import expand
@@ -94,7 +95,7 @@ class DataOps:
         if core.initialized and tables is not None:
             tables.start()  # the plan's owner seeded: its sparse tables are due now
         if seeded:
-            self.events.write("init", shard=self.config.shard, worker=b.worker)
+            self.events.write(ev.Init(shard=self.config.shard, worker=b.worker))
         if seeded is None:
             return reply(msg, seeded=False, partial=True, version=core.version)
         return reply(msg, seeded=seeded, version=core.version)
@@ -156,13 +157,12 @@ class DataOps:
             def observe() -> None:
                 grad = self.observer.push(core, worker, out, loss=loss, seconds=seconds,
                                           nbytes=nbytes, loss_may_stop=trusted)
-                self.events.write(
-                    "push", shard=self.config.shard, worker=worker, clock=clock,
-                    read_version=read_version, version=out.version,
-                    staleness=out.staleness, accepted=out.accepted, weight=out.weight,
-                    reason=out.reason, num_samples=samples, loss=loss,
-                    grad_norm=grad.norm if grad else None,
-                    cosine=grad.cosine if grad else None)
+                self.events.write(ev.Push(shard=self.config.shard, worker=worker, clock=clock,
+                                          read_version=read_version, version=out.version,
+                                          staleness=out.staleness, accepted=out.accepted,
+                                          weight=out.weight, reason=out.reason, num_samples=samples,
+                                          loss=loss, grad_norm=grad.norm if grad else None,
+                                          cosine=grad.cosine if grad else None))
 
             self.host.defer(observe)
         if out.applied and (self.config.checkpoint_every or self.config.checkpoint_seconds):

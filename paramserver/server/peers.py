@@ -18,6 +18,7 @@ from paramserver.core.records import HoldNote
 from paramserver.core.shard import DTYPES as CORE_DTYPES
 from paramserver.core.sharding import ShardPlan
 from paramserver.errors import ConfigError, ErrorCode, ProtocolError
+from paramserver.observe import records as ev
 from paramserver.shm.link import sweep
 from paramserver.util.jsontypes import JSONObject
 from paramserver.wire.messages import Bye, Hello
@@ -171,16 +172,17 @@ class Peers:
             if sparse is not None:
                 sparse.forget(b.worker, restart=True)
             self.known[b.worker] = peer
-            self.events.write("worker_hello", shard=self.config.shard, worker=b.worker,
-                              clock=clock, host=host, pid=b.pid, joined=joined,
-                              from_clock=from_clock)
+            self.events.write(ev.WorkerHello(shard=self.config.shard, worker=b.worker, clock=clock,
+                                             host=host, pid=b.pid, joined=joined,
+                                             from_clock=from_clock))
             if joined != "again":
                 self._all_done = False
             if core.started and not started:
                 self.training_since = time.monotonic()
-                self.events.write("training_start", shard=self.config.shard,
-                                  mode=core.mode.describe(),
-                                  workers=sorted(core.members.live_ids()), version=core.version)
+                self.events.write(ev.TrainingStart(shard=self.config.shard,
+                                                   mode=core.mode.describe(),
+                                                   workers=sorted(core.members.live_ids()),
+                                                   version=core.version))
         return reply(msg, shard=self.config.shard, num_shards=self.config.num_shards,
                      version=core.version, clock=clock, initialized=core.initialized,
                      mode=core.mode.describe(), policy=self.policy.describe(),
@@ -233,8 +235,8 @@ class Peers:
             core.heartbeat(worker, now)
             if dead and state.live:  # declared dead, and alive after all: it is back
                 self._all_done = False
-                self.events.write("worker_back", shard=self.config.shard, worker=worker,
-                                  from_clock=was, clock=state.clock)
+                self.events.write(ev.WorkerBack(shard=self.config.shard, worker=worker,
+                                                from_clock=was, clock=state.clock))
         version = core.version if core is not None else 0
         # the worker's pull parked at a gate: its client tells a shard that holds the
         # pull (waiting is legitimate) from one that does not answer
@@ -286,8 +288,8 @@ class Peers:
             dead = core.declare_dead(b.worker)
             sweep() if self.shm else None
             if dead:
-                self.events.write("worker_dead", shard=self.config.shard, worker=b.worker,
-                                  reported=True, clock=core.workers[b.worker].clock)
+                self.events.write(ev.WorkerDead(shard=self.config.shard, worker=b.worker,
+                                                reported=True, clock=core.workers[b.worker].clock))
                 self.observer.left(core, b.worker)
                 self.maybe_all_done(core)
             return reply(msg, dead=dead)
@@ -295,8 +297,8 @@ class Peers:
         sparse = self.host.sparse
         if sparse is not None:
             sparse.forget(b.worker)
-        self.events.write("worker_bye", shard=self.config.shard, worker=b.worker,
-                          clock=core.workers[b.worker].clock)
+        self.events.write(ev.WorkerBye(shard=self.config.shard, worker=b.worker,
+                                       clock=core.workers[b.worker].clock))
         self.observer.left(core, b.worker)
         self.maybe_all_done(core)
         return reply(msg)
@@ -309,7 +311,7 @@ class Peers:
         self._all_done = True
         gone = sorted(core.workers.values(), key=lambda w: w.worker)
         since = self.training_since
-        self.events.write("all_done", shard=self.config.shard, version=core.version,
-                          seconds=time.monotonic() - since if since is not None else 0.0,
-                          finished=[w.worker for w in gone if w.finished],
-                          dead=[w.worker for w in gone if not w.finished])
+        self.events.write(ev.AllDone(shard=self.config.shard, version=core.version,
+                                     seconds=time.monotonic() - since if since is not None else 0.0,
+                                     finished=[w.worker for w in gone if w.finished],
+                                     dead=[w.worker for w in gone if not w.finished]))

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from paramserver.errors import ConfigError
+from paramserver.observe import records as ev
 from paramserver.server.config import NO_REPLICATION_KEY
 from paramserver.wire import replication as wrepl
 from paramserver.wire.replauth import BadSeal, ReplicationKey, Sealed
@@ -115,8 +116,8 @@ class Gate:
             (log.error if told else log.warning)(
                 "shard %d: replica %d (%s, replication key %s): %s (%d refused so far)",
                 self.shard, self.replica, self.address, self.key.key_id, what, self.refused)
-            self.events.write("replication_refused", shard=self.shard, replica=self.replica,
-                              reason=what[:300], refused=self.refused)
+            self.events.write(ev.ReplicationRefused(shard=self.shard, replica=self.replica,
+                                                    reason=what[:300], refused=self.refused))
 
     def mismatch(self, backup: str, why: str) -> str:
         """The line that says this replica and ``backup`` disagree on keys or versions."""

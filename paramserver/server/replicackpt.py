@@ -45,6 +45,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from paramserver.observe import records as ev
 from paramserver.persist.checkpoint import CheckpointError, latest_path, set_write_hook
 from paramserver.util import faults
 
@@ -142,8 +143,8 @@ class ReplicaCheckpoints:
             else:
                 log.error("shard %d: the checkpoint at version %d was not written: %s",
                           self.shard, version, error)
-                self.checkpoints.events.write("checkpoint_failed", shard=self.shard,
-                                              version=version, error=(error or "")[:300])
+                self.checkpoints.events.write(ev.CheckpointFailed(shard=self.shard, version=version,
+                                                                  error=(error or "")[:300]))
 
     def save(self, directory: str | None) -> str | None:
         """Write the shard's checkpoint now, whoever the writer is (the CHECKPOINT op,

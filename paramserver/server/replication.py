@@ -61,6 +61,7 @@ from paramserver.core.replica import (
     snapshot_fault,
 )
 from paramserver.errors import ConfigError, ProtocolError
+from paramserver.observe import records as ev
 from paramserver.server.backuplink import BackupLink
 from paramserver.server.forwarded import owned as _owned
 from paramserver.server.keepalive import KeepAlive
@@ -312,16 +313,16 @@ class Replication:
         self.lost.append(b.address)
         log.warning("shard %d: backup %s dropped (%s); the shard goes on with %d backup(s)",
                     self.shard, b.address, why, len(self.backups))
-        self.events.write("backup_lost", shard=self.shard, backup=b.address, reason=why,
-                          epoch=self.state.epoch, backups=len(self.backups))
+        self.events.write(ev.BackupLost(shard=self.shard, backup=b.address, reason=why,
+                                        epoch=self.state.epoch, backups=len(self.backups)))
         self.events.flush()  # (the worker it held is answered next: said before that)
 
     def _fenced(self, epoch: int, by: str) -> None:
         log.warning("shard %d: replica %d steps down: %s holds epoch %d (ours was older); "
                     "it accepts nothing from now on, and rejoins as a backup", self.shard,
                     self.replica, by, epoch)
-        self.events.write("stepped_down", shard=self.shard, replica=self.replica,
-                          epoch=epoch, by=by)
+        self.events.write(ev.SteppedDown(shard=self.shard, replica=self.replica, epoch=epoch,
+                                         by=by))
         self._rejoin([by, *(b.address for b in self.backups if b.address != by)])
 
     # ------------------------------------------------------------------ joining
@@ -387,8 +388,8 @@ class Replication:
             if b in self.backups:
                 log.info("shard %d: sent replica at %s a snapshot at input %d (%d bytes of "
                          "tensors); it joins as a backup", self.shard, address, seq, size)
-                self.events.write("backup_joining", shard=self.shard, backup=address,
-                                  seq=seq, epoch=self.state.epoch, bytes=size)
+                self.events.write(ev.BackupJoining(shard=self.shard, backup=address, seq=seq,
+                                                   epoch=self.state.epoch, bytes=size))
 
     def _joined(self, b: BackupLink) -> None:
         """``b`` acknowledged its snapshot. The inputs forwarded to it meanwhile were
@@ -411,9 +412,9 @@ class Replication:
         took = time.monotonic() - self._asked_at.pop(b.address, time.monotonic())
         log.info("shard %d: %s holds the snapshot at input %d and every input since: a "
                  "backup from now on, %.2fs after it asked", self.shard, b.address, seq, took)
-        self.events.write("backup_joined", shard=self.shard, backup=b.address, seq=seq,
-                          epoch=self.state.epoch, backups=len(self.backups),
-                          primary=self.address, seconds=round(took, 3))
+        self.events.write(ev.BackupJoined(shard=self.shard, backup=b.address, seq=seq,
+                                          epoch=self.state.epoch, backups=len(self.backups),
+                                          primary=self.address, seconds=round(took, 3)))
         self.events.flush()  # (the launcher tells of it: not left in a buffer)
 
     def _on_snapshot(self, identity: bytes, record: wrepl.Snapshot, rest: list[Any],
@@ -442,8 +443,8 @@ class Replication:
         if self.state.role is Role.PRIMARY:  # a rival of a lower epoch, not serving yet
             log.warning("shard %d: replica %d steps down: %s took over at epoch %d",
                         self.shard, self.replica, record.primary, record.epoch)
-            self.events.write("stepped_down", shard=self.shard, replica=self.replica,
-                              epoch=record.epoch, by=record.primary)
+            self.events.write(ev.SteppedDown(shard=self.shard, replica=self.replica,
+                                             epoch=record.epoch, by=record.primary))
             for b in self.backups:
                 b.close()
             self.backups, self._joining, self._settle = [], {}, set()
@@ -468,9 +469,9 @@ class Replication:
         log.warning("shard %d: replica %d (%s) rejoined as a backup of %s at epoch %d, "
                     "input %d, %.2fs after it asked", self.shard, self.replica, self.address,
                     record.primary, record.epoch, record.seq, took)
-        self.events.write("rejoined", shard=self.shard, replica=self.replica,
-                          address=self.address, primary=record.primary, epoch=record.epoch,
-                          seq=record.seq, seconds=round(took, 3))
+        self.events.write(ev.Rejoined(shard=self.shard, replica=self.replica, address=self.address,
+                                      primary=record.primary, epoch=record.epoch, seq=record.seq,
+                                      seconds=round(took, 3)))
         self.events.flush()  # (the launcher acts on it: not left in a buffer)
 
     # ------------------------------------------------------------------ both
@@ -571,9 +572,9 @@ class Replication:
         log.warning("shard %d: failover: replica %d (%s) takes over as primary at epoch %d, "
                     "%.2fs after the primary's last word", self.shard, self.replica,
                     self.address, epoch, silent)
-        self.events.write("failover", shard=self.shard, replica=self.replica, epoch=epoch,
-                          seconds=round(silent, 3), applied=self.state.applied,
-                          address=self.address, backups=list(backups))
+        self.events.write(ev.Failover(shard=self.shard, replica=self.replica, epoch=epoch,
+                                      seconds=round(silent, 3), applied=self.state.applied,
+                                      address=self.address, backups=list(backups)))
         self._send_snapshots()
 
     def admit(self, identity: bytes, frames: list[Any], send: Send,

@@ -21,6 +21,7 @@ import torch
 from paramserver.core.hyper import OptimizerSpec, conflict
 from paramserver.core.optim import build_optimizer
 from paramserver.errors import ConfigError, ErrorCode, ProtocolError
+from paramserver.observe import records as ev
 
 if TYPE_CHECKING:
     from paramserver.core.shard import ShardCore
@@ -94,5 +95,5 @@ class ScriptOptimizer:
             for group in sparse.stepper.optimizer.param_groups:
                 group["lr"] = lr
         if previous is not None:
-            self.events.write("lr_changed", shard=self.config.shard, worker=worker,
-                              version=core.version, lr=lr, previous=previous)
+            self.events.write(ev.LrChanged(shard=self.config.shard, worker=worker,
+                                           version=core.version, lr=lr, previous=previous))

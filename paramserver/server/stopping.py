@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from paramserver.errors import ErrorCode, ProtocolError
+from paramserver.observe import records as ev
 from paramserver.persist.checkpoint import CheckpointError
 from paramserver.wire.protocol import Message, Op
 
@@ -62,9 +63,9 @@ class Divergence:
                 path = self.save(str(Path(self.config.checkpoint_dir) / "diverged"))
             except CheckpointError as exc:  # weights not finite: resume would refuse it
                 log.error("%s", exc)
-        self.events.write("diverged", shard=self.config.shard, action=action,
-                          signal=first.signal, worker=first.worker, message=first.message,
-                          version=version, checkpoint=path)
+        self.events.write(ev.Diverged(shard=self.config.shard, action=action, signal=first.signal,
+                                      worker=first.worker, message=first.message, version=version,
+                                      checkpoint=path))
         self.events.flush()
         self.exit_code = DIVERGED_EXIT_CODE
         # linger a little, refusing every request, so workers learn why and stop

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from paramserver.errors import ConfigError, ParamServerError, RequestTimeoutError
+from paramserver.observe import records as ev
 from paramserver.observe.events import write_json
 from paramserver.observe.recorder import JsonlFollower, LauncherObserver
 from paramserver.server.config import ServerConfig
@@ -486,9 +487,9 @@ class LocalCluster:
         elif notice.pace:
             pace = f"; before it, {1 / notice.pace:.0f} steps a second"
         self.stalls.append(StallRecord(notice.stalled, notice.quiet, notice.pace, time.time()))
-        self.observer.events.write("stall", stalled=notice.stalled, quiet=notice.quiet,
-                                   pace=notice.pace,
-                                   running=[self.workers[r].name for r in pending])
+        self.observer.events.write(ev.Stall(stalled=notice.stalled, quiet=notice.quiet,
+                                            pace=notice.pace,
+                                            running=[self.workers[r].name for r in pending]))
         if notice.stalled:
             log.warning("no worker has logged a step for %.0fs%s (--stall-warning %gs); "
                         "still running: %s", notice.quiet, pace, self.spec.stall_warning,

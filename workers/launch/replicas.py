@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from paramserver.observe import records as ev
 from paramserver.workers.failover import ask_roles, primary_of
 from paramserver.workers.launch.clusterspec import replica_name
 
@@ -137,9 +138,10 @@ class ReplicaKeeper:
         log.warning("shard %d failed over: %s (replica %d, %s) is its primary at epoch %d, "
                     "%.2fs after the old primary's last word", rec.shard, name, rec.replica,
                     rec.address, rec.epoch, rec.seconds)
-        self.cluster.observer.events.write(
-            "failover", process=name, shard=rec.shard, replica=rec.replica,
-            address=rec.address, epoch=rec.epoch, seconds=rec.seconds)
+        self.cluster.observer.events.write(ev.LauncherFailover(process=name, shard=rec.shard,
+                                                               replica=rec.replica,
+                                                               address=rec.address, epoch=rec.epoch,
+                                                               seconds=rec.seconds))
 
     def _rejoined(self, rec: _Joined) -> None:
         replicas = self.cluster.replica_sets[rec.shard]
@@ -148,9 +150,10 @@ class ReplicaKeeper:
         log.warning("shard %d: %s rejoined as a backup of %s at epoch %d (the primary's "
                     "state at input %d, then every input since; %.2fs after it asked)",
                     rec.shard, name, rec.primary, rec.epoch, rec.seq, rec.seconds)
-        self.cluster.observer.events.write(
-            "rejoined", process=name, shard=rec.shard, replica=replica, address=rec.backup,
-            primary=rec.primary, epoch=rec.epoch, seq=rec.seq, seconds=rec.seconds)
+        self.cluster.observer.events.write(ev.LauncherRejoined(process=name, shard=rec.shard,
+                                                               replica=replica, address=rec.backup,
+                                                               primary=rec.primary, epoch=rec.epoch,
+                                                               seq=rec.seq, seconds=rec.seconds))
 
 
 class _Failover(msgspec.Struct, tag_field="event", tag="failover"):

@@ -38,14 +38,13 @@ import contextlib
 import dataclasses
 import heapq
 import itertools
-import json
 import logging
 import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -55,7 +54,8 @@ from paramserver.core.records import PushOutcome
 from paramserver.core.shard import GradStats, ShardCore, SliceSpec, StepStats
 from paramserver.core.sharding import ShardPlan
 from paramserver.errors import ConfigError, ParamServerError, ProtocolError
-from paramserver.observe.events import write_json
+from paramserver.observe import records as ev
+from paramserver.observe.events import EventLog, write_json
 from paramserver.policies import create_policy
 from paramserver.util.jsontypes import JSONObject
 from paramserver.wire.compressed import expand
@@ -145,29 +145,12 @@ def _torch_threads(n: int) -> Iterator[None]:
         torch.set_num_threads(saved)
 
 
-class VirtualEventLog:
-    """JSONL event log like :class:`~paramserver.observe.events.EventLog`, stamped with
-    virtual time."""
+class VirtualEventLog(EventLog):
+    """An :class:`~paramserver.observe.events.EventLog` stamped with virtual time, whose
+    file is written afresh."""
 
     def __init__(self, path: str | Path | None, clock: Callable[[], float]) -> None:
-        self.path = Path(path) if path else None
-        self._clock = clock
-        self._fh: IO[str] | None = None
-        if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._fh = self.path.open("w", encoding="utf-8")
-
-    def write(self, event: str, **fields: Any) -> None:
-        if self._fh is None:
-            return
-        record = {"t": self._clock(), "event": event, **fields}
-        self._fh.write(json.dumps(record, separators=(",", ":")))
-        self._fh.write("\n")
-
-    def close(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
+        super().__init__(path, clock=clock, fresh=True)
 
 
 @dataclass
@@ -267,8 +250,8 @@ class Simulator:
             self.cores.append(core)
             described = server.to_dict()
             described["event_log"] = str(self._path(f"server{k}")) if self.out else None
-            self.server_events[k].write("server_start", shard=k, address=SIM_ADDRESS.format(k),
-                                        config=described)
+            self.server_events[k].write(ev.ServerStart(shard=k, address=SIM_ADDRESS.format(k),
+                                                       config=described))
 
         self.workers: list[_VWorker] = []
         for rank in range(spec.num_workers):
@@ -351,15 +334,15 @@ class Simulator:
             for w in self.workers:
                 state = core.register(w.rank, f"sim-{w.rank}", self.now)
                 # the same record as a real shard's; a virtual worker has no host or pid
-                self.server_events[k].write("worker_hello", shard=k, worker=w.rank,
-                                            clock=state.clock, host=None, pid=None,
-                                            joined="new", from_clock=None)
+                self.server_events[k].write(ev.WorkerHello(shard=k, worker=w.rank,
+                                                           clock=state.clock, host=None, pid=None,
+                                                           joined="new", from_clock=None))
             if core.initialize({key: t.clone() for key, t in init[k].items()}):
-                self.server_events[k].write("init", shard=k, worker=0)
+                self.server_events[k].write(ev.Init(shard=k, worker=0))
         for w in self.workers:
             w.started = self.now
-            w.events.write("worker_start", worker=w.rank, clock=w.clock, seeded=w.rank == 0,
-                           device="sim", steps=w.steps, plan_hash=self.plan.hash)
+            w.events.write(ev.WorkerStart(worker=w.rank, clock=w.clock, seeded=w.rank == 0,
+                                          device="sim", steps=w.steps, plan_hash=self.plan.hash))
             self._start_pull(w)
 
     def _start_pull(self, w: _VWorker) -> None:
@@ -480,8 +463,8 @@ class Simulator:
     def _eval(self, w: _VWorker) -> dict[str, float]:
         metrics = evaluate(self.task, self.model)
         if metrics:
-            w.events.write("eval", worker=w.rank, clock=w.clock, versions=list(w.read_versions),
-                           **metrics)
+            w.events.write(ev.Eval(worker=w.rank, clock=w.clock, versions=list(w.read_versions),
+                                   figures=metrics))
         return metrics
 
     def _push(self, w: _VWorker) -> None:
@@ -507,12 +490,13 @@ class Simulator:
         if grad is not None and grad.worker != w.rank:
             grad = None
         if not out.duplicate:
-            self.server_events[shard].write(
-                "push", shard=shard, worker=w.rank, clock=w.clock, read_version=read_version,
-                version=out.version, staleness=out.staleness, accepted=out.accepted,
-                weight=out.weight, reason=out.reason, num_samples=w.num_samples, loss=w.loss,
-                grad_norm=grad.norm if grad else None, cosine=grad.cosine if grad else None,
-            )
+            self.server_events[shard].write(ev.Push(shard=shard, worker=w.rank, clock=w.clock,
+                                                    read_version=read_version, version=out.version,
+                                                    staleness=out.staleness, accepted=out.accepted,
+                                                    weight=out.weight, reason=out.reason,
+                                                    num_samples=w.num_samples, loss=w.loss,
+                                                    grad_norm=grad.norm if grad else None,
+                                                    cosine=grad.cosine if grad else None))
         self._at(self.sim.latency, self._push_reply, w, shard, out)
         self._answer(shard)
 
@@ -527,16 +511,15 @@ class Simulator:
         w.accepted += accepted
         w.rejected += not accepted
         w.losses.append(w.loss)
-        w.events.write(
-            "step", worker=w.rank, clock=w.clock, read_versions=list(w.read_versions),
+        w.events.write(ev.Step(
+            worker=w.rank, clock=w.clock, read_versions=list(w.read_versions),
             staleness=max(o.staleness for o in outcomes), accepted=accepted,
             reasons=sorted({o.reason for o in outcomes if not o.accepted}),
             weight=min(o.weight for o in outcomes), loss=w.loss, num_samples=w.num_samples,
             compute_s=w.compute_s, sleep_s=w.sleep_s, pull_s=w.pull_s,
             push_s=self.now - w.push_started, wait_s=w.wait_s,
             bytes=w.push_bytes + sum(self._nbytes(k) for k in range(len(self.cores))),
-            **({"local_steps": w.sync_every} if w.inner is not None else {}),
-        )
+            local_steps=w.sync_every if w.inner is not None else ev.UNSET))
         w.grads = {}
         self._steps_done += 1
         self._last_loss[w.rank] = w.loss
@@ -567,14 +550,14 @@ class Simulator:
             wait_seconds=w.waited, final_versions=tuple(w.read_versions),
             eval=figures)
         data = result.to_json()
-        w.events.write("worker_end", **data)
+        w.events.write(result.to_event())
         if self.out is not None:
             write_json(self.out / "results" / f"worker{w.rank}.json", data)
 
     def _bye_arrives(self, w: _VWorker, shard: int) -> None:
         self.cores[shard].leave(w.rank, self.now)
-        self.server_events[shard].write("worker_bye", shard=shard, worker=w.rank,
-                                        clock=self.cores[shard].workers[w.rank].clock)
+        self.server_events[shard].write(ev.WorkerBye(shard=shard, worker=w.rank,
+                                                     clock=self.cores[shard].workers[w.rank].clock))
         self._answer(shard)
 
     def _progress(self) -> Progress:
@@ -598,7 +581,7 @@ class Simulator:
 
     def _finish(self, wall_seconds: float) -> ClusterResult:
         for k, core in enumerate(self.cores):
-            self.server_events[k].write("server_stop", shard=k, version=core.version)
+            self.server_events[k].write(ev.ServerStop(shard=k, version=core.version))
         final: dict[str, float] = {}
         merged: dict[str, torch.Tensor] = {}
         for core in self.cores:
@@ -609,8 +592,8 @@ class Simulator:
         if self._evaluator is not None:  # its figures are the final weights', as final()'s
             w = self._evaluator
             if final:
-                w.events.write("eval", worker=w.rank, clock=w.clock,
-                               versions=list(w.read_versions), **final, final=True)
+                w.events.write(ev.Eval(worker=w.rank, clock=w.clock,
+                                       versions=list(w.read_versions), figures=final, final=True))
             self._write_result(w, final or None)
         stats = self._server_stats()
         result = ClusterResult(
