@@ -19,6 +19,9 @@ them alike and each repeat gives a paired ratio to gloo:
 * ``ps-early``: ``ps-parts`` with early parts asked for (``PSClient(early_parts=True)``:
   a part's weights come back while later parts still go up; pipelined per part), so
   that it differs from ``ps-parts`` in that alone;
+* ``ps-int8``, ``ps-topk``: ``ps`` with the push compressed (``--compression int8``, and
+  ``topk:ratio=0.01``, both with error feedback; paramserver/compress), the weights
+  pulled dense;
 * ``gloo``: torch.distributed all_reduce (gloo's ring) on the worker hosts.
 """
 
@@ -52,7 +55,8 @@ log = logging.getLogger(__name__)
 DEFAULT_SIZES: tuple[int, ...] = (8 << 20, 32 << 20)
 DEFAULT_WORKERS: tuple[int, ...] = (2, 4)
 DEFAULT_RATE = "400mbit"
-SYSTEMS: tuple[str, ...] = ("raw", "ps", "ps-colocated", "ps-parts", "ps-early", "gloo")
+SYSTEMS: tuple[str, ...] = ("raw", "ps", "ps-colocated", "ps-parts", "ps-early", "ps-int8",
+                             "ps-topk", "gloo")
 #: ps-parts' and ps-early's part (and chunk) size: an 8 MiB round over 4 shards is 4 parts
 #: per shard, so a part's weights can come back while 3 more go up (a slice is never
 #: split, hence the plan's chunks too)
@@ -62,6 +66,8 @@ _VARIANTS: dict[str, JSONObject] = {
     "ps-parts": {"chunk_bytes": EARLY_PART_BYTES, "part_bytes": EARLY_PART_BYTES},
     "ps-early": {"chunk_bytes": EARLY_PART_BYTES, "part_bytes": EARLY_PART_BYTES,
                  "early_parts": True},
+    "ps-int8": {"compression": "int8"},
+    "ps-topk": {"compression": "topk:ratio=0.01"},
 }
 _TIMEOUT = 600.0
 _LR = 1e-3
@@ -91,7 +97,7 @@ class _World:
                 self.raw_addrs = [text(a.read(_TIMEOUT), "address") for a in servers]
                 self.systems["raw"] = _System("raw", self._spawn("raw-worker", c.workers),
                                               "raw", servers=servers)
-            for name in ("ps", "ps-colocated", "ps-parts", "ps-early"):
+            for name in ("ps", "ps-colocated", "ps-parts", "ps-early", "ps-int8", "ps-topk"):
                 if name in systems:
                     hosts = c.workers if name == "ps-colocated" else c.servers
                     servers = self._spawn(f"{name}-server", hosts)

@@ -91,7 +91,8 @@ def serve(args: JSONObject, announce: Announce) -> JSONObject:
 class PSSession(FixedSizeSession):
     """One worker: ``push_pull`` rounds on a flat parameter.
 
-    ``args``: addresses, numel, rank, chunk_bytes, part_bytes, wire_dtype, pieces, shm
+    ``args``: addresses, numel, rank, chunk_bytes, part_bytes, wire_dtype, compression
+    (a ``--compression`` spec: the push compressed, with error feedback), pieces, shm
     (False: TCP even with a same-host shard), early_parts (PSClient's: a round in parts
     asks for each part's weights as soon as its sum is final).
     """
@@ -103,9 +104,12 @@ class PSSession(FixedSizeSession):
                          integer(args, "chunk_bytes", ShardPlan.DEFAULT_CHUNK_BYTES),
                          integer(args, "pieces", 1))
         wire_dtype = args.get("wire_dtype")
+        compression = args.get("compression")
         self.client = PSClient(addresses, plan, integer(args, "rank", 0),
                                timeout=300.0, request_timeout=120.0,
                                wire_dtype=wire_dtype if isinstance(wire_dtype, str) else None,
+                               compression=compression if isinstance(compression, str)
+                               else None,
                                part_bytes=integer(args, "part_bytes", PART_BYTES),
                                shm=flag(args, "shm", True),
                                early_parts=flag(args, "early_parts", False))
