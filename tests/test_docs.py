@@ -263,8 +263,11 @@ def document_runs(request: pytest.FixtureRequest,
     docs = [item.callspec.params["doc"] for item in request.session.items
             if getattr(item, "originalname", None) == "test_the_blocks_of_a_document_run"]
     dirs = {doc: tmp_path_factory.mktemp(doc.stem) for doc in docs}
+    # the documents with the most blocks to run first (the README), so that the lanes end
+    # together: in file order, the longest but one (experiments.md) came last, alone
+    docs.sort(key=lambda doc: -sum(1 for b in blocks(doc) if b.kind in ("python", "shell")
+                                   and b.skip is None and _file_of(b) is None))
     with ThreadPoolExecutor(max(1, min(len(docs), os.cpu_count() or 1))) as pool:
-        # in DOCS order: the README, the longest, starts first
         return {doc: pool.submit(_run_document, doc, dirs[doc]) for doc in docs}
 
 
