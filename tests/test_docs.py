@@ -10,7 +10,9 @@ A block is one of:
   with a command first (``paramserver``, ``python``, ``make``, ``torchrun``, ...);
   lines starting ``$ `` are the commands of a block that shows output too. It runs
   with bash -e in the temp dir, at small sizes (``--steps``, ``--seeds``, ``--epochs``
-  shrunk; PARAMSERVER_STEPS and PARAMSERVER_SEEDS set for commands that give none).
+  shrunk; for commands that give none, PARAMSERVER_STEPS and PARAMSERVER_SEEDS set,
+  which ``launch`` reads, and ``--steps 3 --seeds 1`` added to ``experiment`` and
+  ``simulate``, which read no defaults from the environment).
 
 A block not meant to run (a fragment, several hosts, a GPU, a server that runs
 until stopped, minutes of benchmarks) says so with ``<!-- no-run: reason -->`` on
@@ -112,10 +114,34 @@ def blocks(doc: Path) -> list[Block]:
     return found
 
 
+# a grid command and the rest of its line (continued by trailing backslashes)
+GRID_COMMAND = re.compile(r"(?P<head>paramserver\s+(?:experiment|simulate))"
+                          r"(?P<rest>(?:[^\n\\]|\\.|\\\n)*)")
+# a grid's length comes from these when given: no --steps added beside them
+GRID_LENGTH = ("--steps", "--budget-seconds", "--budget-gradients", "--spec", "--preset")
+
+
+def _small_grid(match: re.Match[str]) -> str:
+    """A grid command with ``--steps 3 --seeds 1`` where it gives none: unlike launch,
+    experiment and simulate take no defaults from PARAMSERVER_STEPS/SEEDS, and their own
+    (hundreds of steps, 3 seeds) would cost minutes for a block checked only to run."""
+    head, rest = match.group("head"), match.group("rest")
+    flags = rest.split(" -- ", 1)[0]  # not the arguments of a script it runs
+    if not any(f in flags for f in GRID_LENGTH):
+        head += " --steps 3"
+    if not any(f in flags for f in ("--seeds", "--spec", "--preset")):
+        head += " --seeds 1"
+    return head + rest
+
+
 def _shrink(code: str) -> str:
     for pattern, small in SHRINK:
         code = pattern.sub(small, code)
     return code
+
+
+def _shrink_shell(code: str) -> str:
+    return GRID_COMMAND.sub(_small_grid, _shrink(code))
 
 
 def _shell_script(code: str) -> str:
@@ -127,8 +153,8 @@ def _shell_script(code: str) -> str:
                                  for c in commands):
         # independent one-line runs (each its own --out): side by side, each one checked
         started = "\n".join(f"{c} &\npids+=($!)" for c in commands)
-        return _shrink(f'pids=()\n{started}\nfor p in "${{pids[@]}}"; do wait "$p"; done')
-    return _shrink("\n".join(lines))
+        return _shrink_shell(f'pids=()\n{started}\nfor p in "${{pids[@]}}"; do wait "$p"; done')
+    return _shrink_shell("\n".join(lines))
 
 
 def _env(tmp: Path) -> dict[str, str]:
@@ -179,6 +205,14 @@ def test_the_parser_sees_fences_indented_commands_and_markers(tmp_path: Path) ->
                    ("text", "runs/a/   a folder", None), ("toml", "# a.toml\nx = 1", None)]
     assert _shell_script("$ paramserver launch --steps 300\noutput") == \
         "paramserver launch --steps 3"
+    # grid commands read no environment defaults: flags, before a script's own arguments
+    assert _shell_script("paramserver experiment --mode sync \\\n    --out o -- python t.py "
+                         "--seeds 5") == ("paramserver experiment --steps 3 --seeds 1 --mode "
+                                          "sync \\\n    --out o -- python t.py --seeds 1")
+    assert _shell_script("paramserver simulate --steps 30 --workers 8\n"
+                         "paramserver experiment --spec g.toml") == (
+        "paramserver simulate --seeds 1 --steps 3 --workers 8\n"
+        "paramserver experiment --spec g.toml")
 
 
 def test_every_document_has_blocks_that_run() -> None:
@@ -229,8 +263,11 @@ def document_runs(request: pytest.FixtureRequest,
     docs = [item.callspec.params["doc"] for item in request.session.items
             if getattr(item, "originalname", None) == "test_the_blocks_of_a_document_run"]
     dirs = {doc: tmp_path_factory.mktemp(doc.stem) for doc in docs}
+    # the documents with the most blocks to run first (the README), so that the lanes end
+    # together: in file order, the longest but one (experiments.md) came last, alone
+    docs.sort(key=lambda doc: -sum(1 for b in blocks(doc) if b.kind in ("python", "shell")
+                                   and b.skip is None and _file_of(b) is None))
     with ThreadPoolExecutor(max(1, min(len(docs), os.cpu_count() or 1))) as pool:
-        # in DOCS order: the README, the longest, starts first
         return {doc: pool.submit(_run_document, doc, dirs[doc]) for doc in docs}
 
 

@@ -33,6 +33,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -52,7 +53,9 @@ pytestmark = [pytest.mark.integration,
 
 STEPS = 80
 LIMIT = 60.0  # seconds for any one phase of the run
-WAITS = 10  # failover timeouts the partition lasts at least
+# failover timeouts the partition lasts at least: TCP takes the old primary's connection
+# to its backup down within one (TCP_MAXRT), and it probes the backup's host once each
+WAITS = 5
 ROOT = Path(__file__).resolve().parents[1]  # (where `tests` is a package)
 
 
@@ -92,29 +95,30 @@ def _in_ns(ns: str, code: str) -> str:
     return done.stdout
 
 
-def _roles(ns: str, addresses: list[str]) -> dict[str, tuple[str, int] | None]:
-    """Each replica's (role, epoch), asked from inside ``ns``."""
-    code = ("import json\nfrom paramserver.workers.failover import ask_roles\n"
+def _roles_weights_stop(ns: str, addresses: list[str], mode: str, entry: str, out: Path
+                        ) -> tuple[dict[str, tuple[str, int] | None], dict[str, torch.Tensor]]:
+    """From inside ``ns``, in one interpreter (each start costs seconds): each replica's
+    (role, epoch); then the shard's weights as the launcher saves them (an observer's
+    pull); then both replicas asked to stop, each answering."""
+    out.mkdir()
+    code = ("import json\nfrom pathlib import Path\n"
+            "from paramserver.workers.admin import shutdown_servers\n"
+            "from paramserver.workers.failover import ask_roles\n"
+            "from paramserver.workers.launch.finalfigures import final_eval\n"
+            "from tests.test_replication_hosts_e2e import _spec\n"
             f"r = ask_roles({addresses!r}, timeout=3.0)\n"
+            f"final_eval(_spec({mode!r}), [{entry!r}], Path({str(out)!r}))\n"
+            f"assert shutdown_servers({addresses[::-1]!r}) == []\n"
             "print(json.dumps({a: v and [v.role, v.epoch] for a, v in r.items()}))")
     got = json.loads(_in_ns(ns, code).strip().splitlines()[-1])
-    return {a: (v[0], v[1]) if v else None for a, v in got.items()}
+    roles = {a: (v[0], v[1]) if v else None for a, v in got.items()}
+    return roles, load_file(str(out / "final_model.safetensors"))
 
 
 @pytest.fixture
 def hosts() -> Iterator[Link]:
     with two_namespaces() as link:  # deleted with whatever still runs inside
         yield link
-
-
-def _final_weights(ns: str, mode: str, entry: str, out: Path) -> dict[str, torch.Tensor]:
-    """The shard's weights as the launcher saves them (an observer's pull), from ``ns``."""
-    out.mkdir()
-    _in_ns(ns, "from pathlib import Path\n"
-               "from paramserver.workers.launch.finalfigures import final_eval\n"
-               f"from tests.test_replication_hosts_e2e import _spec\n"
-               f"final_eval(_spec({mode!r}), [{entry!r}], Path({str(out)!r}))")
-    return load_file(str(out / "final_model.safetensors"))
 
 
 def _spec(mode: str) -> ClusterSpec:
@@ -130,6 +134,7 @@ def test_a_partitioned_primary_is_replaced_and_fenced(hosts: Link, tmp_path: Pat
     link = hosts
     procs: list[subprocess.Popen[bytes]] = []
     replicas: list[Replica] = []
+    beside = ThreadPoolExecutor(1)  # the sync reference run, while the partition idles
 
     def server(name: str, ns: str, ip: str, **kw: object) -> Replica:
         cfg = ServerConfig(mode=mode, expected_workers=2, replicas=1,
@@ -175,6 +180,8 @@ def test_a_partitioned_primary_is_replaced_and_fenced(hosts: Link, tmp_path: Pat
             assert workers[0].returncode == 0, (tmp_path / "worker0.log").read_text()[-3000:]
         (failover,) = _events(tmp_path / "backup.jsonl", "failover")
         assert failover["epoch"] == 1
+        if mode == "sync":  # the run without replicas or failure, on loopback, meanwhile
+            reference = beside.submit(run_cluster, _spec(mode), tmp_path / "reference")
         # the partition outlasts ten failover timeouts as the old primary counts them
         # (it warns once a timeout while it waits for its backup): its connection to
         # the backup went down meanwhile, and the backup does not refuse a connection
@@ -197,12 +204,9 @@ def test_a_partitioned_primary_is_replaced_and_fenced(hosts: Link, tmp_path: Pat
         for rank, proc in enumerate(workers):
             _wait(f"worker {rank} finished", lambda proc=proc: proc.poll() is not None)
             assert proc.returncode == 0, (tmp_path / f"worker{rank}.log").read_text()[-3000:]
-        roles = _roles(link.ns_b, [primary.address, backup.address])
+        roles, weights = _roles_weights_stop(link.ns_b, [primary.address, backup.address],
+                                             mode, entry, tmp_path / "final")
         assert roles == {backup.address: ("primary", 1), primary.address: ("backup", 1)}
-        weights = _final_weights(link.ns_b, mode, entry, tmp_path / "final")
-        _in_ns(link.ns_b, "from paramserver.workers.admin import shutdown_servers\n"
-                          f"assert shutdown_servers([{backup.address!r}, "
-                          f"{primary.address!r}]) == []")
         for r in replicas:
             assert r.popen.wait(60) == 0, r.log.read_text()[-3000:]
     finally:
@@ -212,11 +216,11 @@ def test_a_partitioned_primary_is_replaced_and_fenced(hosts: Link, tmp_path: Pat
             p.wait(30)
         for r in replicas:
             r.stop()
+        beside.shutdown(wait=True)  # (its processes end with it)
     (stepped,) = _events(tmp_path / "primary.jsonl", "stepped_down")
     assert stepped["epoch"] == 1
     if mode == "sync":  # the same weights, bit for bit, as the run without failure
-        reference = run_cluster(_spec(mode), tmp_path / "reference")
-        assert reference.failures == ()
+        assert reference.result().failures == ()
         expected = load_file(str(tmp_path / "reference" / "final_model.safetensors"))
         assert weights.keys() == expected.keys()
         for key in expected:

@@ -77,12 +77,16 @@ def _final(out: Path) -> dict:
 
 
 def _resumed_and_uninterrupted(tmp: Path, args: list[str]) -> tuple[dict, dict, Path]:
+    # the run never killed goes on beside the killed one and its resumption (own ports,
+    # own folders; a sync run's weights do not depend on timing)
     whole = _launch(args, tmp / "whole", tmp / "ckpt-whole")
     killed = _launch(args, tmp / "killed", tmp / "ckpt")
     _kill_after_a_checkpoint(killed, tmp / "ckpt")
-    _finish(whole)
     resumed = _launch(args, tmp / "resumed", tmp / "ckpt", "--resume", str(tmp / "ckpt"))
-    _finish(resumed)
+    try:
+        _finish(whole)
+    finally:
+        _finish(resumed)
     return _final(tmp / "resumed"), _final(tmp / "whole"), tmp / "resumed"
 
 
