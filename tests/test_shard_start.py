@@ -124,3 +124,26 @@ def test_a_state_goes_in_whole_or_leaves_no_half_restored_shard():
         assert server.access.owners == {}
     finally:
         server.close()
+
+
+def test_one_place_builds_a_shard_server_and_one_its_core():
+    """entry.serve builds every shard server the project starts, and
+    ServerConfig.new_core every core (a shard's and the simulator's): no other module
+    calls either constructor (benchmarks/hotpath.py drives a handler in-process, on
+    purpose)."""
+    import os
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "paramserver"
+    calls: dict[str, set[str]] = {"ShardServer": set(), "ShardCore": set()}
+    # (workers/, cli/ and benchmarks/ are links inside the package: followed)
+    paths = [Path(d) / f for d, _, files in os.walk(root, followlinks=True)
+             for f in files if f.endswith(".py")]
+    for path in paths:
+        rel = path.relative_to(root).as_posix()
+        for name in calls:
+            if re.search(rf"(?<![\w.`~])(?<!class ){name}\(", path.read_text(encoding="utf-8")):
+                calls[name].add(rel)
+    assert calls["ShardServer"] == {"server/entry.py", "benchmarks/hotpath.py"}
+    assert calls["ShardCore"] == {"server/config.py"}

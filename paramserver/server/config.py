@@ -23,7 +23,7 @@ import os
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 # only light modules: the CLI declares its options from these classes, and `--help`
 # must not wait for torch (tests/test_cli_startup.py)
@@ -40,6 +40,11 @@ from paramserver.observe.thresholds import (
     parse_observe,
 )
 from paramserver.util.coerce import MISSING, coerce, guess, parse_kwargs, parse_policy_args
+
+if TYPE_CHECKING:
+    from paramserver.core.shard import ShardCore
+    from paramserver.core.sharding import ShardPlan
+    from paramserver.policies.base import StalenessPolicy
 
 __all__ = [
     "OPTION",
@@ -550,6 +555,18 @@ class ServerConfig(ConfigRecord):
             f.name: _copied(getattr(self, f.name)) for f in dataclasses.fields(CoreConfig)
             if f.name not in CORE_DERIVED and f.name not in CORE_ONLY}
         return CoreConfig(mode=self.mode_spec(), **values)
+
+    def new_core(self, plan: ShardPlan, policy: StalenessPolicy | None = None) -> ShardCore:
+        """This shard's core for ``plan``: its slices, :meth:`core_config` and its
+        staleness policy (``policy``, else a new one of ``--policy``). The one way a
+        core is made, by a shard server and by the virtual-time simulator alike."""
+        from paramserver.core.shard import ShardCore, SliceSpec  # (torch: not for --help)
+        from paramserver.policies.registry import create_policy
+
+        slices = [SliceSpec(s.key, s.numel, s.dtype) for s in plan.shard_slices(self.shard)]
+        if policy is None:
+            policy = create_policy(self.policy, self.policy_args)
+        return ShardCore(slices, self.core_config(), policy)
 
 
 #: CoreConfig's fields made of other options: field -> the options it is made of

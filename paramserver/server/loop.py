@@ -34,7 +34,7 @@ import zmq
 
 from paramserver.core import features
 from paramserver.core.probe import MeasureBudget
-from paramserver.core.shard import ShardCore, SliceSpec
+from paramserver.core.shard import ShardCore
 from paramserver.core.sharding import ShardPlan
 from paramserver.errors import ConfigError, ErrorCode, ProtocolError
 from paramserver.observe import records as ev
@@ -654,8 +654,7 @@ class ShardServer:
                 features.check(self.config.features() | {"sparse"})
             except ConfigError as exc:
                 raise ProtocolError(ErrorCode.BAD_FIELD, f"invalid plan: {exc}") from exc
-        slices = [SliceSpec(s.key, s.numel, s.dtype) for s in plan.shard_slices(self.config.shard)]
-        core = ShardCore(slices, self.config.core_config(), self.policy)
+        core = self.config.new_core(plan, self.policy)
         self.sparse = SparseShard.for_server(plan, self.config, core.members.live_ids)
         self.tables = TableBuilder(self.sparse, self.config.shard) if self.sparse else None
         self.core = core  # (not before the plan's tables proved trainable)
@@ -667,7 +666,7 @@ class ShardServer:
         self.plan = plan
         self.joined.budget = (64 << 20) + (self.config.expected_workers + 1) * plan.shard_bytes(
             self.config.shard)
-        log.info("shard %d holds %d slices, %d bytes", self.config.shard, len(slices),
+        log.info("shard %d holds %d slices, %d bytes", self.config.shard, len(core.specs),
                  plan.shard_bytes(self.config.shard))
 
     def _on_stats(self, msg: Message, identity: bytes) -> Message:

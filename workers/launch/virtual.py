@@ -51,12 +51,11 @@ import torch
 from paramserver.compress import Encoder, parse_compression
 from paramserver.core.optim import build_optimizer
 from paramserver.core.records import PushOutcome
-from paramserver.core.shard import GradStats, ShardCore, SliceSpec, StepStats
+from paramserver.core.shard import GradStats, ShardCore, StepStats
 from paramserver.core.sharding import ShardPlan
 from paramserver.errors import ConfigError, ParamServerError, ProtocolError
 from paramserver.observe import records as ev
 from paramserver.observe.events import EventLog, write_json
-from paramserver.policies import create_policy
 from paramserver.util.jsontypes import JSONObject
 from paramserver.wire.compressed import expand
 from paramserver.workers.launch.clusterspec import ClusterSpec, Progress
@@ -240,9 +239,7 @@ class Simulator:
         for k in range(spec.num_servers):
             server = dataclasses.replace(spec.server, shard=k, num_shards=spec.num_servers,
                                          expected_workers=spec.num_workers)
-            slices = [SliceSpec(s.key, s.numel, s.dtype) for s in self.plan.shard_slices(k)]
-            policy = create_policy(server.policy, server.policy_args)  # one per shard
-            core = ShardCore(slices, server.core_config(), policy)
+            core = server.new_core(self.plan)  # as a shard server makes it (a policy each)
             watchdog = server.watchdog_config()  # measured as a real shard measures them
             cosine = watchdog.enabled and "gradient_disagrees" not in watchdog.disable
             core.observe(self._observer(k), cosine_decay=0.97 if cosine else None,
