@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paramserver.core import shard as core_module
+from paramserver.core import corestate as core_module
 from paramserver.core.shard import CoreConfig, ModeSpec, ShardCore, SliceSpec
 
 SLICES = [SliceSpec("w", 12, "float32"), SliceSpec("h", 3, "float64"),
