@@ -13,7 +13,7 @@ from paramserver.compress.base import Compressor
 from paramserver.compress.builtins import BUILTINS, NoCompression
 from paramserver.errors import ConfigError, ParamServerError, RegistryError
 from paramserver.util.coerce import MISSING, coerce
-from paramserver.util.plugins import Registry
+from paramserver.util.plugins import Registry, register_subclass, subclass_check
 
 __all__ = [
     "COMPRESSORS",
@@ -32,29 +32,15 @@ ENTRY_POINT_GROUP = "paramserver.compressors"
 _REGISTRY: dict[str, type[Compressor]] = {}
 
 
-def _compressor_class(obj: Any, name: str) -> type[Compressor]:
-    if not (isinstance(obj, type) and issubclass(obj, Compressor)):
-        raise RegistryError(f"{name if ':' in name else obj!r} is not a Compressor subclass")
-    if ":" not in name and getattr(obj, "name", "") != name:
-        # an entry point's name wins over the class's own
-        obj = type(obj.__name__, (obj,), {"name": name, "__module__": obj.__module__})
-    return obj
-
-
 #: the compressors by name (built-ins, installed entry points, register_compressor)
 COMPRESSORS: Registry[type[Compressor]] = Registry(
-    "compressor", group=ENTRY_POINT_GROUP, check=_compressor_class,
+    "compressor", group=ENTRY_POINT_GROUP, check=subclass_check(Compressor),
     hint="or give module:Class", store=lambda: _REGISTRY)
 
 
 def register_compressor(cls: type[Compressor]) -> type[Compressor]:
     """Register a compressor class under ``cls.name``; refuses duplicates. A decorator too."""
-    if not (isinstance(cls, type) and issubclass(cls, Compressor)):
-        raise RegistryError(f"{cls!r} is not a Compressor subclass")
-    if not cls.name:
-        raise RegistryError(f"{cls.__qualname__} has no `name`")
-    COMPRESSORS.register(cls.name, cls)
-    return cls
+    return register_subclass(COMPRESSORS, Compressor, cls)
 
 
 for _builtin in BUILTINS:

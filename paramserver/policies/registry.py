@@ -28,7 +28,7 @@ from paramserver.policies.research import (
     GapAwarePolicy,
 )
 from paramserver.util.coerce import MISSING, coerce, parse_policy_args
-from paramserver.util.plugins import Registry
+from paramserver.util.plugins import Registry, register_subclass, subclass_check
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -48,29 +48,17 @@ log = logging.getLogger(__name__)
 _REGISTRY: dict[str, type[StalenessPolicy]] = {}
 
 
-def _policy_class(obj: Any, name: str) -> type[StalenessPolicy]:
-    if not (isinstance(obj, type) and issubclass(obj, StalenessPolicy)):
-        raise RegistryError(f"{name if ':' in name else obj!r} is not a StalenessPolicy subclass")
-    if ":" not in name and getattr(obj, "name", "") != name:
-        # an entry point's name wins over the class's own
-        obj = type(obj.__name__, (obj,), {"name": name, "__module__": obj.__module__})
-    return obj
-
-
 #: the staleness policies by name (built-ins, installed entry points, register_policy)
+# (the base is abstract: mypy wants concrete classes for type[...], the check does not)
 POLICIES: Registry[type[StalenessPolicy]] = Registry(
-    "staleness policy", group=ENTRY_POINT_GROUP, check=_policy_class,
+    "staleness policy", group=ENTRY_POINT_GROUP,
+    check=subclass_check(StalenessPolicy),  # type: ignore[type-abstract]
     hint="or give module:Class", store=lambda: _REGISTRY)
 
 
 def register_policy(cls: type[StalenessPolicy]) -> type[StalenessPolicy]:
     """Register a policy class under ``cls.name``; refuses duplicates. Usable as a decorator."""
-    if not (isinstance(cls, type) and issubclass(cls, StalenessPolicy)):
-        raise RegistryError(f"{cls!r} is not a StalenessPolicy subclass")
-    if not cls.name:
-        raise RegistryError(f"{cls.__qualname__} has no `name`")
-    POLICIES.register(cls.name, cls)
-    return cls
+    return register_subclass(POLICIES, StalenessPolicy, cls)  # type: ignore[type-abstract]
 
 
 for _builtin in (NoPolicy, RejectPolicy, InversePolicy, ExponentialPolicy, DCASGDPolicy,

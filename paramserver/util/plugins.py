@@ -11,7 +11,8 @@ from typing import Any, Generic, TypeVar
 
 from paramserver.errors import RegistryError
 
-__all__ = ["Registry", "import_object", "load_entry_points"]
+__all__ = ["Registry", "import_object", "load_entry_points", "register_subclass",
+           "subclass_check"]
 
 log = logging.getLogger(__name__)
 _loaded: set[str] = set()
@@ -51,6 +52,35 @@ def load_entry_points(group: str, register: Callable[[str, Any], object], what: 
 
 
 T = TypeVar("T")
+B = TypeVar("B")
+
+
+def subclass_check(base: type[B]) -> Callable[[Any, str], type[B]]:
+    """A registry's ``check`` for plug-in classes of ``base`` with a ``name``: refuses
+    anything else; a class filed under another name (an entry point's) is given that
+    name, in a subclass of its own, so that ``cls.name`` is what it was found by."""
+    def check(obj: Any, name: str) -> type[B]:
+        if not (isinstance(obj, type) and issubclass(obj, base)):
+            raise RegistryError(f"{name if ':' in name else obj!r} is not a "
+                                f"{base.__name__} subclass")
+        if ":" not in name and getattr(obj, "name", "") != name:
+            # an entry point's name wins over the class's own
+            obj = type(obj.__name__, (obj,), {"name": name, "__module__": obj.__module__})
+        return obj
+
+    return check
+
+
+def register_subclass(registry: Registry[type[B]], base: type[B], cls: type[B]) -> type[B]:
+    """File ``cls`` under ``cls.name`` in ``registry``, refusing a class not of ``base``
+    or without a name (the body of register_policy and register_compressor)."""
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise RegistryError(f"{cls!r} is not a {base.__name__} subclass")
+    name = getattr(cls, "name", "")
+    if not name:
+        raise RegistryError(f"{cls.__qualname__} has no `name`")
+    registry.register(name, cls)
+    return cls
 
 
 def _qualname(obj: object) -> str:
