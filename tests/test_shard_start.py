@@ -37,12 +37,15 @@ def test_building_a_shard_binds_nothing_and_claims_no_checkpoint_directory(tmp_p
     port = free_port()
     ckpt = tmp_path / "ckpt"
     board = tmp_path / "tensorboard"
+    log = tmp_path / "logs" / "server0.jsonl"
     server = ShardServer(ServerConfig(bind=f"tcp://127.0.0.1:{port}",
-                                      checkpoint_dir=str(ckpt), tensorboard=str(board)))
+                                      checkpoint_dir=str(ckpt), tensorboard=str(board),
+                                      event_log=str(log)))
     try:
         assert _port_free(port)  # no socket yet
         assert not ckpt.exists()  # nor a claim on the directory
         assert not board.exists()  # nor a TensorBoard writer
+        assert not log.parent.exists()  # nor an event log (opened by its first record)
         ready = server.start()
         assert ready == Ready(f"tcp://127.0.0.1:{port}", None) == server.ready
         assert not _port_free(port) and board.exists()

@@ -127,20 +127,28 @@ class EventLog:
 
     def __init__(self, path: str | Path | None, *, flush_every: float = 0.5,
                  console: Sink | None = None, clock: Callable[[], float] = time.time,
-                 fresh: bool = False) -> None:
+                 fresh: bool = False, lazy: bool = False) -> None:
         self.path = Path(path) if path else None
         self.console = console
         self._clock = clock
         self._fh: IO[bytes] | None = None
         self._flush_every = flush_every
         self._last_flush = 0.0
-        if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._fh = self.path.open("wb" if fresh else "ab")
-            if not fresh and _ends_torn(self.path):
-                # a killed predecessor (a restarted worker's) left half a record: end
-                # that line, or our first record would be glued to it and lost
-                self._fh.write(b"\n")
+        self._fresh = fresh
+        # lazy: the file is opened by the first record, not here (a shard is built
+        # without I/O and opens what it serves through when started)
+        self._pending = self.path is not None and lazy
+        if self.path is not None and not lazy:
+            self._open(self.path)
+
+    def _open(self, path: Path) -> None:
+        self._pending = False
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._fh = path.open("wb" if self._fresh else "ab")
+        if not self._fresh and _ends_torn(path):
+            # a killed predecessor (a restarted worker's) left half a record: end
+            # that line, or our first record would be glued to it and lost
+            self._fh.write(b"\n")
 
     def write(self, record: Event, t: float | None = None) -> None:
         """Write ``record``, stamped ``t`` (default: now)."""
@@ -150,6 +158,8 @@ class EventLog:
         console = self.console
         if console is not None and kind_of(record) not in console.events:
             console = None  # (a push's record, on the hot path: not a console line)
+        if self._pending and self.path is not None:
+            self._open(self.path)
         if self._fh is None and console is None:
             return
         now = self._clock() if t is None else t
@@ -169,6 +179,7 @@ class EventLog:
             self._fh.flush()
 
     def close(self) -> None:
+        self._pending = False  # (what comes after the close is dropped, as before)
         if self._fh is not None:
             self._fh.close()
             self._fh = None

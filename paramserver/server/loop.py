@@ -99,7 +99,7 @@ class ShardServer:
         # worker) and which key registered each worker id (the grants are read by start)
         self.access = Access(None)
         # what the console says comes from the records of the event log
-        self.events = EventLog(config.event_log, console=console)
+        self.events = EventLog(config.event_log, console=console, lazy=True)
         # the optimizer a worker script wraps: adopted, checked, its lr changes (scriptopt.py)
         self.script = ScriptOptimizer(config, self.events)
         self.plan: ShardPlan | None = None
