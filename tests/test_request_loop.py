@@ -135,3 +135,37 @@ def test_without_patience_retries_then_names_who_did_not_answer(  # type: ignore
                     Retry(0.1, retries=2, patience_from=lambda started: None))
     time.sleep(0.1)
     assert shard.seen == 3 * len(chans)  # sent, then sent again twice
+
+
+def test_a_held_pull_does_not_keep_a_lost_bye_behind_it_from_being_sent_again(  # type: ignore[no-untyped-def]
+        shards) -> None:
+    # a final PULL and the BYE pipelined behind it (workers/finish.py): the shard holds
+    # the pull until that BYE, and the first BYE is lost on the way. The judge says the
+    # shard holds our pull (do not send it again); the BYE, which no shard ever holds,
+    # goes again anyway, or both sides wait for each other for good
+    held: list[Message] = []
+    lost: list[Message] = []
+
+    def script(n: int, req: Message) -> list[Message]:
+        if req.op is Op.PULL:
+            held.append(req)
+            return []
+        if not lost:
+            lost.append(req)
+            return []
+        return [reply(held[0]), reply(req)]
+
+    _, a = shards(script)
+    calls: list[list[int]] = []
+
+    def judge(unanswered: list[int]) -> bool:
+        calls.append(unanswered)
+        if len(calls) > 20:
+            raise RequestTimeoutError("the BYE was never sent again")
+        return False  # "shard 0 is alive and holding your pull"
+
+    msgs = [Message(Op.PULL, 0, {"worker": 1, "clock": 0, "observer": True, "final": True}),
+            Message(Op.BYE, 0, {"worker": 1})]
+    got = request_all([a, a], msgs, Retry(0.1, patience=judge))
+    assert [r.seq for r in got] == [m.seq for m in msgs]
+    assert len(held) == 1  # the held pull itself was not sent again

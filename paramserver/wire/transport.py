@@ -452,6 +452,14 @@ class Fanout:
         return fan if len(fan.index) == len(fan.channels) else None
 
 
+def _holdable(msg: Message) -> bool:
+    """Whether a peer may hold ``msg`` unanswered on purpose: a pull (at a sync barrier,
+    an SSP gate, the start), a push that asks for the weights back, or an early part
+    (answered once its sum is final)."""
+    return msg.op is Op.PULL or (msg.op is Op.PUSH and bool(
+        msg.fields.get("pull") or msg.fields.get("early")))
+
+
 class _Lapses:
     """What a request does each time an attempt's time passes with requests unanswered:
     ask its patience (``patience_from``'s, made now, at the first) whether to send them
@@ -470,9 +478,13 @@ class _Lapses:
     def __call__(self, lost: list[int]) -> None:
         channels, messages = self.channels, self.messages
         if self.patience is not None:
-            if self.patience(lost):
-                for i in lost:
-                    channels[i].send(messages[i])
+            # waiting on is for what a peer holds (a pull at a barrier or gate); a
+            # request pipelined behind a held one (a BYE behind the final pull) is
+            # never held, so it is sent again: it may be what the held one waits for
+            again = lost if self.patience(lost) else [i for i in lost
+                                                      if not _holdable(messages[i])]
+            for i in again:
+                channels[i].send(messages[i])
             return
         if self.attempts < self.retries:
             self.attempts += 1
