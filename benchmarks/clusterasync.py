@@ -18,7 +18,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from paramserver.workers.launch.netcluster import (
-    EmulatedCluster,
     NetnsUnavailable,
     emulated_cluster,
     netns_problem,
@@ -35,8 +34,8 @@ _TIMEOUT = 600.0
 _LR = 1e-3
 
 
-def _window(c: EmulatedCluster, workers: list[Agent], addrs: list[str], numel: int,
-            seconds: float, warmup: int) -> list[float]:
+def _window(workers: list[Agent], addrs: list[str], numel: int, seconds: float,
+            warmup: int) -> list[float]:
     """Each worker's pushes/s over one window of about ``seconds``."""
     stop = Path(tempfile.mkdtemp(prefix="ps-bench-")) / "stop"
     try:
@@ -94,7 +93,7 @@ def run_cluster_async(workers: int = 4, nbytes: int = 2 << 20, rate: str = "400m
                     for is_slow in ((False, True) if rep % 2 == 0 else (True, False)):
                         c.set_rate(c.workers[0], slow_bits if is_slow else bits)
                         (slow if is_slow else fast).append(
-                            _window(c, ws, addrs, numel, seconds, warmup))
+                            _window(ws, addrs, numel, seconds, warmup))
                 ws[0].call("ps_stop", 60.0, addresses=addrs)
                 for a in servers:
                     a.read(_TIMEOUT)

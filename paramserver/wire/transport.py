@@ -27,7 +27,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from paramserver.errors import RemoteError, RequestTimeoutError, TransportError
 from paramserver.wire.curve import CurveKeys, KeyGrant, load_allow_list, start_authenticator
-from paramserver.wire.messages import ShmOffer
+from paramserver.wire.messages import Push, ShmOffer
 from paramserver.wire.protocol import (
     DEFAULT_LIMITS,
     Limits,
@@ -456,8 +456,10 @@ def _holdable(msg: Message) -> bool:
     """Whether a peer may hold ``msg`` unanswered on purpose: a pull (at a sync barrier,
     an SSP gate, the start), a push that asks for the weights back, or an early part
     (answered once its sum is final)."""
-    return msg.op is Op.PULL or (msg.op is Op.PUSH and bool(
-        msg.fields.get("pull") or msg.fields.get("early")))
+    if msg.op is Op.PULL:
+        return True
+    body = msg.body if msg.op is Op.PUSH else None  # (parsed only here: on a lapse)
+    return isinstance(body, Push) and (body.pull or body.early)
 
 
 class _Lapses:
