@@ -179,6 +179,8 @@ _LISTED: dict[tuple[str, str], Pair] = {
     ("replicas", "compression"): _works(
         "tests/test_compress_replicas_e2e.py::"
         "test_a_compressed_sync_run_survives_a_primary_sigkill_bit_identical"),
+    ("command", "compression"): _works(
+        "tests/test_compress_e2e.py::test_a_restarted_worker_continues_its_residuals"),
     ("compression", "sparse"): _refused(
         "a sparse table's row gradients are not compressed (only the dense push is); "
         "train it without --compression"),
