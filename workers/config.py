@@ -162,6 +162,9 @@ class WorkerConfig(ConfigRecord):
                                           "topk:ratio=0.01 or sign:ef=0.")
     event_log: str | None = option(None, kind="file", metavar="FILE", per_process=True,
                                    help="Append JSONL events (one per step) to FILE.")
+    trace: str | None = option(None, kind="file", metavar="FILE", per_process=True,
+                               help="Record this worker's steps (versions read, compute "
+                                    "and wire time, bytes) in FILE (docs/research.md).")
     result_file: str | None = option(None, kind="file", metavar="FILE", per_process=True,
                                      help="Write this worker's result (counts, loss, timings) "
                                           "as JSON to FILE.")

@@ -139,6 +139,14 @@ def run_worker(config: WorkerConfig, console: Sink | None = None) -> WorkerResul
     device = resolve_device(config.device)
     task = build_task(config)
     model = task.model.to(device)
+    trace = None
+    if config.trace:  # --trace: each step's reads and times, beside the shards' (replay.py)
+        from paramserver.observe import trace as tr
+
+        trace = tr.TraceWriter(config.trace, tr.Header(
+            tr.FORMAT, "worker", config.rank, config.to_dict(), torch.get_num_threads(),
+            tr.DEFAULT_CAP))
+        console = tr.StepSink(trace, console)
     events = EventLog(config.event_log, console=console)
     steps = num_steps(config, task)
     # local steps: --steps counts gradients computed, the clock counts pushes
@@ -197,6 +205,8 @@ def run_worker(config: WorkerConfig, console: Sink | None = None) -> WorkerResul
     data = result.to_json()
     events.write(result.to_event())
     events.close()
+    if trace is not None:
+        trace.close()
     if config.result_file:
         write_json(config.result_file, data)
     return result

@@ -324,6 +324,9 @@ class ServerConfig(ConfigRecord):
                                "beside same-host workers more threads slow it down.")
     event_log: str | None = option(None, kind="file", metavar="FILE", per_process=True,
                                    help="Append JSONL events to FILE.")
+    trace: str | None = option(None, kind="file", metavar="FILE", per_process=True,
+                               help="Record this shard's arrivals, decisions and answered "
+                                    "pulls in FILE (a trace: docs/research.md).")
     curve_secret_key: str | None = option(
         None, kind="file", metavar="FILE",
         help="Require CURVE encryption: the servers' secret key file "

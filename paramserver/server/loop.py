@@ -60,6 +60,7 @@ from paramserver.server.scriptopt import META_KEY, ScriptOptimizer
 from paramserver.server.shardstate import ShardImage, ShardState
 from paramserver.server.stopping import DIVERGED_EXIT_CODE, Divergence
 from paramserver.server.tables import TableBuilder
+from paramserver.server.tracer import ShardTracer
 from paramserver.shm.link import ShmHub, asks_board, lends, sweep, take_shm
 from paramserver.shm.link import enabled as shm_enabled
 from paramserver.sparse.shard import SparseShard
@@ -174,6 +175,9 @@ class ShardServer:
             self.address = self.socket.address
             self.outbox.socket = self.socket
             self.started = True
+            if config.trace:  # --trace: what arrived, was decided and was read, in order
+                tracer = ShardTracer(config)
+                self.ops.tracer = self.outbox.tracer = self.peer_ops.tracer = tracer
             self.exporter = MetricsExporter.for_bind(self.observer.registry,
                                                      config.metrics_port, self.address)
             self.metrics_port = self.exporter.start()
@@ -216,6 +220,8 @@ class ShardServer:
             self.events.write(ev.ServerStop(shard=self.config.shard,
                                             version=self.core.version if self.core else 0))
         self.events.close()
+        if self.ops.tracer is not None:
+            self.ops.tracer.close()
         if self.started:
             self.socket.close(linger=linger)
         if self.shm is not None:

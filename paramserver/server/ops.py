@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from paramserver.server.config import ServerConfig
     from paramserver.server.outbox import Outbox
     from paramserver.server.parts import JoinedParts, StreamedParts
+    from paramserver.server.tracer import ShardTracer
     from paramserver.server.scriptopt import ScriptOptimizer
     from paramserver.server.tables import TableBuilder
 
@@ -84,6 +85,7 @@ class DataOps:
         #: whether the message being handled comes from a key whose claimed figures (a
         #: push's loss) may stop the shard (Access.may_stop); set by the loop per message
         self.claims_may_stop = True
+        self.tracer: ShardTracer | None = None  # --trace (tracer.py)
 
     def on_init(self, msg: Message, identity: bytes) -> Message:
         core = require_core(self.host.core)
@@ -128,8 +130,9 @@ class DataOps:
         t0 = time.perf_counter()
         core.ahead.eager = streamed and b.early
         try:
+            now = time.monotonic()
             out = core.push(b.worker, b.push_id, b.clock, read_version, b.num_samples,
-                            msg.tensors, time.monotonic(), b.part, b.parts)
+                            msg.tensors, now, b.part, b.parts)
         except ProtocolError as exc:
             self.streamed.drop(b.worker)
             if exc.code == ErrorCode.NONFINITE:
@@ -153,6 +156,9 @@ class DataOps:
         else:
             seconds = time.perf_counter() - t0
             worker, clock, samples = b.worker, b.clock, b.num_samples
+            if self.tracer is not None:
+                self.tracer.arrival(worker, b.push_id, clock, read_version, samples, out,
+                                    nbytes, b.parts, now)
 
             def observe() -> None:
                 grad = self.observer.push(core, worker, out, loss=loss, seconds=seconds,

@@ -38,6 +38,7 @@ from paramserver.wire.protocol import (
 from paramserver.wire.transport import RouterSocket
 
 if TYPE_CHECKING:
+    from paramserver.server.tracer import ShardTracer
     from paramserver.shm.link import ShmHub
 
 __all__ = ["Outbox"]
@@ -71,6 +72,7 @@ class Outbox:
         self._weights: PreparedTensors | None = None
         # same-host peers' pulls are answered with a ticket to the weight board
         self.shm: ShmHub | None = None
+        self.tracer: ShardTracer | None = None  # --trace: each pull answered (tracer.py)
 
     def _prepared(self, core: ShardCore) -> PreparedTensors | None:
         prepared = self._weights
@@ -164,6 +166,8 @@ class Outbox:
         """Send every pull reply whose gate is open ``now``. ``later``: where to queue
         each reply's metrics, to be recorded once the replies are out (else at once)."""
         for ready in core.ready_pulls(now):
+            if self.tracer is not None and ready.token not in self.observer_pulls:
+                self.tracer.served(ready, now)
             identity, seq = cast("tuple[bytes, int]", ready.token)
             combined = self.push_pulls.get(ready.worker)
             outcome: Any = msgspec.UNSET  # (a PULL's answer: no outcome in it)

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from paramserver.policies.base import StalenessPolicy
     from paramserver.server.config import ServerConfig
     from paramserver.server.parts import JoinedParts
+    from paramserver.server.tracer import ShardTracer
     from paramserver.server.scriptopt import ScriptOptimizer
     from paramserver.sparse.shard import SparseShard
 
@@ -102,6 +103,7 @@ class Peers:
         self.host = host
         self.config = config
         self.policy = policy
+        self.tracer: ShardTracer | None = None  # --trace: each BYE (tracer.py)
         self.events = events
         self.observer = observer
         self.joined = joined  # a leaving worker's pushes in parts are dropped
@@ -294,6 +296,8 @@ class Peers:
                 self.maybe_all_done(core)
             return reply(msg, dead=dead)
         core.leave(b.worker, time.monotonic())
+        if self.tracer is not None:
+            self.tracer.left(b.worker, time.monotonic())
         sparse = self.host.sparse
         if sparse is not None:
             sparse.forget(b.worker)

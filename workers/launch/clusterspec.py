@@ -96,6 +96,11 @@ class ClusterSpec:
         help="Warn, with the last lines of every worker's and shard's log, when no worker "
              "has logged a step for this long, or for 10 times the run's usual time per "
              "step if that is longer (0: never). Training goes on.")
+    #: record a trace of every push in DIR/trace (paramserver/observe/trace.py), which
+    #: `paramserver simulate --replay DIR` re-runs
+    trace: bool = option(False, help="Record every push (arrival order, versions read, "
+                                     "decisions, times, bytes) in DIR/trace, for "
+                                     "`paramserver simulate --replay` (docs/research.md).")
     evaluate: bool = option(True, flag="eval", dest="eval",
                             help="Evaluate the final weights on held-out data (DIR/final_model."
                                  "safetensors is saved either way).")
@@ -210,6 +215,7 @@ class ClusterSpec:
             self.server, shard=shard, num_shards=self.num_servers,
             expected_workers=self.num_workers,
             event_log=str(out / "events" / f"server{shard}.jsonl"), admin_keys=admins,
+            trace=str(out / "trace" / f"shard{shard}.pstrace") if self.trace else None,
             run_id=self.run_id,
             metrics_port=metrics_port, tensorboard=self.tensorboard or self.server.tensorboard,
         )
@@ -265,6 +271,7 @@ class ClusterSpec:
             straggler=self.stragglers.get(rank, self.worker.straggler),
             event_log=str(out / "events" / f"worker{rank}.jsonl"),
             result_file=str(out / "results" / f"worker{rank}.json"), run_id=self.run_id,
+            trace=str(out / "trace" / f"worker{rank}.pstrace") if self.trace else None,
         )
 
     def to_dict(self) -> JSONObject:
