@@ -168,6 +168,12 @@ def run(ctx: click.Context, **opts: Any) -> None:
     if command:  # the same refusals as launch -- COMMAND: one table decides
         refuse_for_command(ctx)
     out = Path(opts["out"]) if opts["out"] else None
+    if opts["trace"] and out is None:
+        raise click.UsageError("--trace writes DIR/trace: give --out DIR")
+    if opts["trace"] and command:
+        raise click.UsageError("--trace replays the built-in loop's gradients: not with a "
+                               "command (after --)")
+    trace = out / "trace" if opts["trace"] and out is not None else None
     # every option is checked before the launcher's environment is even read
     server_template = options.server_config(opts, bind="tcp://127.0.0.1:0")
     worker_template = options.worker_config(ctx, opts, servers=["rendezvous"])
@@ -200,6 +206,7 @@ def run(ctx: click.Context, **opts: Any) -> None:
                 else _nth_port(opts["metrics_port"], role.index),
                 expected_workers=role.num_workers,
                 event_log=str(out / "events" / f"server{role.index}.jsonl") if out else None,
+                trace=str(trace / f"shard{role.index}.pstrace") if trace else None,
             )
             if role.replicas:
                 config = _replication_key(config, out)
@@ -216,6 +223,7 @@ def run(ctx: click.Context, **opts: Any) -> None:
                 worker_template, rank=role.index, world_size=role.num_workers, device=device,
                 event_log=str(out / "events" / f"worker{role.index}.jsonl") if out else None,
                 result_file=str(out / "results" / f"worker{role.index}.json") if out else None,
+                trace=str(trace / f"worker{role.index}.pstrace") if trace else None,
             )
     try:
         rdzv = Rendezvous(env, opts["rendezvous_timeout"])

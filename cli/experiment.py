@@ -64,7 +64,15 @@ a run failed. See docs/experiments.md.
 @click.option("--assert-literature", is_flag=True,
               help="Exit with status 1 unless the results agree with Ho et al. 2013 and "
                    "Cui et al. 2014 (see docs/experiments.md).")
-def experiment(assert_literature: bool, **flags: Any) -> None:
+@click.option("--trace", is_flag=True,
+              help="Record every run's pushes in its trace/ folder, for `paramserver "
+                   "simulate --replay` (docs/research.md).")
+@click.option("--paired", is_flag=True,
+              help="Compare policies on the same schedules: trace every run, replay each "
+                   "seed's run of the first --policy with every other one, and report the "
+                   "paired differences with their confidence intervals beside the unpaired "
+                   "ones (OUT/paired.md; docs/research.md).")
+def experiment(assert_literature: bool, trace: bool, paired: bool, **flags: Any) -> None:
     """Compare sync, async and bounded-staleness training on one task or script.
 
     Runs every combination of scenario x mode x policy x worker count for every
@@ -78,6 +86,12 @@ def experiment(assert_literature: bool, **flags: Any) -> None:
     console = cli_console(stderr=False)
     try:
         spec = spec_from_flags(flags)
+        if paired and len(spec.policies) < 2:
+            raise ConfigError("--paired compares policies: give at least two --policy (the "
+                              "first is the baseline the others are replayed against)")
+        if (trace or paired) and spec.command:
+            raise ConfigError("--trace and --paired replay the built-in loop's gradients: "
+                              "not with a command (after --)")
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from exc
     if spec.hosts is not None:
@@ -86,12 +100,15 @@ def experiment(assert_literature: bool, **flags: Any) -> None:
         hosts_here()
     out = claim_grid_dir(flags, Path("runs") / spec.name)
     result = run_grid(console, spec, out, flags["quiet"], "runs",
-                      lambda observer: run_experiment(spec, out, observer))
+                      lambda observer: run_experiment(spec, out, observer,
+                                                      trace=trace or paired))
     files = result.report
     assert files is not None
     plans = spec.runs()
     console.print(f"report: {files.markdown} (and {files.html.name})")
     failed = result.failed
+    if paired and not failed:
+        _paired(console, spec, out)
     if failed:
         console.print(f"[red]{len(failed)} of {len(plans)} runs failed[/red]; see the report")
     bad = [c for c in files.claims if c.status == "fail"]
@@ -107,3 +124,22 @@ def experiment(assert_literature: bool, **flags: Any) -> None:
             sys.exit(1)
     if failed:
         sys.exit(2)
+
+
+def _paired(console: Any, spec: Any, out: Path) -> None:
+    """Replay each baseline run with the other policies; print the intervals side by side."""
+    from paramserver.errors import ParamServerError
+    from paramserver.workers.experiments.paired import paired_report
+
+    console.print("paired: replaying each seed's baseline run with the other policies ...")
+    try:
+        rows = paired_report(spec, out)
+    except ParamServerError as exc:
+        raise click.ClickException(str(exc)) from exc
+    for r in rows:
+        console.print(f"  {r.config}: {r.policy} - {r.baseline}: paired "
+                      f"{r.paired_mean:+.4f} ± {r.paired_half:.4f}, unpaired "
+                      f"{r.unpaired_mean:+.4f} ± {r.unpaired_half:.4f}: the paired interval "
+                      f"is {r.ratio:.1f}x narrower ({sum(r.reproduced)}/{len(r.reproduced)} "
+                      f"baseline replays bit for bit)")
+    console.print(f"paired report: {out / 'paired.md'} (plot: images/paired.png)")

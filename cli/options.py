@@ -292,6 +292,9 @@ RUN = [
          metavar="SECONDS", help="How long to wait for the store and for every server."),
     Spec("--out", type=click.Path(file_okay=False), default=None, metavar="DIR",
          help="Write each rank's event log and result here (on its own host)."),
+    Spec("--trace", is_flag=True, default=False,
+         help="Record every push in DIR/trace (needs --out), for `paramserver simulate "
+              "--replay` (docs/research.md)."),
 ]
 
 #: the option groups of every command that reads configuration files

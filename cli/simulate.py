@@ -33,9 +33,17 @@ Examples:
   # a preset, with 2 ms of virtual latency per message
   paramserver simulate --preset large-batch --latency 0.002 --overwrite
 \b
+  # replay a traced run (launch --trace) on the real core: its own policy gives its
+  # final weights bit for bit; another gives the paired counterfactual
+  paramserver simulate --replay runs/traced --policy inverse --policy none
+\b
 Takes every flag of `paramserver experiment` and writes the same report, with
 times in virtual seconds. See docs/research.md.
 """
+
+#: what --replay may change (the flags' dests); the schedule is the trace's
+_REPLAY_FLAGS = {"policies", "optimizer", "optimizer_args", "compressions", "modes", "out_dir",
+                 "quiet", "overwrite"}
 
 
 @click.command("simulate", epilog=EPILOG,
@@ -46,7 +54,15 @@ times in virtual seconds. See docs/research.md.
                    "apply on top, as StragglerSpec.step_time does for a real worker.")
 @click.option("--latency", type=click.FloatRange(min=0), default=0.0, show_default=True,
               help="Virtual seconds each message (pull, push, reply) takes one way.")
-def simulate(compute_time: float, latency: float, **flags: Any) -> None:
+@click.option("--replay", "replay_dir", type=click.Path(exists=True, file_okay=False),
+              metavar="TRACE", default=None,
+              help="Re-run a traced run (launch/run/experiment --trace; its run directory "
+                   "or its trace/) on the real core: the recorded policy reproduces its "
+                   "final weights bit for bit; --policy, --optimizer, --optimizer-arg, "
+                   "--compression or --mode ssp:S give the counterfactual on the same "
+                   "schedule (one replay per --policy).")
+def simulate(compute_time: float, latency: float, replay_dir: str | None,
+             **flags: Any) -> None:
     """Run an experiment grid in virtual time, in this process.
 
     The same shard core, optimizers, policies and tasks as real runs; every
@@ -59,6 +75,9 @@ def simulate(compute_time: float, latency: float, **flags: Any) -> None:
     from paramserver.workers.launch.virtual import SimSpec, check_simulable
 
     console = cli_console(stderr=False)
+    if replay_dir is not None:
+        _replay(console, Path(replay_dir), flags)
+        return
     try:
         spec = spec_from_flags(flags)
         sim = SimSpec(compute_time=compute_time, latency=latency)
@@ -77,3 +96,75 @@ def simulate(compute_time: float, latency: float, **flags: Any) -> None:
         console.print(f"[red]{len(result.failed)} of {len(spec.runs())} runs failed[/red]; "
                       "see the report")
         sys.exit(2)
+
+
+def _changes(flags: dict[str, Any]) -> list[Any]:
+    """The counterfactuals --replay's flags ask for (none: the recorded run's own)."""
+    from paramserver.util.coerce import parse_kwargs
+    from paramserver.workers.experiments.axes import ModeChoice, PolicyChoice
+    from paramserver.workers.launch.replay import Changes
+
+    ctx = click.get_current_context()
+    given = [name for name, value in flags.items() if value not in (None, (), [], False)
+             and ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE]
+    extra = sorted(set(given) - _REPLAY_FLAGS)
+    if extra:
+        raise ConfigError(f"--replay re-runs a recorded schedule; it takes --policy, "
+                          f"--optimizer, --optimizer-arg, --compression and --mode ssp:S, not "
+                          f"{', '.join('--' + e.replace('_', '-') for e in extra)}")
+    bound = None
+    for mode in flags["modes"]:
+        choice = ModeChoice.parse(mode)
+        if choice.mode != "ssp":
+            raise ConfigError(f"--replay follows the recorded mode; --mode may only change "
+                              f"an ssp run's bound (ssp:S), not {mode!r}")
+        bound = choice.bound
+    common = {"optimizer": flags["optimizer"],
+              "optimizer_args": parse_kwargs(list(flags["optimizer_args"])) or None,
+              "staleness_bound": bound}
+    policies = [PolicyChoice.parse(p) for p in flags["policies"]] or [None]
+    compressions = list(flags["compressions"]) or [None]
+    return [Changes(policy=None if p is None else p.name,
+                    policy_args=None if p is None else dict(p.args), compression=c, **common)
+            for p in policies for c in compressions]
+
+
+def _replay(console: Any, directory: Path, flags: dict[str, Any]) -> None:
+    import json
+
+    from paramserver.errors import ParamServerError
+    from paramserver.observe.trace import read_trace_dir
+    from paramserver.workers.launch.replay import compare, final_weights, replay
+
+    try:
+        changes = _changes(flags)
+        trace = read_trace_dir(directory)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from exc
+    run_dir = trace.directory.parent if trace.directory.name == "trace" else trace.directory
+    real = None
+    if (run_dir / "final_model.safetensors").exists():
+        real = final_weights(run_dir)
+    console.print(f"replaying {trace.pushes()} pushes of {len(trace.workers)} workers on "
+                  f"{len(trace.shards)} shard(s) from {trace.directory}")
+    report = []
+    for change in changes:
+        try:
+            result = replay(trace, change)
+        except ParamServerError as exc:
+            raise click.ClickException(str(exc)) from exc
+        loss = result.eval.get("loss")
+        line = f"{result.changes}: final held-out loss {loss:.6f}" if loss is not None \
+            else f"{result.changes}:"
+        if real is not None:
+            equal, worst = compare(result.weights, real)
+            line += ("; final weights bit for bit the run's" if equal
+                     else f"; final weights differ from the run's (max |diff| {worst:.3g})")
+        console.print(line)
+        console.print(f"  {result.note}", style="dim")
+        report.append(result.to_json())
+    if flags["out_dir"]:
+        out = Path(flags["out_dir"])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "replay.json").write_text(json.dumps(report, indent=2))
+        console.print(f"written: {out / 'replay.json'}")

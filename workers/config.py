@@ -163,6 +163,7 @@ class WorkerConfig(ConfigRecord):
     event_log: str | None = option(None, kind="file", metavar="FILE", per_process=True,
                                    help="Append JSONL events (one per step) to FILE.")
     trace: str | None = option(None, kind="file", metavar="FILE", per_process=True,
+                               flag="trace-file", dest="trace_file",
                                help="Record this worker's steps (versions read, compute "
                                     "and wire time, bytes) in FILE (docs/research.md).")
     result_file: str | None = option(None, kind="file", metavar="FILE", per_process=True,

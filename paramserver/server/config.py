@@ -325,6 +325,7 @@ class ServerConfig(ConfigRecord):
     event_log: str | None = option(None, kind="file", metavar="FILE", per_process=True,
                                    help="Append JSONL events to FILE.")
     trace: str | None = option(None, kind="file", metavar="FILE", per_process=True,
+                               flag="trace-file", dest="trace_file",
                                help="Record this shard's arrivals, decisions and answered "
                                     "pulls in FILE (a trace: docs/research.md).")
     curve_secret_key: str | None = option(

@@ -170,14 +170,18 @@ def _index(spec: ExperimentSpec, outcomes: Sequence[RunOutcome], started: float,
 
 def run_experiment(spec: ExperimentSpec, out_dir: str | os.PathLike[str],
                    observer: ExperimentObserver | None = None,
-                   report: bool = True, sim: SimSpec | None = None) -> ExperimentResult:
+                   report: bool = True, sim: SimSpec | None = None,
+                   trace: bool = False) -> ExperimentResult:
     """Run every configuration x seed, then write the report. A failed run is recorded
     (``experiment.json``, the report) and the grid goes on; Ctrl-C stops everything.
 
     With ``sim`` every run is simulated in virtual time instead
     (:func:`~paramserver.workers.launch.virtual.run_simulation`): the same grid,
     layout and report, with ``simulation.json`` recording the time model.
+    ``trace``: every run records its trace in its ``trace/`` (``--trace``).
     """
+    if trace and sim is not None:
+        raise ConfigError("a simulated run needs no trace: it is its own schedule")
     obs = observer or ExperimentObserver()
     out = Path(out_dir)
     prepare_dir(out)
@@ -205,6 +209,8 @@ def run_experiment(spec: ExperimentSpec, out_dir: str | os.PathLike[str],
             obs.run_progress(plan, p)
 
         cluster = spec.cluster_spec(plan.config, plan.seed)
+        if trace:
+            cluster = dataclasses.replace(cluster, trace=True)
         try:
             if sim is None:
                 run_cluster(cluster, run_dir, on_progress=progress)
