@@ -30,6 +30,11 @@ FLAGS: dict[str, list[str]] = {
     "local_sgd": ["--local-optimizer", "sgd"],
     "overlap": ["--overlap"],
     "compression": ["--compression", "int8"],
+    "trace": ["--trace"],  # (before the features below: a command's "--" ends the flags)
+    "resume": ["--resume", str(Path(__file__).resolve().parent)],
+    "command": ["--", "true"],
+    "wire_dtype": ["--wire-dtype", "bfloat16"],
+    "hosts": ["--hosts", "2+1"],
     **{policy_feature(p): ["--policy", p] for p in BUILTIN_POLICIES},
 }
 

@@ -211,7 +211,7 @@ class WorkerConfig(ConfigRecord):
         return features.active(curve=bool(self.curve_key),
                                local_sgd=self.local_optimizer is not None,
                                overlap=self.overlap, wire_dtype=self.wire_dtype,
-                               compression=self.compression)
+                               compression=self.compression, trace=bool(self.trace))
 
 
 def check_compression(spec: str, wire_dtype: str | None) -> None:

@@ -55,6 +55,7 @@ FEATURES: dict[str, str] = {
     "sparse": "a sparse table (ShardedEmbedding, --task recsys)",
     "curve": "CURVE",
     "shm": "shared memory",
+    "trace": "--trace (record every push; simulate --replay)",
     "resume": "--resume",
     "command": "a command run (-- COMMAND)",
     "local_sgd": "local SGD (--local-optimizer)",
@@ -99,6 +100,7 @@ def _refused(why: str) -> Pair:
 _READ_WEIGHTS = ("it rewrites gradients from the weights each worker read, which a "
                  "joining replica's snapshot does not carry")
 _SURFACES = "tests/test_replicas_surfaces_e2e.py::"
+_TRACE = "tests/test_trace_e2e.py::"
 
 _LISTED: dict[tuple[str, str], Pair] = {
     # replicas (paramserver/server/replication.py)
@@ -184,6 +186,28 @@ _LISTED: dict[tuple[str, str], Pair] = {
     ("compression", "sparse"): _refused(
         "a sparse table's row gradients are not compressed (only the dense push is); "
         "train it without --compression"),
+    # the trace of a run and its replay (paramserver/observe/trace.py, workers/launch/replay.py)
+    ("trace", policy_feature("dc-asgd")): _works(_TRACE + "test_own_policy_replays_bit_for_bit"),
+    ("trace", "compression"): _works(_TRACE + "test_sync_compressed_run_with_backups_replays"),
+    ("trace", "backup_workers"): _works(_TRACE + "test_sync_compressed_run_with_backups_replays"),
+    ("trace", "outer"): _works(_TRACE + "test_sync_compressed_run_with_backups_replays"),
+    ("trace", "replicas"): _refused(
+        "every replica of a shard would write its trace; trace a run without --replicas"),
+    ("trace", "sparse"): _refused(
+        "the replay's shards are dense cores: a sparse table's row pushes are not traced"),
+    ("trace", "command"): _refused(
+        "the replay recomputes the built-in loop's gradients; a command owns its loop"),
+    ("trace", "local_sgd"): _refused(
+        "the replay recomputes one gradient per push; a local-SGD push is H inner steps"),
+    ("trace", "resume"): _refused(
+        "a trace starts at a run's first push; a resumed run's began in another run"),
+    ("trace", "overlap"): _refused(
+        "an overlapped push leaves in parts, which a sync shard adds in an order the "
+        "trace does not keep"),
+    ("trace", "wire_dtype"): _refused(
+        "the replay pushes the gradients as computed; a 16-bit wire rounds them on the way"),
+    ("trace", "hosts"): _refused(
+        "the emulated hosts' processes write no trace yet"),
     # shared memory
     ("shm", "curve"): _works(
         "tests/test_shm_e2e.py::test_curve_peer_without_an_allow_list_entry_gets_no_segment"),
@@ -224,7 +248,8 @@ def active(*, replicas: int = 0, sparse: bool = False, curve: bool = False,
            resume: bool = False, command: bool = False, local_sgd: bool = False,
            optimizer: str = "", policy: str = "none", backup_workers: int = 0,
            overlap: bool = False, wire_dtype: str | None = None,
-           script_optimizer: bool = False, compression: str | None = None) -> set[str]:
+           script_optimizer: bool = False, compression: str | None = None,
+           trace: bool = False) -> set[str]:
     """The features a run's settings turn on (each side passes what it knows)."""
     on = {name for name, given in (
         ("replicas", replicas), ("sparse", sparse), ("curve", curve), ("resume", resume),
@@ -233,7 +258,7 @@ def active(*, replicas: int = 0, sparse: bool = False, curve: bool = False,
         ("backup_workers", backup_workers), ("overlap", overlap),
         ("wire_dtype", wire_dtype not in (None, "none")),
         ("compression", compression not in (None, "none")),
-        ("script_optimizer", script_optimizer)) if given}
+        ("script_optimizer", script_optimizer), ("trace", trace)) if given}
     if policy and policy != "none":
         on.add(policy_feature(policy))
     return on

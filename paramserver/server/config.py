@@ -528,7 +528,8 @@ class ServerConfig(ConfigRecord):
         """The features of paramserver/core/features.py this shard's options turn on."""
         return features.active(replicas=self.replicas, curve=bool(self.curve_secret_key),
                                resume=bool(self.resume), optimizer=self.optimizer,
-                               policy=self.policy, backup_workers=self.backup_workers)
+                               policy=self.policy, backup_workers=self.backup_workers,
+                               trace=bool(self.trace))
 
     def watchdog_config(self) -> WatchdogConfig:
         """The watchdog's thresholds, with ``observe`` as its ``observe_budget``; the older

@@ -111,8 +111,6 @@ def _sibling(spec: ExperimentSpec, config: Configuration, policy: Any) -> Config
 
 def paired_rows(spec: ExperimentSpec, out: Path) -> list[PairedRow]:
     """Replay each seed's baseline run with every other policy; the rows of the report."""
-    import torch
-
     from paramserver.workers.launch.replay import Changes, compare, final_weights, replay_dir
 
     if len(spec.policies) < 2:
@@ -131,9 +129,8 @@ def paired_rows(spec: ExperimentSpec, out: Path) -> list[PairedRow]:
                 base_loss = _loss(base_dir)
                 own = replay_dir(base_dir)  # the baseline itself: its run, bit for bit?
                 equal, _ = compare(own.weights, final_weights(base_dir))
-                with torch.no_grad():
-                    counter = replay_dir(base_dir, Changes(policy=policy.name,
-                                                           policy_args=dict(policy.args)))
+                counter = replay_dir(base_dir, Changes(policy=policy.name,
+                                                       policy_args=dict(policy.args)))
                 row.seeds.append(seed)
                 row.base.append(base_loss)
                 row.real.append(_loss(out / "runs" / other.id / f"seed{seed}"))
@@ -164,10 +161,9 @@ def _plot(rows: Sequence[PairedRow], path: Path) -> None:
     ax.set_yticklabels([f"{r.policy} - {r.baseline}\n{r.config}" for r in reversed(rows)],
                        fontsize=8)
     ax.set_xlabel("difference in final held-out loss (95 % CI over seeds)")
-    ax.legend(fontsize=8, loc="best")
-    fig.tight_layout()
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=2)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 

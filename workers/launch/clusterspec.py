@@ -183,7 +183,8 @@ class ClusterSpec:
     def features(self) -> set[str]:
         """The features of paramserver/core/features.py this run turns on."""
         return features.of_run(self.server.features(), self.worker.features(),
-                               bool(self.command), self.worker.task)
+                               bool(self.command), self.worker.task) | (
+            {"trace"} if self.trace else set()) | ({"hosts"} if self.hosts else set())
 
     def client_curve(self) -> CurveKeys | None:
         """The workers' CURVE keys, for the launcher's own connections (stats, eval, stop)."""
