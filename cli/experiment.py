@@ -92,6 +92,11 @@ def experiment(assert_literature: bool, trace: bool, paired: bool, **flags: Any)
         if (trace or paired) and spec.command:
             raise ConfigError("--trace and --paired replay the built-in loop's gradients: "
                               "not with a command (after --)")
+        if trace or paired:  # what a trace cannot hold is refused now, not run by run
+            import dataclasses
+
+            for plan in spec.runs():
+                dataclasses.replace(spec.cluster_spec(plan.config, plan.seed), trace=True)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from exc
     if spec.hosts is not None:
@@ -136,6 +141,8 @@ def _paired(console: Any, spec: Any, out: Path) -> None:
         rows = paired_report(spec, out)
     except ParamServerError as exc:
         raise click.ClickException(str(exc)) from exc
+    if len(spec.seeds) < 2:
+        console.print("  one seed: no confidence interval (give --seeds 2 or more)")
     for r in rows:
         console.print(f"  {r.config}: {r.policy} - {r.baseline}: paired "
                       f"{r.paired_mean:+.4f} ± {r.paired_half:.4f}, unpaired "

@@ -54,7 +54,7 @@ _REPLAY_FLAGS = {"policies", "optimizer", "optimizer_args", "compressions", "mod
                    "apply on top, as StragglerSpec.step_time does for a real worker.")
 @click.option("--latency", type=click.FloatRange(min=0), default=0.0, show_default=True,
               help="Virtual seconds each message (pull, push, reply) takes one way.")
-@click.option("--replay", "replay_dir", type=click.Path(exists=True, file_okay=False),
+@click.option("--replay", "replay_dir", type=click.Path(file_okay=False),
               metavar="TRACE", default=None,
               help="Re-run a traced run (launch/run/experiment --trace; its run directory "
                    "or its trace/) on the real core: the recorded policy reproduces its "
@@ -122,8 +122,9 @@ def _changes(flags: dict[str, Any]) -> list[Any]:
     common = {"optimizer": flags["optimizer"],
               "optimizer_args": parse_kwargs(list(flags["optimizer_args"])) or None,
               "staleness_bound": bound}
-    policies = [PolicyChoice.parse(p) for p in flags["policies"]] or [None]
-    compressions = list(flags["compressions"]) or [None]
+    policies: list[PolicyChoice | None] = [PolicyChoice.parse(p) for p in flags["policies"]]
+    policies = policies or [None]
+    compressions: list[str | None] = list(flags["compressions"]) or [None]
     return [Changes(policy=None if p is None else p.name,
                     policy_args=None if p is None else dict(p.args), compression=c, **common)
             for p in policies for c in compressions]

@@ -28,9 +28,9 @@ if TYPE_CHECKING:
     from paramserver.server.config import ServerConfig
     from paramserver.server.outbox import Outbox
     from paramserver.server.parts import JoinedParts, StreamedParts
-    from paramserver.server.tracer import ShardTracer
     from paramserver.server.scriptopt import ScriptOptimizer
     from paramserver.server.tables import TableBuilder
+    from paramserver.server.tracer import ShardTracer
 
 __all__ = ["DataOps", "Handler", "OpsHost"]
 

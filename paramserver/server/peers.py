@@ -31,8 +31,8 @@ if TYPE_CHECKING:
     from paramserver.policies.base import StalenessPolicy
     from paramserver.server.config import ServerConfig
     from paramserver.server.parts import JoinedParts
-    from paramserver.server.tracer import ShardTracer
     from paramserver.server.scriptopt import ScriptOptimizer
+    from paramserver.server.tracer import ShardTracer
     from paramserver.sparse.shard import SparseShard
 
 __all__ = ["Observers", "PeerHost", "PeerInfo", "Peers", "require_core"]

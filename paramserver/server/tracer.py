@@ -54,11 +54,16 @@ class ShardTracer:
             return
         if out.accepted:
             self._members.append(worker)
-        if out.version > self._version:  # this push closed the round
-            self._write(tr.Round(out.version, sorted(self._members)))
-            self._version, self._members = out.version, []
+        self._closed(out.version)  # this push closed the round
+
+    def _closed(self, version: int) -> None:
+        """Sync: the round that made ``version`` closed (a push, or a leave, closed it)."""
+        if self.sync and version > self._version:
+            self._write(tr.Round(version, sorted(self._members)))
+            self._version, self._members = version, []
 
     def served(self, ready: PullReply, now: float) -> None:
+        self._closed(ready.version)  # (a round a BYE or a death closed: seen here first)
         self._write(tr.Served(now, ready.worker, ready.clock, ready.version))
 
     def left(self, worker: int, now: float) -> None:

@@ -40,7 +40,7 @@ def t95(df: float) -> float:
     down: the wider interval)."""
     if df < 1:
         return math.inf
-    k = int(math.floor(df))
+    k = math.floor(df)
     return _T95[k - 1] if k <= len(_T95) else 1.960
 
 
@@ -86,6 +86,8 @@ class PairedRow:
     @property
     def ratio(self) -> float:
         """How many times narrower the paired interval is than the unpaired one."""
+        if not (math.isfinite(self.paired_half) and math.isfinite(self.unpaired_half)):
+            return math.nan  # one seed: no interval
         if self.paired_half == 0:
             return math.inf
         return self.unpaired_half / self.paired_half
