@@ -138,7 +138,7 @@ def _paired(console: Any, spec: Any, out: Path) -> None:
 
     console.print("paired: replaying each seed's baseline run with the other policies ...")
     try:
-        rows = paired_report(spec, out)
+        rows = paired_report(spec, out, lambda line: console.print(f"  {line}", style="dim"))
     except ParamServerError as exc:
         raise click.ClickException(str(exc)) from exc
     if len(spec.seeds) < 2:

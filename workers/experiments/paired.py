@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -111,8 +111,11 @@ def _sibling(spec: ExperimentSpec, config: Configuration, policy: Any) -> Config
     raise AssertionError("every policy has every configuration")  # (the grid's product)
 
 
-def paired_rows(spec: ExperimentSpec, out: Path) -> list[PairedRow]:
-    """Replay each seed's baseline run with every other policy; the rows of the report."""
+def paired_rows(spec: ExperimentSpec, out: Path,
+                progress: Callable[[str], None] | None = None) -> list[PairedRow]:
+    """Replay each seed's baseline run with every other policy; the rows of the report.
+    ``progress`` is told of each replay done (a replay of a long run takes seconds)."""
+    say = progress or (lambda _: None)
     from paramserver.workers.launch.replay import Changes, compare, final_weights, replay_dir
 
     if len(spec.policies) < 2:
@@ -123,21 +126,27 @@ def paired_rows(spec: ExperimentSpec, out: Path) -> list[PairedRow]:
     for config in spec.configurations():
         if config.policy != base_policy:
             continue
+        own: dict[int, tuple[float, bool]] = {}  # seed -> the baseline's replay: loss, equal
+        for seed in spec.seeds:
+            base_dir = out / "runs" / config.id / f"seed{seed}"
+            mine = replay_dir(base_dir)  # the baseline itself: its run, bit for bit?
+            own[seed] = (mine.eval["loss"], compare(mine.weights, final_weights(base_dir))[0])
+            say(f"replayed {config.id}/seed{seed} as recorded")
         for policy in spec.policies[1:]:
             other = _sibling(spec, config, policy)
             row = PairedRow(config.label, policy.label, base_policy.label, [], [], [], [], [])
             for seed in spec.seeds:
                 base_dir = out / "runs" / config.id / f"seed{seed}"
                 base_loss = _loss(base_dir)
-                own = replay_dir(base_dir)  # the baseline itself: its run, bit for bit?
-                equal, _ = compare(own.weights, final_weights(base_dir))
+                own_loss, equal = own[seed]
                 counter = replay_dir(base_dir, Changes(policy=policy.name,
                                                        policy_args=dict(policy.args)))
                 row.seeds.append(seed)
                 row.base.append(base_loss)
                 row.real.append(_loss(out / "runs" / other.id / f"seed{seed}"))
-                row.paired.append(counter.eval["loss"] - own.eval["loss"])
+                row.paired.append(counter.eval["loss"] - own_loss)
                 row.reproduced.append(equal)
+                say(f"replayed {config.id}/seed{seed} with {policy.label}")
             row.paired_mean, row.paired_half = interval(row.paired)
             row.unpaired_mean, row.unpaired_half = welch(row.real, row.base)
             rows.append(row)
@@ -169,9 +178,10 @@ def _plot(rows: Sequence[PairedRow], path: Path) -> None:
     plt.close(fig)
 
 
-def paired_report(spec: ExperimentSpec, out: Path) -> list[PairedRow]:
+def paired_report(spec: ExperimentSpec, out: Path,
+                  progress: Callable[[str], None] | None = None) -> list[PairedRow]:
     """Write paired.md, paired.json and images/paired.png; returns the rows."""
-    rows = paired_rows(spec, out)
+    rows = paired_rows(spec, out, progress)
     _plot(rows, out / "images" / "paired.png")
     (out / "paired.json").write_text(json.dumps([{**asdict(r), "ratio": r.ratio}
                                                  for r in rows], indent=2))

@@ -331,7 +331,9 @@ class _Replay:
             result.note = (f"counterfactual ({self.changes.describe()}): the recorded timing "
                            f"was followed, not the recorded versions; {result.reads_differ} "
                            f"pulls read another version than recorded, "
-                           f"{result.decisions_differ} decisions differ")
+                           f"{result.decisions_differ} decisions differ"
+                           + (f", {result.gates_overridden} pulls answered that the new "
+                              f"bound would have held" if result.gates_overridden else ""))
         elif result.reproduced:
             result.note = "reproduced: every read, decision and version as recorded"
         else:
