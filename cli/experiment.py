@@ -147,6 +147,7 @@ def _paired(console: Any, spec: Any, out: Path) -> None:
         console.print(f"  {r.config}: {r.policy} - {r.baseline}: paired "
                       f"{r.paired_mean:+.4f} ± {r.paired_half:.4f}, unpaired "
                       f"{r.unpaired_mean:+.4f} ± {r.unpaired_half:.4f}: the paired interval "
-                      f"is {r.ratio:.1f}x narrower ({sum(r.reproduced)}/{len(r.reproduced)} "
+                      f"is {r.ratio:.1f}x narrower (own runs paired by seed: "
+                      f"± {r.seed_half:.4f}; {sum(r.reproduced)}/{len(r.reproduced)} "
                       f"baseline replays bit for bit)")
     console.print(f"paired report: {out / 'paired.md'} (plot: images/paired.png)")

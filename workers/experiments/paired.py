@@ -8,7 +8,8 @@ each other policy (paramserver/workers/launch/replay.py): the same arrivals, the
 batches, another policy. The paired difference per seed is
 ``loss(replay with P) - loss(baseline)``; its 95 % confidence interval over seeds is
 set beside the *unpaired* one (the real runs of P against the real runs of the
-baseline, Welch's interval), and the report says how much narrower the paired one is.
+baseline, Welch's interval), and the report says how much narrower the paired one is;
+a third interval pairs the own runs by seed only (same data, their own schedules).
 
 Writes ``paired.md``, ``paired.json`` and ``images/paired.png`` into the experiment
 directory.
@@ -82,6 +83,10 @@ class PairedRow:
     paired_half: float = 0.0
     unpaired_mean: float = 0.0
     unpaired_half: float = 0.0
+    #: the own runs paired by seed only (same data, another schedule): what sharing the
+    #: schedule adds beyond sharing the seed
+    seed_mean: float = 0.0
+    seed_half: float = 0.0
 
     @property
     def ratio(self) -> float:
@@ -149,6 +154,8 @@ def paired_rows(spec: ExperimentSpec, out: Path,
                 say(f"replayed {config.id}/seed{seed} with {policy.label}")
             row.paired_mean, row.paired_half = interval(row.paired)
             row.unpaired_mean, row.unpaired_half = welch(row.real, row.base)
+            row.seed_mean, row.seed_half = interval(
+                [r - b for r, b in zip(row.real, row.base, strict=True)])
             rows.append(row)
     return rows
 
@@ -162,9 +169,11 @@ def _plot(rows: Sequence[PairedRow], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 0.9 + 0.8 * len(rows)))
     for i, row in enumerate(rows):
         y = len(rows) - 1 - i
-        ax.errorbar(row.unpaired_mean, y + 0.15, xerr=row.unpaired_half, fmt="o",
+        ax.errorbar(row.unpaired_mean, y + 0.2, xerr=row.unpaired_half, fmt="o",
                     color="tab:gray", capsize=4, label="unpaired (own runs)" if i == 0 else None)
-        ax.errorbar(row.paired_mean, y - 0.15, xerr=row.paired_half, fmt="s",
+        ax.errorbar(row.seed_mean, y, xerr=row.seed_half, fmt="^", color="tab:orange",
+                    capsize=4, label="own runs paired by seed" if i == 0 else None)
+        ax.errorbar(row.paired_mean, y - 0.2, xerr=row.paired_half, fmt="s",
                     color="tab:blue", capsize=4,
                     label="paired (replayed on the same schedules)" if i == 0 else None)
     ax.axvline(0, color="black", lw=0.8)
@@ -172,7 +181,7 @@ def _plot(rows: Sequence[PairedRow], path: Path) -> None:
     ax.set_yticklabels([f"{r.policy} - {r.baseline}\n{r.config}" for r in reversed(rows)],
                        fontsize=8)
     ax.set_xlabel("difference in final held-out loss (95 % CI over seeds)")
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=2)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=3)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
@@ -192,10 +201,12 @@ def paired_report(spec: ExperimentSpec, out: Path,
              "Differences of final held-out loss, 95 % confidence intervals over "
              f"{len(spec.seeds)} seeds.", "",
              "| configuration | policy | paired difference | unpaired difference | "
-             "narrower | baseline replay bit for bit |", "|---|---|---|---|---|---|"]
+             "narrower | own runs paired by seed | baseline replay bit for bit |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r.config} | {r.policy} | {r.paired_mean:+.4f} ± {r.paired_half:.4f} "
                      f"| {r.unpaired_mean:+.4f} ± {r.unpaired_half:.4f} | {r.ratio:.1f}x | "
+                     f"{r.seed_mean:+.4f} ± {r.seed_half:.4f} | "
                      f"{sum(r.reproduced)}/{len(r.reproduced)} |")
     lines += ["", "![paired and unpaired intervals](images/paired.png)", ""]
     (out / "paired.md").write_text("\n".join(lines))
