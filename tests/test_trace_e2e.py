@@ -105,6 +105,32 @@ def test_simulate_replay_says_bit_for_bit_and_counterfactual(traced: Path,
     assert bad.exit_code == 2 and "--replay re-runs a recorded schedule" in bad.output
 
 
+def test_paired_report_replays_the_baseline_with_each_policy(traced: Path,
+                                                            tmp_path: Path) -> None:
+    """The report's wiring on the traced run, standing in as every seed's baseline (the
+    other policy's "own runs" are copies of it: its loss is the baseline's)."""
+    from paramserver.workers.experiments.paired import paired_report
+    from paramserver.workers.experiments.spec import ExperimentSpec
+
+    spec = ExperimentSpec.from_dict({"modes": ["async"], "policies": ["dc-asgd", "inverse"],
+                                     "workers": [3], "num_servers": 1, "scenarios": ["none"],
+                                     "seeds": [0, 1], "steps": STEPS})
+    for config in spec.configurations():
+        for seed in spec.seeds:
+            (tmp_path / "runs" / config.id).mkdir(parents=True, exist_ok=True)
+            (tmp_path / "runs" / config.id / f"seed{seed}").symlink_to(traced)
+    lines: list[str] = []
+    rows = paired_report(spec, tmp_path, lines.append)
+    assert len(rows) == 1 and rows[0].policy == "inverse" and rows[0].reproduced == [True] * 2
+    counter = replay_dir(traced, Changes(policy="inverse")).eval["loss"]
+    own = replay_dir(traced).eval["loss"]
+    assert rows[0].paired == [counter - own] * 2 and rows[0].unpaired_mean == 0
+    assert len(lines) == 4  # the baseline's replay per seed, the counterfactual per seed
+    assert (tmp_path / "images" / "paired.png").stat().st_size > 0
+    assert "| inverse |" in (tmp_path / "paired.md").read_text()
+    assert json.loads((tmp_path / "paired.json").read_text())[0]["policy"] == "inverse"
+
+
 def test_sync_compressed_run_with_backups_replays(tmp_path: Path) -> None:
     """Sync with a backup worker (the straggler's push dropped from its round), int8 pushes
     with the workers' encoders, delayed Nesterov on 2 shards: the replay is the run."""
