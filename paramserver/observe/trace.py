@@ -16,7 +16,8 @@ little-endian length and one msgpack array (msgspec, ``array_like``) whose first
 names the record. The first frame is a :class:`Header` (the format version, who wrote
 it, its whole configuration); the last is :class:`End` when the process closed it, or
 :class:`Capped` when it reached its cap. Bounded: a record is at most
-:data:`MAX_RECORD` bytes; a push costs at most :data:`PUSH_BYTES` bytes at a shard
+:data:`MAX_RECORD` bytes (a file cut off by a killed process is read up to its last
+whole record, and has no End); a push costs at most :data:`PUSH_BYTES` bytes at a shard
 (one Arrival and one Served, 44 to 90 in practice) and :data:`STEP_BYTES` at a worker;
 a file stops recording at ``cap`` bytes (:data:`DEFAULT_CAP`, 64 MiB: about 400,000
 pushes per shard), writes :class:`Capped`, and says so in the log; a replay refuses a
@@ -205,15 +206,16 @@ class TraceWriter:
 def _frames(data: bytes, path: Path) -> Iterator[Record]:
     at = 0
     while at < len(data):
-        if at + _LEN.size > len(data):
-            raise ConfigError(f"trace {path}: cut off inside a frame at byte {at}")
-        (n,) = _LEN.unpack_from(data, at)
+        n = _LEN.unpack_from(data, at)[0] if at + _LEN.size <= len(data) else 0
         if n > MAX_RECORD:
             raise ConfigError(f"trace {path}: a record of {n} bytes at byte {at} "
                               f"(at most {MAX_RECORD}): not a trace, or damaged")
+        if at + _LEN.size + n > len(data) or n == 0:
+            # a process killed mid-write: what came before is whole (the file has no End)
+            log.warning("trace %s is cut off at byte %d (its process did not close it): "
+                        "read up to there", path, at)
+            return
         at += _LEN.size
-        if at + n > len(data):
-            raise ConfigError(f"trace {path}: cut off inside a record at byte {at}")
         try:
             yield _DECODER.decode(data[at:at + n])
         except msgspec.DecodeError as exc:
