@@ -184,6 +184,8 @@ def _summary(spec: ClusterSpec, result: ClusterResult, out: Path) -> str:
         lines.append(f"watchdog alarms: {len(episodes)} ({len(result.alarms)} on all shards;"
                      " events/server*.jsonl; docs/observability.md says what each means)")
     lines.append(f"result: {out / 'result.json'} (logs in {out / 'logs'})")
+    if spec.trace:
+        lines.append(f"trace: {out / 'trace'} (replay: paramserver simulate --replay {out})")
     return "\n".join(lines)
 
 

@@ -40,6 +40,7 @@ def traced(tmp_path_factory: pytest.TempPathFactory) -> Path:
          "--out", str(out), "--overwrite"],
         capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
+    assert f"paramserver simulate --replay {out}" in done.stdout + done.stderr
     return out
 
 
