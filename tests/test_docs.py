@@ -127,6 +127,8 @@ def _small_grid(match: re.Match[str]) -> str:
     (hundreds of steps, 3 seeds) would cost minutes for a block checked only to run."""
     head, rest = match.group("head"), match.group("rest")
     flags = rest.split(" -- ", 1)[0]  # not the arguments of a script it runs
+    if "--replay" in flags:  # a recorded run's length: it takes neither
+        return head + rest
     if not any(f in flags for f in GRID_LENGTH):
         head += " --steps 3"
     if not any(f in flags for f in ("--seeds", "--spec", "--preset")):
