@@ -181,7 +181,7 @@ def _plot(rows: Sequence[PairedRow], path: Path) -> None:
     ax.set_yticklabels([f"{r.policy} - {r.baseline}\n{r.config}" for r in reversed(rows)],
                        fontsize=8)
     ax.set_xlabel("difference in final held-out loss (95 % CI over seeds)")
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=3)
+    ax.legend(fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=3, frameon=False)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
