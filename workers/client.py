@@ -48,6 +48,7 @@ from paramserver.workers import gradwire
 from paramserver.workers.failover import ATTEMPT_TIMEOUT, Failover
 from paramserver.workers.landing import land, land_over_tcp
 from paramserver.workers.liveness import Heartbeat, Patience
+from paramserver.workers.pullcopy import PullCopies
 from paramserver.workers.pushstream import PullResult, PushResult, PushStream
 
 __all__ = ["GRAD_WIRE_DTYPES", "PART_BYTES", "PSClient", "PullResult", "PushResult",
@@ -178,6 +179,18 @@ class PSClient:
         # a request to every shard (most of them): its channel set made once
         self._every = list(range(len(self.channels)))
         self._fanout = Fanout(self.channels)
+        # compressed pulls: our copy of each shard's slices, for those that compress
+        # them (they say so at HELLO: workers/pullcopy.py)
+        self.copies = PullCopies(plan)
+
+    def _squeezes(self, shard: int, on: bool) -> None:
+        """``shard`` compresses pulls (its HELLO said so): its answers are not the
+        layout a small share reads in a few calls."""
+        on = on and self.role == "worker"
+        self.copies.enable(shard, on)
+        if on:
+            self._small[shard] = None
+            self.channels[shard].reader = None
 
     # ------------------------------------------------------------------ session
 
@@ -285,6 +298,7 @@ class PSClient:
         """HELLO ``shard`` again (it restarted, or timed us out), and seed it from our
         weights if it lost its own."""
         hello: HelloReply = self.call([self._hello()], "HELLO", [shard], recover=False)[0].body
+        self._squeezes(shard, hello.squeeze)
         self._prove_shm([shard])
         if not hello.initialized and self._params is not None and self.role == "worker":
             log.warning("shard %d lost its weights; seeding it from this worker's copy", shard)
@@ -345,6 +359,7 @@ class PSClient:
         self._prove_shm(range(len(self.channels)))
         hellos: list[HelloReply] = [r.body for r in replies]
         for index, hello in enumerate(hellos):
+            self._squeezes(index, hello.squeeze)
             shard = hello.shard
             if shard is not None and shard != index:
                 raise ConfigError(f"address {index} ({self.addresses[index]}) is shard {shard}; "
@@ -403,9 +418,17 @@ class PSClient:
             fields["wait_init"] = True
         if via_shm is not None:
             fields["via_shm"] = via_shm
-        return [Message(Op.PULL, 0, dict(fields)) for _ in self.channels]
+        return [Message(Op.PULL, 0, self._based(fields, s)) for s in self._every]
+
+    def _based(self, fields: dict[str, Any], shard: int) -> dict[str, Any]:
+        """``fields`` with the ``base`` of a pull from ``shard`` that compresses pulls."""
+        base = self.copies.base(shard)
+        return dict(fields) if base is None else {**fields, "base": base}
 
     def _land(self, params: Mapping[str, torch.Tensor], shard: int, rep: Message) -> bool:
+        if rep.body.squeeze is not None:  # a compressed pull's answer (pullcopy.py)
+            self.copies.land(params, shard, rep)
+            return True
         share = self._small[shard]
         if share is not None and rep.body.shm is None and share.land(params, rep.tensors):
             return True
@@ -535,7 +558,7 @@ class PSClient:
         for s in range(len(self.channels)):
             fields = {**head, "read_version": read_versions[s]}
             if pull:
-                fields["pull"] = True
+                fields = self._based({**fields, "pull": True}, s)
             if packed:
                 msgs.append(Message(Op.PUSH, 0, fields, {}, packed[s]))
                 continue

@@ -218,6 +218,9 @@ class PushStream:
             "part": part, "parts": parts}
         if self.prefetch and part == parts - 1:
             fields["pull"] = True
+            base = self.client.copies.base(shard)  # (compressed pulls: workers/pullcopy.py)
+            if base is not None:
+                fields["base"] = base
         elif self.early and self._over_tcp(shard):
             fields["early"] = True
         if self.loss is not None:

@@ -63,6 +63,7 @@ FEATURES: dict[str, str] = {
     "overlap": "--overlap",
     "wire_dtype": "--wire-dtype",
     "compression": "--compression",
+    "pull_compression": "--pull-compression",
     "script_optimizer": "a script's own optimizer (DistributedOptimizer(model, torch.optim.X))",
     "hosts": "emulated hosts (--hosts W+S)",
     "early_parts": "--early-parts",
@@ -224,7 +225,8 @@ def active(*, replicas: int = 0, sparse: bool = False, curve: bool = False,
            resume: bool = False, command: bool = False, local_sgd: bool = False,
            optimizer: str = "", policy: str = "none", backup_workers: int = 0,
            overlap: bool = False, wire_dtype: str | None = None,
-           script_optimizer: bool = False, compression: str | None = None) -> set[str]:
+           script_optimizer: bool = False, compression: str | None = None,
+           pull_compression: str | None = None) -> set[str]:
     """The features a run's settings turn on (each side passes what it knows)."""
     on = {name for name, given in (
         ("replicas", replicas), ("sparse", sparse), ("curve", curve), ("resume", resume),
@@ -233,6 +235,7 @@ def active(*, replicas: int = 0, sparse: bool = False, curve: bool = False,
         ("backup_workers", backup_workers), ("overlap", overlap),
         ("wire_dtype", wire_dtype not in (None, "none")),
         ("compression", compression not in (None, "none")),
+        ("pull_compression", pull_compression not in (None, "none")),
         ("script_optimizer", script_optimizer)) if given}
     if policy and policy != "none":
         on.add(policy_feature(policy))

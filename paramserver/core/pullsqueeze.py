@@ -1,0 +1,161 @@
+"""Compressed pulls (DoubleSqueeze, Tang et al. 2019): each worker is sent the
+compressed change of the weights since what it holds, with error feedback by
+construction.
+
+The shard keeps, per worker, that worker's reconstruction of its slices (``held``:
+the sum of every change it was sent). A pull answers ``C(w - held)`` in one of the
+wire formats of :mod:`paramserver.compress.formats` and adds its decoded value to
+``held``; the worker adds the same decoded value to its own copy (the same float
+additions in the same order: the two stay bit-identical). What the compressor
+left out stays in ``w - held`` and goes with the next pull.
+
+The worker names what it holds by a count (``base``): the answers it applied.
+``base`` equal to the shard's count gets the compressed change; one less (the
+last answer was lost: a failover, a dropped reply) gets that answer again, as a
+retried push gets its first outcome; anything else (a new or restarted worker, a
+shard resumed from an older checkpoint) the dense weights, which restart the
+count's chain. So a worker's copy and ``held`` never part.
+
+``held`` and the counts are the shard's state: saved in its checkpoint
+(``pull/<worker>/<key>``, core/snapshot.py), sent to a joining replica with the
+rest, and computed alike by a backup, which closes the same pulls at the same
+weights as its primary. The last answers are kept in memory only (a replica that
+joined late answers such a retry densely). Pure: tensors in, tensors out.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from paramserver.compress import formats
+from paramserver.compress.registry import Compression
+from paramserver.core.records import SliceSpec
+from paramserver.util.dtypes import DTYPES
+
+__all__ = ["PullAnswer", "PullSqueeze"]
+
+_MASK = (1 << 63) - 1
+
+
+@dataclass(frozen=True)
+class PullAnswer:
+    """What a worker's pull is answered with: ``tensors`` (the wire's: ``key`` or
+    ``key#part``), the change since its ``count - 1``-th answer (``delta``) or the
+    dense weights, and the count it holds once it applied them."""
+
+    count: int
+    delta: bool
+    tensors: dict[str, torch.Tensor]
+    version: int
+
+    @property
+    def nbytes(self) -> int:
+        return formats.nbytes(self.tensors)
+
+
+class PullSqueeze:
+    """The per-worker state of compressed pulls on one shard (see the module's text)."""
+
+    def __init__(self, compression: Compression, specs: Mapping[str, SliceSpec],
+                 shard: int = 0) -> None:
+        self.compression = compression
+        self.compressor = compression.compressor
+        self.specs = specs
+        self.shard = shard
+        self.held: dict[int, dict[str, torch.Tensor]] = {}
+        self.counts: dict[int, int] = {}
+        # worker -> its last answer (to send again when it was lost), in memory only
+        self.last: dict[int, PullAnswer] = {}
+        # worker -> the base its parked pull named (set when the pull comes)
+        self.bases: dict[int, int] = {}
+
+    def ask(self, worker: int, base: int | None) -> None:
+        """Worker ``worker``'s pull (parked now, answered when its gate opens) holds
+        ``base`` answers (-1: none; None: it takes plain weights)."""
+        if base is None:
+            self.bases.pop(worker, None)
+        else:
+            self.bases[worker] = base
+
+    def _seed(self, worker: int, count: int, key: str) -> int:
+        return (((self.shard * 1_000_003 + worker) * 1_000_003 + count) * 2_654_435_761
+                + zlib.crc32(key.encode())) & _MASK
+
+    def answer(self, worker: int, params: Mapping[str, torch.Tensor],
+               version: int) -> PullAnswer | None:
+        """The answer to ``worker``'s pull now, its state moved on (None: a plain pull,
+        answered with the weights as they are)."""
+        base = self.bases.pop(worker, None)
+        if base is None:
+            return None
+        count = self.counts.get(worker)
+        last = self.last.get(worker)
+        if count is not None and base == count and worker in self.held:
+            out = self._delta(worker, count + 1, params, version)
+        elif count is not None and base == count - 1 and last is not None \
+                and last.count == count and last.delta:
+            return last  # the last answer was lost: the same again
+        else:
+            held = {k: p.detach().reshape(-1).clone() for k, p in params.items()}
+            self.held[worker] = held
+            out = PullAnswer((count or 0) + 1, False,
+                             {k: t.clone() for k, t in held.items()}, version)
+        self.counts[worker] = out.count
+        self.last[worker] = out
+        return out
+
+    def _delta(self, worker: int, count: int, params: Mapping[str, torch.Tensor],
+               version: int) -> PullAnswer:
+        held = self.held[worker]
+        tensors: dict[str, torch.Tensor] = {}
+        for key, p in params.items():
+            h = held[key]
+            change = p.detach().reshape(-1) - h
+            parts = self.compressor.compress(change, self._seed(worker, count, key))
+            h.add_(formats.decode(key, parts, h.numel(), h.dtype))
+            for part, t in parts.items():
+                tensors[f"{key}{formats.SEP}{part}" if part else key] = t
+        return PullAnswer(count, True, tensors, version)
+
+    def forget(self, worker: int) -> None:
+        """Drop a worker's state (it left for good)."""
+        for table in (self.held, self.counts, self.last, self.bases):
+            table.pop(worker, None)  # type: ignore[attr-defined]
+
+    # ------------------------------------------------------------------ state
+
+    def state(self) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+        """(``pull/<worker>/<key>`` tensors, ``{worker: count}``) for a checkpoint."""
+        tensors = {f"pull/{w}/{k}": t for w, held in self.held.items() for k, t in held.items()}
+        return tensors, {str(w): c for w, c in self.counts.items()}
+
+    def load(self, tensors: Mapping[str, torch.Tensor], counts: Mapping[str, int]) -> None:
+        """:meth:`state`'s output back (checked by core/snapshot.py first); a worker
+        without every slice or without a count is dropped (it gets dense weights)."""
+        held: dict[int, dict[str, torch.Tensor]] = {}
+        for name, t in tensors.items():
+            if name.startswith("pull/"):
+                _, worker, key = name.split("/", 2)
+                spec = self.specs[key]
+                held.setdefault(int(worker), {})[key] = \
+                    t.detach().reshape(-1).to(DTYPES[spec.dtype]).clone()
+        self.held = {w: h for w, h in held.items()
+                     if len(h) == len(self.specs) and str(w) in counts}
+        self.counts = {int(w): int(c) for w, c in counts.items() if int(w) in self.held}
+        self.last.clear()
+        self.bases.clear()
+
+
+def check_counts(counts: object) -> dict[str, int]:
+    """A checkpoint's ``pull_counts``: worker id -> a count >= 1 (ValueError otherwise)."""
+    if not isinstance(counts, dict):
+        raise ValueError("field 'pull_counts' must be a map")
+    for w, c in counts.items():
+        if not str(w).isdigit() or isinstance(c, bool) or not isinstance(c, int) or c < 1:
+            raise ValueError(f"field 'pull_counts' must map worker ids to counts >= 1, "
+                             f"got {w!r}: {c!r}")
+    return counts
