@@ -420,6 +420,10 @@ class PSClient:
             fields["via_shm"] = via_shm
         return [Message(Op.PULL, 0, self._based(fields, s)) for s in self._every]
 
+    def pull_base(self, shard: int) -> int | None:
+        """The ``base`` a pull from ``shard`` names (None: it does not compress pulls)."""
+        return self.copies.base(shard)
+
     def _based(self, fields: dict[str, Any], shard: int) -> dict[str, Any]:
         """``fields`` with the ``base`` of a pull from ``shard`` that compresses pulls."""
         base = self.copies.base(shard)

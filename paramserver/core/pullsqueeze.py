@@ -123,8 +123,10 @@ class PullSqueeze:
 
     def forget(self, worker: int) -> None:
         """Drop a worker's state (it left for good)."""
-        for table in (self.held, self.counts, self.last, self.bases):
-            table.pop(worker, None)  # type: ignore[attr-defined]
+        self.held.pop(worker, None)
+        self.counts.pop(worker, None)
+        self.last.pop(worker, None)
+        self.bases.pop(worker, None)
 
     # ------------------------------------------------------------------ state
 
