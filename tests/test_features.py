@@ -30,6 +30,7 @@ FLAGS: dict[str, list[str]] = {
     "local_sgd": ["--local-optimizer", "sgd"],
     "overlap": ["--overlap"],
     "compression": ["--compression", "int8"],
+    "pull_compression": ["--pull-compression", "int8"],
     **{policy_feature(p): ["--policy", p] for p in BUILTIN_POLICIES},
 }
 

@@ -185,6 +185,22 @@ _LISTED: dict[tuple[str, str], Pair] = {
     ("compression", "sparse"): _refused(
         "a sparse table's row gradients are not compressed (only the dense push is); "
         "train it without --compression"),
+    # compressed pulls (paramserver/core/pullsqueeze.py): the dense weights' pull only
+    ("replicas", "pull_compression"): _works(
+        "tests/test_compress_replicas_e2e.py::"
+        "test_a_compressed_sync_run_survives_a_primary_sigkill_bit_identical"),
+    ("compression", "pull_compression"): _works(
+        "tests/test_compress_e2e.py::test_a_sync_run_compressed_both_ways_equals_the_replay"),
+    ("sparse", "pull_compression"): _refused(
+        "a sparse table's rows are pulled as they are (only the dense weights' pull is "
+        "compressed); train it without --pull-compression"),
+    ("resume", "pull_compression"): Pair("untested", why=(
+        "the workers' reconstructions are checkpointed and resumed "
+        "(tests/test_pullsqueeze.py), but a resumed run's workers hold no copy yet, so "
+        "their first pulls are dense; no end-to-end test resumes such a run")),
+    ("reshard", "pull_compression"): Pair("untested", why=(
+        "each reconstruction moves per element with its slices "
+        "(tests/test_pullsqueeze.py); no end-to-end test reshards such a run")),
     # shared memory
     ("shm", "curve"): _works(
         "tests/test_shm_e2e.py::test_curve_peer_without_an_allow_list_entry_gets_no_segment"),
