@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import msgspec
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -16,8 +17,8 @@ from safetensors.torch import load_file, save_file
 from paramserver.compress import parse_compression
 from paramserver.core.pullsqueeze import PullAnswer, PullSqueeze
 from paramserver.core.reshard import reshard
-from paramserver.core.sharding import ShardPlan
 from paramserver.core.shard import ShardCore
+from paramserver.core.sharding import ParamSpec, ShardPlan
 from paramserver.errors import ConfigError, ProtocolError
 from paramserver.server.config import ServerConfig
 from paramserver.wire.protocol import Message, Op, decode, encode, weights_reply_fields
@@ -28,14 +29,12 @@ SHAPES = {"w": (40, 30), "b": (30,)}
 
 
 def _plan1() -> ShardPlan:
-    from paramserver.core.sharding import ParamSpec
-
     return ShardPlan([ParamSpec(n, s, "float32") for n, s in SHAPES.items()], 1)
 
 
 def _wire(ans: PullAnswer, seq: int = 1) -> Message:
     """The answer as a shard sends it, through the wire's encoding and decoding."""
-    fields = weights_reply_fields(ans.version, 0, 0.0, __import__("msgspec").UNSET)
+    fields = weights_reply_fields(ans.version, 0, 0.0, msgspec.UNSET)
     fields.update(squeeze=ans.count, **({"delta": True} if ans.delta else {}))
     frames = encode(Message(Op.REPLY, seq, fields, ans.tensors))
     return decode([bytes(f) for f in frames])
@@ -64,7 +63,7 @@ def _pull(squeeze: PullSqueeze, copies: PullCopies, weights: dict[str, torch.Ten
 
 
 def test_the_copy_follows_the_reconstruction_and_what_is_left_out_comes_next() -> None:
-    plan, squeeze, copies, weights, model = _setup()
+    _, squeeze, copies, weights, model = _setup()
     first = _pull(squeeze, copies, weights, model)
     assert not first.delta and copies.base(0) == 1  # a new worker: the dense weights
     gen = torch.Generator().manual_seed(1)
