@@ -516,6 +516,8 @@ class Simulator:
             compute_s=w.compute_s, sleep_s=w.sleep_s, pull_s=w.pull_s,
             push_s=self.now - w.push_started, wait_s=w.wait_s,
             bytes=w.push_bytes + sum(self._nbytes(k) for k in range(len(self.cores))),
+            push_bytes=w.push_bytes,
+            pull_bytes=sum(self._nbytes(k) for k in range(len(self.cores))),
             local_steps=w.sync_every if w.inner is not None else ev.UNSET))
         w.grads = {}
         self._steps_done += 1
