@@ -27,7 +27,8 @@ STEPS, WORKERS, LR = 6, 2, 0.1
 SCRIPT = Path(__file__).resolve().parent / "compress_script.py"
 
 
-def _replay(spec: str, pull: str | None = None) -> dict[str, torch.Tensor]:
+def _replay(spec: str, pull: str | None = None, workers: int = WORKERS
+            ) -> dict[str, torch.Tensor]:
     """One process: each step, every worker's gradient at its weights goes through its
     own encoder (error feedback and draws as the worker's, seeded by its rank) and
     back, and SGD steps on their mean. With ``pull`` (a deterministic compressor),
@@ -35,10 +36,10 @@ def _replay(spec: str, pull: str | None = None) -> dict[str, torch.Tensor]:
     compressed change since, slice by slice (here a parameter is one slice)."""
     model = T.make_model()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    encoders = [Encoder(parse_compression(spec), seed=r) for r in range(WORKERS)]
+    encoders = [Encoder(parse_compression(spec), seed=r) for r in range(workers)]
     squeeze = None if pull is None else parse_compression(pull).compressor
     held = [{n: p.detach().reshape(-1).clone() for n, p in model.named_parameters()}
-            for _ in range(WORKERS)]
+            for _ in range(workers)]
     worker = T.make_model()  # a worker's model: its reconstruction loaded into it
     for k in range(STEPS):
         sent = []
@@ -54,7 +55,7 @@ def _replay(spec: str, pull: str | None = None) -> dict[str, torch.Tensor]:
                                            p.dtype).view_as(p)
                          for n, p in at.named_parameters()})
         for n, p in model.named_parameters():
-            p.grad = sum(s[n] for s in sent) / WORKERS
+            p.grad = sum(s[n] for s in sent) / workers
         opt.step()
         for h in held if squeeze is not None else ():
             for n, p in model.named_parameters():
@@ -63,10 +64,10 @@ def _replay(spec: str, pull: str | None = None) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-def _cluster(tmp_path: Path, command: list[str] | None = None,
-             **worker: object) -> ClusterSpec:
-    return ClusterSpec(num_servers=2, num_workers=WORKERS,
-                       server=ServerConfig(mode="sync", optimizer="sgd",
+def _cluster(tmp_path: Path, command: list[str] | None = None, workers: int = WORKERS,
+             mode: str = "sync", **worker: object) -> ClusterSpec:
+    return ClusterSpec(num_servers=2, num_workers=workers,
+                       server=ServerConfig(mode=mode, optimizer="sgd",
                                            optimizer_args={"lr": LR}),
                        worker=WorkerConfig(servers=[], **worker),  # type: ignore[arg-type]
                        command=command)
@@ -89,6 +90,22 @@ def test_a_sync_run_compressed_both_ways_equals_the_replay(tmp_path: Path) -> No
     _assert_equal(weights, want)
     for other in (_replay(spec), _replay("none")):  # and both compressions changed it
         assert any(not torch.allclose(other[k], want[k], rtol=0, atol=1e-9) for k in want)
+
+
+def test_an_async_run_with_compressed_pulls_equals_the_replay(tmp_path: Path) -> None:
+    """Async with one worker (its order of pushes and pulls fixed): int8 pulls, dense
+    pushes; the worker computes each gradient at its reconstruction, as the replay's."""
+    cluster = _cluster(tmp_path, workers=1, mode="async",
+                       task="tests.exact_tasks:make_task", task_args={"steps": STEPS},
+                       steps=STEPS)
+    cluster = dataclasses.replace(cluster, server=dataclasses.replace(
+        cluster.server, pull_compression="int8"))
+    result = run_cluster(cluster, tmp_path)
+    assert list(result.updates_applied) == [STEPS, STEPS]
+    want = _replay("none", "int8", workers=1)
+    _assert_equal(load_file(str(tmp_path / "final_model.safetensors")), want)
+    plain = _replay("none", workers=1)
+    assert any(not torch.allclose(plain[k], want[k], rtol=0, atol=1e-12) for k in want)
 
 
 def test_a_restarted_worker_continues_its_residuals(tmp_path: Path) -> None:
