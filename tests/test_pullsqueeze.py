@@ -189,3 +189,18 @@ def test_the_option_is_refused_in_one_line() -> None:
     with pytest.raises(ProtocolError, match="base must be >= -1"):
         decode([bytes(f) for f in encode(Message(Op.PULL, 1, {"worker": 0, "clock": 0,
                                                               "base": -2}))])
+
+
+def test_an_experiment_axis_compresses_both_ways() -> None:
+    """``--compression PUSH/PULL`` (experiment, simulate): the workers' push compression
+    and the shards' pull compression; a bad half is refused in one line."""
+    from paramserver.workers.experiments.spec import ExperimentSpec
+
+    spec = ExperimentSpec(compressions=["none", "int8", "int8/topk:ratio=0.01"], workers=[2],
+                          seeds=1)
+    got = {(r.config.compression, (c := spec.cluster_spec(r.config, 0)).worker.compression,
+            c.server.pull_compression) for r in spec.runs()}
+    assert got == {("none", None, None), ("int8", "int8", None),
+                   ("int8/topk:ratio=0.01", "int8", "topk:ratio=0.01")}
+    with pytest.raises(ConfigError, match="ef=0 has no meaning"):
+        ExperimentSpec(compressions=["int8/sign:ef=0"])
