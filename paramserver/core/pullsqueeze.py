@@ -26,7 +26,7 @@ joined late answers such a retry densely). Pure: tensors in, tensors out.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -121,12 +121,14 @@ class PullSqueeze:
                 tensors[f"{key}{formats.SEP}{part}" if part else key] = t
         return PullAnswer(count, True, tensors, version)
 
-    def forget(self, worker: int) -> None:
-        """Drop a worker's state (it left for good)."""
-        self.held.pop(worker, None)
-        self.counts.pop(worker, None)
-        self.last.pop(worker, None)
-        self.bases.pop(worker, None)
+    def forget(self, known: Collection[int]) -> None:
+        """Drop the state of workers not in ``known`` (evicted: one who comes back is a
+        new process, and gets the dense weights first)."""
+        for worker in [w for w in self.held if w not in known]:
+            del self.held[worker]
+        for table in (self.counts, self.last, self.bases):
+            for worker in [w for w in table if w not in known]:
+                del table[worker]
 
     # ------------------------------------------------------------------ state
 
