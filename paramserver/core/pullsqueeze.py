@@ -72,6 +72,7 @@ class PullSqueeze:
         self.last: dict[int, PullAnswer] = {}
         # worker -> the base its parked pull named (set when the pull comes)
         self.bases: dict[int, int] = {}
+        self.again = 0  # answers sent again (their first was lost)
 
     def ask(self, worker: int, base: int | None) -> None:
         """Worker ``worker``'s pull (parked now, answered when its gate opens) holds
@@ -98,6 +99,7 @@ class PullSqueeze:
             out = self._delta(worker, count + 1, params, version)
         elif count is not None and base == count - 1 and last is not None \
                 and last.count == count and last.delta:
+            self.again += 1
             return last  # the last answer was lost: the same again
         else:
             held = {k: p.detach().reshape(-1).clone() for k, p in params.items()}

@@ -173,6 +173,7 @@ class Outbox:
                 outcome = combined[1]
                 early = self.early.pop(ready.worker, None)
             looks = ready.token in self.observer_pulls  # an observer's: never compressed
+            again = core.squeeze.again if core.squeeze is not None else 0
             squeezed = None if core.squeeze is None or looks else \
                 core.squeeze.answer(ready.worker, core.params, ready.version)
             ticket = (self.shm.ticket(identity, seq, core.params, ready.version)
@@ -184,6 +185,8 @@ class Outbox:
                 if squeezed.delta:
                     fields["delta"] = True
                 self.counters["pulls_compressed" if squeezed.delta else "pulls_dense"] += 1
+                if core.squeeze is not None and core.squeeze.again != again:
+                    self.counters["pulls_answered_again"] += 1  # (its first answer was lost)
                 nbytes = self.send(identity, Message(Op.REPLY, seq, fields,
                                                      squeezed.tensors))
             elif ticket is not None:
