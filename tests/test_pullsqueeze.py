@@ -204,3 +204,28 @@ def test_an_experiment_axis_compresses_both_ways() -> None:
                    ("int8/topk:ratio=0.01", "int8", "topk:ratio=0.01")}
     with pytest.raises(ConfigError, match="ef=0 has no meaning"):
         ExperimentSpec(compressions=["int8/sign:ef=0"])
+
+
+def test_a_joining_replica_takes_the_reconstructions_bit_for_bit() -> None:
+    """A primary's snapshot (core/transfer.py) carries each worker's reconstruction and
+    count: the replica's next compressed answer is the primary's, to the bit."""
+    from paramserver.core.transfer import CoreImage, export, restore
+
+    core = _core("int8")
+    assert core.squeeze is not None
+    core.squeeze.ask(0, -1)
+    core.squeeze.answer(0, core.params, core.version)
+    core.push(0, 0, 0, core.version, 4, {k: torch.ones_like(p) for k, p in core.params.items()},
+              now=0.0)
+    image, tensors = export(core)
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(image), type=CoreImage)
+    replica = ServerConfig(mode="async", pull_compression="int8").new_core(_plan1())
+    restore(replica, wire, {k: v.clone() for k, v in tensors.items()})
+    answers = []
+    for c in (core, replica):
+        assert c.squeeze is not None and c.squeeze.counts == {0: 1}
+        c.squeeze.ask(0, 1)
+        answers.append(c.squeeze.answer(0, c.params, c.version))
+    a, b = answers
+    assert a is not None and b is not None and a.delta and b.delta
+    assert all(torch.equal(a.tensors[k], b.tensors[k]) for k in a.tensors)
