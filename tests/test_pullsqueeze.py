@@ -1,7 +1,7 @@
 """Compressed pulls without sockets (core/pullsqueeze.py, workers/pullcopy.py): the
 worker's copy follows the shard's reconstruction bit for bit through the wire's
 encoding, what a pull leaves out goes with the next, a lost answer is answered again
-and a stranger gets the dense weights, the reconstructions survive a checkpoint (and
+and a worker without its copy gets the reconstruction whole, the reconstructions survive a checkpoint (and
 resharding), and a hostile answer is refused at the worker with its copy unchanged."""
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def test_the_copy_follows_the_reconstruction_and_what_is_left_out_comes_next() -
     assert gap > 1e-3 and after < 1e-6
 
 
-def test_a_lost_answer_is_sent_again_and_a_stranger_gets_the_dense_weights() -> None:
+def test_a_lost_answer_is_sent_again_and_a_stranger_gets_the_reconstruction() -> None:
     _, squeeze, copies, weights, model = _setup("int8")
     _pull(squeeze, copies, weights, model)
     weights["w"].mul_(1.5)
@@ -97,9 +97,13 @@ def test_a_lost_answer_is_sent_again_and_a_stranger_gets_the_dense_weights() -> 
     assert again is lost  # the same answer, at its version
     copies.land(model, 0, _wire(again))
     assert copies.base(0) == squeeze.counts[0] == 2
-    squeeze.ask(0, 7)  # a base it never sent (a shard resumed from an older checkpoint)
-    dense = squeeze.answer(0, weights, 3)
-    assert dense is not None and not dense.delta and dense.count == 3
+    squeeze.ask(0, -1)  # a restarted worker (or a resumed run's): it holds no copy
+    before = {k: t.clone() for k, t in squeeze.held[0].items()}
+    whole = squeeze.answer(0, weights, 3)  # the reconstruction, moved on by this change
+    assert whole is not None and not whole.delta and whole.count == 3
+    assert all(torch.equal(whole.tensors[k], squeeze.held[0][k]) for k in before)
+    assert not all(torch.equal(before[k], squeeze.held[0][k]) for k in before)
+    assert not all(torch.equal(weights[k], squeeze.held[0][k]) for k in before)
     squeeze.ask(0, None)  # a plain pull (an old worker): no state moves
     assert squeeze.answer(0, weights, 3) is None and squeeze.counts[0] == 3
 

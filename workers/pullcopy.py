@@ -4,8 +4,9 @@ compressed answer moves on by the change it carries, decoded and bounded here.
 
 A shard that compresses pulls says so at HELLO (``squeeze``). From then on every
 pull to it names ``base``, the answers this copy holds (-1: none yet), and its
-answer is either the dense weights (the copy starts again from them) or the
-change since ``base``, in one of paramserver/compress/formats.py's formats. The
+answer is either a whole copy (the shard's reconstruction for this worker, or the
+weights for a worker it never saw: the copy starts again from it) or the change
+since ``base``, in one of paramserver/compress/formats.py's formats. The
 change is decoded against the plan's slices with every bound checked, as a shard
 checks a compressed push, and added to the copy with the same float additions the
 shard made to its own reconstruction; the copy then goes into the model. So the

@@ -194,10 +194,8 @@ _LISTED: dict[tuple[str, str], Pair] = {
     ("sparse", "pull_compression"): _refused(
         "a sparse table's rows are pulled as they are (only the dense weights' pull is "
         "compressed); train it without --pull-compression"),
-    ("resume", "pull_compression"): Pair("untested", why=(
-        "the workers' reconstructions are checkpointed and resumed "
-        "(tests/test_pullsqueeze.py), but a resumed run's workers hold no copy yet, so "
-        "their first pulls are dense; no end-to-end test resumes such a run")),
+    ("resume", "pull_compression"): _works(
+        "tests/test_resume_e2e.py::test_the_built_in_loop_resumes_bit_identical"),
     ("reshard", "pull_compression"): Pair("untested", why=(
         "each reconstruction moves per element with its slices "
         "(tests/test_pullsqueeze.py); no end-to-end test reshards such a run")),

@@ -12,9 +12,12 @@ left out stays in ``w - held`` and goes with the next pull.
 The worker names what it holds by a count (``base``): the answers it applied.
 ``base`` equal to the shard's count gets the compressed change; one less (the
 last answer was lost: a failover, a dropped reply) gets that answer again, as a
-retried push gets its first outcome; anything else (a new or restarted worker, a
-shard resumed from an older checkpoint) the dense weights, which restart the
-count's chain. So a worker's copy and ``held`` never part.
+retried push gets its first outcome; anything else (a restarted worker, a run
+resumed from a checkpoint, a shard resumed from an older one) gets the
+reconstruction itself, whole, once this pull's change moved it on (a worker
+never seen: the weights). So a worker's copy and ``held`` never part, and a run
+resumed from checkpoints taken between rounds gives each worker exactly the copy
+it held in the run never stopped.
 
 ``held`` and the counts are the shard's state: saved in its checkpoint
 (``pull/<worker>/<key>``, core/snapshot.py), sent to a joining replica with the
@@ -101,7 +104,13 @@ class PullSqueeze:
                 and last.count == count and last.delta:
             self.again += 1
             return last  # the last answer was lost: the same again
-        else:
+        elif count is not None and worker in self.held:
+            # a worker without this copy (restarted, or a run resumed from a checkpoint):
+            # the reconstruction as this pull's change moves it on, whole
+            moved = self._delta(worker, count + 1, params, version)
+            out = PullAnswer(moved.count, False,
+                             {k: t.clone() for k, t in self.held[worker].items()}, version)
+        else:  # a worker never seen: the weights themselves start its reconstruction
             held = {k: p.detach().reshape(-1).clone() for k, p in params.items()}
             self.held[worker] = held
             out = PullAnswer((count or 0) + 1, False,

@@ -317,8 +317,8 @@ class ServerConfig(ConfigRecord):
         help="Compress each worker's pull: send it the compressed change of the weights "
              "since what it holds, keeping what was left out for its next pull "
              "(DoubleSqueeze; error feedback always), e.g. int8 or topk:ratio=0.01 (names "
-             "as --compression's; none: dense pulls). A new or restarted worker gets the "
-             "dense weights first.")
+             "as --compression's; none: dense pulls). A worker without its copy (new, "
+             "restarted, resumed) gets it whole first.")
     shm_release: bool | None = option(
         None, help="Unmap each used part of a same-host worker's shared-memory gradient "
                    "from the shard, so that its resident set stays near weights + "
