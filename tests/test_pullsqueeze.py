@@ -1,8 +1,9 @@
 """Compressed pulls without sockets (core/pullsqueeze.py, workers/pullcopy.py): the
 worker's copy follows the shard's reconstruction bit for bit through the wire's
-encoding, what a pull leaves out goes with the next, a lost answer is answered again
-and a worker without its copy gets the reconstruction whole, the reconstructions survive a checkpoint (and
-resharding), and a hostile answer is refused at the worker with its copy unchanged."""
+encoding, what a pull leaves out goes with the next, a lost answer is answered again,
+a worker without its copy gets the reconstruction whole, the reconstructions survive a
+checkpoint, a joining replica's snapshot and resharding, and a hostile answer is
+refused at the worker with its copy unchanged."""
 
 from __future__ import annotations
 
