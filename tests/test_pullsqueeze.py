@@ -8,6 +8,7 @@ refused at the worker with its copy unchanged."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 
 import msgspec
@@ -54,10 +55,15 @@ def _setup(spec: str = "topk:ratio=0.1"
     return plan, squeeze, copies, weights, model
 
 
+_VERSIONS = itertools.count(1)
+
+
 def _pull(squeeze: PullSqueeze, copies: PullCopies, weights: dict[str, torch.Tensor],
-          model: dict[str, torch.Tensor], worker: int = 0) -> PullAnswer:
+          model: dict[str, torch.Tensor], worker: int = 0, version: int | None = None
+          ) -> PullAnswer:
+    """A pull answered at ``version`` (default: a new one each time), landed."""
     squeeze.ask(worker, copies.base(0))
-    ans = squeeze.answer(worker, weights, 1)
+    ans = squeeze.answer(worker, weights, next(_VERSIONS) if version is None else version)
     assert ans is not None
     copies.land(model, 0, _wire(ans))
     return ans
@@ -83,6 +89,11 @@ def test_the_copy_follows_the_reconstruction_and_what_is_left_out_comes_next() -
         _pull(squeeze, copies, weights, model)
     after = max(float((weights[k] - squeeze.held[0][k]).abs().max()) for k in weights)
     assert gap > 1e-3 and after < 1e-6
+    count = copies.base(0)
+    same = _pull(squeeze, copies, weights, model, version=10**6)
+    assert same.delta and same.tensors and copies.base(0) == count + 1
+    still = _pull(squeeze, copies, weights, model, version=10**6)  # at the same weights:
+    assert still.delta and not still.tensors and copies.base(0) == count + 1  # nothing
 
 
 def test_a_lost_answer_is_sent_again_and_a_stranger_gets_the_reconstruction() -> None:
@@ -147,7 +158,7 @@ def test_the_reconstructions_survive_a_checkpoint(tmp_path) -> None:
         core.push(0, step, step, core.version, 4,
                   {k: torch.ones_like(p) for k, p in core.params.items()}, now=0.0)
     tensors, meta = core.state_dict()
-    assert meta["pull_counts"] == {"0": 3}
+    assert meta["pull_counts"] == {"0": [3, core.version - 1]}
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / "t.st"))
     resumed = _core("topk:ratio=0.05")
     resumed.load_state_dict(load_file(str(tmp_path / "t.st")),
@@ -161,7 +172,7 @@ def test_the_reconstructions_survive_a_checkpoint(tmp_path) -> None:
     assert a is not None and b is not None and a.delta and b.delta
     assert a.tensors.keys() == b.tensors.keys()
     assert all(torch.equal(a.tensors[k], b.tensors[k]) for k in a.tensors)
-    meta["pull_counts"] = {"0": 0}
+    meta["pull_counts"] = {"0": [0, 1]}
     with pytest.raises(ConfigError, match="pull_counts"):
         resumed.load_state_dict(tensors, meta, now=0.0)
 
@@ -176,11 +187,11 @@ def test_reshard_moves_each_reconstruction_with_its_slices() -> None:
     three = reshard(states, 3)
     new = _plan(3)
     for k, (tensors, meta) in enumerate(three):
-        assert meta["pull_counts"] == {"1": 1}
+        assert meta["pull_counts"] == {"1": [1, 1]}
         for sl in new.shard_slices(k):
             old = states[run.plan.slice_for(sl.key).shard][0]
             assert torch.equal(tensors[f"pull/1/{sl.key}"], old[f"pull/1/{sl.key}"])
-    states[0][1]["pull_counts"] = {"1": 2}  # counted apart: dropped, a dense pull next
+    states[0][1]["pull_counts"] = {"1": [2, 1]}  # counted apart: dropped (whole next)
     assert all("pull_counts" not in m and not any(n.startswith("pull/") for n in t)
                for t, m in reshard(states, 3))
 

@@ -61,19 +61,22 @@ class PullCopies:
         assert count is not None
         specs = self.specs[shard]
         got = expand(rep.tensors, specs)  # (each part's bounds checked: wire/compressed.py)
-        if got.keys() != specs.keys():
+        held = self.held[shard]
+        # a change to the answer it holds, or (empty, the count kept) nothing moved since
+        still = body.delta and held is not None and count == self.counts[shard] and not got
+        if got.keys() != specs.keys() and not still:
             raise ProtocolError(ErrorCode.BAD_TENSOR, f"shard {shard}'s compressed pull answer "
                                 f"holds {len(got)} of its {len(specs)} slices")
-        held = self.held[shard]
-        if body.delta:
+        if body.delta and not still:
             if held is None or count != self.counts[shard] + 1:
                 raise ProtocolError(ErrorCode.BAD_FIELD, f"shard {shard} sent the change to "
                                     f"answer {count - 1}; this worker holds "
                                     f"{self.counts[shard] if held is not None else 'none'}")
             for key, change in got.items():
                 held[key].add_(change)  # (the shard's own addition, to the bit)
-        else:
+        elif not body.delta:
             held = self.held[shard] = {k: t.reshape(-1).clone() for k, t in got.items()}
+        assert held is not None
         self.counts[shard] = count
         with torch.no_grad():
             self.plan.assemble_into(params, held)

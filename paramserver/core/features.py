@@ -196,9 +196,8 @@ _LISTED: dict[tuple[str, str], Pair] = {
         "compressed); train it without --pull-compression"),
     ("resume", "pull_compression"): _works(
         "tests/test_resume_e2e.py::test_the_built_in_loop_resumes_bit_identical"),
-    ("reshard", "pull_compression"): Pair("untested", why=(
-        "each reconstruction moves per element with its slices "
-        "(tests/test_pullsqueeze.py); no end-to-end test reshards such a run")),
+    ("reshard", "pull_compression"): _works(
+        "tests/test_reshard_e2e.py::test_adam_replicated_on_2_then_3_shards_ends_as_kept_on_2"),
     # shared memory
     ("shm", "curve"): _works(
         "tests/test_shm_e2e.py::test_curve_peer_without_an_allow_list_entry_gets_no_segment"),

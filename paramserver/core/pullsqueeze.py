@@ -10,7 +10,9 @@ additions in the same order: the two stay bit-identical). What the compressor
 left out stays in ``w - held`` and goes with the next pull.
 
 The worker names what it holds by a count (``base``): the answers it applied.
-``base`` equal to the shard's count gets the compressed change; one less (the
+``base`` equal to the shard's count gets the compressed change (an empty one, and
+the count stays, where its reconstruction moved at this version already: so how
+often a worker pulls between two steps changes nothing); one less (the
 last answer was lost: a failover, a dropped reply) gets that answer again, as a
 retried push gets its first outcome; anything else (a restarted worker, a run
 resumed from a checkpoint, a shard resumed from an older one) gets the
@@ -71,6 +73,9 @@ class PullSqueeze:
         self.shard = shard
         self.held: dict[int, dict[str, torch.Tensor]] = {}
         self.counts: dict[int, int] = {}
+        # worker -> the version its reconstruction last moved at (a checkpoint taken
+        # after this version's answers holds it moved already: it does not move twice)
+        self.moved: dict[int, int] = {}
         # worker -> its last answer (to send again when it was lost), in memory only
         self.last: dict[int, PullAnswer] = {}
         # worker -> the base its parked pull named (set when the pull comes)
@@ -86,8 +91,9 @@ class PullSqueeze:
             self.bases[worker] = base
 
     def _seed(self, worker: int, count: int, key: str) -> int:
-        return (((self.shard * 1_000_003 + worker) * 1_000_003 + count) * 2_654_435_761
-                + zlib.crc32(key.encode())) & _MASK
+        # (not the shard's index: a slice's draws stay its own when it changes shards)
+        return ((worker * 1_000_003 + count) * 2_654_435_761 + zlib.crc32(key.encode())) \
+            & _MASK
 
     def answer(self, worker: int, params: Mapping[str, torch.Tensor],
                version: int) -> PullAnswer | None:
@@ -99,6 +105,8 @@ class PullSqueeze:
         count = self.counts.get(worker)
         last = self.last.get(worker)
         if count is not None and base == count and worker in self.held:
+            if self.moved.get(worker) == version:  # moved at these weights already:
+                return PullAnswer(count, True, {}, version)  # nothing (once a version)
             out = self._delta(worker, count + 1, params, version)
         elif count is not None and base == count - 1 and last is not None \
                 and last.count == count and last.delta:
@@ -106,9 +114,10 @@ class PullSqueeze:
             return last  # the last answer was lost: the same again
         elif count is not None and worker in self.held:
             # a worker without this copy (restarted, or a run resumed from a checkpoint):
-            # the reconstruction as this pull's change moves it on, whole
-            moved = self._delta(worker, count + 1, params, version)
-            out = PullAnswer(moved.count, False,
+            # the reconstruction as this pull's change moves it on (once a version), whole
+            if self.moved.get(worker) != version:
+                count = self._delta(worker, count + 1, params, version).count
+            out = PullAnswer(count, False,
                              {k: t.clone() for k, t in self.held[worker].items()}, version)
         else:  # a worker never seen: the weights themselves start its reconstruction
             held = {k: p.detach().reshape(-1).clone() for k, p in params.items()}
@@ -116,6 +125,7 @@ class PullSqueeze:
             out = PullAnswer((count or 0) + 1, False,
                              {k: t.clone() for k, t in held.items()}, version)
         self.counts[worker] = out.count
+        self.moved[worker] = version
         self.last[worker] = out
         return out
 
@@ -137,18 +147,20 @@ class PullSqueeze:
         new process, and gets the dense weights first)."""
         for worker in [w for w in self.held if w not in known]:
             del self.held[worker]
-        for table in (self.counts, self.last, self.bases):
+        for table in (self.counts, self.moved, self.last, self.bases):
             for worker in [w for w in table if w not in known]:
                 del table[worker]
 
     # ------------------------------------------------------------------ state
 
-    def state(self) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
-        """(``pull/<worker>/<key>`` tensors, ``{worker: count}``) for a checkpoint."""
+    def state(self) -> tuple[dict[str, torch.Tensor], dict[str, list[int]]]:
+        """(``pull/<worker>/<key>`` tensors, ``{worker: [count, version moved at]}``)
+        for a checkpoint."""
         tensors = {f"pull/{w}/{k}": t for w, held in self.held.items() for k, t in held.items()}
-        return tensors, {str(w): c for w, c in self.counts.items()}
+        return tensors, {str(w): [c, self.moved.get(w, 0)] for w, c in self.counts.items()}
 
-    def load(self, tensors: Mapping[str, torch.Tensor], counts: Mapping[str, int]) -> None:
+    def load(self, tensors: Mapping[str, torch.Tensor],
+             counts: Mapping[str, list[int]]) -> None:
         """:meth:`state`'s output back (checked by core/snapshot.py first); a worker
         without every slice or without a count is dropped (it gets dense weights)."""
         held: dict[int, dict[str, torch.Tensor]] = {}
@@ -160,17 +172,21 @@ class PullSqueeze:
                     t.detach().reshape(-1).to(DTYPES[spec.dtype]).clone()
         self.held = {w: h for w, h in held.items()
                      if len(h) == len(self.specs) and str(w) in counts}
-        self.counts = {int(w): int(c) for w, c in counts.items() if int(w) in self.held}
+        self.counts = {int(w): int(c[0]) for w, c in counts.items() if int(w) in self.held}
+        self.moved = {int(w): int(c[1]) for w, c in counts.items() if int(w) in self.held}
         self.last.clear()
         self.bases.clear()
 
 
-def check_counts(counts: object) -> dict[str, int]:
-    """A checkpoint's ``pull_counts``: worker id -> a count >= 1 (ValueError otherwise)."""
+def check_counts(counts: object) -> dict[str, list[int]]:
+    """A checkpoint's ``pull_counts``: worker id -> [a count >= 1, a version >= 0]
+    (ValueError otherwise)."""
     if not isinstance(counts, dict):
         raise ValueError("field 'pull_counts' must be a map")
     for w, c in counts.items():
-        if not str(w).isdigit() or isinstance(c, bool) or not isinstance(c, int) or c < 1:
-            raise ValueError(f"field 'pull_counts' must map worker ids to counts >= 1, "
-                             f"got {w!r}: {c!r}")
+        if not str(w).isdigit() or not isinstance(c, list) or len(c) != 2 or any(
+                isinstance(x, bool) or not isinstance(x, int) for x in c) \
+                or c[0] < 1 or c[1] < 0:
+            raise ValueError(f"field 'pull_counts' must map worker ids to [count >= 1, "
+                             f"version >= 0], got {w!r}: {c!r}")
     return counts

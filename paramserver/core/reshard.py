@@ -340,7 +340,7 @@ def reshard(shards: Sequence[ShardState], to: int, only: int | None = None
     return out
 
 
-def _pull_counts(metas: Sequence[Mapping[str, Any]]) -> dict[str, int]:
+def _pull_counts(metas: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Compressed pulls (core/pullsqueeze.py): a worker's reconstruction moves per
     element with its slices, and keeps its count where every old shard counted alike
     (else it is dropped, and the worker's next pull is dense)."""

@@ -8,7 +8,7 @@ checkpoints have always held (paramserver/persist/checkpoint.py writes and reads
   (``optim/<index>/<name>``), an open sync round's sums (``agg/<key>``) and the
   weights each worker read, for policies that need them (``read/<worker>/<key>``)
   and each worker's reconstruction under compressed pulls (``pull/<worker>/<key>``,
-  their counts in ``pull_counts``: core/pullsqueeze.py);
+  their counts and versions in ``pull_counts``: core/pullsqueeze.py);
 * metadata: versions, clocks, counters (``rounds_closed``, and ``between_rounds``:
   nothing in the open round, which makes the checkpoint one that shards resume
   together from, see paramserver/persist/checkpoint.py), each worker's record
@@ -65,7 +65,7 @@ def save(core: CoreState) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     for worker, snap in core.read_weights.items():
         for key, t in snap.items():
             tensors[f"read/{worker}/{key}"] = t
-    pull_counts: dict[str, int] = {}
+    pull_counts: dict[str, list[int]] = {}
     if core.squeeze is not None:  # each worker's reconstruction, for compressed pulls
         held, pull_counts = core.squeeze.state()
         tensors.update(held)
