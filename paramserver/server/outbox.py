@@ -184,7 +184,7 @@ class Outbox:
                 fields["squeeze"] = squeezed.count
                 if squeezed.delta:
                     fields["delta"] = True
-                self.counters["pulls_compressed" if squeezed.delta else "pulls_dense"] += 1
+                self.counters["pulls_compressed" if squeezed.delta else "pulls_whole"] += 1
                 if core.squeeze is not None and core.squeeze.again != again:
                     self.counters["pulls_answered_again"] += 1  # (its first answer was lost)
                 nbytes = self.send(identity, Message(Op.REPLY, seq, fields,
