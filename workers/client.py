@@ -19,8 +19,6 @@ from typing import Any
 
 import torch
 
-from paramserver.compress.feedback import Encoder
-from paramserver.compress.registry import with_wire_dtype
 from paramserver.core.sharding import DTYPES, ShardPlan
 from paramserver.errors import (
     ConfigError,
@@ -46,6 +44,7 @@ from paramserver.wire.stats import ShardStats
 from paramserver.wire.transport import Channel, Fanout, request_all
 from paramserver.workers import gradwire
 from paramserver.workers.failover import ATTEMPT_TIMEOUT, Failover
+from paramserver.workers.gradwire import compression_encoder
 from paramserver.workers.landing import land, land_over_tcp
 from paramserver.workers.liveness import Heartbeat, Patience
 from paramserver.workers.pullcopy import PullCopies
@@ -179,13 +178,10 @@ class PSClient:
         # a request to every shard (most of them): its channel set made once
         self._every = list(range(len(self.channels)))
         self._fanout = Fanout(self.channels)
-        # compressed pulls: our copy of each shard's slices, for those that compress
-        # them (they say so at HELLO: workers/pullcopy.py)
-        self.copies = PullCopies(plan)
+        self.copies = PullCopies(plan)  # compressed pulls' copies (workers/pullcopy.py)
 
     def _squeezes(self, shard: int, on: bool) -> None:
-        """``shard`` compresses pulls (its HELLO said so): its answers are not the
-        layout a small share reads in a few calls."""
+        """Whether ``shard`` compresses our pulls (its HELLO says): no small share then."""
         on = on and self.role == "worker"
         self.copies.enable(shard, on)
         if on:
@@ -418,16 +414,11 @@ class PSClient:
             fields["wait_init"] = True
         if via_shm is not None:
             fields["via_shm"] = via_shm
-        return [Message(Op.PULL, 0, self._based(fields, s)) for s in self._every]
+        return [Message(Op.PULL, 0, self.copies.based(fields, s)) for s in self._every]
 
     def pull_base(self, shard: int) -> int | None:
         """The ``base`` a pull from ``shard`` names (None: it does not compress pulls)."""
         return self.copies.base(shard)
-
-    def _based(self, fields: dict[str, Any], shard: int) -> dict[str, Any]:
-        """``fields`` with the ``base`` of a pull from ``shard`` that compresses pulls."""
-        base = self.copies.base(shard)
-        return dict(fields) if base is None else {**fields, "base": base}
 
     def _land(self, params: Mapping[str, torch.Tensor], shard: int, rep: Message) -> bool:
         if rep.body.squeeze is not None:  # a compressed pull's answer (pullcopy.py)
@@ -562,7 +553,7 @@ class PSClient:
         for s in range(len(self.channels)):
             fields = {**head, "read_version": read_versions[s]}
             if pull:
-                fields = self._based({**fields, "pull": True}, s)
+                fields = self.copies.based({**fields, "pull": True}, s)
             if packed:
                 msgs.append(Message(Op.PUSH, 0, fields, {}, packed[s]))
                 continue
@@ -697,14 +688,6 @@ class PSClient:
         """Each shard's STATS, as the wire decoded it."""
         replies = self.call([Message(Op.STATS) for _ in self.channels], "STATS", recover=False)
         return [r.body for r in replies]
-
-
-def compression_encoder(compression: str | None, wire_dtype: str | None, worker: int
-                        ) -> tuple[Encoder | None, str | None]:
-    """(the push's encoder, the wire dtype) for ``compression`` beside ``wire_dtype``
-    (paramserver.compress.with_wire_dtype); random-k's draws are seeded by the worker."""
-    spec, wire_dtype = with_wire_dtype(compression, wire_dtype)
-    return (None if spec is None else Encoder(spec, seed=worker)), wire_dtype
 
 
 #: moved to workers/admin.py; still importable from here

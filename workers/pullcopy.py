@@ -17,6 +17,7 @@ its weights in between (local steps included).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -52,6 +53,11 @@ class PullCopies:
         if not self.on[shard]:
             return None
         return -1 if self.held[shard] is None else self.counts[shard]
+
+    def based(self, fields: Mapping[str, Any], shard: int) -> dict[str, Any]:
+        """A pull's ``fields`` to ``shard``, with its ``base`` if it compresses pulls."""
+        base = self.base(shard)
+        return dict(fields) if base is None else {**fields, "base": base}
 
     def land(self, params: Mapping[str, torch.Tensor], shard: int, rep: Message) -> None:
         """A compressed pull's answer from ``shard`` into the copy, then ``params``;
