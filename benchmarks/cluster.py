@@ -22,6 +22,8 @@ them alike and each repeat gives a paired ratio to gloo:
 * ``ps-int8``, ``ps-topk``: ``ps`` with the push compressed (``--compression int8``, and
   ``topk:ratio=0.01``, both with error feedback; paramserver/compress), the weights
   pulled dense;
+* ``ps-int8-2way``, ``ps-topk-2way``: the same with the pulls compressed too (the
+  shards' ``--pull-compression``, DoubleSqueeze: core/pullsqueeze.py);
 * ``gloo``: torch.distributed all_reduce (gloo's ring) on the worker hosts.
 """
 
@@ -56,7 +58,9 @@ DEFAULT_SIZES: tuple[int, ...] = (8 << 20, 32 << 20)
 DEFAULT_WORKERS: tuple[int, ...] = (2, 4)
 DEFAULT_RATE = "400mbit"
 SYSTEMS: tuple[str, ...] = ("raw", "ps", "ps-colocated", "ps-parts", "ps-early", "ps-int8",
-                             "ps-topk", "gloo")
+                             "ps-topk", "ps-int8-2way", "ps-topk-2way", "gloo")
+#: the project's variants (every system a shard serves)
+_PS = tuple(s for s in SYSTEMS if s.startswith("ps"))
 #: ps-parts' and ps-early's part (and chunk) size: an 8 MiB round over 4 shards is 4 parts
 #: per shard, so a part's weights can come back while 3 more go up (a slice is never
 #: split, hence the plan's chunks too)
@@ -68,6 +72,13 @@ _VARIANTS: dict[str, JSONObject] = {
                  "early_parts": True},
     "ps-int8": {"compression": "int8"},
     "ps-topk": {"compression": "topk:ratio=0.01"},
+    "ps-int8-2way": {"compression": "int8"},
+    "ps-topk-2way": {"compression": "topk:ratio=0.01"},
+}
+#: the shards' configuration of the variants beyond the common one
+_SERVED: dict[str, JSONObject] = {
+    "ps-int8-2way": {"pull_compression": "int8"},
+    "ps-topk-2way": {"pull_compression": "topk:ratio=0.01"},
 }
 _TIMEOUT = 600.0
 _LR = 1e-3
@@ -97,7 +108,7 @@ class _World:
                 self.raw_addrs = [text(a.read(_TIMEOUT), "address") for a in servers]
                 self.systems["raw"] = _System("raw", self._spawn("raw-worker", c.workers),
                                               "raw", servers=servers)
-            for name in ("ps", "ps-colocated", "ps-parts", "ps-early", "ps-int8", "ps-topk"):
+            for name in _PS:
                 if name in systems:
                     hosts = c.workers if name == "ps-colocated" else c.servers
                     servers = self._spawn(f"{name}-server", hosts)
@@ -135,7 +146,8 @@ class _World:
                     a.send("ps_serve", config={
                         "shard": i, "num_shards": n, "mode": "sync", "expected_workers": n,
                         "optimizer": "sgd", "optimizer_args": {"lr": _LR},
-                        "heartbeat_timeout": 120.0, "bind": f"tcp://{ip}:0"})
+                        "heartbeat_timeout": 120.0, "bind": f"tcp://{ip}:0",
+                        **_SERVED.get(name, {})})
                 addrs = [text(a.read(_TIMEOUT), "address") for a in servers]
                 served.append((name, addrs))
                 listed: list[JSON] = list(addrs)

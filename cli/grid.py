@@ -144,7 +144,8 @@ def grid_options(*, virtual: bool) -> Callable[[F], F]:
         click.option("--compression", "compressions", multiple=True, metavar="NAME[:k=v,...]",
                      help="The workers' push compression (repeatable: an axis), e.g. int8, "
                           "topk:ratio=0.01 or sign:ef=0; see `paramserver compressors`. "
-                          "Default: none."),
+                          "PUSH/PULL compresses the pulls too (--pull-compression), e.g. "
+                          "int8/int8 or none/topk:ratio=0.01. Default: none."),
         click.option("--workers", "workers", multiple=True, type=click.IntRange(min=1),
                      help=worker_help),
         click.option("--num-servers", "-s", "num_servers", type=click.IntRange(min=1),

@@ -1,7 +1,10 @@
-"""Compressed pushes through a failover (feature pair replicas + compression): the
-primary forwards a compressed push's frames as they came and each replica decodes them
-alike (paramserver/wire/compressed.py), and a worker resends a push encoded once (its
-residuals moved on once), so a sync run with top-k and error feedback whose primary is
+"""Compression both ways through a failover (feature pairs replicas + compression,
+replicas + pull_compression): the primary forwards a compressed push's frames as they
+came and each replica decodes them alike (paramserver/wire/compressed.py), and a worker
+resends a push encoded once (its residuals moved on once); each replica closes the same
+pulls at the same weights, so a backup holds every worker's reconstruction bit for bit,
+and a pull whose answer died with the primary is answered again with the same change
+(core/pullsqueeze.py). So a sync run with top-k pushes and int8 pulls whose primary is
 SIGKILLed mid-run ends bit-identical to the run without replicas or failure."""
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ def test_a_compressed_sync_run_survives_a_primary_sigkill_bit_identical(tmp_path
                                                                          ) -> None:
     def spec(replicas: int, step_time: float):  # type: ignore[no-untyped-def]
         base = _base_spec("sync", 1, 2, STEPS, step_time, replicas)
-        return dataclasses.replace(base, worker=dataclasses.replace(
-            base.worker, compression="topk:ratio=0.05"))
+        return dataclasses.replace(
+            base, worker=dataclasses.replace(base.worker, compression="topk:ratio=0.05"),
+            server=dataclasses.replace(base.server, pull_compression="int8"))
 
     run_cluster(spec(0, 0.0), tmp_path / "plain")  # unpaced: a round's sum in a fixed order
     result, killed = _run_killing_primary(spec(1, 0.03), tmp_path / "failover", 12)

@@ -30,6 +30,7 @@ FLAGS: dict[str, list[str]] = {
     "local_sgd": ["--local-optimizer", "sgd"],
     "overlap": ["--overlap"],
     "compression": ["--compression", "int8"],
+    "pull_compression": ["--pull-compression", "int8"],
     "trace": ["--trace"],  # (before the features below: a command's "--" ends the flags)
     "resume": ["--resume", str(Path(__file__).resolve().parent)],
     "command": ["--", "true"],

@@ -64,8 +64,10 @@ def test_sgd_momentum_with_embedding_tables_on_2_then_3_then_1_shards_ends_as_ke
 
 
 def test_adam_replicated_on_2_then_3_shards_ends_as_kept_on_2(tmp_path: Path) -> None:
-    # the backups write the checkpoints of a replicated run; each replica reshards them
-    args = ["--task", "digits-mlp", "--optimizer", "adam", "--lr", "0.01"]
+    # the backups write the checkpoints of a replicated run; each replica reshards them,
+    # and each worker's reconstruction under compressed pulls moves with its slices
+    args = ["--task", "digits-mlp", "--optimizer", "adam", "--lr", "0.01",
+            "--pull-compression", "topk:ratio=0.1"]
     kept = _launch(tmp_path / "kept", 2, 4, args)
     _on_the_fly(tmp_path, args, 2, "--replicas", "1")
     _finish(kept)

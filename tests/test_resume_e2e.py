@@ -110,10 +110,12 @@ def _no_round_alone(run: Path, pushes: int) -> None:
 
 
 def test_the_built_in_loop_resumes_bit_identical(tmp_path: Path) -> None:
+    # with compressed pulls (core/pullsqueeze.py): each worker's reconstruction is in the
+    # checkpoint, and a resumed worker gets exactly the copy the run never killed holds
     steps = 3 * CHECKPOINT_EVERY
     got, want, run = _resumed_and_uninterrupted(tmp_path, [
         "--task", "digits-mlp", "--steps", str(steps), "--optimizer", "adam", "--lr", "0.01",
-        "--min-step-time", "0.1", "--no-eval"])
+        "--min-step-time", "0.1", "--no-eval", "--pull-compression", "topk:ratio=0.1"])
     _assert_identical(got, want)
     _no_round_alone(run, steps)
     starts = [read_events(run / "events" / f"worker{r}.jsonl", "worker_start")[0]

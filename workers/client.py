@@ -19,8 +19,6 @@ from typing import Any
 
 import torch
 
-from paramserver.compress.feedback import Encoder
-from paramserver.compress.registry import with_wire_dtype
 from paramserver.core.sharding import DTYPES, ShardPlan
 from paramserver.errors import (
     ConfigError,
@@ -46,8 +44,10 @@ from paramserver.wire.stats import ShardStats
 from paramserver.wire.transport import Channel, Fanout, request_all
 from paramserver.workers import gradwire
 from paramserver.workers.failover import ATTEMPT_TIMEOUT, Failover
+from paramserver.workers.gradwire import compression_encoder
 from paramserver.workers.landing import land, land_over_tcp
 from paramserver.workers.liveness import Heartbeat, Patience
+from paramserver.workers.pullcopy import PullCopies
 from paramserver.workers.pushstream import PullResult, PushResult, PushStream
 
 __all__ = ["GRAD_WIRE_DTYPES", "PART_BYTES", "PSClient", "PullResult", "PushResult",
@@ -178,6 +178,15 @@ class PSClient:
         # a request to every shard (most of them): its channel set made once
         self._every = list(range(len(self.channels)))
         self._fanout = Fanout(self.channels)
+        self.copies = PullCopies(plan)  # compressed pulls' copies (workers/pullcopy.py)
+
+    def _squeezes(self, shard: int, on: bool) -> None:
+        """Whether ``shard`` compresses our pulls (its HELLO says): no small share then."""
+        on = on and self.role == "worker"
+        self.copies.enable(shard, on)
+        if on:
+            self._small[shard] = None
+            self.channels[shard].reader = None
 
     # ------------------------------------------------------------------ session
 
@@ -285,6 +294,7 @@ class PSClient:
         """HELLO ``shard`` again (it restarted, or timed us out), and seed it from our
         weights if it lost its own."""
         hello: HelloReply = self.call([self._hello()], "HELLO", [shard], recover=False)[0].body
+        self._squeezes(shard, hello.squeeze)
         self._prove_shm([shard])
         if not hello.initialized and self._params is not None and self.role == "worker":
             log.warning("shard %d lost its weights; seeding it from this worker's copy", shard)
@@ -345,6 +355,7 @@ class PSClient:
         self._prove_shm(range(len(self.channels)))
         hellos: list[HelloReply] = [r.body for r in replies]
         for index, hello in enumerate(hellos):
+            self._squeezes(index, hello.squeeze)
             shard = hello.shard
             if shard is not None and shard != index:
                 raise ConfigError(f"address {index} ({self.addresses[index]}) is shard {shard}; "
@@ -403,9 +414,16 @@ class PSClient:
             fields["wait_init"] = True
         if via_shm is not None:
             fields["via_shm"] = via_shm
-        return [Message(Op.PULL, 0, dict(fields)) for _ in self.channels]
+        return [Message(Op.PULL, 0, self.copies.based(fields, s)) for s in self._every]
+
+    def pull_base(self, shard: int) -> int | None:
+        """The ``base`` a pull from ``shard`` names (None: it does not compress pulls)."""
+        return self.copies.base(shard)
 
     def _land(self, params: Mapping[str, torch.Tensor], shard: int, rep: Message) -> bool:
+        if rep.body.squeeze is not None:  # a compressed pull's answer (pullcopy.py)
+            self.copies.land(params, shard, rep)
+            return True
         share = self._small[shard]
         if share is not None and rep.body.shm is None and share.land(params, rep.tensors):
             return True
@@ -535,7 +553,7 @@ class PSClient:
         for s in range(len(self.channels)):
             fields = {**head, "read_version": read_versions[s]}
             if pull:
-                fields["pull"] = True
+                fields = self.copies.based({**fields, "pull": True}, s)
             if packed:
                 msgs.append(Message(Op.PUSH, 0, fields, {}, packed[s]))
                 continue
@@ -670,14 +688,6 @@ class PSClient:
         """Each shard's STATS, as the wire decoded it."""
         replies = self.call([Message(Op.STATS) for _ in self.channels], "STATS", recover=False)
         return [r.body for r in replies]
-
-
-def compression_encoder(compression: str | None, wire_dtype: str | None, worker: int
-                        ) -> tuple[Encoder | None, str | None]:
-    """(the push's encoder, the wire dtype) for ``compression`` beside ``wire_dtype``
-    (paramserver.compress.with_wire_dtype); random-k's draws are seeded by the worker."""
-    spec, wire_dtype = with_wire_dtype(compression, wire_dtype)
-    return (None if spec is None else Encoder(spec, seed=worker)), wire_dtype
 
 
 #: moved to workers/admin.py; still importable from here

@@ -15,10 +15,19 @@ from collections.abc import Mapping
 
 import torch
 
+from paramserver.compress import Encoder, with_wire_dtype
 from paramserver.core.sharding import ShardPlan
 from paramserver.errors import ConfigError
 
-__all__ = ["groups", "host_copies", "split_by_shard"]
+__all__ = ["compression_encoder", "groups", "host_copies", "split_by_shard"]
+
+
+def compression_encoder(compression: str | None, wire_dtype: str | None, worker: int
+                        ) -> tuple[Encoder | None, str | None]:
+    """(the push's encoder, the wire dtype) for ``compression`` beside ``wire_dtype``
+    (paramserver.compress.with_wire_dtype); random-k's draws are seeded by the worker."""
+    spec, wire_dtype = with_wire_dtype(compression, wire_dtype)
+    return (None if spec is None else Encoder(spec, seed=worker)), wire_dtype
 
 
 def host_copies(grads: Mapping[str, torch.Tensor], wire_dtype: torch.dtype | None,

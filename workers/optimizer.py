@@ -126,6 +126,8 @@ class StepOutcome:
     pull_seconds: float
     waited: float  # longest time a shard held the pull (sync barrier or SSP gate)
     nbytes: int  # bytes sent and received
+    push_nbytes: int = 0  # of them, those pushed (as they went: compressed, compressed)
+    pull_nbytes: int = 0
 
     @classmethod
     def of(cls, pushed: PushResult, pulled: PullResult, clock: int) -> StepOutcome:
@@ -134,7 +136,8 @@ class StepOutcome:
             weight=min((o.weight for o in pushed.outcomes), default=1.0),
             staleness=pushed.staleness, versions=pulled.versions, clock=clock,
             push_seconds=pushed.seconds, pull_seconds=pulled.seconds, waited=pulled.waited,
-            nbytes=pushed.nbytes + pulled.nbytes)
+            nbytes=pushed.nbytes + pulled.nbytes, push_nbytes=pushed.nbytes,
+            pull_nbytes=pulled.nbytes)
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -449,6 +452,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             weight=out.weight, loss=loss, num_samples=num,
             compute_s=compute, sleep_s=injected, pull_s=out.pull_seconds,
             push_s=out.push_seconds, wait_s=out.waited, bytes=out.nbytes,
+            push_bytes=out.push_nbytes, pull_bytes=out.pull_nbytes,
             local_steps=local_steps, figures=log))  # figures: not the optimizer's names
         if self._buckets is None:
             self._num_samples = 1

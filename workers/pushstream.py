@@ -127,6 +127,9 @@ class StreamClient(Protocol):
     def pull_msgs(self, clock: int) -> list[Message]:
         """A PULL at ``clock`` for every shard."""
 
+    def pull_base(self, shard: int) -> int | None:
+        """The ``base`` a pull from ``shard`` names (None: it does not compress pulls)."""
+
     def land_all(self, params: Mapping[str, torch.Tensor], replies: list[Message],
                  done: set[int], clock: int) -> None:
         """Copy the pulled weights of ``replies`` (but those in ``done``) into ``params``."""
@@ -218,6 +221,9 @@ class PushStream:
             "part": part, "parts": parts}
         if self.prefetch and part == parts - 1:
             fields["pull"] = True
+            base = self.client.pull_base(shard)  # (compressed pulls: workers/pullcopy.py)
+            if base is not None:
+                fields["base"] = base
         elif self.early and self._over_tcp(shard):
             fields["early"] = True
         if self.loss is not None:

@@ -16,6 +16,7 @@ import torch
 from paramserver.core.ahead import StepAhead
 from paramserver.core.membership import Membership
 from paramserver.core.probe import Probe
+from paramserver.core.pullsqueeze import PullSqueeze
 from paramserver.core.records import (
     DTYPES,
     BoundTotals,
@@ -75,6 +76,8 @@ class CoreState:
         self.ahead = StepAhead(self.layout, self.flats, self.params, self.round)
         # the weights each worker read, for policies that need them (needs_read_weights)
         self.read_weights: dict[int, dict[str, torch.Tensor]] = {}
+        # compressed pulls: each worker's reconstruction (pullsqueeze.py; None: off)
+        self.squeeze: PullSqueeze | None = None
         # the workers: registration, liveness, clocks, stragglers (membership.py)
         self.members = Membership(self.config, self, round=self.round, pulls=self.pulls,
                                   seeding=self.seeding, read_weights=self.read_weights)

@@ -64,6 +64,7 @@ FEATURES: dict[str, str] = {
     "overlap": "--overlap",
     "wire_dtype": "--wire-dtype",
     "compression": "--compression",
+    "pull_compression": "--pull-compression",
     "script_optimizer": "a script's own optimizer (DistributedOptimizer(model, torch.optim.X))",
     "hosts": "emulated hosts (--hosts W+S)",
     "early_parts": "--early-parts",
@@ -206,8 +207,24 @@ _LISTED: dict[tuple[str, str], Pair] = {
         "trace does not keep"),
     ("trace", "wire_dtype"): _refused(
         "the replay pushes the gradients as computed; a 16-bit wire rounds them on the way"),
+    ("trace", "pull_compression"): _refused(
+        "the replay pulls the dense weights; a worker's reconstruction of a compressed pull "
+        "is not traced"),
     ("trace", "hosts"): _refused(
         "the emulated hosts' processes write no trace yet"),
+    # compressed pulls (paramserver/core/pullsqueeze.py): the dense weights' pull only
+    ("replicas", "pull_compression"): _works(
+        "tests/test_compress_replicas_e2e.py::"
+        "test_a_compressed_sync_run_survives_a_primary_sigkill_bit_identical"),
+    ("compression", "pull_compression"): _works(
+        "tests/test_compress_e2e.py::test_a_sync_run_compressed_both_ways_equals_the_replay"),
+    ("sparse", "pull_compression"): _refused(
+        "a sparse table's rows are pulled as they are (only the dense weights' pull is "
+        "compressed); train it without --pull-compression"),
+    ("resume", "pull_compression"): _works(
+        "tests/test_resume_e2e.py::test_the_built_in_loop_resumes_bit_identical"),
+    ("reshard", "pull_compression"): _works(
+        "tests/test_reshard_e2e.py::test_adam_replicated_on_2_then_3_shards_ends_as_kept_on_2"),
     # shared memory
     ("shm", "curve"): _works(
         "tests/test_shm_e2e.py::test_curve_peer_without_an_allow_list_entry_gets_no_segment"),
@@ -249,7 +266,7 @@ def active(*, replicas: int = 0, sparse: bool = False, curve: bool = False,
            optimizer: str = "", policy: str = "none", backup_workers: int = 0,
            overlap: bool = False, wire_dtype: str | None = None,
            script_optimizer: bool = False, compression: str | None = None,
-           trace: bool = False) -> set[str]:
+           trace: bool = False, pull_compression: str | None = None) -> set[str]:
     """The features a run's settings turn on (each side passes what it knows)."""
     on = {name for name, given in (
         ("replicas", replicas), ("sparse", sparse), ("curve", curve), ("resume", resume),
@@ -258,6 +275,7 @@ def active(*, replicas: int = 0, sparse: bool = False, curve: bool = False,
         ("backup_workers", backup_workers), ("overlap", overlap),
         ("wire_dtype", wire_dtype not in (None, "none")),
         ("compression", compression not in (None, "none")),
+        ("pull_compression", pull_compression not in (None, "none")),
         ("script_optimizer", script_optimizer), ("trace", trace)) if given}
     if policy and policy != "none":
         on.add(policy_feature(policy))

@@ -7,7 +7,8 @@ parameter is cut by ``chunk_bytes`` alone, sharding.py), only which shard holds 
 one; a sparse table's rows are spread by a hash of their id. So a slice moves whole,
 with everything a shard keeps of it: its weights, its optimizer's state (each entry
 of a slice's ``optimizer.state``, renumbered as the slice's index on its new shard),
-its sum in an open sync round, the weights each worker read of it. A table's rows
+its sum in an open sync round, the weights each worker read of it, each worker's
+reconstruction of it under compressed pulls. A table's rows
 move one by one with their momentum, optimizer state and the version they last
 changed at. A sync round is summed by worker id element by element, and the
 optimizers that may be resharded update element by element, so a resumed run on S'
@@ -152,8 +153,8 @@ def _dense(plan: ShardPlan, new: ShardPlan, shards: Sequence[ShardState], flat: 
             if name.startswith(("sparse/", "sparse_optim/", "sparse_momentum/")):
                 continue
             kind, _, rest = name.partition("/")
-            if kind in ("param", "agg", "read"):
-                key = rest.partition("/")[2] if kind == "read" else rest
+            if kind in ("param", "agg", "read", "pull"):
+                key = rest.partition("/")[2] if kind in ("read", "pull") else rest
                 try:
                     sl = plan.slice_for(key)
                 except Exception as exc:
@@ -310,11 +311,18 @@ def reshard(shards: Sequence[ShardState], to: int, only: int | None = None
     rows = _sparse(plan, new, shards, optimizer) if plan.sparse else [{}] * to
     if only is not None and not 0 <= only < to:
         raise _fail(f"shard {only} is not one of the {to} new shards")
+    pulls = _pull_counts(metas)
     out: list[ShardState] = []
     for k in range(to) if only is None else [only]:
         tensors, plain = dense[k]
         tensors.update(rows[k])
+        for name in [n for n in tensors if n.startswith("pull/")
+                     and n.split("/", 2)[1] not in pulls]:
+            del tensors[name]  # (that worker's next pull is dense)
         meta = {f: v for f, v in metas[0].items() if f not in _DROPPED}
+        meta.pop("pull_counts", None)
+        if pulls:
+            meta["pull_counts"] = pulls
         meta.update(agreed)
         meta.update({c: max(int(m.get(c, 0) or 0) for m in metas) for c in _COUNTERS})
         n = len(new.shard_slices(k))
@@ -330,6 +338,16 @@ def reshard(shards: Sequence[ShardState], to: int, only: int | None = None
             meta["server"] = {**meta["server"], "shard": k, "num_shards": to}
         out.append(({name: t.clone() for name, t in tensors.items()}, meta))
     return out
+
+
+def _pull_counts(metas: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Compressed pulls (core/pullsqueeze.py): a worker's reconstruction moves per
+    element with its slices, and keeps its count where every old shard counted alike
+    (else it is dropped, and the worker's next pull is dense)."""
+    counts = [m.get("pull_counts") or {} for m in metas]
+    if not all(isinstance(c, dict) for c in counts):
+        raise _fail("field 'pull_counts' must be a map on every shard")
+    return {w: c for w, c in counts[0].items() if all(cs.get(w) == c for cs in counts)}
 
 
 def _groups(meta: Mapping[str, Any]) -> list[dict[str, Any]]:

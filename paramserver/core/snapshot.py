@@ -6,7 +6,9 @@ checkpoints have always held (paramserver/persist/checkpoint.py writes and reads
 
 * tensors: weights (``param/<key>``), optimizer state
   (``optim/<index>/<name>``), an open sync round's sums (``agg/<key>``) and the
-  weights each worker read, for policies that need them (``read/<worker>/<key>``);
+  weights each worker read, for policies that need them (``read/<worker>/<key>``)
+  and each worker's reconstruction under compressed pulls (``pull/<worker>/<key>``,
+  their counts and versions in ``pull_counts``: core/pullsqueeze.py);
 * metadata: versions, clocks, counters (``rounds_closed``, and ``between_rounds``:
   nothing in the open round, which makes the checkpoint one that shards resume
   together from, see paramserver/persist/checkpoint.py), each worker's record
@@ -34,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from paramserver.core.probe import all_finite
+from paramserver.core.pullsqueeze import check_counts
 from paramserver.core.records import DTYPES, check_tensors
 from paramserver.errors import ConfigError, ProtocolError
 
@@ -62,6 +65,10 @@ def save(core: CoreState) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     for worker, snap in core.read_weights.items():
         for key, t in snap.items():
             tensors[f"read/{worker}/{key}"] = t
+    pull_counts: dict[str, list[int]] = {}
+    if core.squeeze is not None:  # each worker's reconstruction, for compressed pulls
+        held, pull_counts = core.squeeze.state()
+        tensors.update(held)
     meta = {
         "shard": core.config.shard,
         "version": core.version,
@@ -86,10 +93,12 @@ def save(core: CoreState) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         "policy": {"name": core.policy.name, "state": core.policy.state_dict()},
         "momentum": momentum.state_dict() if momentum is not None else None,
     }
+    if pull_counts:
+        meta["pull_counts"] = pull_counts
     return tensors, meta
 
 
-_TENSOR = re.compile(r"^(param|agg)/(.+)$|^optim/(\d{1,9})/(\w+)$|^read/(\d{1,9})/(.+)$")
+_TENSOR = re.compile(r"^(param|agg)/(.+)$|^optim/(\d{1,9})/(\w+)$|^(?:read|pull)/(\d{1,9})/(.+)$")
 _Kept = tuple[tuple[int, ...] | None, torch.dtype]  # a state entry's shape (None: a number)
 _SPARSE = ("sparse/", "sparse_optim/", "sparse_momentum/")
 _COUNTERS = ("version", "round_samples", "round_accepted", "rounds_voided",
@@ -120,6 +129,10 @@ def check(core: CoreState, tensors: Mapping[str, torch.Tensor],
             _fits(core, {m.group(6): value}, name, whole=False)
     _fits(core, groups["param"], "weights (param/*)", whole=True)
     _fits(core, groups["agg"], "round sums (agg/*)", whole=False)
+    try:
+        check_counts(meta.get("pull_counts", {}))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     for field in _COUNTERS:
         value = meta.get(field, 0)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -320,3 +333,5 @@ def load(core: CoreState, tensors: Mapping[str, torch.Tensor],
         if name.startswith("read/"):
             _, worker, key = name.split("/", 2)
             core.read_weights.setdefault(int(worker), {})[key] = value.clone()
+    if core.squeeze is not None:  # (a run resumed without --pull-compression: dropped)
+        core.squeeze.load(tensors, meta.get("pull_counts", {}))

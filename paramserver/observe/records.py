@@ -300,6 +300,8 @@ class Step(Event, tag="step", kw_only=True):
     push_s: float
     wait_s: float
     bytes: int
+    push_bytes: int | UnsetType = UNSET  # of ``bytes``, those pushed (the rest: pulled)
+    pull_bytes: int | UnsetType = UNSET
     local_steps: int | UnsetType = UNSET  # local SGD only
     figures: dict[str, float] = msgspec.field(default_factory=dict)  # the script's, by name
 

@@ -42,6 +42,7 @@ from paramserver.observe.thresholds import (
 from paramserver.util.coerce import MISSING, coerce, guess, parse_kwargs, parse_policy_args
 
 if TYPE_CHECKING:
+    from paramserver.compress import Compression
     from paramserver.core.shard import ShardCore
     from paramserver.core.sharding import ShardPlan
     from paramserver.policies.base import StalenessPolicy
@@ -56,6 +57,7 @@ __all__ = [
     "options_of",
     "parse_pairs",
     "parse_watchdog_args",
+    "pull_compression",
 ]
 
 #: the key of a field's metadata that holds its :class:`Opt`
@@ -309,6 +311,14 @@ class ServerConfig(ConfigRecord):
              "(0: wait forever) [default: the larger of 3 heartbeat timeouts and 10 times "
              "the usual time between a worker's pushes].")
     check_finite: bool = option(True, help="Reject gradients that contain NaN or Inf.")
+    # the pull's compressor (DoubleSqueeze: core/pullsqueeze.py); the push's is --compression
+    pull_compression: str | None = option(
+        None, metavar="NAME[:key=value,...]",
+        help="Compress each worker's pull: send it the compressed change of the weights "
+             "since what it holds, keeping what was left out for its next pull "
+             "(DoubleSqueeze; error feedback always), e.g. int8 or topk:ratio=0.01 (names "
+             "as --compression's; none: dense pulls). A worker without its copy (new, "
+             "restarted, resumed) gets it whole first.")
     shm_release: bool | None = option(
         None, help="Unmap each used part of a same-host worker's shared-memory gradient "
                    "from the shard, so that its resident set stays near weights + "
@@ -489,6 +499,8 @@ class ServerConfig(ConfigRecord):
             raise ConfigError(f"plan_hash must be a shard plan's sha256 (64 lowercase hex "
                               f"digits), got {self.plan_hash!r}")
         check_bounds(self)  # the rest of the bounds the fields declare
+        if self.pull_compression is not None:  # (loads torch: only when one is given)
+            pull_compression(self.pull_compression)
         self._check_replicas()
         features.check(self.features())  # the pairs of features that do not work together
         self.watchdog_config()
@@ -529,7 +541,7 @@ class ServerConfig(ConfigRecord):
         return features.active(replicas=self.replicas, curve=bool(self.curve_secret_key),
                                resume=bool(self.resume), optimizer=self.optimizer,
                                policy=self.policy, backup_workers=self.backup_workers,
-                               trace=bool(self.trace))
+                               trace=bool(self.trace), pull_compression=self.pull_compression)
 
     def watchdog_config(self) -> WatchdogConfig:
         """The watchdog's thresholds, with ``observe`` as its ``observe_budget``; the older
@@ -571,7 +583,28 @@ class ServerConfig(ConfigRecord):
         slices = [SliceSpec(s.key, s.numel, s.dtype) for s in plan.shard_slices(self.shard)]
         if policy is None:
             policy = create_policy(self.policy, self.policy_args)
-        return ShardCore(slices, self.core_config(), policy)
+        core = ShardCore(slices, self.core_config(), policy)
+        compression = pull_compression(self.pull_compression)
+        if compression is not None:
+            from paramserver.core.pullsqueeze import PullSqueeze
+
+            core.squeeze = PullSqueeze(compression, core.specs, self.shard)
+        return core
+
+
+def pull_compression(spec: str | None) -> Compression | None:
+    """``--pull-compression``'s compressor (None: dense pulls); one line for a name,
+    parameter or value the registry refuses, or for ``ef=0`` (a compressed pull keeps
+    what it leaves out by construction)."""
+    if spec is None or spec.strip() == "none":
+        return None
+    from paramserver.compress import parse_compression  # (torch: only when one is given)
+
+    compression = parse_compression(spec)
+    if not compression.ef and type(compression.compressor).biased:
+        raise ConfigError(f"pull_compression {spec!r}: ef=0 has no meaning for a pull (the "
+                          "shard keeps what each pull leaves out, by construction)")
+    return compression
 
 
 #: CoreConfig's fields made of other options: field -> the options it is made of

@@ -557,6 +557,8 @@ class ShardServer:
         self.peer_ops.forget(known)
         self.divergence.forget(known)
         self.observer.forget(set(known))
+        if self.core.squeeze is not None:  # (compressed pulls: core/pullsqueeze.py)
+            self.core.squeeze.forget(known)
 
     @property
     def peers(self) -> dict[int, PeerInfo]:

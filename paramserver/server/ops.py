@@ -107,6 +107,8 @@ class DataOps:
         b: Pull = msg.body
         core.request_pull(b.worker, b.clock, (identity, msg.seq), time.monotonic(),
                           observer=b.observer, wait_init=b.wait_init, final=b.final)
+        if core.squeeze is not None and not b.observer:  # what it holds (pullsqueeze.py)
+            core.squeeze.ask(b.worker, b.base)
         if b.observer:
             self.outbox.park_observer((identity, msg.seq))
         return None  # answered by ShardServer._answer_pulls, now or when the gate opens
@@ -114,6 +116,7 @@ class DataOps:
     def on_push(self, msg: Message, identity: bytes) -> Message | None:
         core = require_core(self.host.core)
         b: Push = msg.body
+        received = msg.nbytes  # (the bytes that came: compressed ones before they expand)
         if b.compressed:  # dense from here on: parts, policies and the step see no codec
             msg = Message(msg.op, msg.seq, msg.fields, expand(msg.tensors, core.specs), None, b)
         if b.lr is not None:  # every part carries it: set before the first is taken
@@ -149,7 +152,7 @@ class DataOps:
             early = self.streamed.early_of(msg)
             b = replace(b, pull=pull)
         else:
-            nbytes, early = msg.nbytes, None
+            nbytes, early = (msg.nbytes if b.parts != 1 else received), None
         assert out is not None  # only a streamed part that is not the last has none
         if out.duplicate:
             self.counters["duplicate_pushes"] += 1
@@ -178,6 +181,8 @@ class DataOps:
             # gate opens (in sync mode, when the round closes), with this outcome in it
             token = (identity, msg.seq)
             core.request_pull(b.worker, b.clock + 1, token, time.monotonic())
+            if core.squeeze is not None:
+                core.squeeze.ask(b.worker, b.base)
             self.outbox.park_push_pull(b.worker, token, out, early)
             return None
         return reply(msg, **out.as_dict())

@@ -176,9 +176,24 @@ class Outbox:
                 del self.push_pulls[ready.worker]
                 outcome = combined[1]
                 early = self.early.pop(ready.worker, None)
+            looks = ready.token in self.observer_pulls  # an observer's: never compressed
+            again = core.squeeze.again if core.squeeze is not None else 0
+            squeezed = None if core.squeeze is None or looks else \
+                core.squeeze.answer(ready.worker, core.params, ready.version)
             ticket = (self.shm.ticket(identity, seq, core.params, ready.version)
-                      if self.shm is not None else None)
-            if ticket is not None:
+                      if self.shm is not None and squeezed is None else None)
+            if squeezed is not None:  # a compressed pull (core/pullsqueeze.py): in frames
+                fields = weights_reply_fields(squeezed.version, ready.clock, ready.waited,
+                                              outcome)
+                fields["squeeze"] = squeezed.count
+                if squeezed.delta:
+                    fields["delta"] = True
+                self.counters["pulls_compressed" if squeezed.delta else "pulls_whole"] += 1
+                if core.squeeze is not None and core.squeeze.again != again:
+                    self.counters["pulls_answered_again"] += 1  # (its first answer was lost)
+                nbytes = self.send(identity, Message(Op.REPLY, seq, fields,
+                                                     squeezed.tensors))
+            elif ticket is not None:
                 fields = _fields(ready, outcome)
                 fields["shm"] = ticket
                 self.counters["shm_pulls"] += 1
@@ -203,7 +218,7 @@ class Outbox:
                     nbytes = self._send_weights(identity, seq, weights_reply_head(
                         seq, ready.version, ready.clock, ready.waited, outcome,
                         prepared.descs), prepared)
-            if ready.token in self.observer_pulls:
+            if looks:
                 self.observer_pulls.discard(ready.token)
                 continue
             record = partial(observer.pull, ready.worker,

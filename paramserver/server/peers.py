@@ -188,7 +188,7 @@ class Peers:
         return reply(msg, shard=self.config.shard, num_shards=self.config.num_shards,
                      version=core.version, clock=clock, initialized=core.initialized,
                      mode=core.mode.describe(), policy=self.policy.describe(),
-                     lr=core.stepper.lr)
+                     lr=core.stepper.lr, squeeze=core.squeeze is not None)
 
     def _peer_plan(self, description: JSONObject, plan_hash: str) -> ShardPlan:
         """A plan from a HELLO, validated and hash-checked before anything is built

@@ -235,8 +235,12 @@ def for_shard(host: ReplicationHost, config: ServerConfig, events: EventLog,
 def close_pulls(core: ShardCore, outbox: Outbox, now: float) -> None:
     """A replica that answers no one closes the pulls whose gates opened as the
     primary answered them, but makes no reply (no one waits for it here), nor a copy
-    of the weights."""
+    of the weights. A compressed pull moves the worker's reconstruction on as the
+    primary's answer did (the same weights, the same compression): a backup holds it
+    bit for bit (core/pullsqueeze.py)."""
     for ready in core.ready_pulls(now):
+        if core.squeeze is not None and ready.token not in outbox.observer_pulls:
+            core.squeeze.answer(ready.worker, core.params, ready.version)
         parked = outbox.push_pulls.get(ready.worker)
         if parked is not None and parked[0] == ready.token:
             del outbox.push_pulls[ready.worker]

@@ -106,6 +106,8 @@ class Pull(msgspec.Struct, frozen=True):
     via_shm: bool | None = None  # answer with a ticket to the weight board (None: as set up)
     #: held until no expected worker is awaited or live here: the final weights
     final: bool = False
+    #: compressed pulls (core/pullsqueeze.py): the answers it holds, -1 none; None: off
+    base: int | None = None
 
 
 class Push(msgspec.Struct, frozen=True):
@@ -124,6 +126,7 @@ class Push(msgspec.Struct, frozen=True):
     lr: float | None = None  # the evaluating rank changed the learning rate to this
     #: its slices travel as parts of paramserver/compress/formats.py's formats
     compressed: bool = False
+    base: int | None = None  # with ``pull``: as Pull's
 
 
 class Heartbeat(msgspec.Struct, frozen=True):
@@ -203,6 +206,7 @@ class HelloReply(msgspec.Struct, frozen=True):
     policy: str
     shm: dict[str, Any] | None = None  # a shared-memory challenge, or the board
     lr: float | None = None  # the learning rate the shard's optimizer has now
+    squeeze: bool = False  # it compresses pulls that name a base (core/pullsqueeze.py)
 
 
 class InitReply(msgspec.Struct, frozen=True):
@@ -232,6 +236,10 @@ class PullReply(msgspec.Struct, frozen=True):
     answers_push: bool = False
     early: int | None = None  # this many slices' weights came early, with the parts
     lent: int = 0  # the bytes of weights the board ticket in ``shm`` lends (0: none)
+    #: a compressed pull's answer: the count of answers the worker holds once it
+    #: applied this one, and whether its tensors are the change (else the weights)
+    squeeze: int | None = None
+    delta: bool = False
 
 
 class HeartbeatReply(msgspec.Struct, frozen=True):
@@ -391,7 +399,14 @@ def _pull(f: Mapping[str, Any]) -> Pull:
         raise ProtocolError(ErrorCode.BAD_FIELD, "a final pull is an observer's: it reads the "
                             "weights once every worker is done, and gates nothing")
     return Pull(_worker("pull", f), clock, f.get("observer") is True,
-                f.get("wait_init") is True, f.get("via_shm"), final)
+                f.get("wait_init") is True, f.get("via_shm"), final, _base("pull", f))
+
+
+def _base(what: str, f: Mapping[str, Any]) -> int | None:
+    base = f.get("base")
+    if base is not None and base < -1:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"{what}: base must be >= -1, got {base}")
+    return base
 
 
 def _push(f: Mapping[str, Any]) -> Push:
@@ -409,7 +424,7 @@ def _push(f: Mapping[str, Any]) -> Push:
     return Push(worker, push_id, clock, read_version, samples,
                 None if loss is None else float(loss), f.get("pull") is True, part, parts,
                 f.get("shm"), f.get("via_shm"), f.get("early") is True, _lr("push", f),
-                compressed)
+                compressed, _base("push", f))
 
 
 def _spush(f: Mapping[str, Any]) -> SPush:
@@ -488,12 +503,17 @@ def _pull_reply(f: Mapping[str, Any], push: PushOutcome | None = None,
     get = f.get
     version, clock, waited = get("version", 0), get("clock", 0), get("waited", 0.0)
     if (type(version) is int and type(clock) is int and type(waited) is float
-            and get("shm") is None and get("early") is None):  # weights in frames, as most are
+            and get("shm") is None and get("early") is None
+            and get("squeeze") is None):  # weights in frames, as most are
         return PullReply(version, clock, waited, None, push, answers_push)
     ticket = _map(f, "shm")
+    squeeze = _int(f, "squeeze", None)
+    if squeeze is not None and squeeze < 1:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"reply: 'squeeze' must be >= 1, got {squeeze}")
     return PullReply(_int(f, "version"), _int(f, "clock"), _float(f, "waited", 0.0),
                      ticket, push, answers_push, _int(f, "early", None),
-                     0 if ticket is None else _int(ticket, "nbytes"))
+                     0 if ticket is None else _int(ticket, "nbytes"), squeeze,
+                     _bool(f, "delta"))
 
 
 def _stats_reply(f: Mapping[str, Any]) -> ShardStats:
@@ -507,7 +527,7 @@ _REPLIES: dict[str, Callable[[Mapping[str, Any]], Body]] = {
                                   _int(f, "version"), _int(f, "clock"),
                                   _bool(f, "initialized"), _str(f, "mode", ""),
                                   _str(f, "policy", ""), _map(f, "shm"),
-                                  _lr("hello reply", f, zero=True)),
+                                  _lr("hello reply", f, zero=True), _bool(f, "squeeze")),
     "init": lambda f: InitReply(_bool(f, "seeded"), _int(f, "version"), _bool(f, "partial")),
     "pull": _pull_reply,
     "push": _push_reply,

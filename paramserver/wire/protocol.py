@@ -110,7 +110,9 @@ _SCHEMA: dict[Op, dict[str, tuple[tuple[type, ...], bool]]] = {
     # "via_shm": answer with a ticket to the shard's weight board instead of frames;
     # "final": an observer's pull held until every worker is done here (opt.final())
     Op.PULL: {"worker": (_INT, True), "clock": (_INT, True), "observer": (_BOOL, False),
-              "wait_init": (_BOOL, False), "via_shm": (_BOOL, False), "final": (_BOOL, False)},
+              "wait_init": (_BOOL, False), "via_shm": (_BOOL, False), "final": (_BOOL, False),
+              # compressed pulls: the answers of this shard the worker holds (-1: none)
+              "base": (_INT, False)},
     Op.PUSH: {
         "worker": (_INT, True),
         "push_id": (_INT, True),
@@ -134,6 +136,8 @@ _SCHEMA: dict[Op, dict[str, tuple[tuple[type, ...], bool]]] = {
         "lr": (_NUM, False),
         # its slices come as parts of compressed formats (paramserver/wire/compressed.py)
         "compressed": (_BOOL, False),
+        # with "pull": the compressed pulls' answers the worker holds (as PULL's)
+        "base": (_INT, False),
     },
     Op.HEARTBEAT: {"worker": (_INT, True), "run": (_STR, False)},
     # tensors "ids:<table>" (int64 row ids) and, for SPUSH and SINIT, "val:<table>"

@@ -124,8 +124,10 @@ def bytes_figure(scenario: str, group: Sequence[ConfigSummary],
     steps) or compressed pushes save at the loss they reach. Only with one of them in the
     group: otherwise every configuration sends the same bytes per update, and the loss
     plot says it all."""
-    if not any(s.config.sync_every is not None or s.config.compression != "none"
-               for s in group) \
+    sent = [r.bytes_per_worker for s in group for r in s.runs if r.bytes_per_worker > 0]
+    differ = bool(sent) and max(sent) > 1.05 * min(sent)  # (pulls compressed, say)
+    if not (differ or any(s.config.sync_every is not None or s.config.compression != "none"
+                          for s in group)) \
             or not any(r.bytes_curve for s in group for r in s.runs):
         return None
     fig = Figure(figsize=(7.5, 4.4), layout="constrained")

@@ -81,6 +81,10 @@ DYNAMICS_COLUMNS: tuple[Column, ...] = (
     Column("staleness p50/p95/max", "staleness\np50/p95/max", "staleness", ""),
     Column("max clock gap", "max clock\ngap", "max_clock_gap", "{:.0f}"),
     Column("waiting (s/worker)", "waiting\n(s/worker)", "wait_s", "{:.2f}"),
+    Column("bytes pushed per worker (MB)", "MB pushed\nper worker", "push_bytes_per_worker",
+           "MB"),
+    Column("bytes pulled per worker (MB)", "MB pulled\nper worker", "pull_bytes_per_worker",
+           "MB"),
 )
 #: (column title, stat name, format) of both tables, outcome first
 TABLE_COLUMNS: list[tuple[str, str, str]] = [
@@ -417,7 +421,8 @@ _DEFINITIONS = [
     "computed an update (SSP bounds it by s)",
     "waiting: seconds per worker held at a sync barrier or an SSP gate",
     "bytes communicated per worker: bytes pushed and pulled, as each worker counted them on "
-    "the wire (its step events), mean over workers",
+    "the wire (its step events), mean over workers; then each way (compressed pushes and "
+    "pulls counted as they went)",
     "communication rounds: pushes per worker (one per step, one per H steps with local SGD "
     "mode h=H)",
     "cells: median over seeds [min-max]",

@@ -87,6 +87,8 @@ class StepEvent:
     wait_s: float = 0.0  # held at a sync barrier or SSP gate
     num_samples: int = 0
     bytes: int = 0  # pushed and pulled, as the worker counted them on the wire
+    push_bytes: int | None = None  # of them, pushed and pulled (older logs: not told)
+    pull_bytes: int | None = None
     local_steps: int = 1  # local SGD: the gradients computed for this one push
 
 
@@ -227,6 +229,9 @@ class RunMetrics:
     #: communication, from the workers' step events: bytes pushed and pulled, and pushes
     #: (rounds: one per step, one per H steps with local SGD), mean over workers
     bytes_per_worker: float = 0.0
+    #: of them, pushed and pulled, each way (None: the logs did not tell them apart)
+    push_bytes_per_worker: float | None = None
+    pull_bytes_per_worker: float | None = None
     rounds: float = 0.0
     #: the held-out loss against bytes communicated so far per worker: (bytes, loss)
     bytes_curve: list[tuple[float, float]] = field(default_factory=list)
@@ -359,8 +364,18 @@ def run_metrics(logs: RunLogs, seed: int, target_loss: float) -> RunMetrics:
         step_times={r: _intervals(logs.starts.get(r), [s.t for s in steps])
                     for r, steps in sorted(logs.steps.items())},
         bytes_per_worker=float(bytes_done[-1]), rounds=len(all_steps) / workers,
+        push_bytes_per_worker=_each_way(all_steps, "push_bytes", workers),
+        pull_bytes_per_worker=_each_way(all_steps, "pull_bytes", workers),
         bytes_curve=[(sent(t), loss) for t, _, loss in curve],
     )
+
+
+def _each_way(steps: Sequence[StepEvent], way: str, workers: int) -> float | None:
+    """Bytes per worker pushed (``push_bytes``) or pulled, where every step told them."""
+    counts = [getattr(s, way) for s in steps]
+    if not counts or any(c is None for c in counts):
+        return None
+    return sum(counts) / workers
 
 
 def _intervals(start: float | None, times: Sequence[float]) -> list[float]:
@@ -399,7 +414,7 @@ _STAT_FIELDS = ("train_seconds", "updates", "updates_per_s", "pct_rejected", "st
                 "updates_to_target", "final_loss", "final_accuracy", "gradients",
                 "gradients_per_s", "active_seconds", "active_updates_per_s",
                 "active_gradients_per_s", "idle_s", "idle_max_s", "gradients_to_target",
-                "bytes_per_worker", "rounds")
+                "bytes_per_worker", "push_bytes_per_worker", "pull_bytes_per_worker", "rounds")
 
 
 @dataclass

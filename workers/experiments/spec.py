@@ -84,6 +84,7 @@ __all__ = [
     "dump_spec",
     "load_spec",
     "preset",
+    "split_compression",
 ]
 
 log = logging.getLogger(__name__)
@@ -101,7 +102,9 @@ class Configuration:
     workers: int
     label: str
     replicas: int = 0  # backups per shard (ServerConfig.replicas)
-    compression: str = "none"  # the workers' --compression (paramserver/compress)
+    #: the workers' --compression (paramserver/compress); ``PUSH/PULL``: the shards'
+    #: --pull-compression too (core/pullsqueeze.py)
+    compression: str = "none"
 
     def __post_init__(self) -> None:  # it names the cell's folder under runs/
         check_name(self.id, "configuration")
@@ -454,6 +457,7 @@ class ExperimentSpec:
             optimizer_args=optimizer_args,
             lr_scaling=step.lr_scaling, warmup_steps=step.warmup_steps,
             momentum_target=step.momentum_target, replicas=config.replicas,
+            pull_compression=split_compression(config.compression)[1],
         )
         worker = WorkerConfig(
             servers=[], task=self.task, task_args=dict(self.task_args),
@@ -464,7 +468,7 @@ class ExperimentSpec:
             local_args=dict(self.local_args) if local else {},
             sync_every=config.mode.sync_every or 1,
             evaluator=self.evaluator_of(config),
-            compression=None if config.compression == "none" else config.compression,
+            compression=split_compression(config.compression)[0],
         )
         return ClusterSpec(num_servers=self.servers, num_workers=config.workers, server=server,
                            worker=worker, stragglers=scenario.stragglers(config.workers),
@@ -673,10 +677,22 @@ def dump_spec(spec: ExperimentSpec) -> str:
 
 
 def _compression(value: Any) -> str:
-    """A grid's compression spec, checked (paramserver/compress: a name, its arguments)."""
+    """A grid's compression spec, checked (paramserver/compress: a name, its arguments;
+    ``PUSH/PULL`` compresses the pulls too)."""
     if not isinstance(value, str):
         raise ConfigError(f"compressions lists NAME[:key=value,...] strings, got {value!r}")
     from paramserver.compress import parse_compression
+    from paramserver.server.config import pull_compression
 
-    parse_compression(value)
+    push, pull = split_compression(value)
+    if push is not None:
+        parse_compression(push)
+    pull_compression(pull)
     return value.strip()
+
+
+def split_compression(value: str) -> tuple[str | None, str | None]:
+    """A grid's ``PUSH[/PULL]`` compression as (the workers' ``--compression``, the
+    shards' ``--pull-compression``), None where it is ``none`` or not given."""
+    push, _, pull = (p.strip() for p in value.partition("/"))
+    return (None if push in ("", "none") else push), (None if pull in ("", "none") else pull)

@@ -169,6 +169,8 @@ class _VWorker:
     #: --compression: the worker's encoder (its error-feedback residuals), None: none
     encoder: Encoder | None = None
     push_bytes: int = 0  # what the push in flight sends, all shards together
+    #: per shard, what its last pull answer took (--pull-compression: compressed)
+    pull_bytes: dict[int, int] = field(default_factory=dict)
     clock: int = 0
     push_id: int = 0
     final: bool = False  # the pull in flight is the one after the last step
@@ -357,6 +359,14 @@ class Simulator:
         core = self.cores[shard]
         for reply in core.ready_pulls(self.now):
             weights = {key: p.detach().clone() for key, p in core.params.items()}
+            squeeze, worker = core.squeeze, self.workers[reply.worker]
+            worker.pull_bytes[shard] = self._nbytes(shard)
+            if squeeze is not None:  # --pull-compression: the worker's copy is the shard's
+                squeeze.ask(reply.worker, squeeze.counts.get(reply.worker, -1))  # own
+                answer = squeeze.answer(reply.worker, core.params, reply.version)
+                assert answer is not None  # (the answer it sends, to the bit: pullsqueeze.py)
+                worker.pull_bytes[shard] = answer.nbytes
+                weights = {k: t.clone() for k, t in squeeze.held[reply.worker].items()}
             self._at(self.sim.latency, self._pull_reply, self.workers[reply.worker], shard,
                      (reply.version, reply.clock, reply.waited, weights))
 
@@ -515,7 +525,8 @@ class Simulator:
             weight=min(o.weight for o in outcomes), loss=w.loss, num_samples=w.num_samples,
             compute_s=w.compute_s, sleep_s=w.sleep_s, pull_s=w.pull_s,
             push_s=self.now - w.push_started, wait_s=w.wait_s,
-            bytes=w.push_bytes + sum(self._nbytes(k) for k in range(len(self.cores))),
+            bytes=w.push_bytes + sum(w.pull_bytes.values()),
+            push_bytes=w.push_bytes, pull_bytes=sum(w.pull_bytes.values()),
             local_steps=w.sync_every if w.inner is not None else ev.UNSET))
         w.grads = {}
         self._steps_done += 1
