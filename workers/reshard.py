@@ -201,7 +201,8 @@ def _align(admin: _Admin, old: list[str], replies: dict[str, Message], started: 
     lagging = [a for a, r in replies.items()
                if any(r.body.windows.get(w, 0) < p for w, p in windows.items())]
     while lagging:
-        got = admin.ask({a: _step("align", windows=windows, wait=STEP_WAIT) for a in lagging},
+        got = admin.ask({a: _step("align", windows={str(w): p for w, p in windows.items()},
+                                       wait=STEP_WAIT) for a in lagging},
                         STEP_WAIT + admin.timeout)
         lagging = [a for a, r in got.items()
                    if any(r.body.windows.get(w, 0) < p for w, p in windows.items())]

@@ -169,6 +169,8 @@ class Elastic:
         if self.replaying:
             return False
         op = msg.op
+        if self.target is not None and not self.frozen and op in DATA_OPS:
+            self.tick(time.monotonic())  # the cut, before this request may pass it
         if self.moved is not None:
             if self.removed_at is not None:
                 if op in (Op.STATS, Op.SHUTDOWN, Op.RESHARD):
@@ -369,8 +371,8 @@ class Elastic:
 
     def _at_cut(self) -> bool:
         core = self.host.core
-        if core is None:
-            return True
+        if core is None or not core.initialized:
+            return False  # (nothing to move yet: the cut waits for the weights)
         if self.host.joined.pending or self.host.streamed.pending:
             return False
         if str(core.mode.mode) != "sync":
@@ -409,8 +411,8 @@ class Elastic:
                 "epoch": self.epoch,
                 "mode": str(core.mode.mode) if core is not None else self.host.config.mode,
                 # (the next push id each worker's window takes: >= 0 on the wire)
-                "windows": {w: s.last_push_id + 1 for w, s in workers.items()},
-                "clocks": {w: s.clock for w, s in workers.items()}}
+                "windows": {str(w): s.last_push_id + 1 for w, s in workers.items()},
+                "clocks": {str(w): s.clock for w, s in workers.items()}}
 
     def _state_reply(self, msg: Message) -> Message:
         return reply(msg, **self._state_fields())

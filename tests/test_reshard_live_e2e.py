@@ -1,0 +1,132 @@
+"""Live resharding (issue 47, item 2): shard processes on loopback moved to another
+shard count while three workers train, by ``paramserver reshard``'s driver
+(workers/reshard.py); the workers learn each new plan from a ``plan_moved`` answer
+and go on without restarting (workers/planmove.py).
+
+* sync, 2 -> 4 -> 3 shards during one run ends bit-identical to the run kept on 2;
+* async, two moves: every push the shards acknowledged is counted exactly once (each
+  adds 1 to ``count``: the final weight is minus their number);
+* a move whose new shard never answers fails, and the old plan serves on.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from paramserver.server.loop import ServerConfig
+from paramserver.server.process import Ready
+from paramserver.workers.admin import pull_weights, server_stats, shutdown_servers
+from paramserver.workers.reshard import MoveFailed, live_reshard
+from tests.ports import free_port
+from tests.procs import reap
+from tests.reshard_worker import plan
+from tests.test_resume_e2e import ROOT, _env
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+WORKERS = 3
+
+
+class Job:
+    """Shard processes started by hand (more can join), and the workers."""
+
+    def __init__(self, tmp: Path, mode: str, **server: Any) -> None:
+        self.tmp, self.mode, self.server = tmp, mode, server
+        self.procs: list[subprocess.Popen[str]] = []
+        self.workers: list[subprocess.Popen[str]] = []
+
+    def start_server(self, shard: int, num_shards: int) -> str:
+        cfg = ServerConfig(shard=shard, num_shards=num_shards, mode=self.mode,
+                           expected_workers=WORKERS, heartbeat_timeout=30.0,
+                           event_log=str(self.tmp / f"events{len(self.procs)}.jsonl"),
+                           **self.server)
+        path = self.tmp / f"server{len(self.procs)}.json"
+        path.write_text(json.dumps(cfg.to_dict()))
+        proc = subprocess.Popen([sys.executable, "-m", "paramserver.server.loop", str(path)],
+                                cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, text=True)
+        self.procs.append(proc)
+        assert proc.stdout is not None
+        return Ready.parse(proc.stdout.readline()).address
+
+    def start_workers(self, servers: list[str], steps: int, tag: str) -> None:
+        self.workers = [subprocess.Popen(
+            [sys.executable, "-m", "tests.reshard_worker", str(rank), ",".join(servers),
+             self.mode, str(steps), str(self.tmp / f"{tag}{rank}")], cwd=ROOT, env=_env(),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for rank in range(WORKERS)]
+
+    def finish(self, tag: str) -> list[dict[str, Any]]:
+        for w in self.workers:
+            out, _ = w.communicate(timeout=240)
+            assert w.returncode == 0, out[-3000:]
+        return [json.loads((self.tmp / f"{tag}{r}.json").read_text()) for r in range(WORKERS)]
+
+    def close(self) -> None:
+        for p in self.workers + self.procs:
+            reap(p)
+
+
+@contextmanager
+def job(tmp: Path, mode: str, **server: Any) -> Iterator[Job]:
+    j = Job(tmp, mode, **server)
+    try:
+        yield j
+    finally:
+        j.close()
+
+
+def _weights(tmp: Path, tag: str) -> dict[str, torch.Tensor]:
+    return load_file(str(tmp / f"{tag}0.safetensors"))
+
+
+def test_sync_2_then_4_then_3_shards_live_ends_as_kept_on_2(tmp_path: Path) -> None:
+    server = {"optimizer": "sgd", "optimizer_args": {"lr": 0.05, "momentum": 0.9}}
+    with job(tmp_path / "kept", "sync", **server) as kept, \
+            job(tmp_path / "moved", "sync", **server) as moved:
+        for j in (kept, moved):
+            j.tmp.mkdir()
+        two = [kept.start_server(s, 2) for s in range(2)]
+        kept.start_workers(two, 8, "w")
+        servers = [moved.start_server(s, 2) for s in range(2)]
+        added = [moved.start_server(s, 4) for s in (2, 3)]
+        moved.start_workers(servers, 8, "w")
+        first = live_reshard(servers, 4, added, at=2, timeout=120)
+        assert (first.from_shards, first.to_shards, first.epoch) == (2, 4, 1)
+        assert first.rounds == 2
+        second = live_reshard(list(first.servers), 3, at=5, timeout=120)
+        assert (second.to_shards, second.epoch, second.rounds) == (3, 2, 5)
+        said = moved.finish("w")
+        assert [s["moves"] for s in said] == [2] * WORKERS
+        assert said[0]["servers"] == list(second.servers)
+        kept.finish("w")
+        a, b = _weights(kept.tmp, "w"), _weights(moved.tmp, "w")
+        for name in a:
+            assert torch.equal(a[name], b[name]), name
+        final = pull_weights(list(second.servers), plan(3))
+        for name in a:
+            assert torch.equal(final[name], a[name]), name
+        stats = server_stats(list(second.servers))
+        assert [s.counters.get("plan_epoch") for s in stats] == [2, 2, 2]
+        # the removed shard stops by itself once every worker was told
+        assert moved.procs[3].wait(timeout=60) == 0
+        assert shutdown_servers(list(second.servers)) == []
+        for p in moved.procs:
+            assert p.wait(timeout=60) == 0
+        events = [json.loads(line) for i in range(4)
+                  for line in (moved.tmp / f"events{i}.jsonl").read_text().splitlines()]
+        moves = [e for e in events if e["event"] == "resharded"]
+        assert sorted((e["epoch"], e["role"]) for e in moves) == [
+            (1, "added"), (1, "added"), (1, "kept"), (1, "kept"),
+            (2, "kept"), (2, "kept"), (2, "kept"), (2, "removed")]
+        assert all(e["paused_s"] >= 0 for e in moves)
