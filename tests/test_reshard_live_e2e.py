@@ -130,3 +130,29 @@ def test_sync_2_then_4_then_3_shards_live_ends_as_kept_on_2(tmp_path: Path) -> N
             (1, "added"), (1, "added"), (1, "kept"), (1, "kept"),
             (2, "kept"), (2, "kept"), (2, "kept"), (2, "removed")]
         assert all(e["paused_s"] >= 0 for e in moves)
+
+
+def test_async_two_moves_count_each_acknowledged_push_once_after_a_failed_move(
+        tmp_path: Path) -> None:
+    with job(tmp_path, "async", optimizer="sgd", optimizer_args={"lr": 1.0}) as j:
+        servers = [j.start_server(s, 2) for s in range(2)]
+        added = j.start_server(2, 3)
+        j.start_workers(servers, 30, "w")
+        # a new shard that never answers: the move fails half-way (frozen, captured,
+        # nothing adopted) and the old plan serves on, holding what it held
+        dead = f"tcp://127.0.0.1:{free_port()}"
+        with pytest.raises(MoveFailed, match="serves on"):
+            live_reshard(servers, 3, [dead], timeout=3, freeze_timeout=120)
+        assert [s.counters.get("plan_epoch", 0) for s in server_stats(servers)] == [0, 0]
+        first = live_reshard(servers, 3, [added], timeout=60)
+        second = live_reshard(list(first.servers), 2, timeout=60)
+        assert (first.epoch, second.epoch, second.servers) == (1, 2, tuple(servers))
+        said = j.finish("w")
+        assert [s["moves"] for s in said] == [2] * WORKERS
+        assert sum(s["refused"] for s in said) == 0
+        acked = sum(s["acked"] for s in said)
+        final = pull_weights(servers, plan(2))
+        # each acknowledged push took 1 off every element of count, once
+        assert torch.equal(final["count"], torch.full((8,), -float(acked))), (
+            final["count"], acked)
+        assert shutdown_servers(servers) == []

@@ -112,12 +112,15 @@ def _step(step: str, tensors: dict[str, Any] | None = None, **fields: Any) -> Me
 
 
 def live_reshard(servers: Sequence[str], to: int, add: Sequence[str] = (), *, at: int = -1,
-                 timeout: float = 60.0, curve: CurveKeys | None = None,
+                 timeout: float = 60.0, freeze_timeout: float | None = None,
+                 curve: CurveKeys | None = None,
                  progress: Callable[[str], None] | None = None) -> MoveReport:
     """Move the job whose shards listen at ``servers`` (in shard order) to ``to`` shards
     (``add``: the addresses of the shards it adds, started and empty), at the sync
-    round ``at`` (-1: the next boundary; ignored outside sync). Raises
-    :class:`MoveFailed` (the old plan serves on) or ConfigError for bad arguments."""
+    round ``at`` (-1: the next boundary; ignored outside sync). ``timeout``: for each
+    step's answers; ``freeze_timeout`` (default: ``timeout``): for the shards to reach
+    the cut (a round far ahead, weights not sent yet). Raises :class:`MoveFailed`
+    (the old plan serves on) or ConfigError for bad arguments."""
     say = progress or (lambda text: log.info("%s", text))
     target = new_servers(servers, to, add)
     started = time.perf_counter()
@@ -126,7 +129,8 @@ def live_reshard(servers: Sequence[str], to: int, add: Sequence[str] = (), *, at
     committed: list[str] = []
     try:
         try:
-            replies = _freeze(admin, old, at, started, say)
+            replies = _freeze(admin, old, at, started + (freeze_timeout or timeout) - timeout,
+                              say)
             froze = time.perf_counter()
             first: ReshardReply = replies[old[0]].body
             mode = first.mode
@@ -181,11 +185,14 @@ def _freeze(admin: _Admin, old: list[str], at: int, started: float,
         rounds = {b.rounds for b in bodies}
         if all(b.frozen for b in bodies) and (bodies[0].mode != "sync" or len(rounds) == 1):
             return replies
+        if any(b.epoch != bodies[0].epoch for b in bodies):
+            raise MoveFailed(f"the shards hold different plan epochs "
+                             f"{sorted({b.epoch for b in bodies})}: not one plan's")
         if time.perf_counter() - started > admin.timeout:
             raise MoveFailed(f"the shards did not reach one cut within {admin.timeout:g}s "
                              f"(rounds {sorted(rounds)}, frozen "
                              f"{[b.frozen for b in bodies]})")
-        if bodies[0].mode == "sync" and any(b.frozen for b in bodies):
+        if bodies[0].mode == "sync" and any(b.frozen for b in bodies) and len(rounds) > 1:
             at = max(max(rounds), at)  # one shard is a round ahead: all go there
             say(f"waiting for every shard to close round {at}")
 
