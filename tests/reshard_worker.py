@@ -1,9 +1,9 @@
 """A worker of tests/test_reshard_live_e2e.py: PSClient on a small model of several
 slices, with gradients that depend on its rank, its step and the weights, so that a
 sync run's result is a function of every round's sum. Argv: RANK SERVERS(comma)
-MODE STEPS OUT. Sync: STEPS rounds. Async: pushes (each a gradient of 1 on ``count``)
-until it saw two moves of the plan, then STEPS more; it writes how many pushes the
-shards acknowledged, and its weights."""
+MODE STEPS OUT. STEPS: that many rounds, or ``+K``: until it saw two moves of the
+plan, then K more. Sync: gradients of the weights; async: each push a gradient of 1
+on ``count``. It writes how many pushes the shards acknowledged, and its weights."""
 
 from __future__ import annotations
 
@@ -30,18 +30,19 @@ def initial() -> dict[str, torch.Tensor]:
 
 
 def main() -> None:
-    rank, servers, mode, steps, out = (int(sys.argv[1]), sys.argv[2].split(","), sys.argv[3],
-                                       int(sys.argv[4]), sys.argv[5])
+    rank, servers, mode, out = int(sys.argv[1]), sys.argv[2].split(","), sys.argv[3], sys.argv[5]
+    after_moves = sys.argv[4].startswith("+")
+    steps = int(sys.argv[4].lstrip("+"))
     params = initial()
     client = PSClient(servers, plan(len(servers)), worker=rank, heartbeat_interval=0.5,
                       timeout=120)
     clock = client.connect()
     client.initialize(params)
     versions = client.pull(params, clock, wait_init=True).versions
-    acked = done = refused = 0
-    while (done < steps) if mode == "sync" else (client.moves < 2 or done < steps):
+    acked = done = refused = rounds = 0
+    while client.moves < 2 or done < steps if after_moves else done < steps:
         if mode == "sync":
-            grads = {k: torch.sin(v * (rank + 1) + done) for k, v in params.items()}
+            grads = {k: torch.sin(v * (rank + 1) + rounds) for k, v in params.items()}
         else:
             grads = {k: torch.zeros_like(v) for k, v in params.items()}
             grads["count"] += 1.0
@@ -50,11 +51,12 @@ def main() -> None:
         refused += sum(1 for o in pushed.outcomes if not o.accepted)
         clock = max(clock + 1, pulled.clock)
         versions = pulled.versions
-        done += 1 if mode == "sync" or client.moves >= 2 else 0
+        rounds += 1
+        done += 1 if not after_moves or client.moves >= 2 else 0
     save_file({k: v.contiguous() for k, v in params.items()}, f"{out}.safetensors")
     with open(f"{out}.json", "w") as f:
-        json.dump({"acked": acked, "refused": refused, "moves": client.moves, "epoch": client.epoch,
-                   "servers": client.addresses}, f)
+        json.dump({"acked": acked, "refused": refused, "rounds": rounds, "moves": client.moves,
+                   "epoch": client.epoch, "servers": client.addresses}, f)
     client.bye()
     client.close()
 

@@ -59,10 +59,10 @@ class Job:
         assert proc.stdout is not None
         return Ready.parse(proc.stdout.readline()).address
 
-    def start_workers(self, servers: list[str], steps: int, tag: str) -> None:
+    def start_workers(self, servers: list[str], steps: str, tag: str) -> None:
         self.workers = [subprocess.Popen(
             [sys.executable, "-m", "tests.reshard_worker", str(rank), ",".join(servers),
-             self.mode, str(steps), str(self.tmp / f"{tag}{rank}")], cwd=ROOT, env=_env(),
+             self.mode, steps, str(self.tmp / f"{tag}{rank}")], cwd=ROOT, env=_env(),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             for rank in range(WORKERS)]
 
@@ -92,30 +92,35 @@ def _weights(tmp: Path, tag: str) -> dict[str, torch.Tensor]:
 
 def test_sync_2_then_4_then_3_shards_live_ends_as_kept_on_2(tmp_path: Path) -> None:
     server = {"optimizer": "sgd", "optimizer_args": {"lr": 0.05, "momentum": 0.9}}
-    with job(tmp_path / "kept", "sync", **server) as kept, \
-            job(tmp_path / "moved", "sync", **server) as moved:
-        for j in (kept, moved):
-            j.tmp.mkdir()
-        two = [kept.start_server(s, 2) for s in range(2)]
-        kept.start_workers(two, 8, "w")
+    with job(tmp_path / "moved", "sync", **server) as moved:
+        moved.tmp.mkdir()
         servers = [moved.start_server(s, 2) for s in range(2)]
         added = [moved.start_server(s, 4) for s in (2, 3)]
-        moved.start_workers(servers, 8, "w")
-        first = live_reshard(servers, 4, added, at=2, timeout=120)
-        assert (first.from_shards, first.to_shards, first.epoch) == (2, 4, 1)
-        assert first.rounds == 2
-        second = live_reshard(list(first.servers), 3, at=5, timeout=120)
-        assert (second.to_shards, second.epoch, second.rounds) == (3, 2, 5)
+        # the first move by the command line, at round 2 (the workers wait there for it)
+        cli = subprocess.Popen([sys.executable, "-m", "paramserver.cli", "reshard", "--servers",
+                                ",".join(servers), "--to", "4", "--add", ",".join(added),
+                                "--at", "2", "--timeout", "120", "--json"], cwd=ROOT,
+                               env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+        try:
+            moved.start_workers(servers, "+3", "w")  # until both moves were seen, then 3
+            out, err = cli.communicate(timeout=200)
+        finally:
+            reap(cli)
+        assert cli.returncode == 0, err
+        first = json.loads(out)
+        assert (first["from_shards"], first["to_shards"], first["epoch"]) == (2, 4, 1)
+        assert first["rounds"] == 2 and first["pause_s"] > 0 and first["bytes"] > 0
+        # the second at the next round boundary: the first three shards stay
+        second = live_reshard(first["servers"], 3, timeout=120)
+        assert (second.to_shards, second.epoch) == (3, 2)
+        assert list(second.servers) == first["servers"][:3]
         said = moved.finish("w")
         assert [s["moves"] for s in said] == [2] * WORKERS
         assert said[0]["servers"] == list(second.servers)
-        kept.finish("w")
-        a, b = _weights(kept.tmp, "w"), _weights(moved.tmp, "w")
-        for name in a:
-            assert torch.equal(a[name], b[name]), name
+        rounds = said[0]["rounds"]
+        assert [s["rounds"] for s in said] == [rounds] * WORKERS
         final = pull_weights(list(second.servers), plan(3))
-        for name in a:
-            assert torch.equal(final[name], a[name]), name
         stats = server_stats(list(second.servers))
         assert [s.counters.get("plan_epoch") for s in stats] == [2, 2, 2]
         # the removed shard stops by itself once every worker was told
@@ -123,26 +128,44 @@ def test_sync_2_then_4_then_3_shards_live_ends_as_kept_on_2(tmp_path: Path) -> N
         assert shutdown_servers(list(second.servers)) == []
         for p in moved.procs:
             assert p.wait(timeout=60) == 0
-        events = [json.loads(line) for i in range(4)
-                  for line in (moved.tmp / f"events{i}.jsonl").read_text().splitlines()]
-        moves = [e for e in events if e["event"] == "resharded"]
-        assert sorted((e["epoch"], e["role"]) for e in moves) == [
-            (1, "added"), (1, "added"), (1, "kept"), (1, "kept"),
-            (2, "kept"), (2, "kept"), (2, "kept"), (2, "removed")]
-        assert all(e["paused_s"] >= 0 for e in moves)
+    with job(tmp_path / "kept", "sync", **server) as kept:  # the same rounds, on 2 shards
+        kept.tmp.mkdir()
+        kept.start_workers([kept.start_server(s, 2) for s in range(2)], str(rounds), "w")
+        kept.finish("w")
+    a, b = _weights(kept.tmp, "w"), _weights(moved.tmp, "w")
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+        assert torch.equal(final[name], a[name]), name
+    events = [json.loads(line) for i in range(4)
+              for line in (moved.tmp / f"events{i}.jsonl").read_text().splitlines()]
+    moves = [e for e in events if e["event"] == "resharded"]
+    assert sorted((e["epoch"], e["role"]) for e in moves) == [
+        (1, "added"), (1, "added"), (1, "kept"), (1, "kept"),
+        (2, "kept"), (2, "kept"), (2, "kept"), (2, "removed")]
+    assert all(e["paused_s"] >= 0 for e in moves)
 
 
-def test_async_two_moves_count_each_acknowledged_push_once_after_a_failed_move(
+def test_async_two_moves_count_each_acknowledged_push_once_after_failed_ones(
         tmp_path: Path) -> None:
     with job(tmp_path, "async", optimizer="sgd", optimizer_args={"lr": 1.0}) as j:
         servers = [j.start_server(s, 2) for s in range(2)]
+        victim = j.start_server(2, 3)
         added = j.start_server(2, 3)
-        j.start_workers(servers, 30, "w")
-        # a new shard that never answers: the move fails half-way (frozen, captured,
-        # nothing adopted) and the old plan serves on, holding what it held
+        j.start_workers(servers, "+30", "w")
+        # a shard to add that never answers: refused before anything froze
         dead = f"tcp://127.0.0.1:{free_port()}"
-        with pytest.raises(MoveFailed, match="serves on"):
+        with pytest.raises(MoveFailed, match="nothing moved"):
             live_reshard(servers, 3, [dead], timeout=3, freeze_timeout=120)
+
+        # a shard to add killed once the old ones froze: the move fails half-way
+        # (frozen, captured, not adopted) and the old plan serves on with what it held
+        def kill(said: str) -> None:
+            if said.startswith("frozen"):
+                j.procs[2].kill()
+                j.procs[2].wait()
+
+        with pytest.raises(MoveFailed, match="serves on"):
+            live_reshard(servers, 3, [victim], timeout=3, freeze_timeout=120, progress=kill)
         assert [s.counters.get("plan_epoch", 0) for s in server_stats(servers)] == [0, 0]
         first = live_reshard(servers, 3, [added], timeout=60)
         second = live_reshard(list(first.servers), 2, timeout=60)

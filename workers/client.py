@@ -353,6 +353,9 @@ class PSClient:
         Shard 0 is asked first, alone: of two processes with one id started at
         once, the one it takes is the one every shard takes.
         """
+        return follow_moves(self, lambda _: self._connect())
+
+    def _connect(self) -> int:
         deadline = time.monotonic() + self.timeout
         replies: list[Message] = []
         for shards in ([0], list(range(1, len(self.channels)))):
@@ -377,6 +380,9 @@ class PSClient:
 
         Returns True if this worker seeded at least one shard.
         """
+        return follow_moves(self, lambda _: self._initialize(params))
+
+    def _initialize(self, params: Mapping[str, torch.Tensor]) -> bool:
         self._params = params
         msgs, shards = self._init(range(len(self.channels)))
         replies = self.call(msgs, "INIT", shards)

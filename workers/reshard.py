@@ -9,6 +9,8 @@ the new plan is sent its part, and only once every one holds it do they commit.
 the shards agree, and the move is all or nothing; the cost is each byte crossing
 twice, which the benchmark's pause includes: ``paramserver bench --part reshard``.)
 
+0. prepare: each shard to add answers (and loads what a first core needs), or the
+   move fails before any shard froze.
 1. freeze: sync, at a round boundary every shard reaches (``at`` rounds closed, or
    the next one); async and SSP, now. Each shard holds the requests that come.
 2. align (async, SSP): a push that reached some shards before the cut is taken by
@@ -128,6 +130,12 @@ def live_reshard(servers: Sequence[str], to: int, add: Sequence[str] = (), *, at
     old = list(servers)
     committed: list[str] = []
     try:
+        if add:  # (a shard that does not answer fails the move before anything froze)
+            try:
+                admin.ask({a: _step("prepare") for a in add})
+            except (RemoteError, TransportError) as exc:
+                raise MoveFailed(f"a shard to add did not get ready: {exc}; nothing moved, "
+                                 "the old plan serves on") from exc
         try:
             replies = _freeze(admin, old, at, started + (freeze_timeout or timeout) - timeout,
                               say)
@@ -153,6 +161,7 @@ def live_reshard(servers: Sequence[str], to: int, add: Sequence[str] = (), *, at
             plan_fields = {"epoch": epoch, "servers": target}
             admin.ask({a: _step("adopt", {**moved[k][0], META_TENSOR: encode_meta(moved[k][1])},
                                 shard=k, **plan_fields) for k, a in enumerate(target)})
+            say("every shard of the new plan holds its state; committing")
             order = [a for a in target if a not in old] + [a for a in target if a in old]
             for address in order:  # added first: their failure aborts with nothing lost
                 admin.ask({address: _step("commit", shard=target.index(address),

@@ -1,6 +1,8 @@
 """A shard's side of a live move to another plan (issue 47, item 2): ``paramserver
 reshard`` (workers/reshard.py) drives it step by step with RESHARD, an admin op.
 
+* ``prepare`` (a shard that joins, before anything froze): its first core built and
+  dropped, so that torch's lazy imports are not paid during the pause.
 * ``freeze``: stop at a cut. Sync: once ``at`` rounds closed and nothing is in the
   open round (a round boundary every shard reaches, as a round needs every worker's
   push on every shard); async and SSP: now. From then on every data request (INIT,
@@ -38,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import msgspec
 import torch
 
-from paramserver.core.sharding import ShardPlan
+from paramserver.core.sharding import ParamSpec, ShardPlan
 from paramserver.errors import ConfigError, ErrorCode, ProtocolError
 from paramserver.observe import records as ev
 from paramserver.server import shardstate
@@ -122,6 +124,8 @@ class ElasticHost(Protocol):
     def adopt_state(self, state: ShardState) -> None: ...
 
     def stop(self) -> None: ...
+
+    def adopt_plan(self, plan: ShardPlan) -> None: ...
 
 
 @dataclass
@@ -233,6 +237,17 @@ class Elastic:
         step = getattr(self, f"_{b.step}")
         answer: Message | None = step(msg, identity)
         return answer
+
+    def _prepare(self, msg: Message, identity: bytes) -> Message:
+        """A shard about to join: build a core once and drop it, so that what torch
+        loads on a first optimizer (torch._dynamo: seconds) is loaded before the old
+        shards freeze, not while they hold every request."""
+        host = self.host
+        if host.core is None and host.config.plan_hash is None:
+            host.adopt_plan(ShardPlan([ParamSpec("warm", (1,), "float32")],
+                                      host.config.num_shards))
+            host.adopt_state(shardstate.ShardState(None))
+        return reply(msg, **self._state_fields())
 
     def _freeze(self, msg: Message, identity: bytes) -> Message | None:
         b: Reshard = msg.body

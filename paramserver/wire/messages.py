@@ -203,7 +203,7 @@ class SInit(msgspec.Struct, frozen=True):
 
 
 #: a live move's steps, in order (server/elastic.py; abort undoes the first three)
-RESHARD_STEPS = ("freeze", "align", "capture", "adopt", "commit", "abort")
+RESHARD_STEPS = ("prepare", "freeze", "align", "capture", "adopt", "commit", "abort")
 #: the most shards a plan a move names may have, and the longest address
 MAX_PLAN_SERVERS = 1024
 MAX_ADDRESS = 256
