@@ -25,8 +25,8 @@ Examples:
   paramserver reshard --servers 127.0.0.1:5600,127.0.0.1:5601,127.0.0.1:5602,127.0.0.1:5603 \\
       --to 3 --at 100
   # under CURVE: the admin key, as for SHUTDOWN
-  paramserver reshard --servers 10.0.0.5:5600,10.0.0.6:5600 --to 1 --curve-key keys/ops.key_secret \\
-      --curve-server-key keys/server.key
+  paramserver reshard --servers 10.0.0.5:5600,10.0.0.6:5600 --to 1 \\
+      --curve-key keys/ops.key_secret --curve-server-key keys/server.key
 
 \b
 The shards stop at one cut (sync: a round boundary, --at or the next; async and
