@@ -234,6 +234,10 @@ class Elastic:
                                 "not supported: checkpoint, `checkpoint reshard`, resume")
         if self.removed_at is not None:
             raise ProtocolError(ErrorCode.BAD_FIELD, "this shard was removed by a move")
+        plan = self.host.plan
+        if plan is not None and plan.sparse:
+            raise ProtocolError(ErrorCode.BAD_FIELD, "a live reshard of sparse tables is not "
+                                "supported: checkpoint, `checkpoint reshard`, resume")
         step = getattr(self, f"_{b.step}")
         answer: Message | None = step(msg, identity)
         return answer
