@@ -76,10 +76,10 @@ See docs/performance.md for what each part measures and the goals it checks.
                    "replication, cluster and reshard). reshard: a live move 2 -> 3 "
                    "shards against checkpoint + reshard + restart. hosts: raw pyzmq and "
                    "this project across two network namespaces (root). replication: "
-                   "push+pull with and without --replicas 1, and the failover time. cluster: the sync round on N "
-                   "worker and N server hosts (network namespaces on a bridge, NICs at "
-                   "--link; root) against gloo all_reduce and raw pyzmq, beside the limits "
-                   "M/B and 2(N-1)/N·M/B.")
+                   "push+pull with and without --replicas 1, and the failover time. "
+                   "cluster: the sync round on N worker and N server hosts (network "
+                   "namespaces on a bridge, NICs at --link; root) against gloo "
+                   "all_reduce and raw pyzmq, beside the limits M/B and 2(N-1)/N·M/B.")
 @click.option("--system", "systems", multiple=True,
               type=click.Choice(["raw", "ps", "rpc", "gloo", "ray"]),
               help="Systems in the sweep (repeatable; raw, the limit, is always in). ray "
