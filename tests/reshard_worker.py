@@ -48,7 +48,8 @@ def main() -> None:
             grads["count"] += 1.0
         pushed, pulled = client.push_pull(grads, versions, 1, clock, params)
         acked += 1  # every shard answered it (policy none: each takes every push)
-        refused += sum(1 for o in pushed.outcomes if not o.accepted)
+        # (a push sent again after a move that its shards took before: a duplicate)
+        refused += sum(1 for o in pushed.outcomes if not o.accepted and not o.duplicate)
         clock = max(clock + 1, pulled.clock)
         versions = pulled.versions
         rounds += 1
