@@ -21,8 +21,10 @@ from typing import Any
 
 import pytest
 import torch
+from click.testing import CliRunner
 from safetensors.torch import load_file
 
+from paramserver.cli.main import main
 from paramserver.server.loop import ServerConfig
 from paramserver.server.process import Ready
 from paramserver.workers.admin import pull_weights, server_stats, shutdown_servers
@@ -123,6 +125,8 @@ def test_sync_2_then_4_then_3_shards_live_ends_as_kept_on_2(tmp_path: Path) -> N
         final = pull_weights(list(second.servers), plan(3))
         stats = server_stats(list(second.servers))
         assert [s.counters.get("plan_epoch") for s in stats] == [2, 2, 2]
+        shown = CliRunner().invoke(main, ["status", "--servers", ",".join(second.servers)])
+        assert shown.exit_code == 0 and "plan epoch 2" in shown.output, shown.output
         # the removed shard stops by itself once every worker was told
         assert moved.procs[3].wait(timeout=60) == 0
         assert shutdown_servers(list(second.servers)) == []

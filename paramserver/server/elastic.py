@@ -256,8 +256,10 @@ class Elastic:
     def _freeze(self, msg: Message, identity: bytes) -> Message | None:
         b: Reshard = msg.body
         core = self.host.core
+        sync = str(core.mode.mode) == "sync" if core is not None else \
+            self.host.config.mode == "sync"
         if b.at >= 0 or self.target is None:
-            target = b.at
+            target = b.at if sync else 0  # (async and SSP: a cut now, whatever ``at`` says)
             if target < 0 and core is not None:
                 target = core.round.closed + (0 if core.between_rounds else 1)
             if self.frozen and target > self._rounds():
