@@ -341,6 +341,7 @@ def launch(ctx: click.Context, **opts: Any) -> None:
             tensorboard=opts["tensorboard"],
             command=command,
             hosts=opts["hosts"], link=opts["link"], link_of=dict(opts["link_of"]),
+            reshard_at=dict(opts["reshard_at"]),
         )
     options.maybe_print_config(ctx, opts)
     spec = _resharded_resume(spec)

@@ -30,6 +30,7 @@ FLAGS: dict[str, list[str]] = {
     "local_sgd": ["--local-optimizer", "sgd"],
     "overlap": ["--overlap"],
     "compression": ["--compression", "int8"],
+    "live_reshard": ["--reshard-at", "2:3", "--mode", "sync"],
     **{policy_feature(p): ["--policy", p] for p in BUILTIN_POLICIES},
 }
 

@@ -186,3 +186,21 @@ def test_async_two_moves_count_each_acknowledged_push_once_after_failed_ones(
         assert torch.equal(final["count"], torch.full((8,), -float(acked))), (
             final["count"], acked)
         assert shutdown_servers(servers) == []
+
+
+def test_launch_reshard_at_moves_2_to_4_to_3_and_ends_as_kept_on_2(tmp_path: Path) -> None:
+    from tests.test_reshard_e2e import _finish, _launch
+    from tests.test_resume_e2e import _assert_identical, _final
+
+    args = ["--task", "digits-mlp", "--optimizer", "adam", "--lr", "0.01"]
+    kept = _launch(tmp_path / "kept", 2, 8, args)
+    moved = _launch(tmp_path / "moved", 2, 8, [*args, "--reshard-at", "2:4",
+                                              "--reshard-at", "5:3"])
+    said = _finish(moved)
+    _finish(kept)
+    _assert_identical(_final(tmp_path / "moved"), _final(tmp_path / "kept"))
+    events = [json.loads(line) for path in (tmp_path / "moved" / "events").glob("server*.jsonl")
+              for line in path.read_text().splitlines()]
+    moves = sorted((e["epoch"], e["role"]) for e in events if e["event"] == "resharded")
+    assert moves == [(1, "added"), (1, "added"), (1, "kept"), (1, "kept"),
+                     (2, "kept"), (2, "kept"), (2, "kept"), (2, "removed")], said[-3000:]

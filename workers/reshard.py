@@ -25,6 +25,7 @@ twice, which the benchmark's pause includes: ``paramserver bench --part reshard`
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -116,13 +117,15 @@ def _step(step: str, tensors: dict[str, Any] | None = None, **fields: Any) -> Me
 def live_reshard(servers: Sequence[str], to: int, add: Sequence[str] = (), *, at: int = -1,
                  timeout: float = 60.0, freeze_timeout: float | None = None,
                  curve: CurveKeys | None = None,
-                 progress: Callable[[str], None] | None = None) -> MoveReport:
+                 progress: Callable[[str], None] | None = None,
+                 cancel: threading.Event | None = None) -> MoveReport:
     """Move the job whose shards listen at ``servers`` (in shard order) to ``to`` shards
     (``add``: the addresses of the shards it adds, started and empty), at the sync
     round ``at`` (-1: the next boundary; ignored outside sync). ``timeout``: for each
     step's answers; ``freeze_timeout`` (default: ``timeout``): for the shards to reach
     the cut (a round far ahead, weights not sent yet). Raises :class:`MoveFailed`
-    (the old plan serves on) or ConfigError for bad arguments."""
+    (the old plan serves on) or ConfigError for bad arguments. ``cancel``: set, the
+    wait for the cut ends (MoveFailed; the shards stop waiting for it too)."""
     say = progress or (lambda text: log.info("%s", text))
     target = new_servers(servers, to, add)
     started = time.perf_counter()
@@ -138,7 +141,7 @@ def live_reshard(servers: Sequence[str], to: int, add: Sequence[str] = (), *, at
                                  "the old plan serves on") from exc
         try:
             replies = _freeze(admin, old, at, started + (freeze_timeout or timeout) - timeout,
-                              say)
+                              say, cancel)
             froze = time.perf_counter()
             first: ReshardReply = replies[old[0]].body
             mode = first.mode
@@ -185,9 +188,12 @@ def live_reshard(servers: Sequence[str], to: int, add: Sequence[str] = (), *, at
 
 
 def _freeze(admin: _Admin, old: list[str], at: int, started: float,
-            say: Callable[[str], None]) -> dict[str, Message]:
+            say: Callable[[str], None], cancel: threading.Event | None = None
+            ) -> dict[str, Message]:
     """Freeze every old shard at one cut: in sync, one number of rounds closed."""
     while True:
+        if cancel is not None and cancel.is_set():
+            raise MoveFailed("cancelled before the shards reached the cut")
         replies = admin.ask({a: _step("freeze", at=at, wait=STEP_WAIT) for a in old},
                             STEP_WAIT + admin.timeout)
         bodies: list[ReshardReply] = [r.body for r in replies.values()]
