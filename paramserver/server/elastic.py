@@ -190,7 +190,8 @@ class Elastic:
                     self.current.add(identity)
                     return False
                 return self._moved(msg)
-            if op in DATA_OPS and identity not in self.current:
+            if op in DATA_OPS and identity not in self.current and not (
+                    op is Op.BYE and msg.body.dead):  # (a supervisor's report: no session)
                 return self._moved(msg)
         if self.frozen and op in DATA_OPS:
             self.held.append(_Held(identity, frames, key, msg))
