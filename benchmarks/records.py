@@ -17,6 +17,7 @@ from paramserver.util.jsontypes import JSON, JSONObject
 from .common import Stats, integer, number, numbers, text
 from .netns import Link as VethLink
 from .replication import ReplicationResult
+from .reshard import ReshardRow
 
 __all__ = ["AsyncRow", "BenchResult", "ClusterAsyncRow", "ClusterResult", "ClusterRow",
            "Environment", "Goal", "HostsResult", "MemoryRow", "OverlapResult", "ShmPath",
@@ -512,6 +513,7 @@ class BenchResult:
     environment: Environment | None = None
     replication: ReplicationResult | None = None
     cluster: ClusterResult | None = None
+    reshard: tuple[ReshardRow, ...] | None = None
 
     def to_json(self) -> JSONObject:
         out: JSONObject = {"command": self.command, "preset": self.preset,
@@ -533,6 +535,8 @@ class BenchResult:
             out["replication"] = self.replication.to_json()
         if self.cluster is not None:
             out["cluster"] = self.cluster.to_json()
+        if self.reshard is not None:
+            out["reshard"] = [r.to_json() for r in self.reshard]
         out["seconds"] = self.seconds
         out["goals"] = [g.to_json() for g in self.goals]
         return out
@@ -564,4 +568,5 @@ class BenchResult:
             number(d, "started", 0.0), number(d, "seconds", 0.0),
             None if env is None else Environment.from_json(env),
             None if repl is None else ReplicationResult.from_json(repl),
-            None if cluster is None else ClusterResult.from_json(cluster))
+            None if cluster is None else ClusterResult.from_json(cluster),
+            tuple(ReshardRow.from_json(r) for r in rows("reshard")) if "reshard" in d else None)

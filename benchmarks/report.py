@@ -155,6 +155,12 @@ def evaluate_goals(result: BenchResult) -> list[Goal]:
         f"median {fo.median:.2f} s over {len(fo.seconds)} kill(s), --failover-timeout "
         f"{fo.failover_timeout:g}" if fo else "")
     _cluster_goals(result.cluster, add)
+    moves = result.reshard or ()
+    big = max(moves, key=lambda r: r.bytes, default=None)
+    add("live reshard 2 -> 3 shards vs checkpoint + reshard + restart",
+        big.ratio if big else None, ">= 5x shorter", None if big is None else big.ratio >= 5.0,
+        f"{big.bytes >> 20} MiB: pause {big.pause_s:.3f} s, worker stall {big.stall_s:.3f} s, "
+        f"restart {big.restart_s:.2f} s" if big else "")
     return goals
 
 

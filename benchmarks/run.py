@@ -27,6 +27,11 @@ pyzmq on the same links, beside the limits M/B and 2(N-1)/N · M/B (N = 2 and 4,
 8 and 32 MiB, 5 repeats; ``quick``: N = 2, 1 MiB, 2 repeats; ``--size``,
 ``--workers`` and ``--repeats`` apply). It needs root, iproute2 and tc.
 
+The ``reshard`` part (:mod:`paramserver.benchmarks.reshard`) runs only when named: a
+live move of a sync job from 2 to 3 shards (its pause, and the worker's stall)
+against a checkpoint, ``checkpoint reshard`` and restart (16 and 256 MiB; ``quick``:
+1 and 4 MiB; ``--size`` applies).
+
 The ``replication`` part (:mod:`paramserver.benchmarks.replication`) runs only when
 named too (it SIGKILLs shard processes): push + pull with and without
 ``--replicas 1``, paired (1 KiB and 100 MiB, 5 repeats; ``quick``: 1 KiB and
@@ -68,6 +73,9 @@ from .replication import DEFAULT_SIZES as REPLICATION_SIZES
 from .replication import QUICK_SIZES as REPLICATION_QUICK_SIZES
 from .replication import CostRow, ReplicationResult, run_replication
 from .report import evaluate_goals, print_report
+from .reshard import DEFAULT_SIZES as RESHARD_SIZES
+from .reshard import QUICK_SIZES as RESHARD_QUICK_SIZES
+from .reshard import run_reshard
 from .suite import SYSTEMS, Cell, PSVariant, SweepConfig, run_sweep
 
 __all__ = ["DEFAULT_PARTS", "PARTS", "PRESETS", "BenchOptions", "cells_for",
@@ -76,7 +84,7 @@ __all__ = ["DEFAULT_PARTS", "PARTS", "PRESETS", "BenchOptions", "cells_for",
 log = logging.getLogger(__name__)
 
 PARTS: tuple[str, ...] = ("sweep", "async", "memory", "overlap", "hosts", "replication",
-                          "cluster")
+                          "cluster", "reshard")
 #: what runs when no part is named (hosts and cluster need root and change the network
 #: setup; replication kills shard processes)
 DEFAULT_PARTS: tuple[str, ...] = ("sweep", "async", "memory", "overlap")
@@ -328,9 +336,15 @@ def run_benchmarks(opts: BenchOptions, console: Console | None = None) -> BenchR
         replication = _run_replication(opts, console, logs)
     if "cluster" in opts.parts:
         cluster = _run_cluster(opts, console, logs)
+    reshard = None
+    if "reshard" in opts.parts:
+        sizes = tuple(opts.sizes or (RESHARD_QUICK_SIZES if quick else RESHARD_SIZES))
+        console.print(f"reshard: a live move 2 -> 3 shards against checkpoint, reshard and "
+                      f"restart ({', '.join(format_size(b) for b in sizes)})")
+        reshard = run_reshard(sizes, logs / "reshard", lambda r: console.print(r.line()))
     result = BenchResult(
         sweep, hosts, async_rows, memory, overlap, overlap_tcp, replication=replication,
-        cluster=cluster,
+        cluster=cluster, reshard=reshard,
         command=command,
         preset=opts.preset, malloc=opts.malloc, started=started,
         seconds=time.perf_counter() - t0,

@@ -54,6 +54,8 @@ Examples:
 \b
   # what a backup per shard costs (1 KiB and 100 MiB), and the failover time
   paramserver bench --part replication
+  # a live reshard's pause against a checkpoint and restart (16 and 256 MiB)
+  paramserver bench --part reshard
 \b
 See docs/performance.md for what each part measures and the goals it checks.
 """
@@ -69,14 +71,15 @@ See docs/performance.md for what each part measures and the goals it checks.
 @click.option("--full", is_flag=True, help="Every payload on every workers x shards point.")
 @click.option("--part", "parts", multiple=True,
               type=click.Choice(["sweep", "async", "memory", "overlap", "hosts",
-                                 "replication", "cluster"]),
+                                 "replication", "cluster", "reshard"]),
               help="Run only these parts (repeatable; default: all but hosts, "
-                   "replication and cluster). hosts: raw pyzmq and this project across two "
-                   "network namespaces (root). replication: push+pull with and without "
-                   "--replicas 1, and the failover time. cluster: the sync round on N "
-                   "worker and N server hosts (network namespaces on a bridge, NICs at "
-                   "--link; root) against gloo all_reduce and raw pyzmq, beside the limits "
-                   "M/B and 2(N-1)/N·M/B.")
+                   "replication, cluster and reshard). reshard: a live move 2 -> 3 "
+                   "shards against checkpoint + reshard + restart. hosts: raw pyzmq and "
+                   "this project across two network namespaces (root). replication: "
+                   "push+pull with and without --replicas 1, and the failover time. "
+                   "cluster: the sync round on N worker and N server hosts (network "
+                   "namespaces on a bridge, NICs at --link; root) against gloo "
+                   "all_reduce and raw pyzmq, beside the limits M/B and 2(N-1)/N·M/B.")
 @click.option("--system", "systems", multiple=True,
               type=click.Choice(["raw", "ps", "rpc", "gloo", "ray"]),
               help="Systems in the sweep (repeatable; raw, the limit, is always in). ray "

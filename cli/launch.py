@@ -344,6 +344,7 @@ def launch(ctx: click.Context, **opts: Any) -> None:
             command=command,
             hosts=opts["hosts"], link=opts["link"], link_of=dict(opts["link_of"]),
             trace=opts["trace"],
+            reshard_at=dict(opts["reshard_at"]),
         )
     options.maybe_print_config(ctx, opts)
     spec = _resharded_resume(spec)

@@ -42,6 +42,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
               "Measure push + pull against raw pyzmq, torch rpc, gloo and Ray."),
     "checkpoint": ("paramserver.cli.checkpoint",
                    "Look into checkpoints, reshard them, export a model."),
+    "reshard": ("paramserver.cli.reshard",
+                "Move a running job to another number of shards, live."),
     "keys": ("paramserver.cli.keys",
              "CURVE keys: encryption and authentication between workers and servers."),
     "simulate": ("paramserver.cli.simulate",

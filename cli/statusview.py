@@ -115,7 +115,10 @@ def render(addresses: list[str], rows: list[ShardStats | None],
            problems: list[str], console: Console, roles: Roles | None = None) -> Group:
     """The shards' table, then per shard and per worker figures: fitted to ``console``,
     never cutting an address or a figure."""
-    table = Table(title=f"{len(addresses)} shard(s), {time.strftime('%H:%M:%S')}")
+    # a live reshard raised the plan epoch (paramserver reshard): shown when one did
+    epochs = sorted({int(r.counters.get("plan_epoch", 0)) for r in rows if r is not None})
+    epoch = f", plan epoch {'/'.join(map(str, epochs))}" if any(epochs) else ""
+    table = Table(title=f"{len(addresses)} shard(s){epoch}, {time.strftime('%H:%M:%S')}")
     numeric = ("shard", "version", "applied", "rejected", "max staleness", "waiting", "alarms")
     for column in ("shard", "address", "mode", "policy", "version", "workers (clock)",
                    "applied", "rejected", "max staleness", "waiting", "alarms"):

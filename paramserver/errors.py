@@ -24,6 +24,7 @@ boundary with ``raise ... from exc`` so callers need catch only these::
     │   ├── TooManyWorkersError  too_many_workers
     │   ├── BusyError            busy
     │   ├── ForbiddenError       forbidden
+    │   ├── PlanMovedError       plan_moved (a live reshard: the new plan's addresses)
     │   └── RemoteInternalError  internal
     ├── TransportError
     │   ├── RequestTimeoutError (also the builtin TimeoutError)
@@ -67,6 +68,7 @@ __all__ = [
     "NotRegisteredError",
     "OptimizerMismatchError",
     "ParamServerError",
+    "PlanMovedError",
     "ProtocolError",
     "ProtocolVersionError",
     "RegistryError",
@@ -111,6 +113,8 @@ class ErrorCode(StrEnum):
     BUSY = "busy"  # a memory budget is spent for now: back-pressure, retry later
     # CURVE: this key may not act as that worker id, or run an administrative op
     FORBIDDEN = "forbidden"
+    # a live reshard moved the plan (issue 47): the reply names the new plan's servers
+    PLAN_MOVED = "plan_moved"
     INTERNAL = "internal"
 
     ALL: ClassVar[frozenset[str]]  # every code, as strings (kept for older callers)
@@ -273,6 +277,20 @@ class ForbiddenError(RemoteError):
     codes = (ErrorCode.FORBIDDEN,)
 
 
+class PlanMovedError(RemoteError):
+    """A live reshard moved the shards to a new plan (issue 47): ``epoch`` and
+    ``servers`` (the new plan's addresses, in shard order) come with the ERROR reply
+    (wire/messages.py's PlanMoved); the client moves there and sends again."""
+
+    codes = (ErrorCode.PLAN_MOVED,)
+
+    def __init__(self, peer: str, code: ErrorCode | str, reason: str, epoch: int = 0,
+                 servers: tuple[str, ...] = ()) -> None:
+        super().__init__(peer, code, reason)
+        self.epoch = epoch
+        self.servers = servers
+
+
 class RemoteInternalError(RemoteError):
     """The peer hit an exception it did not expect (a bug there; it logged a traceback)."""
 
@@ -287,7 +305,8 @@ REMOTE_ERRORS: Mapping[ErrorCode, type[RemoteError]] = MappingProxyType({
                 NotRegisteredError, DuplicateWorkerError, WorkerInUseError, WrongRunError,
                 NotInitializedError,
                 FutureVersionError, NonFiniteError, TrainingStoppedError,
-                TooManyWorkersError, BusyError, ForbiddenError, RemoteInternalError)
+                TooManyWorkersError, BusyError, ForbiddenError, PlanMovedError,
+                RemoteInternalError)
     for code in cls.codes
 })
 

@@ -31,6 +31,7 @@ FLAGS: dict[str, list[str]] = {
     "overlap": ["--overlap"],
     "compression": ["--compression", "int8"],
     "pull_compression": ["--pull-compression", "int8"],
+    "live_reshard": ["--reshard-at", "2:3", "--mode", "sync"],
     "trace": ["--trace"],  # (before the features below: a command's "--" ends the flags)
     "resume": ["--resume", str(Path(__file__).resolve().parent)],
     "command": ["--", "true"],

@@ -352,7 +352,8 @@ def neutralise(d: Draft) -> Sample:
     except Exception as exc:  # the decoder must only ever raise ProtocolError
         raise AssertionError(f"decode raised {type(exc).__name__}: {exc}") from exc
     op = msg.op.value
-    if op in ("shutdown", "checkpoint") or (op == "bye" and msg.get("worker") == 0):
+    # (a RESHARD freeze would hold every later request: an admin's, as SHUTDOWN is)
+    if op in ("shutdown", "checkpoint", "reshard") or (op == "bye" and msg.get("worker") == 0):
         return Sample([_UNKNOWN_OP_HEADER], ErrorCode.UNKNOWN_OP, f"{op} (replaced)")
     if op == "push":
         floats = [(i, t) for i, t in enumerate(msg.tensors.values())

@@ -34,6 +34,7 @@ FIELDS = {
     Op.SPULL: {"worker": 1},
     Op.SPUSH: {"worker": 3, "push_id": 2, "clock": 1, "read_version": 4, "num_samples": 8},
     Op.SINIT: {"worker": 0, "part": 0, "parts": 2},
+    Op.RESHARD: {"step": "commit", "epoch": 2, "shard": 0, "servers": ["tcp://a:1"]},
 }
 
 

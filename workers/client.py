@@ -27,6 +27,7 @@ from paramserver.errors import (
     FutureVersionError,
     NotInitializedError,
     NotRegisteredError,
+    PlanMovedError,
     RemoteError,
     TransportError,
 )
@@ -48,6 +49,7 @@ from paramserver.workers.gradwire import compression_encoder
 from paramserver.workers.landing import land, land_over_tcp
 from paramserver.workers.liveness import Heartbeat, Patience
 from paramserver.workers.pullcopy import PullCopies
+from paramserver.workers.planmove import follow_moves
 from paramserver.workers.pushstream import PullResult, PushResult, PushStream
 
 __all__ = ["GRAD_WIRE_DTYPES", "PART_BYTES", "PSClient", "PullResult", "PushResult",
@@ -134,22 +136,11 @@ class PSClient:
         # shard agrees at HELLO (paramserver/shm/link.py); anything else goes over TCP
         # (``shm=False``: TCP even then, as the benchmark's ps-tcp row measures)
         # (a compressed push goes in frames: its parts are not the slices the segment holds)
-        use_shm = shm and role == "worker" and shm_enabled() and self.encoder is None
-        self.channels: list[Channel[ShmLink]] = [
-            Channel(a, peer=f"shard {i}", curve=curve, drop_rate=faults.drop_rate(),
-                                 seed=worker * 1000 + i,
-                                 shm=ShmLink([(sl.key, sl.nbytes) for sl in plan.shard_slices(i)],
-                                             f"w{worker}s{i}")
-                                 if use_shm and plan.shard_bytes(i) >= SHM_MIN_BYTES else None)
-                         for i, a in enumerate(addresses)]
+        self._use_shm = shm and role == "worker" and shm_enabled() and self.encoder is None
+        self._curve, self._heartbeat_interval = curve, heartbeat_interval
+        self.epoch = 0  # the plan's epoch (a live reshard raises it: workers/planmove.py)
+        self.moves = 0
         self._push_id = 0
-        self._heartbeat = (
-            (self.failover.heartbeat(worker, heartbeat_interval, curve, self.run_id)
-             if self.failover
-             else Heartbeat(addresses, worker, heartbeat_interval, curve, self.run_id))
-            if role == "worker" and heartbeat_interval > 0 else None
-        )
-        self._shard_slices = [plan.shard_slices(s) for s in range(plan.num_shards)]
         self._pinned: dict[str, torch.Tensor] = {}
         if wire_dtype is not None and wire_dtype not in GRAD_WIRE_DTYPES:
             raise ConfigError(f"wire_dtype must be one of {', '.join(GRAD_WIRE_DTYPES)} or "
@@ -163,6 +154,28 @@ class PSClient:
         # docs/performance.md): off by default, as on one host (loopback) the CPU,
         # not the link, is the limit, and the early replies cost more than they save
         self.early_parts = early_parts
+        self._open(addresses, plan)
+
+    def _open(self, addresses: Sequence[str], plan: ShardPlan) -> None:
+        """The channels, heartbeat and per-shard layouts of ``plan`` at ``addresses``
+        (at start, and again when a live reshard moved the plan: planmove.py)."""
+        worker, curve, use_shm = self.worker, self._curve, self._use_shm
+        self.addresses, self.plan = list(addresses), plan
+        self.channels: list[Channel[ShmLink]] = [
+            Channel(a, peer=f"shard {i}", curve=curve, drop_rate=faults.drop_rate(),
+                    seed=worker * 1000 + i,
+                    shm=ShmLink([(sl.key, sl.nbytes) for sl in plan.shard_slices(i)],
+                                f"w{worker}s{i}")
+                    if use_shm and plan.shard_bytes(i) >= SHM_MIN_BYTES else None)
+            for i, a in enumerate(addresses)]
+        interval = self._heartbeat_interval
+        self._heartbeat = (
+            (self.failover.heartbeat(worker, interval, curve, self.run_id)
+             if self.failover
+             else Heartbeat(addresses, worker, interval, curve, self.run_id))
+            if self.role == "worker" and interval > 0 else None
+        )
+        self._shard_slices = [plan.shard_slices(s) for s in range(plan.num_shards)]
         # the most bytes a push sends one shard (16-bit wire dtypes send fewer)
         self._largest_share = max(
             (sum(s.numel * DTYPES[s.dtype].itemsize for s in sl) for sl in self._shard_slices),
@@ -170,7 +183,7 @@ class PSClient:
         # a small model's shares, gathered and landed in a few calls (paramserver/wire/lanes.py);
         # not where gradients are narrowed or compressed, or pushes go in parts
         whole = self.wire_dtype is None and self.encoder is None and (
-            not part_bytes or self._largest_share <= part_bytes)
+            not self.part_bytes or self._largest_share <= self.part_bytes)
         self._small = [SmallShare.of(plan, s) if whole else None for s in range(plan.num_shards)]
         for ch, share in zip(self.channels, self._small, strict=True):
             if share is not None:  # its weight replies read in a few calls
@@ -252,6 +265,9 @@ class PSClient:
             peer = f"{chans[i].peer} at {chans[i].address}"
             refusal: Error = rep.body
             error = RemoteError.from_reply(peer, refusal.code, refusal.reason)
+            if refusal.moved is not None:  # a live reshard: where the plan went
+                raise PlanMovedError(peer, refusal.code, refusal.reason, refusal.moved.epoch,
+                                     refusal.moved.servers)
             if isinstance(error, soft):
                 continue
             if recover and isinstance(error, (NotRegisteredError, NotInitializedError)):
@@ -347,6 +363,9 @@ class PSClient:
         Shard 0 is asked first, alone: of two processes with one id started at
         once, the one it takes is the one every shard takes.
         """
+        return follow_moves(self, lambda _: self._connect())
+
+    def _connect(self) -> int:
         deadline = time.monotonic() + self.timeout
         replies: list[Message] = []
         for shards in ([0], list(range(1, len(self.channels)))):
@@ -372,6 +391,9 @@ class PSClient:
 
         Returns True if this worker seeded at least one shard.
         """
+        return follow_moves(self, lambda _: self._initialize(params))
+
+    def _initialize(self, params: Mapping[str, torch.Tensor]) -> bool:
         self._params = params
         msgs, shards = self._init(range(len(self.channels)))
         replies = self.call(msgs, "INIT", shards)
@@ -393,6 +415,9 @@ class PSClient:
         self.call([self._hello() for _ in self.channels], "HELLO", recover=False)
 
     def bye(self) -> None:
+        follow_moves(self, lambda _: self._bye())
+
+    def _bye(self) -> None:
         self.call([Message(Op.BYE, 0, {"worker": self.worker}) for _ in self.channels], "BYE",
                    recover=False)
 
@@ -446,6 +471,10 @@ class PSClient:
 
         ``wait_init``: a shard not seeded yet holds the pull until another worker
         has seeded it (instead of refusing it, which makes us seed it)."""
+        return follow_moves(self, lambda _: self._pull(params, clock, wait_init))
+
+    def _pull(self, params: Mapping[str, torch.Tensor], clock: int,
+              wait_init: bool) -> PullResult:
         t0 = time.perf_counter()
         observer = self.role != "worker"
         if not observer and not wait_init:
@@ -472,6 +501,9 @@ class PSClient:
         done), and answers it before it stops. Waited for while the heartbeats say a
         shard holds it, for at most ``timeout`` seconds (0: no bound); past it a
         BarrierTimeoutError names who is awaited."""
+        return follow_moves(self, lambda _: self._bye_final(params, timeout))
+
+    def _bye_final(self, params: Mapping[str, torch.Tensor], timeout: float) -> PullResult:
         t0 = time.perf_counter()
         fields = {"worker": self.worker, "clock": 0, "observer": True, "final": True,
                   "via_shm": False}  # the last read: in frames, never a board ticket
@@ -589,6 +621,11 @@ class PSClient:
              num_samples: int, clock: int, loss: float | None = None) -> PushResult:
         """Send gradient slices to every shard, tagged with the version each was read at
         (and the training loss of those samples, if given)."""
+        return follow_moves(self, lambda rv: self._push(grads, rv, num_samples, clock, loss),
+                            read_versions)
+
+    def _push(self, grads: Mapping[str, torch.Tensor], read_versions: Sequence[int],
+              num_samples: int, clock: int, loss: float | None) -> PushResult:
         t0 = time.perf_counter()
         msgs = self._small_push_msgs(grads, read_versions, num_samples, clock, loss)
         if msgs is None:
@@ -620,7 +657,8 @@ class PSClient:
         enabled = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
         try:
-            return self._push_pull(grads, read_versions, num_samples, clock, params, loss)
+            return follow_moves(self, lambda rv: self._push_pull(
+                grads, rv, num_samples, clock, params, loss), read_versions)
         finally:
             torch._C._set_grad_enabled(enabled)
 

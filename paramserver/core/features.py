@@ -69,6 +69,7 @@ FEATURES: dict[str, str] = {
     "hosts": "emulated hosts (--hosts W+S)",
     "early_parts": "--early-parts",
     "reshard": "--resume on another shard count (checkpoint reshard)",
+    "live_reshard": "a live reshard (--reshard-at, paramserver reshard)",
     **{policy_feature(p): f"--policy {p}" for p in BUILTIN_POLICIES},
 }
 
@@ -176,6 +177,20 @@ _LISTED: dict[tuple[str, str], Pair] = {
     ("reshard", "resume"): _works(
         "tests/test_reshard_e2e.py::"
         "test_sgd_momentum_with_embedding_tables_on_2_then_3_then_1_shards_ends_as_kept_on_2"),
+    # live resharding (paramserver/server/elastic.py, paramserver/workers/reshard.py)
+    ("live_reshard", "replicas"): _refused(
+        "a replicated shard's state moves between its replicas, not to another plan; "
+        "checkpoint, `checkpoint reshard`, resume"),
+    ("live_reshard", "sparse"): _refused(
+        "a ShardedEmbedding keeps per-shard state in the worker that does not follow a "
+        "move; checkpoint, `checkpoint reshard`, resume"),
+    ("live_reshard", "pull_compression"): _refused(
+        "a worker's reconstructions of compressed pulls are kept per shard of the old plan; "
+        "checkpoint, `checkpoint reshard`, resume"),
+    ("live_reshard", "trace"): _refused(
+        "the replay runs one plan from a run's first push to its last"),
+    ("live_reshard", "overlap"): _refused(
+        "a push streamed in buckets does not follow a move of the plan yet"),
     # compression (paramserver/compress): the dense push only
     ("local_sgd", "compression"): _works(
         "tests/test_compress_e2e.py::test_int8_pseudo_gradients_of_local_sgd_equal_the_replay"),

@@ -171,6 +171,17 @@ class CheckpointResharded(Event, tag="checkpoint_resharded", kw_only=True):
     version: int | None
 
 
+class Resharded(Event, tag="resharded", kw_only=True):
+    shard: int
+    epoch: int
+    role: str
+    from_shards: int
+    to_shards: int
+    version: int
+    paused_s: float
+    held: int
+
+
 class Alarm(Event, tag="alarm", kw_only=True):
     signal: str
     shard: int | None
@@ -405,7 +416,8 @@ class LauncherEnd(Event, tag="launcher_end", kw_only=True):
 SERVER_RECORDS: tuple[type[Event], ...] = (
     ServerStart, WorkerHello, TrainingStart, Init, Push, WorkerDead, WorkerBack,
     WorkerLeftOut, WorkerBye, AllDone, LrChanged, Checkpoint, CheckpointRefused,
-    CheckpointFailed, CheckpointRoundsDiffer, CheckpointsMoved, CheckpointResharded, Hint,
+    CheckpointFailed, CheckpointRoundsDiffer, CheckpointsMoved, CheckpointResharded, Resharded,
+    Hint,
     Alarm, Diverged, ShardMetrics, ServerStop, ReplicationRefused, Failover, SteppedDown, Rejoined,
     BackupJoining, BackupJoined, BackupLost)
 WORKER_RECORDS: tuple[type[Event], ...] = (WorkerStart, Step, Eval, Final, WorkerEnd)

@@ -6,7 +6,7 @@ holds those grants and the binding of each worker id to the key whose HELLO
 registered it, and :meth:`Access.check` refuses, before a message reaches the
 core, a key acting for a worker id another key registered or outside its
 allow-listed ranks, and a non-admin key running an administrative op
-(SHUTDOWN, CHECKPOINT, BYE dead=true). Without CURVE no key is known and
+(SHUTDOWN, CHECKPOINT, RESHARD, BYE dead=true). Without CURVE no key is known and
 every peer is trusted with everything.
 """
 
@@ -32,7 +32,7 @@ __all__ = ["ADMIN_OPS", "AS_WORKER", "Access", "admitted", "is_loopback", "load_
 log = logging.getLogger(__name__)
 
 #: administrative ops: under CURVE, for admin keys only (BYE dead=true too)
-ADMIN_OPS = frozenset({Op.SHUTDOWN, Op.CHECKPOINT})
+ADMIN_OPS = frozenset({Op.SHUTDOWN, Op.CHECKPOINT, Op.RESHARD})
 #: ops that act as the worker id they name: under CURVE, for its registering key only
 AS_WORKER = frozenset({Op.INIT, Op.PULL, Op.PUSH, Op.HEARTBEAT, Op.BYE, Op.SPULL, Op.SPUSH,
                        Op.SINIT})

@@ -49,6 +49,7 @@ from paramserver.server import roles, shardstate
 from paramserver.server.access import Access, open_socket
 from paramserver.server.checkpointer import RESTORE_ERRORS, Capture, Checkpointer
 from paramserver.server.config import ServerConfig
+from paramserver.server.elastic import Elastic
 from paramserver.server.ops import DataOps, Handler
 from paramserver.server.outbox import Outbox
 from paramserver.server.parts import JoinedParts, StreamedParts
@@ -148,6 +149,8 @@ class ShardServer:
             Op.SPUSH: self.ops.on_spush,
             Op.SINIT: self.ops.on_sinit,
         }
+        self.elastic = Elastic(self)  # a live move to another plan (issue 47, elastic.py)
+        self._handlers[Op.RESHARD] = self.elastic.on_reshard
         self.divergence = Divergence(config, self.events, self.observer, self.save_checkpoint)
         # who this shard is among its replicas, and what that decides (roles.py): lone
         # until start() reaches the replicas (issue 32)
@@ -255,6 +258,7 @@ class ShardServer:
                         break
                     got = self.socket.recv_nowait()
                 now = time.monotonic()
+                self.elastic.tick(now)  # a cut reached, a move's answers due
                 try:
                     self.role.tick(now)  # keep-alives, snapshots, a takeover
                 except Exception as exc:  # as every periodic task: logged, counted, alarm
@@ -389,6 +393,11 @@ class ShardServer:
             if route is Route.DROP:  # a backup is silent to workers, as a dead
                 self.counters["not_primary"] += 1  # primary is: they ask who is
                 return                             # primary now (failover.py)
+            gate = self.elastic.intercept(identity, frames, key, msg)
+            if gate is not False:  # held at a move's cut (True), or answered plan_moved
+                if gate is not True:
+                    self.outbox.send(identity, gate)
+                return
             if lends(msg.body):
                 take_shm(self.shm, msg, identity)  # tensors in the sender's segment
                 lent = msg.tensors
@@ -694,6 +703,7 @@ class ShardServer:
 
     def stats(self) -> wstats.ShardStats:
         core, sparse = self.core, self.sparse
+        self.counters["plan_epoch"] = self.elastic.epoch  # (status shows it)
         figures = (wstats.Unplanned(self.config.mode_spec().describe(), self.policy.describe())
                    if core is None else wstats.heard(core.stats(), self.peers))
         return wstats.fit(wstats.ShardStats(  # bounded, so that the reply decodes

@@ -37,16 +37,48 @@ from paramserver.core.hyper import OptimizerSpec, check_lr
 from paramserver.core.records import PushOutcome
 from paramserver.errors import ConfigError, ErrorCode, ProtocolError
 from paramserver.sparse.shard import MAX_REQUEST_ROWS
+from paramserver.wire.frames import INT_BOUND
 
 if TYPE_CHECKING:  # (wire.stats imports protocol, which imports this module)
     from paramserver.wire.stats import ShardStats
 
 __all__ = [
-    "MAX_PARTS", "MAX_RUN_ID", "Body", "Bye", "ByeReply", "Checkpoint", "CheckpointReply", "Error",
-    "Heartbeat", "HeartbeatReply", "Hello", "HelloReply", "Init", "InitReply", "Op",
-    "Pull", "PullReply", "Push", "PushReply", "SInit", "SInitReply", "SPull",
-    "SPullReply", "SPush", "ShmGrant", "ShmOffer", "Shutdown", "Stats", "check_tensors",
-    "parse", "replace",
+    "MAX_PARTS",
+    "MAX_PLAN_SERVERS",
+    "MAX_RUN_ID",
+    "RESHARD_STEPS",
+    "Body",
+    "Bye",
+    "ByeReply",
+    "Checkpoint",
+    "CheckpointReply",
+    "Error",
+    "Heartbeat",
+    "HeartbeatReply",
+    "Hello",
+    "HelloReply",
+    "Init",
+    "InitReply",
+    "Op",
+    "PlanMoved",
+    "Pull",
+    "PullReply",
+    "Push",
+    "PushReply",
+    "Reshard",
+    "ReshardReply",
+    "SInit",
+    "SInitReply",
+    "SPull",
+    "SPullReply",
+    "SPush",
+    "ShmGrant",
+    "ShmOffer",
+    "Shutdown",
+    "Stats",
+    "check_tensors",
+    "parse",
+    "replace",
 ]
 
 #: parts one PUSH, INIT or SINIT may come in: bounds what a shard keeps per part
@@ -68,6 +100,8 @@ class Op(StrEnum):
     SPULL = "spull"
     SPUSH = "spush"
     SINIT = "sinit"
+    # a live move to another plan (issue 47; server/elastic.py): an admin op
+    RESHARD = "reshard"
     REPLY = "reply"
     ERROR = "error"
 
@@ -171,9 +205,42 @@ class SInit(msgspec.Struct, frozen=True):
     parts: int = 1
 
 
+#: a live move's steps, in order (server/elastic.py; abort undoes the first three)
+RESHARD_STEPS = ("prepare", "freeze", "align", "capture", "adopt", "commit", "abort")
+#: the most shards a plan a move names may have, and the longest address
+MAX_PLAN_SERVERS = 1024
+MAX_ADDRESS = 256
+#: the longest a shard holds a RESHARD freeze or align before it answers "not yet"
+MAX_RESHARD_WAIT = 10.0
+
+
+class Reshard(msgspec.Struct, frozen=True):
+    """One step of a live move. ``at``: freeze once this many sync rounds closed (-1:
+    at the next boundary, or now outside sync); ``windows``: align each worker's
+    push-id window up to this id; ``epoch``/``shard``/``servers``: the new plan's
+    (adopt, commit); ``wait``: how long the answer may be held for the step to
+    happen (freeze, align)."""
+
+    step: str
+    at: int = -1
+    epoch: int = 0
+    shard: int = 0
+    servers: tuple[str, ...] = ()
+    windows: dict[int, int] | None = None
+    wait: float = 0.0
+
+
+class PlanMoved(msgspec.Struct, frozen=True):
+    """What an ERROR ``plan_moved`` carries: the plan's epoch and its servers."""
+
+    epoch: int
+    servers: tuple[str, ...]
+
+
 class Error(msgspec.Struct, frozen=True):
     code: str
     reason: str
+    moved: PlanMoved | None = None  # (code plan_moved: where the plan went)
 
 
 # ---------------------------------------------------------------------- replies
@@ -194,6 +261,20 @@ def _outcome(f: Mapping[str, Any]) -> PushOutcome:
     return PushOutcome(_bool(f, "accepted"), _float(f, "weight", 0.0), _str(f, "reason", ""),
                        _int(f, "staleness", 0), _int(f, "version", 0), _bool(f, "applied"),
                        _bool(f, "duplicate"))
+
+
+class ReshardReply(msgspec.Struct, frozen=True):
+    """A shard's answer to a RESHARD step: whether it stands frozen (held at the cut),
+    its sync rounds closed, version and plan epoch, its mode, and each worker's
+    last push id and clock (what align evens out)."""
+
+    frozen: bool
+    rounds: int
+    version: int
+    epoch: int
+    mode: str
+    windows: dict[int, int]
+    clocks: dict[int, int]
 
 
 class HelloReply(msgspec.Struct, frozen=True):
@@ -312,7 +393,7 @@ Body: TypeAlias = (
     "Hello | Init | Pull | Push | Heartbeat | Bye | Stats | Checkpoint | Shutdown | SPull"
     " | SPush | SInit | Error | PushOutcome | HelloReply | InitReply | PushReply | PullReply"
     " | HeartbeatReply | ByeReply | SPullReply | SInitReply | CheckpointReply | ShardStats"
-    " | None")
+    " | Reshard | ReshardReply | None")
 
 
 # ---------------------------------------------------------------------- parsing
@@ -441,6 +522,60 @@ def _sinit(f: Mapping[str, Any]) -> SInit:
     return SInit(_worker("sinit", f), part, parts)
 
 
+def _servers(op: str, value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list) or len(value) > MAX_PLAN_SERVERS or not all(
+            isinstance(a, str) and 0 < len(a) <= MAX_ADDRESS for a in value):
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"{op}: servers must be a list of at most "
+                            f"{MAX_PLAN_SERVERS} addresses of 1 .. {MAX_ADDRESS} characters")
+    return tuple(value)
+
+
+def _id_map(op: str, name: str, value: Any, limit: int = 1 << 16) -> dict[int, int]:
+    """A map worker id -> a count (a push id, a clock), keys as msgpack gives them."""
+    if not isinstance(value, dict) or len(value) > limit:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"{op}: {name} must be a map of at most "
+                            f"{limit} entries")
+    out: dict[int, int] = {}
+    for k, v in value.items():
+        key = int(k) if isinstance(k, str) and k.isdigit() and len(k) < 19 else k
+        if type(key) is not int or type(v) is not int or not (0 <= key < INT_BOUND
+                                                                and 0 <= v < INT_BOUND):
+            raise ProtocolError(ErrorCode.BAD_FIELD, f"{op}: {name} maps worker ids to "
+                                "counts >= 0")
+        out[key] = v
+    return out
+
+
+def _reshard(f: Mapping[str, Any]) -> Reshard:
+    step, at, epoch, shard = f["step"], f.get("at", -1), f.get("epoch", 0), f.get("shard", 0)
+    wait = float(f.get("wait", 0.0))
+    if step not in RESHARD_STEPS:
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"reshard: step must be one of "
+                            f"{', '.join(RESHARD_STEPS)}, got {str(step)[:20]!r}")
+    if not (-1 <= at < INT_BOUND and 0 <= epoch < INT_BOUND and 0 <= shard < MAX_PLAN_SERVERS
+            and 0.0 <= wait <= MAX_RESHARD_WAIT):
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"reshard: need at >= -1, epoch >= 0, 0 <= "
+                            f"shard < {MAX_PLAN_SERVERS}, 0 <= wait <= {MAX_RESHARD_WAIT}")
+    servers = _servers("reshard", f.get("servers", []))
+    if step in ("adopt", "commit") and (not servers or shard >= len(servers) or epoch < 1):
+        raise ProtocolError(ErrorCode.BAD_FIELD, f"reshard {step}: needs the new plan's "
+                            "servers, this shard's index among them and an epoch >= 1")
+    windows = f.get("windows")
+    return Reshard(step, at, epoch, shard, servers,
+                   None if windows is None else _id_map("reshard", "windows", windows), wait)
+
+
+def _error(f: Mapping[str, Any]) -> Error:
+    moved = f.get("moved")
+    if moved is None:
+        return Error(f["code"], f["reason"])
+    if not isinstance(moved, dict) or type(moved.get("epoch")) is not int \
+            or not 0 <= moved["epoch"] < INT_BOUND:
+        raise ProtocolError(ErrorCode.BAD_FIELD, "error: moved must be a map with an epoch >= 0")
+    return Error(f["code"], f["reason"],
+                 PlanMoved(moved["epoch"], _servers("error: moved", moved.get("servers"))))
+
+
 _REQUESTS: dict[Op, Callable[[Mapping[str, Any]], Body]] = {
     Op.HELLO: _hello,
     Op.INIT: _init,
@@ -454,7 +589,8 @@ _REQUESTS: dict[Op, Callable[[Mapping[str, Any]], Body]] = {
     Op.SPULL: lambda f: SPull(_worker("spull", f), f.get("observer") is True),
     Op.SPUSH: _spush,
     Op.SINIT: _sinit,
-    Op.ERROR: lambda f: Error(f["code"], f["reason"]),
+    Op.RESHARD: _reshard,
+    Op.ERROR: _error,
 }
 
 
@@ -538,6 +674,10 @@ _REPLIES: dict[str, Callable[[Mapping[str, Any]], Body]] = {
     "sinit": lambda f: SInitReply(_bool(f, "initialized")),
     "checkpoint": lambda f: CheckpointReply(_str(f, "path", None), _int(f, "version")),
     "stats": _stats_reply,
+    "reshard": lambda f: ReshardReply(
+        _bool(f, "frozen"), _int(f, "rounds"), _int(f, "version"), _int(f, "epoch"),
+        _str(f, "mode", ""), _id_map("reshard reply", "windows", _get(f, "windows", dict, {})),
+        _id_map("reshard reply", "clocks", _get(f, "clocks", dict, {}))),
 }
 
 

@@ -149,8 +149,12 @@ _SCHEMA: dict[Op, dict[str, tuple[tuple[type, ...], bool]]] = {
     Op.STATS: {},
     Op.CHECKPOINT: {"path": (_STR, False)},
     Op.SHUTDOWN: {},
+    # a live move's step (server/elastic.py; wire/messages.py's Reshard bounds each)
+    Op.RESHARD: {"step": (_STR, True), "at": (_INT, False), "epoch": (_INT, False),
+                 "shard": (_INT, False), "servers": (_LIST, False), "windows": (_MAP, False),
+                 "wait": (_NUM, False)},
     Op.REPLY: {"re": (_STR, True)},
-    Op.ERROR: {"code": (_STR, True), "reason": (_STR, True)},
+    Op.ERROR: {"code": (_STR, True), "reason": (_STR, True), "moved": (_MAP, False)},
 }
 
 

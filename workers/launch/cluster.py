@@ -127,6 +127,7 @@ class LocalCluster:
         self.observer = LauncherObserver(self.out, metrics_port=spec.metrics_port,
                                          tensorboard=spec.tensorboard, on_alarm=on_alarm)
         self.servers: list[ChildProcess] = []
+        self.retired: list[ChildProcess] = []  # shards a live reshard removed (elastic.py)
         self.workers: list[ChildProcess] = []
         self.addresses: list[str] = []
         #: with --replicas: each shard's backups, and each shard's replicas' addresses
@@ -292,7 +293,7 @@ class LocalCluster:
         return current_primaries(self.worker_addresses(), curve=self.spec.admin_curve())
 
     def _all_servers(self) -> list[ChildProcess]:
-        return self.servers + [p for procs in self.backups for p in procs]
+        return self.servers + self.retired + [p for procs in self.backups for p in procs]
 
     def _replica_died(self, shard: int, proc: ChildProcess, code: int) -> None:
         """With --replicas, one replica's death is not the shard's: the run goes on
@@ -645,6 +646,7 @@ def run_cluster(spec: ClusterSpec, out_dir: str | Path,
     ``on_servers`` the shards' addresses once they listen, as workers are given them.
     """
     from paramserver.workers.admin import server_stats, shutdown_servers
+    from paramserver.workers.launch.elastic import Resharder
 
     out = Path(out_dir)
     t0 = time.time()
@@ -652,8 +654,14 @@ def run_cluster(spec: ClusterSpec, out_dir: str | Path,
         cluster.start_servers()
         if on_servers is not None:
             on_servers(cluster.worker_addresses())
+        moves = Resharder(cluster) if spec.reshard_at else None  # --reshard-at
+        if moves is not None:
+            moves.prepare()
+            moves.start()
         cluster.start_workers()
         cluster.wait_workers(on_progress)
+        if moves is not None:
+            moves.finish()
         train_seconds = time.time() - t0
         admin = cluster.spec.admin_curve()
         addresses = cluster.primaries()  # (a backup may have taken over a shard)

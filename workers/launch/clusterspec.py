@@ -10,6 +10,7 @@ so that the CLI declares ``launch``'s options without loading them; the CURVE he
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -46,6 +47,18 @@ def replica_name(shard: int, replica: int) -> str:
     """A shard replica's process name: ``server0`` for the first primary, ``server0r1``
     for its backup 1."""
     return f"server{shard}" + (f"r{replica}" if replica else "")
+
+
+def parse_reshard_items(items: Sequence[str]) -> dict[str, int]:
+    """``["ROUND:S"]`` (``--reshard-at 100:3``) -> ``{"100": 3}`` (keys as JSON's)."""
+    out: dict[str, int] = {}
+    for item in items:
+        at, sep, to = str(item).partition(":")
+        if not sep or not at.strip().isdigit() or not to.strip().isdigit() or int(to) < 1:
+            raise ConfigError(f"--reshard-at {item!r} must look like ROUND:S, e.g. 100:3 "
+                              "(move to 3 shards once 100 sync rounds closed)")
+        out[str(int(at))] = int(to)
+    return out
 
 
 @dataclass
@@ -87,6 +100,13 @@ class ClusterSpec:
         help="With --hosts: host HOST's NIC at RATE instead, e.g. 2=100mbit: a network "
              "straggler (repeatable). Hosts are numbered worker hosts first (0 .. W-1), "
              "then server hosts (W .. W+S-1).")
+    #: live reshards (issue 47): sync round -> the shard count to move to then
+    reshard_at: dict[int, int] = option(
+        default_factory=dict, flag="reshard-at", kind="pairs", table=False,
+        parse=parse_reshard_items, metavar="ROUND:S",
+        help="Move the running job to S shards, live, once ROUND sync rounds closed "
+             "(repeatable; paramserver reshard: shards it adds start empty, shards it "
+             "removes hand off and stop; workers follow without restarting).")
     startup_timeout: float = option(120.0, min=0, min_open=True, metavar="SECONDS",
                                     help="How long a server may take to report its address.")
     run_timeout: float | None = option(None, min=0, min_open=True, metavar="SECONDS",
@@ -164,6 +184,16 @@ class ClusterSpec:
         if self.server.replicas and self.restart_servers:
             raise ConfigError("--replicas works without --restart-servers (the launcher "
                               "replaces a dead replica itself, from its live peer's state)")
+        self.reshard_at = {int(k): int(v) for k, v in self.reshard_at.items()}
+        if self.reshard_at:
+            if self.server.mode != "sync":
+                raise ConfigError("--reshard-at ROUND:S moves a sync run at a round; move "
+                                  "an async or SSP run with paramserver reshard")
+            if self.restart_servers:
+                raise ConfigError("--reshard-at works without --restart-servers (a restart "
+                                  "would bring a shard back on the old plan)")
+            if min(self.reshard_at.values()) < 1 or min(self.reshard_at) < 0:
+                raise ConfigError("--reshard-at ROUND:S needs ROUND >= 0 and S >= 1")
         features.check(self.features())  # one table: paramserver/core/features.py
         self.link_of = normalize_link_of(self.link_of)  # (JSON and TOML keys are text)
         if self.hosts is None:
@@ -184,7 +214,8 @@ class ClusterSpec:
         """The features of paramserver/core/features.py this run turns on."""
         return features.of_run(self.server.features(), self.worker.features(),
                                bool(self.command), self.worker.task) | (
-            {"trace"} if self.trace else set()) | ({"hosts"} if self.hosts else set())
+            {"trace"} if self.trace else set()) | ({"hosts"} if self.hosts else set()) | (
+            {"live_reshard"} if self.reshard_at else set())
 
     def client_curve(self) -> CurveKeys | None:
         """The workers' CURVE keys, for the launcher's own connections (stats, eval, stop)."""

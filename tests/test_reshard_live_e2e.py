@@ -1,0 +1,206 @@
+"""Live resharding (issue 47, item 2): shard processes on loopback moved to another
+shard count while three workers train, by ``paramserver reshard``'s driver
+(workers/reshard.py); the workers learn each new plan from a ``plan_moved`` answer
+and go on without restarting (workers/planmove.py).
+
+* sync, 2 -> 4 -> 3 shards during one run ends bit-identical to the run kept on 2;
+* async and SSP, two moves: every push the shards acknowledged is counted exactly
+  once (each adds 1 to ``count``: the final weight is minus their number);
+* a move whose new shard never answers fails, and the old plan serves on.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+from paramserver.cli.main import main
+from paramserver.server.loop import ServerConfig
+from paramserver.server.process import Ready
+from paramserver.workers.admin import pull_weights, server_stats, shutdown_servers
+from paramserver.workers.reshard import MoveFailed, live_reshard
+from tests.ports import free_port
+from tests.procs import reap
+from tests.reshard_worker import plan
+from tests.test_resume_e2e import ROOT, _env
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+WORKERS = 3
+
+
+class Job:
+    """Shard processes started by hand (more can join), and the workers."""
+
+    def __init__(self, tmp: Path, mode: str, **server: Any) -> None:
+        self.tmp, self.mode, self.server = tmp, mode, server
+        self.procs: list[subprocess.Popen[str]] = []
+        self.workers: list[subprocess.Popen[str]] = []
+
+    def start_server(self, shard: int, num_shards: int) -> str:
+        cfg = ServerConfig(shard=shard, num_shards=num_shards, mode=self.mode,
+                           expected_workers=WORKERS, heartbeat_timeout=30.0,
+                           event_log=str(self.tmp / f"events{len(self.procs)}.jsonl"),
+                           **self.server)
+        path = self.tmp / f"server{len(self.procs)}.json"
+        path.write_text(json.dumps(cfg.to_dict()))
+        proc = subprocess.Popen([sys.executable, "-m", "paramserver.server.loop", str(path)],
+                                cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, text=True)
+        self.procs.append(proc)
+        assert proc.stdout is not None
+        return Ready.parse(proc.stdout.readline()).address
+
+    def start_workers(self, servers: list[str], steps: str, tag: str) -> None:
+        self.workers = [subprocess.Popen(
+            [sys.executable, "-m", "tests.reshard_worker", str(rank), ",".join(servers),
+             self.mode, steps, str(self.tmp / f"{tag}{rank}")], cwd=ROOT, env=_env(),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for rank in range(WORKERS)]
+
+    def finish(self, tag: str) -> list[dict[str, Any]]:
+        for w in self.workers:
+            out, _ = w.communicate(timeout=240)
+            assert w.returncode == 0, out[-3000:]
+        return [json.loads((self.tmp / f"{tag}{r}.json").read_text()) for r in range(WORKERS)]
+
+    def close(self) -> None:
+        for p in self.workers + self.procs:
+            reap(p)
+
+
+@contextmanager
+def job(tmp: Path, mode: str, **server: Any) -> Iterator[Job]:
+    j = Job(tmp, mode, **server)
+    try:
+        yield j
+    finally:
+        j.close()
+
+
+def _weights(tmp: Path, tag: str) -> dict[str, torch.Tensor]:
+    return load_file(str(tmp / f"{tag}0.safetensors"))
+
+
+def test_sync_2_then_4_then_3_shards_live_ends_as_kept_on_2(tmp_path: Path) -> None:
+    server = {"optimizer": "sgd", "optimizer_args": {"lr": 0.05, "momentum": 0.9}}
+    with job(tmp_path / "moved", "sync", **server) as moved:
+        moved.tmp.mkdir()
+        servers = [moved.start_server(s, 2) for s in range(2)]
+        added = [moved.start_server(s, 4) for s in (2, 3)]
+        # the first move by the command line, at round 2 (the workers wait there for it)
+        cli = subprocess.Popen([sys.executable, "-m", "paramserver.cli", "reshard", "--servers",
+                                ",".join(servers), "--to", "4", "--add", ",".join(added),
+                                "--at", "2", "--timeout", "120", "--json"], cwd=ROOT,
+                               env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+        try:
+            moved.start_workers(servers, "+3", "w")  # until both moves were seen, then 3
+            out, err = cli.communicate(timeout=200)
+        finally:
+            reap(cli)
+        assert cli.returncode == 0, err
+        first = json.loads(out)
+        assert (first["from_shards"], first["to_shards"], first["epoch"]) == (2, 4, 1)
+        assert first["rounds"] == 2 and first["pause_s"] > 0 and first["bytes"] > 0
+        # the second at the next round boundary: the first three shards stay
+        second = live_reshard(first["servers"], 3, timeout=120)
+        assert (second.to_shards, second.epoch) == (3, 2)
+        assert list(second.servers) == first["servers"][:3]
+        said = moved.finish("w")
+        assert [s["moves"] for s in said] == [2] * WORKERS
+        assert said[0]["servers"] == list(second.servers)
+        rounds = said[0]["rounds"]
+        assert [s["rounds"] for s in said] == [rounds] * WORKERS
+        final = pull_weights(list(second.servers), plan(3))
+        stats = server_stats(list(second.servers))
+        assert [s.counters.get("plan_epoch") for s in stats] == [2, 2, 2]
+        shown = CliRunner().invoke(main, ["status", "--servers", ",".join(second.servers)])
+        assert shown.exit_code == 0 and "plan epoch 2" in shown.output, shown.output
+        # the removed shard stops by itself once every worker was told
+        assert moved.procs[3].wait(timeout=60) == 0
+        assert shutdown_servers(list(second.servers)) == []
+        for p in moved.procs:
+            assert p.wait(timeout=60) == 0
+    with job(tmp_path / "kept", "sync", **server) as kept:  # the same rounds, on 2 shards
+        kept.tmp.mkdir()
+        kept.start_workers([kept.start_server(s, 2) for s in range(2)], str(rounds), "w")
+        kept.finish("w")
+    a, b = _weights(kept.tmp, "w"), _weights(moved.tmp, "w")
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+        assert torch.equal(final[name], a[name]), name
+    events = [json.loads(line) for i in range(4)
+              for line in (moved.tmp / f"events{i}.jsonl").read_text().splitlines()]
+    moves = [e for e in events if e["event"] == "resharded"]
+    assert sorted((e["epoch"], e["role"]) for e in moves) == [
+        (1, "added"), (1, "added"), (1, "kept"), (1, "kept"),
+        (2, "kept"), (2, "kept"), (2, "kept"), (2, "removed")]
+    assert all(e["paused_s"] >= 0 for e in moves)
+
+
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_async_two_moves_count_each_acknowledged_push_once_after_failed_ones(
+        tmp_path: Path, mode: str) -> None:
+    # (ssp: pulls held at the gate when the plan moves; the clocks carry over)
+    extra = {"staleness_bound": 1} if mode == "ssp" else {}
+    with job(tmp_path, mode, optimizer="sgd", optimizer_args={"lr": 1.0}, **extra) as j:
+        servers = [j.start_server(s, 2) for s in range(2)]
+        victim = j.start_server(2, 3)
+        added = j.start_server(2, 3)
+        j.start_workers(servers, "+30", "w")
+        # a shard to add that never answers: refused before anything froze
+        dead = f"tcp://127.0.0.1:{free_port()}"
+        with pytest.raises(MoveFailed, match="nothing moved"):
+            live_reshard(servers, 3, [dead], timeout=3, freeze_timeout=120)
+
+        # a shard to add killed once the old ones froze: the move fails half-way
+        # (frozen, captured, not adopted) and the old plan serves on with what it held
+        def kill(said: str) -> None:
+            if said.startswith("frozen"):
+                j.procs[2].kill()
+                j.procs[2].wait()
+
+        with pytest.raises(MoveFailed, match="serves on"):
+            live_reshard(servers, 3, [victim], timeout=3, freeze_timeout=120, progress=kill)
+        assert [s.counters.get("plan_epoch", 0) for s in server_stats(servers)] == [0, 0]
+        first = live_reshard(servers, 3, [added], timeout=60)
+        second = live_reshard(list(first.servers), 2, timeout=60)
+        assert (first.epoch, second.epoch, second.servers) == (1, 2, tuple(servers))
+        said = j.finish("w")
+        assert [s["moves"] for s in said] == [2] * WORKERS
+        assert sum(s["refused"] for s in said) == 0
+        acked = sum(s["acked"] for s in said)
+        final = pull_weights(servers, plan(2))
+        # each acknowledged push took 1 off every element of count, once
+        assert torch.equal(final["count"], torch.full((8,), -float(acked))), (
+            final["count"], acked)
+        assert shutdown_servers(servers) == []
+
+
+def test_launch_reshard_at_moves_2_to_4_to_3_and_ends_as_kept_on_2(tmp_path: Path) -> None:
+    from tests.test_reshard_e2e import _finish, _launch
+    from tests.test_resume_e2e import _assert_identical, _final
+
+    args = ["--task", "digits-mlp", "--optimizer", "adam", "--lr", "0.01"]
+    kept = _launch(tmp_path / "kept", 2, 8, args)
+    moved = _launch(tmp_path / "moved", 2, 8, [*args, "--reshard-at", "2:4",
+                                              "--reshard-at", "5:3"])
+    said = _finish(moved)
+    _finish(kept)
+    _assert_identical(_final(tmp_path / "moved"), _final(tmp_path / "kept"))
+    events = [json.loads(line) for path in (tmp_path / "moved" / "events").glob("server*.jsonl")
+              for line in path.read_text().splitlines()]
+    moves = sorted((e["epoch"], e["role"]) for e in events if e["event"] == "resharded")
+    assert moves == [(1, "added"), (1, "added"), (1, "kept"), (1, "kept"),
+                     (2, "kept"), (2, "kept"), (2, "kept"), (2, "removed")], said[-3000:]

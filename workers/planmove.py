@@ -1,0 +1,82 @@
+"""A client's side of a live reshard (issue 47, item 2): the plan's epoch, learned as a
+new primary is (failover.py), without restarting.
+
+A shard that was moved answers a request of the old plan ``plan_moved``, with the
+new plan's epoch and servers (server/elastic.py). :func:`follow_moves` catches it
+around one request (a push, a pull, a BYE): the client closes its channels and
+heartbeat, opens those of the new plan (the same parameters, cut by the same
+``chunk_bytes``, on the new number of shards: core/reshard.py's rule), says HELLO
+there (the shards know the worker: its record moved with the state, incarnation
+and clock included) and sends the request again, built anew for the new plan.
+
+A push goes again with its push id: a move happens at a cut where no shard took
+it, or every shard did (the admin aligned them), and the push-id windows moved with
+the state, so a shard that took it counts it once (a duplicate). Read versions
+move too: every shard of a cut holds one version, so the push's is kept.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TypeVar
+
+from paramserver.core.sharding import ShardPlan
+from paramserver.errors import ConfigError, PlanMovedError
+
+if TYPE_CHECKING:
+    from paramserver.workers.client import PSClient
+
+__all__ = ["MAX_MOVES", "follow_moves", "move_client"]
+
+log = logging.getLogger(__name__)
+
+#: moves one request follows before it gives up (each is a whole reshard)
+MAX_MOVES = 8
+
+T = TypeVar("T")
+
+
+def moved_plan(plan: ShardPlan, num_shards: int) -> ShardPlan:
+    """``plan`` on ``num_shards`` shards (its slices do not depend on the count)."""
+    return ShardPlan(plan.params, num_shards, plan.chunk_bytes, plan.split, plan.sparse)
+
+
+def move_client(client: PSClient, moved: PlanMovedError) -> bool:
+    """Point ``client`` at the plan ``moved`` names and say HELLO there; False when it
+    is there already (an answer of an older move)."""
+    if moved.epoch <= client.epoch:
+        return False
+    if client.failover is not None:
+        raise ConfigError("a live reshard of replicated shards is not supported")
+    servers = list(moved.servers)
+    log.warning("worker %d: the plan moved to %d shard(s) (epoch %d): %s", client.worker,
+                len(servers), moved.epoch, ", ".join(servers))
+    if client._heartbeat is not None:
+        client._heartbeat.stop()
+        if client._heartbeat.is_alive():
+            client._heartbeat.join(timeout=2)
+    for ch in client.channels:
+        ch.close()
+    client._open(servers, moved_plan(client.plan, len(servers)))
+    client.epoch = moved.epoch
+    client.moves += 1
+    client.connect()  # (an observer's HELLO says so: it registers nothing)
+    return True
+
+
+def follow_moves(client: PSClient, send: Callable[[Sequence[int]], T],
+                 read_versions: Sequence[int] = ()) -> T:
+    """``send(read_versions)``, sent again on the new plan each time the shards answer
+    that the plan moved (at most MAX_MOVES times), with its push id."""
+    push_id = client._push_id
+    for _ in range(MAX_MOVES):
+        try:
+            return send(read_versions)
+        except PlanMovedError as moved:
+            move_client(client, moved)
+            if read_versions:  # (one version at a cut: every shard's)
+                read_versions = [min(read_versions)] * client.plan.num_shards
+            client._push_id = push_id  # the same push again, with its id
+    raise ConfigError(f"worker {client.worker}: the plan moved {MAX_MOVES} times during "
+                      "one request")
