@@ -48,8 +48,8 @@ from paramserver.workers.failover import ATTEMPT_TIMEOUT, Failover
 from paramserver.workers.gradwire import compression_encoder
 from paramserver.workers.landing import land, land_over_tcp
 from paramserver.workers.liveness import Heartbeat, Patience
-from paramserver.workers.pullcopy import PullCopies
 from paramserver.workers.planmove import follow_moves
+from paramserver.workers.pullcopy import PullCopies
 from paramserver.workers.pushstream import PullResult, PushResult, PushStream
 
 __all__ = ["GRAD_WIRE_DTYPES", "PART_BYTES", "PSClient", "PullResult", "PushResult",
