@@ -91,13 +91,26 @@ def _place(config: ServerConfig, rdzv: Rendezvous, role: Role, out: Path | None
 
     from paramserver.workers.launch.clusterspec import replica_name
 
-    placed = rdzv.place(role, socket.gethostname())
+    replacement = rdzv.replaces(role)
+    placed = rdzv.place(role, socket.gethostname(), replacement)
     name = replica_name(placed.shard, placed.replica)
     what = "a backup" if placed.replica else "its first primary"
+    if replacement:
+        what = "started in place of a dead one: it rejoins its shard's primary"
     click.echo(f"paramserver run: server rank {role.index} is replica {placed.replica} of "
                f"shard {placed.shard} ({what})", err=True)
-    return dataclasses.replace(config, shard=placed.shard, replica=placed.replica,
-                               event_log=str(out / "events" / f"{name}.jsonl") if out else None)
+    config = dataclasses.replace(config, shard=placed.shard, replica=placed.replica,
+                                 event_log=str(out / "events" / f"{name}.jsonl") if out else None)
+    if not replacement:
+        return config
+    # the same steps as launch's replacement (workers/launch/replicas.py): the dead
+    # replica's address, once the shard has a primary other than it
+    from paramserver.workers.launch.replicas import rejoin_config
+
+    config = rejoin_config(config, rdzv.shard_replicas(placed.shard), rdzv.timeout)
+    click.echo(f"paramserver run: server rank {role.index} takes {config.bind} and joins "
+               f"{config.replica_peers[0]}", err=True)
+    return config
 
 
 def _resharded_resume(config: ServerConfig) -> ServerConfig:

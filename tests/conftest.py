@@ -19,21 +19,31 @@ if TYPE_CHECKING:
 EXIT_GRACE = 10.0
 
 
-def _processes() -> dict[int, tuple[int, str, str]]:
-    """pid -> (parent pid, state, command line) of every process we can read."""
+def _processes() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, state) of every process we can read: from its stat alone, as
+    this runs twice a test (a command line is read only for a leftover, _args)."""
     out = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
             continue
         try:
-            stat = (entry / "stat").read_text()
-            args = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            with open(f"/proc/{name}/stat", "rb") as fh:
+                stat = fh.read()
         except OSError:
             continue
         # the command name may hold spaces and parentheses: fields start after the last ")"
-        fields = stat[stat.rindex(")") + 2:].split()
-        out[int(entry.name)] = (int(fields[1]), fields[0], args.strip())
+        fields = stat[stat.rindex(b")") + 2:].split(maxsplit=2)
+        out[int(name)] = (int(fields[1]), fields[0].decode())
     return out
+
+
+def _args(pid: int) -> str:
+    """``pid``'s command line ("" once it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(
+            errors="replace").strip()
+    except OSError:
+        return ""
 
 
 def _zygotes() -> set[int]:
@@ -48,19 +58,19 @@ def _zygotes() -> set[int]:
 
 def _leftovers() -> dict[int, str]:
     """Live descendants of this process, except the launcher's zygotes themselves
-    (forked children of one are leftovers like any other)."""
-    procs = _processes()
-    me, zygotes = os.getpid(), _zygotes()
+    (forked children of one are leftovers like any other), with their command lines."""
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, state) in _processes().items():
+        if state != "Z":
+            children.setdefault(ppid, []).append(pid)
+    zygotes = _zygotes()
     found: dict[int, str] = {}
-    frontier = [me]
+    frontier = [os.getpid()]
     while frontier:
-        parent = frontier.pop()
-        for pid, (ppid, state, args) in procs.items():
-            if ppid != parent or state == "Z":
-                continue
+        for pid in children.get(frontier.pop(), ()):
             frontier.append(pid)
             if pid not in zygotes:
-                found[pid] = args
+                found[pid] = _args(pid)
     return found
 
 

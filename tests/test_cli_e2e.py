@@ -226,7 +226,31 @@ def test_launch_after_a_worker_is_killed(tmp_path: Path, policy: str) -> None:
             "clock 300" in text
 
 
-@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_ctrl_c_takes_the_way_out_of_sigterm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             clean_env: None) -> None:
+    """SIGINT and SIGTERM raise the same exception from one handler (cli/launch.py
+    _Signals), which stops the run on its way out: SIGTERM's test below stops real
+    processes; SIGINT here, in this process, reaches the same exit (130, the line)."""
+    from click.testing import CliRunner
+
+    from paramserver.cli.main import main
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the run goes on
+        time.sleep(30)  # (the handler raises at once)
+        raise AssertionError("SIGINT did not stop the run")
+
+    monkeypatch.setattr("paramserver.workers.launch.cluster.run_cluster", interrupted)
+    before = signal.getsignal(signal.SIGINT)
+    out = tmp_path / "run"
+    result = CliRunner().invoke(main, ["launch", "-n", "2", "--steps", "5", "--device", "cpu",
+                                       "--out", str(out), "--quiet"])
+    assert result.exit_code == 130, result.output
+    assert f"SIGINT: every process stopped; logs in {out / 'logs'}" in result.output
+    assert signal.getsignal(signal.SIGINT) is before  # the handlers are put back
+
+
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGTERM, 143)])
 def test_a_signal_stops_every_process(tmp_path: Path, signum: int, code: int) -> None:
     out = tmp_path / "run"
     proc = start([*PARAMSERVER, "launch", "-s", "2", "-n", "2", "--steps", "100000",

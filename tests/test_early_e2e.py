@@ -26,11 +26,30 @@ from tests.agent_shards import sync_shards
 LR = 0.1
 
 
+@pytest.fixture(scope="module")
+def _shard_sets() -> Iterator[dict[int, list[str]]]:
+    """Sync shards for one worker, 1 and 2 of them, in agent processes started once for
+    the module (before any test's own guard looks for processes left behind): each
+    test's session connects as worker 0 and says BYE, and the next one goes on from
+    the version it reads (the counters checked are each test's own)."""
+    with sync_shards(1, LR, "early1x") as one, sync_shards(2, LR, "early2x") as two:
+        yield {1: one, 2: two}
+
+
 @pytest.fixture
-def shards(request: pytest.FixtureRequest) -> Iterator[list[str]]:
-    """Sync shards for one worker, in agent processes (``parametrize`` the count)."""
-    with sync_shards(getattr(request, "param", 1), LR, "early") as addrs:
-        yield addrs
+def shards(request: pytest.FixtureRequest, _shard_sets: dict[int, list[str]]) -> list[str]:
+    """The module's sync shards (``parametrize`` the count)."""
+    return _shard_sets[getattr(request, "param", 1)]
+
+
+def _counters(addresses: list[str]) -> list[dict[str, int]]:
+    return [dict(s.counters) for s in server_stats(addresses)]
+
+
+def _since(before: list[dict[str, int]], stats: list, name: str) -> list[int]:
+    """Each shard's counter ``name`` now, less what it was ``before``."""
+    return [s.counters.get(name, 0) - b.get(name, 0) for s, b in zip(stats, before,
+                                                                      strict=True)]
 
 
 def _model() -> torch.nn.Module:
@@ -76,17 +95,16 @@ def _steps(addresses: list[str], early: bool, steps: int = 4
 @pytest.mark.integration
 @pytest.mark.parametrize("shards", [1, 2], indirect=True)
 def test_early_weights_are_the_rounds_exactly(shards: list[str]) -> None:
+    before = _counters(shards)
     _, stats = _steps(shards, early=True)
-    for s in stats:
-        counters = s.counters
-        # every part but the last came back with weights, and every answer took them in
-        assert counters.get("early_parts", 0) > 0, counters
-        assert counters.get("early_answers", 0) == 4, counters
-    counted = [s.counters["early_parts"] for s in stats]
+    # every part but the last came back with weights, and every answer took them in
+    assert all(n > 0 for n in _since(before, stats, "early_parts")), stats
+    assert _since(before, stats, "early_answers") == [4] * len(shards), stats
+    counted = _since(before, stats, "early_parts")
     # the same shards, 4 rounds on (each step checked exact again), nothing early
     _, stats = _steps(shards, early=False)
-    assert [s.counters["early_parts"] for s in stats] == counted
-    assert [s.counters["early_answers"] for s in stats] == [4] * len(shards)
+    assert _since(before, stats, "early_parts") == counted
+    assert _since(before, stats, "early_answers") == [4] * len(shards)
 
 
 @pytest.mark.integration
@@ -97,6 +115,7 @@ def test_a_void_round_leaves_the_early_weights_unused(shards: list[str]) -> None
     params = dict(model.named_parameters())
     plan = ShardPlan.from_module(model, 1, chunk_bytes=1 << 10)
     buckets = make_buckets(list(params.items()), bucket_bytes=1)
+    before_counts = _counters(shards)
     with PSClient(shards, plan, 0, timeout=60, shm=False) as client:
         clock = client.connect()
         client.initialize(params)
@@ -110,13 +129,13 @@ def test_a_void_round_leaves_the_early_weights_unused(shards: list[str]) -> None
             stream.send({n: grads[n] for n in bucket})
         with pytest.raises(RemoteError, match="NaN"):
             stream.finish(params)
-        counters = server_stats(shards)[0].counters
-        assert counters.get("early_parts", 0) >= 1  # weights did come back early
+        # weights did come back early
+        assert _since(before_counts, server_stats(shards), "early_parts")[0] >= 1
         for n, p in params.items():
             assert torch.equal(p, before[n]), n
         # and the shard's weights are the same: nothing was stepped
         fresh = {n: torch.zeros_like(p) for n, p in params.items()}
-        assert client.pull(fresh, clock).versions == (0,)
+        assert client.pull(fresh, clock).versions == versions
         for n, p in fresh.items():
             assert torch.equal(p, before[n]), n
         client.bye()
@@ -171,7 +190,8 @@ def test_early_is_refused_unless_a_boolean(shards: list[str]) -> None:
     serves on); the worker's next push goes through."""
     model = _model()
     params = dict(model.named_parameters())
-    plan = ShardPlan.from_module(model, 1)
+    plan = ShardPlan.from_module(model, 1, chunk_bytes=1 << 10)  # the module's shards
+    before = _counters(shards)
     with PSClient(shards, plan, 0, timeout=60, shm=False) as client:
         clock = client.connect()
         client.initialize(params)
@@ -185,6 +205,5 @@ def test_early_is_refused_unless_a_boolean(shards: list[str]) -> None:
         # answered on the same connection after the bad part, so that one was handled
         pushed, _ = client.push_pull(grads, versions, 1, clock, params)
         assert pushed.accepted
-        refused = server_stats(shards)[0].counters
-        assert refused.get("error_bad_field", 0) == 1, refused
+        assert _since(before, server_stats(shards), "error_bad_field") == [1]
         client.bye()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -11,6 +12,7 @@ from paramserver.workers.launch.rendezvous import (
     LaunchEnv,
     Rendezvous,
     RendezvousError,
+    Role,
     assign_role,
     default_host,
     detect_launcher,
@@ -121,6 +123,33 @@ def test_rendezvous_publishes_addresses_and_names_missing_servers():
     assert worker.worker_done(num_workers=1)
     watcher.join(10)
     assert finished == [True]
+
+
+def test_a_server_rank_started_again_is_a_replacement_of_the_same_replica():
+    """`run --replicas 1`: a server rank whose node is in the store already was started
+    in place of a dead one: it keeps the dead one's node (so its shard and replica) and
+    counts as it among the ranks that joined; a torchrun restart of the whole group
+    (another attempt) is a new run, not a replacement."""
+    port = free_port()
+    ranks = [Rendezvous(_env(r, port, world=4), timeout=10) for r in range(2)]
+    roles = [Role("server", r, 1, 2, replicas=1) for r in range(2)]
+    threads = [threading.Thread(target=lambda r=r: ranks[r].place(roles[r], f"node{r}"))
+               for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    ranks[0].publish_server(0, "tcp://10.0.0.1:5600|tcp://10.0.0.2:5601")
+    again = Rendezvous(_env(1, port, world=4), timeout=10)
+    joined = again.store.add(again._key("joined"), 0)
+    assert again.replaces(roles[1])
+    assert again.store.add(again._key("joined"), 0) == joined - 1  # it counts as the dead one
+    assert again.place(roles[1], "elsewhere", replacement=True).replica == 1
+    assert again.store.get(again._key("node", 1)) == b"node1"  # the dead rank's node kept
+    assert again.shard_replicas(0) == ["tcp://10.0.0.1:5600", "tcp://10.0.0.2:5601"]
+    restarted = Rendezvous(dataclasses.replace(_env(1, port, world=4), attempt=1), timeout=10)
+    assert not restarted.replaces(roles[1])
+    assert launch_env({**TORCHRUN, "TORCHELASTIC_RESTART_COUNT": "2"}).attempt == 2
 
 
 def test_unreachable_store_names_it():

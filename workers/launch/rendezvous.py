@@ -69,7 +69,7 @@ from paramserver.server.entry import run_server
 from paramserver.server.process import Ready
 from paramserver.wire.curve import CurveKeys
 from paramserver.workers.admin import save_final_model
-from paramserver.workers.failover import join_replicas
+from paramserver.workers.failover import SEPARATOR, join_replicas
 from paramserver.workers.launch.placement import Placement, place_replicas
 from paramserver.workers.optimizer import read_plan
 from paramserver.workers.worker import (
@@ -123,6 +123,9 @@ class LaunchEnv:
     store_port: int
     single_node: bool
     agent_store: bool = False  # torchrun's agent hosts the store, not rank 0
+    #: torchrun's restart of the whole group (TORCHELASTIC_RESTART_COUNT): its agent's
+    #: store outlives a restart, so each attempt's keys are its own (as torch's own)
+    attempt: int = 0
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
@@ -177,6 +180,7 @@ def _from_torchrun(environ: Mapping[str, str]) -> LaunchEnv:
         store_port=_int(environ, "MASTER_PORT"),
         single_node=_int(environ, "LOCAL_WORLD_SIZE", world) == world,
         agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+        attempt=_int(environ, "TORCHELASTIC_RESTART_COUNT", 0),
     )
 
 
@@ -368,16 +372,13 @@ def assign_role(rank: int, world_size: int, num_servers: int, replicas: int = 0)
 # --------------------------------------------------------------------------- the store
 
 
-def _key(*parts: object) -> str:
-    return "/".join([PREFIX, *(str(p) for p in parts)])
-
-
 class Rendezvous:
     """This process's handle on the run's TCPStore."""
 
     def __init__(self, env: LaunchEnv, timeout: float = 300.0) -> None:
         self.env = env
         self.timeout = timeout
+        self.prefix = PREFIX if not env.attempt else f"{PREFIX}/attempt{env.attempt}"
         try:
             self.store = TCPStore(
                 env.store_host, env.store_port, None, env.hosts_store,
@@ -392,31 +393,51 @@ class Rendezvous:
                 f"(hosted by {host}) within {timeout:g}s: {exc}"
             ) from exc
         try:
-            self.store.add(_key("joined"), 1)  # the store's host waits for these to check out
+            self.store.add(self._key("joined"), 1)  # the store's host waits for these to check out
         except DistError as exc:
             raise RendezvousError(f"rank {env.rank}: the rendezvous store at {env.store} "
                                   f"went away: {exc}") from exc
 
+    def _key(self, *parts: object) -> str:
+        return "/".join([self.prefix, *(str(p) for p in parts)])
+
     # servers ------------------------------------------------------------------
 
     def publish_server(self, shard: int, address: str) -> None:
-        self.store.set(_key("server", shard), address)
+        self.store.set(self._key("server", shard), address)
 
-    def place(self, role: Role, node: str) -> Placement:
+    def replaces(self, role: Role) -> bool:
+        """With replicas: whether this server rank started before in this run (its node
+        is in the store), so that this process is started in place of a dead one. It
+        then counts as the dead one, which joined the store but never left."""
+        if not self.store.check([self._key("node", role.index)]):
+            return False
+        self.store.add(self._key("joined"), -1)
+        return True
+
+    def place(self, role: Role, node: str, replacement: bool = False) -> Placement:
         """With replicas: publish this server rank's node, wait for every server rank's,
-        and return this rank's shard and replica (the same rule on every rank)."""
-        self.store.set(_key("node", role.index), node)
-        keys = [_key("node", k) for k in range(role.server_ranks)]
+        and return this rank's shard and replica (the same rule on every rank). A
+        replacement keeps the dead rank's node, so it is the same shard and replica."""
+        if not replacement:
+            self.store.set(self._key("node", role.index), node)
+        keys = [self._key("node", k) for k in range(role.server_ranks)]
         self._wait(keys, "server rank(s) {} published no node")
         nodes = [self.store.get(k).decode() for k in keys]
         return place_replicas(nodes, role.num_servers, role.replicas)[role.index]
 
+    def shard_replicas(self, shard: int) -> list[str]:
+        """Shard ``shard``'s replicas' addresses, by replica index, as its first primary
+        published them (``server/<shard>``)."""
+        self._wait([self._key("server", shard)], "shard {} published no address")
+        return self.store.get(self._key("server", shard)).decode().split(SEPARATOR)
+
     def publish_replica(self, shard: int, replica: int, address: str) -> None:
-        self.store.set(_key("replica", shard, replica), address)
+        self.store.set(self._key("replica", shard, replica), address)
 
     def wait_replicas(self, shard: int, replicas: int) -> list[str]:
         """The addresses of shard ``shard``'s backups 1 .. ``replicas``, once all listen."""
-        keys = [_key("replica", shard, k) for k in range(1, replicas + 1)]
+        keys = [self._key("replica", shard, k) for k in range(1, replicas + 1)]
         self._wait(keys, f"backup(s) {{}} of shard {shard} published no address")
         return [self.store.get(k).decode() for k in keys]
 
@@ -449,7 +470,7 @@ class Rendezvous:
             return False
         while not stop.is_set():
             try:
-                store.wait([_key("finished")], timedelta(seconds=poll))
+                store.wait([self._key("finished")], timedelta(seconds=poll))
                 return True
             except DistStoreError:
                 continue  # not yet
@@ -463,7 +484,7 @@ class Rendezvous:
     def wait_servers(self, num_servers: int, timeout: float | None = None) -> list[str]:
         """The address of every shard, once all are published; the timeout names the missing."""
         wait = self.timeout if timeout is None else timeout
-        keys = [_key("server", i) for i in range(num_servers)]
+        keys = [self._key("server", i) for i in range(num_servers)]
         try:
             self.store.wait(keys, timedelta(seconds=wait))
         except DistStoreError as exc:
@@ -484,13 +505,13 @@ class Rendezvous:
                     before_finish: Callable[[], None] | None = None) -> bool:
         """Count this worker as done; True if it was the last one (then servers stop,
         after ``before_finish``: the last chance to reach them)."""
-        count = self.store.add(_key("done"), 1)
+        count = self.store.add(self._key("done"), 1)
         if count >= num_workers:
             try:
                 if before_finish is not None:
                     before_finish()
             finally:
-                self.store.set(_key("finished"), "1")
+                self.store.set(self._key("finished"), "1")
             return True
         return False
 
@@ -501,15 +522,15 @@ class Rendezvous:
         joined has (a rank that never came is not waited for)."""
         world = self.env.world_size
         try:
-            self.store.set(_key("left", self.env.rank), "1")
-            if self.store.add(_key("left"), 1) >= self.store.add(_key("joined"), 0):
-                self.store.set(_key("all_left"), "1")
+            self.store.set(self._key("left", self.env.rank), "1")
+            if self.store.add(self._key("left"), 1) >= self.store.add(self._key("joined"), 0):
+                self.store.set(self._key("all_left"), "1")
             if self.env.hosts_store:
                 try:
-                    self.store.wait([_key("all_left")], timedelta(seconds=timeout))
+                    self.store.wait([self._key("all_left")], timedelta(seconds=timeout))
                 except DistError:
                     missing = [r for r in range(world)
-                               if not self.store.check([_key("left", r)])]
+                               if not self.store.check([self._key("left", r)])]
                     log.warning("closing the rendezvous store although rank(s) %s did not "
                                 "check out within %gs", ", ".join(map(str, missing)), timeout)
         except DistError as exc:
@@ -539,13 +560,16 @@ def run_server_rank(config: ServerConfig, rdzv: Rendezvous,
             job_done.set()
 
     peers: list[str] = []
-    if config.replicas and config.replica == 0:  # the primary: its backups listen first
+    if config.replicas and config.replica == 0 and not config.replacement:
+        # the first primary: its backups listen first
         peers = rdzv.wait_replicas(config.shard, config.replicas)
         config = dataclasses.replace(config, replica_peers=peers)
 
     def ready(listening: Ready) -> None:
         address = listening.address
-        if config.replica:
+        if config.replacement:
+            pass  # at the dead replica's address, which the store holds already
+        elif config.replica:
             rdzv.publish_replica(config.shard, config.replica, address)
         else:  # workers are given the shard's replicas, the primary first
             rdzv.publish_server(config.shard, join_replicas([address, *peers]))

@@ -1,7 +1,10 @@
 """What the launcher does for a shard's replicas (``--replicas``): it starts a new
 process in place of one that died while another replica of its shard lives, which
 rejoins as a backup of the current primary (paramserver/server/rejoin.py), and it
-says what each replica's event log records of failovers and rejoins.
+says what each replica's event log records of failovers and rejoins. A server rank of
+``paramserver run`` started again in place of a dead one is configured by the same
+two steps (:func:`rejoin_config`): the shard's primary found, then the replacement's
+configuration.
 
 A dead replica is replaced only once the shard has a primary other than it (asked of
 the live replicas, as workers ask): a replica 0 started while its backup has not
@@ -20,15 +23,21 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from paramserver.errors import TransportError
 from paramserver.observe import records as ev
+from paramserver.wire.curve import CurveKeys
 from paramserver.workers.failover import ask_roles, primary_of
 from paramserver.workers.launch.clusterspec import replica_name
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from paramserver.server.config import ServerConfig
     from paramserver.workers.launch.children import ChildProcess
     from paramserver.workers.launch.cluster import LocalCluster
 
-__all__ = ["ReplicaKeeper", "replacement_name"]
+__all__ = ["ReplicaKeeper", "as_replacement", "primary_first", "rejoin_config",
+           "replacement_name"]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +53,47 @@ def replacement_name(shard: int, replica: int) -> str:
     replica index, as a restarted shard keeps its name. Its log and events go on
     in the same files, after the dead process's."""
     return replica_name(shard, replica)
+
+
+def primary_first(live: Sequence[str], curve: CurveKeys | None) -> list[str] | None:
+    """A replacement's peers: the shard's live replicas ``live`` (by address), the one
+    that says it is the primary first; None while none does (a takeover under way, or
+    every replica gone)."""
+    found = primary_of(ask_roles(live, timeout=0.2, curve=curve)) if live else None
+    if found is None:
+        return None
+    return [found[0], *(a for a in live if a != found[0])]
+
+
+def as_replacement(config: ServerConfig, address: str, peers: list[str]) -> ServerConfig:
+    """The configuration of a process started in place of a dead replica: at the dead
+    one's address (workers know every replica's address from the start), given its
+    peers (the primary first), so that it joins them (replica 0 too)."""
+    # (not --resume: it takes the live primary's state, which went on from there)
+    return dataclasses.replace(config, bind=address, replica_peers=peers, replacement=True,
+                               resume=None)
+
+
+def rejoin_config(config: ServerConfig, replicas: Sequence[str],
+                  timeout: float) -> ServerConfig:
+    """``paramserver run``'s server rank started again in place of a dead replica
+    (``config.replica`` of its shard, whose replicas listen at ``replicas``): the
+    replacement's configuration, once another replica says it is the shard's primary
+    (asked every PROBE_EVERY, up to ``timeout`` seconds)."""
+    address = replicas[config.replica]
+    others = [a for a in replicas if a != address]
+    curve = (CurveKeys.load(config.curve_secret_key).as_replica()
+             if config.curve_secret_key else None)
+    deadline = time.monotonic() + timeout
+    while (peers := primary_first(others, curve)) is None:
+        if time.monotonic() >= deadline:
+            raise TransportError(
+                f"shard {config.shard}: replica {config.replica} was started again, but no "
+                f"other replica ({', '.join(others)}) said it is the primary within "
+                f"{timeout:g}s; a replacement rejoins a live primary (with every replica "
+                f"gone, resume the run from its checkpoint)")
+        time.sleep(PROBE_EVERY)  # (the next probe: a takeover takes the failover timeout)
+    return as_replacement(config, address, peers)
 
 
 class ReplicaKeeper:
@@ -75,22 +125,18 @@ class ReplicaKeeper:
         for (shard, replica), address in list(self.due.items()):
             live = [a for a, p in zip(self.cluster.replica_sets[shard], self.procs(shard),
                                       strict=True) if p.popen.poll() is None]
-            found = primary_of(ask_roles(live, timeout=0.2, curve=self.cluster.spec.admin_curve())
-                               ) if live else None
-            if found is None:
+            peers = primary_first(live, self.cluster.spec.admin_curve())
+            if peers is None:
                 continue  # no primary yet (a takeover under way), or none left
             del self.due[(shard, replica)]
-            self._replace(shard, replica, address, [found[0], *(a for a in live
-                                                                if a != found[0])])
+            self._replace(shard, replica, address, peers)
 
     def _replace(self, shard: int, replica: int, address: str, peers: list[str]) -> None:
         c = self.cluster
         name = replacement_name(shard, replica)
-        cfg = c.spec.replica_config(shard, replica, c.out)
-        # (not --resume: it takes the live primary's state, which went on from there)
-        cfg = dataclasses.replace(cfg, bind=address, replica_peers=peers, replacement=True,
-                                  resume=None,
+        cfg = dataclasses.replace(c.spec.replica_config(shard, replica, c.out),
                                   event_log=str(c.out / "events" / f"{name}.jsonl"))
+        cfg = as_replacement(cfg, address, peers)
         old = self.procs(shard)[replica]
         if old.popen.stdout is not None:
             old.popen.stdout.close()
