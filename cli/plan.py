@@ -26,7 +26,8 @@ __all__ = ["plan"]
 
 
 EPILOG = """\b
-Example: fit on a 2-worker run, then ask about 4 workers with one slow NIC
+Examples:
+  # fit on a 2-worker run, then ask about 4 workers with one slow NIC
   paramserver launch --num-workers 2 --num-servers 1 --mode async --steps 300 \\
       --eval-every 5 --out runs/fit
   paramserver plan --from runs/fit --workers 4 --link 400mbit --link-of 3=100mbit \\

@@ -24,6 +24,7 @@ left out. Everything here is pure (no sockets, no clock) but :func:`read_run`.
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import statistics
@@ -132,7 +133,7 @@ def read_run(path: str | Path) -> RunRecord:
 def compute_times(rows: Sequence[StepRow]) -> list[float]:
     """Bare compute per gradient of each step after the first (see the module doc)."""
     out = []
-    for prev, row in zip(rows, rows[1:], strict=False):
+    for prev, row in itertools.pairwise(rows):
         off_wire = row.t - prev.t - max(row.pull_s, row.push_s) - row.sleep_s
         out.append(max(0.0, off_wire) / max(1, row.local_steps))
     return out
@@ -178,7 +179,7 @@ def fit_link(samples: Sequence[tuple[int, float]], nominal_per_byte: float = 0.0
 def fit_service(push_times: Sequence[float], per_step: float = math.inf) -> float:
     """A shard's time per push: the low quantile of the gaps between its consecutive
     decisions (back to back when it was busy), at most ``per_step``."""
-    gaps = sorted(b - a for a, b in zip(push_times, push_times[1:], strict=False) if b > a)
+    gaps = sorted(b - a for a, b in itertools.pairwise(push_times) if b > a)
     if not gaps:
         return 0.0
     return min(gaps[int(SERVICE_QUANTILE * (len(gaps) - 1))], per_step)

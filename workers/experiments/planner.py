@@ -61,7 +61,7 @@ class ModePlan:
 
 def parse_plan_mode(text: str) -> ModePlan:
     """One ``--mode`` value; a one-line ConfigError for anything else."""
-    name, sep, arg = text.strip().lower().partition(":")
+    name, _, arg = text.strip().lower().partition(":")
     if name in ("local", "diloco"):
         if not arg.isdigit() or int(arg) < 1:
             raise ConfigError(f"--mode {text!r}: {name} takes H, the local steps per push "
