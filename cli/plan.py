@@ -43,6 +43,13 @@ docs/research.md ("A calibrated what-if planner") for how close it came.
 """
 
 
+def _worker_flag(name: str) -> Any:
+    """A worker option (cli/options.py's WORKER) as this command's flag: the same
+    declaration and help, without its environment variable."""
+    spec = next(s for s in options.WORKER if s.name == name)
+    return click.option(*spec.decls, **{**spec.kwargs, "envvar": None, "show_envvar": False})
+
+
 def _modes(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> list[str]:
     out = [m.strip() for v in value for m in v.split(",") if m.strip()]
     if not out:
@@ -61,6 +68,7 @@ def _modes(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -
 @options.launch_flag("link")
 @options.launch_flag("link_of")
 @options.launch_flag("stragglers")
+@_worker_flag("compression")
 @click.option("--mode", "modes", multiple=True, callback=_modes, default=("sync", "async"),
               show_default=True, metavar="MODE",
               help="sync, async, ssp:S, local:H (local SGD, H steps per push) or diloco:H "
@@ -75,7 +83,8 @@ def _modes(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -
 @click.option("--json", "as_json", is_flag=True, help="Print the prediction as JSON.")
 def plan(runs: tuple[str, ...], workers: int | None, link: str | None,
          link_of: tuple[tuple[str, str], ...], modes: list[str], target_loss: float,
-         steps: int | None, draws: int, as_json: bool, **opts: Any) -> None:
+         steps: int | None, draws: int, as_json: bool, compression: str | None,
+         **opts: Any) -> None:
     """Predict each mode's time to a target loss on a cluster you have not run.
 
     Fits, from real runs' event logs, each worker's compute times, the links'
@@ -91,15 +100,18 @@ def plan(runs: tuple[str, ...], workers: int | None, link: str | None,
     try:
         records = [read_run(r) for r in runs]
         plans = [parse_plan_mode(m) for m in modes]
-        stragglers = options.straggler_overrides({"stragglers": opts["stragglers"]})
+        stragglers: dict[int, dict[str, Any]] = {}  # on top of the run's own scenario
+        for key, value in opts["stragglers"]:
+            rank, _, name = key.partition(":")
+            stragglers.setdefault(int(rank), {})[name] = value
         target = Target(workers=workers, link=link,
                         link_of={int(h): r for h, r in link_of}, stragglers=stragglers,
-                        steps=steps)
+                        steps=steps, compression=compression)
         target.per_byte()  # the rates, checked before anything runs
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from exc
     console = cli_console(stderr=True)
-    total = draws * (len(records) + len(plans))
+    total = draws * (len(records) + len(plans))  # (and the calibration's few runs, first)
     with step_progress(console, disable=as_json) as bar:
         task = bar.add_task("simulating", total=total)
         try:
@@ -128,10 +140,13 @@ def show_plan(console: Console, result: Plan) -> None:
 
     fit = result.fit.summary()
     pooled = fit["compute_ms_pooled"]
+    per_step = fit["link"]["per_step_ms"]
     console.print(f"fitted: compute {pooled['p50']:.3f} ms median per gradient "
                   f"(p10 {pooled['p10']:.3f}, p90 {pooled['p90']:.3f}, mean "
-                  f"{pooled['mean']:.3f}; {int(pooled['n'])} steps); link "
-                  f"{result.fit.link.describe()}; shard {fit['service_ms']:.3f} ms per push")
+                  f"{pooled['mean']:.3f}; {int(pooled['n'])} steps); on the wire "
+                  f"{per_step['sync']:.3f} ms per sync step, {per_step['async']:.3f} ms per "
+                  f"async step + {result.fit.link.describe()}; shard "
+                  f"{fit['service_ms']:.3f} ms per push")
     checks = Table(title="the fit against the runs it came from (in-sample)")
     for name, justify in [("run", "left"), ("mode", "left"), ("N", "right"),
                           ("measured s", "right"), ("predicted s (p10-p90)", "right"),

@@ -2,18 +2,27 @@
 
 From each worker's ``step`` records (docs/events.md) of one or more runs:
 
-* **compute**, per worker: the time between two consecutive steps that was not on
-  the wire and not injected by a straggler scenario,
-  ``dt - max(pull_s, push_s) - sleep_s`` (a push and its pull are one round trip,
-  timed from the same start), per gradient (a local-SGD push holds H). It holds
-  whatever a worker does off the wire (data, forward, backward, its evaluations),
-  kept as the measured values themselves: the simulator resamples them;
+* **compute**, per worker and step: ``compute_s`` (data, forward, backward: what
+  a straggler scenario pads and slows), and the **overhead**, the rest of the time
+  between two consecutive steps that was neither on the wire nor injected,
+  ``dt - max(pull_s, push_s) - sleep_s - compute_s`` (a push and its pull are one
+  round trip, timed from the same start: the evaluator's evaluations, bookkeeping),
+  each per gradient (a local-SGD push holds H); kept as the measured pairs
+  themselves: the simulator resamples them;
 * **the link**: a step's time on the wire, ``max(pull_s, push_s) - wait_s`` (the
-  time a shard held the pull at a barrier is no wire time), against the bytes it
-  moved, fitted as ``a + b * bytes`` by least squares. With a single message size
-  (one run, uncompressed) ``b`` cannot be told apart from ``a``: ``b`` is then the
-  run's nominal NIC rate (``--link`` of an emulated cluster; 0 on loopback, where
-  everything is per message) and ``a`` the rest;
+  time a shard held the pull at a barrier is no wire time). On emulated hosts the
+  bytes' part is the NICs' own, as ``tc`` shapes them (their rate and token bucket,
+  :mod:`paramserver.workers.launch.simtiming`), and the rest is per step; on
+  loopback (no rate) it is fitted as ``a + b * bytes`` by least squares, with
+  ``b = 0`` where the steps all moved one size (one run, uncompressed: ``b``
+  cannot be told apart from ``a`` then). The per-step cost is then *calibrated*
+  (:func:`paramserver.workers.experiments.planner.calibrate`), per family of modes
+  (sync rounds, local SGD's included; async and SSP): moved until the simulator,
+  run on the fitted configurations of that family, spends as long on the wire per
+  step as the runs did, so that what the model adds itself (its four messages,
+  queueing at the shard, the buckets) is not counted twice, and what it lacks (a
+  sync round's burst of work on one machine) is counted. A family no run was
+  fitted on takes the other's;
 * **the shards' service time**: a shard decides one push at a time, so two
   decisions back to back are one service time apart; the 5th percentile of the
   gaps between a shard's consecutive ``push`` records (capped by ``a``).
@@ -37,7 +46,7 @@ import msgspec
 
 from paramserver.errors import ConfigError
 from paramserver.observe.events import read_events
-from paramserver.workers.launch.netcluster import parse_rate
+from paramserver.workers.launch.netcluster import BURST_FLOOR, BURST_SECONDS, parse_rate
 from paramserver.workers.launch.simtiming import Timing
 
 __all__ = [
@@ -46,12 +55,28 @@ __all__ = [
     "RunRecord",
     "StepRow",
     "compute_times",
+    "family",
     "fit_link",
     "fit_runs",
     "fit_service",
+    "mean_wire",
     "read_run",
     "wire_samples",
 ]
+
+#: the families of modes whose per-step costs are calibrated apart (see the module doc)
+FAMILIES = ("sync", "async")
+
+
+def family(mode: str) -> str:
+    """``sync`` (rounds: sync, local SGD, DiLoCo) or ``async`` (async, ssp)."""
+    return "sync" if mode == "sync" else "async"
+
+
+def mean_wire(run: RunRecord) -> float:
+    """A run's mean time on the wire per step (after each worker's first)."""
+    return statistics.fmean(s for rows in run.steps.values() for _, s in wire_samples(rows))
+
 
 #: the simulator sends four messages a step (push, its reply, pull, its reply) where a
 #: real worker's push carries its pull: the per-step cost is spread over the four
@@ -130,50 +155,63 @@ def read_run(path: str | Path) -> RunRecord:
 # --------------------------------------------------------------------------- pure fits
 
 
-def compute_times(rows: Sequence[StepRow]) -> list[float]:
-    """Bare compute per gradient of each step after the first (see the module doc)."""
+def compute_times(rows: Sequence[StepRow]) -> list[tuple[float, float]]:
+    """(compute, overhead) per gradient of each step after the first (the module doc)."""
     out = []
     for prev, row in itertools.pairwise(rows):
         off_wire = row.t - prev.t - max(row.pull_s, row.push_s) - row.sleep_s
-        out.append(max(0.0, off_wire) / max(1, row.local_steps))
+        n = max(1, row.local_steps)
+        out.append((row.compute_s / n, max(0.0, off_wire - row.compute_s) / n))
     return out
 
 
-def wire_samples(rows: Sequence[StepRow]) -> list[tuple[int, float]]:
-    """(bytes, seconds on the wire) of each step after the first."""
-    return [(row.bytes, max(0.0, max(row.pull_s, row.push_s) - row.wait_s))
+def wire_samples(rows: Sequence[StepRow], nominal_per_byte: float = 0.0
+                 ) -> list[tuple[float, float]]:
+    """(seconds its bytes take at the nominal rate, or its bytes where there is none;
+    seconds on the wire) of each step after the first."""
+    scale = nominal_per_byte or 1.0
+    return [(row.bytes * scale, max(0.0, max(row.pull_s, row.push_s) - row.wait_s))
             for row in rows[1:]]
 
 
 @dataclass(frozen=True)
 class LinkFit:
-    """Wire time of one step = ``per_step + per_byte * bytes``."""
+    """Wire time of one step = ``per_step`` + its bytes' time: on emulated hosts
+    (``rated``) the NICs' (``slope`` 1: at their rate, through their buckets), on
+    loopback ``slope`` seconds per byte."""
 
     per_step: float
-    per_byte: float
-    identified: bool  # per_byte was fitted (several message sizes), not assumed
+    slope: float
+    identified: bool  # the slope was fitted (several message sizes), not assumed
     samples: int
+    rated: bool = False
+
+    def per_byte(self, nominal_per_byte: float) -> float:
+        """Seconds per byte on a NIC rated at ``nominal_per_byte``."""
+        return self.slope * nominal_per_byte if self.rated else self.slope
 
     def describe(self) -> str:
-        how = "fitted" if self.identified else "the run's nominal rate (one message size)"
-        return (f"{self.per_step * 1e3:.3f} ms per step + {self.per_byte * 1e9:.3f} ns per "
-                f"byte ({how})")
+        return ("the bytes at the NICs' rates, through their token buckets" if self.rated
+                else f"{self.slope * 1e9:.3f} ns per byte "
+                     f"({'fitted' if self.identified else 'one message size: none apart'})")
 
 
-def fit_link(samples: Sequence[tuple[int, float]], nominal_per_byte: float = 0.0) -> LinkFit:
-    """Least squares of seconds on bytes; one size only: ``per_byte`` is the nominal one."""
+def fit_link(samples: Sequence[tuple[float, float]], rated: bool = False) -> LinkFit:
+    """Rated (emulated hosts): the mean wire time per step, to be calibrated. Loopback:
+    least squares of seconds on bytes; where bytes hardly vary, all per step."""
     if not samples:
         raise ConfigError("no wire times to fit: the runs have no steps after the first")
     xs = [float(b) for b, _ in samples]
     ys = [s for _, s in samples]
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    if rated:
+        return LinkFit(my, 1.0, False, len(samples), rated=True)
     sxx = sum((x - mx) ** 2 for x in xs)
-    spread = (max(xs) - min(xs)) / max(mx, 1.0)
-    if spread > 0.1 and sxx > 0:
+    if mx > 0 and (max(xs) - min(xs)) / mx > 0.1 and sxx > 0:
         b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
         if b >= 0:
             return LinkFit(max(0.0, my - b * mx), b, True, len(samples))
-    return LinkFit(max(0.0, my - nominal_per_byte * mx), nominal_per_byte, False, len(samples))
+    return LinkFit(my, 0.0, False, len(samples))
 
 
 def fit_service(push_times: Sequence[float], per_step: float = math.inf) -> float:
@@ -189,26 +227,39 @@ def fit_service(push_times: Sequence[float], per_step: float = math.inf) -> floa
 class Fit:
     """The model of time fitted from runs, and what is needed to resample it."""
 
-    compute: dict[int, list[float]]  # rank -> bare compute times per gradient
+    compute: dict[int, list[tuple[float, float]]]  # rank -> (compute, overhead) per gradient
     link: LinkFit
     service: float
-    wire: list[tuple[int, float]] = field(default_factory=list)
-    nominal_per_byte: float = 0.0
+    wire: list[tuple[float, float]] = field(default_factory=list)
+    nominal_per_byte: float = 0.0  # the fitted runs' NICs' rate (mean), 0: loopback
+    #: family of modes (:func:`family`) -> seconds added to the fitted per-step cost by
+    #: calibration (planner.calibrate)
+    calibration: dict[str, float] = field(default_factory=dict)
+
+    def per_step(self, family: str) -> float:
+        """The per-step cost for ``family``'s modes (the other family's where it has none)."""
+        other = FAMILIES[1 - FAMILIES.index(family)]
+        return self.link.per_step + self.calibration.get(family,
+                                                         self.calibration.get(other, 0.0))
 
     def timing(self, link_per_byte: float | None = None,
-               per_byte_of: Mapping[int, float] | None = None) -> Timing:
-        """The simulator's :class:`Timing`; ``link_per_byte`` (seconds per byte, from a
-        ``--link`` rate) replaces the fitted per-byte cost, scaled by how far the fitted
-        links fell short of their nominal rate where that is known."""
-        efficiency = 1.0
-        if self.link.identified and self.nominal_per_byte > 0:
-            efficiency = self.link.per_byte / self.nominal_per_byte
-        scale = efficiency if link_per_byte is not None else 1.0
-        per_byte = self.link.per_byte if link_per_byte is None else link_per_byte * scale
-        per_message = max(0.0, self.link.per_step - self.service) / PER_STEP_MESSAGES
-        return Timing(compute=self.compute, per_message=per_message, per_byte=per_byte,
-                      per_byte_of={h: v * scale for h, v in (per_byte_of or {}).items()},
-                      service=self.service)
+               per_byte_of: Mapping[int, float] | None = None, family: str = "async"
+               ) -> Timing:
+        """The simulator's :class:`Timing`. ``link_per_byte`` and ``per_byte_of``
+        (seconds per byte of every NIC and of host K's, from ``--link`` rates) stand
+        for the fitted runs' NICs, each as far short of its rate as theirs were."""
+        fitted = self.link.per_byte(self.nominal_per_byte)
+        every = fitted if link_per_byte is None else self.link.per_byte(link_per_byte)
+        if not self.link.rated and link_per_byte is not None:
+            every = link_per_byte  # loopback's slope says nothing of a NIC's
+        of = {h: self.link.per_byte(v) if self.link.rated else v
+              for h, v in (per_byte_of or {}).items()}
+        per_message = max(0.0, self.per_step(family) - self.service) / PER_STEP_MESSAGES
+        burst = (BURST_FLOOR, BURST_SECONDS) if self.link.rated else (0.0, 0.0)
+        return Timing(compute={r: [c for c, _ in v] for r, v in self.compute.items()},
+                      overhead={r: [o for _, o in v] for r, v in self.compute.items()},
+                      per_message=per_message, per_byte=every, per_byte_of=of,
+                      service=self.service, burst_floor=burst[0], burst_seconds=burst[1])
 
     def resample(self, rng: random.Random) -> Fit:
         """A bootstrap replicate: every sample drawn again with replacement, then refit."""
@@ -216,17 +267,22 @@ class Fit:
             return [values[rng.randrange(len(values))] for _ in values] if values else values
         compute = {r: draw(v) for r, v in self.compute.items()}
         wire = draw(self.wire)
-        link = fit_link(wire, self.nominal_per_byte) if wire else self.link
+        link = fit_link(wire, self.link.rated) if wire else self.link
         return replace(self, compute=compute, link=link, wire=wire)
 
     def summary(self) -> dict[str, Any]:
-        pooled = [v for vs in self.compute.values() for v in vs]
+        pooled = [c for vs in self.compute.values() for c, _ in vs]
         return {
-            "compute_ms": {str(r): _quantiles(v) for r, v in self.compute.items()},
+            "compute_ms": {str(r): _quantiles([c for c, _ in v]) for r, v in self.compute.items()},
             "compute_ms_pooled": _quantiles(pooled),
-            "link": {"per_step_ms": self.link.per_step * 1e3,
-                     "per_byte_ns": self.link.per_byte * 1e9,
-                     "per_byte_fitted": self.link.identified, "samples": self.link.samples},
+            "overhead_ms": {str(r): _quantiles([o for _, o in v])
+                            for r, v in self.compute.items()},
+            "link": {"per_step_ms": {f: self.per_step(f) * 1e3 for f in FAMILIES},
+                     "calibrated_ms": {f: c * 1e3 for f, c in self.calibration.items()},
+                     "fitted_per_step_ms": self.link.per_step * 1e3,
+                     "per_byte_ns": self.link.per_byte(self.nominal_per_byte) * 1e9,
+                     "slope": self.link.slope, "rated": self.link.rated,
+                     "slope_fitted": self.link.identified, "samples": self.link.samples},
             "service_ms": self.service * 1e3,
         }
 
@@ -245,20 +301,25 @@ def fit_runs(runs: Sequence[RunRecord]) -> Fit:
     fit over every step, the service time over every shard's decisions."""
     if not runs:
         raise ConfigError("give at least one run to fit (--from RUN)")
-    compute: dict[int, list[float]] = {}
-    wire: list[tuple[int, float]] = []
+    rated = [bool(run.spec.get("hosts")) for run in runs]
+    if len(set(rated)) > 1:
+        raise ConfigError("fit runs on emulated hosts (--hosts) or on loopback, not both: "
+                          "their links have nothing in common")
+    compute: dict[int, list[tuple[float, float]]] = {}
+    wire: list[tuple[float, float]] = []
     nominal: list[float] = []
     for run in runs:
         for rank, rows in run.steps.items():
             compute.setdefault(rank, []).extend(compute_times(rows))
-            samples = wire_samples(rows)
+            per_byte = run.per_byte(run.worker_host(rank))
+            samples = wire_samples(rows, per_byte)
             wire.extend(samples)
-            nominal.extend([run.per_byte(run.worker_host(rank))] * len(samples))
+            nominal.extend([per_byte] * len(samples))
     compute = {r: v for r, v in compute.items() if v}
     if not compute or not wire:
         raise ConfigError("the runs have too few steps to fit (at least 2 per worker)")
     nominal_per_byte = statistics.fmean(nominal) if nominal else 0.0
-    link = fit_link(wire, nominal_per_byte)
+    link = fit_link(wire, rated[0])
     gaps_fit = [fit_service(times, link.per_step)
                 for run in runs for times in run.pushes.values() if len(times) > 1]
     service = statistics.median(gaps_fit) if gaps_fit else 0.0

@@ -27,9 +27,18 @@ from paramserver.errors import ConfigError
 from paramserver.server.config import ServerConfig
 from paramserver.workers.config import WorkerConfig
 from paramserver.workers.experiments.axes import ModeChoice
-from paramserver.workers.experiments.planfit import Fit, RunRecord, fit_runs
+from paramserver.workers.experiments.planfit import (
+    FAMILIES,
+    Fit,
+    RunRecord,
+    family,
+    fit_runs,
+    mean_wire,
+    read_run,
+)
 from paramserver.workers.experiments.report import load_run, run_metrics
 from paramserver.workers.launch.clusterspec import ClusterSpec
+from paramserver.workers.launch.hostplan import DEFAULT_LINK
 from paramserver.workers.launch.netcluster import parse_rate
 from paramserver.workers.stragglerspec import StragglerSpec
 
@@ -100,8 +109,10 @@ class Target:
     workers: int | None = None
     link: str | None = None  # every NIC's rate
     link_of: Mapping[int, str] = field(default_factory=dict)  # host -> its NIC's rate
-    stragglers: Mapping[int, StragglerSpec] = field(default_factory=dict)
+    #: rank -> straggler fields (``slowdown``, ``delay``...) on top of the run's scenario
+    stragglers: Mapping[int, Mapping[str, Any]] = field(default_factory=dict)
     steps: int | None = None
+    compression: str | None = None  # the pushes' compressor ("none": off)
 
     def per_byte(self) -> tuple[float | None, dict[int, float]]:
         every = 8.0 / parse_rate(self.link) if self.link else None
@@ -121,9 +132,13 @@ def configure(base: ClusterSpec, mode: ModePlan, target: Target) -> ClusterSpec:
         server = dataclasses.replace(server, optimizer=outer[0], optimizer_args=dict(outer[1]))
     worker = dataclasses.replace(
         w, steps=target.steps or w.steps, eval_every=w.eval_every or DEFAULT_EVAL_EVERY,
-        sync_every=mode.sync_every or 1, local_optimizer=local[0], local_args=dict(local[1]))
+        sync_every=mode.sync_every or 1, local_optimizer=local[0], local_args=dict(local[1]),
+        compression=w.compression if target.compression is None
+        else None if target.compression == "none" else target.compression)
     stragglers = dict(base.stragglers if target.workers is None else {})
-    stragglers.update(target.stragglers)
+    for rank, fields in target.stragglers.items():
+        scenario = dataclasses.asdict(stragglers.get(rank, w.straggler))
+        stragglers[rank] = StragglerSpec(**{**scenario, **fields})
     if any(r >= n for r in stragglers):
         raise ConfigError(f"a straggler names worker {max(stragglers)}, but there are {n} "
                           "workers (ranks 0 .. N-1)")
@@ -241,6 +256,58 @@ def _time_and_bytes(out: Path, seed: int, target_loss: float) -> tuple[float | N
     return metrics.time_to_target, float(moved)
 
 
+def _as_run(run: RunRecord) -> tuple[ClusterSpec, Target]:
+    """The configuration a fitted run ran, and its links, as the planner runs them."""
+    spec = spec_of_run(run)
+    local = spec.worker.local_optimizer
+    own = ModePlan(spec.server.mode, spec.server.mode, bound=spec.server.staleness_bound,
+                   sync_every=spec.worker.sync_every if local else None,
+                   local=(local, dict(spec.worker.local_args)) if local else None,
+                   outer=(spec.server.optimizer, dict(spec.server.optimizer_args)))
+    hosts = run.spec.get("hosts")
+    links = Target(link=(run.spec.get("link") or DEFAULT_LINK) if hosts else None,
+                   link_of={int(h): r for h, r in (run.spec.get("link_of") or {}).items()})
+    return configure(spec, own, links), links
+
+
+def _simulated_wire(fit: Fit, spec: ClusterSpec, links: Target) -> float:
+    """The simulator's mean time on the wire per step, as a worker measures it (push,
+    pull, their replies; not the time held at a barrier), on ``spec``."""
+    from paramserver.workers.launch.virtual import SimSpec, run_simulation
+
+    every, of = links.per_byte()
+    with tempfile.TemporaryDirectory(prefix="paramserver-plan-") as tmp:
+        run_simulation(spec, tmp, SimSpec(threads=1, progress_every=10**9),
+                       timing=fit.timing(every, of, family(spec.server.mode)))
+        steps = read_run(tmp).steps
+    wire = [r.push_s + r.pull_s - r.wait_s for rows in steps.values() for r in rows[1:]]
+    return statistics.fmean(wire)
+
+
+def calibrate(fit: Fit, runs: Sequence[RunRecord], rounds: int = 3,
+              tolerance: float = 0.02) -> Fit:
+    """``fit`` with its per-step cost, per family of modes, moved until the simulator,
+    on the fitted runs of that family, spends as long on the wire per step as they did
+    (within ``tolerance``): the model's own structure (four messages, queueing at the
+    shard, the NICs' buckets) is then not counted twice."""
+    for fam in FAMILIES:
+        configs = [(*_as_run(run), mean_wire(run)) for run in runs
+                   if family(spec_of_run(run).server.mode) == fam]
+        if not configs:
+            continue
+        measured = statistics.fmean(m for _, _, m in configs)
+        fit = dataclasses.replace(fit, calibration={**fit.calibration, fam: 0.0})
+        for _ in range(rounds):
+            simulated = statistics.fmean(_simulated_wire(fit, spec, links)
+                                         for spec, links, _ in configs)
+            gap = measured - simulated
+            if abs(gap) <= tolerance * measured:
+                break
+            moved = max(-fit.link.per_step, fit.calibration[fam] + gap)
+            fit = dataclasses.replace(fit, calibration={**fit.calibration, fam: moved})
+    return fit
+
+
 def predict(fit: Fit, spec: ClusterSpec, target: Target, target_loss: float, draws: int,
             on_draw: Callable[[], None] | None = None) -> Prediction:
     """``draws`` simulations of ``spec``: the fit itself, then bootstrap replicates."""
@@ -251,7 +318,7 @@ def predict(fit: Fit, spec: ClusterSpec, target: Target, target_loss: float, dra
     moved: list[float | None] = []
     for i in range(draws):
         draw = fit if i == 0 else fit.resample(random.Random(i))
-        timing = draw.timing(every, of)
+        timing = draw.timing(every, of, family(spec.server.mode))
         seed = spec.worker.seed + i
         run = dataclasses.replace(spec, worker=dataclasses.replace(spec.worker, seed=seed))
         with tempfile.TemporaryDirectory(prefix="paramserver-plan-") as tmp:
@@ -272,25 +339,19 @@ def make_plan(runs: Sequence[RunRecord], modes: Sequence[ModePlan], target: Targ
         raise ConfigError(f"--target-loss must be > 0, got {target_loss}")
     if draws < 1:
         raise ConfigError(f"--draws must be >= 1, got {draws}")
-    fit = fit_runs(runs)
     base = spec_of_run(runs[0])
+    specs = {m.text: configure(base, m, target) for m in modes}  # (bad input: before any run)
+    fit = calibrate(fit_runs(runs), runs)
     checks = []
     for run in runs:
-        spec = spec_of_run(run)
+        spec, links = _as_run(run)
         measured = run_metrics(load_run(run.path), spec.worker.seed, target_loss).time_to_target
-        own = ModePlan(spec.server.mode, spec.server.mode, bound=spec.server.staleness_bound,
-                       sync_every=spec.worker.sync_every if spec.worker.local_optimizer else None,
-                       local=(spec.worker.local_optimizer, dict(spec.worker.local_args))
-                       if spec.worker.local_optimizer else None,
-                       outer=(spec.server.optimizer, dict(spec.server.optimizer_args)))
-        as_run = Target(link=run.spec.get("link") if run.spec.get("hosts") else None,
-                        link_of={int(h): r for h, r in (run.spec.get("link_of") or {}).items()})
-        predicted = predict(fit, configure(spec, own, as_run), as_run, target_loss, draws,
-                            on_draw)
-        checks.append(Check(str(run.path), str(own.text), spec.num_workers, measured, predicted))
-    predictions = {m.text: predict(fit, configure(base, m, target), target, target_loss, draws,
-                                   on_draw)
-                   for m in modes}
+        predicted = predict(fit, spec, links, target_loss, draws, on_draw)
+        mode = spec.server.mode + (f":{spec.server.staleness_bound}"
+                                   if spec.server.mode == "ssp" else "")
+        checks.append(Check(str(run.path), mode, spec.num_workers, measured, predicted))
+    predictions = {text: predict(fit, spec, target, target_loss, draws, on_draw)
+                   for text, spec in specs.items()}
     if not any(p.reached for p in predictions.values()):
         steps = target.steps or base.worker.steps
         raise ConfigError(f"no mode reaches the target loss {target_loss:g} within {steps} "

@@ -412,10 +412,10 @@ class Simulator:
             self._eval(w)
         self._compute(w)
         # a round of local SGD takes its H steps' times, each drawn as a real step's is
-        bare = [self.sim.compute_time if w.compute is None else w.compute.draw()
-                for _ in range(w.sync_every)]
-        step_time = sum(w.straggler.step_time(b) for b in bare)
-        w.compute_s = sum(bare)
+        draws = [(self.sim.compute_time, 0.0) if w.compute is None else w.compute.draw()
+                 for _ in range(w.sync_every)]
+        step_time = sum(w.straggler.step_time(bare) + extra for bare, extra in draws)
+        w.compute_s = sum(bare + extra for bare, extra in draws)
         w.sleep_s = step_time - w.compute_s
         self._at(step_time, self._push, w)
 
