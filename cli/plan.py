@@ -95,7 +95,12 @@ def plan(runs: tuple[str, ...], workers: int | None, link: str | None,
     """
     from paramserver.cli.progress import cli_console, step_progress
     from paramserver.workers.experiments.planfit import read_run
-    from paramserver.workers.experiments.planner import Target, make_plan, parse_plan_mode
+    from paramserver.workers.experiments.planner import (
+        Target,
+        configure_modes,
+        make_plan,
+        parse_plan_mode,
+    )
 
     try:
         records = [read_run(r) for r in runs]
@@ -108,6 +113,7 @@ def plan(runs: tuple[str, ...], workers: int | None, link: str | None,
                         link_of={int(h): r for h, r in link_of}, stragglers=stragglers,
                         steps=steps, compression=compression)
         target.per_byte()  # the rates, checked before anything runs
+        configure_modes(records, plans, target)  # and the rest of the request
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from exc
     console = cli_console(stderr=True)

@@ -42,8 +42,8 @@ from paramserver.workers.launch.hostplan import DEFAULT_LINK
 from paramserver.workers.launch.netcluster import parse_rate
 from paramserver.workers.stragglerspec import StragglerSpec
 
-__all__ = ["ModePlan", "Plan", "Prediction", "Range", "Target", "make_plan", "parse_plan_mode",
-           "spec_of_run"]
+__all__ = ["ModePlan", "Plan", "Prediction", "Range", "Target", "calibrate", "configure_modes",
+           "make_plan", "parse_plan_mode", "spec_of_run"]
 
 #: DiLoCo's settings, as the experiment grid's defaults (Douillard et al.): AdamW inside,
 #: Nesterov momentum outside
@@ -331,6 +331,16 @@ def predict(fit: Fit, spec: ClusterSpec, target: Target, target_loss: float, dra
     return Prediction(times, moved)
 
 
+def configure_modes(runs: Sequence[RunRecord], modes: Sequence[ModePlan], target: Target
+                    ) -> dict[str, ClusterSpec]:
+    """Each mode's configuration on ``target``, from the first run's: what is wrong with
+    the request is said here, before anything runs."""
+    if not runs:
+        raise ConfigError("give at least one run to fit (--from RUN)")
+    base = spec_of_run(runs[0])
+    return {m.text: configure(base, m, target) for m in modes}
+
+
 def make_plan(runs: Sequence[RunRecord], modes: Sequence[ModePlan], target: Target,
               target_loss: float, draws: int = 5,
               on_draw: Callable[[], None] | None = None) -> Plan:
@@ -340,7 +350,7 @@ def make_plan(runs: Sequence[RunRecord], modes: Sequence[ModePlan], target: Targ
     if draws < 1:
         raise ConfigError(f"--draws must be >= 1, got {draws}")
     base = spec_of_run(runs[0])
-    specs = {m.text: configure(base, m, target) for m in modes}  # (bad input: before any run)
+    specs = configure_modes(runs, modes, target)  # (bad input: before any run)
     fit = calibrate(fit_runs(runs), runs)
     checks = []
     for run in runs:

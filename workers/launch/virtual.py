@@ -18,6 +18,9 @@ The model of time (all in virtual seconds):
   shifted exponential or other heavy tail (``delay="exp:MEAN"``, ``pareto:...``).
 * every message (pull, push, reply, bye) takes ``latency`` one way; shards
   answer instantly (no queueing at a shard).
+* with a measured :class:`~paramserver.workers.launch.simtiming.Timing` instead
+  (``paramserver plan``), compute is drawn from each worker's measured steps,
+  messages pass the NICs' token buckets, and a shard decides one push at a time.
 * the gradient itself is computed for real, on the weights the worker read,
   at the moment its pull completes; it is pushed when the step's time is up.
 * with local SGD (``local_optimizer``, ``sync_every`` H) a worker's H inner steps
