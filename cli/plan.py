@@ -170,8 +170,12 @@ def show_plan(console: Console, result: Plan) -> None:
     for name, justify in [("rank", "right"), ("mode", "left"), ("seconds (p10-p90)", "right"),
                           ("MB moved, all workers", "right"), ("reached", "right")]:
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    tied = {a for a, _ in result.ties()}
     for i, mode in enumerate(result.ranking(), 1):
         p = result.predictions[mode]
         table.add_row(str(i), mode, _range(p.time), _range(p.traffic, 1e-6, "{:.1f}"),
                       f"{p.reached}/{len(p.times)}")
     console.print(keep_figures(table, console))
+    if tied:
+        pairs = ", ".join(f"{a} and {b}" for a, b in result.ties())
+        console.print(f"too close to call (their ranges overlap): {pairs}")

@@ -15,6 +15,7 @@ themselves, against what they measured: the in-sample error.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 import statistics
 import tempfile
@@ -237,11 +238,22 @@ class Plan:
             return (0, t.mid) if t is not None else (1, 0.0)
         return sorted(self.predictions, key=key)
 
+    def ties(self) -> list[tuple[str, str]]:
+        """Neighbours in the ranking whose predicted ranges overlap: too close to call."""
+        ranked = [m for m in self.ranking() if self.predictions[m].time is not None]
+        out = []
+        for a, b in itertools.pairwise(ranked):
+            ta, tb = self.predictions[a].time, self.predictions[b].time
+            assert ta is not None and tb is not None
+            if ta.high >= tb.low:
+                out.append((a, b))
+        return out
+
     def to_json(self) -> dict[str, Any]:
         return {"target_loss": self.target_loss, "workers": self.workers,
                 "fit": self.fit.summary(),
                 "modes": {m: p.to_json() for m, p in self.predictions.items()},
-                "ranking": self.ranking(),
+                "ranking": self.ranking(), "ties": [list(t) for t in self.ties()],
                 "fitted_runs": [c.to_json() for c in self.checks]}
 
 
