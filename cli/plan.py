@@ -29,9 +29,13 @@ EPILOG = """\b
 Examples:
   # fit on a 2-worker run, then ask about 4 workers with one slow NIC
   paramserver launch --num-workers 2 --num-servers 1 --mode async --steps 300 \\
-      --eval-every 5 --out runs/fit
-  paramserver plan --from runs/fit --workers 4 --link 400mbit --link-of 3=100mbit \\
+      --eval-every 5 --min-step-time 0.01 --hosts 2+1 --link 100mbit --out runs/fit
+  paramserver plan --from runs/fit --workers 4 --link 100mbit --link-of 3=20mbit \\
       --mode sync --mode async --mode ssp:2 --mode diloco:4 --target-loss 0.5
+\b
+  # a run on loopback fits compute and per-step costs; --link adds plain NICs
+  paramserver plan --from runs/loopback --workers 8 --link 1gbit --mode sync,async \\
+      --straggler 7:slowdown=4 --target-loss 0.5 --json
 \b
 It prints what it fitted, how well the fit predicts the runs it came from (its
 in-sample error), and per mode the predicted time to the target loss and the
@@ -41,6 +45,14 @@ another seed). Hosts are numbered as `launch --hosts N+S` numbers them: workers
 0 .. N-1, then the shards. Without --link the links are the fitted runs'. See
 docs/research.md ("A calibrated what-if planner") for how close it came.
 """
+
+
+def _launch_flag(name: str, help: str) -> Any:
+    """``launch``'s option ``name`` (its type, parsing and metavar), with help that says
+    what it means here."""
+    spec = next(s for s in options.LAUNCH if s.name == name)
+    return click.option(*spec.decls, **{**spec.kwargs, "envvar": None, "show_envvar": False,
+                                         "help": help})
 
 
 def _worker_flag(name: str) -> Any:
@@ -65,9 +77,12 @@ def _modes(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -
                    "(repeatable: the fit takes them all).")
 @click.option("--workers", "-n", type=click.IntRange(min=1), default=None, metavar="N",
               help="Workers to predict for [default: the first run's].")
-@options.launch_flag("link")
-@options.launch_flag("link_of")
-@options.launch_flag("stragglers")
+@_launch_flag("link", "Every NIC's rate, both ways, in tc's units (20mbit, 1gbit) [default: "
+                      "the fitted runs' links].")
+@_launch_flag("link_of", "Host HOST's NIC at RATE instead, e.g. 3=20mbit: a network straggler "
+                         "(repeatable; workers are hosts 0 .. N-1, the shards N ...).")
+@_launch_flag("stragglers", "Slow down one worker, on top of the fitted runs' scenario, e.g. "
+                            "3:slowdown=3 or 2:delay=exp:0.05 (repeatable).")
 @_worker_flag("compression")
 @click.option("--mode", "modes", multiple=True, callback=_modes, default=("sync", "async"),
               show_default=True, metavar="MODE",
@@ -78,7 +93,7 @@ def _modes(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -
 @click.option("--steps", type=click.IntRange(min=1), default=None, metavar="K",
               help="Steps per worker simulated [default: the first run's]; a mode that "
                    "does not reach the target within them says so.")
-@click.option("--draws", type=click.IntRange(min=1), default=5, show_default=True,
+@click.option("--draws", type=click.IntRange(min=1), default=5, show_default=True, metavar="K",
               help="Simulations per configuration (the fit, then bootstrap replicates).")
 @click.option("--json", "as_json", is_flag=True, help="Print the prediction as JSON.")
 def plan(runs: tuple[str, ...], workers: int | None, link: str | None,
