@@ -48,6 +48,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
              "CURVE keys: encryption and authentication between workers and servers."),
     "simulate": ("paramserver.cli.simulate",
                  "Run an experiment grid in virtual time, in this process."),
+    "plan": ("paramserver.cli.plan",
+             "Predict each mode's time to a target loss, fitted on real runs."),
 }
 
 

@@ -149,10 +149,15 @@ def term_unwinds() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+#: a shaped NIC's token bucket: BURST_SECONDS at the rate, at least BURST_FLOOR bytes (a
+#: GSO segment passes whole): enough for the kernel's timer, small beside a round's
+#: megabytes (the planner's simulator models the same bucket: launch/simtiming.py)
+BURST_FLOOR = 64 << 10
+BURST_SECONDS = 0.004
+
+
 def _burst_bytes(bits: int) -> int:
-    # 4 ms at the rate, at least 64 KiB (a GSO segment passes whole): enough for the
-    # kernel's timer, small beside a round's megabytes
-    return max(64 << 10, bits // 8 // 250)
+    return max(BURST_FLOOR, int(bits // 8 * BURST_SECONDS))
 
 
 def _tbf(bits: int) -> list[str]:

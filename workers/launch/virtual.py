@@ -18,6 +18,9 @@ The model of time (all in virtual seconds):
   shifted exponential or other heavy tail (``delay="exp:MEAN"``, ``pareto:...``).
 * every message (pull, push, reply, bye) takes ``latency`` one way; shards
   answer instantly (no queueing at a shard).
+* with a measured :class:`~paramserver.workers.launch.simtiming.Timing` instead
+  (``paramserver plan``), compute is drawn from each worker's measured steps,
+  messages pass the NICs' token buckets, and a shard decides one push at a time.
 * the gradient itself is computed for real, on the weights the worker read,
   at the moment its pull completes; it is pushed when the step's time is up.
 * with local SGD (``local_optimizer``, ``sync_every`` H) a worker's H inner steps
@@ -66,6 +69,7 @@ from paramserver.workers.launch.results import (
     WorkerResult,
     shard_figures,
 )
+from paramserver.workers.launch.simtiming import Compute, Links, Timing
 from paramserver.workers.stragglers import Straggler
 from paramserver.workers.tasks import Task, evaluate
 from paramserver.workers.worker import (
@@ -171,6 +175,9 @@ class _VWorker:
     push_bytes: int = 0  # what the push in flight sends, all shards together
     #: per shard, what its last pull answer took (--pull-compression: compressed)
     pull_bytes: dict[int, int] = field(default_factory=dict)
+    shard_bytes: dict[int, int] = field(default_factory=dict)  # ... and to each shard
+    #: with a Timing: this worker's draws of measured compute times
+    compute: Compute | None = None
     clock: int = 0
     push_id: int = 0
     final: bool = False  # the pull in flight is the one after the last step
@@ -205,9 +212,14 @@ class Simulator:
     need the live objects (``cores``, ``workers``, ``model``) afterwards."""
 
     def __init__(self, spec: ClusterSpec, sim: SimSpec | None = None,
-                 out_dir: str | Path | None = None) -> None:
+                 out_dir: str | Path | None = None, timing: Timing | None = None) -> None:
         self.spec = spec
         self.sim = sim or SimSpec()
+        # a measured model of time (paramserver plan): compute drawn per worker, NICs
+        # that queue, shards that take time per push; None: SimSpec's fixed times
+        self.timing = timing
+        self._links = Links(timing) if timing is not None else None
+        self._busy = [0.0] * spec.num_servers  # with a Timing: when each shard is next free
         self.out = Path(out_dir) if out_dir is not None else None
         self.now = 0.0
         self._queue: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
@@ -270,6 +282,8 @@ class Simulator:
                 inner=inner, sync_every=config.sync_every if inner is not None else 1,
                 encoder=None if config.compression in (None, "none")
                 else Encoder(parse_compression(config.compression), seed=rank),
+                compute=None if self.timing is None
+                else self.timing.sampler(rank, self.spec.worker.seed),
             ))
 
     # ------------------------------------------------------------------ plumbing
@@ -297,6 +311,16 @@ class Simulator:
 
     def _at(self, delay: float, fn: Callable[..., None], *args: Any) -> None:
         heapq.heappush(self._queue, (self.now + delay, next(self._seq), fn, args))
+
+    def _send(self, w: _VWorker, shard: int, to_shard: bool, nbytes: int,
+              fn: Callable[..., None], *args: Any) -> None:
+        """A message between worker ``w`` and ``shard``: ``fn(*args)`` when it lands."""
+        if self._links is None:
+            self._at(self.sim.latency, fn, *args)
+            return
+        hosts = (w.rank, self.spec.num_workers + shard)
+        src, dst = hosts if to_shard else hosts[::-1]
+        self._at(self._links.arrival(self.now, src, dst, nbytes) - self.now, fn, *args)
 
     # ------------------------------------------------------------------ running
 
@@ -348,7 +372,7 @@ class Simulator:
         w.pull_started = self.now
         w.replies = {}
         for k in range(len(self.cores)):
-            self._at(self.sim.latency, self._pull_arrives, w, k)
+            self._send(w, k, True, 0, self._pull_arrives, w, k)
 
     def _pull_arrives(self, w: _VWorker, shard: int) -> None:
         self.cores[shard].request_pull(w.rank, w.clock, w.rank, self.now)
@@ -359,16 +383,17 @@ class Simulator:
         core = self.cores[shard]
         for reply in core.ready_pulls(self.now):
             weights = {key: p.detach().clone() for key, p in core.params.items()}
-            squeeze, worker = core.squeeze, self.workers[reply.worker]
-            worker.pull_bytes[shard] = self._nbytes(shard)
+            w = self.workers[reply.worker]
+            squeeze = core.squeeze
+            w.pull_bytes[shard] = self._nbytes(shard)
             if squeeze is not None:  # --pull-compression: the worker's copy is the shard's
                 squeeze.ask(reply.worker, squeeze.counts.get(reply.worker, -1))  # own
                 answer = squeeze.answer(reply.worker, core.params, reply.version)
                 assert answer is not None  # (the answer it sends, to the bit: pullsqueeze.py)
-                worker.pull_bytes[shard] = answer.nbytes
+                w.pull_bytes[shard] = answer.nbytes
                 weights = {k: t.clone() for k, t in squeeze.held[reply.worker].items()}
-            self._at(self.sim.latency, self._pull_reply, self.workers[reply.worker], shard,
-                     (reply.version, reply.clock, reply.waited, weights))
+            self._send(w, shard, False, w.pull_bytes[shard], self._pull_reply, w, shard,
+                       (reply.version, reply.clock, reply.waited, weights))
 
     def _pull_reply(self, w: _VWorker, shard: int,
                     reply: tuple[int, int, float, dict[str, torch.Tensor]]) -> None:
@@ -400,9 +425,10 @@ class Simulator:
             self._eval(w)
         self._compute(w)
         # a round of local SGD takes its H steps' times, each drawn as a real step's is
-        step_time = sum(w.straggler.step_time(self.sim.compute_time)
-                        for _ in range(w.sync_every))
-        w.compute_s = self.sim.compute_time * w.sync_every
+        draws = [(self.sim.compute_time, 0.0) if w.compute is None else w.compute.draw()
+                 for _ in range(w.sync_every)]
+        step_time = sum(w.straggler.step_time(bare) + extra for bare, extra in draws)
+        w.compute_s = sum(bare + extra for bare, extra in draws)
         w.sleep_s = step_time - w.compute_s
         self._at(step_time, self._push, w)
 
@@ -443,13 +469,15 @@ class Simulator:
         """Each shard's share as its push carries it: encoded by the worker's encoder
         and decoded as the shard's wire decodes it (paramserver/wire/compressed.py)."""
         if w.encoder is None:
-            w.push_bytes = sum(self._nbytes(k) for k in range(len(self.cores)))
+            w.shard_bytes = {k: self._nbytes(k) for k in range(len(self.cores))}
+            w.push_bytes = sum(w.shard_bytes.values())
             return grads
-        out, w.push_bytes = {}, 0
+        out, w.shard_bytes = {}, {}
         for shard, tensors in grads.items():
             sent = w.encoder.encode(tensors)
-            w.push_bytes += sum(t.numel() * t.element_size() for t in sent.values())
+            w.shard_bytes[shard] = sum(t.numel() * t.element_size() for t in sent.values())
             out[shard] = expand(sent, self.cores[shard].specs)
+        w.push_bytes = sum(w.shard_bytes.values())
         return out
 
     def _local_round(self, w: _VWorker, inner: torch.optim.Optimizer) -> None:
@@ -479,9 +507,17 @@ class Simulator:
         w.push_id += 1
         w.outcomes = {}
         for k in range(len(self.cores)):
-            self._at(self.sim.latency, self._push_arrives, w, k)
+            self._send(w, k, True, w.shard_bytes.get(k, 0), self._push_arrives, w, k)
 
     def _push_arrives(self, w: _VWorker, shard: int) -> None:
+        if self.timing is None or not self.timing.service:
+            self._decide(w, shard)
+            return
+        # one push at a time per shard: it waits for the ones before it
+        self._busy[shard] = max(self.now, self._busy[shard]) + self.timing.service
+        self._at(self._busy[shard] - self.now, self._decide, w, shard)
+
+    def _decide(self, w: _VWorker, shard: int) -> None:
         core = self.cores[shard]
         read_version = w.read_versions[shard]
         try:
@@ -504,7 +540,7 @@ class Simulator:
                                                     num_samples=w.num_samples, loss=w.loss,
                                                     grad_norm=grad.norm if grad else None,
                                                     cosine=grad.cosine if grad else None))
-        self._at(self.sim.latency, self._push_reply, w, shard, out)
+        self._send(w, shard, False, 0, self._push_reply, w, shard, out)
         self._answer(shard)
 
     def _push_reply(self, w: _VWorker, shard: int, outcome: PushOutcome) -> None:
@@ -541,7 +577,7 @@ class Simulator:
         """After the final pull: say BYE and write the result (the evaluator's once every
         worker is done, with the final weights' figures: :meth:`_finish`)."""
         for k in range(len(self.cores)):
-            self._at(self.sim.latency, self._bye_arrives, w, k)
+            self._send(w, k, True, 0, self._bye_arrives, w, k)
         self._end = max(self._end, self.now)
         if w.rank == self.spec.worker.evaluator:
             self._evaluator = w
@@ -630,7 +666,8 @@ class Simulator:
 
 def run_simulation(spec: ClusterSpec, out_dir: str | Path | None = None,
                    sim: SimSpec | None = None,
-                   on_progress: Callable[[Progress], None] | None = None) -> ClusterResult:
+                   on_progress: Callable[[Progress], None] | None = None,
+                   timing: Timing | None = None) -> ClusterResult:
     """Run ``spec`` in virtual time; like
     :func:`~paramserver.workers.launch.cluster.run_cluster`, it returns the result and,
     given ``out_dir``, writes the same run directory (``seconds`` and every ``t`` are
@@ -641,4 +678,4 @@ def run_simulation(spec: ClusterSpec, out_dir: str | Path | None = None,
             (out / sub).mkdir(parents=True, exist_ok=True)
         write_json(out / "configs" / "simulation.json",
                     {"spec": spec.to_dict(), "sim": dataclasses.asdict(sim or SimSpec())})
-    return Simulator(spec, sim, out_dir).run(on_progress)
+    return Simulator(spec, sim, out_dir, timing).run(on_progress)
