@@ -67,14 +67,14 @@ def _sampled(a: torch.Tensor, k: int) -> torch.Tensor | None:
         return None
     most = 4 * k + 1024  # (about 1.3 k expected)
     ge = torch.logical_not(a < thr)  # (NaN is a candidate: it is larger than any number)
-    many = int(ge.sum())
+    many = int(torch.count_nonzero(ge))  # (a third of a bool sum's time)
     if many < k:
         return None
     if many <= most:
         return _among(a, ge, k)
     # most of them tie at the threshold (a slice of few values): split there
     gt = torch.logical_not(a <= thr)
-    above = int(gt.sum())
+    above = int(torch.count_nonzero(gt))
     if above < k:  # the k-th largest is the threshold itself
         return _with_ties(gt, ge.logical_xor_(gt), k - above)
     return _among(a, gt, k) if above <= most else None
@@ -96,7 +96,7 @@ def _largest(a: torch.Tensor, k: int) -> torch.Tensor:
     gt = a > t
     if bool(nan.any()):
         gt |= a.isnan()
-    return _with_ties(gt, a == t, k - int(gt.sum()))
+    return _with_ties(gt, a == t, k - int(torch.count_nonzero(gt)))
 
 
 def _with_ties(gt: torch.Tensor, eq: torch.Tensor, need: int) -> torch.Tensor:
@@ -116,9 +116,9 @@ def _past_nth(mask: torch.Tensor, m: int) -> int:
     by counts per block, so that no index list of all its Trues is made."""
     n = mask.numel()
     whole = n - n % _BLOCK
-    counts = mask[:whole].reshape(-1, _BLOCK).sum(dim=1)
+    counts = torch.count_nonzero(mask[:whole].reshape(-1, _BLOCK), dim=1)
     if whole < n:
-        counts = torch.cat([counts, mask[whole:].sum().reshape(1)])
+        counts = torch.cat([counts, torch.count_nonzero(mask[whole:]).reshape(1)])
     cum = counts.cumsum(0)
     block = int(torch.searchsorted(cum, m))
     before = int(cum[block - 1]) if block else 0
