@@ -42,7 +42,7 @@ def test_the_sampled_path_is_taken_and_exact() -> None:
     assert got is not None and torch.equal(got, torch.topk(x.abs(), k).indices.sort().values)
 
 
-@pytest.mark.parametrize("n", [1000, 100_000])
+@pytest.mark.parametrize("n", [1000, 50_000])
 def test_ties_go_to_the_lowest_indices(n: int) -> None:
     x = torch.randint(-3, 4, (n,), generator=torch.Generator().manual_seed(2)).float()
     for k in (1, n // 100, n // 7, n // 2):
@@ -53,7 +53,7 @@ def test_ties_go_to_the_lowest_indices(n: int) -> None:
         assert torch.equal(x.abs()[got].sort().values, want)
 
 
-@pytest.mark.parametrize("n", [7, 1 << 17])
+@pytest.mark.parametrize("n", [7, 1 << 16])
 def test_all_zero_and_all_equal_magnitudes_keep_the_first_k(n: int) -> None:
     k = max(1, n // 100)
     signs = torch.where(_noise(n) >= 0, 1.0, -1.0)
@@ -78,6 +78,12 @@ def test_few_values_and_mostly_zeros() -> None:
     x[-50_000:] = 1.0
     assert torch.equal(top_magnitudes(x, k), torch.arange(k))
     assert sel._sampled(x.abs(), k) is not None
+    # a crowd at the sampled threshold, k to 4 k above it: selected from those above
+    x = torch.full((n,), 2.0)
+    m = 12 * n // 1000  # (about 1.2 k)
+    x[n - m:] = 3.0 + _noise(m, seed=10).abs()
+    got = sel._sampled(x.abs(), k)
+    assert got is not None and torch.equal(got, _rule(x, k))
 
 
 def test_an_unlucky_sample_falls_back_to_the_whole_slice() -> None:
@@ -87,9 +93,14 @@ def test_an_unlucky_sample_falls_back_to_the_whole_slice() -> None:
     x[idx] = 10 + _noise(sel.SAMPLE, seed=5).abs()  # every sampled one large, < k of them
     assert sel._sampled(x.abs(), k) is None
     assert torch.equal(top_magnitudes(x, k), _rule(x, k))
+    x = 10 + _noise(n, seed=11).abs()  # every sampled one least: far too many above
+    x[idx] = 0.0
+    k = n // 100
+    assert sel._sampled(x.abs(), k) is None
+    assert torch.equal(top_magnitudes(x, k), _rule(x, k))
 
 
-@pytest.mark.parametrize("n", [1000, 1 << 17])
+@pytest.mark.parametrize("n", [1000, 1 << 16])
 def test_nan_counts_above_inf_above_numbers(n: int) -> None:
     x = _noise(n, seed=6)
     x[[3, n // 2]] = NAN
@@ -117,7 +128,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _slices() -> list[torch.Tensor]:
-    x = _noise(70_001, seed=8)
+    x = _noise(40_001, seed=8)
     x[:40] = 0.0
     x[40:80] = -0.0  # a -0.0 the dense addition turns into +0.0
     x[100] = NAN
