@@ -8,6 +8,7 @@ import torch
 
 from paramserver.compress import formats
 from paramserver.compress.base import Compressor, Parts
+from paramserver.compress.select import top_magnitudes
 from paramserver.errors import ConfigError
 
 __all__ = ["BF16", "BUILTINS", "FP16", "Int8", "NoCompression", "RandomK", "Sign", "TopK"]
@@ -51,11 +52,14 @@ class Int8(Compressor):
     name = "int8"
 
     def compress(self, flat: torch.Tensor, seed: int) -> Parts:
-        top = float(flat.abs().max()) if flat.numel() else 0.0
-        if not math.isfinite(top):  # as it is: the shard refuses it as today's push
-            return formats.dense(flat)
-        scale = top / 127
-        q = (flat / scale).round().clamp(-127, 127) if scale else torch.zeros_like(flat)
+        # the largest magnitude from the extremes: one pass, no |flat| (a NaN makes both NaN)
+        low, high = (float(t) for t in torch.aminmax(flat)) if flat.numel() else (0.0, 0.0)
+        if not (math.isfinite(low) and math.isfinite(high)):  # as it is: the shard
+            return formats.dense(flat)  # refuses it as today's push
+        scale = max(abs(low), abs(high)) / 127  # (abs: a -0.0 scale would be another)
+        if not scale:
+            return formats.int8(torch.zeros(flat.numel(), dtype=torch.int8), scale)
+        q = (flat / scale).round_().clamp_(-127, 127)  # (in place: the same values)
         return formats.int8(q.to(torch.int8), scale)
 
 
@@ -78,8 +82,8 @@ class TopK(Compressor):
         self.ratio = _ratio(ratio, self.name)
 
     def compress(self, flat: torch.Tensor, seed: int) -> Parts:
-        k = _kept(flat.numel(), self.ratio)
-        idx = torch.topk(flat.abs(), k, sorted=False).indices.sort().values
+        # (sampled, exact: ties at the k-th magnitude go to the lowest indices)
+        idx = top_magnitudes(flat, _kept(flat.numel(), self.ratio))
         return formats.sparse(idx, flat[idx], flat.numel())
 
     def describe(self) -> str:

@@ -9,6 +9,7 @@ holds them, and a restarted worker that loads it continues them.
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Mapping
 from typing import Any
@@ -51,11 +52,11 @@ class Encoder:
         x = flat if residual is None else flat.to(residual.dtype) + residual
         parts = self.compressor.compress(x, self._seed(key, count))
         if self.ef:
-            kept = formats.decode(key, parts, x.numel(), _wide(x.dtype))
-            left = x.to(kept.dtype) - kept
+            # x - decode(parts), in place of x where x is this call's own sum
+            own = residual is not None and not any(_shares(t, x) for t in parts.values())
+            left = formats.residual(key, parts, x, _wide(x.dtype), reuse=own)
             # a non-finite gradient goes (the shard refuses it), its residual does not stay
-            self.residuals[key] = left if bool(torch.isfinite(left).all()) \
-                else torch.zeros_like(left)
+            self.residuals[key] = left if _finite(left) else torch.zeros_like(left)
         return parts
 
     def encode(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -75,6 +76,19 @@ class Encoder:
         self.residuals = {str(k): torch.as_tensor(v).clone()
                           for k, v in state.get("residuals", {}).items()}
         self.pushes = {str(k): int(v) for k, v in state.get("pushes", {}).items()}
+
+
+def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """Every element finite: the extremes are (a NaN makes both NaN), one pass, no
+    mask of the slice's length."""
+    if not t.numel():
+        return True
+    low, high = torch.aminmax(t)
+    return math.isfinite(float(low)) and math.isfinite(float(high))
 
 
 def _wide(dtype: torch.dtype) -> torch.dtype:

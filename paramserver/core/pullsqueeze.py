@@ -137,7 +137,7 @@ class PullSqueeze:
             h = held[key]
             change = p.detach().reshape(-1) - h
             parts = self.compressor.compress(change, self._seed(worker, count, key))
-            h.add_(formats.decode(key, parts, h.numel(), h.dtype))
+            formats.add_into(key, parts, h)  # (what the worker's dense addition gives)
             for part, t in parts.items():
                 tensors[f"{key}{formats.SEP}{part}" if part else key] = t
         return PullAnswer(count, True, tensors, version)
