@@ -162,12 +162,19 @@ def show_plan(console: Console, result: Plan) -> None:
     fit = result.fit.summary()
     pooled = fit["compute_ms_pooled"]
     per_step = fit["link"]["per_step_ms"]
+    fitted = set(fit["fitted_families"])
+    source = fit["link"]["per_step_from"]
+    wire = ", ".join(f"{per_step[f]:.3f} ms per {f} step"
+                     + ("" if f in fitted else f" ({source[f]}'s: no {f} run fitted)")
+                     for f in per_step)
     console.print(f"fitted: compute {pooled['p50']:.3f} ms median per gradient "
                   f"(p10 {pooled['p10']:.3f}, p90 {pooled['p90']:.3f}, mean "
-                  f"{pooled['mean']:.3f}; {int(pooled['n'])} steps); on the wire "
-                  f"{per_step['sync']:.3f} ms per sync step, {per_step['async']:.3f} ms per "
-                  f"async step + {result.fit.link.describe()}; shard "
-                  f"{fit['service_ms']:.3f} ms per push")
+                  f"{pooled['mean']:.3f}; {int(pooled['n'])} steps); on the wire {wire} + "
+                  f"{result.fit.link.describe()}; shard {fit['service_ms']:.3f} ms per push")
+    for mode, over in result.overheads.items():
+        how = over.to_json()
+        console.print(f"{mode}: {how['mean_ms']:.3f} ms per push besides its steps "
+                      f"({how['source']})")
     checks = Table(title="the fit against the runs it came from (in-sample)")
     for name, justify in [("run", "left"), ("mode", "left"), ("N", "right"),
                           ("measured s", "right"), ("predicted s (p10-p90)", "right"),

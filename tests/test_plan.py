@@ -24,12 +24,20 @@ from paramserver.workers.experiments.planfit import (
     RunRecord,
     StepRow,
     compute_times,
+    family,
     fit_link,
     fit_runs,
     fit_service,
+    round_extras,
     wire_samples,
 )
-from paramserver.workers.experiments.planner import Range, parse_plan_mode
+from paramserver.workers.experiments.planner import (
+    Range,
+    Target,
+    configure,
+    estimate_round,
+    parse_plan_mode,
+)
 from paramserver.workers.launch.cluster import ClusterSpec
 from paramserver.workers.launch.simtiming import Links, Timing
 from paramserver.workers.launch.virtual import Simulator
@@ -127,6 +135,57 @@ def test_fit_runs_and_the_timing_it_gives_the_simulator(tmp_path):
         fit_runs([run, loopback])
 
 
+def mode_spec(mode: str, local: bool = False) -> dict:
+    """result.json's spec, as much of it as the fit reads: the mode."""
+    return {"server": {"mode": mode},
+            "worker": {"local_optimizer": "sgd" if local else None}}
+
+
+def test_a_local_sgd_round_s_own_cost_is_what_its_pushes_spent_beyond_h_plain_steps():
+    # plain steps: 0.5 ms overhead each; a local:4 push: 4 x 0.5 ms + 6 ms of its own
+    plain = rows([1.0] + [0.010] * 6, [0.002] * 7, extra=0.0005)
+    local = rows([1.0] + [0.040] * 6, [0.003] * 7, extra=4 * 0.0005 + 0.006, local_steps=4)
+    assert round_extras(local, 0.0005) == [pytest.approx(0.006)] * 6
+    assert round_extras(local, 0.01) == [0.0] * 6  # never below nothing
+    assert family("sync") == "sync" and family("sync", local=True) == "local"
+    assert family("ssp") == "ssp" and family("async") == "async"
+    runs = [RunRecord(Path("a"), mode_spec("async"), {0: plain, 1: plain}, {}),
+            RunRecord(Path("l"), mode_spec("sync", local=True), {0: local, 1: local}, {})]
+    fit = fit_runs(runs)
+    assert fit.families == ("async", "local")
+    assert fit.round_extra == [pytest.approx(0.006)] * 12
+    # compute from the plain steps only: the local run's would hide the round's cost
+    assert fit.compute == {0: [pytest.approx((0.01, 0.0005))] * 6,
+                           1: [pytest.approx((0.01, 0.0005))] * 6}
+    assert fit.timing(family="local").round_extra == fit.round_extra
+    assert fit.timing(family="local", round_extra=[0.001]).round_extra == [0.001]
+    assert fit.summary()["local_round_ms"]["mean"] == pytest.approx(6.0)
+    # a local-SGD run alone: its round's cost is in its steps' overhead, none apart
+    alone = fit_runs(runs[1:])
+    assert alone.round_extra == [0.0]
+    assert alone.compute[0] == [pytest.approx((0.01, 0.002))] * 6
+    assert fit_runs(runs[:1]).round_extra == []  # none fitted: the planner estimates it
+
+
+def test_a_family_without_a_fitted_run_takes_the_nearest_calibrated_one():
+    fit = Fit(compute={0: [(0.01, 0.0)]}, link=LinkFit(0.001, 0.0, False, 10), service=0.0,
+              calibration={"async": 0.001, "sync": 0.004})
+    assert [fit.source(f) for f in ("sync", "local", "async", "ssp")] == \
+        ["sync", "sync", "async", "async"]
+    assert fit.per_step("local") == pytest.approx(0.005)
+    assert fit.per_step("ssp") == pytest.approx(0.002)
+    ssp = replace(fit, calibration={**fit.calibration, "ssp": 0.003})
+    assert ssp.per_step("ssp") == pytest.approx(0.004) and ssp.source("async") == "async"
+    assert Fit(compute=fit.compute, link=fit.link, service=0.0).per_step("ssp") == 0.001
+
+
+def test_a_local_sgd_round_is_timed_in_process_where_no_run_showed_it():
+    base = spec(steps=8)
+    local = configure(base, parse_plan_mode("local:4"), Target())
+    times = estimate_round(local, rounds=3)
+    assert len(times) == 3 and all(t > 0 for t in times)
+
+
 def test_a_new_rate_replaces_the_fitted_links():
     fit = Fit(compute={0: [(0.01, 0.0)]}, link=LinkFit(0.0, 1.0, False, 10, rated=True),
               service=0.0, nominal_per_byte=1e-7)
@@ -194,6 +253,15 @@ def test_a_fitted_timing_sets_each_worker_s_step_time():
     # evaluates: its result comes at the end of the run)
     assert ends[1] == pytest.approx(5 * (0.01 + 0.004) + 0.002)
     assert result.seconds == pytest.approx(5 * (0.03 + 0.004) + 0.002)
+
+
+def test_a_local_sgd_push_costs_its_round_s_own_time_in_the_simulator():
+    local = configure(spec(workers=1, steps=8), parse_plan_mode("local:4"), Target())
+    bare = Simulator(local, timing=Timing({0: [0.01]})).run().seconds
+    rounds = Simulator(local, timing=Timing({0: [0.01]}, round_extra=[0.005])).run().seconds
+    assert rounds == pytest.approx(bare + 2 * 0.005)  # 8 steps: 2 pushes of 4
+    with pytest.raises(ConfigError, match="round_extra must be >= 0"):
+        Timing({0: [0.01]}, round_extra=[-1.0])
 
 
 def test_bytes_and_a_busy_shard_cost_time_in_the_simulator():

@@ -17,12 +17,19 @@ From each worker's ``step`` records (docs/events.md) of one or more runs:
   ``b = 0`` where the steps all moved one size (one run, uncompressed: ``b``
   cannot be told apart from ``a`` then). The per-step cost is then *calibrated*
   (:func:`paramserver.workers.experiments.planner.calibrate`), per family of modes
-  (sync rounds, local SGD's included; async and SSP): moved until the simulator,
-  run on the fitted configurations of that family, spends as long on the wire per
-  step as the runs did, so that what the model adds itself (its four messages,
-  queueing at the shard, the buckets) is not counted twice, and what it lacks (a
-  sync round's burst of work on one machine) is counted. A family no run was
-  fitted on takes the other's;
+  (sync, local SGD and DiLoCo, async, SSP): moved until the simulator, run on the
+  fitted configurations of that family, spends as long on the wire per step as the
+  runs did, so that what the model adds itself (its four messages, queueing at
+  the shard, the buckets) is not counted twice, and what it lacks (a sync round's
+  burst of work on one machine) is counted. A family no run was fitted on takes
+  the nearest one's that was (:data:`NEAREST`), and says so;
+* **a local-SGD round's own cost**: a push of H inner steps costs, besides its H
+  steps, what the round does once (the copy of the weights it starts from, the
+  pseudo-gradient, the inner optimizer's steps, the barrier's burst): per push of a
+  fitted local-SGD run, its time off the wire less its steps' compute and less H
+  times the mean overhead of a plain step (:func:`round_extras`). Where no
+  local-SGD run was fitted, the planner estimates it in-process
+  (:func:`paramserver.workers.experiments.planner.estimate_round`);
 * **the shards' service time**: a shard decides one push at a time, so two
   decisions back to back are one service time apart; the 5th percentile of the
   gaps between a shard's consecutive ``push`` records (capped by ``a``).
@@ -61,16 +68,31 @@ __all__ = [
     "fit_service",
     "mean_wire",
     "read_run",
+    "round_extras",
+    "run_family",
     "wire_samples",
 ]
 
 #: the families of modes whose per-step costs are calibrated apart (see the module doc)
-FAMILIES = ("sync", "async")
+FAMILIES = ("sync", "local", "async", "ssp")
+#: a family no fitted run was of takes the first of these that one was of: the
+#: nearest in how its pushes meet at the shard (a round, or a gate's release)
+NEAREST = {"sync": ("local", "ssp", "async"), "local": ("sync", "ssp", "async"),
+           "async": ("ssp", "sync", "local"), "ssp": ("async", "sync", "local")}
 
 
-def family(mode: str) -> str:
-    """``sync`` (rounds: sync, local SGD, DiLoCo) or ``async`` (async, ssp)."""
-    return "sync" if mode == "sync" else "async"
+def family(mode: str, local: bool = False) -> str:
+    """The family of a shard mode: ``sync``, ``local`` (sync rounds of H local steps:
+    local SGD, DiLoCo), ``async`` or ``ssp``."""
+    if mode == "sync":
+        return "local" if local else "sync"
+    return "ssp" if mode == "ssp" else "async"
+
+
+def run_family(run: RunRecord) -> str:
+    """The family of the mode ``run`` ran."""
+    server, worker = run.spec.get("server") or {}, run.spec.get("worker") or {}
+    return family(str(server.get("mode", "async")), bool(worker.get("local_optimizer")))
 
 
 def mean_wire(run: RunRecord) -> float:
@@ -165,6 +187,15 @@ def compute_times(rows: Sequence[StepRow]) -> list[tuple[float, float]]:
     return out
 
 
+def round_extras(rows: Sequence[StepRow], plain_overhead: float) -> list[float]:
+    """Per local-SGD push after the first: the seconds it spent off the wire, not
+    computing and not injected, beyond ``plain_overhead`` (a plain step's mean
+    overhead) per inner step: what the round itself cost (clamped at 0)."""
+    return [max(0.0, over * max(1, row.local_steps)
+                - plain_overhead * max(1, row.local_steps))
+            for (_, over), row in zip(compute_times(rows), rows[1:], strict=True)]
+
+
 def wire_samples(rows: Sequence[StepRow], nominal_per_byte: float = 0.0
                  ) -> list[tuple[float, float]]:
     """(seconds its bytes take at the nominal rate, or its bytes where there is none;
@@ -235,19 +266,31 @@ class Fit:
     #: family of modes (:func:`family`) -> seconds added to the fitted per-step cost by
     #: calibration (planner.calibrate)
     calibration: dict[str, float] = field(default_factory=dict)
+    #: the families of the fitted runs' modes
+    families: tuple[str, ...] = ()
+    #: a local-SGD push's own cost (:func:`round_extras`), per push of the fitted
+    #: local-SGD runs; empty: none was fitted (the planner estimates it)
+    round_extra: list[float] = field(default_factory=list)
+
+    def source(self, family: str) -> str:
+        """The family whose calibration ``family``'s modes take: its own where it was
+        calibrated, else the nearest that was (:data:`NEAREST`); itself where none was."""
+        for fam in (family, *NEAREST[family]):
+            if fam in self.calibration:
+                return fam
+        return family
 
     def per_step(self, family: str) -> float:
-        """The per-step cost for ``family``'s modes (the other family's where it has none)."""
-        other = FAMILIES[1 - FAMILIES.index(family)]
-        return self.link.per_step + self.calibration.get(family,
-                                                         self.calibration.get(other, 0.0))
+        """The per-step cost for ``family``'s modes (:meth:`source`'s calibration)."""
+        return self.link.per_step + self.calibration.get(self.source(family), 0.0)
 
     def timing(self, link_per_byte: float | None = None,
-               per_byte_of: Mapping[int, float] | None = None, family: str = "async"
-               ) -> Timing:
+               per_byte_of: Mapping[int, float] | None = None, family: str = "async",
+               round_extra: Sequence[float] | None = None) -> Timing:
         """The simulator's :class:`Timing`. ``link_per_byte`` and ``per_byte_of``
         (seconds per byte of every NIC and of host K's, from ``--link`` rates) stand
-        for the fitted runs' NICs, each as far short of its rate as theirs were."""
+        for the fitted runs' NICs, each as far short of its rate as theirs were.
+        ``round_extra`` (a local-SGD push's own cost) replaces the fitted one."""
         fitted = self.link.per_byte(self.nominal_per_byte)
         every = fitted if link_per_byte is None else self.link.per_byte(link_per_byte)
         if not self.link.rated and link_per_byte is not None:
@@ -259,7 +302,9 @@ class Fit:
         return Timing(compute={r: [c for c, _ in v] for r, v in self.compute.items()},
                       overhead={r: [o for _, o in v] for r, v in self.compute.items()},
                       per_message=per_message, per_byte=every, per_byte_of=of,
-                      service=self.service, burst_floor=burst[0], burst_seconds=burst[1])
+                      service=self.service, burst_floor=burst[0], burst_seconds=burst[1],
+                      round_extra=list(self.round_extra if round_extra is None
+                                       else round_extra))
 
     def resample(self, rng: random.Random) -> Fit:
         """A bootstrap replicate: every sample drawn again with replacement, then refit."""
@@ -268,7 +313,8 @@ class Fit:
         compute = {r: draw(v) for r, v in self.compute.items()}
         wire = draw(self.wire)
         link = fit_link(wire, self.link.rated) if wire else self.link
-        return replace(self, compute=compute, link=link, wire=wire)
+        return replace(self, compute=compute, link=link, wire=wire,
+                       round_extra=draw(self.round_extra))
 
     def summary(self) -> dict[str, Any]:
         pooled = [c for vs in self.compute.values() for c, _ in vs]
@@ -278,12 +324,15 @@ class Fit:
             "overhead_ms": {str(r): _quantiles([o for _, o in v])
                             for r, v in self.compute.items()},
             "link": {"per_step_ms": {f: self.per_step(f) * 1e3 for f in FAMILIES},
+                     "per_step_from": {f: self.source(f) for f in FAMILIES},
                      "calibrated_ms": {f: c * 1e3 for f, c in self.calibration.items()},
                      "fitted_per_step_ms": self.link.per_step * 1e3,
                      "per_byte_ns": self.link.per_byte(self.nominal_per_byte) * 1e9,
                      "slope": self.link.slope, "rated": self.link.rated,
                      "slope_fitted": self.link.identified, "samples": self.link.samples},
             "service_ms": self.service * 1e3,
+            "fitted_families": list(self.families),
+            "local_round_ms": _quantiles(self.round_extra),
         }
 
 
@@ -305,17 +354,29 @@ def fit_runs(runs: Sequence[RunRecord]) -> Fit:
     if len(set(rated)) > 1:
         raise ConfigError("fit runs on emulated hosts (--hosts) or on loopback, not both: "
                           "their links have nothing in common")
+    families = [run_family(run) for run in runs]
+    plain = [run for run, fam in zip(runs, families, strict=True) if fam != "local"]
+    # compute from the runs of plain steps; a local-SGD run's only where there is none
+    # (its round's own cost then sits in its steps' overhead, spread over H)
     compute: dict[int, list[tuple[float, float]]] = {}
+    for run in plain or runs:
+        for rank, rows in run.steps.items():
+            compute.setdefault(rank, []).extend(compute_times(rows))
+    compute = {r: v for r, v in compute.items() if v}
+    round_extra: list[float] = [0.0] if not plain else []  # (all of it in the steps')
+    if plain and len(plain) < len(runs):
+        overhead = statistics.fmean(o for v in compute.values() for _, o in v) \
+            if compute else 0.0
+        round_extra = [x for run, fam in zip(runs, families, strict=True) if fam == "local"
+                       for rows in run.steps.values() for x in round_extras(rows, overhead)]
     wire: list[tuple[float, float]] = []
     nominal: list[float] = []
     for run in runs:
         for rank, rows in run.steps.items():
-            compute.setdefault(rank, []).extend(compute_times(rows))
             per_byte = run.per_byte(run.worker_host(rank))
             samples = wire_samples(rows, per_byte)
             wire.extend(samples)
             nominal.extend([per_byte] * len(samples))
-    compute = {r: v for r, v in compute.items() if v}
     if not compute or not wire:
         raise ConfigError("the runs have too few steps to fit (at least 2 per worker)")
     nominal_per_byte = statistics.fmean(nominal) if nominal else 0.0
@@ -324,4 +385,5 @@ def fit_runs(runs: Sequence[RunRecord]) -> Fit:
                 for run in runs for times in run.pushes.values() if len(times) > 1]
     service = statistics.median(gaps_fit) if gaps_fit else 0.0
     return Fit(compute=compute, link=link, service=service, wire=wire,
-               nominal_per_byte=nominal_per_byte)
+               nominal_per_byte=nominal_per_byte, families=tuple(dict.fromkeys(families)),
+               round_extra=round_extra)

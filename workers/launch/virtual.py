@@ -429,6 +429,10 @@ class Simulator:
                  for _ in range(w.sync_every)]
         step_time = sum(w.straggler.step_time(bare) + extra for bare, extra in draws)
         w.compute_s = sum(bare + extra for bare, extra in draws)
+        if w.inner is not None and w.compute is not None:  # the round's own work
+            round_extra = w.compute.draw_round()
+            step_time += round_extra
+            w.compute_s += round_extra
         w.sleep_s = step_time - w.compute_s
         self._at(step_time, self._push, w)
 
