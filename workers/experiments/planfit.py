@@ -7,8 +7,10 @@ From each worker's ``step`` records (docs/events.md) of one or more runs:
   between two consecutive steps that was neither on the wire nor injected,
   ``dt - max(pull_s, push_s) - sleep_s - compute_s`` (a push and its pull are one
   round trip, timed from the same start: the evaluator's evaluations, bookkeeping),
-  each per gradient (a local-SGD push holds H); kept as the measured pairs
-  themselves: the simulator resamples them;
+  the compute per gradient (a local-SGD push holds H), the overhead per push (most
+  of it is the push's own bookkeeping: a local-SGD push of H steps spends about
+  what one plain step does, measured on emulated hosts, docs/research.md); kept as
+  the measured pairs themselves: the simulator resamples them;
 * **the link**: a step's time on the wire, ``max(pull_s, push_s) - wait_s`` (the
   time a shard held the pull at a barrier is no wire time). On emulated hosts the
   bytes' part is the NICs' own, as ``tc`` shapes them (their rate and token bucket,
@@ -25,9 +27,9 @@ From each worker's ``step`` records (docs/events.md) of one or more runs:
   the nearest one's that was (:data:`NEAREST`), and says so;
 * **a local-SGD round's own cost**: a push of H inner steps costs, besides its H
   steps, what the round does once (the copy of the weights it starts from, the
-  pseudo-gradient, the inner optimizer's steps, the barrier's burst): per push of a
-  fitted local-SGD run, its time off the wire less its steps' compute and less H
-  times the mean overhead of a plain step (:func:`round_extras`). Where no
+  pseudo-gradient, the inner optimizer's steps): per push of a fitted local-SGD
+  run, its overhead less a plain push's mean overhead (:func:`round_extras`; their
+  mean is what is fitted, kept >= 0). Where no
   local-SGD run was fitted, the planner estimates it in-process
   (:func:`paramserver.workers.experiments.planner.estimate_round`);
 * **the shards' service time**: a shard decides one push at a time, so two
@@ -67,6 +69,7 @@ __all__ = [
     "fit_runs",
     "fit_service",
     "mean_wire",
+    "nonnegative",
     "read_run",
     "round_extras",
     "run_family",
@@ -178,22 +181,32 @@ def read_run(path: str | Path) -> RunRecord:
 
 
 def compute_times(rows: Sequence[StepRow]) -> list[tuple[float, float]]:
-    """(compute, overhead) per gradient of each step after the first (the module doc)."""
+    """(compute per gradient, overhead per push) of each step after the first (the
+    module doc)."""
     out = []
     for prev, row in itertools.pairwise(rows):
         off_wire = row.t - prev.t - max(row.pull_s, row.push_s) - row.sleep_s
         n = max(1, row.local_steps)
-        out.append((row.compute_s / n, max(0.0, off_wire - row.compute_s) / n))
+        out.append((row.compute_s / n, max(0.0, off_wire - row.compute_s)))
     return out
 
 
 def round_extras(rows: Sequence[StepRow], plain_overhead: float) -> list[float]:
-    """Per local-SGD push after the first: the seconds it spent off the wire, not
-    computing and not injected, beyond ``plain_overhead`` (a plain step's mean
-    overhead) per inner step: what the round itself cost (clamped at 0)."""
-    return [max(0.0, over * max(1, row.local_steps)
-                - plain_overhead * max(1, row.local_steps))
-            for (_, over), row in zip(compute_times(rows), rows[1:], strict=True)]
+    """Per local-SGD push after the first: its overhead (off the wire, not computing,
+    not injected) beyond ``plain_overhead``, a plain push's mean: what the round itself
+    cost. Below 0 where the push spent less (noise around a small cost)."""
+    return [over - plain_overhead for _, over in compute_times(rows)]
+
+
+def nonnegative(values: Sequence[float]) -> list[float]:
+    """``values`` clamped at 0 and scaled back to their mean (0s where it is <= 0): a
+    cost to resample whose mean is the measured one."""
+    mean = statistics.fmean(values) if values else 0.0
+    clamped = [max(0.0, v) for v in values]
+    if mean <= 0:
+        return [0.0] * len(values)
+    scale = mean / statistics.fmean(clamped)
+    return [v * scale for v in clamped]
 
 
 def wire_samples(rows: Sequence[StepRow], nominal_per_byte: float = 0.0
@@ -258,7 +271,8 @@ def fit_service(push_times: Sequence[float], per_step: float = math.inf) -> floa
 class Fit:
     """The model of time fitted from runs, and what is needed to resample it."""
 
-    compute: dict[int, list[tuple[float, float]]]  # rank -> (compute, overhead) per gradient
+    #: rank -> (compute per gradient, overhead per push) per step
+    compute: dict[int, list[tuple[float, float]]]
     link: LinkFit
     service: float
     wire: list[tuple[float, float]] = field(default_factory=list)
@@ -357,7 +371,7 @@ def fit_runs(runs: Sequence[RunRecord]) -> Fit:
     families = [run_family(run) for run in runs]
     plain = [run for run, fam in zip(runs, families, strict=True) if fam != "local"]
     # compute from the runs of plain steps; a local-SGD run's only where there is none
-    # (its round's own cost then sits in its steps' overhead, spread over H)
+    # (its round's own cost then sits in its pushes' overhead)
     compute: dict[int, list[tuple[float, float]]] = {}
     for run in plain or runs:
         for rank, rows in run.steps.items():
@@ -367,8 +381,9 @@ def fit_runs(runs: Sequence[RunRecord]) -> Fit:
     if plain and len(plain) < len(runs):
         overhead = statistics.fmean(o for v in compute.values() for _, o in v) \
             if compute else 0.0
-        round_extra = [x for run, fam in zip(runs, families, strict=True) if fam == "local"
-                       for rows in run.steps.values() for x in round_extras(rows, overhead)]
+        round_extra = nonnegative([
+            x for run, fam in zip(runs, families, strict=True) if fam == "local"
+            for rows in run.steps.values() for x in round_extras(rows, overhead)])
     wire: list[tuple[float, float]] = []
     nominal: list[float] = []
     for run in runs:

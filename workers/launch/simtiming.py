@@ -9,8 +9,8 @@ guesses:
   (empirical: the measured values themselves, resampled; a rank the fit has no
   values for draws from every rank's pooled values), then the straggler scenario
   applies on top, as for a real worker; the same draw's overhead (what a worker
-  does off the wire besides computing: its evaluations, its bookkeeping) is added
-  after, untouched by the scenario, as a real worker's is;
+  does off the wire besides computing: its evaluations, its bookkeeping; per push)
+  is added after, untouched by the scenario, as a real worker's is;
 * every NIC, each way, is a token bucket (what ``tc tbf`` makes of an emulated
   host's NIC): it passes bytes at its rate (``1 / per_byte``), and up to
   ``burst`` bytes at once after a pause (``burst_floor`` bytes or ``burst_seconds``
@@ -18,8 +18,8 @@ guesses:
   rate). A message passes the sender's bucket and the receiver's, one message at a
   time each, and arrives ``per_message`` seconds after the later of the two;
 * a shard decides one push at a time, each taking ``service`` seconds;
-* a local-SGD push (H inner steps, then the pseudo-gradient) costs its H steps'
-  draws and one draw of ``round_extra``: what a round does besides its steps (the
+* a local-SGD push (H inner steps, then the pseudo-gradient) costs H compute
+  draws, one overhead and one draw of ``round_extra``: what a round does besides its steps (the
   copy of the weights it starts from, the pseudo-gradient, the inner optimizer's
   steps), measured per push by the fit or estimated in-process by the planner.
 
@@ -45,7 +45,8 @@ class Timing:
 
     #: rank -> that worker's measured bare compute times per step
     compute: Mapping[int, Sequence[float]]
-    #: rank -> the overhead measured with each of those steps (same length; absent: none)
+    #: rank -> the overhead per push measured with each of those steps (same length;
+    #: absent: none)
     overhead: Mapping[int, Sequence[float]] = field(default_factory=dict)
     #: fixed cost of one message, one way (the simulator sends four per step: push,
     #: its reply, pull, its reply)
