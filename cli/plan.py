@@ -178,25 +178,27 @@ def show_plan(console: Console, result: Plan) -> None:
     checks = Table(title="the fit against the runs it came from (in-sample)")
     for name, justify in [("run", "left"), ("mode", "left"), ("N", "right"),
                           ("measured s", "right"), ("predicted s (p10-p90)", "right"),
-                          ("error", "right")]:
+                          ("error", "right"), ("held ms/push: run, model", "right")]:
         checks.add_column(name, justify=justify)  # type: ignore[arg-type]
     for c in result.checks:
         err = c.error
         checks.add_row(c.run, c.mode, str(c.workers),
                        "not reached" if c.measured is None else f"{c.measured:.2f}",
                        _range(c.predicted.time),
-                       "-" if err is None else f"{err:+.0%}")
+                       "-" if err is None else f"{err:+.0%}",
+                       f"{c.wait * 1e3:.2f}, {c.predicted.to_json()['wait_ms_per_push']:.2f}")
     console.print(keep_figures(checks, console))
     table = Table(title=f"predicted for {result.workers} workers: time to held-out loss "
                         f"{result.target_loss:g}")
     for name, justify in [("rank", "right"), ("mode", "left"), ("seconds (p10-p90)", "right"),
-                          ("MB moved, all workers", "right"), ("reached", "right")]:
+                          ("MB moved, all workers", "right"), ("held ms/push", "right"),
+                          ("reached", "right")]:
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
     tied = {a for a, _ in result.ties()}
     for i, mode in enumerate(result.ranking(), 1):
         p = result.predictions[mode]
         table.add_row(str(i), mode, _range(p.time), _range(p.traffic, 1e-6, "{:.1f}"),
-                      f"{p.reached}/{len(p.times)}")
+                      f"{p.to_json()['wait_ms_per_push']:.2f}", f"{p.reached}/{len(p.times)}")
     console.print(keep_figures(table, console))
     if tied:
         pairs = ", ".join(f"{a} and {b}" for a, b in result.ties())

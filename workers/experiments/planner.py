@@ -233,6 +233,8 @@ class Prediction:
 
     times: list[float | None]
     bytes: list[float | None]
+    #: per draw, the mean time a pull was held at the barrier or SSP gate, per push
+    waits: list[float] = field(default_factory=list)
 
     @property
     def reached(self) -> int:
@@ -251,6 +253,8 @@ class Prediction:
         return {"draws": len(self.times), "reached": self.reached,
                 "time_to_target_s": time.to_json() if time else None,
                 "bytes_to_target": traffic.to_json() if traffic else None,
+                "wait_ms_per_push": statistics.median(self.waits) * 1e3 if self.waits
+                else None,
                 "times": self.times}
 
 
@@ -263,6 +267,7 @@ class Check:
     workers: int
     measured: float | None  # None: the run never reached the target (or never evaluated)
     predicted: Prediction
+    wait: float = 0.0  # the run's mean time held at a barrier or gate, per push
 
     @property
     def error(self) -> float | None:
@@ -274,6 +279,7 @@ class Check:
     def to_json(self) -> dict[str, Any]:
         return {"run": self.run, "mode": self.mode, "workers": self.workers,
                 "measured_s": self.measured, "error": self.error,
+                "measured_wait_ms_per_push": self.wait * 1e3,
                 **self.predicted.to_json()}
 
 
@@ -313,6 +319,12 @@ class Plan:
                 "ranking": self.ranking(), "ties": [list(t) for t in self.ties()],
                 "local_round": {m: o.to_json() for m, o in self.overheads.items()},
                 "fitted_runs": [c.to_json() for c in self.checks]}
+
+
+def _mean_wait(run: RunRecord) -> float:
+    """Mean seconds a pull was held at the barrier or the SSP gate, per push."""
+    waits = [r.wait_s for rows in run.steps.values() for r in rows[1:]]
+    return statistics.fmean(waits) if waits else 0.0
 
 
 def _time_and_bytes(out: Path, seed: int, target_loss: float) -> tuple[float | None, float | None]:
@@ -388,6 +400,7 @@ def predict(fit: Fit, spec: ClusterSpec, target: Target, target_loss: float, dra
     every, of = target.per_byte()
     times: list[float | None] = []
     moved: list[float | None] = []
+    waits: list[float] = []
     for i in range(draws):
         draw = fit if i == 0 else fit.resample(random.Random(i))
         timing = draw.timing(every, of, spec_family(spec),
@@ -397,11 +410,12 @@ def predict(fit: Fit, spec: ClusterSpec, target: Target, target_loss: float, dra
         with tempfile.TemporaryDirectory(prefix="paramserver-plan-") as tmp:
             run_simulation(run, tmp, SimSpec(threads=1, progress_every=10**9), timing=timing)
             t, b = _time_and_bytes(Path(tmp), seed, target_loss)
+            waits.append(_mean_wait(read_run(tmp)))
         times.append(t)
         moved.append(b)
         if on_draw is not None:
             on_draw()
-    return Prediction(times, moved)
+    return Prediction(times, moved, waits)
 
 
 def configure_modes(runs: Sequence[RunRecord], modes: Sequence[ModePlan], target: Target
@@ -432,7 +446,8 @@ def make_plan(runs: Sequence[RunRecord], modes: Sequence[ModePlan], target: Targ
         predicted = predict(fit, spec, links, target_loss, draws, on_draw)
         mode = spec.server.mode + (f":{spec.server.staleness_bound}"
                                    if spec.server.mode == "ssp" else "")
-        checks.append(Check(str(run.path), mode, spec.num_workers, measured, predicted))
+        checks.append(Check(str(run.path), mode, spec.num_workers, measured, predicted,
+                            _mean_wait(run)))
     overheads = {text: Overhead(fit.round_extra, True) if "local" in fit.families
                  else Overhead(estimate_round(spec), False)
                  for text, spec in specs.items() if spec_family(spec) == "local"}
