@@ -37,9 +37,12 @@ Examples:
   paramserver plan --from runs/loopback --workers 8 --link 1gbit --mode sync,async \\
       --straggler 7:slowdown=4 --target-loss 0.5 --json
 \b
-It prints what it fitted, how well the fit predicts the runs it came from (its
-in-sample error), and per mode the predicted time to the target loss and the
-bytes every worker moved until then: the median and the 10th-90th percentile
+It prints what it fitted (and which per-mode costs were fitted on a run of that
+mode, which taken from another mode's or timed here in-process: a local-SGD
+round's own work), how well the fit predicts the runs it came from (its
+in-sample error), and per mode the predicted time to the target loss, the
+bytes every worker moved until then and the time its pulls were held at the
+barrier or SSP gate: the median and the 10th-90th percentile
 over the draws (the fit itself, then bootstrap replicates of it, each with
 another seed). Hosts are numbered as `launch --hosts N+S` numbers them: workers
 0 .. N-1, then the shards. Without --link the links are the fitted runs'. See
