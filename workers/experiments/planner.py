@@ -67,8 +67,9 @@ def spec_family(spec: ClusterSpec) -> str:
 def estimate_round(spec: ClusterSpec, rounds: int = ESTIMATE_ROUNDS) -> list[float]:
     """What one local-SGD push of ``spec`` costs a worker besides its H steps, timed
     here, in this process, on the task's own model: the copy of the weights the round
-    starts from, H steps of the inner optimizer, the pseudo-gradient. Seconds, one
-    value per round timed. (The outer step is the shard's: in its service time.)"""
+    starts from, H steps of the inner optimizer, the pseudo-gradient. Seconds: the
+    median over ``rounds`` timed (the machine's stalls are in the fitted overhead
+    already). (The outer step is the shard's: in its service time.)"""
     import time
 
     import torch
@@ -96,7 +97,7 @@ def estimate_round(spec: ClusterSpec, rounds: int = ESTIMATE_ROUNDS) -> list[flo
             del pseudo
             if i:  # the first: allocation, the optimizer's state
                 times.append(took)
-    return times
+    return [statistics.median(times)]
 
 
 @dataclass(frozen=True)
