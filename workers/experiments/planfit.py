@@ -9,7 +9,7 @@ From each worker's ``step`` records (docs/events.md) of one or more runs:
   round trip, timed from the same start: the evaluator's evaluations, bookkeeping),
   the compute per gradient (a local-SGD push holds H), the overhead per push (most
   of it is the push's own bookkeeping: a local-SGD push of H steps spends about
-  what one plain step does, measured on emulated hosts, docs/research.md); kept as
+  what one plain push does, measured on emulated hosts, docs/research.md); kept as
   the measured pairs themselves: the simulator resamples them;
 * **the link**: a step's time on the wire, ``max(pull_s, push_s) - wait_s`` (the
   time a shard held the pull at a barrier is no wire time). On emulated hosts the
