@@ -37,9 +37,12 @@ Examples:
   paramserver plan --from runs/loopback --workers 8 --link 1gbit --mode sync,async \\
       --straggler 7:slowdown=4 --target-loss 0.5 --json
 \b
-It prints what it fitted, how well the fit predicts the runs it came from (its
-in-sample error), and per mode the predicted time to the target loss and the
-bytes every worker moved until then: the median and the 10th-90th percentile
+It prints what it fitted (and which per-mode costs were fitted on a run of that
+mode, which taken from another mode's or timed here in-process: a local-SGD
+round's own work), how well the fit predicts the runs it came from (its
+in-sample error), and per mode the predicted time to the target loss, the
+bytes every worker moved until then and the time its pulls were held at the
+barrier or SSP gate: the median and the 10th-90th percentile
 over the draws (the fit itself, then bootstrap replicates of it, each with
 another seed). Hosts are numbered as `launch --hosts N+S` numbers them: workers
 0 .. N-1, then the shards. Without --link the links are the fitted runs'. See
@@ -162,34 +165,43 @@ def show_plan(console: Console, result: Plan) -> None:
     fit = result.fit.summary()
     pooled = fit["compute_ms_pooled"]
     per_step = fit["link"]["per_step_ms"]
+    fitted = set(fit["fitted_families"])
+    source = fit["link"]["per_step_from"]
+    wire = ", ".join(f"{per_step[f]:.3f} ms per {f} step"
+                     + ("" if f in fitted else f" ({source[f]}'s: no {f} run fitted)")
+                     for f in per_step)
     console.print(f"fitted: compute {pooled['p50']:.3f} ms median per gradient "
                   f"(p10 {pooled['p10']:.3f}, p90 {pooled['p90']:.3f}, mean "
-                  f"{pooled['mean']:.3f}; {int(pooled['n'])} steps); on the wire "
-                  f"{per_step['sync']:.3f} ms per sync step, {per_step['async']:.3f} ms per "
-                  f"async step + {result.fit.link.describe()}; shard "
-                  f"{fit['service_ms']:.3f} ms per push")
+                  f"{pooled['mean']:.3f}; {int(pooled['n'])} steps); on the wire {wire} + "
+                  f"{result.fit.link.describe()}; shard {fit['service_ms']:.3f} ms per push")
+    for mode, over in result.overheads.items():
+        how = over.to_json()
+        console.print(f"{mode}: {how['mean_ms']:.3f} ms per push besides its steps "
+                      f"({how['source']})")
     checks = Table(title="the fit against the runs it came from (in-sample)")
     for name, justify in [("run", "left"), ("mode", "left"), ("N", "right"),
                           ("measured s", "right"), ("predicted s (p10-p90)", "right"),
-                          ("error", "right")]:
+                          ("error", "right"), ("held ms/push: run, model", "right")]:
         checks.add_column(name, justify=justify)  # type: ignore[arg-type]
     for c in result.checks:
         err = c.error
         checks.add_row(c.run, c.mode, str(c.workers),
                        "not reached" if c.measured is None else f"{c.measured:.2f}",
                        _range(c.predicted.time),
-                       "-" if err is None else f"{err:+.0%}")
+                       "-" if err is None else f"{err:+.0%}",
+                       f"{c.wait * 1e3:.2f}, {c.predicted.to_json()['wait_ms_per_push']:.2f}")
     console.print(keep_figures(checks, console))
     table = Table(title=f"predicted for {result.workers} workers: time to held-out loss "
                         f"{result.target_loss:g}")
     for name, justify in [("rank", "right"), ("mode", "left"), ("seconds (p10-p90)", "right"),
-                          ("MB moved, all workers", "right"), ("reached", "right")]:
+                          ("MB moved, all workers", "right"), ("held ms/push", "right"),
+                          ("reached", "right")]:
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
     tied = {a for a, _ in result.ties()}
     for i, mode in enumerate(result.ranking(), 1):
         p = result.predictions[mode]
         table.add_row(str(i), mode, _range(p.time), _range(p.traffic, 1e-6, "{:.1f}"),
-                      f"{p.reached}/{len(p.times)}")
+                      f"{p.to_json()['wait_ms_per_push']:.2f}", f"{p.reached}/{len(p.times)}")
     console.print(keep_figures(table, console))
     if tied:
         pairs = ", ".join(f"{a} and {b}" for a, b in result.ties())

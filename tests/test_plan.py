@@ -24,12 +24,21 @@ from paramserver.workers.experiments.planfit import (
     RunRecord,
     StepRow,
     compute_times,
+    family,
     fit_link,
     fit_runs,
     fit_service,
+    nonnegative,
+    round_extras,
     wire_samples,
 )
-from paramserver.workers.experiments.planner import Range, parse_plan_mode
+from paramserver.workers.experiments.planner import (
+    Range,
+    Target,
+    configure,
+    estimate_round,
+    parse_plan_mode,
+)
 from paramserver.workers.launch.cluster import ClusterSpec
 from paramserver.workers.launch.simtiming import Links, Timing
 from paramserver.workers.launch.virtual import Simulator
@@ -127,6 +136,59 @@ def test_fit_runs_and_the_timing_it_gives_the_simulator(tmp_path):
         fit_runs([run, loopback])
 
 
+def mode_spec(mode: str, local: bool = False) -> dict:
+    """result.json's spec, as much of it as the fit reads: the mode."""
+    return {"server": {"mode": mode},
+            "worker": {"local_optimizer": "sgd" if local else None}}
+
+
+def test_a_local_sgd_round_s_own_cost_is_what_its_pushes_spent_beyond_a_plain_push():
+    # plain pushes: 0.5 ms overhead each; a local:4 push: 0.5 ms + 6 ms of its own
+    plain = rows([1.0] + [0.010] * 6, [0.002] * 7, extra=0.0005)
+    local = rows([1.0] + [0.040] * 6, [0.003] * 7, extra=0.0005 + 0.006, local_steps=4)
+    assert round_extras(local, 0.0005) == [pytest.approx(0.006)] * 6
+    assert round_extras(local, 0.0075) == [pytest.approx(-0.001)] * 6  # noise: kept
+    assert nonnegative([-0.001, 0.003]) == [0.0, pytest.approx(0.002)]  # the mean kept
+    assert nonnegative([-0.002, 0.001]) == [0.0, 0.0]
+    assert family("sync") == "sync" and family("sync", local=True) == "local"
+    assert family("ssp") == "ssp" and family("async") == "async"
+    runs = [RunRecord(Path("a"), mode_spec("async"), {0: plain, 1: plain}, {}),
+            RunRecord(Path("l"), mode_spec("sync", local=True), {0: local, 1: local}, {})]
+    fit = fit_runs(runs)
+    assert fit.families == ("async", "local")
+    assert fit.round_extra == [pytest.approx(0.006)] * 12
+    # compute from the plain steps only: the local run's would hide the round's cost
+    assert fit.compute == {0: [pytest.approx((0.01, 0.0005))] * 6,
+                           1: [pytest.approx((0.01, 0.0005))] * 6}
+    assert fit.timing(family="local").round_extra == fit.round_extra
+    assert fit.timing(family="local", round_extra=[0.001]).round_extra == [0.001]
+    assert fit.summary()["local_round_ms"]["mean"] == pytest.approx(6.0)
+    # a local-SGD run alone: its round's cost is in its steps' overhead, none apart
+    alone = fit_runs(runs[1:])
+    assert alone.round_extra == [0.0]
+    assert alone.compute[0] == [pytest.approx((0.01, 0.0065))] * 6  # per push
+    assert fit_runs(runs[:1]).round_extra == []  # none fitted: the planner estimates it
+
+
+def test_a_family_without_a_fitted_run_takes_the_nearest_calibrated_one():
+    fit = Fit(compute={0: [(0.01, 0.0)]}, link=LinkFit(0.001, 0.0, False, 10), service=0.0,
+              calibration={"async": 0.001, "sync": 0.004})
+    assert [fit.source(f) for f in ("sync", "local", "async", "ssp")] == \
+        ["sync", "sync", "async", "async"]
+    assert fit.per_step("local") == pytest.approx(0.005)
+    assert fit.per_step("ssp") == pytest.approx(0.002)
+    ssp = replace(fit, calibration={**fit.calibration, "ssp": 0.003})
+    assert ssp.per_step("ssp") == pytest.approx(0.004) and ssp.source("async") == "async"
+    assert Fit(compute=fit.compute, link=fit.link, service=0.0).per_step("ssp") == 0.001
+
+
+def test_a_local_sgd_round_is_timed_in_process_where_no_run_showed_it():
+    base = spec(steps=8)
+    local = configure(base, parse_plan_mode("local:4"), Target())
+    (took,) = estimate_round(local, rounds=3)  # the median of 3
+    assert 0 < took < 1.0
+
+
 def test_a_new_rate_replaces_the_fitted_links():
     fit = Fit(compute={0: [(0.01, 0.0)]}, link=LinkFit(0.0, 1.0, False, 10, rated=True),
               service=0.0, nominal_per_byte=1e-7)
@@ -196,6 +258,18 @@ def test_a_fitted_timing_sets_each_worker_s_step_time():
     assert result.seconds == pytest.approx(5 * (0.03 + 0.004) + 0.002)
 
 
+def test_a_local_sgd_push_costs_its_round_s_own_time_in_the_simulator():
+    local = configure(spec(workers=1, steps=8), parse_plan_mode("local:4"), Target())
+    bare = Simulator(local, timing=Timing({0: [0.01]})).run().seconds
+    rounds = Simulator(local, timing=Timing({0: [0.01]}, round_extra=[0.005])).run().seconds
+    assert rounds == pytest.approx(bare + 2 * 0.005)  # 8 steps: 2 pushes of 4
+    # the overhead is a push's: once per round, not per inner step
+    kept = Simulator(local, timing=Timing({0: [0.01]}, overhead={0: [0.002]})).run().seconds
+    assert kept == pytest.approx(bare + 2 * 0.002)
+    with pytest.raises(ConfigError, match="round_extra must be >= 0"):
+        Timing({0: [0.01]}, round_extra=[-1.0])
+
+
 def test_bytes_and_a_busy_shard_cost_time_in_the_simulator():
     free = Simulator(spec(workers=1), timing=Timing({0: [0.01]})).run().seconds
     nic = Simulator(spec(workers=1), timing=Timing({0: [0.01]}, per_byte=1e-7)).run().seconds
@@ -240,10 +314,17 @@ def test_plan_fits_a_real_run_and_predicts_each_mode(real_run):
     assert check["error"] == pytest.approx(
         (check["time_to_target_s"]["mid"] - check["measured_s"]) / check["measured_s"])
     assert out["fit"]["compute_ms_pooled"]["n"] == 2 * 39
-    table = plan("--from", str(real_run), "--mode", "async", "--target-loss", "2.0",
+    assert out["local_round"] == {} and out["fit"]["fitted_families"] == ["async"]
+    assert out["fit"]["link"]["per_step_from"] == {"sync": "async", "local": "async",
+                                                   "async": "async", "ssp": "async"}
+    assert check["measured_wait_ms_per_push"] >= 0 and mode["wait_ms_per_push"] >= 0
+    table = plan("--from", str(real_run), "--mode", "async,local:2", "--target-loss", "2.0",
                  "--draws", "1", "--compression", "int8")
     assert table.exit_code == 0, table.output
     assert "in-sample" in table.output and "time to held-out loss 2" in table.output
+    said = " ".join(table.output.split())  # (rich wraps long lines at spaces)
+    assert "local:2: " in said and "besides its steps (estimated in-process)" in said
+    assert "per sync step (async's: no sync run fitted)" in said
 
 
 def test_plan_says_in_one_line_what_is_wrong(real_run, tmp_path):

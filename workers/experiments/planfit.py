@@ -7,8 +7,10 @@ From each worker's ``step`` records (docs/events.md) of one or more runs:
   between two consecutive steps that was neither on the wire nor injected,
   ``dt - max(pull_s, push_s) - sleep_s - compute_s`` (a push and its pull are one
   round trip, timed from the same start: the evaluator's evaluations, bookkeeping),
-  each per gradient (a local-SGD push holds H); kept as the measured pairs
-  themselves: the simulator resamples them;
+  the compute per gradient (a local-SGD push holds H), the overhead per push (most
+  of it is the push's own bookkeeping: a local-SGD push of H steps spends about
+  what one plain push does, measured on emulated hosts, docs/research.md); kept as
+  the measured pairs themselves: the simulator resamples them;
 * **the link**: a step's time on the wire, ``max(pull_s, push_s) - wait_s`` (the
   time a shard held the pull at a barrier is no wire time). On emulated hosts the
   bytes' part is the NICs' own, as ``tc`` shapes them (their rate and token bucket,
@@ -17,12 +19,19 @@ From each worker's ``step`` records (docs/events.md) of one or more runs:
   ``b = 0`` where the steps all moved one size (one run, uncompressed: ``b``
   cannot be told apart from ``a`` then). The per-step cost is then *calibrated*
   (:func:`paramserver.workers.experiments.planner.calibrate`), per family of modes
-  (sync rounds, local SGD's included; async and SSP): moved until the simulator,
-  run on the fitted configurations of that family, spends as long on the wire per
-  step as the runs did, so that what the model adds itself (its four messages,
-  queueing at the shard, the buckets) is not counted twice, and what it lacks (a
-  sync round's burst of work on one machine) is counted. A family no run was
-  fitted on takes the other's;
+  (sync, local SGD and DiLoCo, async, SSP): moved until the simulator, run on the
+  fitted configurations of that family, spends as long on the wire per step as the
+  runs did, so that what the model adds itself (its four messages, queueing at
+  the shard, the buckets) is not counted twice, and what it lacks (a sync round's
+  burst of work on one machine) is counted. A family no run was fitted on takes
+  the nearest one's that was (:data:`NEAREST`), and says so;
+* **a local-SGD round's own cost**: a push of H inner steps costs, besides its H
+  steps, what the round does once (the copy of the weights it starts from, the
+  pseudo-gradient, the inner optimizer's steps): per push of a fitted local-SGD
+  run, its overhead less a plain push's mean overhead (:func:`round_extras`; their
+  mean is what is fitted, kept >= 0). Where no
+  local-SGD run was fitted, the planner estimates it in-process
+  (:func:`paramserver.workers.experiments.planner.estimate_round`);
 * **the shards' service time**: a shard decides one push at a time, so two
   decisions back to back are one service time apart; the 5th percentile of the
   gaps between a shard's consecutive ``push`` records (capped by ``a``).
@@ -60,17 +69,33 @@ __all__ = [
     "fit_runs",
     "fit_service",
     "mean_wire",
+    "nonnegative",
     "read_run",
+    "round_extras",
+    "run_family",
     "wire_samples",
 ]
 
 #: the families of modes whose per-step costs are calibrated apart (see the module doc)
-FAMILIES = ("sync", "async")
+FAMILIES = ("sync", "local", "async", "ssp")
+#: a family no fitted run was of takes the first of these that one was of: the
+#: nearest in how its pushes meet at the shard (a round, or a gate's release)
+NEAREST = {"sync": ("local", "ssp", "async"), "local": ("sync", "ssp", "async"),
+           "async": ("ssp", "sync", "local"), "ssp": ("async", "sync", "local")}
 
 
-def family(mode: str) -> str:
-    """``sync`` (rounds: sync, local SGD, DiLoCo) or ``async`` (async, ssp)."""
-    return "sync" if mode == "sync" else "async"
+def family(mode: str, local: bool = False) -> str:
+    """The family of a shard mode: ``sync``, ``local`` (sync rounds of H local steps:
+    local SGD, DiLoCo), ``async`` or ``ssp``."""
+    if mode == "sync":
+        return "local" if local else "sync"
+    return "ssp" if mode == "ssp" else "async"
+
+
+def run_family(run: RunRecord) -> str:
+    """The family of the mode ``run`` ran."""
+    server, worker = run.spec.get("server") or {}, run.spec.get("worker") or {}
+    return family(str(server.get("mode", "async")), bool(worker.get("local_optimizer")))
 
 
 def mean_wire(run: RunRecord) -> float:
@@ -156,13 +181,32 @@ def read_run(path: str | Path) -> RunRecord:
 
 
 def compute_times(rows: Sequence[StepRow]) -> list[tuple[float, float]]:
-    """(compute, overhead) per gradient of each step after the first (the module doc)."""
+    """(compute per gradient, overhead per push) of each step after the first (the
+    module doc)."""
     out = []
     for prev, row in itertools.pairwise(rows):
         off_wire = row.t - prev.t - max(row.pull_s, row.push_s) - row.sleep_s
         n = max(1, row.local_steps)
-        out.append((row.compute_s / n, max(0.0, off_wire - row.compute_s) / n))
+        out.append((row.compute_s / n, max(0.0, off_wire - row.compute_s)))
     return out
+
+
+def round_extras(rows: Sequence[StepRow], plain_overhead: float) -> list[float]:
+    """Per local-SGD push after the first: its overhead (off the wire, not computing,
+    not injected) beyond ``plain_overhead``, a plain push's mean: what the round itself
+    cost. Below 0 where the push spent less (noise around a small cost)."""
+    return [over - plain_overhead for _, over in compute_times(rows)]
+
+
+def nonnegative(values: Sequence[float]) -> list[float]:
+    """``values`` clamped at 0 and scaled back to their mean (0s where it is <= 0): a
+    cost to resample whose mean is the measured one."""
+    mean = statistics.fmean(values) if values else 0.0
+    clamped = [max(0.0, v) for v in values]
+    if mean <= 0:
+        return [0.0] * len(values)
+    scale = mean / statistics.fmean(clamped)
+    return [v * scale for v in clamped]
 
 
 def wire_samples(rows: Sequence[StepRow], nominal_per_byte: float = 0.0
@@ -227,7 +271,8 @@ def fit_service(push_times: Sequence[float], per_step: float = math.inf) -> floa
 class Fit:
     """The model of time fitted from runs, and what is needed to resample it."""
 
-    compute: dict[int, list[tuple[float, float]]]  # rank -> (compute, overhead) per gradient
+    #: rank -> (compute per gradient, overhead per push) per step
+    compute: dict[int, list[tuple[float, float]]]
     link: LinkFit
     service: float
     wire: list[tuple[float, float]] = field(default_factory=list)
@@ -235,19 +280,31 @@ class Fit:
     #: family of modes (:func:`family`) -> seconds added to the fitted per-step cost by
     #: calibration (planner.calibrate)
     calibration: dict[str, float] = field(default_factory=dict)
+    #: the families of the fitted runs' modes
+    families: tuple[str, ...] = ()
+    #: a local-SGD push's own cost (:func:`round_extras`), per push of the fitted
+    #: local-SGD runs; empty: none was fitted (the planner estimates it)
+    round_extra: list[float] = field(default_factory=list)
+
+    def source(self, family: str) -> str:
+        """The family whose calibration ``family``'s modes take: its own where it was
+        calibrated, else the nearest that was (:data:`NEAREST`); itself where none was."""
+        for fam in (family, *NEAREST[family]):
+            if fam in self.calibration:
+                return fam
+        return family
 
     def per_step(self, family: str) -> float:
-        """The per-step cost for ``family``'s modes (the other family's where it has none)."""
-        other = FAMILIES[1 - FAMILIES.index(family)]
-        return self.link.per_step + self.calibration.get(family,
-                                                         self.calibration.get(other, 0.0))
+        """The per-step cost for ``family``'s modes (:meth:`source`'s calibration)."""
+        return self.link.per_step + self.calibration.get(self.source(family), 0.0)
 
     def timing(self, link_per_byte: float | None = None,
-               per_byte_of: Mapping[int, float] | None = None, family: str = "async"
-               ) -> Timing:
+               per_byte_of: Mapping[int, float] | None = None, family: str = "async",
+               round_extra: Sequence[float] | None = None) -> Timing:
         """The simulator's :class:`Timing`. ``link_per_byte`` and ``per_byte_of``
         (seconds per byte of every NIC and of host K's, from ``--link`` rates) stand
-        for the fitted runs' NICs, each as far short of its rate as theirs were."""
+        for the fitted runs' NICs, each as far short of its rate as theirs were.
+        ``round_extra`` (a local-SGD push's own cost) replaces the fitted one."""
         fitted = self.link.per_byte(self.nominal_per_byte)
         every = fitted if link_per_byte is None else self.link.per_byte(link_per_byte)
         if not self.link.rated and link_per_byte is not None:
@@ -259,7 +316,9 @@ class Fit:
         return Timing(compute={r: [c for c, _ in v] for r, v in self.compute.items()},
                       overhead={r: [o for _, o in v] for r, v in self.compute.items()},
                       per_message=per_message, per_byte=every, per_byte_of=of,
-                      service=self.service, burst_floor=burst[0], burst_seconds=burst[1])
+                      service=self.service, burst_floor=burst[0], burst_seconds=burst[1],
+                      round_extra=list(self.round_extra if round_extra is None
+                                       else round_extra))
 
     def resample(self, rng: random.Random) -> Fit:
         """A bootstrap replicate: every sample drawn again with replacement, then refit."""
@@ -268,7 +327,8 @@ class Fit:
         compute = {r: draw(v) for r, v in self.compute.items()}
         wire = draw(self.wire)
         link = fit_link(wire, self.link.rated) if wire else self.link
-        return replace(self, compute=compute, link=link, wire=wire)
+        return replace(self, compute=compute, link=link, wire=wire,
+                       round_extra=draw(self.round_extra))
 
     def summary(self) -> dict[str, Any]:
         pooled = [c for vs in self.compute.values() for c, _ in vs]
@@ -278,12 +338,15 @@ class Fit:
             "overhead_ms": {str(r): _quantiles([o for _, o in v])
                             for r, v in self.compute.items()},
             "link": {"per_step_ms": {f: self.per_step(f) * 1e3 for f in FAMILIES},
+                     "per_step_from": {f: self.source(f) for f in FAMILIES},
                      "calibrated_ms": {f: c * 1e3 for f, c in self.calibration.items()},
                      "fitted_per_step_ms": self.link.per_step * 1e3,
                      "per_byte_ns": self.link.per_byte(self.nominal_per_byte) * 1e9,
                      "slope": self.link.slope, "rated": self.link.rated,
                      "slope_fitted": self.link.identified, "samples": self.link.samples},
             "service_ms": self.service * 1e3,
+            "fitted_families": list(self.families),
+            "local_round_ms": _quantiles(self.round_extra),
         }
 
 
@@ -305,17 +368,30 @@ def fit_runs(runs: Sequence[RunRecord]) -> Fit:
     if len(set(rated)) > 1:
         raise ConfigError("fit runs on emulated hosts (--hosts) or on loopback, not both: "
                           "their links have nothing in common")
+    families = [run_family(run) for run in runs]
+    plain = [run for run, fam in zip(runs, families, strict=True) if fam != "local"]
+    # compute from the runs of plain steps; a local-SGD run's only where there is none
+    # (its round's own cost then sits in its pushes' overhead)
     compute: dict[int, list[tuple[float, float]]] = {}
+    for run in plain or runs:
+        for rank, rows in run.steps.items():
+            compute.setdefault(rank, []).extend(compute_times(rows))
+    compute = {r: v for r, v in compute.items() if v}
+    round_extra: list[float] = [0.0] if not plain else []  # (all of it in the steps')
+    if plain and len(plain) < len(runs):
+        overhead = statistics.fmean(o for v in compute.values() for _, o in v) \
+            if compute else 0.0
+        round_extra = nonnegative([
+            x for run, fam in zip(runs, families, strict=True) if fam == "local"
+            for rows in run.steps.values() for x in round_extras(rows, overhead)])
     wire: list[tuple[float, float]] = []
     nominal: list[float] = []
     for run in runs:
         for rank, rows in run.steps.items():
-            compute.setdefault(rank, []).extend(compute_times(rows))
             per_byte = run.per_byte(run.worker_host(rank))
             samples = wire_samples(rows, per_byte)
             wire.extend(samples)
             nominal.extend([per_byte] * len(samples))
-    compute = {r: v for r, v in compute.items() if v}
     if not compute or not wire:
         raise ConfigError("the runs have too few steps to fit (at least 2 per worker)")
     nominal_per_byte = statistics.fmean(nominal) if nominal else 0.0
@@ -324,4 +400,5 @@ def fit_runs(runs: Sequence[RunRecord]) -> Fit:
                 for run in runs for times in run.pushes.values() if len(times) > 1]
     service = statistics.median(gaps_fit) if gaps_fit else 0.0
     return Fit(compute=compute, link=link, service=service, wire=wire,
-               nominal_per_byte=nominal_per_byte)
+               nominal_per_byte=nominal_per_byte, families=tuple(dict.fromkeys(families)),
+               round_extra=round_extra)

@@ -36,6 +36,7 @@ from paramserver.workers.experiments.planfit import (
     fit_runs,
     mean_wire,
     read_run,
+    run_family,
 )
 from paramserver.workers.experiments.report import load_run, run_metrics
 from paramserver.workers.launch.clusterspec import ClusterSpec
@@ -43,8 +44,8 @@ from paramserver.workers.launch.hostplan import DEFAULT_LINK
 from paramserver.workers.launch.netcluster import parse_rate
 from paramserver.workers.stragglerspec import StragglerSpec
 
-__all__ = ["ModePlan", "Plan", "Prediction", "Range", "Target", "calibrate", "configure_modes",
-           "make_plan", "parse_plan_mode", "spec_of_run"]
+__all__ = ["ModePlan", "Overhead", "Plan", "Prediction", "Range", "Target", "calibrate",
+           "configure_modes", "estimate_round", "make_plan", "parse_plan_mode", "spec_of_run"]
 
 #: DiLoCo's settings, as the experiment grid's defaults (Douillard et al.): AdamW inside,
 #: Nesterov momentum outside
@@ -54,6 +55,61 @@ DILOCO_OUTER = ("sgd", {"lr": 0.7, "momentum": 0.9, "nesterov": True})
 LOW, HIGH = 0.1, 0.9
 #: evaluations every this many of the evaluator's steps where the run had none
 DEFAULT_EVAL_EVERY = 5
+#: rounds timed by :func:`estimate_round` (after one to warm up)
+ESTIMATE_ROUNDS = 20
+
+
+def spec_family(spec: ClusterSpec) -> str:
+    """The family of modes (planfit.family) ``spec`` runs."""
+    return family(spec.server.mode, spec.worker.local_optimizer is not None)
+
+
+def estimate_round(spec: ClusterSpec, rounds: int = ESTIMATE_ROUNDS) -> list[float]:
+    """What one local-SGD push of ``spec`` costs a worker besides its H steps, timed
+    here, in this process, on the task's own model: the copy of the weights the round
+    starts from, H steps of the inner optimizer, the pseudo-gradient. Seconds: the
+    median over ``rounds`` timed (the machine's stalls are in the fitted overhead
+    already). (The outer step is the shard's: in its service time.)"""
+    import time
+
+    import torch
+
+    from paramserver.core.optim import build_optimizer
+    from paramserver.workers.worker import build_task
+
+    w = spec.worker
+    assert w.local_optimizer is not None
+    model = build_task(w).model
+    params = dict(model.named_parameters())
+    inner = build_optimizer(w.local_optimizer, model.parameters(), w.local_args)
+    gen = torch.Generator().manual_seed(w.seed)
+    for p in params.values():
+        p.grad = torch.randn(p.shape, generator=gen) * 1e-3
+    times = []
+    with torch.no_grad():
+        for i in range(rounds + 1):
+            start = time.perf_counter()
+            anchor = {n: p.detach().clone() for n, p in params.items()}
+            for _ in range(w.sync_every):
+                inner.step()
+            pseudo = {n: anchor[n] - p for n, p in params.items()}
+            took = time.perf_counter() - start
+            del pseudo
+            if i:  # the first: allocation, the optimizer's state
+                times.append(took)
+    return [statistics.median(times)]
+
+
+@dataclass(frozen=True)
+class Overhead:
+    """A local-SGD mode's cost per push besides its steps, and where it came from."""
+
+    seconds: list[float]
+    fitted: bool  # from fitted local-SGD runs' pushes; False: estimated in-process
+
+    def to_json(self) -> dict[str, Any]:
+        return {"mean_ms": statistics.fmean(self.seconds) * 1e3 if self.seconds else 0.0,
+                "source": "fitted" if self.fitted else "estimated in-process"}
 
 
 @dataclass(frozen=True)
@@ -178,6 +234,8 @@ class Prediction:
 
     times: list[float | None]
     bytes: list[float | None]
+    #: per draw, the mean time a pull was held at the barrier or SSP gate, per push
+    waits: list[float] = field(default_factory=list)
 
     @property
     def reached(self) -> int:
@@ -196,6 +254,8 @@ class Prediction:
         return {"draws": len(self.times), "reached": self.reached,
                 "time_to_target_s": time.to_json() if time else None,
                 "bytes_to_target": traffic.to_json() if traffic else None,
+                "wait_ms_per_push": statistics.median(self.waits) * 1e3 if self.waits
+                else None,
                 "times": self.times}
 
 
@@ -208,6 +268,7 @@ class Check:
     workers: int
     measured: float | None  # None: the run never reached the target (or never evaluated)
     predicted: Prediction
+    wait: float = 0.0  # the run's mean time held at a barrier or gate, per push
 
     @property
     def error(self) -> float | None:
@@ -219,6 +280,7 @@ class Check:
     def to_json(self) -> dict[str, Any]:
         return {"run": self.run, "mode": self.mode, "workers": self.workers,
                 "measured_s": self.measured, "error": self.error,
+                "measured_wait_ms_per_push": self.wait * 1e3,
                 **self.predicted.to_json()}
 
 
@@ -229,6 +291,8 @@ class Plan:
     workers: int
     predictions: dict[str, Prediction]  # mode text -> its prediction
     checks: list[Check]
+    #: local-SGD mode text -> its round's own cost (fitted or estimated)
+    overheads: dict[str, Overhead] = field(default_factory=dict)
 
     def ranking(self) -> list[str]:
         """Modes fastest first by the median predicted time; those that never reach the
@@ -254,7 +318,14 @@ class Plan:
                 "fit": self.fit.summary(),
                 "modes": {m: p.to_json() for m, p in self.predictions.items()},
                 "ranking": self.ranking(), "ties": [list(t) for t in self.ties()],
+                "local_round": {m: o.to_json() for m, o in self.overheads.items()},
                 "fitted_runs": [c.to_json() for c in self.checks]}
+
+
+def _mean_wait(run: RunRecord) -> float:
+    """Mean seconds a pull was held at the barrier or the SSP gate, per push."""
+    waits = [r.wait_s for rows in run.steps.values() for r in rows[1:]]
+    return statistics.fmean(waits) if waits else 0.0
 
 
 def _time_and_bytes(out: Path, seed: int, target_loss: float) -> tuple[float | None, float | None]:
@@ -282,7 +353,8 @@ def _as_run(run: RunRecord) -> tuple[ClusterSpec, Target]:
     return configure(spec, own, links), links
 
 
-def _simulated_wire(fit: Fit, spec: ClusterSpec, links: Target) -> float:
+def _simulated_wire(fit: Fit, spec: ClusterSpec, links: Target,
+                    round_extra: Sequence[float] | None = None) -> float:
     """The simulator's mean time on the wire per step, as a worker measures it (push,
     pull, their replies; not the time held at a barrier), on ``spec``."""
     from paramserver.workers.launch.virtual import SimSpec, run_simulation
@@ -290,7 +362,7 @@ def _simulated_wire(fit: Fit, spec: ClusterSpec, links: Target) -> float:
     every, of = links.per_byte()
     with tempfile.TemporaryDirectory(prefix="paramserver-plan-") as tmp:
         run_simulation(spec, tmp, SimSpec(threads=1, progress_every=10**9),
-                       timing=fit.timing(every, of, family(spec.server.mode)))
+                       timing=fit.timing(every, of, spec_family(spec), round_extra))
         steps = read_run(tmp).steps
     wire = [r.push_s + r.pull_s - r.wait_s for rows in steps.values() for r in rows[1:]]
     return statistics.fmean(wire)
@@ -303,8 +375,7 @@ def calibrate(fit: Fit, runs: Sequence[RunRecord], rounds: int = 3,
     (within ``tolerance``): the model's own structure (four messages, queueing at the
     shard, the NICs' buckets) is then not counted twice."""
     for fam in FAMILIES:
-        configs = [(*_as_run(run), mean_wire(run)) for run in runs
-                   if family(spec_of_run(run).server.mode) == fam]
+        configs = [(*_as_run(run), mean_wire(run)) for run in runs if run_family(run) == fam]
         if not configs:
             continue
         measured = statistics.fmean(m for _, _, m in configs)
@@ -321,26 +392,31 @@ def calibrate(fit: Fit, runs: Sequence[RunRecord], rounds: int = 3,
 
 
 def predict(fit: Fit, spec: ClusterSpec, target: Target, target_loss: float, draws: int,
-            on_draw: Callable[[], None] | None = None) -> Prediction:
-    """``draws`` simulations of ``spec``: the fit itself, then bootstrap replicates."""
+            on_draw: Callable[[], None] | None = None,
+            overhead: Overhead | None = None) -> Prediction:
+    """``draws`` simulations of ``spec``: the fit itself, then bootstrap replicates;
+    a local-SGD push costs ``overhead`` (None: the fit's) besides its steps."""
     from paramserver.workers.launch.virtual import SimSpec, run_simulation
 
     every, of = target.per_byte()
     times: list[float | None] = []
     moved: list[float | None] = []
+    waits: list[float] = []
     for i in range(draws):
         draw = fit if i == 0 else fit.resample(random.Random(i))
-        timing = draw.timing(every, of, family(spec.server.mode))
+        timing = draw.timing(every, of, spec_family(spec),
+                             None if overhead is None or overhead.fitted else overhead.seconds)
         seed = spec.worker.seed + i
         run = dataclasses.replace(spec, worker=dataclasses.replace(spec.worker, seed=seed))
         with tempfile.TemporaryDirectory(prefix="paramserver-plan-") as tmp:
             run_simulation(run, tmp, SimSpec(threads=1, progress_every=10**9), timing=timing)
             t, b = _time_and_bytes(Path(tmp), seed, target_loss)
+            waits.append(_mean_wait(read_run(tmp)))
         times.append(t)
         moved.append(b)
         if on_draw is not None:
             on_draw()
-    return Prediction(times, moved)
+    return Prediction(times, moved, waits)
 
 
 def configure_modes(runs: Sequence[RunRecord], modes: Sequence[ModePlan], target: Target
@@ -371,11 +447,17 @@ def make_plan(runs: Sequence[RunRecord], modes: Sequence[ModePlan], target: Targ
         predicted = predict(fit, spec, links, target_loss, draws, on_draw)
         mode = spec.server.mode + (f":{spec.server.staleness_bound}"
                                    if spec.server.mode == "ssp" else "")
-        checks.append(Check(str(run.path), mode, spec.num_workers, measured, predicted))
-    predictions = {text: predict(fit, spec, target, target_loss, draws, on_draw)
+        checks.append(Check(str(run.path), mode, spec.num_workers, measured, predicted,
+                            _mean_wait(run)))
+    overheads = {text: Overhead(fit.round_extra, True) if "local" in fit.families
+                 else Overhead(estimate_round(spec), False)
+                 for text, spec in specs.items() if spec_family(spec) == "local"}
+    predictions = {text: predict(fit, spec, target, target_loss, draws, on_draw,
+                                 overheads.get(text))
                    for text, spec in specs.items()}
     if not any(p.reached for p in predictions.values()):
         steps = target.steps or base.worker.steps
         raise ConfigError(f"no mode reaches the target loss {target_loss:g} within {steps} "
                           "steps per worker in any draw: raise --steps or the target loss")
-    return Plan(fit, target_loss, target.workers or base.num_workers, predictions, checks)
+    return Plan(fit, target_loss, target.workers or base.num_workers, predictions, checks,
+                overheads)

@@ -9,15 +9,19 @@ guesses:
   (empirical: the measured values themselves, resampled; a rank the fit has no
   values for draws from every rank's pooled values), then the straggler scenario
   applies on top, as for a real worker; the same draw's overhead (what a worker
-  does off the wire besides computing: its evaluations, its bookkeeping) is added
-  after, untouched by the scenario, as a real worker's is;
+  does off the wire besides computing: its evaluations, its bookkeeping; per push)
+  is added after, untouched by the scenario, as a real worker's is;
 * every NIC, each way, is a token bucket (what ``tc tbf`` makes of an emulated
   host's NIC): it passes bytes at its rate (``1 / per_byte``), and up to
   ``burst`` bytes at once after a pause (``burst_floor`` bytes or ``burst_seconds``
   at the rate, the larger; both 0: a plain NIC, one byte after another at its
   rate). A message passes the sender's bucket and the receiver's, one message at a
   time each, and arrives ``per_message`` seconds after the later of the two;
-* a shard decides one push at a time, each taking ``service`` seconds.
+* a shard decides one push at a time, each taking ``service`` seconds;
+* a local-SGD push (H inner steps, then the pseudo-gradient) costs H compute
+  draws, one overhead and one draw of ``round_extra``: what a round does besides its steps (the
+  copy of the weights it starts from, the pseudo-gradient, the inner optimizer's
+  steps), measured per push by the fit or estimated in-process by the planner.
 
 Hosts are numbered as ``launch --hosts N+S`` numbers them: worker ``r`` is host
 ``r``, shard ``k`` host ``N + k``. Pure: no clock, no I/O; the randomness is a
@@ -41,7 +45,8 @@ class Timing:
 
     #: rank -> that worker's measured bare compute times per step
     compute: Mapping[int, Sequence[float]]
-    #: rank -> the overhead measured with each of those steps (same length; absent: none)
+    #: rank -> the overhead per push measured with each of those steps (same length;
+    #: absent: none)
     overhead: Mapping[int, Sequence[float]] = field(default_factory=dict)
     #: fixed cost of one message, one way (the simulator sends four per step: push,
     #: its reply, pull, its reply)
@@ -54,6 +59,8 @@ class Timing:
     burst_seconds: float = 0.0
     #: a shard's time to decide one push
     service: float = 0.0
+    #: seconds a local-SGD push costs besides its H steps' draws (resampled; empty: none)
+    round_extra: Sequence[float] = ()
 
     def __post_init__(self) -> None:
         if not any(self.compute.values()):
@@ -67,6 +74,7 @@ class Timing:
                             ("per_byte", self.per_byte), ("service", self.service),
                             ("burst_floor", self.burst_floor),
                             ("burst_seconds", self.burst_seconds),
+                            *(("round_extra", v) for v in self.round_extra),
                             *(("per_byte_of", v) for v in self.per_byte_of.values())]:
             if not value >= 0:
                 raise ConfigError(f"timing: {name} must be >= 0, got {value}")
@@ -79,7 +87,7 @@ class Timing:
     def sampler(self, rank: int, seed: int) -> Compute:
         """The draws of worker ``rank``'s (compute, overhead), seeded by (seed, rank)."""
         pairs = self._pairs(rank) or [p for r in sorted(self.compute) for p in self._pairs(r)]
-        return Compute(pairs, random.Random(f"{seed}:{rank}"))
+        return Compute(pairs, random.Random(f"{seed}:{rank}"), list(self.round_extra))
 
     def byte_cost(self, host: int) -> float:
         return self.per_byte_of.get(host, self.per_byte)
@@ -96,9 +104,14 @@ class Compute:
 
     values: list[tuple[float, float]]  # (compute, overhead)
     rng: random.Random
+    rounds: list[float] = field(default_factory=list)  # a local-SGD push's extra cost
 
     def draw(self) -> tuple[float, float]:
         return self.values[self.rng.randrange(len(self.values))]
+
+    def draw_round(self) -> float:
+        """What one local-SGD push costs besides its steps (0 where nothing was given)."""
+        return self.rounds[self.rng.randrange(len(self.rounds))] if self.rounds else 0.0
 
 
 @dataclass

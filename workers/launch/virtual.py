@@ -424,11 +424,16 @@ class Simulator:
                 and w.clock % config.eval_every == 0):
             self._eval(w)
         self._compute(w)
-        # a round of local SGD takes its H steps' times, each drawn as a real step's is
+        # a round of local SGD takes its H steps' compute times, each drawn as a real
+        # step's is; the overhead (the push's bookkeeping) once, as a real push's
         draws = [(self.sim.compute_time, 0.0) if w.compute is None else w.compute.draw()
                  for _ in range(w.sync_every)]
-        step_time = sum(w.straggler.step_time(bare) + extra for bare, extra in draws)
-        w.compute_s = sum(bare + extra for bare, extra in draws)
+        step_time = sum(w.straggler.step_time(bare) for bare, _ in draws) + draws[0][1]
+        w.compute_s = sum(bare for bare, _ in draws) + draws[0][1]
+        if w.inner is not None and w.compute is not None:  # the round's own work
+            round_extra = w.compute.draw_round()
+            step_time += round_extra
+            w.compute_s += round_extra
         w.sleep_s = step_time - w.compute_s
         self._at(step_time, self._push, w)
 
