@@ -225,6 +225,20 @@ def test_every_document_has_blocks_that_run() -> None:
     assert any("paramserver launch" in b.code and b.skip is None for b in readme)
 
 
+def test_a_block_skipped_as_a_repeat_is_one_that_runs() -> None:
+    """A block not run because another document runs the same commands (docs/cli.md's
+    three modes, the README's quick start) stays word for word what runs there."""
+    def commands(block: Block) -> list[str]:
+        return [ln for ln in block.code.split("\n") if ln.strip() and not ln.startswith("#")]
+
+    runs = {ln for b in blocks(ROOT / "README.md") if b.kind == "shell" and b.skip is None
+            for ln in commands(b)}
+    repeats = [b for b in blocks(ROOT / "docs" / "cli.md")
+               if b.skip is not None and b.skip.startswith("the README's quick start")]
+    assert len(repeats) == 1 and len(commands(repeats[0])) == 3
+    assert set(commands(repeats[0])) <= runs, commands(repeats[0])
+
+
 def _run_document(doc: Path, tmp: Path) -> int:
     """Run the blocks of ``doc`` in order in ``tmp``; how many ran."""
     runnable = [b for b in blocks(doc) if b.kind in ("python", "shell", "toml")]
