@@ -47,6 +47,14 @@ def servers(request: pytest.FixtureRequest) -> Iterator[list[str]]:
         yield addrs
 
 
+@pytest.fixture(scope="module")
+def one_shard() -> Iterator[list[str]]:
+    """One sync shard for the module's tests of one plan (``flat_plan(5000, 1)``): the
+    first INIT seeds it; each test reads the weights it starts from with a pull."""
+    with sync_shards(1, LR, "shard") as addrs:
+        yield addrs
+
+
 # ------------------------------------------------------------------ units
 
 
@@ -124,16 +132,17 @@ def test_push_pull_and_stream_are_exact(servers: list[str]) -> None:
 
 @pytest.mark.integration
 @pytest.mark.parametrize("wire", ["bfloat16", "float16"])
-def test_16bit_gradients_are_widened_exactly(servers: list[str], wire: str) -> None:
+def test_16bit_gradients_are_widened_exactly(one_shard: list[str], wire: str) -> None:
+    servers = one_shard
     plan = flat_plan(5000, 1)
     torch.manual_seed(2)
-    w = torch.randn(5000)
     g = torch.randn(5000)
-    params = {"w": w.clone()}
+    params = {"w": torch.randn(5000)}
     with PSClient(servers, plan, 0, timeout=60, wire_dtype=wire) as client:
         clock = client.connect()
-        client.initialize(params)
+        client.initialize(params)  # seeds the shard in the module's first test only
         versions = client.pull(params, clock).versions
+        w = params["w"].clone()  # the shard's weights
         pushed, _ = client.push_pull({"w": g}, versions, 1, clock, params)
         assert pushed.nbytes == 5000 * 2  # half the bytes of float32 on the wire
         client.bye()

@@ -120,13 +120,23 @@ def assert_gone(pids: set[int]) -> None:
 # --------------------------------------------------------------------------- launch
 
 
+def _quick_start(mode: str) -> list[str]:
+    """The README's quick-start command of ``mode`` (which the docs test does not run:
+    this one does), its ``--steps`` made 150 and its ``--out`` left for the caller."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = text.split("runs these three commands and checks their accuracy -->", 1)[1]
+    block = block.split("\n\n")[1]
+    (line,) = [ln.split() for ln in block.strip().splitlines() if f"--mode {mode} " in
+               ln.replace("  ", " ")]
+    assert line[:2] == ["paramserver", "launch"] and line[-2] == "--out", line
+    line[line.index("--steps") + 1] = "150"
+    return line[1:-2]
+
+
 @pytest.mark.parametrize("mode", ["sync", "async", "ssp"])
 def test_launch_trains_to_the_expected_accuracy(tmp_path: Path, mode: str) -> None:
     out = tmp_path / "run"
-    args = [*PARAMSERVER, "launch", "-s", "2", "-n", "3", "--mode", mode, "--steps", "150",
-            "--device", "cpu", "--out", str(out), "--quiet"]
-    if mode == "ssp":
-        args += ["--staleness-bound", "2"]
+    args = [*PARAMSERVER, *_quick_start(mode), "--out", str(out)]
     proc = start(args, tmp_path / "launch.log")
     pids = watch(proc, LIMIT)
     text = (tmp_path / "launch.log").read_text()

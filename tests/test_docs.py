@@ -225,6 +225,21 @@ def test_every_document_has_blocks_that_run() -> None:
     assert any("paramserver launch" in b.code and b.skip is None for b in readme)
 
 
+def test_a_block_skipped_as_a_repeat_is_one_that_runs() -> None:
+    """docs/cli.md's three modes are the README's quick start word for word, which
+    tests/test_cli_e2e.py runs (reading it from the README) and checks the accuracy of."""
+    def commands(block: Block) -> list[str]:
+        return [ln for ln in block.code.split("\n") if ln.strip() and not ln.startswith("#")]
+
+    def skipped(doc: Path, why: str) -> list[list[str]]:
+        return [commands(b) for b in blocks(doc) if b.skip is not None and why in b.skip]
+
+    (quick,) = skipped(ROOT / "README.md", "tests/test_cli_e2e.py runs these three commands")
+    (again,) = skipped(ROOT / "docs" / "cli.md", "the README's quick start")
+    assert again == quick and len(quick) == 3
+    assert all(c.startswith("paramserver launch ") for c in quick)
+
+
 def _run_document(doc: Path, tmp: Path) -> int:
     """Run the blocks of ``doc`` in order in ``tmp``; how many ran."""
     runnable = [b for b in blocks(doc) if b.kind in ("python", "shell", "toml")]

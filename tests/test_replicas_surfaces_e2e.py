@@ -202,50 +202,10 @@ def test_an_experiment_compares_replicas_0_and_1(tmp_path: Path,
 
 # --------------------------------------------------------------------------- run
 
-
-def test_run_places_replicas_and_survives_a_primary_sigkill(tmp_path: Path) -> None:
-    """Four ranks of `paramserver run --num-servers 1 --replicas 1` in torchrun's
-    environment (its agent's store, here the test's): ranks 0 and 1 are shard 0's
-    replicas, found through the store; rank 0, the primary, is SIGKILLed mid-run."""
-    from datetime import timedelta
-
-    from torch.distributed import TCPStore
-
-    port = free_port()
-    store = TCPStore("127.0.0.1", port, None, True, timedelta(seconds=60),
-                     wait_for_workers=False)  # torchrun's agent would host it
-    out = tmp_path / "run"
-    logs = [tmp_path / f"rank{r}.log" for r in range(4)]
-    procs = [start([*PARAMSERVER, "run", "--num-servers", "1", "--replicas", "1",
-                    "--failover-timeout", "1", "--mode", "async", "--steps", str(STEPS),
-                    "--min-step-time", "0.01", "--device", "cpu", "--out", str(out)],
-                   logs[r], env=env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="4",
-                                    LOCAL_WORLD_SIZE="4", MASTER_ADDR="127.0.0.1",
-                                    MASTER_PORT=str(port),
-                                    TORCHELASTIC_USE_AGENT_STORE="True"))
-             for r in range(4)]
-    try:
-        events = out / "events"
-
-        def pushes() -> int:
-            path = events / "server0.jsonl"
-            return len(read_events(path, "push")) if path.exists() else 0
-
-        _wait_for("20 pushes", lambda: pushes() >= 20, procs, logs)
-        assert b"is replica 0 of shard 0" in logs[0].read_bytes()
-        assert b"is replica 1 of shard 0" in logs[1].read_bytes()
-        os.kill(procs[0].pid, signal.SIGKILL)
-        for r in (1, 2, 3):  # the workers finish, then the backup stops
-            assert procs[r].wait(LIMIT) == 0, logs[r].read_text()[-3000:]
-    finally:
-        del store
-    (failover,) = read_events(events / "server0r1.jsonl", "failover")
-    assert failover["epoch"] == 1
-    results = [json.loads((out / "results" / f"worker{r}.json").read_text()) for r in (0, 1)]
-    assert [r["accepted"] for r in results] == [STEPS, STEPS]
-    (stop,) = read_events(events / "server0r1.jsonl", "server_stop")
-    assert stop["version"] == 2 * STEPS  # every acknowledged push in it, once
-    assert (out / "final_model.safetensors").exists()
+# `paramserver run --replicas 1` (both replicas placed through torchrun's store, the
+# primary SIGKILLed mid-run) is tests/test_run_rejoin_e2e.py's job, which also starts
+# a dead backup again; an async run's every push once through a primary SIGKILL is
+# test_replicas_started_by_hand_survive_a_primary_sigkill's, on the same shard code.
 
 
 # --------------------------------------------------------------------------- --resume

@@ -2,11 +2,14 @@
 shard, as under ``launch`` (issue 47 item 3), over real processes and loopback sockets.
 
 Four ranks of ``run --num-servers 1 --replicas 1`` in torchrun's environment (its
-agent's store, here the test's), sync: the backup (rank 1) is SIGKILLed, the same rank
-is started again by hand with the same command and environment, takes the dead one's
-address and joins the primary (its ``backup_joined``); then the primary is SIGKILLed,
-so the run ends on the replacement, which must hold the shard's state bit for bit: the
-final weights equal those of the same run under ``launch`` without replicas or kills.
+agent's store, here the test's), sync: ranks 0 and 1 are shard 0's replicas, found
+through the store; the backup (rank 1) is SIGKILLed, the same rank is started again
+by hand with the same command and environment, takes the dead one's address and joins
+the primary (its ``backup_joined``); then the primary is SIGKILLed, so the run ends on
+the replacement, which must hold the shard's state bit for bit: the final weights equal
+those of the same run under ``launch`` without replicas or kills. (The one test of
+``run --replicas``: it carries the primary SIGKILL that tests/test_replicas_surfaces_e2e.py
+once ran in a job of its own.)
 """
 
 from __future__ import annotations
@@ -73,6 +76,8 @@ def test_a_replica_run_starts_again_rejoins_and_holds_the_shard(tmp_path: Path) 
     try:
         primary, workers = events / "server0.jsonl", procs[2:]
         _wait_for("5 rounds", lambda: len(_events(primary, "push")) >= 10, procs, logs)
+        # both replicas of shard 0 placed through the store
+        assert b"is replica 0 of shard 0" in logs[0].read_bytes()
         assert b"is replica 1 of shard 0" in logs[1].read_bytes()
         for w in workers:  # held while the backup is replaced (the primary waits idle)
             w.send_signal(signal.SIGSTOP)

@@ -6,6 +6,7 @@ file's format, bounds and cap need none."""
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -30,15 +31,34 @@ PARAMSERVER = [sys.executable, "-m", "paramserver.cli"]
 STEPS = 8
 
 
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _doc_commands() -> list[list[str]]:
+    """docs/research.md's record-and-replay block (which the docs test does not run:
+    these tests run it), one argument list per command, ``runs/traced`` kept as written."""
+    text = (ROOT / "docs" / "research.md").read_text(encoding="utf-8")
+    block = text.split("runs these three commands) -->", 1)[1].split("\n\n")[1]
+    return [shlex.split(line) for line in block.replace("\\\n", " ").strip().splitlines()]
+
+
+def _as_here(args: list[str], out: Path) -> list[str]:
+    """A command of the block with its run folder ``out`` and STEPS steps."""
+    args = [str(out) if a == "runs/traced" else a for a in args]
+    if "--steps" in args:
+        args[args.index("--steps") + 1] = str(STEPS)
+    return args
+
+
 @pytest.fixture(scope="module")
 def traced(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An async launch of 3 workers, worker 2 three times slower, DC-ASGD, traced."""
+    """docs/research.md's traced launch: async, 3 workers, worker 2 three times slower,
+    DC-ASGD, at STEPS steps."""
     out = tmp_path_factory.mktemp("traced")
-    done = subprocess.run(
-        [*PARAMSERVER, "launch", "-s", "1", "-n", "3", "--mode", "async", "--policy", "dc-asgd",
-         "--steps", str(STEPS), "--straggler", "2:slowdown=3", "--trace", "--quiet",
-         "--out", str(out), "--overwrite"],
-        capture_output=True, text=True, timeout=300, check=False)
+    launch = _as_here(_doc_commands()[0], out)
+    assert launch[:2] == ["paramserver", "launch"] and "--trace" in launch, launch
+    done = subprocess.run([*PARAMSERVER, *launch[1:], "--overwrite"],
+                          capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"paramserver simulate --replay {out}" in done.stdout + done.stderr
     return out
@@ -101,6 +121,14 @@ def test_simulate_replay_says_bit_for_bit_and_counterfactual(traced: Path,
     assert own.exit_code == 0, own.output
     assert "final weights bit for bit the run's" in own.output
     written = json.loads((tmp_path / "replay.json").read_text())
+    # the block's two replays, as written: the run again, then two other policies
+    again, others = (_as_here(c, traced) for c in _doc_commands()[1:])
+    assert again[:2] == others[:2] == ["paramserver", "simulate"]
+    said = [CliRunner().invoke(main, c[1:], catch_exceptions=False) for c in (again, others)]
+    assert [r.exit_code for r in said] == [0, 0], [r.output for r in said]
+    assert "final weights bit for bit the run's" in said[0].output
+    assert "reproduced: every read, decision and version as recorded" in said[0].output
+    assert said[1].output.count("final weights differ from the run's") == 2, said[1].output
     assert written[0]["changes"].startswith("policy=inverse")
     bad = CliRunner().invoke(main, ["simulate", "--replay", str(traced), "--workers", "4"])
     assert bad.exit_code == 2 and "--replay re-runs a recorded schedule" in bad.output
