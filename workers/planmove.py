@@ -52,12 +52,7 @@ def move_client(client: PSClient, moved: PlanMovedError) -> bool:
     servers = list(moved.servers)
     log.warning("worker %d: the plan moved to %d shard(s) (epoch %d): %s", client.worker,
                 len(servers), moved.epoch, ", ".join(servers))
-    if client._heartbeat is not None:
-        client._heartbeat.stop()
-        if client._heartbeat.is_alive():
-            client._heartbeat.join(timeout=2)
-    for ch in client.channels:
-        ch.close()
+    client.close()  # the old plan's channels and heartbeat; _open makes the new plan's
     client._open(servers, moved_plan(client.plan, len(servers)))
     client.epoch = moved.epoch
     client.moves += 1
