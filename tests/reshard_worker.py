@@ -3,7 +3,8 @@ slices, with gradients that depend on its rank, its step and the weights, so tha
 sync run's result is a function of every round's sum. Argv: RANK SERVERS(comma)
 MODE STEPS OUT. STEPS: that many rounds, or ``+K``: until it saw two moves of the
 plan, then K more. Sync: gradients of the weights; async: each push a gradient of 1
-on ``count``. It writes how many pushes the shards acknowledged, and its weights."""
+on ``count``. It writes how many pushes the shards acknowledged, the sum of the
+weights ``count``'s shard gave them (a staleness policy's), and its weights."""
 
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ def main() -> None:
     client.initialize(params)
     versions = client.pull(params, clock, wait_init=True).versions
     acked = done = refused = rounds = 0
+    weighted = 0.0
     while client.moves < 2 or done < steps if after_moves else done < steps:
         if mode == "sync":
             grads = {k: torch.sin(v * (rank + 1) + rounds) for k, v in params.items()}
@@ -50,13 +52,15 @@ def main() -> None:
         acked += 1  # every shard answered it (policy none: each takes every push)
         # (a push sent again after a move that its shards took before: a duplicate)
         refused += sum(1 for o in pushed.outcomes if not o.accepted and not o.duplicate)
+        on_count = pushed.outcomes[client.plan.slices_of("count")[0].shard]
+        weighted += on_count.weight if on_count.accepted and not on_count.duplicate else 0.0
         clock = max(clock + 1, pulled.clock)
         versions = pulled.versions
         rounds += 1
         done += 1 if not after_moves or client.moves >= 2 else 0
     save_file({k: v.contiguous() for k, v in params.items()}, f"{out}.safetensors")
     with open(f"{out}.json", "w") as f:
-        json.dump({"acked": acked, "refused": refused, "rounds": rounds, "moves": client.moves,
+        json.dump({"acked": acked, "refused": refused, "weighted": weighted, "rounds": rounds, "moves": client.moves,
                    "epoch": client.epoch, "servers": client.addresses}, f)
     client.bye()
     client.close()

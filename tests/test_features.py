@@ -32,6 +32,7 @@ FLAGS: dict[str, list[str]] = {
     "compression": ["--compression", "int8"],
     "pull_compression": ["--pull-compression", "int8"],
     "live_reshard": ["--reshard-at", "2:3", "--mode", "sync"],
+    "backup_workers": ["--backup-workers", "1"],
     "trace": ["--trace"],  # (before the features below: a command's "--" ends the flags)
     "resume": ["--resume", str(Path(__file__).resolve().parent)],
     "command": ["--", "true"],

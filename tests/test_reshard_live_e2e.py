@@ -188,19 +188,171 @@ def test_async_two_moves_count_each_acknowledged_push_once_after_failed_ones(
         assert shutdown_servers(servers) == []
 
 
-def test_launch_reshard_at_moves_2_to_4_to_3_and_ends_as_kept_on_2(tmp_path: Path) -> None:
+def _answers(address: str, shards: int) -> bool:
+    """Whether a shard of a plan of ``shards`` answers a data request (an observer's
+    HELLO, then PULL) now: a frozen one holds it unanswered."""
+    import os
+
+    from paramserver.wire.protocol import PROTOCOL_VERSION, Message, Op
+    from paramserver.wire.transport import Channel
+
+    ch: Channel[Any] = Channel(address, peer="shard")
+    try:
+        the_plan = plan(shards)
+        ch.request(Message(Op.HELLO, 0, {
+            "worker": 0, "role": "observer", "protocol": PROTOCOL_VERSION,
+            "plan_hash": the_plan.hash, "plan": the_plan.describe(), "incarnation": "probe",
+            "host": "test", "pid": os.getpid()}), 10.0)
+        got = ch.request(Message(Op.PULL, 0, {"worker": 0, "clock": 0, "observer": True}),
+                         10.0)
+        return got.op is Op.REPLY and got.fields.get("re") == "pull"
+    finally:
+        ch.close()
+
+
+@pytest.mark.parametrize(("policy", "args"), [("reject", {"max_staleness": 1000}),
+                                              ("exponential", {"decay": 0.5})])
+def test_async_moves_under_a_policy_and_an_old_shard_lost_mid_move(
+        tmp_path: Path, policy: str, args: dict[str, Any]) -> None:
+    """Two moves under a staleness policy: count's shard took each acknowledged push
+    once, at the weight it answered (powers of two: the sums are exact). Then a shard of the old plan SIGKILLed in the middle of a move (the
+    removed one once frozen, or the kept one after the capture): the move fails in
+    one line within its timeouts, and the shard left answers again, not frozen."""
+    with job(tmp_path, "async", optimizer="sgd", optimizer_args={"lr": 1.0}, policy=policy,
+             policy_args=args) as j:
+        servers = [j.start_server(s, 2) for s in range(2)]
+        added = j.start_server(2, 3)
+        j.start_workers(servers, "+5", "w")
+        first = live_reshard(servers, 3, [added], timeout=60)
+        live_reshard(list(first.servers), 2, timeout=60)
+        said = j.finish("w")
+        assert [s["moves"] for s in said] == [2] * WORKERS
+        assert sum(s["refused"] for s in said) == 0
+        weighted = sum(s["weighted"] for s in said)
+        final = pull_weights(servers, plan(2))
+        assert torch.equal(final["count"], torch.full((8,), -weighted)), (
+            final["count"], weighted)
+        if policy == "exponential":  # (it acted: some push was late)
+            assert weighted < sum(s["acked"] for s in said)
+
+        victim, left = (1, 0) if policy == "reject" else (0, 1)
+        when = "frozen" if policy == "reject" else "sending"
+
+        def kill(text: str) -> None:
+            if text.startswith(when):
+                j.procs[victim].kill()
+                j.procs[victim].wait()
+
+        with pytest.raises(MoveFailed, match="stopped answering") as failed:
+            live_reshard(servers, 1, timeout=2, progress=kill)
+        assert servers[victim] in str(failed.value) and "\n" not in str(failed.value)
+        assert _answers(servers[left], 2)
+        if policy == "reject":  # the command line says so, and exits 1
+            cli = subprocess.run(
+                [sys.executable, "-m", "paramserver.cli", "reshard", "--servers",
+                 ",".join(servers), "--to", "1", "--timeout", "1"], cwd=ROOT, env=_env(),
+                capture_output=True, text=True, timeout=120)
+            errors = [line for line in cli.stderr.splitlines() if line.startswith("Error")]
+            assert cli.returncode == 1 and len(errors) == 1, cli.stderr
+            assert "stopped answering" in errors[0] and servers[victim] in errors[0]
+            assert _answers(servers[left], 2)
+
+
+def _curve(tmp: Path) -> list[str]:
+    from paramserver.wire.curve import generate_curve_keys
+
+    made = generate_curve_keys(tmp / "keys")
+    return ["--curve-secret-key", str(made.server_secret), "--curve-clients-dir",
+            str(made.authorized_dir), "--curve-key", str(made.clients["client"][1]),
+            "--curve-server-key", str(made.server_public)]
+
+
+def _moves(out: Path) -> list[tuple[int, str]]:
+    events = [json.loads(line) for path in (out / "events").glob("server*.jsonl")
+              for line in path.read_text().splitlines()]
+    return sorted((e["epoch"], e["role"]) for e in events if e["event"] == "resharded")
+
+
+def test_launch_reshard_at_across_a_resume_on_another_shard_count_ends_as_kept_on_2(
+        tmp_path: Path) -> None:
+    """Local SGD under delayed Nesterov, a bf16 wire, early parts, CURVE: moved live
+    2 -> 4 shards, checkpointed there, resumed on 3 (the checkpoint resharded as it
+    loads) and moved live to 2, it ends bit-identical to the run kept on 2."""
     from tests.test_reshard_e2e import _finish, _launch
     from tests.test_resume_e2e import _assert_identical, _final
 
-    args = ["--task", "digits-mlp", "--optimizer", "adam", "--lr", "0.01"]
+    args = ["--task", "digits-mlp", "--optimizer", "delayed-nesterov", "--lr", "0.01",
+            "--local-optimizer", "sgd", "--sync-every", "2", "--wire-dtype", "bfloat16",
+            "--early-parts", *_curve(tmp_path)]
+    ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt")]
+    kept = _launch(tmp_path / "kept", 2, 16, args)
+    _finish(_launch(tmp_path / "half", 2, 8, [*args, *ckpt, "--reshard-at", "2:4"]))
+    said = _finish(_launch(tmp_path / "moved", 3, 16, [
+        *args, *ckpt, "--resume", str(tmp_path / "ckpt"), "--reshard-at", "6:2"]))
+    _finish(kept)
+    _assert_identical(_final(tmp_path / "moved"), _final(tmp_path / "kept"))
+    assert _moves(tmp_path / "half") == [(1, "added"), (1, "added"), (1, "kept"),
+                                         (1, "kept")]
+    assert _moves(tmp_path / "moved") == [(1, "kept"), (1, "kept"), (1, "removed")], said
+
+
+def test_launch_reshard_at_moves_a_compressed_run_2_to_4_to_3_and_ends_as_kept_on_2(
+        tmp_path: Path) -> None:
+    """int8 with error feedback: a push the move sends again is encoded from the
+    residuals it began with (workers/planmove.py), so the moved run ends as kept."""
+    from tests.test_reshard_e2e import _finish, _launch
+    from tests.test_resume_e2e import _assert_identical, _final
+
+    args = ["--task", "digits-mlp", "--optimizer", "adam", "--lr", "0.01",
+            "--compression", "int8"]
     kept = _launch(tmp_path / "kept", 2, 8, args)
     moved = _launch(tmp_path / "moved", 2, 8, [*args, "--reshard-at", "2:4",
                                               "--reshard-at", "5:3"])
     said = _finish(moved)
     _finish(kept)
     _assert_identical(_final(tmp_path / "moved"), _final(tmp_path / "kept"))
-    events = [json.loads(line) for path in (tmp_path / "moved" / "events").glob("server*.jsonl")
-              for line in path.read_text().splitlines()]
-    moves = sorted((e["epoch"], e["role"]) for e in events if e["event"] == "resharded")
-    assert moves == [(1, "added"), (1, "added"), (1, "kept"), (1, "kept"),
-                     (2, "kept"), (2, "kept"), (2, "kept"), (2, "removed")], said[-3000:]
+    assert _moves(tmp_path / "moved") == [
+        (1, "added"), (1, "added"), (1, "kept"), (1, "kept"),
+        (2, "kept"), (2, "kept"), (2, "kept"), (2, "removed")], said[-3000:]
+
+
+def test_a_scripts_own_optimizer_moved_2_to_3_to_1_shards_equals_single_process_torch(
+        tmp_path: Path) -> None:
+    """A command run (DistributedOptimizer wrapping torch.optim.SGD, its lr changed
+    between the moves) moved live by --reshard-at, on emulated hosts where this
+    machine can make them (the added shard starts on a server host): the final
+    model, which the launcher reads from the shards of the last plan, is torch's on
+    one process."""
+    from paramserver.workers.launch.netcluster import netns_problem
+    from tests.test_reshard_e2e import _finish
+    from tests.test_resume_e2e import _final
+    from tests.test_wrapped_optimizer_e2e import (
+        LR,
+        MOMENTUM,
+        NEW_LR,
+        SCRIPT,
+        STEPS,
+        _reference,
+    )
+
+    out = tmp_path / "run"
+    hosts = ["--hosts", "1+2"] if netns_problem() is None else []
+    _finish(subprocess.Popen(
+        [sys.executable, "-m", "paramserver.cli", "launch", "-s", "2", "-n", "1", "--mode",
+         "sync", "--out", str(out), "-q", *hosts, "--reshard-at", "2:3", "--reshard-at", "5:1",
+         "--",
+         *SCRIPT, "--steps", str(STEPS), "--lr", str(LR), "--momentum", str(MOMENTUM),
+         "--change-at", "4", "--new-lr", str(NEW_LR)],
+        cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    got, want = _final(out), _reference(1, change_at=4)
+    assert set(got) == set(want)
+    for key in want:
+        assert torch.allclose(got[key], want[key], rtol=0, atol=1e-6), key
+    assert _moves(out) == [(1, "added"), (1, "kept"), (1, "kept"),
+                           (2, "kept"), (2, "removed"), (2, "removed")]
+    if hosts:  # the shard the move added listened on server host 2 % 2, as shard 0 does
+        s0 = {h["name"]: h for h in json.loads((out / "result.json").read_text())["hosts"]
+              }["s0"]["address"]
+        said = (out / "logs" / "worker0.log").read_text()
+        moved = said.split("the plan moved to 3 shard(s) (epoch 1): ", 1)[1].split("\n")[0]
+        assert moved.split(", ")[2].startswith(f"tcp://{s0}:"), (moved, s0)

@@ -31,13 +31,13 @@ def _run(tmp_path: Path, server: ServerConfig, workers: int, *args: str):
     return run_cluster(spec, tmp_path / "run"), tmp_path / "run"
 
 
-def _reference(workers: int) -> dict[str, torch.Tensor]:
+def _reference(workers: int, change_at: int = CHANGE_AT) -> dict[str, torch.Tensor]:
     """Single-process torch.optim.SGD(lr, momentum) on the union of the ranks' batches,
-    its lr set to NEW_LR before step CHANGE_AT."""
+    its lr set to NEW_LR before step ``change_at``."""
     model = T.make_model()
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     for k in range(STEPS):
-        if k == CHANGE_AT:
+        if k == change_at:
             opt.param_groups[0]["lr"] = NEW_LR
         parts = [T.batch(r, k, T.batch_size(r, True)) for r in range(workers)]
         opt.zero_grad()

@@ -65,6 +65,10 @@ def follow_moves(client: PSClient, send: Callable[[Sequence[int]], T],
     """``send(read_versions)``, sent again on the new plan each time the shards answer
     that the plan moved (at most MAX_MOVES times), with its push id."""
     push_id = client._push_id
+    # a compressed push is encoded anew for the new plan: from the residuals it began
+    # with, or what it left out would be added twice (the shards took none of it, or
+    # every one did: the same push again)
+    mark = client.encoder.mark() if client.encoder is not None else None
     for _ in range(MAX_MOVES):
         try:
             return send(read_versions)
@@ -73,5 +77,7 @@ def follow_moves(client: PSClient, send: Callable[[Sequence[int]], T],
             if read_versions:  # (one version at a cut: every shard's)
                 read_versions = [min(read_versions)] * client.plan.num_shards
             client._push_id = push_id  # the same push again, with its id
+            if mark is not None and client.encoder is not None:
+                client.encoder.rewind(mark)
     raise ConfigError(f"worker {client.worker}: the plan moved {MAX_MOVES} times during "
                       "one request")

@@ -162,23 +162,37 @@ def live_reshard(servers: Sequence[str], to: int, add: Sequence[str] = (), *, at
             size = sum(t.numel() * t.element_size() for ts, _ in moved for t in ts.values())
             say(f"sending {size / 2**20:.1f} MiB to {to} shard(s) (plan epoch {epoch})")
             plan_fields = {"epoch": epoch, "servers": target}
-            admin.ask({a: _step("adopt", {**moved[k][0], META_TENSOR: encode_meta(moved[k][1])},
-                                shard=k, **plan_fields) for k, a in enumerate(target)})
+            removed = [a for a in old if a not in target]
+            # the shards it removes are asked too, frozen still: one lost since the
+            # capture fails the move before anything committed (no way back after)
+            got = admin.ask({**{a: _step("adopt", {**moved[k][0],
+                                                   META_TENSOR: encode_meta(moved[k][1])},
+                                         shard=k, **plan_fields)
+                                for k, a in enumerate(target)},
+                             **{a: _step("freeze", at=-1, wait=0) for a in removed}})
+            thawed = [a for a in removed if not got[a].body.frozen]
+            if thawed:
+                raise MoveFailed(f"shard(s) {thawed} no longer stand frozen at the cut "
+                                 "(restarted?)")
             say("every shard of the new plan holds its state; committing")
             order = [a for a in target if a not in old] + [a for a in target if a in old]
             for address in order:  # added first: their failure aborts with nothing lost
                 admin.ask({address: _step("commit", shard=target.index(address),
                                           **plan_fields)})
                 committed.append(address)
+            if removed:
+                admin.ask({a: _step("commit", shard=0, **plan_fields) for a in removed})
         except (RemoteError, TransportError, ConfigError, MoveFailed) as exc:
             if any(a in old for a in committed):
                 raise MoveFailed(f"the move failed after shard(s) {committed} committed: "
                                  f"{exc}") from exc
-            _abort(admin, old + [a for a in add if a not in committed])
+            silent = _abort(admin, old + [a for a in add if a not in committed])
+            lost = [a for a in silent if a in old]
+            if lost:  # (its state is in no process now: its checkpoint has it)
+                raise MoveFailed(f"{exc}; old shard(s) {lost} stopped answering: the move "
+                                 f"is called off, the other {len(old) - len(lost)} serve "
+                                 "on (restart the lost one(s) from a checkpoint)") from exc
             raise MoveFailed(f"{exc}; the old plan of {len(old)} shard(s) serves on") from exc
-        removed = [a for a in old if a not in target]
-        if removed:
-            admin.ask({a: _step("commit", shard=0, **plan_fields) for a in removed})
         done = time.perf_counter()
         rep0: ReshardReply = replies[old[0]].body
         return MoveReport(epoch, len(old), to, tuple(target), rep0.version, rep0.rounds,
@@ -247,10 +261,14 @@ def _even_clocks(metas: list[dict[str, Any]]) -> None:
                 record["clock"] = clocks[w]
 
 
-def _abort(admin: _Admin, addresses: list[str]) -> None:
-    """Undo the freeze (and drop what was sent); a shard that does not answer is named."""
+def _abort(admin: _Admin, addresses: list[str]) -> list[str]:
+    """Undo the freeze (and drop what was sent); returns the shards that did not
+    answer (each named in the log)."""
+    silent = []
     for address in addresses:
         try:
             admin.ask({address: _step("abort")}, min(admin.timeout, 10.0))
         except (RemoteError, TransportError) as exc:
             log.warning("%s did not take the abort: %s", address, exc)
+            silent.append(address)
+    return silent

@@ -67,6 +67,16 @@ class Encoder:
                 out[f"{key}{formats.SEP}{part}" if part else key] = t
         return out
 
+    def mark(self) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+        """Where the encoder stands, for :meth:`rewind` (cheap: an encoding replaces a
+        residual, never writes it in place, so the tensors are shared, not copied)."""
+        return dict(self.residuals), dict(self.pushes)
+
+    def rewind(self, mark: tuple[dict[str, torch.Tensor], dict[str, int]]) -> None:
+        """Back to :meth:`mark`: a push sent again (the plan moved before any shard
+        took it) is encoded as it was the first time, its residuals kept once."""
+        self.residuals, self.pushes = dict(mark[0]), dict(mark[1])
+
     def state_dict(self) -> dict[str, Any]:
         """The residuals and draw counts (tensors and ints: no pickle needed)."""
         return {"residuals": {k: v.clone() for k, v in self.residuals.items()},

@@ -102,6 +102,14 @@ def _refused(why: str) -> Pair:
 _READ_WEIGHTS = ("it rewrites gradients from the weights each worker read, which a "
                  "joining replica's snapshot does not carry")
 _SURFACES = "tests/test_replicas_surfaces_e2e.py::"
+_LIVE = "tests/test_reshard_live_e2e.py::"
+_LIVE_RESUMED = (_LIVE + "test_launch_reshard_at_across_a_resume_on_another_shard_count_"
+                 "ends_as_kept_on_2")
+_LIVE_SCRIPT = (_LIVE + "test_a_scripts_own_optimizer_moved_2_to_3_to_1_shards_equals_"
+                "single_process_torch")
+_LIVE_POLICY = _LIVE + "test_async_moves_under_a_policy_and_an_old_shard_lost_mid_move"
+_PER_SHARD_STATS = ("it keeps per-slice statistics in one state per shard, which a move "
+                    "does not split among the new plan's shards; keep the shard count")
 _TRACE = "tests/test_trace_e2e.py::"
 
 _LISTED: dict[tuple[str, str], Pair] = {
@@ -191,6 +199,29 @@ _LISTED: dict[tuple[str, str], Pair] = {
         "the replay runs one plan from a run's first push to its last"),
     ("live_reshard", "overlap"): _refused(
         "a push streamed in buckets does not follow a move of the plan yet"),
+    # live resharding x the rest (tests/test_reshard_live_e2e.py)
+    ("live_reshard", "outer"): _works(_LIVE_RESUMED),
+    ("live_reshard", "local_sgd"): _works(_LIVE_RESUMED),
+    ("live_reshard", "wire_dtype"): _works(_LIVE_RESUMED),
+    ("live_reshard", "early_parts"): _works(_LIVE_RESUMED),
+    ("live_reshard", "curve"): _works(_LIVE_RESUMED),
+    ("live_reshard", "resume"): _works(_LIVE_RESUMED),
+    ("live_reshard", "reshard"): _works(_LIVE_RESUMED),
+    ("live_reshard", "compression"): _works(
+        _LIVE + "test_launch_reshard_at_moves_a_compressed_run_2_to_4_to_3_and_ends_as_kept_on_2"),
+    ("live_reshard", "command"): _works(_LIVE_SCRIPT),
+    ("live_reshard", "script_optimizer"): _works(_LIVE_SCRIPT),
+    ("live_reshard", "hosts"): _works(_LIVE_SCRIPT),
+    ("live_reshard", policy_feature("reject")): _works(_LIVE_POLICY),
+    ("live_reshard", policy_feature("exponential")): _works(_LIVE_POLICY),
+    ("live_reshard", "backup_workers"): _refused(
+        "a round closes without the slowest B, whose late push may have reached some "
+        "shards and not others at the cut; move a run without --backup-workers"),
+    ("live_reshard", policy_feature("dc-asgd-adaptive")): _refused(_PER_SHARD_STATS),
+    ("live_reshard", policy_feature("gap-aware")): _refused(_PER_SHARD_STATS),
+    ("live_reshard", policy_feature("ssp-adaptive")): _refused(
+        "each shard sets its SSP bound from the waits it measures, so the bounds a move "
+        "needs alike may differ at the cut; move an ssp run with a fixed --staleness-bound"),
     # compression (paramserver/compress): the dense push only
     ("local_sgd", "compression"): _works(
         "tests/test_compress_e2e.py::test_int8_pseudo_gradients_of_local_sgd_equal_the_replay"),

@@ -558,6 +558,8 @@ class LocalCluster:
         stopped first would take over, for nothing)."""
         from paramserver.workers.admin import shutdown_servers
 
+        if not any(self.backups):  # (no --replicas; a live move may have left fewer shards)
+            return
         primaries = set(self.primaries())
         procs = [[self.servers[s], *b] for s, b in enumerate(self.backups)]
         backups = [a for r, ps in zip(self.replica_sets, procs, strict=True)

@@ -86,5 +86,9 @@ def _save_command_weights(spec: ClusterSpec, addresses: list[str], out: Path) ->
         log.warning("no %s (no worker got as far as DistributedOptimizer): no final model",
                     out / "plan.json")
         return
+    if plan.num_shards != len(addresses):  # recorded before a live move (--reshard-at)
+        from paramserver.workers.planmove import moved_plan
+
+        plan = moved_plan(plan, len(addresses))
     save_final_model(addresses, plan, out / "final_model.safetensors", spec.worker.timeout,
                      spec.client_curve())
