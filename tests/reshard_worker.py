@@ -1,7 +1,7 @@
 """A worker of tests/test_reshard_live_e2e.py: PSClient on a small model of several
 slices, with gradients that depend on its rank, its step and the weights, so that a
 sync run's result is a function of every round's sum. Argv: RANK SERVERS(comma)
-MODE STEPS OUT. STEPS: that many rounds, or ``+K``: until it saw two moves of the
+MODE STEPS OUT [big]. STEPS: that many rounds, or ``+K``: until it saw two moves of the
 plan, then K more. Sync: gradients of the weights; async: each push a gradient of 1
 on ``count``. It writes how many pushes the shards acknowledged, the sum of the
 weights ``count``'s shard gave them (a staleness policy's), and its weights."""
@@ -17,16 +17,18 @@ from safetensors.torch import save_file
 from paramserver.core.sharding import ParamSpec, ShardPlan
 from paramserver.workers.client import PSClient
 
-CHUNK = 1024  # bytes per slice: w (16 KiB) is 16 slices, spread over the shards
+
+def plan(num_shards: int, big: bool = False) -> ShardPlan:
+    """w cut in 16 slices spread over the shards: 16 KiB, or (``big``) 256 KiB, each
+    shard's share then large enough for shared memory (paramserver/shm/link.py)."""
+    n = 65536 if big else 4096
+    return ShardPlan([ParamSpec("w", (n,), "float32"), ParamSpec("count", (8,), "float32"),
+                      ParamSpec("b", (300,), "float32")], num_shards, chunk_bytes=n // 4)
 
 
-def plan(num_shards: int) -> ShardPlan:
-    return ShardPlan([ParamSpec("w", (4096,), "float32"), ParamSpec("count", (8,), "float32"),
-                      ParamSpec("b", (300,), "float32")], num_shards, chunk_bytes=CHUNK)
-
-
-def initial() -> dict[str, torch.Tensor]:
-    return {"w": torch.linspace(-1, 1, 4096), "count": torch.zeros(8),
+def initial(big: bool = False) -> dict[str, torch.Tensor]:
+    n = 65536 if big else 4096
+    return {"w": torch.linspace(-1, 1, n), "count": torch.zeros(8),
             "b": torch.linspace(0, 0.5, 300)}
 
 
@@ -34,8 +36,9 @@ def main() -> None:
     rank, servers, mode, out = int(sys.argv[1]), sys.argv[2].split(","), sys.argv[3], sys.argv[5]
     after_moves = sys.argv[4].startswith("+")
     steps = int(sys.argv[4].lstrip("+"))
-    params = initial()
-    client = PSClient(servers, plan(len(servers)), worker=rank, heartbeat_interval=0.5,
+    big = sys.argv[6:] == ["big"]
+    params = initial(big)
+    client = PSClient(servers, plan(len(servers), big), worker=rank, heartbeat_interval=0.5,
                       timeout=120)
     clock = client.connect()
     client.initialize(params)
@@ -60,8 +63,9 @@ def main() -> None:
         done += 1 if not after_moves or client.moves >= 2 else 0
     save_file({k: v.contiguous() for k, v in params.items()}, f"{out}.safetensors")
     with open(f"{out}.json", "w") as f:
-        json.dump({"acked": acked, "refused": refused, "weighted": weighted, "rounds": rounds, "moves": client.moves,
-                   "epoch": client.epoch, "servers": client.addresses}, f)
+        json.dump({"acked": acked, "refused": refused, "weighted": weighted, "rounds": rounds,
+                   "moves": client.moves, "epoch": client.epoch,
+                   "servers": client.addresses}, f)
     client.bye()
     client.close()
 

@@ -28,6 +28,7 @@ from paramserver.cli.main import main
 from paramserver.server.loop import ServerConfig
 from paramserver.server.process import Ready
 from paramserver.workers.admin import pull_weights, server_stats, shutdown_servers
+from paramserver.workers.client import PSClient
 from paramserver.workers.reshard import MoveFailed, live_reshard
 from tests.ports import free_port
 from tests.procs import reap
@@ -61,10 +62,12 @@ class Job:
         assert proc.stdout is not None
         return Ready.parse(proc.stdout.readline()).address
 
-    def start_workers(self, servers: list[str], steps: str, tag: str) -> None:
+    def start_workers(self, servers: list[str], steps: str, tag: str, big: bool = False
+                      ) -> None:
         self.workers = [subprocess.Popen(
             [sys.executable, "-m", "tests.reshard_worker", str(rank), ",".join(servers),
-             self.mode, steps, str(self.tmp / f"{tag}{rank}")], cwd=ROOT, env=_env(),
+             self.mode, steps, str(self.tmp / f"{tag}{rank}"), *(["big"] if big else [])],
+            cwd=ROOT, env=_env(),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             for rank in range(WORKERS)]
 
@@ -188,7 +191,7 @@ def test_async_two_moves_count_each_acknowledged_push_once_after_failed_ones(
         assert shutdown_servers(servers) == []
 
 
-def _answers(address: str, shards: int) -> bool:
+def _answers(address: str, shards: int, big: bool = False) -> bool:
     """Whether a shard of a plan of ``shards`` answers a data request (an observer's
     HELLO, then PULL) now: a frozen one holds it unanswered."""
     import os
@@ -198,7 +201,7 @@ def _answers(address: str, shards: int) -> bool:
 
     ch: Channel[Any] = Channel(address, peer="shard")
     try:
-        the_plan = plan(shards)
+        the_plan = plan(shards, big)
         ch.request(Message(Op.HELLO, 0, {
             "worker": 0, "role": "observer", "protocol": PROTOCOL_VERSION,
             "plan_hash": the_plan.hash, "plan": the_plan.describe(), "incarnation": "probe",
@@ -214,26 +217,40 @@ def _answers(address: str, shards: int) -> bool:
                                               ("exponential", {"decay": 0.5})])
 def test_async_moves_under_a_policy_and_an_old_shard_lost_mid_move(
         tmp_path: Path, policy: str, args: dict[str, Any]) -> None:
-    """Two moves under a staleness policy: count's shard took each acknowledged push
-    once, at the weight it answered (powers of two: the sums are exact). Then a shard of the old plan SIGKILLed in the middle of a move (the
+    """Two moves under a staleness policy, through shared memory: count's shard took
+    each acknowledged push once, at the weight it answered (powers of two: the sums
+    are exact). Then a shard of the old plan SIGKILLed in the middle of a move (the
     removed one once frozen, or the kept one after the capture): the move fails in
     one line within its timeouts, and the shard left answers again, not frozen."""
     with job(tmp_path, "async", optimizer="sgd", optimizer_args={"lr": 1.0}, policy=policy,
              policy_args=args) as j:
         servers = [j.start_server(s, 2) for s in range(2)]
         added = j.start_server(2, 3)
-        j.start_workers(servers, "+5", "w")
+        j.start_workers(servers, "+5", "w", big=True)
         first = live_reshard(servers, 3, [added], timeout=60)
         live_reshard(list(first.servers), 2, timeout=60)
         said = j.finish("w")
         assert [s["moves"] for s in said] == [2] * WORKERS
         assert sum(s["refused"] for s in said) == 0
         weighted = sum(s["weighted"] for s in said)
-        final = pull_weights(servers, plan(2))
+        final = pull_weights(servers, plan(2, True))
         assert torch.equal(final["count"], torch.full((8,), -weighted)), (
             final["count"], weighted)
         if policy == "exponential":  # (it acted: some push was late)
             assert weighted < sum(s["acked"] for s in said)
+        # shared memory: granted again at each worker's HELLO to each moved plan, from a
+        # board of the shard's new slices (a worker here reads it: what TCP reads)
+        with PSClient(servers, plan(2, True), worker=0, heartbeat_interval=0,
+                      timeout=30) as reader:
+            reader.connect()
+            got = {k: torch.zeros_like(v) for k, v in final.items()}
+            reader.pull(got)
+            assert all(ch.shm is not None and ch.shm.active for ch in reader.channels)
+        for name in final:
+            assert torch.equal(got[name], final[name]), name
+        for st in server_stats(servers):
+            assert st.counters.get("shm_peers", 0) >= 2 * WORKERS, st.counters
+            assert st.counters.get("shm_pulls", 0) > 0, st.counters
 
         victim, left = (1, 0) if policy == "reject" else (0, 1)
         when = "frozen" if policy == "reject" else "sending"
@@ -246,7 +263,7 @@ def test_async_moves_under_a_policy_and_an_old_shard_lost_mid_move(
         with pytest.raises(MoveFailed, match="stopped answering") as failed:
             live_reshard(servers, 1, timeout=2, progress=kill)
         assert servers[victim] in str(failed.value) and "\n" not in str(failed.value)
-        assert _answers(servers[left], 2)
+        assert _answers(servers[left], 2, big=True)
         if policy == "reject":  # the command line says so, and exits 1
             cli = subprocess.run(
                 [sys.executable, "-m", "paramserver.cli", "reshard", "--servers",
@@ -255,7 +272,7 @@ def test_async_moves_under_a_policy_and_an_old_shard_lost_mid_move(
             errors = [line for line in cli.stderr.splitlines() if line.startswith("Error")]
             assert cli.returncode == 1 and len(errors) == 1, cli.stderr
             assert "stopped answering" in errors[0] and servers[victim] in errors[0]
-            assert _answers(servers[left], 2)
+            assert _answers(servers[left], 2, big=True)
 
 
 def _curve(tmp: Path) -> list[str]:

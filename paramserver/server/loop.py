@@ -477,6 +477,9 @@ class ShardServer:
         for parts in (self.joined, self.streamed, self.outbox):
             parts.forget(())
         self.outbox.observer_pulls.clear()
+        if self.shm is not None:  # its board holds the old core's slices (a live move):
+            self.shm.close()  # the same-host workers say HELLO again and are granted anew
+            self.shm.shard = self.config.shard
         self.access.owners = dict(state.owners)  # (CURVE: who may act as each worker)
         if state.plan is None:
             return
