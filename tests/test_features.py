@@ -175,3 +175,22 @@ def test_reliability_md_shows_the_table() -> None:
     shown = text.split(start, 1)[1].split("\n<!-- end of feature pairs -->", 1)[0]
     assert shown == features.markdown(), "run: python -c 'from paramserver.core import " \
         "features; print(features.markdown())' and paste it into docs/reliability.md"
+
+
+@pytest.mark.parametrize(("feature", "options"), [
+    ("backup_workers", {"mode": "sync", "backup_workers": 1, "expected_workers": 3}),
+    (policy_feature("dc-asgd-adaptive"), {"mode": "async", "policy": "dc-asgd-adaptive"}),
+    (policy_feature("gap-aware"), {"mode": "async", "policy": "gap-aware"}),
+    (policy_feature("ssp-adaptive"), {"mode": "ssp", "policy": "ssp-adaptive"})])
+def test_a_shard_refuses_a_live_move_launch_refuses(feature: str,
+                                                    options: dict[str, object]) -> None:
+    """`paramserver reshard` asks shards a launcher did not start: each refuses a move
+    of what its own options turn on (server/elastic.py's on_reshard checks these)."""
+    from paramserver.errors import ConfigError
+    from paramserver.server.config import ServerConfig
+
+    shard = ServerConfig(**options)  # type: ignore[arg-type]
+    assert feature in shard.features()
+    with pytest.raises(ConfigError) as info:
+        features.check({*shard.features(), "live_reshard"})
+    assert str(info.value).endswith(pair(feature, "live_reshard").why)
