@@ -344,6 +344,9 @@ class Elastic:
         self.frozen, self.target = False, None
         for h in held:
             host.outbox.send(h.identity, self._moved(h.msg))
+            worker = getattr(h.msg.body, "worker", None)
+            if isinstance(worker, int):  # (told now: a removed shard need not wait for it)
+                self.to_tell.discard(worker)
         for identity_, seq in tokens:
             host.outbox.send(identity_, self._moved(Message(Op.PULL, seq)))
         self.moves += 1
