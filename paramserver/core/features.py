@@ -214,6 +214,7 @@ _LISTED: dict[tuple[str, str], Pair] = {
     ("live_reshard", "hosts"): _works(_LIVE_SCRIPT),
     ("live_reshard", policy_feature("reject")): _works(_LIVE_POLICY),
     ("live_reshard", policy_feature("exponential")): _works(_LIVE_POLICY),
+    ("live_reshard", policy_feature("inverse")): _works(_LIVE_POLICY),
     ("live_reshard", "shm"): _works(_LIVE_POLICY),
     ("live_reshard", "backup_workers"): _refused(
         "a round closes without the slowest B, whose late push may have reached some "
