@@ -226,9 +226,10 @@ def test_async_moves_under_a_policy_and_an_old_shard_lost_mid_move(
         tmp_path: Path, policy: str, args: dict[str, Any]) -> None:
     """Two moves under a staleness policy, through shared memory: count's shard took
     each acknowledged push once, at the weight it answered (reject, exponential:
-    powers of two, so the sums are exact; inverse: to float32's rounding). Then a shard of the old plan SIGKILLed in the middle of a move (the
-    removed one once frozen, or the kept one after the capture): the move fails in
-    one line within its timeouts, and the shard left answers again, not frozen."""
+    powers of two, so the sums are exact; inverse: to float32's rounding). Then a
+    shard of the old plan SIGKILLed in the middle of a move (the removed one once
+    frozen, or the kept one after the capture): the move fails in one line within
+    its timeouts, and the shard left answers again, not frozen."""
     with job(tmp_path, "async", 2, optimizer="sgd", optimizer_args={"lr": 1.0}, policy=policy,
              policy_args=args) as j:
         servers = [j.start_server(s, 2) for s in range(2)]
