@@ -222,9 +222,6 @@ _LISTED: dict[tuple[str, str], Pair] = {
         "trace does not keep"),
     ("trace", "wire_dtype"): _refused(
         "the replay pushes the gradients as computed; a 16-bit wire rounds them on the way"),
-    ("trace", "pull_compression"): _refused(
-        "the replay pulls the dense weights; a worker's reconstruction of a compressed pull "
-        "is not traced"),
     ("trace", "hosts"): _refused(
         "the emulated hosts' processes write no trace yet"),
     # compressed pulls (paramserver/core/pullsqueeze.py): the dense weights' pull only

@@ -6,7 +6,9 @@ builds each shard's core as the shard built it (``ServerConfig.new_core``: the s
 optimizer, policy, mode), each worker's task as the worker built it (its rank, seed
 and batches), and walks the shards' records in their order:
 
-* a pull answered: the worker's copy of the shard's weights *now*;
+* a pull answered: the worker's copy of the shard's weights *now* (with
+  ``--pull-compression``, its reconstruction, moved on by the compressed change the
+  shard's answer carried: core/pullsqueeze.py);
 * a push arrived: the worker's gradient, recomputed on the weights it read (every
   shard's copy from its pull before that push) from its next batches, exactly as
   workers/worker.py computes it, and pushed into the core at the recorded time.
@@ -248,6 +250,17 @@ class _Replay:
         answered = {r.worker for r in core.ready_pulls(e.t)}
         if e.worker not in answered:
             self.result.gates_overridden += 1
+        if core.squeeze is not None:  # compressed pulls: it reads its reconstruction,
+            # moved on as the shard's answer moved it (core/pullsqueeze.py; no answer is
+            # lost in a replay, so it names the count it holds)
+            core.squeeze.ask(e.worker, core.squeeze.counts.get(e.worker, -1))
+            core.answer_squeezed(e.worker, core.version)
+            held = core.squeeze.held[e.worker]
+            if core.version != e.version:
+                self.result.reads_differ += 1
+            self.reads[(k, e.worker, e.clock)] = (
+                core.version, {key: t.clone() for key, t in held.items()})
+            return
         copy = self._copies[k]
         if copy is None or copy[0] != core.version:
             copy = (core.version, {key: p.detach().clone() for key, p in core.params.items()})
