@@ -21,12 +21,12 @@ from safetensors.torch import load_file
 from paramserver.core.sharding import ShardPlan
 from paramserver.server.loop import ServerConfig
 from paramserver.shm import segment as shm
+from paramserver.wire.curve import generate_curve_keys
 from paramserver.workers.launch.cluster import ClusterSpec, run_cluster
 from paramserver.workers.launch.replay import Changes, compare, final_weights, replay_dir
 from paramserver.workers.launch.results import ClusterResult
 from paramserver.workers.stragglers import StragglerSpec
 from paramserver.workers.worker import WorkerConfig
-from paramserver.wire.curve import generate_curve_keys
 from tests import exact_tasks as T
 from tests.test_compress_e2e import SCRIPT, _replay
 from tests.test_exactness import _assert_equal

@@ -42,6 +42,7 @@ import torch
 from paramserver.core import pullgate, report, rules, snapshot
 from paramserver.core.corestate import CoreState
 from paramserver.core.probe import GradStats, StepStats, all_finite, norm_and_span
+from paramserver.core.pullsqueeze import PullAnswer
 from paramserver.core.records import (
     DTYPES,
     MAX_WORKERS,
@@ -57,7 +58,6 @@ from paramserver.core.records import (
     check_header,
     check_tensors,
 )
-from paramserver.core.pullsqueeze import PullAnswer
 from paramserver.core.rounds import Stream
 from paramserver.errors import ErrorCode, ProtocolError
 from paramserver.policies.base import StalenessPolicy, UpdateInfo
