@@ -239,7 +239,7 @@ class MetricsRegistry:
         old, new = str(old), str(new)
         with self._lock:
             for name, values in self._values.items():
-                if not self.specs[name].labels[:1] == ("shard",):
+                if self.specs[name].labels[:1] != ("shard",):
                     continue
                 for key in [k for k in values if k[0] == old]:
                     values[(new, *key[1:])] = values.pop(key)
