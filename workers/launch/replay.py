@@ -44,11 +44,13 @@ from typing import Any
 import torch
 
 from paramserver.compress import Encoder, parse_compression
+from paramserver.compress.registry import compressor_name
 from paramserver.core.shard import ShardCore
 from paramserver.core.sharding import ShardPlan
 from paramserver.errors import ConfigError, ProtocolError
 from paramserver.observe import trace as tr
 from paramserver.server.config import ServerConfig
+from paramserver.util.plugins import names_from
 from paramserver.wire.compressed import expand
 from paramserver.workers.config import WorkerConfig
 from paramserver.workers.launch.virtual import SimulationError
@@ -136,7 +138,9 @@ def _check(trace: tr.Trace) -> None:
     if capped:
         raise ConfigError(f"the trace of {', '.join(capped)} reached its cap and stopped "
                           f"recording: a replay needs the whole run")
-    num = int(trace.server_config["num_shards"])
+    if 0 not in trace.shards:
+        raise ConfigError(f"the trace in {trace.directory} has no file of shard 0")
+    num = ServerConfig.from_dict(trace.server_config).num_shards
     missing = sorted(set(range(num)) - set(trace.shards))
     if missing:
         raise ConfigError(f"the trace has no file of shard(s) {missing} (of {num})")
@@ -355,14 +359,25 @@ class _Replay:
         return result
 
 
-def replay(trace: tr.Trace, changes: Changes | None = None) -> ReplayResult:
-    """Re-run ``trace``'s schedule on the real core (see the module's docstring)."""
-    return _Replay(trace, changes or Changes()).run()
+def replay(trace: tr.Trace, changes: Changes | None = None, *,
+           trust_plugins: bool = False) -> ReplayResult:
+    """Re-run ``trace``'s schedule on the real core (see the module's docstring).
+
+    The trace names the run's task, policy, optimizer and compressor. A plug-in among
+    them (``module:name``) is code the replay would import and run, so it is refused
+    unless ``trust_plugins`` (the trace is a file anyone may have written), or unless
+    ``changes`` names it (the user did)."""
+    changes = changes or Changes()
+    allow = [changes.policy, changes.optimizer,
+             None if changes.compression is None else compressor_name(changes.compression)]
+    with names_from(f"the trace in {trace.directory}", trusted=trust_plugins, allow=allow):
+        return _Replay(trace, changes).run()
 
 
-def replay_dir(directory: str | Path, changes: Changes | None = None) -> ReplayResult:
+def replay_dir(directory: str | Path, changes: Changes | None = None, *,
+               trust_plugins: bool = False) -> ReplayResult:
     """:func:`replay` of a run directory's ``trace/`` (or a trace directory)."""
-    return replay(tr.read_trace_dir(directory), changes)
+    return replay(tr.read_trace_dir(directory), changes, trust_plugins=trust_plugins)
 
 
 def final_weights(run_dir: str | Path) -> dict[str, torch.Tensor]:
