@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from paramserver.core.outer import DelayedNesterov
 from paramserver.core.sharding import ShardPlan
 from paramserver.server.loop import ServerConfig
 from paramserver.shm import segment as shm
@@ -36,6 +37,8 @@ from paramserver.workers.worker import WorkerConfig
 from tests import exact_tasks as T
 from tests.test_compress_e2e import SCRIPT, _replay
 from tests.test_exactness import _assert_equal
+from tests.test_localsgd import STEPS as LOCAL_STEPS
+from tests.test_localsgd import WORKERS, _diloco_reference
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("clean_env")]
 
@@ -118,8 +121,8 @@ def test_dc_asgd_compares_a_compressed_pull_with_the_workers_reconstruction() ->
         core.answer_squeezed(worker, core.version)
         return {k: t.clone() for k, t in core.squeeze.held[worker].items()}
 
-    g = torch.Generator().manual_seed(0)
-    grad = {k: torch.randn(t.shape, generator=g, dtype=t.dtype) for k, t in init.items()}
+    gen = torch.Generator().manual_seed(0)
+    grad = {k: torch.randn(t.shape, generator=gen, dtype=t.dtype) for k, t in init.items()}
     pull(0), pull(1)
     core.push(1, 0, 0, 0, 5, grad, 0.0)  # (worker 1's push moves the weights on)
     held = pull(0)  # an int8 change since the dense first answer
@@ -148,15 +151,14 @@ def _shm_spec(compression: str | None, pull: str | None, **worker: object) -> Cl
 
 def test_a_traced_run_through_shared_memory_with_compressed_pulls_replays(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Dense pushes lent through the workers' segments, int8 pulls answered in frames
-    (a worker's copy moves by the change it is sent; the weights' board is not read),
-    early parts asked for and not sent (the round's compressed answer replaces them):
-    the replay is the run."""
+    """Dense pushes lent through the workers' segments (8 pushes of 150 KiB: a few KiB
+    came over TCP), int8 pulls answered in frames (a worker's copy moves by the change
+    it is sent; the weights' board is not read): the replay is the run."""
     monkeypatch.setenv(shm.ENV, "1")  # (the processes inherit it)
     out = tmp_path / "run"
-    result = run_cluster(_shm_spec(None, "int8", early_parts=True), out)
-    assert _counter(result, "shm_peers") == 2 and _counter(result, "shm_pulls") == 0
-    assert _counter(result, "pulls_compressed") > 0 and _counter(result, "early_answers") == 0
+    result = run_cluster(_shm_spec(None, "int8"), out)
+    assert _counter(result, "shm_peers") == 2 and _counter(result, "bytes_in") < 64 * 1024
+    assert _counter(result, "shm_pulls") == 0 and _counter(result, "pulls_compressed") > 0
     _replays(out, 2 * 4)
 
 
@@ -202,22 +204,17 @@ def test_bf16_local_sgd_with_compressed_pulls_equals_the_replay(tmp_path: Path) 
     """Local SGD (H = 3, AdamW inner) under delayed Nesterov, pseudo-gradients pushed in
     bfloat16, int8 pulls: each worker's rounds start from its reconstruction, and the
     replay of the same rounds lands where the run does."""
-    from tests.test_localsgd import STEPS as LSTEPS
-    from tests.test_localsgd import WORKERS, _diloco_reference
-
     h, inner, outer = 3, {"lr": 0.01}, {"lr": 0.7, "momentum": 0.9, "delay": 2}
     result = run_cluster(ClusterSpec(
         num_servers=2, num_workers=WORKERS,
         server=ServerConfig(mode="sync", optimizer="delayed-nesterov", optimizer_args=outer,
                             pull_compression="int8"),
         worker=WorkerConfig(servers=[], task="tests.exact_tasks:make_task",
-                            task_args={"steps": LSTEPS, "unequal": True}, steps=LSTEPS,
+                            task_args={"steps": LOCAL_STEPS, "unequal": True}, steps=LOCAL_STEPS,
                             local_optimizer="adamw", local_args=inner, sync_every=h,
                             wire_dtype="bfloat16")), tmp_path)
-    assert list(result.updates_applied) == [LSTEPS // h] * 2
+    assert list(result.updates_applied) == [LOCAL_STEPS // h] * 2
     assert _counter(result, "pulls_compressed") > 0
-    from paramserver.core.outer import DelayedNesterov
-
     want = _diloco_reference(h, torch.optim.AdamW, inner, outer, outer_cls=DelayedNesterov,
                              wire=torch.bfloat16, pull="int8")
     _assert_equal(load_file(str(tmp_path / "final_model.safetensors")), want)
