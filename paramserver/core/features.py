@@ -111,8 +111,9 @@ _LOCAL_RUN = _PAIRS + "test_bf16_local_sgd_with_compressed_pulls_equals_the_repl
 _SCRIPT_RUN = (_PAIRS + "test_a_script_wrapping_its_optimizer_with_overlap_compressed_both_"
                "ways_equals_the_replay")
 _RESIDUALS = ("the built-in loop's workers keep their error-feedback residuals in memory, "
-              "so a resumed run starts them empty (a script's DistributedOptimizer."
-              "state_dict() keeps them): no test compares it with the run not stopped")
+              "so a resumed run starts them empty and is not the run never stopped (with "
+              "ef=0 it is, bit for bit); a script's DistributedOptimizer.state_dict() "
+              "keeps them")
 _TRACE_COMMAND = "the replay recomputes the built-in loop's gradients; a command owns its loop"
 _TRACE_RESUME = "a trace starts at a run's first push; a resumed run's began in another run"
 
