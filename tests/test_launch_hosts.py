@@ -6,7 +6,7 @@ root. The runs on hosts need root and iproute2 and skip without them, with the
 reason, as the ``emulated_hosts`` fixture does: one sync run whose final weights
 equal the same run on loopback (sync is bit-reproducible), and one stopped by
 SIGTERM; neither leaves a namespace or interface behind. The first compresses its
-pulls (--pull-compression), as across hosts one would.
+pushes and pulls (--compression, --pull-compression), as across hosts one would.
 """
 
 from __future__ import annotations
@@ -124,9 +124,10 @@ def _left(result: dict[str, Any]) -> list[str]:
 
 @needs_netns
 def test_sync_on_hosts_ends_with_the_weights_of_sync_on_loopback(tmp_path: Path) -> None:
-    # pulls compressed (int8 over the shaped NICs): each worker's copy as on loopback
+    # compressed both ways (int8 over the shaped NICs): each worker's residuals and copy
+    # as on loopback
     args = ["-s", "1", "-n", "2", "--mode", "sync", "--steps", "4", "--no-eval", "--quiet",
-            "--pull-compression", "int8"]
+            "--compression", "int8", "--pull-compression", "int8"]
     done = subprocess.run(
         [*PARAMSERVER, "launch", *args, "--hosts", "2+1", "--link", "1gbit",
          "--link-of", "1=200mbit", "--out", str(tmp_path / "hosts")],
@@ -146,7 +147,7 @@ def test_sync_on_hosts_ends_with_the_weights_of_sync_on_loopback(tmp_path: Path)
     spec = ClusterSpec(num_servers=1, num_workers=2, evaluate=False,
                        server=ServerConfig(mode="sync", expected_workers=2,
                                            pull_compression="int8"),
-                       worker=WorkerConfig(steps=4))
+                       worker=WorkerConfig(steps=4, compression="int8"))
     run_cluster(spec, tmp_path / "loopback")
     on_hosts = load_file(str(tmp_path / "hosts" / "final_model.safetensors"))
     on_loopback = load_file(str(tmp_path / "loopback" / "final_model.safetensors"))

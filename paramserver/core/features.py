@@ -268,8 +268,9 @@ _LISTED: dict[tuple[str, str], Pair] = {
         ("compression", "script_optimizer"), ("compression", "overlap"),
         ("pull_compression", "script_optimizer"), ("pull_compression", "overlap"),
         ("pull_compression", "command"))},
-    ("pull_compression", "hosts"): _works(
-        "tests/test_launch_hosts.py::test_sync_on_hosts_ends_with_the_weights_of_sync_on_loopback"),
+    **{(f, "hosts"): _works("tests/test_launch_hosts.py::"
+                            "test_sync_on_hosts_ends_with_the_weights_of_sync_on_loopback")
+       for f in ("compression", "pull_compression")},
     ("trace", "script_optimizer"): _refused(_TRACE_COMMAND),  # (a script runs as a command)
     ("trace", "reshard"): _refused(_TRACE_RESUME),  # (a checkpoint reshard is a --resume)
     ("compression", "wire_dtype"): _refused(
