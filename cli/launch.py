@@ -344,7 +344,8 @@ def launch(ctx: click.Context, **opts: Any) -> None:
             command=command,
             hosts=opts["hosts"], link=opts["link"], link_of=dict(opts["link_of"]),
             trace=opts["trace"],
-            reshard_at=parse_reshard_items([f"{at}:{to}" for at, to in opts["reshard_at"]]),
+            reshard_at={int(at): to for at, to in parse_reshard_items(
+                [f"{at}:{to}" for at, to in opts["reshard_at"]]).items()},
         )
     options.maybe_print_config(ctx, opts)
     spec = _resharded_resume(spec)
