@@ -18,7 +18,7 @@ from click.core import ParameterSource
 from paramserver.errors import ParamServerError
 from paramserver.util.jsontypes import JSON, JSONObject
 from paramserver.util.proctitle import set_title
-from paramserver.workers.launch.clusterspec import ClusterSpec
+from paramserver.workers.launch.clusterspec import ClusterSpec, parse_reshard_items
 from paramserver.workers.launch.clusterspec import Progress as ClusterProgress
 from paramserver.workers.launch.processes import ProcessInfo
 
@@ -344,7 +344,8 @@ def launch(ctx: click.Context, **opts: Any) -> None:
             command=command,
             hosts=opts["hosts"], link=opts["link"], link_of=dict(opts["link_of"]),
             trace=opts["trace"],
-            reshard_at=dict(opts["reshard_at"]),
+            reshard_at={int(at): to for at, to in parse_reshard_items(
+                [f"{at}:{to}" for at, to in opts["reshard_at"]]).items()},
         )
     options.maybe_print_config(ctx, opts)
     spec = _resharded_resume(spec)

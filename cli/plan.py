@@ -99,10 +99,16 @@ def _modes(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -
 @click.option("--draws", type=click.IntRange(min=1), default=5, show_default=True, metavar="K",
               help="Simulations per configuration (the fit, then bootstrap replicates).")
 @click.option("--json", "as_json", is_flag=True, help="Print the prediction as JSON.")
+@click.option("--trust-plugins", is_flag=True, default=False,
+              help="Import the plug-ins (module:name task, policy, optimizer or compressor) "
+                   "the --from runs name. Without it a run that names one is refused: the "
+                   "planner would run that module's code, and a run's folder holds files "
+                   "anyone may have written. A plug-in given by a flag is imported either "
+                   "way.")
 def plan(runs: tuple[str, ...], workers: int | None, link: str | None,
          link_of: tuple[tuple[str, str], ...], modes: list[str], target_loss: float,
          steps: int | None, draws: int, as_json: bool, compression: str | None,
-         **opts: Any) -> None:
+         trust_plugins: bool, **opts: Any) -> None:
     """Predict each mode's time to a target loss on a cluster you have not run.
 
     Fits, from real runs' event logs, each worker's compute times, the links'
@@ -111,6 +117,20 @@ def plan(runs: tuple[str, ...], workers: int | None, link: str | None,
     mode, several times. Prints a range, not a point, and the fit's error on the
     runs it came from.
     """
+    from paramserver.compress.registry import compressor_name
+    from paramserver.util.plugins import names_from
+
+    # (a PUSH/PULL pair: a module path has no "/")
+    allow = [compressor_name(c) for c in (compression or "").split("/") if c.strip()]
+    with names_from("a --from run's result.json", trusted=trust_plugins, allow=allow):
+        _plan(runs, workers, link, link_of, modes, target_loss, steps, draws, as_json,
+              compression, **opts)
+
+
+def _plan(runs: tuple[str, ...], workers: int | None, link: str | None,
+          link_of: tuple[tuple[str, str], ...], modes: list[str], target_loss: float,
+          steps: int | None, draws: int, as_json: bool, compression: str | None,
+          **opts: Any) -> None:
     from paramserver.cli.progress import cli_console, step_progress
     from paramserver.workers.experiments.planfit import read_run
     from paramserver.workers.experiments.planner import (

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import click
 
+from paramserver.core.limits import MAX_PLAN_SERVERS
+
 from . import options
 from .paramtypes import ShardList
 
@@ -46,8 +48,8 @@ tables (one-line refusal). Prints the move's pause; exit code 1 if it failed.
 @click.option("--servers", type=ShardList(), multiple=True, required=True,
               envvar=options.envvar("servers"), show_envvar=True,
               help="Every shard's address now, in shard order: comma-separated or repeated.")
-@click.option("--to", "to", type=click.IntRange(min=1), required=True, metavar="S",
-              help="The new number of shards.")
+@click.option("--to", "to", type=click.IntRange(min=1, max=MAX_PLAN_SERVERS), required=True,
+              metavar="S", help="The new number of shards (at most 1024).")
 @click.option("--add", type=ShardList(), multiple=True,
               help="Addresses of the shards a move to more adds (started, empty), in order.")
 @click.option("--at", type=click.IntRange(min=-1), default=-1, show_default=True,

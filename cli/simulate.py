@@ -61,8 +61,14 @@ _REPLAY_FLAGS = {"policies", "optimizer", "optimizer_args", "compressions", "mod
                    "final weights bit for bit; --policy, --optimizer, --optimizer-arg, "
                    "--compression or --mode ssp:S give the counterfactual on the same "
                    "schedule (one replay per --policy).")
+@click.option("--trust-plugins", is_flag=True, default=False,
+              help="--replay: import the plug-ins (module:name task, policy, optimizer or "
+                   "compressor) the trace names. Without it a trace that names one is "
+                   "refused: the replay would run that module's code, and a trace is a "
+                   "file anyone may have written. Plug-ins given by flags are imported "
+                   "either way.")
 def simulate(compute_time: float, latency: float, replay_dir: str | None,
-             **flags: Any) -> None:
+             trust_plugins: bool, **flags: Any) -> None:
     """Run an experiment grid in virtual time, in this process.
 
     The same shard core, optimizers, policies and tasks as real runs; every
@@ -76,8 +82,10 @@ def simulate(compute_time: float, latency: float, replay_dir: str | None,
 
     console = cli_console(stderr=False)
     if replay_dir is not None:
-        _replay(console, Path(replay_dir), flags)
+        _replay(console, Path(replay_dir), flags, trust_plugins)
         return
+    if trust_plugins:
+        raise click.UsageError("--trust-plugins applies to --replay (a trace's plug-ins)")
     try:
         spec = spec_from_flags(flags)
         sim = SimSpec(compute_time=compute_time, latency=latency)
@@ -130,7 +138,7 @@ def _changes(flags: dict[str, Any]) -> list[Any]:
             for p in policies for c in compressions]
 
 
-def _replay(console: Any, directory: Path, flags: dict[str, Any]) -> None:
+def _replay(console: Any, directory: Path, flags: dict[str, Any], trust_plugins: bool) -> None:
     import json
 
     from paramserver.errors import ParamServerError
@@ -151,7 +159,7 @@ def _replay(console: Any, directory: Path, flags: dict[str, Any]) -> None:
     report = []
     for change in changes:
         try:
-            result = replay(trace, change)
+            result = replay(trace, change, trust_plugins=trust_plugins)
         except ParamServerError as exc:
             raise click.ClickException(str(exc)) from exc
         loss = result.eval.get("loss")

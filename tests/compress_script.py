@@ -1,7 +1,8 @@
 """A user's loop with a compressed push, as `paramserver launch -- python
 tests/compress_script.py SPEC` runs it: DistributedOptimizer(compression=SPEC) on the
-exact task, sync SGD; at step --restart-at rank 1 restarts its compression as a new
-process would (no residuals), then loads the state_dict it saved just before."""
+exact task, sync SGD (the servers', or with --wrap the script's own); at step
+--restart-at rank 1 restarts its compression as a new process would (no residuals), then
+loads the state_dict it saved just before; --overlap pushes from inside backward."""
 
 from __future__ import annotations
 
@@ -24,10 +25,14 @@ def main() -> None:
     ap.add_argument("spec")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--restart-at", type=int, default=3)
+    ap.add_argument("--wrap", action="store_true", help="the script's own SGD(lr=0.1)")
+    ap.add_argument("--overlap", action="store_true", help="push from inside backward")
     args = ap.parse_args()
     rank = int(os.environ["RANK"])
     model = T.make_model()
-    opt = DistributedOptimizer(model, config=ClientConfig.from_env(compression=args.spec))
+    own = torch.optim.SGD(model.parameters(), lr=0.1) if args.wrap else None
+    opt = DistributedOptimizer(model, own, overlap=args.overlap,
+                               config=ClientConfig.from_env(compression=args.spec))
     with opt:
         for k in range(args.steps):
             if rank == 1 and k == args.restart_at:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -18,7 +19,12 @@ from paramserver.benchmarks.cluster import limits, run_cluster
 from paramserver.benchmarks.records import BenchResult, ClusterResult
 from paramserver.benchmarks.report import markdown
 from paramserver.cli.bench import bench
-from paramserver.workers.launch.netcluster import existing_links, existing_namespaces, netns_problem
+from paramserver.workers.launch.netcluster import (
+    EmulatedCluster,
+    existing_links,
+    existing_namespaces,
+    netns_problem,
+)
 
 
 def test_the_limits_are_m_over_b_and_the_rings() -> None:
@@ -53,8 +59,17 @@ def test_cluster_part_is_skipped_without_root(tmp_path: Path,
 @pytest.mark.integration
 @pytest.mark.timeout(480)  # 8 systems on 4 hosts, then async on them: ~1 min unloaded
 @pytest.mark.skipif(netns_problem() is not None, reason=str(netns_problem()))
-def test_cluster_part_measures_every_system_beside_the_limits(tmp_path: Path) -> None:
-    before = existing_namespaces() | existing_links()
+def test_cluster_part_measures_every_system_beside_the_limits(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the clusters this run makes, by tag (another test may make its own meanwhile)
+    tags: list[str] = []
+    made = EmulatedCluster.__init__
+
+    def record(self: EmulatedCluster, tag: str, *args: Any, **kwargs: Any) -> None:
+        tags.append(tag)
+        made(self, tag, *args, **kwargs)
+
+    monkeypatch.setattr(EmulatedCluster, "__init__", record)
     out = tmp_path / "bench"
     res = CliRunner().invoke(bench, ["--out", str(out), "--part", "cluster", "--quick",
                                      "--size", "256KiB", "--repeats", "2", "--link", "200mbit"])
@@ -88,6 +103,7 @@ def test_cluster_part_measures_every_system_beside_the_limits(tmp_path: Path) ->
     text = markdown(BenchResult.from_json(data))
     assert "| 2 | 2 | 256KiB | ps-colocated |" in text.split("Across a cluster")[1]
     assert "| host 0 slow |" in text.split("Across a cluster")[1]
-    # every host was deleted
-    assert not {n for n in existing_namespaces() | existing_links() if n not in before
-                and n.startswith(("pscl", "pcb", "pco"))}
+    # every host of every cluster it made was deleted
+    assert tags
+    assert not {n for n in existing_namespaces() | existing_links()
+                if any(n.startswith((f"pscl{t}", f"pcb{t}", f"pco{t}")) for t in tags)}

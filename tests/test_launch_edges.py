@@ -72,3 +72,24 @@ def test_a_script_grid_has_no_literature_checks_and_is_named_for_its_script(
     assert files.claims == [] and "Literature checks" not in md and "SKIPPED" not in md
     assert md.startswith("# Experiment 'train.py'")
     assert "<title>Experiment train.py</title>" in files.html.read_text()
+
+
+def test_reshard_at_refuses_what_could_never_move_before_anything_starts(
+        tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from paramserver.cli.main import main
+
+    base = ["launch", "-s", "2", "-n", "2", "--mode", "sync", "--steps", "10", "--out",
+            str(tmp_path / "never")]
+    for extra, said in [
+        (["--reshard-at", "5:4", "--reshard-at", "5:3"], "round 5 is given twice"),
+        (["--reshard-at", "11:3"], "the run closes at most 10 rounds (--steps 10), so the "
+                                   "move would never happen"),
+        (["--reshard-at", "2:1025"], "at most 1024 shards"),
+        (["--reshard-at", "2:0"], "must look like ROUND:S"),
+        (["-s", "1025"], "1025 is not in the range 1<=x<=1024"),
+    ]:
+        res = CliRunner().invoke(main, [*base, *extra])
+        assert res.exit_code == 2 and said in res.output, (extra, res.output)
+    assert not (tmp_path / "never").exists()

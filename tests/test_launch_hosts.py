@@ -5,7 +5,8 @@ The placement and the refusals are pure (HostPlan, the CLI's checks) and need no
 root. The runs on hosts need root and iproute2 and skip without them, with the
 reason, as the ``emulated_hosts`` fixture does: one sync run whose final weights
 equal the same run on loopback (sync is bit-reproducible), and one stopped by
-SIGTERM; neither leaves a namespace or interface behind.
+SIGTERM; neither leaves a namespace or interface behind. The first compresses its
+pushes and pulls (--compression, --pull-compression), as across hosts one would.
 """
 
 from __future__ import annotations
@@ -123,7 +124,10 @@ def _left(result: dict[str, Any]) -> list[str]:
 
 @needs_netns
 def test_sync_on_hosts_ends_with_the_weights_of_sync_on_loopback(tmp_path: Path) -> None:
-    args = ["-s", "1", "-n", "2", "--mode", "sync", "--steps", "4", "--no-eval", "--quiet"]
+    # compressed both ways (int8 over the shaped NICs): each worker's residuals and copy
+    # as on loopback
+    args = ["-s", "1", "-n", "2", "--mode", "sync", "--steps", "4", "--no-eval", "--quiet",
+            "--compression", "int8", "--pull-compression", "int8"]
     done = subprocess.run(
         [*PARAMSERVER, "launch", *args, "--hosts", "2+1", "--link", "1gbit",
          "--link-of", "1=200mbit", "--out", str(tmp_path / "hosts")],
@@ -137,11 +141,13 @@ def test_sync_on_hosts_ends_with_the_weights_of_sync_on_loopback(tmp_path: Path)
     assert result["addresses"] == [a for a in result["addresses"]
                                    if a.startswith(f"tcp://{hosts['s0']['address']}:")]
     assert "on 2+1 hosts at 1gbit (w1 at 200mbit)" in done.stdout
+    assert result["servers"][0]["counters"]["pulls_compressed"] > 0
     assert not _left(result)
 
     spec = ClusterSpec(num_servers=1, num_workers=2, evaluate=False,
-                       server=ServerConfig(mode="sync", expected_workers=2),
-                       worker=WorkerConfig(steps=4))
+                       server=ServerConfig(mode="sync", expected_workers=2,
+                                           pull_compression="int8"),
+                       worker=WorkerConfig(steps=4, compression="int8"))
     run_cluster(spec, tmp_path / "loopback")
     on_hosts = load_file(str(tmp_path / "hosts" / "final_model.safetensors"))
     on_loopback = load_file(str(tmp_path / "loopback" / "final_model.safetensors"))

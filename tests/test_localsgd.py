@@ -44,26 +44,40 @@ def _run(tmp_path, sync_every, local, local_args, outer_args, outer="sgd", wire_
 
 
 def _diloco_reference(sync_every, inner_cls, inner_args, outer_args,
-                      outer_cls=torch.optim.SGD, wire=None):
+                      outer_cls=torch.optim.SGD, wire=None, pull=None):
     """One process: per round, each worker's H inner steps from the global weights, then
     the outer step on the sample-weighted mean of the pseudo-gradients (each rounded to
-    the ``wire`` dtype first, as the push narrows it)."""
+    the ``wire`` dtype first, as the push narrows it). With ``pull`` (a deterministic
+    compressor: --pull-compression), each worker starts its rounds from its own
+    reconstruction of the weights instead: dense at first, then moved on by the
+    compressed change since (here a parameter is one slice: core/pullsqueeze.py)."""
+    from paramserver.compress import formats, parse_compression
+
     model = T.make_model()
     outer = outer_cls(model.parameters(), **outer_args)
     replicas = [copy.deepcopy(model) for _ in range(WORKERS)]
     inners = [inner_cls(m.parameters(), **inner_args) for m in replicas]
+    squeeze = None if pull is None else parse_compression(pull).compressor
+    held = [{n: p.detach().clone() for n, p in model.named_parameters()}
+            for _ in range(WORKERS)]
     for start in range(0, STEPS, sync_every):
         deltas, counts = [], []
         for r, (replica, inner) in enumerate(zip(replicas, inners, strict=True)):
-            replica.load_state_dict(model.state_dict())
+            if start and squeeze is not None:
+                for n, p in model.named_parameters():
+                    h = held[r][n].view(-1)
+                    h.add_(formats.decode(n, squeeze.compress(p.detach().reshape(-1) - h, 0),
+                                          p.numel(), p.dtype))
+            replica.load_state_dict(model.state_dict() if squeeze is None else held[r])
+            anchor = [p.detach().clone() for p in replica.parameters()]
             n = T.batch_size(r, unequal=True)
             for k in range(start, start + sync_every):
                 x, y = T.batch(r, k, n)
                 inner.zero_grad()
                 torch.nn.functional.mse_loss(replica(x), y).backward()
                 inner.step()
-            delta = [g.detach() - p.detach() for g, p in
-                     zip(model.parameters(), replica.parameters(), strict=True)]
+            delta = [a - p.detach() for a, p in
+                     zip(anchor, replica.parameters(), strict=True)]
             deltas.append([d.to(wire).to(d.dtype) if wire else d for d in delta])
             counts.append(n * sync_every)
         outer.zero_grad()

@@ -141,3 +141,26 @@ def test_watch_status_redraws_and_survives_an_unreachable_server():
     assert "0.67/2" in views[0]  # staleness mean/max
     assert "1.25" in views[0] and "[zero_gradient] shard 0, worker 0" in views[0]
     assert "cannot reach the servers: shard 0 at tcp://x did not answer" in views[1]
+
+
+def test_a_renumbered_shard_s_series_go_on_under_its_new_index():
+    """A live move gives a shard process another index: its series move with it (the
+    counters keep counting), and nothing stays under the old one."""
+    from paramserver.observe.events import EventLog
+    from paramserver.observe.recorder import ShardObserver
+    from paramserver.observe.watchdog import Watchdog
+
+    obs = ShardObserver(2, EventLog(None), Watchdog(2, WatchdogConfig(), bounded_lag=False))
+    reg = obs.registry
+    reg.inc("paramserver_pushes_accepted_total", (2, 0), 5)
+    reg.set("paramserver_shard_version", (2,), 9)
+    obs._add(("paramserver_pushes_accepted_total", (0,)), 1)  # held, not yet folded
+    obs.relabel(1)
+    obs._add(("paramserver_pushes_accepted_total", (0,)), 1)
+    obs.fold()
+    snap = reg.snapshot()
+    assert snap["paramserver_pushes_accepted_total"] == [
+        {"labels": {"shard": "1", "worker": "0"}, "value": 7.0}]
+    assert snap["paramserver_shard_version"] == [{"labels": {"shard": "1"}, "value": 9.0}]
+    obs.relabel(1)  # the same index: nothing moves
+    assert reg.snapshot() == snap

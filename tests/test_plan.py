@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import subprocess
 import sys
 from dataclasses import replace
@@ -329,9 +330,30 @@ def test_plan_fits_a_real_run_and_predicts_each_mode(real_run):
 
 def test_plan_says_in_one_line_what_is_wrong(real_run, tmp_path):
     (tmp_path / "empty").mkdir()
+    # a run whose result.json names a plug-in task: code to import, not imported untrusted
+    named = tmp_path / "named"
+    shutil.copytree(real_run, named)
+    result = json.loads((named / "result.json").read_text())
+    result["spec"]["worker"]["task"] = "tests.plugin_probe:make_task"
+    (named / "result.json").write_text(json.dumps(result))
+    got = plan("--from", str(named), "--target-loss", "1", "--trust-plugins")
+    # a step event whose field has the wrong type; lines that are not JSON objects
+    damaged = tmp_path / "damaged"
+    shutil.copytree(real_run, damaged)
+    log = damaged / "events" / "worker0.jsonl"
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    next(r for r in rows if r["event"] == "step")["compute_s"] = "slow"
+    log.write_text("[1, 2]\n" + "\n".join(json.dumps(r) for r in rows) + "\n\xff\n")
+    assert "plugin_probe.py was imported" in got.output, got.output  # trusted: imported
     cases = [
         (["--from", str(tmp_path / "empty"), "--target-loss", "1"], "not a finished run"),
         (["--from", str(tmp_path / "none"), "--target-loss", "1"], "no such run directory"),
+        (["--from", str(damaged), "--target-loss", "1"],
+         "worker0.jsonl has a step event that cannot be read (Expected `float`, got `str` - "
+         "at `$.compute_s`)"),
+        (["--from", str(named), "--target-loss", "1"],
+         "names the task 'tests.plugin_probe:make_task', code to import and run: not "
+         "imported (pass --trust-plugins if you trust it)"),
         (["--from", str(real_run)], "Missing option '--target-loss'"),
         (["--from", str(real_run), "--target-loss", "1", "--mode", "local:x"], "local takes H"),
         (["--from", str(real_run), "--target-loss", "1", "--link", "fast"], "rate 'fast'"),

@@ -229,6 +229,11 @@ def test_what_cannot_move_is_refused_with_the_reason():
         meta["optimizer_name"] = "torch.optim.lbfgs:LBFGS"
     _refused(states, "cannot reshard: its optimizer .* is unknown here|not one whose step")
     states = Run(_plan(2), "sgd").start().step(1).states()
+    for _, meta in states:  # a manifest naming code to import: refused, never imported
+        meta["optimizer_name"] = "tests.plugin_probe:Optimizer"
+    _refused(states, "names the optimizer 'tests.plugin_probe:Optimizer', code to import "
+                     "and run: not imported")
+    states = Run(_plan(2), "sgd").start().step(1).states()
     for _, meta in states:
         meta["optimizer_name"] = "SparseAdam"
     _refused(states, "the optimizer 'SparseAdam' is not one whose step reads each slice alone")

@@ -162,13 +162,17 @@ def test_paired_report_replays_the_baseline_with_each_policy(traced: Path,
 
 def test_sync_compressed_run_with_backups_replays(tmp_path: Path) -> None:
     """Sync with a backup worker (the straggler's push dropped from its round), int8 pushes
-    with the workers' encoders, delayed Nesterov on 2 shards: the replay is the run."""
+    with the workers' encoders, int8 pulls (each worker at its own reconstruction, the
+    straggler's moved on only when it pulls), delayed Nesterov on 2 shards: the replay
+    is the run."""
     server = ServerConfig(mode="sync", backup_workers=1, optimizer="delayed-nesterov",
-                          optimizer_args={"lr": 0.1}, expected_workers=3)
+                          optimizer_args={"lr": 0.1}, expected_workers=3,
+                          pull_compression="int8")
     worker = WorkerConfig(servers=[], task="digits-mlp", steps=6, seed=3, compression="int8")
     spec = ClusterSpec(num_servers=2, num_workers=3, server=server, worker=worker,
                        stragglers={2: StragglerSpec(slowdown=3.0)}, trace=True)
-    run_cluster(spec, tmp_path)
+    result = run_cluster(spec, tmp_path)
+    assert all(s["counters"].get("pulls_compressed", 0) > 0 for s in result.servers)
     own = replay_dir(tmp_path)
     assert own.reproduced, own.to_json()
     assert compare(own.weights, final_weights(tmp_path)) == (True, 0.0)

@@ -192,11 +192,11 @@ class WorkerConfig(ConfigRecord):
         if self.wire_dtype not in (None, *GRAD_WIRE_DTYPE_NAMES):
             raise ConfigError(f"wire_dtype must be one of {', '.join(GRAD_WIRE_DTYPE_NAMES)} or "
                               f"None (gradients as they are); got {self.wire_dtype!r}")
+        features.check(self.features())  # the pairs of features that do not work together
         if self.compression is not None:  # (loads torch: only when one is given)
             check_compression(self.compression, self.wire_dtype)
         if self.sync_every != 1 and self.local_optimizer is None:
             raise ConfigError("sync_every needs local_optimizer (--local-optimizer)")
-        features.check(self.features())  # the pairs of features that do not work together
         check_bounds(self)  # the rest of the bounds the fields declare
         if not _DEVICE.fullmatch(self.device):
             raise ConfigError(f"device must be auto, cpu or cuda:N; got {self.device!r}")

@@ -251,7 +251,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # gives a shard's replicas joined by "|"
         features.check(features.active(
             local_sgd=local is not None, overlap=overlap, sparse=bool(tables),
-            compression=config.compression,
+            compression=config.compression, wire_dtype=config.wire_dtype,
             replicas=any("|" in s for s in self.servers), script_optimizer=optimizer is not None))
         self.local = None if local is None else LocalSteps(local, sync_every, self.params)
         self.wrapped = None if optimizer is None else Wrapped(optimizer, self.params)

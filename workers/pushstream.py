@@ -8,7 +8,9 @@ parts are still being computed and sent (issue 17, item 4). They are only
 provisional: the round's answer says how many slices went back early
 (``early``) and carries the rest, and does so only if the round made exactly
 those weights. Otherwise, and whenever what came early does not add up, the
-answer's own weights (all of them) are used, as without ``early``.
+answer's own weights (all of them) are used, as without ``early``. A shard that
+compresses pulls (workers/pullcopy.py) is not asked: its answer is a change to the
+worker's copy, which weights sent early would not fit.
 
 A stream is given what it needs of its client (workers/client.py's PSClient)
 through :class:`StreamClient`: the plan, the channels, and the few things only
@@ -224,7 +226,9 @@ class PushStream:
             base = self.client.pull_base(shard)  # (compressed pulls: workers/pullcopy.py)
             if base is not None:
                 fields["base"] = base
-        elif self.early and self._over_tcp(shard):
+        elif self.early and self._over_tcp(shard) and self.client.pull_base(shard) is None:
+            # (a shard that compresses pulls answers the round with the change to this
+            # worker's copy: weights sent early would not be used)
             fields["early"] = True
         if self.loss is not None:
             fields["loss"] = float(self.loss)

@@ -97,6 +97,11 @@ def _split(spec: str) -> tuple[str, str]:
     return spec.strip(), ""
 
 
+def compressor_name(spec: str) -> str:
+    """The compressor a ``NAME[:key=value,...]`` spec names."""
+    return _split(spec)[0]
+
+
 def parse_compression(spec: str) -> Compression:
     """``NAME[:key=value,...]`` -> :class:`Compression`; ConfigError/RegistryError in one
     line for an unknown name, key or value."""

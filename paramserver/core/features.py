@@ -111,6 +111,19 @@ _LIVE_POLICY = _LIVE + "test_async_moves_under_a_policy_and_an_old_shard_lost_mi
 _PER_SHARD_STATS = ("it keeps per-slice statistics in one state per shard, which a move "
                     "does not split among the new plan's shards; keep the shard count")
 _TRACE = "tests/test_trace_e2e.py::"
+_PAIRS = "tests/test_compress_trace_pairs_e2e.py::"
+_EACH_POLICY = _PAIRS + "test_a_traced_curve_run_compressed_both_ways_replays_under_each_policy"
+_SHM_RUN = _PAIRS + "test_a_traced_run_through_shared_memory_with_compressed_pulls_replays"
+_EARLY_RUN = _PAIRS + "test_a_traced_run_with_early_parts_and_compressed_pushes_replays"
+_LOCAL_RUN = _PAIRS + "test_bf16_local_sgd_with_compressed_pulls_equals_the_replay"
+_SCRIPT_RUN = (_PAIRS + "test_a_script_wrapping_its_optimizer_with_overlap_compressed_both_"
+               "ways_equals_the_replay")
+_RESIDUALS = ("the built-in loop's workers keep their error-feedback residuals in memory, "
+              "so a resumed run starts them empty and is not the run never stopped (with "
+              "ef=0 it is, bit for bit); a script's DistributedOptimizer.state_dict() "
+              "keeps them")
+_TRACE_COMMAND = "the replay recomputes the built-in loop's gradients; a command owns its loop"
+_TRACE_RESUME = "a trace starts at a run's first push; a resumed run's began in another run"
 
 _LISTED: dict[tuple[str, str], Pair] = {
     # replicas (paramserver/server/replication.py)
@@ -244,20 +257,15 @@ _LISTED: dict[tuple[str, str], Pair] = {
         "every replica of a shard would write its trace; trace a run without --replicas"),
     ("trace", "sparse"): _refused(
         "the replay's shards are dense cores: a sparse table's row pushes are not traced"),
-    ("trace", "command"): _refused(
-        "the replay recomputes the built-in loop's gradients; a command owns its loop"),
+    ("trace", "command"): _refused(_TRACE_COMMAND),
     ("trace", "local_sgd"): _refused(
         "the replay recomputes one gradient per push; a local-SGD push is H inner steps"),
-    ("trace", "resume"): _refused(
-        "a trace starts at a run's first push; a resumed run's began in another run"),
+    ("trace", "resume"): _refused(_TRACE_RESUME),
     ("trace", "overlap"): _refused(
         "an overlapped push leaves in parts, which a sync shard adds in an order the "
         "trace does not keep"),
     ("trace", "wire_dtype"): _refused(
         "the replay pushes the gradients as computed; a 16-bit wire rounds them on the way"),
-    ("trace", "pull_compression"): _refused(
-        "the replay pulls the dense weights; a worker's reconstruction of a compressed pull "
-        "is not traced"),
     ("trace", "hosts"): _refused(
         "the emulated hosts' processes write no trace yet"),
     # compressed pulls (paramserver/core/pullsqueeze.py): the dense weights' pull only
@@ -273,6 +281,36 @@ _LISTED: dict[tuple[str, str], Pair] = {
         "tests/test_resume_e2e.py::test_the_built_in_loop_resumes_bit_identical"),
     ("reshard", "pull_compression"): _works(
         "tests/test_reshard_e2e.py::test_adam_replicated_on_2_then_3_shards_ends_as_kept_on_2"),
+    # compression both ways and --trace beside the rest (tests/test_compress_trace_pairs_e2e.py)
+    **{(f, policy_feature(p)): _works(_EACH_POLICY)
+       for f in ("trace", "compression", "pull_compression") for p in BUILTIN_POLICIES
+       if (f, p) != ("trace", "dc-asgd")},
+    **{(f, g): _works(_EACH_POLICY) for f, g in (
+        ("trace", "pull_compression"), ("trace", "curve"), ("compression", "curve"),
+        ("pull_compression", "curve"))},
+    ("trace", "shm"): _works(_SHM_RUN),
+    ("pull_compression", "shm"): _works(_SHM_RUN),
+    **{(f, g): _works(_EARLY_RUN) for f, g in (
+        ("compression", "shm"), ("trace", "early_parts"), ("compression", "early_parts"),
+        ("pull_compression", "early_parts"))},
+    **{(f, g): _works(_TRACE + "test_sync_compressed_run_with_backups_replays")
+       for f in ("compression", "pull_compression") for g in ("backup_workers", "outer")},
+    ("pull_compression", "local_sgd"): _works(_LOCAL_RUN),
+    ("pull_compression", "wire_dtype"): _works(_LOCAL_RUN),
+    **{(f, g): _works(_SCRIPT_RUN) for f, g in (
+        ("compression", "script_optimizer"), ("compression", "overlap"),
+        ("pull_compression", "script_optimizer"), ("pull_compression", "overlap"),
+        ("pull_compression", "command"))},
+    **{(f, "hosts"): _works("tests/test_launch_hosts.py::"
+                            "test_sync_on_hosts_ends_with_the_weights_of_sync_on_loopback")
+       for f in ("compression", "pull_compression")},
+    ("trace", "script_optimizer"): _refused(_TRACE_COMMAND),  # (a script runs as a command)
+    ("trace", "reshard"): _refused(_TRACE_RESUME),  # (a checkpoint reshard is a --resume)
+    ("compression", "wire_dtype"): _refused(
+        "--compression sets the push's wire format itself: give one (--wire-dtype "
+        "bfloat16 is --compression bf16)"),
+    ("compression", "resume"): Pair("untested", why=_RESIDUALS),
+    ("compression", "reshard"): Pair("untested", why=_RESIDUALS),
     # shared memory
     ("shm", "curve"): _works(
         "tests/test_shm_e2e.py::test_curve_peer_without_an_allow_list_entry_gets_no_segment"),

@@ -15,7 +15,7 @@ from paramserver.errors import ConfigError
 if TYPE_CHECKING:
     from paramserver.sparse.shard import TableSpec
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "PlanLimits", "estimate_copies"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "MAX_PLAN_SERVERS", "PlanLimits", "estimate_copies"]
 
 #: tensors larger than this are split across shards (ShardPlan's chunk_bytes)
 DEFAULT_CHUNK_BYTES = 2 * 1024 * 1024
@@ -76,3 +76,8 @@ def estimate_copies(optimizer: str, args: Mapping[str, Any], sync: bool) -> tupl
     if name == "adam" and args.get("amsgrad"):
         state += 1
     return 1 + state + (1 if sync else 0), 1 + state
+
+
+#: the most shards a run's plan may have: what a live move's plan names at the wire
+#: (wire/messages.py), what launch starts (--num-servers, --reshard-at)
+MAX_PLAN_SERVERS = 1024

@@ -38,6 +38,7 @@ from paramserver.core.sharding import DTYPES, ShardPlan, Slice
 from paramserver.errors import ConfigError
 from paramserver.sparse.shard import owned_rows
 from paramserver.util.flat import ELEMENTWISE
+from paramserver.util.plugins import names_from
 
 __all__ = ["FILE_FIELDS", "ReshardError", "ShardState", "reshard"]
 
@@ -91,7 +92,11 @@ def _check_optimizer(metas: Sequence[Mapping[str, Any]]) -> str:
     if not isinstance(name, str):
         raise _fail("the checkpoint names no optimizer (field 'optimizer_name')")
     try:
-        cls = resolve_optimizer(name)
+        # a manifest is a file: a module:name in it is not imported (a plug-in optimizer
+        # would be refused below anyway, as not one of the per-element ones)
+        with names_from("the checkpoint's manifest",
+                        hint="only built-in optimizers reshard"):
+            cls = resolve_optimizer(name)
     except ConfigError as exc:
         raise _fail(f"its optimizer {name!r} is unknown here: {exc}") from exc
     if cls not in _PER_ELEMENT:

@@ -42,6 +42,7 @@ import torch
 from paramserver.core import pullgate, report, rules, snapshot
 from paramserver.core.corestate import CoreState
 from paramserver.core.probe import GradStats, StepStats, all_finite, norm_and_span
+from paramserver.core.pullsqueeze import PullAnswer
 from paramserver.core.records import (
     DTYPES,
     MAX_WORKERS,
@@ -155,6 +156,19 @@ class ShardCore(CoreState):
     def ready_pulls(self, now: float) -> list[PullReply]:
         """Pop every parked pull whose gate is open now, oldest first."""
         return pullgate.ready(self, now)
+
+    def answer_squeezed(self, worker: int, version: int) -> PullAnswer | None:
+        """A ready pull of ``worker``'s, answered compressed (pullsqueeze.py; None: it
+        takes plain weights). The worker then reads its reconstruction, not the
+        weights: a policy that rewrites gradients from the weights read (dc-asgd,
+        gap-aware) compares against that, the weights the gradient was computed at."""
+        assert self.squeeze is not None
+        out = self.squeeze.answer(worker, self.params, version)
+        if out is not None and self.policy.needs_read_weights:
+            held = self.squeeze.held[worker]
+            self.read_weights[worker] = {k: held[k].view_as(p).clone()
+                                         for k, p in self.params.items()}
+        return out
 
     # ------------------------------------------------------------------ pushes
 

@@ -195,13 +195,16 @@ def _ends_torn(path: Path) -> bool:
 
 
 def read_events(path: str | Path, event: str | None = None) -> list[dict[str, Any]]:
-    """All records of a JSONL log (optionally only one kind); a torn last line is skipped."""
+    """All records of a JSONL log (optionally only one kind); a torn last line, or any
+    line that is not a JSON object (a damaged file), is skipped."""
     out = []
-    with Path(path).open(encoding="utf-8") as fh:
+    with Path(path).open(encoding="utf-8", errors="replace") as fh:
         for line in fh:
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError:
+                continue
+            if not isinstance(rec, dict):
                 continue
             if event is None or rec.get("event") == event:
                 out.append(rec)

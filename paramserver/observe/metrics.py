@@ -233,6 +233,17 @@ class MetricsRegistry:
         with self._lock:
             self._values[name].pop(key, None)
 
+    def relabel_shard(self, old: Any, new: Any) -> None:
+        """Move every value labelled ``shard=old`` to ``shard=new`` (a live move
+        renumbered this process's shard: its series go on under the new index)."""
+        old, new = str(old), str(new)
+        with self._lock:
+            for name, values in self._values.items():
+                if self.specs[name].labels[:1] != ("shard",):
+                    continue
+                for key in [k for k in values if k[0] == old]:
+                    values[(new, *key[1:])] = values.pop(key)
+
     def set(self, name: str, labels: Sequence[Any], value: float) -> None:
         self.child(name, labels).set(value)
 

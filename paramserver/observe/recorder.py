@@ -82,6 +82,15 @@ class ShardObserver:
         self._held = 0
         self._folded_at = time.monotonic()
 
+    def relabel(self, shard: int) -> None:
+        """A live move gave this shard another index: its metrics go on under it."""
+        if shard == self.shard:
+            return
+        self.fold()
+        self.registry.relabel_shard(self.label, shard)
+        self.shard, self.label = shard, str(shard)
+        self._children.clear()  # (handles hold the old key)
+
     def _c(self, name: str, *labels: Any) -> Child:
         """The registry's value for this shard and ``labels`` (handles cached: hot path)."""
         key = (name, labels)

@@ -55,6 +55,10 @@ PUSH_BYTES = 160
 STEP_BYTES = 96
 #: a file's cap, bytes
 DEFAULT_CAP = 64 << 20
+#: bounds a header is checked against: torch's intra-op threads (ServerConfig.threads'
+#: bound), and a shard index or worker rank
+MAX_THREADS = 1024
+MAX_PROCESSES = 1 << 16
 _LEN = struct.Struct("<I")
 
 
@@ -237,6 +241,12 @@ def read_trace(path: str | Path) -> tuple[Header, list[Record]]:
     if header.format != FORMAT:
         raise ConfigError(f"trace {path} has format {header.format}; this paramserver reads "
                           f"format {FORMAT}")
+    # what a replay acts on before any config is checked: a thread count torch would
+    # take (a huge one crashes it), the role and index that name the file's process
+    if header.role not in ("shard", "worker") or not 0 <= header.index < MAX_PROCESSES \
+            or not 0 <= header.threads <= MAX_THREADS or header.cap < 0:
+        raise ConfigError(f"trace {path}: a damaged header (role {header.role!r}, index "
+                          f"{header.index}, threads {header.threads}, cap {header.cap})")
     return header, list(frames)
 
 
@@ -288,6 +298,9 @@ def read_trace_dir(directory: str | Path) -> Trace:
     trace = Trace(directory)
     for path in sorted(directory.glob("*.pstrace")):
         header, records, whole, capped = _split(path)
+        if header.index in (trace.shards if header.role == "shard" else trace.workers):
+            raise ConfigError(f"trace {path}: a second file of {header.role} "
+                              f"{header.index} in {directory}")
         if header.role == "shard":
             trace.shards[header.index] = ShardTrace(
                 header, [r for r in records if isinstance(r, (Arrival, Served, Round, Left))],
@@ -298,6 +311,9 @@ def read_trace_dir(directory: str | Path) -> Trace:
     if not trace.shards:
         raise ConfigError(f"no shard trace (shard<k>.pstrace) in {directory}: was the run "
                           f"started with --trace?")
+    if 0 not in trace.shards:  # (its header holds the run's server config)
+        raise ConfigError(f"no trace of shard 0 in {directory} (shards "
+                          f"{sorted(trace.shards)[:8]})")
     return trace
 
 

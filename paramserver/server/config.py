@@ -222,11 +222,37 @@ class ConfigRecord:
 
     @classmethod
     def from_dict(cls: type[_C], data: Mapping[str, Any]) -> _C:
+        """The record a mapping read from a file describes (a launcher's config file, a
+        trace's header, a run's configs): every value checked against its field's type,
+        then its bounds, so that a damaged or hostile file is refused in one line."""
+        import msgspec
+
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"a {cls.WHAT} config must be a table of options, got "
+                              f"{type(data).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
         unknown = set(data) - known
         if unknown:
-            raise ConfigError(f"unknown {cls.WHAT} option(s): {', '.join(sorted(unknown))}")
-        return cls(**data)
+            raise ConfigError(f"unknown {cls.WHAT} option(s): "
+                              f"{', '.join(sorted(map(str, unknown)))[:500]}")
+        for f, _, hint in options_of(cls):
+            if f.name in data:
+                try:
+                    msgspec.convert(data[f.name], type=hint, strict=True)
+                except (msgspec.ValidationError, TypeError) as exc:
+                    raise ConfigError(f"{cls.WHAT} option {f.name}: {exc}; got "
+                                      f"{_short(data[f.name])}") from exc
+        try:
+            return cls(**data)
+        except (TypeError, ValueError, KeyError, AttributeError) as exc:
+            if isinstance(exc, ConfigError):
+                raise
+            raise ConfigError(f"bad {cls.WHAT} config: {exc}") from exc
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 _C = TypeVar("_C", bound=ConfigRecord)
@@ -327,7 +353,7 @@ class ServerConfig(ConfigRecord):
                    "them again on every push (about 6 ms per 100 MiB here). Default: "
                    "release unless the pages are the only copy the step reads (one "
                    "same-host worker and plain SGD, which steps straight from them).")
-    threads: int = option(1, min=0, metavar="N", per_process=True,
+    threads: int = option(1, min=0, max=1024, metavar="N", per_process=True,
                           help="Intra-op threads of a shard process's torch (0: torch's "
                                "default, one per core). A shard's work is memory-bound "
                                "passes over its slices, and idle torch threads spin, so "

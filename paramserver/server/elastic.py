@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 
     from paramserver.core.shard import ShardCore
     from paramserver.observe.events import EventLog
+    from paramserver.observe.recorder import ShardObserver
     from paramserver.server.access import Access
     from paramserver.server.checkpointer import Capture, Checkpointer
     from paramserver.server.config import ServerConfig
@@ -105,6 +106,7 @@ class ElasticHost(Protocol):
 
     config: ServerConfig
     events: EventLog
+    observer: ShardObserver
     checkpoints: Checkpointer
     access: Access
     outbox: Outbox
@@ -330,6 +332,7 @@ class Elastic:
         if staged is not None and staged.meta.get("shard") == b.shard:
             host.config.shard, host.config.num_shards = b.shard, len(b.servers)
             host.checkpoints.shard = b.shard
+            host.observer.relabel(b.shard)
             state = shardstate.from_checkpoint(staged.plan, staged.tensors, staged.meta)
             host.adopt_state(shardstate.ShardState(state.plan, state.meta, staged.owners,
                                                    state.load))

@@ -179,7 +179,7 @@ class Outbox:
             looks = ready.token in self.observer_pulls  # an observer's: never compressed
             again = core.squeeze.again if core.squeeze is not None else 0
             squeezed = None if core.squeeze is None or looks else \
-                core.squeeze.answer(ready.worker, core.params, ready.version)
+                core.answer_squeezed(ready.worker, ready.version)
             ticket = (self.shm.ticket(identity, seq, core.params, ready.version)
                       if self.shm is not None and squeezed is None else None)
             if squeezed is not None:  # a compressed pull (core/pullsqueeze.py): in frames

@@ -240,7 +240,7 @@ def close_pulls(core: ShardCore, outbox: Outbox, now: float) -> None:
     bit for bit (core/pullsqueeze.py)."""
     for ready in core.ready_pulls(now):
         if core.squeeze is not None and ready.token not in outbox.observer_pulls:
-            core.squeeze.answer(ready.worker, core.params, ready.version)
+            core.answer_squeezed(ready.worker, ready.version)
         parked = outbox.push_pulls.get(ready.worker)
         if parked is not None and parked[0] == ready.token:
             del outbox.push_pulls[ready.worker]

@@ -3,19 +3,41 @@ policies, tasks, optimizers and lr schedulers."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from contextvars import ContextVar
 from importlib.metadata import entry_points
 from typing import Any, Generic, TypeVar
 
 from paramserver.errors import RegistryError
 
-__all__ = ["Registry", "import_object", "load_entry_points", "register_subclass",
+__all__ = ["Registry", "import_object", "load_entry_points", "names_from", "register_subclass",
            "subclass_check"]
 
 log = logging.getLogger(__name__)
 _loaded: set[str] = set()
+#: where the names resolved now were read, when not from the user (see names_from)
+_foreign: ContextVar[tuple[str, str, frozenset[str]] | None] = ContextVar(
+    "paramserver_foreign_names", default=None)
+
+
+@contextlib.contextmanager
+def names_from(source: str, *, trusted: bool = False, allow: Iterable[str | None] = (),
+               hint: str = "pass --trust-plugins if you trust it") -> Iterator[None]:
+    """Resolve, inside, names read from ``source`` (a trace, a run's configs, a
+    checkpoint: files anyone may have written or changed) rather than given by the user:
+    a ``module:attr`` among them would import and run that module's code, so unless
+    ``trusted`` it is refused (RegistryError, naming ``source`` and ``hint``). Built-in
+    and installed (entry point) names resolve as usual, and so do the ``allow`` ones
+    (those the user gave on the command line beside the file)."""
+    allowed = frozenset(a.strip() for a in allow if a)
+    token = _foreign.set(None if trusted else (source, hint, allowed))
+    try:
+        yield
+    finally:
+        _foreign.reset(token)
 
 
 def import_object(spec: str) -> Any:
@@ -27,6 +49,9 @@ def import_object(spec: str) -> Any:
         obj: Any = importlib.import_module(module_name)
     except ImportError as exc:
         raise RegistryError(f"cannot import module {module_name!r} from {spec!r}: {exc}") from exc
+    except Exception as exc:  # the module's own code failed as it ran: one line, not a trace
+        raise RegistryError(f"importing module {module_name!r} from {spec!r} failed: "
+                            f"{type(exc).__name__}: {exc}") from exc
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)
@@ -165,6 +190,10 @@ class Registry(Generic[T]):
     def resolve(self, name: str) -> T:
         """A registered name, a name ``fallback`` knows, or ``module:attr``."""
         if ":" in name:
+            foreign = _foreign.get()
+            if foreign is not None and name.strip() not in foreign[2]:
+                raise RegistryError(f"{foreign[0]} names the {self.what} {name.strip()!r}, "
+                                    f"code to import and run: not imported ({foreign[1]})")
             obj = import_object(name.strip())
             return self._check(obj, name) if self._check is not None else obj
         key = self._normalize(name)

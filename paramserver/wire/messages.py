@@ -34,6 +34,7 @@ import torch
 from msgspec.structs import replace
 
 from paramserver.core.hyper import OptimizerSpec, check_lr
+from paramserver.core.limits import MAX_PLAN_SERVERS
 from paramserver.core.records import PushOutcome
 from paramserver.errors import ConfigError, ErrorCode, ProtocolError
 from paramserver.sparse.shard import MAX_REQUEST_ROWS
@@ -207,8 +208,7 @@ class SInit(msgspec.Struct, frozen=True):
 
 #: a live move's steps, in order (server/elastic.py; abort undoes the first three)
 RESHARD_STEPS = ("prepare", "freeze", "align", "capture", "adopt", "commit", "abort")
-#: the most shards a plan a move names may have, and the longest address
-MAX_PLAN_SERVERS = 1024
+#: the longest address of a plan a move names (its most shards: core/limits.py)
 MAX_ADDRESS = 256
 #: the longest a shard holds a RESHARD freeze or align before it answers "not yet"
 MAX_RESHARD_WAIT = 10.0

@@ -164,7 +164,11 @@ def read_run(path: str | Path) -> RunRecord:
     for file in events.glob("worker*.jsonl"):
         rank = file.stem.removeprefix("worker")
         if rank.isdigit():
-            rows = [msgspec.convert(r, type=StepRow) for r in read_events(file, "step")]
+            try:
+                rows = [msgspec.convert(r, type=StepRow) for r in read_events(file, "step")]
+            except (msgspec.ValidationError, ValueError) as exc:
+                raise ConfigError(f"--from {run}: {file.name} has a step event that cannot "
+                                  f"be read ({exc})") from exc
             steps[int(rank)] = rows
     if sum(len(r) for r in steps.values()) < 2 * max(1, len(steps)):
         raise ConfigError(f"--from {run}: its workers logged too few step events to fit "
@@ -173,7 +177,12 @@ def read_run(path: str | Path) -> RunRecord:
     for file in events.glob("server*.jsonl"):
         shard = file.stem.removeprefix("server")
         if shard.isdigit():  # (a backup's log, server0r1, replays the primary's)
-            pushes[int(shard)] = [float(r["t"]) for r in read_events(file, "push")]
+            try:
+                pushes[int(shard)] = [msgspec.convert(r["t"], type=float)
+                                      for r in read_events(file, "push")]
+            except (msgspec.ValidationError, ValueError, KeyError, TypeError) as exc:
+                raise ConfigError(f"--from {run}: {file.name} has a push event that cannot "
+                                  f"be read ({exc!r})") from exc
     return RunRecord(run, spec, dict(sorted(steps.items())), pushes)
 
 

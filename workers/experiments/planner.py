@@ -426,7 +426,19 @@ def configure_modes(runs: Sequence[RunRecord], modes: Sequence[ModePlan], target
     if not runs:
         raise ConfigError("give at least one run to fit (--from RUN)")
     base = spec_of_run(runs[0])
+    _resolve_names(base)
     return {m.text: configure(base, m, target) for m in modes}
+
+
+def _resolve_names(spec: ClusterSpec) -> None:
+    """The task and policy a run names, found (or refused: unknown, or a plug-in not
+    trusted) before the progress bar starts."""
+    from paramserver.policies import resolve_policy
+    from paramserver.workers.launch.virtual import check_simulable
+
+    check_simulable(spec)  # (builds the task)
+    if spec.server.policy not in ("", "none"):
+        resolve_policy(spec.server.policy)
 
 
 def make_plan(runs: Sequence[RunRecord], modes: Sequence[ModePlan], target: Target,

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from paramserver.core import features
+from paramserver.core.limits import MAX_PLAN_SERVERS
 from paramserver.errors import ConfigError
 from paramserver.server.config import ServerConfig, option
 from paramserver.util.jsontypes import JSONObject
@@ -57,6 +58,9 @@ def parse_reshard_items(items: Sequence[str]) -> dict[str, int]:
         if not sep or not at.strip().isdigit() or not to.strip().isdigit() or int(to) < 1:
             raise ConfigError(f"--reshard-at {item!r} must look like ROUND:S, e.g. 100:3 "
                               "(move to 3 shards once 100 sync rounds closed)")
+        if str(int(at)) in out:
+            raise ConfigError(f"--reshard-at {item!r}: round {int(at)} is given twice (one "
+                              "move per round)")
         out[str(int(at))] = int(to)
     return out
 
@@ -65,7 +69,7 @@ def parse_reshard_items(items: Sequence[str]) -> dict[str, int]:
 class ClusterSpec:
     """A local run: templates for every server and worker, plus per-worker stragglers."""
 
-    num_servers: int = option(2, min=1, aliases=("-s",), metavar="S",
+    num_servers: int = option(2, min=1, max=MAX_PLAN_SERVERS, aliases=("-s",), metavar="S",
                               help="Server (shard) processes.")
     num_workers: int = option(2, min=1, aliases=("--workers", "-n"), metavar="N",
                               help="Worker processes.")
@@ -194,6 +198,16 @@ class ClusterSpec:
                                   "would bring a shard back on the old plan)")
             if min(self.reshard_at.values()) < 1 or min(self.reshard_at) < 0:
                 raise ConfigError("--reshard-at ROUND:S needs ROUND >= 0 and S >= 1")
+            if max(self.reshard_at.values()) > MAX_PLAN_SERVERS:
+                raise ConfigError(f"--reshard-at ROUND:S: at most {MAX_PLAN_SERVERS} shards "
+                                  f"(a plan's servers, as the wire bounds them), got "
+                                  f"{max(self.reshard_at.values())}")
+            steps = self.worker.steps
+            late = [r for r in self.reshard_at if steps is not None and r > steps]
+            if late:
+                raise ConfigError(f"--reshard-at {min(late)}:{self.reshard_at[min(late)]}: "
+                                  f"the run closes at most {steps} rounds (--steps {steps}), "
+                                  "so the move would never happen")
         features.check(self.features())  # one table: paramserver/core/features.py
         self.link_of = normalize_link_of(self.link_of)  # (JSON and TOML keys are text)
         if self.hosts is None:

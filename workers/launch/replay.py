@@ -6,7 +6,9 @@ builds each shard's core as the shard built it (``ServerConfig.new_core``: the s
 optimizer, policy, mode), each worker's task as the worker built it (its rank, seed
 and batches), and walks the shards' records in their order:
 
-* a pull answered: the worker's copy of the shard's weights *now*;
+* a pull answered: the worker's copy of the shard's weights *now* (with
+  ``--pull-compression``, its reconstruction, moved on by the compressed change the
+  shard's answer carried: core/pullsqueeze.py);
 * a push arrived: the worker's gradient, recomputed on the weights it read (every
   shard's copy from its pull before that push) from its next batches, exactly as
   workers/worker.py computes it, and pushed into the core at the recorded time.
@@ -42,11 +44,13 @@ from typing import Any
 import torch
 
 from paramserver.compress import Encoder, parse_compression
+from paramserver.compress.registry import compressor_name
 from paramserver.core.shard import ShardCore
 from paramserver.core.sharding import ShardPlan
 from paramserver.errors import ConfigError, ProtocolError
 from paramserver.observe import trace as tr
 from paramserver.server.config import ServerConfig
+from paramserver.util.plugins import names_from
 from paramserver.wire.compressed import expand
 from paramserver.workers.config import WorkerConfig
 from paramserver.workers.launch.virtual import SimulationError
@@ -134,7 +138,9 @@ def _check(trace: tr.Trace) -> None:
     if capped:
         raise ConfigError(f"the trace of {', '.join(capped)} reached its cap and stopped "
                           f"recording: a replay needs the whole run")
-    num = int(trace.server_config["num_shards"])
+    if 0 not in trace.shards:
+        raise ConfigError(f"the trace in {trace.directory} has no file of shard 0")
+    num = ServerConfig.from_dict(trace.server_config).num_shards
     missing = sorted(set(range(num)) - set(trace.shards))
     if missing:
         raise ConfigError(f"the trace has no file of shard(s) {missing} (of {num})")
@@ -248,6 +254,17 @@ class _Replay:
         answered = {r.worker for r in core.ready_pulls(e.t)}
         if e.worker not in answered:
             self.result.gates_overridden += 1
+        if core.squeeze is not None:  # compressed pulls: it reads its reconstruction,
+            # moved on as the shard's answer moved it (core/pullsqueeze.py; no answer is
+            # lost in a replay, so it names the count it holds)
+            core.squeeze.ask(e.worker, core.squeeze.counts.get(e.worker, -1))
+            core.answer_squeezed(e.worker, core.version)
+            held = core.squeeze.held[e.worker]
+            if core.version != e.version:
+                self.result.reads_differ += 1
+            self.reads[(k, e.worker, e.clock)] = (
+                core.version, {key: t.clone() for key, t in held.items()})
+            return
         copy = self._copies[k]
         if copy is None or copy[0] != core.version:
             copy = (core.version, {key: p.detach().clone() for key, p in core.params.items()})
@@ -342,14 +359,25 @@ class _Replay:
         return result
 
 
-def replay(trace: tr.Trace, changes: Changes | None = None) -> ReplayResult:
-    """Re-run ``trace``'s schedule on the real core (see the module's docstring)."""
-    return _Replay(trace, changes or Changes()).run()
+def replay(trace: tr.Trace, changes: Changes | None = None, *,
+           trust_plugins: bool = False) -> ReplayResult:
+    """Re-run ``trace``'s schedule on the real core (see the module's docstring).
+
+    The trace names the run's task, policy, optimizer and compressor. A plug-in among
+    them (``module:name``) is code the replay would import and run, so it is refused
+    unless ``trust_plugins`` (the trace is a file anyone may have written), or unless
+    ``changes`` names it (the user did)."""
+    changes = changes or Changes()
+    allow = [changes.policy, changes.optimizer,
+             None if changes.compression is None else compressor_name(changes.compression)]
+    with names_from(f"the trace in {trace.directory}", trusted=trust_plugins, allow=allow):
+        return _Replay(trace, changes).run()
 
 
-def replay_dir(directory: str | Path, changes: Changes | None = None) -> ReplayResult:
+def replay_dir(directory: str | Path, changes: Changes | None = None, *,
+               trust_plugins: bool = False) -> ReplayResult:
     """:func:`replay` of a run directory's ``trace/`` (or a trace directory)."""
-    return replay(tr.read_trace_dir(directory), changes)
+    return replay(tr.read_trace_dir(directory), changes, trust_plugins=trust_plugins)
 
 
 def final_weights(run_dir: str | Path) -> dict[str, torch.Tensor]:
