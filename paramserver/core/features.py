@@ -102,6 +102,8 @@ def _refused(why: str) -> Pair:
 _READ_WEIGHTS = ("it rewrites gradients from the weights each worker read, which a "
                  "joining replica's snapshot does not carry")
 _SURFACES = "tests/test_replicas_surfaces_e2e.py::"
+_ACROSS_RESUME = ("tests/test_reshard_live_e2e.py::"
+                  "test_launch_reshard_at_across_a_resume_on_another_shard_count_ends_as_kept_on_2")
 _LIVE = "tests/test_reshard_live_e2e.py::"
 _LIVE_RESUMED = (_LIVE + "test_launch_reshard_at_across_a_resume_on_another_shard_count_"
                  "ends_as_kept_on_2")
@@ -198,6 +200,11 @@ _LISTED: dict[tuple[str, str], Pair] = {
     ("reshard", "resume"): _works(
         "tests/test_reshard_e2e.py::"
         "test_sgd_momentum_with_embedding_tables_on_2_then_3_then_1_shards_ends_as_kept_on_2"),
+    # a resume on another shard count of a run with local SGD under delayed Nesterov, a
+    # bf16 wire, early parts and CURVE, bit-identical to the run kept (a stateless inner
+    # optimizer: local SGD x resume stays untested, an inner Adam's state is the worker's)
+    **{(resumed, other): _works(_ACROSS_RESUME) for resumed in ("resume", "reshard")
+       for other in ("outer", "wire_dtype", "early_parts", "curve")},
     # live resharding (paramserver/server/elastic.py, paramserver/workers/reshard.py)
     ("live_reshard", "replicas"): _refused(
         "a replicated shard's state moves between its replicas, not to another plan; "
