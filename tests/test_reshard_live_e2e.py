@@ -274,8 +274,9 @@ def test_async_moves_under_a_policy_and_an_old_shard_lost_mid_move(
         began = time.monotonic()
         with pytest.raises(MoveFailed, match="stopped answering") as failed:
             live_reshard(servers, 1, timeout=2, progress=kill)
-        # (a step's answers and the aborts each wait 2 s at most: no hang past them)
-        assert time.monotonic() - began < 30
+        # (a step's answers and the aborts each wait 2 s at most: a bound on a hang, far
+        # above what a loaded machine adds, not a speed figure)
+        assert time.monotonic() - began < 120
         assert servers[victim] in str(failed.value) and "\n" not in str(failed.value)
         assert _answers(servers[left], 2, big=True)
         if policy == "reject":  # the command line says so, and exits 1
