@@ -36,10 +36,14 @@ SSP: now, every push one shard took taken by all), send their state here, and
 each shard of the new plan is sent its part (weights, optimizer state, scheduler,
 clocks, push-id windows: docs/reliability.md, "Elastic servers"). Only once every
 one holds it do they switch; the workers learn the new plan from their next
-request and go on without restarting. A move that fails (a new shard that does
-not answer within --timeout) leaves the old plan serving, nothing lost. The new
-plan is the first S of --servers, then --add. Not for replicated shards or sparse
-tables (one-line refusal). Prints the move's pause; exit code 1 if it failed.
+request and go on without restarting. A move that fails before any shard
+switched (a new shard that does not answer within --timeout) leaves the old plan
+serving, nothing lost; an old shard lost mid-move calls it off, the others serve
+on, and the line names the lost one (restart it from a checkpoint). The new plan
+is the first S of --servers, then --add. Refused in one line: replicated shards,
+sparse tables, backup workers, compressed pulls, --trace, and the policies that
+keep statistics per shard (dc-asgd-adaptive, gap-aware, ssp-adaptive). Prints
+the move's pause; exit code 1 if it failed.
 """
 
 
