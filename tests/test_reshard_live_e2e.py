@@ -330,13 +330,15 @@ def test_launch_reshard_at_across_a_resume_on_another_shard_count_ends_as_kept_o
 
 def test_launch_reshard_at_moves_a_compressed_run_2_to_4_to_3_and_ends_as_kept_on_2(
         tmp_path: Path) -> None:
-    """int8 with error feedback: a push the move sends again is encoded from the
-    residuals it began with (workers/planmove.py), so the moved run ends as kept."""
+    """int8 with error feedback, pushes streamed bucket by bucket as backward makes them
+    (--overlap): a push the move answers ``plan_moved`` goes again whole on the new plan,
+    encoded from the residuals it began with (workers/planmove.py, PSClient's
+    _stream_moved), so the moved run ends as kept."""
     from tests.test_reshard_e2e import _finish, _launch
     from tests.test_resume_e2e import _assert_identical, _final
 
     args = ["--task", "digits-mlp", "--optimizer", "adam", "--lr", "0.01",
-            "--compression", "int8"]
+            "--compression", "int8", "--overlap"]
     kept = _launch(tmp_path / "kept", 2, 8, args)
     moved = _launch(tmp_path / "moved", 2, 8, [*args, "--reshard-at", "2:4",
                                               "--reshard-at", "5:3"])

@@ -48,7 +48,7 @@ from paramserver.workers.failover import ATTEMPT_TIMEOUT, Failover
 from paramserver.workers.gradwire import compression_encoder
 from paramserver.workers.landing import land, land_over_tcp
 from paramserver.workers.liveness import Heartbeat, Patience
-from paramserver.workers.planmove import follow_moves
+from paramserver.workers.planmove import follow_moves, move_client
 from paramserver.workers.pullcopy import PullCopies
 from paramserver.workers.pushstream import PullResult, PushResult, PushStream
 
@@ -719,8 +719,31 @@ class PSClient:
         for bucket in buckets:
             for shard in {sl.shard for n in bucket for sl in self.plan.slices_of(n)}:
                 parts[shard] += 1
-        return PushStream(self, self.worker, self.next_push_id(), parts, read_versions,
-                          num_samples, clock, prefetch, early)
+        stream = PushStream(self, self.worker, self.next_push_id(), parts, read_versions,
+                            num_samples, clock, prefetch, early)
+        stream.on_move = self._stream_moved
+        stream.mark = self.encoder.mark() if self.encoder is not None else None
+        return stream
+
+    def _stream_moved(self, stream: PushStream, moved: PlanMovedError,
+                      params: Mapping[str, torch.Tensor] | None
+                      ) -> tuple[PushResult, PullResult | None]:
+        """A streamed push (--overlap) the shards answered ``plan_moved``: it goes
+        again whole on the new plan, with its push id, from the gradients its buckets
+        carried, encoded from the residuals it began with."""
+        if set(stream.grads) != {p.name for p in self.plan.params}:
+            raise ConfigError(f"worker {self.worker}: the plan moved during a push sent "
+                              "part by part (PushStream.send_part): send it again whole")
+        move_client(self, moved)
+        if stream.mark is not None and self.encoder is not None:
+            self.encoder.rewind(stream.mark)
+        self._push_id = stream.push_id - 1  # (follow_moves: the same id again)
+        versions = [min(stream.read_versions)] * self.plan.num_shards  # (one cut)
+        if params is None:
+            return self.push(stream.grads, versions, stream.num_samples, stream.clock,
+                             stream.loss), None
+        return self.push_pull(stream.grads, versions, stream.num_samples, stream.clock,
+                              params, loss=stream.loss)
 
     def stats(self) -> list[ShardStats]:
         """Each shard's STATS, as the wire decoded it."""

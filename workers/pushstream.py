@@ -22,7 +22,7 @@ here too, since a stream makes both; PSClient re-exports them.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import msgspec
@@ -30,7 +30,7 @@ import torch
 
 from paramserver.core.records import PushOutcome
 from paramserver.core.sharding import ShardPlan
-from paramserver.errors import ConfigError, FutureVersionError, RemoteError
+from paramserver.errors import ConfigError, FutureVersionError, PlanMovedError, RemoteError
 from paramserver.wire.messages import PullReply, PushReply
 from paramserver.wire.protocol import Message, Op
 from paramserver.wire.transport import Channel
@@ -194,10 +194,19 @@ class PushStream:
         # > 0: parts are not sent by send() but by finish(), this many outstanding per shard
         self.window = window
         self.t0 = time.perf_counter()
+        #: what send() shipped, by parameter (host tensors, not copies): a push the
+        #: shards answer ``plan_moved`` goes again whole from it (``on_move``)
+        self.grads: dict[str, torch.Tensor] = {}
+        #: (stream, the move, params) -> finish()'s result on the new plan; None: the
+        #: PlanMovedError goes up to the caller (a push in parts: follow_moves resends it)
+        self.on_move: Callable[[PushStream, PlanMovedError, Mapping[str, torch.Tensor] | None],
+                               tuple[PushResult, PullResult | None]] | None = None
+        self.mark: Any = None  # the client's encoder as it stood before this push
 
     def send(self, grads: Mapping[str, torch.Tensor]) -> None:
         """Ship one bucket: the full gradients of some parameters (any device)."""
         host = self.client.host_grads(grads)
+        self.grads.update(host)
         per_shard: dict[int, dict[str, torch.Tensor]] = {}
         for name, g in host.items():
             spec = self.client.plan.param(name)
@@ -268,9 +277,16 @@ class PushStream:
             raise ConfigError("a prefetching push stream needs params to pull into")
         if params is not None:
             client.seed_from(params)
-        replies = client.call(self.msgs, "PUSH", list(self.shards),
-                               soft=(FutureVersionError,), sent=not self.window,
-                               window=self.window)
+        try:
+            replies = client.call(self.msgs, "PUSH", list(self.shards),
+                                   soft=(FutureVersionError,), sent=not self.window,
+                                   window=self.window)
+        except PlanMovedError as moved:
+            # a live reshard: the cut waits for whole pushes, so no shard took a part of
+            # this one; it goes again whole on the new plan (PSClient.push_stream's hook)
+            if self.on_move is None:
+                raise
+            return self.on_move(self, moved, params)
         finals: list[Message] = []
         repull: set[int] = set()  # what came early did not add up: pull these again
         for shard in range(len(client.channels)):

@@ -217,8 +217,9 @@ _LISTED: dict[tuple[str, str], Pair] = {
         "checkpoint, `checkpoint reshard`, resume"),
     ("live_reshard", "trace"): _refused(
         "the replay runs one plan from a run's first push to its last"),
-    ("live_reshard", "overlap"): _refused(
-        "a push streamed in buckets does not follow a move of the plan yet"),
+    ("live_reshard", "overlap"): _works(
+        "tests/test_reshard_live_e2e.py::"
+        "test_launch_reshard_at_moves_a_compressed_run_2_to_4_to_3_and_ends_as_kept_on_2"),
     # live resharding x the rest (tests/test_reshard_live_e2e.py)
     ("live_reshard", "outer"): _works(_LIVE_RESUMED),
     ("live_reshard", "local_sgd"): _works(_LIVE_RESUMED),
