@@ -234,6 +234,11 @@ def test_what_cannot_move_is_refused_with_the_reason():
     _refused(states, "names the optimizer 'tests.plugin_probe:Optimizer', code to import "
                      "and run: not imported")
     states = Run(_plan(2), "sgd").start().step(1).states()
+    for k, (_, meta) in enumerate(states):  # statistics of each shard's own slices
+        meta["policy"] = {"name": "gap-aware", "state": {"ema_square": {f"p{k}": 1.0}}}
+    _refused(states, "the policy 'gap-aware' keeps state of each shard's own "
+                     r"\(its ema_square\), which a reshard cannot split or merge")
+    states = Run(_plan(2), "sgd").start().step(1).states()
     for _, meta in states:
         meta["optimizer_name"] = "SparseAdam"
     _refused(states, "the optimizer 'SparseAdam' is not one whose step reads each slice alone")

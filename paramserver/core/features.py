@@ -102,8 +102,6 @@ def _refused(why: str) -> Pair:
 _READ_WEIGHTS = ("it rewrites gradients from the weights each worker read, which a "
                  "joining replica's snapshot does not carry")
 _SURFACES = "tests/test_replicas_surfaces_e2e.py::"
-_ACROSS_RESUME = ("tests/test_reshard_live_e2e.py::"
-                  "test_launch_reshard_at_across_a_resume_on_another_shard_count_ends_as_kept_on_2")
 _LIVE = "tests/test_reshard_live_e2e.py::"
 _LIVE_RESUMED = (_LIVE + "test_launch_reshard_at_across_a_resume_on_another_shard_count_"
                  "ends_as_kept_on_2")
@@ -203,7 +201,7 @@ _LISTED: dict[tuple[str, str], Pair] = {
     # a resume on another shard count of a run with local SGD under delayed Nesterov, a
     # bf16 wire, early parts and CURVE, bit-identical to the run kept (a stateless inner
     # optimizer: local SGD x resume stays untested, an inner Adam's state is the worker's)
-    **{(resumed, other): _works(_ACROSS_RESUME) for resumed in ("resume", "reshard")
+    **{(resumed, other): _works(_LIVE_RESUMED) for resumed in ("resume", "reshard")
        for other in ("outer", "wire_dtype", "early_parts", "curve")},
     # live resharding (paramserver/server/elastic.py, paramserver/workers/reshard.py)
     ("live_reshard", "replicas"): _refused(

@@ -87,6 +87,21 @@ def _agree(values: Sequence[Any], field: str) -> Any:
     return first
 
 
+def _policy_alike(values: Sequence[Any]) -> None:
+    """A policy whose state differs from shard to shard by design (statistics of each
+    shard's slices, a bound each shard sets itself) cannot be resharded: said as such,
+    not as a push that reached one shard and not another."""
+    first = values[0]
+    if not isinstance(first, Mapping) or all(v == first for v in values):
+        return
+    names = {v.get("name") if isinstance(v, Mapping) else None for v in values}
+    if len(names) == 1 and all(isinstance(v, Mapping) and v.get("state") for v in values):
+        raise _fail(f"the policy {first.get('name')!r} keeps state of each shard's own "
+                    f"(its {', '.join(sorted(map(str, first['state'])))[:80]}), which a "
+                    "reshard cannot split or merge: resume on the shard count it was "
+                    "checkpointed on")
+
+
 def _check_optimizer(metas: Sequence[Mapping[str, Any]]) -> str:
     name = _agree([m.get("optimizer_name") for m in metas], "optimizer_name")
     if not isinstance(name, str):
@@ -305,6 +320,7 @@ def reshard(shards: Sequence[ShardState], to: int, only: int | None = None
     metas = [m for _, m in shards]
     plan = _plan(metas)
     optimizer = _check_optimizer(metas)
+    _policy_alike([m.get("policy") for m in metas])
     agreed = {f: _agree([m.get(f) for m in metas], f) for f in _AGREE}
     workers = _workers(metas)
     groups = _agree([_groups(m) for m in metas], "optimizer.param_groups")
