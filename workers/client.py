@@ -48,7 +48,7 @@ from paramserver.workers.failover import ATTEMPT_TIMEOUT, Failover
 from paramserver.workers.gradwire import compression_encoder
 from paramserver.workers.landing import land, land_over_tcp
 from paramserver.workers.liveness import Heartbeat, Patience
-from paramserver.workers.planmove import follow_moves, move_client
+from paramserver.workers.planmove import follow_moves, resend_on
 from paramserver.workers.pullcopy import PullCopies
 from paramserver.workers.pushstream import PullResult, PushResult, PushStream
 
@@ -734,11 +734,8 @@ class PSClient:
         if set(stream.grads) != {p.name for p in self.plan.params}:
             raise ConfigError(f"worker {self.worker}: the plan moved during a push sent "
                               "part by part (PushStream.send_part): send it again whole")
-        move_client(self, moved)
-        if stream.mark is not None and self.encoder is not None:
-            self.encoder.rewind(stream.mark)
-        self._push_id = stream.push_id - 1  # (follow_moves: the same id again)
-        versions = [min(stream.read_versions)] * self.plan.num_shards  # (one cut)
+        # (push_pull numbers the push anew: one before the stream's id gives it again)
+        versions = resend_on(self, moved, stream.push_id - 1, stream.mark, stream.read_versions)
         if params is None:
             return self.push(stream.grads, versions, stream.num_samples, stream.clock,
                              stream.loss), None

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from paramserver.core.sharding import ShardPlan
 from paramserver.errors import ConfigError, PlanMovedError
@@ -27,7 +27,7 @@ from paramserver.errors import ConfigError, PlanMovedError
 if TYPE_CHECKING:
     from paramserver.workers.client import PSClient
 
-__all__ = ["MAX_MOVES", "follow_moves", "move_client"]
+__all__ = ["MAX_MOVES", "follow_moves", "move_client", "resend_on"]
 
 log = logging.getLogger(__name__)
 
@@ -73,11 +73,18 @@ def follow_moves(client: PSClient, send: Callable[[Sequence[int]], T],
         try:
             return send(read_versions)
         except PlanMovedError as moved:
-            move_client(client, moved)
-            if read_versions:  # (one version at a cut: every shard's)
-                read_versions = [min(read_versions)] * client.plan.num_shards
-            client._push_id = push_id  # the same push again, with its id
-            if mark is not None and client.encoder is not None:
-                client.encoder.rewind(mark)
+            read_versions = resend_on(client, moved, push_id, mark, read_versions)
     raise ConfigError(f"worker {client.worker}: the plan moved {MAX_MOVES} times during "
                       "one request")
+
+
+def resend_on(client: PSClient, moved: PlanMovedError, push_id: int, mark: Any,
+              read_versions: Sequence[int]) -> list[int]:
+    """After ``moved``: ``client`` on the new plan, its push id and its encoder (``mark``,
+    None: none) back where the request began, so that it goes again as it went first;
+    returns the read versions to send it with (one at a cut: every shard's)."""
+    move_client(client, moved)
+    client._push_id = push_id  # the same push again, with its id
+    if mark is not None and client.encoder is not None:
+        client.encoder.rewind(mark)
+    return [min(read_versions)] * client.plan.num_shards if read_versions else []

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import reprlib
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -241,18 +242,13 @@ class ConfigRecord:
                     msgspec.convert(data[f.name], type=hint, strict=True)
                 except (msgspec.ValidationError, TypeError) as exc:
                     raise ConfigError(f"{cls.WHAT} option {f.name}: {exc}; got "
-                                      f"{_short(data[f.name])}") from exc
+                                      f"{reprlib.repr(data[f.name])}") from exc
         try:
             return cls(**data)
+        except ConfigError:
+            raise
         except (TypeError, ValueError, KeyError, AttributeError) as exc:
-            if isinstance(exc, ConfigError):
-                raise
             raise ConfigError(f"bad {cls.WHAT} config: {exc}") from exc
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 _C = TypeVar("_C", bound=ConfigRecord)

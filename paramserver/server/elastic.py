@@ -182,10 +182,7 @@ class Elastic:
             if self.removed_at is not None:
                 if op in (Op.STATS, Op.SHUTDOWN, Op.RESHARD):
                     return False
-                worker = getattr(msg.body, "worker", None)
-                if isinstance(worker, int):
-                    self.to_tell.discard(worker)
-                return self._moved(msg)
+                return self._tell(msg)
             if op is Op.HELLO:
                 body: Hello = msg.body
                 plan = self.host.plan
@@ -200,6 +197,13 @@ class Elastic:
             self.held.append(_Held(identity, frames, key, msg))
             return True
         return False
+
+    def _tell(self, msg: Message) -> Message:
+        """:meth:`_moved` for ``msg``, its worker (a data request names one) told."""
+        worker = getattr(msg.body, "worker", None)
+        if isinstance(worker, int):
+            self.to_tell.discard(worker)
+        return self._moved(msg)
 
     def _moved(self, msg: Message) -> Message:
         assert self.moved is not None
@@ -345,11 +349,8 @@ class Elastic:
             role = "removed"
         held, self.held = self.held, []
         self.frozen, self.target = False, None
-        for h in held:
-            host.outbox.send(h.identity, self._moved(h.msg))
-            worker = getattr(h.msg.body, "worker", None)
-            if isinstance(worker, int):  # (told now: a removed shard need not wait for it)
-                self.to_tell.discard(worker)
+        for h in held:  # (told now: a removed shard need not wait for them)
+            host.outbox.send(h.identity, self._tell(h.msg))
         for identity_, seq in tokens:
             host.outbox.send(identity_, self._moved(Message(Op.PULL, seq)))
         self.moves += 1
